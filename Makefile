@@ -1,0 +1,14 @@
+# Development shortcuts. The README's two commands need none of this.
+#   make dev   - build _jaxcomp_cpu in place (jaxcomp/_jaxcomp_cpu*.so) with the Python in $(PY)
+#   make check - dev build, then the test suite against the in-place module
+PY ?= python3
+BUILD ?= build/dev
+
+dev:
+	cmake -S . -B $(BUILD) -G Ninja -DPython_EXECUTABLE=$$($(PY) -c 'import sys; print(sys.executable)') >/dev/null
+	cmake --build $(BUILD)
+
+check: dev
+	PYTHONPATH=$(CURDIR) $(PY) -m pytest -n 2 -q tests
+
+.PHONY: dev check

@@ -1,0 +1,10 @@
+// PLACEHOLDER until the top-k kernels land: every handler reports Unimplemented.
+#include "ffi/handlers.h"
+
+namespace ffi = xla::ffi;
+
+static ffi::Error NotYet(ffi::AnyBuffer) { return ffi::Error(ffi::ErrorCode::kUnimplemented, "not built yet"); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkCpu, NotYet, ffi::Ffi::Bind().Arg<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompFindThresholdCpu, NotYet, ffi::Ffi::Bind().Arg<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompThresholdTopkCpu, NotYet, ffi::Ffi::Bind().Arg<ffi::AnyBuffer>());

@@ -1,0 +1,28 @@
+"""jaxcomp: gradient compression for data-parallel JAX.
+
+Native kernels (XLA FFI custom calls) compress gradients before they cross the network:
+
+* :func:`topk` — exact top-k by magnitude;
+* :func:`find_threshold` / :func:`threshold_topk` — MSTopK-style threshold search;
+* :func:`zfp_encode` / :func:`zfp_decode` — a ZFP-style fixed-rate float codec.
+
+:mod:`jaxcomp.reference` holds a pure-JAX version of each op, written for clarity; the tests
+compare kernels against it. ``docs/kernels.md`` states the exact semantics.
+"""
+
+from jaxcomp import reference
+from jaxcomp.topk import DEFAULT_ROUNDS, find_threshold, threshold_topk, topk
+from jaxcomp.zfp import zfp_decode, zfp_encode, zfp_num_words
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_ROUNDS",
+    "find_threshold",
+    "reference",
+    "threshold_topk",
+    "topk",
+    "zfp_decode",
+    "zfp_encode",
+    "zfp_num_words",
+]

@@ -1,0 +1,51 @@
+"""Argument checks shared by jaxcomp's public functions.
+
+Every check runs in Python at trace time and raises a ValueError or TypeError that names the
+argument, before anything is lowered or run.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import jax.numpy as jnp
+import numpy as np
+
+#: Floating dtypes every op accepts.
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+#: Kernels index with int32, so a row holds at most this many values.
+MAX_ROW_LENGTH = 2**31 - 1
+
+
+def float_array(x, name: str):
+    """Returns ``x`` as a JAX array with at least one dimension and a supported float dtype."""
+    dtype = jnp.result_type(x)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be float32, bfloat16 or float16, got dtype {dtype}")
+    x = jnp.asarray(x)
+    if x.ndim == 0:
+        raise ValueError(f"{name} must have at least one dimension (the values), got a scalar")
+    n = x.shape[-1]
+    if n < 1:
+        raise ValueError(f"{name} must hold at least one value in its last dimension, got shape {x.shape}")
+    if n > MAX_ROW_LENGTH:
+        raise ValueError(f"{name}'s last dimension is {n}; jaxcomp indexes rows with int32, so at most {MAX_ROW_LENGTH}")
+    return x
+
+
+def static_int(value, name: str, lo: int, hi: int | None = None) -> int:
+    """Returns ``value`` as a Python int in ``[lo, hi]``; it must be static (not traced)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a static Python integer (it fixes an output shape), got {type(value).__name__}"
+        ) from None
+    if value < lo or (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value

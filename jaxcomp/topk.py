@@ -1,0 +1,140 @@
+"""Top-k selection by magnitude: exact (:func:`topk`) and MSTopK threshold search.
+
+Semantics (ties, NaN, output order, what ``rounds`` means) are in ``docs/kernels.md``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcomp import _checks, _ffi  # noqa: F401  (_ffi registers the targets)
+
+#: Bisection rounds of the threshold search by default: 8 exponent bits and 8 mantissa bits, all
+#: resolved by one 16-bit histogram pass over memory; selected and unselected magnitudes are then
+#: separated by a factor of at most 1 + 2**-8.
+DEFAULT_ROUNDS = 16
+
+
+def _rows_call(target, x, result_shapes, **attrs):
+    """Calls ``target`` on float32 ``x`` (any leading dims) with int64 attributes."""
+    call = jax.ffi.ffi_call(target, result_shapes, vmap_method="broadcast_all")
+    return call(x.astype(jnp.float32), **{name: np.int64(v) for name, v in attrs.items()})
+
+
+def _check_k(x, k):
+    x = _checks.float_array(x, "x")
+    k = _checks.static_int(k, "k", 1)
+    if k > x.shape[-1]:
+        raise ValueError(f"k must be at most the number of values in a row ({x.shape[-1]}), got {k}")
+    return x, k
+
+
+def topk(x, k):
+    """The ``k`` entries of largest magnitude along the last axis, exactly.
+
+    Args:
+      x: float32, bfloat16 or float16 array ``[..., n]``; leading axes are independent rows.
+      k: static int, ``1 <= k <= n``.
+
+    Returns:
+      ``(values, indices)``, each ``[..., k]``: ``values`` keep sign and dtype, ``indices`` are
+      int32, both in ascending index order. Among equal magnitudes the lower index wins; NaN ranks
+      as the largest magnitude.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxcomp
+      >>> values, indices = jaxcomp.topk(jnp.array([0.5, -3.0, 1.0, 2.0]), 2)
+      >>> values.tolist(), indices.tolist()
+      ([-3.0, 2.0], [1, 3])
+
+    References:
+      Top-k sparsification as used by Tyagi & Swany (arXiv 2312.02493) and Shi et al. (MLSys 2021).
+    """
+    x, k = _check_k(x, k)
+    batch = x.shape[:-1]
+    values, indices = _rows_call(
+        "jaxcomp_topk", x,
+        (jax.ShapeDtypeStruct(batch + (k,), jnp.float32), jax.ShapeDtypeStruct(batch + (k,), jnp.int32)),
+        k=k)
+    return values.astype(x.dtype), indices
+
+
+def _check_rounds(rounds):
+    return _checks.static_int(rounds, "rounds", 1, 31)
+
+
+def find_threshold(x, k, rounds=DEFAULT_ROUNDS):
+    """MSTopK threshold search: a magnitude threshold that keeps at least ``k`` entries.
+
+    Bisects the float32 bit pattern of ``|x|`` (exponent first, then mantissa) for ``rounds``
+    rounds, keeping a lower threshold with at least ``k`` entries at or above it and an upper one
+    with fewer than ``k``. MSTopK starts at ``mean(|x|)`` and doubles or halves; here an exponent
+    histogram evaluates every power-of-two threshold in the same pass, so the start point no longer
+    matters and the search never stalls outside the right binade.
+
+    Args:
+      x: float32, bfloat16 or float16 array ``[..., n]``; leading axes are independent rows.
+      k: static int, ``1 <= k <= n``.
+      rounds: static int in ``[1, 31]``; each round halves the bracket. 31 finds the exact k-th
+        largest magnitude.
+
+    Returns:
+      ``(threshold, count)``, each ``[...]``: the lower threshold (float32) and the exact number of
+      entries with ``|x| >= threshold`` (int32, at least ``k``).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxcomp
+      >>> t, c = jaxcomp.find_threshold(jnp.array([0.5, -3.0, 1.0, 2.0]), 2, rounds=31)
+      >>> float(t), int(c)
+      (2.0, 2)
+
+    References:
+      Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+      Clusters", MLSys 2021, §3.1 (MSTopK).
+    """
+    x, k = _check_k(x, k)
+    rounds = _check_rounds(rounds)
+    batch = x.shape[:-1]
+    return _rows_call(
+        "jaxcomp_find_threshold", x,
+        (jax.ShapeDtypeStruct(batch, jnp.float32), jax.ShapeDtypeStruct(batch, jnp.int32)),
+        k=k, rounds=rounds)
+
+
+def threshold_topk(x, k, rounds=DEFAULT_ROUNDS):
+    """Approximate top-k by MSTopK thresholds, exactly ``k`` entries, no sort.
+
+    Takes every entry above the upper threshold of :func:`find_threshold`'s bracket, then fills
+    to exactly ``k`` with the lowest-index entries between the two thresholds. Every selected
+    magnitude is at least the lower threshold and every unselected one is below the upper; for
+    normal floats the two differ by a factor of at most ``1 + 2**(8 - rounds)``. With
+    ``rounds=31`` the result equals :func:`topk`.
+
+    Args:
+      x: float32, bfloat16 or float16 array ``[..., n]``; leading axes are independent rows.
+      k: static int, ``1 <= k <= n``.
+      rounds: static int in ``[1, 31]`` (default :data:`DEFAULT_ROUNDS`).
+
+    Returns:
+      ``(values, indices)`` like :func:`topk`: ``[..., k]``, ascending index order.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxcomp
+      >>> values, indices = jaxcomp.threshold_topk(jnp.array([0.5, -3.0, 1.0, 2.0]), 2)
+      >>> indices.tolist()
+      [1, 3]
+
+    References:
+      Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+      Clusters", MLSys 2021, §3.1 (MSTopK).
+    """
+    x, k = _check_k(x, k)
+    rounds = _check_rounds(rounds)
+    batch = x.shape[:-1]
+    values, indices = _rows_call(
+        "jaxcomp_threshold_topk", x,
+        (jax.ShapeDtypeStruct(batch + (k,), jnp.float32), jax.ShapeDtypeStruct(batch + (k,), jnp.int32)),
+        k=k, rounds=rounds)
+    return values.astype(x.dtype), indices

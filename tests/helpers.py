@@ -1,0 +1,49 @@
+"""Small test helpers owned by the project (no jax._src): compile counting, tree comparison."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import jax
+import numpy as np
+import pytest
+
+
+def need_devices(count: int):
+    """Fails (not skips) when fewer than ``count`` devices exist: CI must never pass silently."""
+    if jax.device_count() < count:
+        pytest.fail(f"this test needs {count} devices, found {jax.device_count()}; "
+                    "set XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+
+@contextlib.contextmanager
+def count_compilations():
+    """Counts XLA compilations inside the block: ``with count_compilations() as n: ...; n[0]``."""
+    count = [0]
+
+    class _Handler(logging.Handler):
+        def emit(self, record):
+            if "Finished XLA compilation" in record.getMessage() or "Compiling" in record.getMessage():
+                count[0] += 1
+
+    handler = _Handler()
+    logger = logging.getLogger("jax")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    with jax.log_compiles(True):
+        try:
+            yield count
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(old_level)
+
+
+def assert_trees_equal(a, b):
+    """Bit-for-bit equality of two pytrees of arrays."""
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b, f"tree structures differ: {tree_a} vs {tree_b}"
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
