@@ -1,0 +1,216 @@
+"""jaxcomp.data_parallel: no dense all-reduce, identical replicas, checkpoints, flax models."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxcomp.train import data_parallel
+from jaxcomp.transform import compress
+from tests.helpers import assert_trees_equal, count_compilations, need_devices
+
+N_DEVICES = 8
+
+METHODS = {
+    "dense": {},
+    "allgather_topk": {"ratio": 0.01},
+    "ar_topk": {"ratio": 0.01},
+    "hierarchical_topk": {"ratio": 0.01, "axis_name": ("node", "device")},
+    "zfp": {"rate": 8},
+    "quantized": {"bits": 8},
+}
+
+
+def _mesh(axis_name="data"):
+    need_devices(N_DEVICES)
+    devices = np.array(jax.devices()[:N_DEVICES])
+    if isinstance(axis_name, tuple):  # (outer, inner): 2 "nodes" of 4 devices
+        return Mesh(devices.reshape(2, 4), axis_name)
+    return Mesh(devices, (axis_name,))
+
+
+def _mlp_params(seed=0, hidden=32, dtype=jnp.float32):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    return {"w1": (jax.random.normal(k1, (16, hidden)) / 4).astype(dtype), "b1": jnp.zeros(hidden, dtype),
+            "w2": (jax.random.normal(k2, (hidden, 10)) / 6).astype(dtype), "b2": jnp.zeros(10, dtype)}
+
+
+def _mlp_loss(params, batch):
+    h = jax.nn.relu(batch["x"] @ params["w1"] + params["b1"])
+    logits = (h @ params["w2"] + params["b2"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def _batch(seed, size=64):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(size, 16)).astype(np.float32)
+    return {"x": x, "y": (x[:, :10].argmax(axis=1)).astype(np.int32)}
+
+
+def _all_reduces(hlo_text):
+    """(element count of the largest operand, line) for each all-reduce in compiled HLO text."""
+    found = []
+    for line in hlo_text.splitlines():
+        match = re.search(r"=\s*(.*?)\s+all-reduce(?:-start)?\(", line)
+        if match:
+            sizes = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in
+                     re.findall(r"[a-z0-9]+\[([\d,]*)\]", match.group(1))]
+            found.append((max(sizes), line.strip()))
+    return found
+
+
+def _replicas_identical(tree):
+    for leaf in jax.tree.leaves(tree):
+        first = np.asarray(leaf.addressable_shards[0].data)
+        for shard in leaf.addressable_shards[1:]:
+            np.testing.assert_array_equal(np.asarray(shard.data), first)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_compressed_step_has_no_dense_all_reduce_and_replicas_stay_identical(method):
+    kwargs = dict(METHODS[method])
+    axis_name = kwargs.pop("axis_name", "data")
+    mesh = _mesh(axis_name)
+    tx = optax.chain(compress(method, axis_name=axis_name, **kwargs), optax.adam(1e-2))
+    dp = data_parallel(_mlp_loss, tx, mesh, axis_name=axis_name)
+    params = _mlp_params()
+    n_params = sum(p.size for p in jax.tree.leaves(params))
+    state = dp.init(params)
+    batches = [_batch(i % 5) for i in range(50)]
+    state, metrics = dp.step(state, batches[0])
+    first_loss = float(metrics["loss"])
+    with count_compilations() as compilations:
+        for batch in batches[1:]:
+            state, metrics = dp.step(state, batch)
+    assert compilations[0] == 0, "the step recompiled"
+    assert int(state.step) == 50
+    assert float(metrics["loss"]) < first_loss
+    _replicas_identical(state.params)
+
+    hlo = dp.step.lower(state, batches[0]).compile().as_text()
+    large = [line for size, line in _all_reduces(hlo) if size >= 0.1 * n_params]
+    if method == "dense":
+        assert large, "dense should all-reduce the whole gradient"
+    else:
+        assert not large, f"{method} all-reduces >= 10% of the {n_params} params:\n" + "\n".join(large)
+
+
+def test_dense_equals_full_batch_gradient_descent():
+    dp = data_parallel(_mlp_loss, optax.chain(compress("dense"), optax.sgd(0.5)), _mesh())
+    params = _mlp_params(dtype=jnp.float32)
+    state = dp.init(params)
+    for i in range(3):
+        batch = _batch(i)
+        state, metrics = dp.step(state, batch)
+        loss, grads = jax.jit(jax.value_and_grad(_mlp_loss))(params, batch)
+        params = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+        np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_residual_layout(error_feedback):
+    tx = optax.chain(compress("allgather_topk", ratio=0.05, error_feedback=error_feedback), optax.sgd(0.1))
+    dp = data_parallel(_mlp_loss, tx, _mesh())
+    state = dp.init(_mlp_params())
+    state, _ = dp.step(state, _batch(0))
+    residual = state.opt_state[0].residual
+    if error_feedback:
+        # One residual per device, stacked over the data axis, and they differ between devices.
+        assert residual["w1"].shape == (N_DEVICES, 16, 32)
+        assert residual["w1"].sharding.spec == jax.sharding.PartitionSpec("data")
+        assert not np.array_equal(np.asarray(residual["w1"][0]), np.asarray(residual["w1"][1]))
+    else:
+        assert residual["w1"].shape == (16, 32)
+        assert not np.any(np.asarray(residual["w1"]))
+
+
+def test_checkpoint_round_trip_resumes_bit_identically(tmp_path):
+    tx = optax.chain(compress("ar_topk", ratio=0.05), optax.adam(1e-2))
+    dp = data_parallel(_mlp_loss, tx, _mesh())
+    state = dp.init(_mlp_params())
+    for i in range(3):
+        state, _ = dp.step(state, _batch(i))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", state)
+    checkpointer.wait_until_finished()
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    restored = checkpointer.restore(tmp_path / "ckpt", target)
+    assert_trees_equal(restored, state)
+    for i in range(3, 6):
+        state, _ = dp.step(state, _batch(i))
+        restored, _ = dp.step(restored, _batch(i))
+    assert_trees_equal(restored, state)
+
+
+def test_flax_nnx_model_with_aux():
+    model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(32, 10, rngs=nnx.Rngs(1)))
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss_fn(params, batch):
+        logits = nnx.merge(graphdef, params)(batch["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss, {"accuracy": jnp.mean(logits.argmax(-1) == batch["y"])}
+
+    tx = optax.chain(compress("ar_topk", ratio=0.05), optax.adam(1e-2))
+    dp = data_parallel(loss_fn, tx, _mesh(), has_aux=True)
+    state = dp.init(params)
+    losses = []
+    for i in range(10):
+        state, metrics = dp.step(state, _batch(i % 2))
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0]
+    assert 0.0 <= float(metrics["aux"]["accuracy"]) <= 1.0
+    _replicas_identical(state.params)
+    nnx.update(model, state.params)  # the trained params go back into the model
+    logits = model(jnp.asarray(_batch(0)["x"]))
+    assert logits.shape == (64, 10)
+
+
+def test_flax_linen_model():
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10)(nn.relu(nn.Dense(32)(x)))
+
+    model = MLP()
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16)))["params"]
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    dp = data_parallel(loss_fn, optax.chain(compress("allgather_topk", ratio=0.05), optax.adam(1e-2)), _mesh())
+    state = dp.init(params)
+    first = None
+    for i in range(10):
+        state, metrics = dp.step(state, _batch(i % 2))
+        first = float(metrics["loss"]) if first is None else first
+    assert float(metrics["loss"]) < first
+    _replicas_identical(state.params)
+
+
+def test_bad_arguments_are_named():
+    mesh = _mesh()
+    tx = optax.chain(compress("dense"), optax.sgd(0.1))
+    with pytest.raises(ValueError, match="axis_name 'batch' is not an axis"):
+        data_parallel(_mlp_loss, tx, mesh, axis_name="batch")
+    with pytest.raises(TypeError, match="loss_fn"):
+        data_parallel(None, tx, mesh)
+    with pytest.raises(TypeError, match="tx"):
+        data_parallel(_mlp_loss, "adam", mesh)
+    dp = data_parallel(_mlp_loss, tx, mesh)
+    state = dp.init(_mlp_params())
+    with pytest.raises(ValueError, match="divisible"):
+        dp.step(state, _batch(0, size=12))
+    # Without compress (or any aggregation) first, each device would apply its own gradient.
+    with pytest.raises(ValueError, match="must aggregate"):
+        data_parallel(_mlp_loss, optax.sgd(0.1), mesh).init(_mlp_params())
