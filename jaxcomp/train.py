@@ -87,7 +87,9 @@ class DataParallel:
                 raise ValueError(
                     "tx returns updates that differ per device: its first transformation must aggregate "
                     "the gradients across the data axis, e.g. optax.chain(jaxcomp.compress('dense', "
-                    f"axis_name={self.axis_name!r}), optax.adam(1e-3))")
+                    f"axis_name={self.axis_name!r}), optax.adam(1e-3)). (compress('zfp', "
+                    "algorithm='recursive_doubling') returns a total typed varying although it is the same "
+                    "everywhere; use the default algorithm='ring' with data_parallel.)")
             new_mask = tuple(a or b for a, b in zip(mask, found["mask"]))
             if new_mask == mask:
                 break

@@ -120,14 +120,24 @@ _COLLECTIVES: dict[str, Callable] = {
 }
 
 
-def _bytes_sent(c: _Config, n: int, k: int | None, n_devices: int, dtype) -> int:
+# The name each method's collective has in jaxcomp.collectives.bytes_sent.
+_COLLECTIVE_NAMES = {"dense": "psum", "allgather_topk": "allgather_topk", "ar_topk": "ar_topk",
+                     "hierarchical_topk": "hierarchical_topk", "zfp": "zfp_allreduce", "quantized": "quantized_psum"}
+
+
+def _bytes_sent(c: _Config, n: int, k: int | None, n_devices: int, dtype) -> float:
     """Bytes one device sends to aggregate ``n`` values, from the collectives' cost model."""
     from jaxcomp import collectives
-    inner_size = jax.lax.axis_size(c.axes[1]) if c.method == "hierarchical_topk" else None
-    return collectives.bytes_sent(
-        c.method, n, n_devices, k=k, rate=c.rate, bits=c.bits,
-        algorithm=c.algorithm if c.method == "zfp" else None, inner_size=inner_size,
-        dtype_bytes=jnp.dtype(dtype).itemsize)
+    options = {
+        "ar_topk": {"leader": c.leader},
+        "hierarchical_topk": {"inner_size": jax.lax.axis_size(c.axes[-1])},
+        "zfp": {"rate": c.rate, "algorithm": c.algorithm},
+        "quantized": {"bits": c.bits, "hadamard": c.hadamard},
+    }.get(c.method, {})
+    if k is not None:
+        options["k"] = k
+    return collectives.bytes_sent(_COLLECTIVE_NAMES[c.method], n, n_devices,
+                                  dtype_bytes=jnp.dtype(dtype).itemsize, **options)
 
 
 def _is_float(leaf) -> bool:

@@ -164,7 +164,7 @@ def test_sum_instead_of_mean_and_metrics():
     np.testing.assert_allclose(got[-1][0][0], want[-1][0][0], rtol=1e-6)
     metrics = got[-1][2]
     assert float(metrics.density) == pytest.approx(4 / 40)
-    assert float(metrics.bytes_sent) == collectives.bytes_sent("allgather_topk", 40, N_DEVICES, k=4, dtype_bytes=4)
+    assert float(metrics.bytes_sent) == collectives.bytes_sent("allgather_topk", 40, N_DEVICES, k=4)
     # Gain = sum ||sent||^2 / sum ||g_e||^2 over the devices, from the reference's own vectors.
     g_e = grads[1][0].reshape(N_DEVICES, -1) + want[0][1][0].reshape(N_DEVICES, -1)
     sent = _own_topk(0.1)(g_e, 1)
