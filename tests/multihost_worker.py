@@ -1,0 +1,63 @@
+"""Worker of multihost_test.py: a few data-parallel steps, run under jaxcomp.launch or alone.
+
+Usage: python tests/multihost_worker.py OUT.npz. Under the launcher each process feeds its own
+rows of the global batch; process 0 writes the final params of every method to OUT.npz.
+"""
+
+import sys
+
+from jaxcomp import launch
+
+launch.initialize()  # before any JAX op
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from jaxcomp.train import data_parallel  # noqa: E402
+from jaxcomp.transform import compress  # noqa: E402
+
+STEPS = 3
+GLOBAL_BATCH = 32
+METHODS = {"dense": {}, "ar_topk": {"ratio": 0.05}}
+
+
+def loss_fn(params, batch):
+    logits = jax.numpy.tanh(batch["x"] @ params["w1"]) @ params["w2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def global_batches():
+    rng = np.random.default_rng(0)
+    for _ in range(STEPS):
+        x = rng.normal(size=(GLOBAL_BATCH, 12)).astype(np.float32)
+        yield {"x": x, "y": x[:, :5].argmax(axis=1).astype(np.int32)}
+
+
+def run():
+    """Final params per method; the same whether 1 process or several share the 8 devices."""
+    # Process-major device order: process p's devices hold rows [p * rows, (p + 1) * rows).
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devices), ("data",))
+    rows = GLOBAL_BATCH // jax.process_count()
+    lo = jax.process_index() * rows
+    rng = np.random.default_rng(1)
+    params = {"w1": (rng.normal(size=(12, 16)) / 4).astype(np.float32),
+              "w2": (rng.normal(size=(16, 5)) / 4).astype(np.float32)}
+    out = {}
+    for method, options in METHODS.items():
+        dp = data_parallel(loss_fn, optax.chain(compress(method, **options), optax.adam(1e-2)), mesh)
+        state = dp.init(params)
+        for batch in global_batches():
+            local = {name: value[lo:lo + rows] for name, value in batch.items()}
+            state, _ = dp.step(state, dp.shard_batch(local))
+        for name, value in state.params.items():
+            out[f"{method}/{name}"] = np.asarray(value.addressable_data(0))
+    return out
+
+
+if __name__ == "__main__":
+    result = run()
+    if jax.process_index() == 0:
+        np.savez(sys.argv[1], **result)
