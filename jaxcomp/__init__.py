@@ -12,12 +12,21 @@ compare kernels against it. ``docs/kernels.md`` states the exact semantics.
 
 from jaxcomp import reference
 from jaxcomp.topk import DEFAULT_ROUNDS, find_threshold, threshold_topk, topk
+from jaxcomp.train import DataParallel, TrainState, data_parallel
+from jaxcomp.transform import CompressMetrics, CompressState, compress, find_compress_state
 from jaxcomp.zfp import zfp_decode, zfp_encode, zfp_num_words
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CompressMetrics",
+    "CompressState",
     "DEFAULT_ROUNDS",
+    "DataParallel",
+    "TrainState",
+    "compress",
+    "data_parallel",
+    "find_compress_state",
     "find_threshold",
     "reference",
     "threshold_topk",
