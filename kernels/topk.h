@@ -77,12 +77,25 @@ inline Bracket BracketAround(uint32_t kth_key, int rounds) {
   return bracket;
 }
 
+// Selections are sparse, so scans test whole blocks with vectorized compares first and look at
+// single entries only in blocks that hold a candidate.
+constexpr int64_t kScanBlock = 32;
+constexpr uint32_t kKeyRangeEnd = uint32_t{1} << kKeyBits;
+
+// Whether some key of x[0, kScanBlock) lies in [lo, end).
+inline bool AnyKeyInRange(const float* x, uint32_t lo, uint32_t end) {
+  const uint32_t width = end - lo;
+  uint32_t hits = 0;
+  for (int64_t j = 0; j < kScanBlock; ++j) hits |= (MagnitudeKey(x[j]) - lo) < width ? 1u : 0u;
+  return hits != 0;
+}
+
 // Writes, in index order, every entry of x[begin, end) with key >= hi and the first `quota`
 // entries with lo <= key < hi. Returns how many it wrote.
 inline int64_t WriteSelected(const float* x, int64_t begin, int64_t end, uint32_t lo, uint32_t hi, int64_t quota,
                              float* values, int32_t* indices) {
   int64_t written = 0;
-  for (int64_t i = begin; i < end; ++i) {
+  auto visit = [&](int64_t i) {
     const uint32_t key = MagnitudeKey(x[i]);
     if (key >= hi || (key >= lo && quota > 0)) {
       if (key < hi) --quota;
@@ -90,7 +103,13 @@ inline int64_t WriteSelected(const float* x, int64_t begin, int64_t end, uint32_
       indices[written] = static_cast<int32_t>(i);
       ++written;
     }
+  };
+  int64_t i = begin;
+  for (; i + kScanBlock <= end; i += kScanBlock) {
+    if (!AnyKeyInRange(x + i, lo, kKeyRangeEnd)) continue;
+    for (int64_t j = i; j < i + kScanBlock; ++j) visit(j);
   }
+  for (; i < end; ++i) visit(i);
   return written;
 }
 
@@ -145,10 +164,17 @@ class HistogramSearch {
         std::fill(hist, hist + kFineBins, 0u);
         int64_t begin, end;
         split_range(n, parts_, part, kPartAlign, &begin, &end);
-        for (int64_t i = begin; i < end; ++i) {
+        const uint32_t bin_start = kth_bin << kFineBits, bin_end = bin_start + kFineBins;
+        auto visit = [&](int64_t i) {
           const uint32_t key = MagnitudeKey(x[i]);
           if ((key >> kFineBits) == kth_bin) ++hist[key & (kFineBins - 1)];
+        };
+        int64_t i = begin;
+        for (; i + kScanBlock <= end; i += kScanBlock) {
+          if (!AnyKeyInRange(x + i, bin_start, bin_end)) continue;
+          for (int64_t j = i; j < i + kScanBlock; ++j) visit(j);
         }
+        for (; i < end; ++i) visit(i);
       });
       const uint32_t* fine_total = Merge(fine_, kFineBins, parallel);
       int64_t above_fine = above_bin;
