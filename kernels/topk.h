@@ -24,9 +24,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -129,8 +132,36 @@ inline Bracket SortSearch(const float* x, int64_t n, int64_t k, int rounds, uint
   return bracket;
 }
 
-// Long rows: histogram radix select over `parts` contiguous parts of the row. Holds the scratch
-// (about 400 KB per part), so one instance serves many rows.
+// Writes, in index order, the candidates (values, indices: count of them, ascending indices)
+// with key >= hi and the first `quota` with lo <= key < hi. Returns how many it wrote.
+inline int64_t WriteSelectedCandidates(const float* candidate_values, const int32_t* candidate_indices, int64_t count,
+                                       uint32_t lo, uint32_t hi, int64_t quota, float* values, int32_t* indices) {
+  int64_t written = 0;
+  for (int64_t c = 0; c < count; ++c) {
+    const uint32_t key = MagnitudeKey(candidate_values[c]);
+    if (key >= hi || (key >= lo && quota > 0)) {
+      if (key < hi) --quota;
+      values[written] = candidate_values[c];
+      indices[written] = candidate_indices[c];
+      ++written;
+    }
+  }
+  return written;
+}
+
+// Candidate collection: the first pass also keeps every entry whose key reaches a floor
+// estimated from a sample, so the k-th key's low bits and the selection come from the (few)
+// candidates instead of two more passes over the row. The floor is checked against the
+// histogram afterwards; a wrong estimate or a full buffer sends the row to the full passes.
+constexpr int64_t kMaxSamples = int64_t{1} << 14;
+constexpr int64_t kSampleSpacing = 16;            // at most one sample per 16 entries
+constexpr int64_t kMinSamples = 1024;             // fewer give too loose a floor to bother
+constexpr double kMaxCandidateFraction = 0.125;   // above this, plain passes are as cheap
+constexpr double kCandidateHeadroom = 1.5;        // buffer size over the sampled fraction
+constexpr int64_t kCandidateSlack = 1024;         // extra buffer entries per part
+
+// Long rows: histogram radix select over `parts` contiguous parts of the row. Holds the
+// scratch (about 400 KB per part plus candidate buffers), so one instance serves many rows.
 class HistogramSearch {
  public:
   explicit HistogramSearch(int64_t parts)
@@ -141,15 +172,40 @@ class HistogramSearch {
         above_(parts),
         inside_(parts),
         quota_(parts),
-        offset_(parts) {}
+        offset_(parts),
+        samples_(kMaxSamples),
+        candidate_start_(parts + 1),
+        candidate_count_(parts) {}
 
-  Bracket Search(const float* x, int64_t n, int64_t k, int rounds, const Parallel& parallel) {
+  // The row's bracket. `collect`: also gather candidates, worth it when a selection follows
+  // or rounds > 16 (they then replace the pass over the k-th key's coarse bin).
+  Bracket Search(const float* x, int64_t n, int64_t k, int rounds, bool collect, const Parallel& parallel) {
+    const uint32_t floor = collect ? PlanCandidates(x, n, k, rounds) : kNoCandidates;
     parallel.run(parts_, [&](int64_t part) {
       uint32_t* hist = &coarse_[part * kCoarseBins];
       std::fill(hist, hist + kCoarseBins, 0u);
       int64_t begin, end;
       split_range(n, parts_, part, kPartAlign, &begin, &end);
-      for (int64_t i = begin; i < end; ++i) ++hist[MagnitudeKey(x[i]) >> kFineBits];
+      if (floor == kNoCandidates) {
+        for (int64_t i = begin; i < end; ++i) ++hist[MagnitudeKey(x[i]) >> kFineBits];
+        return;
+      }
+      float* candidate_values = candidate_values_.get() + candidate_start_[part];
+      int32_t* candidate_indices = candidate_indices_.get() + candidate_start_[part];
+      const int64_t capacity = candidate_start_[part + 1] - candidate_start_[part];
+      int64_t count = 0;
+      for (int64_t i = begin; i < end; ++i) {
+        const uint32_t key = MagnitudeKey(x[i]);
+        ++hist[key >> kFineBits];
+        if (key >= floor) {
+          if (count < capacity) {
+            candidate_values[count] = x[i];
+            candidate_indices[count] = static_cast<int32_t>(i);
+          }
+          ++count;  // keeps counting past the capacity, to detect the overflow
+        }
+      }
+      candidate_count_[part] = count;
     });
     const uint32_t* total = Merge(coarse_, kCoarseBins, parallel);
     int64_t above_bin = 0;  // keys in bins above the k-th key's bin
@@ -158,24 +214,15 @@ class HistogramSearch {
     const uint32_t kth_bin = static_cast<uint32_t>(bin);
     uint32_t kth_key = kth_bin << kFineBits;
 
+    // Candidates are usable when they hold every key from the coarse bracket floor up.
+    use_candidates_ = floor != kNoCandidates &&
+                      floor <= BracketAround(kth_key, std::min(rounds, kCoarseBits)).lo;
+    for (int64_t part = 0; use_candidates_ && part < parts_; ++part) {
+      use_candidates_ = candidate_count_[part] <= candidate_start_[part + 1] - candidate_start_[part];
+    }
+
     if (rounds > kCoarseBits) {
-      parallel.run(parts_, [&](int64_t part) {
-        uint32_t* hist = &fine_[part * kFineBins];
-        std::fill(hist, hist + kFineBins, 0u);
-        int64_t begin, end;
-        split_range(n, parts_, part, kPartAlign, &begin, &end);
-        const uint32_t bin_start = kth_bin << kFineBits, bin_end = bin_start + kFineBins;
-        auto visit = [&](int64_t i) {
-          const uint32_t key = MagnitudeKey(x[i]);
-          if ((key >> kFineBits) == kth_bin) ++hist[key & (kFineBins - 1)];
-        };
-        int64_t i = begin;
-        for (; i + kScanBlock <= end; i += kScanBlock) {
-          if (!AnyKeyInRange(x + i, bin_start, bin_end)) continue;
-          for (int64_t j = i; j < i + kScanBlock; ++j) visit(j);
-        }
-        for (; i < end; ++i) visit(i);
-      });
+      parallel.run(parts_, [&](int64_t part) { FineHistogram(x, n, part, kth_bin); });
       const uint32_t* fine_total = Merge(fine_, kFineBins, parallel);
       int64_t above_fine = above_bin;
       int64_t fine_bin = kFineBins - 1;
@@ -204,14 +251,89 @@ class HistogramSearch {
       offset += above_[part] + quota_[part];
     }
     parallel.run(parts_, [&](int64_t part) {
-      int64_t begin, end;
-      split_range(n, parts_, part, kPartAlign, &begin, &end);
-      WriteSelected(x, begin, end, bracket.lo, bracket.hi, quota_[part], values + offset_[part],
-                    indices + offset_[part]);
+      float* part_values = values + offset_[part];
+      int32_t* part_indices = indices + offset_[part];
+      if (use_candidates_) {
+        const int64_t start = candidate_start_[part];
+        WriteSelectedCandidates(candidate_values_.get() + start, candidate_indices_.get() + start,
+                                candidate_count_[part], bracket.lo, bracket.hi, quota_[part], part_values,
+                                part_indices);
+      } else {
+        int64_t begin, end;
+        split_range(n, parts_, part, kPartAlign, &begin, &end);
+        WriteSelected(x, begin, end, bracket.lo, bracket.hi, quota_[part], part_values, part_indices);
+      }
     });
   }
 
  private:
+  static constexpr uint32_t kNoCandidates = ~uint32_t{0};  // above every key
+
+  // Sizes the candidate buffers and returns the candidate floor, or kNoCandidates when
+  // collecting would not pay (short row, large k, few rounds) or memory is short.
+  uint32_t PlanCandidates(const float* x, int64_t n, int64_t k, int rounds) {
+    const int64_t samples = std::min(kMaxSamples, n / kSampleSpacing);
+    if (samples < kMinSamples) return kNoCandidates;
+    // One sample in each of `samples` equal windows, at a scrambled offset so that periodic
+    // data (rows of a flattened matrix) cannot line up with the sample.
+    const int64_t window = n / samples;
+    for (int64_t s = 0; s < samples; ++s) {
+      const uint64_t scrambled = (static_cast<uint64_t>(s) + 1) * 0x9E3779B97F4A7C15ull;
+      samples_[s] = MagnitudeKey(x[s * window + static_cast<int64_t>((scrambled >> 32) % window)]);
+    }
+    // The sample's count above the true k-th key is about binomial(samples, k / n): going four
+    // standard deviations (and a few ranks) further down makes a floor above it very unlikely.
+    const double expected_rank = static_cast<double>(k) * samples / n;
+    const int64_t rank = static_cast<int64_t>(expected_rank + 4.0 * std::sqrt(expected_rank) + 8.0);
+    if (rank >= samples) return kNoCandidates;
+    std::nth_element(samples_.begin(), samples_.begin() + rank, samples_.begin() + samples,
+                     std::greater<uint32_t>());
+    const uint32_t floor = BracketAround(samples_[rank], std::min(rounds, kCoarseBits)).lo;
+    int64_t sampled_candidates = 0;
+    for (int64_t s = 0; s < samples; ++s) sampled_candidates += samples_[s] >= floor;
+    const double fraction = static_cast<double>(sampled_candidates) / samples;
+    if (fraction > kMaxCandidateFraction) return kNoCandidates;
+
+    for (int64_t part = 0; part < parts_; ++part) {
+      int64_t begin, end;
+      split_range(n, parts_, part, kPartAlign, &begin, &end);
+      const int64_t capacity = static_cast<int64_t>((end - begin) * fraction * kCandidateHeadroom) + kCandidateSlack;
+      candidate_start_[part + 1] = candidate_start_[part] + std::min(capacity, end - begin);
+    }
+    const int64_t needed = candidate_start_[parts_];
+    if (needed > candidate_capacity_) {  // may run inside a parallel task: no exceptions
+      candidate_values_.reset(new (std::nothrow) float[needed]);
+      candidate_indices_.reset(new (std::nothrow) int32_t[needed]);
+      candidate_capacity_ = candidate_values_ && candidate_indices_ ? needed : 0;
+      if (candidate_capacity_ == 0) return kNoCandidates;
+    }
+    return floor;
+  }
+
+  // This part's histogram of the low key bits inside the k-th key's coarse bin.
+  void FineHistogram(const float* x, int64_t n, int64_t part, uint32_t kth_bin) {
+    uint32_t* hist = &fine_[part * kFineBins];
+    std::fill(hist, hist + kFineBins, 0u);
+    auto add = [&](float value) {
+      const uint32_t key = MagnitudeKey(value);
+      if ((key >> kFineBits) == kth_bin) ++hist[key & (kFineBins - 1)];
+    };
+    if (use_candidates_) {
+      const float* candidate_values = candidate_values_.get() + candidate_start_[part];
+      for (int64_t c = 0; c < candidate_count_[part]; ++c) add(candidate_values[c]);
+      return;
+    }
+    int64_t begin, end;
+    split_range(n, parts_, part, kPartAlign, &begin, &end);
+    const uint32_t bin_start = kth_bin << kFineBits, bin_end = bin_start + kFineBins;
+    int64_t i = begin;
+    for (; i + kScanBlock <= end; i += kScanBlock) {
+      if (!AnyKeyInRange(x + i, bin_start, bin_end)) continue;
+      for (int64_t j = i; j < i + kScanBlock; ++j) add(x[j]);
+    }
+    for (; i < end; ++i) add(x[i]);
+  }
+
   // Sums the per-part histograms (parts x bins in `hists`); with one part there is nothing to add.
   const uint32_t* Merge(const std::vector<uint32_t>& hists, int64_t bins, const Parallel& parallel) {
     if (parts_ == 1) return hists.data();
@@ -255,6 +377,15 @@ class HistogramSearch {
   std::vector<int64_t> inside_;   // per part: #{lo <= key < hi}
   std::vector<int64_t> quota_;    // per part: how many of its bracket keys it selects
   std::vector<int64_t> offset_;   // per part: where its selection starts in the output
+  std::vector<uint32_t> samples_;  // sampled keys, for the candidate floor
+  // Candidates of part p: candidate_{values,indices}_[candidate_start_[p] + c] for
+  // c < candidate_count_[p], in index order; the buffer ends at candidate_start_[p + 1].
+  std::unique_ptr<float[]> candidate_values_;
+  std::unique_ptr<int32_t[]> candidate_indices_;
+  int64_t candidate_capacity_ = 0;
+  std::vector<int64_t> candidate_start_;
+  std::vector<int64_t> candidate_count_;
+  bool use_candidates_ = false;  // the last Search's candidates hold every key it may select
 };
 
 inline std::string CheckArguments(int64_t rows, int64_t n, int64_t k, int64_t rounds) {
@@ -274,6 +405,7 @@ inline std::string SearchRows(const float* x, int64_t rows, int64_t n, int64_t k
   if (!error.empty() || rows == 0) return error;
   const int r = static_cast<int>(rounds);
   const bool select = values != nullptr;
+  const bool collect = select || r > kCoarseBits;
   auto emit = [&](int64_t row, const Bracket& bracket) {
     if (!select) {
       threshold[row] = FloatFromBits(bracket.lo);
@@ -288,7 +420,7 @@ inline std::string SearchRows(const float* x, int64_t rows, int64_t n, int64_t k
       HistogramSearch search(parts);
       for (int64_t row = 0; row < rows; ++row) {
         const float* xr = x + row * n;
-        const Bracket bracket = search.Search(xr, n, k, r, parallel);
+        const Bracket bracket = search.Search(xr, n, k, r, collect, parallel);
         emit(row, bracket);
         if (select) search.Write(xr, n, k, bracket, values + row * k, indices + row * k, parallel);
       }
@@ -299,7 +431,10 @@ inline std::string SearchRows(const float* x, int64_t rows, int64_t n, int64_t k
     const bool sort = n < kSortRowLength;
     std::vector<uint32_t> keys(sort ? tasks * n : 0);
     std::vector<HistogramSearch> searches;
-    if (!sort) searches.assign(tasks, HistogramSearch(1));
+    if (!sort) {
+      searches.reserve(tasks);
+      for (int64_t task = 0; task < tasks; ++task) searches.emplace_back(1);
+    }
     parallel.run(tasks, [&](int64_t task) {
       int64_t first, last;
       split_range(rows, tasks, task, 1, &first, &last);
@@ -311,7 +446,7 @@ inline std::string SearchRows(const float* x, int64_t rows, int64_t n, int64_t k
           if (select) WriteSelected(xr, 0, n, bracket.lo, bracket.hi, k - bracket.above, values + row * k,
                                     indices + row * k);
         } else {
-          const Bracket bracket = searches[task].Search(xr, n, k, r, serial);
+          const Bracket bracket = searches[task].Search(xr, n, k, r, collect, serial);
           emit(row, bracket);
           if (select) searches[task].Write(xr, n, k, bracket, values + row * k, indices + row * k, serial);
         }
