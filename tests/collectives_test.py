@@ -268,11 +268,8 @@ def sim_zfp_recursive_doubling(X, rate):
 # ----------------------------------------------------------------------------------------------
 # Each collective against its simulation: every device gets the same bits.
 
-DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n_devices, n", [(8, 1003), (6, 5), (1, 7)])
+@pytest.mark.parametrize("dtype, n_devices, n", [
+    (jnp.float32, 8, 1003), (jnp.bfloat16, 8, 1003), (jnp.float16, 6, 5), (jnp.float32, 1, 7)])
 def test_psum(dtype, n_devices, n):
     X = gradients(n_devices, n, dtype)
     total, sent = sharded(mesh_1d(n_devices), lambda x: collectives.psum(x, AXIS))(X)
@@ -281,9 +278,13 @@ def test_psum(dtype, n_devices, n):
     assert_bits_equal(sent, X.astype(np.float32), dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n_devices, n, k", [(8, 1003, 37), (6, 50, 50), (8, 3, 1), (1, 9, 4)])
-@pytest.mark.parametrize("selector", ["exact", "threshold"])
+@pytest.mark.parametrize("dtype, n_devices, n, k, selector", [
+    (jnp.float32, 8, 1003, 37, "exact"),
+    (jnp.float32, 8, 1003, 37, "threshold"),
+    (jnp.bfloat16, 6, 50, 50, "exact"),  # k = n
+    (jnp.float16, 8, 3, 1, "threshold"),
+    (jnp.bfloat16, 1, 9, 4, "exact"),  # an axis of one device
+])
 def test_allgather_topk(dtype, n_devices, n, k, selector):
     X = gradients(n_devices, n, dtype)
     total, sent = sharded(mesh_1d(n_devices), lambda x: collectives.allgather_topk(x, k, AXIS, selector))(X)
@@ -293,9 +294,14 @@ def test_allgather_topk(dtype, n_devices, n, k, selector):
     assert_bits_equal(sent, expected_sent, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n_devices, n, k", [(8, 1003, 37), (6, 50, 50), (1, 9, 4)])
-@pytest.mark.parametrize("leader", ["star", "var"])
+@pytest.mark.parametrize("dtype, n_devices, n, k, leader", [
+    (jnp.float32, 8, 1003, 37, "star"),
+    (jnp.float32, 8, 1003, 37, "var"),
+    (jnp.bfloat16, 6, 50, 50, "star"),
+    (jnp.float16, 6, 7, 3, "var"),
+    (jnp.float32, 1, 9, 4, "star"),
+    (jnp.bfloat16, 1, 9, 4, "var"),
+])
 def test_ar_topk(dtype, n_devices, n, k, leader):
     X = gradients(n_devices, n, dtype)
     call = sharded(mesh_1d(n_devices), lambda x, s: collectives.ar_topk(x, k, AXIS, leader, step=s), 1)
@@ -319,13 +325,13 @@ def test_ar_topk_threshold_selector_and_both_broadcasts(broadcast):
     assert_bits_equal(sent, expected_sent, jnp.float32)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("outer, inner, n, k", [
-    (2, 4, 1003, 40),  # shards of 251, k_shard 10
-    (2, 4, 10, 10),  # k larger than a shard (3): every real entry is kept
-    (4, 2, 7, 3),
-    (1, 4, 9, 5),  # one node
-    (4, 1, 9, 5),  # one device per node
+@pytest.mark.parametrize("dtype, outer, inner, n, k", [
+    (jnp.float32, 2, 4, 1003, 40),  # shards of 251, k_shard 10
+    (jnp.bfloat16, 2, 4, 1003, 40),
+    (jnp.float32, 2, 4, 10, 10),  # k larger than a shard (3): every real entry is kept
+    (jnp.float16, 4, 2, 7, 3),
+    (jnp.float32, 1, 4, 9, 5),  # one node
+    (jnp.bfloat16, 4, 1, 9, 5),  # one device per node
 ])
 def test_hierarchical_topk(dtype, outer, inner, n, k):
     X = gradients(outer * inner, n, dtype)
@@ -350,9 +356,14 @@ def test_hierarchical_topk_threshold_selector():
     assert_bits_equal(sent, expected_sent, jnp.float32)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling"])
-@pytest.mark.parametrize("n_devices, n, rate", [(8, 1003, 12), (6, 101, 8), (6, 5, 2), (3, 64, 32), (2, 6, 16)])
+@pytest.mark.parametrize("dtype, n_devices, n, rate", [
+    (jnp.float32, 8, 1003, 12),
+    (jnp.float32, 6, 101, 8),  # not a power of two: recursive doubling folds two devices
+    (jnp.bfloat16, 6, 5, 2),  # fewer values than devices; rate 2 has a header word
+    (jnp.float16, 3, 64, 32),
+    (jnp.float32, 2, 6, 1),
+])
 def test_zfp_allreduce(dtype, algorithm, n_devices, n, rate):
     X = gradients(n_devices, n, dtype)
     call = sharded(mesh_1d(n_devices), lambda x: collectives.zfp_allreduce(x, rate, AXIS, algorithm))
@@ -389,8 +400,7 @@ def quantized_means(mesh, X, bits, keys, hadamard):
     return np.asarray(totals, np.float32), np.asarray(per_device, np.float32)
 
 
-@pytest.mark.parametrize("hadamard", [True, False])
-@pytest.mark.parametrize("n_devices, n, bits", [(8, 100, 4), (6, 37, 2), (8, 5, 1)])
+@pytest.mark.parametrize("hadamard, n_devices, n, bits", [(True, 8, 100, 4), (False, 6, 37, 2), (True, 6, 5, 1)])
 def test_quantized_psum_is_unbiased(hadamard, n_devices, n, bits):
     X = gradients(n_devices, n, jnp.float32, seed=n)
     draws = 400
@@ -440,9 +450,13 @@ def sim_quantized(X, bits, key, hadamard):
     return total, sent, step
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hadamard", [True, False])
-@pytest.mark.parametrize("n_devices, n, bits", [(8, 1003, 8), (6, 20, 3), (8, 4, 16)])
+@pytest.mark.parametrize("dtype, hadamard, n_devices, n, bits", [
+    (jnp.float32, True, 8, 1003, 8),
+    (jnp.float32, False, 8, 1003, 8),
+    (jnp.bfloat16, True, 6, 20, 3),
+    (jnp.float16, False, 6, 20, 3),
+    (jnp.float32, True, 8, 4, 16),
+])
 def test_quantized_psum_matches_simulation(dtype, hadamard, n_devices, n, bits):
     X = gradients(n_devices, n, dtype)
     key = jax.random.key(3)
