@@ -16,7 +16,8 @@
 //   only. The per-part histograms also say how many keys each part has above `hi` and inside
 //   the bracket, so prefix sums give every part its output offset, and one more parallel pass
 //   writes the selection in index order (the first parts take the bracket keys still needed).
-// * short rows: std::nth_element on a copy of the keys finds K directly; rows run in parallel.
+// * short rows: an exponent histogram finds K's binade, std::nth_element on that binade's keys
+//   finds K; rows run in parallel.
 //
 // Plain C++17 with no XLA headers; parallelism comes from the caller through jaxcomp::Parallel.
 // Functions report bad arguments as an error string (empty on success) and never throw.
@@ -44,8 +45,11 @@ constexpr int kFineBits = kKeyBits - kCoarseBits;  // second pass: the rest of t
 constexpr int64_t kCoarseBins = int64_t{1} << kCoarseBits;
 constexpr int64_t kFineBins = int64_t{1} << kFineBits;
 
-// Below this row length nth_element beats zeroing and walking a 65536-bin histogram.
-constexpr int64_t kSortRowLength = int64_t{1} << 14;
+// Short rows select within one binade (the exponent: 256 bins); from this length on, zeroing
+// and walking the 65536-bin histogram costs less than that row's nth_element.
+constexpr int64_t kShortRowLength = int64_t{1} << 16;
+constexpr int kMantissaBits = 23;
+constexpr int64_t kBinades = int64_t{1} << (kKeyBits - kMantissaBits);
 // A part of a row split across threads must be long enough to pay for its own histogram.
 constexpr int64_t kMinPartLength = int64_t{1} << 15;
 // Part boundaries fall on whole cache lines of floats, so parts never share a line.
@@ -116,18 +120,48 @@ inline int64_t WriteSelected(const float* x, int64_t begin, int64_t end, uint32_
   return written;
 }
 
-// Short rows: the k-th key by nth_element over `keys` (scratch of n entries).
-inline Bracket SortSearch(const float* x, int64_t n, int64_t k, int rounds, uint32_t* keys) {
-  for (int64_t i = 0; i < n; ++i) keys[i] = MagnitudeKey(x[i]);
-  std::nth_element(keys, keys + (k - 1), keys + n, std::greater<uint32_t>());
-  Bracket bracket = BracketAround(keys[k - 1], rounds);
-  int64_t above = 0, count = 0;
+// The bin of the k-th largest key: the highest b with above + hist[b] + hist[b + 1] + ... >= k,
+// where `above` (updated to include the bins past b) counts keys beyond the histogram. Every
+// key must lie in or beyond it, and there are at least k. Whole blocks of bins are skipped
+// with one (vectorized) sum: most high bins of a 65536-bin histogram are empty.
+inline int64_t FindKthBin(const uint32_t* hist, int64_t bins, int64_t k, int64_t* above) {
+  constexpr int64_t kBlock = 64;
+  int64_t end = bins;  // bins [end, bins) are counted in *above
+  while (end >= kBlock) {
+    int64_t block = 0;
+    for (int64_t b = end - kBlock; b < end; ++b) block += hist[b];
+    if (*above + block >= k) break;
+    *above += block;
+    end -= kBlock;
+  }
+  int64_t bin = end - 1;
+  while (*above + hist[bin] < k) *above += hist[bin--];
+  return bin;
+}
+
+// Short rows: an exponent histogram finds the binade of the k-th key, then nth_element runs on
+// that binade's keys only. `keys` is scratch of n entries.
+inline Bracket ShortRowSearch(const float* x, int64_t n, int64_t k, int rounds, uint32_t* keys) {
+  uint32_t binades[kBinades] = {};
+  for (int64_t i = 0; i < n; ++i) ++binades[MagnitudeKey(x[i]) >> kMantissaBits];
+  int64_t above = 0;  // keys in binades above the k-th key's
+  const int64_t binade = FindKthBin(binades, kBinades, k, &above);
+  int64_t in_binade = 0;
+  for (int64_t i = 0; i < n; ++i) {  // branch-free: about as many keys stay as leave
+    const uint32_t key = MagnitudeKey(x[i]);
+    keys[in_binade] = key;
+    in_binade += (key >> kMantissaBits) == static_cast<uint32_t>(binade);
+  }
+  const int64_t rank = k - 1 - above;
+  std::nth_element(keys, keys + rank, keys + in_binade, std::greater<uint32_t>());
+  Bracket bracket = BracketAround(keys[rank], rounds);
+  int64_t above_hi = 0, count = 0;
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t key = MagnitudeKey(x[i]);
-    above += key >= bracket.hi;
+    above_hi += key >= bracket.hi;
     count += key >= bracket.lo;
   }
-  bracket.above = above;
+  bracket.above = above_hi;
   bracket.count = count;
   return bracket;
 }
@@ -154,8 +188,8 @@ inline int64_t WriteSelectedCandidates(const float* candidate_values, const int3
 // candidates instead of two more passes over the row. The floor is checked against the
 // histogram afterwards; a wrong estimate or a full buffer sends the row to the full passes.
 constexpr int64_t kMaxSamples = int64_t{1} << 14;
-constexpr int64_t kSampleSpacing = 16;            // at most one sample per 16 entries
-constexpr int64_t kMinSamples = 1024;             // fewer give too loose a floor to bother
+constexpr int64_t kSampleSpacing = 256;           // one sample per 256 entries, up to kMaxSamples
+constexpr int64_t kMinSamples = 256;              // fewer give too loose a floor to bother
 constexpr double kMaxCandidateFraction = 0.125;   // above this, plain passes are as cheap
 constexpr double kCandidateHeadroom = 1.5;        // buffer size over the sampled fraction
 constexpr int64_t kCandidateSlack = 1024;         // extra buffer entries per part
@@ -209,9 +243,7 @@ class HistogramSearch {
     });
     const uint32_t* total = Merge(coarse_, kCoarseBins, parallel);
     int64_t above_bin = 0;  // keys in bins above the k-th key's bin
-    int64_t bin = kCoarseBins - 1;
-    while (above_bin + total[bin] < k) above_bin += total[bin--];  // stops: all bins hold n >= k
-    const uint32_t kth_bin = static_cast<uint32_t>(bin);
+    const uint32_t kth_bin = static_cast<uint32_t>(FindKthBin(total, kCoarseBins, k, &above_bin));
     uint32_t kth_key = kth_bin << kFineBits;
 
     // Candidates are usable when they hold every key from the coarse bracket floor up.
@@ -225,9 +257,7 @@ class HistogramSearch {
       parallel.run(parts_, [&](int64_t part) { FineHistogram(x, n, part, kth_bin); });
       const uint32_t* fine_total = Merge(fine_, kFineBins, parallel);
       int64_t above_fine = above_bin;
-      int64_t fine_bin = kFineBins - 1;
-      while (above_fine + fine_total[fine_bin] < k) above_fine += fine_total[fine_bin--];
-      kth_key |= static_cast<uint32_t>(fine_bin);
+      kth_key |= static_cast<uint32_t>(FindKthBin(fine_total, kFineBins, k, &above_fine));
     }
 
     Bracket bracket = BracketAround(kth_key, rounds);
@@ -272,8 +302,8 @@ class HistogramSearch {
   // Sizes the candidate buffers and returns the candidate floor, or kNoCandidates when
   // collecting would not pay (short row, large k, few rounds) or memory is short.
   uint32_t PlanCandidates(const float* x, int64_t n, int64_t k, int rounds) {
-    const int64_t samples = std::min(kMaxSamples, n / kSampleSpacing);
-    if (samples < kMinSamples) return kNoCandidates;
+    const int64_t samples = std::min(kMaxSamples, std::max(kMinSamples, n / kSampleSpacing));
+    if (n < kSampleSpacing * kMinSamples / 4) return kNoCandidates;
     // One sample in each of `samples` equal windows, at a scrambled offset so that periodic
     // data (rows of a flattened matrix) cannot line up with the sample.
     const int64_t window = n / samples;
@@ -284,7 +314,7 @@ class HistogramSearch {
     // The sample's count above the true k-th key is about binomial(samples, k / n): going four
     // standard deviations (and a few ranks) further down makes a floor above it very unlikely.
     const double expected_rank = static_cast<double>(k) * samples / n;
-    const int64_t rank = static_cast<int64_t>(expected_rank + 4.0 * std::sqrt(expected_rank) + 8.0);
+    const int64_t rank = static_cast<int64_t>(expected_rank + 4.0 * std::sqrt(expected_rank) + 4.0);
     if (rank >= samples) return kNoCandidates;
     std::nth_element(samples_.begin(), samples_.begin() + rank, samples_.begin() + samples,
                      std::greater<uint32_t>());
@@ -428,10 +458,10 @@ inline std::string SearchRows(const float* x, int64_t rows, int64_t n, int64_t k
     }
     // Many rows (or short ones): each thread takes whole rows, with its own scratch.
     const int64_t tasks = std::min(rows, concurrency);
-    const bool sort = n < kSortRowLength;
-    std::vector<uint32_t> keys(sort ? tasks * n : 0);
+    const bool short_rows = n < kShortRowLength;
+    std::vector<uint32_t> keys(short_rows ? tasks * n : 0);
     std::vector<HistogramSearch> searches;
-    if (!sort) {
+    if (!short_rows) {
       searches.reserve(tasks);
       for (int64_t task = 0; task < tasks; ++task) searches.emplace_back(1);
     }
@@ -440,8 +470,8 @@ inline std::string SearchRows(const float* x, int64_t rows, int64_t n, int64_t k
       split_range(rows, tasks, task, 1, &first, &last);
       for (int64_t row = first; row < last; ++row) {
         const float* xr = x + row * n;
-        if (sort) {
-          const Bracket bracket = SortSearch(xr, n, k, r, &keys[task * n]);
+        if (short_rows) {
+          const Bracket bracket = ShortRowSearch(xr, n, k, r, &keys[task * n]);
           emit(row, bracket);
           if (select) WriteSelected(xr, 0, n, bracket.lo, bracket.hi, k - bracket.above, values + row * k,
                                     indices + row * k);

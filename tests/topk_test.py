@@ -182,3 +182,20 @@ def _direct_topk_call(x, k, values_len, indices_len):
 def test_handler_validates_on_its_own(k, values_len, indices_len, match):
     with pytest.raises(jax.errors.JaxRuntimeError, match=match):
         _direct_topk_call(jnp.ones(5, jnp.float32), k, values_len, indices_len)
+
+
+def test_uneven_rows_and_long_batched_rows():
+    # Alone, a long row is split across threads: one whose largest values all sit at its start
+    # overfills the first thread's candidate buffer, and the kernel falls back to full passes.
+    rng = np.random.default_rng(6)
+    row = rng.standard_normal(300000).astype(np.float32)
+    row[:20000] *= 1000.0
+    k = 15000
+    for row in (row, row[::-1]):
+        assert_selection(jnp.asarray(row), *jaxcomp.topk(row, k), numpy_topk_indices(row, k))
+        assert_same(jaxcomp.threshold_topk(row, k), reference.threshold_topk(row, k))
+    # More long rows than threads: each thread takes whole rows.
+    x = rng.standard_normal((10, 70000)).astype(np.float32)
+    x[3, -5000:] *= 100.0
+    assert_selection(jnp.asarray(x), *jaxcomp.topk(x, 700), numpy_topk_indices(x, 700))
+    assert_same(jaxcomp.threshold_topk(x, 700, rounds=20), reference.threshold_topk(x, 700, rounds=20))
