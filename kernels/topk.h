@@ -194,6 +194,9 @@ constexpr double kMaxCandidateFraction = 0.125;   // above this, plain passes ar
 constexpr double kCandidateHeadroom = 1.5;        // buffer size over the sampled fraction
 constexpr int64_t kCandidateSlack = 1024;         // extra buffer entries per part
 
+// Up to this many parts, histogram bookkeeping runs on the calling thread alone.
+constexpr int64_t kSerialBookkeepingParts = 4;
+
 // Long rows: histogram radix select over `parts` contiguous parts of the row. Holds the
 // scratch (about 400 KB per part plus candidate buffers), so one instance serves many rows.
 class HistogramSearch {
@@ -261,7 +264,7 @@ class HistogramSearch {
     }
 
     Bracket bracket = BracketAround(kth_key, rounds);
-    parallel.run(parts_, [&](int64_t part) { CountPart(part, kth_bin, rounds, bracket); });
+    BookkeepingParallel(parallel).run(parts_, [&](int64_t part) { CountPart(part, kth_bin, rounds, bracket); });
     for (int64_t part = 0; part < parts_; ++part) {
       bracket.above += above_[part];
       bracket.count += above_[part] + inside_[part];
@@ -364,10 +367,16 @@ class HistogramSearch {
     for (; i < end; ++i) add(x[i]);
   }
 
+  // Merging and counting histograms take microseconds per part: with few parts the caller does
+  // them alone rather than wait at one more barrier for threads that may be busy elsewhere.
+  const Parallel& BookkeepingParallel(const Parallel& parallel) const {
+    return parts_ <= kSerialBookkeepingParts ? serial_ : parallel;
+  }
+
   // Sums the per-part histograms (parts x bins in `hists`); with one part there is nothing to add.
   const uint32_t* Merge(const std::vector<uint32_t>& hists, int64_t bins, const Parallel& parallel) {
     if (parts_ == 1) return hists.data();
-    parallel.run(parts_, [&](int64_t slice) {
+    BookkeepingParallel(parallel).run(parts_, [&](int64_t slice) {
       int64_t begin, end;
       split_range(bins, parts_, slice, kPartAlign, &begin, &end);
       std::copy(hists.begin() + begin, hists.begin() + end, total_.begin() + begin);
@@ -416,6 +425,7 @@ class HistogramSearch {
   std::vector<int64_t> candidate_start_;
   std::vector<int64_t> candidate_count_;
   bool use_candidates_ = false;  // the last Search's candidates hold every key it may select
+  Parallel serial_;
 };
 
 inline std::string CheckArguments(int64_t rows, int64_t n, int64_t k, int64_t rounds) {
