@@ -12,10 +12,13 @@
 //
 // * long rows: one parallel pass builds per-part histograms of the key's top 16 bits; the bin
 //   holding K is where the cumulative count from the top reaches k, which settles rounds <= 16.
-//   Finer rounds take a second pass that histograms the low 15 bits of the keys in that bin
-//   only. The per-part histograms also say how many keys each part has above `hi` and inside
-//   the bracket, so prefix sums give every part its output offset, and one more parallel pass
-//   writes the selection in index order (the first parts take the bracket keys still needed).
+//   The same pass keeps the candidates: entries whose key reaches a floor estimated from a
+//   sample of the row (a few times k entries). The low 15 bits of K (rounds > 16) come from
+//   the candidates in K's bin, and the per-part histograms say how many keys each part has
+//   above `hi` and inside the bracket, so prefix sums give every part its output offset and
+//   each part writes its selection from its candidates, in index order (the first parts take
+//   the bracket keys still needed). When the sample misled (the floor is above the bracket) or
+//   a part's candidates overflow its buffer, full passes over the row do the same work.
 // * short rows: an exponent histogram finds K's binade, std::nth_element on that binade's keys
 //   finds K; rows run in parallel.
 //
@@ -45,9 +48,9 @@ constexpr int kFineBits = kKeyBits - kCoarseBits;  // second pass: the rest of t
 constexpr int64_t kCoarseBins = int64_t{1} << kCoarseBits;
 constexpr int64_t kFineBins = int64_t{1} << kFineBits;
 
-// Short rows select within one binade (the exponent: 256 bins); from this length on, zeroing
-// and walking the 65536-bin histogram costs less than that row's nth_element.
-constexpr int64_t kShortRowLength = int64_t{1} << 16;
+// Short rows select within one binade (the exponent: 256 bins); from about this length on,
+// zeroing and reading the 65536-bin histogram costs less than that row's nth_element.
+constexpr int64_t kShortRowLength = int64_t{1} << 15;
 constexpr int kMantissaBits = 23;
 constexpr int64_t kBinades = int64_t{1} << (kKeyBits - kMantissaBits);
 // A part of a row split across threads must be long enough to pay for its own histogram.
@@ -97,27 +100,39 @@ inline bool AnyKeyInRange(const float* x, uint32_t lo, uint32_t end) {
   return hits != 0;
 }
 
-// Writes, in index order, every entry of x[begin, end) with key >= hi and the first `quota`
-// entries with lo <= key < hi. Returns how many it wrote.
-inline int64_t WriteSelected(const float* x, int64_t begin, int64_t end, uint32_t lo, uint32_t hi, int64_t quota,
-                             float* values, int32_t* indices) {
-  int64_t written = 0;
-  auto visit = [&](int64_t i) {
-    const uint32_t key = MagnitudeKey(x[i]);
-    if (key >= hi || (key >= lo && quota > 0)) {
-      if (key < hi) --quota;
-      values[written] = x[i];
-      indices[written] = static_cast<int32_t>(i);
-      ++written;
+// Builds one part's selection in index order: every entry offered with key >= hi, and the
+// first `quota` offered with lo <= key < hi.
+class Selection {
+ public:
+  Selection(uint32_t lo, uint32_t hi, int64_t quota, float* values, int32_t* indices)
+      : lo_(lo), hi_(hi), quota_(quota), values_(values), indices_(indices) {}
+
+  void Offer(float value, int64_t index) {
+    const uint32_t key = MagnitudeKey(value);
+    if (key >= hi_ || (key >= lo_ && quota_ > 0)) {
+      if (key < hi_) --quota_;
+      values_[written_] = value;
+      indices_[written_] = static_cast<int32_t>(index);
+      ++written_;
     }
-  };
+  }
+
+ private:
+  uint32_t lo_, hi_;
+  int64_t quota_;
+  float* values_;
+  int32_t* indices_;
+  int64_t written_ = 0;
+};
+
+// Offers x[begin, end) to `selection`, skipping blocks without a key >= lo.
+inline void SelectFrom(const float* x, int64_t begin, int64_t end, uint32_t lo, Selection* selection) {
   int64_t i = begin;
   for (; i + kScanBlock <= end; i += kScanBlock) {
     if (!AnyKeyInRange(x + i, lo, kKeyRangeEnd)) continue;
-    for (int64_t j = i; j < i + kScanBlock; ++j) visit(j);
+    for (int64_t j = i; j < i + kScanBlock; ++j) selection->Offer(x[j], j);
   }
-  for (; i < end; ++i) visit(i);
-  return written;
+  for (; i < end; ++i) selection->Offer(x[i], i);
 }
 
 // The bin of the k-th largest key: the highest b with above + hist[b] + hist[b + 1] + ... >= k,
@@ -166,23 +181,6 @@ inline Bracket ShortRowSearch(const float* x, int64_t n, int64_t k, int rounds, 
   return bracket;
 }
 
-// Writes, in index order, the candidates (values, indices: count of them, ascending indices)
-// with key >= hi and the first `quota` with lo <= key < hi. Returns how many it wrote.
-inline int64_t WriteSelectedCandidates(const float* candidate_values, const int32_t* candidate_indices, int64_t count,
-                                       uint32_t lo, uint32_t hi, int64_t quota, float* values, int32_t* indices) {
-  int64_t written = 0;
-  for (int64_t c = 0; c < count; ++c) {
-    const uint32_t key = MagnitudeKey(candidate_values[c]);
-    if (key >= hi || (key >= lo && quota > 0)) {
-      if (key < hi) --quota;
-      values[written] = candidate_values[c];
-      indices[written] = candidate_indices[c];
-      ++written;
-    }
-  }
-  return written;
-}
-
 // Candidate collection: the first pass also keeps every entry whose key reaches a floor
 // estimated from a sample, so the k-th key's low bits and the selection come from the (few)
 // candidates instead of two more passes over the row. The floor is checked against the
@@ -190,6 +188,7 @@ inline int64_t WriteSelectedCandidates(const float* candidate_values, const int3
 constexpr int64_t kMaxSamples = int64_t{1} << 14;
 constexpr int64_t kSampleSpacing = 256;           // one sample per 256 entries, up to kMaxSamples
 constexpr int64_t kMinSamples = 256;              // fewer give too loose a floor to bother
+constexpr int64_t kMinSampleWindow = 16;          // rows shorter than 256 * 16 collect nothing
 constexpr double kMaxCandidateFraction = 0.125;   // above this, plain passes are as cheap
 constexpr double kCandidateHeadroom = 1.5;        // buffer size over the sampled fraction
 constexpr int64_t kCandidateSlack = 1024;         // extra buffer entries per part
@@ -284,17 +283,15 @@ class HistogramSearch {
       offset += above_[part] + quota_[part];
     }
     parallel.run(parts_, [&](int64_t part) {
-      float* part_values = values + offset_[part];
-      int32_t* part_indices = indices + offset_[part];
+      Selection selection(bracket.lo, bracket.hi, quota_[part], values + offset_[part], indices + offset_[part]);
       if (use_candidates_) {
-        const int64_t start = candidate_start_[part];
-        WriteSelectedCandidates(candidate_values_.get() + start, candidate_indices_.get() + start,
-                                candidate_count_[part], bracket.lo, bracket.hi, quota_[part], part_values,
-                                part_indices);
+        const float* candidate_values = candidate_values_.get() + candidate_start_[part];
+        const int32_t* candidate_indices = candidate_indices_.get() + candidate_start_[part];
+        for (int64_t c = 0; c < candidate_count_[part]; ++c) selection.Offer(candidate_values[c], candidate_indices[c]);
       } else {
         int64_t begin, end;
         split_range(n, parts_, part, kPartAlign, &begin, &end);
-        WriteSelected(x, begin, end, bracket.lo, bracket.hi, quota_[part], part_values, part_indices);
+        SelectFrom(x, begin, end, bracket.lo, &selection);
       }
     });
   }
@@ -305,8 +302,8 @@ class HistogramSearch {
   // Sizes the candidate buffers and returns the candidate floor, or kNoCandidates when
   // collecting would not pay (short row, large k, few rounds) or memory is short.
   uint32_t PlanCandidates(const float* x, int64_t n, int64_t k, int rounds) {
+    if (n < kMinSamples * kMinSampleWindow) return kNoCandidates;
     const int64_t samples = std::min(kMaxSamples, std::max(kMinSamples, n / kSampleSpacing));
-    if (n < kSampleSpacing * kMinSamples / 4) return kNoCandidates;
     // One sample in each of `samples` equal windows, at a scrambled offset so that periodic
     // data (rows of a flattened matrix) cannot line up with the sample.
     const int64_t window = n / samples;
@@ -483,8 +480,10 @@ inline std::string SearchRows(const float* x, int64_t rows, int64_t n, int64_t k
         if (short_rows) {
           const Bracket bracket = ShortRowSearch(xr, n, k, r, &keys[task * n]);
           emit(row, bracket);
-          if (select) WriteSelected(xr, 0, n, bracket.lo, bracket.hi, k - bracket.above, values + row * k,
-                                    indices + row * k);
+          if (select) {
+            Selection selection(bracket.lo, bracket.hi, k - bracket.above, values + row * k, indices + row * k);
+            SelectFrom(xr, 0, n, bracket.lo, &selection);
+          }
         } else {
           const Bracket bracket = searches[task].Search(xr, n, k, r, collect, serial);
           emit(row, bracket);
