@@ -266,15 +266,17 @@ def _pad_blocks(array, blocks):
 
 @functools.partial(jax.jit, static_argnames="rate")
 def _split_blocks(x, rate):
-    """[rows, n] floats -> ([rows * blocks, 4] float bits, [rows * blocks] exponent keys)."""
-    rows, n = x.shape
-    values = _float_bits(x)[:, _padded_block_index(n)].reshape(rows, -1, 4)
+    """[..., n] floats -> ([bucket, 4] float bits, [bucket] exponent keys), padded with zero blocks."""
+    n = x.shape[-1]
+    values = _float_bits(x.reshape(-1, n))[:, _padded_block_index(n)]
+    values = values.reshape(values.shape[0], -1, 4)
     keys = values & 0x7FFFFFFF
     if rate >= 3:  # each block has its own exponent
         max_key = jnp.max(keys, axis=-1)
     else:  # the row's exponent is every block's
         max_key = jnp.broadcast_to(jnp.max(keys, axis=(1, 2))[:, None], values.shape[:2])
-    return values.reshape(-1, 4), max_key.reshape(-1)
+    bucket = _bucket(max_key.size)
+    return _pad_blocks(values.reshape(-1, 4), bucket), _pad_blocks(max_key.reshape(-1), bucket)
 
 
 @jax.jit
@@ -300,31 +302,25 @@ def _encode_blocks(values, max_key, rate):
     return _encode_planes(stream, pos, u, bits.astype(jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames="rate")
-def _join_blocks(streams, max_key, rate):
-    """[rows, blocks, 4 * rate] bits -> [rows, words], with the row header word at rates 1-2."""
-    rows = streams.shape[0]
-    words = _pack_words(streams.reshape(rows, -1))
+@functools.partial(jax.jit, static_argnames=("shape", "rate"))
+def _join_blocks(streams, max_key, shape, rate):
+    """[bucket, 128] block bits -> [*shape[:-1], words], with the row header word at rates 1-2."""
+    rows = int(np.prod(shape[:-1]))
+    blocks = rows * -(-shape[-1] // 4)
+    bit_rows = streams[:blocks, :4 * rate].reshape(rows, -1)
+    words = _pack_words(bit_rows)
     if rate <= 2:
-        row_key = max_key.reshape(rows, -1)[:, 0]
+        row_key = max_key[:blocks].reshape(rows, -1)[:, 0]
         header = jnp.where(row_key >= _NONFINITE_KEY, _NONFINITE_ROW_HEADER,
                            jnp.where(row_key == 0, 0, _exponent(row_key) + 127)).astype(jnp.uint32)
         words = jnp.concatenate([header[:, None], words], axis=1)
-    return words
-
-
-def _encode_rows(x, rate):
-    rows = x.shape[0]
-    values, max_key = _split_blocks(x, rate)
-    blocks = values.shape[0]
-    bucket = _bucket(blocks)
-    streams = _encode_blocks(_pad_blocks(values, bucket), _pad_blocks(max_key, bucket), jnp.int32(rate))
-    return _join_blocks(streams[:blocks, :4 * rate].reshape(rows, -1, 4 * rate), max_key, rate)
+    return words.reshape(shape[:-1] + (-1,))
 
 
 @functools.partial(jax.jit, static_argnames=("n", "rate"))
 def _split_words(words, n, rate):
-    """[rows, words] -> ([rows * blocks, 4 * rate] bits, [rows * blocks] row header or 0)."""
+    """[..., words] -> ([bucket, 128] block bits, [bucket] row header or 0), padded with zeros."""
+    words = words.reshape(-1, words.shape[-1])
     rows = words.shape[0]
     blocks_per_row = -(-n // 4)
     header = jnp.zeros((rows, blocks_per_row), jnp.uint32)
@@ -332,8 +328,9 @@ def _split_words(words, n, rate):
         header = jnp.broadcast_to(words[:, :1], header.shape)
         words = words[:, 1:]
     streams = _unpack_words(words, blocks_per_row * 4 * rate).reshape(rows * blocks_per_row, 4 * rate)
-    streams = jnp.pad(streams, ((0, 0), (0, _MAX_BLOCK_BITS - 4 * rate)))
-    return streams, header.reshape(-1)
+    bucket = _bucket(rows * blocks_per_row)
+    streams = jnp.pad(streams, ((0, bucket - streams.shape[0]), (0, _MAX_BLOCK_BITS - 4 * rate)))
+    return streams, _pad_blocks(header.reshape(-1), bucket)
 
 
 @jax.jit
@@ -355,13 +352,12 @@ def _decode_blocks(stream, row_header, rate):
     return jnp.where(zero[:, None], 0.0, jnp.where(nonfinite[:, None], jnp.nan, values))
 
 
-def _decode_rows(words, n, rate):
-    rows = words.shape[0]
-    stream, row_header = _split_words(words, n, rate)
-    blocks = stream.shape[0]
-    bucket = _bucket(blocks)
-    values = _decode_blocks(_pad_blocks(stream, bucket), _pad_blocks(row_header, bucket), jnp.int32(rate))[:blocks]
-    return values.reshape(rows, -1)[:, :n]
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _join_values(values, shape, dtype):
+    """[bucket, 4] decoded blocks -> [*shape[:-1], n] of dtype."""
+    rows, n = int(np.prod(shape[:-1])), shape[-1]
+    values = values[:rows * -(-n // 4)].reshape(rows, -1)[:, :n]
+    return values.reshape(shape).astype(dtype)
 
 
 def zfp_encode(x, rate):
@@ -385,8 +381,9 @@ def zfp_encode(x, rate):
     """
     x = _checks.float_array(x, "x")
     rate = _checks.static_int(rate, "rate", 1, 32)
-    rows = _encode_rows(x.reshape(-1, x.shape[-1]), rate)
-    return rows.reshape(x.shape[:-1] + (rows.shape[-1],))
+    values, max_key = _split_blocks(x, rate)
+    streams = _encode_blocks(values, max_key, np.int32(rate))
+    return _join_blocks(streams, max_key, x.shape, rate)
 
 
 def zfp_decode(words, n, rate, dtype=jnp.float32):
@@ -415,5 +412,6 @@ def zfp_decode(words, n, rate, dtype=jnp.float32):
     words = jnp.asarray(words)
     if words.ndim == 0 or words.shape[-1] != _num_words(n, rate):
         raise ValueError(f"words must have {_num_words(n, rate)} words in its last axis, got shape {words.shape}")
-    rows = _decode_rows(words.reshape(-1, words.shape[-1]).astype(jnp.uint32), n, rate)
-    return rows.reshape(words.shape[:-1] + (n,)).astype(dtype)
+    streams, row_header = _split_words(words.astype(jnp.uint32), n, rate)
+    values = _decode_blocks(streams, row_header, np.int32(rate))
+    return _join_values(values, words.shape[:-1] + (n,), jnp.dtype(dtype))
