@@ -91,13 +91,13 @@ def _allgather_topk(c: _Config, x, k, step, key):
 
 def _ar_topk(c: _Config, x, k, step, key):
     from jaxcomp import collectives
-    return collectives.ar_topk(x, k, c.axis_name, leader=c.leader, step=step)
+    return collectives.ar_topk(x, k, c.axis_name, leader=c.leader, step=step, selector=c.selector)
 
 
 def _hierarchical_topk(c: _Config, x, k, step, key):
     from jaxcomp import collectives
     outer, inner = c.axes
-    return collectives.hierarchical_topk(x, k, inner, outer)
+    return collectives.hierarchical_topk(x, k, inner, outer, selector=c.selector)
 
 
 def _zfp(c: _Config, x, k, step, key):
@@ -237,7 +237,7 @@ def _check_config(method, ratio, k, rate, bits, axis_name, error_feedback, granu
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
     leader = _check_choice(leader, "leader", ("star", "var"), "star", method, ("ar_topk",))
-    selector = _check_choice(selector, "selector", ("exact", "threshold"), "exact", method, ("allgather_topk",))
+    selector = _check_choice(selector, "selector", ("exact", "threshold"), "exact", method, _TOPK_METHODS)
     algorithm = _check_choice(algorithm, "algorithm", ("ring", "recursive_doubling"), "ring", method, ("zfp",))
     hadamard = _check_choice(hadamard, "hadamard", (True, False), True, method, ("quantized",))
     seed = _checks.static_int(seed, "seed", 0)
@@ -281,7 +281,8 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
         its own (``k = round(ratio * leaf.size)`` each).
       mean: return the mean across devices (default) instead of the sum.
       leader: ``"ar_topk"`` only: ``"star"`` (round-robin, default) or ``"var"`` (largest variance).
-      selector: ``"allgather_topk"`` only: ``"exact"`` (default) or ``"threshold"`` (MSTopK).
+      selector: top-k methods only: ``"exact"`` (default, :func:`jaxcomp.topk`) or ``"threshold"``
+        (MSTopK, :func:`jaxcomp.threshold_topk`).
       algorithm: ``"zfp"`` only: ``"ring"`` (default) or ``"recursive_doubling"``.
       hadamard: ``"quantized"`` only: rotate by a random Hadamard transform first (default True).
       seed: seed of the state's PRNG key (the quantizer's stochastic rounding).

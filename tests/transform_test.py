@@ -233,6 +233,7 @@ def test_replicated_params_trap_is_refused():
     ({"method": "hierarchical_topk", "ratio": 0.1}, ValueError, "axis_name=\\(outer, inner\\)"),
     ({"method": "ar_topk", "ratio": 0.1, "leader": "max"}, ValueError, "leader must be"),
     ({"method": "allgather_topk", "ratio": 0.1, "leader": "var"}, ValueError, "leader= applies"),
+    ({"method": "zfp", "rate": 8, "selector": "exact"}, ValueError, "selector= applies"),
     ({"method": "dense", "algorithm": "ring"}, ValueError, "algorithm= applies"),
     ({"method": "ar_topk", "ratio": 0.1, "granularity": "layer"}, ValueError, "granularity must be"),
     ({"method": "ar_topk", "k": 4, "granularity": "leaf"}, ValueError, "pass ratio="),
