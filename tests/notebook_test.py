@@ -1,8 +1,9 @@
-"""notebooks/quickstart.ipynb runs from top to bottom (a few steps per run) and draws its plot."""
+"""The user-facing walk-throughs run: notebooks/quickstart.ipynb (executed) and `jaxcomp demo`."""
 
 import os
 
 import nbclient
+import pytest
 import nbformat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,3 +33,24 @@ def test_quickstart_notebook_executes(tmp_path):
     assert "after 6 steps" in text
     assert "| allgather_topk_noef |" in text
     assert any("image/png" in output.get("data", {}) for output in outputs), "the comparison plot is missing"
+
+
+def test_demo_command_prints_table_and_saves_plot(tmp_path, capsys):
+    from jaxcomp import demo
+
+    code = demo.main(["--steps", "3", "--methods", "dense,ar_topk", "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "| dense |" in table and "| ar_topk |" in table
+    # ar_topk at 1% sends a small fraction of dense's bytes; the table shows the ratio.
+    ar_line = next(line for line in table.splitlines() if line.startswith("| ar_topk |"))
+    assert float(ar_line.split("|")[5]) < 0.1
+    with open(tmp_path / "loss_curves.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_rejects_unknown_methods():
+    from jaxcomp import demo
+
+    with pytest.raises(SystemExit):
+        demo.main(["--methods", "dense,fastest"])
