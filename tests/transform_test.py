@@ -251,3 +251,53 @@ def test_k_larger_than_the_gradient_is_refused_at_trace_time():
     with pytest.raises(ValueError, match="k=10 exceeds the 4"):
         jax.jit(f)(jnp.ones(4 * N_DEVICES))
 
+
+
+COLLECTIVE_CASES = {
+    "dense": ({}, lambda x, k, key, step: collectives.psum(x, "data")),
+    "allgather_topk": ({"ratio": 0.1}, lambda x, k, key, step: collectives.allgather_topk(x, k, "data")),
+    "ar_topk": ({"ratio": 0.1, "leader": "var"},
+                lambda x, k, key, step: collectives.ar_topk(x, k, "data", leader="var", step=step)),
+    "hierarchical_topk": ({"ratio": 0.1, "axis_name": ("node", "data")},
+                          lambda x, k, key, step: collectives.hierarchical_topk(x, k, "data", "node")),
+    "zfp": ({"rate": 8}, lambda x, k, key, step: collectives.zfp_allreduce(x, 8, "data")),
+    "quantized": ({"bits": 4}, lambda x, k, key, step: collectives.quantized_psum(x, 4, "data", key)),
+}
+
+
+@pytest.mark.parametrize("method", list(COLLECTIVE_CASES))
+def test_residual_is_exactly_what_the_collective_did_not_send(method):
+    """Every method, two steps: out = total / N and residual = (g + residual) - sent, bit for bit,
+    with (total, sent) from calling the collective directly on the same error-fed vector."""
+    need_devices(N_DEVICES)
+    options, collective = COLLECTIVE_CASES[method]
+    options = dict(options)
+    axis_name = options.pop("axis_name", "data")
+    axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    mesh = Mesh(np.array(jax.devices()[:N_DEVICES]).reshape((2, 4) if len(axes) == 2 else (N_DEVICES,)), axes)
+    tx = compress(method, axis_name=axis_name, **options)
+    n = 37
+    k = max(1, round(0.1 * n))
+    state = tx.init(jax.ShapeDtypeStruct((n,), jnp.float32))
+
+    def local(g, residual, step):
+        g = g.reshape(n)
+        local_state = state._replace(residual=residual.reshape(n), step=step)
+        out, new_state = tx.update(g, local_state)
+        # The transform's key for its first (only) compressed vector at this step.
+        key = jax.random.fold_in(jax.random.fold_in(state.key, step), 0)
+        total, sent = collective(g + residual.reshape(n), k, key, step)
+        size = np.prod([jax.lax.axis_size(a) for a in axes])
+        return (out, total / size, new_state.residual[None], (g + residual.reshape(n) - sent)[None],
+                new_state.step)
+
+    spec = P(axes)
+    step_fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, P()),
+                                    out_specs=(P(), P(), spec, spec, P())))
+    grads = _planted_gradients([(n,)], steps=2, seed=7)
+    residual, step = jnp.zeros((N_DEVICES, n), jnp.float32), state.step
+    for (g,) in grads:
+        out, want_out, residual, want_residual, step = step_fn(jnp.asarray(g), residual, step)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+        np.testing.assert_array_equal(np.asarray(residual), np.asarray(want_residual))
+    assert np.any(np.asarray(residual)) or method == "dense"
