@@ -251,4 +251,9 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: jax
     if missing or not axes:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh (axes: {tuple(mesh.shape)})")
     axis_name = axes[0] if len(axes) == 1 else axes
+    # jax.make_mesh's default Explicit axes would make sharding part of every type inside the step;
+    # the step places everything itself, so it runs on the same devices with Auto axes.
+    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    if tuple(mesh.axis_types) != auto:
+        mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
     return DataParallel(loss_fn, tx, mesh, axis_name, bool(has_aux))

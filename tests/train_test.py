@@ -218,3 +218,16 @@ def test_bad_arguments_are_named():
     # Without compress (or any aggregation) first, each device would apply its own gradient.
     with pytest.raises(ValueError, match="must aggregate"):
         data_parallel(_mlp_loss, optax.sgd(0.1), mesh).init(_mlp_params())
+
+
+def test_explicit_mesh_from_make_mesh_trains_like_an_auto_mesh():
+    need_devices(N_DEVICES)
+    explicit = jax.make_mesh((N_DEVICES,), ("data",), devices=jax.devices()[:N_DEVICES])
+    results = []
+    for mesh in (explicit, _mesh()):
+        dp = data_parallel(_mlp_loss, optax.chain(compress("ar_topk", ratio=0.05), optax.sgd(0.1)), mesh)
+        state = dp.init(_mlp_params())
+        for i in range(2):
+            state, _ = dp.step(state, _batch(i))
+        results.append(state.params)
+    assert_trees_equal(*results)
