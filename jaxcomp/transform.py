@@ -153,6 +153,15 @@ def _varying_axes(x) -> frozenset:
     return frozenset(vma)
 
 
+def _bound_axis_size(axis_name) -> int:
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(
+            f"compress(axis_name={axis_name!r}): update must run inside jax.shard_map over a mesh with axis "
+            f"{axis_name!r} (or use jaxcomp.data_parallel); no such axis is bound here") from None
+
+
 def _check_local_gradients(c: _Config, leaves):
     """Refuses gradients that were already all-reduced densely (the replicated-params trap)."""
     # With check_vma=False nothing is typed varying, so there is nothing to check.
@@ -327,8 +336,8 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
         floats = [i for i, leaf in enumerate(leaves) if _is_float(leaf)]
         if not floats:
             return updates, state
+        n_devices = math.prod(_bound_axis_size(a) for a in c.axes)
         _check_local_gradients(c, [leaves[i] for i in floats])
-        n_devices = math.prod(jax.lax.axis_size(a) for a in c.axes)
         comm_dtype = _comm_dtype([leaves[i] for i in floats])
         base_key = jax.random.fold_in(state.key, state.step)
 

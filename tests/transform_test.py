@@ -301,3 +301,9 @@ def test_residual_is_exactly_what_the_collective_did_not_send(method):
         np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
         np.testing.assert_array_equal(np.asarray(residual), np.asarray(want_residual))
     assert np.any(np.asarray(residual)) or method == "dense"
+
+
+def test_update_outside_shard_map_is_refused():
+    tx = compress("dense")
+    with pytest.raises(ValueError, match="inside jax.shard_map"):
+        tx.update(jnp.ones(3), tx.init(jnp.ones(3)))
