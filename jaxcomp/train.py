@@ -23,7 +23,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp.transform import _varying_axes, find_compress_state
+from jaxcomp.collectives import _varying_axes
+from jaxcomp.transform import find_compress_state
 
 
 class TrainState(NamedTuple):

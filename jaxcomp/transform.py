@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp import _checks
+from jaxcomp import _checks, collectives
 
 #: The aggregation methods :func:`compress` accepts, in the order the demo shows them.
 METHODS = ("dense", "allgather_topk", "ar_topk", "hierarchical_topk", "zfp", "quantized")
@@ -71,7 +71,7 @@ class _Config:
     def k_for(self, n: int, name: str) -> int:
         """The number of values a top-k method keeps out of ``n`` (validated against ``n``)."""
         if self.ratio is not None:
-            return max(1, min(n, round(self.ratio * n)))
+            return collectives._resolve_k(n, None, self.ratio)  # the formula bytes_sent uses too
         if self.k > n:
             raise ValueError(f"k={self.k} exceeds the {n} gradient entries of {name}; pass a smaller k or ratio=")
         return self.k
@@ -80,33 +80,27 @@ class _Config:
 # Each entry calls one collective of jaxcomp.collectives on the local 1-D vector x and returns
 # (total, sent): the sum over the devices, identical everywhere, and this device's contribution.
 def _dense(c: _Config, x, k, step, key):
-    from jaxcomp import collectives
     return collectives.psum(x, c.axis_name)
 
 
 def _allgather_topk(c: _Config, x, k, step, key):
-    from jaxcomp import collectives
     return collectives.allgather_topk(x, k, c.axis_name, selector=c.selector)
 
 
 def _ar_topk(c: _Config, x, k, step, key):
-    from jaxcomp import collectives
     return collectives.ar_topk(x, k, c.axis_name, leader=c.leader, step=step, selector=c.selector)
 
 
 def _hierarchical_topk(c: _Config, x, k, step, key):
-    from jaxcomp import collectives
     outer, inner = c.axes
     return collectives.hierarchical_topk(x, k, inner, outer, selector=c.selector)
 
 
 def _zfp(c: _Config, x, k, step, key):
-    from jaxcomp import collectives
     return collectives.zfp_allreduce(x, c.rate, c.axis_name, algorithm=c.algorithm)
 
 
 def _quantized(c: _Config, x, k, step, key):
-    from jaxcomp import collectives
     return collectives.quantized_psum(x, c.bits, c.axis_name, key, hadamard=c.hadamard)
 
 
@@ -127,7 +121,6 @@ _COLLECTIVE_NAMES = {"dense": "psum", "allgather_topk": "allgather_topk", "ar_to
 
 def _bytes_sent(c: _Config, n: int, k: int | None, n_devices: int, dtype) -> float:
     """Bytes one device sends to aggregate ``n`` values, from the collectives' cost model."""
-    from jaxcomp import collectives
     options = {
         "ar_topk": {"leader": c.leader},
         "hierarchical_topk": {"inner_size": jax.lax.axis_size(c.axes[-1])},
@@ -144,15 +137,6 @@ def _is_float(leaf) -> bool:
     return jnp.issubdtype(leaf.dtype, jnp.floating)
 
 
-def _varying_axes(x) -> frozenset:
-    """The mesh axes ``x``'s type says it varies over (empty outside shard_map or with check_vma=False)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)  # the attribute's name before jax 0.10
-    if vma is None:
-        vma = aval.mat.varying
-    return frozenset(vma)
-
-
 def _bound_axis_size(axis_name) -> int:
     try:
         return jax.lax.axis_size(axis_name)
@@ -166,10 +150,10 @@ def _check_local_gradients(c: _Config, leaves):
     """Refuses gradients that were already all-reduced densely (the replicated-params trap)."""
     # With check_vma=False nothing is typed varying, so there is nothing to check.
     probe = jax.lax.pcast(jnp.zeros((), jnp.float32), c.axis_name, to="varying")
-    if not set(c.axes) <= _varying_axes(probe):
+    if not set(c.axes) <= collectives._varying_axes(probe):
         return
     for leaf in leaves:
-        if not set(c.axes) <= _varying_axes(leaf):
+        if not set(c.axes) <= collectives._varying_axes(leaf):
             raise ValueError(
                 f"compress got gradients that are replicated over {c.axis_name!r}: jax.grad of replicated "
                 "params inside shard_map already all-reduced them densely, before compression. Cast the "
