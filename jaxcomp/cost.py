@@ -493,6 +493,8 @@ def choose(nbytes: float, n_workers: int, network: Network, ratio: float | None 
     References:
       Tyagi & Swany, arXiv 2312.02493, Eqn (5a)-(5c) and §3-E.
     """
+    if isinstance(candidates, str):
+        raise TypeError(f"candidates must be a sequence of method names, got the string {candidates!r}")
     names = tuple(candidates) if candidates is not None else available_methods(
         ratio=ratio, rate=rate, bits=bits, inner_size=inner_size)
     times = predict_all(nbytes, n_workers, network, names, ratio=ratio, rate=rate, bits=bits,
