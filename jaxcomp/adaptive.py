@@ -31,9 +31,9 @@ TOPK_COLLECTIVES = ("allgather_topk", "ar_topk_ring", "ar_topk_tree")
 def candidate_ratios(ratio_range=DEFAULT_RATIO_RANGE, factor: float = 3.0) -> tuple[float, ...]:
     """Candidate densities from the top of ``ratio_range`` down, each ``factor`` times smaller.
 
-    The last step is shortened to land on the bottom of the range when the next full step would
-    fall below it by less than ``sqrt(factor)``, otherwise the bottom is added: the range's two
-    ends are always candidates. For the paper's range this is its list
+    The range's two ends are always candidates: the bottom replaces the last rung when that rung
+    is within ``sqrt(factor)`` of it, and is added below it otherwise, so the last step is in
+    ``[sqrt(factor), factor * sqrt(factor))``. For the paper's range this is its list
     ``[0.1, 0.033, 0.011, 0.0037, 0.001]``.
 
     Args:
@@ -157,7 +157,8 @@ def gain_moved(reference: float, gain: float, tolerance: float = 0.1) -> bool:
     """
     if not reference > 0:
         raise ValueError(f"reference gain must be > 0, got {reference!r}")
-    return abs(gain - reference) >= tolerance * reference
+    # The relative slack keeps an exact 10% change (0.9 of 1.0, inexact in binary) a change.
+    return abs(gain - reference) >= tolerance * reference * (1 - 1e-9)
 
 
 def network_changed(old: cost.Network | None, new: cost.Network, tolerance: float = 0.1) -> bool:
