@@ -250,6 +250,9 @@ def _parser():
     parser.add_argument("--encode-decode-ms", default="0",
                         help="encode+decode time: one number for every method, or method=ms pairs "
                              "separated by commas (default 0: speedups are then upper bounds)")
+    parser.add_argument("--measure-codec", action="store_true",
+                        help="time the top-k and ZFP encode+decode kernels on this machine at this model "
+                             "size and use them instead of --encode-decode-ms for those methods")
     parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20,
                         help="gradient bucket, MiB (default 25, PyTorch DDP's)")
     parser.add_argument("--gamma", type=float, default=DEFAULT_GAMMA,
@@ -349,6 +352,17 @@ def main(argv=None) -> int:
                 parser.error(f"--methods: {name!r} is not one of {compressed}")
         compressed = wanted
     encode_decode = _encode_decode(args.encode_decode_ms, compressed, parser)
+    measured = []
+    if args.measure_codec:
+        import jax
+
+        from jaxcomp import probe  # jax and the kernels load only when a codec is timed
+
+        for method in compressed:
+            if method != "quantized":
+                encode_decode[method] = probe.codec_seconds(method, math.ceil(args.params), ratio=args.ratio,
+                                                            rate=args.rate)
+                measured.append(method)
 
     nbytes = 4.0 * args.params
     backward = args.backward_ms / 1e3
@@ -394,6 +408,9 @@ def main(argv=None) -> int:
         options = _options(args)
         row(method, _setting(method, args), cost.volume_bytes(method, nbytes, args.workers, **options),
             cost.predict(method, nbytes, args.workers, network, **options), encode_decode[method], step)
+    if measured:
+        print(f"(encode/decode of {', '.join(measured)} measured on this machine's {jax.default_backend()}; "
+              "a training step's codec may run elsewhere)")
     if not any(encode_decode.values()) and compressed:
         print("(encode/decode time not included: pass --encode-decode-ms; these speedups are upper bounds)")
     print()

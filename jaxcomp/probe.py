@@ -157,8 +157,80 @@ def probe(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPE
     return network
 
 
+def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rate: int | None = None,
+                  repeats: int = 3, cache: bool = True) -> float:
+    """Measures a method's encode + decode time on this machine's default device.
+
+    Top-k methods time :func:`jaxcomp.topk` (exact top-k by magnitude) and the scatter of the
+    kept values back into a dense vector; ZFP methods time :func:`jaxcomp.zfp_encode` and
+    :func:`jaxcomp.zfp_decode`. Dense methods cost 0. Paper 002 adds this ``T_encode-decode`` to
+    the step time, since compression cannot hide behind the backward pass (its §3.1).
+
+    Args:
+      method: a :data:`jaxcomp.cost.METHODS` entry other than ``quantized`` (whose codec lives
+        inside its collective).
+      n_values: float32 values in the gradient, >= 1.
+      ratio: density for the top-k methods.
+      rate: ZFP bits per value for the ZFP methods.
+      repeats: timed runs after one warm-up; the fastest counts.
+      cache: reuse an earlier measurement of the same arguments.
+
+    Returns:
+      Seconds for one encode and one decode of the whole gradient.
+
+    Example:
+      >>> codec_seconds("zfp_ring", 4096, rate=8, repeats=1) > 0
+      True
+
+    References:
+      Agarwal et al., MLSys 2022, §3.1 and App. C (measuring T_encode-decode).
+    """
+    if method not in cost.METHODS:
+        raise ValueError(f"method must be one of {cost.METHODS}, got {method!r}")
+    if method == "quantized":
+        raise ValueError("method 'quantized' has no standalone codec to time; pass its encode/decode time")
+    if isinstance(n_values, bool) or not isinstance(n_values, int) or n_values < 1:
+        raise ValueError(f"n_values must be an integer >= 1, got {n_values!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    if method in cost.DENSE_METHODS:
+        return 0.0
+    key = ("codec", method if method not in cost.TOPK_METHODS else "topk", n_values, ratio, rate, repeats,
+           jax.default_backend())
+    if cache and key in _CACHE:
+        return _CACHE[key]
+    import jaxcomp  # the kernels: imported only when a codec is actually timed
+
+    if method in cost.TOPK_METHODS:
+        if ratio is None or isinstance(ratio, bool) or not 0 < ratio <= 1:
+            raise ValueError(f"ratio must be in (0, 1] for {method}, got {ratio!r}")
+        k = max(1, round(ratio * n_values))
+
+        def codec(x):
+            values, indices = jaxcomp.topk(x, k)
+            return jnp.zeros_like(x).at[indices].set(values)
+    else:
+        if rate is None:
+            raise ValueError(f"rate (ZFP bits per value) is required for {method}")
+
+        def codec(x):
+            return jaxcomp.zfp_decode(jaxcomp.zfp_encode(x, rate), n_values, rate)
+
+    x = jax.random.normal(jax.random.key(0), (n_values,), jnp.float32)
+    run = jax.jit(codec)
+    run(x).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    if cache:
+        _CACHE[key] = best
+    return best
+
+
 def clear_cache() -> None:
-    """Forgets every cached :func:`probe` result, so the next probe measures again.
+    """Forgets every cached :func:`probe` and :func:`codec_seconds` result, so both measure again.
 
     Returns:
       None.

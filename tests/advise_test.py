@@ -158,6 +158,15 @@ def test_main_with_encode_decode_times_and_overlap_options(capsys):
     assert "after the backward pass" in capsys.readouterr().out
 
 
+def test_main_measures_the_codecs_on_this_machine(capsys):
+    argv = ["--params", "1e5", "--workers", "8", "--bandwidth", "1gbit", "--backward-ms", "10", "--measure-codec"]
+    assert advise.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "measured on this machine" in out and "upper bounds" not in out
+    line = next(line for line in out.splitlines() if line.startswith("zfp_ring"))
+    assert line.split()[5] != "0"  # the enc+dec column
+
+
 def test_main_plots_speedup_against_bandwidth(tmp_path, capsys):
     path = tmp_path / "speedup.png"
     assert advise.main(ISSUE_EXAMPLE + ["--plot", str(path)]) == 0

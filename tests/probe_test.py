@@ -133,3 +133,28 @@ def test_every_process_gets_the_same_network():
     assert outputs[0] == outputs[1]
     _, alpha, bandwidth = outputs[0][0].split()
     assert float(alpha) >= 0 and float(bandwidth) > 0
+
+
+@pytest.mark.parametrize("method,options", [("allgather_topk", {"ratio": 0.01}), ("ar_topk_ring", {"ratio": 0.1}),
+                                            ("zfp_ring", {"rate": 8}), ("zfp_recursive_doubling", {"rate": 4})])
+def test_codec_seconds_times_the_kernels_once(method, options):
+    probe.clear_cache()
+    seconds = probe.codec_seconds(method, 3001, repeats=1, **options)
+    assert 0 < seconds < float("inf")
+    with count_compilations() as compiled:
+        assert probe.codec_seconds(method, 3001, repeats=1, **options) == seconds
+    assert compiled[0] == 0
+
+
+def test_codec_seconds_of_dense_is_zero_and_bad_input_is_rejected():
+    assert probe.codec_seconds("dense_ring", 10) == 0.0
+    for kwargs, match in [
+        (dict(method="quantized", n_values=10), "quantized"),
+        (dict(method="nope", n_values=10), "method"),
+        (dict(method="zfp_ring", n_values=0, rate=8), "n_values"),
+        (dict(method="zfp_ring", n_values=10), "rate"),
+        (dict(method="allgather_topk", n_values=10, ratio=0.0), "ratio"),
+        (dict(method="allgather_topk", n_values=10, ratio=0.1, repeats=0), "repeats"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            probe.codec_seconds(**kwargs)
