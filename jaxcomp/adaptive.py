@@ -342,6 +342,11 @@ class AdaptiveRatio:
         Returns:
           The candidate index to run next.
 
+        Example:
+          >>> ctl = AdaptiveRatio(4e8, 8, network=cost.Network.parse("1ms", "1gbit"), explore_steps=2)
+          >>> ctl.observe(0.9), ctl.observe(0.9)  # two steps at the first candidate, then the next
+          (0, 1)
+
         References:
           Tyagi & Swany, arXiv 2312.02493, §3-E.
         """
@@ -382,6 +387,13 @@ class AdaptiveRatio:
 
         Returns:
           The candidate index to run next.
+
+        Example:
+          >>> ctl = AdaptiveRatio(4e8, 8, network=cost.Network.parse("1ms", "1gbit"), explore_steps=1)
+          >>> for _ in ctl.ratios:
+          ...     _ = ctl.observe(0.99)
+          >>> ctl.update_network(cost.Network.parse("1ms", "1.05gbit")) == ctl.index  # within 10%
+          True
 
         References:
           Tyagi & Swany, arXiv 2312.02493, §3-E (re-solve when α or β changes).

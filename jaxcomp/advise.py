@@ -384,7 +384,8 @@ def main(argv=None) -> int:
     except (TypeError, ValueError) as error:
         parser.error(str(error))
 
-    print(f"jaxcomp advise: {args.params / 1e6:.4g}M parameters ({nbytes / 1e6:.4g} MB float32), "
+    count = f"{args.params / 1e9:.4g}B" if args.params >= 1e9 else f"{args.params / 1e6:.4g}M"
+    print(f"jaxcomp advise: {count} parameters ({_bytes(nbytes)} float32), "
           f"{args.workers} workers, {network}, backward {args.backward_ms:g} ms")
     buckets = max(math.ceil(nbytes / bucket), 1)
     how = (f"overlapped with the backward pass in {buckets} buckets of {args.bucket_mb:g} MiB, γ={args.gamma:g}"

@@ -17,6 +17,8 @@ import dataclasses
 import math
 import re
 
+from jaxcomp import _checks
+
 #: Every method :func:`predict` knows, in the order :func:`choose` breaks ties (cheapest
 #: bookkeeping first: dense needs no compression at all).
 METHODS = (
@@ -338,6 +340,9 @@ def volume_bytes(method: str, nbytes: float, n_workers: int, *, ratio: float | N
                  inner_size: int | None = None) -> float:
     """Bytes one worker sends along the critical path, from :func:`jaxcomp.collectives.bytes_sent`.
 
+    A gradient of more than ``2**31 - 1`` values (the kernels' int32 row limit) is costed as
+    pieces of at most that many values, sent back to back.
+
     Args:
       method: one of :data:`METHODS`.
       nbytes: size of the float32 gradient in bytes (``4 n``).
@@ -377,7 +382,13 @@ def volume_bytes(method: str, nbytes: float, n_workers: int, *, ratio: float | N
         options["inner_size"] = inner_size
     if algorithm is not None:
         options["algorithm"] = algorithm
-    return float(bytes_sent(collective, size, n, **options))
+    # The kernels index a row with int32, so a larger gradient travels as several pieces of at
+    # most MAX_ROW_LENGTH values; their bytes add up.
+    pieces, remainder = divmod(size, _checks.MAX_ROW_LENGTH)
+    total = pieces * bytes_sent(collective, _checks.MAX_ROW_LENGTH, n, **options) if pieces else 0.0
+    if remainder:
+        total += bytes_sent(collective, remainder, n, **options)
+    return float(total)
 
 
 def predict(method: str, nbytes: float, n_workers: int, network: Network, ratio: float | None = None,

@@ -70,6 +70,21 @@ def test_table_i_dense_costs():
     assert cost.predict("dense_tree", m, n, net) == pytest.approx(tree, rel=1e-12)
 
 
+@pytest.mark.parametrize("method,options", [("dense_ring", {}), ("allgather_topk", {"ratio": 0.01}),
+                                            ("zfp_ring", {"rate": 8})])
+def test_gradients_beyond_the_int32_row_limit_are_costed_in_pieces(method, options):
+    from jaxcomp.collectives import bytes_sent
+
+    limit = 2**31 - 1
+    n = 2 * limit + 1000  # a 4.3B-parameter model
+    collective, algorithm = {"dense_ring": ("psum", "ring"), "allgather_topk": ("allgather_topk", None),
+                             "zfp_ring": ("zfp_allreduce", "ring")}[method]
+    extra = {"algorithm": algorithm} if algorithm else {}
+    expected = 2 * bytes_sent(collective, limit, 8, **options, **extra) + bytes_sent(collective, 1000, 8, **options,
+                                                                                   **extra)
+    assert cost.volume_bytes(method, 4 * n, 8, **options) == pytest.approx(expected)
+
+
 def test_overhead_adds_as_is():
     base = cost.predict("allgather_topk", NBYTES, 8, NET, ratio=RATIO)
     assert cost.predict("allgather_topk", NBYTES, 8, NET, ratio=RATIO, overhead=0.25) == pytest.approx(base + 0.25)
