@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 
 from jaxcomp import _checks
@@ -78,8 +79,11 @@ class Network:
     def __post_init__(self):
         for name in ("alpha", "bandwidth"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+            # Plain floats, so equal Networks compare and hash equal whatever numpy type fed them.
+            object.__setattr__(self, name, float(value))
+            value = float(value)
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value}")
         if self.alpha < 0:
@@ -267,8 +271,6 @@ def _log2_steps(n_workers):
 
 def message_steps(method: str, n_workers: int, *, inner_size: int | None = None) -> int:
     """Sequential message steps of a method: what its latency term multiplies ``α`` by.
-
-    From paper 000 Table I and Eqn (4a)/(4b), with ``L = ceil(log2 N)``:
 
     Each all-reduce runs as a ring (``2(N-1)`` steps) or a tree (reduce up, broadcast down,
     ``2L`` steps, ``L = ceil(log2 N)``); each all-gather runs by recursive doubling (``L`` steps),
@@ -588,7 +590,7 @@ def _check_seconds(value, name):
 
 
 def _values(nbytes):
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) and not hasattr(nbytes, "__index__"):
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real):
         raise TypeError(f"nbytes must be a number of bytes, got {type(nbytes).__name__}")
     nbytes = float(nbytes)
     if not (nbytes > 0 and math.isfinite(nbytes)):
