@@ -158,8 +158,13 @@ def probe(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPE
 
 
 def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rate: int | None = None,
-                  repeats: int = 3, cache: bool = True) -> float:
-    """Measures a method's encode + decode time on this machine's default device.
+                  mesh=None, axis_name: str | None = None, repeats: int = 3, cache: bool = True) -> float:
+    """Measures a method's encode + decode time on this machine.
+
+    Without a mesh the codec runs once on the default device. With ``mesh`` and ``axis_name``
+    every device of the axis compresses its own ``n_values`` at once, inside ``shard_map``, as in
+    training: devices that share compute (CPU devices on one host, say) then slow each other
+    down as they would in a step.
 
     Top-k methods time :func:`jaxcomp.topk` (exact top-k by magnitude) and the scatter of the
     kept values back into a dense vector; ZFP methods time :func:`jaxcomp.zfp_encode` and
@@ -172,11 +177,13 @@ def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rat
       n_values: float32 values in the gradient, >= 1.
       ratio: density for the top-k methods.
       rate: ZFP bits per value for the ZFP methods.
+      mesh: optional :class:`jax.sharding.Mesh` to run the codec on every device of.
+      axis_name: the mesh axis the gradient is data-parallel over (required with ``mesh``).
       repeats: timed runs after one warm-up; the fastest counts.
       cache: reuse an earlier measurement of the same arguments.
 
     Returns:
-      Seconds for one encode and one decode of the whole gradient.
+      Seconds for one encode and one decode of the whole gradient (on every device at once).
 
     Example:
       >>> codec_seconds("zfp_ring", 4096, rate=8, repeats=1) > 0
@@ -195,8 +202,14 @@ def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rat
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     if method in cost.DENSE_METHODS:
         return 0.0
-    key = ("codec", method if method not in cost.TOPK_METHODS else "topk", n_values, ratio, rate, repeats,
-           jax.default_backend())
+    if mesh is not None:
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+        if axis_name not in mesh.axis_names:
+            raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+    where = ((tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, mesh.axis_names, axis_name)
+             if mesh is not None else jax.default_backend())
+    key = ("codec", method if method not in cost.TOPK_METHODS else "topk", n_values, ratio, rate, repeats, where)
     if cache and key in _CACHE:
         return _CACHE[key]
     import jaxcomp  # the kernels: imported only when a codec is actually timed
@@ -216,8 +229,15 @@ def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rat
         def codec(x):
             return jaxcomp.zfp_decode(jaxcomp.zfp_encode(x, rate), n_values, rate)
 
-    x = jax.random.normal(jax.random.key(0), (n_values,), jnp.float32)
-    run = jax.jit(codec)
+    if mesh is None:
+        x = jax.random.normal(jax.random.key(0), (n_values,), jnp.float32)
+        run = jax.jit(codec)
+    else:
+        spec = P(axis_name)
+        shape = (mesh.shape[axis_name] * n_values,)
+        values = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        x = jax.make_array_from_callback(shape, NamedSharding(mesh, spec), lambda index: values[index])
+        run = jax.jit(jax.shard_map(codec, mesh=mesh, in_specs=spec, out_specs=spec))
     run(x).block_until_ready()
     best = math.inf
     for _ in range(repeats):

@@ -2,11 +2,13 @@
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcomp import adaptive, cost
+from helpers import need_devices
+from jaxcomp import adaptive, cost, probe
 from jaxcomp.adaptive import AdaptiveRatio
 
 SLOW = cost.Network.parse("1ms", "1gbit")
@@ -160,6 +162,18 @@ def test_choose_auto_picks_dense_for_the_in_memory_probe_and_compression_for_a_s
     small_model = 4e5  # 100k float32 parameters
     assert adaptive.choose_auto(small_model, 8, in_memory, CANDIDATES, ratio=0.01, overhead=CODEC) == 0
     assert adaptive.choose_auto(small_model, 8, SLOW, CANDIDATES, ratio=0.01, overhead=CODEC) != 0
+
+
+def test_auto_on_8_virtual_devices_picks_dense_from_the_live_probe_and_compression_on_a_slow_network():
+    """The live probe of the in-memory mesh and the codec timed on all 8 devices at once (as a
+    step runs it) favour dense; the same codec on a 1 ms, 1 Gbit/s network favours compression."""
+    need_devices(8)
+    mesh = jax.sharding.Mesh(jax.devices()[:8], ("data",))
+    n_values = 100_000
+    in_memory = probe.probe(mesh, "data")
+    codec = {m: probe.codec_seconds(m, n_values, ratio=0.01, mesh=mesh, axis_name="data") for m in CANDIDATES[1:]}
+    assert adaptive.choose_auto(4 * n_values, 8, in_memory, CANDIDATES, ratio=0.01, overhead=codec) == 0
+    assert adaptive.choose_auto(4 * n_values, 8, SLOW, CANDIDATES, ratio=0.01, overhead=codec) != 0
 
 
 def test_sync_plan_is_the_cheapest_top_k_collective_per_ratio():

@@ -146,6 +146,21 @@ def test_codec_seconds_times_the_kernels_once(method, options):
     assert compiled[0] == 0
 
 
+def test_codec_seconds_on_a_mesh_runs_every_device_once_per_call():
+    need_devices(8)
+    probe.clear_cache()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    seconds = probe.codec_seconds("zfp_ring", 1000, rate=8, mesh=mesh, axis_name="data", repeats=1)
+    assert 0 < seconds < float("inf")
+    with count_compilations() as compiled:
+        assert probe.codec_seconds("zfp_ring", 1000, rate=8, mesh=mesh, axis_name="data", repeats=1) == seconds
+    assert compiled[0] == 0
+    with pytest.raises(ValueError, match="axis_name"):
+        probe.codec_seconds("zfp_ring", 1000, rate=8, mesh=mesh, axis_name="nope")
+    with pytest.raises(TypeError, match="mesh"):
+        probe.codec_seconds("zfp_ring", 1000, rate=8, mesh=jax.devices(), axis_name="data")
+
+
 def test_codec_seconds_of_dense_is_zero_and_bad_input_is_rejected():
     assert probe.codec_seconds("dense_ring", 10) == 0.0
     for kwargs, match in [
