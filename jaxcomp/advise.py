@@ -354,9 +354,13 @@ def main(argv=None) -> int:
     encode_decode = _encode_decode(args.encode_decode_ms, compressed, parser)
     measured = []
     if args.measure_codec:
+        import importlib
+
         import jax
 
-        from jaxcomp import probe  # jax and the kernels load only when a codec is timed
+        # jax and the kernels load only when a codec is timed. The module by its full name: the
+        # package may export the function `probe` under the module's name.
+        probe = importlib.import_module("jaxcomp.probe")
 
         for method in compressed:
             if method != "quantized":

@@ -109,9 +109,10 @@ def probe(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPE
       The measured :class:`jaxcomp.cost.Network`.
 
     Example:
-      >>> import jax, jaxcomp.probe
+      >>> import jax
+      >>> from jaxcomp.probe import probe
       >>> mesh = jax.sharding.Mesh(jax.devices()[:2], ("data",))
-      >>> net = jaxcomp.probe.probe(mesh, "data", sizes=(1024, 65536), repeats=2)
+      >>> net = probe(mesh, "data", sizes=(1024, 65536), repeats=2)
       >>> net.alpha >= 0 and net.bandwidth > 0
       True
 

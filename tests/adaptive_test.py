@@ -1,5 +1,6 @@
 """jaxcomp.adaptive: candidate ratios, the knee, re-exploration, and the controller on a synthetic gradient stream."""
 
+import importlib
 import itertools
 
 import jax
@@ -8,7 +9,10 @@ import numpy as np
 import pytest
 
 from helpers import need_devices
-from jaxcomp import adaptive, cost, probe
+from jaxcomp import adaptive, cost
+
+# The module, even once the package exports the function `jaxcomp.probe` under the same name.
+probe = importlib.import_module("jaxcomp.probe")
 from jaxcomp.adaptive import AdaptiveRatio
 
 SLOW = cost.Network.parse("1ms", "1gbit")

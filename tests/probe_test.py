@@ -1,5 +1,6 @@
 """jaxcomp.probe: the α-β fit against a synthetic timing model, and the live probe on CPU devices."""
 
+import importlib
 import os
 import socket
 import subprocess
@@ -11,7 +12,10 @@ import numpy as np
 import pytest
 
 from helpers import count_compilations, need_devices
-from jaxcomp import cost, probe
+from jaxcomp import cost
+
+# The module, even once the package exports the function `jaxcomp.probe` under the same name.
+probe = importlib.import_module("jaxcomp.probe")
 
 SIZES = (2**10, 2**13, 2**16, 2**19, 2**22)
 
@@ -102,9 +106,9 @@ _WORKER = textwrap.dedent("""
     import jax
     jax.config.update("jax_num_cpu_devices", 2)
     jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
-    from jaxcomp import probe
+    from jaxcomp.probe import probe
     mesh = jax.sharding.Mesh(jax.devices(), ("data",))
-    net = probe.probe(mesh, "data", sizes=(2**10, 2**18, 2**21), repeats=3)
+    net = probe(mesh, "data", sizes=(2**10, 2**18, 2**21), repeats=3)
     print("NETWORK", repr(net.alpha), repr(net.bandwidth), flush=True)
     jax.distributed.shutdown()
 """)
