@@ -1,0 +1,36 @@
+# The CUDA module _jaxcomp_cuda (included by CMakeLists.txt when JAXCOMP_CUDA=ON, after a CUDA
+# compiler was found). Same five FFI targets as _jaxcomp_cpu; jaxcomp/_ffi.py registers them for
+# platform "CUDA".
+
+# Real code for A100 (sm_80) and H100/H200 (sm_90), plus sm_90 PTX that newer GPUs JIT-compile.
+if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+  set(CMAKE_CUDA_ARCHITECTURES "80-real;90-real;90-virtual")
+endif()
+# A static CUDA runtime: the module then needs only the driver (libcuda), which every GPU machine
+# has, and not a libcudart matching the toolkit it was compiled with.
+set(CMAKE_CUDA_RUNTIME_LIBRARY Static)
+set(CMAKE_CUDA_STANDARD 17)
+set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+enable_language(CUDA)
+find_package(CUDAToolkit REQUIRED)
+message(STATUS "jaxcomp CUDA module: nvcc ${CMAKE_CUDA_COMPILER_VERSION}, architectures ${CMAKE_CUDA_ARCHITECTURES}")
+
+nanobind_add_module(_jaxcomp_cuda NB_STATIC
+  ffi/cuda_module.cc
+  ffi/topk_cuda.cc
+  ffi/zfp_cuda.cc
+  kernels/topk.cu)
+target_include_directories(_jaxcomp_cuda SYSTEM PRIVATE "${XLA_INCLUDE_DIR}")
+target_include_directories(_jaxcomp_cuda PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}")
+target_link_libraries(_jaxcomp_cuda PRIVATE CUDA::cudart_static)
+set_target_properties(_jaxcomp_cuda PROPERTIES CUDA_RUNTIME_LIBRARY Static)
+target_compile_options(_jaxcomp_cuda PRIVATE
+  $<$<COMPILE_LANGUAGE:CXX>:-O3 -Wall -Wextra>
+  # Any nvcc warning fails the build; ptxas reports register spills of the kernels.
+  $<$<COMPILE_LANGUAGE:CUDA>:-O3 --Werror all-warnings -Xptxas=-warn-spills -Xcompiler=-Wall>)
+
+if(SKBUILD)
+  install(TARGETS _jaxcomp_cuda LIBRARY DESTINATION jaxcomp)
+else()
+  set_target_properties(_jaxcomp_cuda PROPERTIES LIBRARY_OUTPUT_DIRECTORY "${CMAKE_CURRENT_SOURCE_DIR}/jaxcomp")
+endif()

@@ -1,0 +1,346 @@
+// CUDA top-k and MSTopK threshold search as a radix select over the 31-bit magnitude key.
+//
+// The bisection of docs/kernels.md resolves one key bit per round, most significant first, so
+// `rounds` rounds end with `lo` = the largest multiple of 2^(31 - rounds) with C(lo) >= k. A
+// histogram of the next `width` key bits, restricted to the keys that share the bits resolved so
+// far, evaluates `width` rounds at once: the new digit is the largest bin whose suffix count
+// reaches the k still needed. Digits are 11 bits (a 2048-bin histogram fits in shared memory), so
+// the default 16 rounds take 2 passes over memory and exact top-k (31 rounds) takes 3.
+//
+// Compaction to exactly k then keeps every key >= hi and the lowest-index keys in [lo, hi): an
+// entry i lands at output position A_i + min(T_i, need), where A_i and T_i count the entries above
+// and in the bracket before i. A count pass, a per-row scan of the tile counts and a write pass
+// compute that position without any sort, in ascending index order.
+#include <cub/block/block_load.cuh>
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include <cstdint>
+
+#include "kernels/topk_cuda.h"
+
+namespace jaxcomp::cuda {
+namespace {
+
+constexpr int kKeyBits = 31;
+constexpr int kDigitBits = 11;
+constexpr int kBins = 1 << kDigitBits;
+constexpr int kThreads = 512;
+constexpr int kItemsPerThread = 16;
+constexpr int64_t kTile = int64_t{kThreads} * kItemsPerThread;
+// Tile-local counts of "above" and "in bracket" entries share one 32-bit word, 16 bits each.
+static_assert(kTile < (1 << 16), "tile counts must fit in 16 bits");
+constexpr int kSelectThreads = 256;
+constexpr int kBinsPerThread = kBins / kSelectThreads;
+static_assert(kBins % kSelectThreads == 0, "bins must split evenly over the select block");
+// Bounds the per-row histograms in scratch (8 KiB a row); more rows are processed in chunks.
+constexpr int64_t kMaxRowsPerChunk = 4096;
+constexpr size_t kScratchAlign = 256;
+
+// Search state of one row, carried from pass to pass.
+struct RowState {
+  uint32_t prefix;    // the key bits resolved so far: lo >> (31 - resolved)
+  uint32_t above;     // C(hi): keys above every key that shares the prefix (< k)
+  uint32_t in_range;  // keys that share the prefix, so C(lo) = above + in_range
+};
+
+__device__ __forceinline__ uint32_t magnitude_key(float value) { return __float_as_uint(value) & 0x7FFFFFFFu; }
+
+// Adds the keys of one tile that share the row's resolved prefix to the row's histogram of the
+// next `width` key bits.
+__global__ void __launch_bounds__(kThreads) histogram_kernel(const float* __restrict__ x, int64_t n,
+                                                             int64_t tiles_per_row,
+                                                             const RowState* __restrict__ state,
+                                                             uint32_t* __restrict__ histograms, int resolved,
+                                                             int width) {
+  __shared__ uint32_t local[kBins];
+  const int64_t row = blockIdx.x / tiles_per_row;
+  const int64_t begin = (blockIdx.x % tiles_per_row) * kTile;
+  const int64_t end = n < begin + kTile ? n : begin + kTile;
+  const uint32_t bins = 1u << width;
+  for (uint32_t b = threadIdx.x; b < bins; b += kThreads) local[b] = 0;
+  __syncthreads();
+
+  const uint32_t prefix = state[row].prefix;
+  const int prefix_shift = kKeyBits - resolved;  // in [1, 31]: resolved < rounds <= 31
+  const int digit_shift = prefix_shift - width;  // >= 0
+  const float* row_x = x + row * n;
+  auto count = [&](float value) {
+    const uint32_t key = magnitude_key(value);
+    if ((key >> prefix_shift) == prefix) atomicAdd(&local[(key >> digit_shift) & (bins - 1)], 1u);
+  };
+  if (end - begin == kTile) {
+    float values[kItemsPerThread];
+#pragma unroll
+    for (int j = 0; j < kItemsPerThread; ++j) values[j] = row_x[begin + j * kThreads + threadIdx.x];
+#pragma unroll
+    for (int j = 0; j < kItemsPerThread; ++j) count(values[j]);
+  } else {
+    for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) count(row_x[i]);
+  }
+  __syncthreads();
+
+  uint32_t* row_histogram = histograms + row * kBins;
+  for (uint32_t b = threadIdx.x; b < bins; b += kThreads) {
+    if (local[b] != 0) atomicAdd(&row_histogram[b], local[b]);
+  }
+}
+
+// One block per row: picks the next digit (the largest bin whose suffix count reaches the k
+// still needed), updates the row's state and zeroes the histogram for the next pass.
+__global__ void __launch_bounds__(kSelectThreads) select_digit_kernel(uint32_t* __restrict__ histograms,
+                                                                      RowState* __restrict__ state, int64_t k,
+                                                                      int width) {
+  using BlockScan = cub::BlockScan<uint32_t, kSelectThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  const int64_t row = blockIdx.x;
+  uint32_t* row_histogram = histograms + row * kBins;
+  const uint32_t bins = 1u << width;
+  const RowState current = state[row];
+  const uint32_t need = static_cast<uint32_t>(k) - current.above;  // >= 1 by the invariant C(hi) < k
+
+  // Position j counts bin (bins - 1 - j): an inclusive prefix sum over j is a suffix sum over bins.
+  uint32_t counts[kBinsPerThread];
+  uint32_t thread_total = 0;
+#pragma unroll
+  for (int i = 0; i < kBinsPerThread; ++i) {
+    const uint32_t j = threadIdx.x * kBinsPerThread + i;
+    counts[i] = j < bins ? row_histogram[bins - 1 - j] : 0u;
+    if (j < bins) row_histogram[bins - 1 - j] = 0;  // only this thread reads this bin
+    thread_total += counts[i];
+  }
+  uint32_t before;
+  BlockScan(scan_storage).ExclusiveSum(thread_total, before);
+#pragma unroll
+  for (int i = 0; i < kBinsPerThread; ++i) {
+    // The first j whose inclusive suffix count reaches `need`: exactly one thread sees it.
+    if (before < need && before + counts[i] >= need) {
+      const uint32_t bin = bins - 1 - (threadIdx.x * kBinsPerThread + i);
+      RowState next;
+      next.prefix = (current.prefix << width) | bin;
+      next.above = current.above + before;
+      next.in_range = counts[i];
+      state[row] = next;
+    }
+    before += counts[i];
+  }
+}
+
+__global__ void write_threshold_kernel(const RowState* __restrict__ state, int64_t rows, int rounds,
+                                       float* __restrict__ threshold, int32_t* __restrict__ count) {
+  const int64_t row = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (row >= rows) return;
+  const RowState s = state[row];
+  threshold[row] = __uint_as_float(s.prefix << (kKeyBits - rounds));
+  count[row] = static_cast<int32_t>(s.above + s.in_range);
+}
+
+struct Bracket {
+  uint32_t lo, hi;  // keys >= hi are always selected, keys in [lo, hi) fill up to k
+};
+
+__device__ __forceinline__ Bracket bracket_of(const RowState& s, int rounds) {
+  const int step_shift = kKeyBits - rounds;
+  const uint32_t lo = s.prefix << step_shift;
+  return {lo, lo + (1u << step_shift)};  // hi <= 2^31 fits in 32 bits
+}
+
+// Packs (key >= hi) in the low and (lo <= key < hi) in the high 16 bits of a tile count.
+__device__ __forceinline__ uint32_t classify(uint32_t key, Bracket b) {
+  return key >= b.hi ? 1u : (key >= b.lo ? (1u << 16) : 0u);
+}
+
+// Per tile: how many entries are above the bracket and how many are in it.
+__global__ void __launch_bounds__(kThreads) count_tile_kernel(const float* __restrict__ x, int64_t n,
+                                                              int64_t tiles_per_row,
+                                                              const RowState* __restrict__ state, int rounds,
+                                                              uint64_t* __restrict__ tile_counts) {
+  using BlockReduce = cub::BlockReduce<uint32_t, kThreads>;
+  __shared__ typename BlockReduce::TempStorage reduce_storage;
+  const int64_t row = blockIdx.x / tiles_per_row;
+  const int64_t begin = (blockIdx.x % tiles_per_row) * kTile;
+  const int64_t end = n < begin + kTile ? n : begin + kTile;
+  const Bracket bracket = bracket_of(state[row], rounds);
+  const float* row_x = x + row * n;
+  uint32_t packed = 0;
+  if (end - begin == kTile) {
+    float values[kItemsPerThread];
+#pragma unroll
+    for (int j = 0; j < kItemsPerThread; ++j) values[j] = row_x[begin + j * kThreads + threadIdx.x];
+#pragma unroll
+    for (int j = 0; j < kItemsPerThread; ++j) packed += classify(magnitude_key(values[j]), bracket);
+  } else {
+    for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) packed += classify(magnitude_key(row_x[i]), bracket);
+  }
+  const uint32_t total = BlockReduce(reduce_storage).Sum(packed);
+  if (threadIdx.x == 0) {
+    // Row-wide sums stay below 2^31 each, so (above, in bracket) pack into 32-bit halves.
+    tile_counts[blockIdx.x] = uint64_t{total & 0xFFFFu} | (uint64_t{total >> 16} << 32);
+  }
+}
+
+// One block per row: tile counts -> exclusive prefix over the row's tiles, in place.
+__global__ void __launch_bounds__(kThreads) scan_tiles_kernel(uint64_t* __restrict__ tile_counts,
+                                                              int64_t tiles_per_row) {
+  using BlockScan = cub::BlockScan<uint64_t, kThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  uint64_t* row_counts = tile_counts + blockIdx.x * tiles_per_row;
+  uint64_t running = 0;
+  for (int64_t base = 0; base < tiles_per_row; base += kThreads) {
+    const int64_t t = base + threadIdx.x;
+    const uint64_t value = t < tiles_per_row ? row_counts[t] : 0;
+    uint64_t before, chunk_total;
+    BlockScan(scan_storage).ExclusiveSum(value, before, chunk_total);
+    if (t < tiles_per_row) row_counts[t] = running + before;
+    running += chunk_total;
+    __syncthreads();  // scan_storage is reused by the next chunk
+  }
+}
+
+// Writes the selected entries of one tile at position A_i + min(T_i, need).
+__global__ void __launch_bounds__(kThreads) write_selection_kernel(
+    const float* __restrict__ x, int64_t n, int64_t k, int64_t tiles_per_row, const RowState* __restrict__ state,
+    int rounds, const uint64_t* __restrict__ tile_offsets, float* __restrict__ values, int32_t* __restrict__ indices) {
+  using BlockLoad = cub::BlockLoad<float, kThreads, kItemsPerThread, cub::BLOCK_LOAD_WARP_TRANSPOSE>;
+  using BlockScan = cub::BlockScan<uint32_t, kThreads>;
+  __shared__ union {
+    typename BlockLoad::TempStorage load;
+    typename BlockScan::TempStorage scan;
+  } storage;
+  const int64_t row = blockIdx.x / tiles_per_row;
+  const int64_t begin = (blockIdx.x % tiles_per_row) * kTile;
+  const int valid = static_cast<int>(n < begin + kTile ? n - begin : kTile);
+  const RowState s = state[row];
+  const Bracket bracket = bracket_of(s, rounds);
+  const uint32_t need = static_cast<uint32_t>(k) - s.above;
+  const uint64_t tile_offset = tile_offsets[blockIdx.x];
+  const uint32_t above_before_tile = static_cast<uint32_t>(tile_offset);
+  const uint32_t bracket_before_tile = static_cast<uint32_t>(tile_offset >> 32);
+
+  // Blocked arrangement: thread t holds tile entries [t * kItemsPerThread, (t + 1) * kItemsPerThread).
+  float items[kItemsPerThread];
+  const float* tile_x = x + row * n + begin;
+  if (valid == kTile) {
+    BlockLoad(storage.load).Load(tile_x, items);
+  } else {
+    BlockLoad(storage.load).Load(tile_x, items, valid, 0.0f);
+  }
+  __syncthreads();  // storage.load is reused by the scan
+
+  // Classes are recomputed below rather than kept: 16 more live registers would spill.
+  auto class_of = [&](int i) {
+    const bool in_tile = static_cast<int>(threadIdx.x) * kItemsPerThread + i < valid;
+    return in_tile ? classify(magnitude_key(items[i]), bracket) : 0u;
+  };
+  uint32_t thread_total = 0;
+#pragma unroll
+  for (int i = 0; i < kItemsPerThread; ++i) thread_total += class_of(i);
+  uint32_t before;
+  BlockScan(storage.scan).ExclusiveSum(thread_total, before);
+
+  float* row_values = values + row * k;
+  int32_t* row_indices = indices + row * k;
+#pragma unroll
+  for (int i = 0; i < kItemsPerThread; ++i) {
+    const uint32_t above = above_before_tile + (before & 0xFFFFu);
+    const uint32_t in_bracket = bracket_before_tile + (before >> 16);
+    const uint32_t item_class = class_of(i);
+    const bool selected = item_class == 1u || (item_class == (1u << 16) && in_bracket < need);
+    const uint32_t position = above + (in_bracket < need ? in_bracket : need);
+    if (selected && position < k) {  // position < k always holds; the check guards memory anyway
+      row_values[position] = items[i];
+      row_indices[position] = static_cast<int32_t>(begin + threadIdx.x * kItemsPerThread + i);
+    }
+    before += item_class;
+  }
+}
+
+int64_t tiles_per_row_of(int64_t n) { return (n + kTile - 1) / kTile; }
+
+size_t align_up(size_t bytes) { return (bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign; }
+
+// Scratch layout for `chunk_rows` rows: histograms | states | tile counts.
+struct ScratchLayout {
+  uint32_t* histograms;
+  RowState* states;
+  uint64_t* tile_counts;
+};
+
+size_t histogram_bytes(int64_t chunk_rows) { return align_up(chunk_rows * kBins * sizeof(uint32_t)); }
+size_t state_bytes(int64_t chunk_rows) { return align_up(chunk_rows * sizeof(RowState)); }
+
+ScratchLayout layout_of(void* scratch, int64_t chunk_rows) {
+  char* base = static_cast<char*>(scratch);
+  ScratchLayout layout;
+  layout.histograms = reinterpret_cast<uint32_t*>(base);
+  layout.states = reinterpret_cast<RowState*>(base + histogram_bytes(chunk_rows));
+  layout.tile_counts = reinterpret_cast<uint64_t*>(base + histogram_bytes(chunk_rows) + state_bytes(chunk_rows));
+  return layout;
+}
+
+int64_t chunk_rows_of(int64_t rows) { return rows < kMaxRowsPerChunk ? rows : kMaxRowsPerChunk; }
+
+// Runs the radix passes for `chunk_rows` rows starting at `x`; leaves each row's state final.
+cudaError_t search(const float* x, int64_t chunk_rows, int64_t n, int64_t k, int rounds, const ScratchLayout& s,
+                   cudaStream_t stream) {
+  // Zeroed histograms and states: prefix 0 and above 0 are the state before any round.
+  cudaError_t err = cudaMemsetAsync(s.histograms, 0, histogram_bytes(chunk_rows) + state_bytes(chunk_rows), stream);
+  if (err != cudaSuccess) return err;
+  const int64_t tiles = tiles_per_row_of(n);
+  for (int resolved = 0; resolved < rounds;) {
+    const int width = rounds - resolved < kDigitBits ? rounds - resolved : kDigitBits;
+    histogram_kernel<<<static_cast<unsigned>(chunk_rows * tiles), kThreads, 0, stream>>>(x, n, tiles, s.states,
+                                                                                        s.histograms, resolved, width);
+    select_digit_kernel<<<static_cast<unsigned>(chunk_rows), kSelectThreads, 0, stream>>>(s.histograms, s.states, k,
+                                                                                          width);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    resolved += width;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+size_t select_scratch_bytes(int64_t rows, int64_t n) {
+  const int64_t chunk_rows = chunk_rows_of(rows);
+  return histogram_bytes(chunk_rows) + state_bytes(chunk_rows) +
+         align_up(chunk_rows * tiles_per_row_of(n) * sizeof(uint64_t));
+}
+
+cudaError_t select_topk(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* values,
+                        int32_t* indices, void* scratch, cudaStream_t stream) {
+  const int64_t chunk_rows_max = chunk_rows_of(rows);
+  const ScratchLayout s = layout_of(scratch, chunk_rows_max);
+  const int64_t tiles = tiles_per_row_of(n);
+  for (int64_t first = 0; first < rows; first += chunk_rows_max) {
+    const int64_t chunk_rows = rows - first < chunk_rows_max ? rows - first : chunk_rows_max;
+    const float* chunk_x = x + first * n;
+    cudaError_t err = search(chunk_x, chunk_rows, n, k, rounds, s, stream);
+    if (err != cudaSuccess) return err;
+    const unsigned blocks = static_cast<unsigned>(chunk_rows * tiles);
+    count_tile_kernel<<<blocks, kThreads, 0, stream>>>(chunk_x, n, tiles, s.states, rounds, s.tile_counts);
+    scan_tiles_kernel<<<static_cast<unsigned>(chunk_rows), kThreads, 0, stream>>>(s.tile_counts, tiles);
+    write_selection_kernel<<<blocks, kThreads, 0, stream>>>(chunk_x, n, k, tiles, s.states, rounds, s.tile_counts,
+                                                            values + first * k, indices + first * k);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t find_threshold(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
+                           int32_t* count, void* scratch, cudaStream_t stream) {
+  const int64_t chunk_rows_max = chunk_rows_of(rows);
+  const ScratchLayout s = layout_of(scratch, chunk_rows_max);
+  for (int64_t first = 0; first < rows; first += chunk_rows_max) {
+    const int64_t chunk_rows = rows - first < chunk_rows_max ? rows - first : chunk_rows_max;
+    cudaError_t err = search(x + first * n, chunk_rows, n, k, rounds, s, stream);
+    if (err != cudaSuccess) return err;
+    constexpr int kRowThreads = 256;
+    write_threshold_kernel<<<static_cast<unsigned>((chunk_rows + kRowThreads - 1) / kRowThreads), kRowThreads, 0,
+                             stream>>>(s.states, chunk_rows, rounds, threshold + first, count + first);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace jaxcomp::cuda
