@@ -20,15 +20,16 @@ struct Rows {
 template <typename Dims>
 inline ffi::ErrorOr<Rows> RowsOf(const Dims& dims, const char* name) {
   if (dims.size() == 0) {
-    return ffi::Error::InvalidArgument(std::string(name) + " must have at least one dimension");
+    return ffi::Unexpected<ffi::Error>(
+        ffi::Error::InvalidArgument(std::string(name) + " must have at least one dimension"));
   }
   Rows r;
   r.n = dims.back();
   r.rows = 1;
   for (size_t i = 0; i + 1 < dims.size(); ++i) r.rows *= dims[i];
   if (r.n < 1 || r.n > INT32_MAX) {
-    return ffi::Error::InvalidArgument(std::string(name) + "'s last dimension must be in [1, 2^31 - 1], got " +
-                                       std::to_string(r.n));
+    return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(
+        std::string(name) + "'s last dimension must be in [1, 2^31 - 1], got " + std::to_string(r.n)));
   }
   return r;
 }

@@ -1,9 +1,81 @@
-// PLACEHOLDER until the zfp kernels land: every handler reports Unimplemented.
+// XLA FFI adapters of the ZFP-style codec on CPU: validate, then run kernels/zfp.h on XLA's
+// intra-op thread pool.
+#include <string>
+
+#include "ffi/common.h"
 #include "ffi/handlers.h"
+#include "ffi/thread_pool.h"
+#include "kernels/zfp.h"
 
 namespace ffi = xla::ffi;
 
-static ffi::Error NotYet(ffi::AnyBuffer) { return ffi::Error(ffi::ErrorCode::kUnimplemented, "not built yet"); }
+namespace {
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompZfpEncodeCpu, NotYet, ffi::Ffi::Bind().Arg<ffi::AnyBuffer>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompZfpDecodeCpu, NotYet, ffi::Ffi::Bind().Arg<ffi::AnyBuffer>());
+ffi::Error StatusToError(jaxcomp::ZfpStatus status) {
+  switch (status) {
+    case jaxcomp::ZfpStatus::kOk:
+      return ffi::Error::Success();
+    case jaxcomp::ZfpStatus::kBadRate:
+      return ffi::Error::InvalidArgument("rate must be in [1, 32]");
+    case jaxcomp::ZfpStatus::kBadShape:
+      break;
+  }
+  return ffi::Error::InvalidArgument("zfp: inconsistent shapes");
+}
+
+ffi::Error ZfpEncode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, int64_t rate, ffi::ResultBuffer<ffi::U32> words) {
+  if (ffi::Error e = jaxcomp_ffi::CheckRange(rate, 1, 32, "rate"); e.failure()) return e;
+  auto shape = jaxcomp_ffi::RowsOf(x.dimensions(), "x");
+  if (shape.has_error()) return shape.error();
+  const auto [rows, n] = shape.value();
+  const int64_t row_words = jaxcomp::zfp_num_words(n, static_cast<int>(rate));
+  auto out_shape = jaxcomp_ffi::RowsOf(words->dimensions(), "words");
+  if (out_shape.has_error()) return out_shape.error();
+  if (out_shape.value().rows != rows || out_shape.value().n != row_words) {
+    return ffi::Error::InvalidArgument("words (the result) must have " + std::to_string(rows) + " rows of " +
+                                       std::to_string(row_words) + " words for n=" + std::to_string(n) +
+                                       ", rate=" + std::to_string(rate));
+  }
+  return StatusToError(jaxcomp::zfp_encode(x.typed_data(), rows, n, static_cast<int>(rate), words->typed_data(),
+                                           jaxcomp_ffi::PoolParallel(pool)));
+}
+
+ffi::Error ZfpDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> words, int64_t n, int64_t rate,
+                     ffi::ResultBuffer<ffi::F32> x) {
+  if (ffi::Error e = jaxcomp_ffi::CheckRange(rate, 1, 32, "rate"); e.failure()) return e;
+  if (ffi::Error e = jaxcomp_ffi::CheckRange(n, 1, INT32_MAX, "n"); e.failure()) return e;
+  auto shape = jaxcomp_ffi::RowsOf(words.dimensions(), "words");
+  if (shape.has_error()) return shape.error();
+  const auto [rows, row_words] = shape.value();
+  const int64_t expected = jaxcomp::zfp_num_words(n, static_cast<int>(rate));
+  if (row_words != expected) {
+    return ffi::Error::InvalidArgument("words must have " + std::to_string(expected) +
+                                       " words in its last axis for n=" + std::to_string(n) +
+                                       ", rate=" + std::to_string(rate) + ", got " + std::to_string(row_words));
+  }
+  auto out_shape = jaxcomp_ffi::RowsOf(x->dimensions(), "x");
+  if (out_shape.has_error()) return out_shape.error();
+  if (out_shape.value().rows != rows || out_shape.value().n != n) {
+    return ffi::Error::InvalidArgument("x (the result) must have " + std::to_string(rows) + " rows of n=" +
+                                       std::to_string(n) + " values");
+  }
+  return StatusToError(jaxcomp::zfp_decode(words.typed_data(), rows, n, static_cast<int>(rate), x->typed_data(),
+                                           jaxcomp_ffi::PoolParallel(pool)));
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompZfpEncodeCpu, ZfpEncode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x: rows of float32 values
+                                  .Attr<int64_t>("rate")          // bits per value, 1..32
+                                  .Ret<ffi::Buffer<ffi::U32>>());  // words: rows of zfp_num_words(n, rate)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompZfpDecodeCpu, ZfpDecode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // words: rows of zfp_num_words(n, rate)
+                                  .Attr<int64_t>("n")             // values per row
+                                  .Attr<int64_t>("rate")          // bits per value, 1..32
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // x: rows of n float32 values

@@ -1,0 +1,173 @@
+// Row drivers of the ZFP-style fixed-rate codec (docs/kernels.md): encode/decode `rows x n`
+// float32 values to/from `rows x zfp_num_words(n, rate)` uint32 words, in parallel.
+//
+// Work is cut into groups of 8 blocks: 8 blocks x 4 * rate bits = `rate` whole words, so every
+// task writes whole words that no other task touches.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "kernels/parallel.h"
+#include "kernels/zfp_block.h"
+
+namespace jaxcomp {
+
+enum class ZfpStatus { kOk, kBadRate, kBadShape };
+
+inline constexpr zfp::CodeTables kZfpCodeTables = zfp::make_code_tables();
+
+// Blocks per group: one group is `rate` whole words.
+constexpr int64_t kZfpGroupBlocks = 8;
+
+// Rates 1-2 keep the row's exponent in one header word in front of the blocks.
+inline int64_t zfp_header_words(int rate) { return rate <= 2 ? 1 : 0; }
+
+inline int64_t zfp_num_words(int64_t n, int rate) {
+  const int64_t blocks = (n + 3) / 4;
+  return (blocks * 4 * rate + 31) / 32 + zfp_header_words(rate);
+}
+
+namespace zfp_detail {
+
+inline ZfpStatus check(int64_t rows, int64_t n, int rate) {
+  if (rate < 1 || rate > 32) return ZfpStatus::kBadRate;
+  if (rows < 0 || n < 1 || n > INT32_MAX) return ZfpStatus::kBadShape;
+  return ZfpStatus::kOk;
+}
+
+// Runs body(row, first_group, end_group) over every row's groups, cut into tasks of about equal
+// size (a task may span rows).
+template <typename Body>
+void for_each_group_range(int64_t rows, int64_t groups_per_row, const Parallel& parallel, const Body& body) {
+  const int64_t total = rows * groups_per_row;
+  if (total == 0) return;
+  // Small inputs run on the caller: waking threads costs more than a few thousand blocks.
+  constexpr int64_t kGroupsPerTask = 2048;
+  const int64_t tasks = std::max<int64_t>(1, std::min(parallel.concurrency * 4, total / kGroupsPerTask));
+  auto task = [&](int64_t t) {
+    int64_t begin, end;
+    split_range(total, tasks, t, 1, &begin, &end);
+    while (begin < end) {
+      const int64_t row = begin / groups_per_row;
+      const int64_t first = begin - row * groups_per_row;
+      const int64_t stop = std::min(groups_per_row, first + (end - begin));
+      body(row, first, stop);
+      begin += stop - first;
+    }
+  };
+  parallel.run(tasks, task);
+}
+
+}  // namespace zfp_detail
+
+// Encodes `rows` rows of `n` floats (row-major) into `rows * zfp_num_words(n, rate)` words.
+inline ZfpStatus zfp_encode(const float* x, int64_t rows, int64_t n, int rate, uint32_t* words,
+                            const Parallel& parallel) {
+  if (ZfpStatus s = zfp_detail::check(rows, n, rate); s != ZfpStatus::kOk) return s;
+  const zfp::CodeTables& tables = kZfpCodeTables;
+  const int64_t blocks = (n + 3) / 4;
+  const int64_t groups = (blocks + kZfpGroupBlocks - 1) / kZfpGroupBlocks;
+  const int64_t row_words = zfp_num_words(n, rate);
+  const int block_bits = 4 * rate;
+
+  if (rate >= 3) {
+    zfp_detail::for_each_group_range(rows, groups, parallel, [&](int64_t row, int64_t first, int64_t stop) {
+      const float* values = x + row * n;
+      zfp::BitWriter out(words + row * row_words, first * kZfpGroupBlocks * block_bits);
+      const int64_t end_block = std::min(blocks, stop * kZfpGroupBlocks);
+      uint32_t value_bits[4];
+      for (int64_t b = first * kZfpGroupBlocks; b < end_block; ++b) {
+        zfp::load_block(values, n, b, value_bits);
+        zfp::encode_block(value_bits, block_bits, tables, out);
+      }
+      out.flush();
+    });
+    return ZfpStatus::kOk;
+  }
+
+  // Rates 1-2: first every row's largest magnitude key (the row exponent), then the blocks.
+  std::unique_ptr<std::atomic<uint32_t>[]> row_max(new std::atomic<uint32_t>[rows]);
+  for (int64_t r = 0; r < rows; ++r) row_max[r].store(0, std::memory_order_relaxed);
+  zfp_detail::for_each_group_range(rows, groups, parallel, [&](int64_t row, int64_t first, int64_t stop) {
+    const float* values = x + row * n;
+    const int64_t end = std::min(n, stop * kZfpGroupBlocks * 4);
+    uint32_t local = 0;
+    for (int64_t i = first * kZfpGroupBlocks * 4; i < end; ++i) {
+      local = std::max(local, zfp::magnitude_key(zfp::float_bits(values[i])));
+    }
+    uint32_t seen = row_max[row].load(std::memory_order_relaxed);
+    while (seen < local && !row_max[row].compare_exchange_weak(seen, local, std::memory_order_relaxed)) {
+    }
+  });
+  zfp_detail::for_each_group_range(rows, groups, parallel, [&](int64_t row, int64_t first, int64_t stop) {
+    const float* values = x + row * n;
+    uint32_t* row_out = words + row * row_words;
+    const uint32_t header = zfp::row_header(row_max[row].load(std::memory_order_relaxed));
+    if (first == 0) row_out[0] = header;
+    zfp::BitWriter out(row_out, 32 + first * kZfpGroupBlocks * block_bits);
+    const int64_t end_block = std::min(blocks, stop * kZfpGroupBlocks);
+    const int64_t first_block = first * kZfpGroupBlocks;
+    if (header == 0 || header == zfp::kNonFiniteRowHeader) {
+      for (int64_t b = first_block; b < end_block; ++b) out.pad(block_bits);
+    } else {
+      const int emax = static_cast<int>(header) - 127;
+      uint32_t value_bits[4];
+      for (int64_t b = first_block; b < end_block; ++b) {
+        zfp::load_block(values, n, b, value_bits);
+        zfp::encode_coefficients(value_bits, emax, block_bits, tables, out);
+      }
+    }
+    out.flush();
+  });
+  return ZfpStatus::kOk;
+}
+
+// Decodes `rows * zfp_num_words(n, rate)` words into `rows` rows of `n` floats.
+inline ZfpStatus zfp_decode(const uint32_t* words, int64_t rows, int64_t n, int rate, float* x,
+                            const Parallel& parallel) {
+  if (ZfpStatus s = zfp_detail::check(rows, n, rate); s != ZfpStatus::kOk) return s;
+  const zfp::CodeTables& tables = kZfpCodeTables;
+  const int64_t blocks = (n + 3) / 4;
+  const int64_t groups = (blocks + kZfpGroupBlocks - 1) / kZfpGroupBlocks;
+  const int64_t row_words = zfp_num_words(n, rate);
+  const int block_bits = 4 * rate;
+  const int64_t header_bits = 32 * zfp_header_words(rate);
+
+  zfp_detail::for_each_group_range(rows, groups, parallel, [&](int64_t row, int64_t first, int64_t stop) {
+    const uint32_t* row_in = words + row * row_words;
+    float* values = x + row * n;
+    const int64_t first_block = first * kZfpGroupBlocks;
+    const int64_t end_block = std::min(blocks, stop * kZfpGroupBlocks);
+    zfp::BitReader in(row_in, row_words, header_bits + first_block * block_bits);
+    float decoded[4];
+    auto store = [&](int64_t b) {
+      const int64_t count = std::min<int64_t>(4, n - b * 4);
+      for (int64_t i = 0; i < count; ++i) values[b * 4 + i] = decoded[i];
+    };
+    if (rate >= 3) {
+      for (int64_t b = first_block; b < end_block; ++b) {
+        zfp::decode_block(in, block_bits, tables, decoded);
+        store(b);
+      }
+      return;
+    }
+    const uint32_t header = row_in[0];
+    if (header == 0 || header > 0xFF) {
+      const float fill = header == 0 ? 0.0f : zfp::bits_float(0x7FC00000u);
+      for (int i = 0; i < 4; ++i) decoded[i] = fill;
+      for (int64_t b = first_block; b < end_block; ++b) store(b);
+      return;
+    }
+    const int emax = static_cast<int>(header) - 127;
+    for (int64_t b = first_block; b < end_block; ++b) {
+      zfp::decode_coefficients(in, emax, block_bits, tables, decoded);
+      store(b);
+    }
+  });
+  return ZfpStatus::kOk;
+}
+
+}  // namespace jaxcomp

@@ -1,0 +1,440 @@
+// One block of the ZFP-style fixed-rate codec (docs/kernels.md): 4 floats <-> a fixed number of
+// bits. Shared by the CPU row driver (kernels/zfp.h) and the CUDA kernels, so everything here is
+// plain integer code: no std:: calls, no exceptions, no floating-point scaling (XLA may run
+// handlers with denormals flushed; integer code gives the same bits everywhere).
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define JAXCOMP_HD __host__ __device__
+#else
+#define JAXCOMP_HD
+#endif
+
+namespace jaxcomp {
+namespace zfp {
+
+constexpr int kBlockValues = 4;
+// Flag bit + 8-bit biased exponent in front of every block at rates >= 3.
+constexpr int kHeaderBits = 9;
+// Flag 1 with exponent field 0: a code zfp never writes, used for blocks holding NaN or +-Inf.
+constexpr uint32_t kNonFiniteHeader = 1;
+constexpr uint32_t kNegabinaryMask = 0xAAAAAAAAu;
+// Magnitude keys at or above this are +-Inf or NaN.
+constexpr uint32_t kNonFiniteKey = 0x7F800000u;
+// Rates 1-2: the row header word for a row with NaN or +-Inf (exponents are 1..255, 0 = zero row).
+constexpr uint32_t kNonFiniteRowHeader = 0x100;
+
+JAXCOMP_HD inline uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+JAXCOMP_HD inline float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+JAXCOMP_HD inline int count_leading_zeros(uint32_t x) {  // x != 0
+#if defined(__CUDA_ARCH__)
+  return __clz(x);
+#else
+  return __builtin_clz(x);
+#endif
+}
+
+JAXCOMP_HD inline int count_trailing_zeros(uint32_t x) {  // x != 0
+#if defined(__CUDA_ARCH__)
+  return __ffs(x) - 1;
+#else
+  return __builtin_ctz(x);
+#endif
+}
+
+JAXCOMP_HD constexpr int min_int(int a, int b) { return a < b ? a : b; }
+
+// ---------------------------------------------------------------------------------------------
+// Bit I/O: LSB first, bit j of a stream is bit j % 32 of word j / 32.
+
+// Writes whole words in order through a 64-bit window. It owns every bit from its start offset
+// to the end of the last word it writes (flush() zero-fills the rest of that word).
+struct BitWriter {
+  uint32_t* next;
+  uint64_t window;
+  int fill;  // valid bits in window, always < 32 between calls
+
+  // Keeps the bits below `bit_offset` in the first word (they belong to someone else).
+  JAXCOMP_HD BitWriter(uint32_t* words, int64_t bit_offset)
+      : next(words + (bit_offset >> 5)), window(0), fill(static_cast<int>(bit_offset & 31)) {
+    if (fill) window = *next & ((1u << fill) - 1u);
+  }
+
+  // `value` must have no bits at or above `count` (count <= 32).
+  JAXCOMP_HD void write(uint32_t value, int count) {
+    window |= static_cast<uint64_t>(value) << fill;
+    fill += count;
+    if (fill >= 32) {
+      *next++ = static_cast<uint32_t>(window);
+      window >>= 32;
+      fill -= 32;
+    }
+  }
+
+  JAXCOMP_HD void pad(int count) {
+    for (; count > 32; count -= 32) write(0, 32);
+    write(0, count);
+  }
+
+  JAXCOMP_HD void flush() {
+    if (fill) {
+      *next++ = static_cast<uint32_t>(window);
+      window = 0;
+      fill = 0;
+    }
+  }
+};
+
+// Reads through a 64-bit window holding at least 32 unread bits; never reads at or past `end`
+// (bits there read as zeros).
+struct BitReader {
+  const uint32_t* next;
+  const uint32_t* end;
+  uint64_t window;
+  int avail;  // valid bits in window, >= 32 between calls
+
+  JAXCOMP_HD BitReader(const uint32_t* words, int64_t num_words, int64_t bit_offset)
+      : next(words + (bit_offset >> 5)), end(words + num_words), window(0), avail(0) {
+    refill();
+    refill();
+    consume(static_cast<int>(bit_offset & 31));
+  }
+
+  JAXCOMP_HD void refill() {
+    if (next < end) window |= static_cast<uint64_t>(*next++) << avail;
+    avail += 32;
+  }
+
+  // The next 32 bits of the stream, without consuming them.
+  JAXCOMP_HD uint32_t peek() const { return static_cast<uint32_t>(window); }
+
+  JAXCOMP_HD void consume(int count) {  // count <= 32
+    window >>= count;
+    avail -= count;
+    if (avail < 32) refill();
+  }
+
+  JAXCOMP_HD uint32_t read(int count) {  // count <= 32
+    const uint32_t value = count == 32 ? peek() : peek() & ((1u << count) - 1u);
+    consume(count);
+    return value;
+  }
+
+  JAXCOMP_HD void skip(int64_t count) {
+    for (; count > 32; count -= 32) consume(32);
+    consume(static_cast<int>(count));
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Bit-plane code tables. A bit plane is 4 bits (bit i = bit k of coefficient i); `n` coefficients
+// are already significant. zfp's encode_few_ints writes a plane as its low n bits verbatim, then
+// a unary run-length code of the rest; its decode_few_ints mirrors it. Both are at most 7 bits,
+// so a plane is one table lookup. A plane cut short by the bit budget is the prefix of its full
+// code (zfp writes bit by bit and stops when the budget is spent).
+
+struct CodeTables {
+  // [n * 16 + plane]: code | length << 8 | next_n << 12.
+  uint16_t encode[5 * 16];
+  // [n * 128 + next 7 stream bits]: plane | length << 4 | next_n << 8.
+  uint16_t decode[5 * 128];
+};
+
+// zfp's run-length code of the plane's bits above the n significant ones (no budget).
+JAXCOMP_HD constexpr void encode_plane_full(uint32_t plane, int n, uint32_t* code, int* length, int* next_n) {
+  uint32_t bits = plane & ((1u << n) - 1u);
+  int len = n;
+  uint32_t x = plane >> n;
+  for (; n < 4; x >>= 1, ++n) {
+    bits |= (x != 0 ? 1u : 0u) << len++;
+    if (x == 0) break;
+    for (; n < 3; x >>= 1, ++n) {
+      bits |= (x & 1u) << len++;
+      if (x & 1u) break;
+    }
+  }
+  *code = bits;
+  *length = len;
+  *next_n = n;
+}
+
+// zfp's decoding of one plane from `stream` (LSB = next bit) with `budget` bits left.
+JAXCOMP_HD constexpr uint32_t decode_plane(uint32_t stream, int n, int budget, int* length, int* next_n) {
+  const int verbatim = min_int(n, budget);
+  uint32_t plane = stream & ((1u << verbatim) - 1u);
+  int len = verbatim;
+  budget -= verbatim;
+  for (; budget > 0 && n < 4; ++n) {
+    --budget;
+    if (!((stream >> len++) & 1u)) break;
+    for (; budget > 0 && n < 3; ++n) {
+      --budget;
+      if ((stream >> len++) & 1u) break;
+    }
+    plane |= 1u << n;
+  }
+  *length = len;
+  *next_n = n;
+  return plane;
+}
+
+JAXCOMP_HD constexpr CodeTables make_code_tables() {
+  CodeTables t{};
+  for (int n = 0; n <= 4; ++n) {
+    for (uint32_t plane = 0; plane < 16; ++plane) {
+      uint32_t code = 0;
+      int length = 0, next_n = 0;
+      encode_plane_full(plane, n, &code, &length, &next_n);
+      t.encode[n * 16 + plane] = static_cast<uint16_t>(code | length << 8 | next_n << 12);
+    }
+    for (uint32_t stream = 0; stream < 128; ++stream) {
+      int length = 0, next_n = 0;
+      const uint32_t plane = decode_plane(stream, n, 7, &length, &next_n);
+      t.decode[n * 128 + stream] = static_cast<uint16_t>(plane | length << 4 | next_n << 8);
+    }
+  }
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block transform.
+
+// Magnitude key of a float (bits without the sign): integer order is magnitude order.
+JAXCOMP_HD inline uint32_t magnitude_key(uint32_t bits) { return bits & 0x7FFFFFFFu; }
+
+// frexp exponent of a finite nonzero magnitude key, clamped to >= -126: E - 126 for biased
+// exponent E (denormals, E = 0, give -126).
+JAXCOMP_HD inline int block_exponent(uint32_t max_key) { return static_cast<int>(max_key >> 23) - 126; }
+
+// (int32)(f * 2^(30 - emax)) with C truncation, exactly, for |f| < 2^emax.
+JAXCOMP_HD inline int32_t quantize(uint32_t bits, int emax) {
+  const uint32_t biased = (bits >> 23) & 0xFFu;
+  const uint32_t mantissa = biased ? (bits & 0x7FFFFFu) | 0x800000u : bits & 0x7FFFFFu;
+  // f = mantissa * 2^(max(biased, 1) - 150); the shift is at most 7 because |f| < 2^emax.
+  const int shift = static_cast<int>(biased ? biased : 1u) - 120 - emax;
+  uint32_t magnitude;
+  if (shift >= 0) {
+    magnitude = mantissa << shift;
+  } else {
+    magnitude = shift > -32 ? mantissa >> -shift : 0u;
+  }
+  return static_cast<int32_t>((bits >> 31) ? 0u - magnitude : magnitude);
+}
+
+// (float)q * 2^(emax - 30), correctly rounded like ldexpf (denormal results included) without
+// touching the FPU's denormal modes.
+JAXCOMP_HD inline float dequantize(int32_t q, int emax) {
+  if (q == 0) return 0.0f;
+  const uint32_t bits = float_bits(static_cast<float>(q));  // exact or round-to-nearest-even
+  const uint32_t sign = bits & 0x80000000u;
+  const int exponent = static_cast<int>((bits >> 23) & 0xFFu) + emax - 30;
+  if (exponent >= 255) return bits_float(sign | 0x7F800000u);
+  if (exponent >= 1) return bits_float(sign | static_cast<uint32_t>(exponent) << 23 | (bits & 0x7FFFFFu));
+  // Denormal result: shift the 24-bit significand right, rounding half to even.
+  const int shift = 1 - exponent;
+  if (shift > 25) return bits_float(sign);
+  const uint32_t significand = (bits & 0x7FFFFFu) | 0x800000u;
+  uint32_t result = significand >> shift;
+  const uint32_t rest = significand & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  if (rest > half || (rest == half && (result & 1u))) ++result;  // may carry into the smallest normal
+  return bits_float(sign | result);
+}
+
+// zfp's forward lifting transform (1-D fwd_lift); no overflow for |q| < 2^30.
+JAXCOMP_HD inline void forward_lift(int32_t* q) {
+  int32_t x = q[0], y = q[1], z = q[2], w = q[3];
+  x += w; x >>= 1; w -= x;
+  z += y; z >>= 1; y -= z;
+  x += z; x >>= 1; z -= x;
+  w += y; w >>= 1; y -= w;
+  w += y >> 1; y -= w >> 1;
+  q[0] = x; q[1] = y; q[2] = z; q[3] = w;
+}
+
+// zfp's inv_lift. Decoded words may be arbitrary, so additions wrap (unsigned arithmetic) and
+// right shifts are arithmetic.
+JAXCOMP_HD inline void inverse_lift(int32_t* q) {
+  uint32_t x = static_cast<uint32_t>(q[0]), y = static_cast<uint32_t>(q[1]);
+  uint32_t z = static_cast<uint32_t>(q[2]), w = static_cast<uint32_t>(q[3]);
+  auto half = [](uint32_t v) { return static_cast<uint32_t>(static_cast<int32_t>(v) >> 1); };
+  y += half(w); w -= half(y);
+  y += w; w <<= 1; w -= y;
+  z += x; x <<= 1; x -= z;
+  y += z; z <<= 1; z -= y;
+  w += x; x <<= 1; x -= w;
+  q[0] = static_cast<int32_t>(x); q[1] = static_cast<int32_t>(y);
+  q[2] = static_cast<int32_t>(z); q[3] = static_cast<int32_t>(w);
+}
+
+JAXCOMP_HD inline uint32_t to_negabinary(int32_t q) {
+  return (static_cast<uint32_t>(q) + kNegabinaryMask) ^ kNegabinaryMask;
+}
+
+JAXCOMP_HD inline int32_t from_negabinary(uint32_t u) {
+  return static_cast<int32_t>((u ^ kNegabinaryMask) - kNegabinaryMask);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Coefficients: steps 4-7 of docs/kernels.md. Writes/reads exactly `bits` bits.
+
+template <typename Writer>
+JAXCOMP_HD inline void encode_coefficients(const uint32_t* value_bits, int emax, int bits, const CodeTables& tables,
+                                           Writer& out) {
+  int32_t q[4];
+  for (int i = 0; i < 4; ++i) q[i] = quantize(value_bits[i], emax);
+  forward_lift(q);
+  uint32_t u[4];
+  for (int i = 0; i < 4; ++i) u[i] = to_negabinary(q[i]);
+  const uint32_t any = u[0] | u[1] | u[2] | u[3];
+  if (any == 0) {
+    out.pad(bits);
+    return;
+  }
+  // Planes above the highest set bit cost one 0 bit each (nothing is significant yet).
+  int k = 31 - count_leading_zeros(any);
+  int zeros = min_int(31 - k, bits);
+  out.pad(zeros);
+  bits -= zeros;
+  int n = 0;
+  for (; k >= 0 && bits > 0; --k) {
+    const uint32_t plane =
+        ((u[0] >> k) & 1u) | ((u[1] >> k) & 1u) << 1 | ((u[2] >> k) & 1u) << 2 | ((u[3] >> k) & 1u) << 3;
+    const uint32_t entry = tables.encode[n * 16 + plane];
+    const int length = (entry >> 8) & 0xF;
+    if (length >= bits) {  // the budget ends inside this plane: write the prefix
+      out.write(entry & ((1u << bits) - 1u), bits);
+      bits = 0;
+      break;
+    }
+    out.write(entry & 0xFFu, length);
+    bits -= length;
+    n = entry >> 12;
+  }
+  out.pad(bits);
+}
+
+template <typename Reader>
+JAXCOMP_HD inline void decode_coefficients(Reader& in, int emax, int bits, const CodeTables& tables, float* values) {
+  uint32_t u[4] = {0, 0, 0, 0};
+  int n = 0, k = 31;
+  // Leading all-zero planes: one 0 bit each.
+  {
+    const uint32_t stream = in.peek();
+    const int zeros = min_int(stream ? count_trailing_zeros(stream) : 32, bits);
+    in.consume(zeros);
+    bits -= zeros;
+    k -= zeros;
+  }
+  for (; k >= 0 && bits > 0; --k) {
+    const uint32_t stream = in.peek();
+    const uint32_t entry = tables.decode[n * 128 + (stream & 0x7Fu)];
+    int length = (entry >> 4) & 0xF;
+    uint32_t plane = entry & 0xFu;
+    if (length > bits) {  // the budget ends inside this plane
+      int next_n = 0;
+      plane = decode_plane(stream, n, bits, &length, &next_n);
+    }
+    in.consume(length);
+    bits -= length;
+    n = entry >> 8;
+    for (int i = 0; i < 4; ++i) u[i] |= ((plane >> i) & 1u) << k;
+  }
+  in.skip(bits);
+  int32_t q[4];
+  for (int i = 0; i < 4; ++i) q[i] = from_negabinary(u[i]);
+  inverse_lift(q);
+  for (int i = 0; i < 4; ++i) values[i] = dequantize(q[i], emax);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Whole blocks.
+
+// Loads block `block` of a row of n values as bits, padded like zfp's 1-D pad_block.
+JAXCOMP_HD inline void load_block(const float* row, int64_t n, int64_t block, uint32_t* value_bits) {
+  const int64_t first = block * 4;
+  const int64_t valid = n - first;
+  if (valid >= 4) {
+    for (int i = 0; i < 4; ++i) value_bits[i] = float_bits(row[first + i]);
+    return;
+  }
+  value_bits[0] = float_bits(row[first]);
+  value_bits[1] = valid >= 2 ? float_bits(row[first + 1]) : value_bits[0];
+  value_bits[2] = valid >= 3 ? float_bits(row[first + 2]) : value_bits[1];
+  value_bits[3] = value_bits[0];
+}
+
+// Largest magnitude key of a block (>= kNonFiniteKey if it holds NaN or +-Inf).
+JAXCOMP_HD inline uint32_t max_key(const uint32_t* value_bits) {
+  uint32_t m = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t key = magnitude_key(value_bits[i]);
+    m = key > m ? key : m;
+  }
+  return m;
+}
+
+// Rates >= 3: a block with its own 9-bit header, `block_bits` = 4 * rate bits in all.
+template <typename Writer>
+JAXCOMP_HD inline void encode_block(const uint32_t* value_bits, int block_bits, const CodeTables& tables,
+                                    Writer& out) {
+  const uint32_t key = max_key(value_bits);
+  if (key >= kNonFiniteKey) {
+    out.write(kNonFiniteHeader, kHeaderBits);
+    out.pad(block_bits - kHeaderBits);
+  } else if (key == 0) {
+    out.write(0, 1);
+    out.pad(block_bits - 1);
+  } else {
+    const int emax = block_exponent(key);
+    out.write(2u * static_cast<uint32_t>(emax + 127) + 1u, kHeaderBits);
+    encode_coefficients(value_bits, emax, block_bits - kHeaderBits, tables, out);
+  }
+}
+
+template <typename Reader>
+JAXCOMP_HD inline void decode_block(Reader& in, int block_bits, const CodeTables& tables, float* values) {
+  const uint32_t header = in.peek();
+  if (!(header & 1u)) {
+    in.skip(block_bits);
+    for (int i = 0; i < 4; ++i) values[i] = 0.0f;
+    return;
+  }
+  const int biased = static_cast<int>((header >> 1) & 0xFFu);
+  in.consume(kHeaderBits);
+  if (biased == 0) {
+    in.skip(block_bits - kHeaderBits);
+    for (int i = 0; i < 4; ++i) values[i] = bits_float(0x7FC00000u);
+    return;
+  }
+  decode_coefficients(in, biased - 127, block_bits - kHeaderBits, tables, values);
+}
+
+// Rates 1-2: the row's header word from the row's largest magnitude key.
+JAXCOMP_HD inline uint32_t row_header(uint32_t row_max_key) {
+  if (row_max_key >= kNonFiniteKey) return kNonFiniteRowHeader;
+  if (row_max_key == 0) return 0;
+  return static_cast<uint32_t>(block_exponent(row_max_key) + 127);
+}
+
+}  // namespace zfp
+}  // namespace jaxcomp
