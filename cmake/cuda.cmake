@@ -19,7 +19,8 @@ nanobind_add_module(_jaxcomp_cuda NB_STATIC
   ffi/cuda_module.cc
   ffi/topk_cuda.cc
   ffi/zfp_cuda.cc
-  kernels/topk.cu)
+  kernels/topk.cu
+  kernels/zfp.cu)
 target_include_directories(_jaxcomp_cuda SYSTEM PRIVATE "${XLA_INCLUDE_DIR}")
 target_include_directories(_jaxcomp_cuda PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}")
 target_link_libraries(_jaxcomp_cuda PRIVATE CUDA::cudart_static)
@@ -29,8 +30,12 @@ target_compile_options(_jaxcomp_cuda PRIVATE
   # Any nvcc warning fails the build; ptxas reports register spills of the kernels.
   $<$<COMPILE_LANGUAGE:CUDA>:-O3 --Werror all-warnings -Xptxas=-warn-spills -Xcompiler=-Wall>)
 
+# Where a non-pip build puts the module: next to the Python sources (like `make dev`), or, for the
+# CI compile check (ci/compile_cuda.sh), in its build folder so the source tree stays CPU-only.
+set(JAXCOMP_CUDA_OUTPUT_DIR "${CMAKE_CURRENT_SOURCE_DIR}/jaxcomp" CACHE PATH
+    "Folder for _jaxcomp_cuda in builds outside pip (SKBUILD installs it into the jaxcomp package)")
 if(SKBUILD)
   install(TARGETS _jaxcomp_cuda LIBRARY DESTINATION jaxcomp)
 else()
-  set_target_properties(_jaxcomp_cuda PROPERTIES LIBRARY_OUTPUT_DIRECTORY "${CMAKE_CURRENT_SOURCE_DIR}/jaxcomp")
+  set_target_properties(_jaxcomp_cuda PROPERTIES LIBRARY_OUTPUT_DIRECTORY "${JAXCOMP_CUDA_OUTPUT_DIR}")
 endif()
