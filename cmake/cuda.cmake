@@ -12,7 +12,6 @@ set(CMAKE_CUDA_RUNTIME_LIBRARY Static)
 set(CMAKE_CUDA_STANDARD 17)
 set(CMAKE_CUDA_STANDARD_REQUIRED ON)
 enable_language(CUDA)
-find_package(CUDAToolkit REQUIRED)
 message(STATUS "jaxcomp CUDA module: nvcc ${CMAKE_CUDA_COMPILER_VERSION}, architectures ${CMAKE_CUDA_ARCHITECTURES}")
 
 nanobind_add_module(_jaxcomp_cuda NB_STATIC
@@ -23,8 +22,11 @@ nanobind_add_module(_jaxcomp_cuda NB_STATIC
   kernels/zfp.cu)
 target_include_directories(_jaxcomp_cuda SYSTEM PRIVATE "${XLA_INCLUDE_DIR}")
 target_include_directories(_jaxcomp_cuda PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}")
-target_link_libraries(_jaxcomp_cuda PRIVATE CUDA::cudart_static)
-set_target_properties(_jaxcomp_cuda PROPERTIES CUDA_RUNTIME_LIBRARY Static)
+# The C++ adapters include cuda_runtime_api.h. Headers and the static runtime come from the
+# toolkit of the CUDA compiler itself rather than from find_package(CUDAToolkit), which insists
+# on a shared libcudart.so that the PyPI wheels (nvidia-cuda-runtime) do not ship.
+target_include_directories(_jaxcomp_cuda SYSTEM PRIVATE ${CMAKE_CUDA_TOOLKIT_INCLUDE_DIRECTORIES})
+set_target_properties(_jaxcomp_cuda PROPERTIES CUDA_RUNTIME_LIBRARY Static CUDA_VISIBILITY_PRESET hidden)
 target_compile_options(_jaxcomp_cuda PRIVATE
   $<$<COMPILE_LANGUAGE:CXX>:-O3 -Wall -Wextra>
   # Any nvcc warning fails the build; ptxas reports register spills of the kernels.
