@@ -98,6 +98,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_digit_kernel(uint32_t* 
   const uint32_t bins = 1u << width;
   const RowState current = state[row];
   const uint32_t need = static_cast<uint32_t>(k) - current.above;  // >= 1 by the invariant C(hi) < k
+  __syncthreads();  // every thread has read state[row] before one of them overwrites it
 
   // Position j counts bin (bins - 1 - j): an inclusive prefix sum over j is a suffix sum over bins.
   uint32_t counts[kBinsPerThread];

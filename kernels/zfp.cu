@@ -132,6 +132,11 @@ __global__ void __launch_bounds__(kThreads) row_max_kernel(const float* __restri
   if (threadIdx.x % kWarp == 0 && local != 0) atomicMax(&words[row * row_words], local);
 }
 
+__global__ void zero_headers_kernel(uint32_t* __restrict__ words, int64_t rows, int64_t row_words) {
+  const int64_t row = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (row < rows) words[row * row_words] = 0;
+}
+
 // Rates 1-2, pass 3: the row's largest key -> the header word of docs/kernels.md.
 __global__ void row_header_kernel(uint32_t* __restrict__ words, int64_t rows, int64_t row_words) {
   const int64_t row = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
@@ -237,8 +242,8 @@ cudaError_t zfp_encode(const float* x, int64_t rows, int64_t n, int rate, uint32
   const int64_t row_words = zfp_num_words(n, rate);
   if (rate <= 2) {
     // Header words (one per row, row_words apart) start at 0 for the atomicMax.
-    err = cudaMemset2DAsync(words, row_words * sizeof(uint32_t), 0, sizeof(uint32_t), rows, stream);
-    if (err != cudaSuccess) return err;
+    const unsigned row_blocks = static_cast<unsigned>((rows + kThreads - 1) / kThreads);
+    zero_headers_kernel<<<row_blocks, kThreads, 0, stream>>>(words, rows, row_words);
     constexpr int64_t kTile = int64_t{kThreads} * 16;
     const int64_t tiles_per_row = (n + kTile - 1) / kTile;
     if (rows * tiles_per_row > INT32_MAX) return cudaErrorInvalidConfiguration;
@@ -247,8 +252,8 @@ cudaError_t zfp_encode(const float* x, int64_t rows, int64_t n, int rate, uint32
   }
   encode_kernel<<<grid, kThreads, 0, stream>>>(x, rows, n, rate, words);
   if (rate <= 2) {
-    row_header_kernel<<<static_cast<unsigned>((rows + kThreads - 1) / kThreads), kThreads, 0, stream>>>(words, rows,
-                                                                                                        row_words);
+    row_header_kernel<<<static_cast<unsigned>((rows + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+        words, rows, row_words);
   }
   return cudaGetLastError();
 }
