@@ -36,7 +36,8 @@ ffi::Error SelectImpl(cudaStream_t stream, ffi::ScratchAllocator& scratch, ffi::
   if (ffi::Error e = CheckResultDims(x.dimensions(), values->dimensions(), k, "values"); e.failure()) return e;
   if (ffi::Error e = CheckResultDims(x.dimensions(), indices->dimensions(), k, "indices"); e.failure()) return e;
   if (rows->rows == 0) return ffi::Error::Success();
-  ffi::ErrorOr<void*> work = AllocateScratch(scratch, jaxcomp::cuda::select_scratch_bytes(rows->rows, rows->n));
+  const size_t scratch_bytes = jaxcomp::cuda::select_scratch_bytes(rows->rows, rows->n, static_cast<int>(rounds));
+  ffi::ErrorOr<void*> work = AllocateScratch(scratch, scratch_bytes);
   if (work.has_error()) return work.error();
   return FromCuda(jaxcomp::cuda::select_topk(x.typed_data(), rows->rows, rows->n, k, static_cast<int>(rounds),
                                              values->typed_data(), indices->typed_data(), *work, stream),
@@ -64,7 +65,8 @@ ffi::Error FindThresholdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
   if (ffi::Error e = CheckRowResultDims(x.dimensions(), threshold->dimensions(), "threshold"); e.failure()) return e;
   if (ffi::Error e = CheckRowResultDims(x.dimensions(), count->dimensions(), "count"); e.failure()) return e;
   if (rows->rows == 0) return ffi::Error::Success();
-  ffi::ErrorOr<void*> work = AllocateScratch(scratch, jaxcomp::cuda::select_scratch_bytes(rows->rows, rows->n));
+  const size_t scratch_bytes = jaxcomp::cuda::select_scratch_bytes(rows->rows, rows->n, static_cast<int>(rounds));
+  ffi::ErrorOr<void*> work = AllocateScratch(scratch, scratch_bytes);
   if (work.has_error()) return work.error();
   return FromCuda(jaxcomp::cuda::find_threshold(x.typed_data(), rows->rows, rows->n, k, static_cast<int>(rounds),
                                                 threshold->typed_data(), count->typed_data(), *work, stream),

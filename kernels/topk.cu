@@ -9,10 +9,11 @@
 //
 // Compaction to exactly k then keeps every key >= hi and the lowest-index keys in [lo, hi): an
 // entry i lands at output position A_i + min(T_i, need), where A_i and T_i count the entries above
-// and in the bracket before i. A count pass, a per-row scan of the tile counts and a write pass
-// compute that position without any sort, in ascending index order.
+// and in the bracket before i. The last histogram pass keeps each tile's own histogram, which
+// gives every tile its counts above and in the bracket once the last digit is chosen; a scan of
+// those counts and one write pass then place every entry without any sort, in ascending index
+// order. Threshold top-k thus reads memory 3 times at the default rounds, exact top-k 4 times.
 #include <cub/block/block_load.cuh>
-#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include <cstdint>
@@ -33,8 +34,10 @@ static_assert(kTile < (1 << 16), "tile counts must fit in 16 bits");
 constexpr int kSelectThreads = 256;
 constexpr int kBinsPerThread = kBins / kSelectThreads;
 static_assert(kBins % kSelectThreads == 0, "bins must split evenly over the select block");
-// Bounds the per-row histograms in scratch (8 KiB a row); more rows are processed in chunks.
+// Rows are processed in chunks to bound scratch: per-row histograms (8 KiB a row) and per-tile
+// histograms (up to 8 KiB per 32 KiB tile), so at most 4096 rows and 2^28 values at a time.
 constexpr int64_t kMaxRowsPerChunk = 4096;
+constexpr int64_t kMaxValuesPerChunk = int64_t{1} << 28;
 constexpr size_t kScratchAlign = 256;
 
 // Search state of one row, carried from pass to pass.
@@ -47,27 +50,35 @@ struct RowState {
 __device__ __forceinline__ uint32_t magnitude_key(float value) { return __float_as_uint(value) & 0x7FFFFFFFu; }
 
 // Adds the keys of one tile that share the row's resolved prefix to the row's histogram of the
-// next `width` key bits.
+// next `width` key bits. In the last pass (`tile_histograms` not null) the tile also keeps its own
+// histogram and the number of its keys above the prefix, (1 << width) + 1 words a tile: once the
+// last digit is known, they give the tile's counts above and inside the final bracket without
+// another pass over memory.
 __global__ void __launch_bounds__(kThreads) histogram_kernel(const float* __restrict__ x, int64_t n,
                                                              int64_t tiles_per_row,
                                                              const RowState* __restrict__ state,
                                                              uint32_t* __restrict__ histograms, int resolved,
-                                                             int width) {
+                                                             int width, uint32_t* __restrict__ tile_histograms) {
   __shared__ uint32_t local[kBins];
+  __shared__ uint32_t local_above;
   const int64_t row = blockIdx.x / tiles_per_row;
   const int64_t begin = (blockIdx.x % tiles_per_row) * kTile;
   const int64_t end = n < begin + kTile ? n : begin + kTile;
   const uint32_t bins = 1u << width;
   for (uint32_t b = threadIdx.x; b < bins; b += kThreads) local[b] = 0;
+  if (threadIdx.x == 0) local_above = 0;
   __syncthreads();
 
   const uint32_t prefix = state[row].prefix;
   const int prefix_shift = kKeyBits - resolved;  // in [1, 31]: resolved < rounds <= 31
   const int digit_shift = prefix_shift - width;  // >= 0
   const float* row_x = x + row * n;
+  uint32_t above = 0;
   auto count = [&](float value) {
     const uint32_t key = magnitude_key(value);
-    if ((key >> prefix_shift) == prefix) atomicAdd(&local[(key >> digit_shift) & (bins - 1)], 1u);
+    const uint32_t key_prefix = key >> prefix_shift;
+    if (key_prefix == prefix) atomicAdd(&local[(key >> digit_shift) & (bins - 1)], 1u);
+    above += key_prefix > prefix ? 1u : 0u;
   };
   if (end - begin == kTile) {
     float values[kItemsPerThread];
@@ -78,11 +89,20 @@ __global__ void __launch_bounds__(kThreads) histogram_kernel(const float* __rest
   } else {
     for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) count(row_x[i]);
   }
+  if (tile_histograms != nullptr) {
+    above = __reduce_add_sync(0xFFFFFFFFu, above);
+    if (threadIdx.x % 32 == 0 && above != 0) atomicAdd(&local_above, above);
+  }
   __syncthreads();
 
   uint32_t* row_histogram = histograms + row * kBins;
   for (uint32_t b = threadIdx.x; b < bins; b += kThreads) {
     if (local[b] != 0) atomicAdd(&row_histogram[b], local[b]);
+  }
+  if (tile_histograms != nullptr) {
+    uint32_t* tile_histogram = tile_histograms + int64_t{blockIdx.x} * (bins + 1);
+    for (uint32_t b = threadIdx.x; b < bins; b += kThreads) tile_histogram[b] = local[b];
+    if (threadIdx.x == 0) tile_histogram[bins] = local_above;
   }
 }
 
@@ -151,32 +171,25 @@ __device__ __forceinline__ uint32_t classify(uint32_t key, Bracket b) {
   return key >= b.hi ? 1u : (key >= b.lo ? (1u << 16) : 0u);
 }
 
-// Per tile: how many entries are above the bracket and how many are in it.
-__global__ void __launch_bounds__(kThreads) count_tile_kernel(const float* __restrict__ x, int64_t n,
-                                                              int64_t tiles_per_row,
-                                                              const RowState* __restrict__ state, int rounds,
-                                                              uint64_t* __restrict__ tile_counts) {
-  using BlockReduce = cub::BlockReduce<uint32_t, kThreads>;
-  __shared__ typename BlockReduce::TempStorage reduce_storage;
-  const int64_t row = blockIdx.x / tiles_per_row;
-  const int64_t begin = (blockIdx.x % tiles_per_row) * kTile;
-  const int64_t end = n < begin + kTile ? n : begin + kTile;
-  const Bracket bracket = bracket_of(state[row], rounds);
-  const float* row_x = x + row * n;
-  uint32_t packed = 0;
-  if (end - begin == kTile) {
-    float values[kItemsPerThread];
-#pragma unroll
-    for (int j = 0; j < kItemsPerThread; ++j) values[j] = row_x[begin + j * kThreads + threadIdx.x];
-#pragma unroll
-    for (int j = 0; j < kItemsPerThread; ++j) packed += classify(magnitude_key(values[j]), bracket);
-  } else {
-    for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) packed += classify(magnitude_key(row_x[i]), bracket);
-  }
-  const uint32_t total = BlockReduce(reduce_storage).Sum(packed);
-  if (threadIdx.x == 0) {
+// Per tile, from its last-pass histogram: how many entries are above the final bracket and how
+// many are in it, packed as (above) | (in bracket) << 32. One warp per tile.
+__global__ void __launch_bounds__(kThreads) tile_counts_kernel(const uint32_t* __restrict__ tile_histograms,
+                                                               int64_t tiles, int64_t tiles_per_row,
+                                                               const RowState* __restrict__ state, int width,
+                                                               uint64_t* __restrict__ tile_counts) {
+  const int64_t tile = (int64_t{blockIdx.x} * kThreads + threadIdx.x) / 32;
+  if (tile >= tiles) return;  // whole warps: `tile` is the same on every lane
+  const int lane = threadIdx.x % 32;
+  const uint32_t bins = 1u << width;
+  const uint32_t digit = state[tile / tiles_per_row].prefix & (bins - 1);  // the last pass's digit
+  const uint32_t* tile_histogram = tile_histograms + tile * (bins + 1);
+  uint32_t above = 0;
+  for (uint32_t b = digit + 1 + lane; b < bins; b += 32) above += tile_histogram[b];
+  above = __reduce_add_sync(0xFFFFFFFFu, above);
+  if (lane == 0) {
+    above += tile_histogram[bins];  // keys already above the prefix before the last pass
     // Row-wide sums stay below 2^31 each, so (above, in bracket) pack into 32-bit halves.
-    tile_counts[blockIdx.x] = uint64_t{total & 0xFFFFu} | (uint64_t{total >> 16} << 32);
+    tile_counts[tile] = uint64_t{above} | (uint64_t{tile_histogram[digit]} << 32);
   }
 }
 
@@ -260,38 +273,57 @@ int64_t tiles_per_row_of(int64_t n) { return (n + kTile - 1) / kTile; }
 
 size_t align_up(size_t bytes) { return (bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign; }
 
-// Scratch layout for `chunk_rows` rows: histograms | states | tile counts.
+// Width of the last radix pass: rounds are resolved kDigitBits at a time, the rest at the end.
+int last_width(int rounds) { return rounds - kDigitBits * ((rounds - 1) / kDigitBits); }
+
+// Scratch layout for `chunk_rows` rows: histograms | states | tile histograms | tile counts.
 struct ScratchLayout {
   uint32_t* histograms;
   RowState* states;
+  uint32_t* tile_histograms;
   uint64_t* tile_counts;
 };
 
 size_t histogram_bytes(int64_t chunk_rows) { return align_up(chunk_rows * kBins * sizeof(uint32_t)); }
 size_t state_bytes(int64_t chunk_rows) { return align_up(chunk_rows * sizeof(RowState)); }
+size_t tile_histogram_bytes(int64_t tiles, int rounds) {
+  return align_up(tiles * ((int64_t{1} << last_width(rounds)) + 1) * sizeof(uint32_t));
+}
+size_t tile_count_bytes(int64_t tiles) { return align_up(tiles * sizeof(uint64_t)); }
 
-ScratchLayout layout_of(void* scratch, int64_t chunk_rows) {
-  char* base = static_cast<char*>(scratch);
+int64_t chunk_rows_of(int64_t rows, int64_t n) {
+  int64_t chunk = kMaxValuesPerChunk / n;
+  chunk = chunk < 1 ? 1 : (chunk > kMaxRowsPerChunk ? kMaxRowsPerChunk : chunk);
+  return rows < chunk ? rows : chunk;
+}
+
+ScratchLayout layout_of(void* scratch, int64_t chunk_rows, int64_t n, int rounds) {
+  const int64_t tiles = chunk_rows * tiles_per_row_of(n);
+  char* at = static_cast<char*>(scratch);
   ScratchLayout layout;
-  layout.histograms = reinterpret_cast<uint32_t*>(base);
-  layout.states = reinterpret_cast<RowState*>(base + histogram_bytes(chunk_rows));
-  layout.tile_counts = reinterpret_cast<uint64_t*>(base + histogram_bytes(chunk_rows) + state_bytes(chunk_rows));
+  layout.histograms = reinterpret_cast<uint32_t*>(at);
+  at += histogram_bytes(chunk_rows);
+  layout.states = reinterpret_cast<RowState*>(at);
+  at += state_bytes(chunk_rows);
+  layout.tile_histograms = reinterpret_cast<uint32_t*>(at);
+  at += tile_histogram_bytes(tiles, rounds);
+  layout.tile_counts = reinterpret_cast<uint64_t*>(at);
   return layout;
 }
 
-int64_t chunk_rows_of(int64_t rows) { return rows < kMaxRowsPerChunk ? rows : kMaxRowsPerChunk; }
-
-// Runs the radix passes for `chunk_rows` rows starting at `x`; leaves each row's state final.
-cudaError_t search(const float* x, int64_t chunk_rows, int64_t n, int64_t k, int rounds, const ScratchLayout& s,
-                   cudaStream_t stream) {
+// Runs the radix passes for `chunk_rows` rows starting at `x`, leaving each row's state final
+// and, if `keep_tiles`, the last pass's per-tile histograms in scratch.
+cudaError_t search(const float* x, int64_t chunk_rows, int64_t n, int64_t k, int rounds, bool keep_tiles,
+                   const ScratchLayout& s, cudaStream_t stream) {
   // Zeroed histograms and states: prefix 0 and above 0 are the state before any round.
   cudaError_t err = cudaMemsetAsync(s.histograms, 0, histogram_bytes(chunk_rows) + state_bytes(chunk_rows), stream);
   if (err != cudaSuccess) return err;
   const int64_t tiles = tiles_per_row_of(n);
   for (int resolved = 0; resolved < rounds;) {
     const int width = rounds - resolved < kDigitBits ? rounds - resolved : kDigitBits;
-    histogram_kernel<<<static_cast<unsigned>(chunk_rows * tiles), kThreads, 0, stream>>>(x, n, tiles, s.states,
-                                                                                        s.histograms, resolved, width);
+    const bool last = resolved + width == rounds;
+    histogram_kernel<<<static_cast<unsigned>(chunk_rows * tiles), kThreads, 0, stream>>>(
+        x, n, tiles, s.states, s.histograms, resolved, width, last && keep_tiles ? s.tile_histograms : nullptr);
     select_digit_kernel<<<static_cast<unsigned>(chunk_rows), kSelectThreads, 0, stream>>>(s.histograms, s.states, k,
                                                                                           width);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
@@ -302,27 +334,31 @@ cudaError_t search(const float* x, int64_t chunk_rows, int64_t n, int64_t k, int
 
 }  // namespace
 
-size_t select_scratch_bytes(int64_t rows, int64_t n) {
-  const int64_t chunk_rows = chunk_rows_of(rows);
-  return histogram_bytes(chunk_rows) + state_bytes(chunk_rows) +
-         align_up(chunk_rows * tiles_per_row_of(n) * sizeof(uint64_t));
+size_t select_scratch_bytes(int64_t rows, int64_t n, int rounds) {
+  const int64_t chunk_rows = chunk_rows_of(rows, n);
+  const int64_t tiles = chunk_rows * tiles_per_row_of(n);
+  return histogram_bytes(chunk_rows) + state_bytes(chunk_rows) + tile_histogram_bytes(tiles, rounds) +
+         tile_count_bytes(tiles);
 }
 
 cudaError_t select_topk(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* values,
                         int32_t* indices, void* scratch, cudaStream_t stream) {
-  const int64_t chunk_rows_max = chunk_rows_of(rows);
-  const ScratchLayout s = layout_of(scratch, chunk_rows_max);
-  const int64_t tiles = tiles_per_row_of(n);
+  const int64_t chunk_rows_max = chunk_rows_of(rows, n);
+  const ScratchLayout s = layout_of(scratch, chunk_rows_max, n, rounds);
+  const int64_t tiles_per_row = tiles_per_row_of(n);
   for (int64_t first = 0; first < rows; first += chunk_rows_max) {
     const int64_t chunk_rows = rows - first < chunk_rows_max ? rows - first : chunk_rows_max;
     const float* chunk_x = x + first * n;
-    cudaError_t err = search(chunk_x, chunk_rows, n, k, rounds, s, stream);
+    cudaError_t err = search(chunk_x, chunk_rows, n, k, rounds, /*keep_tiles=*/true, s, stream);
     if (err != cudaSuccess) return err;
-    const unsigned blocks = static_cast<unsigned>(chunk_rows * tiles);
-    count_tile_kernel<<<blocks, kThreads, 0, stream>>>(chunk_x, n, tiles, s.states, rounds, s.tile_counts);
-    scan_tiles_kernel<<<static_cast<unsigned>(chunk_rows), kThreads, 0, stream>>>(s.tile_counts, tiles);
-    write_selection_kernel<<<blocks, kThreads, 0, stream>>>(chunk_x, n, k, tiles, s.states, rounds, s.tile_counts,
-                                                            values + first * k, indices + first * k);
+    const int64_t tiles = chunk_rows * tiles_per_row;
+    constexpr int64_t kTilesPerBlock = kThreads / 32;
+    tile_counts_kernel<<<static_cast<unsigned>((tiles + kTilesPerBlock - 1) / kTilesPerBlock), kThreads, 0,
+                         stream>>>(s.tile_histograms, tiles, tiles_per_row, s.states, last_width(rounds),
+                                   s.tile_counts);
+    scan_tiles_kernel<<<static_cast<unsigned>(chunk_rows), kThreads, 0, stream>>>(s.tile_counts, tiles_per_row);
+    write_selection_kernel<<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(
+        chunk_x, n, k, tiles_per_row, s.states, rounds, s.tile_counts, values + first * k, indices + first * k);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   return cudaSuccess;
@@ -330,11 +366,11 @@ cudaError_t select_topk(const float* x, int64_t rows, int64_t n, int64_t k, int 
 
 cudaError_t find_threshold(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
                            int32_t* count, void* scratch, cudaStream_t stream) {
-  const int64_t chunk_rows_max = chunk_rows_of(rows);
-  const ScratchLayout s = layout_of(scratch, chunk_rows_max);
+  const int64_t chunk_rows_max = chunk_rows_of(rows, n);
+  const ScratchLayout s = layout_of(scratch, chunk_rows_max, n, rounds);
   for (int64_t first = 0; first < rows; first += chunk_rows_max) {
     const int64_t chunk_rows = rows - first < chunk_rows_max ? rows - first : chunk_rows_max;
-    cudaError_t err = search(x + first * n, chunk_rows, n, k, rounds, s, stream);
+    cudaError_t err = search(x + first * n, chunk_rows, n, k, rounds, /*keep_tiles=*/false, s, stream);
     if (err != cudaSuccess) return err;
     constexpr int kRowThreads = 256;
     write_threshold_kernel<<<static_cast<unsigned>((chunk_rows + kRowThreads - 1) / kRowThreads), kRowThreads, 0,

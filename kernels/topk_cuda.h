@@ -3,7 +3,7 @@
 // Semantics are those of docs/kernels.md: magnitude key bits(x) & 0x7FFFFFFF (NaN largest), the
 // bisection definition of `rounds`, ties to the lower index, output in ascending index order.
 // Everything is enqueued on `stream`; nothing synchronizes with the host or allocates: the caller
-// passes `scratch` of at least select_scratch_bytes(rows, n) bytes (256-byte aligned).
+// passes `scratch` of at least select_scratch_bytes(rows, n, rounds) bytes (256-byte aligned).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -14,7 +14,7 @@
 namespace jaxcomp::cuda {
 
 // Device scratch needed by select_topk / find_threshold for `rows` rows of `n` values.
-size_t select_scratch_bytes(int64_t rows, int64_t n);
+size_t select_scratch_bytes(int64_t rows, int64_t n, int rounds);
 
 // Writes, per row, the k selected entries of threshold_topk(x, k, rounds) in ascending index
 // order; rounds = 31 is exact top-k. x: [rows, n]; values, indices: [rows, k].
