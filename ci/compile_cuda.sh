@@ -18,7 +18,10 @@ BUILD=build/ci-cuda
 
 # The wheels unpack the toolkit under site-packages/nvidia/cu13 (bin/nvcc, include/, include/cccl,
 # lib/libcudart_static.a).
-CUDA_ROOT="$("$PY" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')"
+CUDA_ROOT="$("$PY" -c '
+import os, nvidia
+print(next(os.path.join(p, "cu13") for p in nvidia.__path__ if os.path.exists(os.path.join(p, "cu13", "bin", "nvcc"))))
+')"
 NVCC="$CUDA_ROOT/bin/nvcc"
 "$NVCC" --version | tail -n 2
 
