@@ -51,9 +51,10 @@ _INSTALL_CUDA = (
 # on the CPU it lowers to nothing. (Without it, XLA would fail later, with an error that names no
 # cause, about an unregistered custom call.)
 _require_cuda_module_p = jax.extend.core.Primitive("jaxcomp_require_cuda_module")
-# Eager calls go through jit too, so that they lower for the device that holds the operand.
-_require_cuda_module_p.def_impl(lambda x: jax.jit(_require_cuda_module_p.bind)(x))
 _require_cuda_module_p.def_abstract_eval(lambda x: x)
+# Eager calls go through jit too, so that they lower for the device that holds the operand.
+_require_cuda_module_jit = jax.jit(_require_cuda_module_p.bind)
+_require_cuda_module_p.def_impl(lambda x: _require_cuda_module_jit(x))
 mlir.register_lowering(_require_cuda_module_p, lambda ctx, x: [x])
 
 
