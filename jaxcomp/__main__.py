@@ -9,6 +9,7 @@ import sys
 # `jaxcomp --help` stays fast.
 COMMANDS = {
     "demo": ("jaxcomp.kernel_demo", "the main demo (for now: the kernels demo)"),
+    "advise": ("jaxcomp.advise", "will gradient compression help? predicted step time per method"),
     "kernels": ("jaxcomp.kernel_demo", "the three kernels on a realistic gradient, beside jax.lax.top_k and zfpy"),
 }
 
