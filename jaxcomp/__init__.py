@@ -10,7 +10,8 @@ Native kernels (XLA FFI custom calls) compress gradients before they cross the n
 compare kernels against it. ``docs/kernels.md`` states the exact semantics.
 """
 
-from jaxcomp import reference
+from jaxcomp import adaptive, cost, reference
+from jaxcomp.probe import probe
 from jaxcomp.topk import DEFAULT_ROUNDS, find_threshold, threshold_topk, topk
 from jaxcomp.zfp import zfp_decode, zfp_encode, zfp_num_words
 
@@ -18,6 +19,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_ROUNDS",
+    "adaptive",
+    "cost",
+    "probe",
     "find_threshold",
     "reference",
     "threshold_topk",
