@@ -10,7 +10,8 @@ Native kernels (XLA FFI custom calls) compress gradients before they cross the n
 compare kernels against it. ``docs/kernels.md`` states the exact semantics.
 """
 
-from jaxcomp import reference
+from jaxcomp import adaptive, cost, reference
+from jaxcomp.probe import probe
 from jaxcomp.topk import DEFAULT_ROUNDS, find_threshold, threshold_topk, topk
 from jaxcomp.train import DataParallel, TrainState, data_parallel
 from jaxcomp.transform import CompressMetrics, CompressState, compress, find_compress_state
@@ -24,9 +25,12 @@ __all__ = [
     "DEFAULT_ROUNDS",
     "DataParallel",
     "TrainState",
+    "adaptive",
     "compress",
+    "cost",
     "data_parallel",
     "find_compress_state",
+    "probe",
     "find_threshold",
     "reference",
     "threshold_topk",

@@ -8,6 +8,8 @@ raises :class:`MissingCudaModuleError` instead of silently running somewhere els
 from __future__ import annotations
 
 import jax
+import jax.extend
+from jax.interpreters import batching, mlir
 
 from jaxcomp import _jaxcomp_cpu
 
@@ -36,3 +38,50 @@ HAS_CUDA = _jaxcomp_cuda is not None
 
 class MissingCudaModuleError(RuntimeError):
     """A jaxcomp op was asked to run on a GPU, but this build has no CUDA module."""
+
+
+_INSTALL_CUDA = (
+    "jaxcomp was built without its CUDA module, so its ops cannot run on a GPU. Rebuild it with "
+    "`pip install -Ccmake.define.JAXCOMP_CUDA=ON .` (CUDA 13 nvcc and jax[cuda13]; see docs/gpu.md), "
+    "or put the inputs on the CPU: jax.device_put(x, jax.devices('cpu')[0])."
+)
+
+# An identity on the operands of every jaxcomp op in builds without the CUDA module. Its lowering
+# for a GPU raises MissingCudaModuleError, at trace-and-lower time, with the fix in the message;
+# on the CPU it lowers to nothing. (Without it, XLA would fail later, with an error that names no
+# cause, about an unregistered custom call.)
+_require_cuda_module_p = jax.extend.core.Primitive("jaxcomp_require_cuda_module")
+_require_cuda_module_p.def_abstract_eval(lambda x: x)
+# Eager calls go through jit too, so that they lower for the device that holds the operand.
+_require_cuda_module_jit = jax.jit(_require_cuda_module_p.bind)
+_require_cuda_module_p.def_impl(lambda x: _require_cuda_module_jit(x))
+mlir.register_lowering(_require_cuda_module_p, lambda ctx, x: [x])
+
+
+def _refuse_gpu(message):
+    def lowering(ctx, x):
+        raise MissingCudaModuleError(message)
+    return lowering
+
+
+mlir.register_lowering(_require_cuda_module_p, _refuse_gpu(_INSTALL_CUDA), platform="cuda")
+mlir.register_lowering(_require_cuda_module_p, _refuse_gpu("jaxcomp has no ROCm kernels; run its ops on the CPU"),
+                       platform="rocm")
+batching.primitive_batchers[_require_cuda_module_p] = lambda args, dims: (_require_cuda_module_p.bind(*args), dims[0])
+
+
+def require_cuda_module(x):
+    """Returns ``x``; lowering it for a GPU raises :class:`MissingCudaModuleError`."""
+    return _require_cuda_module_p.bind(x)
+
+
+def ffi_call(target, result_shape_dtypes, *, vmap_method="broadcast_all"):
+    """``jax.ffi.ffi_call`` for a jaxcomp target, refusing GPUs in builds without the CUDA module."""
+    call = jax.ffi.ffi_call(target, result_shape_dtypes, vmap_method=vmap_method)
+    if HAS_CUDA:
+        return call
+
+    def guarded(*operands, **attributes):
+        return call(*(require_cuda_module(x) for x in operands), **attributes)
+
+    return guarded

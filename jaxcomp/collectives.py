@@ -307,10 +307,9 @@ def _varying_axes(x):
 def _like_varying(out, like):
     """Types a kernel's result as varying over the axes ``like`` varies over.
 
-    ``ffi_call`` results come out typed invariant under ``check_vma=True`` whatever their inputs,
-    yet they are per-device values; left so, ``psum`` would multiply them by the axis size instead
-    of summing and ``all_gather``/``ppermute`` could skip the exchange. The cast costs nothing at run
-    time.
+    ``ffi_call`` results come out typed invariant (replicated) under ``check_vma=True`` whatever
+    their inputs, yet they differ per device; left so, the type checks that guard collectives and
+    ``out_specs`` would accept per-device values as replicated. The cast costs nothing at run time.
     """
     missing = tuple(_varying_axes(like) - _varying_axes(out))
     return jax.lax.pcast(out, missing, to="varying") if missing else out
@@ -357,7 +356,7 @@ def psum(x, axis_name):
       axis_name: the mesh axis to sum over.
 
     Returns:
-      ``(total, sent)``: the sum over the axis (dtype of ``x``, summed in that dtype by XLA) and
+      ``(total, sent)``: the sum over the axis (dtype of ``x``, XLA's all-reduce) and
       ``x`` itself (nothing is lost, so error feedback stays zero).
 
     Example:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp import _checks, _ffi  # noqa: F401  (_ffi registers the targets)
+from jaxcomp import _checks, _ffi
 
 #: Bisection rounds of the threshold search by default: 8 exponent bits and 8 mantissa bits, all
 #: resolved by one 16-bit histogram pass over memory; selected and unselected magnitudes are then
@@ -19,7 +19,7 @@ DEFAULT_ROUNDS = 16
 
 def _rows_call(target, x, result_shapes, **attrs):
     """Calls ``target`` on float32 ``x`` (any leading dims) with int64 attributes."""
-    call = jax.ffi.ffi_call(target, result_shapes, vmap_method="broadcast_all")
+    call = _ffi.ffi_call(target, result_shapes, vmap_method="broadcast_all")
     return call(x.astype(jnp.float32), **{name: np.int64(v) for name, v in attrs.items()})
 
 

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jaxcomp
 from jaxcomp import collectives
 from jaxcomp.zfp import zfp_num_words
-from helpers import count_compilations, need_devices
+from helpers import assert_trees_equal, count_compilations, need_devices
 
 
 # ----------------------------------------------------------------------------------------------
@@ -489,6 +489,23 @@ def test_quantized_psum_zero_input_and_one_device():
     total, sent = sharded(mesh_1d(1), lambda x, k: collectives.quantized_psum(x, 4, AXIS, k), 1)(X, key)
     np.testing.assert_array_equal(total, X)
     np.testing.assert_array_equal(sent, X)
+
+
+@pytest.mark.parametrize("method", ["allgather_topk", "ar_topk", "zfp_allreduce", "quantized_psum"])
+def test_same_result_without_vma_checks(method):
+    """shard_map(check_vma=False) (no varying/invariant typing) computes the same bits."""
+    fn = {
+        "allgather_topk": lambda x, s, key: collectives.allgather_topk(x, 5, AXIS),
+        "ar_topk": lambda x, s, key: collectives.ar_topk(x, 5, AXIS, "var"),
+        "zfp_allreduce": lambda x, s, key: collectives.zfp_allreduce(x, 8, AXIS, "recursive_doubling"),
+        "quantized_psum": lambda x, s, key: collectives.quantized_psum(x, 4, AXIS, key),
+    }[method]
+    mesh = mesh_1d(6)
+    x = jnp.asarray(gradients(6, 40, jnp.float32)).reshape(-1)
+    results = [jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=(P(AXIS), P(AXIS)),
+                                     check_vma=check))(x, jnp.int32(2), jax.random.key(5))
+               for check in (True, False)]
+    assert_trees_equal(*results)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# CI compile check of the CUDA module, on a machine without a GPU.
+#
+#   ci/compile_cuda.sh [VENV]      # VENV: a virtual environment with jax installed (default .venv)
+#
+# Installs CUDA 13's nvcc, runtime headers/static cudart and CCCL (CUB) from PyPI into VENV, then
+# configures and builds ONLY the _jaxcomp_cuda target, into build/ci-cuda: the module never lands
+# in the source tree, so the default (CPU) install and the test suite are unchanged. Any compile
+# error or nvcc warning fails the script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${1:-.venv}"
+PY="$VENV/bin/python"
+BUILD=build/ci-cuda
+
+"$PY" -m pip install --quiet "nvidia-cuda-nvcc==13.*" "nvidia-cuda-runtime==13.*" "nvidia-cuda-cccl==13.*" \
+  "nanobind>=2.4" "cmake>=3.18" ninja
+
+# The wheels unpack the toolkit under site-packages/nvidia/cu13 (bin/nvcc, include/, include/cccl,
+# lib/libcudart_static.a).
+CUDA_ROOT="$("$PY" -c '
+import os, nvidia
+print(next(os.path.join(p, "cu13") for p in nvidia.__path__ if os.path.exists(os.path.join(p, "cu13", "bin", "nvcc"))))
+')"
+NVCC="$CUDA_ROOT/bin/nvcc"
+"$NVCC" --version | tail -n 2
+
+rm -rf "$BUILD"
+"$VENV/bin/cmake" -S . -B "$BUILD" -G Ninja \
+  -DCMAKE_MAKE_PROGRAM="$VENV/bin/ninja" \
+  -DPython_EXECUTABLE="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" \
+  -DJAXCOMP_CUDA=ON \
+  -DCMAKE_CUDA_COMPILER="$NVCC" \
+  -DCUDAToolkit_ROOT="$CUDA_ROOT" \
+  -DJAXCOMP_CUDA_OUTPUT_DIR="$PWD/$BUILD"
+"$VENV/bin/cmake" --build "$BUILD" --target _jaxcomp_cuda
+ls -l "$BUILD"/_jaxcomp_cuda*.so
+echo "CUDA module compiled (sm_80, sm_90, compute_90 PTX)"

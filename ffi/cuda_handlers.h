@@ -1,0 +1,11 @@
+// The XLA FFI handlers of the CUDA module _jaxcomp_cuda: the same five targets as the CPU module
+// (ffi/handlers.h), run on XLA's CUDA stream. Defined in topk_cuda.cc and zfp_cuda.cc.
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompTopkCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompFindThresholdCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompThresholdTopkCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompZfpEncodeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompZfpDecodeCuda);

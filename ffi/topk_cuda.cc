@@ -1,0 +1,105 @@
+// XLA FFI adapters of the CUDA top-k and threshold kernels (kernels/topk.cu).
+//
+// They use ScratchAllocator, so they are not marked command-buffer compatible: scratch handed
+// out while XLA captures a CUDA graph is freed when the handler returns, yet the graph would keep
+// using it on every replay.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "ffi/common.h"
+#include "ffi/cuda_common.h"
+#include "ffi/cuda_handlers.h"
+#include "kernels/topk_cuda.h"
+
+namespace ffi = xla::ffi;
+using jaxcomp_ffi::AllocateScratch;
+using jaxcomp_ffi::CheckRange;
+using jaxcomp_ffi::CheckResultDims;
+using jaxcomp_ffi::CheckRowResultDims;
+using jaxcomp_ffi::FromCuda;
+using jaxcomp_ffi::Rows;
+using jaxcomp_ffi::RowsOf;
+
+namespace {
+
+// Exact top-k is the bisection run to the last key bit (docs/kernels.md: rounds = 31).
+constexpr int64_t kExactRounds = 31;
+
+ffi::Error SelectImpl(cudaStream_t stream, ffi::ScratchAllocator& scratch, ffi::Buffer<ffi::F32> x,
+                      ffi::ResultBuffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> indices, int64_t k,
+                      int64_t rounds) {
+  ffi::ErrorOr<Rows> rows = RowsOf(x.dimensions(), "x");
+  if (rows.has_error()) return rows.error();
+  if (ffi::Error e = CheckRange(k, 1, rows->n, "k"); e.failure()) return e;
+  if (ffi::Error e = CheckRange(rounds, 1, kExactRounds, "rounds"); e.failure()) return e;
+  if (ffi::Error e = CheckResultDims(x.dimensions(), values->dimensions(), k, "values"); e.failure()) return e;
+  if (ffi::Error e = CheckResultDims(x.dimensions(), indices->dimensions(), k, "indices"); e.failure()) return e;
+  if (rows->rows == 0) return ffi::Error::Success();
+  const size_t scratch_bytes = jaxcomp::cuda::select_scratch_bytes(rows->rows, rows->n, static_cast<int>(rounds));
+  ffi::ErrorOr<void*> work = AllocateScratch(scratch, scratch_bytes);
+  if (work.has_error()) return work.error();
+  return FromCuda(jaxcomp::cuda::select_topk(x.typed_data(), rows->rows, rows->n, k, static_cast<int>(rounds),
+                                             values->typed_data(), indices->typed_data(), *work, stream),
+                  "jaxcomp top-k kernels");
+}
+
+ffi::Error TopkImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::F32> x,
+                    ffi::ResultBuffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> indices, int64_t k) {
+  return SelectImpl(stream, scratch, x, values, indices, k, kExactRounds);
+}
+
+ffi::Error ThresholdTopkImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::F32> x,
+                             ffi::ResultBuffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> indices, int64_t k,
+                             int64_t rounds) {
+  return SelectImpl(stream, scratch, x, values, indices, k, rounds);
+}
+
+ffi::Error FindThresholdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::F32> x,
+                             ffi::ResultBuffer<ffi::F32> threshold, ffi::ResultBuffer<ffi::S32> count, int64_t k,
+                             int64_t rounds) {
+  ffi::ErrorOr<Rows> rows = RowsOf(x.dimensions(), "x");
+  if (rows.has_error()) return rows.error();
+  if (ffi::Error e = CheckRange(k, 1, rows->n, "k"); e.failure()) return e;
+  if (ffi::Error e = CheckRange(rounds, 1, kExactRounds, "rounds"); e.failure()) return e;
+  if (ffi::Error e = CheckRowResultDims(x.dimensions(), threshold->dimensions(), "threshold"); e.failure()) return e;
+  if (ffi::Error e = CheckRowResultDims(x.dimensions(), count->dimensions(), "count"); e.failure()) return e;
+  if (rows->rows == 0) return ffi::Error::Success();
+  const size_t scratch_bytes = jaxcomp::cuda::select_scratch_bytes(rows->rows, rows->n, static_cast<int>(rounds));
+  ffi::ErrorOr<void*> work = AllocateScratch(scratch, scratch_bytes);
+  if (work.has_error()) return work.error();
+  return FromCuda(jaxcomp::cuda::find_threshold(x.typed_data(), rows->rows, rows->n, k, static_cast<int>(rounds),
+                                                threshold->typed_data(), count->typed_data(), *work, stream),
+                  "jaxcomp threshold kernels");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkCuda, TopkImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // values
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // indices
+                                  .Attr<int64_t>("k"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompThresholdTopkCuda, ThresholdTopkImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // values
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // indices
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("rounds"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompFindThresholdCuda, FindThresholdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // threshold
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // count
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("rounds"));

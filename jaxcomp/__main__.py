@@ -1,0 +1,36 @@
+"""The ``jaxcomp`` command: ``jaxcomp kernels`` (and, as they land, ``demo`` and ``advise``)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# Subcommand -> (module with main(argv) -> int, one-line help). Modules import lazily so that
+# `jaxcomp --help` stays fast.
+COMMANDS = {
+    "demo": ("jaxcomp.kernel_demo", "the main demo (for now: the kernels demo)"),
+    "advise": ("jaxcomp.advise", "will gradient compression help? predicted step time per method"),
+    "kernels": ("jaxcomp.kernel_demo", "the three kernels on a realistic gradient, beside jax.lax.top_k and zfpy"),
+}
+
+DEFAULT = "kernels"
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: jaxcomp COMMAND [options]\n\ncommands:")
+        for name, (_, help_text) in COMMANDS.items():
+            print(f"  {name:10s} {help_text}")
+        print("\n`jaxcomp COMMAND --help` shows a command's options.")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"jaxcomp: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""Measure the network: time all-reduces of a few sizes on the live mesh and fit α and β.
+
+The fit uses the same model :mod:`jaxcomp.cost` predicts with (a ring all-reduce costs
+``2(N-1) α + 2(N-1)/N · M β``), so the Network it returns plugs straight into
+:func:`jaxcomp.cost.predict` and :func:`jaxcomp.cost.choose`. Paper 002 (App. C) measures α the
+same way: time a ring all-reduce of a tiny vector and divide by the number of steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxcomp import cost
+
+#: Bytes per device of each timed all-reduce: a latency-bound size, two in between and a
+#: bandwidth-bound one, so the least-squares fit sees both ends of the line.
+DEFAULT_SIZES = (2**10, 2**14, 2**18, 2**21)
+
+#: Timed calls per size; the fastest is kept (others are slowed by noise, never sped up).
+DEFAULT_REPEATS = 5
+
+#: Times :func:`probe` measures, each with 8 times larger sizes than the last, before giving up.
+_ATTEMPTS = 3
+
+_CACHE: dict = {}
+
+
+def fit_alpha_beta(sizes, seconds, n_workers: int, method: str = "dense_ring") -> cost.Network:
+    """Least-squares α and β from timings of one collective at several sizes.
+
+    Solves ``seconds_i ≈ α · steps + β · volume_i`` with ``steps`` and ``volume_i`` from
+    :func:`jaxcomp.cost.message_steps` and :func:`jaxcomp.cost.volume_bytes`, weighting each
+    equation by ``1 / seconds_i`` so small (latency-bound) and large (bandwidth-bound) timings
+    count alike. A negative α (noise on a latency-free link) is clamped to 0 and β refitted.
+
+    Args:
+      sizes: bytes per device of each timed call (float32 gradients), at least two distinct.
+      seconds: the measured time of each call, all positive.
+      n_workers: the number of devices the collective ran over, >= 2.
+      method: the :data:`jaxcomp.cost.METHODS` entry the timings are of (default ``dense_ring``,
+        how :func:`probe` times ``psum``); its ``ratio``/``rate``/``bits`` must be unnecessary.
+
+    Returns:
+      The fitted :class:`jaxcomp.cost.Network`.
+
+    Example:
+      >>> from jaxcomp import cost
+      >>> true = cost.Network(alpha=1e-4, bandwidth=1e9)
+      >>> sizes = [2**10, 2**16, 2**22]
+      >>> times = [cost.predict("dense_ring", s, 8, true) for s in sizes]
+      >>> fit = fit_alpha_beta(sizes, times, 8)
+      >>> round(fit.alpha, 6), round(fit.bandwidth / 1e9, 3)
+      (0.0001, 1.0)
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, Table I; Agarwal et al., MLSys 2022, App. C.
+    """
+    sizes = np.asarray(sizes, dtype=np.float64)
+    seconds = np.asarray(seconds, dtype=np.float64)
+    if sizes.ndim != 1 or seconds.shape != sizes.shape:
+        raise ValueError(f"sizes and seconds must be 1-D of equal length, got shapes {sizes.shape} and {seconds.shape}")
+    if len(np.unique(sizes)) < 2:
+        raise ValueError(f"sizes must hold at least two distinct sizes to separate α from β, got {sizes.tolist()}")
+    if not np.all(np.isfinite(seconds)) or np.any(seconds <= 0):
+        raise ValueError(f"seconds must be positive and finite, got {seconds.tolist()}")
+    if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 2:
+        raise ValueError(f"n_workers must be an integer >= 2 (one device sends nothing), got {n_workers!r}")
+    if method in cost.TOPK_METHODS or method.startswith("zfp") or method == "quantized":
+        raise ValueError(f"method must be a dense collective ({', '.join(cost.DENSE_METHODS)}), got {method!r}")
+    steps = float(cost.message_steps(method, n_workers))
+    volumes = np.array([cost.volume_bytes(method, float(s), n_workers) for s in sizes])
+    weights = 1.0 / seconds
+    design = np.stack([np.full_like(volumes, steps), volumes], axis=1) * weights[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(design, seconds * weights, rcond=None)
+    if alpha < 0:
+        alpha = 0.0
+        beta = float(np.sum(volumes * weights * seconds * weights) / np.sum((volumes * weights) ** 2))
+    if not beta > 0:
+        raise ValueError(
+            "seconds do not grow with size, so the bandwidth cannot be estimated; time larger sizes "
+            f"(sizes={sizes.tolist()}, seconds={seconds.tolist()})")
+    return cost.Network(alpha=float(alpha), bandwidth=float(1.0 / beta))
+
+
+def probe(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPEATS,
+          cache: bool = True) -> cost.Network:
+    """Measures α and β of ``axis_name`` on ``mesh`` by timing ``psum`` at several sizes.
+
+    Each size is compiled once, run once to warm up, then timed ``repeats`` times; the fastest
+    run counts. The timings are fitted by :func:`fit_alpha_beta` as ring all-reduces. In a
+    multi-process run every process times the same collectives, the timings are gathered and the
+    slowest process's time per size is fitted, so every process returns the same Network. Call it
+    from every process, as any collective.
+
+    Args:
+      mesh: a :class:`jax.sharding.Mesh`.
+      axis_name: the mesh axis to measure; it must have at least 2 devices.
+      sizes: bytes per device of each timed all-reduce (multiples of 4, at least two distinct).
+      repeats: timed calls per size, >= 1.
+      cache: reuse an earlier result for the same devices, axis, sizes and repeats.
+
+    Returns:
+      The measured :class:`jaxcomp.cost.Network`.
+
+    Example:
+      >>> import jax
+      >>> from jaxcomp.probe import probe
+      >>> mesh = jax.sharding.Mesh(jax.devices()[:2], ("data",))
+      >>> net = probe(mesh, "data", sizes=(1024, 65536), repeats=2)
+      >>> net.alpha >= 0 and net.bandwidth > 0
+      True
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-E (re-measure α and β, re-decide);
+      Agarwal et al., MLSys 2022, App. C (α from a timed all-reduce).
+    """
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+    n_workers = mesh.shape[axis_name]
+    if n_workers < 2:
+        raise ValueError(f"axis {axis_name!r} has {n_workers} device; a probe needs at least 2")
+    sizes = tuple(sizes)
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 4 or size % 4:
+            raise ValueError(f"sizes must be positive multiples of 4 bytes (float32 values), got {size!r}")
+    if len(set(sizes)) < 2:
+        raise ValueError(f"sizes must hold at least two distinct sizes, got {sizes}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+
+    key = (tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, mesh.axis_names, axis_name,
+           sizes, repeats)
+    if cache and key in _CACHE:
+        return _CACHE[key]
+    for attempt in range(_ATTEMPTS):
+        seconds = np.array([_time_psum(mesh, axis_name, size // 4, repeats) for size in sizes])
+        seconds = _agree_across_processes(seconds)
+        try:
+            network = fit_alpha_beta(sizes, seconds, n_workers)
+            break
+        except ValueError:
+            # Timings that do not grow with size are noise on a link too fast for these sizes:
+            # measure again with larger messages (every process sees the same gathered timings,
+            # so all of them retry together).
+            if attempt == _ATTEMPTS - 1:
+                raise
+            sizes = tuple(8 * size for size in sizes)
+    if cache:
+        _CACHE[key] = network
+    return network
+
+
+def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rate: int | None = None,
+                  mesh=None, axis_name: str | None = None, repeats: int = 3, cache: bool = True) -> float:
+    """Measures a method's encode + decode time on this machine.
+
+    Without a mesh the codec runs once on the default device. With ``mesh`` and ``axis_name``
+    every device of the axis compresses its own ``n_values`` at once, inside ``shard_map``, as in
+    training: devices that share compute (CPU devices on one host, say) then slow each other
+    down as they would in a step.
+
+    Top-k methods time :func:`jaxcomp.topk` (exact top-k by magnitude) and the scatter of the
+    kept values back into a dense vector; ZFP methods time :func:`jaxcomp.zfp_encode` and
+    :func:`jaxcomp.zfp_decode`. Dense methods cost 0. Paper 002 adds this ``T_encode-decode`` to
+    the step time, since compression cannot hide behind the backward pass (its §3.1).
+
+    Args:
+      method: a :data:`jaxcomp.cost.METHODS` entry other than ``quantized`` (whose codec lives
+        inside its collective).
+      n_values: float32 values in the gradient, >= 1.
+      ratio: density for the top-k methods.
+      rate: ZFP bits per value for the ZFP methods.
+      mesh: optional :class:`jax.sharding.Mesh` to run the codec on every device of.
+      axis_name: the mesh axis the gradient is data-parallel over (required with ``mesh``).
+      repeats: timed runs after one warm-up; the fastest counts.
+      cache: reuse an earlier measurement of the same arguments.
+
+    Returns:
+      Seconds for one encode and one decode of the whole gradient (on every device at once).
+
+    Example:
+      >>> codec_seconds("zfp_ring", 4096, rate=8, repeats=1) > 0
+      True
+
+    References:
+      Agarwal et al., MLSys 2022, §3.1 and App. C (measuring T_encode-decode).
+    """
+    if method not in cost.METHODS:
+        raise ValueError(f"method must be one of {cost.METHODS}, got {method!r}")
+    if method == "quantized":
+        raise ValueError("method 'quantized' has no standalone codec to time; pass its encode/decode time")
+    if isinstance(n_values, bool) or not isinstance(n_values, int) or n_values < 1:
+        raise ValueError(f"n_values must be an integer >= 1, got {n_values!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    if method in cost.DENSE_METHODS:
+        return 0.0
+    if mesh is not None:
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+        if axis_name not in mesh.axis_names:
+            raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+    where = ((tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, mesh.axis_names, axis_name)
+             if mesh is not None else jax.default_backend())
+    key = ("codec", method if method not in cost.TOPK_METHODS else "topk", n_values, ratio, rate, repeats, where)
+    if cache and key in _CACHE:
+        return _CACHE[key]
+    import jaxcomp  # the kernels: imported only when a codec is actually timed
+
+    if method in cost.TOPK_METHODS:
+        if ratio is None or isinstance(ratio, bool) or not 0 < ratio <= 1:
+            raise ValueError(f"ratio must be in (0, 1] for {method}, got {ratio!r}")
+        k = max(1, round(ratio * n_values))
+
+        def codec(x):
+            values, indices = jaxcomp.topk(x, k)
+            return jnp.zeros_like(x).at[indices].set(values)
+    else:
+        if rate is None:
+            raise ValueError(f"rate (ZFP bits per value) is required for {method}")
+
+        def codec(x):
+            return jaxcomp.zfp_decode(jaxcomp.zfp_encode(x, rate), n_values, rate)
+
+    if mesh is None:
+        x = jax.random.normal(jax.random.key(0), (n_values,), jnp.float32)
+        run = jax.jit(codec)
+    else:
+        spec = P(axis_name)
+        shape = (mesh.shape[axis_name] * n_values,)
+        values = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        x = jax.make_array_from_callback(shape, NamedSharding(mesh, spec), lambda index: values[index])
+        run = jax.jit(jax.shard_map(codec, mesh=mesh, in_specs=spec, out_specs=spec))
+    run(x).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    if cache:
+        _CACHE[key] = best
+    return best
+
+
+def clear_cache() -> None:
+    """Forgets every cached :func:`probe` and :func:`codec_seconds` result, so both measure again.
+
+    Returns:
+      None.
+
+    Example:
+      >>> clear_cache()
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-E (α and β change during training).
+    """
+    _CACHE.clear()
+
+
+def _time_psum(mesh, axis_name, values_per_device, repeats):
+    spec = P(axis_name)
+    sharding = NamedSharding(mesh, spec)
+    shape = (mesh.shape[axis_name] * values_per_device,)
+    x = jax.make_array_from_callback(shape, sharding, lambda index: np.ones(shape, np.float32)[index])
+    reduce = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, axis_name), mesh=mesh, in_specs=spec,
+                                   out_specs=P()))
+    reduce(x).block_until_ready()  # compile and warm up outside the timing
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        reduce(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _agree_across_processes(seconds):
+    if jax.process_count() == 1:
+        return seconds
+    from jax.experimental import multihost_utils
+
+    # float32 on the wire (x64 is usually off); every process then fits identical numbers.
+    gathered = multihost_utils.process_allgather(jnp.asarray(seconds, jnp.float32))
+    return np.max(np.asarray(gathered, np.float64).reshape(jax.process_count(), -1), axis=0)

@@ -1,0 +1,394 @@
+// CUDA top-k and MSTopK threshold search as a radix select over the 31-bit magnitude key.
+//
+// The bisection of docs/kernels.md resolves one key bit per round, most significant first, so
+// `rounds` rounds end with `lo` = the largest multiple of 2^(31 - rounds) with C(lo) >= k. A
+// histogram of the next `width` key bits, restricted to the keys that share the bits resolved so
+// far, evaluates `width` rounds at once: the new digit is the largest bin whose suffix count
+// reaches the k still needed. Digits are 11 bits (a 2048-bin histogram fits in shared memory), so
+// the default 16 rounds take 2 passes over memory and exact top-k (31 rounds) takes 3.
+//
+// Compaction to exactly k then keeps every key >= hi and the lowest-index keys in [lo, hi): an
+// entry i lands at output position A_i + min(T_i, need), where A_i and T_i count the entries above
+// and in the bracket before i. The last histogram pass keeps each tile's own histogram, which
+// gives every tile its counts above and in the bracket once the last digit is chosen; a scan of
+// those counts and one write pass then place every entry without any sort, in ascending index
+// order. Threshold top-k thus reads memory 3 times at the default rounds, exact top-k 4 times.
+#include <cub/block/block_load.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include <cstdint>
+
+#include "kernels/topk_cuda.h"
+
+namespace jaxcomp::cuda {
+namespace {
+
+constexpr int kKeyBits = 31;
+constexpr int kDigitBits = 11;
+constexpr int kBins = 1 << kDigitBits;
+constexpr int kThreads = 512;
+constexpr int kItemsPerThread = 16;
+constexpr int64_t kTile = int64_t{kThreads} * kItemsPerThread;
+// Tile-local counts of "above" and "in bracket" entries share one 32-bit word, 16 bits each.
+static_assert(kTile < (1 << 16), "tile counts must fit in 16 bits");
+static_assert(kItemsPerThread % 4 == 0, "whole tiles are read as float4");
+constexpr int kSelectThreads = 256;
+constexpr int kBinsPerThread = kBins / kSelectThreads;
+static_assert(kBins % kSelectThreads == 0, "bins must split evenly over the select block");
+// Rows are processed in chunks to bound scratch: per-row histograms (8 KiB a row) and per-tile
+// histograms (up to 8 KiB per 32 KiB tile), so at most 4096 rows and 2^28 values at a time.
+constexpr int64_t kMaxRowsPerChunk = 4096;
+constexpr int64_t kMaxValuesPerChunk = int64_t{1} << 28;
+constexpr size_t kScratchAlign = 256;
+
+// Search state of one row, carried from pass to pass.
+struct RowState {
+  uint32_t prefix;    // the key bits resolved so far: lo >> (31 - resolved)
+  uint32_t above;     // C(hi): keys above every key that shares the prefix (< k)
+  uint32_t in_range;  // keys that share the prefix, so C(lo) = above + in_range
+};
+
+__device__ __forceinline__ uint32_t magnitude_key(float value) { return __float_as_uint(value) & 0x7FFFFFFFu; }
+
+// Adds the keys of one tile that share the row's resolved prefix to the row's histogram of the
+// next `width` key bits. In the last pass (`tile_histograms` not null) the tile also keeps its own
+// histogram and the number of its keys above the prefix, (1 << width) + 1 words a tile: once the
+// last digit is known, they give the tile's counts above and inside the final bracket without
+// another pass over memory.
+__global__ void __launch_bounds__(kThreads) histogram_kernel(const float* __restrict__ x, int64_t n,
+                                                             int64_t tiles_per_row,
+                                                             const RowState* __restrict__ state,
+                                                             uint32_t* __restrict__ histograms, int resolved,
+                                                             int width, uint32_t* __restrict__ tile_histograms) {
+  __shared__ uint32_t local[kBins];
+  __shared__ uint32_t local_above;
+  const int64_t row = blockIdx.x / tiles_per_row;
+  const int64_t begin = (blockIdx.x % tiles_per_row) * kTile;
+  const int64_t end = n < begin + kTile ? n : begin + kTile;
+  const uint32_t bins = 1u << width;
+  for (uint32_t b = threadIdx.x; b < bins; b += kThreads) local[b] = 0;
+  if (threadIdx.x == 0) local_above = 0;
+  __syncthreads();
+
+  const uint32_t prefix = state[row].prefix;
+  const int prefix_shift = kKeyBits - resolved;  // in [1, 31]: resolved < rounds <= 31
+  const int digit_shift = prefix_shift - width;  // >= 0
+  const float* row_x = x + row * n;
+  uint32_t above = 0;
+  auto count = [&](float value) {
+    const uint32_t key = magnitude_key(value);
+    const uint32_t key_prefix = key >> prefix_shift;
+    if (key_prefix == prefix) atomicAdd(&local[(key >> digit_shift) & (bins - 1)], 1u);
+    above += key_prefix > prefix ? 1u : 0u;
+  };
+  const float* tile_x = row_x + begin;
+  if (end - begin == kTile && reinterpret_cast<uintptr_t>(tile_x) % 16 == 0) {
+    // Whole, aligned tile: 16-byte loads, all issued before any is used. Order does not matter
+    // to a histogram.
+    float4 values[kItemsPerThread / 4];
+#pragma unroll
+    for (int j = 0; j < kItemsPerThread / 4; ++j) {
+      values[j] = reinterpret_cast<const float4*>(tile_x)[j * kThreads + threadIdx.x];
+    }
+#pragma unroll
+    for (int j = 0; j < kItemsPerThread / 4; ++j) {
+      count(values[j].x);
+      count(values[j].y);
+      count(values[j].z);
+      count(values[j].w);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < end - begin; i += kThreads) count(tile_x[i]);
+  }
+  if (tile_histograms != nullptr) {
+    above = __reduce_add_sync(0xFFFFFFFFu, above);
+    if (threadIdx.x % 32 == 0 && above != 0) atomicAdd(&local_above, above);
+  }
+  __syncthreads();
+
+  uint32_t* row_histogram = histograms + row * kBins;
+  for (uint32_t b = threadIdx.x; b < bins; b += kThreads) {
+    if (local[b] != 0) atomicAdd(&row_histogram[b], local[b]);
+  }
+  if (tile_histograms != nullptr) {
+    uint32_t* tile_histogram = tile_histograms + int64_t{blockIdx.x} * (bins + 1);
+    for (uint32_t b = threadIdx.x; b < bins; b += kThreads) tile_histogram[b] = local[b];
+    if (threadIdx.x == 0) tile_histogram[bins] = local_above;
+  }
+}
+
+// One block per row: picks the next digit (the largest bin whose suffix count reaches the k
+// still needed), updates the row's state and zeroes the histogram for the next pass.
+__global__ void __launch_bounds__(kSelectThreads) select_digit_kernel(uint32_t* __restrict__ histograms,
+                                                                      RowState* __restrict__ state, int64_t k,
+                                                                      int width) {
+  using BlockScan = cub::BlockScan<uint32_t, kSelectThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  const int64_t row = blockIdx.x;
+  uint32_t* row_histogram = histograms + row * kBins;
+  const uint32_t bins = 1u << width;
+  const RowState current = state[row];
+  const uint32_t need = static_cast<uint32_t>(k) - current.above;  // >= 1 by the invariant C(hi) < k
+  __syncthreads();  // every thread has read state[row] before one of them overwrites it
+
+  // Position j counts bin (bins - 1 - j): an inclusive prefix sum over j is a suffix sum over bins.
+  uint32_t counts[kBinsPerThread];
+  uint32_t thread_total = 0;
+#pragma unroll
+  for (int i = 0; i < kBinsPerThread; ++i) {
+    const uint32_t j = threadIdx.x * kBinsPerThread + i;
+    counts[i] = j < bins ? row_histogram[bins - 1 - j] : 0u;
+    if (j < bins) row_histogram[bins - 1 - j] = 0;  // only this thread reads this bin
+    thread_total += counts[i];
+  }
+  uint32_t before;
+  BlockScan(scan_storage).ExclusiveSum(thread_total, before);
+#pragma unroll
+  for (int i = 0; i < kBinsPerThread; ++i) {
+    // The first j whose inclusive suffix count reaches `need`: exactly one thread sees it.
+    if (before < need && before + counts[i] >= need) {
+      const uint32_t bin = bins - 1 - (threadIdx.x * kBinsPerThread + i);
+      RowState next;
+      next.prefix = (current.prefix << width) | bin;
+      next.above = current.above + before;
+      next.in_range = counts[i];
+      state[row] = next;
+    }
+    before += counts[i];
+  }
+}
+
+__global__ void write_threshold_kernel(const RowState* __restrict__ state, int64_t rows, int rounds,
+                                       float* __restrict__ threshold, int32_t* __restrict__ count) {
+  const int64_t row = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (row >= rows) return;
+  const RowState s = state[row];
+  threshold[row] = __uint_as_float(s.prefix << (kKeyBits - rounds));
+  count[row] = static_cast<int32_t>(s.above + s.in_range);
+}
+
+struct Bracket {
+  uint32_t lo, hi;  // keys >= hi are always selected, keys in [lo, hi) fill up to k
+};
+
+__device__ __forceinline__ Bracket bracket_of(const RowState& s, int rounds) {
+  const int step_shift = kKeyBits - rounds;
+  const uint32_t lo = s.prefix << step_shift;
+  return {lo, lo + (1u << step_shift)};  // hi <= 2^31 fits in 32 bits
+}
+
+// Packs (key >= hi) in the low and (lo <= key < hi) in the high 16 bits of a tile count.
+__device__ __forceinline__ uint32_t classify(uint32_t key, Bracket b) {
+  return key >= b.hi ? 1u : (key >= b.lo ? (1u << 16) : 0u);
+}
+
+// Per tile, from its last-pass histogram: how many entries are above the final bracket and how
+// many are in it, packed as (above) | (in bracket) << 32. One warp per tile.
+__global__ void __launch_bounds__(kThreads) tile_counts_kernel(const uint32_t* __restrict__ tile_histograms,
+                                                               int64_t tiles, int64_t tiles_per_row,
+                                                               const RowState* __restrict__ state, int width,
+                                                               uint64_t* __restrict__ tile_counts) {
+  const int64_t tile = (int64_t{blockIdx.x} * kThreads + threadIdx.x) / 32;
+  if (tile >= tiles) return;  // whole warps: `tile` is the same on every lane
+  const int lane = threadIdx.x % 32;
+  const uint32_t bins = 1u << width;
+  const uint32_t digit = state[tile / tiles_per_row].prefix & (bins - 1);  // the last pass's digit
+  const uint32_t* tile_histogram = tile_histograms + tile * (bins + 1);
+  uint32_t above = 0;
+  for (uint32_t b = digit + 1 + lane; b < bins; b += 32) above += tile_histogram[b];
+  above = __reduce_add_sync(0xFFFFFFFFu, above);
+  if (lane == 0) {
+    above += tile_histogram[bins];  // keys already above the prefix before the last pass
+    // Row-wide sums stay below 2^31 each, so (above, in bracket) pack into 32-bit halves.
+    tile_counts[tile] = uint64_t{above} | (uint64_t{tile_histogram[digit]} << 32);
+  }
+}
+
+// One block per row: tile counts -> exclusive prefix over the row's tiles, in place.
+__global__ void __launch_bounds__(kThreads) scan_tiles_kernel(uint64_t* __restrict__ tile_counts,
+                                                              int64_t tiles_per_row) {
+  using BlockScan = cub::BlockScan<uint64_t, kThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  uint64_t* row_counts = tile_counts + blockIdx.x * tiles_per_row;
+  uint64_t running = 0;
+  for (int64_t base = 0; base < tiles_per_row; base += kThreads) {
+    const int64_t t = base + threadIdx.x;
+    const uint64_t value = t < tiles_per_row ? row_counts[t] : 0;
+    uint64_t before, chunk_total;
+    BlockScan(scan_storage).ExclusiveSum(value, before, chunk_total);
+    if (t < tiles_per_row) row_counts[t] = running + before;
+    running += chunk_total;
+    __syncthreads();  // scan_storage is reused by the next chunk
+  }
+}
+
+// Writes the selected entries of one tile at position A_i + min(T_i, need).
+__global__ void __launch_bounds__(kThreads) write_selection_kernel(
+    const float* __restrict__ x, int64_t n, int64_t k, int64_t tiles_per_row, const RowState* __restrict__ state,
+    int rounds, const uint64_t* __restrict__ tile_offsets, float* __restrict__ values, int32_t* __restrict__ indices) {
+  using BlockLoad = cub::BlockLoad<float, kThreads, kItemsPerThread, cub::BLOCK_LOAD_WARP_TRANSPOSE>;
+  using BlockScan = cub::BlockScan<uint32_t, kThreads>;
+  __shared__ union {
+    typename BlockLoad::TempStorage load;
+    typename BlockScan::TempStorage scan;
+  } storage;
+  const int64_t row = blockIdx.x / tiles_per_row;
+  const int64_t begin = (blockIdx.x % tiles_per_row) * kTile;
+  const int valid = static_cast<int>(n < begin + kTile ? n - begin : kTile);
+  const RowState s = state[row];
+  const Bracket bracket = bracket_of(s, rounds);
+  const uint32_t need = static_cast<uint32_t>(k) - s.above;
+  const uint64_t tile_offset = tile_offsets[blockIdx.x];
+  const uint32_t above_before_tile = static_cast<uint32_t>(tile_offset);
+  const uint32_t bracket_before_tile = static_cast<uint32_t>(tile_offset >> 32);
+
+  // Blocked arrangement: thread t holds tile entries [t * kItemsPerThread, (t + 1) * kItemsPerThread).
+  float items[kItemsPerThread];
+  const float* tile_x = x + row * n + begin;
+  if (valid == kTile) {
+    BlockLoad(storage.load).Load(tile_x, items);
+  } else {
+    BlockLoad(storage.load).Load(tile_x, items, valid, 0.0f);
+  }
+  __syncthreads();  // storage.load is reused by the scan
+
+  // Classes are recomputed below rather than kept: 16 more live registers would spill.
+  auto class_of = [&](int i) {
+    const bool in_tile = static_cast<int>(threadIdx.x) * kItemsPerThread + i < valid;
+    return in_tile ? classify(magnitude_key(items[i]), bracket) : 0u;
+  };
+  uint32_t thread_total = 0;
+#pragma unroll
+  for (int i = 0; i < kItemsPerThread; ++i) thread_total += class_of(i);
+  uint32_t before;
+  BlockScan(storage.scan).ExclusiveSum(thread_total, before);
+
+  float* row_values = values + row * k;
+  int32_t* row_indices = indices + row * k;
+#pragma unroll
+  for (int i = 0; i < kItemsPerThread; ++i) {
+    const uint32_t above = above_before_tile + (before & 0xFFFFu);
+    const uint32_t in_bracket = bracket_before_tile + (before >> 16);
+    const uint32_t item_class = class_of(i);
+    const bool selected = item_class == 1u || (item_class == (1u << 16) && in_bracket < need);
+    const uint32_t position = above + (in_bracket < need ? in_bracket : need);
+    if (selected && position < k) {  // position < k always holds; the check guards memory anyway
+      row_values[position] = items[i];
+      row_indices[position] = static_cast<int32_t>(begin + threadIdx.x * kItemsPerThread + i);
+    }
+    before += item_class;
+  }
+}
+
+int64_t tiles_per_row_of(int64_t n) { return (n + kTile - 1) / kTile; }
+
+size_t align_up(size_t bytes) { return (bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign; }
+
+// Width of the last radix pass: rounds are resolved kDigitBits at a time, the rest at the end.
+int last_width(int rounds) { return rounds - kDigitBits * ((rounds - 1) / kDigitBits); }
+
+// Scratch layout for `chunk_rows` rows: histograms | states | tile histograms | tile counts.
+struct ScratchLayout {
+  uint32_t* histograms;
+  RowState* states;
+  uint32_t* tile_histograms;
+  uint64_t* tile_counts;
+};
+
+size_t histogram_bytes(int64_t chunk_rows) { return align_up(chunk_rows * kBins * sizeof(uint32_t)); }
+size_t state_bytes(int64_t chunk_rows) { return align_up(chunk_rows * sizeof(RowState)); }
+size_t tile_histogram_bytes(int64_t tiles, int rounds) {
+  return align_up(tiles * ((int64_t{1} << last_width(rounds)) + 1) * sizeof(uint32_t));
+}
+size_t tile_count_bytes(int64_t tiles) { return align_up(tiles * sizeof(uint64_t)); }
+
+int64_t chunk_rows_of(int64_t rows, int64_t n) {
+  int64_t chunk = kMaxValuesPerChunk / n;
+  chunk = chunk < 1 ? 1 : (chunk > kMaxRowsPerChunk ? kMaxRowsPerChunk : chunk);
+  return rows < chunk ? rows : chunk;
+}
+
+ScratchLayout layout_of(void* scratch, int64_t chunk_rows, int64_t n, int rounds) {
+  const int64_t tiles = chunk_rows * tiles_per_row_of(n);
+  char* at = static_cast<char*>(scratch);
+  ScratchLayout layout;
+  layout.histograms = reinterpret_cast<uint32_t*>(at);
+  at += histogram_bytes(chunk_rows);
+  layout.states = reinterpret_cast<RowState*>(at);
+  at += state_bytes(chunk_rows);
+  layout.tile_histograms = reinterpret_cast<uint32_t*>(at);
+  at += tile_histogram_bytes(tiles, rounds);
+  layout.tile_counts = reinterpret_cast<uint64_t*>(at);
+  return layout;
+}
+
+// Runs the radix passes for `chunk_rows` rows starting at `x`, leaving each row's state final
+// and, if `keep_tiles`, the last pass's per-tile histograms in scratch.
+cudaError_t search(const float* x, int64_t chunk_rows, int64_t n, int64_t k, int rounds, bool keep_tiles,
+                   const ScratchLayout& s, cudaStream_t stream) {
+  // Zeroed histograms and states: prefix 0 and above 0 are the state before any round.
+  cudaError_t err = cudaMemsetAsync(s.histograms, 0, histogram_bytes(chunk_rows) + state_bytes(chunk_rows), stream);
+  if (err != cudaSuccess) return err;
+  const int64_t tiles = tiles_per_row_of(n);
+  for (int resolved = 0; resolved < rounds;) {
+    const int width = rounds - resolved < kDigitBits ? rounds - resolved : kDigitBits;
+    const bool last = resolved + width == rounds;
+    histogram_kernel<<<static_cast<unsigned>(chunk_rows * tiles), kThreads, 0, stream>>>(
+        x, n, tiles, s.states, s.histograms, resolved, width, last && keep_tiles ? s.tile_histograms : nullptr);
+    select_digit_kernel<<<static_cast<unsigned>(chunk_rows), kSelectThreads, 0, stream>>>(s.histograms, s.states, k,
+                                                                                          width);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    resolved += width;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+size_t select_scratch_bytes(int64_t rows, int64_t n, int rounds) {
+  const int64_t chunk_rows = chunk_rows_of(rows, n);
+  const int64_t tiles = chunk_rows * tiles_per_row_of(n);
+  return histogram_bytes(chunk_rows) + state_bytes(chunk_rows) + tile_histogram_bytes(tiles, rounds) +
+         tile_count_bytes(tiles);
+}
+
+cudaError_t select_topk(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* values,
+                        int32_t* indices, void* scratch, cudaStream_t stream) {
+  const int64_t chunk_rows_max = chunk_rows_of(rows, n);
+  const ScratchLayout s = layout_of(scratch, chunk_rows_max, n, rounds);
+  const int64_t tiles_per_row = tiles_per_row_of(n);
+  for (int64_t first = 0; first < rows; first += chunk_rows_max) {
+    const int64_t chunk_rows = rows - first < chunk_rows_max ? rows - first : chunk_rows_max;
+    const float* chunk_x = x + first * n;
+    cudaError_t err = search(chunk_x, chunk_rows, n, k, rounds, /*keep_tiles=*/true, s, stream);
+    if (err != cudaSuccess) return err;
+    const int64_t tiles = chunk_rows * tiles_per_row;
+    constexpr int64_t kTilesPerBlock = kThreads / 32;
+    tile_counts_kernel<<<static_cast<unsigned>((tiles + kTilesPerBlock - 1) / kTilesPerBlock), kThreads, 0,
+                         stream>>>(s.tile_histograms, tiles, tiles_per_row, s.states, last_width(rounds),
+                                   s.tile_counts);
+    scan_tiles_kernel<<<static_cast<unsigned>(chunk_rows), kThreads, 0, stream>>>(s.tile_counts, tiles_per_row);
+    write_selection_kernel<<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(
+        chunk_x, n, k, tiles_per_row, s.states, rounds, s.tile_counts, values + first * k, indices + first * k);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t find_threshold(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
+                           int32_t* count, void* scratch, cudaStream_t stream) {
+  const int64_t chunk_rows_max = chunk_rows_of(rows, n);
+  const ScratchLayout s = layout_of(scratch, chunk_rows_max, n, rounds);
+  for (int64_t first = 0; first < rows; first += chunk_rows_max) {
+    const int64_t chunk_rows = rows - first < chunk_rows_max ? rows - first : chunk_rows_max;
+    cudaError_t err = search(x + first * n, chunk_rows, n, k, rounds, /*keep_tiles=*/false, s, stream);
+    if (err != cudaSuccess) return err;
+    constexpr int kRowThreads = 256;
+    write_threshold_kernel<<<static_cast<unsigned>((chunk_rows + kRowThreads - 1) / kRowThreads), kRowThreads, 0,
+                             stream>>>(s.states, chunk_rows, rounds, threshold + first, count + first);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace jaxcomp::cuda

@@ -1,0 +1,70 @@
+"""The CUDA module's registration contract, checked without a GPU.
+
+A build without ``_jaxcomp_cuda`` must refuse to lower jaxcomp ops for a GPU, with
+:class:`jaxcomp._ffi.MissingCudaModuleError` naming the fix, instead of failing later inside XLA or
+running on the host; a build with it must lower them to its custom calls. Lowering for CUDA needs
+no GPU (``jax.export`` cross-lowers), so both cases are checked on the CPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcomp
+from jaxcomp import _ffi
+
+_OPS = {
+    "jaxcomp_topk": lambda x: jaxcomp.topk(x, 3),
+    "jaxcomp_find_threshold": lambda x: jaxcomp.find_threshold(x, 3),
+    "jaxcomp_threshold_topk": lambda x: jaxcomp.threshold_topk(x, 3),
+    "jaxcomp_zfp_encode": lambda x: jaxcomp.zfp_encode(x, 8),
+    "jaxcomp_zfp_decode": lambda x: jaxcomp.zfp_decode(jaxcomp.zfp_encode(x, 8), 10, 8),
+}
+
+
+def _export(fn, platform, shape=(2, 10)):
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in _ffi.TARGETS]
+    return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(
+        jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
+def test_cuda_module_registers_every_target():
+    if not _ffi.HAS_CUDA:
+        assert _ffi._jaxcomp_cuda is None
+        return
+    assert sorted(_ffi._jaxcomp_cuda.registrations()) == sorted(_ffi.TARGETS)
+
+
+@pytest.mark.parametrize("target", sorted(_OPS))
+def test_gpu_lowering_matches_the_build(target):
+    if _ffi.HAS_CUDA:
+        exported = _export(_OPS[target], "cuda")
+        assert exported.platforms == ("cuda",)
+        assert f"@{target}(" in exported.mlir_module()
+    else:
+        with pytest.raises(_ffi.MissingCudaModuleError, match="JAXCOMP_CUDA=ON"):
+            _export(_OPS[target], "cuda")
+
+
+@pytest.mark.parametrize("transform", ["jit", "vmap", "shard_map"])
+def test_gpu_guard_is_invisible_on_cpu(transform):
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 6)), jnp.float32)
+    if transform == "jit":
+        y = jax.jit(_ffi.require_cuda_module)(x)
+    elif transform == "vmap":
+        y = jax.vmap(_ffi.require_cuda_module, in_axes=1, out_axes=1)(x)
+    else:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+        spec = jax.sharding.PartitionSpec("data")
+        y = jax.jit(jax.shard_map(_ffi.require_cuda_module, mesh=mesh, in_specs=spec, out_specs=spec))(x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    # The guard itself lowers to nothing on the CPU.
+    assert "custom_call" not in _export(_ffi.require_cuda_module, "cpu", x.shape).mlir_module()
+
+
+def test_gpu_guard_refuses_gpu_lowering():
+    with pytest.raises(_ffi.MissingCudaModuleError, match="docs/gpu.md"):
+        _export(lambda x: _ffi.require_cuda_module(x) + 1, "cuda")
+    with pytest.raises(_ffi.MissingCudaModuleError, match="ROCm"):
+        _export(_ffi.require_cuda_module, "rocm")

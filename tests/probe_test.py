@@ -1,0 +1,180 @@
+"""jaxcomp.probe: the α-β fit against a synthetic timing model, and the live probe on CPU devices."""
+
+import importlib
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import count_compilations, need_devices
+from jaxcomp import cost
+
+# The module, even once the package exports the function `jaxcomp.probe` under the same name.
+probe = importlib.import_module("jaxcomp.probe")
+
+SIZES = (2**10, 2**13, 2**16, 2**19, 2**22)
+
+
+@pytest.mark.parametrize("alpha,bandwidth", [(5e-4, 1.25e9), (2e-6, 100e9), (1e-2, 1.25e8), (0.0, 1e9)])
+@pytest.mark.parametrize("n_workers", [2, 8, 64])
+@pytest.mark.parametrize("method", ["dense_ring", "dense_tree"])
+def test_fit_recovers_alpha_and_beta_from_noisy_synthetic_timings(alpha, bandwidth, n_workers, method):
+    """Timings from the α-β model, each multiplied by up to ±10% noise, fit back within 30%."""
+    rng = np.random.default_rng(n_workers)
+    true = cost.Network(alpha=alpha, bandwidth=bandwidth)
+    sizes = np.repeat(SIZES, 3)
+    model = np.array([cost.predict(method, float(s), n_workers, true) for s in sizes])
+    # A zero-latency model still needs a positive time per call.
+    seconds = np.maximum(model, 1e-9) * rng.uniform(0.9, 1.1, size=model.shape)
+    fit = probe.fit_alpha_beta(sizes, seconds, n_workers, method)
+    assert fit.bandwidth == pytest.approx(bandwidth, rel=0.3)
+    assert fit.alpha == pytest.approx(alpha, rel=0.3, abs=1e-7)
+
+
+def test_fit_is_exact_on_noiseless_timings():
+    true = cost.Network(alpha=3e-5, bandwidth=4e9)
+    seconds = [cost.predict("dense_ring", s, 4, true) for s in SIZES]
+    fit = probe.fit_alpha_beta(SIZES, seconds, 4)
+    assert fit.alpha == pytest.approx(true.alpha, rel=1e-9)
+    assert fit.bandwidth == pytest.approx(true.bandwidth, rel=1e-9)
+
+
+def test_fit_clamps_negative_latency_to_zero():
+    # Pure bandwidth with the smallest call measured a little fast: unclamped least squares
+    # would put α below zero.
+    true = cost.Network(alpha=0.0, bandwidth=1e9)
+    seconds = np.array([cost.predict("dense_ring", s, 8, true) for s in SIZES])
+    seconds[0] *= 0.8
+    fit = probe.fit_alpha_beta(SIZES, seconds, 8)
+    assert fit.alpha == 0.0
+    assert fit.bandwidth == pytest.approx(1e9, rel=0.3)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(sizes=[1024, 1024], seconds=[1e-3, 1e-3], n_workers=8), "distinct"),
+    (dict(sizes=[1024, 2048], seconds=[1e-3], n_workers=8), "equal length"),
+    (dict(sizes=[1024, 2048], seconds=[1e-3, -1.0], n_workers=8), "seconds"),
+    (dict(sizes=[1024, 2048], seconds=[1e-3, 2e-3], n_workers=1), "n_workers"),
+    (dict(sizes=[1024, 2048], seconds=[2e-3, 1e-3], n_workers=8), "bandwidth"),
+    (dict(sizes=[1024, 2048], seconds=[1e-3, 2e-3], n_workers=8, method="allgather_topk"), "method"),
+])
+def test_fit_rejects_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        probe.fit_alpha_beta(**kwargs)
+
+
+def test_probe_on_virtual_devices_is_cached_per_mesh_and_axis():
+    need_devices(8)
+    probe.clear_cache()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    sizes = (2**10, 2**16, 2**20)
+    net = probe.probe(mesh, "data", sizes=sizes, repeats=2)
+    assert isinstance(net, cost.Network)
+    assert net.alpha >= 0 and 0 < net.bandwidth < float("inf")
+    with count_compilations() as compiled:
+        again = probe.probe(mesh, "data", sizes=sizes, repeats=2)
+    assert again is net and compiled[0] == 0
+    other_axis = probe.probe(mesh, "model", sizes=sizes, repeats=2)
+    assert other_axis is not net
+    probe.clear_cache()
+    assert probe.probe(mesh, "data", sizes=sizes, repeats=2) is not net
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(axis_name="nope"), ValueError, "axis_name"),
+    (dict(axis_name="one"), ValueError, "at least 2"),
+    (dict(axis_name="data", sizes=(1024, 1023)), ValueError, "sizes"),
+    (dict(axis_name="data", sizes=(1024,)), ValueError, "sizes"),
+    (dict(axis_name="data", repeats=0), ValueError, "repeats"),
+])
+def test_probe_rejects_bad_input(kwargs, error, match):
+    need_devices(8)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(8, 1), ("data", "one"))
+    with pytest.raises(error, match=match):
+        probe.probe(mesh, **kwargs)
+    with pytest.raises(TypeError, match="mesh"):
+        probe.probe(jax.devices(), "data")
+
+
+_WORKER = textwrap.dedent("""
+    import sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", 2)
+    jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+    from jaxcomp.probe import probe
+    mesh = jax.sharding.Mesh(jax.devices(), ("data",))
+    net = probe(mesh, "data", sizes=(2**10, 2**18, 2**21), repeats=3)
+    print("NETWORK", repr(net.alpha), repr(net.bandwidth), flush=True)
+    jax.distributed.shutdown()
+""")
+
+
+@pytest.mark.multiprocess
+def test_every_process_gets_the_same_network():
+    """Two processes with 2 CPU devices each probe one 4-device axis and return identical Networks,
+    although each timed its own calls."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=os.pathsep.join(sys.path))
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, f"127.0.0.1:{port}", str(i)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = []
+    for p in procs:
+        try:
+            # stderr apart: gloo logs there, and a merged stream could split the result line.
+            out, err = p.communicate(timeout=120)
+        finally:
+            p.kill()
+        assert p.returncode == 0, err[-3000:]
+        outputs.append([line for line in out.splitlines() if line.startswith("NETWORK")])
+    assert len(outputs[0]) == 1, outputs
+    assert outputs[0] == outputs[1]
+    _, alpha, bandwidth = outputs[0][0].split()
+    assert float(alpha) >= 0 and float(bandwidth) > 0
+
+
+@pytest.mark.parametrize("method,options", [("allgather_topk", {"ratio": 0.01}), ("ar_topk_ring", {"ratio": 0.1}),
+                                            ("zfp_ring", {"rate": 8}), ("zfp_recursive_doubling", {"rate": 4})])
+def test_codec_seconds_times_the_kernels_once(method, options):
+    probe.clear_cache()
+    seconds = probe.codec_seconds(method, 3001, repeats=1, **options)
+    assert 0 < seconds < float("inf")
+    with count_compilations() as compiled:
+        assert probe.codec_seconds(method, 3001, repeats=1, **options) == seconds
+    assert compiled[0] == 0
+
+
+def test_codec_seconds_on_a_mesh_runs_every_device_once_per_call():
+    need_devices(8)
+    probe.clear_cache()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    seconds = probe.codec_seconds("zfp_ring", 1000, rate=8, mesh=mesh, axis_name="data", repeats=1)
+    assert 0 < seconds < float("inf")
+    with count_compilations() as compiled:
+        assert probe.codec_seconds("zfp_ring", 1000, rate=8, mesh=mesh, axis_name="data", repeats=1) == seconds
+    assert compiled[0] == 0
+    with pytest.raises(ValueError, match="axis_name"):
+        probe.codec_seconds("zfp_ring", 1000, rate=8, mesh=mesh, axis_name="nope")
+    with pytest.raises(TypeError, match="mesh"):
+        probe.codec_seconds("zfp_ring", 1000, rate=8, mesh=jax.devices(), axis_name="data")
+
+
+def test_codec_seconds_of_dense_is_zero_and_bad_input_is_rejected():
+    assert probe.codec_seconds("dense_ring", 10) == 0.0
+    for kwargs, match in [
+        (dict(method="quantized", n_values=10), "quantized"),
+        (dict(method="nope", n_values=10), "method"),
+        (dict(method="zfp_ring", n_values=0, rate=8), "n_values"),
+        (dict(method="zfp_ring", n_values=10), "rate"),
+        (dict(method="allgather_topk", n_values=10, ratio=0.0), "ratio"),
+        (dict(method="allgather_topk", n_values=10, ratio=0.1, repeats=0), "repeats"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            probe.codec_seconds(**kwargs)
