@@ -9,7 +9,7 @@ import pytest
 
 import jaxcomp
 from jaxcomp import reference
-from tests.helpers import assert_trees_equal, count_compilations
+from tests.helpers import assert_trees_equal, count_compilations, need_devices
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -199,3 +199,15 @@ def test_uneven_rows_and_long_batched_rows():
     x[3, -5000:] *= 100.0
     assert_selection(jnp.asarray(x), *jaxcomp.topk(x, 700), numpy_topk_indices(x, 700))
     assert_same(jaxcomp.threshold_topk(x, 700, rounds=20), reference.threshold_topk(x, 700, rounds=20))
+
+
+def test_concurrent_calls_inside_shard_map():
+    # Eight handlers run at once and share XLA's thread pool; each splits its long row into parts.
+    need_devices(8)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((8, 100003)), jnp.float32)
+    per_shard = jax.jit(jax.shard_map(lambda rows: jaxcomp.topk(rows, 500), mesh=mesh,
+                                      in_specs=jax.sharding.PartitionSpec("data"),
+                                      out_specs=jax.sharding.PartitionSpec("data")))
+    values, indices = per_shard(x)
+    assert_selection(x, values, indices, numpy_topk_indices(x, 500))
