@@ -213,6 +213,8 @@ class HistogramSearch {
         candidate_start_(parts + 1),
         candidate_count_(parts) {}
 
+  int64_t parts() const { return parts_; }
+
   // The row's bracket. `collect`: also gather candidates, worth it when a selection follows
   // or rounds > 16 (they then replace the pass over the k-th key's coarse bin).
   Bracket Search(const float* x, int64_t n, int64_t k, int rounds, bool collect, const Parallel& parallel) {
@@ -454,7 +456,12 @@ inline std::string SearchRows(const float* x, int64_t rows, int64_t n, int64_t k
   try {
     const int64_t parts = std::min(concurrency, std::max<int64_t>(1, n / kMinPartLength));
     if (parts > 1 && rows < concurrency) {  // few long rows: split each row across threads
-      HistogramSearch search(parts);
+      // Reused by later calls from this thread: fresh candidate buffers (megabytes for long
+      // rows) would cost a page fault per 4 KB written, about a tenth of the search. Calls on
+      // one thread never overlap: the caller blocks in Parallel::run until its tasks finish.
+      thread_local std::unique_ptr<HistogramSearch> cached_search;
+      if (!cached_search || cached_search->parts() != parts) cached_search.reset(new HistogramSearch(parts));
+      HistogramSearch& search = *cached_search;
       for (int64_t row = 0; row < rows; ++row) {
         const float* xr = x + row * n;
         const Bracket bracket = search.Search(xr, n, k, r, collect, parallel);
