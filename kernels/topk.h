@@ -13,12 +13,14 @@
 // * long rows: one parallel pass builds per-part histograms of the key's top 16 bits; the bin
 //   holding K is where the cumulative count from the top reaches k, which settles rounds <= 16.
 //   The same pass keeps the candidates: entries whose key reaches a floor estimated from a
-//   sample of the row (a few times k entries). The low 15 bits of K (rounds > 16) come from
+//   sample of the row (somewhat more than k entries). The low 15 bits of K (rounds > 16) come from
 //   the candidates in K's bin, and the per-part histograms say how many keys each part has
 //   above `hi` and inside the bracket, so prefix sums give every part its output offset and
 //   each part writes its selection from its candidates, in index order (the first parts take
 //   the bracket keys still needed). When the sample misled (the floor is above the bracket) or
 //   a part's candidates overflow its buffer, full passes over the row do the same work.
+//   With fewer rows than threads each row is split into parts across threads, else every
+//   thread takes whole rows (one part each).
 // * short rows: an exponent histogram finds K's binade, std::nth_element on that binade's keys
 //   finds K; rows run in parallel.
 //
