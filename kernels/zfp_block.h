@@ -427,31 +427,32 @@ JAXCOMP_HD_INLINE void decode_coefficients(Reader& in, int emax, int bits, const
     bits -= zeros;
     k -= zeros;
   }
-  for (; k >= 0 && bits > 0 && n < 4; --k) {
-    const uint32_t stream = in.peek();
-    const uint32_t entry = tables.decode[n * 128 + (stream & 0x7Fu)];
-    int length = (entry >> 4) & 0xF;
-    uint32_t plane = entry & 0xFu;
-    if (length > bits) {  // the budget ends inside this plane
-      int next_n = 0;
-      plane = decode_plane(stream, n, bits, &length, &next_n);
-    }
-    in.consume(length);
-    bits -= length;
-    n = entry >> 8;
-    u0 |= (plane & 1u) << k;
-    u1 |= ((plane >> 1) & 1u) << k;
-    u2 |= ((plane >> 2) & 1u) << k;
-    u3 |= (plane >> 3) << k;
-  }
-  // Once all four coefficients are significant, every plane is its 4 bits verbatim: lengths
-  // no longer depend on the data, so planes decode without a table lookup chain.
+  // Planes come 8 at a time as nibbles (plane k in the low nibble), as encode_coefficients
+  // writes them; then each coefficient's byte of the 8 planes goes in at once.
   while (k >= 0 && bits > 0) {
     const int planes = min_int(8, k + 1);
-    const int length = min_int(4 * planes, bits);
-    const uint32_t nibbles = low_bits(in.peek(), length);
-    in.consume(length);
-    bits -= length;
+    uint32_t nibbles = 0;
+    int plane = 0;
+    for (; plane < planes && n < 4 && bits > 0; ++plane) {
+      const uint32_t stream = in.peek();
+      const uint32_t entry = tables.decode[n * 128 + (stream & 0x7Fu)];
+      int length = (entry >> 4) & 0xF;
+      uint32_t bits_of_plane = entry & 0xFu;
+      if (length > bits) {  // the budget ends inside this plane
+        int next_n = 0;
+        bits_of_plane = decode_plane(stream, n, bits, &length, &next_n);
+      }
+      in.consume(length);
+      bits -= length;
+      n = entry >> 8;
+      nibbles |= bits_of_plane << (4 * plane);
+    }
+    if (plane < planes && bits > 0) {  // n == 4: the rest of the chunk is verbatim
+      const int length = min_int(4 * (planes - plane), bits);
+      nibbles |= low_bits(in.peek(), length) << (4 * plane);
+      in.consume(length);
+      bits -= length;
+    }
     // Byte i holds coefficient i's bits of planes k (bit 7) down to k - 7 (bit 0).
     const uint32_t bytes = tables.from_nibbles[nibbles & 0xFFu] << 6 | tables.from_nibbles[(nibbles >> 8) & 0xFFu] << 4 |
                            tables.from_nibbles[(nibbles >> 16) & 0xFFu] << 2 | tables.from_nibbles[nibbles >> 24];
