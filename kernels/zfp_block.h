@@ -1,7 +1,15 @@
 // One block of the ZFP-style fixed-rate codec (docs/kernels.md): 4 floats <-> a fixed number of
-// bits. Shared by the CPU row driver (kernels/zfp.h) and the CUDA kernels, so everything here is
-// plain integer code: no std:: calls, no exceptions, no floating-point scaling (XLA may run
-// handlers with denormals flushed; integer code gives the same bits everywhere).
+// bits. Shared by the CPU row driver (kernels/zfp.h) and the CUDA kernels, so there are no std::
+// calls, no exceptions and only fixed-size locals. Scaling by powers of two is integer code, or a
+// float multiply only where it is exact: XLA may run handlers with denormals flushed, and the
+// bits must not depend on that.
+//
+// Use: build the tables once (make_code_tables(), constexpr: on CUDA a __constant__ or shared
+// copy). Rates >= 3: encode_block / decode_block, 4 * rate bits each; rates 1-2: the row header
+// (row_header) then encode_coefficients / decode_coefficients with the row's exponent. Block b of
+// a row starts at bit b * 4 * rate (+ 32 at rates 1-2), so blocks need no coordination: stream
+// a run of blocks through BitWriter / BitReader, or (4 * rate <= 64) code one block in a
+// register with BlockWriter64 / BlockReader64 and store its bits at its offset.
 #pragma once
 
 #include <stdint.h>
@@ -23,7 +31,6 @@
 namespace jaxcomp {
 namespace zfp {
 
-constexpr int kBlockValues = 4;
 // Flag bit + 8-bit biased exponent in front of every block at rates >= 3.
 constexpr int kHeaderBits = 9;
 // Flag 1 with exponent field 0: a code zfp never writes, used for blocks holding NaN or +-Inf.

@@ -75,7 +75,7 @@ def test_kernel_matches_reference(rate):
 @pytest.mark.parametrize("n", [7, 4099])
 def test_words_and_values_identical_to_zfpy(rate, n):
     rng = np.random.default_rng(n * rate)
-    # zfpy scales by a float 2**(30 - emax), which overflows for blocks below 2**-97: keep
+    # zfpy scales by a float 2**(30 - emax), which overflows for blocks below 2**-98: keep
     # magnitudes (and the rest of the row) above that.
     x = np.concatenate([heavy_tailed(rng, n // 2), gaussian(rng, n - n // 2)])
     x[:4] = 0.0  # an all-zero block
