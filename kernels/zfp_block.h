@@ -215,6 +215,8 @@ struct CodeTables {
   // [two nibbles]: for coefficient i, bit 1 of byte i = bit i of the low nibble, bit 0 = bit i
   // of the high nibble (two planes -> two bits of each coefficient's byte).
   uint32_t from_nibbles[256];
+  // [n * 256 + plane k | plane k - 1 << 4]: both planes' codes, code | length << 16 | next_n << 24.
+  uint32_t encode_pair[5 * 256];
 };
 
 // Bits [0, count) of value, count in 0..32.
@@ -273,6 +275,17 @@ JAXCOMP_HD constexpr CodeTables make_code_tables() {
       int length = 0, next_n = 0;
       const uint32_t plane = decode_plane(stream, n, 7, &length, &next_n);
       t.decode[n * 128 + stream] = static_cast<uint16_t>(plane | length << 4 | next_n << 8);
+    }
+  }
+  for (int n = 0; n <= 4; ++n) {
+    for (uint32_t pair = 0; pair < 256; ++pair) {
+      uint32_t first = 0, second = 0;
+      int first_length = 0, second_length = 0, after_first = 0, after_second = 0;
+      encode_plane_full(pair & 0xFu, n, &first, &first_length, &after_first);
+      encode_plane_full(pair >> 4, after_first, &second, &second_length, &after_second);
+      t.encode_pair[n * 256 + pair] = (first | second << first_length) |
+                                      static_cast<uint32_t>(first_length + second_length) << 16 |
+                                      static_cast<uint32_t>(after_second) << 24;
     }
   }
   for (uint32_t byte = 0; byte < 256; ++byte) {
@@ -389,6 +402,22 @@ JAXCOMP_HD_INLINE void encode_coefficients(const uint32_t* value_bits, int emax,
   out.pad(zeros);
   bits -= zeros;
   int n = 0;
+  // Two planes per lookup while fewer than 4 coefficients are significant.
+  for (; k >= 1 && bits > 0 && n < 4; k -= 2) {
+    const uint32_t pair = ((u[0] >> (k - 1)) & 1u) << 4 | ((u[1] >> (k - 1)) & 1u) << 5 | ((u[2] >> (k - 1)) & 1u) << 6 |
+                          ((u[3] >> (k - 1)) & 1u) << 7 | ((u[0] >> k) & 1u) | ((u[1] >> k) & 1u) << 1 |
+                          ((u[2] >> k) & 1u) << 2 | ((u[3] >> k) & 1u) << 3;
+    const uint32_t entry = tables.encode_pair[n * 256 + pair];
+    const int length = (entry >> 16) & 0xFF;
+    if (length >= bits) {  // the budget ends inside these planes: write the prefix
+      out.write(entry & ((1u << bits) - 1u), bits);
+      bits = 0;
+      break;
+    }
+    out.write(entry & 0xFFFFu, length);
+    bits -= length;
+    n = entry >> 24;
+  }
   for (; k >= 0 && bits > 0 && n < 4; --k) {
     const uint32_t plane =
         ((u[0] >> k) & 1u) | ((u[1] >> k) & 1u) << 1 | ((u[2] >> k) & 1u) << 2 | ((u[3] >> k) & 1u) << 3;
