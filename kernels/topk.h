@@ -13,12 +13,14 @@
 // * long rows: one parallel pass builds per-part histograms of the key's top 16 bits; the bin
 //   holding K is where the cumulative count from the top reaches k, which settles rounds <= 16.
 //   The same pass keeps the candidates: entries whose key reaches a floor estimated from a
-//   sample of the row (a few times k entries). The low 15 bits of K (rounds > 16) come from
+//   sample of the row (somewhat more than k entries). The low 15 bits of K (rounds > 16) come from
 //   the candidates in K's bin, and the per-part histograms say how many keys each part has
 //   above `hi` and inside the bracket, so prefix sums give every part its output offset and
 //   each part writes its selection from its candidates, in index order (the first parts take
 //   the bracket keys still needed). When the sample misled (the floor is above the bracket) or
 //   a part's candidates overflow its buffer, full passes over the row do the same work.
+//   With fewer rows than threads each row is split into parts across threads, else every
+//   thread takes whole rows (one part each).
 // * short rows: an exponent histogram finds K's binade, std::nth_element on that binade's keys
 //   finds K; rows run in parallel.
 //
@@ -212,6 +214,8 @@ class HistogramSearch {
         samples_(kMaxSamples),
         candidate_start_(parts + 1),
         candidate_count_(parts) {}
+
+  int64_t parts() const { return parts_; }
 
   // The row's bracket. `collect`: also gather candidates, worth it when a selection follows
   // or rounds > 16 (they then replace the pass over the k-th key's coarse bin).
@@ -454,7 +458,12 @@ inline std::string SearchRows(const float* x, int64_t rows, int64_t n, int64_t k
   try {
     const int64_t parts = std::min(concurrency, std::max<int64_t>(1, n / kMinPartLength));
     if (parts > 1 && rows < concurrency) {  // few long rows: split each row across threads
-      HistogramSearch search(parts);
+      // Reused by later calls from this thread: fresh candidate buffers (megabytes for long
+      // rows) would cost a page fault per 4 KB written, about a tenth of the search. Calls on
+      // one thread never overlap: the caller blocks in Parallel::run until its tasks finish.
+      thread_local std::unique_ptr<HistogramSearch> cached_search;
+      if (!cached_search || cached_search->parts() != parts) cached_search.reset(new HistogramSearch(parts));
+      HistogramSearch& search = *cached_search;
       for (int64_t row = 0; row < rows; ++row) {
         const float* xr = x + row * n;
         const Bracket bracket = search.Search(xr, n, k, r, collect, parallel);

@@ -61,6 +61,13 @@ void for_each_group_range(int64_t rows, int64_t groups_per_row, const Parallel& 
   parallel.run(tasks, task);
 }
 
+// Appends a block built in a register to the group's stream.
+inline void append(const zfp::BlockWriter64& block, int block_bits, zfp::BitWriter& out) {
+  const int low = block_bits < 32 ? block_bits : 32;
+  out.write(static_cast<uint32_t>(block.bits), low);
+  if (block_bits > 32) out.write(static_cast<uint32_t>(block.bits >> 32), block_bits - 32);
+}
+
 }  // namespace zfp_detail
 
 // Encodes `rows` rows of `n` floats (row-major) into `rows * zfp_num_words(n, rate)` words.
@@ -81,7 +88,13 @@ inline ZfpStatus zfp_encode(const float* x, int64_t rows, int64_t n, int rate, u
       uint32_t value_bits[4];
       for (int64_t b = first * kZfpGroupBlocks; b < end_block; ++b) {
         zfp::load_block(values, n, b, value_bits);
-        zfp::encode_block(value_bits, block_bits, tables, out);
+        if (block_bits <= 64) {
+          zfp::BlockWriter64 block;
+          zfp::encode_block(value_bits, block_bits, tables, block);
+          zfp_detail::append(block, block_bits, out);
+        } else {
+          zfp::encode_block(value_bits, block_bits, tables, out);
+        }
       }
       out.flush();
     });
@@ -117,7 +130,9 @@ inline ZfpStatus zfp_encode(const float* x, int64_t rows, int64_t n, int rate, u
       uint32_t value_bits[4];
       for (int64_t b = first_block; b < end_block; ++b) {
         zfp::load_block(values, n, b, value_bits);
-        zfp::encode_coefficients(value_bits, emax, block_bits, tables, out);
+        zfp::BlockWriter64 block;
+        zfp::encode_coefficients(value_bits, emax, block_bits, tables, block);
+        zfp_detail::append(block, block_bits, out);
       }
     }
     out.flush();
@@ -147,6 +162,14 @@ inline ZfpStatus zfp_decode(const uint32_t* words, int64_t rows, int64_t n, int 
       const int64_t count = std::min<int64_t>(4, n - b * 4);
       for (int64_t i = 0; i < count; ++i) values[b * 4 + i] = decoded[i];
     };
+    if (rate >= 3 && block_bits <= 64) {
+      for (int64_t b = first_block; b < end_block; ++b) {
+        zfp::BlockReader64 block(row_in, row_words, b * block_bits);
+        zfp::decode_block(block, block_bits, tables, decoded);
+        store(b);
+      }
+      return;
+    }
     if (rate >= 3) {
       for (int64_t b = first_block; b < end_block; ++b) {
         zfp::decode_block(in, block_bits, tables, decoded);
@@ -163,7 +186,8 @@ inline ZfpStatus zfp_decode(const uint32_t* words, int64_t rows, int64_t n, int 
     }
     const int emax = static_cast<int>(header) - 127;
     for (int64_t b = first_block; b < end_block; ++b) {
-      zfp::decode_coefficients(in, emax, block_bits, tables, decoded);
+      zfp::BlockReader64 block(row_in, row_words, header_bits + b * block_bits);
+      zfp::decode_coefficients(block, emax, block_bits, tables, decoded);
       store(b);
     }
   });

@@ -1,7 +1,15 @@
 // One block of the ZFP-style fixed-rate codec (docs/kernels.md): 4 floats <-> a fixed number of
-// bits. Shared by the CPU row driver (kernels/zfp.h) and the CUDA kernels, so everything here is
-// plain integer code: no std:: calls, no exceptions, no floating-point scaling (XLA may run
-// handlers with denormals flushed; integer code gives the same bits everywhere).
+// bits. Shared by the CPU row driver (kernels/zfp.h) and the CUDA kernels, so there are no std::
+// calls, no exceptions and only fixed-size locals. Scaling by powers of two is integer code, or a
+// float multiply only where it is exact: XLA may run handlers with denormals flushed, and the
+// bits must not depend on that.
+//
+// Use: build the tables once (make_code_tables(), constexpr: on CUDA a __constant__ or shared
+// copy). Rates >= 3: encode_block / decode_block, 4 * rate bits each; rates 1-2: the row header
+// (row_header) then encode_coefficients / decode_coefficients with the row's exponent. Block b of
+// a row starts at bit b * 4 * rate (+ 32 at rates 1-2), so blocks need no coordination: stream
+// a run of blocks through BitWriter / BitReader, or (4 * rate <= 64) code one block in a
+// register with BlockWriter64 / BlockReader64 and store its bits at its offset.
 #pragma once
 
 #include <stdint.h>
@@ -12,10 +20,17 @@
 #define JAXCOMP_HD
 #endif
 
+// The per-block coders run once per 4 values: inlined into the caller's loop, the bit reader's
+// and writer's state stays in registers.
+#if defined(__CUDACC__)
+#define JAXCOMP_HD_INLINE __host__ __device__ __forceinline__
+#else
+#define JAXCOMP_HD_INLINE inline __attribute__((always_inline))
+#endif
+
 namespace jaxcomp {
 namespace zfp {
 
-constexpr int kBlockValues = 4;
 // Flag bit + 8-bit biased exponent in front of every block at rates >= 3.
 constexpr int kHeaderBits = 9;
 // Flag 1 with exponent field 0: a code zfp never writes, used for blocks holding NaN or +-Inf.
@@ -146,6 +161,41 @@ struct BitReader {
   }
 };
 
+// One block of at most 64 bits (rates <= 16) in a register: writes and pads need no memory and
+// no branches; the caller stores the block's bits at its offset.
+struct BlockWriter64 {
+  uint64_t bits = 0;
+  int pos = 0;
+
+  // `value` must have no bits at or above `count`; the block's bits never exceed 64.
+  JAXCOMP_HD void write(uint32_t value, int count) {
+    bits |= static_cast<uint64_t>(value) << pos;
+    pos += count;
+  }
+  JAXCOMP_HD void pad(int count) { pos += count; }
+};
+
+// Reads one block of at most 64 bits held in a register (bits past the block read as whatever
+// follows it in `bits`, zeros at the end).
+struct BlockReader64 {
+  uint64_t bits;
+
+  // The 64 bits at `bit_offset` of words[0, num_words) (zeros past the end).
+  JAXCOMP_HD BlockReader64(const uint32_t* words, int64_t num_words, int64_t bit_offset) {
+    const int64_t index = bit_offset >> 5;
+    const int shift = static_cast<int>(bit_offset & 31);
+    const uint64_t w0 = words[index];
+    const uint64_t w1 = index + 1 < num_words ? words[index + 1] : 0u;
+    const uint64_t w2 = index + 2 < num_words ? words[index + 2] : 0u;
+    bits = (w0 | w1 << 32) >> shift;
+    if (shift) bits |= w2 << (64 - shift);
+  }
+
+  JAXCOMP_HD uint32_t peek() const { return static_cast<uint32_t>(bits); }
+  JAXCOMP_HD void consume(int count) { bits >>= count; }  // count <= 32
+  JAXCOMP_HD void skip(int64_t) {}  // nothing follows within the block
+};
+
 // ---------------------------------------------------------------------------------------------
 // Bit-plane code tables. A bit plane is 4 bits (bit i = bit k of coefficient i); `n` coefficients
 // are already significant. zfp's encode_few_ints writes a plane as its low n bits verbatim, then
@@ -158,7 +208,21 @@ struct CodeTables {
   uint16_t encode[5 * 16];
   // [n * 128 + next 7 stream bits]: plane | length << 4 | next_n << 8.
   uint16_t decode[5 * 128];
+  // Once n == 4 every plane is 4 verbatim bits, so 8 planes move at once between the four
+  // coefficients' bytes and 8 nibbles (the highest plane first):
+  // [byte]: bit 4 * m set where bit 7 - m of byte is (a coefficient's byte -> nibble bits).
+  uint32_t to_nibbles[256];
+  // [two nibbles]: for coefficient i, bit 1 of byte i = bit i of the low nibble, bit 0 = bit i
+  // of the high nibble (two planes -> two bits of each coefficient's byte).
+  uint32_t from_nibbles[256];
+  // [n * 256 + plane k | plane k - 1 << 4]: both planes' codes, code | length << 16 | next_n << 24.
+  uint32_t encode_pair[5 * 256];
 };
+
+// Bits [0, count) of value, count in 0..32.
+JAXCOMP_HD inline uint32_t low_bits(uint32_t value, int count) {
+  return count >= 32 ? value : value & ((1u << count) - 1u);
+}
 
 // zfp's run-length code of the plane's bits above the n significant ones (no budget).
 JAXCOMP_HD constexpr void encode_plane_full(uint32_t plane, int n, uint32_t* code, int* length, int* next_n) {
@@ -213,6 +277,24 @@ JAXCOMP_HD constexpr CodeTables make_code_tables() {
       t.decode[n * 128 + stream] = static_cast<uint16_t>(plane | length << 4 | next_n << 8);
     }
   }
+  for (int n = 0; n <= 4; ++n) {
+    for (uint32_t pair = 0; pair < 256; ++pair) {
+      uint32_t first = 0, second = 0;
+      int first_length = 0, second_length = 0, after_first = 0, after_second = 0;
+      encode_plane_full(pair & 0xFu, n, &first, &first_length, &after_first);
+      encode_plane_full(pair >> 4, after_first, &second, &second_length, &after_second);
+      t.encode_pair[n * 256 + pair] = (first | second << first_length) |
+                                      static_cast<uint32_t>(first_length + second_length) << 16 |
+                                      static_cast<uint32_t>(after_second) << 24;
+    }
+  }
+  for (uint32_t byte = 0; byte < 256; ++byte) {
+    uint32_t nibbles = 0, bits = 0;
+    for (int m = 0; m < 8; ++m) nibbles |= ((byte >> (7 - m)) & 1u) << (4 * m);
+    for (int i = 0; i < 4; ++i) bits |= (((byte >> i) & 1u) << 1 | ((byte >> (4 + i)) & 1u)) << (8 * i);
+    t.to_nibbles[byte] = nibbles;
+    t.from_nibbles[byte] = bits;
+  }
   return t;
 }
 
@@ -225,6 +307,10 @@ JAXCOMP_HD inline uint32_t magnitude_key(uint32_t bits) { return bits & 0x7FFFFF
 // frexp exponent of a finite nonzero magnitude key, clamped to >= -126: E - 126 for biased
 // exponent E (denormals, E = 0, give -126).
 JAXCOMP_HD inline int block_exponent(uint32_t max_key) { return static_cast<int>(max_key >> 23) - 126; }
+
+// Block exponents from which dequantize can multiply by a normal float power of two:
+// 2^(emax - 30) >= 2^-126.
+constexpr int kMinFastExponent = -96;
 
 // (int32)(f * 2^(30 - emax)) with C truncation, exactly, for |f| < 2^emax.
 JAXCOMP_HD inline int32_t quantize(uint32_t bits, int emax) {
@@ -298,7 +384,7 @@ JAXCOMP_HD inline int32_t from_negabinary(uint32_t u) {
 // Coefficients: steps 4-7 of docs/kernels.md. Writes/reads exactly `bits` bits.
 
 template <typename Writer>
-JAXCOMP_HD inline void encode_coefficients(const uint32_t* value_bits, int emax, int bits, const CodeTables& tables,
+JAXCOMP_HD_INLINE void encode_coefficients(const uint32_t* value_bits, int emax, int bits, const CodeTables& tables,
                                            Writer& out) {
   int32_t q[4];
   for (int i = 0; i < 4; ++i) q[i] = quantize(value_bits[i], emax);
@@ -316,7 +402,23 @@ JAXCOMP_HD inline void encode_coefficients(const uint32_t* value_bits, int emax,
   out.pad(zeros);
   bits -= zeros;
   int n = 0;
-  for (; k >= 0 && bits > 0; --k) {
+  // Two planes per lookup while fewer than 4 coefficients are significant.
+  for (; k >= 1 && bits > 0 && n < 4; k -= 2) {
+    const uint32_t pair = ((u[0] >> (k - 1)) & 1u) << 4 | ((u[1] >> (k - 1)) & 1u) << 5 | ((u[2] >> (k - 1)) & 1u) << 6 |
+                          ((u[3] >> (k - 1)) & 1u) << 7 | ((u[0] >> k) & 1u) | ((u[1] >> k) & 1u) << 1 |
+                          ((u[2] >> k) & 1u) << 2 | ((u[3] >> k) & 1u) << 3;
+    const uint32_t entry = tables.encode_pair[n * 256 + pair];
+    const int length = (entry >> 16) & 0xFF;
+    if (length >= bits) {  // the budget ends inside these planes: write the prefix
+      out.write(entry & ((1u << bits) - 1u), bits);
+      bits = 0;
+      break;
+    }
+    out.write(entry & 0xFFFFu, length);
+    bits -= length;
+    n = entry >> 24;
+  }
+  for (; k >= 0 && bits > 0 && n < 4; --k) {
     const uint32_t plane =
         ((u[0] >> k) & 1u) | ((u[1] >> k) & 1u) << 1 | ((u[2] >> k) & 1u) << 2 | ((u[3] >> k) & 1u) << 3;
     const uint32_t entry = tables.encode[n * 16 + plane];
@@ -330,12 +432,28 @@ JAXCOMP_HD inline void encode_coefficients(const uint32_t* value_bits, int emax,
     bits -= length;
     n = entry >> 12;
   }
+  // Once all four coefficients are significant, every plane is its 4 bits verbatim: 8 planes
+  // at a time, from each coefficient's byte of planes k (bit 7) down to k - 7 (bit 0).
+  while (k >= 0 && bits > 0) {
+    const int planes = min_int(8, k + 1);
+    // Shifted so that plane k lands on bit 7 (planes below 0, if any, read as 0).
+    const int up = k >= 7 ? 0 : 7 - k, down = k >= 7 ? k - 7 : 0;
+    const uint32_t nibbles = tables.to_nibbles[((u[0] << up) >> down) & 0xFFu] |
+                             tables.to_nibbles[((u[1] << up) >> down) & 0xFFu] << 1 |
+                             tables.to_nibbles[((u[2] << up) >> down) & 0xFFu] << 2 |
+                             tables.to_nibbles[((u[3] << up) >> down) & 0xFFu] << 3;
+    const int length = min_int(4 * planes, bits);
+    out.write(low_bits(nibbles, length), length);
+    bits -= length;
+    k -= planes;
+  }
   out.pad(bits);
 }
 
 template <typename Reader>
-JAXCOMP_HD inline void decode_coefficients(Reader& in, int emax, int bits, const CodeTables& tables, float* values) {
-  uint32_t u[4] = {0, 0, 0, 0};
+JAXCOMP_HD_INLINE void decode_coefficients(Reader& in, int emax, int bits, const CodeTables& tables, float* values) {
+  // Four scalars rather than an array: the compiler keeps them in registers.
+  uint32_t u0 = 0, u1 = 0, u2 = 0, u3 = 0;
   int n = 0, k = 31;
   // Leading all-zero planes: one 0 bit each.
   {
@@ -345,25 +463,59 @@ JAXCOMP_HD inline void decode_coefficients(Reader& in, int emax, int bits, const
     bits -= zeros;
     k -= zeros;
   }
-  for (; k >= 0 && bits > 0; --k) {
-    const uint32_t stream = in.peek();
-    const uint32_t entry = tables.decode[n * 128 + (stream & 0x7Fu)];
-    int length = (entry >> 4) & 0xF;
-    uint32_t plane = entry & 0xFu;
-    if (length > bits) {  // the budget ends inside this plane
-      int next_n = 0;
-      plane = decode_plane(stream, n, bits, &length, &next_n);
+  // Planes come 8 at a time as nibbles (plane k in the low nibble), as encode_coefficients
+  // writes them; then each coefficient's byte of the 8 planes goes in at once.
+  while (k >= 0 && bits > 0) {
+    const int planes = min_int(8, k + 1);
+    uint32_t nibbles = 0;
+    int plane = 0;
+    for (; plane < planes && n < 4 && bits > 0; ++plane) {
+      const uint32_t stream = in.peek();
+      const uint32_t entry = tables.decode[n * 128 + (stream & 0x7Fu)];
+      int length = (entry >> 4) & 0xF;
+      uint32_t bits_of_plane = entry & 0xFu;
+      if (length > bits) {  // the budget ends inside this plane
+        int next_n = 0;
+        bits_of_plane = decode_plane(stream, n, bits, &length, &next_n);
+      }
+      in.consume(length);
+      bits -= length;
+      n = entry >> 8;
+      nibbles |= bits_of_plane << (4 * plane);
     }
-    in.consume(length);
-    bits -= length;
-    n = entry >> 8;
-    for (int i = 0; i < 4; ++i) u[i] |= ((plane >> i) & 1u) << k;
+    if (plane < planes && bits > 0) {  // n == 4: the rest of the chunk is verbatim
+      const int length = min_int(4 * (planes - plane), bits);
+      nibbles |= low_bits(in.peek(), length) << (4 * plane);
+      in.consume(length);
+      bits -= length;
+    }
+    // Byte i holds coefficient i's bits of planes k (bit 7) down to k - 7 (bit 0).
+    const uint32_t bytes = tables.from_nibbles[nibbles & 0xFFu] << 6 | tables.from_nibbles[(nibbles >> 8) & 0xFFu] << 4 |
+                           tables.from_nibbles[(nibbles >> 16) & 0xFFu] << 2 | tables.from_nibbles[nibbles >> 24];
+    if (k >= 7) {
+      u0 |= (bytes & 0xFFu) << (k - 7);
+      u1 |= ((bytes >> 8) & 0xFFu) << (k - 7);
+      u2 |= ((bytes >> 16) & 0xFFu) << (k - 7);
+      u3 |= (bytes >> 24) << (k - 7);
+    } else {
+      u0 |= (bytes & 0xFFu) >> (7 - k);
+      u1 |= ((bytes >> 8) & 0xFFu) >> (7 - k);
+      u2 |= ((bytes >> 16) & 0xFFu) >> (7 - k);
+      u3 |= (bytes >> 24) >> (7 - k);
+    }
+    k -= planes;
   }
   in.skip(bits);
-  int32_t q[4];
-  for (int i = 0; i < 4; ++i) q[i] = from_negabinary(u[i]);
+  int32_t q[4] = {from_negabinary(u0), from_negabinary(u1), from_negabinary(u2), from_negabinary(u3)};
   inverse_lift(q);
-  for (int i = 0; i < 4; ++i) values[i] = dequantize(q[i], emax);
+  if (emax >= kMinFastExponent) {
+    // 2^(emax - 30) is a normal float and (float)q * 2^(emax - 30) is normal (or overflows to
+    // inf): the product rounds exactly like ldexpf.
+    const float scale = bits_float(static_cast<uint32_t>(emax - 30 + 127) << 23);
+    for (int i = 0; i < 4; ++i) values[i] = static_cast<float>(q[i]) * scale;
+  } else {
+    for (int i = 0; i < 4; ++i) values[i] = dequantize(q[i], emax);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -395,7 +547,7 @@ JAXCOMP_HD inline uint32_t max_key(const uint32_t* value_bits) {
 
 // Rates >= 3: a block with its own 9-bit header, `block_bits` = 4 * rate bits in all.
 template <typename Writer>
-JAXCOMP_HD inline void encode_block(const uint32_t* value_bits, int block_bits, const CodeTables& tables,
+JAXCOMP_HD_INLINE void encode_block(const uint32_t* value_bits, int block_bits, const CodeTables& tables,
                                     Writer& out) {
   const uint32_t key = max_key(value_bits);
   if (key >= kNonFiniteKey) {
@@ -412,7 +564,7 @@ JAXCOMP_HD inline void encode_block(const uint32_t* value_bits, int block_bits, 
 }
 
 template <typename Reader>
-JAXCOMP_HD inline void decode_block(Reader& in, int block_bits, const CodeTables& tables, float* values) {
+JAXCOMP_HD_INLINE void decode_block(Reader& in, int block_bits, const CodeTables& tables, float* values) {
   const uint32_t header = in.peek();
   if (!(header & 1u)) {
     in.skip(block_bits);

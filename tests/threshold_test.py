@@ -77,13 +77,14 @@ def test_31_rounds_equal_exact_topk(shape, k):
     np.testing.assert_array_equal(threshold, kth_largest)
 
 
+@pytest.mark.parametrize("magnitude", [0.5, 0.0])  # 0.0: +0 and -0 share key 0
 @pytest.mark.parametrize("shape", [(100003,), (3, 2, 1001)])
-def test_bracket_ties_go_to_the_lower_index(shape):
-    x = jnp.asarray(np.random.default_rng(3).choice([-0.5, 0.5], shape), jnp.float32)
+def test_bracket_ties_go_to_the_lower_index(shape, magnitude):
+    x = jnp.asarray(np.random.default_rng(3).choice([-magnitude, magnitude], shape), jnp.float32)
     _, indices = jaxcomp.threshold_topk(x, 50, rounds=12)
     np.testing.assert_array_equal(indices, np.broadcast_to(np.arange(50), shape[:-1] + (50,)))
     threshold, count = jaxcomp.find_threshold(x, 50, rounds=12)
-    np.testing.assert_array_equal(threshold, np.full(shape[:-1], 0.5, np.float32))
+    np.testing.assert_array_equal(threshold, np.full(shape[:-1], magnitude, np.float32))
     np.testing.assert_array_equal(count, np.full(shape[:-1], shape[-1]))
 
 

@@ -9,7 +9,7 @@ import pytest
 
 import jaxcomp
 from jaxcomp import reference
-from tests.helpers import assert_trees_equal, count_compilations
+from tests.helpers import assert_trees_equal, count_compilations, need_devices
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -66,7 +66,8 @@ def assert_selection(x, values, indices, expected):
     assert values.dtype == x.dtype and indices.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(indices).reshape(-1, k), expected)
     gathered = np.take_along_axis(np.asarray(x).reshape(-1, n), expected, axis=-1)
-    np.testing.assert_array_equal(np.asarray(values).reshape(-1, k), gathered)
+    bits = f"u{gathered.itemsize}"  # compares -0.0 with 0.0 as different, as it should
+    np.testing.assert_array_equal(np.asarray(values).reshape(-1, k).view(bits), gathered.view(bits))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -199,3 +200,15 @@ def test_uneven_rows_and_long_batched_rows():
     x[3, -5000:] *= 100.0
     assert_selection(jnp.asarray(x), *jaxcomp.topk(x, 700), numpy_topk_indices(x, 700))
     assert_same(jaxcomp.threshold_topk(x, 700, rounds=20), reference.threshold_topk(x, 700, rounds=20))
+
+
+def test_concurrent_calls_inside_shard_map():
+    # Eight handlers run at once and share XLA's thread pool; each splits its long row into parts.
+    need_devices(8)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((8, 100003)), jnp.float32)
+    per_shard = jax.jit(jax.shard_map(lambda rows: jaxcomp.topk(rows, 500), mesh=mesh,
+                                      in_specs=jax.sharding.PartitionSpec("data"),
+                                      out_specs=jax.sharding.PartitionSpec("data")))
+    values, indices = per_shard(x)
+    assert_selection(x, values, indices, numpy_topk_indices(x, 500))

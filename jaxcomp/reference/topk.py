@@ -19,7 +19,7 @@ from jaxcomp import _checks
 _KEY_END = 2**31
 
 
-def magnitude_keys(x):
+def _magnitude_keys(x):
     """The magnitude key of each value: its float32 bits with the sign bit cleared (uint32).
 
     Key order is magnitude order, and every NaN has a larger key than +-Inf.
@@ -88,7 +88,7 @@ def topk(x, k):
 @functools.partial(jax.jit, static_argnums=1)
 def _topk(x, k):
     def row(values):
-        keys = magnitude_keys(values)
+        keys = _magnitude_keys(values)
         # Ascending order of (largest key - key); the stable sort puts lower indices first on ties.
         order = jnp.argsort(jnp.uint32(_KEY_END - 1) - keys, stable=True)
         indices = jnp.sort(order[:k]).astype(jnp.int32)
@@ -127,7 +127,7 @@ def find_threshold(x, k, rounds=16):  # 16 = jaxcomp.DEFAULT_ROUNDS
 @functools.partial(jax.jit, static_argnums=1)
 def _find_threshold(x, k, rounds):
     def row(values):
-        keys = magnitude_keys(values)
+        keys = _magnitude_keys(values)
         lo, _ = _bisect(keys, k, rounds)
         count = jnp.sum(keys >= lo).astype(jnp.int32)
         return lax.bitcast_convert_type(lo, jnp.float32), count
@@ -163,7 +163,7 @@ def threshold_topk(x, k, rounds=16):  # 16 = jaxcomp.DEFAULT_ROUNDS
 @functools.partial(jax.jit, static_argnums=1)
 def _threshold_topk(x, k, rounds):
     def row(values):
-        keys = magnitude_keys(values)
+        keys = _magnitude_keys(values)
         lo, hi = _bisect(keys, k, rounds)
         above = keys >= hi  # fewer than k, all in the exact top-k
         inside = (keys >= lo) & (keys < hi)
