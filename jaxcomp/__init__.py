@@ -10,7 +10,7 @@ Native kernels (XLA FFI custom calls) compress gradients before they cross the n
 compare kernels against it. ``docs/kernels.md`` states the exact semantics.
 """
 
-from jaxcomp import adaptive, cost, reference
+from jaxcomp import adaptive, collectives, cost, reference
 from jaxcomp.probe import probe
 from jaxcomp.topk import DEFAULT_ROUNDS, find_threshold, threshold_topk, topk
 from jaxcomp.train import DataParallel, TrainState, data_parallel

@@ -1,4 +1,4 @@
-"""The ``jaxcomp`` command: ``jaxcomp kernels`` (and, as they land, ``demo`` and ``advise``)."""
+"""The ``jaxcomp`` command: ``jaxcomp demo``, ``jaxcomp kernels``, ``jaxcomp advise``."""
 
 from __future__ import annotations
 
@@ -8,13 +8,10 @@ import sys
 # Subcommand -> (module with main(argv) -> int, one-line help). Modules import lazily so that
 # `jaxcomp --help` stays fast.
 COMMANDS = {
-    "demo": ("jaxcomp.kernel_demo", "the main demo (for now: the kernels demo)"),
+    "demo": ("jaxcomp.demo", "train a small flax model data-parallel on 8 virtual devices, once per method"),
     "advise": ("jaxcomp.advise", "will gradient compression help? predicted step time per method"),
     "kernels": ("jaxcomp.kernel_demo", "the three kernels on a realistic gradient, beside jax.lax.top_k and zfpy"),
 }
-
-DEFAULT = "kernels"
-
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
