@@ -172,14 +172,21 @@ inline Bracket ShortRowSearch(const float* x, int64_t n, int64_t k, int rounds, 
   const int64_t rank = k - 1 - above;
   std::nth_element(keys, keys + rank, keys + in_binade, std::greater<uint32_t>());
   Bracket bracket = BracketAround(keys[rank], rounds);
-  int64_t above_hi = 0, count = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t key = MagnitudeKey(x[i]);
-    above_hi += key >= bracket.hi;
-    count += key >= bracket.lo;
+  // From 8 rounds on the bracket lies inside K's binade, so the binade's keys are all it takes
+  // to count; fewer rounds leave a bracket spanning binades, counted over the whole row.
+  auto count_keys = [&bracket](int64_t length, auto key_at) {
+    for (int64_t i = 0; i < length; ++i) {
+      const uint32_t key = key_at(i);
+      bracket.above += key >= bracket.hi;
+      bracket.count += key >= bracket.lo;
+    }
+  };
+  if (rounds >= kKeyBits - kMantissaBits) {
+    bracket.above = bracket.count = above;
+    count_keys(in_binade, [keys](int64_t i) { return keys[i]; });
+  } else {
+    count_keys(n, [x](int64_t i) { return MagnitudeKey(x[i]); });
   }
-  bracket.above = above_hi;
-  bracket.count = count;
   return bracket;
 }
 
