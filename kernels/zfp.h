@@ -159,8 +159,12 @@ inline ZfpStatus zfp_decode(const uint32_t* words, int64_t rows, int64_t n, int 
     zfp::BitReader in(row_in, row_words, header_bits + first_block * block_bits);
     float decoded[4];
     auto store = [&](int64_t b) {
-      const int64_t count = std::min<int64_t>(4, n - b * 4);
-      for (int64_t i = 0; i < count; ++i) values[b * 4 + i] = decoded[i];
+      float* out = values + b * 4;
+      if (b * 4 + 4 <= n) {
+        for (int i = 0; i < 4; ++i) out[i] = decoded[i];
+      } else {  // the row's partial last block
+        for (int64_t i = 0; i < n - b * 4; ++i) out[i] = decoded[i];
+      }
     };
     if (rate >= 3 && block_bits <= 64) {
       for (int64_t b = first_block; b < end_block; ++b) {
