@@ -156,7 +156,6 @@ inline ZfpStatus zfp_decode(const uint32_t* words, int64_t rows, int64_t n, int 
     float* values = x + row * n;
     const int64_t first_block = first * kZfpGroupBlocks;
     const int64_t end_block = std::min(blocks, stop * kZfpGroupBlocks);
-    zfp::BitReader in(row_in, row_words, header_bits + first_block * block_bits);
     float decoded[4];
     auto store = [&](int64_t b) {
       float* out = values + b * 4;
@@ -174,7 +173,8 @@ inline ZfpStatus zfp_decode(const uint32_t* words, int64_t rows, int64_t n, int 
       }
       return;
     }
-    if (rate >= 3) {
+    if (rate >= 3) {  // blocks over 64 bits: stream through the group
+      zfp::BitReader in(row_in, row_words, first_block * block_bits);
       for (int64_t b = first_block; b < end_block; ++b) {
         zfp::decode_block(in, block_bits, tables, decoded);
         store(b);
