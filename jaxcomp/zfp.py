@@ -59,7 +59,7 @@ def zfp_encode(x, rate):
       >>> x = jnp.linspace(-1.0, 1.0, 10)
       >>> words = jaxcomp.zfp_encode(x, rate=16)
       >>> words.shape, words.dtype
-      ((5,), dtype('uint32'))
+      ((6,), dtype('uint32'))
       >>> y = jaxcomp.zfp_decode(words, n=10, rate=16)
       >>> bool(jnp.max(jnp.abs(y - x)) < 1e-3)
       True
