@@ -71,6 +71,11 @@ def test_kernel_matches_reference(rate):
         assert_kernel_matches_reference(x, rate, dtype)
 
 
+def test_kernel_matches_reference_on_a_long_row():
+    x = heavy_tailed(np.random.default_rng(5), (1, 100_003))
+    assert_kernel_matches_reference(x, 8, jnp.float32)
+
+
 @pytest.mark.parametrize("rate", [3, 5, 8, 16, 31, 32])
 @pytest.mark.parametrize("n", [7, 4099])
 def test_words_and_values_identical_to_zfpy(rate, n):
