@@ -217,6 +217,9 @@ struct CodeTables {
   uint32_t from_nibbles[256];
   // [n * 256 + plane k | plane k - 1 << 4]: both planes' codes, code | length << 16 | next_n << 24.
   uint32_t encode_pair[5 * 256];
+  // [n * 1024 + next 10 stream bits]: two planes decoded at once, planes | length << 8 |
+  // next_n << 12; length 0 where their codes take more than 10 bits.
+  uint16_t decode_pair[5 * 1024];
 };
 
 // Bits [0, count) of value, count in 0..32.
@@ -286,6 +289,17 @@ JAXCOMP_HD constexpr CodeTables make_code_tables() {
       t.encode_pair[n * 256 + pair] = (first | second << first_length) |
                                       static_cast<uint32_t>(first_length + second_length) << 16 |
                                       static_cast<uint32_t>(after_second) << 24;
+    }
+  }
+  for (int n = 0; n <= 4; ++n) {
+    for (uint32_t stream = 0; stream < 1024; ++stream) {
+      // A budget beyond the 10 bits: codes that fit are decoded whatever follows them.
+      int first_length = 0, after_first = 0, second_length = 0, after_second = 0;
+      const uint32_t first = decode_plane(stream, n, 20, &first_length, &after_first);
+      const uint32_t second = decode_plane(stream >> first_length, after_first, 20, &second_length, &after_second);
+      const int length = first_length + second_length;
+      t.decode_pair[n * 1024 + stream] =
+          length <= 10 ? static_cast<uint16_t>(first | second << 4 | length << 8 | after_second << 12) : 0;
     }
   }
   for (uint32_t byte = 0; byte < 256; ++byte) {
@@ -471,6 +485,18 @@ JAXCOMP_HD_INLINE void decode_coefficients(Reader& in, int emax, int bits, const
     int plane = 0;
     for (; plane < planes && n < 4 && bits > 0; ++plane) {
       const uint32_t stream = in.peek();
+      if (plane + 1 < planes) {  // two planes at once where their codes are short
+        const uint32_t pair = tables.decode_pair[n * 1024 + (stream & 0x3FFu)];
+        const int length = (pair >> 8) & 0xF;
+        if (length != 0 && length <= bits) {
+          in.consume(length);
+          bits -= length;
+          n = pair >> 12;
+          nibbles |= (pair & 0xFFu) << (4 * plane);
+          ++plane;
+          continue;
+        }
+      }
       const uint32_t entry = tables.decode[n * 128 + (stream & 0x7Fu)];
       int length = (entry >> 4) & 0xF;
       uint32_t bits_of_plane = entry & 0xFu;
