@@ -204,8 +204,8 @@ struct BlockReader64 {
 // code (zfp writes bit by bit and stops when the budget is spent).
 
 struct CodeTables {
-  // [n * 16 + plane]: code | length << 8 | next_n << 12.
-  uint16_t encode[5 * 16];
+  // [n * 16 + plane]: code | length << 16 | next_n << 24.
+  uint32_t encode_single[5 * 16];
   // [n * 128 + next 7 stream bits]: plane | length << 4 | next_n << 8.
   uint16_t decode[5 * 128];
   // Once n == 4 every plane is 4 verbatim bits, so 8 planes move at once between the four
@@ -272,7 +272,7 @@ JAXCOMP_HD constexpr CodeTables make_code_tables() {
       uint32_t code = 0;
       int length = 0, next_n = 0;
       encode_plane_full(plane, n, &code, &length, &next_n);
-      t.encode[n * 16 + plane] = static_cast<uint16_t>(code | length << 8 | next_n << 12);
+      t.encode_single[n * 16 + plane] = code | static_cast<uint32_t>(length) << 16 | static_cast<uint32_t>(next_n) << 24;
     }
     for (uint32_t stream = 0; stream < 128; ++stream) {
       int length = 0, next_n = 0;
@@ -415,50 +415,38 @@ JAXCOMP_HD_INLINE void encode_coefficients(const uint32_t* value_bits, int emax,
   int zeros = min_int(31 - k, bits);
   out.pad(zeros);
   bits -= zeros;
+  // Planes go 8 at a time as nibbles (plane k in the low nibble): zfp's run-length code, two
+  // planes per lookup, while fewer than 4 coefficients are significant; then 4 bits a plane.
   int n = 0;
-  // Two planes per lookup while fewer than 4 coefficients are significant.
-  for (; k >= 1 && bits > 0 && n < 4; k -= 2) {
-    const uint32_t pair = ((u[0] >> (k - 1)) & 1u) << 4 | ((u[1] >> (k - 1)) & 1u) << 5 | ((u[2] >> (k - 1)) & 1u) << 6 |
-                          ((u[3] >> (k - 1)) & 1u) << 7 | ((u[0] >> k) & 1u) | ((u[1] >> k) & 1u) << 1 |
-                          ((u[2] >> k) & 1u) << 2 | ((u[3] >> k) & 1u) << 3;
-    const uint32_t entry = tables.encode_pair[n * 256 + pair];
-    const int length = (entry >> 16) & 0xFF;
-    if (length >= bits) {  // the budget ends inside these planes: write the prefix
-      out.write(entry & ((1u << bits) - 1u), bits);
-      bits = 0;
-      break;
-    }
-    out.write(entry & 0xFFFFu, length);
-    bits -= length;
-    n = entry >> 24;
-  }
-  for (; k >= 0 && bits > 0 && n < 4; --k) {
-    const uint32_t plane =
-        ((u[0] >> k) & 1u) | ((u[1] >> k) & 1u) << 1 | ((u[2] >> k) & 1u) << 2 | ((u[3] >> k) & 1u) << 3;
-    const uint32_t entry = tables.encode[n * 16 + plane];
-    const int length = (entry >> 8) & 0xF;
-    if (length >= bits) {  // the budget ends inside this plane: write the prefix
-      out.write(entry & ((1u << bits) - 1u), bits);
-      bits = 0;
-      break;
-    }
-    out.write(entry & 0xFFu, length);
-    bits -= length;
-    n = entry >> 12;
-  }
-  // Once all four coefficients are significant, every plane is its 4 bits verbatim: 8 planes
-  // at a time, from each coefficient's byte of planes k (bit 7) down to k - 7 (bit 0).
   while (k >= 0 && bits > 0) {
     const int planes = min_int(8, k + 1);
-    // Shifted so that plane k lands on bit 7 (planes below 0, if any, read as 0).
+    // Each coefficient's byte of planes k (bit 7) down to k - 7 (planes below 0 read as 0).
     const int up = k >= 7 ? 0 : 7 - k, down = k >= 7 ? k - 7 : 0;
     const uint32_t nibbles = tables.to_nibbles[((u[0] << up) >> down) & 0xFFu] |
                              tables.to_nibbles[((u[1] << up) >> down) & 0xFFu] << 1 |
                              tables.to_nibbles[((u[2] << up) >> down) & 0xFFu] << 2 |
                              tables.to_nibbles[((u[3] << up) >> down) & 0xFFu] << 3;
-    const int length = min_int(4 * planes, bits);
-    out.write(low_bits(nibbles, length), length);
-    bits -= length;
+    int plane = 0;
+    while (plane < planes && n < 4 && bits > 0) {
+      const bool two = plane + 1 < planes;
+      const uint32_t entry = two ? tables.encode_pair[n * 256 + ((nibbles >> (4 * plane)) & 0xFFu)]
+                                 : tables.encode_single[n * 16 + ((nibbles >> (4 * plane)) & 0xFu)];
+      const int length = (entry >> 16) & 0xFF;
+      if (length >= bits) {  // the budget ends inside these planes: write the prefix
+        out.write(entry & ((1u << bits) - 1u), bits);
+        bits = 0;
+        break;
+      }
+      out.write(entry & 0xFFFFu, length);
+      bits -= length;
+      n = entry >> 24;
+      plane += two ? 2 : 1;
+    }
+    if (plane < planes && bits > 0) {  // n == 4: the rest of the chunk verbatim
+      const int length = min_int(4 * (planes - plane), bits);
+      out.write(low_bits(nibbles >> (4 * plane), length), length);
+      bits -= length;
+    }
     k -= planes;
   }
   out.pad(bits);
