@@ -199,9 +199,10 @@ struct BlockReader64 {
 // ---------------------------------------------------------------------------------------------
 // Bit-plane code tables. A bit plane is 4 bits (bit i = bit k of coefficient i); `n` coefficients
 // are already significant. zfp's encode_few_ints writes a plane as its low n bits verbatim, then
-// a unary run-length code of the rest; its decode_few_ints mirrors it. Both are at most 7 bits,
-// so a plane is one table lookup. A plane cut short by the bit budget is the prefix of its full
-// code (zfp writes bit by bit and stops when the budget is spent).
+// a unary run-length code of the rest; its decode_few_ints mirrors it. A plane's code is at most
+// 7 bits, so one lookup codes a plane (or two, in the pair tables). Planes cut short by the bit
+// budget are the prefix of their full code (zfp writes bit by bit and stops when the budget is
+// spent). About 17 KB in all: on CUDA, a __constant__ or shared-memory copy.
 
 struct CodeTables {
   // [n * 16 + plane]: code | length << 16 | next_n << 24.
