@@ -202,7 +202,7 @@ struct BlockReader64 {
 // a unary run-length code of the rest; its decode_few_ints mirrors it. A plane's code is at most
 // 7 bits, so one lookup codes a plane (or two, in the pair tables). Planes cut short by the bit
 // budget are the prefix of their full code (zfp writes bit by bit and stops when the budget is
-// spent). About 17 KB in all: on CUDA, a __constant__ or shared-memory copy.
+// spent). About 19 KB in all: on CUDA, a __constant__ or shared-memory copy.
 
 struct CodeTables {
   // [n * 16 + plane]: code | length << 16 | next_n << 24.
