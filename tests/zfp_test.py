@@ -58,7 +58,6 @@ def assert_kernel_matches_reference(x, rate, dtype):
     decoded = jaxcomp.zfp_decode(words, n, rate, dtype=dtype)
     assert decoded.dtype == dtype and decoded.shape == x.shape
     np.testing.assert_array_equal(bits_of(decoded), bits_of(reference.zfp_decode(words, n, rate, dtype=dtype)))
-    return words, decoded
 
 
 @pytest.mark.parametrize("rate", RATES)
