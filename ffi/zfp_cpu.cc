@@ -39,6 +39,8 @@ ffi::Error StatusToError(jaxcomp::ZfpStatus status) {
       return ffi::Error::Success();
     case jaxcomp::ZfpStatus::kBadRate:
       return ffi::Error::InvalidArgument("rate must be in [1, 32]");
+    case jaxcomp::ZfpStatus::kOutOfMemory:
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted, "zfp: out of memory for the row exponents");
     case jaxcomp::ZfpStatus::kBadShape:
       break;
   }

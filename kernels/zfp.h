@@ -9,13 +9,14 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <new>
 
 #include "kernels/parallel.h"
 #include "kernels/zfp_block.h"
 
 namespace jaxcomp {
 
-enum class ZfpStatus { kOk, kBadRate, kBadShape };
+enum class ZfpStatus { kOk, kBadRate, kBadShape, kOutOfMemory };
 
 inline constexpr zfp::CodeTables kZfpCodeTables = zfp::make_code_tables();
 
@@ -102,7 +103,8 @@ inline ZfpStatus zfp_encode(const float* x, int64_t rows, int64_t n, int rate, u
   }
 
   // Rates 1-2: first every row's largest magnitude key (the row exponent), then the blocks.
-  std::unique_ptr<std::atomic<uint32_t>[]> row_max(new std::atomic<uint32_t>[rows]);
+  std::unique_ptr<std::atomic<uint32_t>[]> row_max(new (std::nothrow) std::atomic<uint32_t>[rows]);
+  if (!row_max) return ZfpStatus::kOutOfMemory;
   for (int64_t r = 0; r < rows; ++r) row_max[r].store(0, std::memory_order_relaxed);
   zfp_detail::for_each_group_range(rows, groups, parallel, [&](int64_t row, int64_t first, int64_t stop) {
     const float* values = x + row * n;
