@@ -1,6 +1,11 @@
 // XLA FFI adapters of the ZFP-style codec on CPU: validate, then run kernels/zfp.h on XLA's
 // intra-op thread pool.
+#include <cstdint>
 #include <string>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "ffi/common.h"
 #include "ffi/handlers.h"
@@ -11,12 +16,31 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// Large results are written once, page by page: on Linux, asking for transparent huge pages
+// first saves most of the page faults (a fresh 100 MB result costs ~25k of them, about a fifth
+// of the decode time). Only whole pages inside the buffer are advised; failure is harmless.
+void AdviseHugePages(void* data, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr size_t kMinBytes = size_t{8} << 20;
+  constexpr uintptr_t kPage = 4096;
+  if (bytes < kMinBytes) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kPage - 1) & ~(kPage - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kPage - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
+
 ffi::Error StatusToError(jaxcomp::ZfpStatus status) {
   switch (status) {
     case jaxcomp::ZfpStatus::kOk:
       return ffi::Error::Success();
     case jaxcomp::ZfpStatus::kBadRate:
       return ffi::Error::InvalidArgument("rate must be in [1, 32]");
+    case jaxcomp::ZfpStatus::kOutOfMemory:
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted, "zfp: out of memory for the row exponents");
     case jaxcomp::ZfpStatus::kBadShape:
       break;
   }
@@ -36,6 +60,7 @@ ffi::Error ZfpEncode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, int64_t rate
                                        std::to_string(row_words) + " words for n=" + std::to_string(n) +
                                        ", rate=" + std::to_string(rate));
   }
+  AdviseHugePages(words->typed_data(), words->size_bytes());
   return StatusToError(jaxcomp::zfp_encode(x.typed_data(), rows, n, static_cast<int>(rate), words->typed_data(),
                                            jaxcomp_ffi::PoolParallel(pool)));
 }
@@ -59,6 +84,7 @@ ffi::Error ZfpDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> words, int64_t 
     return ffi::Error::InvalidArgument("x (the result) must have " + std::to_string(rows) + " rows of n=" +
                                        std::to_string(n) + " values");
   }
+  AdviseHugePages(x->typed_data(), x->size_bytes());
   return StatusToError(jaxcomp::zfp_decode(words.typed_data(), rows, n, static_cast<int>(rate), x->typed_data(),
                                            jaxcomp_ffi::PoolParallel(pool)));
 }

@@ -9,13 +9,14 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <new>
 
 #include "kernels/parallel.h"
 #include "kernels/zfp_block.h"
 
 namespace jaxcomp {
 
-enum class ZfpStatus { kOk, kBadRate, kBadShape };
+enum class ZfpStatus { kOk, kBadRate, kBadShape, kOutOfMemory };
 
 inline constexpr zfp::CodeTables kZfpCodeTables = zfp::make_code_tables();
 
@@ -102,7 +103,8 @@ inline ZfpStatus zfp_encode(const float* x, int64_t rows, int64_t n, int rate, u
   }
 
   // Rates 1-2: first every row's largest magnitude key (the row exponent), then the blocks.
-  std::unique_ptr<std::atomic<uint32_t>[]> row_max(new std::atomic<uint32_t>[rows]);
+  std::unique_ptr<std::atomic<uint32_t>[]> row_max(new (std::nothrow) std::atomic<uint32_t>[rows]);
+  if (!row_max) return ZfpStatus::kOutOfMemory;
   for (int64_t r = 0; r < rows; ++r) row_max[r].store(0, std::memory_order_relaxed);
   zfp_detail::for_each_group_range(rows, groups, parallel, [&](int64_t row, int64_t first, int64_t stop) {
     const float* values = x + row * n;
@@ -156,11 +158,14 @@ inline ZfpStatus zfp_decode(const uint32_t* words, int64_t rows, int64_t n, int 
     float* values = x + row * n;
     const int64_t first_block = first * kZfpGroupBlocks;
     const int64_t end_block = std::min(blocks, stop * kZfpGroupBlocks);
-    zfp::BitReader in(row_in, row_words, header_bits + first_block * block_bits);
     float decoded[4];
     auto store = [&](int64_t b) {
-      const int64_t count = std::min<int64_t>(4, n - b * 4);
-      for (int64_t i = 0; i < count; ++i) values[b * 4 + i] = decoded[i];
+      float* out = values + b * 4;
+      if (b * 4 + 4 <= n) {
+        for (int i = 0; i < 4; ++i) out[i] = decoded[i];
+      } else {  // the row's partial last block
+        for (int64_t i = 0; i < n - b * 4; ++i) out[i] = decoded[i];
+      }
     };
     if (rate >= 3 && block_bits <= 64) {
       for (int64_t b = first_block; b < end_block; ++b) {
@@ -170,7 +175,8 @@ inline ZfpStatus zfp_decode(const uint32_t* words, int64_t rows, int64_t n, int 
       }
       return;
     }
-    if (rate >= 3) {
+    if (rate >= 3) {  // blocks over 64 bits: stream through the group
+      zfp::BitReader in(row_in, row_words, first_block * block_bits);
       for (int64_t b = first_block; b < end_block; ++b) {
         zfp::decode_block(in, block_bits, tables, decoded);
         store(b);

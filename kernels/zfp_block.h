@@ -199,13 +199,14 @@ struct BlockReader64 {
 // ---------------------------------------------------------------------------------------------
 // Bit-plane code tables. A bit plane is 4 bits (bit i = bit k of coefficient i); `n` coefficients
 // are already significant. zfp's encode_few_ints writes a plane as its low n bits verbatim, then
-// a unary run-length code of the rest; its decode_few_ints mirrors it. Both are at most 7 bits,
-// so a plane is one table lookup. A plane cut short by the bit budget is the prefix of its full
-// code (zfp writes bit by bit and stops when the budget is spent).
+// a unary run-length code of the rest; its decode_few_ints mirrors it. A plane's code is at most
+// 7 bits, so one lookup codes a plane (or two, in the pair tables). Planes cut short by the bit
+// budget are the prefix of their full code (zfp writes bit by bit and stops when the budget is
+// spent). About 19 KB in all: on CUDA, a __constant__ or shared-memory copy.
 
 struct CodeTables {
-  // [n * 16 + plane]: code | length << 8 | next_n << 12.
-  uint16_t encode[5 * 16];
+  // [n * 16 + plane]: code | length << 16 | next_n << 24.
+  uint32_t encode_single[5 * 16];
   // [n * 128 + next 7 stream bits]: plane | length << 4 | next_n << 8.
   uint16_t decode[5 * 128];
   // Once n == 4 every plane is 4 verbatim bits, so 8 planes move at once between the four
@@ -217,6 +218,9 @@ struct CodeTables {
   uint32_t from_nibbles[256];
   // [n * 256 + plane k | plane k - 1 << 4]: both planes' codes, code | length << 16 | next_n << 24.
   uint32_t encode_pair[5 * 256];
+  // [n * 1024 + next 10 stream bits]: two planes decoded at once, planes | length << 8 |
+  // next_n << 12; length 0 where their codes take more than 10 bits.
+  uint16_t decode_pair[5 * 1024];
 };
 
 // Bits [0, count) of value, count in 0..32.
@@ -269,7 +273,7 @@ JAXCOMP_HD constexpr CodeTables make_code_tables() {
       uint32_t code = 0;
       int length = 0, next_n = 0;
       encode_plane_full(plane, n, &code, &length, &next_n);
-      t.encode[n * 16 + plane] = static_cast<uint16_t>(code | length << 8 | next_n << 12);
+      t.encode_single[n * 16 + plane] = code | static_cast<uint32_t>(length) << 16 | static_cast<uint32_t>(next_n) << 24;
     }
     for (uint32_t stream = 0; stream < 128; ++stream) {
       int length = 0, next_n = 0;
@@ -286,6 +290,17 @@ JAXCOMP_HD constexpr CodeTables make_code_tables() {
       t.encode_pair[n * 256 + pair] = (first | second << first_length) |
                                       static_cast<uint32_t>(first_length + second_length) << 16 |
                                       static_cast<uint32_t>(after_second) << 24;
+    }
+  }
+  for (int n = 0; n <= 4; ++n) {
+    for (uint32_t stream = 0; stream < 1024; ++stream) {
+      // A budget beyond the 10 bits: codes that fit are decoded whatever follows them.
+      int first_length = 0, after_first = 0, second_length = 0, after_second = 0;
+      const uint32_t first = decode_plane(stream, n, 20, &first_length, &after_first);
+      const uint32_t second = decode_plane(stream >> first_length, after_first, 20, &second_length, &after_second);
+      const int length = first_length + second_length;
+      t.decode_pair[n * 1024 + stream] =
+          length <= 10 ? static_cast<uint16_t>(first | second << 4 | length << 8 | after_second << 12) : 0;
     }
   }
   for (uint32_t byte = 0; byte < 256; ++byte) {
@@ -401,50 +416,38 @@ JAXCOMP_HD_INLINE void encode_coefficients(const uint32_t* value_bits, int emax,
   int zeros = min_int(31 - k, bits);
   out.pad(zeros);
   bits -= zeros;
+  // Planes go 8 at a time as nibbles (plane k in the low nibble): zfp's run-length code, two
+  // planes per lookup, while fewer than 4 coefficients are significant; then 4 bits a plane.
   int n = 0;
-  // Two planes per lookup while fewer than 4 coefficients are significant.
-  for (; k >= 1 && bits > 0 && n < 4; k -= 2) {
-    const uint32_t pair = ((u[0] >> (k - 1)) & 1u) << 4 | ((u[1] >> (k - 1)) & 1u) << 5 | ((u[2] >> (k - 1)) & 1u) << 6 |
-                          ((u[3] >> (k - 1)) & 1u) << 7 | ((u[0] >> k) & 1u) | ((u[1] >> k) & 1u) << 1 |
-                          ((u[2] >> k) & 1u) << 2 | ((u[3] >> k) & 1u) << 3;
-    const uint32_t entry = tables.encode_pair[n * 256 + pair];
-    const int length = (entry >> 16) & 0xFF;
-    if (length >= bits) {  // the budget ends inside these planes: write the prefix
-      out.write(entry & ((1u << bits) - 1u), bits);
-      bits = 0;
-      break;
-    }
-    out.write(entry & 0xFFFFu, length);
-    bits -= length;
-    n = entry >> 24;
-  }
-  for (; k >= 0 && bits > 0 && n < 4; --k) {
-    const uint32_t plane =
-        ((u[0] >> k) & 1u) | ((u[1] >> k) & 1u) << 1 | ((u[2] >> k) & 1u) << 2 | ((u[3] >> k) & 1u) << 3;
-    const uint32_t entry = tables.encode[n * 16 + plane];
-    const int length = (entry >> 8) & 0xF;
-    if (length >= bits) {  // the budget ends inside this plane: write the prefix
-      out.write(entry & ((1u << bits) - 1u), bits);
-      bits = 0;
-      break;
-    }
-    out.write(entry & 0xFFu, length);
-    bits -= length;
-    n = entry >> 12;
-  }
-  // Once all four coefficients are significant, every plane is its 4 bits verbatim: 8 planes
-  // at a time, from each coefficient's byte of planes k (bit 7) down to k - 7 (bit 0).
   while (k >= 0 && bits > 0) {
     const int planes = min_int(8, k + 1);
-    // Shifted so that plane k lands on bit 7 (planes below 0, if any, read as 0).
+    // Each coefficient's byte of planes k (bit 7) down to k - 7 (planes below 0 read as 0).
     const int up = k >= 7 ? 0 : 7 - k, down = k >= 7 ? k - 7 : 0;
     const uint32_t nibbles = tables.to_nibbles[((u[0] << up) >> down) & 0xFFu] |
                              tables.to_nibbles[((u[1] << up) >> down) & 0xFFu] << 1 |
                              tables.to_nibbles[((u[2] << up) >> down) & 0xFFu] << 2 |
                              tables.to_nibbles[((u[3] << up) >> down) & 0xFFu] << 3;
-    const int length = min_int(4 * planes, bits);
-    out.write(low_bits(nibbles, length), length);
-    bits -= length;
+    int plane = 0;
+    while (plane < planes && n < 4 && bits > 0) {
+      const bool two = plane + 1 < planes;
+      const uint32_t entry = two ? tables.encode_pair[n * 256 + ((nibbles >> (4 * plane)) & 0xFFu)]
+                                 : tables.encode_single[n * 16 + ((nibbles >> (4 * plane)) & 0xFu)];
+      const int length = (entry >> 16) & 0xFF;
+      if (length >= bits) {  // the budget ends inside these planes: write the prefix
+        out.write(entry & ((1u << bits) - 1u), bits);
+        bits = 0;
+        break;
+      }
+      out.write(entry & 0xFFFFu, length);
+      bits -= length;
+      n = entry >> 24;
+      plane += two ? 2 : 1;
+    }
+    if (plane < planes && bits > 0) {  // n == 4: the rest of the chunk verbatim
+      const int length = min_int(4 * (planes - plane), bits);
+      out.write(low_bits(nibbles >> (4 * plane), length), length);
+      bits -= length;
+    }
     k -= planes;
   }
   out.pad(bits);
@@ -471,6 +474,18 @@ JAXCOMP_HD_INLINE void decode_coefficients(Reader& in, int emax, int bits, const
     int plane = 0;
     for (; plane < planes && n < 4 && bits > 0; ++plane) {
       const uint32_t stream = in.peek();
+      if (plane + 1 < planes) {  // two planes at once where their codes are short
+        const uint32_t pair = tables.decode_pair[n * 1024 + (stream & 0x3FFu)];
+        const int length = (pair >> 8) & 0xF;
+        if (length != 0 && length <= bits) {
+          in.consume(length);
+          bits -= length;
+          n = pair >> 12;
+          nibbles |= (pair & 0xFFu) << (4 * plane);
+          ++plane;
+          continue;
+        }
+      }
       const uint32_t entry = tables.decode[n * 128 + (stream & 0x7Fu)];
       int length = (entry >> 4) & 0xF;
       uint32_t bits_of_plane = entry & 0xFu;

@@ -58,7 +58,6 @@ def assert_kernel_matches_reference(x, rate, dtype):
     decoded = jaxcomp.zfp_decode(words, n, rate, dtype=dtype)
     assert decoded.dtype == dtype and decoded.shape == x.shape
     np.testing.assert_array_equal(bits_of(decoded), bits_of(reference.zfp_decode(words, n, rate, dtype=dtype)))
-    return words, decoded
 
 
 @pytest.mark.parametrize("rate", RATES)
@@ -69,6 +68,11 @@ def test_kernel_matches_reference(rate):
         dtype = DTYPES[(i + RATES.index(rate)) % len(DTYPES)]
         x = np.stack([gaussian(rng, n), heavy_tailed(rng, n), with_special_values(rng, n)])
         assert_kernel_matches_reference(x, rate, dtype)
+
+
+def test_kernel_matches_reference_on_a_long_row():
+    x = heavy_tailed(np.random.default_rng(5), (1, 100_003))
+    assert_kernel_matches_reference(x, 8, jnp.float32)
 
 
 @pytest.mark.parametrize("rate", [3, 5, 8, 16, 31, 32])

@@ -2,8 +2,8 @@
 
 Written for clarity, vectorized over blocks: every block of every row is one entry of a
 ``[blocks, 4]`` array, the bit-plane coder is a loop over the 32 planes carrying each block's
-state, and each block's bits are assembled into a ``[blocks, bits_per_block]`` array of 0/1 that
-is finally packed into uint32 words. Floating-point values are handled as their integer bits:
+state, and each block's bits are assembled into a ``[blocks, 128]`` array of 0/1 (the first
+``4 * rate`` are the block) that is finally packed into uint32 words. Floating-point values are handled as their integer bits:
 XLA on CPU flushes denormals, and the format is defined on the exact values.
 """
 
@@ -17,6 +17,7 @@ import numpy as np
 from jax import lax
 
 from jaxcomp import _checks
+from jaxcomp.zfp import zfp_num_words
 
 _HEADER_BITS = 9
 _MAX_BLOCK_BITS = 4 * 32
@@ -29,11 +30,6 @@ _SIGN = np.uint32(0x80000000)
 _TEST, _SCAN, _DONE = 0, 1, 2
 # Steps a plane needs at most: 4 group tests, 4 scan steps, and the test that finds n == 4.
 _PLANE_STEPS = 9
-
-
-def _num_words(n, rate):
-    blocks = -(-n // 4)
-    return -(-(blocks * 4 * rate) // 32) + (1 if rate <= 2 else 0)
 
 
 def _padded_block_index(n):
@@ -410,8 +406,8 @@ def zfp_decode(words, n, rate, dtype=jnp.float32):
     n = _checks.static_int(n, "n", 1, _checks.MAX_ROW_LENGTH)
     rate = _checks.static_int(rate, "rate", 1, 32)
     words = jnp.asarray(words)
-    if words.ndim == 0 or words.shape[-1] != _num_words(n, rate):
-        raise ValueError(f"words must have {_num_words(n, rate)} words in its last axis, got shape {words.shape}")
+    if words.ndim == 0 or words.shape[-1] != zfp_num_words(n, rate):
+        raise ValueError(f"words must have {zfp_num_words(n, rate)} words in its last axis, got shape {words.shape}")
     streams, row_header = _split_words(words.astype(jnp.uint32), n, rate)
     values = _decode_blocks(streams, row_header, np.int32(rate))
     return _join_values(values, words.shape[:-1] + (n,), jnp.dtype(dtype))
