@@ -26,6 +26,7 @@ __all__ = [
     "DataParallel",
     "TrainState",
     "adaptive",
+    "collectives",
     "compress",
     "cost",
     "data_parallel",

@@ -1,11 +1,11 @@
 """jaxcomp.advise: paper 002's T_obs model against hand-computed values and the paper's own numbers, and the CLI."""
 
 import math
-import os
 import subprocess
 import sys
 
 import pytest
+from helpers import subprocess_env
 
 from jaxcomp import advise, cost
 
@@ -187,9 +187,8 @@ def test_main_rejects_bad_arguments(extra, capsys):
     assert "error" in capsys.readouterr().err
 
 
-def test_runs_as_a_module():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    result = subprocess.run([sys.executable, "-m", "jaxcomp.advise", *ISSUE_EXAMPLE], env=env,
+def test_runs_as_a_module(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "jaxcomp.advise", *ISSUE_EXAMPLE], env=subprocess_env(), cwd=tmp_path,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("jaxcomp advise: 25.6M parameters")

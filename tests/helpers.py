@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import jax
 import numpy as np
@@ -49,3 +50,24 @@ def assert_trees_equal(a, b):
     assert tree_a == tree_b, f"tree structures differ: {tree_a} vs {tree_b}"
     for x, y in zip(leaves_a, leaves_b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def subprocess_env(**overrides):
+    """Environment for a Python subprocess that must import the same jaxcomp as this process.
+
+    In CI jaxcomp is the installed package; in a development tree (``make dev``, run with
+    ``PYTHONPATH=<checkout>``) it is the checkout. Putting the checkout on the path regardless
+    would shadow the installed package with sources that have no compiled module. Start such
+    subprocesses with ``cwd`` outside the checkout too: ``python -c``/``-m`` put the working
+    directory first on ``sys.path``.
+    """
+    import jaxcomp
+
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(jaxcomp.__file__)))
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_parent, TESTS_DIR, *inherited]))
+    env.update(overrides)
+    return env

@@ -6,23 +6,24 @@ import numpy as np
 import pytest
 
 from jaxcomp.launch import launch
-from tests import multihost_worker
-from tests.helpers import need_devices
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import multihost_worker
+from helpers import need_devices, subprocess_env
 
 
 @pytest.mark.multiprocess
 def test_two_processes_match_one(tmp_path):
     need_devices(8)
     out = tmp_path / "params.npz"
-    env_path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = ROOT + (os.pathsep + env_path if env_path else "")
+    env_path = os.environ.get("PYTHONPATH")
+    # launch() passes this process's environment on to the workers.
+    os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]
     try:
-        code = launch([os.path.join(ROOT, "tests", "multihost_worker.py"), str(out)], num_processes=2,
-                      devices_per_process=4, timeout=240)
+        code = launch([multihost_worker.__file__, str(out)], num_processes=2, devices_per_process=4, timeout=240)
     finally:
-        os.environ["PYTHONPATH"] = env_path
+        if env_path is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = env_path
     assert code == 0, f"the 2-process run failed with exit code {code}"
     got = np.load(out)
     want = multihost_worker.run()

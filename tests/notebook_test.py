@@ -5,18 +5,18 @@ import os
 import nbclient
 import pytest
 import nbformat
+from helpers import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_quickstart_notebook_executes(tmp_path):
     notebook = nbformat.read(os.path.join(ROOT, "notebooks", "quickstart.ipynb"), as_version=4)
-    env_path = os.environ.get("PYTHONPATH", "")
     saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "JAXCOMP_NOTEBOOK_STEPS", "MPLBACKEND")}
-    # The kernel inherits this environment: jaxcomp from this checkout, few steps, and the
+    # The kernel inherits this environment: the jaxcomp this process imported, few steps, and the
     # notebook's own inline plots (a non-interactive MPLBACKEND would swallow them).
     os.environ.pop("MPLBACKEND", None)
-    os.environ.update({"PYTHONPATH": ROOT + (os.pathsep + env_path if env_path else ""),
+    os.environ.update({"PYTHONPATH": subprocess_env()["PYTHONPATH"],
                        "JAXCOMP_NOTEBOOK_STEPS": "6"})
     try:
         nbclient.NotebookClient(notebook, timeout=240, kernel_name="python3",

@@ -1,7 +1,6 @@
 """jaxcomp.probe: the α-β fit against a synthetic timing model, and the live probe on CPU devices."""
 
 import importlib
-import os
 import socket
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import count_compilations, need_devices
+from helpers import count_compilations, need_devices, subprocess_env
 from jaxcomp import cost
 
 # The module, even once the package exports the function `jaxcomp.probe` under the same name.
@@ -115,15 +114,14 @@ _WORKER = textwrap.dedent("""
 
 
 @pytest.mark.multiprocess
-def test_every_process_gets_the_same_network():
+def test_every_process_gets_the_same_network(tmp_path):
     """Two processes with 2 CPU devices each probe one 4-device axis and return identical Networks,
     although each timed its own calls."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               PYTHONPATH=os.pathsep.join(sys.path))
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, f"127.0.0.1:{port}", str(i)], env=env,
+    env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, f"127.0.0.1:{port}", str(i)], env=env, cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outputs = []
     for p in procs:

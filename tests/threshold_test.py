@@ -8,8 +8,8 @@ import pytest
 
 import jaxcomp
 from jaxcomp import reference
-from tests.helpers import assert_trees_equal
-from tests.topk_test import DTYPES, SHAPE_K, assert_same
+from helpers import assert_trees_equal
+from topk_test import DTYPES, SHAPE_K, assert_same
 
 # 1 and 8 rounds settle only exponent bits, 16 is the default (one histogram pass), 23 and 31
 # need the kernel's second pass; 31 is exact top-k.

@@ -9,7 +9,7 @@ import pytest
 
 import jaxcomp
 from jaxcomp import reference
-from tests.helpers import assert_trees_equal, count_compilations, need_devices
+from helpers import assert_trees_equal, count_compilations, need_devices
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 

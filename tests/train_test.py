@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from jaxcomp.train import data_parallel
 from jaxcomp.transform import compress
-from tests.helpers import assert_trees_equal, count_compilations, need_devices
+from helpers import assert_trees_equal, count_compilations, need_devices
 
 N_DEVICES = 8
 

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp import collectives
 from jaxcomp.transform import compress
-from tests.helpers import need_devices
+from helpers import need_devices
 
 N_DEVICES = 8
 
