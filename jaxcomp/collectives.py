@@ -12,9 +12,10 @@ device's local 1-D vector ``x`` and has :func:`jax.lax.psum` (sum) semantics. Ea
 Shapes and every Python argument are static; what changes from step to step (the STAR leader's
 ``step``, the quantizer's ``key``) is a traced argument, so one compilation serves every step.
 
-Values cross the wire in ``x``'s dtype; everything summed locally (scatter-adds, decoded chunks)
-is accumulated in float32 and returned in ``x``'s dtype. :func:`bytes_sent` gives the bytes each
-device puts on the wire for each method, computed from the same algorithm.
+Dense sums and top-k values cross the wire in ``x``'s dtype (ZFP words and integer codes in their
+own); everything summed locally (scatter-adds, decoded chunks) is accumulated in float32 and
+returned in ``x``'s dtype. :func:`bytes_sent` gives the bytes each device puts on the wire for each
+method, computed from the same algorithm.
 
 Typing under ``check_vma=True``: every ``total`` is invariant (replicated) over the axis, except
 ``zfp_allreduce(..., algorithm="recursive_doubling")``, whose result comes out of point-to-point
@@ -53,9 +54,9 @@ ZFP_ALGORITHMS = ("ring", "recursive_doubling")
 #: is already far past THC's useful range (4-8 bits).
 MAX_QUANTIZATION_BITS = 16
 
-#: Largest block of the randomized Hadamard transform. Its range shrinkage grows with the block, its
-#: cost is one pass over memory per doubling, and a vector pads to a multiple of the block, so
-#: 2**14 keeps padding below 0.1% for large gradients while the range is already near its limit.
+#: Largest block of the randomized Hadamard transform. The range shrinks more in a larger block, but
+#: the transform costs more and a vector pads to whole blocks; 2**14 keeps the padding of a large
+#: gradient below 0.1%.
 MAX_HADAMARD_BLOCK = 2**14
 
 _INDEX_BYTES = 4  # int32 indices
