@@ -239,7 +239,8 @@ def bytes_sent(method, n, n_devices, *, k=None, ratio=None, rate=None, bits=None
         leader = _check_choice(leader, "leader", LEADERS)
         if N == 1:
             return 0.0
-        total = _allreduce_bytes(k * _INDEX_BYTES, N, algorithm) + _allreduce_bytes(k * dtype_bytes, N, algorithm)
+        indices = _allreduce_bytes(k * _INDEX_BYTES, N, algorithm)
+        total = indices + _allreduce_bytes(k * dtype_bytes, N, algorithm)
         if leader == "var":
             total += (N - 1) * _SCALAR_BYTES
         return total
@@ -365,8 +366,8 @@ def psum(x, axis_name):
       >>> from jax.sharding import Mesh, PartitionSpec as P
       >>> from jaxcomp import collectives
       >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-      >>> f = jax.shard_map(lambda x: collectives.psum(x, "data")[0], mesh=mesh,
-      ...                   in_specs=P("data"), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(lambda x: collectives.psum(x, "data")[0], mesh=mesh,
+      ...                           in_specs=P("data"), out_specs=P()))
       >>> f(jnp.arange(4.0)).tolist()
       [2.0, 4.0]
 
@@ -400,8 +401,8 @@ def allgather_topk(x, k, axis_name, selector="exact"):
       >>> from jax.sharding import Mesh, PartitionSpec as P
       >>> from jaxcomp import collectives
       >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-      >>> f = jax.shard_map(lambda x: collectives.allgather_topk(x, 1, "data")[0], mesh=mesh,
-      ...                   in_specs=P("data"), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(lambda x: collectives.allgather_topk(x, 1, "data")[0],
+      ...                           mesh=mesh, in_specs=P("data"), out_specs=P()))
       >>> f(jnp.array([1.0, 5.0, 3.0, 2.0])).tolist()  # devices hold [1, 5] and [3, 2]
       [3.0, 5.0]
 
@@ -474,8 +475,8 @@ def ar_topk(x, k, axis_name, leader="star", step=0, selector="exact", *, _broadc
       >>> from jax.sharding import Mesh, PartitionSpec as P
       >>> from jaxcomp import collectives
       >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-      >>> f = jax.shard_map(lambda x, s: collectives.ar_topk(x, 1, "data", step=s)[0], mesh=mesh,
-      ...                   in_specs=(P("data"), P()), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(lambda x, s: collectives.ar_topk(x, 1, "data", step=s)[0],
+      ...                           mesh=mesh, in_specs=(P("data"), P()), out_specs=P()))
       >>> x = jnp.array([1.0, 5.0, 3.0, 2.0])  # devices hold [1, 5] and [3, 2]
       >>> f(x, 0).tolist(), f(x, 1).tolist()  # leader 0 picks index 1, leader 1 index 0
       ([0.0, 7.0], [4.0, 0.0])
@@ -547,8 +548,8 @@ def hierarchical_topk(x, k, inner_axis, outer_axis, selector="exact"):
       >>> from jax.sharding import Mesh, PartitionSpec as P
       >>> from jaxcomp import collectives
       >>> mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("node", "gpu"))
-      >>> f = jax.shard_map(lambda x: collectives.hierarchical_topk(x, 2, "gpu", "node")[0],
-      ...                   mesh=mesh, in_specs=P(("node", "gpu")), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(lambda x: collectives.hierarchical_topk(x, 2, "gpu", "node")[0],
+      ...                           mesh=mesh, in_specs=P(("node", "gpu")), out_specs=P()))
       >>> f(jnp.array([1.0, 0.0, 0.0, 1.0, 0.0, 4.0, 3.0, 0.0])).tolist()
       [4.0, 5.0]
 
@@ -620,8 +621,8 @@ def zfp_allreduce(x, rate, axis_name, algorithm="ring"):
       >>> from jax.sharding import Mesh, PartitionSpec as P
       >>> from jaxcomp import collectives
       >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-      >>> f = jax.shard_map(lambda x: collectives.zfp_allreduce(x, 16, "data")[0], mesh=mesh,
-      ...                   in_specs=P("data"), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(lambda x: collectives.zfp_allreduce(x, 16, "data")[0],
+      ...                           mesh=mesh, in_specs=P("data"), out_specs=P()))
       >>> bool(jnp.allclose(f(jnp.arange(8.0)), jnp.array([4.0, 6.0, 8.0, 10.0]), atol=1e-2))
       True
 
@@ -772,8 +773,8 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True):
       >>> from jax.sharding import Mesh, PartitionSpec as P
       >>> from jaxcomp import collectives
       >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-      >>> f = jax.shard_map(lambda x, key: collectives.quantized_psum(x, 8, "data", key)[0],
-      ...                   mesh=mesh, in_specs=(P("data"), P()), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(lambda x, key: collectives.quantized_psum(x, 8, "data", key)[0],
+      ...                           mesh=mesh, in_specs=(P("data"), P()), out_specs=P()))
       >>> total = f(jnp.arange(8.0), jax.random.key(0))
       >>> bool(jnp.allclose(total, jnp.array([4.0, 6.0, 8.0, 10.0]), atol=0.2))
       True
