@@ -12,9 +12,10 @@ device's local 1-D vector ``x`` and has :func:`jax.lax.psum` (sum) semantics. Ea
 Shapes and every Python argument are static; what changes from step to step (the STAR leader's
 ``step``, the quantizer's ``key``) is a traced argument, so one compilation serves every step.
 
-Values cross the wire in ``x``'s dtype; everything summed locally (scatter-adds, decoded chunks)
-is accumulated in float32 and returned in ``x``'s dtype. :func:`bytes_sent` gives the bytes each
-device puts on the wire for each method, computed from the same algorithm.
+Dense sums and top-k values cross the wire in ``x``'s dtype (ZFP words and integer codes in their
+own); everything summed locally (scatter-adds, decoded chunks) is accumulated in float32 and
+returned in ``x``'s dtype. :func:`bytes_sent` gives the bytes each device puts on the wire for each
+method, computed from the same algorithm.
 
 Typing under ``check_vma=True``: every ``total`` is invariant (replicated) over the axis, except
 ``zfp_allreduce(..., algorithm="recursive_doubling")``, whose result comes out of point-to-point
@@ -53,9 +54,9 @@ ZFP_ALGORITHMS = ("ring", "recursive_doubling")
 #: is already far past THC's useful range (4-8 bits).
 MAX_QUANTIZATION_BITS = 16
 
-#: Largest block of the randomized Hadamard transform. Its range shrinkage grows with the block, its
-#: cost is one pass over memory per doubling, and a vector pads to a multiple of the block, so
-#: 2**14 keeps padding below 0.1% for large gradients while the range is already near its limit.
+#: Largest block of the randomized Hadamard transform. The range shrinks more in a larger block, but
+#: the transform costs more and a vector pads to whole blocks; 2**14 keeps the padding of a large
+#: gradient below 0.1%.
 MAX_HADAMARD_BLOCK = 2**14
 
 _INDEX_BYTES = 4  # int32 indices
@@ -238,7 +239,8 @@ def bytes_sent(method, n, n_devices, *, k=None, ratio=None, rate=None, bits=None
         leader = _check_choice(leader, "leader", LEADERS)
         if N == 1:
             return 0.0
-        total = _allreduce_bytes(k * _INDEX_BYTES, N, algorithm) + _allreduce_bytes(k * dtype_bytes, N, algorithm)
+        indices = _allreduce_bytes(k * _INDEX_BYTES, N, algorithm)
+        total = indices + _allreduce_bytes(k * dtype_bytes, N, algorithm)
         if leader == "var":
             total += (N - 1) * _SCALAR_BYTES
         return total
@@ -364,8 +366,8 @@ def psum(x, axis_name):
       >>> from jax.sharding import Mesh, PartitionSpec as P
       >>> from jaxcomp import collectives
       >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-      >>> f = jax.shard_map(lambda x: collectives.psum(x, "data")[0], mesh=mesh,
-      ...                   in_specs=P("data"), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(lambda x: collectives.psum(x, "data")[0], mesh=mesh,
+      ...                           in_specs=P("data"), out_specs=P()))
       >>> f(jnp.arange(4.0)).tolist()
       [2.0, 4.0]
 
@@ -399,8 +401,8 @@ def allgather_topk(x, k, axis_name, selector="exact"):
       >>> from jax.sharding import Mesh, PartitionSpec as P
       >>> from jaxcomp import collectives
       >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-      >>> f = jax.shard_map(lambda x: collectives.allgather_topk(x, 1, "data")[0], mesh=mesh,
-      ...                   in_specs=P("data"), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(lambda x: collectives.allgather_topk(x, 1, "data")[0],
+      ...                           mesh=mesh, in_specs=P("data"), out_specs=P()))
       >>> f(jnp.array([1.0, 5.0, 3.0, 2.0])).tolist()  # devices hold [1, 5] and [3, 2]
       [3.0, 5.0]
 
@@ -433,9 +435,9 @@ def _broadcast_indices(indices, is_leader, leader_index, axis_name, how):
 
     ``"psum"`` sums leader-masked indices (every other device contributes zeros): an all-reduce of
     ``k`` int32, ``2 (N-1)/N 4k`` bytes on a ring. ``"all_gather"`` gathers every device's indices
-    and keeps the leader's row: ``(N-1) 4k`` bytes. The two ran equally fast in
-    ``benchmarks/collectives.py`` on one host, so :func:`ar_topk` uses the psum, which sends
-    less once ``N > 2``.
+    and keeps the leader's row: ``(N-1) 4k`` bytes. In ``benchmarks/collectives.py`` (25M values
+    on 8 CPU devices, BENCHMARKS.md) the psum was as fast or faster, within a shared host's noise,
+    and it sends less once ``N > 2``: :func:`ar_topk` uses it.
     """
     if how == "psum":
         return jax.lax.psum(jnp.where(is_leader, indices, 0), axis_name)
@@ -473,8 +475,8 @@ def ar_topk(x, k, axis_name, leader="star", step=0, selector="exact", *, _broadc
       >>> from jax.sharding import Mesh, PartitionSpec as P
       >>> from jaxcomp import collectives
       >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-      >>> f = jax.shard_map(lambda x, s: collectives.ar_topk(x, 1, "data", step=s)[0], mesh=mesh,
-      ...                   in_specs=(P("data"), P()), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(lambda x, s: collectives.ar_topk(x, 1, "data", step=s)[0],
+      ...                           mesh=mesh, in_specs=(P("data"), P()), out_specs=P()))
       >>> x = jnp.array([1.0, 5.0, 3.0, 2.0])  # devices hold [1, 5] and [3, 2]
       >>> f(x, 0).tolist(), f(x, 1).tolist()  # leader 0 picks index 1, leader 1 index 0
       ([0.0, 7.0], [4.0, 0.0])
@@ -546,8 +548,8 @@ def hierarchical_topk(x, k, inner_axis, outer_axis, selector="exact"):
       >>> from jax.sharding import Mesh, PartitionSpec as P
       >>> from jaxcomp import collectives
       >>> mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("node", "gpu"))
-      >>> f = jax.shard_map(lambda x: collectives.hierarchical_topk(x, 2, "gpu", "node")[0],
-      ...                   mesh=mesh, in_specs=P(("node", "gpu")), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(lambda x: collectives.hierarchical_topk(x, 2, "gpu", "node")[0],
+      ...                           mesh=mesh, in_specs=P(("node", "gpu")), out_specs=P()))
       >>> f(jnp.array([1.0, 0.0, 0.0, 1.0, 0.0, 4.0, 3.0, 0.0])).tolist()
       [4.0, 5.0]
 
@@ -619,8 +621,8 @@ def zfp_allreduce(x, rate, axis_name, algorithm="ring"):
       >>> from jax.sharding import Mesh, PartitionSpec as P
       >>> from jaxcomp import collectives
       >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-      >>> f = jax.shard_map(lambda x: collectives.zfp_allreduce(x, 16, "data")[0], mesh=mesh,
-      ...                   in_specs=P("data"), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(lambda x: collectives.zfp_allreduce(x, 16, "data")[0],
+      ...                           mesh=mesh, in_specs=P("data"), out_specs=P()))
       >>> bool(jnp.allclose(f(jnp.arange(8.0)), jnp.array([4.0, 6.0, 8.0, 10.0]), atol=1e-2))
       True
 
@@ -705,16 +707,35 @@ def _check_key(key, axis_name):
     return key if typed else jax.random.wrap_key_data(key)
 
 
+def _sylvester(size):
+    """The ``size x size`` Hadamard matrix of ±1 (Sylvester's construction; size a power of two)."""
+    matrix = np.ones((1, 1), np.float32)
+    while matrix.shape[0] < size:
+        matrix = np.block([[matrix, matrix], [matrix, -matrix]])
+    return matrix
+
+
+#: The Walsh-Hadamard transform of a block runs as Kronecker factors of at most this size, each one
+#: small matrix product: two products for a 2**14 block, twice as fast on a CPU as 14 butterfly
+#: passes over memory.
+_HADAMARD_FACTOR = 128
+
+
 def _hadamard(blocks):
-    """Unnormalized fast Walsh-Hadamard transform of each row of ``blocks`` (width a power of two)."""
+    """Unnormalized Walsh-Hadamard transform of each row of ``blocks`` (width a power of two)."""
     rows, width = blocks.shape
-    half = 1
-    while half < width:
-        pairs = blocks.reshape(rows, width // (2 * half), 2, half)
-        low, high = pairs[:, :, 0], pairs[:, :, 1]
-        blocks = jnp.stack([low + high, low - high], axis=2).reshape(rows, width)
-        half *= 2
-    return blocks
+    factors = []
+    while width > 1:
+        factors.append(min(_HADAMARD_FACTOR, width))
+        width //= factors[-1]
+    blocks_shape = blocks.shape
+    blocks = blocks.reshape((rows, *factors))
+    for axis, size in enumerate(factors, start=1):
+        # HIGHEST: accelerators would otherwise multiply float32 in reduced precision.
+        product = jnp.tensordot(blocks, _sylvester(size), axes=[[axis], [0]],
+                                precision=jax.lax.Precision.HIGHEST)
+        blocks = jnp.moveaxis(product, -1, axis)
+    return blocks.reshape(blocks_shape)
 
 
 def quantized_psum(x, bits, axis_name, key, hadamard=True):
@@ -752,8 +773,8 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True):
       >>> from jax.sharding import Mesh, PartitionSpec as P
       >>> from jaxcomp import collectives
       >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-      >>> f = jax.shard_map(lambda x, key: collectives.quantized_psum(x, 8, "data", key)[0],
-      ...                   mesh=mesh, in_specs=(P("data"), P()), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(lambda x, key: collectives.quantized_psum(x, 8, "data", key)[0],
+      ...                           mesh=mesh, in_specs=(P("data"), P()), out_specs=P()))
       >>> total = f(jnp.arange(8.0), jax.random.key(0))
       >>> bool(jnp.allclose(total, jnp.array([4.0, 6.0, 8.0, 10.0]), atol=0.2))
       True

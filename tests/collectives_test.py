@@ -120,7 +120,7 @@ def sharded(mesh, fn, n_args=0, axes=AXIS):
     def call(X, *args):
         total, sent = compiled(jnp.asarray(X).reshape(-1), *args)
         shape = X.shape
-        return np.asarray(total.astype(jnp.float32)).reshape(shape), np.asarray(sent.astype(jnp.float32)).reshape(shape)
+        return tuple(np.asarray(a.astype(jnp.float32)).reshape(shape) for a in (total, sent))
     return call
 
 
