@@ -631,7 +631,6 @@ def zfp_allreduce(x, rate, axis_name, algorithm="ring"):
       Alg. 1-2; Lindstrom, IEEE TVCG 2014 (zfp fixed-rate mode).
     """
     x = _local_vector(x)
-    n = x.shape[0]
     rate = _check_rate(rate)
     algorithm = _check_choice(algorithm, "algorithm", ZFP_ALGORITHMS)
     n_devices = _axis_size(axis_name)

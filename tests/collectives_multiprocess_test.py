@@ -1,6 +1,5 @@
 """Collectives on a mesh spanning two processes (jax.distributed, gloo) match the one-process run."""
 
-import os
 import socket
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import pytest
 from jax.sharding import Mesh
 
 import collectives_worker as worker
-from helpers import need_devices
+from helpers import need_devices, subprocess_env
 
 TIMEOUT_S = 180
 
@@ -27,13 +26,12 @@ def test_two_processes_match_one(tmp_path):
     need_devices(8)
     num_processes = 2
     port = free_port()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env = subprocess_env()
     env.pop("XLA_FLAGS", None)  # the worker sets its own device count
     outputs = [tmp_path / f"process{i}.npz" for i in range(num_processes)]
     processes = [
         subprocess.Popen([sys.executable, worker.__file__, str(i), str(num_processes), str(port), str(out)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i, out in enumerate(outputs)]
     logs = []
     try:
