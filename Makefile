@@ -9,6 +9,6 @@ dev:
 	cmake --build $(BUILD)
 
 check: dev
-	PYTHONPATH=$(CURDIR) $(PY) -m pytest -n 2 -q tests
+	PYTHONPATH=$(CURDIR) $(PY) -m pytest -q tests
 
 .PHONY: dev check
