@@ -9,7 +9,8 @@
 # error or nvcc warning fails the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${1:-.venv}"
+# Absolute: CMake runs its compiler checks in other directories.
+VENV="$(cd "${1:-.venv}" && pwd)"
 PY="$VENV/bin/python"
 BUILD=build/ci-cuda
 
@@ -28,7 +29,7 @@ NVCC="$CUDA_ROOT/bin/nvcc"
 rm -rf "$BUILD"
 "$VENV/bin/cmake" -S . -B "$BUILD" -G Ninja \
   -DCMAKE_MAKE_PROGRAM="$VENV/bin/ninja" \
-  -DPython_EXECUTABLE="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" \
+  -DPython_EXECUTABLE="$PY" \
   -DJAXCOMP_CUDA=ON \
   -DCMAKE_CUDA_COMPILER="$NVCC" \
   -DCUDAToolkit_ROOT="$CUDA_ROOT" \
