@@ -1,0 +1,24 @@
+// The target names of jaxcomp's ops, in one place: both nanobind modules (_jaxcomp_cpu and
+// _jaxcomp_cuda) hand XLA their handlers under these names, as PyCapsules.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace jaxcomp_ffi {
+
+inline nanobind::dict Registrations(XLA_FFI_Handler* topk, XLA_FFI_Handler* find_threshold,
+                                    XLA_FFI_Handler* threshold_topk, XLA_FFI_Handler* zfp_encode,
+                                    XLA_FFI_Handler* zfp_decode) {
+  auto capsule = [](XLA_FFI_Handler* fn) { return nanobind::capsule(reinterpret_cast<void*>(fn)); };
+  nanobind::dict targets;
+  targets["jaxcomp_topk"] = capsule(topk);
+  targets["jaxcomp_find_threshold"] = capsule(find_threshold);
+  targets["jaxcomp_threshold_topk"] = capsule(threshold_topk);
+  targets["jaxcomp_zfp_encode"] = capsule(zfp_encode);
+  targets["jaxcomp_zfp_decode"] = capsule(zfp_decode);
+  return targets;
+}
+
+}  // namespace jaxcomp_ffi
