@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxcomp import _checks
 from jaxcomp.topk import threshold_topk, topk
-from jaxcomp.zfp import zfp_decode, zfp_encode, zfp_num_words
+from jaxcomp.zfp import _check_rate, zfp_decode, zfp_encode, zfp_num_words
 
 #: The collectives :func:`bytes_sent` knows, by function name.
 METHODS = ("psum", "allgather_topk", "ar_topk", "hierarchical_topk", "zfp_allreduce", "quantized_psum")
@@ -126,10 +126,6 @@ def _quantized_length(n, hadamard):
 
 def _check_bits(bits):
     return _checks.static_int(bits, "bits", 1, MAX_QUANTIZATION_BITS)
-
-
-def _check_rate(rate):
-    return _checks.static_int(rate, "rate", 1, 32)
 
 
 def _check_choice(value, name, choices):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp import _checks
+from jaxcomp.topk import _check_k, _check_rounds
 
 #: Every magnitude key is below this, so it is the bisection's first upper bound.
 _KEY_END = 2**31
@@ -36,11 +36,8 @@ def _over_rows(row_fn, x):
 
 
 def _check(x, k, rounds=None):
-    x = _checks.float_array(x, "x")
-    k = _checks.static_int(k, "k", 1, x.shape[-1])
-    if rounds is not None:
-        rounds = _checks.static_int(rounds, "rounds", 1, 31)
-    return x, k, rounds
+    x, k = _check_k(x, k)
+    return x, k, None if rounds is None else _check_rounds(rounds)
 
 
 def _bisect(keys, k, rounds):
