@@ -14,12 +14,17 @@ from jaxcomp import adaptive, collectives, cost, reference
 from jaxcomp.probe import probe
 from jaxcomp.topk import DEFAULT_ROUNDS, find_threshold, threshold_topk, topk
 from jaxcomp.train import DataParallel, TrainState, data_parallel
-from jaxcomp.transform import CompressMetrics, CompressState, compress, find_compress_state
+from jaxcomp.transform import (METHODS, AutoState, CompressMetrics, CompressState, auto_branches, compress,
+                               find_compress_state, set_network)
 from jaxcomp.zfp import zfp_decode, zfp_encode, zfp_num_words
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoState",
+    "METHODS",
+    "auto_branches",
+    "set_network",
     "CompressMetrics",
     "CompressState",
     "DEFAULT_ROUNDS",

@@ -14,8 +14,11 @@ chosen *index* into ``lax.switch`` over precompiled branches, so no decision rec
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -82,8 +85,6 @@ def compression_gain(compressed, error_fed):
     References:
       Tyagi & Swany, arXiv 2312.02493, §2-C3 (gain from GraVAC).
     """
-    import jax
-
     def energy(tree):
         return sum(jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))) for x in jax.tree.leaves(tree))
 
@@ -125,16 +126,21 @@ def knee(t_comp, t_sync, gain, *, base_seconds: float = 0.0, flat_tolerance: flo
         raise ValueError(f"base_seconds must be a number >= 0, got {base_seconds!r}")
     if not isinstance(flat_tolerance, (int, float)) or not 0 <= flat_tolerance < 1:
         raise ValueError(f"flat_tolerance must be in [0, 1), got {flat_tolerance!r}")
-    objectives = np.stack([t_comp, t_sync, 1.0 / gain], axis=1)
-    step_scale = base_seconds + float(np.max(t_comp + t_sync))
-    scales = np.array([step_scale, step_scale, float(np.max(objectives[:, 2]))])
+    return int(_knee_index(t_comp, t_sync, gain, base_seconds, flat_tolerance, np))
+
+
+def _knee_index(t_comp, t_sync, gain, base_seconds, flat_tolerance, xp):
+    """:func:`knee` without the checks, for numpy (``xp=np``) and inside a step (``xp=jnp``)."""
+    objectives = xp.stack([t_comp, t_sync, 1.0 / gain], axis=1)
+    step_scale = base_seconds + xp.max(t_comp + t_sync)
+    scales = xp.stack([step_scale, step_scale, xp.max(objectives[:, 2])])
     low = objectives.min(axis=0)
     spread = objectives.max(axis=0) - low
     significant = spread > flat_tolerance * scales
-    normalized = np.where(significant, (objectives - low) / np.where(spread > 0, spread, 1.0), 0.0)
-    distance = np.sqrt(np.sum(normalized**2, axis=1))
-    distance[~_pareto_optimal(objectives)] = np.inf
-    return int(np.argmin(distance))
+    normalized = xp.where(significant, (objectives - low) / xp.where(spread > 0, spread, 1.0), 0.0)
+    distance = xp.sqrt(xp.sum(normalized**2, axis=1))
+    distance = xp.where(_pareto_optimal(objectives, xp), distance, xp.inf)
+    return xp.argmin(distance)
 
 
 def gain_moved(reference: float, gain: float, tolerance: float = 0.1) -> bool:
@@ -157,6 +163,10 @@ def gain_moved(reference: float, gain: float, tolerance: float = 0.1) -> bool:
     """
     if not reference > 0:
         raise ValueError(f"reference gain must be > 0, got {reference!r}")
+    return bool(_gain_moved(reference, gain, tolerance))
+
+
+def _gain_moved(reference, gain, tolerance):
     # The relative slack keeps an exact 10% change (0.9 of 1.0, inexact in binary) a change.
     return abs(gain - reference) >= tolerance * reference * (1 - 1e-9)
 
@@ -184,11 +194,15 @@ def network_changed(old: cost.Network | None, new: cost.Network, tolerance: floa
         raise TypeError(f"new must be a jaxcomp.cost.Network, got {type(new).__name__}")
     if old is None:
         return True
+    return bool(np.any(_moved(np.array([old.alpha, old.beta]), np.array([new.alpha, new.beta]), tolerance, np)))
 
-    def moved(a, b):
-        return abs(b - a) >= tolerance * max(abs(a), abs(b)) and a != b
 
-    return moved(old.alpha, new.alpha) or moved(old.bandwidth, new.bandwidth)
+def _moved(old, new, tolerance, xp):
+    """Elementwise: ``new`` differs from ``old`` by ``tolerance`` of the larger magnitude, or more.
+
+    A relative change of β is the same relative change of the bandwidth (``|b1-b2| / max(b1, b2)``
+    is symmetric under ``b -> 1/b``), so (α, β) pairs compare as (α, bandwidth) would."""
+    return (xp.abs(new - old) >= tolerance * xp.maximum(xp.abs(old), xp.abs(new))) & (old != new)
 
 
 def choose_auto(nbytes: float, n_workers: int, network: cost.Network, candidates, *, ratio=None, rate=None,
@@ -254,6 +268,164 @@ def sync_plan(nbytes: float, n_workers: int, network: cost.Network, ratios,
     return plan
 
 
+class RatioState(NamedTuple):
+    """State of the compression-ratio controller (paper 000 §3-E), as arrays.
+
+    It lives inside :class:`jaxcomp.CompressState` for ``compress("auto", adaptive_ratio=True)``,
+    where :func:`ratio_observe` runs inside the compiled step, and inside :class:`AdaptiveRatio`
+    on the host. ``R`` is the number of candidate ratios, ``E`` the steps per candidate.
+    """
+
+    index: jax.Array  # i32[]: the candidate ratio to run next
+    exploring: jax.Array  # bool[]: an exploration is under way
+    count: jax.Array  # i32[]: steps recorded at `index` in this exploration
+    gain_sum: jax.Array  # f32[R]: sum of the gains each candidate had in the last exploration
+    comp_sum: jax.Array  # f32[R]: sum of their compression times
+    sync_sum: jax.Array  # f32[R]: sum of their measured communication times
+    sync_count: jax.Array  # i32[R]: how many of those were measured (0: predict instead)
+    recent: jax.Array  # f32[E]: the last E gains since the decision (a ring buffer)
+    recent_count: jax.Array  # i32[]: gains recorded since the decision
+    reference: jax.Array  # f32[]: the gain the current ratio was chosen with
+
+
+def ratio_init(n_candidates: int, explore_steps: int) -> RatioState:
+    """A controller about to explore ``n_candidates`` ratios for ``explore_steps`` steps each.
+
+    Args:
+      n_candidates: the number of candidate ratios, >= 1.
+      explore_steps: steps per candidate, and the window of the gain check, >= 1.
+
+    Returns:
+      A :class:`RatioState` at the start of an exploration (index 0, the highest density).
+
+    Example:
+      >>> int(ratio_init(5, 10).index), bool(ratio_init(5, 10).exploring)
+      (0, True)
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-E.
+    """
+    zeros_f, zeros_i = jnp.zeros(n_candidates, jnp.float32), jnp.zeros(n_candidates, jnp.int32)
+    return RatioState(index=jnp.zeros((), jnp.int32), exploring=jnp.ones((), bool), count=jnp.zeros((), jnp.int32),
+                      gain_sum=zeros_f, comp_sum=zeros_f, sync_sum=zeros_f, sync_count=zeros_i,
+                      recent=jnp.zeros(explore_steps, jnp.float32), recent_count=jnp.zeros((), jnp.int32),
+                      reference=jnp.ones((), jnp.float32))
+
+
+def _select(condition, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(condition, x, y), a, b)
+
+
+def _decide(state: RatioState, predicted_sync, base_seconds, flat_tolerance) -> RatioState:
+    """The knee of the last exploration's means; a measured t_sync beats a predicted one."""
+    steps = state.recent.shape[0]
+    gains = state.gain_sum / steps
+    t_comp = state.comp_sum / steps
+    t_sync = jnp.where(state.sync_count > 0, state.sync_sum / jnp.maximum(state.sync_count, 1),
+                       predicted_sync)
+    index = _knee_index(t_comp, t_sync, gains, base_seconds, flat_tolerance, jnp).astype(jnp.int32)
+    return state._replace(index=index, exploring=jnp.zeros((), bool), reference=gains[index],
+                          recent=jnp.zeros_like(state.recent), recent_count=jnp.zeros((), jnp.int32))
+
+
+def ratio_observe(state: RatioState, gain, t_comp, t_sync, predicted_sync, *, gain_tolerance: float = 0.1,
+                  base_seconds: float = 0.0, flat_tolerance: float = 0.1) -> RatioState:
+    """Records one step run at ``state.index``; returns the state that says what runs next.
+
+    While exploring, each candidate (highest density first) collects ``E`` steps; after the last
+    one the knee (:func:`knee`) of the mean compression time, communication time (measured where
+    given, else ``predicted_sync``) and ``1 / gain`` is chosen. Once chosen, the mean gain of the
+    last ``E`` steps is compared with the gain the choice was made with; a change of
+    ``gain_tolerance`` or more starts a new exploration. Pure ``jnp``: it runs inside ``jit``
+    (the transformation calls it in every step) and eagerly.
+
+    Args:
+      state: the :class:`RatioState`.
+      gain: the step's compression gain, >= 0 (0 is counted as 1e-12: the worst).
+      t_comp: the step's compression time in seconds.
+      t_sync: the step's measured communication time, or NaN to use ``predicted_sync``.
+      predicted_sync: f32[R], predicted communication seconds of each candidate.
+      gain_tolerance: relative gain change that starts a new exploration.
+      base_seconds: the rest of the step (see :func:`knee`).
+      flat_tolerance: see :func:`knee`.
+
+    Returns:
+      The next :class:`RatioState`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> s = ratio_init(2, 1)
+      >>> s = ratio_observe(s, 0.9, 0.0, jnp.nan, jnp.array([2.0, 1.0]))  # candidate 0 done
+      >>> s = ratio_observe(s, 0.9, 0.0, jnp.nan, jnp.array([2.0, 1.0]))  # candidate 1: same gain, faster
+      >>> int(s.index), bool(s.exploring)
+      (1, False)
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-E.
+    """
+    gain = jnp.maximum(jnp.asarray(gain, jnp.float32), 1e-12)
+    t_comp = jnp.asarray(t_comp, jnp.float32)
+    t_sync = jnp.asarray(t_sync, jnp.float32)
+    predicted_sync = jnp.asarray(predicted_sync, jnp.float32)
+    n_candidates, steps = state.gain_sum.shape[0], state.recent.shape[0]
+
+    # Exploring: record the step at the current candidate; move on after E steps; decide after the last.
+    here = jnp.arange(n_candidates) == state.index
+    measured = jnp.isfinite(t_sync)
+    recorded = state._replace(
+        count=state.count + 1,
+        gain_sum=state.gain_sum + jnp.where(here, gain, 0.0),
+        comp_sum=state.comp_sum + jnp.where(here, t_comp, 0.0),
+        sync_sum=state.sync_sum + jnp.where(here & measured, t_sync, 0.0),
+        sync_count=state.sync_count + (here & measured).astype(jnp.int32))
+    candidate_done = recorded.count >= steps
+    last = state.index == n_candidates - 1
+    moved_on = recorded._replace(index=jnp.where(candidate_done, state.index + 1, state.index),
+                                 count=jnp.where(candidate_done, 0, recorded.count))
+    explored = _select(candidate_done & last, _decide(recorded, predicted_sync, base_seconds, flat_tolerance),
+                       moved_on)
+
+    # Settled: keep the last E gains; explore again when their mean moved from the reference.
+    window = state._replace(recent=state.recent.at[state.recent_count % steps].set(gain),
+                            recent_count=state.recent_count + 1)
+    full = window.recent_count >= steps
+    moved = full & _gain_moved(state.reference, jnp.mean(window.recent), gain_tolerance)
+    settled = _select(moved, ratio_init(n_candidates, steps), window)
+    return _select(state.exploring, explored, settled)
+
+
+def ratio_redecide(state: RatioState, predicted_sync, *, base_seconds: float = 0.0,
+                   flat_tolerance: float = 0.1) -> RatioState:
+    """The network changed: forget measured communication times and, if settled, choose again.
+
+    The new choice comes from the stored exploration (gains and compression times) with
+    ``predicted_sync`` for the new network; no exploration runs.
+
+    Args:
+      state: the :class:`RatioState`.
+      predicted_sync: f32[R], each candidate's predicted communication seconds on the new network.
+      base_seconds: see :func:`knee`.
+      flat_tolerance: see :func:`knee`.
+
+    Returns:
+      The next :class:`RatioState`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> s = ratio_init(2, 1)
+      >>> for _ in range(2):
+      ...     s = ratio_observe(s, 0.9, 0.0, jnp.nan, jnp.array([2.0, 1.0]))
+      >>> int(ratio_redecide(s, jnp.array([1.0, 1.0])).index)  # equal gains and times: the first
+      0
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-E (re-solve when α or β changes).
+    """
+    cleared = state._replace(sync_sum=jnp.zeros_like(state.sync_sum), sync_count=jnp.zeros_like(state.sync_count))
+    decided = _decide(cleared, jnp.asarray(predicted_sync, jnp.float32), base_seconds, flat_tolerance)
+    return _select(state.exploring, cleared, decided)
+
+
 class AdaptiveRatio:
     """Host-side controller of the compression ratio (paper 000 §3-E), one call per step.
 
@@ -264,6 +436,9 @@ class AdaptiveRatio:
     ``explore_steps`` steps moves by ``gain_tolerance`` from the gain it was chosen with, which
     starts a new exploration. :meth:`update_network` re-decides from the stored measurements
     when the probe reports a changed network, without exploring.
+
+    This is the state machine ``compress("auto", adaptive_ratio=True)`` runs inside the step
+    (:func:`ratio_observe`), driven from Python: for custom loops and for studying the policy.
 
     Attributes:
       ratios: the candidate densities (static: the transformation compiles one branch each).
@@ -305,21 +480,33 @@ class AdaptiveRatio:
           Tyagi & Swany, arXiv 2312.02493, §3-E.
         """
         self.ratios = candidate_ratios(ratio_range)
-        if isinstance(explore_steps, bool) or not isinstance(explore_steps, int) or explore_steps < 1:
-            raise ValueError(f"explore_steps must be an integer >= 1, got {explore_steps!r}")
-        for name, value in (("gain_tolerance", gain_tolerance), ("network_tolerance", network_tolerance)):
-            if not isinstance(value, (int, float)) or not 0 < value < 1:
-                raise ValueError(f"{name} must be in (0, 1), got {value!r}")
+        self.explore_steps = _check_explore_steps(explore_steps)
+        self.gain_tolerance = _check_tolerance(gain_tolerance, "gain_tolerance")
+        self.network_tolerance = _check_tolerance(network_tolerance, "network_tolerance")
         if network is not None and not isinstance(network, cost.Network):
             raise TypeError(f"network must be a jaxcomp.cost.Network or None, got {type(network).__name__}")
+        if isinstance(base_seconds, bool) or not isinstance(base_seconds, (int, float)) or not base_seconds >= 0:
+            raise ValueError(f"base_seconds must be a number >= 0, got {base_seconds!r}")
         self.nbytes, self.n_workers = nbytes, n_workers
         self.methods = tuple(methods)
-        self.explore_steps, self.gain_tolerance = explore_steps, gain_tolerance
-        self.network_tolerance, self.base_seconds = network_tolerance, base_seconds
+        self.base_seconds = float(base_seconds)
         self.network = network
         # Validates nbytes, n_workers and methods once, up front.
         self._plan = sync_plan(nbytes, n_workers, network, self.ratios, self.methods) if network else None
-        self._start_exploration()
+        self._state = ratio_init(len(self.ratios), self.explore_steps)
+        options = dict(base_seconds=self.base_seconds)
+        self._observe = jax.jit(functools.partial(ratio_observe, gain_tolerance=self.gain_tolerance, **options))
+        self._redecide = jax.jit(functools.partial(ratio_redecide, **options))
+
+    @property
+    def index(self) -> int:
+        """The candidate to run next step."""
+        return int(self._state.index)
+
+    @property
+    def exploring(self) -> bool:
+        """Whether the next step is part of an exploration."""
+        return bool(self._state.exploring)
 
     @property
     def ratio(self) -> float:
@@ -331,11 +518,15 @@ class AdaptiveRatio:
         """The cheapest collective for :attr:`ratio` on the current network (None without one)."""
         return self._plan[self.index][0] if self._plan else None
 
+    def _predicted_sync(self):
+        return np.array([seconds for _, seconds in self._plan] if self._plan else [0.0] * len(self.ratios),
+                        np.float32)
+
     def observe(self, gain: float, t_comp: float | None = None, t_sync: float | None = None) -> int:
         """Records one step run at :attr:`index` and returns the index for the next step.
 
         Args:
-          gain: the step's compression gain (e.g. from :func:`compression_gain`), > 0.
+          gain: the step's compression gain (e.g. from :func:`compression_gain`), >= 0.
           t_comp: measured seconds to compress and decompress, if known.
           t_sync: measured seconds to communicate, if known; otherwise predicted.
 
@@ -351,32 +542,15 @@ class AdaptiveRatio:
           Tyagi & Swany, arXiv 2312.02493, §3-E.
         """
         gain = float(gain)
-        if not (gain > 0 and math.isfinite(gain)):
-            # A zero gain (nothing kept) ranks worst: clamp so 1/gain stays finite.
-            if gain == 0:
-                gain = 1e-12
-            else:
-                raise ValueError(f"gain must be a finite number >= 0, got {gain!r}")
+        if not (gain >= 0 and math.isfinite(gain)):
+            raise ValueError(f"gain must be a finite number >= 0, got {gain!r}")
         if t_sync is None and self._plan is None:
             raise ValueError("t_sync is required when the controller has no network to predict it from")
-        if self.exploring:
-            record = self._records[self.index]
-            record["gain"].append(gain)
-            record["t_comp"].append(0.0 if t_comp is None else float(t_comp))
-            if t_sync is not None:
-                record["t_sync"].append(float(t_sync))
-            if len(record["gain"]) >= self.explore_steps:
-                if self.index + 1 < len(self.ratios):
-                    self.index += 1
-                else:
-                    self._decide()
-            return self.index
-        self._recent.append(gain)
-        if len(self._recent) >= self.explore_steps:
-            recent_gain = float(np.mean(self._recent[-self.explore_steps:]))
-            self._recent = self._recent[-self.explore_steps:]
-            if gain_moved(self._reference_gain, recent_gain, self.gain_tolerance):
-                self._start_exploration()
+        for name, value in (("t_comp", t_comp), ("t_sync", t_sync)):
+            if value is not None and not (float(value) >= 0 and math.isfinite(float(value))):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        self._state = self._observe(self._state, gain, 0.0 if t_comp is None else float(t_comp),
+                                    math.nan if t_sync is None else float(t_sync), self._predicted_sync())
         return self.index
 
     def update_network(self, network: cost.Network) -> int:
@@ -402,28 +576,22 @@ class AdaptiveRatio:
             return self.index
         self.network = network
         self._plan = sync_plan(self.nbytes, self.n_workers, network, self.ratios, self.methods)
-        for record in self._records:
-            record["t_sync"] = []  # measured on the old network: predict from the new one
-        if not self.exploring:
-            self._decide()
+        self._state = self._redecide(self._state, self._predicted_sync())
         return self.index
 
-    def _start_exploration(self):
-        self.exploring = True
-        self.index = 0
-        self._records = [{"gain": [], "t_comp": [], "t_sync": []} for _ in self.ratios]
-        self._recent = []
-        self._reference_gain = None
 
-    def _decide(self):
-        gains = [float(np.mean(r["gain"])) for r in self._records]
-        t_comp = [float(np.mean(r["t_comp"])) for r in self._records]
-        t_sync = [float(np.mean(r["t_sync"])) if r["t_sync"] else self._plan[i][1]
-                  for i, r in enumerate(self._records)]
-        self.index = knee(t_comp, t_sync, gains, base_seconds=self.base_seconds)
-        self._reference_gain = gains[self.index]
-        self._recent = []
-        self.exploring = False
+def _check_explore_steps(explore_steps) -> int:
+    """Validates ``explore_steps`` (an integer >= 1) and returns it."""
+    if isinstance(explore_steps, bool) or not isinstance(explore_steps, (int, np.integer)) or explore_steps < 1:
+        raise ValueError(f"explore_steps must be an integer >= 1, got {explore_steps!r}")
+    return int(explore_steps)
+
+
+def _check_tolerance(value, name: str) -> float:
+    """Validates a relative tolerance in ``(0, 1)`` and returns it as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(f"{name} must be in (0, 1), got {value!r}")
+    return float(value)
 
 
 def _check_range(ratio_range):
@@ -458,9 +626,9 @@ def _check_measurements(t_comp, t_sync, gain):
     return arrays
 
 
-def _pareto_optimal(objectives):
+def _pareto_optimal(objectives, xp=np):
     """Mask of rows no other row dominates (no worse everywhere, better somewhere; minimizing)."""
-    no_worse = np.all(objectives[None, :, :] <= objectives[:, None, :], axis=2)
-    better = np.any(objectives[None, :, :] < objectives[:, None, :], axis=2)
-    dominated = np.any(no_worse & better, axis=1)
+    no_worse = xp.all(objectives[None, :, :] <= objectives[:, None, :], axis=2)
+    better = xp.any(objectives[None, :, :] < objectives[:, None, :], axis=2)
+    dominated = xp.any(no_worse & better, axis=1)
     return ~dominated

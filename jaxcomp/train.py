@@ -23,8 +23,9 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp.probe import _agree_across_processes, codec_seconds, probe
 from jaxcomp.collectives import _varying_axes
-from jaxcomp.transform import find_compress_state
+from jaxcomp.transform import _compress_states, _host, auto_branches, cost_method, find_compress_state, set_network
 
 
 class TrainState(NamedTuple):
@@ -67,7 +68,7 @@ class DataParallel:
         while True:
             found = {}
 
-            def probe(params, state_leaves, mask=mask, found=found):
+            def trace_update(params, state_leaves, mask=mask, found=found):
                 opt_state = state_def.unflatten([leaf[0] if per_device else leaf
                                                  for leaf, per_device in zip(state_leaves, mask)])
                 grads = jax.lax.pcast(params, self.axis_name, to="varying")
@@ -82,7 +83,7 @@ class DataParallel:
             specs = [P(self.axis_name) if per_device else P() for per_device in mask]
             stacked = [jax.ShapeDtypeStruct((self.n_devices,) + leaf.shape, leaf.dtype) if per_device else leaf
                        for leaf, per_device in zip(state_leaves, mask)]
-            jax.eval_shape(jax.shard_map(probe, mesh=self.mesh, in_specs=(P(), specs), out_specs=P()),
+            jax.eval_shape(jax.shard_map(trace_update, mesh=self.mesh, in_specs=(P(), specs), out_specs=P()),
                            avals, stacked)
             if found["updates"]:
                 raise ValueError(
@@ -146,7 +147,71 @@ class DataParallel:
                       for leaf, per_device in zip(leaves, mask)]
             return TrainState(params=params, opt_state=state_def.unflatten(leaves), step=jnp.zeros((), jnp.int32))
 
-        return jax.jit(build, out_shardings=self.state_sharding(params))(params)
+        state = jax.jit(build, out_shardings=self.state_sharding(params))(params)
+        if any(s.auto is not None and not np.all(np.isfinite(_host(s.auto.network)))
+               for s in _compress_states(state.opt_state)):
+            state = self.reprobe(state)
+        return state
+
+    def reprobe(self, state: TrainState, *, codec: bool = True, **probe_options) -> TrainState:
+        """Measures the network (and encode/decode times) again and hands them to ``compress("auto")``.
+
+        :meth:`init` calls it when a ``compress("auto")`` has no ``network=``. Call it from every
+        process, between steps, as often as the network may change (say every few hundred
+        steps); ``"auto"`` re-decides at its next step when latency or bandwidth moved by 10% or
+        more. The first axis of ``axis_name`` is probed (the slow one for
+        ``("node", "device")``).
+
+        Args:
+          state: the :class:`TrainState`.
+          codec: also time each branch's encode + decode on every device at once
+            (:func:`jaxcomp.probe.codec_seconds`, the slowest process's time counts) so that
+            compute enters the choice, as in paper 002's model; ``"quantized"`` and ``"dense"``
+            count 0.
+          **probe_options: passed to :func:`jaxcomp.probe` (``sizes``, ``repeats``); it always
+            measures anew (``cache=False``).
+
+        Returns:
+          The state with the new network in every ``compress("auto")`` state.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
+          >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+          >>> tx = optax.chain(jaxcomp.compress("auto", ratio=0.01), optax.sgd(0.1))
+          >>> dp = jaxcomp.data_parallel(lambda w, b: jnp.sum(w * b), tx, mesh)
+          >>> state = dp.reprobe(dp.init(jnp.zeros(4)), codec=False)
+          >>> bool(jaxcomp.find_compress_state(state.opt_state).auto.network[1] > 0)
+          True
+
+        References:
+          Tyagi & Swany, arXiv 2312.02493, §3-E (re-measure α and β, re-decide); Agarwal et al.,
+          MLSys 2022, §3.1 (encode/decode time in the step).
+        """
+        branches = auto_branches(state.opt_state)
+        if not branches:
+            raise ValueError("tx holds no compress('auto'): there is nothing to reprobe for")
+        network = probe(self.mesh, self._axes[0], cache=False, **probe_options)
+        overhead = None
+        if codec:
+            n_values = sum(int(np.prod(np.shape(p))) for p in jax.tree.leaves(state.params)
+                           if jnp.issubdtype(jnp.result_type(p), jnp.floating))
+            seconds = {}
+            for method, setting in sorted({b for group in branches for b in group}, key=str):
+                seconds[method, setting] = self._codec_seconds(method, setting, n_values)
+            # Every process must take the same branch: all of them use the slowest one's times.
+            keys = list(seconds)
+            agreed = _agree_across_processes(np.array([seconds[k] for k in keys]))
+            seconds = dict(zip(keys, (float(s) for s in agreed)))
+            overhead = lambda method, setting: seconds[method, setting]  # noqa: E731
+        opt_state = set_network(state.opt_state, network, overhead)
+        return jax.jit(lambda s: s, out_shardings=self.state_sharding(state.params))(
+            state._replace(opt_state=opt_state))
+
+    def _codec_seconds(self, method, setting, n_values):
+        if method in ("dense", "quantized"):
+            return 0.0
+        options = {"rate": setting} if method == "zfp" else {"ratio": setting}
+        return codec_seconds(cost_method(method), n_values, mesh=self.mesh, axis_name=self._axes[0], **options)
 
     def shard_batch(self, batch):
         """Builds the global batch from this process's rows (all rows when there is one process).

@@ -12,6 +12,7 @@ Every method goes through one table (:data:`_COLLECTIVES`) of calls into :mod:`j
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -20,20 +21,48 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp import _checks, collectives
+from jaxcomp import _checks, adaptive, collectives, cost
 
-#: The aggregation methods :func:`compress` accepts, in the order the demo shows them.
-METHODS = ("dense", "allgather_topk", "ar_topk", "hierarchical_topk", "zfp", "quantized")
+#: The aggregation methods :func:`compress` accepts, in the order the demo shows them. The
+#: ``method`` metric is an index into this tuple (``"auto"`` reports the method it ran).
+METHODS = ("dense", "allgather_topk", "ar_topk", "hierarchical_topk", "zfp", "quantized", "auto")
+
+#: How long ``compress("auto")`` keeps a choice: it re-decides every this many steps by default,
+#: and at once when the network moves by :data:`NETWORK_TOLERANCE` or more.
+DEFAULT_DECIDE_EVERY = 100
+
+#: Steps ``compress("auto", adaptive_ratio=True)`` runs each candidate ratio while exploring.
+DEFAULT_EXPLORE_STEPS = 10
+
+#: Relative change of latency or bandwidth that makes ``compress("auto")`` re-decide at once.
+NETWORK_TOLERANCE = 0.1
 
 _TOPK_METHODS = ("allgather_topk", "ar_topk", "hierarchical_topk")
 
 
 class CompressMetrics(NamedTuple):
-    """What the last :func:`compress` update measured (all float32 scalars, identical on every device)."""
+    """What the last :func:`compress` update measured (scalars, identical on every device)."""
 
     gain: jax.Array  # f32[]: compression gain sum_d ||sent_d||^2 / sum_d ||g_e,d||^2 (1 when g_e = 0)
     bytes_sent: jax.Array  # f32[]: bytes one device sends in this step's collectives
     density: jax.Array  # f32[]: fraction of gradient entries whose values are sent (1 for dense/zfp/quantized)
+    method: jax.Array  # i32[]: the method that ran, an index into jaxcomp.METHODS (for "auto": its choice)
+
+
+class AutoState(NamedTuple):
+    """What ``compress("auto")`` decides with; replicated. ``B`` candidate branches, compiled once each.
+
+    A branch is one method at one setting (a top-k method once per candidate ratio). Set the
+    network with :func:`set_network` (``jaxcomp.data_parallel`` probes it for you).
+    """
+
+    network: jax.Array  # f32[2]: (alpha seconds, beta seconds per byte) of the latest probe; NaN until one is set
+    overhead: jax.Array  # f32[B]: each branch's encode + decode seconds (0 until measured)
+    decided: jax.Array  # f32[2]: the network the current choice was made with (NaN before the first choice)
+    choice: jax.Array  # i32[]: the chosen method, an index into the candidates
+    ratio: Any  # adaptive.RatioState with adaptive_ratio=True, else None
+    branch_method: jax.Array  # i32[B]: constant, each branch's method as an index into METHODS
+    branch_setting: jax.Array  # f32[B]: constant, each branch's ratio (top-k), rate (zfp), bits (quantized), NaN (dense)
 
 
 class CompressState(NamedTuple):
@@ -43,6 +72,7 @@ class CompressState(NamedTuple):
     step: jax.Array  # i32[]: updates done so far; picks ar_topk's STAR leader, seeds the quantizer
     key: jax.Array  # u32[2] (the default PRNG's raw key): step t draws from fold_in(key, t)
     metrics: CompressMetrics
+    auto: Any = None  # AutoState for method "auto", else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +93,13 @@ class _Config:
     algorithm: str
     hadamard: bool
     seed: int
+    # "auto" only:
+    candidates: tuple[str, ...] = ()  # the methods it chooses among, in branch order
+    ratios: tuple[float, ...] = ()  # the top-k candidates' ratios: (ratio,) or the adaptive ladder
+    adaptive_ratio: bool = False
+    decide_every: int = DEFAULT_DECIDE_EVERY
+    explore_steps: int = 0
+    network: cost.Network | None = None
 
     @property
     def axis_name(self):
@@ -75,6 +112,48 @@ class _Config:
         if self.k > n:
             raise ValueError(f"k={self.k} exceeds the {n} gradient entries of {name}; pass a smaller k or ratio=")
         return self.k
+
+    def branches(self) -> list[tuple[int, int, "_Config"]]:
+        """``"auto"``'s branches: (candidate index, ratio index, config of that one method)."""
+        out = []
+        for m, name in enumerate(self.candidates):
+            ratios = self.ratios if name in _TOPK_METHODS else (None,)
+            for r, ratio in enumerate(ratios):
+                out.append((m, r, dataclasses.replace(self, method=name, ratio=ratio, candidates=(), ratios=())))
+        return out
+
+    def setting(self) -> float:
+        """The branch's ratio, rate or bits (NaN for dense): what :class:`AutoState` records."""
+        value = {"zfp": self.rate, "quantized": self.bits}.get(self.method, self.ratio)
+        return math.nan if value is None else float(value)
+
+    def cost_method(self) -> str:
+        """This method's name in :mod:`jaxcomp.cost`."""
+        return cost_method(self.method, self.algorithm)
+
+
+def cost_method(method: str, algorithm: str = "ring") -> str:
+    """The :mod:`jaxcomp.cost` name of a :func:`compress` method: what ``"auto"`` predicts it with.
+
+    jaxcomp's all-reduces are costed as rings (``psum`` and AR-Topk's two all-reduces).
+
+    Args:
+      method: a :data:`METHODS` entry other than ``"auto"``.
+      algorithm: ``"zfp"``'s algorithm, ``"ring"`` or ``"recursive_doubling"``.
+
+    Returns:
+      A :data:`jaxcomp.cost.METHODS` entry.
+
+    Example:
+      >>> cost_method("dense"), cost_method("ar_topk"), cost_method("zfp")
+      ('dense_ring', 'ar_topk_ring', 'zfp_ring')
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, Table I (ring and tree variants).
+    """
+    if method == "zfp":
+        return "zfp_" + algorithm
+    return {"dense": "dense_ring", "ar_topk": "ar_topk_ring"}.get(method, method)
 
 
 # Each entry calls one collective of jaxcomp.collectives on the local 1-D vector x and returns
@@ -133,6 +212,103 @@ def _bytes_sent(c: _Config, n: int, k: int | None, n_devices: int, dtype) -> flo
                                   dtype_bytes=jnp.dtype(dtype).itemsize, **options)
 
 
+def _aggregate(c: _Config, vectors, names, step, base_key):
+    """Runs ``c``'s collective on each group's vector: (totals, sents), one per group."""
+    totals, sents = [], []
+    for group_index, (vector, name) in enumerate(zip(vectors, names)):
+        k = c.k_for(vector.shape[0], name) if c.method in _TOPK_METHODS else None
+        total, sent = _COLLECTIVES[c.method](c, vector, k, step, jax.random.fold_in(base_key, group_index))
+        totals.append(total)
+        sents.append(sent)
+    return totals, sents
+
+
+def _static_cost(c: _Config, sizes, names, n_devices: int, dtype) -> tuple[float, int, int]:
+    """(bytes one device sends, values kept, sequential message steps) of ``c``'s method over the groups."""
+    inner = jax.lax.axis_size(c.axes[-1]) if c.method == "hierarchical_topk" else None
+    sent, kept, steps = 0.0, 0, 0
+    for n, name in zip(sizes, names):
+        k = c.k_for(n, name) if c.method in _TOPK_METHODS else None
+        sent += _bytes_sent(c, n, k, n_devices, dtype)
+        kept += n if k is None else k
+        steps += cost.message_steps(c.cost_method(), n_devices, inner_size=inner)
+    return sent, kept, steps
+
+
+class _AutoPlan:
+    """``"auto"``'s branches with their static costs, built while tracing one update."""
+
+    def __init__(self, c: _Config, sizes, names, n_devices: int, dtype):
+        self.config = c
+        self.branches = [config for _, _, config in c.branches()]
+        costs = np.array([_static_cost(b, sizes, names, n_devices, dtype) for b in self.branches], np.float64)
+        self.bytes, self.kept, self.steps = (costs[:, i].astype(np.float32) for i in range(3))
+        # table[m, r]: the branch of candidate m at ratio r (a method without a ratio fills its row).
+        self.table = np.zeros((len(c.candidates), max(1, len(c.ratios))), np.int32)
+        for b, (m, r, config) in enumerate(c.branches()):
+            if config.method in _TOPK_METHODS:
+                self.table[m, r] = b
+            else:
+                self.table[m, :] = b
+        self.topk_rows = np.array([m for m, name in enumerate(c.candidates) if name in _TOPK_METHODS], np.int32)
+        self.topk_row = np.array([name in _TOPK_METHODS for name in c.candidates])
+        self.topk_branch = np.array([b.method in _TOPK_METHODS for b in self.branches])
+        self.method_ids = np.array([METHODS.index(b.method) for b in self.branches], np.int32)
+
+    def sync_per_ratio(self, comm):
+        """Predicted communication seconds of each candidate ratio by its cheapest top-k collective."""
+        comm = jnp.where(jnp.isfinite(comm), comm, 0.0)  # no network yet: time counts as flat
+        return jnp.min(comm[self.table[self.topk_rows, :]], axis=0)
+
+    def decide(self, auto: AutoState, step):
+        """Re-decides when due; returns (new AutoState, branch to run, predicted comm seconds per branch)."""
+        c = self.config
+        known = jnp.all(jnp.isfinite(auto.network))
+        moved = (jnp.any(adaptive._moved(auto.decided, auto.network, NETWORK_TOLERANCE, jnp))
+                 | ~jnp.all(jnp.isfinite(auto.decided)))
+        due = known & ((step % c.decide_every == 0) | moved)
+        decided = jnp.where(due, auto.network, auto.decided)
+        comm = jnp.asarray(self.steps) * decided[0] + jnp.asarray(self.bytes) * decided[1]
+        predicted = comm + auto.overhead
+        ratio = auto.ratio
+        if c.adaptive_ratio:
+            # A moved network re-chooses the ratio from the last exploration, without exploring.
+            ratio = adaptive._select(due & moved, adaptive.ratio_redecide(ratio, self.sync_per_ratio(comm)), ratio)
+            r = ratio.index
+            # While exploring, top-k competes at its lowest density: could it pay at all?
+            r_judge = jnp.where(ratio.exploring, len(c.ratios) - 1, r)
+        else:
+            r = r_judge = 0
+        table = jnp.asarray(self.table)
+        choice = jnp.where(due, jnp.argmin(predicted[table[:, r_judge]]), auto.choice).astype(jnp.int32)
+        row = choice
+        if self.topk_rows.size:
+            # A top-k choice runs the cheapest top-k collective at the ratio of this step.
+            best = jnp.asarray(self.topk_rows)[jnp.argmin(predicted[table[self.topk_rows, r]])]
+            row = jnp.where(jnp.asarray(self.topk_row)[choice], best, choice)
+        branch = table[row, r]
+        return auto._replace(decided=decided, choice=choice, ratio=ratio), branch, comm
+
+    def observe(self, auto: AutoState, branch, gain, comm) -> AutoState:
+        """Feeds a top-k step's gain to the ratio controller."""
+        if not self.config.adaptive_ratio:
+            return auto
+        observed = adaptive.ratio_observe(auto.ratio, gain, auto.overhead[branch], jnp.nan,
+                                          self.sync_per_ratio(comm))
+        return auto._replace(ratio=adaptive._select(jnp.asarray(self.topk_branch)[branch], observed, auto.ratio))
+
+
+def _auto_init(c: _Config) -> AutoState:
+    branches = [config for _, _, config in c.branches()]
+    network = (np.full(2, np.nan) if c.network is None else np.array([c.network.alpha, c.network.beta]))
+    return AutoState(
+        network=jnp.asarray(network, jnp.float32), overhead=jnp.zeros(len(branches), jnp.float32),
+        decided=jnp.full(2, jnp.nan, jnp.float32), choice=jnp.zeros((), jnp.int32),
+        ratio=adaptive.ratio_init(len(c.ratios), c.explore_steps) if c.adaptive_ratio else None,
+        branch_method=jnp.array([METHODS.index(b.method) for b in branches], jnp.int32),
+        branch_setting=jnp.array([b.setting() for b in branches], jnp.float32))
+
+
 def _is_float(leaf) -> bool:
     return jnp.issubdtype(leaf.dtype, jnp.floating)
 
@@ -169,79 +345,156 @@ def _comm_dtype(leaves):
     return jnp.dtype(jnp.float32)
 
 
-def _init_metrics():
+def _init_metrics(method_index: int):
     zero = jnp.zeros((), jnp.float32)
-    return CompressMetrics(gain=zero, bytes_sent=zero, density=zero)
+    return CompressMetrics(gain=zero, bytes_sent=zero, density=zero, method=jnp.asarray(method_index, jnp.int32))
 
 
-def _check_choice(value, name, choices, default, method, used_by):
+def _check_choice(value, name, choices, default, methods, used_by):
     if value is None:
         return default
-    if method not in used_by:
+    if not set(methods) & set(used_by):
         raise ValueError(f"{name}= applies to method {' / '.join(repr(m) for m in used_by)} only, "
-                         f"not {method!r}; remove it")
+                         f"not {' / '.join(repr(m) for m in methods)}; remove it")
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value
 
 
+def _check_ratio(ratio):
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.floating, np.integer)):
+        raise TypeError(f"ratio must be a float in (0, 1], got {ratio!r}")
+    ratio = float(ratio)
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    return ratio
+
+
+_AUTO_ONLY = ("candidates", "network", "decide_every", "adaptive_ratio", "ratio_range", "explore_steps")
+
+
+def _check_auto(ratio, k, rate, bits, axes, candidates, network, decide_every, adaptive_ratio, ratio_range,
+                explore_steps):
+    """The "auto" arguments: (candidates, ratios, decide_every, explore_steps, network)."""
+    if k is not None:
+        raise ValueError("method 'auto' sizes top-k by ratio= (its cost model is per ratio); pass ratio= "
+                         "instead of k=")
+    adaptive_ratio = False if adaptive_ratio is None else adaptive_ratio
+    if not isinstance(adaptive_ratio, (bool, np.bool_)):
+        raise TypeError(f"adaptive_ratio must be True or False, got {adaptive_ratio!r}")
+    if adaptive_ratio:
+        if ratio is not None:
+            raise ValueError("adaptive_ratio=True chooses the ratio from ratio_range=; remove ratio=")
+        ratios = adaptive.candidate_ratios(adaptive.DEFAULT_RATIO_RANGE if ratio_range is None else ratio_range)
+    else:
+        if ratio_range is not None:
+            raise ValueError("ratio_range= applies with adaptive_ratio=True only; remove it or set adaptive_ratio=True")
+        ratios = () if ratio is None else (_check_ratio(ratio),)
+    if candidates is None:
+        candidates = ["dense"]
+        if ratios:
+            candidates += ["allgather_topk", "ar_topk"] + (["hierarchical_topk"] if len(axes) == 2 else [])
+        candidates += (["zfp"] if rate is not None else []) + (["quantized"] if bits is not None else [])
+        if len(candidates) == 1:
+            raise ValueError("method 'auto' needs something to compress with: ratio= (top-k methods), "
+                             "adaptive_ratio=True, rate= (zfp) or bits= (quantized)")
+    else:
+        if isinstance(candidates, str) or not all(isinstance(m, str) for m in candidates):
+            raise TypeError(f"candidates must be a sequence of method names, got {candidates!r}")
+        candidates = list(candidates)
+        bad = [m for m in candidates if m not in METHODS[:-1]]
+        if bad or not candidates or len(set(candidates)) != len(candidates):
+            raise ValueError(f"candidates must be distinct methods from {METHODS[:-1]}, got {tuple(candidates)!r}")
+        for method, needed, given in (("zfp", "rate=", rate), ("quantized", "bits=", bits)):
+            if (method in candidates) != (given is not None):
+                raise ValueError(f"{needed} goes with candidate {method!r}: pass both or neither "
+                                 f"(candidates={tuple(candidates)!r})")
+        topk = [m for m in candidates if m in _TOPK_METHODS]
+        if bool(topk) != bool(ratios):
+            raise ValueError(f"top-k candidates need ratio= (or adaptive_ratio=True), and ratio= needs a top-k "
+                             f"candidate; got candidates={tuple(candidates)!r}")
+    if "hierarchical_topk" in candidates and len(axes) != 2:
+        raise ValueError("candidate 'hierarchical_topk' needs axis_name=(outer, inner)")
+    decide_every = _checks.static_int(DEFAULT_DECIDE_EVERY if decide_every is None else decide_every,
+                                      "decide_every", 1)
+    explore_steps = adaptive._check_explore_steps(DEFAULT_EXPLORE_STEPS if explore_steps is None else explore_steps)
+    if network is not None and not isinstance(network, cost.Network):
+        raise TypeError(f"network must be a jaxcomp.cost.Network (e.g. jaxcomp.probe(mesh, axis)) or None, "
+                        f"got {type(network).__name__}")
+    return tuple(candidates), ratios, bool(adaptive_ratio), decide_every, explore_steps, network
+
+
 def _check_config(method, ratio, k, rate, bits, axis_name, error_feedback, granularity, mean, leader,
-                  selector, algorithm, hadamard, seed) -> _Config:
+                  selector, algorithm, hadamard, seed, **auto) -> _Config:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    given = {name: value for name, value in (("ratio", ratio), ("k", k), ("rate", rate), ("bits", bits))
-             if value is not None}
-    needs = {"dense": (), "zfp": ("rate",), "quantized": ("bits",)}.get(method, ("ratio", "k"))
-    extra = sorted(set(given) - set(needs))
-    if extra:
-        wanted = " or ".join(f"{name}=" for name in needs) or "nothing else"
-        raise ValueError(f"method {method!r} takes {wanted}; remove {', '.join(f'{name}=' for name in extra)}")
-    if method in _TOPK_METHODS:
-        if (ratio is None) == (k is None):
-            raise ValueError(f"method {method!r} needs exactly one of ratio= (fraction of entries kept, "
-                             f"e.g. 0.01) or k= (entries kept), got ratio={ratio!r}, k={k!r}")
-        if ratio is not None:
-            if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.floating, np.integer)):
-                raise TypeError(f"ratio must be a float in (0, 1], got {ratio!r}")
-            ratio = float(ratio)
-            if not 0.0 < ratio <= 1.0:
-                raise ValueError(f"ratio must be in (0, 1], got {ratio}")
-        else:
-            k = _checks.static_int(k, "k", 1, _checks.MAX_ROW_LENGTH)
-    if method == "zfp":
-        if rate is None:
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):
+        raise ValueError(f"axis_name must be a mesh axis name or a tuple of distinct ones, got {axis_name!r}")
+    auto_config = {}
+    if method == "auto":
+        candidates, ratios, adaptive_ratio, decide_every, explore_steps, network = _check_auto(
+            ratio, k, rate, bits, axes, **auto)
+        methods = candidates
+        auto_config = dict(candidates=candidates, ratios=ratios, adaptive_ratio=adaptive_ratio,
+                           decide_every=decide_every, explore_steps=explore_steps, network=network)
+        ratio = ratios[0] if ratios else None
+    else:
+        passed = [name for name in _AUTO_ONLY if auto[name] is not None]
+        if passed:
+            raise ValueError(f"{', '.join(f'{name}=' for name in passed)} applies to method 'auto' only; "
+                             f"remove it for method {method!r}")
+        methods = (method,)
+        given = {name: value for name, value in (("ratio", ratio), ("k", k), ("rate", rate), ("bits", bits))
+                 if value is not None}
+        needs = {"dense": (), "zfp": ("rate",), "quantized": ("bits",)}.get(method, ("ratio", "k"))
+        extra = sorted(set(given) - set(needs))
+        if extra:
+            wanted = " or ".join(f"{name}=" for name in needs) or "nothing else"
+            raise ValueError(f"method {method!r} takes {wanted}; remove {', '.join(f'{name}=' for name in extra)}")
+        if method in _TOPK_METHODS:
+            if (ratio is None) == (k is None):
+                raise ValueError(f"method {method!r} needs exactly one of ratio= (fraction of entries kept, "
+                                 f"e.g. 0.01) or k= (entries kept), got ratio={ratio!r}, k={k!r}")
+            if ratio is not None:
+                ratio = _check_ratio(ratio)
+            else:
+                k = _checks.static_int(k, "k", 1, _checks.MAX_ROW_LENGTH)
+        if method == "zfp" and rate is None:
             raise ValueError("method 'zfp' needs rate= (bits per value, an integer in [1, 32], e.g. 8)")
-        rate = _checks.static_int(rate, "rate", 1, 32)
-    if method == "quantized":
-        if bits is None:
+        if method == "quantized" and bits is None:
             raise ValueError("method 'quantized' needs bits= (bits per value, an integer in [1, 16], e.g. 8)")
+        if method == "hierarchical_topk" and len(axes) != 2:
+            raise ValueError("method 'hierarchical_topk' needs axis_name=(outer, inner), e.g. ('node', 'device'): "
+                             f"the slow axis between nodes first, the fast one inside a node; got {axis_name!r}")
+    if rate is not None:
+        rate = _checks.static_int(rate, "rate", 1, 32)
+    if bits is not None:
         bits = _checks.static_int(bits, "bits", 1, 16)
     if granularity not in ("model", "leaf"):
         raise ValueError(f"granularity must be 'model' or 'leaf', got {granularity!r}")
     if granularity == "leaf" and k is not None:
         raise ValueError("granularity='leaf' sizes each leaf's top-k by ratio=; pass ratio= instead of k=")
-    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-    if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):
-        raise ValueError(f"axis_name must be a mesh axis name or a tuple of distinct ones, got {axis_name!r}")
-    if method == "hierarchical_topk" and len(axes) != 2:
-        raise ValueError("method 'hierarchical_topk' needs axis_name=(outer, inner), e.g. ('node', 'device'): "
-                         f"the slow axis between nodes first, the fast one inside a node; got {axis_name!r}")
     for flag, name in ((error_feedback, "error_feedback"), (mean, "mean")):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
-    leader = _check_choice(leader, "leader", ("star", "var"), "star", method, ("ar_topk",))
-    selector = _check_choice(selector, "selector", ("exact", "threshold"), "exact", method, _TOPK_METHODS)
-    algorithm = _check_choice(algorithm, "algorithm", ("ring", "recursive_doubling"), "ring", method, ("zfp",))
-    hadamard = _check_choice(hadamard, "hadamard", (True, False), True, method, ("quantized",))
+    leader = _check_choice(leader, "leader", ("star", "var"), "star", methods, ("ar_topk",))
+    selector = _check_choice(selector, "selector", ("exact", "threshold"), "exact", methods, _TOPK_METHODS)
+    algorithm = _check_choice(algorithm, "algorithm", ("ring", "recursive_doubling"), "ring", methods, ("zfp",))
+    if method == "auto" and algorithm == "recursive_doubling":
+        raise ValueError("method 'auto' runs zfp with algorithm='ring': the recursive-doubling total is typed "
+                         "varying and the branches must agree; remove algorithm=")
+    hadamard = _check_choice(hadamard, "hadamard", (True, False), True, methods, ("quantized",))
     seed = _checks.static_int(seed, "seed", 0)
     return _Config(method=method, ratio=ratio, k=k, rate=rate, bits=bits, axes=axes,
                    error_feedback=bool(error_feedback), granularity=granularity, mean=bool(mean), leader=leader,
-                   selector=selector, algorithm=algorithm, hadamard=bool(hadamard), seed=seed)
+                   selector=selector, algorithm=algorithm, hadamard=bool(hadamard), seed=seed, **auto_config)
 
 
 def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="data", error_feedback=True,
              granularity="model", mean=True, leader=None, selector=None, algorithm=None, hadamard=None,
-             seed=0) -> optax.GradientTransformationExtraArgs:
+             seed=0, candidates=None, network=None, decide_every=None, adaptive_ratio=None, ratio_range=None,
+             explore_steps=None) -> optax.GradientTransformationExtraArgs:
     """Aggregates gradients across a mesh axis with a compressing collective and error feedback.
 
     Put it first in an ``optax.chain`` and call the chain's ``update`` inside ``jax.shard_map``
@@ -257,10 +510,34 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
     through untouched; bfloat16/float16 gradients travel in their own dtype when all leaves share
     it, and the residual is kept in float32.
 
+    **Automatic mode.** ``method="auto"`` compiles one branch per candidate method (a top-k
+    method once per candidate ratio) and picks one per step with ``lax.switch`` on a traced
+    index, so choices never recompile. It predicts each branch's time with the α-β model
+    (:mod:`jaxcomp.cost`: message steps times α plus bytes sent times β, plus the branch's
+    measured encode/decode time) on the network in its state, and runs the cheapest, dense
+    included. It re-decides every ``decide_every`` steps and at once when the network moves by
+    :data:`NETWORK_TOLERANCE` (10%) or more. The network comes from ``network=``,
+    :func:`set_network`, or :func:`jaxcomp.data_parallel`, whose ``init`` probes the mesh
+    (and ``reprobe`` measures it again); until one is known, ``"auto"`` runs the first candidate
+    (``"dense"`` by default). All branches share one residual, which stays exact across switches:
+    it always holds what the branch that ran did not send (a dense step sends it all). The
+    ``method`` metric says which method ran.
+
+    With ``adaptive_ratio=True`` the top-k ratio follows paper 000 §3-E: candidate ratios from
+    ``ratio_range`` spaced by 3 (:func:`jaxcomp.adaptive.candidate_ratios`), an exploration that
+    runs each for ``explore_steps`` steps (highest density first) measuring the compression
+    gain, then the knee of (encode/decode time, predicted communication time, 1 / gain)
+    (:func:`jaxcomp.adaptive.knee`); a new exploration starts when the mean gain of the last
+    ``explore_steps`` steps moves by 10% from the chosen one, and a moved network re-chooses from
+    the stored measurements. The controller (:func:`jaxcomp.adaptive.ratio_observe`) runs inside
+    the step and only advances on steps that ran a top-k method; while it explores, top-k
+    competes with the other methods at its lowest candidate density.
+
     Args:
       method: ``"dense"`` (plain all-reduce), ``"allgather_topk"``, ``"ar_topk"``,
-        ``"hierarchical_topk"`` (all need ``ratio`` or ``k``), ``"zfp"`` (needs ``rate``) or
-        ``"quantized"`` (needs ``bits``).
+        ``"hierarchical_topk"`` (all need ``ratio`` or ``k``), ``"zfp"`` (needs ``rate``),
+        ``"quantized"`` (needs ``bits``), or ``"auto"`` (chooses among them, see above; ``ratio``,
+        ``rate`` and ``bits`` set its candidates).
       ratio: fraction of gradient entries a top-k method sends, in ``(0, 1]``
         (``k = max(1, round(ratio * n))``).
       k: number of entries a top-k method sends (``granularity="model"`` only).
@@ -279,9 +556,22 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
       algorithm: ``"zfp"`` only: ``"ring"`` (default) or ``"recursive_doubling"``.
       hadamard: ``"quantized"`` only: rotate by a random Hadamard transform first (default True).
       seed: seed of the state's PRNG key (the quantizer's stochastic rounding).
+      candidates: ``"auto"`` only: the methods to choose among, in order (the first runs until a
+        network is known). Default: ``"dense"``, then ``"allgather_topk"`` and ``"ar_topk"``
+        with ``ratio``/``adaptive_ratio`` (and ``"hierarchical_topk"`` with two axes), ``"zfp"``
+        with ``rate``, ``"quantized"`` with ``bits``.
+      network: ``"auto"`` only: a :class:`jaxcomp.cost.Network` to start from, e.g.
+        ``jaxcomp.probe(mesh, "data")``.
+      decide_every: ``"auto"`` only: steps between decisions (default
+        :data:`DEFAULT_DECIDE_EVERY`, 100); a moved network re-decides at once.
+      adaptive_ratio: ``"auto"`` only: choose the top-k ratio by paper 000 §3-E (default False).
+      ratio_range: with ``adaptive_ratio``: ``(low, high)`` densities, default ``(0.001, 0.1)``.
+      explore_steps: with ``adaptive_ratio``: steps per candidate ratio while exploring, and the
+        window of the gain check (default :data:`DEFAULT_EXPLORE_STEPS`, 10).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`CompressState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`CompressState`
+      (with an :class:`AutoState` for ``"auto"``).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
@@ -295,19 +585,31 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
       >>> f(jnp.ones(4 * jax.device_count())).shape
       (4,)
 
+      Automatic choice, here on a slow network given up front (``data_parallel`` probes it):
+
+      >>> slow = jaxcomp.cost.Network.parse("1ms", "100mbit")
+      >>> tx = jaxcomp.compress("auto", ratio=0.01, network=slow)
+
     References:
       Tyagi & Swany, "Flexible Communication for Optimal Distributed Learning over Unpredictable
       Networks" (arXiv 2312.02493): AR-Topk, STAR/VAR leaders, error feedback (Alg. 1), fused
-      compression (§3-C3), compression gain (§2-C3).
+      compression (§3-C3), compression gain (§2-C3), choice of collective (§3-D, Eqn 5a-5c) and
+      adaptive compression ratio (§3-E).
     """
     c = _check_config(method, ratio, k, rate, bits, axis_name, error_feedback, granularity, mean, leader,
-                      selector, algorithm, hadamard, seed)
+                      selector, algorithm, hadamard, seed, candidates=candidates, network=network,
+                      decide_every=decide_every, adaptive_ratio=adaptive_ratio, ratio_range=ratio_range,
+                      explore_steps=explore_steps)
+    auto = c.method == "auto"
 
     def init_fn(params):
         residual = jax.tree.map(
             lambda p: jnp.zeros(p.shape, jnp.float32) if _is_float(p) else optax.MaskedNode(), params)
+        # "auto" reports its first candidate until it has decided (what it runs without a network).
+        first = METHODS.index(c.candidates[0] if auto else c.method)
         return CompressState(residual=residual, step=jnp.zeros((), jnp.int32),
-                             key=jax.random.PRNGKey(c.seed), metrics=_init_metrics())
+                             key=jax.random.PRNGKey(c.seed), metrics=_init_metrics(first),
+                             auto=_auto_init(c) if auto else None)
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
@@ -317,6 +619,8 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
         except (ValueError, TypeError) as e:
             raise ValueError("updates do not have the structure of the params compress was initialized with: "
                              f"{e}") from None
+        if auto != (state.auto is not None):
+            raise ValueError(f"state was not made by this compress({c.method!r})'s init")
         floats = [i for i, leaf in enumerate(leaves) if _is_float(leaf)]
         if not floats:
             return updates, state
@@ -330,46 +634,53 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
             g = leaves[i].astype(jnp.float32)
             error_fed[i] = g + residuals[i] if c.error_feedback else g
 
-        # (positions, 1-D vector) groups the collective runs on: one for the model, one per leaf.
+        # The groups the collective runs on, as (positions, 1-D vector, name): one for the model, one per leaf.
         if c.granularity == "model":
-            groups = [(floats, jnp.concatenate([error_fed[i].ravel() for i in floats]))]
+            groups = [(floats, jnp.concatenate([error_fed[i].ravel() for i in floats]), "the model")]
         else:
-            groups = [([i], error_fed[i].ravel()) for i in floats]
+            groups = [([i], error_fed[i].ravel(), f"leaf {i}") for i in floats]
+        vectors = [vector.astype(comm_dtype) for _, vector, _ in groups]
+        names = [name for _, _, name in groups]
+        sizes = [vector.shape[0] for vector in vectors]
 
-        totals, sents, bytes_sent, kept = {}, {}, 0, 0
-        for group_index, (positions, vector) in enumerate(groups):
-            n = vector.shape[0]
-            k = c.k_for(n, "the model" if c.granularity == "model" else f"leaf {positions[0]}") \
-                if c.method in _TOPK_METHODS else None
-            key = jax.random.fold_in(base_key, group_index)
-            total, sent = _COLLECTIVES[c.method](c, vector.astype(comm_dtype), k, state.step, key)
-            bytes_sent += _bytes_sent(c, n, k, n_devices, comm_dtype)
-            kept += n if k is None else k
-            offset = 0
-            for i in positions:
-                size = leaves[i].size
-                totals[i] = total[offset:offset + size].reshape(leaves[i].shape)
-                sents[i] = sent[offset:offset + size].reshape(leaves[i].shape).astype(jnp.float32)
-                offset += size
+        if auto:
+            plan = _AutoPlan(c, sizes, names, n_devices, comm_dtype)
+            auto_state, branch, comm = plan.decide(state.auto, state.step)
+            runs = [functools.partial(_aggregate, config, names=names) for config in plan.branches]
+            totals, sents = jax.lax.switch(
+                branch, [lambda v, s, k, run=run: run(v, step=s, base_key=k) for run in runs],
+                vectors, state.step, base_key)
+            bytes_sent = jnp.asarray(plan.bytes)[branch]
+            kept = jnp.asarray(plan.kept)[branch]
+            method_index = jnp.asarray(plan.method_ids)[branch]
+        else:
+            totals, sents = _aggregate(c, vectors, names, state.step, base_key)
+            bytes_sent, kept, _ = _static_cost(c, sizes, names, n_devices, comm_dtype)
+            method_index = METHODS.index(c.method)
 
         scale = 1.0 / n_devices if c.mean else 1.0
         out = list(leaves)
         new_residuals = list(residuals)
-        for i in floats:
-            out[i] = (totals[i].astype(jnp.float32) * scale).astype(leaves[i].dtype)
-            if c.error_feedback:
-                new_residuals[i] = error_fed[i] - sents[i]
+        for (positions, _, _), total, sent in zip(groups, totals, sents):
+            offset = 0
+            for i in positions:
+                size, shape = leaves[i].size, leaves[i].shape
+                out[i] = (total[offset:offset + size].reshape(shape).astype(jnp.float32) * scale).astype(leaves[i].dtype)
+                if c.error_feedback:
+                    new_residuals[i] = error_fed[i] - sent[offset:offset + size].reshape(shape).astype(jnp.float32)
+                offset += size
 
-        sent_sq = sum(jnp.sum(jnp.square(sents[i])) for i in floats)
+        sent_sq = sum(jnp.sum(jnp.square(sent.astype(jnp.float32))) for sent in sents)
         fed_sq = sum(jnp.sum(jnp.square(error_fed[i])) for i in floats)
         sent_sq, fed_sq = jax.lax.psum(jnp.stack([sent_sq, fed_sq]), c.axis_name)
-        gain = jnp.where(fed_sq > 0, sent_sq / jnp.where(fed_sq > 0, fed_sq, 1.0), 1.0)
+        gain = jnp.where(fed_sq > 0, sent_sq / jnp.where(fed_sq > 0, fed_sq, 1.0), 1.0).astype(jnp.float32)
         total_size = sum(leaves[i].size for i in floats)
-        metrics = CompressMetrics(gain=gain.astype(jnp.float32),
-                                  bytes_sent=jnp.asarray(bytes_sent, jnp.float32),
-                                  density=jnp.asarray(kept / total_size, jnp.float32))
+        metrics = CompressMetrics(gain=gain, bytes_sent=jnp.asarray(bytes_sent, jnp.float32),
+                                  density=jnp.asarray(kept / total_size, jnp.float32),
+                                  method=jnp.asarray(method_index, jnp.int32))
         new_state = CompressState(residual=treedef.unflatten(new_residuals), step=state.step + 1,
-                                  key=state.key, metrics=metrics)
+                                  key=state.key, metrics=metrics,
+                                  auto=plan.observe(auto_state, branch, gain, comm) if auto else None)
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -394,6 +705,127 @@ def find_compress_state(opt_state) -> CompressState | None:
     References:
       Tyagi & Swany, arXiv 2312.02493 (the state follows Alg. 1's per-worker residual).
     """
-    found = [node for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, CompressState))
-             if isinstance(node, CompressState)]
+    found = _compress_states(opt_state)
     return found[0] if found else None
+
+
+def _compress_states(opt_state) -> list[CompressState]:
+    return [node for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, CompressState))
+            if isinstance(node, CompressState)]
+
+
+def _host(x) -> np.ndarray:
+    """A replicated array's value on the host (also when it spans processes)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_shards[0].data
+    return np.asarray(x)
+
+
+def _branch(method_id, setting) -> tuple[str, float | int | None]:
+    method = METHODS[int(method_id)]
+    if np.isnan(setting):
+        return method, None
+    if method in ("zfp", "quantized"):
+        return method, int(setting)
+    return method, float(np.format_float_positional(np.float32(setting)))  # 0.01, not f32's 0.00999...
+
+
+def auto_branches(opt_state) -> list[list[tuple[str, float | None]]]:
+    """The branches of each ``compress("auto")`` state in ``opt_state``: ``(method, setting)`` pairs.
+
+    ``setting`` is the branch's ratio (top-k methods), rate (``"zfp"``), bits (``"quantized"``)
+    or None (``"dense"``), in the order :func:`set_network`'s ``overhead`` sequence uses.
+
+    Args:
+      opt_state: an optimizer state holding one or more :class:`CompressState` (host values).
+
+    Returns:
+      One list per ``"auto"`` state, in depth-first order.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxcomp
+      >>> state = jaxcomp.compress("auto", ratio=0.01).init({"w": jnp.zeros(3)})
+      >>> jaxcomp.auto_branches(state)
+      [[('dense', None), ('allgather_topk', 0.01), ('ar_topk', 0.01)]]
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-D and §3-E (the candidates flexible communication picks from).
+    """
+    out = []
+    for state in _compress_states(opt_state):
+        if state.auto is None:
+            continue
+        methods, settings = _host(state.auto.branch_method), _host(state.auto.branch_setting)
+        out.append([_branch(m, s) for m, s in zip(methods, settings)])
+    return out
+
+
+def set_network(opt_state, network: cost.Network, overhead=None):
+    """Gives every ``compress("auto")`` state in ``opt_state`` a newly measured network.
+
+    ``"auto"`` re-decides in its next step when latency or bandwidth moved by 10% or more
+    (:data:`NETWORK_TOLERANCE`), otherwise at its next regular decision. Call it on the host
+    between steps (:meth:`jaxcomp.DataParallel.reprobe` does, after probing).
+
+    Args:
+      opt_state: an optimizer state holding one or more :class:`CompressState`.
+      network: the :class:`jaxcomp.cost.Network`, e.g. ``jaxcomp.probe(mesh, "data")``.
+      overhead: optional encode + decode seconds per branch: a sequence in
+        :func:`auto_branches` order, a ``{method: seconds}`` dict (missing methods keep theirs),
+        or a function ``(method, setting) -> seconds``. Kept as they are when None.
+
+    Returns:
+      ``opt_state`` with the network (and overhead) replaced; everything else is untouched.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxcomp
+      >>> tx = jaxcomp.compress("auto", ratio=0.01)
+      >>> state = jaxcomp.set_network(tx.init({"w": jnp.zeros(3)}), jaxcomp.cost.Network.parse("1ms", "1gbit"))
+      >>> [float(v) for v in state.auto.network]  # alpha seconds, beta seconds per byte
+      [0.0010000000474974513, 7.999999773744548e-09]
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-E (re-decide when α or β changes).
+    """
+    if not isinstance(network, cost.Network):
+        raise TypeError(f"network must be a jaxcomp.cost.Network, got {type(network).__name__}")
+    if not any(state.auto is not None for state in _compress_states(opt_state)):
+        raise ValueError("opt_state holds no compress('auto') state to give a network to")
+    values = np.array([network.alpha, network.beta], np.float32)
+
+    def overhead_of(auto: AutoState):
+        current = _host(auto.overhead).astype(np.float64)
+        if overhead is None:
+            return auto.overhead
+        branches = [_branch(m, s) for m, s in zip(_host(auto.branch_method), _host(auto.branch_setting))]
+        if callable(overhead):
+            seconds = [overhead(method, setting) for method, setting in branches]
+        elif isinstance(overhead, dict):
+            unknown = set(overhead) - {method for method, _ in branches}
+            if unknown:
+                raise ValueError(f"overhead names methods {sorted(unknown)} that are not among the candidates "
+                                 f"{sorted({method for method, _ in branches})}")
+            seconds = [overhead.get(method, current[b]) for b, (method, _) in enumerate(branches)]
+        else:
+            seconds = list(overhead)
+            if len(seconds) != len(branches):
+                raise ValueError(f"overhead has {len(seconds)} entries for {len(branches)} branches {branches}")
+        seconds = np.asarray(seconds, np.float64)
+        if seconds.shape != (len(branches),) or not np.all(np.isfinite(seconds)) or np.any(seconds < 0):
+            raise ValueError(f"overhead must give finite seconds >= 0 per branch, got {seconds.tolist()}")
+        return seconds.astype(np.float32)
+
+    def like(old, new):
+        # Keep the old leaf's placement, so a jitted step sees the same input and does not recompile.
+        if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer):
+            return jax.device_put(new, old.sharding)
+        return new
+
+    def replace(node):
+        if isinstance(node, CompressState) and node.auto is not None:
+            auto = node.auto
+            return node._replace(auto=auto._replace(network=like(auto.network, values),
+                                                    overhead=like(auto.overhead, overhead_of(auto))))
+        return node
+
+    return jax.tree.map(replace, opt_state, is_leaf=lambda x: isinstance(x, CompressState))
