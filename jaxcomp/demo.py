@@ -42,6 +42,10 @@ def runs(density: float) -> dict[str, Run]:
         Run("hierarchical_topk", "hierarchical_topk", {"ratio": density}, ("node", "device")),
         Run("zfp", "zfp", {"rate": 8}),
         Run("quantized", "quantized", {"bits": 4}),
+        # Chooses from the probed network: on 8 in-memory devices that is dense.
+        Run("auto", "auto", {"ratio": density, "rate": 8}),
+        # The same choice on a simulated slow link, with the ratio chosen as well (paper 000 §3-E).
+        Run("auto_adaptive_100mbit", "auto", {"adaptive_ratio": True, "network": "1ms/100mbit"}),
     ]
     return {run.name: run for run in table}
 
@@ -107,8 +111,9 @@ def train(run: Run, devices, data, steps, batch_size, learning_rate, optimizer="
     from flax import nnx
     from jax.sharding import Mesh
 
+    from jaxcomp.cost import Network
     from jaxcomp.train import data_parallel
-    from jaxcomp.transform import compress
+    from jaxcomp.transform import METHODS, compress
 
     x_train, y_train, x_test, y_test = data
     if isinstance(run.axis_name, tuple):  # 2 "nodes" of 4 devices: the outer axis is the slow one
@@ -122,7 +127,10 @@ def train(run: Run, devices, data, steps, batch_size, learning_rate, optimizer="
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
         return loss, jnp.mean(logits.argmax(-1) == batch["y"])
 
-    tx = optax.chain(compress(run.method, axis_name=run.axis_name, **run.options), make_optimizer(optimizer, learning_rate))
+    options = dict(run.options)
+    if "network" in options:  # a simulated link: "latency/bandwidth"
+        options["network"] = Network.parse(*options["network"].split("/"))
+    tx = optax.chain(compress(run.method, axis_name=run.axis_name, **options), make_optimizer(optimizer, learning_rate))
     dp = data_parallel(loss_fn, tx, mesh, axis_name=run.axis_name, has_aux=True)
     evaluate = jax.jit(loss_fn)
     state = dp.init(params)
@@ -154,6 +162,7 @@ def train(run: Run, devices, data, steps, batch_size, learning_rate, optimizer="
         "eval_accuracy": float(eval_accuracy),
         "bytes_sent": float(metrics["bytes_sent"]),
         "density": float(metrics["density"]),
+        "method": METHODS[int(metrics["method"])],
         "gain": float(metrics["gain"]),
         "step_time": step_time,
     }
@@ -172,12 +181,13 @@ def _progress(iterable, name, enabled):
 def format_table(results) -> str:
     """The results as a Markdown table (bytes relative to the dense run when there is one)."""
     dense = next((r for r in results if r["name"] == "dense"), None)
-    lines = ["| method | eval loss | eval accuracy | bytes sent / step / device | vs dense | mean step time |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| run | last step ran (density) | eval loss | eval accuracy | bytes sent / step / device | vs dense "
+             "| mean step time |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for r in results:
         ratio = f"{r['bytes_sent'] / dense['bytes_sent']:.4f}" if dense and dense["bytes_sent"] else "-"
-        lines.append(f"| {r['name']} | {r['eval_loss']:.4f} | {100 * r['eval_accuracy']:.2f}% | "
-                     f"{r['bytes_sent']:,.0f} | {ratio} | {1e3 * r['step_time']:.2f} ms |")
+        lines.append(f"| {r['name']} | {r['method']} ({r['density']:.3g}) | {r['eval_loss']:.4f} | "
+                     f"{100 * r['eval_accuracy']:.2f}% | {r['bytes_sent']:,.0f} | {ratio} | {1e3 * r['step_time']:.2f} ms |")
     return "\n".join(lines)
 
 

@@ -23,9 +23,16 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp.probe import _agree_across_processes, codec_seconds, probe
 from jaxcomp.collectives import _varying_axes
-from jaxcomp.transform import _compress_states, _host, auto_branches, cost_method, find_compress_state, set_network
+from jaxcomp.probe import _agree_across_processes, codec_seconds, probe
+from jaxcomp.transform import (
+    _compress_states,
+    _host,
+    auto_branches,
+    cost_method,
+    find_compress_state,
+    set_network,
+)
 
 
 class TrainState(NamedTuple):
@@ -201,8 +208,10 @@ class DataParallel:
             # Every process must take the same branch: all of them use the slowest one's times.
             keys = list(seconds)
             agreed = _agree_across_processes(np.array([seconds[k] for k in keys]))
-            seconds = dict(zip(keys, (float(s) for s in agreed)))
-            overhead = lambda method, setting: seconds[method, setting]  # noqa: E731
+            agreed = dict(zip(keys, (float(s) for s in agreed)))
+
+            def overhead(method, setting):
+                return agreed[method, setting]
         opt_state = set_network(state.opt_state, network, overhead)
         return jax.jit(lambda s: s, out_shardings=self.state_sharding(state.params))(
             state._replace(opt_state=opt_state))

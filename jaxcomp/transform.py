@@ -113,7 +113,7 @@ class _Config:
             raise ValueError(f"k={self.k} exceeds the {n} gradient entries of {name}; pass a smaller k or ratio=")
         return self.k
 
-    def branches(self) -> list[tuple[int, int, "_Config"]]:
+    def branches(self) -> list[tuple[int, int, _Config]]:
         """``"auto"``'s branches: (candidate index, ratio index, config of that one method)."""
         out = []
         for m, name in enumerate(self.candidates):

@@ -5,13 +5,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import count_compilations, need_devices
 from jax.sharding import Mesh
 
 import jaxcomp
 from jaxcomp import adaptive, collectives, cost
 from jaxcomp.train import data_parallel
-from jaxcomp.transform import METHODS, compress, cost_method, find_compress_state, set_network
-from helpers import count_compilations, need_devices
+from jaxcomp.transform import (
+    METHODS,
+    compress,
+    cost_method,
+    find_compress_state,
+    set_network,
+)
 
 N_DEVICES = 8
 N_PARAMS = 100_000

@@ -15,12 +15,17 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
+from jax.experimental import multihost_utils  # noqa: E402
+
+from jaxcomp.cost import Network  # noqa: E402
 from jaxcomp.train import data_parallel  # noqa: E402
-from jaxcomp.transform import compress  # noqa: E402
+from jaxcomp.transform import compress, find_compress_state  # noqa: E402
 
 STEPS = 3
 GLOBAL_BATCH = 32
-METHODS = {"dense": {}, "ar_topk": {"ratio": 0.05}}
+# "auto" on a given slow network: every process must take the same lax.switch branch.
+METHODS = {"dense": {}, "ar_topk": {"ratio": 0.05},
+           "auto": {"ratio": 0.05, "network": Network.parse("1ms", "1gbit"), "decide_every": 2}}
 
 
 def loss_fn(params, batch):
@@ -54,6 +59,15 @@ def run():
             state, _ = dp.step(state, dp.shard_batch(local))
         for name, value in state.params.items():
             out[f"{method}/{name}"] = np.asarray(value.addressable_data(0))
+        if method == "auto":
+            out["auto/method"] = np.asarray(find_compress_state(state.opt_state).metrics.method.addressable_data(0))
+            # Probing from every process must give every process the same network and codec times.
+            auto = find_compress_state(dp.reprobe(state, sizes=(1024, 65536), repeats=2).opt_state).auto
+            measured = np.concatenate([np.asarray(auto.network.addressable_data(0)),
+                                       np.asarray(auto.overhead.addressable_data(0))])
+            everywhere = np.asarray(multihost_utils.process_allgather(measured))
+            if not (everywhere == everywhere[:1]).all():
+                raise SystemExit(f"processes measured different networks: {everywhere}")
     return out
 
 

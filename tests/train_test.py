@@ -12,6 +12,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxcomp.cost import Network
 from jaxcomp.train import data_parallel
 from jaxcomp.transform import compress
 from helpers import assert_trees_equal, count_compilations, need_devices
@@ -137,8 +138,13 @@ def test_residual_layout(error_feedback):
         assert not np.any(np.asarray(residual["w1"]))
 
 
-def test_checkpoint_round_trip_resumes_bit_identically(tmp_path):
-    tx = optax.chain(compress("ar_topk", ratio=0.05), optax.adam(1e-2))
+@pytest.mark.parametrize("options", [
+    {"method": "ar_topk", "ratio": 0.05},
+    # "auto" mid-exploration: the controller's state must resume too.
+    {"method": "auto", "adaptive_ratio": True, "explore_steps": 2, "network": Network.parse("1ms", "1gbit")},
+], ids=["ar_topk", "auto"])
+def test_checkpoint_round_trip_resumes_bit_identically(tmp_path, options):
+    tx = optax.chain(compress(**options), optax.adam(1e-2))
     dp = data_parallel(_mlp_loss, tx, _mesh())
     state = dp.init(_mlp_params())
     for i in range(3):
