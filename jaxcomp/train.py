@@ -155,10 +155,15 @@ class DataParallel:
             return TrainState(params=params, opt_state=state_def.unflatten(leaves), step=jnp.zeros((), jnp.int32))
 
         state = jax.jit(build, out_shardings=self.state_sharding(params))(params)
-        if any(s.auto is not None and not np.all(np.isfinite(_host(s.auto.network)))
-               for s in _compress_states(state.opt_state)):
+        if self._probe_axis() is not None and any(
+                s.auto is not None and not np.all(np.isfinite(_host(s.auto.network)))
+                for s in _compress_states(state.opt_state)):
             state = self.reprobe(state)
         return state
+
+    def _probe_axis(self):
+        """The axis :meth:`reprobe` measures: the first of ``axis_name`` with 2 or more devices."""
+        return next((a for a in self._axes if self.mesh.shape[a] > 1), None)
 
     def reprobe(self, state: TrainState, *, codec: bool = True, **probe_options) -> TrainState:
         """Measures the network (and encode/decode times) again and hands them to ``compress("auto")``.
@@ -166,8 +171,8 @@ class DataParallel:
         :meth:`init` calls it when a ``compress("auto")`` has no ``network=``. Call it from every
         process, between steps, as often as the network may change (say every few hundred
         steps); ``"auto"`` re-decides at its next step when latency or bandwidth moved by 10% or
-        more. The first axis of ``axis_name`` is probed (the slow one for
-        ``("node", "device")``).
+        more. The first axis of ``axis_name`` with 2 or more devices is probed (the slow one
+        for ``("node", "device")``); with a single device :meth:`init` does not probe.
 
         Args:
           state: the :class:`TrainState`.
@@ -197,7 +202,11 @@ class DataParallel:
         branches = auto_branches(state.opt_state)
         if not branches:
             raise ValueError("tx holds no compress('auto'): there is nothing to reprobe for")
-        network = probe(self.mesh, self._axes[0], cache=False, **probe_options)
+        axis = self._probe_axis()
+        if axis is None:
+            raise ValueError(f"every axis of {self.axis_name!r} has 1 device: no network to probe (nothing "
+                             "crosses one; compress('auto') runs its first candidate)")
+        network = probe(self.mesh, axis, cache=False, **probe_options)
         overhead = None
         if codec:
             n_values = sum(int(np.prod(np.shape(p))) for p in jax.tree.leaves(state.params)
@@ -220,7 +229,7 @@ class DataParallel:
         if method in ("dense", "quantized"):
             return 0.0
         options = {"rate": setting} if method == "zfp" else {"ratio": setting}
-        return codec_seconds(cost_method(method), n_values, mesh=self.mesh, axis_name=self._axes[0], **options)
+        return codec_seconds(cost_method(method), n_values, mesh=self.mesh, axis_name=self._probe_axis(), **options)
 
     def shard_batch(self, batch):
         """Builds the global batch from this process's rows (all rows when there is one process).

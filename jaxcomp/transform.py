@@ -561,7 +561,9 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
         with ``ratio``/``adaptive_ratio`` (and ``"hierarchical_topk"`` with two axes), ``"zfp"``
         with ``rate``, ``"quantized"`` with ``bits``.
       network: ``"auto"`` only: a :class:`jaxcomp.cost.Network` to start from, e.g.
-        ``jaxcomp.probe(mesh, "data")``.
+        ``jaxcomp.probe(mesh, "data")``. Encode/decode times then count as 0 until
+        :func:`set_network` gives them (``overhead=``); ``jaxcomp.data_parallel`` measures both
+        when ``network`` is None.
       decide_every: ``"auto"`` only: steps between decisions (default
         :data:`DEFAULT_DECIDE_EVERY`, 100); a moved network re-decides at once.
       adaptive_ratio: ``"auto"`` only: choose the top-k ratio by paper 000 §3-E (default False).

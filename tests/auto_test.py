@@ -288,3 +288,15 @@ def test_reprobe_needs_an_auto_state():
     dp = _trainer(compress("dense"))
     with pytest.raises(ValueError, match="no compress"):
         dp.reprobe(dp.init(jnp.zeros(4)))
+
+
+def test_auto_on_one_device_runs_dense_without_probing():
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    dp = data_parallel(_loss, optax.chain(compress("auto", ratio=0.01), optax.sgd(1.0)), mesh)
+    state = dp.init(jnp.zeros(100))
+    assert np.isnan(np.asarray(find_compress_state(state.opt_state).auto.network)).all()
+    state, metrics = dp.step(state, {"g": np.ones((1, 100), np.float32)})
+    assert _method(metrics) == "dense"
+    np.testing.assert_array_equal(np.asarray(state.params), -np.ones(100))
+    with pytest.raises(ValueError, match="1 device"):
+        dp.reprobe(state)
