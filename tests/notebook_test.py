@@ -38,13 +38,17 @@ def test_quickstart_notebook_executes(tmp_path):
 def test_demo_command_prints_table_and_saves_plot(tmp_path, capsys):
     from jaxcomp import demo
 
-    code = demo.main(["--steps", "3", "--methods", "dense,ar_topk", "--out", str(tmp_path), "--no-progress"])
+    code = demo.main(["--steps", "3", "--methods", "dense,ar_topk,auto_adaptive_100mbit", "--out", str(tmp_path),
+                      "--no-progress"])
     assert code == 0
     table = capsys.readouterr().out
-    assert "| dense |" in table and "| ar_topk |" in table
+    assert "| dense | dense (1) |" in table and "| ar_topk | ar_topk (0.00999) |" in table
     # ar_topk at 1% sends a small fraction of dense's bytes; the table shows the ratio.
     ar_line = next(line for line in table.splitlines() if line.startswith("| ar_topk |"))
-    assert float(ar_line.split("|")[5]) < 0.1
+    assert float(ar_line.split("|")[6]) < 0.1
+    # On the simulated slow link auto compresses, exploring from the highest candidate density.
+    assert "| auto_adaptive_100mbit | allgather_topk (0.1) |" in table or \
+        "| auto_adaptive_100mbit | ar_topk (0.1) |" in table
     with open(tmp_path / "loss_curves.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
