@@ -796,9 +796,9 @@ def set_network(opt_state, network: cost.Network, overhead=None):
     values = np.array([network.alpha, network.beta], np.float32)
 
     def overhead_of(auto: AutoState):
-        current = _host(auto.overhead).astype(np.float64)
         if overhead is None:
             return auto.overhead
+        current = _host(auto.overhead).astype(np.float64)
         branches = [_branch(m, s) for m, s in zip(_host(auto.branch_method), _host(auto.branch_setting))]
         if callable(overhead):
             seconds = [overhead(method, setting) for method, setting in branches]

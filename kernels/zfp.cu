@@ -22,8 +22,6 @@ constexpr int kMaxGroupWords = 4 * 32;  // 32 blocks x 4 values x rate 32 / 32 b
 
 __constant__ zfp::CodeTables kCodeTables = zfp::make_code_tables();
 
-__host__ __device__ int64_t header_words(int rate) { return rate <= 2 ? 1 : 0; }
-
 // The code tables in shared memory: lanes look up different entries, which the constant cache
 // would serialize.
 __device__ __forceinline__ void load_tables(zfp::CodeTables& tables) {
@@ -159,8 +157,8 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(const float* __restric
   const int64_t groups_per_row = (blocks + kWarp - 1) / kWarp;
   const Group g = group_of(rows, blocks, groups_per_row, rate);
   if (!g.active) return;  // whole warps only: group_of is uniform across a warp
-  const int64_t header = header_words(rate);
-  const int64_t row_words = header + (blocks * 4 * rate + 31) / 32;
+  const int64_t header = zfp::header_words(rate);
+  const int64_t row_words = zfp::row_words(n, rate);
   uint32_t* row_out = words + g.row * row_words;
   const int64_t block = g.first_block + lane;
   const int block_bits = 4 * rate;
@@ -197,8 +195,8 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const uint32_t* __rest
   if (!g.active) return;
   const int lane = threadIdx.x % kWarp;
   uint32_t* group_words = staged[threadIdx.x / kWarp];
-  const int64_t header = header_words(rate);
-  const int64_t row_words = header + (blocks * 4 * rate + 31) / 32;
+  const int64_t header = zfp::header_words(rate);
+  const int64_t row_words = zfp::row_words(n, rate);
   const uint32_t* row_in = words + g.row * row_words;
   for (int i = lane; i < g.words; i += kWarp) group_words[i] = row_in[header + g.first_word + i];
   __syncwarp();
@@ -233,7 +231,7 @@ cudaError_t group_grid(int64_t rows, int64_t n, unsigned* grid) {
 
 }  // namespace
 
-int64_t zfp_num_words(int64_t n, int rate) { return header_words(rate) + ((n + 3) / 4 * 4 * rate + 31) / 32; }
+int64_t zfp_num_words(int64_t n, int rate) { return zfp::row_words(n, rate); }
 
 cudaError_t zfp_encode(const float* x, int64_t rows, int64_t n, int rate, uint32_t* words, cudaStream_t stream) {
   unsigned grid = 0;

@@ -23,13 +23,8 @@ inline constexpr zfp::CodeTables kZfpCodeTables = zfp::make_code_tables();
 // Blocks per group: one group is `rate` whole words.
 constexpr int64_t kZfpGroupBlocks = 8;
 
-// Rates 1-2 keep the row's exponent in one header word in front of the blocks.
-inline int64_t zfp_header_words(int rate) { return rate <= 2 ? 1 : 0; }
-
-inline int64_t zfp_num_words(int64_t n, int rate) {
-  const int64_t blocks = (n + 3) / 4;
-  return (blocks * 4 * rate + 31) / 32 + zfp_header_words(rate);
-}
+// Words per row of `n` floats (the layout of kernels/zfp_block.h).
+inline int64_t zfp_num_words(int64_t n, int rate) { return zfp::row_words(n, rate); }
 
 namespace zfp_detail {
 
@@ -151,7 +146,7 @@ inline ZfpStatus zfp_decode(const uint32_t* words, int64_t rows, int64_t n, int 
   const int64_t groups = (blocks + kZfpGroupBlocks - 1) / kZfpGroupBlocks;
   const int64_t row_words = zfp_num_words(n, rate);
   const int block_bits = 4 * rate;
-  const int64_t header_bits = 32 * zfp_header_words(rate);
+  const int64_t header_bits = 32 * zfp::header_words(rate);
 
   zfp_detail::for_each_group_range(rows, groups, parallel, [&](int64_t row, int64_t first, int64_t stop) {
     const uint32_t* row_in = words + row * row_words;

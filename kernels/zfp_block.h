@@ -31,6 +31,13 @@
 namespace jaxcomp {
 namespace zfp {
 
+// Row layout: rates 1-2 keep the row's exponent in one header word in front of the blocks; the
+// blocks follow, 4 * rate bits each, padded to a whole word per row.
+JAXCOMP_HD inline int64_t header_words(int rate) { return rate <= 2 ? 1 : 0; }
+JAXCOMP_HD inline int64_t row_words(int64_t n, int rate) {
+  return header_words(rate) + ((n + 3) / 4 * 4 * rate + 31) / 32;
+}
+
 // Flag bit + 8-bit biased exponent in front of every block at rates >= 3.
 constexpr int kHeaderBits = 9;
 // Flag 1 with exponent field 0: a code zfp never writes, used for blocks holding NaN or +-Inf.
