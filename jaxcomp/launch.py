@@ -1,12 +1,29 @@
-"""Local multi-process runs under ``jax.distributed``: a launcher and its worker-side half.
+"""Multi-process runs under ``jax.distributed``: a launcher and its worker-side half.
 
     python -m jaxcomp.launch -n 2 --devices-per-process 4 train.py --steps 10
 
 starts ``train.py`` twice, as processes 0 and 1 of one JAX job with 4 CPU devices each (8 in all),
 coordinated on a free localhost port. The script calls :func:`initialize` before any JAX op;
 outside the launcher that is a no-op, so the same script runs single-process too. CPU collectives
-between processes go through gloo (JAX's default). For real multi-host runs, start one process
-per host yourself and call ``jax.distributed.initialize(...)`` with your cluster's coordinator.
+between processes go through gloo (JAX's default).
+
+**Several hosts.** Run the same command once on every host, naming the coordinator (host 0's
+reachable address and a free port), the job's size and this host's process id, and the network
+interface gloo should use::
+
+    host0$ python -m jaxcomp.launch --coordinator 10.0.0.1:7733 --num-hosts 2 --host-id 0 --interface eth0 train.py
+    host1$ python -m jaxcomp.launch --coordinator 10.0.0.1:7733 --num-hosts 2 --host-id 1 --interface eth0 train.py
+
+Each host then starts ``-n`` processes (default 1) with ids ``host_id * n ... host_id * n + n - 1``.
+Under SLURM or Open MPI, ``srun``/``mpirun`` can start the script directly: call
+``jax.distributed.initialize()`` with no arguments there (it reads the scheduler's environment),
+and :func:`use_gloo_interface` first if the hostname resolves to a loopback address.
+
+**Why the interface matters.** Gloo binds to the address the hostname resolves to. In containers
+and network namespaces that is often ``127.0.0.1``, and every process then fails at its first
+collective with "Gloo context initialization failed ... Connection refused, remote=[127.0.0.1]".
+``--interface`` (or ``initialize(interface=...)``, or the ``JAXCOMP_INTERFACE`` variable) makes
+gloo bind to that interface's address instead.
 """
 
 from __future__ import annotations
@@ -14,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -23,13 +41,19 @@ _COORDINATOR = "JAXCOMP_COORDINATOR_ADDRESS"
 _NUM_PROCESSES = "JAXCOMP_NUM_PROCESSES"
 _PROCESS_ID = "JAXCOMP_PROCESS_ID"
 _LOCAL_DEVICES = "JAXCOMP_LOCAL_DEVICES"
+_INTERFACE = "JAXCOMP_INTERFACE"
 
 
-def initialize() -> int:
+def initialize(interface: str | None = None) -> int:
     """Joins the job :func:`launch` started (no-op when not launched); call before any JAX op.
 
     Sets this process's CPU device count and calls ``jax.distributed.initialize`` with the
     coordinator, process count and id the launcher put in the environment.
+
+    Args:
+      interface: network interface gloo binds to (e.g. ``"eth0"``); default: the launcher's
+        ``--interface`` (``JAXCOMP_INTERFACE``), else gloo's own choice, the address the
+        hostname resolves to.
 
     Returns:
       This process's id (0 when not launched).
@@ -47,11 +71,127 @@ def initialize() -> int:
         return 0
     import jax
 
+    interface = interface or os.environ.get(_INTERFACE) or None
+    if interface is not None:
+        use_gloo_interface(interface)
     jax.config.update("jax_num_cpu_devices", int(os.environ[_LOCAL_DEVICES]))
     process_id = int(os.environ[_PROCESS_ID])
     jax.distributed.initialize(os.environ[_COORDINATOR], num_processes=int(os.environ[_NUM_PROCESSES]),
                                process_id=process_id)
     return process_id
+
+
+def use_gloo_interface(interface: str) -> None:
+    """Makes JAX's CPU collectives (gloo) bind to ``interface``; call before any JAX op.
+
+    JAX has no public option for this (its CPU client always builds gloo from the hostname), so
+    this re-registers the ``"cpu"`` backend factory through the public
+    ``jax.extend.backend.register_backend_factory`` with a factory that differs from JAX's own in
+    one argument: it builds the gloo collectives with ``interface=``. That factory uses three
+    private names, the least that can do it: ``jax._src.distributed.global_state`` (the
+    coordinator client gloo needs), ``jax._src.xla_bridge.make_cpu_client`` (JAX's own CPU client
+    builder, so every other setting stays JAX's) and ``jaxlib._jax.make_gloo_tcp_collectives``.
+    Tested with jax 0.10.x; a jax without them raises a clear error here.
+
+    Args:
+      interface: a network interface of this host, e.g. ``"eth0"``.
+
+    Example:
+      >>> from jaxcomp.launch import use_gloo_interface
+      >>> use_gloo_interface("lo")  # doctest: +SKIP
+    """
+    if not isinstance(interface, str) or not interface or "/" in interface:
+        raise ValueError(f"interface must be a network interface name such as 'eth0', got {interface!r}")
+    if sys.platform == "linux" and not os.path.exists(f"/sys/class/net/{interface}"):
+        present = sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []
+        raise ValueError(f"interface {interface!r} does not exist on this host (interfaces: {', '.join(present)})")
+    try:
+        from jax._src import distributed, xla_bridge
+        from jax.extend.backend import register_backend_factory
+        from jaxlib import _jax
+        make_collectives = _jax.make_gloo_tcp_collectives
+        make_cpu_client = xla_bridge.make_cpu_client
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(f"this jax has no way to choose gloo's interface that jaxcomp knows ({e}); set the "
+                           "hostname to resolve to the interface's address instead") from None
+
+    def cpu_client_on_interface():
+        client = distributed.global_state.client
+        collectives = None if client is None else make_collectives(distributed_client=client, interface=interface)
+        return make_cpu_client(collectives=collectives)
+
+    register_backend_factory("cpu", cpu_client_on_interface, priority=0, fail_quietly=False)
+
+
+def process_env(coordinator: str, num_processes: int, process_id: int, devices: int, *,
+                interface: str | None = None, base: dict | None = None) -> dict:
+    """The environment that makes :func:`initialize` join a job as ``process_id``.
+
+    Args:
+      coordinator: ``"host:port"`` of process 0's coordinator.
+      num_processes: processes in the job.
+      process_id: this process's id.
+      devices: CPU devices this process gets.
+      interface: network interface for gloo, or None.
+      base: the environment to extend (default ``os.environ``).
+
+    Returns:
+      A new dict.
+
+    Example:
+      >>> env = process_env("10.0.0.1:7733", 2, 1, 4, base={})
+      >>> env["JAXCOMP_PROCESS_ID"], env["XLA_FLAGS"]
+      ('1', '--xla_force_host_platform_device_count=4')
+    """
+    env = dict(os.environ if base is None else base)
+    env.update({_COORDINATOR: coordinator, _NUM_PROCESSES: str(num_processes), _PROCESS_ID: str(process_id),
+                _LOCAL_DEVICES: str(devices),
+                "XLA_FLAGS": _with_device_count(env.get("XLA_FLAGS", ""), devices)})
+    if interface:
+        env[_INTERFACE] = interface
+    else:
+        env.pop(_INTERFACE, None)
+    return env
+
+
+def wait_all(processes, timeout: float | None = None, kill=None) -> tuple[list[int], int | None]:
+    """Polls every process until all exit; the first failure (or the timeout) stops the others.
+
+    Args:
+      processes: ``subprocess.Popen`` objects.
+      timeout: seconds before every process still running is stopped (code 124), or None.
+      kill: ``kill(popen, signal)`` to stop one (default ``popen.send_signal``).
+
+    Returns:
+      ``(codes, failed)``: each process's exit code (124 when stopped at the timeout; a process
+      stopped because another failed reports the signal that stopped it, negative), and the
+      index of the process that failed first (None when none failed).
+    """
+    kill = kill or (lambda p, sig: p.send_signal(sig))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    timed_out, failed = set(), None
+    try:
+        while True:
+            codes = [p.poll() for p in processes]
+            failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed is not None or all(c is not None for c in codes):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                timed_out = {i for i, c in enumerate(codes) if c is None}
+                break
+            time.sleep(0.05)
+    finally:
+        # One process failing leaves the others waiting on collectives forever: stop them.
+        for p in processes:
+            if p.poll() is None:
+                kill(p, signal.SIGTERM)
+        for p in processes:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                kill(p, signal.SIGKILL)
+                p.wait()
+    return [124 if i in timed_out else p.returncode for i, p in enumerate(processes)], failed
 
 
 def _free_port() -> int:
@@ -65,20 +205,35 @@ def _with_device_count(flags: str, count: int) -> str:
     return f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
+def _positive_int(value, name):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
 def launch(command, num_processes: int, devices_per_process: int = 1, port: int | None = None,
-           timeout: float | None = None) -> int:
+           timeout: float | None = None, *, coordinator: str | None = None, num_hosts: int = 1,
+           host_id: int = 0, interface: str | None = None) -> int:
     """Runs ``python *command`` as ``num_processes`` processes of one ``jax.distributed`` job.
+
+    On one machine (the default) the coordinator is a free port on 127.0.0.1. For several hosts,
+    run the same call on each with ``coordinator`` (host 0's address and port), ``num_hosts`` and
+    this host's ``host_id``; the job then has ``num_hosts * num_processes`` processes.
 
     Args:
       command: arguments after ``python``: a script and its arguments, or ``["-m", module, ...]``.
-      num_processes: number of processes, ``>= 1``.
+      num_processes: processes on this host, ``>= 1``.
       devices_per_process: CPU devices each process gets, ``>= 1``.
-      port: coordinator port on 127.0.0.1 (default: a free one).
-      timeout: seconds to wait for all processes (default: no limit); on expiry all are killed.
+      port: coordinator port on 127.0.0.1 for single-host runs (default: a free one).
+      timeout: seconds to wait for all processes (default: no limit); on expiry all are stopped.
+      coordinator: ``"host:port"`` of the coordinator, reachable from every host (multi-host).
+      num_hosts: hosts in the job, each running this launcher.
+      host_id: this host's index in ``[0, num_hosts)``; host 0 runs the coordinator.
+      interface: network interface gloo binds to on every process (e.g. ``"eth0"``).
 
     Returns:
-      0 when every process exits with 0; else the first non-zero exit code (the others are
-      terminated), or 124 on timeout.
+      0 when every process exits with 0; else the first failing process's code (the others are
+      stopped as soon as one fails), or 124 on timeout.
 
     Example:
       >>> from jaxcomp.launch import launch
@@ -91,59 +246,52 @@ def launch(command, num_processes: int, devices_per_process: int = 1, port: int 
     command = list(command)
     if not command:
         raise ValueError("command must name a script (or -m module) to run")
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
-        raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
-    if isinstance(devices_per_process, bool) or not isinstance(devices_per_process, int) or devices_per_process < 1:
-        raise ValueError(f"devices_per_process must be a positive integer, got {devices_per_process!r}")
-    address = f"127.0.0.1:{port or _free_port()}"
+    _positive_int(num_processes, "num_processes")
+    _positive_int(devices_per_process, "devices_per_process")
+    _positive_int(num_hosts, "num_hosts")
+    if isinstance(host_id, bool) or not isinstance(host_id, int) or not 0 <= host_id < num_hosts:
+        raise ValueError(f"host_id must be an integer in [0, {num_hosts}), got {host_id!r}")
+    if coordinator is None:
+        if num_hosts > 1:
+            raise ValueError("a job of several hosts needs coordinator='HOST:PORT' (host 0's address)")
+        coordinator = f"127.0.0.1:{port or _free_port()}"
+    elif port is not None:
+        raise ValueError("give the port inside coordinator='HOST:PORT', not as port=")
+    elif not re.fullmatch(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:]+\]:\d{1,5}", str(coordinator)):
+        raise ValueError(f"coordinator must be 'HOST:PORT', got {coordinator!r}")
+    if interface is not None:
+        if not isinstance(interface, str) or not interface:
+            raise ValueError(f"interface must be a network interface name, got {interface!r}")
+    total = num_hosts * num_processes
     processes = []
-    for process_id in range(num_processes):
-        env = dict(os.environ)
-        env.update({_COORDINATOR: address, _NUM_PROCESSES: str(num_processes), _PROCESS_ID: str(process_id),
-                    _LOCAL_DEVICES: str(devices_per_process),
-                    "XLA_FLAGS": _with_device_count(env.get("XLA_FLAGS", ""), devices_per_process)})
+    for local in range(num_processes):
+        env = process_env(coordinator, total, host_id * num_processes + local, devices_per_process,
+                          interface=interface)
         processes.append(subprocess.Popen([sys.executable, *command], env=env))
-    deadline = None if timeout is None else time.monotonic() + timeout
-    code = 0
-    try:
-        while any(p.poll() is None for p in processes):
-            failed = [p.returncode for p in processes if p.returncode not in (None, 0)]
-            if failed:
-                code = failed[0]
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                code = 124
-                break
-            time.sleep(0.05)
-        else:
-            code = next((p.returncode for p in processes if p.returncode), 0)
-    finally:
-        # One process failing leaves the others waiting on collectives forever: stop them.
-        for p in processes:
-            if p.poll() is None:
-                p.terminate()
-        for p in processes:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    return code
+    codes, failed = wait_all(processes, timeout)
+    return codes[failed] if failed is not None else (124 if 124 in codes else 0)
 
 
 def main(argv=None) -> int:
-    """``python -m jaxcomp.launch -n N [--devices-per-process D] [--port P] script.py [args...]``."""
+    """``python -m jaxcomp.launch -n N [--devices-per-process D] [--coordinator H:P --num-hosts M --host-id I]
+    [--interface IF] script.py [args...]``."""
     parser = argparse.ArgumentParser(prog="python -m jaxcomp.launch", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-n", "--num-processes", type=int, required=True)
+    parser.add_argument("-n", "--num-processes", type=int, default=1, help="processes on this host (default 1)")
     parser.add_argument("--devices-per-process", type=int, default=1)
-    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (one host)")
+    parser.add_argument("--coordinator", default=None, help="HOST:PORT of host 0's coordinator (several hosts)")
+    parser.add_argument("--num-hosts", type=int, default=1, help="hosts in the job, each running this command")
+    parser.add_argument("--host-id", type=int, default=0, help="this host's index, 0 on the coordinator's host")
+    parser.add_argument("--interface", default=None, help="network interface gloo binds to, e.g. eth0")
     parser.add_argument("--timeout", type=float, default=None, help="seconds before all processes are killed")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...] or -m module [args...]")
     args = parser.parse_args(argv)
     if not args.command:
         parser.error("name a script to run")
     try:
-        return launch(args.command, args.num_processes, args.devices_per_process, args.port, args.timeout)
+        return launch(args.command, args.num_processes, args.devices_per_process, args.port, args.timeout,
+                      coordinator=args.coordinator, num_hosts=args.num_hosts, host_id=args.host_id,
+                      interface=args.interface)
     except ValueError as e:
         parser.error(str(e))
 
