@@ -42,4 +42,13 @@ inline ffi::Error CheckRange(int64_t value, int64_t lo, int64_t hi, const char* 
   return ffi::Error::Success();
 }
 
+// Checks that a result has exactly the shape of an operand.
+template <typename Dims, typename ResultDims>
+inline ffi::Error CheckSameShape(const Dims& dims, const ResultDims& result, const char* name) {
+  bool ok = dims.size() == result.size();
+  for (size_t i = 0; ok && i < dims.size(); ++i) ok = dims[i] == result[i];
+  return ok ? ffi::Error::Success()
+            : ffi::Error::InvalidArgument(std::string(name) + " must have the operand's shape");
+}
+
 }  // namespace jaxcomp_ffi

@@ -1,5 +1,5 @@
 // The XLA FFI handlers of the CPU module, one per op. Target names (see jaxcomp/_ffi.py) are
-// "jaxcomp_" + the op name. Each is defined next to its kernel adapter (topk_cpu.cc, zfp_cpu.cc).
+// "jaxcomp_" + the op name. Each is defined next to its kernel adapter (topk_cpu.cc, zfp_cpu.cc, hadamard_cpu.cc).
 #pragma once
 
 #include "xla/ffi/api/ffi.h"
@@ -9,3 +9,4 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompFindThresholdCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompThresholdTopkCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompZfpEncodeCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompZfpDecodeCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompHadamardCpu);

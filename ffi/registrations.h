@@ -10,7 +10,7 @@ namespace jaxcomp_ffi {
 
 inline nanobind::dict Registrations(XLA_FFI_Handler* topk, XLA_FFI_Handler* find_threshold,
                                     XLA_FFI_Handler* threshold_topk, XLA_FFI_Handler* zfp_encode,
-                                    XLA_FFI_Handler* zfp_decode) {
+                                    XLA_FFI_Handler* zfp_decode, XLA_FFI_Handler* hadamard = nullptr) {
   auto capsule = [](XLA_FFI_Handler* fn) { return nanobind::capsule(reinterpret_cast<void*>(fn)); };
   nanobind::dict targets;
   targets["jaxcomp_topk"] = capsule(topk);
@@ -18,6 +18,8 @@ inline nanobind::dict Registrations(XLA_FFI_Handler* topk, XLA_FFI_Handler* find
   targets["jaxcomp_threshold_topk"] = capsule(threshold_topk);
   targets["jaxcomp_zfp_encode"] = capsule(zfp_encode);
   targets["jaxcomp_zfp_decode"] = capsule(zfp_decode);
+  // CPU only: elsewhere jaxcomp.hadamard runs its XLA path (the same butterflies).
+  if (hadamard != nullptr) targets["jaxcomp_hadamard"] = capsule(hadamard);
   return targets;
 }
 

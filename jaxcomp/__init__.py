@@ -11,6 +11,7 @@ compare kernels against it. ``docs/kernels.md`` states the exact semantics.
 """
 
 from jaxcomp import adaptive, collectives, cost, reference
+from jaxcomp.hadamard import hadamard_transform
 from jaxcomp.probe import probe
 from jaxcomp.topk import DEFAULT_ROUNDS, find_threshold, threshold_topk, topk
 from jaxcomp.train import DataParallel, TrainState, data_parallel
@@ -38,6 +39,7 @@ __all__ = [
     "find_compress_state",
     "probe",
     "find_threshold",
+    "hadamard_transform",
     "reference",
     "threshold_topk",
     "topk",

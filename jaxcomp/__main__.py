@@ -10,6 +10,8 @@ import sys
 COMMANDS = {
     "demo": ("jaxcomp.demo", "train a small flax model data-parallel on 8 virtual devices, once per method"),
     "advise": ("jaxcomp.advise", "will gradient compression help? predicted step time per method"),
+    "netbench": ("jaxcomp.netbench", "step time per method on an emulated cluster of N hosts at given link rates"),
+    "cluster": ("jaxcomp.cluster", "run a jax.distributed script on N emulated hosts with rate-limited links"),
     "kernels": ("jaxcomp.kernel_demo", "the three kernels on a realistic gradient, beside jax.lax.top_k and zfpy"),
 }
 

@@ -75,6 +75,24 @@ def require_cuda_module(x):
     return _require_cuda_module_p.bind(x)
 
 
+def varying_axes(x) -> frozenset:
+    """The mesh axes ``x`` is typed as varying over inside ``shard_map`` (empty without ``check_vma``)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)  # the attribute's name before jax 0.10
+    return frozenset(aval.mat.varying if vma is None else vma)
+
+
+def like_varying(out, like):
+    """Types an op's result as varying over the axes ``like`` varies over.
+
+    ``ffi_call`` results come out typed invariant (replicated) under ``check_vma=True`` whatever
+    their inputs, yet they differ per device; left so, the type checks that guard collectives and
+    ``out_specs`` would accept per-device values as replicated. The cast costs nothing at run time.
+    """
+    missing = tuple(varying_axes(like) - varying_axes(out))
+    return jax.lax.pcast(out, missing, to="varying") if missing else out
+
+
 def ffi_call(target, result_shape_dtypes, *, vmap_method="broadcast_all"):
     """``jax.ffi.ffi_call`` for a jaxcomp target, refusing GPUs in builds without the CUDA module."""
     call = jax.ffi.ffi_call(target, result_shape_dtypes, vmap_method=vmap_method)

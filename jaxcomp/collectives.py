@@ -31,7 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp import _checks
+from jaxcomp import _checks, _ffi
+from jaxcomp.hadamard import counter_signs, counter_uniform
+from jaxcomp.hadamard import hadamard_transform as hadamard_op
 from jaxcomp.topk import threshold_topk, topk
 from jaxcomp.zfp import _check_rate, zfp_decode, zfp_encode, zfp_num_words
 
@@ -100,15 +102,26 @@ def _power_of_two_below(n_devices):
     return 1 << (n_devices.bit_length() - 1)
 
 
-def _quantization_dtype(bits, n_devices):
-    """The narrowest signed integer type that holds the sum of ``n_devices`` codes of ``bits`` bits."""
+def _code_width(bits, n_devices):
+    """Bits one packed field needs: the sum of ``n_devices`` codes of ``bits`` bits, which the
+    psum of packed words computes field by field, must not carry into the next field."""
     largest_sum = n_devices * (2**bits - 1)
-    for dtype in (jnp.int8, jnp.int16, jnp.int32):
-        if largest_sum <= jnp.iinfo(dtype).max:
-            return jnp.dtype(dtype)
-    raise ValueError(
-        f"bits={bits} with {n_devices} devices needs sums up to {largest_sum}, more than int32 holds; "
-        "lower bits")
+    width = largest_sum.bit_length()
+    if width > 32:
+        raise ValueError(
+            f"bits={bits} with {n_devices} devices needs sums up to {largest_sum}, more than 32 bits hold; "
+            "lower bits")
+    return width
+
+
+def _codes_per_word(bits, n_devices):
+    """Codes packed into one uint32 word on the wire: ``32 // (bits + ceil(log2 N))`` or so."""
+    return 32 // _code_width(bits, n_devices)
+
+
+def _packed_words(length, bits, n_devices):
+    """uint32 words that carry ``length`` codes."""
+    return _ceil_div(length, _codes_per_word(bits, n_devices))
 
 
 def _hadamard_block(n):
@@ -167,8 +180,10 @@ def bytes_sent(method, n, n_devices, *, k=None, ratio=None, rate=None, bits=None
       when ``N`` is not a power of two (the fold of the extra devices, whose partners send the
       result back). Devices differ there; this is the busiest device, which bounds the time.
     * ``quantized_psum``: an all-reduce of the integer codes (``n`` of them, padded to whole
-      Hadamard blocks when ``hadamard``; the integer width from ``bits`` and ``N``) plus the
-      all-reduce (max) of one float32 range, both under ``algorithm``.
+      Hadamard blocks when ``hadamard``) packed into uint32 words, ``32 // w`` codes a word with
+      ``w = bitlength(N (2^bits - 1))`` bits a field (``bits`` plus the headroom the sum of ``N``
+      codes needs: 6 bits for 4-bit codes on 4 devices), plus the all-reduce (max) of one float32
+      range, both under ``algorithm``.
 
     With ``N = 1`` nothing crosses a wire and every method costs 0.
 
@@ -272,7 +287,7 @@ def bytes_sent(method, n, n_devices, *, k=None, ratio=None, rate=None, bits=None
         raise TypeError(f"hadamard must be a bool, got {hadamard!r}")
     if N == 1:
         return 0.0
-    codes = _quantized_length(n, bool(hadamard)) * _quantization_dtype(bits, N).itemsize
+    codes = _packed_words(_quantized_length(n, bool(hadamard)), bits, N) * _WORD_BYTES
     return _allreduce_bytes(codes, N, algorithm) + _allreduce_bytes(_SCALAR_BYTES, N, algorithm)
 
 
@@ -295,22 +310,9 @@ def _local_vector(x):
     return x
 
 
-def _varying_axes(x):
-    """The mesh axes ``x`` is typed as varying over (empty without ``check_vma``)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)  # the attribute's name before jax 0.10
-    return frozenset(aval.mat.varying if vma is None else vma)
-
-
-def _like_varying(out, like):
-    """Types a kernel's result as varying over the axes ``like`` varies over.
-
-    ``ffi_call`` results come out typed invariant (replicated) under ``check_vma=True`` whatever
-    their inputs, yet they differ per device; left so, the type checks that guard collectives and
-    ``out_specs`` would accept per-device values as replicated. The cast costs nothing at run time.
-    """
-    missing = tuple(_varying_axes(like) - _varying_axes(out))
-    return jax.lax.pcast(out, missing, to="varying") if missing else out
+# Kept under these names for the modules that import them (train, transform).
+_varying_axes = _ffi.varying_axes
+_like_varying = _ffi.like_varying
 
 
 def _select(x, k, selector):
@@ -340,7 +342,12 @@ def _scatter_rows(n, indices, values):
 
 
 def _dense(n, indices, values, dtype):
-    return jnp.zeros(n, dtype).at[indices].set(values.astype(dtype), unique_indices=True)
+    return jnp.zeros(n, dtype).at[indices].set(values.astype(dtype), unique_indices=True, mode="drop")
+
+
+def _sent(n, indices, values, dtype, sparse):
+    """A top-k collective's ``sent``: dense, or the ``(indices, values)`` pairs with ``sparse``."""
+    return (indices, values.astype(dtype)) if sparse else _dense(n, indices, values, dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -375,7 +382,7 @@ def psum(x, axis_name):
     return jax.lax.psum(x, axis_name), x
 
 
-def allgather_topk(x, k, axis_name, selector="exact"):
+def allgather_topk(x, k, axis_name, selector="exact", *, sparse_sent=False):
     """Top-k sparsification aggregated by all-gathering ``(values, indices)``.
 
     Each device selects its ``k`` largest-magnitude entries, every device gathers all ``N k`` pairs
@@ -387,6 +394,9 @@ def allgather_topk(x, k, axis_name, selector="exact"):
       axis_name: the mesh axis to sum over.
       selector: ``"exact"`` (:func:`jaxcomp.topk`) or ``"threshold"`` (MSTopK,
         :func:`jaxcomp.threshold_topk`).
+      sparse_sent: return ``sent`` as ``(indices, values)``, the pairs whose dense form it is
+        (index ``>= n`` marks padding, value 0), so that error feedback can zero those entries in
+        place instead of building and subtracting a dense vector: one pass less over the gradient.
 
     Returns:
       ``(total, sent)``: the sum of every device's selected entries (dtype of ``x``), and this
@@ -415,7 +425,7 @@ def allgather_topk(x, k, axis_name, selector="exact"):
     all_values = jax.lax.all_gather(values, axis_name, to="invarying")
     all_indices = jax.lax.all_gather(indices, axis_name, to="invarying")
     total = _scatter_rows(n, all_indices, all_values).astype(x.dtype)
-    return total, _dense(n, indices, values, x.dtype)
+    return total, _sent(n, indices, values, x.dtype, sparse_sent)
 
 
 def _check_step(step):
@@ -440,7 +450,7 @@ def _broadcast_indices(indices, is_leader, leader_index, axis_name, how):
     return jax.lax.all_gather(indices, axis_name, to="invarying")[leader_index]
 
 
-def ar_topk(x, k, axis_name, leader="star", step=0, selector="exact", *, _broadcast="psum"):
+def ar_topk(x, k, axis_name, leader="star", step=0, selector="exact", *, sparse_sent=False, _broadcast="psum"):
     """AR-Topk: one leader's top-k indices for everyone, then one all-reduce of ``k`` values.
 
     The leader selects its ``k`` largest-magnitude entries; the indices reach every device (an
@@ -460,6 +470,9 @@ def ar_topk(x, k, axis_name, leader="star", step=0, selector="exact", *, _broadc
       step: integer scalar, the training step (STAR only); pass it traced so every step reuses one
         compilation.
       selector: ``"exact"`` (:func:`jaxcomp.topk`) or ``"threshold"`` (:func:`jaxcomp.threshold_topk`).
+      sparse_sent: return ``sent`` as ``(indices, values)``, the pairs whose dense form it is
+        (index ``>= n`` marks padding, value 0), so that error feedback can zero those entries in
+        place instead of building and subtracting a dense vector: one pass less over the gradient.
 
     Returns:
       ``(total, sent)``: the sum over devices of their values at the leader's indices (zeros
@@ -505,10 +518,10 @@ def ar_topk(x, k, axis_name, leader="star", step=0, selector="exact", *, _broadc
     shared = _broadcast_indices(indices, is_leader, leader_index, axis_name, _broadcast)
     values = x[shared]
     total = _dense(n, shared, jax.lax.psum(values, axis_name), x.dtype)
-    return total, _dense(n, shared, values, x.dtype)
+    return total, _sent(n, shared, values, x.dtype, sparse_sent)
 
 
-def hierarchical_topk(x, k, inner_axis, outer_axis, selector="exact"):
+def hierarchical_topk(x, k, inner_axis, outer_axis, selector="exact", *, sparse_sent=False):
     """HiTopKComm: reduce-scatter in the node, top-k per shard, all-gathers across and inside nodes.
 
     On a 2-D mesh (``outer_axis`` = nodes, ``inner_axis`` = the ``I`` devices of a node):
@@ -535,6 +548,9 @@ def hierarchical_topk(x, k, inner_axis, outer_axis, selector="exact"):
       inner_axis: the mesh axis of devices inside a node.
       outer_axis: the mesh axis of nodes.
       selector: ``"exact"`` (:func:`jaxcomp.topk`) or ``"threshold"`` (MSTopK, the paper's choice).
+      sparse_sent: return ``sent`` as ``(indices, values)``, the pairs whose dense form it is
+        (index ``>= n`` marks padding, value 0), so that error feedback can zero those entries in
+        place instead of building and subtracting a dense vector: one pass less over the gradient.
 
     Returns:
       ``(total, sent)``, both of ``x``'s shape and dtype.
@@ -573,6 +589,9 @@ def hierarchical_topk(x, k, inner_axis, outer_axis, selector="exact"):
     values, indices = (a.transpose(1, 0, 2).reshape(outer, inner * k_shard) for a in (values, indices))
     total = _scatter_rows(inner * shard, indices, values)[:n].astype(x.dtype)
     node_set = indices[jax.lax.axis_index(outer_axis)]
+    if sparse_sent:
+        # Padding entries (index >= n) carry 0; scatters of them are dropped.
+        return total, (node_set, jnp.where(node_set < n, x[jnp.minimum(node_set, n - 1)], 0).astype(x.dtype))
     in_node_set = jnp.zeros(inner * shard, jnp.bool_).at[node_set].set(True)[:n]
     return total, jnp.where(in_node_set, x, jnp.zeros_like(x))
 
@@ -702,35 +721,19 @@ def _check_key(key, axis_name):
     return key if typed else jax.random.wrap_key_data(key)
 
 
-def _sylvester(size):
-    """The ``size x size`` Hadamard matrix of ±1 (Sylvester's construction; size a power of two)."""
-    matrix = np.ones((1, 1), np.float32)
-    while matrix.shape[0] < size:
-        matrix = np.block([[matrix, matrix], [matrix, -matrix]])
-    return matrix
+def _pack(codes, width):
+    """uint32 words holding ``32 // width`` codes each (the last word zero-padded)."""
+    per_word = 32 // width
+    codes = jnp.pad(codes, (0, _ceil_div(codes.shape[0], per_word) * per_word - codes.shape[0]))
+    shifts = jnp.arange(per_word, dtype=jnp.uint32) * np.uint32(width)
+    # Fields do not overlap, so the sum is a bitwise or.
+    return jnp.sum(codes.reshape(-1, per_word) << shifts, axis=1, dtype=jnp.uint32)
 
 
-#: The Walsh-Hadamard transform of a block runs as Kronecker factors of at most this size, each one
-#: small matrix product: two products for a 2**14 block, twice as fast on a CPU as 14 butterfly
-#: passes over memory.
-_HADAMARD_FACTOR = 128
-
-
-def _hadamard(blocks):
-    """Unnormalized Walsh-Hadamard transform of each row of ``blocks`` (width a power of two)."""
-    rows, width = blocks.shape
-    factors = []
-    while width > 1:
-        factors.append(min(_HADAMARD_FACTOR, width))
-        width //= factors[-1]
-    blocks_shape = blocks.shape
-    blocks = blocks.reshape((rows, *factors))
-    for axis, size in enumerate(factors, start=1):
-        # HIGHEST: accelerators would otherwise multiply float32 in reduced precision.
-        product = jnp.tensordot(blocks, _sylvester(size), axes=[[axis], [0]],
-                                precision=jax.lax.Precision.HIGHEST)
-        blocks = jnp.moveaxis(product, -1, axis)
-    return blocks.reshape(blocks_shape)
+def _unpack(words, width, length):
+    per_word = 32 // width
+    shifts = jnp.arange(per_word, dtype=jnp.uint32) * np.uint32(width)
+    return ((words[:, None] >> shifts) & np.uint32((1 << width) - 1)).reshape(-1)[:length]
 
 
 def quantized_psum(x, bits, axis_name, key, hadamard=True):
@@ -738,14 +741,17 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True):
 
     1. Optionally a randomized Hadamard transform (random signs, then the orthonormal Walsh-Hadamard
        transform in blocks of up to :data:`MAX_HADAMARD_BLOCK`; ``x`` is zero-padded to whole
-       blocks) spreads each vector's energy so its range shrinks. The signs come from ``key``,
+       blocks; :func:`jaxcomp.hadamard_transform`, a native kernel on CPU) spreads each vector's energy so
+       its range shrinks. The signs come from ``key`` (:func:`jaxcomp.hadamard.counter_signs`),
        which must be the same on every device.
     2. The range ``R`` is agreed by all: :func:`jax.lax.pmax` of the local max magnitudes.
     3. Each value is stochastically rounded onto the ``2**bits`` levels spanning ``[-R, R]`` (noise
-       from ``key`` folded with the axis index, so every device draws its own): the codes are
-       unbiased.
-    4. Because every device uses the same grid, codes add homomorphically: one psum in the
-       narrowest integer type that holds ``N (2**bits - 1)``; then dequantize and invert the
+       from ``key`` folded with the axis index, :func:`jaxcomp.hadamard.counter_uniform`, so
+       every device draws its own): the codes are unbiased.
+    4. Because every device uses the same grid, codes add homomorphically: the codes are packed
+       into uint32 words, ``32 // w`` to a word with ``w`` the bits of ``N (2**bits - 1)``, so that
+       one psum of the words adds every field without carries between fields (4-bit codes on 4
+       devices travel in 6-bit fields, 6.4 bits a value); then dequantize and invert the
        transform.
 
     ``sent`` is this device's own codes dequantized and transformed back, so the ``sent`` of all
@@ -785,7 +791,7 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True):
         raise TypeError(f"hadamard must be a bool, got {hadamard!r}")
     n_devices = _axis_size(axis_name)
     key = _check_key(key, axis_name)
-    code_dtype = _quantization_dtype(bits, n_devices)
+    width = _code_width(bits, n_devices)
     if n_devices == 1:
         return x, x
     sign_key, noise_key = jax.random.split(key)
@@ -793,29 +799,33 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True):
     values = jnp.pad(x.astype(jnp.float32), (0, length - n))
     if hadamard:
         block = _hadamard_block(n)
-        signs = jax.random.rademacher(sign_key, (length // block, block), jnp.float32)
+        signs = counter_signs(sign_key, (length // block, block))
         scale = np.float32(1.0 / math.sqrt(block))
 
         def transform(v):
-            return (_hadamard(v.reshape(-1, block) * signs) * scale).reshape(-1)
+            return (hadamard_op(v.reshape(-1, block) * signs) * scale).reshape(-1)
 
         def inverse(v):
-            return (_hadamard(v.reshape(-1, block)) * scale * signs).reshape(-1)[:n]
+            return (hadamard_op(v.reshape(-1, block)) * scale * signs).reshape(-1)[:n]
     else:
         def transform(v):
             return v
 
         def inverse(v):
-            return v
+            return v[:n]
 
     rotated = transform(values)
     bound = jax.lax.pmax(jnp.max(jnp.abs(rotated)), axis_name)
     levels = 2**bits - 1
     unit = jnp.where(bound > 0, bound, 1.0)  # all-zero input: any grid works, the codes cancel
     position = (rotated / unit + 1.0) * np.float32(levels / 2)  # in [0, levels]
-    noise = jax.random.uniform(jax.random.fold_in(noise_key, jax.lax.axis_index(axis_name)), (length,))
-    codes = jnp.clip(jnp.floor(position + noise), 0, levels).astype(code_dtype)
+    noise = counter_uniform(jax.random.fold_in(noise_key, jax.lax.axis_index(axis_name)), (length,))
+    codes = jnp.clip(jnp.floor(position + noise), 0, levels).astype(jnp.uint32)
+    # Codes on one grid add homomorphically, and fields of `width` bits add without carrying into
+    # each other: one psum of packed words sums every code.
+    summed = _unpack(jax.lax.psum(_pack(codes, width), axis_name), width, length)
     step = bound * np.float32(2 / levels)
-    total = jax.lax.psum(codes, axis_name).astype(jnp.float32) * step - n_devices * bound
+    total = summed.astype(jnp.float32) * step - n_devices * bound
     sent = codes.astype(jnp.float32) * step - bound
-    return inverse(total).astype(x.dtype), inverse(sent).astype(x.dtype)
+    total, sent = inverse(total), inverse(sent)  # total stays typed invariant: not stacked with sent
+    return total.astype(x.dtype), sent.astype(x.dtype)

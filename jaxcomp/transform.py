@@ -158,28 +158,30 @@ def cost_method(method: str, algorithm: str = "ring") -> str:
 
 # Each entry calls one collective of jaxcomp.collectives on the local 1-D vector x and returns
 # (total, sent): the sum over the devices, identical everywhere, and this device's contribution.
-def _dense(c: _Config, x, k, step, key):
+# ``sparse``: a top-k collective returns ``sent`` as (indices, values) pairs (see _Feedback).
+def _dense(c: _Config, x, k, step, key, sparse=False):
     return collectives.psum(x, c.axis_name)
 
 
-def _allgather_topk(c: _Config, x, k, step, key):
-    return collectives.allgather_topk(x, k, c.axis_name, selector=c.selector)
+def _allgather_topk(c: _Config, x, k, step, key, sparse=False):
+    return collectives.allgather_topk(x, k, c.axis_name, selector=c.selector, sparse_sent=sparse)
 
 
-def _ar_topk(c: _Config, x, k, step, key):
-    return collectives.ar_topk(x, k, c.axis_name, leader=c.leader, step=step, selector=c.selector)
+def _ar_topk(c: _Config, x, k, step, key, sparse=False):
+    return collectives.ar_topk(x, k, c.axis_name, leader=c.leader, step=step, selector=c.selector,
+                               sparse_sent=sparse)
 
 
-def _hierarchical_topk(c: _Config, x, k, step, key):
+def _hierarchical_topk(c: _Config, x, k, step, key, sparse=False):
     outer, inner = c.axes
-    return collectives.hierarchical_topk(x, k, inner, outer, selector=c.selector)
+    return collectives.hierarchical_topk(x, k, inner, outer, selector=c.selector, sparse_sent=sparse)
 
 
-def _zfp(c: _Config, x, k, step, key):
+def _zfp(c: _Config, x, k, step, key, sparse=False):
     return collectives.zfp_allreduce(x, c.rate, c.axis_name, algorithm=c.algorithm)
 
 
-def _quantized(c: _Config, x, k, step, key):
+def _quantized(c: _Config, x, k, step, key, sparse=False):
     return collectives.quantized_psum(x, c.bits, c.axis_name, key, hadamard=c.hadamard)
 
 
@@ -212,12 +214,14 @@ def _bytes_sent(c: _Config, n: int, k: int | None, n_devices: int, dtype) -> flo
                                   dtype_bytes=jnp.dtype(dtype).itemsize, **options)
 
 
-def _aggregate(c: _Config, vectors, names, step, base_key):
-    """Runs ``c``'s collective on each group's vector: (totals, sents), one per group."""
+def _aggregate(c: _Config, vectors, names, step, base_key, sparse=False):
+    """Runs ``c``'s collective on each group's vector: (totals, sents), one per group.
+
+    With ``sparse`` (top-k methods only) each ``sent`` is the (indices, values) pairs."""
     totals, sents = [], []
     for group_index, (vector, name) in enumerate(zip(vectors, names)):
         k = c.k_for(vector.shape[0], name) if c.method in _TOPK_METHODS else None
-        total, sent = _COLLECTIVES[c.method](c, vector, k, step, jax.random.fold_in(base_key, group_index))
+        total, sent = _COLLECTIVES[c.method](c, vector, k, step, jax.random.fold_in(base_key, group_index), sparse)
         totals.append(total)
         sents.append(sent)
     return totals, sents
@@ -604,9 +608,14 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
                       explore_steps=explore_steps)
     auto = c.method == "auto"
 
+    # A fixed "dense" sends everything and error_feedback=False keeps nothing: their residual
+    # would be zeros forever, so it is not stored (and costs no pass over the gradient).
+    keeps_residual = c.error_feedback and c.method != "dense"
+
     def init_fn(params):
         residual = jax.tree.map(
-            lambda p: jnp.zeros(p.shape, jnp.float32) if _is_float(p) else optax.MaskedNode(), params)
+            lambda p: jnp.zeros(p.shape, jnp.float32) if keeps_residual and _is_float(p) else optax.MaskedNode(),
+            params)
         # "auto" reports its first candidate until it has decided (what it runs without a network).
         first = METHODS.index(c.candidates[0] if auto else c.method)
         return CompressState(residual=residual, step=jnp.zeros((), jnp.int32),
@@ -631,19 +640,25 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
         comm_dtype = _comm_dtype([leaves[i] for i in floats])
         base_key = jax.random.fold_in(state.key, state.step)
 
-        error_fed = {}
-        for i in floats:
-            g = leaves[i].astype(jnp.float32)
-            error_fed[i] = g + residuals[i] if c.error_feedback else g
+        # The groups the collective runs on, as (positions, name): one for the model, one per leaf.
+        if c.granularity == "model" and c.method != "dense":
+            groups = [(floats, "the model")]
+        else:  # a dense sum is elementwise: per leaf it is the same sum, with no copy into one vector
+            groups = [([i], f"leaf {i}") for i in floats]
 
-        # The groups the collective runs on, as (positions, 1-D vector, name): one for the model, one per leaf.
-        if c.granularity == "model":
-            groups = [(floats, jnp.concatenate([error_fed[i].ravel() for i in floats]), "the model")]
-        else:
-            groups = [([i], error_fed[i].ravel(), f"leaf {i}") for i in floats]
-        vectors = [vector.astype(comm_dtype) for _, vector, _ in groups]
-        names = [name for _, _, name in groups]
+        def error_fed(i):
+            g = leaves[i].astype(jnp.float32)
+            return g + residuals[i] if keeps_residual else g
+
+        # Built in one expression so that XLA fuses the additions into the concatenation: one pass.
+        feds = [jnp.concatenate([error_fed(i).ravel() for i in positions]) if len(positions) > 1
+                else error_fed(positions[0]).ravel() for positions, _ in groups]
+        vectors = [fed.astype(comm_dtype) for fed in feds]
+        names = [name for _, name in groups]
         sizes = [vector.shape[0] for vector in vectors]
+        # Fixed top-k methods hand back their (indices, values): the residual is then the error-fed
+        # vector with the sent values taken off in place, never a dense `sent` built and subtracted.
+        sparse = not auto and c.method in _TOPK_METHODS
 
         if auto:
             plan = _AutoPlan(c, sizes, names, n_devices, comm_dtype)
@@ -656,26 +671,41 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
             kept = jnp.asarray(plan.kept)[branch]
             method_index = jnp.asarray(plan.method_ids)[branch]
         else:
-            totals, sents = _aggregate(c, vectors, names, state.step, base_key)
+            totals, sents = _aggregate(c, vectors, names, state.step, base_key, sparse=sparse)
             bytes_sent, kept, _ = _static_cost(c, sizes, names, n_devices, comm_dtype)
             method_index = METHODS.index(c.method)
 
         scale = 1.0 / n_devices if c.mean else 1.0
         out = list(leaves)
         new_residuals = list(residuals)
-        for (positions, _, _), total, sent in zip(groups, totals, sents):
+        sent_sq, fed_sq = [], []
+        for (positions, _), fed, total, sent in zip(groups, feds, totals, sents):
+            if c.method == "dense" and not auto:
+                remaining = None  # everything was sent
+            elif sparse:
+                indices, values = sent
+                values = values.astype(jnp.float32)
+                # fed[i] + (-v) is fed[i] - v exactly: the same residual as fed - dense(sent).
+                remaining = fed.at[indices].add(-values, mode="drop", unique_indices=True)
+                sent_sq.append(jnp.sum(jnp.square(values)))
+            else:
+                remaining = fed - sent.astype(jnp.float32)
+                sent_sq.append(jnp.sum(jnp.square(sent.astype(jnp.float32))))
+            if remaining is not None:
+                fed_sq.append(jnp.sum(jnp.square(fed)))
             offset = 0
             for i in positions:
                 size, shape = leaves[i].size, leaves[i].shape
                 out[i] = (total[offset:offset + size].reshape(shape).astype(jnp.float32) * scale).astype(leaves[i].dtype)
-                if c.error_feedback:
-                    new_residuals[i] = error_fed[i] - sent[offset:offset + size].reshape(shape).astype(jnp.float32)
+                if keeps_residual:
+                    new_residuals[i] = remaining[offset:offset + size].reshape(shape)
                 offset += size
 
-        sent_sq = sum(jnp.sum(jnp.square(sent.astype(jnp.float32))) for sent in sents)
-        fed_sq = sum(jnp.sum(jnp.square(error_fed[i])) for i in floats)
-        sent_sq, fed_sq = jax.lax.psum(jnp.stack([sent_sq, fed_sq]), c.axis_name)
-        gain = jnp.where(fed_sq > 0, sent_sq / jnp.where(fed_sq > 0, fed_sq, 1.0), 1.0).astype(jnp.float32)
+        if fed_sq:
+            sent_sq, fed_sq = jax.lax.psum(jnp.stack([sum(sent_sq), sum(fed_sq)]), c.axis_name)
+            gain = jnp.where(fed_sq > 0, sent_sq / jnp.where(fed_sq > 0, fed_sq, 1.0), 1.0).astype(jnp.float32)
+        else:
+            gain = jnp.ones((), jnp.float32)  # dense: everything is sent
         total_size = sum(leaves[i].size for i in floats)
         metrics = CompressMetrics(gain=gain, bytes_sent=jnp.asarray(bytes_sent, jnp.float32),
                                   density=jnp.asarray(kept / total_size, jnp.float32),

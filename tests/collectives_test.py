@@ -11,6 +11,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jaxcomp
 from jaxcomp import collectives
 from jaxcomp.zfp import zfp_num_words
+from jaxcomp.hadamard import counter_signs, counter_uniform
 from helpers import assert_trees_equal, count_compilations, need_devices
 
 
@@ -36,10 +37,16 @@ def test_bytes_sent_matches_the_cost_of_each_step(n_devices, dtype_bytes):
     rounds = int(math.log2(p)) + (p != N)
     assert collectives.bytes_sent("zfp_allreduce", n, N, rate=8, algorithm="recursive_doubling") == (
         rounds * zfp_num_words(n, 8) * 4)
-    # 1003 values pad to one Hadamard block of 1024; 4 bits from up to 8 devices fit int8.
-    assert collectives.bytes_sent("quantized_psum", n, N, bits=4) == ring(1024) + ring(4)
-    assert collectives.bytes_sent("quantized_psum", n, N, bits=4, hadamard=False) == ring(1003) + ring(4)
-    assert collectives.bytes_sent("quantized_psum", n, N, bits=8, algorithm="tree") == tree(1024 * 2) + tree(4)
+    # 1003 values pad to one Hadamard block of 1024. Codes travel packed in uint32 words, in
+    # fields wide enough for the sum of N codes: 4 bits + log2(N) headroom.
+    def words(length, bits):
+        width = (N * (2**bits - 1)).bit_length()
+        return math.ceil(length / (32 // width)) * 4
+    assert collectives.bytes_sent("quantized_psum", n, N, bits=4) == ring(words(1024, 4)) + ring(4)
+    assert collectives.bytes_sent("quantized_psum", n, N, bits=4, hadamard=False) == ring(words(1003, 4)) + ring(4)
+    assert collectives.bytes_sent("quantized_psum", n, N, bits=8, algorithm="tree") == tree(words(1024, 8)) + tree(4)
+    if N == 8:  # 4-bit codes from 8 devices: 7-bit fields, 4 to a word, 1 byte a value
+        assert collectives.bytes_sent("quantized_psum", n, N, bits=4) == ring(1024) + ring(4)
 
 
 @pytest.mark.parametrize("inner_size, n_devices", [(4, 8), (2, 8), (1, 4), (4, 4), (3, 6)])
@@ -430,7 +437,7 @@ def sim_quantized(X, bits, key, hadamard):
     while H.shape[0] < block:
         H = np.block([[H, H], [H, -H]])
     H = H / np.float32(np.sqrt(block))
-    signs = np.asarray(jax.random.rademacher(sign_key, (length // block, block), jnp.float32))
+    signs = np.asarray(counter_signs(sign_key, (length // block, block)))
 
     def forward(v):
         return ((np.pad(v, (0, length - n)).reshape(-1, block) * signs) @ H).reshape(-1) if hadamard else v
@@ -441,7 +448,7 @@ def sim_quantized(X, bits, key, hadamard):
     rotated = np.stack([forward(row) for row in Xf])
     bound = np.abs(rotated).max()
     levels = 2**bits - 1
-    noise = np.stack([np.asarray(jax.random.uniform(jax.random.fold_in(noise_key, d), (length,)))
+    noise = np.stack([np.asarray(counter_uniform(jax.random.fold_in(noise_key, d), (length,)))
                       for d in range(N)])
     codes = np.clip(np.floor((rotated / bound + 1) * (levels / 2) + noise), 0, levels)
     step = bound * 2 / levels

@@ -134,8 +134,8 @@ def test_residual_layout(error_feedback):
         assert residual["w1"].sharding.spec == jax.sharding.PartitionSpec("data")
         assert not np.array_equal(np.asarray(residual["w1"][0]), np.asarray(residual["w1"][1]))
     else:
-        assert residual["w1"].shape == (16, 32)
-        assert not np.any(np.asarray(residual["w1"]))
+        # Nothing is fed back, so nothing is stored: no memory and no pass over the gradient.
+        assert isinstance(residual["w1"], optax.MaskedNode)
 
 
 @pytest.mark.parametrize("options", [

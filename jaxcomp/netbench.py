@@ -1,0 +1,458 @@
+"""The network benchmark: data-parallel training steps on an emulated cluster, per method and link rate.
+
+    jaxcomp netbench --hosts 2,4 --rates 10gbit,1gbit,100mbit,none --params 25e6 --plot netbench.png
+
+For every number of hosts and link rate it builds a :class:`jaxcomp.cluster.Cluster` (one
+``jax.distributed`` process with one CPU device per host, gloo over ``tbf``-shaped veth links)
+and runs, in one job, a flax MLP of ``--params`` float32 parameters trained by
+:func:`jaxcomp.data_parallel` with each method: a plain ``lax.pmean`` of the gradients (no
+jaxcomp, the baseline users compare with), ``compress("dense")`` at both granularities, every
+compressed method and ``"auto"``. Per method it reports the median step time after warm-up, the
+compute-only step (the same model's gradient and Adam update with no communication, run by every
+host at once, since the emulated hosts share this machine's cores), sync time = step - compute,
+the bytes the host's ``eth0`` really carried per step (the link's counters) beside jaxcomp's
+``bytes_sent``, the cost model's predicted sync time on the network probed in the job, paper 002's
+prediction of the step (what ``jaxcomp advise`` says), the speedup against the plain ``pmean``
+step, and what ``"auto"`` picked.
+
+The worker half runs inside each emulated host (``python -m jaxcomp.netbench --worker SPEC``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+#: The methods the benchmark runs, by label: (compress method or None for the plain pmean,
+#: compress keyword arguments). ``auto`` gets the settings of the fixed methods as candidates.
+METHODS = {
+    "pmean": (None, {}),
+    "dense": ("dense", {}),
+    "dense_leaf": ("dense", {"granularity": "leaf"}),
+    "allgather_topk": ("allgather_topk", {"ratio": 0.01}),
+    "ar_topk": ("ar_topk", {"ratio": 0.01}),
+    "zfp": ("zfp", {"rate": 8}),
+    "quantized": ("quantized", {"bits": 4}),
+    "auto": ("auto", {"ratio": 0.01, "rate": 8, "bits": 4}),
+}
+
+DEFAULT_RATES = ("10gbit", "1gbit", "100mbit", "none")
+DEFAULT_HOSTS = (2, 4)
+DEFAULT_PARAMS = 25e6
+DEFAULT_LAYERS = 6
+DEFAULT_BATCH = 4  # rows per host: little compute, as in the issue's set-up
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What one job measures (passed to the workers as JSON)."""
+
+    params: float
+    methods: tuple[str, ...]
+    steps: int
+    warmup: int
+    batch: int
+    layers: int
+    out: str
+    rate_bits: float | None  # the link rate (None: no limit), recorded with the results
+
+
+def width_for(params: float, layers: int) -> int:
+    """The hidden width of an MLP of ``layers`` square dense layers holding about ``params`` parameters.
+
+    Example:
+      >>> width_for(25e6, 6)
+      2041
+    """
+    return max(8, round(math.sqrt(params / layers)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker: runs inside each emulated host.
+
+def _worker(spec: Spec) -> None:
+    from jaxcomp import launch
+
+    launch.initialize()
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp
+    from jaxcomp import advise, cost
+    from jaxcomp.cluster import INTERFACE, read_interface_counters
+
+    width = width_for(spec.params, spec.layers)
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(spec.layers):
+                x = nn.Dense(width)(x)
+                if i < spec.layers - 1:
+                    x = jnp.tanh(x)
+            return x
+
+    model = MLP()
+    params = model.init(jax.random.key(0), jnp.zeros((1, width)))
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+
+    def loss_fn(p, batch):
+        return jnp.mean((model.apply(p, batch["x"]) - batch["y"]) ** 2)
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devices), ("data",))
+    n_hosts = len(devices)
+    rng = np.random.default_rng(1 + jax.process_index())
+    local_batches = [{"x": rng.normal(size=(spec.batch, width)).astype(np.float32),
+                      "y": rng.normal(size=(spec.batch, width)).astype(np.float32)} for _ in range(4)]
+    sharding = NamedSharding(mesh, P("data"))
+
+    def global_batch(i):
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batches[i % 4])
+
+    def median_step(step, state, make_batch):
+        times = []
+        for i in range(spec.warmup + spec.steps):
+            batch = make_batch(i)
+            start = time.perf_counter()
+            state, loss = step(state, batch)
+            jax.block_until_ready(loss)
+            if i >= spec.warmup:
+                times.append(time.perf_counter() - start)
+        return state, statistics.median(times), times
+
+    # Compute only: the same gradient and Adam update on the local device, no communication, all
+    # hosts at once (they share the machine's cores as in the real steps).
+    adam = optax.adam(1e-4)
+    local_params = jax.device_put(params, jax.local_devices()[0])
+
+    @jax.jit
+    def local_step(state, batch):
+        p, opt = state
+        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+        updates, opt = adam.update(grads, opt, p)
+        return (optax.apply_updates(p, updates), opt), loss
+
+    multihost_utils.sync_global_devices("compute")
+    _, compute, _ = median_step(local_step, (local_params, adam.init(local_params)),
+                                lambda i: jax.device_put(local_batches[i % 4], jax.local_devices()[0]))
+    multihost_utils.sync_global_devices("compute done")
+
+    probe_start = time.perf_counter()
+    network = jaxcomp.probe(mesh, "data") if n_hosts > 1 else None
+    probe_seconds = time.perf_counter() - probe_start
+    results = {"hosts": n_hosts, "params": n_params, "width": width, "compute": compute,
+               "probe": None if network is None else {"alpha": network.alpha, "beta": network.beta,
+                                                      "seconds": probe_seconds},
+               "methods": {}}
+
+    for label in spec.methods:
+        method, options = METHODS[label]
+        if method is None:
+            step = _plain_pmean_step(loss_fn, mesh)
+            state = step.init(params)
+        else:
+            tx = optax.chain(jaxcomp.compress(method, **options), optax.adam(1e-4))
+            dp = jaxcomp.data_parallel(loss_fn, tx, mesh)
+            init_start = time.perf_counter()
+            state = dp.init(params)
+            init_seconds = time.perf_counter() - init_start
+            step = dp
+        metrics_box = {}
+
+        def run(state, batch, step=step):
+            state, metrics = step.step(state, batch)
+            metrics_box.update(metrics)
+            return state, metrics["loss"]
+
+        multihost_utils.sync_global_devices(label)
+        before = read_interface_counters(INTERFACE)
+        state, median, times = median_step(run, state, global_batch)
+        after = read_interface_counters(INTERFACE)
+        steps_counted = spec.warmup + spec.steps
+        entry = {"step": median, "times": times, "sync": median - compute,
+                 "wire_tx": (after[0] - before[0]) / steps_counted, "wire_rx": (after[1] - before[1]) / steps_counted}
+        if method is not None:
+            entry["init"] = init_seconds
+            host = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics_box.items()
+                    if k in ("bytes_sent", "density", "gain", "method")}
+            entry["bytes_sent"] = host.get("bytes_sent")
+            entry["ran"] = jaxcomp.METHODS[int(host["method"])] if "method" in host else method
+        else:
+            entry["bytes_sent"] = jaxcomp.collectives.bytes_sent("psum", n_params, n_hosts) if n_hosts > 1 else 0.0
+            entry["ran"] = "pmean"
+        if network is not None:
+            entry.update(_predictions(entry["ran"], options, n_params, n_hosts, network, compute))
+        results["methods"][label] = entry
+        del state
+    if jax.process_index() == 0:
+        with open(spec.out, "w") as f:
+            json.dump(results, f)
+
+
+def _predictions(ran, options, n_params, n_hosts, network, compute):
+    """The cost model's sync time and paper 002's step time (``jaxcomp advise``) for the method that ran."""
+    import jaxcomp
+    from jaxcomp import advise, cost
+
+    settings = {**options, **METHODS.get(ran, (None, {}))[1]}
+    name = "dense_ring" if ran in ("pmean", "dense") else jaxcomp.transform.cost_method(ran)
+    wanted = {"ratio": name in cost.TOPK_METHODS, "rate": name.startswith("zfp"), "bits": name == "quantized"}
+    kw = {k: settings[k] for k, needed in wanted.items() if needed}
+    nbytes = 4.0 * n_params
+    if name in cost.DENSE_METHODS:
+        step = advise.sync_sgd_time(nbytes, n_hosts, network, compute, overlap=False)
+    else:
+        step = advise.compressed_time(name, nbytes, n_hosts, network, compute, **kw)
+    return {"predicted_sync": cost.predict(name, nbytes, n_hosts, network, **kw), "advise_step": step}
+
+
+class _plain_pmean_step:
+    """The baseline without jaxcomp: ``jax.grad`` on varying params, ``lax.pmean`` of the gradients, Adam."""
+
+    def __init__(self, loss_fn, mesh):
+        import jax
+        import optax
+        from jax.sharding import PartitionSpec as P
+
+        self.tx = optax.adam(1e-4)
+
+        def local(params, opt, batch):
+            varying = jax.lax.pcast(params, "data", to="varying")
+            loss, grads = jax.value_and_grad(loss_fn)(varying, batch)
+            grads = jax.lax.pmean(grads, "data")
+            updates, opt = self.tx.update(grads, opt, params)
+            return optax.apply_updates(params, updates), opt, jax.lax.pmean(loss, "data")
+
+        self._step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                           out_specs=(P(), P(), P())))
+
+    def init(self, params):
+        return params, self.tx.init(params)
+
+    def step(self, state, batch):
+        params, opt, loss = self._step(state[0], state[1], batch)
+        return (params, opt), {"loss": loss}
+
+
+# ----------------------------------------------------------------------------------------------
+# Controller: builds the clusters, runs the jobs, prints the table.
+
+def run_benchmark(hosts=DEFAULT_HOSTS, rates=DEFAULT_RATES, *, params=DEFAULT_PARAMS, methods=tuple(METHODS),
+                  steps=3, warmup=1, batch=DEFAULT_BATCH, layers=DEFAULT_LAYERS, timeout=1800, progress=True,
+                  log=None) -> list[dict]:
+    """Runs every (hosts, rate) cell on an emulated cluster; returns one row per cell and method.
+
+    Args:
+      hosts: numbers of emulated hosts.
+      rates: link rates (``"1gbit"``, ``"none"`` for no limit).
+      params: model parameters (float32).
+      methods: labels from :data:`METHODS`; ``"pmean"`` is the baseline speedups are measured
+        against and always runs.
+      steps: timed steps per method (the median counts), after ``warmup`` untimed ones.
+      batch: rows per host.
+      layers: dense layers of the MLP.
+      timeout: seconds per cell before its processes are killed.
+      progress: show a progress bar (tqdm) over the cells.
+      log: file the workers' output goes to (default: discarded unless a cell fails).
+
+    Returns:
+      A list of dicts, one per (hosts, rate, method).
+
+    Example:
+      >>> rows = run_benchmark(hosts=(2,), rates=("1gbit",), params=1e5, methods=("pmean", "ar_topk"))  # doctest: +SKIP
+    """
+    from jaxcomp.cluster import Cluster, ClusterError, check_support, format_rate, parse_rate
+
+    check_support()
+    methods = tuple(dict.fromkeys(("pmean",) + tuple(methods)))
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"methods must be among {tuple(METHODS)}, got {unknown}")
+    cells = [(h, r) for h in hosts for r in rates]
+    bar = _progress(len(cells), progress)
+    rows = []
+    try:
+        for n_hosts, rate in cells:
+            rate_bits = parse_rate(rate)
+            bar.set_description(f"{n_hosts} hosts, {format_rate(rate_bits)}")
+            with tempfile.TemporaryDirectory() as tmp:
+                spec = Spec(params=float(params), methods=methods, steps=steps, warmup=warmup, batch=batch,
+                            layers=layers, out=os.path.join(tmp, "result.json"), rate_bits=rate_bits)
+                log_path = log or os.path.join(tmp, "workers.log")
+                with open(log_path, "a") as out, Cluster(n_hosts, rate=rate_bits) as cluster:
+                    codes = cluster.run(["-m", "jaxcomp.netbench", "--worker", json.dumps(dataclasses.asdict(spec))],
+                                        timeout=timeout, stdout=out, stderr=out)
+                if any(codes) or not os.path.exists(spec.out):
+                    with open(log_path) as f:
+                        tail = f.read()[-3000:]
+                    raise ClusterError(f"the {n_hosts}-host job at {format_rate(rate_bits)} failed (exit codes "
+                                       f"{codes}); the workers' output ends with:\n{tail}")
+                with open(spec.out) as f:
+                    result = json.load(f)
+            base = result["methods"]["pmean"]["step"]
+            for label, entry in result["methods"].items():
+                rows.append({"hosts": n_hosts, "rate": format_rate(rate_bits), "method": label,
+                             "params": result["params"], "compute": result["compute"],
+                             "probe": result["probe"], "speedup": base / entry["step"], **entry})
+            bar.update(1)
+    finally:
+        bar.close()
+    return rows
+
+
+def _progress(total, enabled):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # the progress bar is optional
+        tqdm = None
+    if tqdm is None or not enabled:
+        class _Quiet:
+            def set_description(self, text):
+                if enabled:
+                    print(text, file=sys.stderr, flush=True)
+
+            def update(self, n):
+                pass
+
+            def close(self):
+                pass
+        return _Quiet()
+    return tqdm(total=total, unit="cell", file=sys.stderr)
+
+
+def _mb(value):
+    return "-" if value is None else f"{value / 1e6:.1f}"
+
+
+def _s(value):
+    return "-" if value is None else f"{value:.3f}"
+
+
+def table(rows) -> str:
+    """The markdown table of :func:`run_benchmark`'s rows."""
+    lines = ["| hosts | rate | method | step s | compute s | sync s | predicted sync s | advise step s | "
+             "wire MB/step/host | bytes_sent MB | speedup vs pmean | ran |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['hosts']} | {r['rate']} | {r['method']} | {_s(r['step'])} | {_s(r['compute'])} | "
+                     f"{_s(r['sync'])} | {_s(r.get('predicted_sync'))} | {_s(r.get('advise_step'))} | "
+                     f"{_mb(r['wire_tx'])} | {_mb(r.get('bytes_sent'))} | {r['speedup']:.2f}x | {r['ran']} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path) -> None:
+    """Speedup against link rate per method (measured points) beside the cost model's curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jaxcomp.cluster import parse_rate
+
+    hosts = sorted({r["hosts"] for r in rows})
+    fig, axes = plt.subplots(1, len(hosts), figsize=(6 * len(hosts), 4.5), squeeze=False)
+    for ax, n in zip(axes[0], hosts):
+        cell = [r for r in rows if r["hosts"] == n and parse_rate(r["rate"]) is not None]
+        for method in dict.fromkeys(r["method"] for r in cell):
+            if method == "pmean":
+                continue
+            points = sorted((parse_rate(r["rate"]), r["speedup"], r.get("predicted_sync"), r["compute"])
+                            for r in cell if r["method"] == method)
+            line, = ax.plot([p[0] / 1e9 for p in points], [p[1] for p in points], "o", label=f"{method} measured")
+            base = {parse_rate(r["rate"]): r for r in cell if r["method"] == "pmean"}
+            model = [(p[0] / 1e9, (base[p[0]]["compute"] + base[p[0]]["predicted_sync"]) / (p[3] + p[2]))
+                     for p in points if p[2] is not None and base.get(p[0], {}).get("predicted_sync") is not None]
+            if model:
+                ax.plot([m[0] for m in model], [m[1] for m in model], "--", color=line.get_color(), alpha=0.6)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("link rate, Gbit/s")
+        ax.set_ylabel("step speedup vs plain pmean")
+        ax.set_title(f"{n} emulated hosts (points: measured, dashed: cost model)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    """``jaxcomp netbench [--hosts 2,4] [--rates ...] [--params 25e6] [--plot out.png] [--json out.json]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        _worker(Spec(**{**json.loads(argv[1]), "methods": tuple(json.loads(argv[1])["methods"])}))
+        return 0
+    parser = argparse.ArgumentParser(prog="jaxcomp netbench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hosts", default=",".join(map(str, DEFAULT_HOSTS)), help="emulated host counts (default 2,4)")
+    parser.add_argument("--rates", default=",".join(DEFAULT_RATES),
+                        help=f"link rates, 'none' for no limit (default {','.join(DEFAULT_RATES)})")
+    parser.add_argument("--params", type=float, default=DEFAULT_PARAMS, help="model parameters (default 25e6)")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"from {','.join(METHODS)}")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per method, the median counts (default 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="rows per host (default 4)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per cell (default 1800)")
+    parser.add_argument("--plot", default=None, help="write the speedup plot (PNG) here")
+    parser.add_argument("--json", default=None, help="write the rows as JSON here")
+    parser.add_argument("--log", default=None, help="append the workers' output here")
+    args = parser.parse_args(argv)
+    from jaxcomp.cluster import ClusterError, parse_rate
+
+    try:
+        hosts = tuple(int(h) for h in args.hosts.split(","))
+        if any(h < 1 for h in hosts):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--hosts must be positive integers separated by commas, got {args.hosts!r}")
+    rates = tuple(r.strip() for r in args.rates.split(",") if r.strip())
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    try:
+        for rate in rates:
+            parse_rate(rate)
+    except ValueError as e:
+        parser.error(f"--rates: {e}")
+    if not rates:
+        parser.error("--rates names no rate")
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        parser.error(f"--methods must be among {','.join(METHODS)}, got {args.methods!r}")
+    if not (args.params >= 1000 and math.isfinite(args.params)):
+        parser.error(f"--params must be a finite number >= 1000, got {args.params}")
+    for name in ("steps", "batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    for path in (args.plot, args.json):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"the folder of {path!r} does not exist")
+    try:
+        rows = run_benchmark(hosts, rates, params=args.params, methods=methods, steps=args.steps,
+                             warmup=args.warmup, batch=args.batch, timeout=args.timeout, log=args.log)
+    except ClusterError as e:
+        print(f"jaxcomp netbench: {e}", file=sys.stderr)
+        return 2
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
