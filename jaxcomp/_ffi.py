@@ -89,7 +89,10 @@ def like_varying(out, like):
     their inputs, yet they differ per device; left so, the type checks that guard collectives and
     ``out_specs`` would accept per-device values as replicated. The cast costs nothing at run time.
     """
-    missing = tuple(varying_axes(like) - varying_axes(out))
+    # Only shard_map's manual axes: a vmap axis name (the ops batched over a named axis, as
+    # jaxcomp.probe.codec_seconds does) has nothing to cast.
+    manual = frozenset(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+    missing = tuple((varying_axes(like) - varying_axes(out)) & manual)
     return jax.lax.pcast(out, missing, to="varying") if missing else out
 
 

@@ -65,6 +65,9 @@ def parse_rate(rate) -> float | None:
     Example:
       >>> parse_rate("1gbit"), parse_rate("100mbit"), parse_rate(None)
       (1000000000.0, 100000000.0, None)
+
+    References:
+      ``tc(8)``: rates in bits per second with SI prefixes, as ``tc qdisc ... tbf rate`` reads them.
     """
     if rate is None or (isinstance(rate, str) and rate.strip().lower() in ("none", "unlimited", "inf")):
         return None
@@ -83,9 +86,18 @@ def parse_rate(rate) -> float | None:
 def format_rate(bits_per_second: float | None) -> str:
     """``1e9`` -> ``"1gbit"``; None -> ``"none"`` (the inverse of :func:`parse_rate` for round values).
 
+    Args:
+      bits_per_second: a rate, or None for no limit.
+
+    Returns:
+      The rate as ``tc`` writes it.
+
     Example:
       >>> format_rate(1e9), format_rate(1e8), format_rate(None)
       ('1gbit', '100mbit', 'none')
+
+    References:
+      ``tc(8)`` (rate units).
     """
     if bits_per_second is None:
         return "none"
@@ -105,9 +117,17 @@ def _run(*args, check=True) -> subprocess.CompletedProcess:
 def check_support() -> None:
     """Raises :class:`ClusterError` saying what is missing, before anything is created.
 
+    Checks the platform (Linux), root, the ``ip`` and ``tc`` commands and network namespaces.
+
+    Returns:
+      None when everything an emulated cluster needs is here.
+
     Example:
       >>> import os
       >>> check_support() if os.geteuid() == 0 else None  # root on Linux with iproute2: passes
+
+    References:
+      Linux network namespaces, veth and ``tc-tbf(8)`` (iproute2); the emulated set-up of issue 13.
     """
     missing = []
     if sys.platform != "linux":
@@ -357,9 +377,18 @@ def read_interface_counters(interface: str = INTERFACE) -> tuple[int, int]:
     A process inside an emulated host reads its own link this way, e.g. around the steps of one
     method.
 
+    Args:
+      interface: the interface's name (default ``eth0``, an emulated host's link).
+
+    Returns:
+      Bytes sent and received since the interface came up, link-layer headers included.
+
     Example:
       >>> read_interface_counters("lo")[0] >= 0
       True
+
+    References:
+      Linux ``/sys/class/net/<interface>/statistics`` (what ``ip -s link`` prints).
     """
     base = f"/sys/class/net/{interface}/statistics"
     try:
@@ -383,7 +412,18 @@ def _read_lines(path):
 
 
 def leftovers() -> list[str]:
-    """Namespaces left by jaxcomp clusters whose creating process no longer runs."""
+    """Namespaces left by jaxcomp clusters whose creating process no longer runs.
+
+    Returns:
+      Their names (``jaxcomp-<pid>-br``, ``jaxcomp-<pid>-h<i>``).
+
+    Example:
+      >>> isinstance(leftovers(), list)
+      True
+
+    References:
+      Linux network namespaces, veth and ``tc-tbf(8)`` (iproute2); the emulated set-up of issue 13.
+    """
     result = _run("ip", "netns", "list", check=False)
     stale = []
     for line in result.stdout.splitlines():
@@ -395,7 +435,18 @@ def leftovers() -> list[str]:
 
 
 def cleanup() -> list[str]:
-    """Deletes the namespaces (with their links and qdiscs) that killed clusters left; returns their names."""
+    """Deletes the namespaces (with their links and qdiscs) that killed clusters left.
+
+    Returns:
+      The names of the namespaces deleted.
+
+    Example:
+      >>> cleanup()  # doctest: +SKIP
+      []
+
+    References:
+      Linux network namespaces, veth and ``tc-tbf(8)`` (iproute2); the emulated set-up of issue 13.
+    """
     check_support()
     stale = leftovers()
     for name in stale:

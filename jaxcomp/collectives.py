@@ -715,7 +715,7 @@ def _check_key(key, axis_name):
     if not (typed and key.ndim == 0) and not (key.dtype == jnp.uint32 and key.shape == (2,)):
         raise TypeError(f"key must be one jax.random key (jax.random.key or PRNGKey), got "
                         f"{key.dtype}{list(key.shape)}")
-    if axis_name in _varying_axes(key):
+    if axis_name is not None and axis_name in _varying_axes(key):
         raise ValueError(f"key must be the same on every device of {axis_name!r} (replicated: all devices "
                          "must apply the same Hadamard transform), got a key that varies over it")
     return key if typed else jax.random.wrap_key_data(key)
@@ -791,9 +791,48 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True):
         raise TypeError(f"hadamard must be a bool, got {hadamard!r}")
     n_devices = _axis_size(axis_name)
     key = _check_key(key, axis_name)
-    width = _code_width(bits, n_devices)
     if n_devices == 1:
         return x, x
+    return _thc(x, bits, key, hadamard, n_devices, jax.lax.axis_index(axis_name),
+                pmax=lambda v: jax.lax.pmax(v, axis_name), psum=lambda v: jax.lax.psum(v, axis_name))
+
+
+def quantized_psum_local(x, bits, key, n_devices, hadamard=True):
+    """THC's local work alone: :func:`quantized_psum` with its two collectives taken out.
+
+    The transform, rounding, packing and back-transforms of one device out of ``n_devices``,
+    with this device's range for the agreed one and its own packed words for their sum; what
+    :func:`jaxcomp.probe.codec_seconds` times, since THC has no codec apart from its collective.
+
+    Args:
+      x: a 1-D float vector.
+      bits: code width, as for :func:`quantized_psum`.
+      key: a ``jax.random`` key.
+      n_devices: the devices whose sum the packed fields must hold.
+      hadamard: as for :func:`quantized_psum`.
+
+    Returns:
+      ``(total, sent)`` as :func:`quantized_psum` computes them when this device is alone.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> total, sent = quantized_psum_local(jnp.linspace(-1, 1, 64), 8, jax.random.key(0), 4)
+      >>> bool(jnp.allclose(sent, jnp.linspace(-1, 1, 64), atol=0.02))
+      True
+
+    References:
+      Li et al., THC, NSDI 2024; Agarwal et al., MLSys 2022, App. C (timing the codec on its own).
+    """
+    x = _local_vector(x)
+    bits = _check_bits(bits)
+    key = _check_key(key, None)
+    n_devices = _checks.static_int(n_devices, "n_devices", 1)
+    return _thc(x, bits, key, bool(hadamard), n_devices, 0, pmax=lambda v: v, psum=lambda v: v)
+
+
+def _thc(x, bits, key, hadamard, n_devices, device, pmax, psum):
+    n = x.shape[0]
+    width = _code_width(bits, n_devices)
     sign_key, noise_key = jax.random.split(key)
     length = _quantized_length(n, bool(hadamard))
     values = jnp.pad(x.astype(jnp.float32), (0, length - n))
@@ -815,15 +854,15 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True):
             return v[:n]
 
     rotated = transform(values)
-    bound = jax.lax.pmax(jnp.max(jnp.abs(rotated)), axis_name)
+    bound = pmax(jnp.max(jnp.abs(rotated)))
     levels = 2**bits - 1
     unit = jnp.where(bound > 0, bound, 1.0)  # all-zero input: any grid works, the codes cancel
     position = (rotated / unit + 1.0) * np.float32(levels / 2)  # in [0, levels]
-    noise = counter_uniform(jax.random.fold_in(noise_key, jax.lax.axis_index(axis_name)), (length,))
+    noise = counter_uniform(jax.random.fold_in(noise_key, device), (length,))
     codes = jnp.clip(jnp.floor(position + noise), 0, levels).astype(jnp.uint32)
     # Codes on one grid add homomorphically, and fields of `width` bits add without carrying into
     # each other: one psum of packed words sums every code.
-    summed = _unpack(jax.lax.psum(_pack(codes, width), axis_name), width, length)
+    summed = _unpack(psum(_pack(codes, width)), width, length)
     step = bound * np.float32(2 / levels)
     total = summed.astype(jnp.float32) * step - n_devices * bound
     sent = codes.astype(jnp.float32) * step - bound

@@ -43,6 +43,10 @@ def hadamard_reference(x):
       >>> import jax.numpy as jnp
       >>> hadamard_reference(jnp.array([1.0, 0.0, 0.0, 0.0])).tolist()
       [1.0, 1.0, 1.0, 1.0]
+
+    References:
+      Fino & Algazi, "Unified Matrix Treatment of the Fast Walsh-Hadamard Transform", IEEE Trans.
+      Computers, 1976.
     """
     x = _check_rows(x).astype(jnp.float32)
     lead, n = x.shape[:-1], x.shape[-1]
@@ -118,6 +122,10 @@ def counter_uniform(key, shape):
       >>> u = counter_uniform(jax.random.key(0), (10000,))
       >>> bool(0.48 < float(u.mean()) < 0.52), bool(u.min() >= 0), bool(u.max() < 1)
       (True, True, True)
+
+    References:
+      Salmon et al., "Parallel Random Numbers: As Easy as 1, 2, 3", SC 2011 (counter-based
+      generators); Appleby, MurmurHash3 (the 32-bit finalizer).
     """
     return (_hash(key, shape) >> 8).astype(jnp.float32) * np.float32(2.0**-24)
 
@@ -125,10 +133,20 @@ def counter_uniform(key, shape):
 def counter_signs(key, shape):
     """Random ``±1.0`` (float32), one hash bit each, from a counter hash seeded by ``key``.
 
+    Args:
+      key: a ``jax.random`` key (typed, or raw ``uint32[2]``).
+      shape: static output shape.
+
+    Returns:
+      float32 array of ``shape`` holding -1.0 and 1.0.
+
     Example:
       >>> import jax
       >>> s = counter_signs(jax.random.key(0), (10000,))
       >>> sorted(set(s.tolist())), abs(float(s.mean())) < 0.05
       ([-1.0, 1.0], True)
+
+    References:
+      Li et al., THC, NSDI 2024 (shared random signs of the randomized Hadamard transform).
     """
     return jnp.where(_hash(key, shape) >> 31 == 0, np.float32(1.0), np.float32(-1.0))

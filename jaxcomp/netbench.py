@@ -67,9 +67,20 @@ class Spec:
 def width_for(params: float, layers: int) -> int:
     """The hidden width of an MLP of ``layers`` square dense layers holding about ``params`` parameters.
 
+    Args:
+      params: the parameter count wanted.
+      layers: square dense layers.
+
+    Returns:
+      The width ``w`` with ``layers * w * w`` closest to ``params`` (at least 8).
+
     Example:
       >>> width_for(25e6, 6)
       2041
+
+    References:
+      Agarwal et al., "On the Utility of Gradient Compression in Distributed Training Systems",
+      MLSys 2022 (measure the step, not the bytes); issue 13's set-up.
     """
     return max(8, round(math.sqrt(params / layers)))
 
@@ -81,6 +92,8 @@ def _worker(spec: Spec) -> None:
     from jaxcomp import launch
 
     launch.initialize()
+    import gc
+
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -171,6 +184,7 @@ def _worker(spec: Spec) -> None:
             state = dp.init(params)
             init_seconds = time.perf_counter() - init_start
             step = dp
+            del dp, tx
         metrics_box = {}
 
         def run(state, batch, step=step):
@@ -197,10 +211,15 @@ def _worker(spec: Spec) -> None:
         if network is not None:
             entry.update(_predictions(entry["ran"], options, n_params, n_hosts, network, compute))
         results["methods"][label] = entry
-        del state
-    if jax.process_index() == 0:
-        with open(spec.out, "w") as f:
-            json.dump(results, f)
+        if jax.process_index() == 0:
+            print(f"netbench: {n_hosts} hosts, {label}: step {median:.3f} s (compute {compute:.3f} s), "
+                  f"wire {entry['wire_tx'] / 1e6:.1f} MB/step", file=sys.stderr, flush=True)
+            with open(spec.out, "w") as f:  # after every method: a failed job keeps what it measured
+                json.dump(results, f)
+        # Free this method's state and executables before the next (25M params: ~1 GB each).
+        del state, step, metrics_box, run
+        jax.clear_caches()
+        gc.collect()
 
 
 def _predictions(ran, options, n_params, n_hosts, network, compute):
@@ -253,7 +272,7 @@ class _plain_pmean_step:
 
 def run_benchmark(hosts=DEFAULT_HOSTS, rates=DEFAULT_RATES, *, params=DEFAULT_PARAMS, methods=tuple(METHODS),
                   steps=3, warmup=1, batch=DEFAULT_BATCH, layers=DEFAULT_LAYERS, timeout=1800, progress=True,
-                  log=None) -> list[dict]:
+                  log=None, on_cell=None) -> list[dict]:
     """Runs every (hosts, rate) cell on an emulated cluster; returns one row per cell and method.
 
     Args:
@@ -268,12 +287,17 @@ def run_benchmark(hosts=DEFAULT_HOSTS, rates=DEFAULT_RATES, *, params=DEFAULT_PA
       timeout: seconds per cell before its processes are killed.
       progress: show a progress bar (tqdm) over the cells.
       log: file the workers' output goes to (default: discarded unless a cell fails).
+      on_cell: called with all rows so far after each cell (to save partial results).
 
     Returns:
       A list of dicts, one per (hosts, rate, method).
 
     Example:
       >>> rows = run_benchmark(hosts=(2,), rates=("1gbit",), params=1e5, methods=("pmean", "ar_topk"))  # doctest: +SKIP
+
+    References:
+      Agarwal et al., "On the Utility of Gradient Compression in Distributed Training Systems",
+      MLSys 2022 (measure the step, not the bytes); issue 13's set-up.
     """
     from jaxcomp.cluster import Cluster, ClusterError, check_support, format_rate, parse_rate
 
@@ -309,6 +333,8 @@ def run_benchmark(hosts=DEFAULT_HOSTS, rates=DEFAULT_RATES, *, params=DEFAULT_PA
                              "params": result["params"], "compute": result["compute"],
                              "probe": result["probe"], "speedup": base / entry["step"], **entry})
             bar.update(1)
+            if on_cell is not None:
+                on_cell(rows)
     finally:
         bar.close()
     return rows
@@ -343,7 +369,22 @@ def _s(value):
 
 
 def table(rows) -> str:
-    """The markdown table of :func:`run_benchmark`'s rows."""
+    """The markdown table of :func:`run_benchmark`'s rows.
+
+    Args:
+      rows: the rows :func:`run_benchmark` returns.
+
+    Returns:
+      A markdown table, one line per row.
+
+    Example:
+      >>> table([]).splitlines()[0].split(" | ")[:3]
+      ['| hosts', 'rate', 'method']
+
+    References:
+      Agarwal et al., "On the Utility of Gradient Compression in Distributed Training Systems",
+      MLSys 2022 (measure the step, not the bytes); issue 13's set-up.
+    """
     lines = ["| hosts | rate | method | step s | compute s | sync s | predicted sync s | advise step s | "
              "wire MB/step/host | bytes_sent MB | speedup vs pmean | ran |",
              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -355,7 +396,25 @@ def table(rows) -> str:
 
 
 def plot(rows, path) -> None:
-    """Speedup against link rate per method (measured points) beside the cost model's curve."""
+    """Speedup against link rate per method (measured points) beside the cost model's curve.
+
+    One panel per host count; a method's dashed line is the cost model's step time of the plain
+    pmean over the method's (compute + predicted sync), at the rates measured.
+
+    Args:
+      rows: the rows :func:`run_benchmark` returns.
+      path: the PNG to write.
+
+    Returns:
+      None.
+
+    Example:
+      >>> plot(rows, "netbench.png")  # doctest: +SKIP
+
+    References:
+      Agarwal et al., "On the Utility of Gradient Compression in Distributed Training Systems",
+      MLSys 2022 (measure the step, not the bytes); issue 13's set-up.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -438,16 +497,19 @@ def main(argv=None) -> int:
     for path in (args.plot, args.json):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             parser.error(f"the folder of {path!r} does not exist")
+    def save(rows):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+
     try:
         rows = run_benchmark(hosts, rates, params=args.params, methods=methods, steps=args.steps,
-                             warmup=args.warmup, batch=args.batch, timeout=args.timeout, log=args.log)
+                             warmup=args.warmup, batch=args.batch, timeout=args.timeout, log=args.log,
+                             on_cell=save)
     except ClusterError as e:
         print(f"jaxcomp netbench: {e}", file=sys.stderr)
         return 2
     print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
     if args.plot:
         plot(rows, args.plot)
         print(f"plot: {args.plot}", file=sys.stderr)

@@ -18,12 +18,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcomp import cost
 
-#: Bytes per device of each timed all-reduce: a latency-bound size, two in between and a
-#: bandwidth-bound one, so the least-squares fit sees both ends of the line.
-DEFAULT_SIZES = (2**10, 2**14, 2**18, 2**21)
+#: Bytes per device of each timed all-reduce, smallest first: a latency-bound size, then sizes
+#: up to 8 MiB, large enough that a link's burst allowance (a token bucket lets the first few
+#: hundred KiB through at full speed) does not pass for bandwidth. Sizes that would not fit in
+#: the time budget are skipped (see :func:`probe`).
+DEFAULT_SIZES = (2**10, 2**16, 2**20, 2**23)
 
-#: Timed calls per size; the fastest is kept (others are slowed by noise, never sped up).
-DEFAULT_REPEATS = 5
+#: Timed calls per size; the median is kept (the fastest call of a shaped link is the one that
+#: found its bucket full, which made repeated probes disagree by up to 45%).
+DEFAULT_REPEATS = 3
+
+#: Seconds :func:`probe` may take by default, compilation included.
+DEFAULT_BUDGET = 5.0
 
 #: Times :func:`probe` measures, each with 8 times larger sizes than the last, before giving up.
 _ATTEMPTS = 3
@@ -89,14 +95,19 @@ def fit_alpha_beta(sizes, seconds, n_workers: int, method: str = "dense_ring") -
 
 
 def probe(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPEATS,
-          cache: bool = True) -> cost.Network:
+          cache: bool = True, budget: float | None = DEFAULT_BUDGET) -> cost.Network:
     """Measures α and β of ``axis_name`` on ``mesh`` by timing ``psum`` at several sizes.
 
-    Each size is compiled once, run once to warm up, then timed ``repeats`` times; the fastest
-    run counts. The timings are fitted by :func:`fit_alpha_beta` as ring all-reduces. In a
-    multi-process run every process times the same collectives, the timings are gathered and the
-    slowest process's time per size is fitted, so every process returns the same Network. Call it
-    from every process, as any collective.
+    Sizes run smallest first. Each is compiled once, run once to warm up, then timed
+    ``repeats`` times; the median counts. The timings are fitted by :func:`fit_alpha_beta` as
+    ring all-reduces. In a multi-process run every process times the same collectives, the
+    timings are gathered and the slowest process's time per size is fitted, so every process
+    returns the same Network. Call it from every process, as any collective.
+
+    The time is bounded: before each size after the first two, the time it would take (the last
+    size's time scaled by the size ratio, times ``repeats + 1``) is compared with what is left of
+    ``budget``, and the size and all larger ones are skipped when it does not fit. Every process
+    decides from the same gathered timings, so all of them skip together.
 
     Args:
       mesh: a :class:`jax.sharding.Mesh`.
@@ -104,6 +115,8 @@ def probe(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPE
       sizes: bytes per device of each timed all-reduce (multiples of 4, at least two distinct).
       repeats: timed calls per size, >= 1.
       cache: reuse an earlier result for the same devices, axis, sizes and repeats.
+      budget: seconds the probe may take (default :data:`DEFAULT_BUDGET`, 5), or None for no
+        limit. The two smallest sizes always run.
 
     Returns:
       The measured :class:`jaxcomp.cost.Network`.
@@ -135,16 +148,30 @@ def probe(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPE
         raise ValueError(f"sizes must hold at least two distinct sizes, got {sizes}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    if budget is not None and not (isinstance(budget, (int, float)) and not isinstance(budget, bool)
+                                   and math.isfinite(budget) and budget > 0):
+        raise ValueError(f"budget must be a positive number of seconds or None, got {budget!r}")
+    sizes = tuple(sorted(sizes))
 
     key = (tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, mesh.axis_names, axis_name,
-           sizes, repeats)
+           sizes, repeats, budget)
     if cache and key in _CACHE:
         return _CACHE[key]
+    start = time.perf_counter()
     for attempt in range(_ATTEMPTS):
-        seconds = np.array([_time_psum(mesh, axis_name, size // 4, repeats) for size in sizes])
-        seconds = _agree_across_processes(seconds)
+        timed, seconds = [], []
+        for size in sizes:
+            if len(timed) >= 2 and budget is not None:
+                expected = seconds[-1] * size / timed[-1] * (repeats + 1)
+                # The elapsed time is agreed too: every process must skip the same sizes.
+                elapsed = float(_agree_across_processes(np.array([time.perf_counter() - start]))[0])
+                if elapsed + expected > budget:
+                    break
+            timed.append(size)
+            seconds.append(float(_agree_across_processes(np.array([_time_psum(mesh, axis_name, size // 4,
+                                                                               repeats)]))[0]))
         try:
-            network = fit_alpha_beta(sizes, seconds, n_workers)
+            network = fit_alpha_beta(timed, seconds, n_workers)
             break
         except ValueError:
             # Timings that do not grow with size are noise on a link too fast for these sizes:
@@ -153,13 +180,14 @@ def probe(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPE
             if attempt == _ATTEMPTS - 1:
                 raise
             sizes = tuple(8 * size for size in sizes)
+            start = time.perf_counter()
     if cache:
         _CACHE[key] = network
     return network
 
 
 def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rate: int | None = None,
-                  mesh=None, axis_name: str | None = None, repeats: int = 3, cache: bool = True) -> float:
+                  bits: int | None = None, mesh=None, axis_name: str | None = None, repeats: int = 3, cache: bool = True) -> float:
     """Measures a method's encode + decode time on this machine.
 
     Without a mesh the codec runs once on the default device. With ``mesh`` and ``axis_name``
@@ -169,15 +197,18 @@ def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rat
 
     Top-k methods time :func:`jaxcomp.topk` (exact top-k by magnitude) and the scatter of the
     kept values back into a dense vector; ZFP methods time :func:`jaxcomp.zfp_encode` and
-    :func:`jaxcomp.zfp_decode`. Dense methods cost 0. Paper 002 adds this ``T_encode-decode`` to
+    :func:`jaxcomp.zfp_decode` (``zfp_ring`` on a mesh: the ring's whole codec work, about two
+    encodes and three decodes of the gradient); ``quantized`` times THC's whole local work (random
+    signs, Hadamard transform, stochastic rounding, packing, and the two back-transforms:
+    :func:`jaxcomp.collectives.quantized_psum_local`). Dense methods cost 0. Paper 002 adds this ``T_encode-decode`` to
     the step time, since compression cannot hide behind the backward pass (its §3.1).
 
     Args:
-      method: a :data:`jaxcomp.cost.METHODS` entry other than ``quantized`` (whose codec lives
-        inside its collective).
+      method: a :data:`jaxcomp.cost.METHODS` entry.
       n_values: float32 values in the gradient, >= 1.
       ratio: density for the top-k methods.
       rate: ZFP bits per value for the ZFP methods.
+      bits: code width for ``quantized``.
       mesh: optional :class:`jax.sharding.Mesh` to run the codec on every device of.
       axis_name: the mesh axis the gradient is data-parallel over (required with ``mesh``).
       repeats: timed runs after one warm-up; the fastest counts.
@@ -195,8 +226,6 @@ def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rat
     """
     if method not in cost.METHODS:
         raise ValueError(f"method must be one of {cost.METHODS}, got {method!r}")
-    if method == "quantized":
-        raise ValueError("method 'quantized' has no standalone codec to time; pass its encode/decode time")
     if isinstance(n_values, bool) or not isinstance(n_values, int) or n_values < 1:
         raise ValueError(f"n_values must be an integer >= 1, got {n_values!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -210,7 +239,8 @@ def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rat
             raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
     where = ((tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, mesh.axis_names, axis_name)
              if mesh is not None else jax.default_backend())
-    key = ("codec", method if method not in cost.TOPK_METHODS else "topk", n_values, ratio, rate, repeats, where)
+    key = ("codec", method if method not in cost.TOPK_METHODS else "topk", n_values, ratio, rate, bits, repeats,
+           where)
     if cache and key in _CACHE:
         return _CACHE[key]
     import jaxcomp  # the kernels: imported only when a codec is actually timed
@@ -223,12 +253,36 @@ def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rat
         def codec(x):
             values, indices = jaxcomp.topk(x, k)
             return jnp.zeros_like(x).at[indices].set(values)
+    elif method == "quantized":
+        if bits is None:
+            raise ValueError("bits (code width) is required for quantized")
+        from jaxcomp import collectives
+
+        n_workers = mesh.shape[axis_name] if mesh is not None else 2
+
+        def codec(x):
+            total, sent = collectives.quantized_psum_local(x, bits, jax.random.key(0), n_workers)
+            return total + sent
     else:
         if rate is None:
             raise ValueError(f"rate (ZFP bits per value) is required for {method}")
+        n_workers = mesh.shape[axis_name] if mesh is not None else 1
 
         def codec(x):
-            return jaxcomp.zfp_decode(jaxcomp.zfp_encode(x, rate), n_values, rate)
+            if method != "zfp_ring" or n_workers == 1:
+                return jaxcomp.zfp_decode(jaxcomp.zfp_encode(x, rate), n_values, rate)
+            # The ring's own codec work without its exchanges: every chunk coded once for error
+            # feedback, N-1 hops that code a chunk and add the next, the owned chunk coded and
+            # all N decoded.
+            chunk = -(-n_values // n_workers)
+            chunks = jnp.pad(x, (0, chunk * n_workers - n_values)).reshape(n_workers, chunk)
+            sent = jaxcomp.zfp_decode(jaxcomp.zfp_encode(chunks, rate), chunk, rate)
+            partial = chunks[0]
+            for hop in range(1, n_workers):
+                partial = jaxcomp.zfp_decode(jaxcomp.zfp_encode(partial, rate), chunk, rate) + chunks[hop]
+            words = jaxcomp.zfp_encode(partial, rate)
+            owned = jnp.broadcast_to(words, (n_workers,) + words.shape)
+            return (jaxcomp.zfp_decode(owned, chunk, rate) + sent).reshape(-1)[:n_values]
 
     if mesh is None:
         x = jax.random.normal(jax.random.key(0), (n_values,), jnp.float32)
@@ -273,12 +327,12 @@ def _time_psum(mesh, axis_name, values_per_device, repeats):
     reduce = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, axis_name), mesh=mesh, in_specs=spec,
                                    out_specs=P()))
     reduce(x).block_until_ready()  # compile and warm up outside the timing
-    best = math.inf
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         reduce(x).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
 
 
 def _agree_across_processes(seconds):

@@ -178,8 +178,7 @@ class DataParallel:
           state: the :class:`TrainState`.
           codec: also time each branch's encode + decode on every device at once
             (:func:`jaxcomp.probe.codec_seconds`, the slowest process's time counts) so that
-            compute enters the choice, as in paper 002's model; ``"quantized"`` and ``"dense"``
-            count 0.
+            compute enters the choice, as in paper 002's model; ``"dense"`` counts 0.
           **probe_options: passed to :func:`jaxcomp.probe` (``sizes``, ``repeats``); it always
             measures anew (``cache=False``).
 
@@ -226,9 +225,9 @@ class DataParallel:
             state._replace(opt_state=opt_state))
 
     def _codec_seconds(self, method, setting, n_values):
-        if method in ("dense", "quantized"):
+        if method == "dense":
             return 0.0
-        options = {"rate": setting} if method == "zfp" else {"ratio": setting}
+        options = {"zfp": {"rate": setting}, "quantized": {"bits": setting}}.get(method, {"ratio": setting})
         return codec_seconds(cost_method(method), n_values, mesh=self.mesh, axis_name=self._probe_axis(), **options)
 
     def shard_batch(self, batch):

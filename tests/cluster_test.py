@@ -1,0 +1,120 @@
+"""jaxcomp.cluster: an emulated 2-host cluster (network namespaces, tbf at 100 Mbit) trains like one
+process, the wire carries what bytes_sent says, and nothing is left behind. Needs root, as CI has."""
+
+import os
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+import cluster_worker
+from helpers import need_devices, subprocess_env
+from jaxcomp import cluster
+from jaxcomp.cluster import Cluster, ClusterError
+
+# Ethernet (14) + IPv4 (20) + TCP with timestamps (32): the framing of every packet on the veths.
+HEADER_BYTES = 66
+
+
+def our_namespaces():
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(cluster.PREFIX + f"{os.getpid()}-")]
+
+
+def run_workers(tmp_path, *args, timeout=240):
+    env = subprocess_env()
+    with Cluster(2, rate="100mbit") as c:
+        assert len(our_namespaces()) == 3  # the bridge's and one per host
+        qdiscs = subprocess.run(["tc", "-n", c.namespace(1), "qdisc", "show", "dev", "eth0"],
+                                capture_output=True, text=True).stdout
+        assert "tbf" in qdiscs and "100Mbit" in qdiscs
+        start = time.monotonic()
+        codes = c.run([cluster_worker.__file__, str(tmp_path), *args], timeout=timeout,
+                      env={"PYTHONPATH": env["PYTHONPATH"]})
+        elapsed = time.monotonic() - start
+        pids = [p.popen.pid for p in c.processes]
+    return codes, elapsed, pids
+
+
+@pytest.mark.multiprocess
+def test_two_emulated_hosts_train_like_one_process_and_wire_bytes_match(tmp_path):
+    need_devices(2)
+    cluster.check_support()  # CI runs as root: a missing capability is a failure here, not a skip
+    codes, _, _ = run_workers(tmp_path)
+    assert codes == [0, 0], f"the workers failed: {codes}"
+    assert our_namespaces() == []  # torn down: namespaces take their veths, bridge and qdiscs along
+    hosts = [np.load(tmp_path / f"host{i}.npz") for i in range(2)]
+    import jax
+
+    want, _ = cluster_worker.run(jax.devices()[:2], lambda batch: batch)
+    for name, value in want.items():
+        # Two hosts: every sum has two terms, so gloo and XLA's in-process sum agree bit for bit.
+        np.testing.assert_array_equal(hosts[0][name], hosts[1][name], err_msg=f"hosts differ: {name}")
+        np.testing.assert_array_equal(hosts[0][name], value, err_msg=f"cluster vs one process: {name}")
+    for host in hosts:
+        for method in cluster_worker.METHODS:
+            tx_bytes, tx_packets, rx_bytes, rx_packets, bytes_sent = host[f"wire/{method}"]
+            steps = cluster_worker.STEPS - 1
+            payload = tx_bytes - HEADER_BYTES * tx_packets
+            assert payload == pytest.approx(steps * bytes_sent, rel=0.05), (method, payload, steps * bytes_sent)
+
+
+@pytest.mark.multiprocess
+def test_a_dead_host_stops_the_job_and_the_cluster_is_torn_down(tmp_path):
+    codes, elapsed, _ = run_workers(tmp_path, "fail", timeout=120)
+    assert codes[1] == 3
+    assert codes[0] != 0  # stopped, not left waiting in its collective
+    assert elapsed < 100
+    assert our_namespaces() == []
+
+
+def test_without_root_a_clear_error_before_anything_is_created(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    before = our_namespaces()
+    with pytest.raises(ClusterError, match="root"):
+        with Cluster(2, rate="1gbit"):
+            pass
+    assert our_namespaces() == before
+
+
+def test_missing_tools_are_named(monkeypatch):
+    monkeypatch.setattr(cluster.shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/" + tool)
+    with pytest.raises(ClusterError, match="`tc`"):
+        cluster.check_support()
+
+
+def test_delay_needs_netem_and_says_so():
+    with pytest.raises(ClusterError, match="netem"):
+        with Cluster(2, rate="1gbit", delay="1ms"):
+            pass
+    assert our_namespaces() == []
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"hosts": 0}, "hosts"), ({"hosts": 2, "rate": "fast"}, "rate"), ({"hosts": 2, "rate": -5}, "rate"),
+    ({"hosts": 2, "subnet": "8.8.8"}, "subnet"), ({"hosts": 2, "burst": 10}, "burst"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Cluster(**kwargs)
+
+
+def test_rates_parse_and_print():
+    assert cluster.parse_rate("10gbit") == 1e10 and cluster.parse_rate("250kbit") == 2.5e5
+    assert cluster.parse_rate("none") is None and cluster.format_rate(1e8) == "100mbit"
+
+
+def test_leftovers_of_a_killed_run_are_found_and_removed():
+    cluster.check_support()
+    # A namespace named after a process that no longer exists, as a killed run leaves it.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    name = f"{cluster.PREFIX}{dead.pid}-h0"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert name in cluster.leftovers()
+        assert name in cluster.cleanup()
+        assert name not in cluster.leftovers()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
