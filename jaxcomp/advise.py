@@ -251,8 +251,9 @@ def _parser():
                         help="encode+decode time: one number for every method, or method=ms pairs "
                              "separated by commas (default 0: speedups are then upper bounds)")
     parser.add_argument("--measure-codec", action="store_true",
-                        help="time the top-k and ZFP encode+decode kernels on this machine at this model "
-                             "size and use them instead of --encode-decode-ms for those methods")
+                        help="time each method's local work on this machine at this model size (top-k "
+                             "selection and scatter, the ZFP ring's encodes and decodes, THC's transforms, "
+                             "rounding and packing) and use it instead of --encode-decode-ms")
     parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20,
                         help="gradient bucket, MiB (default 25, PyTorch DDP's)")
     parser.add_argument("--gamma", type=float, default=DEFAULT_GAMMA,
@@ -363,10 +364,11 @@ def main(argv=None) -> int:
         probe = importlib.import_module("jaxcomp.probe")
 
         for method in compressed:
-            if method != "quantized":
-                encode_decode[method] = probe.codec_seconds(method, math.ceil(args.params), ratio=args.ratio,
-                                                            rate=args.rate)
-                measured.append(method)
+            # Each method's whole local work (the ZFP ring's hops, THC's transforms and packing).
+            encode_decode[method] = probe.codec_seconds(method, math.ceil(args.params), ratio=args.ratio,
+                                                        rate=args.rate, bits=args.bits,
+                                                        n_workers=min(args.workers, 64))
+            measured.append(method)
 
     nbytes = 4.0 * args.params
     backward = args.backward_ms / 1e3

@@ -665,16 +665,22 @@ def _zfp_ring(values, rate, axis_name, n_devices):
     chunks = jnp.pad(values, (0, n_devices * chunk - n)).reshape(n_devices, chunk)
     me = jax.lax.axis_index(axis_name)
     to_right = [(i, (i + 1) % n_devices) for i in range(n_devices)]
+    # Every chunk coded once: the words error feedback decodes, and hop 0's message (chunk `me`
+    # raw, so its words are these).
+    own_words = _encode(chunks, rate)
     # Hop t sends chunk (me - t) mod N, summed over t + 1 devices; after N - 1 hops this device
     # holds chunk (me + 1) mod N summed over all.
-    partial = chunks[me]
+    words = own_words[me]
     for hop in range(n_devices - 1):
-        received = jax.lax.ppermute(_encode(partial, rate), axis_name, to_right)
+        received = jax.lax.ppermute(words, axis_name, to_right)
         partial = _decode(received, chunk, rate) + chunks[(me - hop - 1) % n_devices]
+        if hop < n_devices - 2:
+            words = _encode(partial, rate)
     owned_words = jax.lax.all_gather(_encode(partial, rate), axis_name, to="invarying")
-    # Row j of the gathered words is chunk (j + 1) mod N.
-    reduced = jnp.roll(zfp_decode(owned_words, chunk, rate), 1, axis=0)
-    sent = _decode(_encode(chunks, rate), chunk, rate)
+    # Row j of the gathered words is chunk (j + 1) mod N: reorder the words (rate/32 of the
+    # floats' bytes), not the decoded floats.
+    reduced = zfp_decode(owned_words[(np.arange(n_devices) - 1) % n_devices], chunk, rate)
+    sent = _decode(own_words, chunk, rate)
     return reduced.reshape(-1)[:n], sent.reshape(-1)[:n]
 
 

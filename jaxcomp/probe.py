@@ -187,7 +187,7 @@ def probe(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPE
 
 
 def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rate: int | None = None,
-                  bits: int | None = None, mesh=None, axis_name: str | None = None, repeats: int = 3, cache: bool = True) -> float:
+                  bits: int | None = None, n_workers: int | None = None, mesh=None, axis_name: str | None = None, repeats: int = 3, cache: bool = True) -> float:
     """Measures a method's encode + decode time on this machine.
 
     Without a mesh the codec runs once on the default device. With ``mesh`` and ``axis_name``
@@ -209,6 +209,8 @@ def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rat
       ratio: density for the top-k methods.
       rate: ZFP bits per value for the ZFP methods.
       bits: code width for ``quantized``.
+      n_workers: workers the collective runs over (the ZFP ring's chunks, THC's field width);
+        default: the mesh axis's size, else 1 (``zfp_ring``: a plain encode + decode) and 2.
       mesh: optional :class:`jax.sharding.Mesh` to run the codec on every device of.
       axis_name: the mesh axis the gradient is data-parallel over (required with ``mesh``).
       repeats: timed runs after one warm-up; the fastest counts.
@@ -239,8 +241,10 @@ def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rat
             raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
     where = ((tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, mesh.axis_names, axis_name)
              if mesh is not None else jax.default_backend())
-    key = ("codec", method if method not in cost.TOPK_METHODS else "topk", n_values, ratio, rate, bits, repeats,
-           where)
+    if n_workers is not None and (isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1):
+        raise ValueError(f"n_workers must be an integer >= 1, got {n_workers!r}")
+    key = ("codec", method if method not in cost.TOPK_METHODS else "topk", n_values, ratio, rate, bits, n_workers,
+           repeats, where)
     if cache and key in _CACHE:
         return _CACHE[key]
     import jaxcomp  # the kernels: imported only when a codec is actually timed
@@ -258,30 +262,30 @@ def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rat
             raise ValueError("bits (code width) is required for quantized")
         from jaxcomp import collectives
 
-        n_workers = mesh.shape[axis_name] if mesh is not None else 2
+        workers = n_workers or (mesh.shape[axis_name] if mesh is not None else 2)
 
         def codec(x):
-            total, sent = collectives.quantized_psum_local(x, bits, jax.random.key(0), n_workers)
+            total, sent = collectives.quantized_psum_local(x, bits, jax.random.key(0), workers)
             return total + sent
     else:
         if rate is None:
             raise ValueError(f"rate (ZFP bits per value) is required for {method}")
-        n_workers = mesh.shape[axis_name] if mesh is not None else 1
+        workers = n_workers or (mesh.shape[axis_name] if mesh is not None else 1)
 
         def codec(x):
-            if method != "zfp_ring" or n_workers == 1:
+            if method != "zfp_ring" or workers == 1:
                 return jaxcomp.zfp_decode(jaxcomp.zfp_encode(x, rate), n_values, rate)
             # The ring's own codec work without its exchanges: every chunk coded once for error
             # feedback, N-1 hops that code a chunk and add the next, the owned chunk coded and
             # all N decoded.
-            chunk = -(-n_values // n_workers)
-            chunks = jnp.pad(x, (0, chunk * n_workers - n_values)).reshape(n_workers, chunk)
+            chunk = -(-n_values // workers)
+            chunks = jnp.pad(x, (0, chunk * workers - n_values)).reshape(workers, chunk)
             sent = jaxcomp.zfp_decode(jaxcomp.zfp_encode(chunks, rate), chunk, rate)
             partial = chunks[0]
-            for hop in range(1, n_workers):
+            for hop in range(1, workers):
                 partial = jaxcomp.zfp_decode(jaxcomp.zfp_encode(partial, rate), chunk, rate) + chunks[hop]
             words = jaxcomp.zfp_encode(partial, rate)
-            owned = jnp.broadcast_to(words, (n_workers,) + words.shape)
+            owned = jnp.broadcast_to(words, (workers,) + words.shape)
             return (jaxcomp.zfp_decode(owned, chunk, rate) + sent).reshape(-1)[:n_values]
 
     if mesh is None:

@@ -18,12 +18,32 @@ namespace jaxcomp {
 
 inline bool IsPowerOfTwo(int64_t n) { return n >= 1 && (n & (n - 1)) == 0; }
 
-// In place on one row of n = 2^m floats.
+// The first three stages (h = 1, 2, 4) on one group of 8 floats, in registers, in the order the
+// stage-by-stage loop would compute them.
+inline void Hadamard8(float* x) {
+  float a[8];
+  for (int j = 0; j < 8; j += 2) { a[j] = x[j] + x[j + 1]; a[j + 1] = x[j] - x[j + 1]; }
+  float b[8];
+  for (int j = 0; j < 8; j += 4) {
+    b[j] = a[j] + a[j + 2]; b[j + 2] = a[j] - a[j + 2];
+    b[j + 1] = a[j + 1] + a[j + 3]; b[j + 3] = a[j + 1] - a[j + 3];
+  }
+  for (int j = 0; j < 4; ++j) { x[j] = b[j] + b[j + 4]; x[j + 4] = b[j] - b[j + 4]; }
+}
+
+// In place on one row of n = 2^m floats. Every stage computes the same (a + b, a - b) pairs as
+// the plain stage loop; only the short stages (h < 8) are grouped so that the long ones, whose
+// inner loops the compiler vectorizes, do most of the work.
 inline void HadamardRow(float* x, int64_t n) {
-  for (int64_t h = 1; h < n; h *= 2) {
+  int64_t h = 1;
+  if (n >= 8) {
+    for (int64_t i = 0; i < n; i += 8) Hadamard8(x + i);
+    h = 8;
+  }
+  for (; h < n; h *= 2) {
     for (int64_t i = 0; i < n; i += 2 * h) {
-      float* lo = x + i;
-      float* hi = x + i + h;
+      float* __restrict lo = x + i;
+      float* __restrict hi = x + i + h;
       for (int64_t j = 0; j < h; ++j) {
         const float a = lo[j], b = hi[j];
         lo[j] = a + b;
