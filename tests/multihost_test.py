@@ -49,3 +49,33 @@ def test_launcher_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         launch(**kwargs)
 
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"num_hosts": 2}, "coordinator"),
+    ({"coordinator": "10.0.0.1", "num_hosts": 2, "host_id": 1}, "HOST:PORT"),
+    ({"coordinator": "10.0.0.1:7733", "num_hosts": 2, "host_id": 2}, "host_id"),
+    ({"coordinator": "10.0.0.1:7733", "port": 7733}, "port"),
+    ({"interface": ""}, "interface"),
+])
+def test_launcher_multi_host_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        launch(["x.py"], num_processes=1, **kwargs)
+
+
+def test_several_hosts_number_their_processes_and_pass_the_interface():
+    from jaxcomp.launch import process_env
+
+    script = ("import os, sys; e = os.environ; sys.exit(0 if (e['JAXCOMP_PROCESS_ID'], e['JAXCOMP_NUM_PROCESSES'], "
+              "e['JAXCOMP_COORDINATOR_ADDRESS'], e['JAXCOMP_INTERFACE']) in "
+              "[('2', '4', '10.0.0.1:7733', 'lo'), ('3', '4', '10.0.0.1:7733', 'lo')] else 5)")
+    assert launch(["-c", script], num_processes=2, coordinator="10.0.0.1:7733", num_hosts=2, host_id=1,
+                  interface="lo") == 0
+    assert "JAXCOMP_INTERFACE" not in process_env("h:1", 2, 0, 1, base={"JAXCOMP_INTERFACE": "eth9"})
+
+
+def test_an_interface_that_does_not_exist_is_named():
+    from jaxcomp.launch import use_gloo_interface
+
+    with pytest.raises(ValueError, match="does not exist"):
+        use_gloo_interface("nope0")

@@ -9,6 +9,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from helpers import count_compilations, need_devices, subprocess_env
 from jaxcomp import cost
@@ -176,3 +177,34 @@ def test_codec_seconds_of_dense_is_zero_and_bad_input_is_rejected():
     ]:
         with pytest.raises(ValueError, match=match):
             probe.codec_seconds(**kwargs)
+
+
+def test_the_budget_skips_the_sizes_that_would_not_fit(monkeypatch):
+    """A slow link (1 MB/s here, faked) must not make the probe run for minutes: sizes whose
+    expected time exceeds what is left of the budget are skipped, largest last."""
+    timed = []
+
+    def fake_psum(mesh, axis_name, values_per_device, repeats):
+        timed.append(values_per_device * 4)
+        return 1e-3 + values_per_device * 4 / 1e6
+
+    monkeypatch.setattr(probe, "_time_psum", fake_psum)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    sizes = (2**10, 2**16, 2**20, 2**23)
+    net = probe.probe(mesh, "data", sizes=sizes, repeats=3, cache=False, budget=5.0)
+    # 1 MiB is expected to take ~4.2 s (fits in 5), 8 MiB ~34 s (does not).
+    assert timed == [2**10, 2**16, 2**20]
+    assert net.bandwidth == pytest.approx(1e6, rel=0.05)  # 2 devices: the ring moves M bytes, at 1 MB/s
+    timed.clear()
+    probe.probe(mesh, "data", sizes=sizes, repeats=3, cache=False, budget=1.0)
+    assert timed == [2**10, 2**16]  # the two smallest always run
+    timed.clear()
+    probe.probe(mesh, "data", sizes=sizes, repeats=3, cache=False, budget=None)
+    assert timed == list(sizes)
+
+
+@pytest.mark.parametrize("budget", [0, -1.0, float("inf"), "5"])
+def test_bad_budget(budget):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    with pytest.raises(ValueError, match="budget"):
+        probe.probe(mesh, "data", budget=budget)

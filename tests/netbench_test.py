@@ -1,0 +1,65 @@
+"""jaxcomp netbench: one small cell end to end on an emulated cluster, the table, the plot, the CLI."""
+
+import json
+import os
+
+import pytest
+
+from jaxcomp import netbench
+
+
+def fake_rows():
+    rows = []
+    for rate in ("1gbit", "100mbit"):
+        slow = 10 if rate == "100mbit" else 1
+        for method, step, sync in (("pmean", 1.2 * slow, 1.0 * slow), ("dense", 1.2 * slow, 1.0 * slow),
+                                   ("ar_topk", 0.5, 0.3)):
+            rows.append({"hosts": 4, "rate": rate, "method": method, "step": step, "compute": 0.2, "sync": sync,
+                         "predicted_sync": sync * 0.9, "advise_step": step * 0.9, "wire_tx": 1e6, "bytes_sent": 1e6,
+                         "speedup": 1.2 * slow / step, "ran": method})
+    return rows
+
+
+def test_table_has_a_row_per_method_and_the_sync_ratio():
+    lines = netbench.table(fake_rows()).splitlines()
+    assert len(lines) == 2 + 6
+    ar = [line for line in lines if "| ar_topk |" in line and "| 100mbit |" in line][0]
+    assert "| 33.3x |" in ar  # dense's sync 10 s over ar_topk's 0.3 s
+
+
+def test_plot_writes_a_png(tmp_path):
+    path = tmp_path / "speedup.png"
+    netbench.plot(fake_rows(), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--hosts", "0"], "--hosts"), (["--rates", "fast"], "--rates"), (["--methods", "nope"], "--methods"),
+    (["--params", "10"], "--params"), (["--steps", "0"], "--steps"), (["--plot", "/nonexistent/x.png"], "folder"),
+])
+def test_cli_checks_its_flags_before_running(argv, match, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        netbench.main(argv)
+    assert exit_info.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_one_small_cell_on_two_emulated_hosts(tmp_path):
+    from jaxcomp import cluster
+    from helpers import subprocess_env
+
+    cluster.check_support()
+    os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]  # the workers import this jaxcomp
+    out = tmp_path / "rows.json"
+    code = netbench.main(["--hosts", "2", "--rates", "100mbit", "--params", "2e5", "--methods",
+                          "dense,ar_topk,quantized", "--steps", "2", "--json", str(out), "--plot",
+                          str(tmp_path / "p.png")])
+    assert code == 0
+    rows = json.loads(out.read_text())
+    assert [r["method"] for r in rows] == ["pmean", "dense", "ar_topk", "quantized"]
+    for r in rows:
+        # The links carried what jaxcomp says it sends, plus TCP/IP framing (a few %).
+        assert r["bytes_sent"] <= r["wire_tx"] <= 1.15 * r["bytes_sent"] + 20_000, r
+        assert r["step"] > 0 and r["compute"] > 0 and r["predicted_sync"] > 0
+    assert (tmp_path / "p.png").exists()
