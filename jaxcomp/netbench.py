@@ -212,7 +212,7 @@ def _worker(spec: Spec) -> None:
             entry["bytes_sent"] = jaxcomp.collectives.bytes_sent("psum", n_params, n_hosts) if n_hosts > 1 else 0.0
             entry["ran"] = "pmean"
         if network is not None:
-            entry.update(_predictions(entry["ran"], options, n_params, n_hosts, network, compute))
+            entry.update(_predictions(entry["ran"], options, n_params, n_hosts, network, compute, mesh))
         results["methods"][label] = entry
         if jax.process_index() == 0:
             print(f"netbench: {n_hosts} hosts, {label}: step {median:.3f} s (compute {compute:.3f} s), "
@@ -225,21 +225,28 @@ def _worker(spec: Spec) -> None:
         gc.collect()
 
 
-def _predictions(ran, options, n_params, n_hosts, network, compute):
-    """The cost model's sync time and paper 002's step time (``jaxcomp advise``) for the method that ran."""
+def _predictions(ran, options, n_params, n_hosts, network, compute, mesh):
+    """The cost model's sync time and paper 002's step time (``jaxcomp advise``) for the method that ran.
+
+    Both include the method's local work as ``jaxcomp.probe.codec_seconds`` measures it on the
+    mesh (every host at once), as ``jaxcomp advise --measure-codec`` and ``compress("auto")`` do.
+    """
     import jaxcomp
     from jaxcomp import advise, cost
+    from jaxcomp.probe import codec_seconds
 
     settings = {**options, **METHODS.get(ran, (None, {}))[1]}
     name = "dense_ring" if ran in ("pmean", "dense") else jaxcomp.transform.cost_method(ran)
     wanted = {"ratio": name in cost.TOPK_METHODS, "rate": name.startswith("zfp"), "bits": name == "quantized"}
     kw = {k: settings[k] for k, needed in wanted.items() if needed}
     nbytes = 4.0 * n_params
+    local = codec_seconds(name, n_params, mesh=mesh, axis_name="data", **kw)
     if name in cost.DENSE_METHODS:
         step = advise.sync_sgd_time(nbytes, n_hosts, network, compute, overlap=False)
     else:
-        step = advise.compressed_time(name, nbytes, n_hosts, network, compute, **kw)
-    return {"predicted_sync": cost.predict(name, nbytes, n_hosts, network, **kw), "advise_step": step}
+        step = advise.compressed_time(name, nbytes, n_hosts, network, compute, encode_decode_seconds=local, **kw)
+    return {"predicted_sync": cost.predict(name, nbytes, n_hosts, network, overhead=local, **kw),
+            "advise_step": step, "local_work": local}
 
 
 class _plain_pmean_step:
