@@ -96,8 +96,12 @@ def initialize(interface: str | None = None, *, failure_timeout: float | None = 
     if _COORDINATOR not in os.environ:
         return 0
     if failure_timeout is None:
-        failure_timeout = _check_timeout(float(os.environ.get(_FAILURE_TIMEOUT, DEFAULT_FAILURE_TIMEOUT)),
-                                         _FAILURE_TIMEOUT)
+        text = os.environ.get(_FAILURE_TIMEOUT, str(DEFAULT_FAILURE_TIMEOUT))
+        try:
+            failure_timeout = float(text)
+        except ValueError:
+            raise ValueError(f"{_FAILURE_TIMEOUT} must be a number of seconds, got {text!r}") from None
+        failure_timeout = _check_timeout(failure_timeout, _FAILURE_TIMEOUT)
     import jax
 
     interface = interface or os.environ.get(_INTERFACE) or None
@@ -117,10 +121,12 @@ def initialize(interface: str | None = None, *, failure_timeout: float | None = 
     joined = threading.Event()
     threading.Thread(target=_initialize_watchdog, daemon=True,
                      args=(joined, failure_timeout, process_id, num_processes, coordinator)).start()
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
-                               initialization_timeout=seconds + _ABORT_MARGIN_SECONDS,
-                               heartbeat_timeout_seconds=seconds, shutdown_timeout_seconds=seconds)
-    joined.set()
+    try:
+        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
+                                   initialization_timeout=seconds + _ABORT_MARGIN_SECONDS,
+                                   heartbeat_timeout_seconds=seconds, shutdown_timeout_seconds=seconds)
+    finally:  # joined, or failed with an exception of its own: either way the watchdog stands down
+        joined.set()
     _exit_promptly_on_failure(process_id, num_processes)
     return process_id
 
@@ -128,10 +134,8 @@ def initialize(interface: str | None = None, *, failure_timeout: float | None = 
 def _initialize_watchdog(joined, seconds, process_id, num_processes, coordinator):
     if not joined.wait(seconds):
         print(f"jaxcomp.launch: process {process_id} of {num_processes}: not every process of the job connected to "
-              f"the coordinator at {coordinator} within {seconds:g} s (failure_timeout); a process that was never "
-              "started, died while starting, or cannot reach the coordinator"
-              + ("" if process_id else " (every process waits for all the others)") + "; exiting",
-              file=sys.stderr, flush=True)
+              f"the coordinator at {coordinator} within {seconds:g} s (failure_timeout): a process was never "
+              "started, died while starting, or cannot reach the coordinator; exiting", file=sys.stderr, flush=True)
         os._exit(1)
 
 
@@ -155,7 +159,7 @@ def _exit_promptly_on_failure(process_id: int, num_processes: int) -> None:
         if missing:
             print(f"jaxcomp.launch: process {process_id} of {num_processes} failed; process(es) "
                   f"{', '.join(map(str, missing))} did not check in within {_CHECK_IN_SECONDS} s "
-                  "(dead, not started or stalled)", file=sys.stderr, flush=True)
+                  "(dead or stalled, unless still running without error)", file=sys.stderr, flush=True)
 
     def exit_now():
         if failed:

@@ -128,3 +128,12 @@ def test_initialize_sets_the_timeouts(monkeypatch):
     assert calls["initialization_timeout"] > 13  # the watchdog (13 s) ends the process first
     assert os.environ["XLA_FLAGS"].split().count("--xla_cpu_collective_timeout_seconds=13") == 1
     assert "=5" not in os.environ["XLA_FLAGS"]
+
+
+def test_failure_timeout_from_the_environment_is_checked(monkeypatch):
+    env = launch.process_env("127.0.0.1:1", 2, 1, 1, base={})
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("JAXCOMP_FAILURE_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="JAXCOMP_FAILURE_TIMEOUT must be a number of seconds"):
+        launch.initialize()
