@@ -66,8 +66,8 @@ class _BoundedStep:
         self._max_in_flight = max_in_flight
         self._in_flight = collections.deque()
 
-    def __call__(self, state, batch):
-        out = self._jitted(state, batch)
+    def __call__(self, *args, **kwargs):
+        out = self._jitted(*args, **kwargs)
         if self._max_in_flight is not None:
             # One scalar per step: the new step counter, ready when the whole step has run.
             self._in_flight.append(out[0].step)
