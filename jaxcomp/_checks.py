@@ -20,7 +20,13 @@ MAX_ROW_LENGTH = 2**31 - 1
 
 def float_array(x, name: str):
     """Returns ``x`` as a JAX array with at least one dimension and a supported float dtype."""
-    dtype = jnp.result_type(x)
+    # Strings would be read as dtype names ("abc" -> numpy's "data type 'abc' not understood").
+    if x is None or isinstance(x, (str, bytes)):
+        raise TypeError(f"{name} must be a float32, bfloat16 or float16 array, got {type(x).__name__}")
+    try:
+        dtype = jnp.result_type(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a float32, bfloat16 or float16 array, got {type(x).__name__}") from None
     if dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name} must be float32, bfloat16 or float16, got dtype {dtype}")

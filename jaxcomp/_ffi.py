@@ -97,12 +97,41 @@ def like_varying(out, like):
 
 
 def ffi_call(target, result_shape_dtypes, *, vmap_method="broadcast_all"):
-    """``jax.ffi.ffi_call`` for a jaxcomp target, refusing GPUs in builds without the CUDA module."""
+    """``jax.ffi.ffi_call`` for a jaxcomp target, refusing GPUs in builds without the CUDA module
+    and refusing differentiation with an error that names the op."""
     call = jax.ffi.ffi_call(target, result_shape_dtypes, vmap_method=vmap_method)
-    if HAS_CUDA:
-        return call
+    if not HAS_CUDA:
+        unguarded = call
 
-    def guarded(*operands, **attributes):
-        return call(*(require_cuda_module(x) for x in operands), **attributes)
+        def call(*operands, **attributes):
+            return unguarded(*(require_cuda_module(x) for x in operands), **attributes)
 
-    return guarded
+    return _not_differentiable(call, target.replace("jaxcomp_", "jaxcomp.", 1))
+
+
+def _not_differentiable(call, op):
+    """``call`` with a JVP rule that raises a TypeError naming ``op`` (and the way around it).
+
+    Without it, ``jax.grad`` through a jaxcomp op fails on whichever primitive comes first, with a
+    message that names neither the op nor a fix (issue 14: "Differentiation rule for
+    'jaxcomp_require_cuda_module' not implemented"). The rule only runs for inputs that carry a
+    tangent, so ops applied to ``jax.lax.stop_gradient`` values or to constants still work under
+    ``jax.grad``.
+    """
+
+    def run(*operands, **attributes):
+        @jax.custom_jvp
+        def op_call(*operands):
+            return call(*operands, **attributes)
+
+        @op_call.defjvp
+        def refuse(primals, tangents):
+            raise TypeError(
+                f"{op} is not differentiable (its output selects or encodes values; XLA has no derivative for "
+                f"the native kernel). Its input carries a gradient here: wrap it in jax.lax.stop_gradient(x) if "
+                f"no gradient should flow through {op}, or differentiate the pure-JAX "
+                f"jaxcomp.reference.{op.split('.', 1)[1]} instead")
+
+        return op_call(*operands)
+
+    return run

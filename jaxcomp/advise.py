@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 import numpy as np
@@ -38,6 +39,15 @@ DEFAULT_TARGET_EFFICIENCY = 0.9
 
 #: Bandwidths searched for break-even points, bytes per second (1 Mbit/s to 10 Tbit/s).
 BANDWIDTH_SEARCH = (1e6 / 8, 1e13 / 8)
+
+#: Largest --params: 10 trillion parameters (40 TB of float32 gradient); the byte counts stay exact.
+MAX_PARAMS = 1e13
+
+#: Largest --params that --measure-codec times (a 1 GiB float32 gradient, with the codec's buffers).
+MAX_MEASURED_PARAMS = 2**28
+
+#: Image formats --plot writes (matplotlib's, by the file's suffix).
+PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
 
 
 def sync_sgd_time(nbytes: float, n_workers: int, network: cost.Network, backward_seconds: float, *,
@@ -76,6 +86,8 @@ def sync_sgd_time(nbytes: float, n_workers: int, network: cost.Network, backward
         raise ValueError(f"gamma must be a number >= 1, got {gamma!r}")
     if method not in cost.DENSE_METHODS:
         raise ValueError(f"method must be one of {cost.DENSE_METHODS}, got {method!r}")
+    if n_workers == 1:
+        return backward_seconds  # nothing to synchronize, nothing to overlap with
     full_buckets = max(math.ceil(nbytes / bucket_bytes) - 1, 0)
     last_bucket = nbytes - full_buckets * bucket_bytes
     per_bucket = cost.predict(method, bucket_bytes, n_workers, network) if full_buckets else 0.0
@@ -126,6 +138,8 @@ def compressed_time(method: str, nbytes: float, n_workers: int, network: cost.Ne
     _check_positive(backward_seconds, "backward_seconds", allow_zero=True)
     _check_positive(encode_decode_seconds, "encode_decode_seconds", allow_zero=True)
     options = dict(ratio=ratio, rate=rate, bits=bits, inner_size=inner_size)
+    if n_workers == 1:
+        return backward_seconds + encode_decode_seconds  # compressed for nobody: only the codec's cost
     if not overlap:
         return backward_seconds + encode_decode_seconds + cost.predict(method, nbytes, n_workers, network, **options)
     _check_positive(bucket_bytes, "bucket_bytes")
@@ -328,18 +342,29 @@ def main(argv=None) -> int:
         network = cost.Network.parse(args.latency, args.bandwidth)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
-    if not (args.params >= 1 and math.isfinite(args.params)):
-        parser.error(f"--params must be >= 1, got {args.params}")
+    if not 1 <= args.params <= MAX_PARAMS:
+        # Beyond it the bucket arithmetic of float64 byte counts loses the last bucket entirely.
+        parser.error(f"--params must be in [1, {MAX_PARAMS:g}], got {args.params}")
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
     if not args.backward_ms > 0:
         parser.error(f"--backward-ms must be > 0, got {args.backward_ms}")
     if not 0 < args.ratio <= 1:
         parser.error(f"--ratio must be in (0, 1], got {args.ratio}")
-    if not args.gamma >= 1:
-        parser.error(f"--gamma must be >= 1, got {args.gamma}")
-    if not args.bucket_mb > 0:
-        parser.error(f"--bucket-mb must be > 0, got {args.bucket_mb}")
+    if not (args.gamma >= 1 and math.isfinite(args.gamma)):
+        parser.error(f"--gamma must be >= 1 and finite, got {args.gamma}")
+    if not (args.bucket_mb > 0 and math.isfinite(args.bucket_mb)):
+        parser.error(f"--bucket-mb must be > 0 and finite, got {args.bucket_mb}")
+    if not (math.isfinite(args.backward_ms)):
+        parser.error(f"--backward-ms must be finite, got {args.backward_ms}")
+    if args.measure_codec and args.params > MAX_MEASURED_PARAMS:
+        parser.error(f"--measure-codec times the codec on a gradient of --params float32 values in this machine's "
+                     f"memory, at most {MAX_MEASURED_PARAMS:,}; got {args.params:g}. Pass --encode-decode-ms "
+                     "instead (or measure a smaller model and scale the time by the size)")
+    if args.plot is not None:
+        problem = _unwritable_plot(args.plot)
+        if problem:
+            parser.error(f"--plot {args.plot!r}: {problem}")
     if not 0 < args.target_efficiency < 1:
         parser.error(f"--target-efficiency must be in (0, 1), got {args.target_efficiency}")
     if args.inner_size is not None and (args.inner_size < 1 or args.workers % args.inner_size):
@@ -348,6 +373,8 @@ def main(argv=None) -> int:
     compressed = [m for m in cost.available_methods(**_options(args)) if m not in cost.DENSE_METHODS]
     if args.methods is not None:
         wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
+        if not wanted:
+            parser.error(f"--methods names no method; give a comma-separated list of {compressed}")
         for name in wanted:
             if name not in compressed:
                 parser.error(f"--methods: {name!r} is not one of {compressed}")
@@ -397,6 +424,9 @@ def main(argv=None) -> int:
     how = (f"overlapped with the backward pass in {buckets} buckets of {args.bucket_mb:g} MiB, γ={args.gamma:g}"
            if overlap else "after the backward pass")
     print(f"dense baseline: ring all-reduce {how}")
+    if args.workers == 1:
+        print("(1 worker: nothing crosses the network, so no method can be faster than dense; "
+              "compression only adds its encode/decode time)")
     print()
     header = f"{'method':<24}{'setting':<14}{'sent/worker':>12}{'comm':>11}{'enc+dec':>10}{'step T_obs':>12}" \
              f"{'speedup':>9}{'scaling':>14}"
@@ -437,7 +467,9 @@ def main(argv=None) -> int:
     for method in compressed:
         edge = break_even_bandwidth(lambda bw, m=method: method_at(m, cost.Network(network.alpha, bw)),
                                     lambda bw: dense_at(cost.Network(network.alpha, bw)))
-        if edge is None:
+        if args.workers == 1:
+            verdict = "never (1 worker sends nothing)"
+        elif edge is None:
             verdict = "never (slower than dense at every bandwidth from 1 Mbit/s to 10 Tbit/s)"
         elif math.isinf(edge):
             verdict = "always (faster than dense up to 10 Tbit/s)"
@@ -477,6 +509,23 @@ def _plot(path, network, methods, dense_at, method_at, workers, backward):
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def _unwritable_plot(path) -> str | None:
+    """Why the plot cannot be written to ``path``, or None; checked before any work."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "is a folder; name the image file, e.g. speedup.png"
+    if not os.path.isdir(folder):
+        return f"the folder {folder} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} is not writable"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return "the file exists and is not writable"
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffix not in PLOT_FORMATS:
+        return f"the name must end in one of {', '.join('.' + f for f in PLOT_FORMATS)} (the image format)"
+    return None
 
 
 def _bytes(count):

@@ -436,6 +436,16 @@ def _check_step(step):
     return step
 
 
+def _check_step_replicated(step, axis_name):
+    """Refuses a STAR step that differs per device: each device would lead and sum zeros."""
+    axes = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
+    if axes & _varying_axes(_check_step(step)):
+        raise ValueError(
+            f"step must be the same on every device of {axis_name!r} (it picks the STAR leader, who must be "
+            "one device for all), got a step typed varying over it; pass the replicated training step (e.g. "
+            "in_specs=P() for it), not a per-device value")
+
+
 def _broadcast_indices(indices, is_leader, leader_index, axis_name, how):
     """The leader's indices on every device, typed invariant.
 
@@ -499,6 +509,8 @@ def ar_topk(x, k, axis_name, leader="star", step=0, selector="exact", *, sparse_
     k = _checks.static_int(k, "k", 1, n)
     leader = _check_choice(leader, "leader", LEADERS)
     selector = _check_choice(selector, "selector", SELECTORS)
+    if leader == "star":
+        _check_step_replicated(step, axis_name)
     n_devices = _axis_size(axis_name)
     me = jax.lax.axis_index(axis_name)
     if leader == "star":

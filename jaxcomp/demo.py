@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -220,6 +221,19 @@ def plot(results, path):
     plt.close(fig)
 
 
+def _unwritable_folder(path) -> str | None:
+    """Why ``path`` cannot become a folder we write into (it is created if missing), or None."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "exists and is not a folder"
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        return f"cannot create the folder ({error.strerror or error})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "the folder is not writable"
+    return None
+
+
 def main(argv=None) -> int:
     """Runs the demo; returns the process exit code.
 
@@ -266,11 +280,24 @@ def main(argv=None) -> int:
         parser.error("--density must be in (0, 1]")
     if args.steps < 2:
         parser.error("--steps must be at least 2")
-    if args.batch_size % N_DEVICES:
-        parser.error(f"--batch-size must be a multiple of {N_DEVICES}")
+    if args.batch_size < N_DEVICES or args.batch_size % N_DEVICES:
+        parser.error(f"--batch-size must be a positive multiple of {N_DEVICES} (one share per device), "
+                     f"got {args.batch_size}")
+    if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
+        parser.error(f"--learning-rate must be a positive finite number, got {args.learning_rate}")
+    if not 0 <= args.seed < 2**32:
+        parser.error(f"--seed must be in [0, 2**32 - 1], got {args.seed}")
+    if not args.no_plot:
+        # Where the plot goes is checked now, not after minutes of training.
+        problem = _unwritable_folder(args.out)
+        if problem:
+            parser.error(f"--out {args.out!r}: {problem}")
+    data = load_digits(seed=args.seed)
+    if args.batch_size > len(data[0]):
+        parser.error(f"--batch-size must be at most the {len(data[0])} training images (batches are drawn "
+                     f"without replacement), got {args.batch_size}")
 
     devices = _use_virtual_cpu_devices()
-    data = load_digits(seed=args.seed)
     print(f"digits: {len(data[0])} train / {len(data[2])} test images, {N_DEVICES} CPU devices, "
           f"{args.steps} steps of {args.batch_size} per method", file=sys.stderr)
     started = time.perf_counter()

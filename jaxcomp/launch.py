@@ -29,12 +29,16 @@ gloo bind to that interface's address instead.
 from __future__ import annotations
 
 import argparse
+import atexit
+import itertools
+import math
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 _COORDINATOR = "JAXCOMP_COORDINATOR_ADDRESS"
@@ -42,18 +46,38 @@ _NUM_PROCESSES = "JAXCOMP_NUM_PROCESSES"
 _PROCESS_ID = "JAXCOMP_PROCESS_ID"
 _LOCAL_DEVICES = "JAXCOMP_LOCAL_DEVICES"
 _INTERFACE = "JAXCOMP_INTERFACE"
+_FAILURE_TIMEOUT = "JAXCOMP_FAILURE_TIMEOUT"
+
+DEFAULT_FAILURE_TIMEOUT = 60.0
 
 
-def initialize(interface: str | None = None) -> int:
+def initialize(interface: str | None = None, *, failure_timeout: float | None = None) -> int:
     """Joins the job :func:`launch` started (no-op when not launched); call before any JAX op.
 
     Sets this process's CPU device count and calls ``jax.distributed.initialize`` with the
-    coordinator, process count and id the launcher put in the environment.
+    coordinator, process count and id the launcher put in the environment, and with timeouts that
+    turn a dead, never-started or stalled peer into a Python exception within about
+    ``failure_timeout`` seconds on every surviving process (JAX's own defaults wait 100 to 300 s
+    and then abort the process with no exception):
+
+    - ``initialization_timeout = failure_timeout``: a peer that never starts fails ``initialize``;
+    - ``heartbeat_timeout_seconds = failure_timeout``: a peer that stops heartbeating (killed) is
+      declared dead by the coordinator;
+    - ``--xla_cpu_collective_timeout_seconds = failure_timeout``: a collective a peer never joins
+      (the peer stalled, or died without resetting the connection) fails instead of waiting 30 min.
+
+    When a process of the job then ends on an uncaught exception, it prints which processes did not
+    answer a short check-in through the coordinator (the missing ones, by id) and exits with code 1
+    at once, instead of waiting in JAX's exit-time shutdown barrier for a peer that is gone (which
+    ends, after the heartbeat timeout, in an abort).
 
     Args:
       interface: network interface gloo binds to (e.g. ``"eth0"``); default: the launcher's
         ``--interface`` (``JAXCOMP_INTERFACE``), else gloo's own choice, the address the
         hostname resolves to.
+      failure_timeout: seconds, ``> 0``, after which a missing peer is an error (see above);
+        default: the launcher's ``--failure-timeout`` (``JAXCOMP_FAILURE_TIMEOUT``), else 60.
+        Raise it when the first step's compilation can take longer than that on some process.
 
     Returns:
       This process's id (0 when not launched).
@@ -67,18 +91,115 @@ def initialize(interface: str | None = None) -> int:
       JAX multi-process programming (``jax.distributed``); the data-parallel setting of Tyagi &
       Swany, arXiv 2312.02493.
     """
+    if failure_timeout is not None:
+        failure_timeout = _check_timeout(failure_timeout, "failure_timeout")
     if _COORDINATOR not in os.environ:
         return 0
+    if failure_timeout is None:
+        text = os.environ.get(_FAILURE_TIMEOUT, str(DEFAULT_FAILURE_TIMEOUT))
+        try:
+            failure_timeout = float(text)
+        except ValueError:
+            raise ValueError(f"{_FAILURE_TIMEOUT} must be a number of seconds, got {text!r}") from None
+        failure_timeout = _check_timeout(failure_timeout, _FAILURE_TIMEOUT)
     import jax
 
     interface = interface or os.environ.get(_INTERFACE) or None
     if interface is not None:
         use_gloo_interface(interface)
+    seconds = max(1, math.ceil(failure_timeout))
+    # XLA reads XLA_FLAGS when the CPU client is built, which is after this (no JAX op ran yet).
+    os.environ["XLA_FLAGS"] = _with_flag(os.environ.get("XLA_FLAGS", ""), "xla_cpu_collective_timeout_seconds",
+                                         seconds)
     jax.config.update("jax_num_cpu_devices", int(os.environ[_LOCAL_DEVICES]))
     process_id = int(os.environ[_PROCESS_ID])
-    jax.distributed.initialize(os.environ[_COORDINATOR], num_processes=int(os.environ[_NUM_PROCESSES]),
-                               process_id=process_id)
+    num_processes = int(os.environ[_NUM_PROCESSES])
+    coordinator = os.environ[_COORDINATOR]
+    # A peer that never connects makes JAX abort the process (a C++ fatal error, no Python
+    # exception, no exit code worth reading) when initialization_timeout expires; this watchdog
+    # ends the process first, with a message and exit code 1.
+    joined = threading.Event()
+    threading.Thread(target=_initialize_watchdog, daemon=True,
+                     args=(joined, failure_timeout, process_id, num_processes, coordinator)).start()
+    try:
+        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
+                                   initialization_timeout=seconds + _ABORT_MARGIN_SECONDS,
+                                   heartbeat_timeout_seconds=seconds, shutdown_timeout_seconds=seconds)
+    finally:  # joined, or failed with an exception of its own: either way the watchdog stands down
+        joined.set()
+    _exit_promptly_on_failure(process_id, num_processes)
     return process_id
+
+
+def _initialize_watchdog(joined, seconds, process_id, num_processes, coordinator):
+    if not joined.wait(seconds):
+        print(f"jaxcomp.launch: process {process_id} of {num_processes}: not every process of the job connected to "
+              f"the coordinator at {coordinator} within {seconds:g} s (failure_timeout): a process was never "
+              "started, died while starting, or cannot reach the coordinator; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def _exit_promptly_on_failure(process_id: int, num_processes: int) -> None:
+    """On an uncaught exception: name the peers that do not check in, then exit(1) at once.
+
+    JAX's exit handler (registered when jax was imported, so it runs after this one) shuts the
+    distributed client down through a barrier every process must reach; with a peer dead or stuck
+    it waits for the heartbeat timeout and then aborts, hiding the exit code. Handlers registered
+    after :func:`initialize` (e.g. a checkpoint manager's) still run before this one.
+    """
+    failed = []
+    previous_hook = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        previous_hook(kind, value, traceback)
+        if kind is KeyboardInterrupt:
+            return
+        failed.append(True)
+        missing = _missing_processes(process_id, num_processes)
+        if missing:
+            print(f"jaxcomp.launch: process {process_id} of {num_processes} failed; process(es) "
+                  f"{', '.join(map(str, missing))} did not check in within {_CHECK_IN_SECONDS} s "
+                  "(dead or stalled, unless still running without error)", file=sys.stderr, flush=True)
+
+    def exit_now():
+        if failed:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    sys.excepthook = excepthook
+    atexit.register(exit_now)
+
+
+_CHECK_IN_SECONDS = 5
+# JAX's own abort at the end of initialization comes this much after jaxcomp's watchdog.
+_ABORT_MARGIN_SECONDS = 10
+_check_ins = itertools.count()
+
+
+def _missing_processes(process_id: int, num_processes: int) -> list[int]:
+    """The processes that do not reach a check-in barrier in time, by id; [] if none or unknown."""
+    try:
+        from jax._src import distributed
+        client = distributed.global_state.client
+        if client is None:
+            return []
+        # Every surviving process that fails reaches this barrier; a dead or stalled one does not.
+        barrier = f"jaxcomp_failure_check_in_{next(_check_ins)}"
+        try:
+            client.wait_at_barrier(barrier, _CHECK_IN_SECONDS * 1000)
+            return []
+        except Exception as e:  # the coordination service's message names the tasks that did not come
+            message = str(e)
+        # "... Some timed out task names:\n1\n3\nRPC: ..." (XLA's coordination service, jax 0.10)
+        names = re.search(r"timed out task names:([\s\d,]*)", message)
+        if names:
+            late = sorted({int(t) for t in re.findall(r"\d+", names.group(1))} - {process_id})
+            if late:
+                return late
+        return [0] if process_id != 0 else []  # no answer at all: the coordinator (process 0) is gone
+    except Exception:
+        return []
 
 
 def use_gloo_interface(interface: str) -> None:
@@ -124,7 +245,8 @@ def use_gloo_interface(interface: str) -> None:
 
 
 def process_env(coordinator: str, num_processes: int, process_id: int, devices: int, *,
-                interface: str | None = None, base: dict | None = None) -> dict:
+                interface: str | None = None, base: dict | None = None,
+                failure_timeout: float | None = None) -> dict:
     """The environment that makes :func:`initialize` join a job as ``process_id``.
 
     Args:
@@ -134,6 +256,8 @@ def process_env(coordinator: str, num_processes: int, process_id: int, devices: 
       devices: CPU devices this process gets.
       interface: network interface for gloo, or None.
       base: the environment to extend (default ``os.environ``).
+      failure_timeout: seconds after which :func:`initialize` makes a missing peer an error, or
+        None for its default (60).
 
     Returns:
       A new dict.
@@ -151,6 +275,8 @@ def process_env(coordinator: str, num_processes: int, process_id: int, devices: 
         env[_INTERFACE] = interface
     else:
         env.pop(_INTERFACE, None)
+    if failure_timeout is not None:
+        env[_FAILURE_TIMEOUT] = repr(_check_timeout(failure_timeout, "failure_timeout"))
     return env
 
 
@@ -201,8 +327,19 @@ def _free_port() -> int:
 
 
 def _with_device_count(flags: str, count: int) -> str:
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
-    return f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    return _with_flag(flags, "xla_force_host_platform_device_count", count)
+
+
+def _with_flag(flags: str, name: str, value: int) -> str:
+    """``flags`` with ``--name=value`` replacing any earlier setting of ``name``."""
+    flags = " ".join(re.sub(rf"--{name}=\S*", "", flags).split())
+    return f"{flags} --{name}={value}".strip()
+
+
+def _check_timeout(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+    return float(value)
 
 
 def _positive_int(value, name):
@@ -213,7 +350,7 @@ def _positive_int(value, name):
 
 def launch(command, num_processes: int, devices_per_process: int = 1, port: int | None = None,
            timeout: float | None = None, *, coordinator: str | None = None, num_hosts: int = 1,
-           host_id: int = 0, interface: str | None = None) -> int:
+           host_id: int = 0, interface: str | None = None, failure_timeout: float | None = None) -> int:
     """Runs ``python *command`` as ``num_processes`` processes of one ``jax.distributed`` job.
 
     On one machine (the default) the coordinator is a free port on 127.0.0.1. For several hosts,
@@ -230,6 +367,8 @@ def launch(command, num_processes: int, devices_per_process: int = 1, port: int 
       num_hosts: hosts in the job, each running this launcher.
       host_id: this host's index in ``[0, num_hosts)``; host 0 runs the coordinator.
       interface: network interface gloo binds to on every process (e.g. ``"eth0"``).
+      failure_timeout: seconds after which a dead, never-started or stalled process is an error
+        in every other process (see :func:`initialize`); default 60.
 
     Returns:
       0 when every process exits with 0; else the first failing process's code (the others are
@@ -262,11 +401,15 @@ def launch(command, num_processes: int, devices_per_process: int = 1, port: int 
     if interface is not None:
         if not isinstance(interface, str) or not interface:
             raise ValueError(f"interface must be a network interface name, got {interface!r}")
+    if failure_timeout is not None:
+        _check_timeout(failure_timeout, "failure_timeout")
+    if timeout is not None:
+        _check_timeout(timeout, "timeout")
     total = num_hosts * num_processes
     processes = []
     for local in range(num_processes):
         env = process_env(coordinator, total, host_id * num_processes + local, devices_per_process,
-                          interface=interface)
+                          interface=interface, failure_timeout=failure_timeout)
         processes.append(subprocess.Popen([sys.executable, *command], env=env))
     codes, failed = wait_all(processes, timeout)
     return codes[failed] if failed is not None else (124 if 124 in codes else 0)
@@ -284,6 +427,9 @@ def main(argv=None) -> int:
     parser.add_argument("--host-id", type=int, default=0, help="this host's index, 0 on the coordinator's host")
     parser.add_argument("--interface", default=None, help="network interface gloo binds to, e.g. eth0")
     parser.add_argument("--timeout", type=float, default=None, help="seconds before all processes are killed")
+    parser.add_argument("--failure-timeout", type=float, default=None,
+                        help="seconds after which a dead, never-started or stalled process is an error in the "
+                             f"others (default {DEFAULT_FAILURE_TIMEOUT:g})")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...] or -m module [args...]")
     args = parser.parse_args(argv)
     if not args.command:
@@ -291,7 +437,7 @@ def main(argv=None) -> int:
     try:
         return launch(args.command, args.num_processes, args.devices_per_process, args.port, args.timeout,
                       coordinator=args.coordinator, num_hosts=args.num_hosts, host_id=args.host_id,
-                      interface=args.interface)
+                      interface=args.interface, failure_timeout=args.failure_timeout)
     except ValueError as e:
         parser.error(str(e))
 

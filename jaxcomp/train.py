@@ -13,6 +13,7 @@ is replicated. Which leaves differ is read off shard_map's types by tracing ``tx
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -43,10 +44,45 @@ class TrainState(NamedTuple):
     step: jax.Array  # i32[]: steps taken
 
 
+#: Steps :attr:`DataParallel.step` lets run ahead of the host by default (see :func:`data_parallel`).
+DEFAULT_MAX_STEPS_IN_FLIGHT = 8
+
+
+class _BoundedStep:
+    """A jitted step that blocks on step ``t - max_in_flight``'s output before dispatching step ``t``.
+
+    Why: XLA:CPU runs the collectives of each step as an in-process rendezvous of one thread per
+    device with a fixed 40 s termination timeout. A loop that never reads a result queues
+    hundreds of steps; the threads of one device then fall so far behind another's that a
+    rendezvous times out and XLA aborts the process ("Termination timeout for all reduce
+    RendezvousKey ... only 7 of 8 arrived", issue 14; a reproduction without jaxcomp is
+    ``tests/inflight_repro.py``). Waiting for an output that is ``max_in_flight`` steps old costs
+    nothing measurable while the queue stays ahead (docs/training.md). Every other attribute
+    (``lower``, ``trace``, ...) is the jitted function's.
+    """
+
+    def __init__(self, jitted, max_in_flight):
+        self._jitted = jitted
+        self._max_in_flight = max_in_flight
+        self._in_flight = collections.deque()
+
+    def __call__(self, *args, **kwargs):
+        out = self._jitted(*args, **kwargs)
+        if self._max_in_flight is not None:
+            # One scalar per step: the new step counter, ready when the whole step has run.
+            self._in_flight.append(out[0].step)
+            while len(self._in_flight) > self._max_in_flight:
+                self._in_flight.popleft().block_until_ready()
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._jitted, name)
+
+
 class DataParallel:
     """The object :func:`data_parallel` returns: ``init``, ``step`` and ``shard_batch``."""
 
-    def __init__(self, loss_fn, tx, mesh, axis_name, has_aux):
+    def __init__(self, loss_fn, tx, mesh, axis_name, has_aux, max_steps_in_flight=DEFAULT_MAX_STEPS_IN_FLIGHT):
         self.loss_fn = loss_fn
         self.tx = tx
         self.mesh = mesh
@@ -55,7 +91,8 @@ class DataParallel:
         self._axes = tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
         self.n_devices = math.prod(mesh.shape[a] for a in self._axes)
         self._masks = {}
-        self.step = jax.jit(self._step)
+        self.max_steps_in_flight = max_steps_in_flight
+        self.step = _BoundedStep(jax.jit(self._step), max_steps_in_flight)
 
     # -- layout of the optimizer state ---------------------------------------------------------
 
@@ -65,6 +102,7 @@ class DataParallel:
         Traces ``tx.update`` (no compilation) with varying gradients, marks the state leaves that
         come out varying, and repeats with those leaves varying on the way in until nothing changes.
         """
+        _check_params(params)
         avals = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)), params)
         cache_key = (jax.tree.structure(avals), tuple((a.shape, a.dtype) for a in jax.tree.leaves(avals)))
         if cache_key in self._masks:
@@ -105,6 +143,29 @@ class DataParallel:
             mask = new_mask
         self._masks[cache_key] = (state_def, mask)
         return state_def, mask
+
+    def _check_state(self, state):
+        """Refuses a state whose optimizer state was not made for its params by this ``tx``."""
+        if not isinstance(state, TrainState):
+            raise TypeError(f"state must be the TrainState that init returns, got {type(state).__name__}")
+        state_def, mask = self._per_device_mask(state.params)
+        avals = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)), state.params)
+        expected = jax.tree.leaves(jax.eval_shape(self.tx.init, avals))
+        try:
+            leaves = state_def.flatten_up_to(state.opt_state)
+        except (ValueError, TypeError):
+            leaves = None
+        if leaves is not None and len(leaves) == len(expected):
+            for leaf, want, per_device in zip(leaves, expected, mask):
+                shape = ((self.n_devices,) if per_device else ()) + tuple(want.shape)
+                if tuple(np.shape(leaf)) != shape:
+                    leaves = None
+                    break
+        if leaves is None:
+            raise ValueError(
+                "state.opt_state does not fit state.params: it was made for other params (or by another tx). "
+                "Build the state with init(params) of this data_parallel, and keep params and opt_state "
+                f"together; expected opt_state of structure {state_def}")
 
     def _state_specs(self, params):
         state_def, mask = self._per_device_mask(params)
@@ -243,10 +304,17 @@ class DataParallel:
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
 
     def _step(self, state: TrainState, batch):
+        if not jax.tree.leaves(batch):
+            raise ValueError("batch holds no arrays: pass the global batch as a pytree of arrays")
         for leaf in jax.tree.leaves(batch):
             if leaf.ndim == 0 or leaf.shape[0] % self.n_devices:
                 raise ValueError(f"batch leaves need a leading (global batch) axis divisible by the "
                                  f"{self.n_devices} devices of {self.axis_name!r}, got shape {leaf.shape}")
+            if leaf.shape[0] == 0:
+                # An empty shard makes the mean loss NaN on every device: the step would train on nothing.
+                raise ValueError(f"batch is empty (a leaf of shape {leaf.shape}): every device needs at least "
+                                 "one example")
+        self._check_state(state)
         state_def, mask = self._per_device_mask(state.params)
         specs = self._state_specs(state.params)
         batch_specs = jax.tree.map(lambda _: P(self.axis_name), batch)
@@ -278,8 +346,26 @@ class DataParallel:
                              out_specs=(specs, P()))(state, batch)
 
 
+def _check_params(params):
+    """Refuses params data_parallel cannot differentiate: non-float leaves, or no values at all."""
+    leaves = jax.tree.leaves_with_path(params)
+    if not leaves:
+        raise ValueError("params holds no arrays: nothing to train")
+    for path, leaf in leaves:
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"params{jax.tree_util.keystr(path)} has dtype {dtype}: data_parallel differentiates every leaf "
+                "of params, so each must be floating point. Keep integer or boolean state (counters, masks, "
+                "tables) out of params: close over it in loss_fn or pass it in the batch")
+    if sum(math.prod(np.shape(leaf)) for _, leaf in leaves) == 0:
+        raise ValueError(f"params holds no values (every leaf is empty: shapes "
+                         f"{[tuple(np.shape(leaf)) for _, leaf in leaves]}): nothing to train")
+
+
 def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
-                  axis_name="data", *, has_aux: bool = False) -> DataParallel:
+                  axis_name="data", *, has_aux: bool = False,
+                  max_steps_in_flight: int | None = DEFAULT_MAX_STEPS_IN_FLIGHT) -> DataParallel:
     """A data-parallel training step around a compressing optax chain.
 
     ``step(state, batch)`` is a ``jax.jit``-compiled function (so ``step.lower(...)`` works): each
@@ -298,6 +384,12 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: jax
       axis_name: the data axis, or a tuple of mesh axes (e.g. ``("node", "device")`` for
         ``"hierarchical_topk"``); the batch is split over all of them.
       has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (averaged over devices) goes to the metrics.
+      max_steps_in_flight: how many dispatched steps may still be running when ``step`` returns
+        (default 8): before dispatching step ``t``, ``step`` waits for step ``t - 8`` to finish.
+        JAX dispatches asynchronously, and a loop that never reads a result on 8 virtual CPU
+        devices otherwise queues enough steps for XLA:CPU to abort the process with "Termination
+        timeout for all reduce RendezvousKey" (docs/training.md). The wait costs nothing
+        measurable while the host stays ahead. ``None``: no bound (JAX's own behaviour).
 
     Returns:
       A :class:`DataParallel` with ``init(params) -> TrainState``, ``step(state, batch) ->
@@ -339,4 +431,9 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: jax
     auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
     if tuple(mesh.axis_types) != auto:
         mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
-    return DataParallel(loss_fn, tx, mesh, axis_name, bool(has_aux))
+    if max_steps_in_flight is not None:
+        if isinstance(max_steps_in_flight, bool) or not isinstance(max_steps_in_flight, (int, np.integer)) \
+                or max_steps_in_flight < 1:
+            raise ValueError(f"max_steps_in_flight must be a positive integer or None, got {max_steps_in_flight!r}")
+        max_steps_in_flight = int(max_steps_in_flight)
+    return DataParallel(loss_fn, tx, mesh, axis_name, bool(has_aux), max_steps_in_flight)

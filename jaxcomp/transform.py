@@ -489,7 +489,7 @@ def _check_config(method, ratio, k, rate, bits, axis_name, error_feedback, granu
         raise ValueError("method 'auto' runs zfp with algorithm='ring': the recursive-doubling total is typed "
                          "varying and the branches must agree; remove algorithm=")
     hadamard = _check_choice(hadamard, "hadamard", (True, False), True, methods, ("quantized",))
-    seed = _checks.static_int(seed, "seed", 0)
+    seed = _checks.static_int(seed, "seed", 0, 2**32 - 1)  # PRNGKey keeps 32 bits: 2**32 would be seed 0
     return _Config(method=method, ratio=ratio, k=k, rate=rate, bits=bits, axes=axes,
                    error_feedback=bool(error_feedback), granularity=granularity, mean=bool(mean), leader=leader,
                    selector=selector, algorithm=algorithm, hadamard=bool(hadamard), seed=seed, **auto_config)
@@ -715,7 +715,37 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
                                   auto=plan.observe(auto_state, branch, gain, comm) if auto else None)
         return treedef.unflatten(out), new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, _checked_update(update_fn))
+
+
+def _checked_update(update_fn):
+    """``update_fn`` behind the argument checks that must come before any of its work."""
+
+    def update(updates, state, params=None, **extra_args):
+        _check_updates_fit_state(updates, state)
+        return update_fn(updates, state, params, **extra_args)
+
+    return update
+
+
+def _check_updates_fit_state(updates, state):
+    """Gradients shaped like the params ``init`` saw, and at least one value to aggregate."""
+    if not isinstance(state, CompressState):
+        raise TypeError(f"state must be the CompressState that compress's init returns, got {type(state).__name__}")
+    leaves, treedef = jax.tree.flatten_with_path(updates)
+    try:
+        residuals = treedef.flatten_up_to(state.residual)
+    except (ValueError, TypeError):
+        return  # update reports the structure mismatch itself
+    floats = [(path, leaf, residual) for (path, leaf), residual in zip(leaves, residuals) if _is_float(leaf)]
+    for path, leaf, residual in floats:
+        if isinstance(residual, jax.Array | jax.ShapeDtypeStruct | np.ndarray) and leaf.shape != residual.shape:
+            raise ValueError(
+                f"updates{jax.tree_util.keystr(path)} has shape {leaf.shape}, but compress was initialized with a "
+                f"param of shape {residual.shape} there: pass the gradients of the params given to init")
+    if floats and sum(leaf.size for _, leaf, _ in floats) == 0:
+        raise ValueError(f"updates hold no values (every float leaf is empty: shapes "
+                         f"{[leaf.shape for _, leaf, _ in floats]}): there is nothing to aggregate")
 
 
 def find_compress_state(opt_state) -> CompressState | None:

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Native hardening: builds tests/native/kernels_fuzz.cc (kernels/ only, no XLA) with AddressSanitizer
+# and UndefinedBehaviorSanitizer and runs it: random sizes, k, rates and bit patterns (NaN, Inf,
+# denormals, -0, ties) against the test's reference, and random words through the decoder.
+#
+#   bash ci/sanitize.sh            # 30 s, seed 1 (what CI runs)
+#   bash ci/sanitize.sh 600 7      # longer, another seed (JAXCOMP_FUZZ_SECONDS works too)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CXX="${CXX:-g++}"
+mkdir -p build/sanitize
+"$CXX" -std=c++17 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all \
+  -Wall -Wextra -I. tests/native/kernels_fuzz.cc -o build/sanitize/kernels_fuzz -pthread
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  build/sanitize/kernels_fuzz "${1:-${JAXCOMP_FUZZ_SECONDS:-30}}" "${2:-1}"
