@@ -59,6 +59,11 @@ class _BoundedStep:
     ``tests/inflight_repro.py``). Waiting for an output that is ``max_in_flight`` steps old costs
     nothing measurable while the queue stays ahead (docs/training.md). Every other attribute
     (``lower``, ``trace``, ...) is the jitted function's.
+
+    The metrics come back as this process's copy of each (replicated) value, an array on one
+    local device: ``float(metrics["loss"])`` works on every process of a multi-process job,
+    where the global arrays would span devices this process cannot read. Taking the local copy
+    waits for nothing.
     """
 
     def __init__(self, jitted, max_in_flight):
@@ -73,10 +78,18 @@ class _BoundedStep:
             self._in_flight.append(out[0].step)
             while len(self._in_flight) > self._max_in_flight:
                 self._in_flight.popleft().block_until_ready()
-        return out
+        state, metrics = out
+        return state, jax.tree.map(_local_copy, metrics)
 
     def __getattr__(self, name):
         return getattr(self._jitted, name)
+
+
+def _local_copy(x):
+    """This process's copy of a replicated global array (``x`` itself when it is all local)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return x.addressable_data(0)
+    return x
 
 
 class DataParallel:
@@ -394,7 +407,8 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: jax
     Returns:
       A :class:`DataParallel` with ``init(params) -> TrainState``, ``step(state, batch) ->
       (state, metrics)`` (``metrics["loss"]`` is the mean loss; ``"aux"`` when ``has_aux``; the
-      compression ``gain``, ``bytes_sent`` and ``density`` when ``tx`` holds a ``compress``) and
+      compression ``gain``, ``bytes_sent`` and ``density`` when ``tx`` holds a ``compress``; each
+      metric is this process's copy, so a loop can log it on every process) and
       ``shard_batch(local_rows)`` for multi-process runs. ``batch`` is a pytree whose leading axis
       is the global batch.
 

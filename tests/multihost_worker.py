@@ -56,7 +56,9 @@ def run():
         state = dp.init(params)
         for batch in global_batches():
             local = {name: value[lo:lo + rows] for name, value in batch.items()}
-            state, _ = dp.step(state, dp.shard_batch(local))
+            state, metrics = dp.step(state, dp.shard_batch(local))
+        # Metrics are this process's copies: a training loop logs them on every process.
+        out[f"{method}/loss"] = np.float32(float(metrics["loss"]))
         for name, value in state.params.items():
             out[f"{method}/{name}"] = np.asarray(value.addressable_data(0))
         if method == "auto":
