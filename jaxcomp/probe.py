@@ -308,6 +308,64 @@ def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rat
     return best
 
 
+def update_seconds(method: str, params, *, repeats: int = 3, **options) -> float:
+    """Seconds ``jaxcomp.compress(method)``'s whole update spends on this process beyond a dense one.
+
+    Every local device runs the update at once, inside ``shard_map`` over a mesh of this
+    process's devices with a second axis of size 1 that ``compress`` reduces over: every
+    collective is then a no-op, and what is timed is the method's own work on a gradient shaped
+    like ``params`` (for the top-k methods: the concatenation, the selection, the scatters and
+    the error feedback), minus the same for ``"dense"``, with the devices sharing the cores as
+    in a step. Call it from every process at once in a multi-process job, for the same reason. ``"zfp"`` and ``"quantized"`` skip their codec on one device: time them
+    with :func:`codec_seconds`.
+
+    Args:
+      method: a :func:`jaxcomp.compress` method (not ``"auto"``).
+      params: the params pytree (arrays or ``jax.ShapeDtypeStruct``).
+      repeats: timed runs after one warm-up; the fastest counts.
+      **options: the method's ``compress`` arguments (``ratio=``, ...).
+
+    Returns:
+      Seconds per update, at least 0.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> update_seconds("ar_topk", {"w": jnp.zeros((256, 256))}, ratio=0.01, repeats=1) >= 0
+      True
+
+    References:
+      Agarwal et al., MLSys 2022, §3.1 (compression's compute counts in the step).
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    from jaxcomp.transform import compress  # the transformation is only needed when timing
+
+    mesh = jax.sharding.Mesh(np.array(jax.local_devices()).reshape(-1, 1), ("_device", "_local"))
+    rng = np.random.default_rng(0)
+    replicated = NamedSharding(mesh, P())
+    grads = jax.tree.map(lambda p: jax.device_put(rng.standard_normal(np.shape(p)).astype(np.float32), replicated),
+                         params)
+
+    def time_update(method, options):
+        tx = compress(method, axis_name="_local", **options)
+        state = jax.device_put(tx.init(grads), replicated)
+
+        def update(g, state):
+            g = jax.lax.pcast(g, "_local", to="varying")
+            return tx.update(g, state)[0]
+
+        run = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False))
+        jax.block_until_ready(run(grads, state))
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(run(grads, state))
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    return max(0.0, time_update(method, options) - time_update("dense", {}))
+
+
 def clear_cache() -> None:
     """Forgets every cached :func:`probe` and :func:`codec_seconds` result, so both measure again.
 

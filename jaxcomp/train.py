@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.collectives import _varying_axes
-from jaxcomp.probe import _agree_across_processes, codec_seconds, probe
+from jaxcomp.probe import _agree_across_processes, codec_seconds, probe, update_seconds
 from jaxcomp.transform import (
     _compress_states,
     _host,
@@ -286,7 +286,7 @@ class DataParallel:
                            if jnp.issubdtype(jnp.result_type(p), jnp.floating))
             seconds = {}
             for method, setting in sorted({b for group in branches for b in group}, key=str):
-                seconds[method, setting] = self._codec_seconds(method, setting, n_values)
+                seconds[method, setting] = self._codec_seconds(method, setting, n_values, state.params)
             # Every process must take the same branch: all of them use the slowest one's times.
             keys = list(seconds)
             agreed = _agree_across_processes(np.array([seconds[k] for k in keys]))
@@ -298,11 +298,17 @@ class DataParallel:
         return jax.jit(lambda s: s, out_shardings=self.state_sharding(state.params))(
             state._replace(opt_state=opt_state))
 
-    def _codec_seconds(self, method, setting, n_values):
+    def _codec_seconds(self, method, setting, n_values, params):
         if method == "dense":
             return 0.0
-        options = {"zfp": {"rate": setting}, "quantized": {"bits": setting}}.get(method, {"ratio": setting})
-        return codec_seconds(cost_method(method), n_values, mesh=self.mesh, axis_name=self._probe_axis(), **options)
+        if method in ("zfp", "quantized", "hierarchical_topk"):  # codecs that need 2+ devices or 2 axes
+            options = {"zfp": {"rate": setting}, "quantized": {"bits": setting}}[method]
+            return codec_seconds(cost_method(method), n_values, mesh=self.mesh, axis_name=self._probe_axis(),
+                                 **options)
+        # Top-k: the whole update's local work (concatenation, selection, scatters, error
+        # feedback), which the selection kernel alone underestimates several times over.
+        return update_seconds(method, jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.float32),
+                                                   params), ratio=setting)
 
     def shard_batch(self, batch):
         """Builds the global batch from this process's rows (all rows when there is one process).
