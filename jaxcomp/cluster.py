@@ -23,6 +23,7 @@ an error, never a silent no-delay run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -486,9 +487,8 @@ def main(argv=None) -> int:
     except ClusterError as e:
         print(f"jaxcomp cluster: {e}", file=sys.stderr)
         return 2
-    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
-        with cluster:
+        with sigterm_as_interrupt(), cluster:
             print(f"jaxcomp cluster: {args.hosts} hosts at {format_rate(cluster.rate)} "
                   f"({cluster.address(0)}..{cluster.address(args.hosts - 1)})", file=sys.stderr, flush=True)
             start = time.monotonic()
@@ -502,12 +502,32 @@ def main(argv=None) -> int:
     except ClusterError as e:
         print(f"jaxcomp cluster: {e}", file=sys.stderr)
         return 2
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Within the block, SIGTERM raises ``KeyboardInterrupt``, so that ``with Cluster(...)`` tears down.
+
+    (Python's default SIGTERM ends the process at once, leaving namespaces and host processes.)
+
+    Returns:
+      A context manager; the previous handler is restored on exit.
+
+    Example:
+      >>> with sigterm_as_interrupt():
+      ...     pass
+
+    References:
+      Python ``signal`` module; ``kill(1)``'s default signal.
+    """
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

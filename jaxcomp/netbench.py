@@ -516,10 +516,13 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
 
+    from jaxcomp.cluster import sigterm_as_interrupt
+
     try:
-        rows = run_benchmark(hosts, rates, params=args.params, methods=methods, steps=args.steps,
-                             warmup=args.warmup, batch=args.batch, timeout=args.timeout, log=args.log,
-                             on_cell=save)
+        with sigterm_as_interrupt():  # `kill` tears the cluster down too
+            rows = run_benchmark(hosts, rates, params=args.params, methods=methods, steps=args.steps,
+                                 warmup=args.warmup, batch=args.batch, timeout=args.timeout, log=args.log,
+                                 on_cell=save)
     except ClusterError as e:
         print(f"jaxcomp netbench: {e}", file=sys.stderr)
         return 2

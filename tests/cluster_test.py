@@ -118,3 +118,31 @@ def test_leftovers_of_a_killed_run_are_found_and_removed():
         assert name not in cluster.leftovers()
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_sigterm_to_the_cli_tears_everything_down(tmp_path):
+    """`kill` of `jaxcomp cluster` (SIGTERM) must not leave namespaces or host processes behind."""
+    import signal
+    import sys
+
+    env = subprocess_env()
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    cli = subprocess.Popen([sys.executable, "-m", "jaxcomp", "cluster", "--hosts", "2", "--rate", "1gbit", "--",
+                            str(script)], env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    prefix = f"{cluster.PREFIX}{cli.pid}-"
+
+    def namespaces():
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
+
+    deadline = time.monotonic() + 60
+    while len(namespaces()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # let the host processes start
+    assert len(namespaces()) == 3
+    cli.send_signal(signal.SIGTERM)
+    cli.wait(timeout=60)
+    assert namespaces() == []
+    leftover = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout.split()
+    assert leftover == []
