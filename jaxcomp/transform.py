@@ -158,7 +158,7 @@ def cost_method(method: str, algorithm: str = "ring") -> str:
 
 # Each entry calls one collective of jaxcomp.collectives on the local 1-D vector x and returns
 # (total, sent): the sum over the devices, identical everywhere, and this device's contribution.
-# ``sparse``: a top-k collective returns ``sent`` as (indices, values) pairs (see _Feedback).
+# ``sparse``: a top-k collective returns ``sent`` as (indices, values) pairs (see update_fn).
 def _dense(c: _Config, x, k, step, key, sparse=False):
     return collectives.psum(x, c.axis_name)
 
@@ -650,7 +650,7 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
             g = leaves[i].astype(jnp.float32)
             return g + residuals[i] if keeps_residual else g
 
-        # Built in one expression so that XLA fuses the additions into the concatenation: one pass.
+        # The error-fed vector of each group (for the model: one concatenation of all leaves).
         feds = [jnp.concatenate([error_fed(i).ravel() for i in positions]) if len(positions) > 1
                 else error_fed(positions[0]).ravel() for positions, _ in groups]
         vectors = [fed.astype(comm_dtype) for fed in feds]
