@@ -230,7 +230,7 @@ def _worker(spec: Spec) -> None:
             entry["bytes_sent"] = jaxcomp.collectives.bytes_sent("psum", n_params, n_hosts) if n_hosts > 1 else 0.0
             entry["ran"] = "pmean"
         if network is not None:
-            entry.update(_predictions(entry["ran"], options, n_params, n_hosts, network, compute_first, mesh))
+            entry.update(_predictions(entry["ran"], options, params, n_hosts, network, compute_first, mesh))
         results["methods"][label] = entry
         if jax.process_index() == 0:
             print(f"netbench: {n_hosts} hosts, {label}: step {median:.3f} s (compute {compute_first:.3f} s), "
@@ -255,22 +255,29 @@ def _worker(spec: Spec) -> None:
             json.dump(results, f)
 
 
-def _predictions(ran, options, n_params, n_hosts, network, compute, mesh):
+def _predictions(ran, options, params, n_hosts, network, compute, mesh):
     """The cost model's sync time and paper 002's step time (``jaxcomp advise``) for the method that ran.
 
-    Both include the method's local work as ``jaxcomp.probe.codec_seconds`` measures it on the
-    mesh (every host at once), as ``jaxcomp advise --measure-codec`` and ``compress("auto")`` do.
+    Both include the method's local work, measured as ``compress("auto")`` measures it
+    (``jaxcomp.probe.update_seconds`` for the top-k methods, ``codec_seconds`` on the mesh for
+    the others; every host at once).
     """
+    import jax
+
     import jaxcomp
     from jaxcomp import advise, cost
-    from jaxcomp.probe import codec_seconds
+    from jaxcomp.probe import codec_seconds, update_seconds
 
     settings = {**options, **METHODS.get(ran, (None, {}))[1]}
     name = "dense_ring" if ran in ("pmean", "dense") else jaxcomp.transform.cost_method(ran)
     wanted = {"ratio": name in cost.TOPK_METHODS, "rate": name.startswith("zfp"), "bits": name == "quantized"}
     kw = {k: settings[k] for k, needed in wanted.items() if needed}
+    n_params = sum(int(x.size) for x in jax.tree.leaves(params))
     nbytes = 4.0 * n_params
-    local = codec_seconds(name, n_params, mesh=mesh, axis_name="data", **kw)
+    if ran in ("allgather_topk", "ar_topk"):  # what compress("auto") measures for them too
+        local = update_seconds(ran, params, **kw)
+    else:
+        local = codec_seconds(name, n_params, mesh=mesh, axis_name="data", **kw)
     if name in cost.DENSE_METHODS:
         step = advise.sync_sgd_time(nbytes, n_hosts, network, compute, overlap=False)
     else:

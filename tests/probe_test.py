@@ -208,3 +208,22 @@ def test_bad_budget(budget):
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
     with pytest.raises(ValueError, match="budget"):
         probe.probe(mesh, "data", budget=budget)
+
+
+def test_a_token_bucket_does_not_pass_for_bandwidth(monkeypatch):
+    """A shaped link lets a burst through at full speed (tc tbf's bucket, here 500 KB at 125 MB/s):
+    the probe reads the rate off the largest sizes, where the least-squares line over all sizes
+    would overstate it."""
+    bucket, rate, alpha = 500e3, 125e6, 2e-4
+
+    def shaped_psum(mesh, axis_name, values_per_device, repeats):
+        volume = cost.volume_bytes("dense_ring", 4.0 * values_per_device, 2)
+        return alpha * cost.message_steps("dense_ring", 2) + max(0.0, volume - bucket) / rate + volume / 5e9
+
+    monkeypatch.setattr(probe, "_time_psum", shaped_psum)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    net = probe.probe(mesh, "data", sizes=(2**10, 2**16, 2**20, 2**23), cache=False, budget=None)
+    assert net.bandwidth == pytest.approx(1 / (1 / rate + 1 / 5e9), rel=0.01)
+    least_squares = probe.fit_alpha_beta((2**10, 2**16, 2**20, 2**23),
+                                         [shaped_psum(None, None, s // 4, 1) for s in (2**10, 2**16, 2**20, 2**23)], 2)
+    assert least_squares.bandwidth > 1.2 * net.bandwidth  # what the plain fit would have said
