@@ -289,7 +289,7 @@ class Cluster:
     # -- processes ----------------------------------------------------------------------------
 
     def start(self, command: Sequence[str], *, devices_per_host: int = 1, port: int = 7733, env=None,
-              stdout=None, stderr=None) -> list[HostProcess]:
+              stdout=None, stderr=None, cwd=None) -> list[HostProcess]:
         """Starts ``python *command`` once per host, as the processes of one ``jax.distributed`` job.
 
         The processes find the job through :func:`jaxcomp.launch.initialize` (coordinator on host
@@ -301,6 +301,9 @@ class Cluster:
           port: the coordinator's port on host 0.
           env: extra environment variables for every process.
           stdout, stderr: passed to ``subprocess.Popen`` (default: inherited).
+          cwd: the processes' working directory (default: this one's). ``-m module`` puts it
+            first on ``sys.path``: run from a source checkout, that would import the checkout
+            instead of the installed package.
 
         Returns:
           One :class:`HostProcess` per host.
@@ -316,7 +319,8 @@ class Cluster:
             host_env = launch.process_env(f"{self.address(0)}:{port}", self.hosts, host, devices_per_host,
                                           interface=INTERFACE, base=dict(os.environ, **(env or {})))
             popen = subprocess.Popen(["ip", "netns", "exec", self.namespace(host), sys.executable, *command],
-                                     env=host_env, stdout=stdout, stderr=stderr, start_new_session=True)
+                                     env=host_env, stdout=stdout, stderr=stderr, cwd=cwd,
+                                     start_new_session=True)
             self.processes.append(HostProcess(host, popen))
         return self.processes
 

@@ -365,8 +365,10 @@ def run_benchmark(hosts=DEFAULT_HOSTS, rates=DEFAULT_RATES, *, params=DEFAULT_PA
                             layers=layers, out=os.path.join(tmp, "result.json"), rate_bits=rate_bits)
                 log_path = log or os.path.join(tmp, "workers.log")
                 with open(log_path, "a") as out, Cluster(n_hosts, rate=rate_bits) as cluster:
+                    # cwd: `-m` puts it first on sys.path, and a source checkout there would shadow
+                    # the installed package.
                     codes = cluster.run(["-m", "jaxcomp.netbench", "--worker", json.dumps(dataclasses.asdict(spec))],
-                                        timeout=timeout, stdout=out, stderr=out)
+                                        timeout=timeout, stdout=out, stderr=out, cwd=tmp)
                 if any(codes) or not os.path.exists(spec.out):
                     with open(log_path) as f:
                         tail = f.read()[-3000:]
