@@ -164,7 +164,8 @@ def _local_run(tx, grads_per_device, mesh):
     def step(g):
         updates, new_state = tx.update({"w": g[0]}, state)
         compress_state = jaxcomp.find_compress_state(new_state)
-        adam_count = getattr(new_state[1][0], "count", jnp.zeros((), jnp.int32))  # sgd has none
+        adam = new_state[1][0]
+        adam_count = adam.count if isinstance(adam, optax.ScaleByAdamState) else jnp.zeros((), jnp.int32)
         return updates["w"], compress_state.residual["w"][None], compress_state.metrics, adam_count
 
     f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data"), P(), P())))
