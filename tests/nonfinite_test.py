@@ -261,3 +261,23 @@ def test_a_state_of_another_policy_is_refused():
     f = jax.shard_map(lambda g: tx.update({"w": g}, state)[0]["w"], mesh=mesh, in_specs=P("data"), out_specs=P())
     with pytest.raises(ValueError, match="nonfinite='skip'"):
         f(jnp.ones(2 * N_DEVICES))
+
+
+def test_adaptive_ratio_learns_nothing_from_a_gain_it_could_not_measure():
+    need_devices(N_DEVICES)
+    mesh = Mesh(np.array(jax.devices()[:N_DEVICES]), ("data",))
+    tx = jaxcomp.compress("auto", adaptive_ratio=True, candidates=("allgather_topk",), network=SLOW)
+    state = tx.init({"w": jnp.zeros(64)})
+
+    def step(g):
+        _, new_state = tx.update({"w": g[0]}, state)
+        return new_state.metrics, new_state.auto.ratio
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P()))
+    grads = np.random.default_rng(4).standard_normal((N_DEVICES, 64)).astype(np.float32)
+    grads[3, 2] = np.nan
+    metrics, ratio = f(jnp.asarray(grads))
+    assert np.isfinite(float(metrics.gain)) and int(ratio.count) == 1  # a NaN entry: the gain of the rest
+    metrics, ratio = f(jnp.asarray(grads * 1e30))  # finite, but the sums of squares overflow
+    assert not np.isfinite(float(metrics.gain))  # reported as unmeasurable, not as 1.0
+    assert int(ratio.count) == 0 and np.all(np.isfinite(np.asarray(ratio.gain_sum)))
