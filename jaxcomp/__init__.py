@@ -15,8 +15,9 @@ from jaxcomp.hadamard import hadamard_transform
 from jaxcomp.probe import probe
 from jaxcomp.topk import DEFAULT_ROUNDS, find_threshold, threshold_topk, topk
 from jaxcomp.train import DataParallel, TrainState, data_parallel
-from jaxcomp.transform import (METHODS, AutoState, CompressMetrics, CompressState, auto_branches, compress,
-                               find_compress_state, set_network)
+from jaxcomp.transform import (METHODS, NONFINITE_POLICIES, AutoState, CompressMetrics, CompressState,
+                               NonfinitePolicy, auto_branches, compress, find_compress_state, set_network,
+                               skip_nonfinite, skipped_update)
 from jaxcomp.zfp import zfp_decode, zfp_encode, zfp_num_words
 
 __version__ = "0.1.0"
@@ -24,8 +25,12 @@ __version__ = "0.1.0"
 __all__ = [
     "AutoState",
     "METHODS",
+    "NONFINITE_POLICIES",
+    "NonfinitePolicy",
     "auto_branches",
     "set_network",
+    "skip_nonfinite",
+    "skipped_update",
     "CompressMetrics",
     "CompressState",
     "DEFAULT_ROUNDS",

@@ -29,10 +29,12 @@ from jaxcomp.probe import _agree_across_processes, codec_seconds, probe, update_
 from jaxcomp.transform import (
     _compress_states,
     _host,
+    _keep_if_skipped,
     auto_branches,
     cost_method,
     find_compress_state,
     set_network,
+    skipped_update,
 )
 
 
@@ -66,10 +68,11 @@ class _BoundedStep:
     waits for nothing.
     """
 
-    def __init__(self, jitted, max_in_flight):
+    def __init__(self, jitted, max_in_flight, check=None):
         self._jitted = jitted
         self._max_in_flight = max_in_flight
         self._in_flight = collections.deque()
+        self._check = check  # check(args, metrics): raises on a step the host must not go past
 
     def __call__(self, *args, **kwargs):
         out = self._jitted(*args, **kwargs)
@@ -79,7 +82,10 @@ class _BoundedStep:
             while len(self._in_flight) > self._max_in_flight:
                 self._in_flight.popleft().block_until_ready()
         state, metrics = out
-        return state, jax.tree.map(_local_copy, metrics)
+        metrics = jax.tree.map(_local_copy, metrics)
+        if self._check is not None:
+            self._check(args, metrics)
+        return state, metrics
 
     def __getattr__(self, name):
         return getattr(self._jitted, name)
@@ -105,7 +111,9 @@ class DataParallel:
         self.n_devices = math.prod(mesh.shape[a] for a in self._axes)
         self._masks = {}
         self.max_steps_in_flight = max_steps_in_flight
-        self.step = _BoundedStep(jax.jit(self._step), max_steps_in_flight)
+        # Set while tracing the step: tx holds a compress(nonfinite="raise").
+        self._raises_on_nonfinite = False
+        self.step = _BoundedStep(jax.jit(self._step), max_steps_in_flight, self._check_nonfinite)
 
     # -- layout of the optimizer state ---------------------------------------------------------
 
@@ -310,6 +318,21 @@ class DataParallel:
         return update_seconds(method, jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.float32),
                                                    params), ratio=setting)
 
+    def _check_nonfinite(self, args, metrics):
+        """``compress(nonfinite="raise")``: a step whose gradients held NaN or Inf raises here."""
+        if not self._raises_on_nonfinite:
+            return
+        count = float(metrics["nonfinite"])  # waits for this step: "raise" runs one step at a time
+        if count:
+            state = args[0] if args else None
+            step = int(_local_copy(state.step)) if isinstance(state, TrainState) else "?"
+            raise FloatingPointError(
+                f"step {step}: the gradients held {count:.0f} non-finite entries (NaN or ±Inf), summed over the "
+                "devices, and tx's compress has nonfinite='raise'. The update was skipped on every device and "
+                "the state you passed to this step is intact. Find the cause (learning rate, loss scale, a bad "
+                "batch), or pass nonfinite='skip' (skip such steps) or 'zero' (drop those entries) to "
+                "jaxcomp.compress")
+
     def shard_batch(self, batch):
         """Builds the global batch from this process's rows (all rows when there is one process).
 
@@ -350,7 +373,15 @@ class DataParallel:
                 loss, grads = jax.value_and_grad(self.loss_fn)(local_params, batch)
                 aux = None
             updates, new_opt_state = self.tx.update(grads, opt_state, state.params)
+            skipped = skipped_update(new_opt_state)
+            if skipped is not None:
+                # compress(nonfinite="skip"/"raise") skipped its part; the rest of the chain keeps
+                # its state too, and the params stay bit for bit (p + 0 would turn -0.0 into +0.0).
+                new_opt_state = _keep_if_skipped(skipped, opt_state, new_opt_state)
+            self._raises_on_nonfinite = any(s.policy.name == "raise" for s in _compress_states(new_opt_state))
             params = optax.apply_updates(state.params, updates)
+            if skipped is not None:
+                params = jax.tree.map(lambda old, new: jnp.where(skipped, old, new), state.params, params)
             new_leaves = state_def.flatten_up_to(new_opt_state)
             new_opt_state = state_def.unflatten([leaf[None] if m else leaf for leaf, m in zip(new_leaves, mask)])
             metrics = {"loss": jax.lax.pmean(loss, axis_name)}
@@ -413,7 +444,9 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: jax
     Returns:
       A :class:`DataParallel` with ``init(params) -> TrainState``, ``step(state, batch) ->
       (state, metrics)`` (``metrics["loss"]`` is the mean loss; ``"aux"`` when ``has_aux``; the
-      compression ``gain``, ``bytes_sent`` and ``density`` when ``tx`` holds a ``compress``; each
+      compression ``gain``, ``bytes_sent``, ``density`` and ``nonfinite`` when ``tx`` holds a
+      ``compress``: a step its ``nonfinite="skip"`` skips keeps the params and the whole optimizer
+      state, and with ``nonfinite="raise"`` ``step`` raises ``FloatingPointError``; each
       metric is this process's copy, so a loop can log it on every process) and
       ``shard_batch(local_rows)`` for multi-process runs. ``batch`` is a pytree whose leading axis
       is the global batch.

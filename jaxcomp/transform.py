@@ -39,14 +39,37 @@ NETWORK_TOLERANCE = 0.1
 
 _TOPK_METHODS = ("allgather_topk", "ar_topk", "hierarchical_topk")
 
+#: What :func:`compress` does with non-finite gradient entries (NaN, ±Inf), its ``nonfinite=``
+#: argument; the first is the default. In every policy such entries are never sent and never
+#: stored in the residual, and the ``nonfinite`` metric counts them.
+NONFINITE_POLICIES = ("zero", "skip", "raise")
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class NonfinitePolicy:
+    """The ``nonfinite=`` policy of a :func:`compress`, kept in its state as static structure.
+
+    It holds no array (a pytree with no leaves), so it costs nothing in a step, a checkpoint or a
+    sharding, and host code (:func:`skip_nonfinite`, :func:`jaxcomp.data_parallel`) reads it
+    while tracing, without waiting for a device.
+    """
+
+    name: str  # one of NONFINITE_POLICIES
+
 
 class CompressMetrics(NamedTuple):
-    """What the last :func:`compress` update measured (scalars, identical on every device)."""
+    """What the last :func:`compress` update measured (scalars, identical on every device).
+
+    ``gain`` is measured on what was aggregated: non-finite entries count as 0 there, and a sum
+    that overflowed makes it NaN or Inf rather than a plausible number.
+    """
 
     gain: jax.Array  # f32[]: compression gain sum_d ||sent_d||^2 / sum_d ||g_e,d||^2 (1 when g_e = 0)
     bytes_sent: jax.Array  # f32[]: bytes one device sends in this step's collectives
     density: jax.Array  # f32[]: fraction of gradient entries whose values are sent (1 for dense/zfp/quantized)
     method: jax.Array  # i32[]: the method that ran, an index into jaxcomp.METHODS (for "auto": its choice)
+    nonfinite: jax.Array  # f32[]: non-finite (NaN, ±Inf) gradient entries this step, summed over the devices (exact below 2**24)
 
 
 class AutoState(NamedTuple):
@@ -73,6 +96,7 @@ class CompressState(NamedTuple):
     key: jax.Array  # u32[2] (the default PRNG's raw key): step t draws from fold_in(key, t)
     metrics: CompressMetrics
     auto: Any = None  # AutoState for method "auto", else None
+    policy: NonfinitePolicy = NonfinitePolicy("zero")  # static: the nonfinite= policy (no array)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +117,7 @@ class _Config:
     algorithm: str
     hadamard: bool
     seed: int
+    nonfinite: str = "zero"
     # "auto" only:
     candidates: tuple[str, ...] = ()  # the methods it chooses among, in branch order
     ratios: tuple[float, ...] = ()  # the top-k candidates' ratios: (ratio,) or the adaptive ladder
@@ -299,7 +324,9 @@ class _AutoPlan:
             return auto
         observed = adaptive.ratio_observe(auto.ratio, gain, auto.overhead[branch], jnp.nan,
                                           self.sync_per_ratio(comm))
-        return auto._replace(ratio=adaptive._select(jnp.asarray(self.topk_branch)[branch], observed, auto.ratio))
+        # A gain that could not be measured (NaN or Inf: the sums overflowed) teaches nothing.
+        learn = jnp.asarray(self.topk_branch)[branch] & jnp.isfinite(gain)
+        return auto._replace(ratio=adaptive._select(learn, observed, auto.ratio))
 
 
 def _auto_init(c: _Config) -> AutoState:
@@ -351,7 +378,8 @@ def _comm_dtype(leaves):
 
 def _init_metrics(method_index: int):
     zero = jnp.zeros((), jnp.float32)
-    return CompressMetrics(gain=zero, bytes_sent=zero, density=zero, method=jnp.asarray(method_index, jnp.int32))
+    return CompressMetrics(gain=zero, bytes_sent=zero, density=zero, method=jnp.asarray(method_index, jnp.int32),
+                           nonfinite=zero)
 
 
 def _check_choice(value, name, choices, default, methods, used_by):
@@ -429,7 +457,7 @@ def _check_auto(ratio, k, rate, bits, axes, candidates, network, decide_every, a
 
 
 def _check_config(method, ratio, k, rate, bits, axis_name, error_feedback, granularity, mean, leader,
-                  selector, algorithm, hadamard, seed, **auto) -> _Config:
+                  selector, algorithm, hadamard, seed, nonfinite="zero", **auto) -> _Config:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
@@ -490,15 +518,19 @@ def _check_config(method, ratio, k, rate, bits, axis_name, error_feedback, granu
                          "varying and the branches must agree; remove algorithm=")
     hadamard = _check_choice(hadamard, "hadamard", (True, False), True, methods, ("quantized",))
     seed = _checks.static_int(seed, "seed", 0, 2**32 - 1)  # PRNGKey keeps 32 bits: 2**32 would be seed 0
+    if not isinstance(nonfinite, str) or nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES} (what to do with NaN/Inf gradient "
+                         f"entries), got {nonfinite!r}")
     return _Config(method=method, ratio=ratio, k=k, rate=rate, bits=bits, axes=axes,
                    error_feedback=bool(error_feedback), granularity=granularity, mean=bool(mean), leader=leader,
-                   selector=selector, algorithm=algorithm, hadamard=bool(hadamard), seed=seed, **auto_config)
+                   selector=selector, algorithm=algorithm, hadamard=bool(hadamard), seed=seed, nonfinite=nonfinite,
+                   **auto_config)
 
 
 def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="data", error_feedback=True,
              granularity="model", mean=True, leader=None, selector=None, algorithm=None, hadamard=None,
-             seed=0, candidates=None, network=None, decide_every=None, adaptive_ratio=None, ratio_range=None,
-             explore_steps=None) -> optax.GradientTransformationExtraArgs:
+             seed=0, nonfinite="zero", candidates=None, network=None, decide_every=None, adaptive_ratio=None,
+             ratio_range=None, explore_steps=None) -> optax.GradientTransformationExtraArgs:
     """Aggregates gradients across a mesh axis with a compressing collective and error feedback.
 
     Put it first in an ``optax.chain`` and call the chain's ``update`` inside ``jax.shard_map``
@@ -513,6 +545,24 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
     :func:`jaxcomp.data_parallel`. Leaves that are not floating point (ints, ``float0``) pass
     through untouched; bfloat16/float16 gradients travel in their own dtype when all leaves share
     it, and the residual is kept in float32.
+
+    **Non-finite gradients.** A NaN or ±Inf entry of a device's gradient is never sent and never
+    stored in the residual, whatever the method: it counts as 0 (that index's residual is kept),
+    so the other entries aggregate exactly as if it had been 0. The ``nonfinite`` metric counts
+    such entries, summed over the devices (float32, identical everywhere; it rides on the psum of
+    the ``gain`` sums, so it adds no collective to a compressing method). ``nonfinite=`` decides
+    the step:
+
+    * ``"zero"`` (default): train on with those entries as 0. It costs nothing beyond the count,
+      never couples the chain's transformations, and one bad entry among millions does not throw
+      away a step; watch the metric to see it happen.
+    * ``"skip"``: if any device saw one, every device skips the step: the updates are zeros and
+      this state (residual, step, key, ``"auto"``'s choices) stays as it was; only the metrics
+      report the step. :func:`jaxcomp.data_parallel` then keeps the params and the rest of the
+      chain's state too; in your own step wrap the chain in :func:`skip_nonfinite`.
+    * ``"raise"``: the device side is ``"skip"``'s; :func:`jaxcomp.data_parallel`'s ``step``
+      then raises ``FloatingPointError`` at that step (it reads the metric after every step, so
+      steps no longer run ahead of the host). In your own step, check the metric yourself.
 
     **Automatic mode.** ``method="auto"`` compiles one branch per candidate method (a top-k
     method once per candidate ratio) and picks one per step with ``lax.switch`` on a traced
@@ -560,6 +610,9 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
       algorithm: ``"zfp"`` only: ``"ring"`` (default) or ``"recursive_doubling"``.
       hadamard: ``"quantized"`` only: rotate by a random Hadamard transform first (default True).
       seed: seed of the state's PRNG key (the quantizer's stochastic rounding).
+      nonfinite: what a step with NaN or ±Inf gradient entries does: ``"zero"`` (default; train
+        on with them as 0), ``"skip"`` (every device skips the update) or ``"raise"`` (skip, and
+        ``data_parallel`` raises ``FloatingPointError``); see "Non-finite gradients" above.
       candidates: ``"auto"`` only: the methods to choose among, in order (the first runs until a
         network is known). Default: ``"dense"``, then ``"allgather_topk"`` and ``"ar_topk"``
         with ``ratio``/``adaptive_ratio`` (and ``"hierarchical_topk"`` with two axes), ``"zfp"``
@@ -591,6 +644,17 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
       >>> f(jnp.ones(4 * jax.device_count())).shape
       (4,)
 
+      A NaN is dropped, counted and never kept (here on device 0, with the default ``"zero"``):
+
+      >>> tx = jaxcomp.compress("ar_topk", ratio=0.5)
+      >>> def metrics(g):
+      ...     _, state = tx.update({"w": g}, tx.init({"w": g}))
+      ...     return state.metrics.nonfinite, jnp.isnan(state.residual["w"]).any()[None]
+      >>> f = jax.shard_map(metrics, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data")))
+      >>> count, nan_kept = f(jnp.ones(4 * jax.device_count()).at[1].set(jnp.nan))
+      >>> float(count), bool(nan_kept.any())
+      (1.0, False)
+
       Automatic choice, here on a slow network given up front (``data_parallel`` probes it):
 
       >>> slow = jaxcomp.cost.Network.parse("1ms", "100mbit")
@@ -603,7 +667,7 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
       adaptive compression ratio (§3-E).
     """
     c = _check_config(method, ratio, k, rate, bits, axis_name, error_feedback, granularity, mean, leader,
-                      selector, algorithm, hadamard, seed, candidates=candidates, network=network,
+                      selector, algorithm, hadamard, seed, nonfinite=nonfinite, candidates=candidates, network=network,
                       decide_every=decide_every, adaptive_ratio=adaptive_ratio, ratio_range=ratio_range,
                       explore_steps=explore_steps)
     auto = c.method == "auto"
@@ -620,7 +684,7 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
         first = METHODS.index(c.candidates[0] if auto else c.method)
         return CompressState(residual=residual, step=jnp.zeros((), jnp.int32),
                              key=jax.random.PRNGKey(c.seed), metrics=_init_metrics(first),
-                             auto=_auto_init(c) if auto else None)
+                             auto=_auto_init(c) if auto else None, policy=NonfinitePolicy(c.nonfinite))
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
@@ -632,6 +696,9 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
                              f"{e}") from None
         if auto != (state.auto is not None):
             raise ValueError(f"state was not made by this compress({c.method!r})'s init")
+        if state.policy != NonfinitePolicy(c.nonfinite):
+            raise ValueError(f"state was made by a compress(nonfinite={state.policy.name!r}), not by this "
+                             f"compress(nonfinite={c.nonfinite!r})'s init")
         floats = [i for i, leaf in enumerate(leaves) if _is_float(leaf)]
         if not floats:
             return updates, state
@@ -646,8 +713,16 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
         else:  # a dense sum is elementwise: per leaf it is the same sum, with no copy into one vector
             groups = [([i], f"leaf {i}") for i in floats]
 
+        # Non-finite entries (NaN, ±Inf) count as 0 before anything else sees them: never sent,
+        # never stored in the residual (NaN - NaN would stay NaN forever), and the residual's own
+        # entry at that index is kept. The where fuses into the error-feedback add; the count is
+        # one reduction over the same values.
+        bad_counts = []
+
         def error_fed(i):
-            g = leaves[i].astype(jnp.float32)
+            finite = jnp.isfinite(leaves[i])
+            bad_counts.append(jnp.sum(~finite, dtype=jnp.int32).astype(jnp.float32))
+            g = jnp.where(finite, leaves[i].astype(jnp.float32), 0.0)
             return g + residuals[i] if keeps_residual else g
 
         # The error-fed vector of each group (for the model: one concatenation of all leaves).
@@ -676,46 +751,64 @@ def compress(method, *, ratio=None, k=None, rate=None, bits=None, axis_name="dat
             method_index = METHODS.index(c.method)
 
         scale = 1.0 / n_devices if c.mean else 1.0
+        bad = sum(bad_counts)
+        if c.method == "dense" and not auto:
+            gain = jnp.ones((), jnp.float32)  # everything is sent
+            bad = jax.lax.psum(bad, c.axis_name)
+        else:
+            # sum_d ||sent_d||^2, sum_d ||g_e,d||^2 and the non-finite count: one psum of 3 scalars.
+            sent_sq = sum(_sent_square(sent, sparse) for sent in sents)
+            fed_sq = sum(jnp.sum(jnp.square(fed)) for fed in feds)
+            sent_sq, fed_sq, bad = jax.lax.psum(jnp.stack([sent_sq, fed_sq, bad]), c.axis_name)
+            # 1 only when there was nothing to send; a sum that overflowed reports NaN or Inf.
+            gain = jnp.where(fed_sq == 0, 1.0, sent_sq / jnp.where(fed_sq == 0, 1.0, fed_sq)).astype(jnp.float32)
+        # "skip" and "raise": every device got the same psum'd count, so all skip together.
+        skipped = (bad > 0) if c.nonfinite != "zero" else None
+
         out = list(leaves)
         new_residuals = list(residuals)
-        sent_sq, fed_sq = [], []
         for (positions, _), fed, total, sent in zip(groups, feds, totals, sents):
             if c.method == "dense" and not auto:
                 remaining = None  # everything was sent
             elif sparse:
                 indices, values = sent
-                values = values.astype(jnp.float32)
                 # fed[i] + (-v) is fed[i] - v exactly: the same residual as fed - dense(sent).
-                remaining = fed.at[indices].add(-values, mode="drop", unique_indices=True)
-                sent_sq.append(jnp.sum(jnp.square(values)))
+                remaining = fed.at[indices].add(-values.astype(jnp.float32), mode="drop", unique_indices=True)
             else:
                 remaining = fed - sent.astype(jnp.float32)
-                sent_sq.append(jnp.sum(jnp.square(sent.astype(jnp.float32))))
-            if remaining is not None:
-                fed_sq.append(jnp.sum(jnp.square(fed)))
             offset = 0
             for i in positions:
                 size, shape = leaves[i].size, leaves[i].shape
-                out[i] = (total[offset:offset + size].reshape(shape).astype(jnp.float32) * scale).astype(leaves[i].dtype)
+                update = total[offset:offset + size].reshape(shape).astype(jnp.float32) * scale
+                if skipped is not None:
+                    update = jnp.where(skipped, 0.0, update)
+                out[i] = update.astype(leaves[i].dtype)
                 if keeps_residual:
-                    new_residuals[i] = remaining[offset:offset + size].reshape(shape)
+                    residual = remaining[offset:offset + size].reshape(shape)
+                    new_residuals[i] = residual if skipped is None else jnp.where(skipped, residuals[i], residual)
                 offset += size
 
-        if fed_sq:
-            sent_sq, fed_sq = jax.lax.psum(jnp.stack([sum(sent_sq), sum(fed_sq)]), c.axis_name)
-            gain = jnp.where(fed_sq > 0, sent_sq / jnp.where(fed_sq > 0, fed_sq, 1.0), 1.0).astype(jnp.float32)
-        else:
-            gain = jnp.ones((), jnp.float32)  # dense: everything is sent
         total_size = sum(leaves[i].size for i in floats)
         metrics = CompressMetrics(gain=gain, bytes_sent=jnp.asarray(bytes_sent, jnp.float32),
                                   density=jnp.asarray(kept / total_size, jnp.float32),
-                                  method=jnp.asarray(method_index, jnp.int32))
-        new_state = CompressState(residual=treedef.unflatten(new_residuals), step=state.step + 1,
-                                  key=state.key, metrics=metrics,
-                                  auto=plan.observe(auto_state, branch, gain, comm) if auto else None)
+                                  method=jnp.asarray(method_index, jnp.int32), nonfinite=bad)
+        new_auto = plan.observe(auto_state, branch, gain, comm) if auto else None
+        step = state.step + 1
+        if skipped is not None:
+            # A skipped step leaves the state as it was (only the metrics report it).
+            step = jnp.where(skipped, state.step, step)
+            new_auto = adaptive._select(skipped, state.auto, new_auto) if auto else None
+        new_state = CompressState(residual=treedef.unflatten(new_residuals), step=step, key=state.key,
+                                  metrics=metrics, auto=new_auto, policy=state.policy)
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, _checked_update(update_fn))
+
+
+def _sent_square(sent, sparse: bool):
+    """||sent||^2 of one group's contribution (dense, or the (indices, values) of a top-k)."""
+    values = sent[1] if sparse else sent
+    return jnp.sum(jnp.square(values.astype(jnp.float32)))
 
 
 def _checked_update(update_fn):
@@ -769,6 +862,106 @@ def find_compress_state(opt_state) -> CompressState | None:
     """
     found = _compress_states(opt_state)
     return found[0] if found else None
+
+
+def skipped_update(opt_state):
+    """Whether the step that made ``opt_state`` was skipped by a ``compress(nonfinite="skip"|"raise")``.
+
+    Read it inside the step, after ``tx.update``: a traced boolean, identical on every device (it
+    comes from the ``nonfinite`` metric, a sum over the devices), or ``None`` when no
+    :class:`CompressState` in ``opt_state`` can skip (none, or all with ``nonfinite="zero"``),
+    so callers add no work then.
+
+    Args:
+      opt_state: the optimizer state ``tx.update`` returned.
+
+    Returns:
+      A boolean scalar (traced inside a step), or None.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxcomp
+      >>> state = jaxcomp.compress("dense", nonfinite="skip").init({"w": jnp.zeros(3)})
+      >>> bool(jaxcomp.skipped_update(state)), jaxcomp.skipped_update(jaxcomp.compress("dense").init({}))
+      (False, None)
+
+    References:
+      optax ``apply_if_finite`` (skips a step on non-finite updates); Micikevicius et al.,
+      "Mixed Precision Training", ICLR 2018, §3.2 (a step with Inf/NaN gradients is skipped).
+    """
+    flags = [state.metrics.nonfinite > 0 for state in _compress_states(opt_state)
+             if state.policy.name != "zero"]
+    if not flags:
+        return None
+    return functools.reduce(jnp.logical_or, flags)
+
+
+def _keep_if_skipped(skipped, old_state, new_state):
+    """``new_state`` where the step ran, ``old_state`` where it was skipped; CompressStates stay new.
+
+    A compress skips its own state (residual, step, "auto") and reports the step in its metrics,
+    so its new state is right either way.
+    """
+
+    def keep(new, old):
+        return new if isinstance(new, CompressState) else jnp.where(skipped, old, new)
+
+    return jax.tree.map(keep, new_state, old_state, is_leaf=lambda x: isinstance(x, CompressState))
+
+
+def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """Makes a whole optax chain skip the steps its ``compress(nonfinite="skip")`` skips.
+
+    ``compress(..., nonfinite="skip")`` (or ``"raise"``) keeps its own state and returns zero
+    updates when any device saw a non-finite gradient entry, but the transformations after it
+    would still advance on those zeros (adam's moments decay, its count grows, and the params
+    move). This wrapper runs ``tx`` and, on such a step, returns zero updates and ``tx``'s
+    previous state, everywhere but inside the compress states (which already kept theirs and
+    report the step in their ``nonfinite`` metric). It decides with ``jnp.where`` on a scalar
+    that every device agrees on, not ``lax.cond``, so it works inside ``jax.shard_map`` where
+    ``optax.apply_if_finite`` fails ("cond branches must have equal output types").
+    :func:`jaxcomp.data_parallel` does this by itself (and keeps the params bit for bit); use
+    the wrapper in your own ``shard_map`` step. The state is ``tx``'s own.
+
+    Args:
+      tx: an optax transformation holding a :func:`compress` with ``nonfinite="skip"`` or
+        ``"raise"`` (with ``"zero"`` or no compress the wrapper changes nothing).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with ``tx``'s ``init`` and state.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()), ("data",))
+      >>> tx = jaxcomp.skip_nonfinite(optax.chain(jaxcomp.compress("dense", nonfinite="skip"), optax.adam(0.1)))
+      >>> state = tx.init({"w": jnp.zeros(2)})
+      >>> def step(g):
+      ...     updates, new_state = tx.update({"w": g}, state)
+      ...     return updates["w"], new_state[1][0].count, jaxcomp.find_compress_state(new_state).metrics.nonfinite
+      >>> f = jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P())
+      >>> g = jnp.ones(2 * jax.device_count()).at[0].set(jnp.nan)
+      >>> updates, adam_count, nonfinite = f(g)
+      >>> updates.tolist(), int(adam_count), float(nonfinite)
+      ([0.0, 0.0], 0, 1.0)
+
+    References:
+      optax ``apply_if_finite``; Micikevicius et al., "Mixed Precision Training", ICLR 2018, §3.2.
+    """
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
+    inner = optax.with_extra_args_support(tx)
+
+    def update(updates, state, params=None, **extra_args):
+        new_updates, new_state = inner.update(updates, state, params, **extra_args)
+        skipped = skipped_update(new_state)
+        if skipped is None:
+            return new_updates, new_state
+        new_updates = jax.tree.map(
+            lambda u: jnp.where(skipped, jnp.zeros_like(u), u) if jnp.issubdtype(u.dtype, jnp.inexact) else u,
+            new_updates)
+        return new_updates, _keep_if_skipped(skipped, state, new_state)
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
 
 
 def _compress_states(opt_state) -> list[CompressState]:
