@@ -54,10 +54,14 @@ def test_two_emulated_hosts_train_like_one_process_and_wire_bytes_match(tmp_path
         np.testing.assert_array_equal(hosts[0][name], value, err_msg=f"cluster vs one process: {name}")
     for host in hosts:
         for method in cluster_worker.METHODS:
-            tx_bytes, tx_packets, rx_bytes, rx_packets, bytes_sent = host[f"wire/{method}"]
+            tx_bytes, tx_packets, rx_bytes, rx_packets, retransmitted, bytes_sent = host[f"wire/{method}"]
             steps = cluster_worker.STEPS - 1
             payload = tx_bytes - HEADER_BYTES * tx_packets
-            assert payload == pytest.approx(steps * bytes_sent, rel=0.05), (method, payload, steps * bytes_sent)
+            # A loaded machine can make tbf drop a segment; TCP then sends it again (at most a
+            # full segment each), which is framing too: measured per namespace, not guessed.
+            resent = retransmitted * 1448
+            assert payload >= 0.95 * steps * bytes_sent, (method, payload, steps * bytes_sent)
+            assert payload - resent <= 1.05 * steps * bytes_sent, (method, payload, resent, steps * bytes_sent)
 
 
 @pytest.mark.multiprocess
