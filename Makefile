@@ -1,5 +1,5 @@
 # Development shortcuts. The README's two commands need none of this.
-#   make dev   - build _jaxcomp_cpu in place (jaxcomp/_jaxcomp_cpu*.so) with the Python in $(PY)
+#   make dev   - build _jaxcomp_cpu in place (src/jaxcomp/_jaxcomp_cpu*.so) with the Python in $(PY)
 #   make check - dev build, then the test suite against the in-place module
 PY ?= python3
 BUILD ?= build/dev
@@ -9,6 +9,6 @@ dev:
 	cmake --build $(BUILD)
 
 check: dev
-	PYTHONPATH=$(CURDIR) $(PY) -m pytest -q tests
+	PYTHONPATH=$(CURDIR)/src $(PY) -m pytest -q tests
 
 .PHONY: dev check

@@ -34,7 +34,7 @@ target_compile_options(_jaxcomp_cuda PRIVATE
 
 # Where a non-pip build puts the module: next to the Python sources (like `make dev`), or, for the
 # CI compile check (ci/compile_cuda.sh), in its build folder so the source tree stays CPU-only.
-set(JAXCOMP_CUDA_OUTPUT_DIR "${CMAKE_CURRENT_SOURCE_DIR}/jaxcomp" CACHE PATH
+set(JAXCOMP_CUDA_OUTPUT_DIR "${CMAKE_CURRENT_SOURCE_DIR}/src/jaxcomp" CACHE PATH
     "Folder for _jaxcomp_cuda in builds outside pip (SKBUILD installs it into the jaxcomp package)")
 if(SKBUILD)
   install(TARGETS _jaxcomp_cuda LIBRARY DESTINATION jaxcomp)
