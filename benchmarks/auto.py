@@ -59,7 +59,8 @@ def measure(tx, n, mesh, batch):
         state, metrics = dp.step(state, batch)
         jax.block_until_ready(state)
         times.append(time.perf_counter() - start)
-    return compile_seconds, float(np.median(times)), jaxcomp.METHODS[int(metrics["method"])], float(metrics["density"])
+    ran = jaxcomp.find_compress_state(state.opt_state).methods[int(metrics["method"])]
+    return compile_seconds, float(np.median(times)), ran.label, float(metrics["density"])
 
 
 def main():
@@ -86,7 +87,7 @@ def main():
         fixed = measure(jaxcomp.compress(method, **options), n, mesh, batch)
         auto = measure(auto_tx, n, mesh, batch)
         if (auto[2], auto[3]) != (fixed[2], fixed[3]):
-            raise SystemExit(f"auto ran {auto[2]} at density {auto[3]}, not {method}: the comparison is meaningless")
+            raise SystemExit(f"auto ran {auto[2]} at density {auto[3]}, not {fixed[2]}: the comparison is meaningless")
         label = ", ".join(f"{k}={v}" for k, v in auto_options.items())
         if args.markdown:
             print(f"| {label} | {branches} | {method} ({auto[3]:.3g}) | {1e3 * fixed[1]:.1f} ms | "

@@ -40,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxcomp import collectives  # noqa: E402
+from jaxcomp import collectives, methods  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", args.devices)
 AXIS = "data"
@@ -51,7 +51,7 @@ def configurations(n, n_devices):
     ratios = [float(r) for r in args.ratios.split(",")]
     rates = [int(r) for r in args.rates.split(",")]
     widths = [int(b) for b in args.bits.split(",")]
-    rows = [("psum", dict(method="psum"), lambda x, s, key: collectives.psum(x, AXIS), AXIS)]
+    rows = [("psum", dict(method="dense"), lambda x, s, key: collectives.psum(x, AXIS), AXIS)]
     for ratio in ratios:
         k = max(1, round(ratio * n))
         rows += [
@@ -73,21 +73,21 @@ def configurations(n, n_devices):
     for rate in rates:
         for algorithm in collectives.ZFP_ALGORITHMS:
             rows.append((f"zfp_allreduce {algorithm} rate={rate}",
-                         dict(method="zfp_allreduce", rate=rate, algorithm=algorithm),
+                         dict(method="zfp", rate=rate, algorithm=algorithm),
                          lambda x, s, key, r=rate, a=algorithm: collectives.zfp_allreduce(x, r, AXIS, a), AXIS))
     for bits in widths:
         for hadamard in (True, False):
             rows.append((f"quantized_psum bits={bits}{'' if hadamard else ' no hadamard'}",
-                         dict(method="quantized_psum", bits=bits, hadamard=hadamard),
+                         dict(method="quantized", bits=bits, hadamard=hadamard),
                          lambda x, s, key, b=bits, h=hadamard: collectives.quantized_psum(x, b, AXIS, key, h),
                          AXIS))
     return rows
 
 
-def bytes_sent(n, n_devices, method, _all_gather=False, **params):
-    """collectives.bytes_sent, and for the AR-Topk broadcast by all_gather (the alternative
+def bytes_sent(n, n_devices, method, _all_gather=False, inner_size=None, **params):
+    """The method's wire bytes, and for the AR-Topk broadcast by all_gather (the alternative
     ar_topk measured and set aside) the index all-reduce swapped for an all-gather."""
-    sent = collectives.bytes_sent(method, n, n_devices, **params)
+    sent = methods.parse(method, **params).wire_bytes(n, n_devices, inner_size=inner_size)
     if _all_gather:
         index_bytes = 4 * params["k"]
         sent += (n_devices - 1) * index_bytes - 2 * (n_devices - 1) / n_devices * index_bytes

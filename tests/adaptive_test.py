@@ -1,6 +1,5 @@
 """jaxcomp.adaptive: candidate ratios, the knee, re-exploration, and the controller on a synthetic gradient stream."""
 
-import importlib
 import itertools
 
 import jax
@@ -9,11 +8,8 @@ import numpy as np
 import pytest
 
 from helpers import need_devices
-from jaxcomp import adaptive, cost
-
-# The module, even once the package exports the function `jaxcomp.probe` under the same name.
-probe = importlib.import_module("jaxcomp.probe")
-from jaxcomp.adaptive import AdaptiveRatio
+from jaxcomp import adaptive, cost, probe
+from jaxcomp.methods import Dense, TopK
 
 SLOW = cost.Network.parse("1ms", "1gbit")
 FAST = cost.Network.parse("1us", "100GB/s")
@@ -129,64 +125,42 @@ def test_knee_rejects_bad_input(kwargs, match):
 
 # --- re-decision rules ------------------------------------------------------------------------
 
-def test_gain_moved_at_ten_percent():
-    assert adaptive.gain_moved(1.0, 0.9) and adaptive.gain_moved(1.0, 1.1)
-    assert not adaptive.gain_moved(1.0, 0.91) and not adaptive.gain_moved(1.0, 1.09)
-    with pytest.raises(ValueError, match="reference"):
-        adaptive.gain_moved(0.0, 0.5)
+def test_moved_at_ten_percent_of_the_larger_value():
+    """What makes compress_auto re-decide: alpha or bandwidth (equivalently beta) moved by 10%."""
+    old = np.array([SLOW.alpha, SLOW.beta])
+    assert not adaptive.moved(old, np.array([SLOW.alpha * 1.05, SLOW.beta]), 0.1).any()
+    assert adaptive.moved(old, np.array([SLOW.alpha * 1.2, SLOW.beta]), 0.1).tolist() == [True, False]
+    assert adaptive.moved(old, np.array([SLOW.alpha, SLOW.beta / 0.8]), 0.1).tolist() == [False, True]
+    assert adaptive.moved(np.array([0.0]), np.array([1e-6]), 0.1).all()
+    traced = jax.jit(lambda a, b: adaptive.moved(a, b, 0.1, jnp))(old, old * 1.2)
+    assert np.asarray(traced).tolist() == [True, True]
 
 
-def test_network_changed():
-    assert adaptive.network_changed(None, SLOW)
-    assert not adaptive.network_changed(SLOW, cost.Network(alpha=SLOW.alpha * 1.05, bandwidth=SLOW.bandwidth))
-    assert adaptive.network_changed(SLOW, cost.Network(alpha=SLOW.alpha * 1.2, bandwidth=SLOW.bandwidth))
-    assert adaptive.network_changed(SLOW, cost.Network(alpha=SLOW.alpha, bandwidth=SLOW.bandwidth * 0.8))
-    assert adaptive.network_changed(cost.Network(0.0, 1e9), cost.Network(1e-6, 1e9))
-    with pytest.raises(TypeError, match="new"):
-        adaptive.network_changed(SLOW, (1e-3, 1e9))
+# --- choosing a method: one procedure on the host and in the step -----------------------------
 
-
-# --- choose_auto and the sync plan ------------------------------------------------------------
-
-CANDIDATES = ["dense_ring", "allgather_topk", "ar_topk_ring", "ar_topk_tree"]
+CANDIDATES = [Dense(), TopK(0.01), TopK(0.01, collective="ar"), TopK(0.01, collective="ar", allreduce="tree")]
 CODEC = {m: 2e-3 for m in CANDIDATES[1:]}
 
 
-def test_choose_auto_is_the_index_of_choose():
-    for alpha, bandwidth, ratio in itertools.product([1e-6, 1e-3], [1e8, 1e10, 1e12], [0.001, 0.1]):
-        net = cost.Network(alpha=alpha, bandwidth=bandwidth)
-        index = adaptive.choose_auto(NBYTES, WORKERS, net, CANDIDATES, ratio=ratio, overhead=CODEC)
-        assert CANDIDATES[index] == cost.choose(NBYTES, WORKERS, net, ratio, CANDIDATES, overhead=CODEC)
-
-
-def test_choose_auto_picks_dense_for_the_in_memory_probe_and_compression_for_a_slow_one():
+def test_choose_picks_dense_for_the_in_memory_probe_and_compression_for_a_slow_one():
     """What auto mode sees: a probe of 8 virtual CPU devices reports a fast link; a slow one
     (1 ms, 1 Gbit/s) favours compression even with 2 ms of encode/decode."""
-    in_memory = cost.Network(alpha=20e-6, bandwidth=3.5e9)  # what probe() measures here, roughly
+    in_memory = cost.Network(alpha=20e-6, bandwidth=3.5e9)  # what probe_network() measures here, roughly
     small_model = 4e5  # 100k float32 parameters
-    assert adaptive.choose_auto(small_model, 8, in_memory, CANDIDATES, ratio=0.01, overhead=CODEC) == 0
-    assert adaptive.choose_auto(small_model, 8, SLOW, CANDIDATES, ratio=0.01, overhead=CODEC) != 0
+    assert cost.choose(small_model, 8, in_memory, candidates=CANDIDATES, overhead=CODEC) == Dense()
+    assert cost.choose(small_model, 8, SLOW, candidates=CANDIDATES, overhead=CODEC) != Dense()
 
 
 def test_auto_on_8_virtual_devices_picks_dense_from_the_live_probe_and_compression_on_a_slow_network():
-    """The live probe of the in-memory mesh and the codec timed on all 8 devices at once (as a
-    step runs it) favour dense; the same codec on a 1 ms, 1 Gbit/s network favours compression."""
+    """The live probe of the in-memory mesh and the local work timed on all 8 devices at once (as a
+    step runs it) favour dense; the same work on a 1 ms, 1 Gbit/s network favours compression."""
     need_devices(8)
     mesh = jax.sharding.Mesh(jax.devices()[:8], ("data",))
     n_values = 100_000
-    in_memory = probe.probe(mesh, "data")
-    codec = {m: probe.codec_seconds(m, n_values, ratio=0.01, mesh=mesh, axis_name="data") for m in CANDIDATES[1:]}
-    assert adaptive.choose_auto(4 * n_values, 8, in_memory, CANDIDATES, ratio=0.01, overhead=codec) == 0
-    assert adaptive.choose_auto(4 * n_values, 8, SLOW, CANDIDATES, ratio=0.01, overhead=codec) != 0
-
-
-def test_sync_plan_is_the_cheapest_top_k_collective_per_ratio():
-    ratios = adaptive.candidate_ratios()
-    plan = adaptive.sync_plan(NBYTES, WORKERS, SLOW, ratios)
-    for ratio, (method, seconds) in zip(ratios, plan):
-        assert method == cost.choose(NBYTES, WORKERS, SLOW, ratio, adaptive.TOPK_COLLECTIVES)
-        assert seconds == cost.predict(method, NBYTES, WORKERS, SLOW, ratio)
-    assert [s for _, s in plan] == sorted((s for _, s in plan), reverse=True)
+    in_memory = probe.probe_network(mesh, "data")
+    codec = {m: probe.codec_seconds(m, n_values, mesh=mesh, axis_name="data") for m in CANDIDATES[1:]}
+    assert cost.choose(4 * n_values, 8, in_memory, candidates=CANDIDATES, overhead=codec) == Dense()
+    assert cost.choose(4 * n_values, 8, SLOW, candidates=CANDIDATES, overhead=codec) != Dense()
 
 
 # --- the controller on a controlled synthetic gradient stream ---------------------------------
@@ -218,6 +192,50 @@ class _Stream:
         return float(adaptive.compression_gain(jnp.asarray(kept), jnp.asarray(error_fed)))
 
 
+TOPK_COLLECTIVES = (TopK(0.5), TopK(0.5, collective="ar"), TopK(0.5, collective="ar", allreduce="tree"))
+
+
+class _Controller:
+    """The ratio controller (ratio_init / ratio_observe / ratio_redecide, what compress_auto runs
+    inside its step) driven from Python, one call per step; communication time is predicted as the
+    cheapest top-k collective at each candidate ratio (compress_auto's sync_per_ratio)."""
+
+    def __init__(self, network=None, ratio_range=adaptive.DEFAULT_RATIO_RANGE, explore_steps=10, base_seconds=0.0):
+        self.ratios = adaptive.candidate_ratios(ratio_range)
+        self.explore_steps = adaptive.check_explore_steps(explore_steps)
+        self.network = network
+        self.state = adaptive.ratio_init(len(self.ratios), self.explore_steps)
+        self._observe = jax.jit(lambda *a: adaptive.ratio_observe(*a, base_seconds=base_seconds))
+        self._redecide = jax.jit(lambda *a: adaptive.ratio_redecide(*a, base_seconds=base_seconds))
+
+    def predicted(self):
+        if self.network is None:
+            return np.zeros(len(self.ratios), np.float32)
+        return np.array([min(cost.predict(m.with_ratio(r), NBYTES, WORKERS, self.network) for m in TOPK_COLLECTIVES)
+                         for r in self.ratios], np.float32)
+
+    @property
+    def index(self):
+        return int(self.state.index)
+
+    @property
+    def ratio(self):
+        return self.ratios[self.index]
+
+    @property
+    def exploring(self):
+        return bool(self.state.exploring)
+
+    def observe(self, gain, t_comp=0.0, t_sync=float("nan")):
+        self.state = self._observe(self.state, gain, t_comp, t_sync, self.predicted())
+
+    def update_network(self, network):
+        if adaptive.moved(np.array([self.network.alpha, self.network.beta]),
+                          np.array([network.alpha, network.beta]), 0.1).any():
+            self.network = network
+            self.state = self._redecide(self.state, self.predicted())
+
+
 def _run(controller, stream, steps):
     visited = []
     for _ in range(steps):
@@ -228,7 +246,7 @@ def _run(controller, stream, steps):
 
 def test_ratio_falls_while_gain_stays_high_and_rises_when_gain_collapses():
     stream = _Stream()
-    ctl = AdaptiveRatio(NBYTES, WORKERS, network=SLOW, explore_steps=4)
+    ctl = _Controller(network=SLOW, explore_steps=4)
     assert ctl.exploring and ctl.index == 0
     explore = len(ctl.ratios) * ctl.explore_steps
     visited = _run(ctl, stream, explore)
@@ -244,39 +262,34 @@ def test_ratio_falls_while_gain_stays_high_and_rises_when_gain_collapses():
     assert ctl.exploring  # the gain collapsed by far more than 10%
     _run(ctl, stream, explore)
     assert not ctl.exploring and ctl.ratio > low_density
-    assert ctl.method in adaptive.TOPK_COLLECTIVES
 
 
 def test_a_faster_network_moves_to_higher_density_without_exploring():
     stream = _Stream()
     stream.kind = "flat"
-    ctl = AdaptiveRatio(NBYTES, WORKERS, network=SLOW, explore_steps=3, base_seconds=0.1)
+    ctl = _Controller(network=SLOW, explore_steps=3, base_seconds=0.1)
     _run(ctl, stream, len(ctl.ratios) * ctl.explore_steps)
     on_slow = ctl.ratio
     assert on_slow < max(ctl.ratios)
-    assert ctl.update_network(cost.Network(SLOW.alpha * 1.01, SLOW.bandwidth)) == ctl.index  # within tolerance
+    before = ctl.index
+    ctl.update_network(cost.Network(SLOW.alpha * 1.01, SLOW.bandwidth))
+    assert ctl.index == before  # within tolerance
     ctl.update_network(FAST)
     assert not ctl.exploring and ctl.ratio == max(ctl.ratios) > on_slow
 
 
 def test_controller_uses_measured_times_without_a_network():
-    ctl = AdaptiveRatio(NBYTES, WORKERS, ratio_range=(0.01, 0.1), explore_steps=1)
-    assert ctl.method is None
-    with pytest.raises(ValueError, match="t_sync"):
-        ctl.observe(0.9)
+    ctl = _Controller(ratio_range=(0.01, 0.1), explore_steps=1)
     for t_sync in (1.0, 0.3, 0.1):
         ctl.observe(0.9, t_comp=0.01, t_sync=t_sync)
     assert ctl.ratio == 0.01
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(explore_steps=0), ValueError, "explore_steps"),
-    (dict(gain_tolerance=0.0), ValueError, "gain_tolerance"),
-    (dict(network=(1e-3, 1e9)), TypeError, "network"),
-    (dict(ratio_range=(0.5, 0.1)), ValueError, "ratio_range"),
+@pytest.mark.parametrize("call,match", [
+    (lambda: adaptive.check_explore_steps(0), "explore_steps"),
+    (lambda: adaptive.candidate_ratios((0.5, 0.1)), "ratio_range"),
+    (lambda: adaptive.candidate_ratios((0.001, 0.1), factor=1.0), "factor"),
 ])
-def test_controller_rejects_bad_input(kwargs, error, match):
-    with pytest.raises(error, match=match):
-        AdaptiveRatio(NBYTES, WORKERS, **kwargs)
-    with pytest.raises(ValueError, match="gain"):
-        AdaptiveRatio(NBYTES, WORKERS, network=SLOW).observe(-0.5)
+def test_controller_settings_reject_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

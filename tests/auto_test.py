@@ -9,15 +9,11 @@ from helpers import count_compilations, need_devices
 from jax.sharding import Mesh
 
 import jaxcomp
-from jaxcomp import adaptive, collectives, cost
+from jaxcomp import adaptive, cost
+from jaxcomp.auto import set_network
+from jaxcomp.methods import Dense, TopK
 from jaxcomp.train import data_parallel
-from jaxcomp.transform import (
-    METHODS,
-    compress,
-    cost_method,
-    find_compress_state,
-    set_network,
-)
+from jaxcomp.transform import compress, find_compress_state
 
 N_DEVICES = 8
 N_PARAMS = 100_000
@@ -42,22 +38,23 @@ def _gaussian(rng, n=N_PARAMS):
     return {"g": rng.standard_normal((N_DEVICES, n)).astype(np.float32)}
 
 
-def _method(metrics):
-    return METHODS[int(metrics["method"])]
+def _method(state, metrics):
+    """The label of the method that ran."""
+    return find_compress_state(state.opt_state).methods[int(metrics["method"])].label
 
 
 def _with_network(state, network, overhead=None):
     return state._replace(opt_state=set_network(state.opt_state, network, overhead))
 
 
-def _host_choice(auto_state, candidates, ratio, n=N_PARAMS):
-    """The argmin of jaxcomp.cost.predict over the candidates, with the state's network and overheads."""
-    alpha, beta = np.asarray(auto_state.network, np.float64)  # np.asarray: no helper jit to count
+def _host_choice(state, n=N_PARAMS):
+    """The host's choice (jaxcomp.cost.choose) among the state's branches, with its network and overheads."""
+    compress_state = find_compress_state(state.opt_state)
+    alpha, beta = np.asarray(compress_state.auto.network, np.float64)  # np.asarray: no helper jit to count
     network = cost.Network(alpha, 1.0 / beta)
-    names = [cost_method(m) for m in candidates]
-    overhead = dict(zip(names, np.asarray(auto_state.overhead, np.float64).tolist()))  # one branch per method here
-    times = cost.predict_all(4 * n, N_DEVICES, network, names, ratio=ratio, overhead=overhead)
-    return candidates[int(np.argmin(times))]
+    branches = list(compress_state.methods)
+    overhead = dict(zip(branches, np.asarray(compress_state.auto.overhead, np.float64).tolist()))
+    return cost.choose(4 * n, N_DEVICES, network, candidates=branches, overhead=overhead).label
 
 
 def test_auto_picks_dense_in_memory_and_compression_when_the_probe_reports_a_slow_network():
@@ -72,24 +69,23 @@ def test_auto_picks_dense_in_memory_and_compression_when_the_probe_reports_a_slo
     with count_compilations() as compiles:
         state, metrics = dp.step(state, _gaussian(rng))
         first = compiles[0]
-        assert _method(metrics) == "dense" == _host_choice(auto, ("dense", "allgather_topk", "ar_topk"), 0.01)
+        assert _method(state, metrics) == "dense" == _host_choice(state)
         assert float(metrics["density"]) == 1.0
 
         state = _with_network(state, SLOW)  # keeps the measured overheads
         for _ in range(3):
             state, metrics = dp.step(state, _gaussian(rng))
-            auto = find_compress_state(state.opt_state).auto
-            assert _method(metrics) == _host_choice(auto, ("dense", "allgather_topk", "ar_topk"), 0.01)
-            assert _method(metrics) in ("allgather_topk", "ar_topk")
+            assert _method(state, metrics) == _host_choice(state)
+            assert _method(state, metrics) in ("allgather_topk", "ar_topk")
             assert float(metrics["density"]) == pytest.approx(0.01, rel=1e-6)
     assert compiles[0] == first  # switching methods compiled nothing
 
 
 def _break_even_bandwidth(alpha, overhead, n=N_PARAMS):
     """Bandwidth at which dense and allgather_topk (ratio 0.01, `overhead` seconds) take equally long."""
-    dense_bytes = collectives.bytes_sent("psum", n, N_DEVICES)
-    topk_bytes = collectives.bytes_sent("allgather_topk", n, N_DEVICES, ratio=0.01)
-    extra_steps = cost.message_steps("allgather_topk", N_DEVICES) - cost.message_steps("dense_ring", N_DEVICES)
+    dense_bytes = Dense().wire_bytes(n, N_DEVICES)
+    topk_bytes = TopK(0.01).wire_bytes(n, N_DEVICES)
+    extra_steps = TopK(0.01).message_steps(N_DEVICES) - Dense().message_steps(N_DEVICES)
     return (dense_bytes - topk_bytes) / (overhead + extra_steps * alpha)
 
 
@@ -109,7 +105,7 @@ def test_auto_keeps_its_choice_for_decide_every_steps_unless_the_network_moves_b
         if step == 6:
             state = _with_network(state, cost.Network(alpha, bandwidth / 10))  # a real change
         state, metrics = dp.step(state, _gaussian(rng))
-        ran.append(_method(metrics))
+        ran.append(_method(state, metrics))
     assert ran == ["allgather_topk"] * 4 + ["dense"] * 2 + ["allgather_topk"] * 4
 
 
@@ -135,7 +131,7 @@ def test_error_feedback_stays_exact_across_switches(candidates):
         batch = _gaussian(rng)
         fed += batch["g"].astype(np.float64).sum(axis=0)
         state, metrics = dp.step(state, batch)
-        ran.append(_method(metrics))
+        ran.append(_method(state, metrics))
         residual = np.asarray(find_compress_state(state.opt_state).residual)  # [devices, n]
         if ran[-1] == "dense":
             assert not residual.any()  # dense sends everything, the residual included
@@ -168,7 +164,7 @@ def test_adaptive_ratio_falls_while_gain_stays_high_and_rises_when_gain_collapse
         for _ in range(steps):
             state, metrics = dp.step(state, stream(rng))
             densities.append(float(metrics["density"]))
-            assert _method(metrics) in ("allgather_topk", "ar_topk")
+            assert _method(state, metrics) in ("allgather_topk", "ar_topk")
         return densities
 
     def controller():
@@ -197,11 +193,11 @@ def test_adaptive_ratio_waits_while_dense_runs():
     tx = compress("auto", adaptive_ratio=True, network=cost.Network.parse("1us", "100GB/s"), explore_steps=1)
     dp = _trainer(tx)
     state = _with_network(dp.init(jnp.zeros(N_PARAMS)), cost.Network.parse("1us", "100GB/s"),
-                          lambda method, setting: 0.0 if method == "dense" else 1e-2)
+                          lambda method: 0.0 if method.sends_everything else 1e-2)
     rng = np.random.default_rng(4)
     for _ in range(3):
         state, metrics = dp.step(state, _gaussian(rng))
-        assert _method(metrics) == "dense"
+        assert _method(state, metrics) == "dense"
     ratio = find_compress_state(state.opt_state).auto.ratio
     assert int(ratio.index) == 0 and bool(ratio.exploring) and not np.asarray(ratio.gain_sum).any()
 
@@ -214,23 +210,23 @@ def test_auto_on_two_axes_includes_hierarchical_topk_and_matches_the_cost_model(
     dp = data_parallel(_loss, optax.chain(tx, optax.sgd(1.0)), mesh, axis_name=("node", "device"))
     state = dp.init(jnp.zeros(N_PARAMS))
     candidates = ("dense", "allgather_topk", "ar_topk", "hierarchical_topk")
-    assert [m for m, _ in jaxcomp.auto_branches(state.opt_state)[0]] == list(candidates)
+    (branches,) = jaxcomp.auto_branches(state.opt_state)
+    assert [m.label for m in branches] == list(candidates)
     state, metrics = dp.step(state, _gaussian(np.random.default_rng(5)))
-    times = cost.predict_all(4 * N_PARAMS, N_DEVICES, slow, [cost_method(m) for m in candidates], ratio=0.01,
-                             inner_size=4)
-    assert _method(metrics) == candidates[int(np.argmin(times))]
+    assert _method(state, metrics) == cost.choose(4 * N_PARAMS, N_DEVICES, slow, candidates=branches, inner_size=4).label
 
 
 def test_state_round_trips_and_branches_are_listed():
     tx = compress("auto", ratio=0.01, rate=8, bits=4)
     state = tx.init({"w": jnp.zeros(10)})
-    assert jaxcomp.auto_branches(state) == [[("dense", None), ("allgather_topk", 0.01), ("ar_topk", 0.01),
-                                             ("zfp", 8), ("quantized", 4)]]
+    assert [[m.describe() for m in group] for group in jaxcomp.auto_branches(state)] == [
+        ["dense", "allgather_topk(0.01)", "ar_topk(0.01)", "zfp(8)", "quantized(4)"]]
     tx = compress("auto", adaptive_ratio=True, ratio_range=(0.01, 0.1), candidates=("ar_topk", "dense"))
     (branches,) = jaxcomp.auto_branches(tx.init({"w": jnp.zeros(10)}))
-    assert [m for m, _ in branches] == ["ar_topk"] * 3 + ["dense"]
-    assert [s for _, s in branches[:3]] == pytest.approx([0.1, 0.1 / 3, 0.01], rel=1e-6) and branches[3][1] is None
-    assert int(tx.init({"w": jnp.zeros(10)}).metrics.method) == METHODS.index("ar_topk")
+    assert [m.label for m in branches] == ["ar_topk"] * 3 + ["dense"]
+    assert [m.setting for m in branches[:3]] == pytest.approx([0.1, 0.1 / 3, 0.01], rel=1e-6)
+    assert branches[3].setting is None
+    assert int(tx.init({"w": jnp.zeros(10)}).metrics.method) == 0  # the first branch until it decides
 
 
 def test_set_network_checks_its_arguments():
@@ -263,7 +259,7 @@ def test_set_network_checks_its_arguments():
     (dict(ratio=0.01, candidates=("dense", "auto")), ValueError, "candidates"),
     (dict(ratio=0.01, candidates=("dense", "dense")), ValueError, "candidates"),
     (dict(ratio=0.01, candidates=("dense", "zfp")), ValueError, "rate="),
-    (dict(bits=8, candidates=("quantized", "ar_topk")), ValueError, "top-k"),
+    (dict(bits=8, candidates=("quantized", "ar_topk")), ValueError, "ratio="),
     (dict(ratio=0.01, candidates=("hierarchical_topk",)), ValueError, "outer, inner"),
     (dict(ratio=0.01, decide_every=0), ValueError, "decide_every"),
     (dict(ratio=0.01, explore_steps=0), ValueError, "explore_steps"),
@@ -296,7 +292,7 @@ def test_auto_on_one_device_runs_dense_without_probing():
     state = dp.init(jnp.zeros(100))
     assert np.isnan(np.asarray(find_compress_state(state.opt_state).auto.network)).all()
     state, metrics = dp.step(state, {"g": np.ones((1, 100), np.float32)})
-    assert _method(metrics) == "dense"
+    assert _method(state, metrics) == "dense"
     np.testing.assert_array_equal(np.asarray(state.params), -np.ones(100))
     with pytest.raises(ValueError, match="1 device"):
         dp.reprobe(state)

@@ -9,14 +9,26 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxcomp
-from jaxcomp import collectives
+from jaxcomp import collectives, layout, methods
 from jaxcomp.zfp import zfp_num_words
 from jaxcomp.hadamard import counter_signs, counter_uniform
 from helpers import assert_trees_equal, count_compilations, need_devices
 
 
 # ----------------------------------------------------------------------------------------------
-# bytes_sent: the byte model, checked against the textbook cost of each algorithm's steps.
+# The byte model (each method's wire_bytes, in jaxcomp.methods), checked against the textbook cost
+# of each algorithm's steps and against the bytes the collectives' jaxprs really move.
+
+_NAMES = {"psum": "dense", "zfp_allreduce": "zfp", "quantized_psum": "quantized"}
+
+
+def bytes_sent(method, n, n_devices, *, dtype_bytes=4, inner_size=None, **options):
+    """The wire bytes of the method behind a collective, by the collective's name."""
+    if method in ("psum", "ar_topk", "quantized_psum") and "algorithm" in options:
+        options["allreduce"] = options.pop("algorithm")
+    return methods.parse(_NAMES.get(method, method), **options).wire_bytes(n, n_devices, dtype_bytes=dtype_bytes,
+                                                                          inner_size=inner_size)
+
 
 @pytest.mark.parametrize("n_devices", [1, 2, 6, 8])
 @pytest.mark.parametrize("dtype_bytes", [2, 4])
@@ -25,28 +37,28 @@ def test_bytes_sent_matches_the_cost_of_each_step(n_devices, dtype_bytes):
     ring = lambda m: 2 * (N - 1) / N * m  # noqa: E731
     tree = lambda m: 2 * math.ceil(math.log2(N)) * m  # noqa: E731
     d = dtype_bytes
-    assert collectives.bytes_sent("psum", n, N, dtype_bytes=d) == ring(n * d)
-    assert collectives.bytes_sent("psum", n, N, algorithm="tree", dtype_bytes=d) == tree(n * d)
-    assert collectives.bytes_sent("allgather_topk", n, N, k=k, dtype_bytes=d) == (N - 1) * k * (d + 4)
-    assert collectives.bytes_sent("ar_topk", n, N, k=k, dtype_bytes=d) == ring(4 * k) + ring(k * d)
-    assert collectives.bytes_sent("ar_topk", n, N, k=k, algorithm="tree", leader="var", dtype_bytes=d) == (
+    assert bytes_sent("psum", n, N, dtype_bytes=d) == ring(n * d)
+    assert bytes_sent("psum", n, N, algorithm="tree", dtype_bytes=d) == tree(n * d)
+    assert bytes_sent("allgather_topk", n, N, k=k, dtype_bytes=d) == (N - 1) * k * (d + 4)
+    assert bytes_sent("ar_topk", n, N, k=k, dtype_bytes=d) == ring(4 * k) + ring(k * d)
+    assert bytes_sent("ar_topk", n, N, k=k, algorithm="tree", leader="var", dtype_bytes=d) == (
         tree(4 * k) + tree(k * d) + (N - 1) * 4)
     chunk_words = zfp_num_words(math.ceil(n / N), 8)
-    assert collectives.bytes_sent("zfp_allreduce", n, N, rate=8) == 2 * (N - 1) * chunk_words * 4
+    assert bytes_sent("zfp_allreduce", n, N, rate=8) == 2 * (N - 1) * chunk_words * 4
     p = 2 ** int(math.log2(N))
     rounds = int(math.log2(p)) + (p != N)
-    assert collectives.bytes_sent("zfp_allreduce", n, N, rate=8, algorithm="recursive_doubling") == (
+    assert bytes_sent("zfp_allreduce", n, N, rate=8, algorithm="recursive_doubling") == (
         rounds * zfp_num_words(n, 8) * 4)
     # 1003 values pad to one Hadamard block of 1024. Codes travel packed in uint32 words, in
     # fields wide enough for the sum of N codes: 4 bits + log2(N) headroom.
     def words(length, bits):
         width = (N * (2**bits - 1)).bit_length()
         return math.ceil(length / (32 // width)) * 4
-    assert collectives.bytes_sent("quantized_psum", n, N, bits=4) == ring(words(1024, 4)) + ring(4)
-    assert collectives.bytes_sent("quantized_psum", n, N, bits=4, hadamard=False) == ring(words(1003, 4)) + ring(4)
-    assert collectives.bytes_sent("quantized_psum", n, N, bits=8, algorithm="tree") == tree(words(1024, 8)) + tree(4)
+    assert bytes_sent("quantized_psum", n, N, bits=4) == ring(words(1024, 4)) + ring(4)
+    assert bytes_sent("quantized_psum", n, N, bits=4, hadamard=False) == ring(words(1003, 4)) + ring(4)
+    assert bytes_sent("quantized_psum", n, N, bits=8, algorithm="tree") == tree(words(1024, 8)) + tree(4)
     if N == 8:  # 4-bit codes from 8 devices: 7-bit fields, 4 to a word, 1 byte a value
-        assert collectives.bytes_sent("quantized_psum", n, N, bits=4) == ring(1024) + ring(4)
+        assert bytes_sent("quantized_psum", n, N, bits=4) == ring(1024) + ring(4)
 
 
 @pytest.mark.parametrize("inner_size, n_devices", [(4, 8), (2, 8), (1, 4), (4, 4), (3, 6)])
@@ -55,34 +67,34 @@ def test_bytes_sent_hierarchical(inner_size, n_devices):
     inner, outer = inner_size, n_devices // inner_size
     shard, k_shard = math.ceil(n / inner), math.ceil(k / inner)
     expected = (inner - 1) * shard * 4 + (outer - 1) * k_shard * 8 + (inner - 1) * outer * k_shard * 8
-    assert collectives.bytes_sent("hierarchical_topk", n, n_devices, k=k, inner_size=inner) == expected
+    assert bytes_sent("hierarchical_topk", n, n_devices, k=k, inner_size=inner) == expected
 
 
 def test_bytes_sent_ratio_is_rounded_k():
     for ratio in (0.001, 0.01, 0.5, 1.0):
         k = max(1, round(ratio * 2500))
-        assert (collectives.bytes_sent("allgather_topk", 2500, 8, ratio=ratio)
-                == collectives.bytes_sent("allgather_topk", 2500, 8, k=k))
+        assert (bytes_sent("allgather_topk", 2500, 8, ratio=ratio)
+                == bytes_sent("allgather_topk", 2500, 8, k=k))
 
 
 def test_bytes_sent_compression_beats_dense_at_scale():
     n = 25_000_000
-    dense = collectives.bytes_sent("psum", n, 8)
-    assert collectives.bytes_sent("ar_topk", n, 8, ratio=0.01) < dense / 10
-    assert collectives.bytes_sent("allgather_topk", n, 8, ratio=0.01) < dense / 2
-    assert collectives.bytes_sent("zfp_allreduce", n, 8, rate=8) == pytest.approx(dense / 4, rel=1e-5)
-    assert collectives.bytes_sent("quantized_psum", n, 8, bits=4) < dense / 3
+    dense = bytes_sent("psum", n, 8)
+    assert bytes_sent("ar_topk", n, 8, ratio=0.01) < dense / 10
+    assert bytes_sent("allgather_topk", n, 8, ratio=0.01) < dense / 2
+    assert bytes_sent("zfp_allreduce", n, 8, rate=8) == pytest.approx(dense / 4, rel=1e-5)
+    assert bytes_sent("quantized_psum", n, 8, bits=4) < dense / 3
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(method="nope", n=10, n_devices=2), "method"),
     (dict(method="psum", n=0, n_devices=2), "n must"),
     (dict(method="psum", n=10, n_devices=0), "n_devices"),
-    (dict(method="psum", n=10, n_devices=2, algorithm="star"), "algorithm"),
-    (dict(method="psum", n=10, n_devices=2, k=3), "k/ratio does not apply"),
-    (dict(method="allgather_topk", n=10, n_devices=2), "exactly one of k and ratio"),
-    (dict(method="allgather_topk", n=10, n_devices=2, k=3, ratio=0.1), "exactly one of k and ratio"),
-    (dict(method="allgather_topk", n=10, n_devices=2, k=11), "k must"),
+    (dict(method="psum", n=10, n_devices=2, algorithm="star"), "allreduce"),
+    (dict(method="psum", n=10, n_devices=2, k=3), "remove k="),
+    (dict(method="allgather_topk", n=10, n_devices=2), "exactly one of ratio"),
+    (dict(method="allgather_topk", n=10, n_devices=2, k=3, ratio=0.1), "exactly one of ratio"),
+    (dict(method="allgather_topk", n=10, n_devices=2, k=11), "k=11 exceeds"),
     (dict(method="allgather_topk", n=10, n_devices=2, k=0), "k must"),
     (dict(method="allgather_topk", n=10, n_devices=2, ratio=1.5), "ratio"),
     (dict(method="ar_topk", n=10, n_devices=2, k=3, leader="max"), "leader"),
@@ -93,12 +105,12 @@ def test_bytes_sent_compression_beats_dense_at_scale():
     (dict(method="zfp_allreduce", n=10, n_devices=2, rate=8, algorithm="tree"), "algorithm"),
     (dict(method="quantized_psum", n=10, n_devices=2, bits=0), "bits"),
     (dict(method="quantized_psum", n=10, n_devices=2, bits=17), "bits"),
-    (dict(method="quantized_psum", n=10, n_devices=2, rate=8, bits=4), "rate does not apply"),
+    (dict(method="quantized_psum", n=10, n_devices=2, rate=8, bits=4), "remove rate="),
     (dict(method="psum", n=10, n_devices=2, dtype_bytes=0), "dtype_bytes"),
 ])
 def test_bytes_sent_bad_input(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        collectives.bytes_sent(**kwargs)
+        bytes_sent(**kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -431,7 +443,7 @@ def sim_quantized(X, bits, key, hadamard):
     sign_key, noise_key = jax.random.split(key)
     length, block = n, n
     if hadamard:
-        block = min(1 << (n - 1).bit_length(), collectives.MAX_HADAMARD_BLOCK)
+        block = min(1 << (n - 1).bit_length(), layout.MAX_HADAMARD_BLOCK)
         length = -(-n // block) * block
     H = np.ones((1, 1), np.float32)
     while H.shape[0] < block:
@@ -476,7 +488,7 @@ def test_quantized_psum_matches_simulation(dtype, hadamard, n_devices, n, bits):
     # level and goes the other way: one grid step on one entry, or spread over a Hadamard block.
     eps = float(jnp.finfo(dtype).eps)
     slack = 1e-2 * step + 16 * float(jnp.finfo(jnp.float32).eps) * n_devices * step * (2**bits - 1) / 2
-    block = min(1 << (n - 1).bit_length(), collectives.MAX_HADAMARD_BLOCK)
+    block = min(1 << (n - 1).bit_length(), layout.MAX_HADAMARD_BLOCK)
     flip = 2 * step / np.sqrt(block) if hadamard else step
     for actual, expected in ((total[0], expected_total), (sent, expected_sent)):
         off = np.abs(actual - expected) - eps * np.abs(expected) - slack
@@ -597,7 +609,7 @@ def test_bytes_sent_agrees_with_the_implementation(n_devices, method, fn, params
         jnp.zeros(n * n_devices, dtype))
     uniform, p2p = _collective_bytes(traced.jaxpr.jaxpr, {AXIS: n_devices})
     measured = uniform + max(p2p.values(), default=0)
-    assert measured == pytest.approx(collectives.bytes_sent(method, n, n_devices, dtype_bytes=2, **params))
+    assert measured == pytest.approx(bytes_sent(method, n, n_devices, dtype_bytes=2, **params))
 
 
 def test_bytes_sent_agrees_with_hierarchical_implementation():
@@ -608,7 +620,7 @@ def test_bytes_sent_agrees_with_hierarchical_implementation():
                                    out_specs=(P(("node", "gpu")),) * 2)).trace(jnp.zeros(n * 8))
     uniform, p2p = _collective_bytes(traced.jaxpr.jaxpr, {"node": 2, "gpu": 4})
     assert not p2p
-    assert uniform == pytest.approx(collectives.bytes_sent("hierarchical_topk", n, 8, k=k, inner_size=4))
+    assert uniform == pytest.approx(bytes_sent("hierarchical_topk", n, 8, k=k, inner_size=4))
 
 
 # ----------------------------------------------------------------------------------------------

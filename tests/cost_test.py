@@ -17,7 +17,7 @@ K = 8192
 NET = Network(alpha=1e-3, bandwidth=1e9)
 
 # Each row: method, options, N, expected seconds, worked out by hand from paper 000 Table I /
-# Eqn (4a)/(4b) with jaxcomp's index all-reduce, and the byte counts of collectives.bytes_sent.
+# Eqn (4a)/(4b) with jaxcomp's index all-reduce, and the byte counts of the methods' wire_bytes.
 HAND = [
     # 2(N-1) α + 2 (N-1)/N M β = 14 ms + 2 * 7/8 * 4 MiB / 1 GB/s
     ("dense_ring", {}, 8, 14e-3 + 2 * 7 / 8 * NBYTES / 1e9),
@@ -53,11 +53,10 @@ def test_predict_matches_hand_computed_cost(method, options, n_workers, expected
     assert got == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("method", cost.METHODS)
+@pytest.mark.parametrize("method", cost.available_methods(ratio=RATIO, rate=8, bits=4, inner_size=1),
+                         ids=lambda m: m.label)
 def test_single_worker_costs_nothing(method):
-    options = {"ratio": RATIO, "rate": 8, "bits": 4, "inner_size": 1}
-    assert cost.predict(method, NBYTES, 1, NET, options["ratio"], options["rate"], options["bits"],
-                        inner_size=options["inner_size"]) == 0.0
+    assert cost.predict(method, NBYTES, 1, NET, inner_size=1) == 0.0
 
 
 def test_table_i_dense_costs():
@@ -73,15 +72,12 @@ def test_table_i_dense_costs():
 @pytest.mark.parametrize("method,options", [("dense_ring", {}), ("allgather_topk", {"ratio": 0.01}),
                                             ("zfp_ring", {"rate": 8})])
 def test_gradients_beyond_the_int32_row_limit_are_costed_in_pieces(method, options):
-    from jaxcomp.collectives import bytes_sent
+    from jaxcomp import methods
 
     limit = 2**31 - 1
     n = 2 * limit + 1000  # a 4.3B-parameter model
-    collective, algorithm = {"dense_ring": ("psum", "ring"), "allgather_topk": ("allgather_topk", None),
-                             "zfp_ring": ("zfp_allreduce", "ring")}[method]
-    extra = {"algorithm": algorithm} if algorithm else {}
-    expected = 2 * bytes_sent(collective, limit, 8, **options, **extra) + bytes_sent(collective, 1000, 8, **options,
-                                                                                   **extra)
+    m = methods.parse(method, **options)
+    expected = 2 * m.wire_bytes(limit, 8) + m.wire_bytes(1000, 8)
     assert cost.volume_bytes(method, 4 * n, 8, **options) == pytest.approx(expected)
 
 
@@ -104,8 +100,7 @@ def _random_setups(count, seed):
 def test_choose_is_the_argmin():
     for setup in _random_setups(60, seed=0):
         names = cost.available_methods(ratio=setup["ratio"], rate=8, bits=4)
-        times = [cost.predict(m, setup["nbytes"], setup["n_workers"], setup["network"], setup["ratio"], 8, 4)
-                 for m in names]
+        times = [cost.predict(m, setup["nbytes"], setup["n_workers"], setup["network"]) for m in names]
         chosen = cost.choose(setup["nbytes"], setup["n_workers"], setup["network"], setup["ratio"], rate=8, bits=4)
         assert chosen == names[int(np.argmin(times))]
 
@@ -212,8 +207,34 @@ def test_three_way_choice_follows_the_pairwise_rules():
 
 
 def test_available_methods():
-    assert cost.available_methods() == ("dense_ring", "dense_tree")
-    assert set(cost.available_methods(ratio=0.1, rate=8, bits=4, inner_size=2)) == set(cost.METHODS)
+    from jaxcomp.methods import Dense
+
+    assert cost.available_methods() == (Dense(), Dense(allreduce="tree"))
+    labels = [m.label for m in cost.available_methods(ratio=0.1, rate=8, bits=4, inner_size=2)]
+    assert labels == ["dense", "dense_tree", "allgather_topk", "ar_topk", "ar_topk_tree", "hierarchical_topk", "zfp",
+                      "zfp_recursive_doubling", "quantized"]
+
+
+def test_names_and_objects_cost_the_same():
+    """The string shorthand is only a shorthand: a name with options costs what its object does."""
+    from jaxcomp import methods
+
+    for name, options in [("dense_tree", {}), ("ar_topk", {"ratio": RATIO}), ("zfp_recursive_doubling", {"rate": 8}),
+                          ("quantized", {"bits": 4})]:
+        assert cost.predict(name, NBYTES, 8, NET, **options) == cost.predict(methods.parse(name, **options), NBYTES,
+                                                                             8, NET)
+
+
+def test_sync_seconds_runs_on_numpy_and_inside_jit():
+    """The one formula of the α-β model, shared by the host's choose and compress_auto's in-step choice."""
+    import jax
+    import jax.numpy as jnp
+
+    steps, volume = np.array([14.0, 3.0]), np.array([7000.0, 560.0])
+    host = cost.sync_seconds(steps, volume, 1e-3, 1e-9)
+    traced = jax.jit(lambda s, v: cost.sync_seconds(s, v, jnp.float32(1e-3), jnp.float32(1e-9)))(steps, volume)
+    np.testing.assert_allclose(np.asarray(traced), host, rtol=1e-6)
+    assert cost.cheapest(host) == int(jnp.argmin(traced)) == 1
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -73,16 +73,16 @@ def test_probe_on_virtual_devices_is_cached_per_mesh_and_axis():
     probe.clear_cache()
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
     sizes = (2**10, 2**16, 2**20)
-    net = probe.probe(mesh, "data", sizes=sizes, repeats=2)
+    net = probe.probe_network(mesh, "data", sizes=sizes, repeats=2)
     assert isinstance(net, cost.Network)
     assert net.alpha >= 0 and 0 < net.bandwidth < float("inf")
     with count_compilations() as compiled:
-        again = probe.probe(mesh, "data", sizes=sizes, repeats=2)
+        again = probe.probe_network(mesh, "data", sizes=sizes, repeats=2)
     assert again is net and compiled[0] == 0
-    other_axis = probe.probe(mesh, "model", sizes=sizes, repeats=2)
+    other_axis = probe.probe_network(mesh, "model", sizes=sizes, repeats=2)
     assert other_axis is not net
     probe.clear_cache()
-    assert probe.probe(mesh, "data", sizes=sizes, repeats=2) is not net
+    assert probe.probe_network(mesh, "data", sizes=sizes, repeats=2) is not net
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
@@ -96,9 +96,9 @@ def test_probe_rejects_bad_input(kwargs, error, match):
     need_devices(8)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(8, 1), ("data", "one"))
     with pytest.raises(error, match=match):
-        probe.probe(mesh, **kwargs)
+        probe.probe_network(mesh, **kwargs)
     with pytest.raises(TypeError, match="mesh"):
-        probe.probe(jax.devices(), "data")
+        probe.probe_network(jax.devices(), "data")
 
 
 _WORKER = textwrap.dedent("""
@@ -106,7 +106,7 @@ _WORKER = textwrap.dedent("""
     import jax
     jax.config.update("jax_num_cpu_devices", 2)
     jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
-    from jaxcomp.probe import probe
+    from jaxcomp.probe import probe_network as probe
     mesh = jax.sharding.Mesh(jax.devices(), ("data",))
     net = probe(mesh, "data", sizes=(2**10, 2**18, 2**21), repeats=3)
     print("NETWORK", repr(net.alpha), repr(net.bandwidth), flush=True)
@@ -191,15 +191,15 @@ def test_the_budget_skips_the_sizes_that_would_not_fit(monkeypatch):
     monkeypatch.setattr(probe, "_time_psum", fake_psum)
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
     sizes = (2**10, 2**16, 2**20, 2**23)
-    net = probe.probe(mesh, "data", sizes=sizes, repeats=3, cache=False, budget=5.0)
+    net = probe.probe_network(mesh, "data", sizes=sizes, repeats=3, cache=False, budget=5.0)
     # 1 MiB is expected to take ~4.2 s (fits in 5), 8 MiB ~34 s (does not).
     assert timed == [2**10, 2**16, 2**20]
     assert net.bandwidth == pytest.approx(1e6, rel=0.05)  # 2 devices: the ring moves M bytes, at 1 MB/s
     timed.clear()
-    probe.probe(mesh, "data", sizes=sizes, repeats=3, cache=False, budget=1.0)
+    probe.probe_network(mesh, "data", sizes=sizes, repeats=3, cache=False, budget=1.0)
     assert timed == [2**10, 2**16]  # the two smallest always run
     timed.clear()
-    probe.probe(mesh, "data", sizes=sizes, repeats=3, cache=False, budget=None)
+    probe.probe_network(mesh, "data", sizes=sizes, repeats=3, cache=False, budget=None)
     assert timed == list(sizes)
 
 
@@ -207,7 +207,7 @@ def test_the_budget_skips_the_sizes_that_would_not_fit(monkeypatch):
 def test_bad_budget(budget):
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
     with pytest.raises(ValueError, match="budget"):
-        probe.probe(mesh, "data", budget=budget)
+        probe.probe_network(mesh, "data", budget=budget)
 
 
 def test_a_token_bucket_does_not_pass_for_bandwidth(monkeypatch):
@@ -222,7 +222,7 @@ def test_a_token_bucket_does_not_pass_for_bandwidth(monkeypatch):
 
     monkeypatch.setattr(probe, "_time_psum", shaped_psum)
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-    net = probe.probe(mesh, "data", sizes=(2**10, 2**16, 2**20, 2**23), cache=False, budget=None)
+    net = probe.probe_network(mesh, "data", sizes=(2**10, 2**16, 2**20, 2**23), cache=False, budget=None)
     assert net.bandwidth == pytest.approx(1 / (1 / rate + 1 / 5e9), rel=0.01)
     least_squares = probe.fit_alpha_beta((2**10, 2**16, 2**20, 2**23),
                                          [shaped_psum(None, None, s // 4, 1) for s in (2**10, 2**16, 2**20, 2**23)], 2)

@@ -4,51 +4,78 @@ Native kernels (XLA FFI custom calls) compress gradients before they cross the n
 
 * :func:`topk` — exact top-k by magnitude;
 * :func:`find_threshold` / :func:`threshold_topk` — MSTopK-style threshold search;
-* :func:`zfp_encode` / :func:`zfp_decode` — a ZFP-style fixed-rate float codec.
+* :func:`zfp_encode` / :func:`zfp_decode` — a ZFP-style fixed-rate float codec;
+* :func:`hadamard_transform` — THC's rotation.
 
-:mod:`jaxcomp.reference` holds a pure-JAX version of each op, written for clarity; the tests
-compare kernels against it. ``docs/kernels.md`` states the exact semantics.
+A compression method is one object (:mod:`jaxcomp.methods`: :class:`Dense`, :class:`TopK`,
+:class:`Zfp`, :class:`Quantized`); :func:`compress` aggregates gradients with one, inside an
+``optax.chain``, and :func:`compress_auto` chooses among several as the network changes.
+
+Everything is imported on first use (PEP 562): ``import jaxcomp`` loads neither JAX, optax nor
+the native module until a name that needs them is touched, so ``import jaxcomp.cost`` and the
+command line's ``--help`` stay fast.
 """
 
-from jaxcomp import adaptive, collectives, cost, reference
-from jaxcomp.hadamard import hadamard_transform
-from jaxcomp.probe import probe
-from jaxcomp.topk import DEFAULT_ROUNDS, find_threshold, threshold_topk, topk
-from jaxcomp.train import DataParallel, TrainState, data_parallel
-from jaxcomp.transform import (METHODS, NONFINITE_POLICIES, AutoState, CompressMetrics, CompressState,
-                               NonfinitePolicy, auto_branches, compress, find_compress_state, set_network,
-                               skip_nonfinite, skipped_update)
-from jaxcomp.zfp import zfp_decode, zfp_encode, zfp_num_words
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AutoState",
-    "METHODS",
-    "NONFINITE_POLICIES",
-    "NonfinitePolicy",
-    "auto_branches",
-    "set_network",
-    "skip_nonfinite",
-    "skipped_update",
-    "CompressMetrics",
-    "CompressState",
-    "DEFAULT_ROUNDS",
-    "DataParallel",
-    "TrainState",
-    "adaptive",
-    "collectives",
-    "compress",
-    "cost",
-    "data_parallel",
-    "find_compress_state",
-    "probe",
-    "find_threshold",
-    "hadamard_transform",
-    "reference",
-    "threshold_topk",
-    "topk",
-    "zfp_decode",
-    "zfp_encode",
-    "zfp_num_words",
-]
+# Public name -> the module that defines it.
+_EXPORTS = {
+    # ops
+    "DEFAULT_ROUNDS": "jaxcomp.selection",
+    "find_threshold": "jaxcomp.selection",
+    "threshold_topk": "jaxcomp.selection",
+    "topk": "jaxcomp.selection",
+    "zfp_decode": "jaxcomp.zfp",
+    "zfp_encode": "jaxcomp.zfp",
+    "zfp_num_words": "jaxcomp.zfp",
+    "hadamard_transform": "jaxcomp.hadamard",
+    # methods
+    "Method": "jaxcomp.methods",
+    "Dense": "jaxcomp.methods",
+    "TopK": "jaxcomp.methods",
+    "Zfp": "jaxcomp.methods",
+    "Quantized": "jaxcomp.methods",
+    # the transformations
+    "compress": "jaxcomp.transform",
+    "CompressMetrics": "jaxcomp.transform",
+    "CompressState": "jaxcomp.transform",
+    "find_compress_state": "jaxcomp.transform",
+    "compress_auto": "jaxcomp.auto",
+    "AutoState": "jaxcomp.auto",
+    "RatioSearch": "jaxcomp.auto",
+    "auto_branches": "jaxcomp.auto",
+    "set_network": "jaxcomp.auto",
+    "NONFINITE_POLICIES": "jaxcomp.nonfinite",
+    "NonfinitePolicy": "jaxcomp.nonfinite",
+    "skip_nonfinite": "jaxcomp.nonfinite",
+    "skipped_update": "jaxcomp.nonfinite",
+    # training and measuring
+    "DataParallel": "jaxcomp.train",
+    "TrainState": "jaxcomp.train",
+    "data_parallel": "jaxcomp.train",
+    "probe_network": "jaxcomp.probe",
+}
+
+_SUBMODULES = ("adaptive", "auto", "collectives", "cost", "layout", "methods", "nonfinite", "probe", "reference",
+               "thc", "train", "transform")
+
+__all__ = sorted(_EXPORTS) + list(_SUBMODULES)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"jaxcomp.{name}")
+    else:
+        raise AttributeError(f"module 'jaxcomp' has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -8,18 +8,26 @@ from __future__ import annotations
 
 import operator
 
-import jax.numpy as jnp
 import numpy as np
-
-#: Floating dtypes every op accepts.
-FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 #: Kernels index with int32, so a row holds at most this many values.
 MAX_ROW_LENGTH = 2**31 - 1
 
 
+def __getattr__(name):
+    # FLOAT_DTYPES needs JAX's dtypes; built on first use, so that importing this module (as the
+    # cost model does) loads no JAX.
+    if name == "FLOAT_DTYPES":
+        import jax.numpy as jnp
+
+        return (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def float_array(x, name: str):
     """Returns ``x`` as a JAX array with at least one dimension and a supported float dtype."""
+    import jax.numpy as jnp
+
     # Strings would be read as dtype names ("abc" -> numpy's "data type 'abc' not understood").
     if x is None or isinstance(x, (str, bytes)):
         raise TypeError(f"{name} must be a float32, bfloat16 or float16 array, got {type(x).__name__}")
@@ -27,7 +35,7 @@ def float_array(x, name: str):
         dtype = jnp.result_type(x)
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a float32, bfloat16 or float16 array, got {type(x).__name__}") from None
-    if dtype not in FLOAT_DTYPES:
+    if dtype not in __getattr__("FLOAT_DTYPES"):
         raise TypeError(
             f"{name} must be float32, bfloat16 or float16, got dtype {dtype}")
     x = jnp.asarray(x)

@@ -8,13 +8,13 @@ short exploration runs each candidate for a few steps, and the knee of the three
 kept until the gain moves by 10% or more (explore again) or the network changes (re-decide from
 the stored measurements with re-predicted communication times).
 
-Everything here runs on the host between steps, in plain Python: the transformation feeds the
-chosen *index* into ``lax.switch`` over precompiled branches, so no decision recompiles.
+The controller (:func:`ratio_init`, :func:`ratio_observe`, :func:`ratio_redecide`) is pure
+``jnp``: :func:`jaxcomp.compress_auto` runs it inside the compiled step and feeds the chosen
+ratio's *index* into ``lax.switch`` over precompiled branches, so no decision recompiles.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -22,14 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp import cost
 
 #: The paper's exploration range of densities (paper 000 §3-E: c_low = 0.001, c_high = 0.1).
 DEFAULT_RATIO_RANGE = (0.001, 0.1)
-
-#: Collectives a sparse gradient can travel by; each ratio uses the cheapest of them.
-TOPK_COLLECTIVES = ("allgather_topk", "ar_topk_ring", "ar_topk_tree")
-
 
 def candidate_ratios(ratio_range=DEFAULT_RATIO_RANGE, factor: float = 3.0) -> tuple[float, ...]:
     """Candidate densities from the top of ``ratio_range`` down, each ``factor`` times smaller.
@@ -88,8 +83,29 @@ def compression_gain(compressed, error_fed):
     def energy(tree):
         return sum(jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))) for x in jax.tree.leaves(tree))
 
-    kept, total = energy(compressed), energy(error_fed)
-    return jnp.where(total > 0, kept / jnp.where(total > 0, total, 1.0), jnp.float32(1.0))
+    return gain_from_energies(energy(compressed), energy(error_fed))
+
+
+def gain_from_energies(kept, total):
+    """``kept / total`` as a compression gain: 1 when ``total`` is 0 (nothing to send), and NaN or
+    Inf, not a plausible number, when a sum overflowed or held a NaN.
+
+    Args:
+      kept: ``‖g_c‖²``, a float scalar (traced or not).
+      total: ``‖g_e‖²``.
+
+    Returns:
+      A float32 scalar.
+
+    Example:
+      >>> float(gain_from_energies(9.0, 25.0)), float(gain_from_energies(0.0, 0.0))
+      (0.36, 1.0)
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §2-C3.
+    """
+    kept, total = jnp.asarray(kept, jnp.float32), jnp.asarray(total, jnp.float32)
+    return jnp.where(total == 0, 1.0, kept / jnp.where(total == 0, 1.0, total)).astype(jnp.float32)
 
 
 def knee(t_comp, t_sync, gain, *, base_seconds: float = 0.0, flat_tolerance: float = 0.1) -> int:
@@ -143,137 +159,34 @@ def _knee_index(t_comp, t_sync, gain, base_seconds, flat_tolerance, xp):
     return xp.argmin(distance)
 
 
-def gain_moved(reference: float, gain: float, tolerance: float = 0.1) -> bool:
-    """Whether ``gain`` differs from ``reference`` by ``tolerance`` (relative) or more.
-
-    Args:
-      reference: the gain the current ratio was chosen with, > 0.
-      gain: the gain observed now.
-      tolerance: relative change that triggers a new exploration (paper: 10%).
-
-    Returns:
-      True when the ratio should be explored again.
-
-    Example:
-      >>> gain_moved(0.5, 0.44), gain_moved(0.5, 0.46)
-      (True, False)
-
-    References:
-      Tyagi & Swany, arXiv 2312.02493, §3-E (re-evaluate when the gain changes by 10% or more).
-    """
-    if not reference > 0:
-        raise ValueError(f"reference gain must be > 0, got {reference!r}")
-    return bool(_gain_moved(reference, gain, tolerance))
-
-
 def _gain_moved(reference, gain, tolerance):
     # The relative slack keeps an exact 10% change (0.9 of 1.0, inexact in binary) a change.
     return abs(gain - reference) >= tolerance * reference * (1 - 1e-9)
 
 
-def network_changed(old: cost.Network | None, new: cost.Network, tolerance: float = 0.1) -> bool:
-    """Whether latency or bandwidth moved by ``tolerance`` (relative) or more.
-
-    Args:
-      old: the Network decisions were made with, or None (always changed).
-      new: the newly probed Network.
-      tolerance: relative change that counts.
-
-    Returns:
-      True when the decision should be re-made.
-
-    Example:
-      >>> a = cost.Network.parse("1ms", "10gbit")
-      >>> network_changed(a, cost.Network.parse("1ms", "8gbit")), network_changed(a, a)
-      (True, False)
-
-    References:
-      Tyagi & Swany, arXiv 2312.02493, §3-E (re-decide when α or β changes).
-    """
-    if not isinstance(new, cost.Network):
-        raise TypeError(f"new must be a jaxcomp.cost.Network, got {type(new).__name__}")
-    if old is None:
-        return True
-    return bool(np.any(_moved(np.array([old.alpha, old.beta]), np.array([new.alpha, new.beta]), tolerance, np)))
-
-
-def _moved(old, new, tolerance, xp):
+def moved(old, new, tolerance, xp=np):
     """Elementwise: ``new`` differs from ``old`` by ``tolerance`` of the larger magnitude, or more.
 
     A relative change of β is the same relative change of the bandwidth (``|b1-b2| / max(b1, b2)``
-    is symmetric under ``b -> 1/b``), so (α, β) pairs compare as (α, bandwidth) would."""
+    is symmetric under ``b -> 1/b``), so (α, β) pairs compare as (α, bandwidth) would. Runs on
+    numpy (``xp=np``) and inside a step (``xp=jnp``).
+
+    Example:
+      >>> import numpy as np
+      >>> moved(np.array([1e-3, 8e-9]), np.array([1e-3, 1e-8]), 0.1).tolist()  # 10 -> 8 Gbit/s
+      [False, True]
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-E (re-decide when α or β changes by 10%).
+    """
     return (xp.abs(new - old) >= tolerance * xp.maximum(xp.abs(old), xp.abs(new))) & (old != new)
-
-
-def choose_auto(nbytes: float, n_workers: int, network: cost.Network, candidates, *, ratio=None, rate=None,
-                bits=None, inner_size=None, overhead=None) -> int:
-    """Index of the candidate method with the least predicted time: what ``lax.switch`` takes.
-
-    Args:
-      nbytes: bytes of the float32 gradient.
-      n_workers: the number of workers.
-      network: the (probed) :class:`jaxcomp.cost.Network`.
-      candidates: the method names the transformation compiled, in branch order.
-      ratio: density of the top-k candidates.
-      rate: ZFP bits per value.
-      bits: quantization bits.
-      inner_size: workers per node for ``hierarchical_topk``.
-      overhead: optional ``{method: seconds}`` of encode/decode time, added per candidate.
-
-    Returns:
-      The branch index.
-
-    Example:
-      >>> net = cost.Network.parse("1ms", "1gbit")
-      >>> choose_auto(4e8, 8, net, ["dense_ring", "allgather_topk", "ar_topk_ring"], ratio=0.01)
-      2
-
-    References:
-      Tyagi & Swany, arXiv 2312.02493, Eqn (5a)-(5c); Agarwal et al., MLSys 2022, §4.1.
-    """
-    if isinstance(candidates, str):
-        raise TypeError(f"candidates must be a sequence of method names, got the string {candidates!r}")
-    names = tuple(candidates)
-    times = cost.predict_all(nbytes, n_workers, network, names, ratio=ratio, rate=rate, bits=bits,
-                             inner_size=inner_size, overhead=overhead)
-    return int(np.argmin(times))
-
-
-def sync_plan(nbytes: float, n_workers: int, network: cost.Network, ratios,
-              methods=TOPK_COLLECTIVES) -> list[tuple[str, float]]:
-    """For each density, the cheapest collective and its predicted seconds.
-
-    Args:
-      nbytes: bytes of the float32 gradient.
-      n_workers: the number of workers.
-      network: the :class:`jaxcomp.cost.Network`.
-      ratios: candidate densities.
-      methods: the top-k collectives to choose among for each density.
-
-    Returns:
-      ``[(method, seconds), ...]``, one per ratio.
-
-    Example:
-      >>> sync_plan(4e8, 8, cost.Network.parse("1ms", "10gbit"), [0.01, 0.001])[1][0]
-      'allgather_topk'
-
-    References:
-      Tyagi & Swany, arXiv 2312.02493, §3-E (the collective follows α, β, M, N and CR).
-    """
-    plan = []
-    for ratio in ratios:
-        times = cost.predict_all(nbytes, n_workers, network, methods, ratio=ratio)
-        best = int(np.argmin(times))
-        plan.append((tuple(methods)[best], times[best]))
-    return plan
 
 
 class RatioState(NamedTuple):
     """State of the compression-ratio controller (paper 000 §3-E), as arrays.
 
-    It lives inside :class:`jaxcomp.CompressState` for ``compress("auto", adaptive_ratio=True)``,
-    where :func:`ratio_observe` runs inside the compiled step, and inside :class:`AdaptiveRatio`
-    on the host. ``R`` is the number of candidate ratios, ``E`` the steps per candidate.
+    It lives inside :class:`jaxcomp.AutoState` of a ``compress_auto(..., ratio_search=...)``,
+    where :func:`ratio_observe` runs inside the compiled step. ``R`` is the number of candidate ratios, ``E`` the steps per candidate.
     """
 
     index: jax.Array  # i32[]: the candidate ratio to run next
@@ -312,7 +225,14 @@ def ratio_init(n_candidates: int, explore_steps: int) -> RatioState:
                       reference=jnp.ones((), jnp.float32))
 
 
-def _select(condition, a, b):
+def where_tree(condition, a, b):
+    """``a`` where ``condition`` holds, else ``b``, leaf by leaf over two pytrees of one structure.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> where_tree(jnp.bool_(True), (jnp.ones(2),), (jnp.zeros(2),))[0].tolist()
+      [1.0, 1.0]
+    """
     return jax.tree.map(lambda x, y: jnp.where(condition, x, y), a, b)
 
 
@@ -382,16 +302,16 @@ def ratio_observe(state: RatioState, gain, t_comp, t_sync, predicted_sync, *, ga
     last = state.index == n_candidates - 1
     moved_on = recorded._replace(index=jnp.where(candidate_done, state.index + 1, state.index),
                                  count=jnp.where(candidate_done, 0, recorded.count))
-    explored = _select(candidate_done & last, _decide(recorded, predicted_sync, base_seconds, flat_tolerance),
-                       moved_on)
+    explored = where_tree(candidate_done & last, _decide(recorded, predicted_sync, base_seconds, flat_tolerance),
+                          moved_on)
 
     # Settled: keep the last E gains; explore again when their mean moved from the reference.
     window = state._replace(recent=state.recent.at[state.recent_count % steps].set(gain),
                             recent_count=state.recent_count + 1)
     full = window.recent_count >= steps
-    moved = full & _gain_moved(state.reference, jnp.mean(window.recent), gain_tolerance)
-    settled = _select(moved, ratio_init(n_candidates, steps), window)
-    return _select(state.exploring, explored, settled)
+    gain_moved = full & _gain_moved(state.reference, jnp.mean(window.recent), gain_tolerance)
+    settled = where_tree(gain_moved, ratio_init(n_candidates, steps), window)
+    return where_tree(state.exploring, explored, settled)
 
 
 def ratio_redecide(state: RatioState, predicted_sync, *, base_seconds: float = 0.0,
@@ -423,175 +343,19 @@ def ratio_redecide(state: RatioState, predicted_sync, *, base_seconds: float = 0
     """
     cleared = state._replace(sync_sum=jnp.zeros_like(state.sync_sum), sync_count=jnp.zeros_like(state.sync_count))
     decided = _decide(cleared, jnp.asarray(predicted_sync, jnp.float32), base_seconds, flat_tolerance)
-    return _select(state.exploring, cleared, decided)
+    return where_tree(state.exploring, cleared, decided)
 
 
-class AdaptiveRatio:
-    """Host-side controller of the compression ratio (paper 000 §3-E), one call per step.
-
-    It starts by exploring: each candidate ratio (highest density first) runs for
-    ``explore_steps`` steps while :meth:`observe` records its gain (and, when given, measured
-    compression and communication times; communication time is otherwise predicted from the
-    network). Then it keeps the knee (:func:`knee`) until the mean gain over the last
-    ``explore_steps`` steps moves by ``gain_tolerance`` from the gain it was chosen with, which
-    starts a new exploration. :meth:`update_network` re-decides from the stored measurements
-    when the probe reports a changed network, without exploring.
-
-    This is the state machine ``compress("auto", adaptive_ratio=True)`` runs inside the step
-    (:func:`ratio_observe`), driven from Python: for custom loops and for studying the policy.
-
-    Attributes:
-      ratios: the candidate densities (static: the transformation compiles one branch each).
-      index: the candidate to run next step.
-      exploring: whether the current step is part of an exploration.
+def check_explore_steps(explore_steps) -> int:
+    """Validates ``explore_steps`` (an integer >= 1) and returns it.
 
     Example:
-      >>> net = cost.Network.parse("1ms", "1gbit")
-      >>> ctl = AdaptiveRatio(4e8, 8, network=net, explore_steps=1)
-      >>> for _ in ctl.ratios:
-      ...     index = ctl.observe(gain=0.99)  # the gain stays high at every density
-      >>> ctl.ratio == min(ctl.ratios), ctl.exploring
-      (True, False)
-
-    References:
-      Tyagi & Swany, arXiv 2312.02493, §3-E.
+      >>> check_explore_steps(10)
+      10
     """
-
-    def __init__(self, nbytes: float, n_workers: int, ratio_range=DEFAULT_RATIO_RANGE, *,
-                 network: cost.Network | None = None, explore_steps: int = 10, gain_tolerance: float = 0.1,
-                 network_tolerance: float = 0.1, base_seconds: float = 0.0, methods=TOPK_COLLECTIVES):
-        """Creates the controller.
-
-        Args:
-          nbytes: bytes of the float32 gradient.
-          n_workers: the number of workers.
-          ratio_range: ``(low, high)`` densities, see :func:`candidate_ratios`.
-          network: the probed Network; without one, every :meth:`observe` must pass ``t_sync``.
-          explore_steps: steps per candidate during exploration, and the window of the gain check.
-          gain_tolerance: relative gain change that starts a new exploration.
-          network_tolerance: relative α or bandwidth change that re-decides.
-          base_seconds: the rest of the step (see :func:`knee`).
-          methods: the top-k collectives each ratio may use.
-
-        Returns:
-          None.
-
-        References:
-          Tyagi & Swany, arXiv 2312.02493, §3-E.
-        """
-        self.ratios = candidate_ratios(ratio_range)
-        self.explore_steps = _check_explore_steps(explore_steps)
-        self.gain_tolerance = _check_tolerance(gain_tolerance, "gain_tolerance")
-        self.network_tolerance = _check_tolerance(network_tolerance, "network_tolerance")
-        if network is not None and not isinstance(network, cost.Network):
-            raise TypeError(f"network must be a jaxcomp.cost.Network or None, got {type(network).__name__}")
-        if isinstance(base_seconds, bool) or not isinstance(base_seconds, (int, float)) or not base_seconds >= 0:
-            raise ValueError(f"base_seconds must be a number >= 0, got {base_seconds!r}")
-        self.nbytes, self.n_workers = nbytes, n_workers
-        self.methods = tuple(methods)
-        self.base_seconds = float(base_seconds)
-        self.network = network
-        # Validates nbytes, n_workers and methods once, up front.
-        self._plan = sync_plan(nbytes, n_workers, network, self.ratios, self.methods) if network else None
-        self._state = ratio_init(len(self.ratios), self.explore_steps)
-        options = dict(base_seconds=self.base_seconds)
-        self._observe = jax.jit(functools.partial(ratio_observe, gain_tolerance=self.gain_tolerance, **options))
-        self._redecide = jax.jit(functools.partial(ratio_redecide, **options))
-
-    @property
-    def index(self) -> int:
-        """The candidate to run next step."""
-        return int(self._state.index)
-
-    @property
-    def exploring(self) -> bool:
-        """Whether the next step is part of an exploration."""
-        return bool(self._state.exploring)
-
-    @property
-    def ratio(self) -> float:
-        """The density to run next step."""
-        return self.ratios[self.index]
-
-    @property
-    def method(self) -> str | None:
-        """The cheapest collective for :attr:`ratio` on the current network (None without one)."""
-        return self._plan[self.index][0] if self._plan else None
-
-    def _predicted_sync(self):
-        return np.array([seconds for _, seconds in self._plan] if self._plan else [0.0] * len(self.ratios),
-                        np.float32)
-
-    def observe(self, gain: float, t_comp: float | None = None, t_sync: float | None = None) -> int:
-        """Records one step run at :attr:`index` and returns the index for the next step.
-
-        Args:
-          gain: the step's compression gain (e.g. from :func:`compression_gain`), >= 0.
-          t_comp: measured seconds to compress and decompress, if known.
-          t_sync: measured seconds to communicate, if known; otherwise predicted.
-
-        Returns:
-          The candidate index to run next.
-
-        Example:
-          >>> ctl = AdaptiveRatio(4e8, 8, network=cost.Network.parse("1ms", "1gbit"), explore_steps=2)
-          >>> ctl.observe(0.9), ctl.observe(0.9)  # two steps at the first candidate, then the next
-          (0, 1)
-
-        References:
-          Tyagi & Swany, arXiv 2312.02493, §3-E.
-        """
-        gain = float(gain)
-        if not (gain >= 0 and math.isfinite(gain)):
-            raise ValueError(f"gain must be a finite number >= 0, got {gain!r}")
-        if t_sync is None and self._plan is None:
-            raise ValueError("t_sync is required when the controller has no network to predict it from")
-        for name, value in (("t_comp", t_comp), ("t_sync", t_sync)):
-            if value is not None and not (float(value) >= 0 and math.isfinite(float(value))):
-                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-        self._state = self._observe(self._state, gain, 0.0 if t_comp is None else float(t_comp),
-                                    math.nan if t_sync is None else float(t_sync), self._predicted_sync())
-        return self.index
-
-    def update_network(self, network: cost.Network) -> int:
-        """Takes a newly probed Network; re-decides from stored measurements when it changed.
-
-        Args:
-          network: the probed :class:`jaxcomp.cost.Network`.
-
-        Returns:
-          The candidate index to run next.
-
-        Example:
-          >>> ctl = AdaptiveRatio(4e8, 8, network=cost.Network.parse("1ms", "1gbit"), explore_steps=1)
-          >>> for _ in ctl.ratios:
-          ...     _ = ctl.observe(0.99)
-          >>> ctl.update_network(cost.Network.parse("1ms", "1.05gbit")) == ctl.index  # within 10%
-          True
-
-        References:
-          Tyagi & Swany, arXiv 2312.02493, §3-E (re-solve when α or β changes).
-        """
-        if not network_changed(self.network, network, self.network_tolerance):
-            return self.index
-        self.network = network
-        self._plan = sync_plan(self.nbytes, self.n_workers, network, self.ratios, self.methods)
-        self._state = self._redecide(self._state, self._predicted_sync())
-        return self.index
-
-
-def _check_explore_steps(explore_steps) -> int:
-    """Validates ``explore_steps`` (an integer >= 1) and returns it."""
     if isinstance(explore_steps, bool) or not isinstance(explore_steps, (int, np.integer)) or explore_steps < 1:
         raise ValueError(f"explore_steps must be an integer >= 1, got {explore_steps!r}")
     return int(explore_steps)
-
-
-def _check_tolerance(value, name: str) -> float:
-    """Validates a relative tolerance in ``(0, 1)`` and returns it as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
-        raise ValueError(f"{name} must be in (0, 1), got {value!r}")
-    return float(value)
 
 
 def _check_range(ratio_range):

@@ -26,7 +26,8 @@ import sys
 
 import numpy as np
 
-from jaxcomp import cost
+from jaxcomp import cost, methods
+from jaxcomp.methods import Dense
 
 #: PyTorch DDP's default bucket (paper 002 §2: "25 MB by default in PyTorch").
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -52,7 +53,7 @@ PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
 
 def sync_sgd_time(nbytes: float, n_workers: int, network: cost.Network, backward_seconds: float, *,
                   bucket_bytes: float = DEFAULT_BUCKET_BYTES, gamma: float = DEFAULT_GAMMA,
-                  overlap: bool = True, method: str = "dense_ring") -> float:
+                  overlap: bool = True, method=Dense()) -> float:
     """Backward pass plus gradient synchronization of dense synchronous SGD, ``T_obs``.
 
     With overlap (paper 002 §4.1): ``max(γ T_comp, (k-1) T_comm(b)) + T_comm(b̂)``, the last
@@ -67,7 +68,8 @@ def sync_sgd_time(nbytes: float, n_workers: int, network: cost.Network, backward
       bucket_bytes: gradient bucket size ``b``.
       gamma: backward slowdown under overlap, >= 1.
       overlap: whether buckets are reduced while the backward pass runs.
-      method: the dense collective, ``dense_ring`` (paper 002 Eqn 1) or ``dense_tree``.
+      method: the dense method, :class:`jaxcomp.Dense` (a ring, paper 002 Eqn 1) by default, or
+        ``Dense(allreduce="tree")`` (names from :data:`jaxcomp.methods.SHORTHAND` work too).
 
     Returns:
       ``T_obs`` in seconds.
@@ -84,8 +86,9 @@ def sync_sgd_time(nbytes: float, n_workers: int, network: cost.Network, backward
     _check_positive(bucket_bytes, "bucket_bytes")
     if not isinstance(gamma, (int, float)) or isinstance(gamma, bool) or not gamma >= 1:
         raise ValueError(f"gamma must be a number >= 1, got {gamma!r}")
-    if method not in cost.DENSE_METHODS:
-        raise ValueError(f"method must be one of {cost.DENSE_METHODS}, got {method!r}")
+    method = methods.parse(method)
+    if not method.sends_everything:
+        raise ValueError(f"method must be a dense one (that sends everything), got {method.describe()}")
     if n_workers == 1:
         return backward_seconds  # nothing to synchronize, nothing to overlap with
     full_buckets = max(math.ceil(nbytes / bucket_bytes) - 1, 0)
@@ -97,7 +100,7 @@ def sync_sgd_time(nbytes: float, n_workers: int, network: cost.Network, backward
     return backward_seconds + full_buckets * per_bucket + last
 
 
-def compressed_time(method: str, nbytes: float, n_workers: int, network: cost.Network, backward_seconds: float,
+def compressed_time(method, nbytes: float, n_workers: int, network: cost.Network, backward_seconds: float,
                     *, encode_decode_seconds: float = 0.0, ratio=None, rate=None, bits=None, inner_size=None,
                     overlap: bool = False, bucket_bytes: float = DEFAULT_BUCKET_BYTES,
                     gamma: float = DEFAULT_GAMMA) -> float:
@@ -109,16 +112,16 @@ def compressed_time(method: str, nbytes: float, n_workers: int, network: cost.Ne
     same compute (paper 002 App. A), so ``max(γ (T_comp + T_ed), (k-1) T_comm(b)) + T_comm(b̂)``.
 
     Args:
-      method: a compressed :data:`jaxcomp.cost.METHODS` entry.
+      method: a :mod:`jaxcomp.methods` object, or a name with ``ratio``/``rate``/``bits``.
       nbytes: bytes of the float32 gradient.
       n_workers: the number of workers.
       network: the :class:`jaxcomp.cost.Network`.
       backward_seconds: ``T_comp``, seconds.
       encode_decode_seconds: ``T_encode-decode`` for the whole gradient, seconds.
-      ratio: density for the top-k methods.
-      rate: ZFP bits per value.
-      bits: quantization bits.
-      inner_size: workers per node for ``hierarchical_topk``.
+      ratio: with a name: density for the top-k methods.
+      rate: with a name: ZFP bits per value.
+      bits: with a name: quantization bits.
+      inner_size: workers per node for hierarchical top-k.
       overlap: whether buckets are compressed and sent during the backward pass.
       bucket_bytes: bucket size when overlapping.
       gamma: backward slowdown when overlapping.
@@ -128,8 +131,8 @@ def compressed_time(method: str, nbytes: float, n_workers: int, network: cost.Ne
 
     Example:
       >>> net = cost.Network.parse("0.5ms", "10gbit")
-      >>> round(compressed_time("allgather_topk", 1.024e8, 64, net, 0.122, encode_decode_seconds=0.1,
-      ...                       ratio=0.01), 4)
+      >>> from jaxcomp.methods import TopK
+      >>> round(compressed_time(TopK(0.01), 1.024e8, 64, net, 0.122, encode_decode_seconds=0.1), 4)
       0.3282
 
     References:
@@ -137,7 +140,8 @@ def compressed_time(method: str, nbytes: float, n_workers: int, network: cost.Ne
     """
     _check_positive(backward_seconds, "backward_seconds", allow_zero=True)
     _check_positive(encode_decode_seconds, "encode_decode_seconds", allow_zero=True)
-    options = dict(ratio=ratio, rate=rate, bits=bits, inner_size=inner_size)
+    method = methods.parse(method, strict=False, ratio=ratio, rate=rate, bits=bits)
+    options = dict(inner_size=inner_size)
     if n_workers == 1:
         return backward_seconds + encode_decode_seconds  # compressed for nobody: only the codec's cost
     if not overlap:
@@ -283,21 +287,23 @@ def _parser():
     return parser
 
 
-def _encode_decode(text, methods, parser):
+def _encode_decode(text, compressed, parser):
+    """``--encode-decode-ms``: one number for every method, or label=ms pairs; seconds per method."""
+    labels = {m.label: m for m in compressed}
     try:
         if "=" not in text:
             value = float(text)
             if not value >= 0:
                 raise ValueError
-            return {m: value / 1e3 for m in methods}
-        table = dict.fromkeys(methods, 0.0)
+            return {m: value / 1e3 for m in compressed}
+        table = dict.fromkeys(compressed, 0.0)
         for item in text.split(","):
             name, _, value = item.partition("=")
             name = name.strip()
-            if name not in methods:
-                parser.error(f"--encode-decode-ms names {name!r}, which is not among the methods {methods}")
-            table[name] = float(value) / 1e3
-            if not table[name] >= 0:
+            if name not in labels:
+                parser.error(f"--encode-decode-ms names {name!r}, which is not among the methods {list(labels)}")
+            table[labels[name]] = float(value) / 1e3
+            if not table[labels[name]] >= 0:
                 raise ValueError
         return table
     except ValueError:
@@ -308,14 +314,8 @@ def _options(args):
     return dict(ratio=args.ratio, rate=args.rate, bits=args.bits, inner_size=args.inner_size)
 
 
-def _setting(method, args):
-    if method in cost.TOPK_METHODS:
-        return f"{args.ratio:g} density"
-    if method.startswith("zfp"):
-        return f"rate {args.rate}"
-    if method == "quantized":
-        return f"{args.bits} bits"
-    return "-"
+def _setting(method):
+    return "-" if method.setting is None else f"{method.setting:g}"
 
 
 def main(argv=None) -> int:
@@ -370,32 +370,34 @@ def main(argv=None) -> int:
     if args.inner_size is not None and (args.inner_size < 1 or args.workers % args.inner_size):
         parser.error(f"--inner-size must divide --workers ({args.workers}), got {args.inner_size}")
 
-    compressed = [m for m in cost.available_methods(**_options(args)) if m not in cost.DENSE_METHODS]
+    compressed = [m for m in cost.available_methods(**_options(args)) if not m.sends_everything]
+    labels = [m.label for m in compressed]
     if args.methods is not None:
         wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
         if not wanted:
-            parser.error(f"--methods names no method; give a comma-separated list of {compressed}")
+            parser.error(f"--methods names no method; give a comma-separated list of {labels}")
+        picked = []
         for name in wanted:
-            if name not in compressed:
-                parser.error(f"--methods: {name!r} is not one of {compressed}")
-        compressed = wanted
+            try:
+                method = methods.parse(name, strict=False, ratio=args.ratio, rate=args.rate, bits=args.bits)
+            except ValueError:
+                method = None
+            if method not in compressed:
+                parser.error(f"--methods: {name!r} is not one of {labels}")
+            picked.append(method)
+        compressed = picked
     encode_decode = _encode_decode(args.encode_decode_ms, compressed, parser)
     measured = []
     if args.measure_codec:
-        import importlib
-
         import jax
 
-        # jax and the kernels load only when a codec is timed. The module by its full name: the
-        # package may export the function `probe` under the module's name.
-        probe = importlib.import_module("jaxcomp.probe")
+        from jaxcomp import probe  # jax and the kernels load only when a codec is timed
 
         for method in compressed:
             # Each method's whole local work (the ZFP ring's hops, THC's transforms and packing).
-            encode_decode[method] = probe.codec_seconds(method, math.ceil(args.params), ratio=args.ratio,
-                                                        rate=args.rate, bits=args.bits,
+            encode_decode[method] = probe.codec_seconds(method, math.ceil(args.params),
                                                         n_workers=min(args.workers, 64))
-            measured.append(method)
+            measured.append(method.label)
 
     nbytes = 4.0 * args.params
     backward = args.backward_ms / 1e3
@@ -409,7 +411,7 @@ def main(argv=None) -> int:
     def method_at(method, net):
         return compressed_time(method, nbytes, args.workers, net, backward,
                                encode_decode_seconds=encode_decode[method], overlap=args.batch_overlap,
-                               bucket_bytes=bucket, gamma=args.gamma, **_options(args))
+                               bucket_bytes=bucket, gamma=args.gamma, inner_size=args.inner_size)
 
     try:
         dense_step = dense_at(network)
@@ -439,12 +441,12 @@ def main(argv=None) -> int:
               f"{cost.format_duration(codec) if codec else '0':>10}{cost.format_duration(step):>12}"
               f"{dense_step / step:>8.2f}x{scaling:>8.1f}x of {args.workers}")
 
-    dense_comm = cost.predict("dense_ring", nbytes, args.workers, network)
-    row("dense_ring", "-", cost.volume_bytes("dense_ring", nbytes, args.workers), dense_comm, 0.0, dense_step)
+    dense_comm = cost.predict(Dense(), nbytes, args.workers, network)
+    row(Dense().label, "-", cost.volume_bytes(Dense(), nbytes, args.workers), dense_comm, 0.0, dense_step)
     for method, step in rows:
-        options = _options(args)
-        row(method, _setting(method, args), cost.volume_bytes(method, nbytes, args.workers, **options),
-            cost.predict(method, nbytes, args.workers, network, **options), encode_decode[method], step)
+        inner = dict(inner_size=args.inner_size)
+        row(method.label, _setting(method), cost.volume_bytes(method, nbytes, args.workers, **inner),
+            cost.predict(method, nbytes, args.workers, network, **inner), encode_decode[method], step)
     if measured:
         print(f"(encode/decode of {', '.join(measured)} measured on this machine's {jax.default_backend()}; "
               "a training step's codec may run elsewhere)")
@@ -475,7 +477,7 @@ def main(argv=None) -> int:
             verdict = "always (faster than dense up to 10 Tbit/s)"
         else:
             verdict = f"{cost.format_bandwidth(edge)}" + ("  <- pays here" if network.bandwidth < edge else "")
-        print(f"  {method:<24}{verdict}")
+        print(f"  {method.label:<24}{verdict}")
 
     if args.plot:
         _plot(args.plot, network, compressed, dense_at, method_at, args.workers, backward)
@@ -483,7 +485,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _plot(path, network, methods, dense_at, method_at, workers, backward):
+def _plot(path, network, compressed, dense_at, method_at, workers, backward):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -496,9 +498,9 @@ def _plot(path, network, methods, dense_at, method_at, workers, backward):
     def speedup(step_of):
         return [workers * backward / step_of(cost.Network(network.alpha, float(bw))) for bw in bandwidths]
 
-    axes.plot(x, speedup(dense_at), color="black", linewidth=2, label="dense_ring (overlapped)")
-    for method in methods:
-        axes.plot(x, speedup(lambda net, m=method: method_at(m, net)), label=method)
+    axes.plot(x, speedup(dense_at), color="black", linewidth=2, label="dense (overlapped)")
+    for method in compressed:
+        axes.plot(x, speedup(lambda net, m=method: method_at(m, net)), label=method.label)
     axes.axhline(workers, color="gray", linestyle=":", label="linear")
     axes.axvline(network.bandwidth * 8 / 1e9, color="gray", linestyle="--", linewidth=0.8)
     axes.set_xscale("log")

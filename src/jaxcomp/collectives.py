@@ -14,8 +14,8 @@ Shapes and every Python argument are static; what changes from step to step (the
 
 Dense sums and top-k values cross the wire in ``x``'s dtype (ZFP words and integer codes in their
 own); everything summed locally (scatter-adds, decoded chunks) is accumulated in float32 and
-returned in ``x``'s dtype. :func:`bytes_sent` gives the bytes each device puts on the wire for each
-method, computed from the same algorithm.
+returned in ``x``'s dtype. The bytes each puts on the wire are counted by the method that uses it
+(:meth:`jaxcomp.methods.Method.wire_bytes`), from the same sizes (:mod:`jaxcomp.layout`).
 
 Typing under ``check_vma=True``: every ``total`` is invariant (replicated) over the axis, except
 ``zfp_allreduce(..., algorithm="recursive_doubling")``, whose result comes out of point-to-point
@@ -25,20 +25,14 @@ Typing under ``check_vma=True``: every ``total`` is invariant (replicated) over 
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp import _checks, _ffi
-from jaxcomp.hadamard import counter_signs, counter_uniform
-from jaxcomp.hadamard import hadamard_transform as hadamard_op
-from jaxcomp.topk import threshold_topk, topk
-from jaxcomp.zfp import _check_rate, zfp_decode, zfp_encode, zfp_num_words
-
-#: The collectives :func:`bytes_sent` knows, by function name.
-METHODS = ("psum", "allgather_topk", "ar_topk", "hierarchical_topk", "zfp_allreduce", "quantized_psum")
+from jaxcomp import _checks, _ffi, layout, thc
+from jaxcomp.layout import check_choice as _check_choice
+from jaxcomp.selection import threshold_topk, topk
+from jaxcomp.zfp import zfp_decode, zfp_encode
 
 #: Top-k selectors: exact :func:`jaxcomp.topk` or MSTopK :func:`jaxcomp.threshold_topk`.
 SELECTORS = ("exact", "threshold")
@@ -46,249 +40,8 @@ SELECTORS = ("exact", "threshold")
 #: AR-Topk leader rules: round-robin by step (STAR) or largest local top-k norm (VAR).
 LEADERS = ("star", "var")
 
-#: All-reduce algorithms the byte model knows for ``psum``-based steps.
-PSUM_ALGORITHMS = ("ring", "tree")
-
 #: Point-to-point algorithms of :func:`zfp_allreduce`.
 ZFP_ALGORITHMS = ("ring", "recursive_doubling")
-
-#: Largest quantization width of :func:`quantized_psum`: codes are computed in float32, and 16 bits
-#: is already far past THC's useful range (4-8 bits).
-MAX_QUANTIZATION_BITS = 16
-
-#: Largest block of the randomized Hadamard transform. The range shrinks more in a larger block, but
-#: the transform costs more and a vector pads to whole blocks; 2**14 keeps the padding of a large
-#: gradient below 0.1%.
-MAX_HADAMARD_BLOCK = 2**14
-
-_INDEX_BYTES = 4  # int32 indices
-_SCALAR_BYTES = 4  # float32 norms and ranges
-_WORD_BYTES = 4  # uint32 ZFP words
-
-
-# ----------------------------------------------------------------------------------------------
-# Sizes shared by the collectives and the byte model (one definition, so the two cannot drift).
-
-def _ceil_div(a, b):
-    return -(-a // b)
-
-
-def _resolve_k(n, k, ratio):
-    """The number of entries to keep: ``k`` itself, or ``max(1, round(ratio * n))``."""
-    if (k is None) == (ratio is None):
-        raise ValueError("give exactly one of k and ratio for a top-k method")
-    if ratio is not None:
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.integer, np.floating)):
-            raise TypeError(f"ratio must be a number in (0, 1], got {ratio!r}")
-        if not 0.0 < float(ratio) <= 1.0:
-            raise ValueError(f"ratio must be in (0, 1], got {ratio}")
-        k = max(1, round(float(ratio) * n))
-    return _checks.static_int(k, "k", 1, n)
-
-
-def _hierarchical_shard(n, k, inner_size):
-    """``(shard, k_shard)``: values per device after the intra-node reduce-scatter, and how many of
-    them each device keeps. ``k_shard = ceil(k / inner_size)``, never more than the shard (since
-    ``k <= n``), so a node keeps at least ``k`` entries in all."""
-    return _ceil_div(n, inner_size), _ceil_div(k, inner_size)
-
-
-def _ring_chunk(n, n_devices):
-    """Values per chunk of the ring all-reduce (the vector is zero-padded to ``n_devices`` chunks)."""
-    return _ceil_div(n, n_devices)
-
-
-def _power_of_two_below(n_devices):
-    return 1 << (n_devices.bit_length() - 1)
-
-
-def _code_width(bits, n_devices):
-    """Bits one packed field needs: the sum of ``n_devices`` codes of ``bits`` bits, which the
-    psum of packed words computes field by field, must not carry into the next field."""
-    largest_sum = n_devices * (2**bits - 1)
-    width = largest_sum.bit_length()
-    if width > 32:
-        raise ValueError(
-            f"bits={bits} with {n_devices} devices needs sums up to {largest_sum}, more than 32 bits hold; "
-            "lower bits")
-    return width
-
-
-def _codes_per_word(bits, n_devices):
-    """Codes packed into one uint32 word on the wire: ``32 // (bits + ceil(log2 N))`` or so."""
-    return 32 // _code_width(bits, n_devices)
-
-
-def _packed_words(length, bits, n_devices):
-    """uint32 words that carry ``length`` codes."""
-    return _ceil_div(length, _codes_per_word(bits, n_devices))
-
-
-def _hadamard_block(n):
-    """Block of the randomized Hadamard transform: the next power of two, at most the maximum."""
-    return min(1 << (n - 1).bit_length(), MAX_HADAMARD_BLOCK)
-
-
-def _quantized_length(n, hadamard):
-    """Integer codes per device: ``n``, or ``n`` padded to whole Hadamard blocks."""
-    if not hadamard:
-        return n
-    block = _hadamard_block(n)
-    return _ceil_div(n, block) * block
-
-
-def _check_bits(bits):
-    return _checks.static_int(bits, "bits", 1, MAX_QUANTIZATION_BITS)
-
-
-def _check_choice(value, name, choices):
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
-    return value
-
-
-# ----------------------------------------------------------------------------------------------
-# The byte model.
-
-def _allreduce_bytes(message_bytes, n_devices, algorithm):
-    if algorithm == "ring":
-        return 2.0 * (n_devices - 1) / n_devices * message_bytes
-    return 2.0 * math.ceil(math.log2(n_devices)) * message_bytes
-
-
-def bytes_sent(method, n, n_devices, *, k=None, ratio=None, rate=None, bits=None, algorithm=None,
-               inner_size=None, dtype_bytes=4, leader="star", hadamard=True):
-    """Bytes each device puts on the wire for one call of a collective, from its algorithm.
-
-    What is counted, per method (``N = n_devices``, ``d = dtype_bytes``, indices 4 bytes, ZFP words
-    4 bytes; an all-reduce of ``M`` bytes costs ``2 (N-1)/N M`` for ``algorithm="ring"`` and
-    ``2 ceil(log2 N) M`` for ``"tree"``; an all-gather of ``M`` bytes per device costs ``(N-1) M``):
-
-    * ``psum``: an all-reduce of ``n d`` bytes.
-    * ``allgather_topk``: an all-gather of ``k`` values and ``k`` indices, ``(N-1) k (d+4)``.
-    * ``ar_topk``: the leader's indices reach everyone as an all-reduce of ``k`` leader-masked
-      int32 indices, then an all-reduce of ``k`` values, both under ``algorithm``; VAR adds the
-      all-gather of one float32 norm per device, ``(N-1) 4``.
-    * ``hierarchical_topk`` (``I = inner_size`` devices per node, ``O = N / I`` nodes, shard
-      ``s = ceil(n/I)``, ``k_s = ceil(k/I)``): a ring reduce-scatter in the node ``(I-1) s d``, an
-      all-gather of ``k_s`` pairs across nodes ``(O-1) k_s (d+4)``, an all-gather of the ``O k_s``
-      pairs in the node ``(I-1) O k_s (d+4)``.
-    * ``zfp_allreduce``: ``"ring"`` sends ``N-1`` compressed chunks in the reduce-scatter and
-      forwards ``N-1`` in the all-gather, ``2 (N-1) w`` with ``w`` the bytes of one compressed
-      chunk of ``ceil(n/N)`` values; ``"recursive_doubling"`` sends the whole compressed vector
-      once per round, ``log2 p`` rounds for ``p`` the largest power of two ``<= N``, plus one more
-      when ``N`` is not a power of two (the fold of the extra devices, whose partners send the
-      result back). Devices differ there; this is the busiest device, which bounds the time.
-    * ``quantized_psum``: an all-reduce of the integer codes (``n`` of them, padded to whole
-      Hadamard blocks when ``hadamard``) packed into uint32 words, ``32 // w`` codes a word with
-      ``w = bitlength(N (2^bits - 1))`` bits a field (``bits`` plus the headroom the sum of ``N``
-      codes needs: 6 bits for 4-bit codes on 4 devices), plus the all-reduce (max) of one float32
-      range, both under ``algorithm``.
-
-    With ``N = 1`` nothing crosses a wire and every method costs 0.
-
-    Args:
-      method: one of :data:`METHODS`.
-      n: values in each device's vector.
-      n_devices: devices on the axis (for ``hierarchical_topk``, all devices of both axes).
-      k: entries kept by a top-k method; give ``k`` or ``ratio``.
-      ratio: fraction kept by a top-k method, ``k = max(1, round(ratio * n))``.
-      rate: ZFP bits per value for ``zfp_allreduce``, 1..32.
-      bits: code width for ``quantized_psum``, 1..:data:`MAX_QUANTIZATION_BITS`.
-      algorithm: ``"ring"`` (default) or ``"tree"`` for ``psum``, ``ar_topk`` and
-        ``quantized_psum``; ``"ring"`` (default) or ``"recursive_doubling"`` for ``zfp_allreduce``.
-      inner_size: devices per node for ``hierarchical_topk``; must divide ``n_devices``.
-      dtype_bytes: bytes per value of the input dtype (4 for float32, 2 for bfloat16/float16).
-      leader: ``"star"`` (default) or ``"var"`` for ``ar_topk``.
-      hadamard: whether ``quantized_psum`` uses the Hadamard transform (default True).
-
-    Returns:
-      Bytes sent by one device, a float.
-
-    Example:
-      >>> from jaxcomp.collectives import bytes_sent
-      >>> bytes_sent("psum", 1000, 8)
-      7000.0
-      >>> bytes_sent("allgather_topk", 1000, 8, ratio=0.01)
-      560.0
-
-    References:
-      Tyagi & Swany, arXiv 2312.02493, Table I and Eqn 4a/4b (collective costs, AR-Topk); Shi et
-      al., MLSys 2021, §3.2 (HiTopKComm); ../shared/papers/004 §III (ZFP ring and recursive
-      doubling); Li et al., THC, NSDI 2024.
-    """
-    method = _check_choice(method, "method", METHODS)
-    n = _checks.static_int(n, "n", 1, _checks.MAX_ROW_LENGTH)
-    n_devices = _checks.static_int(n_devices, "n_devices", 1)
-    dtype_bytes = _checks.static_int(dtype_bytes, "dtype_bytes", 1, 8)
-    uses = {
-        "psum": {"algorithm"},
-        "allgather_topk": {"k"},
-        "ar_topk": {"k", "algorithm", "leader"},
-        "hierarchical_topk": {"k", "inner_size"},
-        "zfp_allreduce": {"rate", "algorithm"},
-        "quantized_psum": {"bits", "algorithm", "hadamard"},
-    }[method]
-    given = {"k": k is not None or ratio is not None, "rate": rate is not None, "bits": bits is not None,
-             "algorithm": algorithm is not None, "inner_size": inner_size is not None,
-             "leader": leader != "star", "hadamard": hadamard is not True}
-    for name, is_given in given.items():
-        if is_given and name not in uses:
-            shown = "k/ratio" if name == "k" else name
-            raise ValueError(f"{shown} does not apply to method {method!r}")
-    if "k" in uses:
-        k = _resolve_k(n, k, ratio)
-    N = n_devices
-
-    if method == "psum":
-        algorithm = _check_choice(algorithm or "ring", "algorithm", PSUM_ALGORITHMS)
-        return 0.0 if N == 1 else _allreduce_bytes(n * dtype_bytes, N, algorithm)
-    if method == "allgather_topk":
-        return float((N - 1) * k * (dtype_bytes + _INDEX_BYTES))
-    if method == "ar_topk":
-        algorithm = _check_choice(algorithm or "ring", "algorithm", PSUM_ALGORITHMS)
-        leader = _check_choice(leader, "leader", LEADERS)
-        if N == 1:
-            return 0.0
-        indices = _allreduce_bytes(k * _INDEX_BYTES, N, algorithm)
-        total = indices + _allreduce_bytes(k * dtype_bytes, N, algorithm)
-        if leader == "var":
-            total += (N - 1) * _SCALAR_BYTES
-        return total
-    if method == "hierarchical_topk":
-        if inner_size is None:
-            raise ValueError("inner_size (devices per node) is required for 'hierarchical_topk'")
-        inner = _checks.static_int(inner_size, "inner_size", 1, N)
-        if N % inner:
-            raise ValueError(f"inner_size ({inner}) must divide n_devices ({N})")
-        outer = N // inner
-        shard, k_shard = _hierarchical_shard(n, k, inner)
-        pair = dtype_bytes + _INDEX_BYTES
-        return float((inner - 1) * shard * dtype_bytes + (outer - 1) * k_shard * pair
-                     + (inner - 1) * outer * k_shard * pair)
-    if method == "zfp_allreduce":
-        if rate is None:
-            raise ValueError("rate is required for 'zfp_allreduce'")
-        rate = _check_rate(rate)
-        algorithm = _check_choice(algorithm or "ring", "algorithm", ZFP_ALGORITHMS)
-        if N == 1:
-            return 0.0
-        if algorithm == "ring":
-            return float(2 * (N - 1) * zfp_num_words(_ring_chunk(n, N), rate) * _WORD_BYTES)
-        p = _power_of_two_below(N)
-        rounds = p.bit_length() - 1 + (1 if p != N else 0)
-        return float(rounds * zfp_num_words(n, rate) * _WORD_BYTES)
-    # quantized_psum
-    if bits is None:
-        raise ValueError("bits is required for 'quantized_psum'")
-    bits = _check_bits(bits)
-    algorithm = _check_choice(algorithm or "ring", "algorithm", PSUM_ALGORITHMS)
-    if not isinstance(hadamard, (bool, np.bool_)):
-        raise TypeError(f"hadamard must be a bool, got {hadamard!r}")
-    if N == 1:
-        return 0.0
-    codes = _packed_words(_quantized_length(n, bool(hadamard)), bits, N) * _WORD_BYTES
-    return _allreduce_bytes(codes, N, algorithm) + _allreduce_bytes(_SCALAR_BYTES, N, algorithm)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,7 +63,6 @@ def _local_vector(x):
     return x
 
 
-# Kept under these names for the modules that import them (train, transform).
 _varying_axes = _ffi.varying_axes
 _like_varying = _ffi.like_varying
 
@@ -589,7 +341,7 @@ def hierarchical_topk(x, k, inner_axis, outer_axis, selector="exact", *, sparse_
         raise ValueError(f"inner_axis and outer_axis must be different mesh axes, got {inner_axis!r} twice")
     inner = _axis_size(inner_axis, "inner_axis")
     outer = _axis_size(outer_axis, "outer_axis")
-    shard, k_shard = _hierarchical_shard(n, k, inner)
+    shard, k_shard = layout.hierarchical_shard(n, k, inner)
     padded = jnp.pad(x, (0, inner * shard - n))
     node_shard = jax.lax.psum_scatter(padded, inner_axis, scatter_dimension=0, tiled=True)
     values, indices = _select(node_shard, k_shard, selector)
@@ -658,7 +410,7 @@ def zfp_allreduce(x, rate, axis_name, algorithm="ring"):
       Alg. 1-2; Lindstrom, IEEE TVCG 2014 (zfp fixed-rate mode).
     """
     x = _local_vector(x)
-    rate = _check_rate(rate)
+    rate = layout.check_rate(rate)
     algorithm = _check_choice(algorithm, "algorithm", ZFP_ALGORITHMS)
     n_devices = _axis_size(axis_name)
     if n_devices == 1:
@@ -673,7 +425,7 @@ def zfp_allreduce(x, rate, axis_name, algorithm="ring"):
 
 def _zfp_ring(values, rate, axis_name, n_devices):
     n = values.shape[0]
-    chunk = _ring_chunk(n, n_devices)
+    chunk = layout.ring_chunk(n, n_devices)
     chunks = jnp.pad(values, (0, n_devices * chunk - n)).reshape(n_devices, chunk)
     me = jax.lax.axis_index(axis_name)
     to_right = [(i, (i + 1) % n_devices) for i in range(n_devices)]
@@ -699,7 +451,7 @@ def _zfp_ring(values, rate, axis_name, n_devices):
 def _zfp_recursive_doubling(values, rate, axis_name, n_devices):
     n = values.shape[0]
     me = jax.lax.axis_index(axis_name)
-    p = _power_of_two_below(n_devices)
+    p = layout.power_of_two_below(n_devices)
     extra = n_devices - p
     # Devices 2i (i < extra) fold into 2i + 1; the p remaining devices are renumbered 0..p-1.
     folded = (me < 2 * extra) & (me % 2 == 0)
@@ -727,40 +479,13 @@ def _zfp_recursive_doubling(values, rate, axis_name, n_devices):
     return partial, _decode(own_words, n, rate)
 
 
-def _check_key(key, axis_name):
-    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-    if not (typed and key.ndim == 0) and not (key.dtype == jnp.uint32 and key.shape == (2,)):
-        raise TypeError(f"key must be one jax.random key (jax.random.key or PRNGKey), got "
-                        f"{key.dtype}{list(key.shape)}")
-    if axis_name is not None and axis_name in _varying_axes(key):
-        raise ValueError(f"key must be the same on every device of {axis_name!r} (replicated: all devices "
-                         "must apply the same Hadamard transform), got a key that varies over it")
-    return key if typed else jax.random.wrap_key_data(key)
-
-
-def _pack(codes, width):
-    """uint32 words holding ``32 // width`` codes each (the last word zero-padded)."""
-    per_word = 32 // width
-    codes = jnp.pad(codes, (0, _ceil_div(codes.shape[0], per_word) * per_word - codes.shape[0]))
-    shifts = jnp.arange(per_word, dtype=jnp.uint32) * np.uint32(width)
-    # Fields do not overlap, so the sum is a bitwise or.
-    return jnp.sum(codes.reshape(-1, per_word) << shifts, axis=1, dtype=jnp.uint32)
-
-
-def _unpack(words, width, length):
-    per_word = 32 // width
-    shifts = jnp.arange(per_word, dtype=jnp.uint32) * np.uint32(width)
-    return ((words[:, None] >> shifts) & np.uint32((1 << width) - 1)).reshape(-1)[:length]
-
-
 def quantized_psum(x, bits, axis_name, key, hadamard=True):
     """THC homomorphic quantization: integer codes on a shared grid, summed by one integer psum.
 
     1. Optionally a randomized Hadamard transform (random signs, then the orthonormal Walsh-Hadamard
-       transform in blocks of up to :data:`MAX_HADAMARD_BLOCK`; ``x`` is zero-padded to whole
+       transform in blocks of up to :data:`jaxcomp.layout.MAX_HADAMARD_BLOCK`; ``x`` is zero-padded to whole
        blocks; :func:`jaxcomp.hadamard_transform`, a native kernel on CPU) spreads each vector's energy so
-       its range shrinks. The signs come from ``key`` (:func:`jaxcomp.hadamard.counter_signs`),
+       its range shrinks. The signs come from ``key`` (:func:`jaxcomp.hadamard.counter_signs`; the codec is :mod:`jaxcomp.thc`),
        which must be the same on every device.
     2. The range ``R`` is agreed by all: :func:`jax.lax.pmax` of the local max magnitudes.
     3. Each value is stochastically rounded onto the ``2**bits`` levels spanning ``[-R, R]`` (noise
@@ -778,7 +503,7 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True):
 
     Args:
       x: this device's local 1-D float32, bfloat16 or float16 vector.
-      bits: static int in ``[1, MAX_QUANTIZATION_BITS]``, the width of a code.
+      bits: static int in ``[1, jaxcomp.layout.MAX_QUANTIZATION_BITS]``, the width of a code.
       axis_name: the mesh axis to sum over.
       key: a ``jax.random`` key, the same on every device (traced; pass a new one each step).
       hadamard: static bool, whether to apply the randomized Hadamard transform.
@@ -803,86 +528,14 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True):
       Compression", NSDI 2024.
     """
     x = _local_vector(x)
-    n = x.shape[0]
-    bits = _check_bits(bits)
+    bits = layout.check_bits(bits)
     if not isinstance(hadamard, (bool, np.bool_)):
         raise TypeError(f"hadamard must be a bool, got {hadamard!r}")
     n_devices = _axis_size(axis_name)
-    key = _check_key(key, axis_name)
+    key = thc.check_key(key, axis_name)
     if n_devices == 1:
         return x, x
-    return _thc(x, bits, key, hadamard, n_devices, jax.lax.axis_index(axis_name),
+    return thc.thc_aggregate(x, bits, key, hadamard, n_devices, jax.lax.axis_index(axis_name),
                 pmax=lambda v: jax.lax.pmax(v, axis_name), psum=lambda v: jax.lax.psum(v, axis_name))
 
 
-def quantized_psum_local(x, bits, key, n_devices, hadamard=True):
-    """THC's local work alone: :func:`quantized_psum` with its two collectives taken out.
-
-    The transform, rounding, packing and back-transforms of one device out of ``n_devices``,
-    with this device's range for the agreed one and its own packed words for their sum; what
-    :func:`jaxcomp.probe.codec_seconds` times, since THC has no codec apart from its collective.
-
-    Args:
-      x: a 1-D float vector.
-      bits: code width, as for :func:`quantized_psum`.
-      key: a ``jax.random`` key.
-      n_devices: the devices whose sum the packed fields must hold.
-      hadamard: as for :func:`quantized_psum`.
-
-    Returns:
-      ``(total, sent)`` as :func:`quantized_psum` computes them when this device is alone.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> total, sent = quantized_psum_local(jnp.linspace(-1, 1, 64), 8, jax.random.key(0), 4)
-      >>> bool(jnp.allclose(sent, jnp.linspace(-1, 1, 64), atol=0.02))
-      True
-
-    References:
-      Li et al., THC, NSDI 2024; Agarwal et al., MLSys 2022, App. C (timing the codec on its own).
-    """
-    x = _local_vector(x)
-    bits = _check_bits(bits)
-    key = _check_key(key, None)
-    n_devices = _checks.static_int(n_devices, "n_devices", 1)
-    return _thc(x, bits, key, bool(hadamard), n_devices, 0, pmax=lambda v: v, psum=lambda v: v)
-
-
-def _thc(x, bits, key, hadamard, n_devices, device, pmax, psum):
-    n = x.shape[0]
-    width = _code_width(bits, n_devices)
-    sign_key, noise_key = jax.random.split(key)
-    length = _quantized_length(n, bool(hadamard))
-    values = jnp.pad(x.astype(jnp.float32), (0, length - n))
-    if hadamard:
-        block = _hadamard_block(n)
-        signs = counter_signs(sign_key, (length // block, block))
-        scale = np.float32(1.0 / math.sqrt(block))
-
-        def transform(v):
-            return (hadamard_op(v.reshape(-1, block) * signs) * scale).reshape(-1)
-
-        def inverse(v):
-            return (hadamard_op(v.reshape(-1, block)) * scale * signs).reshape(-1)[:n]
-    else:
-        def transform(v):
-            return v
-
-        def inverse(v):
-            return v[:n]
-
-    rotated = transform(values)
-    bound = pmax(jnp.max(jnp.abs(rotated)))
-    levels = 2**bits - 1
-    unit = jnp.where(bound > 0, bound, 1.0)  # all-zero input: any grid works, the codes cancel
-    position = (rotated / unit + 1.0) * np.float32(levels / 2)  # in [0, levels]
-    noise = counter_uniform(jax.random.fold_in(noise_key, device), (length,))
-    codes = jnp.clip(jnp.floor(position + noise), 0, levels).astype(jnp.uint32)
-    # Codes on one grid add homomorphically, and fields of `width` bits add without carrying into
-    # each other: one psum of packed words sums every code.
-    summed = _unpack(psum(_pack(codes, width)), width, length)
-    step = bound * np.float32(2 / levels)
-    total = summed.astype(jnp.float32) * step - n_devices * bound
-    sent = codes.astype(jnp.float32) * step - bound
-    total, sent = inverse(total), inverse(sent)  # total stays typed invariant: not stacked with sent
-    return total.astype(x.dtype), sent.astype(x.dtype)

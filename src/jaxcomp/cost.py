@@ -2,13 +2,15 @@
 
 A message of ``m`` bytes costs ``α + m β`` (latency ``α`` in seconds, ``β = 1 / bandwidth`` in
 seconds per byte). A collective then costs ``α`` times its number of sequential message steps
-plus ``β`` times the bytes each worker sends along its critical path. The byte volumes come from
-:func:`jaxcomp.collectives.bytes_sent` (one source of truth for what each collective puts on
-the wire); this module adds the step counts of paper 000's Table I and Eqn (4a)/(4b) and picks
-the cheapest method.
+plus ``β`` times the bytes each worker sends along its critical path (:func:`sync_seconds`, the
+one formula: :func:`jaxcomp.compress_auto` evaluates it inside the step on the same numbers).
+Each method object says its own steps and bytes (:meth:`jaxcomp.methods.Method.message_steps`,
+:meth:`jaxcomp.methods.Method.wire_bytes`); this module adds them up, and :func:`choose` picks
+the cheapest.
 
-Everything here is plain Python: it runs without devices and costs microseconds, so the
-transformation can re-decide between steps.
+Methods are :mod:`jaxcomp.methods` objects, or their names with options
+(``predict("ar_topk", ..., ratio=0.01)``, see :data:`jaxcomp.methods.SHORTHAND`). Everything here
+is plain Python and loads no JAX: it runs without devices and costs microseconds.
 """
 
 from __future__ import annotations
@@ -18,40 +20,8 @@ import math
 import numbers
 import re
 
-from jaxcomp import _checks
-
-#: Every method :func:`predict` knows, in the order :func:`choose` breaks ties (cheapest
-#: bookkeeping first: dense needs no compression at all).
-METHODS = (
-    "dense_ring",
-    "dense_tree",
-    "allgather_topk",
-    "ar_topk_ring",
-    "ar_topk_tree",
-    "hierarchical_topk",
-    "zfp_ring",
-    "zfp_recursive_doubling",
-    "quantized",
-)
-
-#: Methods that keep every value (no ratio, rate or bits needed).
-DENSE_METHODS = ("dense_ring", "dense_tree")
-
-#: Methods that send a top-k selection and so need ``ratio``.
-TOPK_METHODS = ("allgather_topk", "ar_topk_ring", "ar_topk_tree", "hierarchical_topk")
-
-#: How each method maps onto :func:`jaxcomp.collectives.bytes_sent`: (method, algorithm).
-_COLLECTIVE = {
-    "dense_ring": ("psum", "ring"),
-    "dense_tree": ("psum", "tree"),
-    "allgather_topk": ("allgather_topk", None),
-    "ar_topk_ring": ("ar_topk", "ring"),
-    "ar_topk_tree": ("ar_topk", "tree"),
-    "hierarchical_topk": ("hierarchical_topk", None),
-    "zfp_ring": ("zfp_allreduce", "ring"),
-    "zfp_recursive_doubling": ("zfp_allreduce", "recursive_doubling"),
-    "quantized": ("quantized_psum", None),
-}
+from jaxcomp import _checks, methods
+from jaxcomp.methods import Method
 
 _FLOAT32_BYTES = 4
 
@@ -264,170 +234,150 @@ def format_duration(seconds: float) -> str:
 # The model
 
 
-def _log2_steps(n_workers):
-    # A tree or recursive-doubling phase over a non-power-of-two group needs one more round.
-    return math.ceil(math.log2(n_workers)) if n_workers > 1 else 0
+def _method(method, ratio=None, rate=None, bits=None) -> Method:
+    """A method object; a name takes the options it accepts (``"dense"`` ignores ``ratio=``)."""
+    return methods.parse(method, strict=False, ratio=ratio, rate=rate, bits=bits)
 
 
-def message_steps(method: str, n_workers: int, *, inner_size: int | None = None) -> int:
-    """Sequential message steps of a method: what its latency term multiplies ``α`` by.
+def sync_seconds(steps, volume, alpha, beta, overhead=0.0):
+    """The α-β model: ``α · steps + β · volume + overhead`` seconds.
 
-    Each all-reduce runs as a ring (``2(N-1)`` steps) or a tree (reduce up, broadcast down,
-    ``2L`` steps, ``L = ceil(log2 N)``); each all-gather runs by recursive doubling (``L`` steps),
-    as in paper 000 Table I. Per method, following the algorithm
-    :func:`jaxcomp.collectives.bytes_sent` counts bytes for:
-
-    ==========================  ====================================================
-    ``dense_ring``              ``2(N-1)``
-    ``dense_tree``              ``2L``
-    ``allgather_topk``          ``L``
-    ``ar_topk_ring``            ``4(N-1)``: the leader's indices (an all-reduce of leader-masked
-                                indices), then the values at those indices, both ring
-    ``ar_topk_tree``            ``4L``: the same two all-reduces as trees
-    ``hierarchical_topk``       ``(G-1) + ceil(log2(N/G)) + ceil(log2 G)``: ring reduce-scatter in
-                                the node, all-gather across nodes, all-gather in the node
-                                (``G = inner_size``)
-    ``zfp_ring``                ``2(N-1)``, as the dense ring (paper 004 §III-C)
-    ``zfp_recursive_doubling``  ``log2 p`` for ``p`` the largest power of two ``<= N``, plus a
-                                fold-in and a fold-out step when ``p < N`` (paper 004 §III-E)
-    ``quantized``               ``4(N-1)``: ring all-reduce of the shared range, then of the
-                                integer codes (paper 003)
-    ==========================  ====================================================
-
-    Paper 000's Eqn (4a)/(4b) broadcast the indices (``L`` steps) where jaxcomp all-reduces them
-    (``2(N-1)`` or ``2L``), since a shard_map program has no broadcast primitive.
+    Plain arithmetic, so it runs on Python floats, numpy arrays and traced ``jnp`` arrays alike:
+    :func:`predict` and the in-step choice of :func:`jaxcomp.compress_auto` both use it.
 
     Args:
-      method: one of :data:`METHODS`.
+      steps: sequential message steps.
+      volume: bytes sent along the critical path.
+      alpha: latency, seconds per message.
+      beta: seconds per byte.
+      overhead: seconds added as is (the method's local work).
+
+    Returns:
+      Seconds (of the arguments' type).
+
+    Example:
+      >>> sync_seconds(14, 7000.0, 1e-3, 1e-9)
+      0.014007
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §2-A2 and Table I.
+    """
+    return alpha * steps + beta * volume + overhead
+
+
+def message_steps(method, n_workers: int, *, inner_size: int | None = None, **options) -> int:
+    """Sequential message steps of a method: what its latency term multiplies ``α`` by.
+
+    Each method counts its own (:meth:`jaxcomp.methods.Method.message_steps`): an all-reduce
+    as a ring (``2(N-1)``) or a tree (``2 ceil(log2 N)``), an all-gather by recursive doubling
+    (``ceil(log2 N)``), as in paper 000 Table I. Paper 000's Eqn (4a)/(4b) broadcast AR-Topk's
+    indices (``log N`` steps) where jaxcomp all-reduces them, since a ``shard_map`` program has
+    no broadcast primitive.
+
+    Args:
+      method: a :class:`jaxcomp.methods.Method` or a :data:`jaxcomp.methods.SHORTHAND` name.
       n_workers: the number of workers ``N >= 1``.
-      inner_size: workers per node ``G``; required for ``hierarchical_topk``, must divide ``N``.
+      inner_size: workers per node, for methods that reduce over two axes (hierarchical top-k).
+      **options: with a name, the method's options (``ratio=``, ...).
 
     Returns:
       The step count (0 when ``N == 1``).
 
     Example:
-      >>> message_steps("ar_topk_ring", 8)
+      >>> message_steps("ar_topk", 8, ratio=0.01)
       28
 
     References:
       Tyagi & Swany, arXiv 2312.02493, Table I and Eqn (4a)/(4b); Shi et al., MLSys 2021, §3.2;
       the ZFP allreduce paper (004), §III.
     """
-    _check_method(method)
-    n = _check_workers(n_workers)
-    if n == 1:
-        return 0
-    log_n = _log2_steps(n)
-    if method in ("dense_ring", "zfp_ring"):
-        return 2 * (n - 1)
-    if method == "dense_tree":
-        return 2 * log_n
-    if method == "allgather_topk":
-        return log_n
-    if method in ("ar_topk_ring", "quantized"):
-        return 4 * (n - 1)
-    if method == "ar_topk_tree":
-        return 4 * log_n
-    if method == "hierarchical_topk":
-        inner = _check_inner_size(inner_size, n)
-        return (inner - 1) + _log2_steps(n // inner) + _log2_steps(inner)
-    # zfp_recursive_doubling
-    power_of_two = 1 << (n.bit_length() - 1)
-    rounds = power_of_two.bit_length() - 1
-    return rounds if power_of_two == n else rounds + 2
+    method = methods.parse(method, **options) if not isinstance(method, str) or options else _any_setting(method)
+    return method.message_steps(_check_workers(n_workers), inner_size=inner_size)
 
 
-def volume_bytes(method: str, nbytes: float, n_workers: int, *, ratio: float | None = None,
-                 rate: float | None = None, bits: int | None = None,
-                 inner_size: int | None = None) -> float:
-    """Bytes one worker sends along the critical path, from :func:`jaxcomp.collectives.bytes_sent`.
+def _any_setting(name):
+    # Steps do not depend on the ratio, rate or bits: any valid one builds the method.
+    for options in ({}, {"ratio": 0.5}, {"rate": 8}, {"bits": 8}):
+        try:
+            return methods.parse(name, **options)
+        except ValueError as e:
+            if "needs" not in str(e) and "takes" not in str(e):
+                raise
+    return methods.parse(name)  # raises the name's own error
+
+
+def volume_bytes(method, nbytes: float, n_workers: int, *, ratio: float | None = None, rate: float | None = None,
+                 bits: int | None = None, inner_size: int | None = None) -> float:
+    """Bytes one worker sends along the critical path (:meth:`jaxcomp.methods.Method.wire_bytes`).
 
     A gradient of more than ``2**31 - 1`` values (the kernels' int32 row limit) is costed as
     pieces of at most that many values, sent back to back.
 
     Args:
-      method: one of :data:`METHODS`.
+      method: a :class:`jaxcomp.methods.Method` or a :data:`jaxcomp.methods.SHORTHAND` name.
       nbytes: size of the float32 gradient in bytes (``4 n``).
       n_workers: the number of workers ``N >= 1``.
-      ratio: density ``k / n`` for the top-k methods.
-      rate: ZFP bits per value for the ``zfp_*`` methods.
-      bits: bits per code for ``quantized``.
-      inner_size: workers per node for ``hierarchical_topk``.
+      ratio: with a name: density ``k / n`` for the top-k methods.
+      rate: with a name: ZFP bits per value.
+      bits: with a name: bits per code for ``quantized``.
+      inner_size: workers per node for hierarchical top-k.
 
     Returns:
       The byte count the β term multiplies.
 
     Example:
-      >>> volume_bytes("dense_ring", 4 * 1024, 4)
+      >>> volume_bytes("dense", 4 * 1024, 4)
       6144.0
 
     References:
       Tyagi & Swany, arXiv 2312.02493, Table I and §3-D.
     """
-    _check_method(method)
+    method = _method(method, ratio, rate, bits)
     n = _check_workers(n_workers)
     size = _values(nbytes)
-    _check_options(method, ratio, rate, bits, inner_size, n)
-    # Imported here: collectives pulls in the kernels, and the model must stay importable
-    # (and cheap) on machines that only want predictions, e.g. the advisor's CLI.
-    from jaxcomp.collectives import bytes_sent
-
-    collective, algorithm = _COLLECTIVE[method]
-    options = {}
-    if method in TOPK_METHODS:
-        options["ratio"] = ratio
-    if method.startswith("zfp"):
-        options["rate"] = rate
-    if method == "quantized":
-        options["bits"] = bits
-    if method == "hierarchical_topk":
-        options["inner_size"] = inner_size
-    if algorithm is not None:
-        options["algorithm"] = algorithm
     # The kernels index a row with int32, so a larger gradient travels as several pieces of at
     # most MAX_ROW_LENGTH values; their bytes add up.
     pieces, remainder = divmod(size, _checks.MAX_ROW_LENGTH)
-    total = pieces * bytes_sent(collective, _checks.MAX_ROW_LENGTH, n, **options) if pieces else 0.0
+    total = pieces * method.wire_bytes(_checks.MAX_ROW_LENGTH, n, inner_size=inner_size) if pieces else 0.0
     if remainder:
-        total += bytes_sent(collective, remainder, n, **options)
+        total += method.wire_bytes(remainder, n, inner_size=inner_size)
     return float(total)
 
 
-def predict(method: str, nbytes: float, n_workers: int, network: Network, ratio: float | None = None,
+def predict(method, nbytes: float, n_workers: int, network: Network, ratio: float | None = None,
             rate: float | None = None, bits: int | None = None, *, inner_size: int | None = None,
             overhead: float = 0.0) -> float:
     """Predicted seconds to synchronize one float32 gradient of ``nbytes`` with ``method``.
 
-    ``α · message_steps + β · volume_bytes (+ overhead)``. With ``M`` the gradient's bytes,
-    ``M c`` the bytes of the kept values and ``L = log2 N``, the dense and all-gather methods are
-    exactly paper 000 Table I and §3-D:
+    :func:`sync_seconds` of the method's :func:`message_steps` and :func:`volume_bytes`. With
+    ``M`` the gradient's bytes, ``M c`` the bytes of the kept values and ``L = log2 N``, the dense
+    and all-gather methods are exactly paper 000 Table I and §3-D:
 
-    * ``dense_ring``: ``2(N-1) α + 2(N-1)/N · M β``;
-    * ``dense_tree``: ``2L α + 2L · M β``;
-    * ``allgather_topk``: ``L α + 2(N-1) · M c β`` (values and int32 indices).
+    * dense, ring: ``2(N-1) α + 2(N-1)/N · M β``; as a tree: ``2L α + 2L · M β``;
+    * all-gather top-k: ``L α + 2(N-1) · M c β`` (values and int32 indices).
 
     AR-Topk follows Eqn (4a)/(4b) with the indices' broadcast replaced by the all-reduce of
     leader-masked indices jaxcomp runs: ``4(N-1) α + 4(N-1)/N · M c β`` (ring) and
-    ``4L α + 4L · M c β`` (tree). The remaining methods combine the steps of
-    :func:`message_steps` with the bytes of :func:`jaxcomp.collectives.bytes_sent`.
+    ``4L α + 4L · M c β`` (tree).
 
     Args:
-      method: one of :data:`METHODS`.
+      method: a :class:`jaxcomp.methods.Method` or a :data:`jaxcomp.methods.SHORTHAND` name.
       nbytes: size of the float32 gradient in bytes (``4 n``), > 0.
       n_workers: the number of workers ``N >= 1``.
       network: the :class:`Network`.
-      ratio: density ``k / n`` in ``(0, 1]``, for the top-k methods.
-      rate: ZFP bits per value, for ``zfp_ring`` and ``zfp_recursive_doubling``.
-      bits: bits per code, for ``quantized``.
-      inner_size: workers per node, for ``hierarchical_topk``.
+      ratio: with a name: density ``k / n`` in ``(0, 1]``, for the top-k methods.
+      rate: with a name: ZFP bits per value.
+      bits: with a name: bits per code, for ``quantized``.
+      inner_size: workers per node, for hierarchical top-k.
       overhead: seconds added as is, e.g. the measured encode/decode time of the method.
 
     Returns:
       Predicted seconds.
 
     Example:
+      >>> from jaxcomp.methods import Dense
       >>> net = Network.parse("1ms", "10gbit")
-      >>> round(predict("dense_ring", 4e8, 8, net), 3)  # 100M float32 parameters
+      >>> round(predict(Dense(), 4e8, 8, net), 3)  # 100M float32 parameters
       0.574
 
     References:
@@ -436,49 +386,52 @@ def predict(method: str, nbytes: float, n_workers: int, network: Network, ratio:
     if not isinstance(network, Network):
         raise TypeError(f"network must be a jaxcomp.cost.Network, got {type(network).__name__}")
     overhead = _check_seconds(overhead, "overhead")
+    method = _method(method, ratio, rate, bits)
     steps = message_steps(method, n_workers, inner_size=inner_size)
-    volume = volume_bytes(method, nbytes, n_workers, ratio=ratio, rate=rate, bits=bits, inner_size=inner_size)
-    return network.alpha * steps + volume * network.beta + overhead
+    volume = volume_bytes(method, nbytes, n_workers, inner_size=inner_size)
+    return sync_seconds(steps, volume, network.alpha, network.beta, overhead)
 
 
-def available_methods(*, ratio=None, rate=None, bits=None, inner_size=None) -> tuple[str, ...]:
-    """The methods :func:`predict` can cost with the given options (dense always).
+def available_methods(*, ratio=None, rate=None, bits=None, inner_size=None) -> tuple[Method, ...]:
+    """The methods the given options allow (dense always), with the model's ring and tree variants.
 
     Args:
       ratio: density for the top-k methods, or None to leave them out.
       rate: ZFP bits per value, or None to leave ZFP out.
-      bits: quantization bits, or None to leave ``quantized`` out.
-      inner_size: workers per node, or None to leave ``hierarchical_topk`` out.
+      bits: quantization bits, or None to leave THC out.
+      inner_size: workers per node, or None to leave hierarchical top-k out.
 
     Returns:
-      A tuple of method names in :data:`METHODS` order.
+      A tuple of :class:`jaxcomp.methods.Method` (:func:`jaxcomp.methods.candidates`).
 
     Example:
-      >>> available_methods(ratio=0.01)
-      ('dense_ring', 'dense_tree', 'allgather_topk', 'ar_topk_ring', 'ar_topk_tree')
+      >>> [m.label for m in available_methods(ratio=0.01)]
+      ['dense', 'dense_tree', 'allgather_topk', 'ar_topk', 'ar_topk_tree']
 
     References:
       Tyagi & Swany, arXiv 2312.02493, §3-D.
     """
-    names = list(DENSE_METHODS)
-    if ratio is not None:
-        names += ["allgather_topk", "ar_topk_ring", "ar_topk_tree"]
-        if inner_size is not None:
-            names.append("hierarchical_topk")
-    if rate is not None:
-        names += ["zfp_ring", "zfp_recursive_doubling"]
-    if bits is not None:
-        names.append("quantized")
-    return tuple(m for m in METHODS if m in names)
+    return methods.candidates(ratio=ratio, rate=rate, bits=bits, hierarchical=inner_size is not None, variants=True)
+
+
+def cheapest(seconds) -> int:
+    """The index of the least time; ties go to the earlier candidate (as ``argmin`` does).
+
+    Example:
+      >>> cheapest([3.0, 1.0, 1.0])
+      1
+    """
+    seconds = list(seconds)
+    return min(range(len(seconds)), key=seconds.__getitem__)
 
 
 def choose(nbytes: float, n_workers: int, network: Network, ratio: float | None = None,
            candidates=None, *, rate: float | None = None, bits: int | None = None,
-           inner_size: int | None = None, overhead=None) -> str:
-    """The method with the least predicted time (the argmin of :func:`predict`).
+           inner_size: int | None = None, overhead=None):
+    """The candidate with the least predicted time (:func:`cheapest` of :func:`predict_all`).
 
-    Where only ``allgather_topk``, ``ar_topk_ring`` and ``ar_topk_tree`` compete, this is the
-    closed form of paper 000 Eqn (5a)-(5c): AR-Topk-ring beats the tree when
+    Where only all-gather top-k and AR-Topk (ring and tree) compete, this is the closed form of
+    paper 000 Eqn (5a)-(5c): AR-Topk-ring beats the tree when
     ``α/β < (log N - (N-1)/N) / (N-1-log N) · M c`` and beats all-gather when
     ``α/β < (1 - 1/N - log N / (2(N-1))) · M c``; AR-Topk-tree beats all-gather when
     ``α/β < ((N-1)/log N - 3/2) · M c``.
@@ -487,32 +440,32 @@ def choose(nbytes: float, n_workers: int, network: Network, ratio: float | None 
       nbytes: size of the float32 gradient in bytes.
       n_workers: the number of workers.
       network: the :class:`Network`.
-      ratio: density for the top-k candidates.
-      candidates: method names to choose among; by default every method the given options
-        allow (:func:`available_methods`), dense included.
-      rate: ZFP bits per value for the ``zfp_*`` candidates.
-      bits: bits per code for ``quantized``.
-      inner_size: workers per node for ``hierarchical_topk``.
-      overhead: optional ``{method: seconds}`` added to each candidate (encode/decode time).
+      ratio: with names: density for the top-k candidates.
+      candidates: methods (objects or names) to choose among; by default every method the given
+        options allow (:func:`available_methods`), dense included.
+      rate: with names: ZFP bits per value.
+      bits: with names: bits per code for ``quantized``.
+      inner_size: workers per node for hierarchical top-k.
+      overhead: optional ``{candidate: seconds}`` added to each candidate (encode/decode time).
 
     Returns:
-      The name of the cheapest candidate; ties go to the earlier candidate.
+      The cheapest candidate, as given (an object or a name); ties go to the earlier one.
 
     Example:
       >>> net = Network.parse("1ms", "10gbit")
-      >>> choose(4e8, 8, net, ratio=0.01), choose(4e8, 8, net, ratio=0.001)
-      ('ar_topk_ring', 'allgather_topk')
+      >>> choose(4e8, 8, net, ratio=0.01).describe(), choose(4e8, 8, net, ratio=0.001).describe()
+      ('ar_topk(0.01)', 'allgather_topk(0.001)')
 
     References:
       Tyagi & Swany, arXiv 2312.02493, Eqn (5a)-(5c) and §3-E.
     """
     if isinstance(candidates, str):
-        raise TypeError(f"candidates must be a sequence of method names, got the string {candidates!r}")
+        raise TypeError(f"candidates must be a sequence of methods, got the string {candidates!r}")
     names = tuple(candidates) if candidates is not None else available_methods(
         ratio=ratio, rate=rate, bits=bits, inner_size=inner_size)
     times = predict_all(nbytes, n_workers, network, names, ratio=ratio, rate=rate, bits=bits,
                         inner_size=inner_size, overhead=overhead)
-    return names[min(range(len(names)), key=times.__getitem__)]
+    return names[cheapest(times)]
 
 
 def predict_all(nbytes: float, n_workers: int, network: Network, candidates, *, ratio=None,
@@ -523,25 +476,26 @@ def predict_all(nbytes: float, n_workers: int, network: Network, candidates, *, 
       nbytes: size of the float32 gradient in bytes.
       n_workers: the number of workers.
       network: the :class:`Network`.
-      candidates: a non-empty sequence of method names.
-      ratio: density for the top-k candidates.
-      rate: ZFP bits per value.
-      bits: bits per code for ``quantized``.
-      inner_size: workers per node for ``hierarchical_topk``.
-      overhead: optional ``{method: seconds}`` added to each candidate.
+      candidates: a non-empty sequence of methods (objects or names).
+      ratio: with names: density for the top-k candidates (names that take none ignore it).
+      rate: with names: ZFP bits per value.
+      bits: with names: bits per code for ``quantized``.
+      inner_size: workers per node for hierarchical top-k.
+      overhead: optional ``{candidate: seconds}`` added to each candidate.
 
     Returns:
       A list of predicted seconds, one per candidate.
 
     Example:
-      >>> [round(t, 4) for t in predict_all(4e6, 4, Network.parse("1ms", "10gbit"), ["dense_ring", "dense_tree"])]
+      >>> from jaxcomp.methods import Dense
+      >>> [round(t, 4) for t in predict_all(4e6, 4, Network.parse("1ms", "10gbit"), [Dense(), Dense("tree")])]
       [0.0108, 0.0168]
 
     References:
       Tyagi & Swany, arXiv 2312.02493, Table I, Eqn (4a)/(4b).
     """
     if isinstance(candidates, str):
-        raise TypeError(f"candidates must be a sequence of method names, got the string {candidates!r}")
+        raise TypeError(f"candidates must be a sequence of methods, got the string {candidates!r}")
     names = tuple(candidates)
     if not names:
         raise ValueError("candidates must name at least one method")
@@ -549,17 +503,12 @@ def predict_all(nbytes: float, n_workers: int, network: Network, candidates, *, 
     for name in overhead:
         if name not in names:
             raise ValueError(f"overhead names {name!r}, which is not among the candidates {names}")
-    return [predict(m, nbytes, n_workers, network, ratio, rate, bits, inner_size=inner_size,
+    return [predict(_method(m, ratio, rate, bits), nbytes, n_workers, network, inner_size=inner_size,
                     overhead=overhead.get(m, 0.0)) for m in names]
 
 
 # ---------------------------------------------------------------------------------------------
 # Checks
-
-
-def _check_method(method):
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
 def _check_workers(n_workers):
@@ -569,16 +518,6 @@ def _check_workers(n_workers):
     if n < 1:
         raise ValueError(f"n_workers must be >= 1, got {n}")
     return n
-
-
-def _check_inner_size(inner_size, n):
-    if inner_size is None:
-        raise ValueError("inner_size (workers per node) is required for hierarchical_topk")
-    if isinstance(inner_size, bool) or not isinstance(inner_size, int):
-        raise TypeError(f"inner_size must be an integer, got {type(inner_size).__name__}")
-    if inner_size < 1 or n % inner_size:
-        raise ValueError(f"inner_size must be >= 1 and divide n_workers ({n}), got {inner_size}")
-    return inner_size
 
 
 def _check_seconds(value, name):
@@ -597,15 +536,3 @@ def _values(nbytes):
         raise ValueError(f"nbytes must be positive and finite, got {nbytes}")
     # The gradient is float32: a partial value still occupies a whole one.
     return math.ceil(nbytes / _FLOAT32_BYTES)
-
-
-def _check_options(method, ratio, rate, bits, inner_size, n):
-    # Presence only: bytes_sent validates the values themselves, naming the argument.
-    if method in TOPK_METHODS and ratio is None:
-        raise ValueError(f"ratio (density k/n) is required for {method}")
-    if method.startswith("zfp") and rate is None:
-        raise ValueError(f"rate (ZFP bits per value) is required for {method}")
-    if method == "quantized" and bits is None:
-        raise ValueError("bits (bits per quantized code) is required for quantized")
-    if method == "hierarchical_topk":
-        _check_inner_size(inner_size, n)

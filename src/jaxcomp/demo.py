@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Any
 import math
 import os
 import sys
@@ -24,29 +25,33 @@ N_DEVICES = 8
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One line of the demo's table: a method and its arguments."""
+    """One line of the demo's table: a method (or, for ``compress_auto``, its candidates) and options."""
 
     name: str
-    method: str
-    options: dict
+    method: Any  # a jaxcomp.methods object, or a tuple of them: compress_auto's candidates
+    options: dict = dataclasses.field(default_factory=dict)
     axis_name: str | tuple = "data"
 
 
 def runs(density: float) -> dict[str, Run]:
     """The demo's runs by name, top-k ones at ``density`` (fraction of entries sent)."""
+    from jaxcomp.auto import RatioSearch
+    from jaxcomp.methods import Dense, Quantized, TopK, Zfp, candidates
+
     table = [
-        Run("dense", "dense", {}),
-        Run("allgather_topk", "allgather_topk", {"ratio": density}),
-        Run("allgather_topk_noef", "allgather_topk", {"ratio": density, "error_feedback": False}),
-        Run("ar_topk", "ar_topk", {"ratio": density}),
-        Run("ar_topk_noef", "ar_topk", {"ratio": density, "error_feedback": False}),
-        Run("hierarchical_topk", "hierarchical_topk", {"ratio": density}, ("node", "device")),
-        Run("zfp", "zfp", {"rate": 8}),
-        Run("quantized", "quantized", {"bits": 4}),
+        Run("dense", Dense()),
+        Run("allgather_topk", TopK(density)),
+        Run("allgather_topk_noef", TopK(density), {"error_feedback": False}),
+        Run("ar_topk", TopK(density, collective="ar")),
+        Run("ar_topk_noef", TopK(density, collective="ar"), {"error_feedback": False}),
+        Run("hierarchical_topk", TopK(density, collective="hierarchical"), {}, ("node", "device")),
+        Run("zfp", Zfp(8)),
+        Run("quantized", Quantized(4)),
         # Chooses from the probed network: on 8 in-memory devices that is dense.
-        Run("auto", "auto", {"ratio": density, "rate": 8}),
+        Run("auto", candidates(ratio=density, rate=8)),
         # The same choice on a simulated slow link, with the ratio chosen as well (paper 000 §3-E).
-        Run("auto_adaptive_100mbit", "auto", {"adaptive_ratio": True, "network": "1ms/100mbit"}),
+        Run("auto_adaptive_100mbit", candidates(ratio=density),
+            {"ratio_search": RatioSearch(), "network": "1ms/100mbit"}),
     ]
     return {run.name: run for run in table}
 
@@ -113,8 +118,9 @@ def train(run: Run, devices, data, steps, batch_size, learning_rate, optimizer="
     from jax.sharding import Mesh
 
     from jaxcomp.cost import Network
+    from jaxcomp.auto import compress_auto
     from jaxcomp.train import data_parallel
-    from jaxcomp.transform import METHODS, compress
+    from jaxcomp.transform import compress, find_compress_state
 
     x_train, y_train, x_test, y_test = data
     if isinstance(run.axis_name, tuple):  # 2 "nodes" of 4 devices: the outer axis is the slow one
@@ -131,7 +137,9 @@ def train(run: Run, devices, data, steps, batch_size, learning_rate, optimizer="
     options = dict(run.options)
     if "network" in options:  # a simulated link: "latency/bandwidth"
         options["network"] = Network.parse(*options["network"].split("/"))
-    tx = optax.chain(compress(run.method, axis_name=run.axis_name, **options), make_optimizer(optimizer, learning_rate))
+    aggregate = (compress_auto(run.method, axis_name=run.axis_name, **options) if isinstance(run.method, tuple)
+                 else compress(run.method, axis_name=run.axis_name, **options))
+    tx = optax.chain(aggregate, make_optimizer(optimizer, learning_rate))
     dp = data_parallel(loss_fn, tx, mesh, axis_name=run.axis_name, has_aux=True)
     evaluate = jax.jit(loss_fn)
     state = dp.init(params)
@@ -163,7 +171,7 @@ def train(run: Run, devices, data, steps, batch_size, learning_rate, optimizer="
         "eval_accuracy": float(eval_accuracy),
         "bytes_sent": float(metrics["bytes_sent"]),
         "density": float(metrics["density"]),
-        "method": METHODS[int(metrics["method"])],
+        "method": find_compress_state(state.opt_state).methods[int(metrics["method"])].label,
         "gain": float(metrics["gain"]),
         "step_time": step_time,
     }

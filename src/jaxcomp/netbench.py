@@ -30,18 +30,22 @@ import sys
 import tempfile
 import time
 
-#: The methods the benchmark runs, by label: (compress method or None for the plain pmean,
-#: compress keyword arguments). ``auto`` gets the settings of the fixed methods as candidates.
-METHODS = {
-    "pmean": (None, {}),
-    "dense": ("dense", {}),
-    "dense_leaf": ("dense", {"granularity": "leaf"}),
-    "allgather_topk": ("allgather_topk", {"ratio": 0.01}),
-    "ar_topk": ("ar_topk", {"ratio": 0.01}),
-    "zfp": ("zfp", {"rate": 8}),
-    "quantized": ("quantized", {"bits": 4}),
-    "auto": ("auto", {"ratio": 0.01, "rate": 8, "bits": 4}),
-}
+from jaxcomp.methods import Dense, Quantized, TopK, Zfp
+
+
+def _runs():
+    fixed = (Dense(), TopK(0.01), TopK(0.01, collective="ar"), Zfp(8), Quantized(4))
+    table = {"pmean": (None, {}), fixed[0].label: (fixed[0], {}),
+             f"{fixed[0].label}_leaf": (fixed[0], {"granularity": "leaf"})}
+    table.update({m.label: (m, {}) for m in fixed[1:]})
+    table["auto"] = (fixed, {})
+    return table
+
+
+#: The runs of the benchmark, by label: (a jaxcomp.methods object, a tuple of them for
+#: ``compress_auto``'s candidates, or None for the plain pmean; the transformation's keyword
+#: arguments). ``auto`` chooses among the fixed methods.
+METHODS = _runs()
 
 DEFAULT_RATES = ("10gbit", "1gbit", "100mbit", "none")
 DEFAULT_HOSTS = (2, 4)
@@ -104,7 +108,6 @@ def _worker(spec: Spec) -> None:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomp
-    from jaxcomp import advise, cost
     from jaxcomp.cluster import INTERFACE, read_interface_counters
 
     width = width_for(spec.params, spec.layers)
@@ -184,7 +187,7 @@ def _worker(spec: Spec) -> None:
     compute_first = measure_compute("compute")
 
     probe_start = time.perf_counter()
-    network = jaxcomp.probe(mesh, "data") if n_hosts > 1 else None
+    network = jaxcomp.probe_network(mesh, "data") if n_hosts > 1 else None
     probe_seconds = time.perf_counter() - probe_start
     results = {"hosts": n_hosts, "params": n_params, "width": width, "compute": compute_first,
                "probe": None if network is None else {"alpha": network.alpha, "beta": network.beta,
@@ -197,7 +200,9 @@ def _worker(spec: Spec) -> None:
             step = _plain_pmean_step(loss_fn, mesh)
             state = step.init(params)
         else:
-            tx = optax.chain(jaxcomp.compress(method, **options), optax.adam(1e-4))
+            aggregate = (jaxcomp.compress_auto(method, **options) if isinstance(method, tuple)
+                         else jaxcomp.compress(method, **options))
+            tx = optax.chain(aggregate, optax.adam(1e-4))
             dp = jaxcomp.data_parallel(loss_fn, tx, mesh)
             init_start = time.perf_counter()
             state = dp.init(params)
@@ -225,12 +230,14 @@ def _worker(spec: Spec) -> None:
             host = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics_box.items()
                     if k in ("bytes_sent", "density", "gain", "method")}
             entry["bytes_sent"] = host.get("bytes_sent")
-            entry["ran"] = jaxcomp.METHODS[int(host["method"])] if "method" in host else method
+            ran = jaxcomp.find_compress_state(state.opt_state).methods[int(host.get("method", 0))]
+            entry["ran"] = ran.label
         else:
-            entry["bytes_sent"] = jaxcomp.collectives.bytes_sent("psum", n_params, n_hosts) if n_hosts > 1 else 0.0
-            entry["ran"] = "pmean"
+            ran = Dense()
+            entry["bytes_sent"] = ran.wire_bytes(n_params, n_hosts)
+            entry["ran"] = label
         if network is not None:
-            entry.update(_predictions(entry["ran"], options, params, n_hosts, network, compute_first, mesh))
+            entry.update(_predictions(ran, params, n_hosts, network, compute_first, mesh))
         results["methods"][label] = entry
         if jax.process_index() == 0:
             print(f"netbench: {n_hosts} hosts, {label}: step {median:.3f} s (compute {compute_first:.3f} s), "
@@ -255,34 +262,25 @@ def _worker(spec: Spec) -> None:
             json.dump(results, f)
 
 
-def _predictions(ran, options, params, n_hosts, network, compute, mesh):
+def _predictions(ran, params, n_hosts, network, compute, mesh):
     """The cost model's sync time and paper 002's step time (``jaxcomp advise``) for the method that ran.
 
-    Both include the method's local work, measured as ``compress("auto")`` measures it
-    (``jaxcomp.probe.update_seconds`` for the top-k methods, ``codec_seconds`` on the mesh for
-    the others; every host at once).
+    Both include the method's local work, measured as ``compress_auto`` measures it
+    (:func:`jaxcomp.probe.overhead_seconds`, every host at once).
     """
     import jax
 
-    import jaxcomp
     from jaxcomp import advise, cost
-    from jaxcomp.probe import codec_seconds, update_seconds
+    from jaxcomp.probe import overhead_seconds
 
-    settings = {**options, **METHODS.get(ran, (None, {}))[1]}
-    name = "dense_ring" if ran in ("pmean", "dense") else jaxcomp.transform.cost_method(ran)
-    wanted = {"ratio": name in cost.TOPK_METHODS, "rate": name.startswith("zfp"), "bits": name == "quantized"}
-    kw = {k: settings[k] for k, needed in wanted.items() if needed}
     n_params = sum(int(x.size) for x in jax.tree.leaves(params))
     nbytes = 4.0 * n_params
-    if ran in ("allgather_topk", "ar_topk"):  # what compress("auto") measures for them too
-        local = update_seconds(ran, params, **kw)
+    local = overhead_seconds(ran, params, mesh=mesh, axis_name="data")
+    if ran.sends_everything:
+        step = advise.sync_sgd_time(nbytes, n_hosts, network, compute, overlap=False, method=ran)
     else:
-        local = codec_seconds(name, n_params, mesh=mesh, axis_name="data", **kw)
-    if name in cost.DENSE_METHODS:
-        step = advise.sync_sgd_time(nbytes, n_hosts, network, compute, overlap=False)
-    else:
-        step = advise.compressed_time(name, nbytes, n_hosts, network, compute, encode_decode_seconds=local, **kw)
-    return {"predicted_sync": cost.predict(name, nbytes, n_hosts, network, overhead=local, **kw),
+        step = advise.compressed_time(ran, nbytes, n_hosts, network, compute, encode_decode_seconds=local)
+    return {"predicted_sync": cost.predict(ran, nbytes, n_hosts, network, overhead=local),
             "advise_step": step, "local_work": local}
 
 
@@ -437,7 +435,7 @@ def table(rows) -> str:
     lines = ["| hosts | rate | method | step s | compute s | sync s | predicted sync s | advise step s | "
              "wire MB/step/host | bytes_sent MB | sync: dense / this | speedup vs pmean | ran |",
              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    dense_sync = {(r["hosts"], r["rate"]): r["sync"] for r in rows if r["method"] == "dense"}
+    dense_sync = {(r["hosts"], r["rate"]): r["sync"] for r in rows if r["method"] == Dense().label}
     for r in rows:
         base = dense_sync.get((r["hosts"], r["rate"]))
         ratio = f"{base / r['sync']:.1f}x" if base and base > 0 and r["sync"] > 0 else "-"

@@ -1,9 +1,12 @@
 """Measure the network: time all-reduces of a few sizes on the live mesh and fit α and β.
 
 The fit uses the same model :mod:`jaxcomp.cost` predicts with (a ring all-reduce costs
-``2(N-1) α + 2(N-1)/N · M β``), so the Network it returns plugs straight into
+``2(N-1) α + 2(N-1)/N · M β``), so the Network :func:`probe_network` returns plugs straight into
 :func:`jaxcomp.cost.predict` and :func:`jaxcomp.cost.choose`. Paper 002 (App. C) measures α the
 same way: time a ring all-reduce of a tiny vector and divide by the number of steps.
+
+:func:`codec_seconds`, :func:`update_seconds` and :func:`overhead_seconds` time a method's local
+work (what it adds to a step besides the network), asking the method object how.
 """
 
 from __future__ import annotations
@@ -16,28 +19,29 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxcomp import cost
+from jaxcomp import cost, methods
+from jaxcomp.methods import Dense, Method
 
 #: Bytes per device of each timed all-reduce, smallest first: a latency-bound size, then sizes
 #: up to 8 MiB, large enough that a link's burst allowance (a token bucket lets the first few
 #: hundred KiB through at full speed) does not pass for bandwidth. Sizes that would not fit in
-#: the time budget are skipped (see :func:`probe`).
+#: the time budget are skipped (see :func:`probe_network`).
 DEFAULT_SIZES = (2**10, 2**16, 2**20, 2**23)
 
 #: Timed calls per size; the median is kept (the fastest call of a shaped link is the one that
 #: found its bucket full, which made repeated probes disagree by up to 45%).
 DEFAULT_REPEATS = 3
 
-#: Seconds :func:`probe` may take by default, compilation included.
+#: Seconds :func:`probe_network` may take by default, compilation included.
 DEFAULT_BUDGET = 5.0
 
-#: Times :func:`probe` measures, each with 8 times larger sizes than the last, before giving up.
+#: Times :func:`probe_network` measures, each with 8 times larger sizes than the last, before giving up.
 _ATTEMPTS = 3
 
 _CACHE: dict = {}
 
 
-def fit_alpha_beta(sizes, seconds, n_workers: int, method: str = "dense_ring") -> cost.Network:
+def fit_alpha_beta(sizes, seconds, n_workers: int, method: Method = Dense()) -> cost.Network:
     """Least-squares α and β from timings of one collective at several sizes.
 
     Solves ``seconds_i ≈ α · steps + β · volume_i`` with ``steps`` and ``volume_i`` from
@@ -49,17 +53,18 @@ def fit_alpha_beta(sizes, seconds, n_workers: int, method: str = "dense_ring") -
       sizes: bytes per device of each timed call (float32 gradients), at least two distinct.
       seconds: the measured time of each call, all positive.
       n_workers: the number of devices the collective ran over, >= 2.
-      method: the :data:`jaxcomp.cost.METHODS` entry the timings are of (default ``dense_ring``,
-        how :func:`probe` times ``psum``); its ``ratio``/``rate``/``bits`` must be unnecessary.
+      method: the method the timings are of, one that sends everything (default
+        :class:`jaxcomp.Dense`, how :func:`probe_network` times ``psum``), or its name.
 
     Returns:
       The fitted :class:`jaxcomp.cost.Network`.
 
     Example:
-      >>> from jaxcomp import cost
+      >>> from jaxcomp import cost, methods
+from jaxcomp.methods import Dense, Method
       >>> true = cost.Network(alpha=1e-4, bandwidth=1e9)
       >>> sizes = [2**10, 2**16, 2**22]
-      >>> times = [cost.predict("dense_ring", s, 8, true) for s in sizes]
+      >>> times = [cost.predict("dense", s, 8, true) for s in sizes]
       >>> fit = fit_alpha_beta(sizes, times, 8)
       >>> round(fit.alpha, 6), round(fit.bandwidth / 1e9, 3)
       (0.0001, 1.0)
@@ -77,8 +82,9 @@ def fit_alpha_beta(sizes, seconds, n_workers: int, method: str = "dense_ring") -
         raise ValueError(f"seconds must be positive and finite, got {seconds.tolist()}")
     if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 2:
         raise ValueError(f"n_workers must be an integer >= 2 (one device sends nothing), got {n_workers!r}")
-    if method in cost.TOPK_METHODS or method.startswith("zfp") or method == "quantized":
-        raise ValueError(f"method must be a dense collective ({', '.join(cost.DENSE_METHODS)}), got {method!r}")
+    method = methods.parse(method)
+    if not method.sends_everything:
+        raise ValueError(f"method must be one that sends everything (a dense all-reduce), got {method.describe()}")
     steps = float(cost.message_steps(method, n_workers))
     volumes = np.array([cost.volume_bytes(method, float(s), n_workers) for s in sizes])
     weights = 1.0 / seconds
@@ -94,7 +100,7 @@ def fit_alpha_beta(sizes, seconds, n_workers: int, method: str = "dense_ring") -
     return cost.Network(alpha=float(alpha), bandwidth=float(1.0 / beta))
 
 
-def probe(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPEATS,
+def probe_network(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPEATS,
           cache: bool = True, budget: float | None = DEFAULT_BUDGET) -> cost.Network:
     """Measures α and β of ``axis_name`` on ``mesh`` by timing ``psum`` at several sizes.
 
@@ -125,9 +131,9 @@ def probe(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPE
 
     Example:
       >>> import jax
-      >>> from jaxcomp.probe import probe
+      >>> from jaxcomp import probe_network
       >>> mesh = jax.sharding.Mesh(jax.devices()[:2], ("data",))
-      >>> net = probe(mesh, "data", sizes=(1024, 65536), repeats=2)
+      >>> net = probe_network(mesh, "data", sizes=(1024, 65536), repeats=2)
       >>> net.alpha >= 0 and net.bandwidth > 0
       True
 
@@ -166,11 +172,11 @@ def probe(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPE
             if len(timed) >= 2 and budget is not None:
                 expected = seconds[-1] * size / timed[-1] * (repeats + 1)
                 # The elapsed time is agreed too: every process must skip the same sizes.
-                elapsed = float(_agree_across_processes(np.array([time.perf_counter() - start]))[0])
+                elapsed = float(agree_across_processes(np.array([time.perf_counter() - start]))[0])
                 if elapsed + expected > budget:
                     break
             timed.append(size)
-            seconds.append(float(_agree_across_processes(np.array([_time_psum(mesh, axis_name, size // 4,
+            seconds.append(float(agree_across_processes(np.array([_time_psum(mesh, axis_name, size // 4,
                                                                                repeats)]))[0]))
         try:
             network = _bucket_free(fit_alpha_beta(timed, seconds, n_workers), timed, seconds, n_workers)
@@ -188,108 +194,65 @@ def probe(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPE
     return network
 
 
-def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rate: int | None = None,
-                  bits: int | None = None, n_workers: int | None = None, mesh=None, axis_name: str | None = None, repeats: int = 3, cache: bool = True) -> float:
-    """Measures a method's encode + decode time on this machine.
+def codec_seconds(method, n_values: int, *, n_workers: int | None = None, mesh=None, axis_name: str | None = None,
+                  repeats: int = 3, cache: bool = True, **options) -> float:
+    """Measures a method's local work (:meth:`jaxcomp.methods.Method.local_work`) on this machine.
 
-    Without a mesh the codec runs once on the default device. With ``mesh`` and ``axis_name``
-    every device of the axis compresses its own ``n_values`` at once, inside ``shard_map``, as in
+    Without a mesh the work runs once on the default device. With ``mesh`` and ``axis_name``
+    every device of the axis works on its own ``n_values`` at once, inside ``shard_map``, as in
     training: devices that share compute (CPU devices on one host, say) then slow each other
     down as they would in a step.
 
-    Top-k methods time :func:`jaxcomp.topk` (exact top-k by magnitude) and the scatter of the
-    kept values back into a dense vector; ZFP methods time :func:`jaxcomp.zfp_encode` and
-    :func:`jaxcomp.zfp_decode` (``zfp_ring`` on a mesh: the ring's whole codec work, about two
-    encodes and three decodes of the gradient); ``quantized`` times THC's whole local work (random
-    signs, Hadamard transform, stochastic rounding, packing, and the two back-transforms:
-    :func:`jaxcomp.collectives.quantized_psum_local`). Dense methods cost 0. Paper 002 adds this ``T_encode-decode`` to
-    the step time, since compression cannot hide behind the backward pass (its §3.1).
+    What is timed is the method's own answer: for :class:`jaxcomp.TopK` the selection and the
+    in-place error feedback; for :class:`jaxcomp.Zfp` the ring's whole codec work (about two
+    encodes and three decodes of the gradient); for :class:`jaxcomp.Quantized` THC's whole local
+    work (signs, Hadamard transform, rounding, packing and the back-transforms). A method with no
+    local work (:class:`jaxcomp.Dense`) costs 0. Paper 002 adds this ``T_encode-decode`` to the
+    step time, since compression cannot hide behind the backward pass (its §3.1).
 
     Args:
-      method: a :data:`jaxcomp.cost.METHODS` entry.
+      method: a :mod:`jaxcomp.methods` object, or a name with its options in ``options``.
       n_values: float32 values in the gradient, >= 1.
-      ratio: density for the top-k methods.
-      rate: ZFP bits per value for the ZFP methods.
-      bits: code width for ``quantized``.
-      n_workers: workers the collective runs over (the ZFP ring's chunks, THC's field width);
-        default: the mesh axis's size, else 1 (``zfp_ring``: a plain encode + decode) and 2.
-      mesh: optional :class:`jax.sharding.Mesh` to run the codec on every device of.
+      n_workers: workers the method runs over (the ZFP ring's chunks, THC's field width);
+        default: the mesh axis's size, else 2.
+      mesh: optional :class:`jax.sharding.Mesh` to run the work on every device of.
       axis_name: the mesh axis the gradient is data-parallel over (required with ``mesh``).
       repeats: timed runs after one warm-up; the fastest counts.
       cache: reuse an earlier measurement of the same arguments.
+      **options: with a name, the method's options (``ratio=``, ``rate=``, ``bits=``, ...).
 
     Returns:
-      Seconds for one encode and one decode of the whole gradient (on every device at once).
+      Seconds for the local work of one step on the whole gradient (on every device at once).
 
     Example:
-      >>> codec_seconds("zfp_ring", 4096, rate=8, repeats=1) > 0
+      >>> from jaxcomp.methods import Zfp
+      >>> codec_seconds(Zfp(8), 4096, repeats=1) > 0
       True
 
     References:
       Agarwal et al., MLSys 2022, §3.1 and App. C (measuring T_encode-decode).
     """
-    if method not in cost.METHODS:
-        raise ValueError(f"method must be one of {cost.METHODS}, got {method!r}")
+    method = methods.parse(method, **options)
     if isinstance(n_values, bool) or not isinstance(n_values, int) or n_values < 1:
         raise ValueError(f"n_values must be an integer >= 1, got {n_values!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
-    if method in cost.DENSE_METHODS:
-        return 0.0
+    if n_workers is not None and (isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1):
+        raise ValueError(f"n_workers must be an integer >= 1, got {n_workers!r}")
     if mesh is not None:
         if not isinstance(mesh, jax.sharding.Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+    workers = n_workers or (mesh.shape[axis_name] if mesh is not None else 2)
+    codec = method.local_work(n_values, workers)
+    if codec is None:
+        return 0.0
     where = ((tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, mesh.axis_names, axis_name)
              if mesh is not None else jax.default_backend())
-    if n_workers is not None and (isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1):
-        raise ValueError(f"n_workers must be an integer >= 1, got {n_workers!r}")
-    key = ("codec", method if method not in cost.TOPK_METHODS else "topk", n_values, ratio, rate, bits, n_workers,
-           repeats, where)
+    key = ("codec", method, n_values, workers, repeats, where)
     if cache and key in _CACHE:
         return _CACHE[key]
-    import jaxcomp  # the kernels: imported only when a codec is actually timed
-
-    if method in cost.TOPK_METHODS:
-        if ratio is None or isinstance(ratio, bool) or not 0 < ratio <= 1:
-            raise ValueError(f"ratio must be in (0, 1] for {method}, got {ratio!r}")
-        k = max(1, round(ratio * n_values))
-
-        def codec(x):
-            values, indices = jaxcomp.topk(x, k)
-            return jnp.zeros_like(x).at[indices].set(values)
-    elif method == "quantized":
-        if bits is None:
-            raise ValueError("bits (code width) is required for quantized")
-        from jaxcomp import collectives
-
-        workers = n_workers or (mesh.shape[axis_name] if mesh is not None else 2)
-
-        def codec(x):
-            total, sent = collectives.quantized_psum_local(x, bits, jax.random.key(0), workers)
-            return total + sent
-    else:
-        if rate is None:
-            raise ValueError(f"rate (ZFP bits per value) is required for {method}")
-        workers = n_workers or (mesh.shape[axis_name] if mesh is not None else 1)
-
-        def codec(x):
-            if method != "zfp_ring" or workers == 1:
-                return jaxcomp.zfp_decode(jaxcomp.zfp_encode(x, rate), n_values, rate)
-            # The ring's own codec work without its exchanges: every chunk coded once for error
-            # feedback, N-1 hops that code a chunk and add the next, the owned chunk coded and
-            # all N decoded.
-            chunk = -(-n_values // workers)
-            chunks = jnp.pad(x, (0, chunk * workers - n_values)).reshape(workers, chunk)
-            sent = jaxcomp.zfp_decode(jaxcomp.zfp_encode(chunks, rate), chunk, rate)
-            partial = chunks[0]
-            for hop in range(1, workers):
-                partial = jaxcomp.zfp_decode(jaxcomp.zfp_encode(partial, rate), chunk, rate) + chunks[hop]
-            words = jaxcomp.zfp_encode(partial, rate)
-            owned = jnp.broadcast_to(words, (workers,) + words.shape)
-            return (jaxcomp.zfp_decode(owned, chunk, rate) + sent).reshape(-1)[:n_values]
-
     if mesh is None:
         x = jax.random.normal(jax.random.key(0), (n_values,), jnp.float32)
         run = jax.jit(codec)
@@ -299,14 +262,20 @@ def codec_seconds(method: str, n_values: int, *, ratio: float | None = None, rat
         values = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
         x = jax.make_array_from_callback(shape, NamedSharding(mesh, spec), lambda index: values[index])
         run = jax.jit(jax.shard_map(codec, mesh=mesh, in_specs=spec, out_specs=spec))
-    run(x).block_until_ready()
+    best = _best_seconds(lambda: run(x), repeats)
+    if cache:
+        _CACHE[key] = best
+    return best
+
+
+def _best_seconds(run, repeats):
+    """The fastest of ``repeats`` timed calls of ``run``, after one warm-up call."""
+    jax.block_until_ready(run())
     best = math.inf
     for _ in range(repeats):
         start = time.perf_counter()
-        run(x).block_until_ready()
+        jax.block_until_ready(run())
         best = min(best, time.perf_counter() - start)
-    if cache:
-        _CACHE[key] = best
     return best
 
 
@@ -321,75 +290,110 @@ def _bucket_free(network, sizes, seconds, n_workers):
     """
     if len(sizes) < 3:
         return network
-    volumes = [cost.volume_bytes("dense_ring", float(s), n_workers) for s in sizes]
+    volumes = [cost.volume_bytes(Dense(), float(s), n_workers) for s in sizes]
     beta = (seconds[-1] - seconds[-2]) / (volumes[-1] - volumes[-2])
     if not beta > 0:
         return network
-    steps = cost.message_steps("dense_ring", n_workers)
+    steps = cost.message_steps(Dense(), n_workers)
     alpha = max(0.0, (seconds[0] - beta * volumes[0]) / steps)
     return cost.Network(alpha=float(alpha), bandwidth=float(1.0 / beta))
 
 
-def update_seconds(method: str, params, *, repeats: int = 3, **options) -> float:
+def update_seconds(method, params, *, repeats: int = 3, **options) -> float:
     """Seconds ``jaxcomp.compress(method)``'s whole update spends on this process beyond a dense one.
 
     Every local device runs the update at once, inside ``shard_map`` over a mesh of this
-    process's devices with a second axis of size 1 that ``compress`` reduces over: every
-    collective is then a no-op, and what is timed is the method's own work on a gradient shaped
-    like ``params`` (for the top-k methods: the concatenation, the selection, the scatters and
-    the error feedback), minus the same for ``"dense"``, with the devices sharing the cores as
-    in a step. Call it from every process at once in a multi-process job, for the same reason. ``"zfp"`` and ``"quantized"`` skip their codec on one device: time them
-    with :func:`codec_seconds`.
+    process's devices with extra axes of size 1 that ``compress`` reduces over (as many as the
+    method needs): every collective is then a no-op, and what is timed is the method's own work on
+    a gradient shaped like ``params`` (for top-k: the concatenation, the selection, the scatters
+    and the error feedback), minus the same for :class:`jaxcomp.Dense`, with the devices sharing
+    the cores as in a step. Call it from every process at once in a multi-process job, for the
+    same reason. Methods that skip their codec on one device (ZFP, THC) are timed by
+    :func:`codec_seconds` instead (:func:`overhead_seconds` picks).
 
     Args:
-      method: a :func:`jaxcomp.compress` method (not ``"auto"``).
+      method: a :mod:`jaxcomp.methods` object, or a name with its options in ``options``.
       params: the params pytree (arrays or ``jax.ShapeDtypeStruct``).
       repeats: timed runs after one warm-up; the fastest counts.
-      **options: the method's ``compress`` arguments (``ratio=``, ...).
+      **options: with a name, the method's options (``ratio=``, ...).
 
     Returns:
       Seconds per update, at least 0.
 
     Example:
       >>> import jax.numpy as jnp
-      >>> update_seconds("ar_topk", {"w": jnp.zeros((256, 256))}, ratio=0.01, repeats=1) >= 0
+      >>> from jaxcomp.methods import TopK
+      >>> update_seconds(TopK(0.01, collective="ar"), {"w": jnp.zeros((256, 256))}, repeats=1) >= 0
       True
 
     References:
       Agarwal et al., MLSys 2022, §3.1 (compression's compute counts in the step).
     """
+    method = methods.parse(method, **options)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     from jaxcomp.transform import compress  # the transformation is only needed when timing
 
-    mesh = jax.sharding.Mesh(np.array(jax.local_devices()).reshape(-1, 1), ("_device", "_local"))
+    axes = tuple(f"_local{i}" for i in range(method.axes_needed or 1))
+    mesh = jax.sharding.Mesh(np.array(jax.local_devices()).reshape(-1, *(1,) * len(axes)), ("_device",) + axes)
     rng = np.random.default_rng(0)
     replicated = NamedSharding(mesh, P())
     grads = jax.tree.map(lambda p: jax.device_put(rng.standard_normal(np.shape(p)).astype(np.float32), replicated),
                          params)
 
-    def time_update(method, options):
-        tx = compress(method, axis_name="_local", **options)
+    def time_update(m):
+        tx = compress(m, axis_name=axes if len(axes) > 1 else axes[0])
         state = jax.device_put(tx.init(grads), replicated)
 
         def update(g, state):
-            g = jax.lax.pcast(g, "_local", to="varying")
+            g = jax.lax.pcast(g, axes, to="varying")
             return tx.update(g, state)[0]
 
         run = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False))
-        jax.block_until_ready(run(grads, state))
-        best = math.inf
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(run(grads, state))
-            best = min(best, time.perf_counter() - start)
-        return best
+        return _best_seconds(lambda: run(grads, state), repeats)
 
-    return max(0.0, time_update(method, options) - time_update("dense", {}))
+    return max(0.0, time_update(method) - time_update(Dense()))
+
+
+def overhead_seconds(method: Method, params, *, mesh=None, axis_name: str | None = None, repeats: int = 3) -> float:
+    """The seconds of local work ``method`` adds to a step, measured the way the method asks.
+
+    0 for a method that sends everything; :func:`update_seconds` for one whose work is spread over
+    the update (:attr:`jaxcomp.methods.Method.timed_by_update`, e.g. top-k); else
+    :func:`codec_seconds` of its :meth:`jaxcomp.methods.Method.local_work` on every device of
+    ``mesh``'s ``axis_name`` at once. :meth:`jaxcomp.DataParallel.reprobe` gives these to
+    :func:`jaxcomp.compress_auto`.
+
+    Args:
+      method: a :mod:`jaxcomp.methods` object.
+      params: the params pytree (arrays or ``jax.ShapeDtypeStruct``).
+      mesh: the training mesh (for :func:`codec_seconds`), or None for the default device.
+      axis_name: the data-parallel axis of ``mesh``.
+      repeats: timed runs after one warm-up; the fastest counts.
+
+    Returns:
+      Seconds, at least 0.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp.methods import Dense
+      >>> overhead_seconds(Dense(), {"w": jnp.zeros(8)})
+      0.0
+
+    References:
+      Agarwal et al., MLSys 2022, §3.1 and App. C.
+    """
+    method = methods.parse(method)
+    if method.sends_everything:
+        return 0.0
+    if method.timed_by_update:
+        return update_seconds(method, params, repeats=repeats)
+    n_values = sum(math.prod(np.shape(p)) for p in jax.tree.leaves(params))
+    return codec_seconds(method, n_values, mesh=mesh, axis_name=axis_name, repeats=repeats)
 
 
 def clear_cache() -> None:
-    """Forgets every cached :func:`probe` and :func:`codec_seconds` result, so both measure again.
+    """Forgets every cached :func:`probe_network` and :func:`codec_seconds` result, so both measure again.
 
     Returns:
       None.
@@ -419,7 +423,14 @@ def _time_psum(mesh, axis_name, values_per_device, repeats):
     return float(np.median(times))
 
 
-def _agree_across_processes(seconds):
+def agree_across_processes(seconds):
+    """The largest of each value over the processes, identical on every process (the values
+    themselves in a single-process job). Call it from every process at once.
+
+    Example:
+      >>> agree_across_processes(np.array([0.5])).tolist()
+      [0.5]
+    """
     if jax.process_count() == 1:
         return seconds
     from jax.experimental import multihost_utils

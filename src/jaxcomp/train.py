@@ -24,18 +24,11 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp.collectives import _varying_axes
-from jaxcomp.probe import _agree_across_processes, codec_seconds, probe, update_seconds
-from jaxcomp.transform import (
-    _compress_states,
-    _host,
-    _keep_if_skipped,
-    auto_branches,
-    cost_method,
-    find_compress_state,
-    set_network,
-    skipped_update,
-)
+from jaxcomp._ffi import varying_axes
+from jaxcomp.auto import auto_branches, set_network
+from jaxcomp.nonfinite import keep_if_skipped, skipped_update
+from jaxcomp.probe import agree_across_processes, overhead_seconds, probe_network
+from jaxcomp.transform import compress_states, find_compress_state
 
 
 class TrainState(NamedTuple):
@@ -142,8 +135,8 @@ class DataParallel:
                 new_leaves, new_def = jax.tree.flatten(new_state)
                 if new_def != state_def:
                     raise ValueError(f"tx.update changed the optimizer state's structure: {state_def} -> {new_def}")
-                found["mask"] = tuple(bool(set(self._axes) & _varying_axes(x)) for x in new_leaves)
-                found["updates"] = any(set(self._axes) & _varying_axes(u) for u in jax.tree.leaves(updates))
+                found["mask"] = tuple(bool(set(self._axes) & varying_axes(x)) for x in new_leaves)
+                found["updates"] = any(set(self._axes) & varying_axes(u) for u in jax.tree.leaves(updates))
                 return jnp.zeros(())
 
             specs = [P(self.axis_name) if per_device else P() for per_device in mask]
@@ -238,8 +231,8 @@ class DataParallel:
 
         state = jax.jit(build, out_shardings=self.state_sharding(params))(params)
         if self._probe_axis() is not None and any(
-                s.auto is not None and not np.all(np.isfinite(_host(s.auto.network)))
-                for s in _compress_states(state.opt_state)):
+                s.auto is not None and not np.all(np.isfinite(np.asarray(_local_copy(s.auto.network))))
+                for s in compress_states(state.opt_state)):
             state = self.reprobe(state)
         return state
 
@@ -248,29 +241,29 @@ class DataParallel:
         return next((a for a in self._axes if self.mesh.shape[a] > 1), None)
 
     def reprobe(self, state: TrainState, *, codec: bool = True, **probe_options) -> TrainState:
-        """Measures the network (and encode/decode times) again and hands them to ``compress("auto")``.
+        """Measures the network (and each branch's local work) again and hands them to ``compress_auto``.
 
-        :meth:`init` calls it when a ``compress("auto")`` has no ``network=``. Call it from every
+        :meth:`init` calls it when a :func:`jaxcomp.compress_auto` has no ``network=``. Call it from every
         process, between steps, as often as the network may change (say every few hundred
-        steps); ``"auto"`` re-decides at its next step when latency or bandwidth moved by 10% or
+        steps); ``compress_auto`` re-decides at its next step when latency or bandwidth moved by 10% or
         more. The first axis of ``axis_name`` with 2 or more devices is probed (the slow one
         for ``("node", "device")``); with a single device :meth:`init` does not probe.
 
         Args:
           state: the :class:`TrainState`.
-          codec: also time each branch's encode + decode on every device at once
-            (:func:`jaxcomp.probe.codec_seconds`, the slowest process's time counts) so that
-            compute enters the choice, as in paper 002's model; ``"dense"`` counts 0.
-          **probe_options: passed to :func:`jaxcomp.probe` (``sizes``, ``repeats``); it always
-            measures anew (``cache=False``).
+          codec: also time each branch's local work as the method asks
+            (:func:`jaxcomp.probe.overhead_seconds`, on every device at once; the slowest
+            process's time counts) so that compute enters the choice, as in paper 002's model.
+          **probe_options: passed to :func:`jaxcomp.probe_network` (``sizes``, ``repeats``); it
+            always measures anew (``cache=False``).
 
         Returns:
-          The state with the new network in every ``compress("auto")`` state.
+          The state with the new network in every ``compress_auto`` state.
 
         Example:
           >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
           >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-          >>> tx = optax.chain(jaxcomp.compress("auto", ratio=0.01), optax.sgd(0.1))
+          >>> tx = optax.chain(jaxcomp.compress_auto([jaxcomp.Dense(), jaxcomp.TopK(0.01)]), optax.sgd(0.1))
           >>> dp = jaxcomp.data_parallel(lambda w, b: jnp.sum(w * b), tx, mesh)
           >>> state = dp.reprobe(dp.init(jnp.zeros(4)), codec=False)
           >>> bool(jaxcomp.find_compress_state(state.opt_state).auto.network[1] > 0)
@@ -282,41 +275,25 @@ class DataParallel:
         """
         branches = auto_branches(state.opt_state)
         if not branches:
-            raise ValueError("tx holds no compress('auto'): there is nothing to reprobe for")
+            raise ValueError("tx holds no compress_auto (compress('auto')): there is nothing to reprobe for")
         axis = self._probe_axis()
         if axis is None:
             raise ValueError(f"every axis of {self.axis_name!r} has 1 device: no network to probe (nothing "
-                             "crosses one; compress('auto') runs its first candidate)")
-        network = probe(self.mesh, axis, cache=False, **probe_options)
+                             "crosses one; compress_auto runs its first candidate)")
+        network = probe_network(self.mesh, axis, cache=False, **probe_options)
         overhead = None
         if codec:
-            n_values = sum(int(np.prod(np.shape(p))) for p in jax.tree.leaves(state.params)
-                           if jnp.issubdtype(jnp.result_type(p), jnp.floating))
-            seconds = {}
-            for method, setting in sorted({b for group in branches for b in group}, key=str):
-                seconds[method, setting] = self._codec_seconds(method, setting, n_values, state.params)
+            shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.float32),
+                                  [p for p in jax.tree.leaves(state.params)
+                                   if jnp.issubdtype(jnp.result_type(p), jnp.floating)])
+            unique = list(dict.fromkeys(m for group in branches for m in group))
+            seconds = [overhead_seconds(m, shapes, mesh=self.mesh, axis_name=axis) for m in unique]
             # Every process must take the same branch: all of them use the slowest one's times.
-            keys = list(seconds)
-            agreed = _agree_across_processes(np.array([seconds[k] for k in keys]))
-            agreed = dict(zip(keys, (float(s) for s in agreed)))
-
-            def overhead(method, setting):
-                return agreed[method, setting]
+            agreed = dict(zip(unique, (float(s) for s in agree_across_processes(np.array(seconds)))))
+            overhead = agreed.__getitem__
         opt_state = set_network(state.opt_state, network, overhead)
         return jax.jit(lambda s: s, out_shardings=self.state_sharding(state.params))(
             state._replace(opt_state=opt_state))
-
-    def _codec_seconds(self, method, setting, n_values, params):
-        if method == "dense":
-            return 0.0
-        if method in ("zfp", "quantized", "hierarchical_topk"):  # codecs that need 2+ devices or 2 axes
-            options = {"zfp": {"rate": setting}, "quantized": {"bits": setting}}[method]
-            return codec_seconds(cost_method(method), n_values, mesh=self.mesh, axis_name=self._probe_axis(),
-                                 **options)
-        # Top-k: the whole update's local work (concatenation, selection, scatters, error
-        # feedback), which the selection kernel alone underestimates several times over.
-        return update_seconds(method, jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.float32),
-                                                   params), ratio=setting)
 
     def _check_nonfinite(self, args, metrics):
         """``compress(nonfinite="raise")``: a step whose gradients held NaN or Inf raises here."""
@@ -377,8 +354,8 @@ class DataParallel:
             if skipped is not None:
                 # compress(nonfinite="skip"/"raise") skipped its part; the rest of the chain keeps
                 # its state too, and the params stay bit for bit (p + 0 would turn -0.0 into +0.0).
-                new_opt_state = _keep_if_skipped(skipped, opt_state, new_opt_state)
-            self._raises_on_nonfinite = any(s.policy.name == "raise" for s in _compress_states(new_opt_state))
+                new_opt_state = keep_if_skipped(skipped, opt_state, new_opt_state)
+            self._raises_on_nonfinite = any(s.policy.name == "raise" for s in compress_states(new_opt_state))
             params = optax.apply_updates(state.params, updates)
             if skipped is not None:
                 params = jax.tree.map(lambda old, new: jnp.where(skipped, old, new), state.params, params)

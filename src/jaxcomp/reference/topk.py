@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp.topk import _check_k, _check_rounds
+from jaxcomp.selection import _check_k, _check_rounds
 
 #: Every magnitude key is below this, so it is the bisection's first upper bound.
 _KEY_END = 2**31

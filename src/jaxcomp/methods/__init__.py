@@ -1,0 +1,140 @@
+"""Compression methods: one object per method, owning everything about it.
+
+============================  ===================================================================
+:class:`Dense`                the plain all-reduce (``jax.lax.psum``)
+:class:`TopK`                 top-k sparsification: ``collective="allgather" | "ar" | "hierarchical"``
+:class:`Zfp`                  ZFP fixed-rate compression in a ring (or recursive-doubling) all-reduce
+:class:`Quantized`            THC homomorphic quantization, one integer all-reduce
+============================  ===================================================================
+
+Every method is a :class:`Method` (the protocol, in :mod:`jaxcomp.methods.base`); a method defined
+outside jaxcomp works in :func:`jaxcomp.compress`, :func:`jaxcomp.compress_auto`, the cost model
+and ``jaxcomp advise`` alike. :data:`SHORTHAND` is the one table of method names: it lets
+``jaxcomp.compress("ar_topk", ratio=0.01)`` and the command lines name a method by string.
+Importing this package loads no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from jaxcomp.methods.base import Method
+from jaxcomp.methods.dense import Dense
+from jaxcomp.methods.quantized import Quantized
+from jaxcomp.methods.topk import TopK
+from jaxcomp.methods.zfp import Zfp
+
+#: Method names for :func:`parse`: each builds a method from its options (``ratio=``, ``rate=``,
+#: ...). The ``*_ring`` names are the cost model's former names of the same methods.
+SHORTHAND = {
+    "dense": Dense,
+    "dense_ring": Dense,
+    "dense_tree": functools.partial(Dense, allreduce="tree"),
+    "allgather_topk": functools.partial(TopK, collective="allgather"),
+    "ar_topk": functools.partial(TopK, collective="ar"),
+    "ar_topk_ring": functools.partial(TopK, collective="ar"),
+    "ar_topk_tree": functools.partial(TopK, collective="ar", allreduce="tree"),
+    "hierarchical_topk": functools.partial(TopK, collective="hierarchical"),
+    "zfp": Zfp,
+    "zfp_ring": Zfp,
+    "zfp_recursive_doubling": functools.partial(Zfp, algorithm="recursive_doubling"),
+    "quantized": Quantized,
+}
+
+#: What each option of the string form means, for error messages.
+_OPTION_HELP = {"ratio": "ratio= (fraction of entries kept, e.g. 0.01) or k= (entries kept)",
+                "rate": "rate= (bits per value, an integer in [1, 32], e.g. 8)",
+                "bits": "bits= (bits per value, an integer in [1, 16], e.g. 8)"}
+
+
+def parse(method, *, strict: bool = True, **options) -> Method:
+    """A :class:`Method` from a name in :data:`SHORTHAND` and its options, or ``method`` itself.
+
+    Options that are ``None`` count as not given, so callers can pass their keyword arguments
+    through.
+
+    Args:
+      method: a :class:`Method`, or a name such as ``"ar_topk"``, ``"zfp"``, ``"dense_tree"``.
+      strict: refuse options the named method does not take (default); with False they are
+        dropped, so one set of options can serve several names (the cost model's ``ratio=``).
+      **options: the method's constructor arguments (``ratio=``, ``k=``, ``rate=``, ``bits=``,
+        ``leader=``, ``selector=``, ``algorithm=``, ``hadamard=``, ``allreduce=``).
+
+    Returns:
+      The method object.
+
+    Example:
+      >>> from jaxcomp import methods
+      >>> methods.parse("ar_topk", ratio=0.01)
+      TopK(ratio=0.01, k=None, collective='ar', selector='exact', leader='star', allreduce='ring')
+      >>> methods.parse(methods.Zfp(8)) == methods.Zfp(8)
+      True
+    """
+    options = {name: value for name, value in options.items() if value is not None}
+    if isinstance(method, Method):
+        if options and strict:
+            raise ValueError(f"{', '.join(f'{name}=' for name in options)} goes with a method name; a method "
+                             f"object carries its own settings: {method!r}")
+        return method
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a jaxcomp.methods.Method or one of {tuple(SHORTHAND)}, got "
+                        f"{type(method).__name__}")
+    if method not in SHORTHAND:
+        raise ValueError(f"method must be a jaxcomp.methods.Method or one of {tuple(SHORTHAND)}, got {method!r}")
+    build = SHORTHAND[method]
+    cls = build.func if isinstance(build, functools.partial) else build
+    fixed = build.keywords if isinstance(build, functools.partial) else {}
+    accepted = {field.name for field in dataclasses.fields(cls)} - set(fixed)
+    extra = sorted(set(options) - accepted)
+    if not strict:
+        options = {name: value for name, value in options.items() if name in accepted}
+    elif extra:
+        wanted = " or ".join(f"{name}=" for name in sorted(accepted)) or "nothing else"
+        raise ValueError(f"method {method!r} takes {wanted}; remove {', '.join(f'{name}=' for name in extra)}")
+    try:
+        return build(**options)
+    except TypeError as e:
+        if "missing" not in str(e):
+            raise
+        needed = [name for name in ("rate", "bits") if name in accepted and name not in options]
+        raise ValueError(f"method {method!r} needs {_OPTION_HELP[needed[0]]}") from None
+    except ValueError as e:
+        if "exactly one of ratio" in str(e):
+            raise ValueError(f"method {method!r} needs exactly one of {_OPTION_HELP['ratio']}, got "
+                             f"ratio={options.get('ratio')!r}, k={options.get('k')!r}") from None
+        raise
+
+
+def candidates(*, ratio=None, rate=None, bits=None, hierarchical: bool = False,
+               variants: bool = False) -> tuple[Method, ...]:
+    """The methods the given settings allow, dense first: what ``compress_auto`` and ``advise`` try
+    by default.
+
+    Args:
+      ratio: density of the top-k methods (all-gather and AR-Topk), or None to leave them out.
+      rate: ZFP bits per value, or None to leave ZFP out.
+      bits: THC code width, or None to leave it out.
+      hierarchical: also hierarchical top-k (needs two mesh axes; with ``ratio``).
+      variants: also the cost model's variants: tree all-reduces and ZFP's recursive doubling.
+
+    Returns:
+      A tuple of methods.
+
+    Example:
+      >>> [m.describe() for m in candidates(ratio=0.01, rate=8)]
+      ['dense', 'allgather_topk(0.01)', 'ar_topk(0.01)', 'zfp(8)']
+    """
+    out = [Dense()] + ([Dense(allreduce="tree")] if variants else [])
+    if ratio is not None:
+        out += [TopK(ratio, collective="allgather"), TopK(ratio, collective="ar")]
+        out += [TopK(ratio, collective="ar", allreduce="tree")] if variants else []
+        out += [TopK(ratio, collective="hierarchical")] if hierarchical else []
+    if rate is not None:
+        out += [Zfp(rate)] + ([Zfp(rate, algorithm="recursive_doubling")] if variants else [])
+    if bits is not None:
+        out.append(Quantized(bits))
+    return tuple(out)
+
+
+__all__ = ["Dense", "Method", "Quantized", "SHORTHAND", "TopK", "Zfp", "candidates", "parse"]

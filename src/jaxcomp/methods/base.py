@@ -1,0 +1,184 @@
+"""The protocol every compression method follows: one object that owns everything about a method.
+
+A method is a frozen (hashable, comparable) dataclass. It validates its own settings at
+construction, naming the argument in the error, and answers every question the rest of jaxcomp
+asks about it:
+
+========================  ==========================================================================
+inside ``shard_map``      :meth:`Method.aggregate`: ``(total, sent)`` of one device's 1-D vector;
+                          :meth:`Method.kept`: how many values it sends of ``n``
+the cost model            :meth:`Method.wire_bytes` (bytes one device sends) and
+                          :meth:`Method.message_steps` (sequential messages, the α term)
+timing its local work     :meth:`Method.local_work` (a function of one device's vector, with the
+                          collectives taken out) and :attr:`Method.timed_by_update`
+tables and metrics        :attr:`Method.label`, :attr:`Method.setting`, :meth:`Method.describe`
+========================  ==========================================================================
+
+:func:`jaxcomp.compress`, :func:`jaxcomp.compress_auto`, :mod:`jaxcomp.cost`, :mod:`jaxcomp.probe`,
+``jaxcomp advise``, the demo and the benchmarks only ever call these; none of them knows a method
+by name. To add a method, subclass :class:`Method` in a file of its own (see ``docs/methods.md``);
+it then works everywhere, also when it is defined outside jaxcomp.
+
+This module loads no JAX: the cost model and the advisor's command line stay cheap to import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, ClassVar
+
+from jaxcomp import _checks
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """Base class of a compression method (subclass it as a ``@dataclasses.dataclass(frozen=True)``).
+
+    Class attributes a subclass may override:
+
+    * ``name``: the short name in tables and metrics (:attr:`label` adds variants to it).
+    * ``axes_needed``: mesh axes the method reduces over, in order (``None``: any number, reduced
+      over all of them; ``2``: exactly ``(outer, inner)``, as hierarchical top-k needs).
+    * ``sends_everything``: the method loses nothing (no residual to keep, gain 1, no codec).
+    * ``sparse``: :meth:`aggregate` can return ``sent`` as ``(indices, values)`` pairs, so error
+      feedback takes them off in place instead of subtracting a dense vector.
+    * ``replicated_total``: ``total`` comes out typed replicated (invariant) inside ``shard_map``;
+      :func:`jaxcomp.compress_auto` needs this of every candidate, since its branches must agree.
+    * ``timed_by_update``: the method's local work is spread over the update (selection, in-place
+      error feedback), so its overhead is measured by timing the whole update on one device
+      (:func:`jaxcomp.probe.update_seconds`) rather than :meth:`local_work` alone.
+
+    Example:
+      >>> import dataclasses
+      >>> from jaxcomp.methods import Method
+      >>> @dataclasses.dataclass(frozen=True)
+      ... class Sum(Method):  # the plain all-reduce, written from scratch
+      ...     name = "sum"
+      ...     sends_everything = True
+      ...     def aggregate(self, x, axis_name, *, step, key, sparse=False):
+      ...         import jax
+      ...         return jax.lax.psum(x, axis_name), x
+      ...     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
+      ...         return 2.0 * (n_devices - 1) / n_devices * n * dtype_bytes
+      ...     def message_steps(self, n_devices, *, inner_size=None):
+      ...         return 2 * (n_devices - 1)
+      >>> Sum().wire_bytes(1000, 8), Sum().label
+      (7000.0, 'sum')
+    """
+
+    name: ClassVar[str] = "method"
+    axes_needed: ClassVar[int | None] = None
+    sends_everything: ClassVar[bool] = False
+    sparse: ClassVar[bool] = False
+    replicated_total: ClassVar[bool] = True
+    timed_by_update: ClassVar[bool] = False
+
+    # ---- identity -------------------------------------------------------------------------------
+
+    @property
+    def label(self) -> str:
+        """The method's name in tables and metrics, with its variant (e.g. ``"ar_topk_tree"``)."""
+        return self.name
+
+    @property
+    def setting(self) -> float | int | None:
+        """The one number that sizes the message (a ratio, rate or bits), or None."""
+        return None
+
+    def describe(self) -> str:
+        """``label`` with ``setting``, e.g. ``"ar_topk(0.01)"``; what tables print."""
+        return self.label if self.setting is None else f"{self.label}({self.setting:g})"
+
+    def with_ratio(self, ratio: float) -> "Method | None":
+        """This method sending a fraction ``ratio`` of the values, or None when it has no such knob
+        (:func:`jaxcomp.compress_auto`'s ratio search uses it)."""
+        return None
+
+    # ---- inside shard_map -----------------------------------------------------------------------
+
+    def check_axes(self, axes: tuple[str, ...]) -> None:
+        """Raises a ValueError naming ``axis_name`` when the method cannot reduce over ``axes``."""
+        if self.axes_needed is not None and len(axes) != self.axes_needed:
+            how = ("axis_name=(outer, inner), e.g. ('node', 'device'): the slow axis between nodes first, the "
+                   "fast one inside a node" if self.axes_needed == 2 else f"{self.axes_needed} axes in order")
+            raise ValueError(f"method {self.describe()} needs {how}; got axis_name="
+                             f"{axes if len(axes) > 1 else axes[0]!r}")
+
+    def kept(self, n: int) -> int:
+        """Values of an ``n``-vector whose content is sent (the ``density`` metric's numerator)."""
+        return n
+
+    def aggregate(self, x, axis_name, *, step, key, sparse: bool = False) -> tuple[Any, Any]:
+        """Aggregates this device's 1-D vector ``x`` inside ``shard_map``: ``(total, sent)``.
+
+        Args:
+          x: this device's local 1-D vector (float32, or the gradients' 16-bit float).
+          axis_name: the mesh axis, or the tuple of axes, to sum over.
+          step: the training step (an int32 scalar, replicated).
+          key: a ``jax.random`` key for this step and vector, replicated.
+          sparse: with :attr:`sparse`, return ``sent`` as ``(indices, values)``.
+
+        Returns:
+          ``total``, the sum over the devices, identical on every device (typed replicated when
+          :attr:`replicated_total`), and ``sent``, this device's contribution as the sum saw it, so
+          that ``x - sent`` is what error feedback keeps.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement aggregate")
+
+    # ---- the cost model -------------------------------------------------------------------------
+
+    def wire_bytes(self, n: int, n_devices: int, *, dtype_bytes: int = 4, inner_size: int | None = None) -> float:
+        """Bytes one device sends to aggregate ``n`` values over ``n_devices`` (its busiest path).
+
+        ``inner_size`` is the number of devices of the last (fastest) axis when the method reduces
+        over two axes; methods that ignore the topology ignore it."""
+        raise NotImplementedError(f"{type(self).__name__} must implement wire_bytes")
+
+    def message_steps(self, n_devices: int, *, inner_size: int | None = None) -> int:
+        """Sequential message steps over ``n_devices``: what the α-β model multiplies α by."""
+        raise NotImplementedError(f"{type(self).__name__} must implement message_steps")
+
+    # ---- timing ---------------------------------------------------------------------------------
+
+    def local_work(self, n_values: int, n_devices: int) -> Callable | None:
+        """A function of one device's 1-D float32 vector that does this method's local work (its
+        codec) with the collectives taken out, for timing; None when it has none."""
+        return None
+
+
+def check_flag(value, name: str) -> bool:
+    """``value`` as a bool, or a TypeError naming ``name``.
+
+    Example:
+      >>> check_flag(True, "hadamard")
+      True
+    """
+    if not isinstance(value, bool) and type(value).__name__ != "bool_":
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def check_devices(n_devices, inner_size=None) -> int:
+    """``n_devices`` as an int >= 1 (and ``inner_size``, when given, dividing it), naming the argument.
+
+    Example:
+      >>> check_devices(8, 4)
+      8
+    """
+    n = _checks.static_int(n_devices, "n_devices", 1)
+    if inner_size is not None:
+        inner = _checks.static_int(inner_size, "inner_size", 1, n)
+        if n % inner:
+            raise ValueError(f"inner_size ({inner}) must divide n_devices ({n})")
+    return n
+
+
+def check_message(n, dtype_bytes) -> tuple[int, int]:
+    """``(n, dtype_bytes)`` validated: values in ``[1, 2**31 - 1]``, bytes per value in ``[1, 8]``.
+
+    Example:
+      >>> check_message(1000, 4)
+      (1000, 4)
+    """
+    return (_checks.static_int(n, "n", 1, _checks.MAX_ROW_LENGTH),
+            _checks.static_int(dtype_bytes, "dtype_bytes", 1, 8))

@@ -1,0 +1,175 @@
+"""``TopK``: top-k sparsification, aggregated by all-gather, AR-Topk or hierarchically."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxcomp import _checks, layout
+from jaxcomp.methods.base import Method, check_devices, check_message
+from jaxcomp.methods.dense import ALLREDUCE_ALGORITHMS
+
+#: How the selected values travel (:mod:`jaxcomp.collectives`): ``allgather_topk``, ``ar_topk``
+#: or ``hierarchical_topk``.
+COLLECTIVES = ("allgather", "ar", "hierarchical")
+
+#: Top-k selectors: exact :func:`jaxcomp.topk` or MSTopK :func:`jaxcomp.threshold_topk`.
+SELECTORS = ("exact", "threshold")
+
+#: AR-Topk leader rules: round-robin by step (STAR) or largest local top-k norm (VAR).
+LEADERS = ("star", "var")
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK(Method):
+    """Top-k sparsification: each device sends its ``k`` largest-magnitude values (and indices).
+
+    Args:
+      ratio: fraction of the values sent, in ``(0, 1]``: ``k = max(1, round(ratio * n))``.
+      k: number of values sent (per group: the model, or each leaf with
+        ``compress(..., granularity="leaf")``); give exactly one of ``ratio`` and ``k``.
+      collective: how they are aggregated: ``"allgather"`` (default; every device gathers every
+        device's pairs, :func:`jaxcomp.collectives.allgather_topk`), ``"ar"`` (AR-Topk: one
+        leader's indices, then one all-reduce of the values, :func:`jaxcomp.collectives.ar_topk`)
+        or ``"hierarchical"`` (HiTopKComm on ``axis_name=(outer, inner)``,
+        :func:`jaxcomp.collectives.hierarchical_topk`).
+      selector: ``"exact"`` (default, :func:`jaxcomp.topk`) or ``"threshold"`` (MSTopK,
+        :func:`jaxcomp.threshold_topk`).
+      leader: ``collective="ar"`` only: ``"star"`` (round-robin by step, default) or ``"var"``
+        (the device with the largest local top-k norm).
+      allreduce: ``collective="ar"`` only: how the cost model costs its two all-reduces,
+        ``"ring"`` (default) or ``"tree"``.
+
+    Example:
+      >>> from jaxcomp.methods import TopK
+      >>> TopK(0.01, collective="ar").describe(), TopK(0.01).wire_bytes(1000, 8)
+      ('ar_topk(0.01)', 560.0)
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493 (AR-Topk, STAR/VAR, Table I, Eqn 4a/4b); Shi et al.,
+      MLSys 2021, §3.1-3.2 (MSTopK, HiTopKComm).
+    """
+
+    ratio: float | None = None
+    k: int | None = None
+    collective: str = "allgather"
+    selector: str = "exact"
+    leader: str = "star"
+    allreduce: str = "ring"
+
+    sparse = True
+    timed_by_update = True
+
+    def __post_init__(self):
+        if (self.ratio is None) == (self.k is None):
+            raise ValueError(f"TopK needs exactly one of ratio= (fraction of entries kept, e.g. 0.01) or k= "
+                             f"(entries kept), got ratio={self.ratio!r}, k={self.k!r}")
+        if self.ratio is not None:
+            object.__setattr__(self, "ratio", layout.check_ratio(self.ratio))
+        else:
+            object.__setattr__(self, "k", _checks.static_int(self.k, "k", 1, _checks.MAX_ROW_LENGTH))
+        layout.check_choice(self.collective, "collective", COLLECTIVES)
+        layout.check_choice(self.selector, "selector", SELECTORS)
+        layout.check_choice(self.leader, "leader", LEADERS)
+        layout.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
+        for option, default in (("leader", "star"), ("allreduce", "ring")):
+            if getattr(self, option) != default and self.collective != "ar":
+                raise ValueError(f"{option}= applies to collective='ar' only, not {self.collective!r}; remove it")
+
+    @property
+    def axes_needed(self):
+        return 2 if self.collective == "hierarchical" else None
+
+    @property
+    def name(self):
+        return f"{self.collective}_topk"
+
+    @property
+    def label(self):
+        return self.name if self.allreduce == "ring" else f"{self.name}_{self.allreduce}"
+
+    @property
+    def setting(self):
+        return self.ratio if self.ratio is not None else self.k
+
+    def with_ratio(self, ratio):
+        return dataclasses.replace(self, ratio=ratio, k=None)
+
+    def kept(self, n):
+        if self.ratio is not None:
+            return layout.resolve_k(n, None, self.ratio)
+        if self.k > n:
+            raise ValueError(f"k={self.k} exceeds the {n} gradient entries it is taken from; pass a smaller k or "
+                             "ratio=")
+        return self.k
+
+    def aggregate(self, x, axis_name, *, step, key, sparse=False):
+        from jaxcomp import collectives
+
+        k = self.kept(x.shape[0])
+        if self.collective == "allgather":
+            return collectives.allgather_topk(x, k, axis_name, selector=self.selector, sparse_sent=sparse)
+        if self.collective == "ar":
+            return collectives.ar_topk(x, k, axis_name, leader=self.leader, step=step, selector=self.selector,
+                                       sparse_sent=sparse)
+        outer, inner = axis_name
+        return collectives.hierarchical_topk(x, k, inner, outer, selector=self.selector, sparse_sent=sparse)
+
+    def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
+        """Bytes per device (``N = n_devices``, ``d = dtype_bytes``, indices 4 bytes):
+
+        * ``"allgather"``: an all-gather of ``k`` values and ``k`` indices, ``(N-1) k (d+4)``.
+        * ``"ar"``: an all-reduce of ``k`` leader-masked int32 indices, then one of ``k`` values,
+          both costed as ``allreduce``; VAR adds the all-gather of one float32 norm per device.
+        * ``"hierarchical"`` (``I = inner_size``, ``O = N / I``, ``s = ceil(n/I)``,
+          ``k_s = ceil(k/I)``): ring reduce-scatter in the node ``(I-1) s d``, all-gather of
+          ``k_s`` pairs across nodes ``(O-1) k_s (d+4)``, and of ``O k_s`` pairs in the node
+          ``(I-1) O k_s (d+4)``.
+        """
+        n, dtype_bytes = check_message(n, dtype_bytes)
+        N = check_devices(n_devices, inner_size)
+        k = self.kept(n)
+        pair = dtype_bytes + layout.INDEX_BYTES
+        if self.collective == "allgather":
+            return float((N - 1) * k * pair)
+        if self.collective == "ar":
+            if N == 1:
+                return 0.0
+            total = (layout.allreduce_bytes(k * layout.INDEX_BYTES, N, self.allreduce)
+                     + layout.allreduce_bytes(k * dtype_bytes, N, self.allreduce))
+            return total + ((N - 1) * layout.SCALAR_BYTES if self.leader == "var" else 0.0)
+        inner = self._inner(N, inner_size)
+        outer = N // inner
+        shard, k_shard = layout.hierarchical_shard(n, k, inner)
+        return float((inner - 1) * shard * dtype_bytes + (outer - 1) * k_shard * pair
+                     + (inner - 1) * outer * k_shard * pair)
+
+    def message_steps(self, n_devices, *, inner_size=None):
+        """``"allgather"``: ``ceil(log2 N)`` (recursive doubling); ``"ar"``: two all-reduces
+        (``4(N-1)`` as rings, ``4 ceil(log2 N)`` as trees); ``"hierarchical"``:
+        ``(I-1) + ceil(log2(N/I)) + ceil(log2 I)``."""
+        N = check_devices(n_devices, inner_size)
+        if N == 1:
+            return 0
+        if self.collective == "allgather":
+            return layout.log2_steps(N)
+        if self.collective == "ar":
+            return 2 * layout.allreduce_steps(N, self.allreduce)
+        inner = self._inner(N, inner_size)
+        return (inner - 1) + layout.log2_steps(N // inner) + layout.log2_steps(inner)
+
+    def _inner(self, n_devices, inner_size):
+        if inner_size is None:
+            raise ValueError(f"inner_size (devices per node) is required for {self.label}")
+        return inner_size
+
+    def local_work(self, n_values, n_devices):
+        from jaxcomp.selection import threshold_topk, topk
+
+        k = self.kept(n_values)
+        select = topk if self.selector == "exact" else threshold_topk
+
+        def codec(x):
+            values, indices = select(x, k)
+            return x.at[indices].add(-values)  # the selection and the in-place error feedback
+
+        return codec
