@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from helpers import need_devices
-from jaxcomp import adaptive, cost, probe
+from jaxcomp import _checks, adaptive, cost, probe
 from jaxcomp.methods import Dense, TopK
 
 SLOW = cost.Network.parse("1ms", "1gbit")
@@ -202,7 +202,7 @@ class _Controller:
 
     def __init__(self, network=None, ratio_range=adaptive.DEFAULT_RATIO_RANGE, explore_steps=10, base_seconds=0.0):
         self.ratios = adaptive.candidate_ratios(ratio_range)
-        self.explore_steps = adaptive.check_explore_steps(explore_steps)
+        self.explore_steps = _checks.check_explore_steps(explore_steps)
         self.network = network
         self.state = adaptive.ratio_init(len(self.ratios), self.explore_steps)
         self._observe = jax.jit(lambda *a: adaptive.ratio_observe(*a, base_seconds=base_seconds))
@@ -286,7 +286,7 @@ def test_controller_uses_measured_times_without_a_network():
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda: adaptive.check_explore_steps(0), "explore_steps"),
+    (lambda: _checks.check_explore_steps(0), "explore_steps"),
     (lambda: adaptive.candidate_ratios((0.5, 0.1)), "ratio_range"),
     (lambda: adaptive.candidate_ratios((0.001, 0.1), factor=1.0), "factor"),
 ])

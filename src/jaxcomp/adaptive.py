@@ -98,7 +98,7 @@ def gain_from_energies(kept, total):
       A float32 scalar.
 
     Example:
-      >>> float(gain_from_energies(9.0, 25.0)), float(gain_from_energies(0.0, 0.0))
+      >>> round(float(gain_from_energies(9.0, 25.0)), 6), float(gain_from_energies(0.0, 0.0))
       (0.36, 1.0)
 
     References:
@@ -171,6 +171,15 @@ def moved(old, new, tolerance, xp=np):
     is symmetric under ``b -> 1/b``), so (α, β) pairs compare as (α, bandwidth) would. Runs on
     numpy (``xp=np``) and inside a step (``xp=jnp``).
 
+    Args:
+      old: the values decided with (numpy or jnp array).
+      new: the values measured now, same shape.
+      tolerance: relative change that counts.
+      xp: ``np`` on the host, ``jnp`` inside a step.
+
+    Returns:
+      A boolean array, True where the value moved.
+
     Example:
       >>> import numpy as np
       >>> moved(np.array([1e-3, 8e-9]), np.array([1e-3, 1e-8]), 0.1).tolist()  # 10 -> 8 Gbit/s
@@ -228,10 +237,21 @@ def ratio_init(n_candidates: int, explore_steps: int) -> RatioState:
 def where_tree(condition, a, b):
     """``a`` where ``condition`` holds, else ``b``, leaf by leaf over two pytrees of one structure.
 
+    Args:
+      condition: a boolean scalar (traced or not).
+      a: the pytree taken where it holds.
+      b: the pytree taken elsewhere, same structure.
+
+    Returns:
+      The selected pytree.
+
     Example:
       >>> import jax.numpy as jnp
       >>> where_tree(jnp.bool_(True), (jnp.ones(2),), (jnp.zeros(2),))[0].tolist()
       [1.0, 1.0]
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-E (the controller's state machine, in jnp).
     """
     return jax.tree.map(lambda x, y: jnp.where(condition, x, y), a, b)
 
@@ -344,18 +364,6 @@ def ratio_redecide(state: RatioState, predicted_sync, *, base_seconds: float = 0
     cleared = state._replace(sync_sum=jnp.zeros_like(state.sync_sum), sync_count=jnp.zeros_like(state.sync_count))
     decided = _decide(cleared, jnp.asarray(predicted_sync, jnp.float32), base_seconds, flat_tolerance)
     return where_tree(state.exploring, cleared, decided)
-
-
-def check_explore_steps(explore_steps) -> int:
-    """Validates ``explore_steps`` (an integer >= 1) and returns it.
-
-    Example:
-      >>> check_explore_steps(10)
-      10
-    """
-    if isinstance(explore_steps, bool) or not isinstance(explore_steps, (int, np.integer)) or explore_steps < 1:
-        raise ValueError(f"explore_steps must be an integer >= 1, got {explore_steps!r}")
-    return int(explore_steps)
 
 
 def _check_range(ratio_range):

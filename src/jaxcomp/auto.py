@@ -66,7 +66,7 @@ class RatioSearch:
     def __post_init__(self):
         object.__setattr__(self, "ratio_range", tuple(self.ratio_range) if isinstance(self.ratio_range, (list, tuple))
                            else self.ratio_range)
-        object.__setattr__(self, "explore_steps", adaptive.check_explore_steps(self.explore_steps))
+        object.__setattr__(self, "explore_steps", _checks.check_explore_steps(self.explore_steps))
         self.ratios  # validates the range and the factor
 
     @property
@@ -312,6 +312,9 @@ def compress_auto_shorthand(*, candidates=None, ratio=None, k=None, rate=None, b
       >>> state = jaxcomp.compress("auto", ratio=0.01).init({})
       >>> [m.describe() for m in state.methods]
       ['dense', 'allgather_topk(0.01)', 'ar_topk(0.01)']
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-D and §3-E.
     """
     if k is not None:
         raise ValueError("method 'auto' sizes top-k by ratio= (its cost model is per ratio); pass ratio= instead of k=")

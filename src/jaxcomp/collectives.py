@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp import _checks, _ffi, layout, thc
-from jaxcomp.layout import check_choice as _check_choice
+from jaxcomp._checks import check_choice as _check_choice
 from jaxcomp.selection import threshold_topk, topk
 from jaxcomp.zfp import zfp_decode, zfp_encode
 
@@ -410,7 +410,7 @@ def zfp_allreduce(x, rate, axis_name, algorithm="ring"):
       Alg. 1-2; Lindstrom, IEEE TVCG 2014 (zfp fixed-rate mode).
     """
     x = _local_vector(x)
-    rate = layout.check_rate(rate)
+    rate = _checks.check_rate(rate)
     algorithm = _check_choice(algorithm, "algorithm", ZFP_ALGORITHMS)
     n_devices = _axis_size(axis_name)
     if n_devices == 1:
@@ -528,11 +528,11 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True):
       Compression", NSDI 2024.
     """
     x = _local_vector(x)
-    bits = layout.check_bits(bits)
+    bits = _checks.check_bits(bits)
     if not isinstance(hadamard, (bool, np.bool_)):
         raise TypeError(f"hadamard must be a bool, got {hadamard!r}")
     n_devices = _axis_size(axis_name)
-    key = thc.check_key(key, axis_name)
+    key = _checks.check_key(key, axis_name)
     if n_devices == 1:
         return x, x
     return thc.thc_aggregate(x, bits, key, hadamard, n_devices, jax.lax.axis_index(axis_name),

@@ -417,9 +417,18 @@ def available_methods(*, ratio=None, rate=None, bits=None, inner_size=None) -> t
 def cheapest(seconds) -> int:
     """The index of the least time; ties go to the earlier candidate (as ``argmin`` does).
 
+    Args:
+      seconds: predicted seconds per candidate.
+
+    Returns:
+      The index of the first least time.
+
     Example:
       >>> cheapest([3.0, 1.0, 1.0])
       1
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, Eqn (5a)-(5c) (the argmin over collectives).
     """
     seconds = list(seconds)
     return min(range(len(seconds)), key=seconds.__getitem__)

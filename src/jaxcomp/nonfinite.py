@@ -71,10 +71,21 @@ def keep_if_skipped(skipped, old_state, new_state):
     A compress skips its own state (residual, step, ``compress_auto``'s choices) and reports the
     step in its metrics, so its new state is right either way.
 
+    Args:
+      skipped: the step's skip flag, identical on every device.
+      old_state: the optimizer state before the step.
+      new_state: the optimizer state after it.
+
+    Returns:
+      The optimizer state to keep.
+
     Example:
       >>> import jax.numpy as jnp
       >>> keep_if_skipped(jnp.bool_(True), {"count": jnp.int32(1)}, {"count": jnp.int32(2)})["count"].tolist()
       1
+
+    References:
+      optax ``apply_if_finite``; Micikevicius et al., ICLR 2018, §3.2.
     """
 
     def keep(new, old):

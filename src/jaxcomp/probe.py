@@ -61,7 +61,6 @@ def fit_alpha_beta(sizes, seconds, n_workers: int, method: Method = Dense()) -> 
 
     Example:
       >>> from jaxcomp import cost, methods
-from jaxcomp.methods import Dense, Method
       >>> true = cost.Network(alpha=1e-4, bandwidth=1e9)
       >>> sizes = [2**10, 2**16, 2**22]
       >>> times = [cost.predict("dense", s, 8, true) for s in sizes]
@@ -427,9 +426,18 @@ def agree_across_processes(seconds):
     """The largest of each value over the processes, identical on every process (the values
     themselves in a single-process job). Call it from every process at once.
 
+    Args:
+      seconds: a 1-D array of this process's values (timings).
+
+    Returns:
+      A float64 array of the per-entry maxima over the processes.
+
     Example:
       >>> agree_across_processes(np.array([0.5])).tolist()
       [0.5]
+
+    References:
+      Agarwal et al., MLSys 2022, App. C (the slowest worker bounds a synchronous step).
     """
     if jax.process_count() == 1:
         return seconds

@@ -37,6 +37,9 @@ def pack_codes(codes, width: int):
       >>> import jax.numpy as jnp
       >>> pack_codes(jnp.array([1, 2, 3], jnp.uint32), 8).tolist()  # 1 + 2 << 8 + 3 << 16
       [197121]
+
+    References:
+      Li et al., THC, NSDI 2024.
     """
     per_word = 32 // width
     codes = jnp.pad(codes, (0, layout.ceil_div(codes.shape[0], per_word) * per_word - codes.shape[0]))
@@ -48,37 +51,25 @@ def pack_codes(codes, width: int):
 def unpack_codes(words, width: int, length: int):
     """The first ``length`` codes of ``width`` bits held in ``words`` (the inverse of :func:`pack_codes`).
 
+    Args:
+      words: uint32 words from :func:`pack_codes` (or their sum over devices).
+      width: bits per field.
+      length: codes to return.
+
+    Returns:
+      A uint32 vector of ``length`` codes.
+
     Example:
       >>> import jax.numpy as jnp
       >>> unpack_codes(jnp.array([197121], jnp.uint32), 8, 3).tolist()
       [1, 2, 3]
+
+    References:
+      Li et al., THC, NSDI 2024.
     """
     per_word = 32 // width
     shifts = jnp.arange(per_word, dtype=jnp.uint32) * np.uint32(width)
     return ((words[:, None] >> shifts) & np.uint32((1 << width) - 1)).reshape(-1)[:length]
-
-
-def check_key(key, axis_name=None):
-    """A ``jax.random`` key (typed or raw ``u32[2]``) as a typed key; with ``axis_name``, refuses a
-    key that varies over that axis (every device must rotate by the same transform).
-
-    Example:
-      >>> import jax
-      >>> check_key(jax.random.PRNGKey(0)).shape
-      ()
-    """
-    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-    if not (typed and key.ndim == 0) and not (key.dtype == jnp.uint32 and key.shape == (2,)):
-        raise TypeError(f"key must be one jax.random key (jax.random.key or PRNGKey), got "
-                        f"{key.dtype}{list(key.shape)}")
-    if axis_name is not None:
-        from jaxcomp._ffi import varying_axes
-
-        if axis_name in varying_axes(key):
-            raise ValueError(f"key must be the same on every device of {axis_name!r} (replicated: all devices "
-                             "must apply the same Hadamard transform), got a key that varies over it")
-    return key if typed else jax.random.wrap_key_data(key)
 
 
 def thc_aggregate(x, bits: int, key, hadamard: bool, n_devices: int, device, pmax, psum):
@@ -185,7 +176,7 @@ def quantized_psum_local(x, bits, key, n_devices, hadamard=True):
     x = _checks.float_array(x, "x")
     if x.ndim != 1:
         raise ValueError(f"x must be a 1-D vector, got shape {x.shape}")
-    bits = layout.check_bits(bits)
-    key = check_key(key)
+    bits = _checks.check_bits(bits)
+    key = _checks.check_key(key)
     n_devices = _checks.static_int(n_devices, "n_devices", 1)
     return thc_aggregate(x, bits, key, bool(hadamard), n_devices, 0, pmax=lambda v: v, psum=lambda v: v)

@@ -70,6 +70,9 @@ def parse(method, *, strict: bool = True, **options) -> Method:
       TopK(ratio=0.01, k=None, collective='ar', selector='exact', leader='star', allreduce='ring')
       >>> methods.parse(methods.Zfp(8)) == methods.Zfp(8)
       True
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, Table I (the methods and their variants).
     """
     options = {name: value for name, value in options.items() if value is not None}
     if isinstance(method, Method):
@@ -124,6 +127,9 @@ def candidates(*, ratio=None, rate=None, bits=None, hierarchical: bool = False,
     Example:
       >>> [m.describe() for m in candidates(ratio=0.01, rate=8)]
       ['dense', 'allgather_topk(0.01)', 'ar_topk(0.01)', 'zfp(8)']
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-D (the candidates flexible communication picks from).
     """
     out = [Dense()] + ([Dense(allreduce="tree")] if variants else [])
     if ratio is not None:

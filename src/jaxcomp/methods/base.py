@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, ClassVar
 
-from jaxcomp import _checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,41 +143,3 @@ class Method:
         """A function of one device's 1-D float32 vector that does this method's local work (its
         codec) with the collectives taken out, for timing; None when it has none."""
         return None
-
-
-def check_flag(value, name: str) -> bool:
-    """``value`` as a bool, or a TypeError naming ``name``.
-
-    Example:
-      >>> check_flag(True, "hadamard")
-      True
-    """
-    if not isinstance(value, bool) and type(value).__name__ != "bool_":
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return bool(value)
-
-
-def check_devices(n_devices, inner_size=None) -> int:
-    """``n_devices`` as an int >= 1 (and ``inner_size``, when given, dividing it), naming the argument.
-
-    Example:
-      >>> check_devices(8, 4)
-      8
-    """
-    n = _checks.static_int(n_devices, "n_devices", 1)
-    if inner_size is not None:
-        inner = _checks.static_int(inner_size, "inner_size", 1, n)
-        if n % inner:
-            raise ValueError(f"inner_size ({inner}) must divide n_devices ({n})")
-    return n
-
-
-def check_message(n, dtype_bytes) -> tuple[int, int]:
-    """``(n, dtype_bytes)`` validated: values in ``[1, 2**31 - 1]``, bytes per value in ``[1, 8]``.
-
-    Example:
-      >>> check_message(1000, 4)
-      (1000, 4)
-    """
-    return (_checks.static_int(n, "n", 1, _checks.MAX_ROW_LENGTH),
-            _checks.static_int(dtype_bytes, "dtype_bytes", 1, 8))

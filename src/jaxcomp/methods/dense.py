@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxcomp import layout
-from jaxcomp.methods.base import Method, check_devices, check_message
+from jaxcomp import _checks, layout
+from jaxcomp.methods.base import Method
 
 #: How the cost model may cost an all-reduce: as a ring or as a tree (reduce up, broadcast down).
 ALLREDUCE_ALGORITHMS = ("ring", "tree")
@@ -35,7 +35,7 @@ class Dense(Method):
     sends_everything = True
 
     def __post_init__(self):
-        layout.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
+        _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
 
     @property
     def label(self) -> str:
@@ -47,9 +47,9 @@ class Dense(Method):
         return collectives.psum(x, axis_name)
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
-        n, dtype_bytes = check_message(n, dtype_bytes)
-        n_devices = check_devices(n_devices)
+        n, dtype_bytes = _checks.check_message(n, dtype_bytes)
+        n_devices = _checks.check_devices(n_devices)
         return 0.0 if n_devices == 1 else layout.allreduce_bytes(n * dtype_bytes, n_devices, self.allreduce)
 
     def message_steps(self, n_devices, *, inner_size=None):
-        return layout.allreduce_steps(check_devices(n_devices), self.allreduce)
+        return layout.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxcomp import layout
-from jaxcomp.methods.base import Method, check_devices, check_message, check_flag
+from jaxcomp import _checks, layout
+from jaxcomp.methods.base import Method
 from jaxcomp.methods.dense import ALLREDUCE_ALGORITHMS
 
 
@@ -36,9 +36,9 @@ class Quantized(Method):
     name = "quantized"
 
     def __post_init__(self):
-        object.__setattr__(self, "bits", layout.check_bits(self.bits))
-        object.__setattr__(self, "hadamard", check_flag(self.hadamard, "hadamard"))
-        layout.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
+        object.__setattr__(self, "bits", _checks.check_bits(self.bits))
+        object.__setattr__(self, "hadamard", _checks.check_flag(self.hadamard, "hadamard"))
+        _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
 
     @property
     def label(self):
@@ -56,8 +56,8 @@ class Quantized(Method):
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         """An all-reduce of the codes (``n``, padded to whole Hadamard blocks) packed into uint32
         words of :func:`jaxcomp.layout.codes_per_word` codes, plus one of the float32 range."""
-        n, dtype_bytes = check_message(n, dtype_bytes)
-        N = check_devices(n_devices)
+        n, dtype_bytes = _checks.check_message(n, dtype_bytes)
+        N = _checks.check_devices(n_devices)
         if N == 1:
             return 0.0
         codes = layout.packed_words(layout.quantized_length(n, self.hadamard), self.bits, N) * layout.WORD_BYTES
@@ -66,7 +66,7 @@ class Quantized(Method):
 
     def message_steps(self, n_devices, *, inner_size=None):
         """Two all-reduces: the shared range, then the packed codes."""
-        return 2 * layout.allreduce_steps(check_devices(n_devices), self.allreduce)
+        return 2 * layout.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
 
     def local_work(self, n_values, n_devices):
         """THC's whole local work (:func:`jaxcomp.thc.quantized_psum_local`)."""
@@ -74,7 +74,7 @@ class Quantized(Method):
 
         from jaxcomp.thc import quantized_psum_local
 
-        workers = max(2, check_devices(n_devices))
+        workers = max(2, _checks.check_devices(n_devices))
 
         def codec(x):
             total, sent = quantized_psum_local(x, self.bits, jax.random.key(0), workers, hadamard=self.hadamard)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxcomp import _checks, layout
-from jaxcomp.methods.base import Method, check_devices, check_message
+from jaxcomp.methods.base import Method
 from jaxcomp.methods.dense import ALLREDUCE_ALGORITHMS
 
 #: How the selected values travel (:mod:`jaxcomp.collectives`): ``allgather_topk``, ``ar_topk``
@@ -64,13 +64,13 @@ class TopK(Method):
             raise ValueError(f"TopK needs exactly one of ratio= (fraction of entries kept, e.g. 0.01) or k= "
                              f"(entries kept), got ratio={self.ratio!r}, k={self.k!r}")
         if self.ratio is not None:
-            object.__setattr__(self, "ratio", layout.check_ratio(self.ratio))
+            object.__setattr__(self, "ratio", _checks.check_ratio(self.ratio))
         else:
             object.__setattr__(self, "k", _checks.static_int(self.k, "k", 1, _checks.MAX_ROW_LENGTH))
-        layout.check_choice(self.collective, "collective", COLLECTIVES)
-        layout.check_choice(self.selector, "selector", SELECTORS)
-        layout.check_choice(self.leader, "leader", LEADERS)
-        layout.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
+        _checks.check_choice(self.collective, "collective", COLLECTIVES)
+        _checks.check_choice(self.selector, "selector", SELECTORS)
+        _checks.check_choice(self.leader, "leader", LEADERS)
+        _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
         for option, default in (("leader", "star"), ("allreduce", "ring")):
             if getattr(self, option) != default and self.collective != "ar":
                 raise ValueError(f"{option}= applies to collective='ar' only, not {self.collective!r}; remove it")
@@ -125,8 +125,8 @@ class TopK(Method):
           ``k_s`` pairs across nodes ``(O-1) k_s (d+4)``, and of ``O k_s`` pairs in the node
           ``(I-1) O k_s (d+4)``.
         """
-        n, dtype_bytes = check_message(n, dtype_bytes)
-        N = check_devices(n_devices, inner_size)
+        n, dtype_bytes = _checks.check_message(n, dtype_bytes)
+        N = _checks.check_devices(n_devices, inner_size)
         k = self.kept(n)
         pair = dtype_bytes + layout.INDEX_BYTES
         if self.collective == "allgather":
@@ -147,7 +147,7 @@ class TopK(Method):
         """``"allgather"``: ``ceil(log2 N)`` (recursive doubling); ``"ar"``: two all-reduces
         (``4(N-1)`` as rings, ``4 ceil(log2 N)`` as trees); ``"hierarchical"``:
         ``(I-1) + ceil(log2(N/I)) + ceil(log2 I)``."""
-        N = check_devices(n_devices, inner_size)
+        N = _checks.check_devices(n_devices, inner_size)
         if N == 1:
             return 0
         if self.collective == "allgather":

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxcomp import layout
-from jaxcomp.methods.base import Method, check_devices, check_message
+from jaxcomp import _checks, layout
+from jaxcomp.methods.base import Method
 
 #: Point-to-point algorithms of :func:`jaxcomp.collectives.zfp_allreduce`.
 ALGORITHMS = ("ring", "recursive_doubling")
@@ -43,8 +43,8 @@ class Zfp(Method):
     name = "zfp"
 
     def __post_init__(self):
-        object.__setattr__(self, "rate", layout.check_rate(self.rate))
-        layout.check_choice(self.algorithm, "algorithm", ALGORITHMS)
+        object.__setattr__(self, "rate", _checks.check_rate(self.rate))
+        _checks.check_choice(self.algorithm, "algorithm", ALGORITHMS)
 
     @property
     def replicated_total(self):
@@ -67,8 +67,8 @@ class Zfp(Method):
         """``"ring"``: ``2 (N-1)`` compressed chunks of ``ceil(n/N)`` values; ``"recursive_doubling"``:
         the whole compressed vector once per round, ``log2 p`` rounds for ``p`` the largest power of
         two ``<= N``, plus one when ``N`` is not a power of two (the busiest device)."""
-        n, dtype_bytes = check_message(n, dtype_bytes)
-        N = check_devices(n_devices)
+        n, dtype_bytes = _checks.check_message(n, dtype_bytes)
+        N = _checks.check_devices(n_devices)
         if N == 1:
             return 0.0
         if self.algorithm == "ring":
@@ -80,7 +80,7 @@ class Zfp(Method):
     def message_steps(self, n_devices, *, inner_size=None):
         """``"ring"``: ``2(N-1)``; ``"recursive_doubling"``: ``log2 p``, plus a fold-in and a
         fold-out step when ``p < N`` (paper 004 §III-E)."""
-        N = check_devices(n_devices)
+        N = _checks.check_devices(n_devices)
         if N == 1:
             return 0
         if self.algorithm == "ring":
@@ -98,7 +98,7 @@ class Zfp(Method):
 
         from jaxcomp.zfp import zfp_decode, zfp_encode
 
-        rate, workers = self.rate, check_devices(n_devices)
+        rate, workers = self.rate, _checks.check_devices(n_devices)
 
         def codec(x):
             if self.algorithm != "ring" or workers == 1:
