@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
 import math
 import os
 import sys
 import time
+from typing import Any
+
+from jaxcomp.methods import Dense
 
 #: Virtual CPU devices the demo trains on.
 N_DEVICES = 8
@@ -33,20 +35,24 @@ class Run:
     axis_name: str | tuple = "data"
 
 
+#: The run every other is compared with: the dense all-reduce.
+DENSE = Dense().label
+
+
 def runs(density: float) -> dict[str, Run]:
     """The demo's runs by name, top-k ones at ``density`` (fraction of entries sent)."""
     from jaxcomp.auto import RatioSearch
-    from jaxcomp.methods import Dense, Quantized, TopK, Zfp, candidates
+    from jaxcomp.methods import Quantized, TopK, Zfp, candidates
 
-    table = [
-        Run("dense", Dense()),
-        Run("allgather_topk", TopK(density)),
-        Run("allgather_topk_noef", TopK(density), {"error_feedback": False}),
-        Run("ar_topk", TopK(density, collective="ar")),
-        Run("ar_topk_noef", TopK(density, collective="ar"), {"error_feedback": False}),
-        Run("hierarchical_topk", TopK(density, collective="hierarchical"), {}, ("node", "device")),
-        Run("zfp", Zfp(8)),
-        Run("quantized", Quantized(4)),
+    fixed = [Dense(), TopK(density), TopK(density, collective="ar"), TopK(density, collective="hierarchical"),
+             Zfp(8), Quantized(4)]
+    table = []
+    for method in fixed:
+        axis_name = ("node", "device") if method.axes_needed == 2 else "data"
+        table.append(Run(method.label, method, {}, axis_name))
+        if method.with_ratio(density) is not None and axis_name == "data":  # top-k without error feedback too
+            table.append(Run(f"{method.label}_noef", method, {"error_feedback": False}))
+    table += [
         # Chooses from the probed network: on 8 in-memory devices that is dense.
         Run("auto", candidates(ratio=density, rate=8)),
         # The same choice on a simulated slow link, with the ratio chosen as well (paper 000 §3-E).
@@ -189,7 +195,7 @@ def _progress(iterable, name, enabled):
 
 def format_table(results) -> str:
     """The results as a Markdown table (bytes relative to the dense run when there is one)."""
-    dense = next((r for r in results if r["name"] == "dense"), None)
+    dense = next((r for r in results if r["name"] == DENSE), None)
     lines = ["| run | last step ran (density) | eval loss | eval accuracy | bytes sent / step / device | vs dense "
              "| mean step time |",
              "|---|---|---:|---:|---:|---:|---:|"]
@@ -213,7 +219,7 @@ def plot(results, path):
         window = max(1, len(loss) // 25)
         smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
         # Dense is the reference: drawn on top, black and dashed, so curves that match it show.
-        style = {"color": "black", "linestyle": "--", "zorder": 3} if r["name"] == "dense" else {}
+        style = {"color": "black", "linestyle": "--", "zorder": 3} if r["name"] == DENSE else {}
         ax_train.plot(np.arange(window, len(loss) + 1), smooth, label=r["name"], **style)
         steps, values = zip(*r["eval_curve"])
         ax_eval.plot(steps, values, marker=".", label=r["name"], **style)

@@ -1,0 +1,268 @@
+"""jaxcomp.methods: one object per method, the string shorthand, and a method defined here, outside jaxcomp."""
+
+import ast
+import dataclasses
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_equal, need_devices, subprocess_env
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jaxcomp
+from jaxcomp import advise, cost, methods
+from jaxcomp.methods import Dense, Method, Quantized, TopK, Zfp
+
+N_DEVICES = 8
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = pathlib.Path(jaxcomp.__file__).resolve().parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast16(Method):
+    """A method written outside jaxcomp: the gradient crosses the wire in bfloat16 (a dense
+    all-reduce of half the bytes); what the cast lost stays in the residual."""
+
+    allreduce: str = "ring"
+    name = "cast16"
+
+    def aggregate(self, x, axis_name, *, step, key, sparse=False):
+        sent = x.astype(jnp.bfloat16)
+        return jax.lax.psum(sent, axis_name).astype(x.dtype), sent.astype(x.dtype)
+
+    def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
+        return 0.0 if n_devices == 1 else 2.0 * (n_devices - 1) / n_devices * n * 2
+
+    def message_steps(self, n_devices, *, inner_size=None):
+        return 2 * (n_devices - 1)
+
+    def local_work(self, n_values, n_devices):
+        return lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def _mesh(n=N_DEVICES):
+    need_devices(n)
+    return Mesh(np.array(jax.devices()[:n]), ("data",))
+
+
+def _aggregate(tx, g, steps=1):
+    """Runs ``tx`` for ``steps`` updates inside shard_map on the per-device rows of ``g``."""
+
+    def run(g):
+        state = tx.init(g[0])
+        for _ in range(steps):
+            updates, state = tx.update(g[0], state)
+        return updates, state.metrics.bytes_sent, state.metrics.method
+
+    return jax.jit(jax.shard_map(run, mesh=_mesh(), in_specs=P("data"), out_specs=(P(), P(), P())))(g)
+
+
+# --- the objects -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: TopK(), "exactly one of ratio"),
+    (lambda: TopK(0.1, k=3), "exactly one of ratio"),
+    (lambda: TopK(1.5), "ratio must be in"),
+    (lambda: TopK(k=0), "k must be"),
+    (lambda: TopK(0.1, collective="ring"), "collective must be one of"),
+    (lambda: TopK(0.1, selector="fast"), "selector must be one of"),
+    (lambda: TopK(0.1, leader="var"), "leader= applies to collective='ar' only"),
+    (lambda: TopK(0.1, collective="ar", leader="max"), "leader must be one of"),
+    (lambda: TopK(0.1, allreduce="tree"), "allreduce= applies to collective='ar' only"),
+    (lambda: Zfp(0), "rate must be"),
+    (lambda: Zfp(8, algorithm="tree"), "algorithm must be one of"),
+    (lambda: Quantized(17), "bits must be"),
+    (lambda: Quantized(4, hadamard="yes"), "hadamard must be True or False"),
+    (lambda: Dense(allreduce="star"), "allreduce must be one of"),
+])
+def test_methods_validate_themselves_at_construction(build, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        build()
+
+
+def test_methods_are_frozen_hashable_values():
+    assert TopK(0.01, collective="ar") == TopK(ratio=0.01, collective="ar")
+    assert len({Dense(), Dense(), TopK(0.01), TopK(0.01, collective="ar")}) == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TopK(0.01).ratio = 0.1
+    assert TopK(0.01, collective="ar").with_ratio(0.1) == TopK(0.1, collective="ar")
+    assert Zfp(8).with_ratio(0.1) is None and Dense().with_ratio(0.1) is None
+
+
+@pytest.mark.parametrize("name", sorted(methods.SHORTHAND))
+def test_every_shorthand_name_builds_the_method_of_that_label(name):
+    method = methods.parse(name, strict=False, ratio=0.01, rate=8, bits=4)
+    assert isinstance(method, Method)
+    # A label names its method again (the *_ring names are the cost model's former aliases).
+    assert methods.parse(method.label, strict=False, ratio=0.01, rate=8, bits=4) == method
+    assert method.label == name.removesuffix("_ring") or name.endswith("_ring")
+
+
+def test_parse_refuses_options_on_objects_and_unknown_names():
+    with pytest.raises(ValueError, match="carries its own settings"):
+        methods.parse(TopK(0.01), ratio=0.1)
+    with pytest.raises(ValueError, match="one of"):
+        methods.parse("topk", ratio=0.1)
+    with pytest.raises(TypeError, match="Method"):
+        methods.parse(3)
+
+
+@pytest.mark.parametrize("name, options, method", [
+    ("ar_topk", dict(ratio=0.25, leader="var"), TopK(0.25, collective="ar", leader="var")),
+    ("allgather_topk", dict(k=3, selector="threshold"), TopK(k=3, selector="threshold")),
+    ("quantized", dict(bits=8, hadamard=False), Quantized(8, hadamard=False)),
+    ("zfp", dict(rate=12), Zfp(12)),
+    ("dense", {}, Dense()),
+])
+def test_the_string_shorthand_is_the_object_bit_for_bit(name, options, method):
+    g = jax.random.normal(jax.random.key(0), (N_DEVICES, 64))
+    by_name = _aggregate(jaxcomp.compress(name, **options), g, steps=2)
+    by_object = _aggregate(jaxcomp.compress(method), g, steps=2)
+    assert_trees_equal(by_name, by_object)
+
+
+# --- a method defined outside jaxcomp ------------------------------------------------------------
+
+def test_an_outside_method_aggregates_with_error_feedback_in_compress():
+    g = jax.random.normal(jax.random.key(1), (N_DEVICES, 1000))
+    updates, bytes_sent, method = _aggregate(jaxcomp.compress(Cast16(), mean=False), g)
+    expected = np.asarray(g.astype(jnp.bfloat16).astype(jnp.float32)).sum(axis=0)
+    np.testing.assert_allclose(np.asarray(updates), expected, rtol=1e-2, atol=1e-2)
+    assert float(bytes_sent) == Cast16().wire_bytes(1000, N_DEVICES) == 2 * 7 / 8 * 2000
+    assert int(method) == 0
+    # The residual holds exactly what the cast lost.
+    tx = jaxcomp.compress(Cast16())
+
+    def residual(g):
+        state = tx.update(g[0], tx.init(g[0]))[1]
+        return state.residual[None]
+
+    kept = jax.jit(jax.shard_map(residual, mesh=_mesh(), in_specs=P("data"), out_specs=P("data")))(g)
+    np.testing.assert_array_equal(np.asarray(kept), np.asarray(g - g.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
+def test_an_outside_method_is_costed_chosen_and_advised():
+    net_fast, net_slow = cost.Network.parse("1us", "100GB/s"), cost.Network.parse("1ms", "1gbit")
+    nbytes = 4e8
+    assert cost.predict(Cast16(), nbytes, 8, net_slow) == pytest.approx(
+        14e-3 + 2 * 7 / 8 * 2e8 * 8e-9)  # half the bytes of dense, the same steps
+    assert cost.choose(nbytes, 8, net_slow, candidates=[Dense(), Cast16()]) == Cast16()
+    # With 50 ms of local work a fast network keeps dense.
+    assert cost.choose(nbytes, 8, net_fast, candidates=[Dense(), Cast16()], overhead={Cast16(): 0.05}) == Dense()
+    step = advise.compressed_time(Cast16(), nbytes, 8, net_slow, 0.1)
+    assert step == pytest.approx(0.1 + cost.predict(Cast16(), nbytes, 8, net_slow))
+    assert jaxcomp.probe.codec_seconds(Cast16(), 4096, repeats=1) > 0
+
+
+def test_an_outside_method_runs_in_compress_auto_and_is_chosen_on_a_slow_network():
+    slow = cost.Network.parse("1ms", "1gbit")
+    tx = jaxcomp.compress_auto([Dense(), Cast16()], network=slow)
+    g = jax.random.normal(jax.random.key(2), (N_DEVICES, 1000))
+    _, bytes_sent, method = _aggregate(tx, g)
+    assert int(method) == 1 and float(bytes_sent) == Cast16().wire_bytes(1000, N_DEVICES)
+    assert jaxcomp.auto_branches(tx.init({"w": jnp.zeros(3)})) == [[Dense(), Cast16()]]
+
+
+def test_compress_auto_validates_its_candidates():
+    with pytest.raises(TypeError, match="candidates"):
+        jaxcomp.compress_auto("dense")
+    with pytest.raises(TypeError, match="candidates"):
+        jaxcomp.compress_auto([Dense(), "zfp"])
+    with pytest.raises(ValueError, match="distinct"):
+        jaxcomp.compress_auto([Dense(), Dense()])
+    with pytest.raises(ValueError, match="typed varying"):
+        jaxcomp.compress_auto([Dense(), Zfp(8, algorithm="recursive_doubling")])
+    with pytest.raises(ValueError, match="outer, inner"):
+        jaxcomp.compress_auto([Dense(), TopK(0.01, collective="hierarchical")])
+    with pytest.raises(ValueError, match="candidate with a ratio"):
+        jaxcomp.compress_auto([Dense(), Zfp(8)], ratio_search=jaxcomp.RatioSearch())
+    with pytest.raises(TypeError, match="ratio_search"):
+        jaxcomp.compress_auto([Dense(), TopK(0.01)], ratio_search=(0.001, 0.1))
+    with pytest.raises(ValueError, match="explore_steps"):
+        jaxcomp.RatioSearch(explore_steps=0)
+
+
+def test_compress_auto_with_a_ratio_search_makes_one_branch_per_ratio():
+    search = jaxcomp.RatioSearch((0.01, 0.1))
+    state = jaxcomp.compress_auto([TopK(0.5, collective="ar"), Dense()], ratio_search=search).init({"w": jnp.zeros(3)})
+    assert [m.describe() for m in state.methods] == ["ar_topk(0.1)", "ar_topk(0.0333)", "ar_topk(0.01)", "dense"]
+
+
+# --- the layers ------------------------------------------------------------------------------------
+
+# The names of the methods, as string literals: only the methods package and the shorthand's users
+# that forward a user's string (compress("auto")) may spell them.
+METHOD_NAMES = set(methods.SHORTHAND)
+ALLOWED = {"methods/__init__.py": "the shorthand table", "transform.py": "compress('auto') forwards to compress_auto"}
+
+
+def _string_literals(path):
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and id(node) not in docstrings]
+
+
+def test_no_module_above_the_methods_names_a_method():
+    """Per-method branches live in jaxcomp.methods; the rest iterates method objects."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative.startswith("methods/") and relative != "methods/__init__.py" or relative in ALLOWED:
+            continue
+        found += [f"{relative}:{node.lineno}: {node.value!r}" for node in _string_literals(path)
+                  if node.value in METHOD_NAMES]
+    assert not found, "method names spelled outside jaxcomp.methods:\n" + "\n".join(found)
+
+
+def test_no_private_name_is_imported_across_modules():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxcomp"):
+                found += [f"{path.relative_to(PACKAGE)}:{node.lineno}: {alias.name}" for alias in node.names
+                          if alias.name.startswith("_") and not alias.name.startswith("_jaxcomp_")
+                          and alias.name not in ("_checks", "_ffi")]
+    assert not found, "private names imported from another module:\n" + "\n".join(found)
+
+
+# --- imports cost nothing until used ----------------------------------------------------------------
+
+def _modules_after(code):
+    out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"],
+                         env=subprocess_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return set(out.stdout.split())
+
+
+@pytest.mark.parametrize("code", ["import jaxcomp", "import jaxcomp.cost", "import jaxcomp.methods",
+                                  "from jaxcomp import cost; cost.predict('ar_topk', 4e8, 8, "
+                                  "cost.Network.parse('1ms', '1gbit'), ratio=0.01)"])
+def test_importing_the_package_and_the_cost_model_loads_no_jax(code):
+    loaded = _modules_after(code)
+    assert not {"jax", "optax", "flax", "jaxcomp._jaxcomp_cpu"} & loaded
+
+
+def test_advise_help_loads_no_jax_and_runs_from_the_checkout_root():
+    loaded = _modules_after("import jaxcomp.__main__ as m\ntry:\n    m.main(['advise', '--help'])\nexcept SystemExit:\n"
+                            "    pass")
+    assert "jax" not in loaded
+    # From the repository's root (the source tree is src/jaxcomp, so nothing shadows the package).
+    out = subprocess.run([sys.executable, "-m", "jaxcomp", "advise", "--help"], env=subprocess_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--bandwidth" in out.stdout, out.stderr
+
+
+def test_names_load_on_first_use():
+    assert jaxcomp.compress is jaxcomp.transform.compress
+    assert jaxcomp.topk is jaxcomp.selection.topk
+    assert callable(jaxcomp.probe_network) and jaxcomp.probe.__name__ == "jaxcomp.probe"
+    with pytest.raises(AttributeError, match="no attribute"):
+        jaxcomp.nope
