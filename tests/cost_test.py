@@ -211,8 +211,8 @@ def test_available_methods():
 
     assert cost.available_methods() == (Dense(), Dense(allreduce="tree"))
     labels = [m.label for m in cost.available_methods(ratio=0.1, rate=8, bits=4, inner_size=2)]
-    assert labels == ["dense", "dense_tree", "allgather_topk", "ar_topk", "ar_topk_tree", "hierarchical_topk", "zfp",
-                      "zfp_recursive_doubling", "quantized"]
+    assert labels == ["dense", "dense_tree", "allgather_topk", "ar_topk", "ar_topk_tree", "hierarchical_topk",
+                      "randomk", "zfp", "zfp_recursive_doubling", "quantized"]
 
 
 def test_names_and_objects_cost_the_same():

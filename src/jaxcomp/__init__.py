@@ -39,6 +39,7 @@ _EXPORTS = {
     "TopK": "jaxcomp.methods",
     "Zfp": "jaxcomp.methods",
     "Quantized": "jaxcomp.methods",
+    "RandomK": "jaxcomp.methods",
     # the transformations
     "compress": "jaxcomp.transform",
     "CompressMetrics": "jaxcomp.transform",

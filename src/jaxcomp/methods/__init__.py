@@ -5,6 +5,7 @@
 :class:`TopK`                 top-k sparsification: ``collective="allgather" | "ar" | "hierarchical"``
 :class:`Zfp`                  ZFP fixed-rate compression in a ring (or recursive-doubling) all-reduce
 :class:`Quantized`            THC homomorphic quantization, one integer all-reduce
+:class:`RandomK`              random-k at indices every device draws from one seed, one all-reduce
 ============================  ===================================================================
 
 Every method is a :class:`Method` (the protocol, in :mod:`jaxcomp.methods.base`); a method defined
@@ -22,6 +23,7 @@ import functools
 from jaxcomp.methods.base import Method
 from jaxcomp.methods.dense import Dense
 from jaxcomp.methods.quantized import Quantized
+from jaxcomp.methods.randomk import RandomK
 from jaxcomp.methods.topk import TopK
 from jaxcomp.methods.zfp import Zfp
 
@@ -40,6 +42,7 @@ SHORTHAND = {
     "zfp_ring": Zfp,
     "zfp_recursive_doubling": functools.partial(Zfp, algorithm="recursive_doubling"),
     "quantized": Quantized,
+    "randomk": RandomK,
 }
 
 #: What each option of the string form means, for error messages.
@@ -119,7 +122,8 @@ def candidates(*, ratio=None, rate=None, bits=None, hierarchical: bool = False,
       rate: ZFP bits per value, or None to leave ZFP out.
       bits: THC code width, or None to leave it out.
       hierarchical: also hierarchical top-k (needs two mesh axes; with ``ratio``).
-      variants: also the cost model's variants: tree all-reduces and ZFP's recursive doubling.
+      variants: also the cost model's variants (tree all-reduces, ZFP's recursive doubling) and
+        random-k: what the advisor compares.
 
     Returns:
       A tuple of methods.
@@ -136,6 +140,7 @@ def candidates(*, ratio=None, rate=None, bits=None, hierarchical: bool = False,
         out += [TopK(ratio, collective="allgather"), TopK(ratio, collective="ar")]
         out += [TopK(ratio, collective="ar", allreduce="tree")] if variants else []
         out += [TopK(ratio, collective="hierarchical")] if hierarchical else []
+        out += [RandomK(ratio)] if variants else []
     if rate is not None:
         out += [Zfp(rate)] + ([Zfp(rate, algorithm="recursive_doubling")] if variants else [])
     if bits is not None:
@@ -143,4 +148,4 @@ def candidates(*, ratio=None, rate=None, bits=None, hierarchical: bool = False,
     return tuple(out)
 
 
-__all__ = ["Dense", "Method", "Quantized", "SHORTHAND", "TopK", "Zfp", "candidates", "parse"]
+__all__ = ["Dense", "Method", "Quantized", "RandomK", "SHORTHAND", "TopK", "Zfp", "candidates", "parse"]

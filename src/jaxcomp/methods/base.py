@@ -86,7 +86,7 @@ class Method:
 
     def describe(self) -> str:
         """``label`` with ``setting``, e.g. ``"ar_topk(0.01)"``; what tables print."""
-        return self.label if self.setting is None else f"{self.label}({self.setting:g})"
+        return self.label if self.setting is None else f"{self.label}({self.setting:.3g})"
 
     def with_ratio(self, ratio: float) -> "Method | None":
         """This method sending a fraction ``ratio`` of the values, or None when it has no such knob
