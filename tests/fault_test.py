@@ -1,39 +1,57 @@
 """Bounded failure: a dead, never-started or stalled peer is an error in the other processes.
 
-Each test starts 2 processes of one ``jax.distributed`` job (1 CPU device each) with
-``failure_timeout`` of 10 s and reads the surviving process's exit code, stderr and run time.
-JAX's defaults would wait 100 to 300 s here and then abort the process (issue 14).
+Each multi-process test starts 2 processes of one ``jax.distributed`` job (1 CPU device each)
+with ``failure_timeout`` of 10 s and reads the surviving process's exit code, output and run time.
+JAX's defaults would wait 100 to 300 s here and then abort the process (issue 14). The
+rendezvous (``jaxcomp.rendezvous``) is also tested on its own, with threads standing for processes.
 """
 
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from helpers import subprocess_env
-from jaxcomp import launch
+from jaxcomp import launch, rendezvous
 
 FAILURE_TIMEOUT = 10
 WORKER = os.path.join(os.path.dirname(__file__), "fault_worker.py")
 
 
-def run_job(fault, faulty, at_step, start=(0, 1), wait=90):
-    """Starts the processes in ``start`` of a 2-process job; returns {id: (code, stderr)}, seconds."""
-    coordinator = f"127.0.0.1:{launch._free_port()}"
+def free_ports(count):
+    """``count`` distinct free ports on 127.0.0.1."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def run_job(fault, faulty, at_step, start=(0, 1), wait=90, steps=200, wait_for=None):
+    """Starts the processes in ``start`` of a 2-process job and waits for those in ``wait_for``
+    (default: all but ``faulty``); returns {id: (code, output), "rendezvous_port": port}, {id: seconds}."""
+    port, rendezvous_port = free_ports(2)
+    coordinator = f"127.0.0.1:{port}"
     processes = {}
     began = time.monotonic()
     for process_id in start:
         env = launch.process_env(coordinator, 2, process_id, 1, base=subprocess_env(),
-                                 failure_timeout=FAILURE_TIMEOUT)
+                                 failure_timeout=FAILURE_TIMEOUT, rendezvous_port=rendezvous_port)
         processes[process_id] = subprocess.Popen(
-            [sys.executable, WORKER, fault, str(faulty), str(at_step)], env=env,
+            [sys.executable, WORKER, fault, str(faulty), str(at_step), str(steps)], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    results, elapsed = {}, {}
+    results, elapsed = {"rendezvous_port": rendezvous_port}, {}
+    wait_for = [i for i in start if i != faulty] if wait_for is None else wait_for
     try:
         for process_id, p in processes.items():
-            if process_id == faulty:
+            if process_id not in wait_for:
                 continue
             out, err = p.communicate(timeout=wait)
             results[process_id] = (p.returncode, out + err)
@@ -58,19 +76,33 @@ def test_killed_peer_is_an_error_in_the_other():
 
 
 @pytest.mark.multiprocess
-def test_killed_coordinator_ends_the_other_promptly():
+def test_killed_coordinator_is_an_error_in_the_other():
+    # JAX's coordination service runs in process 0's rendezvous server, not in process 0: losing
+    # process 0 no longer aborts process 1 ("Terminating process because the JAX distributed
+    # service detected fatal errors", SIGABRT, before this change).
     results, elapsed = run_job("kill", 0, at_step=3)
     code, output = results[1]
     assert "step 2" in output, output
-    # Losing process 0 (the coordination service) races two ends in process 1: its collective
-    # raises (the Python exception, then jaxcomp's exit 1 naming process 0), and JAX's error
-    # poller aborts the process ("Terminating process because the JAX distributed service detected
-    # fatal errors"). JAX offers no way to turn the second into an exception; both are prompt.
-    if code == 1:
-        assert "process(es) 0 did not check in" in output, output
-    else:
-        assert code == -6 and "JAX distributed service detected fatal errors" in output, output
+    assert code == 1, output
+    assert "Traceback" in output
+    assert "process(es) 0 did not check in" in output, output
+    assert "Terminating process" not in output, output
     assert elapsed[1] < 30, elapsed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("faulty", [0, 1])
+def test_killed_peer_is_an_error_in_an_idle_process(faulty):
+    # The survivor spends 30 s in Python code without a collective when its peer dies: the
+    # rendezvous server reports the loss and PeerLostError is raised in its main thread.
+    results, elapsed = run_job("kill-idle", faulty, at_step=3)
+    survivor = 1 - faulty
+    code, output = results[survivor]
+    assert "idle" in output, output
+    assert code == 1, output
+    assert f"PeerLostError: process {survivor} of 2: process(es) {faulty} left the job" in output, output
+    assert "Terminating process" not in output, output
+    assert elapsed[survivor] < 25, elapsed  # well before the 30 s idle ends
 
 
 @pytest.mark.multiprocess
@@ -86,12 +118,40 @@ def test_stalled_peer_is_an_error_in_the_other(at_step):
 
 
 @pytest.mark.multiprocess
-def test_peer_that_never_starts_is_an_error():
-    results, elapsed = run_job("none", 1, at_step=0, start=(0,))
-    code, output = results[0]
+@pytest.mark.parametrize("missing", [1, 0], ids=["peer", "coordinator"])
+def test_peer_that_never_starts_is_a_python_exception(missing):
+    survivor = 1 - missing
+    results, elapsed = run_job("none", missing, at_step=0, start=(survivor,))
+    code, output = results[survivor]
     assert code == 1, output
-    assert "not every process of the job connected to the coordinator" in output, output
-    assert elapsed[0] < FAILURE_TIMEOUT + 15, elapsed
+    # Raised in initialize, before JAX is, so the script could catch it (the worker does, and re-raises).
+    assert f"caught MissingProcessError, missing=[{missing}]" in output, output
+    assert "Traceback" in output and "jaxcomp.rendezvous.MissingProcessError" in output, output
+    if missing:
+        assert "process(es) 1 did not check in at the rendezvous" in output, output
+    else:
+        assert "process 0 did not open the rendezvous" in output, output
+    assert "Terminating process" not in output and "F1" not in output, output  # no C++ fatal error
+    assert FAILURE_TIMEOUT - 1 < elapsed[survivor] < FAILURE_TIMEOUT + 15, elapsed
+
+
+@pytest.mark.multiprocess
+def test_a_job_that_ends_normally_leaves_nothing_behind():
+    results, _ = run_job("none", -1, at_step=0, steps=3, wait_for=(0, 1))
+    for process_id in (0, 1):
+        code, output = results[process_id]
+        assert code == 0, output
+        assert "step 2" in output and "left without a goodbye" not in output, output
+    # The rendezvous server (process 0's helper) exits once every process has: its port is free.
+    deadline = time.monotonic() + 10
+    while True:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", results["rendezvous_port"]))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the rendezvous server still runs after the job ended"
+        time.sleep(0.2)
 
 
 def test_launcher_stops_at_the_first_failure_of_any_worker():
@@ -112,22 +172,198 @@ def test_failure_timeout_must_be_positive_seconds(value):
         launch.launch(["x.py"], 2, failure_timeout=value)
 
 
-def test_initialize_sets_the_timeouts(monkeypatch):
-    # What initialize passes to JAX, without starting a job.
+class FakeMembership:
+    hosts_jax_service = True
+
+    def leaving(self):
+        pass
+
+
+def fake_job(monkeypatch, process_id, failure_timeout=12.5, **env_options):
+    """initialize()'s calls to the rendezvous and to JAX, recorded without starting a job."""
     calls = {}
     import jax
-    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: calls.update(kw))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: calls.update(jax=kw))
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(jax.config, "update", lambda *a: None)
     monkeypatch.setattr(launch, "_exit_promptly_on_failure", lambda *a: None)
-    env = launch.process_env("127.0.0.1:1", 2, 1, 1, base={"XLA_FLAGS": "--xla_cpu_collective_timeout_seconds=5"},
-                             failure_timeout=12.5)
+    monkeypatch.setattr(launch.atexit, "register", lambda *a: None)
+    monkeypatch.setattr(launch, "_memberships", [])
+
+    def check_in(address, num_processes, pid, timeout, **kw):
+        calls.update(check_in=dict(address=address, num_processes=num_processes, process_id=pid, timeout=timeout,
+                                   **kw))
+        return FakeMembership()
+
+    monkeypatch.setattr(launch.rendezvous, "check_in", check_in)
+    env = launch.process_env("127.0.0.1:7733", 2, process_id, 1,
+                             base={"XLA_FLAGS": "--xla_cpu_collective_timeout_seconds=5"},
+                             failure_timeout=failure_timeout, **env_options)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    return calls
+
+
+def test_initialize_sets_the_timeouts(monkeypatch):
+    calls = fake_job(monkeypatch, 1)
     assert launch.initialize() == 1
-    assert calls["heartbeat_timeout_seconds"] == 13
-    assert calls["initialization_timeout"] > 13  # the watchdog (13 s) ends the process first
+    assert calls["check_in"]["address"] == "127.0.0.1:7734"  # the coordinator's port + 1
+    assert calls["check_in"]["timeout"] == 12.5 and calls["check_in"]["jax_service"] is None
+    assert calls["jax"]["heartbeat_timeout_seconds"] == 13
+    assert calls["jax"]["initialization_timeout"] > 13  # the watchdog (13 s) ends the process first
+    assert calls["jax"]["coordinator_bind_address"] is None
     assert os.environ["XLA_FLAGS"].split().count("--xla_cpu_collective_timeout_seconds=13") == 1
     assert "=5" not in os.environ["XLA_FLAGS"]
+
+
+def test_process_0_hands_the_coordination_service_to_the_rendezvous_server(monkeypatch):
+    calls = fake_job(monkeypatch, 0, rendezvous_port=9000)
+    assert launch.initialize() == 0
+    assert calls["check_in"]["address"] == "127.0.0.1:9000"
+    service = calls["check_in"]["jax_service"]
+    assert service.bind_address == "[::]:7733" and service.num_processes == 2
+    assert service.heartbeat_timeout == 13 and service.shutdown_timeout == 13
+    # process 0's own service (jax.distributed.initialize always starts one) goes to an unused port
+    assert calls["jax"]["coordinator_bind_address"] == "127.0.0.1:0"
+
+
+def test_initialize_leaves_a_job_the_script_joined_itself(monkeypatch):
+    calls = fake_job(monkeypatch, 1)
+    import jax
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    assert launch.initialize() == 1
+    assert calls == {}
+
+
+@pytest.mark.parametrize("value", [0, 65536, -1, "7734", True, 1.5])
+def test_rendezvous_port_must_be_a_port(value, monkeypatch):
+    with pytest.raises(ValueError, match="rendezvous_port must be a port number"):
+        launch.initialize(rendezvous_port=value)
+    with pytest.raises(ValueError, match="rendezvous_port must be a port number"):
+        launch.launch(["x.py"], 2, rendezvous_port=value)
+    with pytest.raises(ValueError, match="rendezvous_port must be a port number"):
+        launch.process_env("127.0.0.1:7733", 2, 0, 1, rendezvous_port=value)
+
+
+def test_rendezvous_port_from_the_environment_is_checked(monkeypatch):
+    fake_job(monkeypatch, 1)
+    monkeypatch.setenv("JAXCOMP_RENDEZVOUS_PORT", "next")
+    with pytest.raises(ValueError, match="JAXCOMP_RENDEZVOUS_PORT must be a port number, got 'next'"):
+        launch.initialize()
+
+
+def test_rendezvous_port_cannot_be_the_coordinators():
+    with pytest.raises(ValueError, match="rendezvous_port must differ from the coordinator's port"):
+        launch.launch(["x.py"], 1, coordinator="10.0.0.1:7733", rendezvous_port=7733)
+    with pytest.raises(ValueError, match="give the rendezvous port explicitly"):
+        launch.launch(["x.py"], 1, coordinator="10.0.0.1:65535")
+
+
+# -- the rendezvous itself, with threads standing for processes ------------------------------------
+
+
+def check_in_all(ids, num_processes, timeout=5.0, address=None, on_loss=None):
+    """Runs rendezvous.check_in for every id in ``ids`` at once; returns ({id: membership or error}, seconds)."""
+    address = address or f"127.0.0.1:{free_ports(1)[0]}"
+    results, began = {}, time.monotonic()
+
+    def one(process_id):
+        try:
+            results[process_id] = rendezvous.check_in(address, num_processes, process_id, timeout,
+                                                      on_loss=on_loss and (lambda *a: on_loss(process_id, *a)))
+        except Exception as e:
+            results[process_id] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 30)
+    return results, time.monotonic() - began
+
+
+def test_rendezvous_lets_the_job_start_when_all_check_in():
+    results, seconds = check_in_all([0, 1, 2], 3)
+    assert all(isinstance(m, rendezvous.Membership) for m in results.values()), results
+    assert seconds < 5
+    for m in results.values():
+        m.close()
+
+
+def test_rendezvous_names_the_process_that_never_checks_in():
+    results, seconds = check_in_all([0, 2], 3, timeout=2.0)
+    for process_id in (0, 2):
+        error = results[process_id]
+        assert isinstance(error, rendezvous.MissingProcessError) and isinstance(error, TimeoutError), error
+        assert error.missing == (1,)
+        assert f"process {process_id} of 3: process(es) 1 did not check in" in str(error)
+    assert 1.5 < seconds < 10
+
+
+def test_rendezvous_names_process_0_when_it_never_starts():
+    results, seconds = check_in_all([1], 2, timeout=1.0)
+    assert isinstance(results[1], rendezvous.MissingProcessError) and results[1].missing == (0,)
+    assert "process 0 did not open the rendezvous" in str(results[1])
+
+
+def test_rendezvous_refuses_processes_that_disagree_on_the_job_size():
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    results = {}
+
+    def one(process_id, num_processes):
+        try:
+            results[process_id] = rendezvous.check_in(address, num_processes, process_id, 2.0)
+        except Exception as e:
+            results[process_id] = e
+
+    threads = [threading.Thread(target=one, args=(0, 2)), threading.Thread(target=one, args=(1, 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert isinstance(results[1], ValueError)
+    assert "process 1 says the job has 3 processes, process 0 says 2" in str(results[1])
+    assert isinstance(results[0], rendezvous.MissingProcessError) and results[0].missing == (1,)
+
+
+def test_rendezvous_port_in_use_is_a_clear_error():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        address = f"127.0.0.1:{busy.getsockname()[1]}"
+        with pytest.raises(OSError, match=f"cannot start the rendezvous server on {address}.*--rendezvous-port"):
+            rendezvous.check_in(address, 2, 0, 5.0)
+
+
+def test_rendezvous_reports_a_process_that_leaves_without_a_goodbye():
+    heard = []
+    results, _ = check_in_all([0, 1, 2], 3, on_loss=lambda me, lost, message: heard.append((me, lost, message)))
+    results[1].leaving()  # a goodbye: not a loss
+    results[1]._sock.shutdown(socket.SHUT_RDWR)
+    results[2]._sock.shutdown(socket.SHUT_RDWR)  # no goodbye: as if killed
+    deadline = time.monotonic() + 10
+    while results[0].lost != (2,) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert results[0].lost == (2,)
+    assert any(me == 0 and lost == (2,) and "process(es) 2 left the job" in message for me, lost, message in heard)
+    with pytest.raises(rendezvous.PeerLostError, match="process 0 of 3: process.es. 2 left the job") as error:
+        results[0].raise_if_lost()
+    assert error.value.lost == (2,)
+    results[0].close()
+
+
+@pytest.mark.parametrize("address", ["localhost", "host:", ":80", "host:0", "host:99999", "a b:1"])
+def test_rendezvous_address_must_be_host_port(address):
+    with pytest.raises(ValueError, match="address"):
+        rendezvous.check_in(address, 2, 0, 1.0)
+
+
+@pytest.mark.parametrize("name, args", [("num_processes", (0, 0, 1.0)), ("process_id", (2, 2, 1.0)),
+                                        ("timeout", (2, 0, 0.0)), ("timeout", (2, 0, float("inf")))])
+def test_rendezvous_arguments_are_checked(name, args):
+    with pytest.raises(ValueError, match=name):
+        rendezvous.check_in("127.0.0.1:7734", *args)
 
 
 def test_failure_timeout_from_the_environment_is_checked(monkeypatch):

@@ -15,6 +15,8 @@ interface gloo should use::
     host1$ python -m jaxcomp.launch --coordinator 10.0.0.1:7733 --num-hosts 2 --host-id 1 --interface eth0 train.py
 
 Each host then starts ``-n`` processes (default 1) with ids ``host_id * n ... host_id * n + n - 1``.
+Host 0 also listens on the coordinator's port + 1 (jaxcomp's rendezvous, :mod:`jaxcomp.rendezvous`;
+``--rendezvous-port`` picks another, the same on every host): both ports must be reachable.
 Under SLURM or Open MPI, ``srun``/``mpirun`` can start the script directly: call
 ``jax.distributed.initialize()`` with no arguments there (it reads the scheduler's environment),
 and :func:`use_gloo_interface` first if the hostname resolves to a loopback address.
@@ -41,28 +43,41 @@ import sys
 import threading
 import time
 
+from jaxcomp import rendezvous
+
 _COORDINATOR = "JAXCOMP_COORDINATOR_ADDRESS"
 _NUM_PROCESSES = "JAXCOMP_NUM_PROCESSES"
 _PROCESS_ID = "JAXCOMP_PROCESS_ID"
 _LOCAL_DEVICES = "JAXCOMP_LOCAL_DEVICES"
 _INTERFACE = "JAXCOMP_INTERFACE"
 _FAILURE_TIMEOUT = "JAXCOMP_FAILURE_TIMEOUT"
+_RENDEZVOUS_PORT = "JAXCOMP_RENDEZVOUS_PORT"
 
 DEFAULT_FAILURE_TIMEOUT = 60.0
 
 
-def initialize(interface: str | None = None, *, failure_timeout: float | None = None) -> int:
+def initialize(interface: str | None = None, *, failure_timeout: float | None = None,
+               rendezvous_port: int | None = None) -> int:
     """Joins the job :func:`launch` started (no-op when not launched); call before any JAX op.
 
-    Sets this process's CPU device count and calls ``jax.distributed.initialize`` with the
+    Sets this process's CPU device count, checks in at jaxcomp's rendezvous
+    (:func:`jaxcomp.rendezvous.check_in`), then calls ``jax.distributed.initialize`` with the
     coordinator, process count and id the launcher put in the environment, and with timeouts that
     turn a dead, never-started or stalled peer into a Python exception within about
     ``failure_timeout`` seconds on every surviving process (JAX's own defaults wait 100 to 300 s
     and then abort the process with no exception):
 
-    - ``initialization_timeout = failure_timeout``: a peer that never starts fails ``initialize``;
-    - ``heartbeat_timeout_seconds = failure_timeout``: a peer that stops heartbeating (killed) is
-      declared dead by the coordinator;
+    - the rendezvous: a process that never starts makes every other one raise
+      :class:`jaxcomp.rendezvous.MissingProcessError` (a ``TimeoutError``) naming it, after
+      ``failure_timeout``; JAX is not initialized then, so the exception can be caught;
+    - JAX's coordination service runs in the rendezvous server, a helper process of process 0,
+      so that killing process 0 does not abort the others (JAX's error poller would);
+    - a process that leaves without a goodbye (killed, or ended on an error) is reported to the
+      others at once by the rendezvous server; a process still running Python code 2 s later
+      gets :class:`jaxcomp.rendezvous.PeerLostError` raised in its main thread (normally its
+      next collective has raised already);
+    - ``heartbeat_timeout_seconds = failure_timeout``: a peer that stops heartbeating is declared
+      dead by the coordination service (the processes still alive then abort: JAX's own ending);
     - ``--xla_cpu_collective_timeout_seconds = failure_timeout``: a collective a peer never joins
       (the peer stalled, or died without resetting the connection) fails instead of waiting 30 min.
 
@@ -71,6 +86,9 @@ def initialize(interface: str | None = None, *, failure_timeout: float | None = 
     at once, instead of waiting in JAX's exit-time shutdown barrier for a peer that is gone (which
     ends, after the heartbeat timeout, in an abort).
 
+    When ``jax.distributed`` is already initialized (the script called
+    ``jax.distributed.initialize`` itself), this does nothing and returns ``jax.process_index()``.
+
     Args:
       interface: network interface gloo binds to (e.g. ``"eth0"``); default: the launcher's
         ``--interface`` (``JAXCOMP_INTERFACE``), else gloo's own choice, the address the
@@ -78,9 +96,16 @@ def initialize(interface: str | None = None, *, failure_timeout: float | None = 
       failure_timeout: seconds, ``> 0``, after which a missing peer is an error (see above);
         default: the launcher's ``--failure-timeout`` (``JAXCOMP_FAILURE_TIMEOUT``), else 60.
         Raise it when the first step's compilation can take longer than that on some process.
+      rendezvous_port: the rendezvous server's port on the coordinator's host; default: the
+        launcher's ``--rendezvous-port`` (``JAXCOMP_RENDEZVOUS_PORT``), else the coordinator's
+        port + 1.
 
     Returns:
       This process's id (0 when not launched).
+
+    Raises:
+      jaxcomp.rendezvous.MissingProcessError: a process of the job did not start within
+        ``failure_timeout`` (the message and ``.missing`` name it).
 
     Example:
       >>> from jaxcomp import launch
@@ -93,6 +118,8 @@ def initialize(interface: str | None = None, *, failure_timeout: float | None = 
     """
     if failure_timeout is not None:
         failure_timeout = _check_timeout(failure_timeout, "failure_timeout")
+    if rendezvous_port is not None:
+        _check_port(rendezvous_port, "rendezvous_port")
     if _COORDINATOR not in os.environ:
         return 0
     if failure_timeout is None:
@@ -102,8 +129,18 @@ def initialize(interface: str | None = None, *, failure_timeout: float | None = 
         except ValueError:
             raise ValueError(f"{_FAILURE_TIMEOUT} must be a number of seconds, got {text!r}") from None
         failure_timeout = _check_timeout(failure_timeout, _FAILURE_TIMEOUT)
+    coordinator = os.environ[_COORDINATOR]
+    if rendezvous_port is None and os.environ.get(_RENDEZVOUS_PORT):
+        text = os.environ[_RENDEZVOUS_PORT]
+        if not text.isdigit():
+            raise ValueError(f"{_RENDEZVOUS_PORT} must be a port number, got {text!r}")
+        rendezvous_port = _check_port(int(text), _RENDEZVOUS_PORT)
+    if rendezvous_port is None:
+        rendezvous_port = rendezvous.default_port(coordinator)
     import jax
 
+    if jax.distributed.is_initialized():  # the script joined the job itself
+        return jax.process_index()
     interface = interface or os.environ.get(_INTERFACE) or None
     if interface is not None:
         use_gloo_interface(interface)
@@ -114,21 +151,80 @@ def initialize(interface: str | None = None, *, failure_timeout: float | None = 
     jax.config.update("jax_num_cpu_devices", int(os.environ[_LOCAL_DEVICES]))
     process_id = int(os.environ[_PROCESS_ID])
     num_processes = int(os.environ[_NUM_PROCESSES])
-    coordinator = os.environ[_COORDINATOR]
-    # A peer that never connects makes JAX abort the process (a C++ fatal error, no Python
-    # exception, no exit code worth reading) when initialization_timeout expires; this watchdog
-    # ends the process first, with a message and exit code 1.
+    host, port = rendezvous.split_address(coordinator)
+    service = rendezvous.JaxService(
+        os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or f"[::]:{port}", num_processes,
+        heartbeat_timeout=seconds, shutdown_timeout=seconds,
+        recoverable=bool(getattr(jax.config, "jax_enable_recoverability", False)))
+    exiting = threading.Event()  # set once this process is on its way out: no PeerLostError then
+    membership = rendezvous.check_in(rendezvous.join_address(host, rendezvous_port), num_processes, process_id,
+                                     failure_timeout, jax_service=service if process_id == 0 else None,
+                                     on_loss=_raise_peer_lost_later(exiting, min(_LOSS_GRACE_SECONDS, seconds / 2)))
+    # Every process checked in; a peer that dies now, before connecting to the coordinator, makes
+    # JAX abort the process (a C++ fatal error, no Python exception) when initialization_timeout
+    # expires; this watchdog ends the process first, with a message and exit code 1.
     joined = threading.Event()
     threading.Thread(target=_initialize_watchdog, daemon=True,
                      args=(joined, failure_timeout, process_id, num_processes, coordinator)).start()
+    # With the coordination service in the rendezvous server, process 0's own (which
+    # jax.distributed.initialize always starts) listens on an unused port nobody connects to.
+    bind = "127.0.0.1:0" if process_id == 0 and membership.hosts_jax_service else None
     try:
         jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
                                    initialization_timeout=seconds + _ABORT_MARGIN_SECONDS,
+                                   coordinator_bind_address=bind,
                                    heartbeat_timeout_seconds=seconds, shutdown_timeout_seconds=seconds)
     finally:  # joined, or failed with an exception of its own: either way the watchdog stands down
         joined.set()
-    _exit_promptly_on_failure(process_id, num_processes)
+    # atexit runs last-registered first: on failure _exit_promptly_on_failure's handler exits
+    # before the goodbye (the others must hear of the loss); on a normal exit the goodbye is said
+    # before JAX's shutdown barrier.
+    atexit.register(membership.leaving)
+    _exit_promptly_on_failure(process_id, num_processes, exiting)
+    _memberships.append(membership)
     return process_id
+
+
+# Seconds between hearing that a peer was lost and raising PeerLostError in the main thread: time
+# for the collective that normally fails first to raise its own exception.
+_LOSS_GRACE_SECONDS = 2.0
+_memberships = []  # this process's rendezvous connection, kept open until exit
+
+
+def _raise_peer_lost_later(exiting: threading.Event, grace: float):
+    """An ``on_loss`` callback: after ``grace`` s, raise PeerLostError in the main thread, once."""
+    fired = []
+
+    def on_loss(lost, message):
+        if fired or exiting.is_set():
+            return
+        fired.append(True)
+
+        def fire():
+            if exiting.wait(grace) or not threading.main_thread().is_alive():
+                return
+            print(f"jaxcomp.launch: {message}; raising PeerLostError in the main thread", file=sys.stderr,
+                  flush=True)
+            _raise_in_main_thread(rendezvous.PeerLostError, message, lost)
+
+        threading.Thread(target=fire, name="jaxcomp-peer-lost", daemon=True).start()
+
+    return on_loss
+
+
+def _raise_in_main_thread(kind, message, lost):
+    """Raises ``kind(message, lost)`` in the main thread at its next Python bytecode.
+
+    CPython's ``PyThreadState_SetAsyncExc`` takes an exception class, instantiated with no
+    arguments, so the message goes into a subclass made for it (``except kind`` still catches it).
+    A main thread blocked inside a C call (a sleep, a collective) gets it when the call returns.
+    """
+    import ctypes
+
+    error = type(kind.__name__, (kind,), {"__init__": lambda self: kind.__init__(self, message, lost),
+                                          "__module__": kind.__module__, "__qualname__": kind.__qualname__})
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.main_thread().ident),
+                                               ctypes.py_object(error))
 
 
 def _initialize_watchdog(joined, seconds, process_id, num_processes, coordinator):
@@ -139,7 +235,8 @@ def _initialize_watchdog(joined, seconds, process_id, num_processes, coordinator
         os._exit(1)
 
 
-def _exit_promptly_on_failure(process_id: int, num_processes: int) -> None:
+def _exit_promptly_on_failure(process_id: int, num_processes: int,
+                              exiting: threading.Event | None = None) -> None:
     """On an uncaught exception: name the peers that do not check in, then exit(1) at once.
 
     JAX's exit handler (registered when jax was imported, so it runs after this one) shuts the
@@ -149,8 +246,10 @@ def _exit_promptly_on_failure(process_id: int, num_processes: int) -> None:
     """
     failed = []
     previous_hook = sys.excepthook
+    exiting = exiting or threading.Event()
 
     def excepthook(kind, value, traceback):
+        exiting.set()
         previous_hook(kind, value, traceback)
         if kind is KeyboardInterrupt:
             return
@@ -162,6 +261,7 @@ def _exit_promptly_on_failure(process_id: int, num_processes: int) -> None:
                   "(dead or stalled, unless still running without error)", file=sys.stderr, flush=True)
 
     def exit_now():
+        exiting.set()
         if failed:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -246,7 +346,7 @@ def use_gloo_interface(interface: str) -> None:
 
 def process_env(coordinator: str, num_processes: int, process_id: int, devices: int, *,
                 interface: str | None = None, base: dict | None = None,
-                failure_timeout: float | None = None) -> dict:
+                failure_timeout: float | None = None, rendezvous_port: int | None = None) -> dict:
     """The environment that makes :func:`initialize` join a job as ``process_id``.
 
     Args:
@@ -258,6 +358,8 @@ def process_env(coordinator: str, num_processes: int, process_id: int, devices: 
       base: the environment to extend (default ``os.environ``).
       failure_timeout: seconds after which :func:`initialize` makes a missing peer an error, or
         None for its default (60).
+      rendezvous_port: port of the rendezvous server on the coordinator's host, or None for
+        :func:`initialize`'s default (the coordinator's port + 1).
 
     Returns:
       A new dict.
@@ -277,6 +379,10 @@ def process_env(coordinator: str, num_processes: int, process_id: int, devices: 
         env.pop(_INTERFACE, None)
     if failure_timeout is not None:
         env[_FAILURE_TIMEOUT] = repr(_check_timeout(failure_timeout, "failure_timeout"))
+    if rendezvous_port is not None:
+        env[_RENDEZVOUS_PORT] = str(_check_port(rendezvous_port, "rendezvous_port"))
+    else:
+        env.pop(_RENDEZVOUS_PORT, None)
     return env
 
 
@@ -321,9 +427,25 @@ def wait_all(processes, timeout: float | None = None, kill=None) -> tuple[list[i
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)[0]
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports on 127.0.0.1 (all held open while choosing)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _check_port(value, name):
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise ValueError(f"{name} must be a port number in [1, 65535], got {value!r}")
+    return value
 
 
 def _with_device_count(flags: str, count: int) -> str:
@@ -350,7 +472,8 @@ def _positive_int(value, name):
 
 def launch(command, num_processes: int, devices_per_process: int = 1, port: int | None = None,
            timeout: float | None = None, *, coordinator: str | None = None, num_hosts: int = 1,
-           host_id: int = 0, interface: str | None = None, failure_timeout: float | None = None) -> int:
+           host_id: int = 0, interface: str | None = None, failure_timeout: float | None = None,
+           rendezvous_port: int | None = None) -> int:
     """Runs ``python *command`` as ``num_processes`` processes of one ``jax.distributed`` job.
 
     On one machine (the default) the coordinator is a free port on 127.0.0.1. For several hosts,
@@ -369,6 +492,9 @@ def launch(command, num_processes: int, devices_per_process: int = 1, port: int 
       interface: network interface gloo binds to on every process (e.g. ``"eth0"``).
       failure_timeout: seconds after which a dead, never-started or stalled process is an error
         in every other process (see :func:`initialize`); default 60.
+      rendezvous_port: port of jaxcomp's rendezvous server (:mod:`jaxcomp.rendezvous`) on the
+        coordinator's host; default: a second free port on one host, else the coordinator's
+        port + 1. Every host must use the same.
 
     Returns:
       0 when every process exits with 0; else the first failing process's code (the others are
@@ -390,10 +516,19 @@ def launch(command, num_processes: int, devices_per_process: int = 1, port: int 
     _positive_int(num_hosts, "num_hosts")
     if isinstance(host_id, bool) or not isinstance(host_id, int) or not 0 <= host_id < num_hosts:
         raise ValueError(f"host_id must be an integer in [0, {num_hosts}), got {host_id!r}")
+    if rendezvous_port is not None:
+        _check_port(rendezvous_port, "rendezvous_port")
     if coordinator is None:
         if num_hosts > 1:
             raise ValueError("a job of several hosts needs coordinator='HOST:PORT' (host 0's address)")
-        coordinator = f"127.0.0.1:{port or _free_port()}"
+        if port is not None:
+            _check_port(port, "port")
+        free = _free_ports(2)
+        if port is None:
+            port = free[0]
+        if rendezvous_port is None:
+            rendezvous_port = free[1] if free[1] != port else free[0]
+        coordinator = f"127.0.0.1:{port}"
     elif port is not None:
         raise ValueError("give the port inside coordinator='HOST:PORT', not as port=")
     elif not re.fullmatch(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:]+\]:\d{1,5}", str(coordinator)):
@@ -405,11 +540,15 @@ def launch(command, num_processes: int, devices_per_process: int = 1, port: int 
         _check_timeout(failure_timeout, "failure_timeout")
     if timeout is not None:
         _check_timeout(timeout, "timeout")
+    if rendezvous_port is None:
+        rendezvous.default_port(coordinator)  # a coordinator on port 65535 needs one given
+    if rendezvous_port is not None and rendezvous_port == rendezvous.split_address(coordinator)[1]:
+        raise ValueError(f"rendezvous_port must differ from the coordinator's port, got {rendezvous_port}")
     total = num_hosts * num_processes
     processes = []
     for local in range(num_processes):
         env = process_env(coordinator, total, host_id * num_processes + local, devices_per_process,
-                          interface=interface, failure_timeout=failure_timeout)
+                          interface=interface, failure_timeout=failure_timeout, rendezvous_port=rendezvous_port)
         processes.append(subprocess.Popen([sys.executable, *command], env=env))
     codes, failed = wait_all(processes, timeout)
     return codes[failed] if failed is not None else (124 if 124 in codes else 0)
@@ -417,7 +556,7 @@ def launch(command, num_processes: int, devices_per_process: int = 1, port: int 
 
 def main(argv=None) -> int:
     """``python -m jaxcomp.launch -n N [--devices-per-process D] [--coordinator H:P --num-hosts M --host-id I]
-    [--interface IF] script.py [args...]``."""
+    [--interface IF] [--failure-timeout S] [--rendezvous-port P] script.py [args...]``."""
     parser = argparse.ArgumentParser(prog="python -m jaxcomp.launch", description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", "--num-processes", type=int, default=1, help="processes on this host (default 1)")
     parser.add_argument("--devices-per-process", type=int, default=1)
@@ -430,6 +569,9 @@ def main(argv=None) -> int:
     parser.add_argument("--failure-timeout", type=float, default=None,
                         help="seconds after which a dead, never-started or stalled process is an error in the "
                              f"others (default {DEFAULT_FAILURE_TIMEOUT:g})")
+    parser.add_argument("--rendezvous-port", type=int, default=None,
+                        help="port of jaxcomp's rendezvous server on the coordinator's host (default: a free one "
+                             "on one host, else the coordinator's port + 1)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...] or -m module [args...]")
     args = parser.parse_args(argv)
     if not args.command:
@@ -437,7 +579,8 @@ def main(argv=None) -> int:
     try:
         return launch(args.command, args.num_processes, args.devices_per_process, args.port, args.timeout,
                       coordinator=args.coordinator, num_hosts=args.num_hosts, host_id=args.host_id,
-                      interface=args.interface, failure_timeout=args.failure_timeout)
+                      interface=args.interface, failure_timeout=args.failure_timeout,
+                      rendezvous_port=args.rendezvous_port)
     except ValueError as e:
         parser.error(str(e))
 
