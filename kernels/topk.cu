@@ -327,8 +327,12 @@ ScratchLayout layout_of(void* scratch, int64_t chunk_rows, int64_t n, int rounds
 // and, if `keep_tiles`, the last pass's per-tile histograms in scratch.
 cudaError_t search(const float* x, int64_t chunk_rows, int64_t n, int64_t k, int rounds, bool keep_tiles,
                    const ScratchLayout& s, cudaStream_t stream) {
-  // Zeroed histograms and states: prefix 0 and above 0 are the state before any round.
-  cudaError_t err = cudaMemsetAsync(s.histograms, 0, histogram_bytes(chunk_rows) + state_bytes(chunk_rows), stream);
+  // Zeroed histograms and states: prefix 0 and above 0 are the state before any round. Two
+  // memsets: the states sit after histograms sized for the largest chunk, so in a last, smaller
+  // chunk one memset from the histograms would stop short of them (issue 12).
+  cudaError_t err = cudaMemsetAsync(s.histograms, 0, histogram_bytes(chunk_rows), stream);
+  if (err != cudaSuccess) return err;
+  err = cudaMemsetAsync(s.states, 0, state_bytes(chunk_rows), stream);
   if (err != cudaSuccess) return err;
   const int64_t tiles = tiles_per_row_of(n);
   for (int resolved = 0; resolved < rounds;) {

@@ -11,6 +11,9 @@
 //
 // Exits 1 at the first difference, naming the case; 2 if a kernel breaks the programming model
 // (divergent barriers: see tests/native/cuda_host/cuda_runtime_api.h).
+// This file holds main(): it also defines the emulator's fiber switch.
+#define CUDA_HOST_MAIN
+
 #include <chrono>
 #include <cmath>
 #include <cstdint>

@@ -18,8 +18,6 @@
 // here). Each launch fails (returns an error) for grids the hardware rejects.
 #pragma once
 
-#include <ucontext.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -79,6 +77,41 @@ inline cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStrea
   return cudaSuccess;
 }
 
+// Switching fibers: saves the callee-saved registers on the current stack, stores its pointer in
+// *save and continues on the stack `load` (as left by a previous switch or by new_stack). Plain
+// register moves: ucontext's swapcontext makes a system call per switch, ten times slower here.
+extern "C" void cuda_host_switch(void** save, void* load);
+
+#if defined(CUDA_HOST_MAIN)  // defined by the one translation unit that holds main()
+#if !defined(__x86_64__)
+#error "tests/native/cuda_host runs on x86-64 only (its fiber switch is x86-64 assembly)"
+#endif
+asm(R"(
+  .text
+  .globl cuda_host_switch
+  .type cuda_host_switch, @function
+cuda_host_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size cuda_host_switch, .-cuda_host_switch
+  .section .note.GNU-stack,"",@progbits
+  .text
+)");
+#endif
+
 namespace cuda_host {
 
 constexpr int kWarp = 32;
@@ -87,7 +120,7 @@ constexpr size_t kStackBytes = size_t{64} << 10;
 enum class State { kReady, kBlockBarrier, kWarpBarrier, kDone };
 
 struct Thread {
-  ucontext_t context;
+  void* stack_pointer = nullptr;
   State state = State::kReady;
   unsigned index = 0;
   uint64_t deposit = 0;  // this lane's operand of the warp collective it waits in
@@ -98,7 +131,7 @@ struct Machine {
   std::vector<Thread> threads;
   std::vector<std::unique_ptr<char[]>> stacks;
   std::vector<uint64_t> released;  // per lane: the operands of the warp collective last released
-  ucontext_t scheduler;
+  void* scheduler = nullptr;
   Thread* current = nullptr;
   uint3 block_index{0, 0, 0};
   dim3 grid_dim, block_dim;
@@ -121,14 +154,27 @@ inline uint3 current_thread_index() { return {machine().current->index, 0, 0}; }
 inline void yield(State state) {
   Machine& m = machine();
   m.current->state = state;
-  swapcontext(&m.current->context, &m.scheduler);
+  cuda_host_switch(&m.current->stack_pointer, m.scheduler);
 }
 
-inline void thread_entry() {
+[[noreturn]] inline void thread_entry() {
   Machine& m = machine();
   (*m.body)();
   m.current->state = State::kDone;
-  swapcontext(&m.current->context, &m.scheduler);  // never resumed
+  cuda_host_switch(&m.current->stack_pointer, m.scheduler);  // never resumed
+  __builtin_unreachable();
+}
+
+// A fresh fiber stack whose first switch "returns" into thread_entry: six zero registers for
+// cuda_host_switch to pop, then thread_entry's address, then a null return address, with the
+// stack aligned as the ABI wants at a function's entry.
+inline void* new_stack(char* base, size_t bytes) {
+  uintptr_t top = (reinterpret_cast<uintptr_t>(base) + bytes) & ~uintptr_t{15};
+  void** sp = reinterpret_cast<void**>(top);
+  *--sp = nullptr;
+  *--sp = reinterpret_cast<void*>(&thread_entry);
+  for (int i = 0; i < 6; ++i) *--sp = nullptr;
+  return sp;
 }
 
 // A warp collective: every lane deposits `value` and waits for the whole warp; returns the
@@ -150,11 +196,7 @@ inline bool run_block(unsigned threads) {
     Thread& th = m.threads[t];
     th.state = State::kReady;
     th.index = t;
-    getcontext(&th.context);
-    th.context.uc_stack.ss_sp = m.stacks[t].get();
-    th.context.uc_stack.ss_size = kStackBytes;
-    th.context.uc_link = nullptr;
-    makecontext(&th.context, thread_entry, 0);
+    th.stack_pointer = new_stack(m.stacks[t].get(), kStackBytes);
   }
   std::vector<unsigned> order(threads);
   for (unsigned t = 0; t < threads; ++t) order[t] = t;
@@ -165,7 +207,7 @@ inline bool run_block(unsigned threads) {
       Thread& th = m.threads[t];
       if (th.state != State::kReady) continue;
       m.current = &th;
-      swapcontext(&m.scheduler, &th.context);
+      cuda_host_switch(&m.scheduler, th.stack_pointer);
       if (m.failure) return false;
     }
     // Everyone is done or waiting: release what can be released.

@@ -22,12 +22,14 @@ class BlockLoad {
   void Load(const T* source, T (&items)[kItems]) { Load(source, items, kBlockThreads * kItems, T()); }
 
   void Load(const T* source, T (&items)[kItems], int valid_items, T oob_default) {
+    // CUB's warp transpose: each warp loads its part of the tile into its region of the shared
+    // storage, synchronizes the warp, and each lane reads its items back. The read comes after
+    // the warp barrier here too, so a caller that reuses the storage (a scan) before every
+    // thread has read back, without __syncthreads() in between, corrupts items in some order.
     const int first = static_cast<int>(threadIdx.x) * kItems;
-    for (int i = 0; i < kItems; ++i) {
-      items[i] = first + i < valid_items ? source[first + i] : oob_default;
-      storage_.staged[first + i] = items[i];
-    }
-    __syncwarp();  // CUB's warp transpose exchanges through shared memory within the warp
+    for (int i = 0; i < kItems; ++i) storage_.staged[first + i] = first + i < valid_items ? source[first + i] : oob_default;
+    __syncwarp();
+    for (int i = 0; i < kItems; ++i) items[i] = storage_.staged[first + i];
   }
 
  private:

@@ -12,6 +12,9 @@ class BlockScan {
  public:
   struct TempStorage {
     T lanes[kBlockThreads];
+    T before[kBlockThreads];
+    T total;
+    unsigned long long scanned_at;  // the emulator's barrier count when `before` was computed
   };
 
   explicit BlockScan(TempStorage& storage) : storage_(storage) {}
@@ -25,13 +28,19 @@ class BlockScan {
     const unsigned t = threadIdx.x;
     storage_.lanes[t] = input;
     __syncthreads();
-    T before = T(0), total = T(0);
-    for (int i = 0; i < kBlockThreads; ++i) {
-      if (static_cast<unsigned>(i) == t) before = total;
-      total += storage_.lanes[i];
+    // Threads run one at a time: the first to wake after the barrier scans for all of them.
+    const unsigned long long now = ::cuda_host::machine().barriers;
+    if (storage_.scanned_at != now) {
+      T total = T(0);
+      for (int i = 0; i < kBlockThreads; ++i) {
+        storage_.before[i] = total;
+        total += storage_.lanes[i];
+      }
+      storage_.total = total;
+      storage_.scanned_at = now;
     }
-    output = before;
-    aggregate = total;
+    output = storage_.before[t];
+    aggregate = storage_.total;
   }
 
  private:
