@@ -17,12 +17,12 @@ ffi::Error HadamardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Resu
   if (!jaxcomp::IsPowerOfTwo(rows.n)) {
     return ffi::Error::InvalidArgument("x's last dimension must be a power of two, got " + std::to_string(rows.n));
   }
-  if (auto error = jaxcomp_ffi::CheckSameShape(x.dimensions(), out->dimensions(), "out"); error.failure()) {
+  if (auto error = jaxcomp_ffi::CheckResultShape(x.dimensions(), "x", out->dimensions(), "out", {rows.n, "n"});
+      error.failure()) {
     return error;
   }
-  const std::string message = jaxcomp::Hadamard(x.typed_data(), rows.rows, rows.n, out->typed_data(),
-                                                jaxcomp_ffi::PoolParallel(pool));
-  return message.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(message);
+  return jaxcomp_ffi::ToError(
+      jaxcomp::Hadamard(x.typed_data(), rows.rows, rows.n, out->typed_data(), jaxcomp_ffi::PoolParallel(pool)));
 }
 
 }  // namespace

@@ -12,25 +12,11 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxcomp_ffi::CheckRange;
+using jaxcomp_ffi::CheckResultShape;
+using jaxcomp_ffi::NoRowAxis;
+using jaxcomp_ffi::RowAxis;
 using jaxcomp_ffi::Rows;
-
-// Checks that `result` has x's leading dims followed by `last` (or nothing, when last < 0).
-template <typename Dims, typename ResultDims>
-ffi::Error CheckResultShape(const Dims& x_dims, const ResultDims& dims, int64_t last, const char* name) {
-  const size_t batch = x_dims.size() - 1;
-  bool ok = dims.size() == batch + (last >= 0 ? 1 : 0);
-  for (size_t i = 0; ok && i < batch; ++i) ok = dims[i] == x_dims[i];
-  if (ok && last >= 0) ok = dims[batch] == last;
-  if (!ok) {
-    return ffi::Error::InvalidArgument(std::string(name) + " must have x's leading dimensions" +
-                                       (last >= 0 ? " followed by k = " + std::to_string(last) : std::string()));
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error KernelError(const std::string& message) {
-  return message.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(message);
-}
+using jaxcomp_ffi::ToError;
 
 // Shared checks of the selecting ops; returns the row shape through `rows`.
 ffi::Error CheckSelection(ffi::Buffer<ffi::F32> x, int64_t k, ffi::Result<ffi::Buffer<ffi::F32>> values,
@@ -39,15 +25,18 @@ ffi::Error CheckSelection(ffi::Buffer<ffi::F32> x, int64_t k, ffi::Result<ffi::B
   if (shape.has_error()) return shape.error();
   *rows = shape.value();
   if (auto error = CheckRange(k, 1, rows->n, "k"); error.failure()) return error;
-  if (auto error = CheckResultShape(x.dimensions(), values->dimensions(), k, "values"); error.failure()) return error;
-  return CheckResultShape(x.dimensions(), indices->dimensions(), k, "indices");
+  if (auto error = CheckResultShape(x.dimensions(), "x", values->dimensions(), "values", RowAxis{k, "k"});
+      error.failure()) {
+    return error;
+  }
+  return CheckResultShape(x.dimensions(), "x", indices->dimensions(), "indices", RowAxis{k, "k"});
 }
 
 ffi::Error TopkImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, int64_t k, ffi::Result<ffi::Buffer<ffi::F32>> values,
                     ffi::Result<ffi::Buffer<ffi::S32>> indices) {
   Rows rows;
   if (auto error = CheckSelection(x, k, values, indices, &rows); error.failure()) return error;
-  return KernelError(jaxcomp::TopK(x.typed_data(), rows.rows, rows.n, k, values->typed_data(),
+  return ToError(jaxcomp::TopK(x.typed_data(), rows.rows, rows.n, k, values->typed_data(),
                                    indices->typed_data(), jaxcomp_ffi::PoolParallel(pool)));
 }
 
@@ -58,11 +47,14 @@ ffi::Error FindThresholdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, int6
   const Rows rows = shape.value();
   if (auto error = CheckRange(k, 1, rows.n, "k"); error.failure()) return error;
   if (auto error = CheckRange(rounds, 1, 31, "rounds"); error.failure()) return error;
-  if (auto error = CheckResultShape(x.dimensions(), threshold->dimensions(), -1, "threshold"); error.failure()) {
+  if (auto error = CheckResultShape(x.dimensions(), "x", threshold->dimensions(), "threshold", NoRowAxis());
+      error.failure()) {
     return error;
   }
-  if (auto error = CheckResultShape(x.dimensions(), count->dimensions(), -1, "count"); error.failure()) return error;
-  return KernelError(jaxcomp::FindThreshold(x.typed_data(), rows.rows, rows.n, k, rounds, threshold->typed_data(),
+  if (auto error = CheckResultShape(x.dimensions(), "x", count->dimensions(), "count", NoRowAxis()); error.failure()) {
+    return error;
+  }
+  return ToError(jaxcomp::FindThreshold(x.typed_data(), rows.rows, rows.n, k, rounds, threshold->typed_data(),
                                             count->typed_data(), jaxcomp_ffi::PoolParallel(pool)));
 }
 
@@ -71,7 +63,7 @@ ffi::Error ThresholdTopkImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, int6
   Rows rows;
   if (auto error = CheckSelection(x, k, values, indices, &rows); error.failure()) return error;
   if (auto error = CheckRange(rounds, 1, 31, "rounds"); error.failure()) return error;
-  return KernelError(jaxcomp::ThresholdTopK(x.typed_data(), rows.rows, rows.n, k, rounds, values->typed_data(),
+  return ToError(jaxcomp::ThresholdTopK(x.typed_data(), rows.rows, rows.n, k, rounds, values->typed_data(),
                                             indices->typed_data(), jaxcomp_ffi::PoolParallel(pool)));
 }
 

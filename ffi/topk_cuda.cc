@@ -15,11 +15,12 @@
 namespace ffi = xla::ffi;
 using jaxcomp_ffi::AllocateScratch;
 using jaxcomp_ffi::CheckRange;
-using jaxcomp_ffi::CheckResultDims;
-using jaxcomp_ffi::CheckRowResultDims;
-using jaxcomp_ffi::FromCuda;
+using jaxcomp_ffi::CheckResultShape;
+using jaxcomp_ffi::NoRowAxis;
+using jaxcomp_ffi::RowAxis;
 using jaxcomp_ffi::Rows;
 using jaxcomp_ffi::RowsOf;
+using jaxcomp_ffi::ToError;
 
 namespace {
 
@@ -33,15 +34,20 @@ ffi::Error SelectImpl(cudaStream_t stream, ffi::ScratchAllocator& scratch, ffi::
   if (rows.has_error()) return rows.error();
   if (ffi::Error e = CheckRange(k, 1, rows->n, "k"); e.failure()) return e;
   if (ffi::Error e = CheckRange(rounds, 1, kExactRounds, "rounds"); e.failure()) return e;
-  if (ffi::Error e = CheckResultDims(x.dimensions(), values->dimensions(), k, "values"); e.failure()) return e;
-  if (ffi::Error e = CheckResultDims(x.dimensions(), indices->dimensions(), k, "indices"); e.failure()) return e;
+  if (ffi::Error e = CheckResultShape(x.dimensions(), "x", values->dimensions(), "values", RowAxis{k, "k"});
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckResultShape(x.dimensions(), "x", indices->dimensions(), "indices", RowAxis{k, "k"});
+      e.failure()) {
+    return e;
+  }
   if (rows->rows == 0) return ffi::Error::Success();
   const size_t scratch_bytes = jaxcomp::cuda::select_scratch_bytes(rows->rows, rows->n, static_cast<int>(rounds));
   ffi::ErrorOr<void*> work = AllocateScratch(scratch, scratch_bytes);
   if (work.has_error()) return work.error();
-  return FromCuda(jaxcomp::cuda::select_topk(x.typed_data(), rows->rows, rows->n, k, static_cast<int>(rounds),
-                                             values->typed_data(), indices->typed_data(), *work, stream),
-                  "jaxcomp top-k kernels");
+  return ToError(jaxcomp::cuda::select_topk(x.typed_data(), rows->rows, rows->n, k, static_cast<int>(rounds),
+                                            values->typed_data(), indices->typed_data(), *work, stream));
 }
 
 ffi::Error TopkImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::F32> x,
@@ -62,15 +68,19 @@ ffi::Error FindThresholdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
   if (rows.has_error()) return rows.error();
   if (ffi::Error e = CheckRange(k, 1, rows->n, "k"); e.failure()) return e;
   if (ffi::Error e = CheckRange(rounds, 1, kExactRounds, "rounds"); e.failure()) return e;
-  if (ffi::Error e = CheckRowResultDims(x.dimensions(), threshold->dimensions(), "threshold"); e.failure()) return e;
-  if (ffi::Error e = CheckRowResultDims(x.dimensions(), count->dimensions(), "count"); e.failure()) return e;
+  if (ffi::Error e = CheckResultShape(x.dimensions(), "x", threshold->dimensions(), "threshold", NoRowAxis());
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckResultShape(x.dimensions(), "x", count->dimensions(), "count", NoRowAxis()); e.failure()) {
+    return e;
+  }
   if (rows->rows == 0) return ffi::Error::Success();
   const size_t scratch_bytes = jaxcomp::cuda::select_scratch_bytes(rows->rows, rows->n, static_cast<int>(rounds));
   ffi::ErrorOr<void*> work = AllocateScratch(scratch, scratch_bytes);
   if (work.has_error()) return work.error();
-  return FromCuda(jaxcomp::cuda::find_threshold(x.typed_data(), rows->rows, rows->n, k, static_cast<int>(rounds),
-                                                threshold->typed_data(), count->typed_data(), *work, stream),
-                  "jaxcomp threshold kernels");
+  return ToError(jaxcomp::cuda::find_threshold(x.typed_data(), rows->rows, rows->n, k, static_cast<int>(rounds),
+                                               threshold->typed_data(), count->typed_data(), *work, stream));
 }
 
 }  // namespace

@@ -33,35 +33,19 @@ void AdviseHugePages(void* data, size_t bytes) {
 #endif
 }
 
-ffi::Error StatusToError(jaxcomp::ZfpStatus status) {
-  switch (status) {
-    case jaxcomp::ZfpStatus::kOk:
-      return ffi::Error::Success();
-    case jaxcomp::ZfpStatus::kBadRate:
-      return ffi::Error::InvalidArgument("rate must be in [1, 32]");
-    case jaxcomp::ZfpStatus::kOutOfMemory:
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted, "zfp: out of memory for the row exponents");
-    case jaxcomp::ZfpStatus::kBadShape:
-      break;
-  }
-  return ffi::Error::InvalidArgument("zfp: inconsistent shapes");
-}
-
 ffi::Error ZfpEncode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, int64_t rate, ffi::ResultBuffer<ffi::U32> words) {
   if (ffi::Error e = jaxcomp_ffi::CheckRange(rate, 1, 32, "rate"); e.failure()) return e;
   auto shape = jaxcomp_ffi::RowsOf(x.dimensions(), "x");
   if (shape.has_error()) return shape.error();
   const auto [rows, n] = shape.value();
   const int64_t row_words = jaxcomp::zfp_num_words(n, static_cast<int>(rate));
-  auto out_shape = jaxcomp_ffi::RowsOf(words->dimensions(), "words");
-  if (out_shape.has_error()) return out_shape.error();
-  if (out_shape.value().rows != rows || out_shape.value().n != row_words) {
-    return ffi::Error::InvalidArgument("words (the result) must have " + std::to_string(rows) + " rows of " +
-                                       std::to_string(row_words) + " words for n=" + std::to_string(n) +
-                                       ", rate=" + std::to_string(rate));
+  if (ffi::Error e = jaxcomp_ffi::CheckResultShape(x.dimensions(), "x", words->dimensions(), "words (the result)",
+                                                    {row_words, "zfp_num_words(n, rate)"});
+      e.failure()) {
+    return e;
   }
   AdviseHugePages(words->typed_data(), words->size_bytes());
-  return StatusToError(jaxcomp::zfp_encode(x.typed_data(), rows, n, static_cast<int>(rate), words->typed_data(),
+  return jaxcomp_ffi::ToError(jaxcomp::zfp_encode(x.typed_data(), rows, n, static_cast<int>(rate), words->typed_data(),
                                            jaxcomp_ffi::PoolParallel(pool)));
 }
 
@@ -78,14 +62,13 @@ ffi::Error ZfpDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> words, int64_t 
                                        " words in its last axis for n=" + std::to_string(n) +
                                        ", rate=" + std::to_string(rate) + ", got " + std::to_string(row_words));
   }
-  auto out_shape = jaxcomp_ffi::RowsOf(x->dimensions(), "x");
-  if (out_shape.has_error()) return out_shape.error();
-  if (out_shape.value().rows != rows || out_shape.value().n != n) {
-    return ffi::Error::InvalidArgument("x (the result) must have " + std::to_string(rows) + " rows of n=" +
-                                       std::to_string(n) + " values");
+  if (ffi::Error e = jaxcomp_ffi::CheckResultShape(words.dimensions(), "words", x->dimensions(), "x (the result)",
+                                                    {n, "n"});
+      e.failure()) {
+    return e;
   }
   AdviseHugePages(x->typed_data(), x->size_bytes());
-  return StatusToError(jaxcomp::zfp_decode(words.typed_data(), rows, n, static_cast<int>(rate), x->typed_data(),
+  return jaxcomp_ffi::ToError(jaxcomp::zfp_decode(words.typed_data(), rows, n, static_cast<int>(rate), x->typed_data(),
                                            jaxcomp_ffi::PoolParallel(pool)));
 }
 

@@ -12,8 +12,8 @@
 
 namespace ffi = xla::ffi;
 using jaxcomp_ffi::CheckRange;
-using jaxcomp_ffi::CheckResultDims;
-using jaxcomp_ffi::FromCuda;
+using jaxcomp_ffi::CheckResultShape;
+using jaxcomp_ffi::ToError;
 using jaxcomp_ffi::Rows;
 using jaxcomp_ffi::RowsOf;
 
@@ -24,13 +24,13 @@ ffi::Error ZfpEncode(cudaStream_t stream, ffi::Buffer<ffi::F32> x, int64_t rate,
   ffi::ErrorOr<Rows> rows = RowsOf(x.dimensions(), "x");
   if (rows.has_error()) return rows.error();
   const int64_t row_words = jaxcomp::cuda::zfp_num_words(rows->n, static_cast<int>(rate));
-  if (ffi::Error e = CheckResultDims(x.dimensions(), words->dimensions(), row_words, "words (the result)");
+  if (ffi::Error e = CheckResultShape(x.dimensions(), "x", words->dimensions(), "words (the result)",
+                                      {row_words, "zfp_num_words(n, rate)"});
       e.failure()) {
     return e;
   }
-  return FromCuda(jaxcomp::cuda::zfp_encode(x.typed_data(), rows->rows, rows->n, static_cast<int>(rate),
-                                            words->typed_data(), stream),
-                  "jaxcomp zfp_encode kernels");
+  return ToError(jaxcomp::cuda::zfp_encode(x.typed_data(), rows->rows, rows->n, static_cast<int>(rate),
+                                           words->typed_data(), stream));
 }
 
 ffi::Error ZfpDecode(cudaStream_t stream, ffi::Buffer<ffi::U32> words, int64_t n, int64_t rate,
@@ -45,10 +45,12 @@ ffi::Error ZfpDecode(cudaStream_t stream, ffi::Buffer<ffi::U32> words, int64_t n
                                        " words in its last axis for n=" + std::to_string(n) +
                                        ", rate=" + std::to_string(rate) + ", got " + std::to_string(rows->n));
   }
-  if (ffi::Error e = CheckResultDims(words.dimensions(), x->dimensions(), n, "x (the result)"); e.failure()) return e;
-  return FromCuda(jaxcomp::cuda::zfp_decode(words.typed_data(), rows->rows, n, static_cast<int>(rate),
-                                            x->typed_data(), stream),
-                  "jaxcomp zfp_decode kernels");
+  if (ffi::Error e = CheckResultShape(words.dimensions(), "words", x->dimensions(), "x (the result)", {n, "n"});
+      e.failure()) {
+    return e;
+  }
+  return ToError(jaxcomp::cuda::zfp_decode(words.typed_data(), rows->rows, n, static_cast<int>(rate),
+                                           x->typed_data(), stream));
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "kernels/parallel.h"
+#include "kernels/status.h"
 
 namespace jaxcomp {
 
@@ -54,11 +55,10 @@ inline void HadamardRow(float* x, int64_t n) {
 }
 
 // out[r] = H_n x[r] for each of `rows` rows of n floats; x and out may be the same buffer.
-// Returns an error message, empty on success.
-inline std::string Hadamard(const float* x, int64_t rows, int64_t n, float* out, const Parallel& parallel) {
-  if (!IsPowerOfTwo(n)) return "the row length must be a power of two, got " + std::to_string(n);
-  if (rows < 0) return "rows must be >= 0";
-  if (rows == 0) return "";
+inline Status Hadamard(const float* x, int64_t rows, int64_t n, float* out, const Parallel& parallel) {
+  if (!IsPowerOfTwo(n)) return Status::InvalidArgument("the row length must be a power of two, got " + std::to_string(n));
+  if (rows < 0) return Status::InvalidArgument("rows must be >= 0, got " + std::to_string(rows));
+  if (rows == 0) return Status();
   // Tasks of whole rows, about 256 KiB each, so small rows do not pay a task each.
   const int64_t rows_per_task = n >= 65536 ? 1 : 65536 / n;
   const int64_t tasks = (rows + rows_per_task - 1) / rows_per_task;
@@ -71,7 +71,7 @@ inline std::string Hadamard(const float* x, int64_t rows, int64_t n, float* out,
       HadamardRow(row, n);
     }
   });
-  return "";
+  return Status();
 }
 
 }  // namespace jaxcomp

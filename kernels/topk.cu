@@ -18,6 +18,7 @@
 
 #include <cstdint>
 
+#include "kernels/cuda_launch.h"
 #include "kernels/topk_cuda.h"
 
 namespace jaxcomp::cuda {
@@ -326,18 +327,23 @@ ScratchLayout layout_of(void* scratch, int64_t chunk_rows, int64_t n, int rounds
 // and, if `keep_tiles`, the last pass's per-tile histograms in scratch.
 cudaError_t search(const float* x, int64_t chunk_rows, int64_t n, int64_t k, int rounds, bool keep_tiles,
                    const ScratchLayout& s, cudaStream_t stream) {
-  // Zeroed histograms and states: prefix 0 and above 0 are the state before any round.
-  cudaError_t err = cudaMemsetAsync(s.histograms, 0, histogram_bytes(chunk_rows) + state_bytes(chunk_rows), stream);
+  // Zeroed histograms and states: prefix 0 and above 0 are the state before any round. Two
+  // memsets: the states sit after histograms sized for the largest chunk, so in a last, smaller
+  // chunk one memset from the histograms would stop short of them (issue 12).
+  cudaError_t err = cudaMemsetAsync(s.histograms, 0, histogram_bytes(chunk_rows), stream);
+  if (err != cudaSuccess) return err;
+  err = cudaMemsetAsync(s.states, 0, state_bytes(chunk_rows), stream);
   if (err != cudaSuccess) return err;
   const int64_t tiles = tiles_per_row_of(n);
   for (int resolved = 0; resolved < rounds;) {
     const int width = rounds - resolved < kDigitBits ? rounds - resolved : kDigitBits;
     const bool last = resolved + width == rounds;
-    histogram_kernel<<<static_cast<unsigned>(chunk_rows * tiles), kThreads, 0, stream>>>(
-        x, n, tiles, s.states, s.histograms, resolved, width, last && keep_tiles ? s.tile_histograms : nullptr);
-    select_digit_kernel<<<static_cast<unsigned>(chunk_rows), kSelectThreads, 0, stream>>>(s.histograms, s.states, k,
-                                                                                          width);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    err = launch(histogram_kernel, static_cast<unsigned>(chunk_rows * tiles), kThreads, stream, x, n, tiles,
+                 s.states, s.histograms, resolved, width, last && keep_tiles ? s.tile_histograms : nullptr);
+    if (err != cudaSuccess) return err;
+    err = launch(select_digit_kernel, static_cast<unsigned>(chunk_rows), kSelectThreads, stream, s.histograms,
+                 s.states, k, width);
+    if (err != cudaSuccess) return err;
     resolved += width;
   }
   return cudaSuccess;
@@ -352,8 +358,10 @@ size_t select_scratch_bytes(int64_t rows, int64_t n, int rounds) {
          tile_count_bytes(tiles);
 }
 
-cudaError_t select_topk(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* values,
-                        int32_t* indices, void* scratch, cudaStream_t stream) {
+namespace {
+
+cudaError_t select_chunks(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* values,
+                          int32_t* indices, void* scratch, cudaStream_t stream) {
   const int64_t chunk_rows_max = chunk_rows_of(rows, n);
   const ScratchLayout s = layout_of(scratch, chunk_rows_max, n, rounds);
   const int64_t tiles_per_row = tiles_per_row_of(n);
@@ -364,19 +372,20 @@ cudaError_t select_topk(const float* x, int64_t rows, int64_t n, int64_t k, int 
     if (err != cudaSuccess) return err;
     const int64_t tiles = chunk_rows * tiles_per_row;
     constexpr int64_t kTilesPerBlock = kThreads / 32;
-    tile_counts_kernel<<<static_cast<unsigned>((tiles + kTilesPerBlock - 1) / kTilesPerBlock), kThreads, 0,
-                         stream>>>(s.tile_histograms, tiles, tiles_per_row, s.states, last_width(rounds),
-                                   s.tile_counts);
-    scan_tiles_kernel<<<static_cast<unsigned>(chunk_rows), kThreads, 0, stream>>>(s.tile_counts, tiles_per_row);
-    write_selection_kernel<<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(
-        chunk_x, n, k, tiles_per_row, s.states, rounds, s.tile_counts, values + first * k, indices + first * k);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    err = launch(tile_counts_kernel, static_cast<unsigned>((tiles + kTilesPerBlock - 1) / kTilesPerBlock), kThreads,
+                 stream, s.tile_histograms, tiles, tiles_per_row, s.states, last_width(rounds), s.tile_counts);
+    if (err != cudaSuccess) return err;
+    err = launch(scan_tiles_kernel, static_cast<unsigned>(chunk_rows), kThreads, stream, s.tile_counts, tiles_per_row);
+    if (err != cudaSuccess) return err;
+    err = launch(write_selection_kernel, static_cast<unsigned>(tiles), kThreads, stream, chunk_x, n, k, tiles_per_row,
+                 s.states, rounds, s.tile_counts, values + first * k, indices + first * k);
+    if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
 }
 
-cudaError_t find_threshold(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
-                           int32_t* count, void* scratch, cudaStream_t stream) {
+cudaError_t threshold_chunks(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
+                             int32_t* count, void* scratch, cudaStream_t stream) {
   const int64_t chunk_rows_max = chunk_rows_of(rows, n);
   const ScratchLayout s = layout_of(scratch, chunk_rows_max, n, rounds);
   for (int64_t first = 0; first < rows; first += chunk_rows_max) {
@@ -384,11 +393,24 @@ cudaError_t find_threshold(const float* x, int64_t rows, int64_t n, int64_t k, i
     cudaError_t err = search(x + first * n, chunk_rows, n, k, rounds, /*keep_tiles=*/false, s, stream);
     if (err != cudaSuccess) return err;
     constexpr int kRowThreads = 256;
-    write_threshold_kernel<<<static_cast<unsigned>((chunk_rows + kRowThreads - 1) / kRowThreads), kRowThreads, 0,
-                             stream>>>(s.states, chunk_rows, rounds, threshold + first, count + first);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    err = launch(write_threshold_kernel, static_cast<unsigned>((chunk_rows + kRowThreads - 1) / kRowThreads),
+                 kRowThreads, stream, s.states, chunk_rows, rounds, threshold + first, count + first);
+    if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
+}
+
+}  // namespace
+
+Status select_topk(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* values, int32_t* indices,
+                   void* scratch, cudaStream_t stream) {
+  return StatusOf(select_chunks(x, rows, n, k, rounds, values, indices, scratch, stream), "jaxcomp top-k kernels");
+}
+
+Status find_threshold(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
+                      int32_t* count, void* scratch, cudaStream_t stream) {
+  return StatusOf(threshold_chunks(x, rows, n, k, rounds, threshold, count, scratch, stream),
+                  "jaxcomp threshold kernels");
 }
 
 }  // namespace jaxcomp::cuda

@@ -25,7 +25,7 @@
 //   finds K; rows run in parallel.
 //
 // Plain C++17 with no XLA headers; parallelism comes from the caller through jaxcomp::Parallel.
-// Functions report bad arguments as an error string (empty on success) and never throw.
+// Functions report bad arguments as a jaxcomp::Status (kernels/status.h) and never throw.
 #pragma once
 
 #include <algorithm>
@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "kernels/parallel.h"
+#include "kernels/status.h"
 
 namespace jaxcomp {
 namespace topk_internal {
@@ -436,21 +437,25 @@ class HistogramSearch {
   Parallel serial_;
 };
 
-inline std::string CheckArguments(int64_t rows, int64_t n, int64_t k, int64_t rounds) {
-  if (rows < 0) return "rows must be >= 0, got " + std::to_string(rows);
-  if (n < 1 || n > INT32_MAX) return "n must be in [1, 2^31 - 1], got " + std::to_string(n);
-  if (k < 1 || k > n) return "k must be in [1, " + std::to_string(n) + "], got " + std::to_string(k);
-  if (rounds < 1 || rounds > kKeyBits) return "rounds must be in [1, 31], got " + std::to_string(rounds);
-  return "";
+inline Status CheckArguments(int64_t rows, int64_t n, int64_t k, int64_t rounds) {
+  if (rows < 0) return Status::InvalidArgument("rows must be >= 0, got " + std::to_string(rows));
+  if (n < 1 || n > INT32_MAX) return Status::InvalidArgument("n must be in [1, 2^31 - 1], got " + std::to_string(n));
+  if (k < 1 || k > n) {
+    return Status::InvalidArgument("k must be in [1, " + std::to_string(n) + "], got " + std::to_string(k));
+  }
+  if (rounds < 1 || rounds > kKeyBits) {
+    return Status::InvalidArgument("rounds must be in [1, 31], got " + std::to_string(rounds));
+  }
+  return Status();
 }
 
 // Finds every row's bracket and writes either the selection (values, indices: rows x k) or the
 // threshold (threshold, count: rows); the other pair is null.
-inline std::string SearchRows(const float* x, int64_t rows, int64_t n, int64_t k, int64_t rounds,
+inline Status SearchRows(const float* x, int64_t rows, int64_t n, int64_t k, int64_t rounds,
                               const Parallel& parallel, float* values, int32_t* indices, float* threshold,
                               int32_t* count) {
-  std::string error = CheckArguments(rows, n, k, rounds);
-  if (!error.empty() || rows == 0) return error;
+  Status status = CheckArguments(rows, n, k, rounds);
+  if (!status.ok() || rows == 0) return status;
   const int r = static_cast<int>(rounds);
   const bool select = values != nullptr;
   const bool collect = select || r > kCoarseBits;
@@ -477,7 +482,7 @@ inline std::string SearchRows(const float* x, int64_t rows, int64_t n, int64_t k
         emit(row, bracket);
         if (select) search.Write(xr, n, k, bracket, values + row * k, indices + row * k, parallel);
       }
-      return "";
+      return Status();
     }
     // Many rows (or short ones): each thread takes whole rows, with its own scratch.
     const int64_t tasks = std::min(rows, concurrency);
@@ -508,16 +513,16 @@ inline std::string SearchRows(const float* x, int64_t rows, int64_t n, int64_t k
       }
     });
   } catch (const std::exception& e) {  // scratch allocation is the only thing that can throw
-    return std::string("top-k kernel failed: ") + e.what();
+    return Status::ResourceExhausted(std::string("top-k kernel could not allocate its scratch: ") + e.what());
   }
-  return "";
+  return Status();
 }
 
 }  // namespace topk_internal
 
 // Exact top-k by magnitude of each row of x (rows x n, row-major): values and indices are
-// rows x k, each row in ascending index order. Returns an error message, or "" on success.
-inline std::string TopK(const float* x, int64_t rows, int64_t n, int64_t k, float* values, int32_t* indices,
+// rows x k, each row in ascending index order.
+inline Status TopK(const float* x, int64_t rows, int64_t n, int64_t k, float* values, int32_t* indices,
                         const Parallel& parallel) {
   return topk_internal::SearchRows(x, rows, n, k, topk_internal::kKeyBits, parallel, values, indices, nullptr,
                                    nullptr);
@@ -525,14 +530,14 @@ inline std::string TopK(const float* x, int64_t rows, int64_t n, int64_t k, floa
 
 // MSTopK bisection: per row, the lower threshold after `rounds` rounds and the number of
 // entries whose magnitude key is at least that threshold's.
-inline std::string FindThreshold(const float* x, int64_t rows, int64_t n, int64_t k, int64_t rounds,
+inline Status FindThreshold(const float* x, int64_t rows, int64_t n, int64_t k, int64_t rounds,
                                  float* threshold, int32_t* count, const Parallel& parallel) {
   return topk_internal::SearchRows(x, rows, n, k, rounds, parallel, nullptr, nullptr, threshold, count);
 }
 
 // Exactly k entries per row: every key >= the upper threshold, then the lowest-index keys in the
 // bracket. Same output layout as TopK; equals it when rounds = 31.
-inline std::string ThresholdTopK(const float* x, int64_t rows, int64_t n, int64_t k, int64_t rounds, float* values,
+inline Status ThresholdTopK(const float* x, int64_t rows, int64_t n, int64_t k, int64_t rounds, float* values,
                                  int32_t* indices, const Parallel& parallel) {
   return topk_internal::SearchRows(x, rows, n, k, rounds, parallel, values, indices, nullptr, nullptr);
 }

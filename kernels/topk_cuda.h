@@ -2,7 +2,7 @@
 //
 // Semantics are those of docs/kernels.md: magnitude key bits(x) & 0x7FFFFFFF (NaN largest), the
 // bisection definition of `rounds`, ties to the lower index, output in ascending index order.
-// Everything is enqueued on `stream`; nothing synchronizes with the host or allocates: the caller
+// Launch failures come back as a kInternal Status. Everything is enqueued on `stream`; nothing synchronizes with the host or allocates: the caller
 // passes `scratch` of at least select_scratch_bytes(rows, n, rounds) bytes (256-byte aligned).
 #pragma once
 
@@ -10,6 +10,8 @@
 
 #include <cstddef>
 #include <cstdint>
+
+#include "kernels/status.h"
 
 namespace jaxcomp::cuda {
 
@@ -19,11 +21,11 @@ size_t select_scratch_bytes(int64_t rows, int64_t n, int rounds);
 // Writes, per row, the k selected entries of threshold_topk(x, k, rounds) in ascending index
 // order; rounds = 31 is exact top-k. x: [rows, n]; values, indices: [rows, k].
 // Requires 1 <= k <= n <= 2^31 - 1 and 1 <= rounds <= 31 (the caller validates).
-cudaError_t select_topk(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* values,
-                        int32_t* indices, void* scratch, cudaStream_t stream);
+Status select_topk(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* values, int32_t* indices,
+                   void* scratch, cudaStream_t stream);
 
 // find_threshold(x, k, rounds) per row: threshold = float from bits(lo), count = C(lo).
-cudaError_t find_threshold(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
-                           int32_t* count, void* scratch, cudaStream_t stream);
+Status find_threshold(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
+                      int32_t* count, void* scratch, cudaStream_t stream);
 
 }  // namespace jaxcomp::cuda

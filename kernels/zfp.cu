@@ -9,6 +9,7 @@
 // 16-byte access where the row's alignment allows.
 #include <cstdint>
 
+#include "kernels/cuda_launch.h"
 #include "kernels/zfp_block.h"
 #include "kernels/zfp_cuda.h"
 
@@ -229,39 +230,45 @@ cudaError_t group_grid(int64_t rows, int64_t n, unsigned* grid) {
   return cudaSuccess;
 }
 
+cudaError_t encode_rows(const float* x, int64_t rows, int64_t n, int rate, uint32_t* words, cudaStream_t stream) {
+  unsigned grid = 0;
+  cudaError_t err = group_grid(rows, n, &grid);
+  if (err != cudaSuccess || grid == 0) return err;
+  const int64_t row_words = zfp::row_words(n, rate);
+  const unsigned row_blocks = static_cast<unsigned>((rows + kThreads - 1) / kThreads);
+  if (rate <= 2) {
+    // Header words (one per row, row_words apart) start at 0 for the atomicMax.
+    err = launch(zero_headers_kernel, row_blocks, kThreads, stream, words, rows, row_words);
+    if (err != cudaSuccess) return err;
+    constexpr int64_t kTile = int64_t{kThreads} * 16;
+    const int64_t tiles_per_row = (n + kTile - 1) / kTile;
+    if (rows * tiles_per_row > INT32_MAX) return cudaErrorInvalidConfiguration;
+    err = launch(row_max_kernel, static_cast<unsigned>(rows * tiles_per_row), kThreads, stream, x, n, tiles_per_row,
+                 kTile, words, row_words);
+    if (err != cudaSuccess) return err;
+  }
+  err = launch(encode_kernel, grid, kThreads, stream, x, rows, n, rate, words);
+  if (err != cudaSuccess || rate > 2) return err;
+  return launch(row_header_kernel, row_blocks, kThreads, stream, words, rows, row_words);
+}
+
+cudaError_t decode_rows(const uint32_t* words, int64_t rows, int64_t n, int rate, float* x, cudaStream_t stream) {
+  unsigned grid = 0;
+  cudaError_t err = group_grid(rows, n, &grid);
+  if (err != cudaSuccess || grid == 0) return err;
+  return launch(decode_kernel, grid, kThreads, stream, words, rows, n, rate, x);
+}
+
 }  // namespace
 
 int64_t zfp_num_words(int64_t n, int rate) { return zfp::row_words(n, rate); }
 
-cudaError_t zfp_encode(const float* x, int64_t rows, int64_t n, int rate, uint32_t* words, cudaStream_t stream) {
-  unsigned grid = 0;
-  cudaError_t err = group_grid(rows, n, &grid);
-  if (err != cudaSuccess || grid == 0) return err;
-  const int64_t row_words = zfp_num_words(n, rate);
-  if (rate <= 2) {
-    // Header words (one per row, row_words apart) start at 0 for the atomicMax.
-    const unsigned row_blocks = static_cast<unsigned>((rows + kThreads - 1) / kThreads);
-    zero_headers_kernel<<<row_blocks, kThreads, 0, stream>>>(words, rows, row_words);
-    constexpr int64_t kTile = int64_t{kThreads} * 16;
-    const int64_t tiles_per_row = (n + kTile - 1) / kTile;
-    if (rows * tiles_per_row > INT32_MAX) return cudaErrorInvalidConfiguration;
-    row_max_kernel<<<static_cast<unsigned>(rows * tiles_per_row), kThreads, 0, stream>>>(x, n, tiles_per_row, kTile,
-                                                                                         words, row_words);
-  }
-  encode_kernel<<<grid, kThreads, 0, stream>>>(x, rows, n, rate, words);
-  if (rate <= 2) {
-    row_header_kernel<<<static_cast<unsigned>((rows + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-        words, rows, row_words);
-  }
-  return cudaGetLastError();
+Status zfp_encode(const float* x, int64_t rows, int64_t n, int rate, uint32_t* words, cudaStream_t stream) {
+  return StatusOf(encode_rows(x, rows, n, rate, words, stream), "jaxcomp zfp_encode kernels");
 }
 
-cudaError_t zfp_decode(const uint32_t* words, int64_t rows, int64_t n, int rate, float* x, cudaStream_t stream) {
-  unsigned grid = 0;
-  cudaError_t err = group_grid(rows, n, &grid);
-  if (err != cudaSuccess || grid == 0) return err;
-  decode_kernel<<<grid, kThreads, 0, stream>>>(words, rows, n, rate, x);
-  return cudaGetLastError();
+Status zfp_decode(const uint32_t* words, int64_t rows, int64_t n, int rate, float* x, cudaStream_t stream) {
+  return StatusOf(decode_rows(words, rows, n, rate, x, stream), "jaxcomp zfp_decode kernels");
 }
 
 }  // namespace jaxcomp::cuda

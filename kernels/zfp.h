@@ -10,13 +10,13 @@
 #include <cstdint>
 #include <memory>
 #include <new>
+#include <string>
 
 #include "kernels/parallel.h"
+#include "kernels/status.h"
 #include "kernels/zfp_block.h"
 
 namespace jaxcomp {
-
-enum class ZfpStatus { kOk, kBadRate, kBadShape, kOutOfMemory };
 
 inline constexpr zfp::CodeTables kZfpCodeTables = zfp::make_code_tables();
 
@@ -28,10 +28,11 @@ inline int64_t zfp_num_words(int64_t n, int rate) { return zfp::row_words(n, rat
 
 namespace zfp_detail {
 
-inline ZfpStatus check(int64_t rows, int64_t n, int rate) {
-  if (rate < 1 || rate > 32) return ZfpStatus::kBadRate;
-  if (rows < 0 || n < 1 || n > INT32_MAX) return ZfpStatus::kBadShape;
-  return ZfpStatus::kOk;
+inline Status check(int64_t rows, int64_t n, int rate) {
+  if (rate < 1 || rate > 32) return Status::InvalidArgument("rate must be in [1, 32], got " + std::to_string(rate));
+  if (rows < 0) return Status::InvalidArgument("rows must be >= 0, got " + std::to_string(rows));
+  if (n < 1 || n > INT32_MAX) return Status::InvalidArgument("n must be in [1, 2^31 - 1], got " + std::to_string(n));
+  return Status();
 }
 
 // Runs body(row, first_group, end_group) over every row's groups, cut into tasks of about equal
@@ -67,9 +68,9 @@ inline void append(const zfp::BlockWriter64& block, int block_bits, zfp::BitWrit
 }  // namespace zfp_detail
 
 // Encodes `rows` rows of `n` floats (row-major) into `rows * zfp_num_words(n, rate)` words.
-inline ZfpStatus zfp_encode(const float* x, int64_t rows, int64_t n, int rate, uint32_t* words,
+inline Status zfp_encode(const float* x, int64_t rows, int64_t n, int rate, uint32_t* words,
                             const Parallel& parallel) {
-  if (ZfpStatus s = zfp_detail::check(rows, n, rate); s != ZfpStatus::kOk) return s;
+  if (Status s = zfp_detail::check(rows, n, rate); !s.ok()) return s;
   const zfp::CodeTables& tables = kZfpCodeTables;
   const int64_t blocks = (n + 3) / 4;
   const int64_t groups = (blocks + kZfpGroupBlocks - 1) / kZfpGroupBlocks;
@@ -94,12 +95,12 @@ inline ZfpStatus zfp_encode(const float* x, int64_t rows, int64_t n, int rate, u
       }
       out.flush();
     });
-    return ZfpStatus::kOk;
+    return Status();
   }
 
   // Rates 1-2: first every row's largest magnitude key (the row exponent), then the blocks.
   std::unique_ptr<std::atomic<uint32_t>[]> row_max(new (std::nothrow) std::atomic<uint32_t>[rows]);
-  if (!row_max) return ZfpStatus::kOutOfMemory;
+  if (!row_max) return Status::ResourceExhausted("zfp_encode: out of memory for the row exponents");
   for (int64_t r = 0; r < rows; ++r) row_max[r].store(0, std::memory_order_relaxed);
   zfp_detail::for_each_group_range(rows, groups, parallel, [&](int64_t row, int64_t first, int64_t stop) {
     const float* values = x + row * n;
@@ -134,13 +135,13 @@ inline ZfpStatus zfp_encode(const float* x, int64_t rows, int64_t n, int rate, u
     }
     out.flush();
   });
-  return ZfpStatus::kOk;
+  return Status();
 }
 
 // Decodes `rows * zfp_num_words(n, rate)` words into `rows` rows of `n` floats.
-inline ZfpStatus zfp_decode(const uint32_t* words, int64_t rows, int64_t n, int rate, float* x,
+inline Status zfp_decode(const uint32_t* words, int64_t rows, int64_t n, int rate, float* x,
                             const Parallel& parallel) {
-  if (ZfpStatus s = zfp_detail::check(rows, n, rate); s != ZfpStatus::kOk) return s;
+  if (Status s = zfp_detail::check(rows, n, rate); !s.ok()) return s;
   const zfp::CodeTables& tables = kZfpCodeTables;
   const int64_t blocks = (n + 3) / 4;
   const int64_t groups = (blocks + kZfpGroupBlocks - 1) / kZfpGroupBlocks;
@@ -192,7 +193,7 @@ inline ZfpStatus zfp_decode(const uint32_t* words, int64_t rows, int64_t n, int 
       store(b);
     }
   });
-  return ZfpStatus::kOk;
+  return Status();
 }
 
 }  // namespace jaxcomp

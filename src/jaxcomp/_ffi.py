@@ -96,9 +96,22 @@ def like_varying(out, like):
     return jax.lax.pcast(out, missing, to="varying") if missing else out
 
 
+def like_varying_operands(outputs, operands):
+    """:func:`like_varying` for every output of an op, over the axes any of its operands varies over."""
+    axes = frozenset().union(*(varying_axes(x) for x in operands))
+    manual = frozenset(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+    def cast(out):
+        missing = tuple((axes - varying_axes(out)) & manual)
+        return jax.lax.pcast(out, missing, to="varying") if missing else out
+
+    return jax.tree.map(cast, outputs)
+
+
 def ffi_call(target, result_shape_dtypes, *, vmap_method="broadcast_all"):
-    """``jax.ffi.ffi_call`` for a jaxcomp target, refusing GPUs in builds without the CUDA module
-    and refusing differentiation with an error that names the op."""
+    """``jax.ffi.ffi_call`` for a jaxcomp target, refusing GPUs in builds without the CUDA module,
+    refusing differentiation with an error that names the op, and typing its results inside
+    ``shard_map`` as varying over the axes its operands vary over (see :func:`like_varying`)."""
     call = jax.ffi.ffi_call(target, result_shape_dtypes, vmap_method=vmap_method)
     if not HAS_CUDA:
         unguarded = call
@@ -106,7 +119,12 @@ def ffi_call(target, result_shape_dtypes, *, vmap_method="broadcast_all"):
         def call(*operands, **attributes):
             return unguarded(*(require_cuda_module(x) for x in operands), **attributes)
 
-    return _not_differentiable(call, target.replace("jaxcomp_", "jaxcomp.", 1))
+    guarded = _not_differentiable(call, target.replace("jaxcomp_", "jaxcomp.", 1))
+
+    def typed(*operands, **attributes):
+        return like_varying_operands(guarded(*operands, **attributes), operands)
+
+    return typed
 
 
 def _not_differentiable(call, op):

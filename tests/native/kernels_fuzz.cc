@@ -159,10 +159,10 @@ void FuzzTopK(std::mt19937_64& rng, uint64_t case_seed) {
   }
   std::vector<float> values(rows * k), tvalues(rows * k), threshold(rows);
   std::vector<int32_t> indices(rows * k), tindices(rows * k), count(rows);
-  std::string error = jaxcomp::TopK(x.data(), rows, n, k, values.data(), indices.data(), parallel);
-  if (error.empty()) error = jaxcomp::ThresholdTopK(x.data(), rows, n, k, rounds, tvalues.data(), tindices.data(), parallel);
-  if (error.empty()) error = jaxcomp::FindThreshold(x.data(), rows, n, k, rounds, threshold.data(), count.data(), parallel);
-  if (!error.empty()) Fail("top-k returned an error: " + error, case_seed);
+  jaxcomp::Status status = jaxcomp::TopK(x.data(), rows, n, k, values.data(), indices.data(), parallel);
+  if (status.ok()) status = jaxcomp::ThresholdTopK(x.data(), rows, n, k, rounds, tvalues.data(), tindices.data(), parallel);
+  if (status.ok()) status = jaxcomp::FindThreshold(x.data(), rows, n, k, rounds, threshold.data(), count.data(), parallel);
+  if (!status.ok()) Fail("top-k returned an error: " + status.message(), case_seed);
   std::vector<float> want_values;
   std::vector<int32_t> want_indices;
   for (int64_t r = 0; r < rows; ++r) {
@@ -406,7 +406,7 @@ void FuzzZfp(std::mt19937_64& rng, uint64_t case_seed) {
   }
   const int64_t total_words = rows * jaxcomp::zfp_num_words(n, rate);
   std::vector<uint32_t> words(total_words, 0xDEADBEEFu);  // the kernel must write every word
-  if (jaxcomp::zfp_encode(x.data(), rows, n, rate, words.data(), parallel) != jaxcomp::ZfpStatus::kOk)
+  if (!jaxcomp::zfp_encode(x.data(), rows, n, rate, words.data(), parallel).ok())
     Fail("zfp_encode returned an error" + where, case_seed);
   if (words != RefEncode(x, rows, n, rate)) Fail("zfp_encode" + where, case_seed);
 
@@ -416,7 +416,7 @@ void FuzzZfp(std::mt19937_64& rng, uint64_t case_seed) {
       for (uint32_t& word : words) word = static_cast<uint32_t>(rng());
     }
     std::vector<float> decoded(rows * n, -12345.0f);
-    if (jaxcomp::zfp_decode(words.data(), rows, n, rate, decoded.data(), parallel) != jaxcomp::ZfpStatus::kOk)
+    if (!jaxcomp::zfp_decode(words.data(), rows, n, rate, decoded.data(), parallel).ok())
       Fail("zfp_decode returned an error" + where, case_seed);
     const std::vector<float> want = RefDecode(words, rows, n, rate);
     for (int64_t i = 0; i < rows * n; ++i) {

@@ -1,0 +1,247 @@
+// The CUDA kernels of kernels/topk.cu and kernels/zfp.cu, run on the host over their whole grids
+// (tests/native/cuda_host/ stands in for the CUDA runtime and CUB), against the CPU kernels of
+// kernels/topk.h and kernels/zfp.h, bit for bit: the inputs of tests/gpu_test.py (every length
+// around a zfp block, a warp of blocks and a top-k tile; rows of gradients, ties and special
+// values; every rate; the rounds around each radix digit), rows in several chunks of the radix
+// select's scratch (5000 x 7), a long row, and random words through the decoder. Scratch and
+// results start out filled with garbage, so a slot the kernels never write, or state they
+// forget to reset, shows up as a difference.
+//
+//   bash ci/cuda_host.sh          # builds this file with the .cu files and runs it (CI)
+//
+// Exits 1 at the first difference, naming the case; 2 if a kernel breaks the programming model
+// (divergent barriers: see tests/native/cuda_host/cuda_runtime_api.h).
+// This file holds main(): it also defines the emulator's fiber switch.
+#define CUDA_HOST_MAIN
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/topk.h"
+#include "kernels/topk_cuda.h"
+#include "kernels/zfp.h"
+#include "kernels/zfp_cuda.h"
+
+namespace {
+
+using Rows = std::vector<float>;
+
+constexpr unsigned char kGarbage = 0xA5;
+
+
+[[noreturn]] void Fail(const std::string& what) {
+  std::fprintf(stderr, "FAIL %s\n", what.c_str());
+  std::exit(1);
+}
+
+template <typename T>
+std::vector<T> Garbage(size_t count) {
+  std::vector<T> v(count);
+  std::memset(v.data(), kGarbage, count * sizeof(T));
+  return v;
+}
+
+template <typename T>
+void ExpectSame(const std::vector<T>& cpu, const std::vector<T>& gpu, const std::string& what) {
+  if (cpu.size() != gpu.size()) Fail(what + ": sizes differ");
+  if (std::memcmp(cpu.data(), gpu.data(), cpu.size() * sizeof(T)) == 0) return;
+  size_t i = 0;
+  while (std::memcmp(&cpu[i], &gpu[i], sizeof(T)) == 0) ++i;
+  size_t differ = 0;
+  for (size_t j = 0; j < cpu.size(); ++j) differ += std::memcmp(&cpu[j], &gpu[j], sizeof(T)) != 0;
+  uint64_t a = 0, b = 0;
+  std::memcpy(&a, &cpu[i], sizeof(T));
+  std::memcpy(&b, &gpu[i], sizeof(T));
+  Fail(what + ": " + std::to_string(differ) + " of " + std::to_string(cpu.size()) + " entries differ, first at " +
+       std::to_string(i) + " (cpu bits 0x" + [](uint64_t v) {
+         char s[32];
+         std::snprintf(s, sizeof s, "%llx", static_cast<unsigned long long>(v));
+         return std::string(s);
+       }(a) + ", gpu bits 0x" + [](uint64_t v) {
+         char s[32];
+         std::snprintf(s, sizeof s, "%llx", static_cast<unsigned long long>(v));
+         return std::string(s);
+       }(b) + ")");
+}
+
+// tests/gpu_test.py's kinds of row: well spread gradients, ties (few magnitudes, signed zeros),
+// and normal values with NaN, +-Inf, denormals, 0 and FLT_MAX-ish planted.
+Rows Row(int64_t n, uint64_t seed, int kind) {
+  std::mt19937_64 rng(seed);
+  Rows x(n);
+  std::normal_distribution<double> normal;
+  std::uniform_real_distribution<double> uniform(-6.0, 0.0);
+  std::chi_squared_distribution<double> chi(3.0);
+  if (kind == 0) {
+    for (auto& v : x) v = static_cast<float>(normal(rng) / std::sqrt(chi(rng) / 3.0) * std::pow(10.0, uniform(rng)));
+  } else if (kind == 1) {
+    const float choices[] = {-2.0f, -1.0f, 0.0f, -0.0f, 1.0f, 2.0f, 0.5f};
+    for (auto& v : x) v = choices[rng() % 7];
+  } else {
+    for (auto& v : x) v = static_cast<float>(normal(rng));
+    const float specials[] = {NAN, INFINITY, -INFINITY, 1e-40f, -1e-45f, 0.0f, 3.4e38f};
+    for (int s = 0; s < 7 && s < n; ++s) x[rng() % n] = specials[s];
+  }
+  return x;
+}
+
+// [3, n]: one row of each kind.
+Rows EveryKind(int64_t n, uint64_t seed) {
+  Rows x;
+  for (int kind = 0; kind < 3; ++kind) {
+    Rows row = Row(n, seed + kind, kind);
+    x.insert(x.end(), row.begin(), row.end());
+  }
+  return x;
+}
+
+const jaxcomp::Parallel kSerial;
+
+void CheckStatus(const jaxcomp::Status& status, const std::string& what) {
+  if (!status.ok()) Fail(what + " returned an error: " + status.message());
+}
+
+// select_topk (rounds = 31: exact top-k; fewer: threshold_topk) against the CPU kernel.
+void Select(const Rows& x, int64_t rows, int64_t n, int64_t k, int rounds) {
+  const std::string what = "select rows=" + std::to_string(rows) + " n=" + std::to_string(n) +
+                           " k=" + std::to_string(k) + " rounds=" + std::to_string(rounds);
+  std::vector<float> cpu_values(rows * k);
+  std::vector<int32_t> cpu_indices(rows * k);
+  CheckStatus(jaxcomp::ThresholdTopK(x.data(), rows, n, k, rounds, cpu_values.data(), cpu_indices.data(), kSerial),
+              what + " (cpu)");
+  auto values = Garbage<float>(rows * k);
+  auto indices = Garbage<int32_t>(rows * k);
+  auto scratch = Garbage<unsigned char>(jaxcomp::cuda::select_scratch_bytes(rows, n, rounds));
+  CheckStatus(jaxcomp::cuda::select_topk(x.data(), rows, n, k, rounds, values.data(), indices.data(), scratch.data(),
+                                         nullptr),
+              what);
+  ExpectSame(cpu_indices, indices, what + " indices");
+  ExpectSame(cpu_values, values, what + " values");
+}
+
+void Threshold(const Rows& x, int64_t rows, int64_t n, int64_t k, int rounds) {
+  const std::string what = "find_threshold rows=" + std::to_string(rows) + " n=" + std::to_string(n) +
+                           " k=" + std::to_string(k) + " rounds=" + std::to_string(rounds);
+  std::vector<float> cpu_threshold(rows);
+  std::vector<int32_t> cpu_count(rows);
+  CheckStatus(jaxcomp::FindThreshold(x.data(), rows, n, k, rounds, cpu_threshold.data(), cpu_count.data(), kSerial),
+              what + " (cpu)");
+  auto threshold = Garbage<float>(rows);
+  auto count = Garbage<int32_t>(rows);
+  auto scratch = Garbage<unsigned char>(jaxcomp::cuda::select_scratch_bytes(rows, n, rounds));
+  CheckStatus(jaxcomp::cuda::find_threshold(x.data(), rows, n, k, rounds, threshold.data(), count.data(),
+                                            scratch.data(), nullptr),
+              what);
+  ExpectSame(cpu_count, count, what + " count");
+  ExpectSame(cpu_threshold, threshold, what + " threshold");
+}
+
+void Zfp(const Rows& x, int64_t rows, int64_t n, int rate) {
+  const std::string what = "zfp rows=" + std::to_string(rows) + " n=" + std::to_string(n) + " rate=" +
+                           std::to_string(rate);
+  const int64_t row_words = jaxcomp::zfp_num_words(n, rate);
+  std::vector<uint32_t> cpu_words(rows * row_words);
+  CheckStatus(jaxcomp::zfp_encode(x.data(), rows, n, rate, cpu_words.data(), kSerial), what + " encode (cpu)");
+  auto words = Garbage<uint32_t>(rows * row_words);
+  CheckStatus(jaxcomp::cuda::zfp_encode(x.data(), rows, n, rate, words.data(), nullptr), what + " encode");
+  ExpectSame(cpu_words, words, what + " words");
+  std::vector<float> cpu_x(rows * n);
+  CheckStatus(jaxcomp::zfp_decode(cpu_words.data(), rows, n, rate, cpu_x.data(), kSerial), what + " decode (cpu)");
+  auto decoded = Garbage<float>(rows * n);
+  CheckStatus(jaxcomp::cuda::zfp_decode(cpu_words.data(), rows, n, rate, decoded.data(), nullptr), what + " decode");
+  ExpectSame(cpu_x, decoded, what + " decoded");
+}
+
+// Any bit pattern is a valid stream: random words reach every plane-decoding path.
+void ZfpRandomWords(int64_t rows, int64_t n, int rate, uint64_t seed) {
+  const std::string what = "zfp_decode of random words rows=" + std::to_string(rows) + " n=" + std::to_string(n) +
+                           " rate=" + std::to_string(rate);
+  const int64_t row_words = jaxcomp::zfp_num_words(n, rate);
+  std::mt19937_64 rng(seed);
+  std::vector<uint32_t> words(rows * row_words);
+  for (auto& w : words) w = static_cast<uint32_t>(rng());
+  if (rate <= 2) words[0] &= 0xFF;  // a valid row exponent in one row's header
+  std::vector<float> cpu_x(rows * n);
+  CheckStatus(jaxcomp::zfp_decode(words.data(), rows, n, rate, cpu_x.data(), kSerial), what + " (cpu)");
+  auto decoded = Garbage<float>(rows * n);
+  CheckStatus(jaxcomp::cuda::zfp_decode(words.data(), rows, n, rate, decoded.data(), nullptr), what);
+  ExpectSame(cpu_x, decoded, what);
+}
+
+template <typename Body>
+void Section(const char* name, Body body) {
+  const auto start = std::chrono::steady_clock::now();
+  body();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("  %-58s ok (%.1f s)\n", name, seconds);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const uint64_t seed = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : 1;
+  cuda_host::seed(seed);
+  const int64_t lengths[] = {1, 3, 4, 5, 127, 129, 1000, 8191, 8193, 3 * 8192 + 5};
+  std::printf("CUDA kernels on the host against the CPU kernels (seed %llu)\n", static_cast<unsigned long long>(seed));
+
+  Section("top-k: every length x {1, n/100, n/3, n}, 3 kinds of row", [&] {
+    for (int64_t n : lengths) {
+      const Rows x = EveryKind(n, n);
+      for (int64_t k : {int64_t{1}, std::max<int64_t>(1, n / 100), std::max<int64_t>(1, n / 3), n}) Select(x, 3, n, k, 31);
+    }
+  });
+  Section("threshold: rounds around every digit x k in {1, 97, n/2, n}", [&] {
+    const int64_t n = 3 * 8192 + 5;
+    for (int rounds : {1, 5, 11, 12, 16, 22, 23, 31}) {
+      const Rows x = EveryKind(n, rounds);
+      for (int64_t k : {int64_t{1}, int64_t{97}, n / 2, n}) {
+        Threshold(x, 3, n, k, rounds);
+        Select(x, 3, n, k, rounds);
+      }
+    }
+  });
+  Section("many short rows in two chunks of scratch (5000 x 7)", [&] {
+    const Rows x = Row(5000 * 7, 3, 1);
+    Select(x, 5000, 7, 3, 31);
+    Threshold(x, 5000, 7, 3, 9);
+    Select(x, 5000, 7, 3, 16);
+  });
+  Section("a long row (2^20 values, k = 2^13)", [&] {
+    const int64_t n = int64_t{1} << 20;
+    const Rows x = Row(n, 11, 0);
+    Select(x, 1, n, n >> 7, 31);
+    Select(x, 1, n, n >> 7, 16);
+  });
+  Section("zfp: rates 1-32 x every length, 3 kinds of row", [&] {
+    for (int rate : {1, 2, 3, 4, 5, 7, 8, 12, 16, 21, 31, 32}) {
+      for (int64_t n : lengths) Zfp(EveryKind(n, n + rate), 3, n, rate);
+    }
+  });
+  Section("zfp: rows of zeros, NaN, -Inf, denormals", [&] {
+    Rows x(4 * 300, 0.0f);
+    x[300 + 17] = NAN;
+    x[600 + 299] = -INFINITY;
+    for (int i = 0; i < 300; ++i) x[900 + i] = -1e-38f + 2e-38f * i / 299;
+    for (int rate : {1, 2, 3, 8, 32}) Zfp(x, 4, 300, rate);
+  });
+  Section("zfp: a long row (2^20 values, rate 8) and many rows", [&] {
+    const int64_t n = int64_t{1} << 20;
+    Zfp(Row(n, 5, 0), 1, n, 8);
+    Zfp(Row(2000 * 33, 6, 2), 2000, 33, 5);
+  });
+  Section("zfp_decode of random words, every rate", [&] {
+    for (int rate = 1; rate <= 32; ++rate) ZfpRandomWords(3, 203, rate, rate);
+  });
+  const cuda_host::Machine& m = cuda_host::machine();
+  std::printf("all match: %llu launches, %llu blocks, %llu block barriers emulated\n", m.launches, m.blocks,
+              m.barriers);
+  return 0;
+}
