@@ -193,3 +193,38 @@ def check_key(key, axis_name=None):  # noqa: D401
             raise ValueError(f"key must be the same on every device of {axis_name!r} (replicated: all devices "
                              "must apply the same Hadamard transform), got a key that varies over it")
     return key if typed else jax.random.wrap_key_data(key)
+
+
+def check_k(x, k):
+    """``(x, k)`` of a top-k op: ``x`` a float array, ``k`` a static int in ``[1, row length]``."""
+    x = float_array(x, "x")
+    k = static_int(k, "k", 1)
+    if k > x.shape[-1]:
+        raise ValueError(f"k must be at most the number of values in a row ({x.shape[-1]}), got {k}")
+    return x, k
+
+
+def check_rounds(rounds) -> int:
+    """The threshold search's ``rounds``: a static int in ``[1, 31]``."""
+    return static_int(rounds, "rounds", 1, 31)
+
+
+def check_decode(words, n, rate, dtype):
+    """Checks :func:`jaxcomp.zfp_decode`'s arguments (also used by its reference)."""
+    import jax.numpy as jnp
+
+    from jaxcomp.zfp import zfp_num_words
+
+    n = static_int(n, "n", 1, MAX_ROW_LENGTH)
+    rate = check_rate(rate)
+    dtype = jnp.dtype(dtype)
+    if dtype not in __getattr__("FLOAT_DTYPES"):
+        raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    words = jnp.asarray(words)
+    if words.dtype != jnp.uint32:
+        raise TypeError(f"words must be uint32 (as zfp_encode returns), got dtype {words.dtype}")
+    expected = zfp_num_words(n, rate)
+    if words.ndim == 0 or words.shape[-1] != expected:
+        raise ValueError(
+            f"words must have {expected} words in its last axis for n={n}, rate={rate}, got shape {words.shape}")
+    return words, n, rate, dtype

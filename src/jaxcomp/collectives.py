@@ -63,23 +63,12 @@ def _local_vector(x):
     return x
 
 
-_varying_axes = _ffi.varying_axes
-_like_varying = _ffi.like_varying
 
 
 def _select(x, k, selector):
-    """``(values, indices)`` of this device's top ``k`` of ``x`` by ``selector``."""
-    op = topk if selector == "exact" else threshold_topk
-    values, indices = op(x, k)
-    return _like_varying(values, x), _like_varying(indices, x)
-
-
-def _encode(values, rate):
-    return _like_varying(zfp_encode(values, rate), values)
-
-
-def _decode(words, n, rate):
-    return _like_varying(zfp_decode(words, n, rate), words)
+    """``(values, indices)`` of this device's top ``k`` of ``x`` by ``selector`` (the ops type
+    their results varying like ``x`` themselves)."""
+    return (topk if selector == "exact" else threshold_topk)(x, k)
 
 
 def _scatter_rows(n, indices, values):
@@ -191,7 +180,7 @@ def _check_step(step):
 def _check_step_replicated(step, axis_name):
     """Refuses a STAR step that differs per device: each device would lead and sum zeros."""
     axes = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
-    if axes & _varying_axes(_check_step(step)):
+    if axes & _ffi.varying_axes(_check_step(step)):
         raise ValueError(
             f"step must be the same on every device of {axis_name!r} (it picks the STAR leader, who must be "
             "one device for all), got a step typed varying over it; pass the replicated training step (e.g. "
@@ -272,7 +261,7 @@ def ar_topk(x, k, axis_name, leader="star", step=0, selector="exact", *, sparse_
         indices = jax.lax.cond(
             is_leader,
             lambda v: _select(v, k, selector)[1],
-            lambda v: _like_varying(jnp.zeros(k, jnp.int32), v),
+            lambda v: _ffi.like_varying(jnp.zeros(k, jnp.int32), v),
             x)
     else:
         values, indices = _select(x, k, selector)
@@ -431,20 +420,20 @@ def _zfp_ring(values, rate, axis_name, n_devices):
     to_right = [(i, (i + 1) % n_devices) for i in range(n_devices)]
     # Every chunk coded once: the words error feedback decodes, and hop 0's message (chunk `me`
     # raw, so its words are these).
-    own_words = _encode(chunks, rate)
+    own_words = zfp_encode(chunks, rate)
     # Hop t sends chunk (me - t) mod N, summed over t + 1 devices; after N - 1 hops this device
     # holds chunk (me + 1) mod N summed over all.
     words = own_words[me]
     for hop in range(n_devices - 1):
         received = jax.lax.ppermute(words, axis_name, to_right)
-        partial = _decode(received, chunk, rate) + chunks[(me - hop - 1) % n_devices]
+        partial = zfp_decode(received, chunk, rate) + chunks[(me - hop - 1) % n_devices]
         if hop < n_devices - 2:
-            words = _encode(partial, rate)
-    owned_words = jax.lax.all_gather(_encode(partial, rate), axis_name, to="invarying")
+            words = zfp_encode(partial, rate)
+    owned_words = jax.lax.all_gather(zfp_encode(partial, rate), axis_name, to="invarying")
     # Row j of the gathered words is chunk (j + 1) mod N: reorder the words (rate/32 of the
     # floats' bytes), not the decoded floats.
     reduced = zfp_decode(owned_words[(np.arange(n_devices) - 1) % n_devices], chunk, rate)
-    sent = _decode(own_words, chunk, rate)
+    sent = zfp_decode(own_words, chunk, rate)
     return reduced.reshape(-1)[:n], sent.reshape(-1)[:n]
 
 
@@ -459,24 +448,24 @@ def _zfp_recursive_doubling(values, rate, axis_name, n_devices):
     def device(rank):
         return 2 * rank + 1 if rank < extra else rank + extra
 
-    own_words = _encode(values, rate)
+    own_words = zfp_encode(values, rate)
     partial = values
     if extra:
         received = jax.lax.ppermute(own_words, axis_name, [(2 * i, 2 * i + 1) for i in range(extra)])
         partner = (me < 2 * extra) & (me % 2 == 1)
-        partial = jnp.where(partner, values + _decode(received, n, rate), values)
+        partial = jnp.where(partner, values + zfp_decode(received, n, rate), values)
     distance = 1
     while distance < p:
-        words = _encode(partial, rate)
+        words = zfp_encode(partial, rate)
         received = jax.lax.ppermute(words, axis_name, [(device(r), device(r ^ distance)) for r in range(p)])
-        both = _decode(jnp.stack([words, received]), n, rate)
+        both = zfp_decode(jnp.stack([words, received]), n, rate)
         partial = both[0] + both[1]
         distance *= 2
     if extra:
-        words = _encode(partial, rate)
+        words = zfp_encode(partial, rate)
         received = jax.lax.ppermute(words, axis_name, [(2 * i + 1, 2 * i) for i in range(extra)])
-        partial = _decode(jnp.where(folded, received, words), n, rate)
-    return partial, _decode(own_words, n, rate)
+        partial = zfp_decode(jnp.where(folded, received, words), n, rate)
+    return partial, zfp_decode(own_words, n, rate)
 
 
 def quantized_psum(x, bits, axis_name, key, hadamard=True):

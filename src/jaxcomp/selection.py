@@ -23,14 +23,6 @@ def _rows_call(target, x, result_shapes, **attrs):
     return call(x.astype(jnp.float32), **{name: np.int64(v) for name, v in attrs.items()})
 
 
-def _check_k(x, k):
-    x = _checks.float_array(x, "x")
-    k = _checks.static_int(k, "k", 1)
-    if k > x.shape[-1]:
-        raise ValueError(f"k must be at most the number of values in a row ({x.shape[-1]}), got {k}")
-    return x, k
-
-
 def topk(x, k):
     """The ``k`` entries of largest magnitude along the last axis, exactly.
 
@@ -52,17 +44,13 @@ def topk(x, k):
     References:
       Top-k sparsification as used by Tyagi & Swany (arXiv 2312.02493) and Shi et al. (MLSys 2021).
     """
-    x, k = _check_k(x, k)
+    x, k = _checks.check_k(x, k)
     batch = x.shape[:-1]
     values, indices = _rows_call(
         "jaxcomp_topk", x,
         (jax.ShapeDtypeStruct(batch + (k,), jnp.float32), jax.ShapeDtypeStruct(batch + (k,), jnp.int32)),
         k=k)
     return values.astype(x.dtype), indices
-
-
-def _check_rounds(rounds):
-    return _checks.static_int(rounds, "rounds", 1, 31)
 
 
 def find_threshold(x, k, rounds=DEFAULT_ROUNDS):
@@ -94,8 +82,8 @@ def find_threshold(x, k, rounds=DEFAULT_ROUNDS):
       Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
       Clusters", MLSys 2021, §3.1 (MSTopK).
     """
-    x, k = _check_k(x, k)
-    rounds = _check_rounds(rounds)
+    x, k = _checks.check_k(x, k)
+    rounds = _checks.check_rounds(rounds)
     batch = x.shape[:-1]
     return _rows_call(
         "jaxcomp_find_threshold", x,
@@ -130,8 +118,8 @@ def threshold_topk(x, k, rounds=DEFAULT_ROUNDS):
       Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
       Clusters", MLSys 2021, §3.1 (MSTopK).
     """
-    x, k = _check_k(x, k)
-    rounds = _check_rounds(rounds)
+    x, k = _checks.check_k(x, k)
+    rounds = _checks.check_rounds(rounds)
     batch = x.shape[:-1]
     values, indices = _rows_call(
         "jaxcomp_threshold_topk", x,

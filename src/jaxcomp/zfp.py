@@ -9,27 +9,6 @@ import numpy as np
 from jaxcomp import _checks, _ffi
 
 
-def _check_rate(rate):
-    return _checks.static_int(rate, "rate", 1, 32)
-
-
-def _check_decode(words, n, rate, dtype):
-    """Checks :func:`zfp_decode`'s arguments (also used by its reference)."""
-    n = _checks.static_int(n, "n", 1, _checks.MAX_ROW_LENGTH)
-    rate = _check_rate(rate)
-    dtype = jnp.dtype(dtype)
-    if dtype not in _checks.FLOAT_DTYPES:
-        raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-    words = jnp.asarray(words)
-    if words.dtype != jnp.uint32:
-        raise TypeError(f"words must be uint32 (as zfp_encode returns), got dtype {words.dtype}")
-    expected = zfp_num_words(n, rate)
-    if words.ndim == 0 or words.shape[-1] != expected:
-        raise ValueError(
-            f"words must have {expected} words in its last axis for n={n}, rate={rate}, got shape {words.shape}")
-    return words, n, rate, dtype
-
-
 def zfp_num_words(n, rate):
     """Number of uint32 words :func:`zfp_encode` makes from ``n`` values at ``rate`` bits each.
 
@@ -49,7 +28,7 @@ def zfp_num_words(n, rate):
       Lindstrom, "Fixed-Rate Compressed Floating-Point Arrays", IEEE TVCG 2014 (zfp).
     """
     n = _checks.static_int(n, "n", 1, _checks.MAX_ROW_LENGTH)
-    rate = _check_rate(rate)
+    rate = _checks.check_rate(rate)
     blocks = -(-n // 4)
     return -(-(blocks * 4 * rate) // 32) + (1 if rate <= 2 else 0)
 
@@ -86,7 +65,7 @@ def zfp_encode(x, rate):
       use as in ``../shared/papers/004`` (ZFP inside MPI_Allreduce).
     """
     x = _checks.float_array(x, "x")
-    rate = _check_rate(rate)
+    rate = _checks.check_rate(rate)
     shape = x.shape[:-1] + (zfp_num_words(x.shape[-1], rate),)
     call = _ffi.ffi_call("jaxcomp_zfp_encode", jax.ShapeDtypeStruct(shape, jnp.uint32),
                             vmap_method="broadcast_all")
@@ -114,7 +93,7 @@ def zfp_decode(words, n, rate, dtype=jnp.float32):
     References:
       Lindstrom, "Fixed-Rate Compressed Floating-Point Arrays", IEEE TVCG 2014 (zfp).
     """
-    words, n, rate, dtype = _check_decode(words, n, rate, dtype)
+    words, n, rate, dtype = _checks.check_decode(words, n, rate, dtype)
     call = _ffi.ffi_call("jaxcomp_zfp_decode", jax.ShapeDtypeStruct(words.shape[:-1] + (n,), jnp.float32),
                             vmap_method="broadcast_all")
     return call(words, n=np.int64(n), rate=np.int64(rate)).astype(dtype)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp.selection import _check_k, _check_rounds
+from jaxcomp import _checks
 
 #: Every magnitude key is below this, so it is the bisection's first upper bound.
 _KEY_END = 2**31
@@ -36,8 +36,8 @@ def _over_rows(row_fn, x):
 
 
 def _check(x, k, rounds=None):
-    x, k = _check_k(x, k)
-    return x, k, None if rounds is None else _check_rounds(rounds)
+    x, k = _checks.check_k(x, k)
+    return x, k, None if rounds is None else _checks.check_rounds(rounds)
 
 
 def _bisect(keys, k, rounds):

@@ -17,7 +17,6 @@ import numpy as np
 from jax import lax
 
 from jaxcomp import _checks
-from jaxcomp.zfp import _check_decode, _check_rate
 
 _HEADER_BITS = 9
 _MAX_BLOCK_BITS = 4 * 32
@@ -376,7 +375,7 @@ def zfp_encode(x, rate):
       Lindstrom, "Fixed-Rate Compressed Floating-Point Arrays", IEEE TVCG 2014 (zfp).
     """
     x = _checks.float_array(x, "x")
-    rate = _check_rate(rate)
+    rate = _checks.check_rate(rate)
     values, max_key = _split_blocks(x, rate)
     streams = _encode_blocks(values, max_key, np.int32(rate))
     return _join_blocks(streams, max_key, x.shape, rate)
@@ -403,7 +402,7 @@ def zfp_decode(words, n, rate, dtype=jnp.float32):
     References:
       Lindstrom, "Fixed-Rate Compressed Floating-Point Arrays", IEEE TVCG 2014 (zfp).
     """
-    words, n, rate, dtype = _check_decode(words, n, rate, dtype)
+    words, n, rate, dtype = _checks.check_decode(words, n, rate, dtype)
     streams, row_header = _split_words(words, n, rate)
     values = _decode_blocks(streams, row_header, np.int32(rate))
     return _join_values(values, words.shape[:-1] + (n,), dtype)
