@@ -195,10 +195,10 @@ def test_compress_auto_with_a_ratio_search_makes_one_branch_per_ratio():
 
 # --- the layers ------------------------------------------------------------------------------------
 
-# The names of the methods, as string literals: only the methods package and the shorthand's users
-# that forward a user's string (compress("auto")) may spell them.
+# The names of the methods, as string literals: only the methods package (its SHORTHAND table) may
+# spell them.
 METHOD_NAMES = set(methods.SHORTHAND)
-ALLOWED = {"methods/__init__.py": "the shorthand table", "transform.py": "compress('auto') forwards to compress_auto"}
+ALLOWED = {"methods/__init__.py": "the shorthand table"}
 
 
 def _string_literals(path):

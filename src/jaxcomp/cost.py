@@ -463,7 +463,9 @@ def choose(nbytes: float, n_workers: int, network: Network, ratio: float | None 
     Example:
       >>> net = Network.parse("1ms", "10gbit")
       >>> choose(4e8, 8, net, ratio=0.01).describe(), choose(4e8, 8, net, ratio=0.001).describe()
-      ('ar_topk(0.01)', 'allgather_topk(0.001)')
+      ('randomk(0.01)', 'allgather_topk(0.001)')
+      >>> choose(4e8, 8, net, 0.01, ["dense", "allgather_topk", "ar_topk"])  # names in, a name out
+      'ar_topk'
 
     References:
       Tyagi & Swany, arXiv 2312.02493, Eqn (5a)-(5c) and §3-E.
