@@ -14,6 +14,7 @@ runs one of several methods per step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -272,40 +273,63 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
         else:
             positions_of = [([i], f"leaf {i}") for i in floats]
 
-        # Non-finite entries (NaN, ±Inf) count as 0 before anything else sees them: never sent,
-        # never stored in the residual (NaN - NaN would stay NaN forever), and the residual's own
-        # entry at that index is kept. The where fuses into the error-feedback add; the count is
-        # one reduction over the same values.
-        bad_counts = []
-
-        def error_fed(i):
-            finite = jnp.isfinite(leaves[i])
-            bad_counts.append(jnp.sum(~finite, dtype=jnp.int32).astype(jnp.float32))
-            g = jnp.where(finite, leaves[i].astype(jnp.float32), 0.0)
-            return g + residuals[i] if keeps_residual else g
-
-        # The error-fed vector of each group (for the model: one concatenation of all leaves).
-        feds = [jnp.concatenate([error_fed(i).ravel() for i in positions]) if len(positions) > 1
-                else error_fed(positions[0]).ravel() for positions, _ in positions_of]
-        vectors = [fed.astype(comm_dtype) for fed in feds]
-        groups = Groups(vectors=vectors, names=[name for _, name in positions_of],
-                        sizes=[vector.shape[0] for vector in vectors], n_devices=n_devices,
+        groups = Groups(vectors=[], names=[name for _, name in positions_of], sizes=[], n_devices=n_devices,
                         inner_size=axis_sizes[-1] if len(axis_sizes) == 2 else None,
                         dtype_bytes=jnp.dtype(comm_dtype).itemsize)
-        result, auto_after = aggregate(groups, state)
-
         scale = 1.0 / n_devices if c.mean else 1.0
-        bad = sum(bad_counts)
-        if result.sends_everything:
+        if sends_everything and not uses_auto:
+            # Nothing is lost, so nothing is kept: sum the gradients as they are and look at the
+            # sum. A NaN or Inf on any device reaches the sum, so a finite sum proves every entry
+            # was finite, for one pass over the total instead of a where and a count over every
+            # gradient. Only a step whose sum is not finite (rare) sums again with the non-finite
+            # entries zeroed and counts them; every device takes the same branch (the sum is
+            # replicated).
+            vectors = [leaves[i].ravel().astype(comm_dtype) for i in floats]
+            groups = groups._replace(vectors=vectors, sizes=[v.shape[0] for v in vectors])
+            result, auto_after = aggregate(groups, state)
+            finite = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(t)) for t in result.totals])
+
+            def cleaned(vectors):
+                zeroed = [jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v)) for v in vectors]
+                again, _ = aggregate(groups._replace(vectors=zeroed), state)
+                count = sum(jnp.sum(~jnp.isfinite(v), dtype=jnp.int32) for v in vectors).astype(jnp.float32)
+                return again.totals, jax.lax.psum(count, c.axis_name)
+
+            totals, bad = jax.lax.cond(finite, lambda v: (result.totals, jnp.zeros((), jnp.float32)), cleaned,
+                                       vectors)
+            result = result._replace(totals=totals)
+            feds = [None] * len(totals)
             gain = jnp.ones((), jnp.float32)  # everything is sent
-            bad = jax.lax.psum(bad, c.axis_name)
         else:
-            # sum_d ||sent_d||^2, sum_d ||g_e,d||^2 and the non-finite count: one psum of 3 scalars.
-            sent_sq = sum(_square(sent[1] if result.sparse else sent) for sent in result.sents)
-            fed_sq = sum(_square(fed) for fed in feds)
-            sent_sq, fed_sq, bad = jax.lax.psum(jnp.stack([sent_sq, fed_sq, bad]), c.axis_name)
-            # 1 only when there was nothing to send; a sum that overflowed reports NaN or Inf.
-            gain = adaptive.gain_from_energies(sent_sq, fed_sq)
+            # Non-finite entries (NaN, ±Inf) count as 0 before anything else sees them: never sent,
+            # never stored in the residual (NaN - NaN would stay NaN forever), and the residual's
+            # own entry at that index is kept. The where fuses into the error-feedback add; the
+            # count is one reduction over the same values.
+            bad_counts = []
+
+            def error_fed(i):
+                finite = jnp.isfinite(leaves[i])
+                bad_counts.append(jnp.sum(~finite, dtype=jnp.int32).astype(jnp.float32))
+                g = jnp.where(finite, leaves[i].astype(jnp.float32), 0.0)
+                return g + residuals[i] if keeps_residual else g
+
+            # The error-fed vector of each group (for the model: one concatenation of all leaves).
+            feds = [jnp.concatenate([error_fed(i).ravel() for i in positions]) if len(positions) > 1
+                    else error_fed(positions[0]).ravel() for positions, _ in positions_of]
+            vectors = [fed.astype(comm_dtype) for fed in feds]
+            groups = groups._replace(vectors=vectors, sizes=[v.shape[0] for v in vectors])
+            result, auto_after = aggregate(groups, state)
+            bad = sum(bad_counts)
+            if result.sends_everything:
+                gain = jnp.ones((), jnp.float32)
+                bad = jax.lax.psum(bad, c.axis_name)
+            else:
+                # sum_d ||sent_d||^2, sum_d ||g_e,d||^2 and the non-finite count: one psum of 3 scalars.
+                sent_sq = sum(_square(sent[1] if result.sparse else sent) for sent in result.sents)
+                fed_sq = sum(_square(fed) for fed in feds)
+                sent_sq, fed_sq, bad = jax.lax.psum(jnp.stack([sent_sq, fed_sq, bad]), c.axis_name)
+                # 1 only when there was nothing to send; a sum that overflowed reports NaN or Inf.
+                gain = adaptive.gain_from_energies(sent_sq, fed_sq)
         # "skip" and "raise": every device got the same psum'd count, so all skip together.
         skipped = (bad > 0) if c.nonfinite != "zero" else None
 
