@@ -76,8 +76,10 @@ class Method:
 
     @property
     def label(self) -> str:
-        """The method's name in tables and metrics, with its variant (e.g. ``"ar_topk_tree"``)."""
-        return self.name
+        """The method's name in tables and metrics, with its variant (e.g. ``"ar_topk_tree"``: a
+        method costed with a tree all-reduce, ``allreduce="tree"``, says so)."""
+        allreduce = getattr(self, "allreduce", "ring")
+        return self.name if allreduce == "ring" else f"{self.name}_{allreduce}"
 
     @property
     def setting(self) -> float | int | None:
@@ -143,3 +145,37 @@ class Method:
         """A function of one device's 1-D float32 vector that does this method's local work (its
         codec) with the collectives taken out, for timing; None when it has none."""
         return None
+
+
+class Fraction:
+    """Mixin of the methods that send a fraction of the values: ``ratio`` or ``k`` (fields of the
+    subclass), validated by :meth:`check_fraction`, with ``setting``, ``with_ratio`` and ``kept``."""
+
+    def check_fraction(self) -> None:
+        """Validates ``ratio``/``k`` (exactly one; ``ratio`` in ``(0, 1]``, ``k >= 1``), in place."""
+        from jaxcomp import _checks
+
+        if (self.ratio is None) == (self.k is None):
+            raise ValueError(f"{type(self).__name__} needs exactly one of ratio= (fraction of entries sent, e.g. "
+                             f"0.01) or k= (entries sent), got ratio={self.ratio!r}, k={self.k!r}")
+        if self.ratio is not None:
+            object.__setattr__(self, "ratio", _checks.check_ratio(self.ratio))
+        else:
+            object.__setattr__(self, "k", _checks.static_int(self.k, "k", 1, _checks.MAX_ROW_LENGTH))
+
+    @property
+    def setting(self):
+        return self.ratio if self.ratio is not None else self.k
+
+    def with_ratio(self, ratio):
+        return dataclasses.replace(self, ratio=ratio, k=None)
+
+    def kept(self, n):
+        from jaxcomp import layout
+
+        if self.ratio is not None:
+            return layout.resolve_k(n, None, self.ratio)
+        if self.k > n:
+            raise ValueError(f"k={self.k} exceeds the {n} gradient entries it is taken from; pass a smaller k or "
+                             "ratio=")
+        return self.k

@@ -37,10 +37,6 @@ class Dense(Method):
     def __post_init__(self):
         _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
 
-    @property
-    def label(self) -> str:
-        return self.name if self.allreduce == "ring" else f"{self.name}_{self.allreduce}"
-
     def aggregate(self, x, axis_name, *, step, key, sparse=False):
         from jaxcomp import collectives
 

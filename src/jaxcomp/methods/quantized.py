@@ -41,10 +41,6 @@ class Quantized(Method):
         _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
 
     @property
-    def label(self):
-        return self.name if self.allreduce == "ring" else f"{self.name}_{self.allreduce}"
-
-    @property
     def setting(self):
         return self.bits
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxcomp import _checks, layout
-from jaxcomp.methods.base import Method
+from jaxcomp.methods.base import Fraction, Method
 from jaxcomp.methods.dense import ALLREDUCE_ALGORITHMS
 
 
@@ -44,7 +44,7 @@ def shared_indices(key, n: int, k: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class RandomK(Method):
+class RandomK(Fraction, Method):
     """Random-k: every device sends its values at the same ``k`` random indices, drawn from the step's
     key, so one all-reduce of ``k`` values sums them and no index crosses the wire (all-reduce
     compatible, like AR-Topk, with no leader and no selection). What was not sent stays in the
@@ -72,33 +72,8 @@ class RandomK(Method):
     sparse = True
 
     def __post_init__(self):
-        if (self.ratio is None) == (self.k is None):
-            raise ValueError(f"RandomK needs exactly one of ratio= (fraction of entries sent, e.g. 0.01) or k= "
-                             f"(entries sent), got ratio={self.ratio!r}, k={self.k!r}")
-        if self.ratio is not None:
-            object.__setattr__(self, "ratio", _checks.check_ratio(self.ratio))
-        else:
-            object.__setattr__(self, "k", _checks.static_int(self.k, "k", 1, _checks.MAX_ROW_LENGTH))
+        self.check_fraction()
         _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
-
-    @property
-    def label(self):
-        return self.name if self.allreduce == "ring" else f"{self.name}_{self.allreduce}"
-
-    @property
-    def setting(self):
-        return self.ratio if self.ratio is not None else self.k
-
-    def with_ratio(self, ratio):
-        return dataclasses.replace(self, ratio=ratio, k=None)
-
-    def kept(self, n):
-        if self.ratio is not None:
-            return layout.resolve_k(n, None, self.ratio)
-        if self.k > n:
-            raise ValueError(f"k={self.k} exceeds the {n} gradient entries it is taken from; pass a smaller k or "
-                             "ratio=")
-        return self.k
 
     def aggregate(self, x, axis_name, *, step, key, sparse=False):
         import jax

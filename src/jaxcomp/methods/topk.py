@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxcomp import _checks, layout
-from jaxcomp.methods.base import Method
+from jaxcomp.methods.base import Fraction, Method
 from jaxcomp.methods.dense import ALLREDUCE_ALGORITHMS
 
 #: How the selected values travel (:mod:`jaxcomp.collectives`): ``allgather_topk``, ``ar_topk``
@@ -20,7 +20,7 @@ LEADERS = ("star", "var")
 
 
 @dataclasses.dataclass(frozen=True)
-class TopK(Method):
+class TopK(Fraction, Method):
     """Top-k sparsification: each device sends its ``k`` largest-magnitude values (and indices).
 
     Args:
@@ -60,13 +60,7 @@ class TopK(Method):
     timed_by_update = True
 
     def __post_init__(self):
-        if (self.ratio is None) == (self.k is None):
-            raise ValueError(f"TopK needs exactly one of ratio= (fraction of entries kept, e.g. 0.01) or k= "
-                             f"(entries kept), got ratio={self.ratio!r}, k={self.k!r}")
-        if self.ratio is not None:
-            object.__setattr__(self, "ratio", _checks.check_ratio(self.ratio))
-        else:
-            object.__setattr__(self, "k", _checks.static_int(self.k, "k", 1, _checks.MAX_ROW_LENGTH))
+        self.check_fraction()
         _checks.check_choice(self.collective, "collective", COLLECTIVES)
         _checks.check_choice(self.selector, "selector", SELECTORS)
         _checks.check_choice(self.leader, "leader", LEADERS)
@@ -82,25 +76,6 @@ class TopK(Method):
     @property
     def name(self):
         return f"{self.collective}_topk"
-
-    @property
-    def label(self):
-        return self.name if self.allreduce == "ring" else f"{self.name}_{self.allreduce}"
-
-    @property
-    def setting(self):
-        return self.ratio if self.ratio is not None else self.k
-
-    def with_ratio(self, ratio):
-        return dataclasses.replace(self, ratio=ratio, k=None)
-
-    def kept(self, n):
-        if self.ratio is not None:
-            return layout.resolve_k(n, None, self.ratio)
-        if self.k > n:
-            raise ValueError(f"k={self.k} exceeds the {n} gradient entries it is taken from; pass a smaller k or "
-                             "ratio=")
-        return self.k
 
     def aggregate(self, x, axis_name, *, step, key, sparse=False):
         from jaxcomp import collectives
