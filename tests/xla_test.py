@@ -199,3 +199,11 @@ def test_collectives_on_the_xla_path(name):
             return jax.jit(fn)(x)
 
     assert_same(run("native"), run("xla"))
+
+
+def test_empty_batches():
+    x = jnp.ones((2, 0, 5))
+    assert_same(*both(jaxcomp.topk, x, 2))
+    assert_same(*both(jaxcomp.find_threshold, x, 2))
+    assert_same(*both(jaxcomp.zfp_encode, x, 2))
+    assert_same(*both(jaxcomp.zfp_decode, jnp.zeros((0, 3), jnp.uint32), 20, 2))
