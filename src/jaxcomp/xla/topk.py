@@ -6,7 +6,8 @@ cleared. As in the CPU kernel, a histogram of the keys' top 16 bits (a scatter-a
 the row) gives K's top 16 bits: its bin is where the count from the top reaches ``k``. A second
 histogram, of the low 15 bits of the keys inside that bin, gives the rest when ``rounds > 16``.
 Selection keeps every key at or above the upper threshold and the lowest-index keys inside the
-bracket, and compacts them in index order with prefix sums.
+bracket, and compacts them in index order: population counts of the mask packed 32 entries to a
+word, prefix sums over the words only, and a binary search per output slot.
 """
 
 from __future__ import annotations
