@@ -36,8 +36,10 @@ static_assert(kItemsPerThread % 4 == 0, "whole tiles are read as float4");
 constexpr int kSelectThreads = 256;
 constexpr int kBinsPerThread = kBins / kSelectThreads;
 static_assert(kBins % kSelectThreads == 0, "bins must split evenly over the select block");
-// Rows are processed in chunks to bound scratch: per-row histograms (8 KiB a row) and per-tile
-// histograms (up to 8 KiB per 32 KiB tile), so at most 4096 rows and 2^28 values at a time.
+// Rows are processed in chunks to bound scratch: per-row histograms (8 KiB a row), at most 4096
+// rows and 2^28 values at a time, and per-tile histograms (up to 8 KiB per 32 KiB tile) within
+// the caller's budget (kTileHistogramBudget): fewer rows per chunk, and a row too long for it
+// alone counts its tiles in one more pass instead of keeping their histograms.
 constexpr int64_t kMaxRowsPerChunk = 4096;
 constexpr int64_t kMaxValuesPerChunk = int64_t{1} << 28;
 constexpr size_t kScratchAlign = 256;
@@ -205,6 +207,29 @@ __global__ void __launch_bounds__(kThreads) tile_counts_kernel(const uint32_t* _
   }
 }
 
+// Per tile, straight from memory: the tile_counts_kernel result for rows whose per-tile
+// histograms would not fit the scratch budget (one more read of the row instead). One block per
+// tile; a tile holds fewer than 2^16 entries, so both counts share one 32-bit word until the end.
+__global__ void __launch_bounds__(kThreads) count_tiles_kernel(const float* __restrict__ x, int64_t n,
+                                                               int64_t tiles_per_row,
+                                                               const RowState* __restrict__ state, int rounds,
+                                                               uint64_t* __restrict__ tile_counts) {
+  __shared__ uint32_t tile_total;
+  const int64_t row = blockIdx.x / tiles_per_row;
+  const int64_t begin = (blockIdx.x % tiles_per_row) * kTile;
+  const int64_t end = n < begin + kTile ? n : begin + kTile;
+  const Bracket bracket = bracket_of(state[row], rounds);
+  if (threadIdx.x == 0) tile_total = 0;
+  __syncthreads();
+  const float* row_x = x + row * n;
+  uint32_t packed = 0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) packed += classify(magnitude_key(row_x[i]), bracket);
+  packed = __reduce_add_sync(0xFFFFFFFFu, packed);
+  if (threadIdx.x % 32 == 0 && packed != 0) atomicAdd(&tile_total, packed);
+  __syncthreads();
+  if (threadIdx.x == 0) tile_counts[blockIdx.x] = uint64_t{tile_total & 0xFFFFu} | (uint64_t{tile_total >> 16} << 32);
+}
+
 // One block per row: tile counts -> exclusive prefix over the row's tiles, in place.
 __global__ void __launch_bounds__(kThreads) scan_tiles_kernel(uint64_t* __restrict__ tile_counts,
                                                               int64_t tiles_per_row) {
@@ -223,8 +248,11 @@ __global__ void __launch_bounds__(kThreads) scan_tiles_kernel(uint64_t* __restri
   }
 }
 
-// Writes the selected entries of one tile at position A_i + min(T_i, need).
-__global__ void __launch_bounds__(kThreads) write_selection_kernel(
+// Writes the selected entries of one tile at position A_i + min(T_i, need). Two blocks per
+// multiprocessor (at most 64 registers a thread): left to itself nvcc took 71, so only one block
+// of 512 threads fit and the SM idled through every block's load and scan.
+constexpr int kSelectionBlocksPerProcessor = 2;
+__global__ void __launch_bounds__(kThreads, kSelectionBlocksPerProcessor) write_selection_kernel(
     const float* __restrict__ x, int64_t n, int64_t k, int64_t tiles_per_row, const RowState* __restrict__ state,
     int rounds, const uint64_t* __restrict__ tile_offsets, float* __restrict__ values, int32_t* __restrict__ indices) {
   using BlockLoad = cub::BlockLoad<float, kThreads, kItemsPerThread, cub::BLOCK_LOAD_WARP_TRANSPOSE>;
@@ -242,6 +270,8 @@ __global__ void __launch_bounds__(kThreads) write_selection_kernel(
   const uint64_t tile_offset = tile_offsets[blockIdx.x];
   const uint32_t above_before_tile = static_cast<uint32_t>(tile_offset);
   const uint32_t bracket_before_tile = static_cast<uint32_t>(tile_offset >> 32);
+  // 32 bits: every index of a tile is below n <= 2^31 - 1 (one register less than 64-bit indices).
+  const uint32_t first_index = static_cast<uint32_t>(begin) + threadIdx.x * kItemsPerThread;
 
   // Blocked arrangement: thread t holds tile entries [t * kItemsPerThread, (t + 1) * kItemsPerThread).
   float items[kItemsPerThread];
@@ -273,9 +303,9 @@ __global__ void __launch_bounds__(kThreads) write_selection_kernel(
     const uint32_t item_class = class_of(i);
     const bool selected = item_class == 1u || (item_class == (1u << 16) && in_bracket < need);
     const uint32_t position = above + (in_bracket < need ? in_bracket : need);
-    if (selected && position < k) {  // position < k always holds; the check guards memory anyway
+    if (selected && position < static_cast<uint32_t>(k)) {  // position < k always holds; the check guards memory anyway
       row_values[position] = items[i];
-      row_indices[position] = static_cast<int32_t>(begin + threadIdx.x * kItemsPerThread + i);
+      row_indices[position] = static_cast<int32_t>(first_index + i);
     }
     before += item_class;
   }
@@ -303,24 +333,43 @@ size_t tile_histogram_bytes(int64_t tiles, int rounds) {
 }
 size_t tile_count_bytes(int64_t tiles) { return align_up(tiles * sizeof(uint64_t)); }
 
-int64_t chunk_rows_of(int64_t rows, int64_t n) {
+// How the rows go through scratch: `chunk_rows` at a time, and whether the selection's per-tile
+// counts come from the last pass's per-tile histograms (kept in scratch) or from one more pass
+// over the chunk (count_tiles_kernel), which rows too long for the budget take.
+struct Plan {
+  int64_t chunk_rows;
+  bool keep_tiles;
+};
+
+Plan plan_of(int64_t rows, int64_t n, int rounds, size_t tile_histogram_budget) {
   int64_t chunk = kMaxValuesPerChunk / n;
   chunk = chunk < 1 ? 1 : (chunk > kMaxRowsPerChunk ? kMaxRowsPerChunk : chunk);
-  return rows < chunk ? rows : chunk;
+  chunk = rows < chunk ? rows : chunk;
+  const int64_t row_tile_bytes =
+      tiles_per_row_of(n) * ((int64_t{1} << last_width(rounds)) + 1) * static_cast<int64_t>(sizeof(uint32_t));
+  const int64_t fitting = static_cast<int64_t>(tile_histogram_budget) / row_tile_bytes;
+  if (fitting >= 1) return {chunk < fitting ? chunk : fitting, true};
+  return {1, false};
 }
 
-ScratchLayout layout_of(void* scratch, int64_t chunk_rows, int64_t n, int rounds) {
-  const int64_t tiles = chunk_rows * tiles_per_row_of(n);
+ScratchLayout layout_of(void* scratch, const Plan& plan, int64_t n, int rounds) {
+  const int64_t tiles = plan.chunk_rows * tiles_per_row_of(n);
   char* at = static_cast<char*>(scratch);
   ScratchLayout layout;
   layout.histograms = reinterpret_cast<uint32_t*>(at);
-  at += histogram_bytes(chunk_rows);
+  at += histogram_bytes(plan.chunk_rows);
   layout.states = reinterpret_cast<RowState*>(at);
-  at += state_bytes(chunk_rows);
-  layout.tile_histograms = reinterpret_cast<uint32_t*>(at);
-  at += tile_histogram_bytes(tiles, rounds);
+  at += state_bytes(plan.chunk_rows);
+  layout.tile_histograms = plan.keep_tiles ? reinterpret_cast<uint32_t*>(at) : nullptr;
+  if (plan.keep_tiles) at += tile_histogram_bytes(tiles, rounds);
   layout.tile_counts = reinterpret_cast<uint64_t*>(at);
   return layout;
+}
+
+size_t scratch_bytes(const Plan& plan, int64_t n, int rounds) {
+  const int64_t tiles = plan.chunk_rows * tiles_per_row_of(n);
+  return histogram_bytes(plan.chunk_rows) + state_bytes(plan.chunk_rows) +
+         (plan.keep_tiles ? tile_histogram_bytes(tiles, rounds) : 0) + tile_count_bytes(tiles);
 }
 
 // Runs the radix passes for `chunk_rows` rows starting at `x`, leaving each row's state final
@@ -351,29 +400,33 @@ cudaError_t search(const float* x, int64_t chunk_rows, int64_t n, int64_t k, int
 
 }  // namespace
 
-size_t select_scratch_bytes(int64_t rows, int64_t n, int rounds) {
-  const int64_t chunk_rows = chunk_rows_of(rows, n);
-  const int64_t tiles = chunk_rows * tiles_per_row_of(n);
-  return histogram_bytes(chunk_rows) + state_bytes(chunk_rows) + tile_histogram_bytes(tiles, rounds) +
-         tile_count_bytes(tiles);
+size_t select_scratch_bytes(int64_t rows, int64_t n, int rounds, size_t tile_histogram_budget) {
+  return scratch_bytes(plan_of(rows, n, rounds, tile_histogram_budget), n, rounds);
 }
 
 namespace {
 
 cudaError_t select_chunks(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* values,
-                          int32_t* indices, void* scratch, cudaStream_t stream) {
-  const int64_t chunk_rows_max = chunk_rows_of(rows, n);
-  const ScratchLayout s = layout_of(scratch, chunk_rows_max, n, rounds);
+                          int32_t* indices, void* scratch, cudaStream_t stream, size_t tile_histogram_budget) {
+  const Plan plan = plan_of(rows, n, rounds, tile_histogram_budget);
+  const ScratchLayout s = layout_of(scratch, plan, n, rounds);
   const int64_t tiles_per_row = tiles_per_row_of(n);
-  for (int64_t first = 0; first < rows; first += chunk_rows_max) {
-    const int64_t chunk_rows = rows - first < chunk_rows_max ? rows - first : chunk_rows_max;
+  for (int64_t first = 0; first < rows; first += plan.chunk_rows) {
+    const int64_t chunk_rows = rows - first < plan.chunk_rows ? rows - first : plan.chunk_rows;
     const float* chunk_x = x + first * n;
-    cudaError_t err = search(chunk_x, chunk_rows, n, k, rounds, /*keep_tiles=*/true, s, stream);
+    cudaError_t err = search(chunk_x, chunk_rows, n, k, rounds, plan.keep_tiles, s, stream);
     if (err != cudaSuccess) return err;
     const int64_t tiles = chunk_rows * tiles_per_row;
-    constexpr int64_t kTilesPerBlock = kThreads / 32;
-    err = launch(tile_counts_kernel, static_cast<unsigned>((tiles + kTilesPerBlock - 1) / kTilesPerBlock), kThreads,
-                 stream, s.tile_histograms, tiles, tiles_per_row, s.states, last_width(rounds), s.tile_counts);
+    if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;
+    if (plan.keep_tiles) {
+      constexpr int64_t kTilesPerBlock = kThreads / 32;
+      err = launch(tile_counts_kernel, static_cast<unsigned>((tiles + kTilesPerBlock - 1) / kTilesPerBlock),
+                   kThreads, stream, s.tile_histograms, tiles, tiles_per_row, s.states, last_width(rounds),
+                   s.tile_counts);
+    } else {
+      err = launch(count_tiles_kernel, static_cast<unsigned>(tiles), kThreads, stream, chunk_x, n, tiles_per_row,
+                   s.states, rounds, s.tile_counts);
+    }
     if (err != cudaSuccess) return err;
     err = launch(scan_tiles_kernel, static_cast<unsigned>(chunk_rows), kThreads, stream, s.tile_counts, tiles_per_row);
     if (err != cudaSuccess) return err;
@@ -385,9 +438,11 @@ cudaError_t select_chunks(const float* x, int64_t rows, int64_t n, int64_t k, in
 }
 
 cudaError_t threshold_chunks(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
-                             int32_t* count, void* scratch, cudaStream_t stream) {
-  const int64_t chunk_rows_max = chunk_rows_of(rows, n);
-  const ScratchLayout s = layout_of(scratch, chunk_rows_max, n, rounds);
+                             int32_t* count, void* scratch, cudaStream_t stream, size_t tile_histogram_budget) {
+  // The selection's plan, so that select_scratch_bytes serves both.
+  const Plan plan = plan_of(rows, n, rounds, tile_histogram_budget);
+  const ScratchLayout s = layout_of(scratch, plan, n, rounds);
+  const int64_t chunk_rows_max = plan.chunk_rows;
   for (int64_t first = 0; first < rows; first += chunk_rows_max) {
     const int64_t chunk_rows = rows - first < chunk_rows_max ? rows - first : chunk_rows_max;
     cudaError_t err = search(x + first * n, chunk_rows, n, k, rounds, /*keep_tiles=*/false, s, stream);
@@ -403,13 +458,14 @@ cudaError_t threshold_chunks(const float* x, int64_t rows, int64_t n, int64_t k,
 }  // namespace
 
 Status select_topk(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* values, int32_t* indices,
-                   void* scratch, cudaStream_t stream) {
-  return StatusOf(select_chunks(x, rows, n, k, rounds, values, indices, scratch, stream), "jaxcomp top-k kernels");
+                   void* scratch, cudaStream_t stream, size_t tile_histogram_budget) {
+  return StatusOf(select_chunks(x, rows, n, k, rounds, values, indices, scratch, stream, tile_histogram_budget),
+                  "jaxcomp top-k kernels");
 }
 
 Status find_threshold(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
-                      int32_t* count, void* scratch, cudaStream_t stream) {
-  return StatusOf(threshold_chunks(x, rows, n, k, rounds, threshold, count, scratch, stream),
+                      int32_t* count, void* scratch, cudaStream_t stream, size_t tile_histogram_budget) {
+  return StatusOf(threshold_chunks(x, rows, n, k, rounds, threshold, count, scratch, stream, tile_histogram_budget),
                   "jaxcomp threshold kernels");
 }
 

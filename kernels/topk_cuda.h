@@ -15,17 +15,25 @@
 
 namespace jaxcomp::cuda {
 
-// Device scratch needed by select_topk / find_threshold for `rows` rows of `n` values.
-size_t select_scratch_bytes(int64_t rows, int64_t n, int rounds);
+// Scratch for the selection's per-tile histograms, at most (about 1 byte per value with an 11-bit
+// last digit, 1/4 byte at exact top-k): rows longer than 2^28 values (2^30 at exact top-k) take
+// one more pass over memory instead, so a row of 2^31 - 1 values needs about 256 MiB, not 2 GiB.
+// Tests pass less.
+constexpr size_t kTileHistogramBudget = size_t{256} << 20;
+
+// Device scratch needed by select_topk / find_threshold for `rows` rows of `n` values (given the
+// same budget): about 8 KiB a row, up to 4096 rows, plus the per-tile histograms.
+size_t select_scratch_bytes(int64_t rows, int64_t n, int rounds, size_t tile_histogram_budget = kTileHistogramBudget);
 
 // Writes, per row, the k selected entries of threshold_topk(x, k, rounds) in ascending index
 // order; rounds = 31 is exact top-k. x: [rows, n]; values, indices: [rows, k].
 // Requires 1 <= k <= n <= 2^31 - 1 and 1 <= rounds <= 31 (the caller validates).
 Status select_topk(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* values, int32_t* indices,
-                   void* scratch, cudaStream_t stream);
+                   void* scratch, cudaStream_t stream, size_t tile_histogram_budget = kTileHistogramBudget);
 
 // find_threshold(x, k, rounds) per row: threshold = float from bits(lo), count = C(lo).
 Status find_threshold(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
-                      int32_t* count, void* scratch, cudaStream_t stream);
+                      int32_t* count, void* scratch, cudaStream_t stream,
+                      size_t tile_histogram_budget = kTileHistogramBudget);
 
 }  // namespace jaxcomp::cuda

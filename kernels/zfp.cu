@@ -21,17 +21,19 @@ constexpr int kWarpsPerBlock = 8;
 constexpr int kThreads = kWarp * kWarpsPerBlock;
 constexpr int kMaxGroupWords = 4 * 32;  // 32 blocks x 4 values x rate 32 / 32 bits
 
-__constant__ zfp::CodeTables kCodeTables = zfp::make_code_tables();
+// The code tables live in global memory, each direction's half in one 16-byte-aligned struct;
+// every thread block copies its half into shared memory once, with 16-byte loads of consecutive
+// addresses (the lanes of a warp read one contiguous 512-byte run), and then codes many groups
+// (the kernels are persistent: grid-stride loops over a grid the GPU holds at once). From
+// __constant__ memory, lanes reading different addresses were serialized by the constant cache.
+__device__ const zfp::EncodeTables kEncodeTables = zfp::make_encode_tables();
+__device__ const zfp::DecodeTables kDecodeTables = zfp::make_decode_tables();
 
-// The code tables in shared memory: lanes look up different entries, which the constant cache
-// would serialize.
-__device__ __forceinline__ void load_tables(zfp::CodeTables& tables) {
-  static_assert(sizeof(zfp::CodeTables) % sizeof(uint16_t) == 0, "tables are uint16 arrays");
-  const uint16_t* from = reinterpret_cast<const uint16_t*>(&kCodeTables);
-  uint16_t* to = reinterpret_cast<uint16_t*>(&tables);
-  for (int i = threadIdx.x; i < static_cast<int>(sizeof(zfp::CodeTables) / sizeof(uint16_t)); i += kThreads) {
-    to[i] = from[i];
-  }
+template <typename Tables>
+__device__ __forceinline__ void load_tables(const Tables& from, Tables& to) {
+  const uint4* source = reinterpret_cast<const uint4*>(&from);
+  uint4* target = reinterpret_cast<uint4*>(&to);
+  for (int i = threadIdx.x; i < static_cast<int>(sizeof(Tables) / sizeof(uint4)); i += kThreads) target[i] = source[i];
 }
 
 // A zfp_block.h writer into a warp's zeroed shared words: ORs each completed word in, so the one
@@ -73,13 +75,10 @@ struct Group {
   int64_t first_block;
   int64_t first_word;  // within the row, after the header word (if any)
   int words;           // words this group owns (fewer for a row's last group)
-  bool active;         // false for the warps past the last group
 };
 
-__device__ __forceinline__ Group group_of(int64_t rows, int64_t blocks, int64_t groups_per_row, int rate) {
-  const int64_t group = (int64_t{blockIdx.x} * kThreads + threadIdx.x) / kWarp;
+__device__ __forceinline__ Group group_at(int64_t group, int64_t blocks, int64_t groups_per_row, int rate) {
   Group g;
-  g.active = group < rows * groups_per_row;
   g.row = group / groups_per_row;
   const int64_t index = group % groups_per_row;
   g.first_block = index * kWarp;
@@ -89,6 +88,10 @@ __device__ __forceinline__ Group group_of(int64_t rows, int64_t blocks, int64_t 
   g.words = static_cast<int>(left < 4 * rate ? left : 4 * rate);
   return g;
 }
+
+// This warp's first group and the stride between its groups (a grid-stride loop over warps).
+__device__ __forceinline__ int64_t first_group() { return (int64_t{blockIdx.x} * kThreads + threadIdx.x) / kWarp; }
+__device__ __forceinline__ int64_t group_stride() { return int64_t{gridDim.x} * kWarpsPerBlock; }
 
 // The 4 values of block `block` as bits, padded like zfp's pad_block for a partial last block.
 __device__ __forceinline__ void load_values(const float* row_x, int64_t n, int64_t block, uint32_t* value_bits) {
@@ -142,91 +145,105 @@ __global__ void row_header_kernel(uint32_t* __restrict__ words, int64_t rows, in
   if (row < rows) words[row * row_words] = zfp::row_header(words[row * row_words]);
 }
 
-// One block per lane, one group of 32 blocks per warp. At rates 1-2 the header word holds the
-// row's largest key here (row_header_kernel turns it into the header afterwards).
+// One block per lane, one group of 32 blocks per warp, warps striding over all groups. At rates
+// 1-2 the header word holds the row's largest key here (row_header_kernel turns it into the
+// header afterwards).
 __global__ void __launch_bounds__(kThreads) encode_kernel(const float* __restrict__ x, int64_t rows, int64_t n,
                                                           int rate, uint32_t* __restrict__ words) {
-  __shared__ zfp::CodeTables tables;
+  __shared__ zfp::EncodeTables tables;
   __shared__ uint32_t staged[kWarpsPerBlock][kMaxGroupWords];
-  load_tables(tables);
-  const int lane = threadIdx.x % kWarp;
-  uint32_t* group_words = staged[threadIdx.x / kWarp];
-  for (int i = lane; i < 4 * rate; i += kWarp) group_words[i] = 0;
+  load_tables(kEncodeTables, tables);
   __syncthreads();
 
+  const int lane = threadIdx.x % kWarp;
+  uint32_t* group_words = staged[threadIdx.x / kWarp];
   const int64_t blocks = (n + 3) / 4;
   const int64_t groups_per_row = (blocks + kWarp - 1) / kWarp;
-  const Group g = group_of(rows, blocks, groups_per_row, rate);
-  if (!g.active) return;  // whole warps only: group_of is uniform across a warp
   const int64_t header = zfp::header_words(rate);
   const int64_t row_words = zfp::row_words(n, rate);
-  uint32_t* row_out = words + g.row * row_words;
-  const int64_t block = g.first_block + lane;
   const int block_bits = 4 * rate;
-
-  if (block < blocks) {
-    uint32_t value_bits[4];
-    load_values(x + g.row * n, n, block, value_bits);
-    SharedOrWriter out(group_words, lane * block_bits);
-    if (rate >= 3) {
-      zfp::encode_block(value_bits, block_bits, tables, out);
-    } else {
-      const uint32_t row_header = zfp::row_header(row_out[0]);
-      // A zero or non-finite row encodes every block as zero bits.
-      if (row_header != 0 && row_header != zfp::kNonFiniteRowHeader) {
-        zfp::encode_coefficients(value_bits, static_cast<int>(row_header) - 127, block_bits, tables, out);
+  // Uniform across a warp: every lane runs the same iterations.
+  for (int64_t group = first_group(); group < rows * groups_per_row; group += group_stride()) {
+    const Group g = group_at(group, blocks, groups_per_row, rate);
+    for (int i = lane; i < 4 * rate; i += kWarp) group_words[i] = 0;
+    __syncwarp();
+    uint32_t* row_out = words + g.row * row_words;
+    const int64_t block = g.first_block + lane;
+    if (block < blocks) {
+      uint32_t value_bits[4];
+      load_values(x + g.row * n, n, block, value_bits);
+      SharedOrWriter out(group_words, lane * block_bits);
+      if (rate >= 3) {
+        zfp::encode_block(value_bits, block_bits, tables, out);
+      } else {
+        const uint32_t row_header = zfp::row_header(row_out[0]);
+        // A zero or non-finite row encodes every block as zero bits.
+        if (row_header != 0 && row_header != zfp::kNonFiniteRowHeader) {
+          zfp::encode_coefficients(value_bits, static_cast<int>(row_header) - 127, block_bits, tables, out);
+        }
       }
+      out.flush();
     }
-    out.flush();
+    __syncwarp();
+    for (int i = lane; i < g.words; i += kWarp) row_out[header + g.first_word + i] = group_words[i];
+    __syncwarp();  // the words are read before the next group zeroes them
   }
-  __syncwarp();
-  for (int i = lane; i < g.words; i += kWarp) row_out[header + g.first_word + i] = group_words[i];
 }
 
 __global__ void __launch_bounds__(kThreads) decode_kernel(const uint32_t* __restrict__ words, int64_t rows,
                                                           int64_t n, int rate, float* __restrict__ x) {
-  __shared__ zfp::CodeTables tables;
+  __shared__ zfp::DecodeTables tables;
   __shared__ uint32_t staged[kWarpsPerBlock][kMaxGroupWords];
-  load_tables(tables);
+  load_tables(kDecodeTables, tables);
   __syncthreads();
 
-  const int64_t blocks = (n + 3) / 4;
-  const int64_t groups_per_row = (blocks + kWarp - 1) / kWarp;
-  const Group g = group_of(rows, blocks, groups_per_row, rate);
-  if (!g.active) return;
   const int lane = threadIdx.x % kWarp;
   uint32_t* group_words = staged[threadIdx.x / kWarp];
+  const int64_t blocks = (n + 3) / 4;
+  const int64_t groups_per_row = (blocks + kWarp - 1) / kWarp;
   const int64_t header = zfp::header_words(rate);
   const int64_t row_words = zfp::row_words(n, rate);
-  const uint32_t* row_in = words + g.row * row_words;
-  for (int i = lane; i < g.words; i += kWarp) group_words[i] = row_in[header + g.first_word + i];
-  __syncwarp();
-
-  const int64_t block = g.first_block + lane;
-  if (block >= blocks) return;
   const int block_bits = 4 * rate;
-  zfp::BitReader in(group_words, g.words, lane * block_bits);
-  float values[4];
-  if (rate >= 3) {
-    zfp::decode_block(in, block_bits, tables, values);
-  } else {
-    const uint32_t row_header = row_in[0];
-    if (row_header == 0 || row_header > 0xFF) {
-      const float fill = row_header == 0 ? 0.0f : __uint_as_float(0x7FC00000u);
-      for (int i = 0; i < 4; ++i) values[i] = fill;
-    } else {
-      zfp::decode_coefficients(in, static_cast<int>(row_header) - 127, block_bits, tables, values);
+  for (int64_t group = first_group(); group < rows * groups_per_row; group += group_stride()) {
+    const Group g = group_at(group, blocks, groups_per_row, rate);
+    const uint32_t* row_in = words + g.row * row_words;
+    for (int i = lane; i < g.words; i += kWarp) group_words[i] = row_in[header + g.first_word + i];
+    __syncwarp();
+    const int64_t block = g.first_block + lane;
+    if (block < blocks) {
+      zfp::BitReader in(group_words, g.words, lane * block_bits);
+      float values[4];
+      if (rate >= 3) {
+        zfp::decode_block(in, block_bits, tables, values);
+      } else {
+        const uint32_t row_header = row_in[0];
+        if (row_header == 0 || row_header > 0xFF) {
+          const float fill = row_header == 0 ? 0.0f : __uint_as_float(0x7FC00000u);
+          for (int i = 0; i < 4; ++i) values[i] = fill;
+        } else {
+          zfp::decode_coefficients(in, static_cast<int>(row_header) - 127, block_bits, tables, values);
+        }
+      }
+      store_values(x + g.row * n, n, block, values);
     }
+    __syncwarp();  // the staged words are read before the next group overwrites them
   }
-  store_values(x + g.row * n, n, block, values);
 }
 
-// Thread blocks to cover every row's groups of 32 zfp blocks (0 if there is nothing to do).
+// Thread blocks for the coders: enough to cover every row's groups of 32 zfp blocks, at most
+// what the GPU keeps resident at once (the kernels loop over the rest); 0 if nothing to do.
 cudaError_t group_grid(int64_t rows, int64_t n, unsigned* grid) {
   const int64_t groups = rows * (((n + 3) / 4 + kWarp - 1) / kWarp);
   const int64_t thread_blocks = (groups + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  if (thread_blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  *grid = static_cast<unsigned>(thread_blocks);
+  int device = 0, processors = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&processors, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  // 2048 resident threads per multiprocessor on sm_80/sm_90; shared memory (at most 16.3 KB a
+  // block) allows as many blocks.
+  constexpr int64_t kBlocksPerProcessor = 2048 / kThreads;
+  const int64_t resident = int64_t{processors} * kBlocksPerProcessor;
+  *grid = static_cast<unsigned>(thread_blocks < resident ? thread_blocks : resident);
   return cudaSuccess;
 }
 

@@ -209,7 +209,7 @@ struct BlockReader64 {
 // a unary run-length code of the rest; its decode_few_ints mirrors it. A plane's code is at most
 // 7 bits, so one lookup codes a plane (or two, in the pair tables). Planes cut short by the bit
 // budget are the prefix of their full code (zfp writes bit by bit and stops when the budget is
-// spent). About 19 KB in all: on CUDA, a __constant__ or shared-memory copy.
+// spent). About 19 KB in all; CUDA blocks copy the half they use (EncodeTables, DecodeTables).
 
 struct CodeTables {
   // [n * 16 + plane]: code | length << 16 | next_n << 24.
@@ -320,6 +320,40 @@ JAXCOMP_HD constexpr CodeTables make_code_tables() {
   return t;
 }
 
+// The coders take any `Tables` with the members they read: the encoder encode_single,
+// encode_pair and to_nibbles, the decoder decode, decode_pair and from_nibbles. A CUDA block
+// copies only its direction's half into shared memory (6.3 KB to encode, 12.3 KB to decode,
+// both whole 16-byte vectors).
+struct alignas(16) EncodeTables {
+  uint32_t encode_single[5 * 16];
+  uint32_t encode_pair[5 * 256];
+  uint32_t to_nibbles[256];
+};
+struct alignas(16) DecodeTables {
+  uint16_t decode[5 * 128];
+  uint16_t decode_pair[5 * 1024];
+  uint32_t from_nibbles[256];
+};
+static_assert(sizeof(EncodeTables) % 16 == 0 && sizeof(DecodeTables) % 16 == 0, "tables copy as 16-byte vectors");
+
+JAXCOMP_HD constexpr EncodeTables make_encode_tables() {
+  const CodeTables all = make_code_tables();
+  EncodeTables t{};
+  for (int i = 0; i < 5 * 16; ++i) t.encode_single[i] = all.encode_single[i];
+  for (int i = 0; i < 5 * 256; ++i) t.encode_pair[i] = all.encode_pair[i];
+  for (int i = 0; i < 256; ++i) t.to_nibbles[i] = all.to_nibbles[i];
+  return t;
+}
+
+JAXCOMP_HD constexpr DecodeTables make_decode_tables() {
+  const CodeTables all = make_code_tables();
+  DecodeTables t{};
+  for (int i = 0; i < 5 * 128; ++i) t.decode[i] = all.decode[i];
+  for (int i = 0; i < 5 * 1024; ++i) t.decode_pair[i] = all.decode_pair[i];
+  for (int i = 0; i < 256; ++i) t.from_nibbles[i] = all.from_nibbles[i];
+  return t;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Block transform.
 
@@ -405,8 +439,8 @@ JAXCOMP_HD inline int32_t from_negabinary(uint32_t u) {
 // ---------------------------------------------------------------------------------------------
 // Coefficients: steps 4-7 of docs/kernels.md. Writes/reads exactly `bits` bits.
 
-template <typename Writer>
-JAXCOMP_HD_INLINE void encode_coefficients(const uint32_t* value_bits, int emax, int bits, const CodeTables& tables,
+template <typename Tables, typename Writer>
+JAXCOMP_HD_INLINE void encode_coefficients(const uint32_t* value_bits, int emax, int bits, const Tables& tables,
                                            Writer& out) {
   int32_t q[4];
   for (int i = 0; i < 4; ++i) q[i] = quantize(value_bits[i], emax);
@@ -460,8 +494,8 @@ JAXCOMP_HD_INLINE void encode_coefficients(const uint32_t* value_bits, int emax,
   out.pad(bits);
 }
 
-template <typename Reader>
-JAXCOMP_HD_INLINE void decode_coefficients(Reader& in, int emax, int bits, const CodeTables& tables, float* values) {
+template <typename Tables, typename Reader>
+JAXCOMP_HD_INLINE void decode_coefficients(Reader& in, int emax, int bits, const Tables& tables, float* values) {
   // Four scalars rather than an array: the compiler keeps them in registers.
   uint32_t u0 = 0, u1 = 0, u2 = 0, u3 = 0;
   int n = 0, k = 31;
@@ -568,8 +602,8 @@ JAXCOMP_HD inline uint32_t max_key(const uint32_t* value_bits) {
 }
 
 // Rates >= 3: a block with its own 9-bit header, `block_bits` = 4 * rate bits in all.
-template <typename Writer>
-JAXCOMP_HD_INLINE void encode_block(const uint32_t* value_bits, int block_bits, const CodeTables& tables,
+template <typename Tables, typename Writer>
+JAXCOMP_HD_INLINE void encode_block(const uint32_t* value_bits, int block_bits, const Tables& tables,
                                     Writer& out) {
   const uint32_t key = max_key(value_bits);
   if (key >= kNonFiniteKey) {
@@ -585,8 +619,8 @@ JAXCOMP_HD_INLINE void encode_block(const uint32_t* value_bits, int block_bits, 
   }
 }
 
-template <typename Reader>
-JAXCOMP_HD_INLINE void decode_block(Reader& in, int block_bits, const CodeTables& tables, float* values) {
+template <typename Tables, typename Reader>
+JAXCOMP_HD_INLINE void decode_block(Reader& in, int block_bits, const Tables& tables, float* values) {
   const uint32_t header = in.peek();
   if (!(header & 1u)) {
     in.skip(block_bits);

@@ -1,8 +1,9 @@
 """The CUDA module's registration contract, checked without a GPU.
 
-A build without ``_jaxcomp_cuda`` must refuse to lower jaxcomp ops for a GPU, with
-:class:`jaxcomp._ffi.MissingCudaModuleError` naming the fix, instead of failing later inside XLA or
-running on the host; a build with it must lower them to its custom calls. Lowering for CUDA needs
+A build without ``_jaxcomp_cuda`` lowers jaxcomp ops for a GPU to their portable XLA implementation
+(with a warning naming the fix) by default, and refuses ``implementation="native"`` with
+:class:`jaxcomp._ffi.MissingCudaModuleError` instead of failing later inside XLA or running on the
+host; a build with it must lower them to its custom calls. Lowering for CUDA needs
 no GPU (``jax.export`` cross-lowers), so both cases are checked on the CPU.
 """
 
@@ -15,11 +16,12 @@ import jaxcomp
 from jaxcomp import _ffi
 
 _OPS = {
-    "jaxcomp_topk": lambda x: jaxcomp.topk(x, 3),
-    "jaxcomp_find_threshold": lambda x: jaxcomp.find_threshold(x, 3),
-    "jaxcomp_threshold_topk": lambda x: jaxcomp.threshold_topk(x, 3),
-    "jaxcomp_zfp_encode": lambda x: jaxcomp.zfp_encode(x, 8),
-    "jaxcomp_zfp_decode": lambda x: jaxcomp.zfp_decode(jaxcomp.zfp_encode(x, 8), 10, 8),
+    "jaxcomp_topk": lambda x, i=None: jaxcomp.topk(x, 3, implementation=i),
+    "jaxcomp_find_threshold": lambda x, i=None: jaxcomp.find_threshold(x, 3, implementation=i),
+    "jaxcomp_threshold_topk": lambda x, i=None: jaxcomp.threshold_topk(x, 3, implementation=i),
+    "jaxcomp_zfp_encode": lambda x, i=None: jaxcomp.zfp_encode(x, 8, implementation=i),
+    "jaxcomp_zfp_decode": lambda x, i=None: jaxcomp.zfp_decode(jaxcomp.zfp_encode(x, 8, implementation=i), 10, 8,
+                                                               implementation=i),
 }
 
 
@@ -44,7 +46,11 @@ def test_gpu_lowering_matches_the_build(target):
         assert f"@{target}(" in exported.mlir_module()
     else:
         with pytest.raises(_ffi.MissingCudaModuleError, match="JAXCOMP_CUDA=ON"):
-            _export(_OPS[target], "cuda")
+            _export(lambda x: _OPS[target](x, "native"), "cuda")
+        _ffi._warned_platforms.discard("cuda")
+        with pytest.warns(UserWarning, match="JAXCOMP_CUDA=ON"):
+            exported = _export(_OPS[target], "cuda")
+        assert "custom_call" not in exported.mlir_module()
 
 
 @pytest.mark.parametrize("transform", ["jit", "vmap", "shard_map"])

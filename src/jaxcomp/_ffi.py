@@ -1,11 +1,18 @@
-"""Loads jaxcomp's native modules and registers their XLA FFI targets.
+"""Loads jaxcomp's native modules, registers their XLA FFI targets, and picks each op's
+implementation.
 
 The CPU module ``_jaxcomp_cpu`` is always built. The CUDA module ``_jaxcomp_cuda`` exists only in
-builds made with ``-Ccmake.define.JAXCOMP_CUDA=ON``; without it, a jaxcomp op lowered for a GPU
-raises :class:`MissingCudaModuleError` instead of silently running somewhere else.
+builds made with ``-Ccmake.define.JAXCOMP_CUDA=ON``. Every op takes ``implementation``:
+``"native"`` (the FFI kernels; lowered for a GPU in a build without the CUDA module it raises
+:class:`MissingCudaModuleError`), ``"xla"`` (:mod:`jaxcomp.xla`, any platform, the same results
+bit for bit), or ``None``: native where a native module serves the platform the op is lowered
+for, else xla with one warning per platform that says how to get the native kernels.
 """
 
 from __future__ import annotations
+
+import contextlib
+import warnings
 
 import jax
 import jax.extend
@@ -127,6 +134,92 @@ def ffi_call(target, result_shape_dtypes, *, vmap_method="broadcast_all"):
     return typed
 
 
+#: The values of every op's ``implementation`` argument (``None``: choose by platform).
+IMPLEMENTATIONS = ("native", "xla")
+
+
+_default_implementation = [None]
+
+
+@contextlib.contextmanager
+def default_implementation(implementation):
+    """Ops traced inside the block that are not given ``implementation`` use this one (for
+    tests and benchmarks that run code calling the ops, the collectives for example, on the xla
+    path). Functions already traced and cached by ``jax.jit`` keep what they were traced with.
+    """
+    previous = _default_implementation[0]
+    _default_implementation[0] = check_implementation(implementation)
+    try:
+        yield
+    finally:
+        _default_implementation[0] = previous
+
+
+def check_implementation(implementation):
+    """Returns ``implementation`` if it is ``None``, ``"native"`` or ``"xla"`` (``None`` becomes
+    the :func:`default_implementation` in force), else raises ValueError."""
+    if implementation is None:
+        return _default_implementation[0]
+    if isinstance(implementation, str) and implementation in IMPLEMENTATIONS:
+        return implementation
+    raise ValueError(
+        "implementation must be 'native', 'xla' or None (native where a native module serves the platform, "
+        f"else xla), got {implementation!r}")
+
+
+def _portable_message(platform):
+    if platform == "cuda":
+        how = ("this jaxcomp was built without its CUDA module; for the native CUDA kernels rebuild it with "
+               "`pip install -Ccmake.define.JAXCOMP_CUDA=ON .` (CUDA 13 nvcc and jax[cuda13]; see docs/gpu.md)")
+    else:
+        how = f"jaxcomp has native kernels for CPU and CUDA only, none for {platform!r}"
+    return (f"jaxcomp ops lowered for {platform!r} run their portable XLA implementation (jaxcomp.xla: the same "
+            f"results as the native kernels, slower): {how}. Pass implementation='xla' to choose it explicitly "
+            "and silence this warning.")
+
+
+_warned_platforms = set()
+
+# An identity on the operands of the portable branch that the default implementation picks on
+# platforms without a native module: lowering it warns once per platform. It is only lowered when
+# that branch is (platform_dependent lowers the branch of the platform being compiled for).
+_portable_fallback_p = jax.extend.core.Primitive("jaxcomp_portable_fallback")
+_portable_fallback_p.def_abstract_eval(lambda x: x)
+_portable_fallback_jit = jax.jit(_portable_fallback_p.bind)
+_portable_fallback_p.def_impl(lambda x: _portable_fallback_jit(x))
+batching.primitive_batchers[_portable_fallback_p] = lambda args, dims: (_portable_fallback_p.bind(*args), dims[0])
+
+
+def _lower_portable_fallback(ctx, x):
+    for platform in ctx.module_context.platforms:
+        if platform not in _warned_platforms:
+            _warned_platforms.add(platform)
+            warnings.warn(_portable_message(platform), stacklevel=2)
+    return [x]
+
+
+mlir.register_lowering(_portable_fallback_p, _lower_portable_fallback)
+
+
+def dispatch(op, operands, native, portable, implementation):
+    """Runs ``native(*operands)`` or ``portable(*operands)`` (both arrays in, pytree out) as
+    ``implementation`` says (see the module docstring); ``op`` names the op in error messages.
+
+    The portable path refuses differentiation like the native one, with the same TypeError.
+    """
+    portable = _not_differentiable(portable, op)
+    if implementation == "native":
+        return native(*operands)
+    if implementation == "xla":
+        return portable(*operands)
+
+    def fallback(*args):
+        return portable(*(_portable_fallback_p.bind(a) for a in args))
+
+    natives = {"cpu": native, **({"cuda": native} if HAS_CUDA else {})}
+    return jax.lax.platform_dependent(*operands, **natives, default=fallback)
+
+
 def _not_differentiable(call, op):
     """``call`` with a JVP rule that raises a TypeError naming ``op`` (and the way around it).
 
@@ -145,8 +238,9 @@ def _not_differentiable(call, op):
         @op_call.defjvp
         def refuse(primals, tangents):
             raise TypeError(
-                f"{op} is not differentiable (its output selects or encodes values; XLA has no derivative for "
-                f"the native kernel). Its input carries a gradient here: wrap it in jax.lax.stop_gradient(x) if "
+                f"{op} is not differentiable (its output selects or encodes values; neither its native kernel "
+                f"nor its XLA implementation defines a derivative). Its input carries a gradient here: wrap it "
+                f"in jax.lax.stop_gradient(x) if "
                 f"no gradient should flow through {op}, or differentiate the pure-JAX "
                 f"jaxcomp.reference.{op.split('.', 1)[1]} instead")
 

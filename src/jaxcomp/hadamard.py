@@ -13,6 +13,8 @@ signs, which need independence and uniformity, not cryptographic strength.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,12 +61,17 @@ def hadamard_reference(x):
     return x
 
 
-def hadamard_transform(x):
+def hadamard_transform(x, *, implementation=None):
     """Unnormalized Walsh-Hadamard transform of each row of ``x`` (``H_n x``, ``H_n H_n = n I``).
+
+    Differentiable: the transform is linear and ``H_n`` symmetric, so the gradient of a loss is
+    the transform of the output's gradient.
 
     Args:
       x: float32, bfloat16 or float16 array; its last axis (the rows) has a power-of-two length.
         Leading axes are independent rows.
+      implementation: ``"native"`` (the CPU kernel; CPU only), ``"xla"`` (:func:`hadamard_reference`,
+        any platform, the same floats bit for bit) or ``None``: native on the CPU, xla elsewhere.
 
     Returns:
       float32 array of ``x``'s shape. Divide by ``sqrt(n)`` for the orthonormal transform.
@@ -79,13 +86,35 @@ def hadamard_transform(x):
       Compression", NSDI 2024 (the randomized Hadamard transform before quantizing).
     """
     x = _check_rows(x).astype(jnp.float32)
+    implementation = _ffi.check_implementation(implementation)
+    return _transform(x, implementation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _transform(x, implementation):
+    if implementation == "xla":
+        return hadamard_reference(x)
     call = jax.ffi.ffi_call("jaxcomp_hadamard", jax.ShapeDtypeStruct(x.shape, jnp.float32),
                             vmap_method="broadcast_all")
 
     def native(v):
         return _ffi.like_varying(call(v), v)
 
+    if implementation == "native":
+        return native(x)
+    # The XLA path is the designed one off the CPU (the same butterflies): no warning.
     return jax.lax.platform_dependent(x, cpu=native, default=hadamard_reference)
+
+
+def _transform_forward(x, implementation):
+    return _transform(x, implementation), None
+
+
+def _transform_backward(implementation, _, cotangent):
+    return (_transform(cotangent, implementation),)  # H is symmetric: the VJP is H itself
+
+
+_transform.defvjp(_transform_forward, _transform_backward)
 
 
 def _fmix32(h):

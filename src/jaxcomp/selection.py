@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp import _checks, _ffi
+from jaxcomp import xla as _xla
 
 #: Bisection rounds of the threshold search by default: 8 exponent bits and 8 mantissa bits, all
 #: resolved by one 16-bit histogram pass over memory; selected and unselected magnitudes are then
@@ -23,12 +24,15 @@ def _rows_call(target, x, result_shapes, **attrs):
     return call(x.astype(jnp.float32), **{name: np.int64(v) for name, v in attrs.items()})
 
 
-def topk(x, k):
+def topk(x, k, *, implementation=None):
     """The ``k`` entries of largest magnitude along the last axis, exactly.
 
     Args:
       x: float32, bfloat16 or float16 array ``[..., n]``; leading axes are independent rows.
       k: static int, ``1 <= k <= n``.
+      implementation: ``"native"`` (the FFI kernel), ``"xla"`` (:mod:`jaxcomp.xla`, any platform,
+        the same result bit for bit) or ``None``: native where a native module serves the platform,
+        else xla with a warning.
 
     Returns:
       ``(values, indices)``, each ``[..., k]``: ``values`` keep sign and dtype, ``indices`` are
@@ -45,15 +49,21 @@ def topk(x, k):
       Top-k sparsification as used by Tyagi & Swany (arXiv 2312.02493) and Shi et al. (MLSys 2021).
     """
     x, k = _checks.check_k(x, k)
+    implementation = _ffi.check_implementation(implementation)
     batch = x.shape[:-1]
-    values, indices = _rows_call(
-        "jaxcomp_topk", x,
-        (jax.ShapeDtypeStruct(batch + (k,), jnp.float32), jax.ShapeDtypeStruct(batch + (k,), jnp.int32)),
-        k=k)
+
+    def native(v):
+        return _rows_call(
+            "jaxcomp_topk", v,
+            (jax.ShapeDtypeStruct(batch + (k,), jnp.float32), jax.ShapeDtypeStruct(batch + (k,), jnp.int32)),
+            k=k)
+
+    values, indices = _ffi.dispatch("jaxcomp.topk", (x.astype(jnp.float32),), native,
+                                    lambda v: _xla.topk(v, k), implementation)
     return values.astype(x.dtype), indices
 
 
-def find_threshold(x, k, rounds=DEFAULT_ROUNDS):
+def find_threshold(x, k, rounds=DEFAULT_ROUNDS, *, implementation=None):
     """MSTopK threshold search: a magnitude threshold that keeps at least ``k`` entries.
 
     Bisects the float32 bit pattern of ``|x|`` (exponent first, then mantissa) for ``rounds``
@@ -67,6 +77,7 @@ def find_threshold(x, k, rounds=DEFAULT_ROUNDS):
       k: static int, ``1 <= k <= n``.
       rounds: static int in ``[1, 31]``; each round halves the bracket. 31 finds the exact k-th
         largest magnitude.
+      implementation: ``"native"``, ``"xla"`` or ``None``, as for :func:`topk`.
 
     Returns:
       ``(threshold, count)``, each ``[...]``: the lower threshold (float32) and the exact number of
@@ -84,14 +95,20 @@ def find_threshold(x, k, rounds=DEFAULT_ROUNDS):
     """
     x, k = _checks.check_k(x, k)
     rounds = _checks.check_rounds(rounds)
+    implementation = _ffi.check_implementation(implementation)
     batch = x.shape[:-1]
-    return _rows_call(
-        "jaxcomp_find_threshold", x,
-        (jax.ShapeDtypeStruct(batch, jnp.float32), jax.ShapeDtypeStruct(batch, jnp.int32)),
-        k=k, rounds=rounds)
+
+    def native(v):
+        return _rows_call(
+            "jaxcomp_find_threshold", v,
+            (jax.ShapeDtypeStruct(batch, jnp.float32), jax.ShapeDtypeStruct(batch, jnp.int32)),
+            k=k, rounds=rounds)
+
+    return _ffi.dispatch("jaxcomp.find_threshold", (x.astype(jnp.float32),), native,
+                         lambda v: _xla.find_threshold(v, k, rounds), implementation)
 
 
-def threshold_topk(x, k, rounds=DEFAULT_ROUNDS):
+def threshold_topk(x, k, rounds=DEFAULT_ROUNDS, *, implementation=None):
     """Approximate top-k by MSTopK thresholds, exactly ``k`` entries, no sort.
 
     Takes every entry above the upper threshold of :func:`find_threshold`'s bracket, then fills
@@ -104,6 +121,7 @@ def threshold_topk(x, k, rounds=DEFAULT_ROUNDS):
       x: float32, bfloat16 or float16 array ``[..., n]``; leading axes are independent rows.
       k: static int, ``1 <= k <= n``.
       rounds: static int in ``[1, 31]`` (default :data:`DEFAULT_ROUNDS`).
+      implementation: ``"native"``, ``"xla"`` or ``None``, as for :func:`topk`.
 
     Returns:
       ``(values, indices)`` like :func:`topk`: ``[..., k]``, ascending index order.
@@ -120,9 +138,15 @@ def threshold_topk(x, k, rounds=DEFAULT_ROUNDS):
     """
     x, k = _checks.check_k(x, k)
     rounds = _checks.check_rounds(rounds)
+    implementation = _ffi.check_implementation(implementation)
     batch = x.shape[:-1]
-    values, indices = _rows_call(
-        "jaxcomp_threshold_topk", x,
-        (jax.ShapeDtypeStruct(batch + (k,), jnp.float32), jax.ShapeDtypeStruct(batch + (k,), jnp.int32)),
-        k=k, rounds=rounds)
+
+    def native(v):
+        return _rows_call(
+            "jaxcomp_threshold_topk", v,
+            (jax.ShapeDtypeStruct(batch + (k,), jnp.float32), jax.ShapeDtypeStruct(batch + (k,), jnp.int32)),
+            k=k, rounds=rounds)
+
+    values, indices = _ffi.dispatch("jaxcomp.threshold_topk", (x.astype(jnp.float32),), native,
+                                    lambda v: _xla.threshold_topk(v, k, rounds), implementation)
     return values.astype(x.dtype), indices

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp import _checks, _ffi
+from jaxcomp import xla as _xla
 
 
 def zfp_num_words(n, rate):
@@ -33,7 +34,7 @@ def zfp_num_words(n, rate):
     return -(-(blocks * 4 * rate) // 32) + (1 if rate <= 2 else 0)
 
 
-def zfp_encode(x, rate):
+def zfp_encode(x, rate, *, implementation=None):
     """Compresses each row of ``x`` to exactly ``rate`` bits per value (ZFP fixed-rate mode).
 
     Blocks of 4 values share an exponent, go through ZFP's decorrelating lifting transform and
@@ -46,6 +47,9 @@ def zfp_encode(x, rate):
     Args:
       x: float32, bfloat16 or float16 array ``[..., n]``; leading axes are independent rows.
       rate: static int in ``[1, 32]``, bits per value.
+      implementation: ``"native"`` (the FFI kernel), ``"xla"`` (:mod:`jaxcomp.xla`, any platform,
+        the same words bit for bit) or ``None``: native where a native module serves the
+        platform, else xla with a warning.
 
     Returns:
       uint32 array ``[..., zfp_num_words(n, rate)]``.
@@ -66,13 +70,15 @@ def zfp_encode(x, rate):
     """
     x = _checks.float_array(x, "x")
     rate = _checks.check_rate(rate)
+    implementation = _ffi.check_implementation(implementation)
     shape = x.shape[:-1] + (zfp_num_words(x.shape[-1], rate),)
     call = _ffi.ffi_call("jaxcomp_zfp_encode", jax.ShapeDtypeStruct(shape, jnp.uint32),
                             vmap_method="broadcast_all")
-    return call(x.astype(jnp.float32), rate=np.int64(rate))
+    return _ffi.dispatch("jaxcomp.zfp_encode", (x.astype(jnp.float32),), lambda v: call(v, rate=np.int64(rate)),
+                         lambda v: _xla.zfp_encode(v, rate), implementation)
 
 
-def zfp_decode(words, n, rate, dtype=jnp.float32):
+def zfp_decode(words, n, rate, dtype=jnp.float32, *, implementation=None):
     """Decompresses words made by :func:`zfp_encode` back to ``n`` values per row.
 
     Args:
@@ -80,6 +86,7 @@ def zfp_decode(words, n, rate, dtype=jnp.float32):
       n: static int, values per row.
       rate: static int in ``[1, 32]``, the rate the words were encoded with.
       dtype: float32 (default), bfloat16 or float16: the dtype of the result.
+      implementation: ``"native"``, ``"xla"`` or ``None``, as for :func:`zfp_encode`.
 
     Returns:
       ``[..., n]`` array of ``dtype``. Zero blocks decode to +0.0, blocks with NaN or ±Inf to NaN.
@@ -94,6 +101,9 @@ def zfp_decode(words, n, rate, dtype=jnp.float32):
       Lindstrom, "Fixed-Rate Compressed Floating-Point Arrays", IEEE TVCG 2014 (zfp).
     """
     words, n, rate, dtype = _checks.check_decode(words, n, rate, dtype)
+    implementation = _ffi.check_implementation(implementation)
     call = _ffi.ffi_call("jaxcomp_zfp_decode", jax.ShapeDtypeStruct(words.shape[:-1] + (n,), jnp.float32),
                             vmap_method="broadcast_all")
-    return call(words, n=np.int64(n), rate=np.int64(rate)).astype(dtype)
+    decoded = _ffi.dispatch("jaxcomp.zfp_decode", (words,), lambda w: call(w, n=np.int64(n), rate=np.int64(rate)),
+                            lambda w: _xla.zfp_decode(w, n, rate), implementation)
+    return decoded.astype(dtype)

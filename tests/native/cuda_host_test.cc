@@ -109,18 +109,21 @@ void CheckStatus(const jaxcomp::Status& status, const std::string& what) {
 }
 
 // select_topk (rounds = 31: exact top-k; fewer: threshold_topk) against the CPU kernel.
-void Select(const Rows& x, int64_t rows, int64_t n, int64_t k, int rounds) {
+// `budget`: scratch for per-tile histograms (small ones force short chunks or the count pass).
+void Select(const Rows& x, int64_t rows, int64_t n, int64_t k, int rounds,
+            size_t budget = jaxcomp::cuda::kTileHistogramBudget) {
   const std::string what = "select rows=" + std::to_string(rows) + " n=" + std::to_string(n) +
-                           " k=" + std::to_string(k) + " rounds=" + std::to_string(rounds);
+                           " k=" + std::to_string(k) + " rounds=" + std::to_string(rounds) +
+                           " budget=" + std::to_string(budget);
   std::vector<float> cpu_values(rows * k);
   std::vector<int32_t> cpu_indices(rows * k);
   CheckStatus(jaxcomp::ThresholdTopK(x.data(), rows, n, k, rounds, cpu_values.data(), cpu_indices.data(), kSerial),
               what + " (cpu)");
   auto values = Garbage<float>(rows * k);
   auto indices = Garbage<int32_t>(rows * k);
-  auto scratch = Garbage<unsigned char>(jaxcomp::cuda::select_scratch_bytes(rows, n, rounds));
+  auto scratch = Garbage<unsigned char>(jaxcomp::cuda::select_scratch_bytes(rows, n, rounds, budget));
   CheckStatus(jaxcomp::cuda::select_topk(x.data(), rows, n, k, rounds, values.data(), indices.data(), scratch.data(),
-                                         nullptr),
+                                         nullptr, budget),
               what);
   ExpectSame(cpu_indices, indices, what + " indices");
   ExpectSame(cpu_values, values, what + " values");
@@ -219,6 +222,14 @@ int main(int argc, char** argv) {
     const Rows x = Row(n, 11, 0);
     Select(x, 1, n, n >> 7, 31);
     Select(x, 1, n, n >> 7, 16);
+  });
+  Section("top-k scratch budgets: short chunks, tiles counted in a pass", [&] {
+    const Rows rows = Row(700 * 33, 4, 1);
+    Select(rows, 700, 33, 5, 31, 16 << 10);   // 7 rows a chunk
+    Select(rows, 700, 33, 5, 22, 16 << 10);   // an 11-bit last digit: 1 row a chunk
+    const int64_t n = 5 * 8192 + 3;
+    const Rows x = EveryKind(n, 8);
+    for (int rounds : {9, 16, 31}) Select(x, 3, n, 700, rounds, 1024);  // every row counts its tiles
   });
   Section("zfp: rates 1-32 x every length, 3 kinds of row", [&] {
     for (int rate : {1, 2, 3, 4, 5, 7, 8, 12, 16, 21, 31, 32}) {

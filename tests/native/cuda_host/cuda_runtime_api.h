@@ -45,6 +45,9 @@ struct dim3 {
 struct alignas(16) float4 {
   float x, y, z, w;
 };
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 inline uint32_t __float_as_uint(float f) {
@@ -72,6 +75,18 @@ inline const char* cudaGetErrorName(cudaError_t err) {
 }
 inline const char* cudaGetErrorString(cudaError_t err) { return cudaGetErrorName(err); }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+// A small GPU: kernels that size persistent grids by it loop over many items per block here.
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+constexpr int kEmulatedMultiprocessors = 2;
+inline cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device) {
+  if (attribute != cudaDevAttrMultiProcessorCount || device != 0) return cudaErrorInvalidValue;
+  *value = kEmulatedMultiprocessors;
+  return cudaSuccess;
+}
 inline cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t) {
   std::memset(ptr, value, bytes);
   return cudaSuccess;
