@@ -62,7 +62,7 @@ _EXPORTS = {
 }
 
 _SUBMODULES = ("adaptive", "auto", "collectives", "cost", "layout", "methods", "nonfinite", "probe", "reference",
-               "thc", "train", "transform")
+               "thc", "train", "transform", "xla")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 

@@ -1,7 +1,7 @@
 """The portable implementation of jaxcomp's ops: plain XLA operations, for every platform.
 
 Where no native module serves the platform (TPU, ROCm, a GPU build without the CUDA module), the
-ops in :mod:`jaxcomp.topk` and :mod:`jaxcomp.zfp` run these instead; ``implementation="xla"``
+ops in :mod:`jaxcomp.selection` and :mod:`jaxcomp.zfp` run these instead; ``implementation="xla"``
 asks for them anywhere. They compute what the native kernels compute, bit for bit (the same
 selections, thresholds, counts and ZFP words; tests/xla_test.py compares them on the CPU), by
 the kernels' own methods recast as whole-array operations: a radix search of the magnitude key

@@ -121,7 +121,26 @@ def _select(x, keys, k, lo, hi):
 
 
 def find_threshold(x, k, rounds):
-    """:func:`jaxcomp.find_threshold` for float32 ``x [..., n]`` (checked arguments)."""
+    """:func:`jaxcomp.find_threshold` in plain XLA operations, bit-identical to the native kernel.
+
+    Args:
+      x: float32 ``[..., n]`` (checked by the public op).
+      k: static int in ``[1, n]``.
+      rounds: static int in ``[1, 31]``.
+
+    Returns:
+      ``(threshold, count)``, each ``[...]``: float32 and int32, as the native kernel's.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> t, c = find_threshold(jnp.array([0.5, -3.0, 1.0, 2.0]), 2, 31)
+      >>> float(t), int(c)
+      (2.0, 2)
+
+    References:
+      Shi et al., MLSys 2021, §3.1 (MSTopK); the radix search of the magnitude key, as
+      ``kernels/topk.h`` does it.
+    """
     keys = _keys(_rows(x))
     lo, _ = _bracket(keys, k, rounds)
     count = jnp.sum(keys >= lo[:, None], axis=-1, dtype=jnp.int32)
@@ -130,7 +149,24 @@ def find_threshold(x, k, rounds):
 
 
 def threshold_topk(x, k, rounds):
-    """:func:`jaxcomp.threshold_topk` for float32 ``x [..., n]`` (checked arguments)."""
+    """:func:`jaxcomp.threshold_topk` in plain XLA operations, bit-identical to the native kernel.
+
+    Args:
+      x: float32 ``[..., n]`` (checked by the public op).
+      k: static int in ``[1, n]``.
+      rounds: static int in ``[1, 31]``.
+
+    Returns:
+      ``(values, indices)``, each ``[..., k]``, in ascending index order.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> threshold_topk(jnp.array([0.5, -3.0, 1.0, 2.0]), 2, 16)[1].tolist()
+      [1, 3]
+
+    References:
+      Shi et al., MLSys 2021, §3.1 (MSTopK).
+    """
     rows = _rows(x)
     keys = _keys(rows)
     lo, hi = _bracket(keys, k, rounds)
@@ -139,5 +175,22 @@ def threshold_topk(x, k, rounds):
 
 
 def topk(x, k):
-    """:func:`jaxcomp.topk` for float32 ``x [..., n]``: threshold top-k with all 31 rounds."""
+    """:func:`jaxcomp.topk` in plain XLA operations: threshold top-k with all 31 rounds, exact.
+
+    Args:
+      x: float32 ``[..., n]`` (checked by the public op).
+      k: static int in ``[1, n]``.
+
+    Returns:
+      ``(values, indices)``, each ``[..., k]``, in ascending index order; ties to the lower
+      index, NaN ranks largest, as the native kernel.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> topk(jnp.array([0.5, -3.0, 1.0, 2.0]), 2)[0].tolist()
+      [-3.0, 2.0]
+
+    References:
+      Top-k sparsification as in Tyagi & Swany (arXiv 2312.02493) and Shi et al. (MLSys 2021).
+    """
     return threshold_topk(x, k, _KEY_BITS)
