@@ -176,9 +176,10 @@ def _loop_carry(carry, like):
     return jax.tree.map(lambda a: _ffi.like_varying(a, like), carry)
 
 
-def _encode_blocks(u, start, limit):
-    """Each block's bits as 4 words: the planes of ``u`` (4 uint32 arrays) from bit ``start``,
-    bits at and past ``limit`` cleared."""
+def _encode_blocks(u, start, limit, planes):
+    """Each block's bits as 4 words: the top ``planes`` bit planes of ``u`` (4 uint32 arrays) from
+    bit ``start``, bits at and past ``limit`` cleared. Every plane's code has at least one bit,
+    so a budget of b bits is spent within b planes: the rest would be cleared anyway."""
     table = jnp.asarray(_ENCODE_TABLE)
 
     def plane(step, carry):
@@ -196,7 +197,7 @@ def _encode_blocks(u, start, limit):
 
     zero = jnp.zeros_like(u[0])
     init = _loop_carry(((zero,) * 4, start, jnp.zeros_like(start)), u[0])
-    words, _, _ = lax.fori_loop(0, 32, plane, init)
+    words, _, _ = lax.fori_loop(0, planes, plane, init)
     masked = []
     for i, word in enumerate(words):
         keep = jnp.clip(limit - 32 * i, 0, 32)
@@ -283,7 +284,7 @@ def zfp_encode(x, rate):
     q = _quantize(values, emax[..., None])
     lifted = _forward_lift(*(q[..., i] for i in range(4)))
     u = [(c.astype(jnp.uint32) + _NEGABINARY_MASK) ^ _NEGABINARY_MASK for c in lifted]
-    words = _encode_blocks(u, start, limit)
+    words = _encode_blocks(u, start, limit, min(32, block_bits - (_HEADER_BITS if rate >= 3 else 0)))
     if rate >= 3:  # the header, where the block is not zero (nonfinite: header, then zeros)
         words[0] = words[0] | jnp.where(zero, np.uint32(0), header)
     packed = _pack(words, block_bits, rate)
@@ -292,29 +293,32 @@ def zfp_encode(x, rate):
     return packed.reshape(x.shape[:-1] + (packed.shape[-1],))
 
 
-def _decode_planes(window, start, budget):
-    """u (4 uint32 arrays) from the planes at bit ``start`` of each block's 4 words."""
+def _decode_planes(window, start, budget, planes):
+    """u (4 uint32 arrays) from the top ``planes`` planes at bit ``start`` (static) of each block's
+    4 words (a plane with bits left to read consumes at least one: ``budget`` bits are read within
+    ``budget`` planes, and the planes after them are 0)."""
     table = jnp.asarray(_DECODE_TABLE)
 
-    def peek(pos):  # the 7 bits at `pos` of the block's 128
-        index = pos >> 5
-        shift = pos & 31
-        low = sum(jnp.where(index == i, window[i], 0) for i in range(4))
-        high = sum(jnp.where(index + 1 == i, window[i], 0) for i in range(1, 4))
-        return (_shift_right(low, shift) | jnp.where(shift > 0, _shift_left(high, 32 - shift), 0)) & 0x7F
+    def advance(words, count):
+        """The 128-bit window moved on by ``count`` (0..31) bits, zeros coming in at the top."""
+        count = jnp.asarray(count, jnp.uint32)
+        # (high << (31 - count)) << 1: no shift by 32 when count is 0.
+        return tuple((low >> count) | ((high << (31 - count)) << 1)
+                     for low, high in zip(words, words[1:] + (jnp.zeros_like(words[0]),)))
 
     def plane(step, carry):
-        u, pos, bits, n = carry
+        u, stream, bits, n = carry
         k = (31 - step).astype(jnp.uint32)
-        entry = table[(n * 8 + jnp.minimum(bits, 7)) * 128 + peek(pos).astype(jnp.int32)]
+        entry = table[(n * 8 + jnp.minimum(bits, 7)) * 128 + (stream[0] & 0x7F).astype(jnp.int32)]
         nibble = entry & 0xF
-        length = ((entry >> 4) & 0xF).astype(jnp.int32)
+        length = (entry >> 4) & 0xF
         u = tuple(c | (((nibble >> i) & 1) << k) for i, c in enumerate(u))
-        return u, pos + length, bits - length, (entry >> 8).astype(jnp.int32)
+        return u, advance(stream, length), bits - length.astype(jnp.int32), (entry >> 8).astype(jnp.int32)
 
     zero = jnp.zeros_like(window[0])
-    init = _loop_carry(((zero,) * 4, start, budget, jnp.zeros_like(start)), window[0])
-    u, _, _, _ = lax.fori_loop(0, 32, plane, init)
+    stream = advance(tuple(window), start) if start else tuple(window)
+    init = _loop_carry(((zero,) * 4, stream, budget, jnp.zeros_like(budget)), window[0])
+    u, _, _, _ = lax.fori_loop(0, planes, plane, init)
     return u
 
 
@@ -348,15 +352,15 @@ def zfp_decode(words, n, rate):
         flag, biased = window[0] & 1, (window[0] >> 1) & 0xFF
         zero, nonfinite = flag == 0, (flag == 1) & (biased == 0)
         emax = biased.astype(jnp.int32) - 127
-        start = jnp.full((rows, blocks), _HEADER_BITS, jnp.int32)
+        start = _HEADER_BITS
         budget = jnp.where(zero | nonfinite, 0, block_bits - _HEADER_BITS).astype(jnp.int32)
     else:
         header = jnp.broadcast_to(flat[:, :1], (rows, blocks))
         zero, nonfinite = header == 0, header > 0xFF
         emax = header.astype(jnp.int32) - 127
-        start = jnp.zeros((rows, blocks), jnp.int32)
+        start = 0
         budget = jnp.where(zero | nonfinite, 0, block_bits).astype(jnp.int32)
-    u = _decode_planes(window, start, budget)
+    u = _decode_planes(window, start, budget, min(32, block_bits - (_HEADER_BITS if rate >= 3 else 0)))
     q = [((c ^ _NEGABINARY_MASK) - _NEGABINARY_MASK).astype(jnp.int32) for c in u]
     q = _inverse_lift(*q)
     bits = jnp.stack([_dequantize_bits(c, emax) for c in q], axis=-1)
