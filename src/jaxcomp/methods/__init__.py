@@ -45,9 +45,8 @@ SHORTHAND = {
     "randomk": RandomK,
 }
 
-#: What each option of the string form means, for error messages.
-_OPTION_HELP = {"ratio": "ratio= (fraction of entries kept, e.g. 0.01) or k= (entries kept)",
-                "rate": "rate= (bits per value, an integer in [1, 32], e.g. 8)",
+#: What each required option of the string form means, for error messages.
+_OPTION_HELP = {"rate": "rate= (bits per value, an integer in [1, 32], e.g. 8)",
                 "bits": "bits= (bits per value, an integer in [1, 16], e.g. 8)"}
 
 
@@ -98,18 +97,15 @@ def parse(method, *, strict: bool = True, **options) -> Method:
     elif extra:
         wanted = " or ".join(f"{name}=" for name in sorted(accepted)) or "nothing else"
         raise ValueError(f"method {method!r} takes {wanted}; remove {', '.join(f'{name}=' for name in extra)}")
+    missing = [field.name for field in dataclasses.fields(cls) if field.name in accepted
+               and field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+               and field.name not in options]
+    if missing:
+        raise ValueError(f"method {method!r} needs {_OPTION_HELP.get(missing[0], missing[0] + '=')}")
     try:
         return build(**options)
-    except TypeError as e:
-        if "missing" not in str(e):
-            raise
-        needed = [name for name in ("rate", "bits") if name in accepted and name not in options]
-        raise ValueError(f"method {method!r} needs {_OPTION_HELP[needed[0]]}") from None
-    except ValueError as e:
-        if "exactly one of ratio" in str(e):
-            raise ValueError(f"method {method!r} needs exactly one of {_OPTION_HELP['ratio']}, got "
-                             f"ratio={options.get('ratio')!r}, k={options.get('k')!r}") from None
-        raise
+    except ValueError as e:  # the method's own check, said of the name the caller used
+        raise ValueError(f"method {method!r}: {e}") from None
 
 
 def candidates(*, ratio=None, rate=None, bits=None, hierarchical: bool = False,
