@@ -40,6 +40,7 @@ _EXPORTS = {
     "Zfp": "jaxcomp.methods",
     "Quantized": "jaxcomp.methods",
     "RandomK": "jaxcomp.methods",
+    "Cast": "jaxcomp.methods",
     # the transformations
     "compress": "jaxcomp.transform",
     "CompressMetrics": "jaxcomp.transform",

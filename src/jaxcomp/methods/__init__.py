@@ -6,6 +6,7 @@
 :class:`Zfp`                  ZFP fixed-rate compression in a ring (or recursive-doubling) all-reduce
 :class:`Quantized`            THC homomorphic quantization, one integer all-reduce
 :class:`RandomK`              random-k at indices every device draws from one seed, one all-reduce
+:class:`Cast`                 the gradient all-reduced in bfloat16 or float16
 ============================  ===================================================================
 
 Every method is a :class:`Method` (the protocol, in :mod:`jaxcomp.methods.base`); a method defined
@@ -21,6 +22,7 @@ import dataclasses
 import functools
 
 from jaxcomp.methods.base import Method
+from jaxcomp.methods.cast import Cast
 from jaxcomp.methods.dense import Dense
 from jaxcomp.methods.quantized import Quantized
 from jaxcomp.methods.randomk import RandomK
@@ -43,6 +45,8 @@ SHORTHAND = {
     "zfp_recursive_doubling": functools.partial(Zfp, algorithm="recursive_doubling"),
     "quantized": Quantized,
     "randomk": RandomK,
+    "bf16": functools.partial(Cast, dtype="bfloat16"),
+    "fp16": functools.partial(Cast, dtype="float16"),
 }
 
 #: What each required option of the string form means, for error messages.
@@ -118,8 +122,8 @@ def candidates(*, ratio=None, rate=None, bits=None, hierarchical: bool = False,
       rate: ZFP bits per value, or None to leave ZFP out.
       bits: THC code width, or None to leave it out.
       hierarchical: also hierarchical top-k (needs two mesh axes; with ``ratio``).
-      variants: also the cost model's variants (tree all-reduces, ZFP's recursive doubling) and
-        random-k: what the advisor compares.
+      variants: also the cost model's variants (tree all-reduces, ZFP's recursive doubling),
+        random-k and the bfloat16 cast: what the advisor compares.
 
     Returns:
       A tuple of methods.
@@ -141,7 +145,8 @@ def candidates(*, ratio=None, rate=None, bits=None, hierarchical: bool = False,
         out += [Zfp(rate)] + ([Zfp(rate, algorithm="recursive_doubling")] if variants else [])
     if bits is not None:
         out.append(Quantized(bits))
+    out += [Cast("bfloat16")] if variants else []
     return tuple(out)
 
 
-__all__ = ["Dense", "Method", "Quantized", "RandomK", "SHORTHAND", "TopK", "Zfp", "candidates", "parse"]
+__all__ = ["Cast", "Dense", "Method", "Quantized", "RandomK", "SHORTHAND", "TopK", "Zfp", "candidates", "parse"]
