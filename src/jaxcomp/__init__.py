@@ -41,6 +41,7 @@ _EXPORTS = {
     "Quantized": "jaxcomp.methods",
     "RandomK": "jaxcomp.methods",
     "Cast": "jaxcomp.methods",
+    "PowerSGD": "jaxcomp.methods",
     # the transformations
     "compress": "jaxcomp.transform",
     "CompressMetrics": "jaxcomp.transform",
@@ -56,6 +57,7 @@ _EXPORTS = {
     "skip_nonfinite": "jaxcomp.nonfinite",
     "skipped_update": "jaxcomp.nonfinite",
     # training and measuring
+    "accumulate": "jaxcomp.accumulation",
     "DataParallel": "jaxcomp.train",
     "TrainState": "jaxcomp.train",
     "data_parallel": "jaxcomp.train",

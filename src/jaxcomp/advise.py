@@ -101,7 +101,7 @@ def sync_sgd_time(nbytes: float, n_workers: int, network: cost.Network, backward
 
 
 def compressed_time(method, nbytes: float, n_workers: int, network: cost.Network, backward_seconds: float,
-                    *, encode_decode_seconds: float = 0.0, ratio=None, rate=None, bits=None, inner_size=None,
+                    *, encode_decode_seconds: float = 0.0, ratio=None, rate=None, bits=None, rank=None, inner_size=None,
                     overlap: bool = False, bucket_bytes: float = DEFAULT_BUCKET_BYTES,
                     gamma: float = DEFAULT_GAMMA) -> float:
     """Backward pass plus compressed synchronization, ``T_obs`` of paper 002 App. B.
@@ -121,6 +121,7 @@ def compressed_time(method, nbytes: float, n_workers: int, network: cost.Network
       ratio: with a name: density for the top-k methods.
       rate: with a name: ZFP bits per value.
       bits: with a name: quantization bits.
+      rank: with a name: PowerSGD's rank.
       inner_size: workers per node for hierarchical top-k.
       overlap: whether buckets are compressed and sent during the backward pass.
       bucket_bytes: bucket size when overlapping.
@@ -140,7 +141,7 @@ def compressed_time(method, nbytes: float, n_workers: int, network: cost.Network
     """
     _check_positive(backward_seconds, "backward_seconds", allow_zero=True)
     _check_positive(encode_decode_seconds, "encode_decode_seconds", allow_zero=True)
-    method = methods.parse(method, strict=False, ratio=ratio, rate=rate, bits=bits)
+    method = methods.parse(method, strict=False, ratio=ratio, rate=rate, bits=bits, rank=rank)
     options = dict(inner_size=inner_size)
     if n_workers == 1:
         return backward_seconds + encode_decode_seconds  # compressed for nobody: only the codec's cost
@@ -261,6 +262,7 @@ def _parser():
     parser.add_argument("--ratio", type=float, default=0.01, help="top-k density k/n (default 0.01)")
     parser.add_argument("--rate", type=int, default=8, help="ZFP bits per value (default 8)")
     parser.add_argument("--bits", type=int, default=4, help="quantization bits (default 4)")
+    parser.add_argument("--rank", type=int, default=4, help="PowerSGD rank (default 4)")
     parser.add_argument("--inner-size", type=int, default=None,
                         help="workers per node; adds hierarchical_topk")
     parser.add_argument("--methods", default=None,
@@ -311,7 +313,7 @@ def _encode_decode(text, compressed, parser):
 
 
 def _options(args):
-    return dict(ratio=args.ratio, rate=args.rate, bits=args.bits, inner_size=args.inner_size)
+    return dict(ratio=args.ratio, rate=args.rate, bits=args.bits, rank=args.rank, inner_size=args.inner_size)
 
 
 def _setting(method):
@@ -379,7 +381,8 @@ def main(argv=None) -> int:
         picked = []
         for name in wanted:
             try:
-                method = methods.parse(name, strict=False, ratio=args.ratio, rate=args.rate, bits=args.bits)
+                method = methods.parse(name, strict=False, ratio=args.ratio, rate=args.rate, bits=args.bits,
+                                       rank=args.rank)
             except ValueError:
                 method = None
             if method not in compressed:

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxcomp import _checks, adaptive, cost, methods
 from jaxcomp.methods import Method
-from jaxcomp.transform import (Aggregation, CompressState, FeedbackConfig, Groups, aggregate_groups,
+from jaxcomp.transform import (Aggregation, CompressState, FeedbackConfig, Groups, run_branch,
                                compress_states, feedback_transformation, static_cost)
 
 #: How long ``compress_auto`` keeps a choice: it re-decides every this many steps by default,
@@ -165,7 +165,8 @@ class _Plan:
 
 def compress_auto(candidates, *, axis_name="data", ratio_search: RatioSearch | None = None,
                   network: cost.Network | None = None, decide_every: int = DEFAULT_DECIDE_EVERY,
-                  error_feedback=True, granularity="model", mean=True, seed=0, nonfinite="zero"):
+                  error_feedback=True, granularity="model", mean=True, seed=0, nonfinite="zero", mask=None,
+                  min_size=0):
     """Aggregates gradients like :func:`jaxcomp.compress`, choosing the cheapest of ``candidates``.
 
     One branch per candidate (per candidate and ratio with ``ratio_search``) is compiled once; a
@@ -205,6 +206,8 @@ def compress_auto(candidates, *, axis_name="data", ratio_search: RatioSearch | N
       mean: as for :func:`jaxcomp.compress`.
       seed: as for :func:`jaxcomp.compress`.
       nonfinite: as for :func:`jaxcomp.compress`.
+      mask: as for :func:`jaxcomp.compress`.
+      min_size: as for :func:`jaxcomp.compress`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`jaxcomp.CompressState`
@@ -220,7 +223,7 @@ def compress_auto(candidates, *, axis_name="data", ratio_search: RatioSearch | N
       Tyagi & Swany, arXiv 2312.02493, §3-D (choice of collective, Eqn 5a-5c) and §3-E (adaptive
       compression ratio).
     """
-    config = FeedbackConfig.check(axis_name, error_feedback, granularity, mean, seed, nonfinite)
+    config = FeedbackConfig.check(axis_name, error_feedback, granularity, mean, seed, nonfinite, mask, min_size)
     candidates = _check_candidates(candidates, config.axes)
     if ratio_search is not None and not isinstance(ratio_search, RatioSearch):
         raise TypeError(f"ratio_search must be a jaxcomp.RatioSearch or None, got {type(ratio_search).__name__}")
@@ -247,15 +250,10 @@ def compress_auto(candidates, *, axis_name="data", ratio_search: RatioSearch | N
         plan = _Plan(branches, ratio_search, decide_every, groups)
         auto, branch, comm = plan.decide(state.auto, state.step)
 
-        def run(method):
-            def branch_fn(vectors, step, key):
-                return aggregate_groups(method, groups._replace(vectors=vectors), config.axis_name, step, key)
-            return branch_fn
-
-        totals, sents = jax.lax.switch(branch, [run(m) for m in branches.methods], groups.vectors, state.step,
-                                       jax.random.fold_in(state.key, state.step))
+        totals, sents, method_state = run_branch(branches.methods, branch, groups, config.axis_name, state.step,
+                                                 jax.random.fold_in(state.key, state.step), False, state.method_state)
         result = Aggregation(totals, sents, jnp.asarray(plan.bytes)[branch], jnp.asarray(plan.kept)[branch],
-                             branch, sparse=False, sends_everything=False)
+                             branch, sparse=False, sends_everything=False, method_state=method_state)
         return result, lambda gain: plan.observe(auto, branch, gain, comm)
 
     return feedback_transformation(config, branches.methods, keeps_residual, aggregate, init_auto=init_auto)
@@ -279,7 +277,7 @@ def _check_candidates(candidates, axes) -> tuple[Method, ...]:
 
 
 # The option names of compress("auto", ...) that set candidates' settings, and the auto-only ones.
-_SETTING_OPTIONS = ("ratio", "rate", "bits", "leader", "selector", "algorithm", "hadamard")
+_SETTING_OPTIONS = ("ratio", "rate", "bits", "rank", "leader", "selector", "algorithm", "hadamard")
 
 
 def compress_auto_shorthand(*, candidates=None, ratio=None, k=None, rate=None, bits=None, adaptive_ratio=None,
@@ -301,8 +299,8 @@ def compress_auto_shorthand(*, candidates=None, ratio=None, k=None, rate=None, b
       network: as for :func:`compress_auto`.
       decide_every: as for :func:`compress_auto`.
       axis_name: as for :func:`compress_auto`.
-      **options: ``leader=``, ``selector=``, ``algorithm=``, ``hadamard=`` for the candidates that
-        take them, and :func:`compress_auto`'s own keywords.
+      **options: ``rank=`` (adds PowerSGD), ``leader=``, ``selector=``, ``algorithm=``,
+        ``hadamard=`` for the candidates that take them, and :func:`compress_auto`'s own keywords.
 
     Returns:
       What :func:`compress_auto` returns.
@@ -341,7 +339,8 @@ def compress_auto_shorthand(*, candidates=None, ratio=None, k=None, rate=None, b
         raise ValueError("method 'auto' runs zfp with algorithm='ring': the recursive-doubling total is typed "
                          "varying and the branches must agree; remove algorithm=")
     if candidates is None:
-        picked = methods.candidates(ratio=ratio, rate=rate, bits=bits, hierarchical=len(axes) == 2)
+        picked = methods.candidates(ratio=ratio, rate=rate, bits=bits, rank=settings.get("rank"),
+                                    hierarchical=len(axes) == 2)
         if len(picked) == 1:
             raise ValueError("method 'auto' needs something to compress with: ratio= (top-k methods), "
                              "adaptive_ratio=True, rate= (zfp) or bits= (quantized)")

@@ -234,9 +234,9 @@ def format_duration(seconds: float) -> str:
 # The model
 
 
-def _method(method, ratio=None, rate=None, bits=None) -> Method:
+def _method(method, ratio=None, rate=None, bits=None, rank=None) -> Method:
     """A method object; a name takes the options it accepts (``"dense"`` ignores ``ratio=``)."""
-    return methods.parse(method, strict=False, ratio=ratio, rate=rate, bits=bits)
+    return methods.parse(method, strict=False, ratio=ratio, rate=rate, bits=bits, rank=rank)
 
 
 def sync_seconds(steps, volume, alpha, beta, overhead=0.0):
@@ -299,7 +299,7 @@ def message_steps(method, n_workers: int, *, inner_size: int | None = None, **op
 
 
 def volume_bytes(method, nbytes: float, n_workers: int, *, ratio: float | None = None, rate: float | None = None,
-                 bits: int | None = None, inner_size: int | None = None) -> float:
+                 bits: int | None = None, rank: int | None = None, inner_size: int | None = None) -> float:
     """Bytes one worker sends along the critical path (:meth:`jaxcomp.methods.Method.wire_bytes`).
 
     A gradient of more than ``2**31 - 1`` values (the kernels' int32 row limit) is costed as
@@ -312,6 +312,7 @@ def volume_bytes(method, nbytes: float, n_workers: int, *, ratio: float | None =
       ratio: with a name: density ``k / n`` for the top-k methods.
       rate: with a name: ZFP bits per value.
       bits: with a name: bits per code for ``quantized``.
+      rank: with a name: PowerSGD's rank.
       inner_size: workers per node for hierarchical top-k.
 
     Returns:
@@ -324,7 +325,7 @@ def volume_bytes(method, nbytes: float, n_workers: int, *, ratio: float | None =
     References:
       Tyagi & Swany, arXiv 2312.02493, Table I and §3-D.
     """
-    method = _method(method, ratio, rate, bits)
+    method = _method(method, ratio, rate, bits, rank)
     n = _check_workers(n_workers)
     size = _values(nbytes)
     # The kernels index a row with int32, so a larger gradient travels as several pieces of at
@@ -337,8 +338,8 @@ def volume_bytes(method, nbytes: float, n_workers: int, *, ratio: float | None =
 
 
 def predict(method, nbytes: float, n_workers: int, network: Network, ratio: float | None = None,
-            rate: float | None = None, bits: int | None = None, *, inner_size: int | None = None,
-            overhead: float = 0.0) -> float:
+            rate: float | None = None, bits: int | None = None, *, rank: int | None = None,
+            inner_size: int | None = None, overhead: float = 0.0) -> float:
     """Predicted seconds to synchronize one float32 gradient of ``nbytes`` with ``method``.
 
     :func:`sync_seconds` of the method's :func:`message_steps` and :func:`volume_bytes`. With
@@ -360,6 +361,7 @@ def predict(method, nbytes: float, n_workers: int, network: Network, ratio: floa
       ratio: with a name: density ``k / n`` in ``(0, 1]``, for the top-k methods.
       rate: with a name: ZFP bits per value.
       bits: with a name: bits per code, for ``quantized``.
+      rank: with a name: PowerSGD's rank.
       inner_size: workers per node, for hierarchical top-k.
       overhead: seconds added as is, e.g. the measured encode/decode time of the method.
 
@@ -378,19 +380,20 @@ def predict(method, nbytes: float, n_workers: int, network: Network, ratio: floa
     if not isinstance(network, Network):
         raise TypeError(f"network must be a jaxcomp.cost.Network, got {type(network).__name__}")
     overhead = _check_seconds(overhead, "overhead")
-    method = _method(method, ratio, rate, bits)
+    method = _method(method, ratio, rate, bits, rank)
     steps = message_steps(method, n_workers, inner_size=inner_size)
     volume = volume_bytes(method, nbytes, n_workers, inner_size=inner_size)
     return sync_seconds(steps, volume, network.alpha, network.beta, overhead)
 
 
-def available_methods(*, ratio=None, rate=None, bits=None, inner_size=None) -> tuple[Method, ...]:
+def available_methods(*, ratio=None, rate=None, bits=None, rank=None, inner_size=None) -> tuple[Method, ...]:
     """The methods the given options allow (dense always), with the model's ring and tree variants.
 
     Args:
       ratio: density for the top-k methods, or None to leave them out.
       rate: ZFP bits per value, or None to leave ZFP out.
       bits: quantization bits, or None to leave THC out.
+      rank: PowerSGD's rank, or None to leave it out.
       inner_size: workers per node, or None to leave hierarchical top-k out.
 
     Returns:
@@ -403,7 +406,8 @@ def available_methods(*, ratio=None, rate=None, bits=None, inner_size=None) -> t
     References:
       Tyagi & Swany, arXiv 2312.02493, §3-D.
     """
-    return methods.candidates(ratio=ratio, rate=rate, bits=bits, hierarchical=inner_size is not None, variants=True)
+    return methods.candidates(ratio=ratio, rate=rate, bits=bits, rank=rank, hierarchical=inner_size is not None,
+                              variants=True)
 
 
 def cheapest(seconds) -> int:
@@ -427,7 +431,7 @@ def cheapest(seconds) -> int:
 
 
 def choose(nbytes: float, n_workers: int, network: Network, ratio: float | None = None,
-           candidates=None, *, rate: float | None = None, bits: int | None = None,
+           candidates=None, *, rate: float | None = None, bits: int | None = None, rank: int | None = None,
            inner_size: int | None = None, overhead=None):
     """The candidate with the least predicted time (:func:`cheapest` of :func:`predict_all`).
 
@@ -446,6 +450,7 @@ def choose(nbytes: float, n_workers: int, network: Network, ratio: float | None 
         options allow (:func:`available_methods`), dense included.
       rate: with names: ZFP bits per value.
       bits: with names: bits per code for ``quantized``.
+      rank: with names: PowerSGD's rank.
       inner_size: workers per node for hierarchical top-k.
       overhead: optional ``{candidate: seconds}`` added to each candidate (encode/decode time).
 
@@ -465,14 +470,14 @@ def choose(nbytes: float, n_workers: int, network: Network, ratio: float | None 
     if isinstance(candidates, str):
         raise TypeError(f"candidates must be a sequence of methods, got the string {candidates!r}")
     names = tuple(candidates) if candidates is not None else available_methods(
-        ratio=ratio, rate=rate, bits=bits, inner_size=inner_size)
-    times = predict_all(nbytes, n_workers, network, names, ratio=ratio, rate=rate, bits=bits,
+        ratio=ratio, rate=rate, bits=bits, rank=rank, inner_size=inner_size)
+    times = predict_all(nbytes, n_workers, network, names, ratio=ratio, rate=rate, bits=bits, rank=rank,
                         inner_size=inner_size, overhead=overhead)
     return names[cheapest(times)]
 
 
 def predict_all(nbytes: float, n_workers: int, network: Network, candidates, *, ratio=None,
-                rate=None, bits=None, inner_size=None, overhead=None) -> list[float]:
+                rate=None, bits=None, rank=None, inner_size=None, overhead=None) -> list[float]:
     """:func:`predict` for each candidate, in order.
 
     Args:
@@ -483,6 +488,7 @@ def predict_all(nbytes: float, n_workers: int, network: Network, candidates, *, 
       ratio: with names: density for the top-k candidates (names that take none ignore it).
       rate: with names: ZFP bits per value.
       bits: with names: bits per code for ``quantized``.
+      rank: with names: PowerSGD's rank.
       inner_size: workers per node for hierarchical top-k.
       overhead: optional ``{candidate: seconds}`` added to each candidate.
 
@@ -506,7 +512,7 @@ def predict_all(nbytes: float, n_workers: int, network: Network, candidates, *, 
     for name in overhead:
         if name not in names:
             raise ValueError(f"overhead names {name!r}, which is not among the candidates {names}")
-    return [predict(_method(m, ratio, rate, bits), nbytes, n_workers, network, inner_size=inner_size,
+    return [predict(_method(m, ratio, rate, bits, rank), nbytes, n_workers, network, inner_size=inner_size,
                     overhead=overhead.get(m, 0.0)) for m in names]
 
 

@@ -405,7 +405,9 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: jax
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``), on one
         device's shard of the batch.
       tx: an optax transformation whose first element aggregates across ``axis_name``, e.g.
-        ``optax.chain(jaxcomp.compress("ar_topk", ratio=0.01), optax.adam(1e-3))``.
+        ``optax.chain(jaxcomp.compress("ar_topk", ratio=0.01), optax.adam(1e-3))``; an
+        ``optax.MultiSteps`` around one becomes :func:`jaxcomp.accumulate` (gradient accumulation
+        that compresses and communicates once per accumulated step, not per micro-step).
       mesh: a ``jax.sharding.Mesh`` with ``axis_name`` (all devices of all processes under
         ``jax.distributed``).
       axis_name: the data axis, or a tuple of mesh axes (e.g. ``("node", "device")`` for
@@ -447,6 +449,10 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: jax
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if isinstance(tx, optax.MultiSteps):  # gradient accumulation, communicating once per accumulated step
+        from jaxcomp.accumulation import from_multisteps
+
+        tx = from_multisteps(tx)
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
     if not isinstance(mesh, jax.sharding.Mesh):

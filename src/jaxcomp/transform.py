@@ -66,6 +66,8 @@ class CompressState(NamedTuple):
     auto: Any = None  # jaxcomp.AutoState for compress_auto, else None
     policy: NonfinitePolicy = NonfinitePolicy("zero")  # static: the nonfinite= policy (no array)
     branches: Branches = Branches(())  # static: the methods the `method` metric indexes
+    velocity: Any = None  # with momentum_correction: like residual, DGC's momentum per device; else None
+    method_state: Any = ()  # per method of `methods`: its own state (PowerSGD's Q per group), or None
 
     @property
     def methods(self) -> tuple[Method, ...]:
@@ -83,6 +85,9 @@ class FeedbackConfig:
     mean: bool = True
     seed: int = 0
     nonfinite: str = "zero"
+    mask: Any = dataclasses.field(default=None, compare=False)  # None, a pytree of bools or a callable
+    min_size: int = 0
+    momentum: float | None = None  # DGC's momentum correction
 
     @property
     def axis_name(self):
@@ -90,7 +95,8 @@ class FeedbackConfig:
         return self.axes[0] if len(self.axes) == 1 else self.axes
 
     @classmethod
-    def check(cls, axis_name, error_feedback, granularity, mean, seed, nonfinite) -> "FeedbackConfig":
+    def check(cls, axis_name, error_feedback, granularity, mean, seed, nonfinite, mask=None, min_size=0,
+              momentum=None) -> "FeedbackConfig":
         """Validates the shared arguments, naming the one that is wrong."""
         axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
         if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):
@@ -104,8 +110,33 @@ class FeedbackConfig:
         if not isinstance(nonfinite, str) or nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES} (what to do with NaN/Inf gradient "
                              f"entries), got {nonfinite!r}")
+        min_size = _checks.static_int(min_size, "min_size", 0)
+        if momentum is not None:
+            if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+                raise ValueError(f"momentum_correction must be a momentum in [0, 1) (e.g. 0.9) or None, got "
+                                 f"{momentum!r}")
+            momentum = float(momentum)
         return cls(axes=axes, error_feedback=bool(error_feedback), granularity=granularity, mean=bool(mean),
-                   seed=seed, nonfinite=nonfinite)
+                   seed=seed, nonfinite=nonfinite, mask=mask, min_size=min_size, momentum=momentum)
+
+    def compressed(self, tree) -> list[bool]:
+        """Per leaf of ``tree`` (params or gradients): whether ``mask`` and ``min_size`` let it be
+        compressed; the other float leaves are summed as they are, in one fused all-reduce.
+        Raises a ValueError naming ``mask`` when it does not fit ``tree``."""
+        leaves, treedef = jax.tree.flatten(tree)
+        if self.mask is None:
+            chosen = [True] * len(leaves)
+        else:
+            mask = self.mask(tree) if callable(self.mask) else self.mask
+            try:
+                chosen = treedef.flatten_up_to(mask)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"mask must have the structure of the params (a pytree of bools, or a callable "
+                                 f"returning one): {e}") from None
+            bad = [m for m in chosen if not isinstance(m, (bool, np.bool_))]
+            if bad:
+                raise ValueError(f"mask must hold Python bools (True: compress the leaf), got {bad[0]!r}")
+        return [bool(m) and leaf.size >= self.min_size for m, leaf in zip(chosen, leaves)]
 
 
 class Groups(NamedTuple):
@@ -118,6 +149,12 @@ class Groups(NamedTuple):
     n_devices: int  # devices over all of the config's axes
     inner_size: int | None  # devices of the last axis when there are two (hierarchical top-k's node)
     dtype_bytes: int  # bytes per value on the wire
+    shapes: list | None = None  # per vector: the shapes of the leaves it is made of (stateful methods)
+
+
+def _shaped(method: Method, groups: Groups, i: int) -> dict:
+    """The ``shapes=`` keyword a stateful method's calls take for group ``i``."""
+    return {"shapes": groups.shapes[i]} if method.stateful else {}
 
 
 def static_cost(method: Method, groups: Groups) -> tuple[float, int, int]:
@@ -139,23 +176,27 @@ def static_cost(method: Method, groups: Groups) -> tuple[float, int, int]:
       Tyagi & Swany, arXiv 2312.02493, Table I.
     """
     sent, kept, steps = 0.0, 0, 0
-    for n, name in zip(groups.sizes, groups.names):
-        sent += method.wire_bytes(n, groups.n_devices, dtype_bytes=groups.dtype_bytes, inner_size=groups.inner_size)
-        kept += _kept(method, n, name)
+    for i, (n, name) in enumerate(zip(groups.sizes, groups.names)):
+        shaped = _shaped(method, groups, i)
+        sent += method.wire_bytes(n, groups.n_devices, dtype_bytes=groups.dtype_bytes, inner_size=groups.inner_size,
+                                  **shaped)
+        kept += _kept(method, n, name, shaped)
         steps += method.message_steps(groups.n_devices, inner_size=groups.inner_size)
     return sent, kept, steps
 
 
-def _kept(method: Method, n: int, name: str) -> int:
+def _kept(method: Method, n: int, name: str, shaped: dict) -> int:
     try:
-        return method.kept(n)
+        return method.kept(n, **shaped)
     except ValueError as e:
         raise ValueError(f"{e} (in {name})") from None
 
 
-def aggregate_groups(method: Method, groups: Groups, axis_name, step, base_key, sparse: bool = False):
-    """Runs ``method`` on each group's vector: ``(totals, sents)``, one per group (``sparse``: each
-    ``sent`` is ``(indices, values)``). Group ``i`` draws its randomness from ``fold_in(base_key, i)``.
+def aggregate_groups(method: Method, groups: Groups, axis_name, step, base_key, sparse: bool = False,
+                     states=None):
+    """Runs ``method`` on each group's vector: ``(totals, sents, states)``, one per group
+    (``sparse``: each ``sent`` is ``(indices, values)``). Group ``i`` draws its randomness from
+    ``fold_in(base_key, i)``.
 
     Args:
       method: a :mod:`jaxcomp.methods` object.
@@ -164,9 +205,12 @@ def aggregate_groups(method: Method, groups: Groups, axis_name, step, base_key, 
       step: the training step, replicated.
       base_key: this step's key, replicated.
       sparse: ask for ``(indices, values)`` sents (methods with ``sparse``).
+      states: with a :attr:`~jaxcomp.methods.Method.stateful` method, its state per group (from
+        :func:`init_method_state`); None otherwise.
 
     Returns:
-      ``(totals, sents)``, one entry per group.
+      ``(totals, sents, states)``: one total and sent per group, and the method's new states (the
+      ``states`` given, for a method without state).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -182,14 +226,95 @@ def aggregate_groups(method: Method, groups: Groups, axis_name, step, base_key, 
     References:
       Tyagi & Swany, arXiv 2312.02493, Alg. 1 (each worker's contribution and the aggregate).
     """
-    totals, sents = [], []
+    totals, sents, new_states = [], [], []
     for i, (vector, name) in enumerate(zip(groups.vectors, groups.names)):
-        _kept(method, vector.shape[0], name)
-        total, sent = method.aggregate(vector, axis_name, step=step, key=jax.random.fold_in(base_key, i),
-                                       sparse=sparse)
+        _kept(method, vector.shape[0], name, _shaped(method, groups, i))
+        key = jax.random.fold_in(base_key, i)
+        if method.stateful:
+            total, sent, state = method.aggregate_stateful(vector, axis_name, step=step, key=key, state=states[i],
+                                                           shapes=groups.shapes[i])
+            new_states.append(state)
+        else:
+            total, sent = method.aggregate(vector, axis_name, step=step, key=key, sparse=sparse)
         totals.append(total)
         sents.append(sent)
-    return totals, sents
+    return totals, sents, tuple(new_states) if method.stateful else states
+
+
+def init_method_state(methods_run: tuple[Method, ...], shapes: list) -> tuple:
+    """The methods' own state (:attr:`CompressState.method_state`): per method, a tuple with its
+    :meth:`~jaxcomp.methods.Method.init_state` per group of leaves (``shapes``: per group, the
+    shapes of its leaves), or None for a method without state.
+
+    Args:
+      methods_run: the transformation's methods (its branches).
+      shapes: per group, the tuple of its leaves' shapes.
+
+    Returns:
+      A tuple, one entry per method.
+
+    Example:
+      >>> from jaxcomp.methods import Dense, PowerSGD
+      >>> state = init_method_state((Dense(), PowerSGD(2)), [((32, 16), (16,))])
+      >>> state[0], [q.shape for q in state[1][0]]
+      (None, [(16, 2)])
+    """
+    out = []
+    for method in methods_run:
+        if not method.stateful:
+            out.append(None)
+            continue
+        group_states = []
+        for i, group in enumerate(shapes):
+            try:
+                group_states.append(method.init_state(group))
+            except ValueError as e:
+                raise ValueError(f"{method.describe()}: {e}" + (f" (in group {i})" if len(shapes) > 1 else "")
+                                 ) from None
+        out.append(tuple(group_states))
+    return tuple(out)
+
+
+def run_branch(branches: tuple[Method, ...], branch, groups: Groups, axis_name, step, key, sparse: bool,
+               states: tuple):
+    """Runs the method ``branches[branch]`` on the groups, ``branch`` static or traced
+    (``lax.switch``: every branch is compiled, one runs). Each branch updates its own entry of
+    ``states`` (:attr:`CompressState.method_state`) and passes the others through.
+
+    Args:
+      branches: the methods.
+      branch: a Python int, or an int32 scalar (replicated).
+      groups: the update's :class:`Groups`.
+      axis_name: the axis or axes to reduce over.
+      step: the training step.
+      key: this step's key.
+      sparse: ask for ``(indices, values)`` sents (only with a static ``branch``).
+      states: the methods' states, one entry per branch.
+
+    Returns:
+      ``(totals, sents, states)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> from jaxcomp.methods import Dense
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> def f(x):
+      ...     groups = Groups([x], ["the model"], [x.shape[0]], 2, None, 4)
+      ...     return run_branch((Dense(),), 0, groups, "data", 0, jax.random.key(0), False, (None,))[0][0]
+      >>> jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P())(jnp.arange(4.0)).tolist()
+      [2.0, 4.0]
+    """
+    def run(index):
+        def branch_fn(vectors, step, key, states):
+            totals, sents, own = aggregate_groups(branches[index], groups._replace(vectors=vectors), axis_name, step,
+                                                  key, sparse=sparse, states=states[index])
+            return totals, sents, states[:index] + (own,) + states[index + 1:]
+        return branch_fn
+
+    if isinstance(branch, int):
+        return run(branch)(groups.vectors, step, key, states)
+    return jax.lax.switch(branch, [run(i) for i in range(len(branches))], groups.vectors, step, key, states)
 
 
 class Aggregation(NamedTuple):
@@ -202,6 +327,7 @@ class Aggregation(NamedTuple):
     method: Any  # i32[] or int: index into the state's methods
     sparse: bool  # sents are (indices, values) pairs
     sends_everything: bool  # statically nothing lost: no residual, gain 1
+    method_state: Any = ()  # the methods' new states (CompressState.method_state)
 
 
 def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...], keeps_residual: bool,
@@ -233,50 +359,63 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
     c = config
     uses_auto = init_auto is not None
     policy = NonfinitePolicy(c.nonfinite)
+    branches = tuple(branches)
+    sends_everything = all(m.sends_everything for m in branches)
 
     def init_fn(params):
-        residual = jax.tree.map(
-            lambda p: jnp.zeros(p.shape, jnp.float32) if keeps_residual and _is_float(p) else optax.MaskedNode(),
-            params)
-        return CompressState(residual=residual, step=jnp.zeros((), jnp.int32), key=jax.random.PRNGKey(c.seed),
+        leaves, treedef = jax.tree.flatten(params)
+        lay = _layout(c, params, sends_everything)
+        compressed = {i for positions, _ in lay.groups for i in positions}
+
+        def per_compressed_leaf(keep):
+            return treedef.unflatten([jnp.zeros(leaf.shape, jnp.float32) if keep and i in compressed
+                                      else optax.MaskedNode() for i, leaf in enumerate(leaves)])
+
+        shapes = [tuple(leaves[i].shape for i in positions) for positions, _ in lay.groups]
+        return CompressState(residual=per_compressed_leaf(keeps_residual and not sends_everything),
+                             step=jnp.zeros((), jnp.int32), key=jax.random.PRNGKey(c.seed),
                              metrics=_init_metrics(), auto=init_auto() if uses_auto else None, policy=policy,
-                             branches=Branches(tuple(branches)))
+                             branches=Branches(branches),
+                             velocity=per_compressed_leaf(True) if c.momentum is not None else None,
+                             method_state=init_method_state(branches, shapes))
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         leaves, treedef = jax.tree.flatten(updates)
         try:
             residuals = treedef.flatten_up_to(state.residual)
+            velocities = treedef.flatten_up_to(state.velocity) if c.momentum is not None else None
         except (ValueError, TypeError) as e:
             raise ValueError("updates do not have the structure of the params compress was initialized with: "
                              f"{e}") from None
-        if uses_auto != (state.auto is not None) or state.branches != Branches(tuple(branches)):
+        if uses_auto != (state.auto is not None) or state.branches != Branches(branches):
             raise ValueError(f"state was not made by this transformation's init (it runs "
                              f"{[m.describe() for m in state.methods]}, this one {[m.describe() for m in branches]})")
         if state.policy != policy:
             raise ValueError(f"state was made by a compress(nonfinite={state.policy.name!r}), not by this "
                              f"compress(nonfinite={c.nonfinite!r})'s init")
-        floats = [i for i, leaf in enumerate(leaves) if _is_float(leaf)]
+        lay = _layout(c, updates, sends_everything)
+        floats = lay.floats
         if not floats:
             return updates, state
+        compressed = {i for positions, _ in lay.groups for i in positions}
+        kept_per_leaf = residuals if keeps_residual and not sends_everything else velocities
+        if kept_per_leaf is not None and any(isinstance(kept_per_leaf[i], optax.MaskedNode) == (i in compressed)
+                                             for i in floats):
+            raise ValueError("mask and min_size choose other leaves to compress for these updates than for the "
+                             "params init saw: give a mask that depends on the params' structure and shapes only")
         axis_sizes = [_bound_axis_size(a) for a in c.axes]
         n_devices = math.prod(axis_sizes)
         _check_local_gradients(c, [leaves[i] for i in floats])
         comm_dtype = _comm_dtype([leaves[i] for i in floats])
 
-        # The groups the collective runs on, as (positions, name): one for the model, one per leaf.
-        # A method that sends everything is elementwise: per leaf it is the same sum, with no copy
-        # into one vector.
-        sends_everything = all(m.sends_everything for m in branches)
-        if c.granularity == "model" and not sends_everything:
-            positions_of = [(floats, "the model")]
-        else:
-            positions_of = [([i], f"leaf {i}") for i in floats]
-
-        groups = Groups(vectors=[], names=[name for _, name in positions_of], sizes=[], n_devices=n_devices,
+        groups = Groups(vectors=[], names=[name for _, name in lay.groups], sizes=[], n_devices=n_devices,
                         inner_size=axis_sizes[-1] if len(axis_sizes) == 2 else None,
-                        dtype_bytes=jnp.dtype(comm_dtype).itemsize)
+                        dtype_bytes=jnp.dtype(comm_dtype).itemsize,
+                        shapes=[tuple(leaves[i].shape for i in positions) for positions, _ in lay.groups])
         scale = 1.0 / n_devices if c.mean else 1.0
+        out = list(leaves)
+        plain_bytes, plain_kept = 0.0, 0
         if sends_everything and not uses_auto:
             # Nothing is lost, so nothing is kept: sum the gradients as they are and look at the
             # sum. A NaN or Inf on any device reaches the sum, so a finite sum proves every entry
@@ -305,20 +444,35 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
             # never stored in the residual (NaN - NaN would stay NaN forever), and the residual's
             # own entry at that index is kept. The where fuses into the error-feedback add; the
             # count is one reduction over the same values.
-            bad_counts = []
+            bad_counts, momenta = [], {}
 
-            def error_fed(i):
+            def finite_part(i):
                 finite = jnp.isfinite(leaves[i])
                 bad_counts.append(jnp.sum(~finite, dtype=jnp.int32).astype(jnp.float32))
-                g = jnp.where(finite, leaves[i].astype(jnp.float32), 0.0)
+                return jnp.where(finite, leaves[i].astype(jnp.float32), 0.0)
+
+            def error_fed(i):
+                g = finite_part(i)
+                if c.momentum is not None:  # DGC: u = m u + g accumulates into the residual
+                    g = momenta[i] = c.momentum * velocities[i] + g
                 return g + residuals[i] if keeps_residual else g
 
-            # The error-fed vector of each group (for the model: one concatenation of all leaves).
-            feds = [jnp.concatenate([error_fed(i).ravel() for i in positions]) if len(positions) > 1
-                    else error_fed(positions[0]).ravel() for positions, _ in positions_of]
-            vectors = [fed.astype(comm_dtype) for fed in feds]
-            groups = groups._replace(vectors=vectors, sizes=[v.shape[0] for v in vectors])
-            result, auto_after = aggregate(groups, state)
+            # The error-fed vector of each group (for the model: one concatenation of its leaves).
+            feds = [_concat([error_fed(i) for i in positions]) for positions, _ in lay.groups]
+            if lay.plain:
+                # The leaves mask= and min_size= leave out: summed as they are, in one all-reduce.
+                plain_total = jax.lax.psum(_concat([finite_part(i) for i in lay.plain]).astype(comm_dtype),
+                                           c.axis_name)
+                plain_kept = plain_total.shape[0]
+                plain_bytes = _DENSE.wire_bytes(plain_kept, n_devices, dtype_bytes=groups.dtype_bytes)
+                _write(out, leaves, lay.plain, plain_total, scale, None)
+            if feds:
+                vectors = [fed.astype(comm_dtype) for fed in feds]
+                groups = groups._replace(vectors=vectors, sizes=[v.shape[0] for v in vectors])
+                result, auto_after = aggregate(groups, state)
+            else:  # every leaf is plain
+                result = Aggregation([], [], 0.0, 0, 0, False, True, state.method_state)
+                auto_after = None
             bad = sum(bad_counts)
             if result.sends_everything:
                 gain = jnp.ones((), jnp.float32)
@@ -333,44 +487,100 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
         # "skip" and "raise": every device got the same psum'd count, so all skip together.
         skipped = (bad > 0) if c.nonfinite != "zero" else None
 
-        out = list(leaves)
         new_residuals = list(residuals)
-        for (positions, _), fed, total, sent in zip(positions_of, feds, result.totals, result.sents):
+        new_velocities = list(velocities) if velocities is not None else None
+        for (positions, _), fed, total, sent in zip(lay.groups, feds, result.totals, result.sents):
+            _write(out, leaves, positions, total, scale, skipped)
             if result.sends_everything:
-                remaining = None  # everything was sent
-            elif result.sparse:
+                continue  # everything was sent: no residual
+            if result.sparse:
                 indices, values = sent
                 # fed[i] + (-v) is fed[i] - v exactly: the same residual as fed - dense(sent).
                 remaining = fed.at[indices].add(-values.astype(jnp.float32), mode="drop", unique_indices=True)
             else:
                 remaining = fed - sent.astype(jnp.float32)
-            offset = 0
-            for i in positions:
-                size, shape = leaves[i].size, leaves[i].shape
-                update = total[offset:offset + size].reshape(shape).astype(jnp.float32) * scale
-                if skipped is not None:
-                    update = jnp.where(skipped, 0.0, update)
-                out[i] = update.astype(leaves[i].dtype)
-                if keeps_residual:
-                    residual = remaining[offset:offset + size].reshape(shape)
-                    new_residuals[i] = residual if skipped is None else jnp.where(skipped, residuals[i], residual)
-                offset += size
+            if keeps_residual:
+                _keep(new_residuals, residuals, leaves, positions, remaining, skipped)
+            if c.momentum is not None:
+                # DGC's momentum factor masking: what was sent leaves the momentum too.
+                u = _concat([momenta[i] for i in positions])
+                u = (u.at[indices].set(0.0, mode="drop", unique_indices=True) if result.sparse
+                     else jnp.where(sent != 0, 0.0, u))
+                _keep(new_velocities, velocities, leaves, positions, u, skipped)
 
         total_size = sum(leaves[i].size for i in floats)
-        metrics = CompressMetrics(gain=gain, bytes_sent=jnp.asarray(result.bytes_sent, jnp.float32),
-                                  density=jnp.asarray(result.kept / total_size, jnp.float32),
+        metrics = CompressMetrics(gain=gain, bytes_sent=jnp.asarray(result.bytes_sent + plain_bytes, jnp.float32),
+                                  density=jnp.asarray((result.kept + plain_kept) / total_size, jnp.float32),
                                   method=jnp.asarray(result.method, jnp.int32), nonfinite=bad)
-        new_auto = auto_after(gain) if uses_auto else None
+        new_auto = auto_after(gain) if auto_after is not None else state.auto
+        method_state = result.method_state
         step = state.step + 1
         if skipped is not None:
             # A skipped step leaves the state as it was (only the metrics report it).
             step = jnp.where(skipped, state.step, step)
             new_auto = adaptive.where_tree(skipped, state.auto, new_auto) if uses_auto else None
+            method_state = adaptive.where_tree(skipped, state.method_state, method_state)
         new_state = state._replace(residual=treedef.unflatten(new_residuals), step=step, metrics=metrics,
-                                   auto=new_auto)
+                                   auto=new_auto, method_state=method_state,
+                                   velocity=treedef.unflatten(new_velocities) if velocities is not None else None)
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, _checked_update(update_fn))
+
+
+#: The plain all-reduce of the leaves ``mask``/``min_size`` leave out, for its byte count.
+_DENSE = methods.Dense()
+
+
+class _Layout(NamedTuple):
+    """Which leaves an update aggregates how (positions in the flattened tree)."""
+
+    floats: list  # every float leaf
+    groups: list  # [(positions, name)]: the compressed leaves, grouped by `granularity`
+    plain: list  # float leaves mask= and min_size= leave out: one fused all-reduce
+
+
+def _layout(c: FeedbackConfig, tree, sends_everything: bool) -> _Layout:
+    """The :class:`_Layout` of ``tree`` (the params at init, the gradients in update)."""
+    leaves = jax.tree.leaves(tree)
+    floats = [i for i, leaf in enumerate(leaves) if _is_float(leaf)]
+    if sends_everything:
+        # A method that sends everything is elementwise: per leaf it is the same sum, with no copy
+        # into one vector, and a mask changes nothing.
+        return _Layout(floats, [([i], f"leaf {i}") for i in floats], [])
+    chosen = c.compressed(tree)
+    compressed = [i for i in floats if chosen[i]]
+    groups = ([(compressed, "the model")] if c.granularity == "model" and compressed
+              else [([i], f"leaf {i}") for i in compressed])
+    return _Layout(floats, groups, [i for i in floats if not chosen[i]])
+
+
+def _concat(parts):
+    """One 1-D vector of the parts (raveled), without a copy for a single part."""
+    return jnp.concatenate([p.ravel() for p in parts]) if len(parts) > 1 else parts[0].ravel()
+
+
+def _write(out, leaves, positions, total, scale, skipped):
+    """Splits a group's ``total`` into its leaves' updates (zeros on a skipped step)."""
+    offset = 0
+    for i in positions:
+        size, shape = leaves[i].size, leaves[i].shape
+        update = total[offset:offset + size].reshape(shape).astype(jnp.float32) * scale
+        if skipped is not None:
+            update = jnp.where(skipped, 0.0, update)
+        out[i] = update.astype(leaves[i].dtype)
+        offset += size
+
+
+def _keep(new, old, leaves, positions, vector, skipped):
+    """Splits a group's per-device ``vector`` (residual, momentum) into its leaves, keeping the old
+    values on a skipped step."""
+    offset = 0
+    for i in positions:
+        size, shape = leaves[i].size, leaves[i].shape
+        piece = vector[offset:offset + size].reshape(shape)
+        new[i] = piece if skipped is None else jnp.where(skipped, old[i], piece)
+        offset += size
 
 
 def _square(values):
@@ -378,7 +588,8 @@ def _square(values):
 
 
 def compress(method, *, axis_name="data", error_feedback=True, granularity="model", mean=True, seed=0,
-             nonfinite="zero", **shorthand) -> optax.GradientTransformationExtraArgs:
+             nonfinite="zero", warmup_steps=0, mask=None, min_size=0, momentum_correction=None,
+             **shorthand) -> optax.GradientTransformationExtraArgs:
     """Aggregates gradients across a mesh axis with a compressing method and error feedback.
 
     Put it first in an ``optax.chain`` and call the chain's ``update`` inside ``jax.shard_map``
@@ -472,23 +683,49 @@ def compress(method, *, axis_name="data", error_feedback=True, granularity="mode
     if method == "auto":  # the shorthand of the automatic choice
         from jaxcomp.auto import compress_auto_shorthand
 
+        for value, name in ((warmup_steps, "warmup_steps"), (momentum_correction, "momentum_correction")):
+            if value:
+                raise ValueError(f"{name}= applies to a single method, not to 'auto' (compress_auto chooses dense "
+                                 f"itself while it is the cheapest)")
         return compress_auto_shorthand(axis_name=axis_name, error_feedback=error_feedback, granularity=granularity,
-                                       mean=mean, seed=seed, nonfinite=nonfinite, **shorthand)
-    config = FeedbackConfig.check(axis_name, error_feedback, granularity, mean, seed, nonfinite)
+                                       mean=mean, seed=seed, nonfinite=nonfinite, mask=mask, min_size=min_size,
+                                       **shorthand)
+    config = FeedbackConfig.check(axis_name, error_feedback, granularity, mean, seed, nonfinite, mask, min_size,
+                                  momentum_correction)
     method = _parse_method(method, shorthand)
     method.check_axes(config.axes)
+    warmup = max(_checks.static_int(warmup_steps, "warmup_steps", 0), method.dense_steps)
+    if config.momentum is not None and not method.sparse:
+        raise ValueError(f"momentum_correction applies to the sparsifying methods (jaxcomp.TopK, jaxcomp.RandomK), "
+                         f"whose sent entries it clears from the momentum; got {method.describe()}")
+    if warmup and method.sends_everything:
+        warmup = 0  # dense already
+    if warmup and not method.replicated_total:
+        raise ValueError(f"warmup_steps needs a method whose total comes out replicated, to switch from dense "
+                         f"to it inside one compiled step; {method.describe()} does not (for Zfp: "
+                         f"algorithm='ring')")
+    # The methods the state records: with a warm-up, dense first (the `method` metric says which ran).
+    branches = (_DENSE, method) if warmup else (method,)
     keeps_residual = config.error_feedback and not method.sends_everything
     # A method that returns its (indices, values) has the residual taken off in place, never a
-    # dense `sent` built and subtracted.
-    sparse = method.sparse
+    # dense `sent` built and subtracted (not across a warm-up switch: both branches send dense).
+    sparse = method.sparse and not warmup
 
     def aggregate(groups: Groups, state: CompressState):
-        totals, sents = aggregate_groups(method, groups, config.axis_name, state.step,
-                                         jax.random.fold_in(state.key, state.step), sparse=sparse)
-        bytes_sent, kept, _ = static_cost(method, groups)
-        return Aggregation(totals, sents, bytes_sent, kept, 0, sparse, method.sends_everything), None
+        key = jax.random.fold_in(state.key, state.step)
+        if not warmup:
+            branch, (bytes_sent, kept, _) = 0, static_cost(method, groups)
+        else:
+            branch = (state.step >= warmup).astype(jnp.int32)
+            costs = [static_cost(m, groups) for m in branches]
+            bytes_sent = jnp.asarray([cost[0] for cost in costs], jnp.float32)[branch]
+            kept = jnp.asarray([cost[1] for cost in costs], jnp.float32)[branch]
+        totals, sents, method_state = run_branch(branches, branch, groups, config.axis_name, state.step, key,
+                                                 sparse, state.method_state)
+        return Aggregation(totals, sents, bytes_sent, kept, branch, sparse, method.sends_everything,
+                           method_state), None
 
-    return feedback_transformation(config, (method,), keeps_residual, aggregate)
+    return feedback_transformation(config, branches, keeps_residual, aggregate)
 
 
 def _parse_method(method, shorthand) -> Method:

@@ -7,6 +7,7 @@
 :class:`Quantized`            THC homomorphic quantization, one integer all-reduce
 :class:`RandomK`              random-k at indices every device draws from one seed, one all-reduce
 :class:`Cast`                 the gradient all-reduced in bfloat16 or float16
+:class:`PowerSGD`             rank-r factors of each matrix by a warm-started power iteration, two all-reduces
 ============================  ===================================================================
 
 Every method is a :class:`Method` (the protocol, in :mod:`jaxcomp.methods.base`); a method defined
@@ -24,6 +25,7 @@ import functools
 from jaxcomp.methods.base import Method
 from jaxcomp.methods.cast import Cast
 from jaxcomp.methods.dense import Dense
+from jaxcomp.methods.powersgd import PowerSGD
 from jaxcomp.methods.quantized import Quantized
 from jaxcomp.methods.randomk import RandomK
 from jaxcomp.methods.topk import TopK
@@ -47,6 +49,7 @@ SHORTHAND = {
     "randomk": RandomK,
     "bf16": functools.partial(Cast, dtype="bfloat16"),
     "fp16": functools.partial(Cast, dtype="float16"),
+    "powersgd": PowerSGD,
 }
 
 #: What each required option of the string form means, for error messages.
@@ -112,7 +115,7 @@ def parse(method, *, strict: bool = True, **options) -> Method:
         raise ValueError(f"method {method!r}: {e}") from None
 
 
-def candidates(*, ratio=None, rate=None, bits=None, hierarchical: bool = False,
+def candidates(*, ratio=None, rate=None, bits=None, rank=None, hierarchical: bool = False,
                variants: bool = False) -> tuple[Method, ...]:
     """The methods the given settings allow, dense first: what ``compress_auto`` and ``advise`` try
     by default.
@@ -121,6 +124,7 @@ def candidates(*, ratio=None, rate=None, bits=None, hierarchical: bool = False,
       ratio: density of the top-k methods (all-gather and AR-Topk), or None to leave them out.
       rate: ZFP bits per value, or None to leave ZFP out.
       bits: THC code width, or None to leave it out.
+      rank: PowerSGD's rank, or None to leave it out.
       hierarchical: also hierarchical top-k (needs two mesh axes; with ``ratio``).
       variants: also the cost model's variants (tree all-reduces, ZFP's recursive doubling),
         random-k and the bfloat16 cast: what the advisor compares.
@@ -145,8 +149,10 @@ def candidates(*, ratio=None, rate=None, bits=None, hierarchical: bool = False,
         out += [Zfp(rate)] + ([Zfp(rate, algorithm="recursive_doubling")] if variants else [])
     if bits is not None:
         out.append(Quantized(bits))
+    if rank is not None:
+        out.append(PowerSGD(rank))
     out += [Cast("bfloat16")] if variants else []
     return tuple(out)
 
 
-__all__ = ["Cast", "Dense", "Method", "Quantized", "RandomK", "SHORTHAND", "TopK", "Zfp", "candidates", "parse"]
+__all__ = ["Cast", "Dense", "Method", "PowerSGD", "Quantized", "RandomK", "SHORTHAND", "TopK", "Zfp", "candidates", "parse"]

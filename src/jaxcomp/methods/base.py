@@ -12,6 +12,9 @@ the cost model            :meth:`Method.wire_bytes` (bytes one device sends) and
 timing its local work     :meth:`Method.local_work` (a function of one device's vector, with the
                           collectives taken out) and :attr:`Method.timed_by_update`
 tables and metrics        :attr:`Method.label`, :attr:`Method.setting`, :meth:`Method.describe`
+state across steps        :attr:`Method.stateful`: :meth:`Method.init_state` and
+                          :meth:`Method.aggregate_stateful` (e.g. PowerSGD's warm-started ``Q``),
+                          with the leaves' shapes
 ========================  ==========================================================================
 
 :func:`jaxcomp.compress`, :func:`jaxcomp.compress_auto`, :mod:`jaxcomp.cost`, :mod:`jaxcomp.probe`,
@@ -46,6 +49,10 @@ class Method:
     * ``timed_by_update``: the method's local work is spread over the update (selection, in-place
       error feedback), so its overhead is measured by timing the whole update on one device
       (:func:`jaxcomp.probe.update_seconds`) rather than :meth:`local_work` alone.
+    * ``stateful``: the method keeps state of its own across steps and needs the shapes of the
+      leaves its vector is made of: it implements :meth:`init_state` and
+      :meth:`aggregate_stateful` (instead of :meth:`aggregate`), and its :meth:`kept` and
+      :meth:`wire_bytes` take ``shapes=``.
 
     Example:
       >>> import dataclasses
@@ -71,6 +78,7 @@ class Method:
     sparse: ClassVar[bool] = False
     replicated_total: ClassVar[bool] = True
     timed_by_update: ClassVar[bool] = False
+    stateful: ClassVar[bool] = False
 
     # ---- identity -------------------------------------------------------------------------------
 
@@ -89,6 +97,12 @@ class Method:
     def describe(self) -> str:
         """``label`` with ``setting``, e.g. ``"ar_topk(0.01)"``; what tables print."""
         return self.label if self.setting is None else f"{self.label}({self.setting:.3g})"
+
+    @property
+    def dense_steps(self) -> int:
+        """Steps this method wants aggregated densely before it starts (PowerSGD's ``start_iter``);
+        :func:`jaxcomp.compress` warms up for ``max(warmup_steps, dense_steps)`` steps."""
+        return 0
 
     def with_ratio(self, ratio: float) -> "Method | None":
         """This method sending a fraction ``ratio`` of the values, or None when it has no such knob
@@ -125,6 +139,19 @@ class Method:
           that ``x - sent`` is what error feedback keeps.
         """
         raise NotImplementedError(f"{type(self).__name__} must implement aggregate")
+
+    def init_state(self, shapes: tuple[tuple[int, ...], ...]) -> Any:
+        """With :attr:`stateful`: the state for one vector made of leaves of ``shapes`` (flattened and
+        concatenated in that order), replicated on every device; a pytree of arrays, saved in
+        checkpoints with the rest of the optimizer state. Raises a ValueError naming the setting that
+        cannot serve these shapes."""
+        raise NotImplementedError(f"{type(self).__name__} is stateful and must implement init_state")
+
+    def aggregate_stateful(self, x, axis_name, *, step, key, state, shapes) -> tuple[Any, Any, Any]:
+        """With :attr:`stateful`: :meth:`aggregate` with the method's own state: ``(total, sent,
+        new_state)``, where ``state`` came from :meth:`init_state` for these ``shapes`` (or from the
+        previous step) and ``new_state`` has its structure and stays replicated."""
+        raise NotImplementedError(f"{type(self).__name__} is stateful and must implement aggregate_stateful")
 
     # ---- the cost model -------------------------------------------------------------------------
 

@@ -1,0 +1,204 @@
+"""PowerSGD (jaxcomp.methods.powersgd) against a numpy reference of Vogels et al.'s Alg. 1-2."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from helpers import assert_trees_equal, count_compilations, need_devices
+from jax.sharding import Mesh
+
+import jaxcomp
+from jaxcomp import cost
+from jaxcomp.methods import PowerSGD
+from jaxcomp.methods.powersgd import matrix_view, orthogonalize
+
+N_DEVICES = 8
+# A kernel compressed at rank 2 (24x16: 384 values, 80 sent), a bias sent as it is, a 3-D kernel
+# viewed as (6*5) x 20 (compressed), and a small matrix left dense by min_compression_rate.
+SHAPES = {"w": (24, 16), "b": (16,), "conv": (6, 5, 20), "small": (3, 4)}
+
+
+def _mesh():
+    need_devices(N_DEVICES)
+    return Mesh(np.array(jax.devices()[:N_DEVICES]), ("data",))
+
+
+def _loss(params, batch):
+    """Each device's gradient of a leaf is its batch row for that leaf."""
+    return sum(jnp.sum(params[name] * jnp.mean(batch[name], axis=0)) for name in params)
+
+
+def _batch(rng):
+    return {name: rng.standard_normal((N_DEVICES, *shape)).astype(np.float32) for name, shape in SHAPES.items()}
+
+
+def _run(method, **options):
+    tx = optax.chain(jaxcomp.compress(method, mean=False, **options), optax.sgd(1.0))
+    dp = jaxcomp.data_parallel(_loss, tx, _mesh())
+    return dp, dp.init({name: jnp.zeros(shape) for name, shape in SHAPES.items()})
+
+
+def _gram_schmidt(p, eps=1e-8):
+    p = p.astype(np.float64).copy()
+    for j in range(p.shape[1]):
+        for i in range(j):
+            p[:, j] -= (p[:, i] @ p[:, j]) * p[:, i]
+        p[:, j] /= np.linalg.norm(p[:, j]) + eps
+    return p
+
+
+def _reference_step(fed, qs, rank):
+    """numpy, float64: one PowerSGD step of the error-fed gradients ``fed[name][device]``.
+    Returns (total per leaf, residual per leaf and device, new Q per compressed leaf)."""
+    method = PowerSGD(rank)
+    total, residual, new_q = {}, {}, {}
+    # In the params' flattening order (a dict's sorted keys), as the method's state is.
+    compressed = [name for name in sorted(SHAPES) if method.compresses(SHAPES[name])]
+    for name in SHAPES:
+        g = fed[name].astype(np.float64)
+        if name not in compressed:
+            total[name], residual[name] = g.sum(axis=0), np.zeros_like(g)
+            continue
+        rows, cols = matrix_view(SHAPES[name])
+        m = g.reshape(N_DEVICES, rows, cols)
+        q = np.asarray(qs[compressed.index(name)], np.float64)
+        p_hat = _gram_schmidt(sum(m[d] @ q for d in range(N_DEVICES)))
+        local_q = [m[d].T @ p_hat for d in range(N_DEVICES)]
+        new_q[name] = sum(local_q)
+        total[name] = (p_hat @ new_q[name].T).reshape(SHAPES[name])
+        residual[name] = np.stack([(m[d] - p_hat @ local_q[d].T).reshape(SHAPES[name]) for d in range(N_DEVICES)])
+    return total, residual, [new_q[name] for name in compressed]
+
+
+def test_steps_match_numpy_reference_with_warm_start_and_error_feedback():
+    """Two steps: updates, residuals and the warm-started Q equal the float64 reference to float32
+    rounding; the bytes and density metrics are PowerSGD's own counts."""
+    rank = 2
+    method = PowerSGD(rank)
+    assert [method.compresses(s) for s in SHAPES.values()] == [True, False, True, False]
+    dp, state = _run(method)
+    rng = np.random.default_rng(0)
+    residual = {name: np.zeros((N_DEVICES, *shape)) for name, shape in SHAPES.items()}
+    for _ in range(2):
+        batch = _batch(rng)
+        cs = jaxcomp.find_compress_state(state.opt_state)
+        qs = cs.method_state[0][0]
+        params_before = {k: np.asarray(v, np.float64) for k, v in state.params.items()}
+        fed = {name: batch[name] + residual[name] for name in SHAPES}
+        total, residual, new_q = _reference_step(fed, qs, rank)
+        state, metrics = dp.step(state, batch)
+        cs = jaxcomp.find_compress_state(state.opt_state)
+        for name in SHAPES:
+            np.testing.assert_allclose(params_before[name] - np.asarray(state.params[name]), total[name],
+                                       rtol=2e-4, atol=2e-4)
+            np.testing.assert_allclose(np.asarray(cs.residual[name]), residual[name], rtol=2e-4, atol=2e-4)
+        for got, want in zip(cs.method_state[0][0], new_q):
+            np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4)
+    shapes = tuple(SHAPES[name] for name in sorted(SHAPES))
+    n = sum(int(np.prod(s)) for s in shapes)
+    assert float(metrics["bytes_sent"]) == pytest.approx(method.wire_bytes(n, N_DEVICES, shapes=shapes))
+    assert float(metrics["density"]) == pytest.approx(method.kept(n, shapes=shapes) / n)
+    # 24x16 and 30x20 at rank 2, the bias and the small matrix as they are.
+    assert method.kept(n, shapes=shapes) == 2 * (24 + 16) + 2 * (30 + 20) + 16 + 12
+
+
+def test_error_feedback_identity_replicas_and_one_compile():
+    """Sum of aggregates = sum of gradients - residuals over steps (to float32 rounding: the sum of
+    the devices' P q_d^T is P Q^T only up to rounding); replicas identical; one compilation."""
+    dp, state = _run(PowerSGD(1))
+    rng = np.random.default_rng(1)
+    fed = {name: np.zeros(shape) for name, shape in SHAPES.items()}
+    with count_compilations() as compiles:
+        for _ in range(4):
+            batch = _batch(rng)
+            for name in SHAPES:
+                fed[name] += batch[name].astype(np.float64).sum(axis=0)
+            state, _ = dp.step(state, batch)
+    assert compiles[0] == 1
+    cs = jaxcomp.find_compress_state(state.opt_state)
+    for name in SHAPES:
+        residual = np.asarray(cs.residual[name], np.float64).sum(axis=0)
+        np.testing.assert_allclose(-np.asarray(state.params[name]), fed[name] - residual, rtol=1e-4, atol=1e-3)
+    for leaf in jax.tree.leaves((state.params, cs.method_state)):
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        assert all(np.array_equal(shards[0], s) for s in shards[1:])
+
+
+def test_start_iter_runs_dense_first_then_powersgd():
+    dp, state = _run(PowerSGD(2, start_iter=2))
+    assert [m.label for m in jaxcomp.find_compress_state(state.opt_state).methods] == ["dense", "powersgd"]
+    rng = np.random.default_rng(2)
+    ran = []
+    for _ in range(3):
+        state, metrics = dp.step(state, _batch(rng))
+        ran.append(int(metrics["method"]))
+    assert ran == [0, 0, 1]
+
+
+def test_checkpoint_round_trip_resumes_bit_identically(tmp_path):
+    tx = optax.chain(jaxcomp.compress(PowerSGD(2)), optax.adam(1e-2))
+    dp = jaxcomp.data_parallel(_loss, tx, _mesh())
+    state = dp.init({name: jnp.zeros(shape) for name, shape in SHAPES.items()})
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        state, _ = dp.step(state, _batch(rng))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", state)
+    checkpointer.wait_until_finished()
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    restored = checkpointer.restore(tmp_path / "ckpt", target)
+    assert_trees_equal(restored, state)
+    for _ in range(2):
+        batch = _batch(rng)
+        state, _ = dp.step(state, batch)
+        restored, _ = dp.step(restored, batch)
+    assert_trees_equal(restored, state)
+
+
+def test_orthogonalize_and_matrix_view():
+    p = orthogonalize(jnp.asarray(np.random.default_rng(4).standard_normal((20, 3)), jnp.float32))
+    np.testing.assert_allclose(np.asarray(p.T @ p), np.eye(3), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(orthogonalize(jnp.zeros((5, 2)))), np.zeros((5, 2)))
+    assert matrix_view((3, 3, 16, 32)) == (144, 32) and matrix_view((7,)) is None and matrix_view(()) is None
+
+
+def test_cost_model_and_candidates():
+    m = PowerSGD(4)
+    assert m.message_steps(8) == 28 and PowerSGD(4, allreduce="tree").message_steps(8) == 12
+    # Without shapes the cost model sees one square matrix: 1000x1000 at rank 4 sends 8000 values.
+    assert m.kept(10**6) == 8000
+    assert m.wire_bytes(10**6, 8) == 2 * 7 / 8 * 4 * 4000 * 2
+    net = cost.Network.parse("1ms", "1gbit")
+    assert cost.predict(m, 4e8, 8, net) < cost.predict("dense", 4e8, 8, net)
+    assert cost.predict("powersgd", 4e8, 8, net, rank=4) == cost.predict(m, 4e8, 8, net)
+    assert m in jaxcomp.methods.candidates(rank=4)
+    assert jaxcomp.methods.parse("powersgd", rank=4) == m and m.describe() == "powersgd(4)"
+
+
+def test_powersgd_is_a_compress_auto_candidate():
+    """Its state rides along in every branch; the branches compile, dense runs first."""
+    tx = optax.chain(jaxcomp.compress_auto([jaxcomp.Dense(), PowerSGD(2)], network=cost.Network.parse("1ms", "100mbit")),
+                     optax.sgd(1.0))
+    dp = jaxcomp.data_parallel(_loss, tx, _mesh())
+    state = dp.init({name: jnp.zeros(shape) for name, shape in SHAPES.items()})
+    state, metrics = dp.step(state, _batch(np.random.default_rng(5)))
+    assert np.isfinite(float(metrics["gain"]))
+    assert len(jaxcomp.find_compress_state(state.opt_state).method_state[1][0]) == 2
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: PowerSGD(0), "rank must be"),
+    (lambda: PowerSGD(2.5), "rank must be"),
+    (lambda: PowerSGD(2, start_iter=-1), "start_iter must be"),
+    (lambda: PowerSGD(2, min_compression_rate=0.5), "min_compression_rate must be"),
+    (lambda: PowerSGD(2, allreduce="star"), "allreduce must be one of"),
+    # rank larger than every matrix: refused at init, naming rank.
+    (lambda: jaxcomp.compress(PowerSGD(8)).init({"w": jnp.zeros((6, 5)), "b": jnp.zeros(5)}), "rank=8 compresses none"),
+    (lambda: jaxcomp.compress(PowerSGD(1)).init({"b": jnp.zeros(5)}), "have none"),
+    (lambda: jaxcomp.compress("powersgd", ratio=0.1), "remove ratio="),
+])
+def test_bad_arguments_are_named(build, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        build()
