@@ -398,7 +398,7 @@ def available_methods(*, ratio=None, rate=None, bits=None, inner_size=None) -> t
 
     Example:
       >>> [m.label for m in available_methods(ratio=0.01)]
-      ['dense', 'dense_tree', 'allgather_topk', 'ar_topk', 'ar_topk_tree', 'randomk']
+      ['dense', 'dense_tree', 'allgather_topk', 'ar_topk', 'ar_topk_tree', 'randomk', 'sign', 'sign_allreduce']
 
     References:
       Tyagi & Swany, arXiv 2312.02493, §3-D.

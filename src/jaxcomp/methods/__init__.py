@@ -6,6 +6,7 @@
 :class:`Zfp`                  ZFP fixed-rate compression in a ring (or recursive-doubling) all-reduce
 :class:`Quantized`            THC homomorphic quantization, one integer all-reduce
 :class:`RandomK`              random-k at indices every device draws from one seed, one all-reduce
+:class:`Sign`                 1-bit signs and a scale per chunk (EF-SignSGD), or signSGD's majority vote
 ============================  ===================================================================
 
 Every method is a :class:`Method` (the protocol, in :mod:`jaxcomp.methods.base`); a method defined
@@ -24,6 +25,7 @@ from jaxcomp.methods.base import Method
 from jaxcomp.methods.dense import Dense
 from jaxcomp.methods.quantized import Quantized
 from jaxcomp.methods.randomk import RandomK
+from jaxcomp.methods.sign import Sign
 from jaxcomp.methods.topk import TopK
 from jaxcomp.methods.zfp import Zfp
 
@@ -43,6 +45,10 @@ SHORTHAND = {
     "zfp_recursive_doubling": functools.partial(Zfp, algorithm="recursive_doubling"),
     "quantized": Quantized,
     "randomk": RandomK,
+    "sign": Sign,
+    "sign_allreduce": functools.partial(Sign, aggregation="allreduce"),
+    "sign_allreduce_tree": functools.partial(Sign, aggregation="allreduce", allreduce="tree"),
+    "sign_majority": functools.partial(Sign, aggregation="majority"),
 }
 
 #: What each required option of the string form means, for error messages.
@@ -109,7 +115,7 @@ def parse(method, *, strict: bool = True, **options) -> Method:
 
 
 def candidates(*, ratio=None, rate=None, bits=None, hierarchical: bool = False,
-               variants: bool = False) -> tuple[Method, ...]:
+               variants: bool = False, sign=None) -> tuple[Method, ...]:
     """The methods the given settings allow, dense first: what ``compress_auto`` and ``advise`` try
     by default.
 
@@ -118,8 +124,11 @@ def candidates(*, ratio=None, rate=None, bits=None, hierarchical: bool = False,
       rate: ZFP bits per value, or None to leave ZFP out.
       bits: THC code width, or None to leave it out.
       hierarchical: also hierarchical top-k (needs two mesh axes; with ``ratio``).
-      variants: also the cost model's variants (tree all-reduces, ZFP's recursive doubling) and
-        random-k: what the advisor compares.
+      variants: also the cost model's variants (tree all-reduces, ZFP's recursive doubling),
+        random-k and the scaled signs (all-gathered and all-reduced, chunk ``sign`` or 1024):
+        what the advisor compares.
+      sign: values per scale of the scaled-sign methods (:class:`Sign`, all-gathered and
+        all-reduced), or None to leave them out (``variants`` still adds them).
 
     Returns:
       A tuple of methods.
@@ -141,7 +150,10 @@ def candidates(*, ratio=None, rate=None, bits=None, hierarchical: bool = False,
         out += [Zfp(rate)] + ([Zfp(rate, algorithm="recursive_doubling")] if variants else [])
     if bits is not None:
         out.append(Quantized(bits))
+    if sign is not None or variants:
+        chunk = {} if sign is None else {"chunk": sign}
+        out += [Sign(**chunk), Sign(**chunk, aggregation="allreduce")]
     return tuple(out)
 
 
-__all__ = ["Dense", "Method", "Quantized", "RandomK", "SHORTHAND", "TopK", "Zfp", "candidates", "parse"]
+__all__ = ["Dense", "Method", "Quantized", "RandomK", "SHORTHAND", "Sign", "TopK", "Zfp", "candidates", "parse"]
