@@ -61,7 +61,7 @@ class Sign(Method):
           device decodes and adds them, device by device: ``(N-1) (ceil(n/32) + ceil(n/chunk)) 4``
           bytes, ``ceil(log2 N)`` steps.
         * ``"allreduce"``: every device decodes its own and one psum adds the decoded values: the
-          dense bytes, ``2 (N-1)/N n d``, cheaper than the all-gather from about ``N > 32 d``
+          dense bytes, ``2 (N-1)/N n d``, fewer than the all-gather's from about ``N > 16 d``
           devices (``d`` the gradient's bytes a value), and the all-reduce's steps.
         * ``"majority"``: signSGD with majority vote: the same all-gather, then the sign of the
           sum of the devices' signs (0 where they tie) times the sum of their scales, chunk by
