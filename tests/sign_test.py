@@ -51,6 +51,17 @@ def ref_unpack(words, scales, n, chunk):
     return np.where(bits == 1, plus, -plus)
 
 
+def test_the_pure_jax_reference_is_the_numpy_one():
+    x = rows(203, 1)
+    for chunk in (29, 256):
+        words, scales = jax.jit(lambda v: jaxcomp.reference.sign_pack(v, chunk))(x)
+        want_words, want_scales = ref_pack(x, chunk)
+        np.testing.assert_array_equal(np.asarray(words), want_words)
+        np.testing.assert_array_equal(as_bits(scales), as_bits(want_scales))
+        np.testing.assert_array_equal(as_bits(jaxcomp.reference.sign_unpack(words, scales, 203, chunk)),
+                                      as_bits(ref_unpack(want_words, want_scales, 203, chunk)))
+
+
 def as_bits(a):
     a = np.asarray(a)
     return a.view({4: np.uint32, 2: np.uint16}[a.dtype.itemsize])
