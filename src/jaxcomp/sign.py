@@ -23,7 +23,21 @@ DEFAULT_CHUNK = 1024
 
 
 def check_chunk(chunk) -> int:
-    """``chunk`` as a static int in ``[1, 2**31 - 1]`` (values per scale), else an error naming it."""
+    """``chunk`` as a static int in ``[1, 2**31 - 1]`` (values per scale), else an error naming it.
+
+    Args:
+      chunk: values per scale.
+
+    Returns:
+      ``chunk`` as a Python int.
+
+    Example:
+      >>> check_chunk(256)
+      256
+
+    References:
+      Karimireddy et al., ICML 2019 (one scale per block of values).
+    """
     return _checks.static_int(chunk, "chunk", 1, _checks.MAX_ROW_LENGTH)
 
 
