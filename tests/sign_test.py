@@ -209,3 +209,23 @@ def test_error_feedback_is_exact_over_steps_with_one_compilation(aggregation):
             residual = np.asarray(jaxcomp.find_compress_state(state.opt_state).residual, np.float64)
             np.testing.assert_allclose(-np.asarray(state.params), fed - residual.sum(axis=0), rtol=1e-5, atol=1e-4)
     assert compiles[0] == first
+
+
+def test_compress_auto_takes_the_packed_signs_on_a_slow_network():
+    """Sign is among compress_auto's candidates: on a slow link its 1/8 bytes win; the total is
+    replicated, as the branches need."""
+    n = 1000
+    candidates = jaxcomp.methods.candidates(sign=64)
+    assert [m.describe() for m in candidates] == ["dense", "sign", "sign_allreduce"]
+    tx = jaxcomp.compress_auto(candidates, network=jaxcomp.cost.Network.parse("1ms", "1gbit"))
+
+    def run(g):
+        updates, state = tx.update(g[0], tx.init(g[0]))
+        return updates, state.metrics.bytes_sent, state.metrics.method
+
+    g = jax.random.normal(jax.random.key(2), (N_DEVICES, n))
+    updates, bytes_sent, method = jax.jit(jax.shard_map(run, mesh=_mesh(), in_specs=P("data"),
+                                                        out_specs=(P(), P(), P())))(g)
+    assert int(method) == 1 and float(bytes_sent) == Sign(64).wire_bytes(n, N_DEVICES)
+    words, scales = ref_pack(np.asarray(g), 64)
+    np.testing.assert_allclose(updates, ref_unpack(words, scales, n, 64).mean(0), rtol=1e-6, atol=1e-7)
