@@ -1,5 +1,5 @@
 # The CUDA module _jaxcomp_cuda (included by CMakeLists.txt when JAXCOMP_CUDA=ON, after a CUDA
-# compiler was found). Same five FFI targets as _jaxcomp_cpu; jaxcomp/_ffi.py registers them for
+# compiler was found). The FFI targets of _jaxcomp_cpu but the Hadamard transform; jaxcomp/_ffi.py registers them for
 # platform "CUDA".
 
 # Real code for A100 (sm_80) and H100/H200 (sm_90), plus sm_90 PTX that newer GPUs JIT-compile.
@@ -18,8 +18,10 @@ nanobind_add_module(_jaxcomp_cuda NB_STATIC
   ffi/cuda_module.cc
   ffi/topk_cuda.cc
   ffi/zfp_cuda.cc
+  ffi/sign_cuda.cc
   kernels/topk.cu
-  kernels/zfp.cu)
+  kernels/zfp.cu
+  kernels/sign.cu)
 target_include_directories(_jaxcomp_cuda SYSTEM PRIVATE "${XLA_INCLUDE_DIR}")
 target_include_directories(_jaxcomp_cuda PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}")
 # The C++ adapters include cuda_runtime_api.h. Headers and the static runtime come from the

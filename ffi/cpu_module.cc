@@ -5,6 +5,7 @@
 NB_MODULE(_jaxcomp_cpu, m) {
   m.def("registrations", []() {
     return jaxcomp_ffi::Registrations(JaxcompTopkCpu, JaxcompFindThresholdCpu, JaxcompThresholdTopkCpu,
-                                      JaxcompZfpEncodeCpu, JaxcompZfpDecodeCpu, JaxcompHadamardCpu);
+                                      JaxcompZfpEncodeCpu, JaxcompZfpDecodeCpu, JaxcompSignPackCpu,
+                                      JaxcompSignUnpackCpu, JaxcompHadamardCpu);
   });
 }

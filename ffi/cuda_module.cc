@@ -6,6 +6,7 @@
 NB_MODULE(_jaxcomp_cuda, m) {
   m.def("registrations", []() {
     return jaxcomp_ffi::Registrations(JaxcompTopkCuda, JaxcompFindThresholdCuda, JaxcompThresholdTopkCuda,
-                                      JaxcompZfpEncodeCuda, JaxcompZfpDecodeCuda);
+                                      JaxcompZfpEncodeCuda, JaxcompZfpDecodeCuda, JaxcompSignPackCuda,
+                                      JaxcompSignUnpackCuda);
   });
 }

@@ -10,7 +10,8 @@ namespace jaxcomp_ffi {
 
 inline nanobind::dict Registrations(XLA_FFI_Handler* topk, XLA_FFI_Handler* find_threshold,
                                     XLA_FFI_Handler* threshold_topk, XLA_FFI_Handler* zfp_encode,
-                                    XLA_FFI_Handler* zfp_decode, XLA_FFI_Handler* hadamard = nullptr) {
+                                    XLA_FFI_Handler* zfp_decode, XLA_FFI_Handler* sign_pack,
+                                    XLA_FFI_Handler* sign_unpack, XLA_FFI_Handler* hadamard = nullptr) {
   auto capsule = [](XLA_FFI_Handler* fn) { return nanobind::capsule(reinterpret_cast<void*>(fn)); };
   nanobind::dict targets;
   targets["jaxcomp_topk"] = capsule(topk);
@@ -18,6 +19,8 @@ inline nanobind::dict Registrations(XLA_FFI_Handler* topk, XLA_FFI_Handler* find
   targets["jaxcomp_threshold_topk"] = capsule(threshold_topk);
   targets["jaxcomp_zfp_encode"] = capsule(zfp_encode);
   targets["jaxcomp_zfp_decode"] = capsule(zfp_decode);
+  targets["jaxcomp_sign_pack"] = capsule(sign_pack);
+  targets["jaxcomp_sign_unpack"] = capsule(sign_unpack);
   // CPU only: elsewhere jaxcomp.hadamard runs its XLA path (the same butterflies).
   if (hadamard != nullptr) targets["jaxcomp_hadamard"] = capsule(hadamard);
   return targets;

@@ -134,7 +134,7 @@ def test_main_prints_every_method_and_the_summaries(capsys):
     assert advise.main(ISSUE_EXAMPLE) == 0
     out = capsys.readouterr().out
     for method in ("dense", "allgather_topk", "ar_topk", "ar_topk_tree", "randomk", "zfp",
-                   "zfp_recursive_doubling", "quantized"):
+                   "zfp_recursive_doubling", "quantized", "sign", "sign_allreduce"):
         assert method in out
     assert "hierarchical_topk" not in out  # needs --inner-size
     assert "Compression needed for 90% of linear scaling" in out

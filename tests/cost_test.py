@@ -209,10 +209,10 @@ def test_three_way_choice_follows_the_pairwise_rules():
 def test_available_methods():
     from jaxcomp.methods import Cast, Dense
 
-    assert cost.available_methods() == (Dense(), Dense(allreduce="tree"), Cast("bfloat16"))
+    assert [m.label for m in cost.available_methods()] == ["dense", "dense_tree", "bf16", "sign", "sign_allreduce"]
     labels = [m.label for m in cost.available_methods(ratio=0.1, rate=8, bits=4, inner_size=2)]
     assert labels == ["dense", "dense_tree", "allgather_topk", "ar_topk", "ar_topk_tree", "hierarchical_topk",
-                      "randomk", "zfp", "zfp_recursive_doubling", "quantized", "bf16"]
+                      "randomk", "zfp", "zfp_recursive_doubling", "quantized", "bf16", "sign", "sign_allreduce"]
 
 
 def test_names_and_objects_cost_the_same():

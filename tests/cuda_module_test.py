@@ -22,6 +22,9 @@ _OPS = {
     "jaxcomp_zfp_encode": lambda x, i=None: jaxcomp.zfp_encode(x, 8, implementation=i),
     "jaxcomp_zfp_decode": lambda x, i=None: jaxcomp.zfp_decode(jaxcomp.zfp_encode(x, 8, implementation=i), 10, 8,
                                                                implementation=i),
+    "jaxcomp_sign_pack": lambda x, i=None: jaxcomp.sign_pack(x, 4, implementation=i),
+    "jaxcomp_sign_unpack": lambda x, i=None: jaxcomp.sign_unpack(*jaxcomp.sign_pack(x, 4, implementation=i), 10, 4,
+                                                                 implementation=i),
 }
 
 

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import advise, cost, methods
-from jaxcomp.methods import Dense, Method, Quantized, TopK, Zfp
+from jaxcomp.methods import Dense, Method, Quantized, Sign, TopK, Zfp
 
 N_DEVICES = 8
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -79,6 +79,9 @@ def _aggregate(tx, g, steps=1):
     (lambda: Quantized(17), "bits must be"),
     (lambda: Quantized(4, hadamard="yes"), "hadamard must be True or False"),
     (lambda: Dense(allreduce="star"), "allreduce must be one of"),
+    (lambda: Sign(0), "chunk must be"),
+    (lambda: Sign(aggregation="ring"), "aggregation must be one of"),
+    (lambda: Sign(allreduce="tree"), "costs aggregation='allreduce' only"),
 ])
 def test_methods_validate_themselves_at_construction(build, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -118,6 +121,7 @@ def test_parse_refuses_options_on_objects_and_unknown_names():
     ("quantized", dict(bits=8, hadamard=False), Quantized(8, hadamard=False)),
     ("zfp", dict(rate=12), Zfp(12)),
     ("dense", {}, Dense()),
+    ("sign_majority", dict(chunk=16), Sign(16, aggregation="majority")),
 ])
 def test_the_string_shorthand_is_the_object_bit_for_bit(name, options, method):
     g = jax.random.normal(jax.random.key(0), (N_DEVICES, 64))

@@ -5,7 +5,8 @@ Native kernels (XLA FFI custom calls) compress gradients before they cross the n
 * :func:`topk` — exact top-k by magnitude;
 * :func:`find_threshold` / :func:`threshold_topk` — MSTopK-style threshold search;
 * :func:`zfp_encode` / :func:`zfp_decode` — a ZFP-style fixed-rate float codec;
-* :func:`hadamard_transform` — THC's rotation.
+* :func:`hadamard_transform` — THC's rotation;
+* :func:`sign_pack` / :func:`sign_unpack` — 1-bit signs with a scale per chunk.
 
 A compression method is one object (:mod:`jaxcomp.methods`: :class:`Dense`, :class:`TopK`,
 :class:`Zfp`, :class:`Quantized`); :func:`compress` aggregates gradients with one, inside an
@@ -33,6 +34,8 @@ _EXPORTS = {
     "zfp_encode": "jaxcomp.zfp",
     "zfp_num_words": "jaxcomp.zfp",
     "hadamard_transform": "jaxcomp.hadamard",
+    "sign_pack": "jaxcomp.sign",
+    "sign_unpack": "jaxcomp.sign",
     # methods
     "Method": "jaxcomp.methods",
     "Dense": "jaxcomp.methods",
@@ -42,6 +45,7 @@ _EXPORTS = {
     "RandomK": "jaxcomp.methods",
     "Cast": "jaxcomp.methods",
     "PowerSGD": "jaxcomp.methods",
+    "Sign": "jaxcomp.methods",
     # the transformations
     "compress": "jaxcomp.transform",
     "CompressMetrics": "jaxcomp.transform",

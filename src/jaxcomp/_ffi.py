@@ -27,6 +27,8 @@ TARGETS = (
     "jaxcomp_threshold_topk",
     "jaxcomp_zfp_encode",
     "jaxcomp_zfp_decode",
+    "jaxcomp_sign_pack",
+    "jaxcomp_sign_unpack",
 )
 
 for _name, _capsule in _jaxcomp_cpu.registrations().items():

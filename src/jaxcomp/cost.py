@@ -400,8 +400,9 @@ def available_methods(*, ratio=None, rate=None, bits=None, rank=None, inner_size
       A tuple of :class:`jaxcomp.methods.Method` (:func:`jaxcomp.methods.candidates`).
 
     Example:
-      >>> [m.label for m in available_methods(ratio=0.01)]
-      ['dense', 'dense_tree', 'allgather_topk', 'ar_topk', 'ar_topk_tree', 'randomk', 'bf16']
+      >>> [m.label for m in available_methods(ratio=0.01)]  # doctest: +NORMALIZE_WHITESPACE
+      ['dense', 'dense_tree', 'allgather_topk', 'ar_topk', 'ar_topk_tree', 'randomk', 'bf16', 'sign',
+       'sign_allreduce']
 
     References:
       Tyagi & Swany, arXiv 2312.02493, §3-D.

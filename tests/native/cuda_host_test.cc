@@ -1,6 +1,6 @@
-// The CUDA kernels of kernels/topk.cu and kernels/zfp.cu, run on the host over their whole grids
+// The CUDA kernels of kernels/topk.cu, kernels/zfp.cu and kernels/sign.cu, run on the host over their whole grids
 // (tests/native/cuda_host/ stands in for the CUDA runtime and CUB), against the CPU kernels of
-// kernels/topk.h and kernels/zfp.h, bit for bit: the inputs of tests/gpu_test.py (every length
+// kernels/topk.h, kernels/zfp.h and kernels/sign.h, bit for bit: the inputs of tests/gpu_test.py (every length
 // around a zfp block, a warp of blocks and a top-k tile; rows of gradients, ties and special
 // values; every rate; the rounds around each radix digit), rows in several chunks of the radix
 // select's scratch (5000 x 7), a long row, and random words through the decoder. Scratch and
@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/sign.h"
+#include "kernels/sign_cuda.h"
 #include "kernels/topk.h"
 #include "kernels/topk_cuda.h"
 #include "kernels/zfp.h"
@@ -178,6 +180,28 @@ void ZfpRandomWords(int64_t rows, int64_t n, int rate, uint64_t seed) {
   ExpectSame(cpu_x, decoded, what);
 }
 
+void Sign(const Rows& x, int64_t rows, int64_t n, int64_t chunk) {
+  const std::string what = "sign rows=" + std::to_string(rows) + " n=" + std::to_string(n) + " chunk=" +
+                           std::to_string(chunk);
+  const int64_t row_words = jaxcomp::sign::num_words(n), row_chunks = jaxcomp::sign::num_chunks(n, chunk);
+  std::vector<uint32_t> cpu_words(rows * row_words);
+  std::vector<float> cpu_scales(rows * row_chunks);
+  CheckStatus(jaxcomp::sign_pack(x.data(), rows, n, chunk, cpu_words.data(), cpu_scales.data(), kSerial),
+              what + " pack (cpu)");
+  auto words = Garbage<uint32_t>(rows * row_words);
+  auto scales = Garbage<float>(rows * row_chunks);
+  CheckStatus(jaxcomp::cuda::sign_pack(x.data(), rows, n, chunk, words.data(), scales.data(), nullptr), what + " pack");
+  ExpectSame(cpu_words, words, what + " words");
+  ExpectSame(cpu_scales, scales, what + " scales");
+  std::vector<float> cpu_x(rows * n);
+  CheckStatus(jaxcomp::sign_unpack(cpu_words.data(), cpu_scales.data(), rows, n, chunk, cpu_x.data(), kSerial),
+              what + " unpack (cpu)");
+  auto decoded = Garbage<float>(rows * n);
+  CheckStatus(jaxcomp::cuda::sign_unpack(cpu_words.data(), cpu_scales.data(), rows, n, chunk, decoded.data(), nullptr),
+              what + " unpack");
+  ExpectSame(cpu_x, decoded, what + " decoded");
+}
+
 template <typename Body>
 void Section(const char* name, Body body) {
   const auto start = std::chrono::steady_clock::now();
@@ -250,6 +274,20 @@ int main(int argc, char** argv) {
   });
   Section("zfp_decode of random words, every rate", [&] {
     for (int rate = 1; rate <= 32; ++rate) ZfpRandomWords(3, 203, rate, rate);
+  });
+  Section("sign: every length x chunk {1, 3, 32, 1000, 4096, n}, 3 kinds", [&] {
+    for (int64_t n : lengths) {
+      const Rows x = EveryKind(n, n + 7);
+      for (int64_t chunk : {int64_t{1}, int64_t{3}, int64_t{32}, int64_t{1000}, int64_t{4096}, n}) {
+        if (chunk < 32 && n > 1000) continue;  // a thread block per chunk: long to emulate
+        Sign(x, 3, n, chunk);
+      }
+    }
+  });
+  Section("sign: a long row in one chunk (2^20 values) and many rows", [&] {
+    const int64_t n = int64_t{1} << 20;
+    Sign(Row(n, 9, 0), 1, n, n);
+    Sign(Row(2000 * 33, 10, 2), 2000, 33, 16);
   });
   const cuda_host::Machine& m = cuda_host::machine();
   std::printf("all match: %llu launches, %llu blocks, %llu block barriers emulated\n", m.launches, m.blocks,

@@ -7,7 +7,9 @@
 //   * zfp_encode: the bit format step by step (block header, exact quantization, zfp's lifting,
 //     negabinary, encode_few_ints), compared word for word;
 //   * zfp_decode: random words (any bit pattern) and encoded words, decoded by the reference
-//     decoder, compared bit for bit (any NaN equals any NaN).
+//     decoder, compared bit for bit (any NaN equals any NaN);
+//   * sign_pack, sign_unpack: signs bit by bit, scales by the halving tree over a zero-padded
+//     buffer (the definition, not the kernel's lanes and bit-reversed walk), bit for bit.
 //
 // Usage: kernels_fuzz [SECONDS] [SEED]   (default 30 s, seed 1; JAXCOMP_FUZZ_SECONDS also sets
 // the time). Prints the number of cases per kernel; exits 1 at the first mismatch, naming it.
@@ -24,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/sign.h"
 #include "kernels/topk.h"
 #include "kernels/zfp.h"
 
@@ -428,6 +431,84 @@ void FuzzZfp(std::mt19937_64& rng, uint64_t case_seed) {
   }
 }
 
+// ----------------------------------------------------------------------------------------------
+// Sign codec reference: docs/kernels.md, on a buffer.
+
+std::vector<uint32_t> RefSignWords(const std::vector<float>& x, int64_t rows, int64_t n) {
+  const int64_t row_words = (n + 31) / 32;
+  std::vector<uint32_t> words(rows * row_words, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < n; ++i) {
+      // IEEE's compare (this test runs without flushed denormals): -0 is +, NaN is -.
+      const bool bit = x[r * n + i] >= 0.0f;
+      if (bit) words[r * row_words + i / 32] |= 1u << (i % 32);
+    }
+  }
+  return words;
+}
+
+float RefScale(const float* chunk_x, int64_t count, int64_t chunk) {
+  int64_t p = 1;
+  while (p < chunk) p *= 2;
+  std::vector<float> v(p, 0.0f);
+  for (int64_t i = 0; i < count; ++i) {
+    const uint32_t a = Key(chunk_x[i]);
+    v[i] = a < 0x00800000u ? 0.0f : FromBits(a);
+  }
+  for (int64_t h = p / 2; h >= 1; h /= 2) {
+    for (int64_t i = 0; i < h; ++i) v[i] = v[i] + v[i + h];
+  }
+  const float mean = v[0] * (1.0f / static_cast<float>(count));
+  if (std::isnan(mean)) return FromBits(0x7FC00000u);
+  return Key(mean) < 0x00800000u ? 0.0f : mean;
+}
+
+void FuzzSign(std::mt19937_64& rng, uint64_t case_seed) {
+  const int64_t n = DrawLength(rng);
+  const int64_t rows = 1 + rng() % 3;
+  const int64_t chunk = rng() % 4 == 0 ? 1 + rng() % 40 : rng() % 4 == 0 ? n + rng() % 100 : 1 + rng() % 5000;
+  const Parallel parallel = Threads(1 + rng() % 8);
+  const std::string where = " (n=" + std::to_string(n) + ", rows=" + std::to_string(rows) + ", chunk=" +
+                            std::to_string(chunk) + ")";
+  std::vector<float> x;
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<float> row = DrawRow(rng, n);
+    x.insert(x.end(), row.begin(), row.end());
+  }
+  const int64_t row_words = (n + 31) / 32, row_chunks = (n + chunk - 1) / chunk;
+  std::vector<uint32_t> words(rows * row_words, 0xDEADBEEFu);  // the kernel must write every word
+  std::vector<float> scales(rows * row_chunks, -12345.0f);
+  if (!jaxcomp::sign_pack(x.data(), rows, n, chunk, words.data(), scales.data(), parallel).ok())
+    Fail("sign_pack returned an error" + where, case_seed);
+  if (words != RefSignWords(x, rows, n)) Fail("sign_pack words" + where, case_seed);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t q = 0; q < row_chunks; ++q) {
+      const float want = RefScale(x.data() + r * n + q * chunk, std::min(chunk, n - q * chunk), chunk);
+      if (!SameBits(scales[r * row_chunks + q], want))
+        Fail("sign_pack scale " + std::to_string(q) + " of row " + std::to_string(r) + where, case_seed);
+    }
+  }
+  // Decode the packed words, then arbitrary ones (scales stay the packed ones: any float decodes).
+  for (int pass = 0; pass < 2; ++pass) {
+    if (pass == 1) {
+      for (uint32_t& word : words) word = static_cast<uint32_t>(rng());
+    }
+    std::vector<float> decoded(rows * n, -12345.0f);
+    if (!jaxcomp::sign_unpack(words.data(), scales.data(), rows, n, chunk, decoded.data(), parallel).ok())
+      Fail("sign_unpack returned an error" + where, case_seed);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float scale = scales[r * row_chunks + i / chunk];
+        const float want = (words[r * row_words + i / 32] >> (i % 32)) & 1u ? scale : -scale;
+        if (!SameBits(decoded[r * n + i], want))
+          Fail(std::string(pass ? "sign_unpack of random words" : "sign_unpack") + where + " at value " +
+                   std::to_string(i),
+               case_seed);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -441,23 +522,28 @@ int main(int argc, char** argv) {
   }
   std::mt19937_64 seeds(seed);
   const auto stop = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  int64_t topk_cases = 0, zfp_cases = 0;
+  int64_t topk_cases = 0, zfp_cases = 0, sign_cases = 0;
   // Alternate the kernels until the time is spent. Each case draws from its own seed (printed on
   // failure); the sequence of case seeds, and so a whole run, is fixed by SEED.
   while (std::chrono::steady_clock::now() < stop) {
     const uint64_t case_seed = seeds();
     std::mt19937_64 rng(case_seed);
-    if ((topk_cases + zfp_cases) % 2 == 0) {
+    const int64_t cases = topk_cases + zfp_cases + sign_cases;
+    if (cases % 3 == 0) {
       FuzzTopK(rng, case_seed);
       ++topk_cases;
-    } else {
+    } else if (cases % 3 == 1) {
       FuzzZfp(rng, case_seed);
       ++zfp_cases;
+    } else {
+      FuzzSign(rng, case_seed);
+      ++sign_cases;
     }
   }
   std::printf("kernels_fuzz: seed %llu, %.0f s: %lld top-k cases (topk, find_threshold, threshold_topk) and "
-              "%lld zfp cases (encode, decode, decode of random words) match the reference\n",
+              "%lld zfp cases (encode, decode, decode of random words) and %lld sign cases (pack, unpack) match the "
+              "reference\n",
               static_cast<unsigned long long>(seed), seconds, static_cast<long long>(topk_cases),
-              static_cast<long long>(zfp_cases));
+              static_cast<long long>(zfp_cases), static_cast<long long>(sign_cases));
   return 0;
 }

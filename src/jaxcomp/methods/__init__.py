@@ -8,6 +8,7 @@
 :class:`RandomK`              random-k at indices every device draws from one seed, one all-reduce
 :class:`Cast`                 the gradient all-reduced in bfloat16 or float16
 :class:`PowerSGD`             rank-r factors of each matrix by a warm-started power iteration, two all-reduces
+:class:`Sign`                 1-bit signs and a scale per chunk (EF-SignSGD), or signSGD's majority vote
 ============================  ===================================================================
 
 Every method is a :class:`Method` (the protocol, in :mod:`jaxcomp.methods.base`); a method defined
@@ -28,6 +29,7 @@ from jaxcomp.methods.dense import Dense
 from jaxcomp.methods.powersgd import PowerSGD
 from jaxcomp.methods.quantized import Quantized
 from jaxcomp.methods.randomk import RandomK
+from jaxcomp.methods.sign import Sign
 from jaxcomp.methods.topk import TopK
 from jaxcomp.methods.zfp import Zfp
 
@@ -50,6 +52,10 @@ SHORTHAND = {
     "bf16": functools.partial(Cast, dtype="bfloat16"),
     "fp16": functools.partial(Cast, dtype="float16"),
     "powersgd": PowerSGD,
+    "sign": Sign,
+    "sign_allreduce": functools.partial(Sign, aggregation="allreduce"),
+    "sign_allreduce_tree": functools.partial(Sign, aggregation="allreduce", allreduce="tree"),
+    "sign_majority": functools.partial(Sign, aggregation="majority"),
 }
 
 #: What each required option of the string form means, for error messages.
@@ -116,7 +122,7 @@ def parse(method, *, strict: bool = True, **options) -> Method:
 
 
 def candidates(*, ratio=None, rate=None, bits=None, rank=None, hierarchical: bool = False,
-               variants: bool = False) -> tuple[Method, ...]:
+               variants: bool = False, sign=None) -> tuple[Method, ...]:
     """The methods the given settings allow, dense first: what ``compress_auto`` and ``advise`` try
     by default.
 
@@ -127,7 +133,10 @@ def candidates(*, ratio=None, rate=None, bits=None, rank=None, hierarchical: boo
       rank: PowerSGD's rank, or None to leave it out.
       hierarchical: also hierarchical top-k (needs two mesh axes; with ``ratio``).
       variants: also the cost model's variants (tree all-reduces, ZFP's recursive doubling),
-        random-k and the bfloat16 cast: what the advisor compares.
+        random-k, the bfloat16 cast and the scaled signs (all-gathered and all-reduced, chunk ``sign`` or 1024):
+        what the advisor compares.
+      sign: values per scale of the scaled-sign methods (:class:`Sign`, all-gathered and
+        all-reduced), or None to leave them out (``variants`` still adds them).
 
     Returns:
       A tuple of methods.
@@ -152,7 +161,11 @@ def candidates(*, ratio=None, rate=None, bits=None, rank=None, hierarchical: boo
     if rank is not None:
         out.append(PowerSGD(rank))
     out += [Cast("bfloat16")] if variants else []
+    if sign is not None or variants:
+        chunk = {} if sign is None else {"chunk": sign}
+        out += [Sign(**chunk), Sign(**chunk, aggregation="allreduce")]
     return tuple(out)
 
 
-__all__ = ["Cast", "Dense", "Method", "PowerSGD", "Quantized", "RandomK", "SHORTHAND", "TopK", "Zfp", "candidates", "parse"]
+__all__ = ["Cast", "Dense", "Method", "PowerSGD", "Quantized", "RandomK", "SHORTHAND", "Sign", "TopK", "Zfp",
+           "candidates", "parse"]

@@ -4,7 +4,8 @@ They implement ``docs/kernels.md`` step by step; the tests compare the native ke
 (index sets, counts, codec words bit for bit, decoded values).
 """
 
+from jaxcomp.reference.sign import sign_pack, sign_unpack
 from jaxcomp.reference.topk import find_threshold, threshold_topk, topk
 from jaxcomp.reference.zfp import zfp_decode, zfp_encode
 
-__all__ = ["find_threshold", "threshold_topk", "topk", "zfp_decode", "zfp_encode"]
+__all__ = ["find_threshold", "sign_pack", "sign_unpack", "threshold_topk", "topk", "zfp_decode", "zfp_encode"]

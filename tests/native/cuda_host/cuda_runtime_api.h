@@ -7,7 +7,7 @@
 // * the threads of a block run until they reach a barrier, in a freshly shuffled order after
 //   every barrier, so a read that misses its barrier sees a stale value in some order;
 // * __syncthreads() waits for every thread of the block that has not exited; warp collectives
-//   (__syncwarp, __shfl_xor_sync, __reduce_add_sync, full mask only) for all 32 lanes of the
+//   (__syncwarp, __shfl_xor_sync, __reduce_add_sync, __ballot_sync, full mask only) for all 32 lanes of the
 //   warp. A lane that exits or waits at another barrier while its warp is in a collective, or a
 //   barrier some threads never reach, is reported as divergence and fails the run;
 // * __shared__ variables are one static copy per kernel: a block sees the previous block's
@@ -310,6 +310,12 @@ inline uint32_t __reduce_add_sync(unsigned mask, uint32_t value) {
   uint32_t sum = 0;
   for (int lane = 0; lane < ::cuda_host::kWarp; ++lane) sum += static_cast<uint32_t>(lanes[lane]);
   return sum;
+}
+inline uint32_t __ballot_sync(unsigned mask, bool predicate) {
+  const uint64_t* lanes = ::cuda_host::warp_collective(mask, predicate ? 1 : 0);
+  uint32_t bits = 0;
+  for (int lane = 0; lane < ::cuda_host::kWarp; ++lane) bits |= static_cast<uint32_t>(lanes[lane] != 0) << lane;
+  return bits;
 }
 inline uint32_t __shfl_xor_sync(unsigned mask, uint32_t value, int lane_mask) {
   const uint64_t* lanes = ::cuda_host::warp_collective(mask, value);

@@ -1,0 +1,252 @@
+// The 1-bit sign codec with one scale per chunk (docs/kernels.md): rows of `n` float32 values ->
+// their signs packed 32 per uint32 word and the mean magnitude of every chunk of `chunk` values,
+// and back to +-scale.
+//
+// The format, defined on the values' bits so that no float mode (flushed denormals) changes it:
+//
+// * bit i % 32 of word i / 32 is 1 ("+") when x[i] >= 0 (+0, -0, positive values, +Inf), 0 for
+//   negative values (denormals included) and NaN; a row's last word is zero-padded;
+// * scale q = (pairwise sum of |x[i]| over the chunk) * (1.0f / count), count the values in the
+//   chunk (the row's last chunk may be shorter). Magnitudes below the smallest normal float
+//   count as 0, a scale below it is written as +0, and NaN as 0x7FC00000;
+// * the sum is the halving tree: the chunk zero-padded to P = the power of two >= chunk, then
+//   v[i] += v[i + h] for h = P/2, P/4, ..., 1. That order is fixed, so the CPU kernel, the CUDA
+//   kernel and jaxcomp/xla/sign.py give the same float bit for bit. Any L-lane split of it is the
+//   same tree: lane l first sums the rows r*L + l (r = 0..P/L - 1) with the halving tree, then
+//   the lanes halve; a lane walks its rows in bit-reversed order, merging like a binary counter,
+//   so it needs log2(P/L) partial sums and no buffer of the chunk.
+//
+// The JAXCOMP_HD helpers are shared with kernels/sign.cu; the row drivers below are the CPU's.
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define JAXCOMP_SIGN_HD __host__ __device__ __forceinline__
+#else
+#define JAXCOMP_SIGN_HD inline
+#endif
+
+namespace jaxcomp {
+namespace sign {
+
+constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
+constexpr uint32_t kInfBits = 0x7F800000u;
+constexpr uint32_t kSmallestNormalBits = 0x00800000u;
+constexpr uint32_t kNanBits = 0x7FC00000u;
+// Lanes of the CPU kernel's tree (a power of two; any gives the same sum).
+constexpr int64_t kCpuLanes = 64;
+// Levels of a lane's binary-counter stack: rows per lane are at most 2^31.
+constexpr int kMaxLevels = 32;
+
+JAXCOMP_SIGN_HD uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+JAXCOMP_SIGN_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+JAXCOMP_SIGN_HD int64_t num_words(int64_t n) { return (n + 31) / 32; }
+JAXCOMP_SIGN_HD int64_t num_chunks(int64_t n, int64_t chunk) { return (n + chunk - 1) / chunk; }
+
+// The power of two the tree pads a chunk to.
+JAXCOMP_SIGN_HD int64_t tree_size(int64_t chunk) {
+  int64_t p = 1;
+  while (p < chunk) p *= 2;
+  return p;
+}
+
+// 1 for x >= 0 (either zero included), 0 for x < 0 and NaN.
+JAXCOMP_SIGN_HD uint32_t sign_bit(float x) {
+  const uint32_t u = float_bits(x), a = u & kAbsMask;
+  return (a == 0 || (u >> 31 == 0 && a <= kInfBits)) ? 1u : 0u;
+}
+
+// |x|, with denormals as +0.
+JAXCOMP_SIGN_HD float magnitude(float x) {
+  const uint32_t a = float_bits(x) & kAbsMask;
+  return bits_float(a < kSmallestNormalBits ? 0u : a);
+}
+
+// The scale from the chunk's tree sum and its value count.
+JAXCOMP_SIGN_HD float scale_of(float sum, int64_t count) {
+  const float mean = sum * (1.0f / static_cast<float>(count));
+  const uint32_t a = float_bits(mean) & kAbsMask;
+  if (a > kInfBits) return bits_float(kNanBits);
+  return a < kSmallestNormalBits ? 0.0f : mean;
+}
+
+// x[r * lanes + l] of a chunk, or 0 past its `count` values.
+JAXCOMP_SIGN_HD float chunk_value(const float* chunk_x, int64_t count, int64_t index) {
+  return index < count ? magnitude(chunk_x[index]) : 0.0f;
+}
+
+// Bit-reversal of the low `bits` bits of j.
+JAXCOMP_SIGN_HD int64_t reverse_bits(int64_t j, int bits) {
+  int64_t r = 0;
+  for (int b = 0; b < bits; ++b) r |= ((j >> b) & 1) << (bits - 1 - b);
+  return r;
+}
+
+JAXCOMP_SIGN_HD int log2_exact(int64_t p) {
+  int bits = 0;
+  while ((int64_t{1} << bits) < p) ++bits;
+  return bits;
+}
+
+// Lane `lane` of a chunk split into `lanes` lanes: the halving tree over its rows r*lanes + lane,
+// r = 0..rows - 1 (rows a power of two), in the order docs/kernels.md defines.
+JAXCOMP_SIGN_HD float lane_sum(const float* chunk_x, int64_t count, int64_t lanes, int64_t rows, int64_t lane) {
+  const int levels = log2_exact(rows);
+  float stack[kMaxLevels + 1];
+  for (int64_t j = 0; j < rows; ++j) {
+    float v = chunk_value(chunk_x, count, reverse_bits(j, levels) * lanes + lane);
+    int level = 0;
+    while ((j >> level) & 1) {
+      v = stack[level] + v;
+      ++level;
+    }
+    stack[level] = v;
+  }
+  return stack[levels];
+}
+
+}  // namespace sign
+}  // namespace jaxcomp
+
+// ---- CPU row drivers -----------------------------------------------------------------------------
+#include <algorithm>
+#include <string>
+
+#include "kernels/parallel.h"
+#include "kernels/status.h"
+
+namespace jaxcomp {
+
+namespace sign_detail {
+
+inline Status check(int64_t rows, int64_t n, int64_t chunk) {
+  if (rows < 0) return Status::InvalidArgument("rows must be >= 0, got " + std::to_string(rows));
+  if (n < 1 || n > INT32_MAX) return Status::InvalidArgument("n must be in [1, 2^31 - 1], got " + std::to_string(n));
+  if (chunk < 1 || chunk > INT32_MAX) {
+    return Status::InvalidArgument("chunk must be in [1, 2^31 - 1], got " + std::to_string(chunk));
+  }
+  return Status();
+}
+
+// Runs body(row, begin, end) over [0, per_row) of every row, cut into tasks of at least
+// `min_per_task` items (small inputs run on the caller).
+template <typename Body>
+void for_each_range(int64_t rows, int64_t per_row, int64_t min_per_task, const Parallel& parallel, const Body& body) {
+  const int64_t total = rows * per_row;
+  if (total == 0) return;
+  const int64_t tasks = std::max<int64_t>(1, std::min(parallel.concurrency * 4, total / min_per_task));
+  parallel.run(tasks, [&](int64_t t) {
+    int64_t begin, end;
+    split_range(total, tasks, t, 1, &begin, &end);
+    while (begin < end) {
+      const int64_t row = begin / per_row;
+      const int64_t first = begin - row * per_row;
+      const int64_t stop = std::min(per_row, first + (end - begin));
+      body(row, first, stop);
+      begin += stop - first;
+    }
+  });
+}
+
+// The scale of one chunk of `count` values, with kCpuLanes lanes (or fewer for small chunks):
+// the lanes' binary-counter stacks advance together, so every step adds two runs of contiguous
+// floats, which the compiler vectorizes.
+inline float chunk_scale(const float* chunk_x, int64_t count, int64_t chunk) {
+  const int64_t p = sign::tree_size(chunk);
+  const int64_t lanes = std::min(p, sign::kCpuLanes);
+  const int64_t rows = p / lanes;
+  const int levels = sign::log2_exact(rows);
+  float stack[sign::kMaxLevels + 1][sign::kCpuLanes];
+  float v[sign::kCpuLanes];
+  for (int64_t j = 0; j < rows; ++j) {
+    const int64_t first = sign::reverse_bits(j, levels) * lanes;
+    if (first + lanes <= count) {
+      for (int64_t l = 0; l < lanes; ++l) v[l] = sign::magnitude(chunk_x[first + l]);
+    } else {
+      for (int64_t l = 0; l < lanes; ++l) v[l] = sign::chunk_value(chunk_x, count, first + l);
+    }
+    int level = 0;
+    while ((j >> level) & 1) {
+      for (int64_t l = 0; l < lanes; ++l) v[l] = stack[level][l] + v[l];
+      ++level;
+    }
+    std::copy(v, v + lanes, stack[level]);
+  }
+  float* lane = stack[levels];
+  for (int64_t h = lanes / 2; h >= 1; h /= 2) {
+    for (int64_t l = 0; l < h; ++l) lane[l] = lane[l] + lane[l + h];
+  }
+  return sign::scale_of(lane[0], count);
+}
+
+}  // namespace sign_detail
+
+// x: [rows, n] float32 -> words: [rows, ceil(n / 32)] uint32 and scales: [rows, ceil(n / chunk)]
+// float32 (the format at the top of this file).
+inline Status sign_pack(const float* x, int64_t rows, int64_t n, int64_t chunk, uint32_t* words, float* scales,
+                        const Parallel& parallel) {
+  if (Status s = sign_detail::check(rows, n, chunk); !s.ok()) return s;
+  const int64_t row_words = sign::num_words(n);
+  sign_detail::for_each_range(rows, row_words, 1 << 14, parallel, [&](int64_t row, int64_t begin, int64_t end) {
+    const float* row_x = x + row * n;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t first = w * 32;
+      const int64_t count = std::min<int64_t>(32, n - first);
+      uint32_t word = 0;
+      for (int64_t b = 0; b < count; ++b) word |= sign::sign_bit(row_x[first + b]) << b;
+      words[row * row_words + w] = word;
+    }
+  });
+  const int64_t row_chunks = sign::num_chunks(n, chunk);
+  const int64_t chunks_per_task = std::max<int64_t>(1, (int64_t{1} << 19) / chunk);
+  sign_detail::for_each_range(rows, row_chunks, chunks_per_task, parallel,
+                              [&](int64_t row, int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t first = q * chunk;
+      scales[row * row_chunks + q] =
+          sign_detail::chunk_scale(x + row * n + first, std::min(chunk, n - first), chunk);
+    }
+  });
+  return Status();
+}
+
+// words: [rows, ceil(n / 32)], scales: [rows, ceil(n / chunk)] -> x: [rows, n] float32, +scale
+// where the bit is 1 and -scale where it is 0.
+inline Status sign_unpack(const uint32_t* words, const float* scales, int64_t rows, int64_t n, int64_t chunk,
+                          float* x, const Parallel& parallel) {
+  if (Status s = sign_detail::check(rows, n, chunk); !s.ok()) return s;
+  const int64_t row_words = sign::num_words(n), row_chunks = sign::num_chunks(n, chunk);
+  sign_detail::for_each_range(rows, row_words, 1 << 13, parallel, [&](int64_t row, int64_t begin, int64_t end) {
+    const uint32_t* row_words_in = words + row * row_words;
+    float* row_x = x + row * n;
+    const int64_t stop = std::min(n, end * 32);
+    for (int64_t i = begin * 32; i < stop;) {
+      const int64_t q = i / chunk;
+      const float plus = scales[row * row_chunks + q], minus = -plus;
+      const int64_t chunk_end = std::min(stop, (q + 1) * chunk);
+      for (; i < chunk_end; ++i) row_x[i] = (row_words_in[i >> 5] >> (i & 31)) & 1u ? plus : minus;
+    }
+  });
+  return Status();
+}
+
+}  // namespace jaxcomp
