@@ -98,6 +98,21 @@ def test_error_feedback_identity_replicas_and_one_compile():
     assert all(np.array_equal(shards[0], s) for s in shards[1:])
 
 
+@pytest.mark.parametrize("method", [Cast("bfloat16"), Cast("float16")], ids=["bf16", "fp16"])
+def test_bytes_on_the_wire_are_wire_bytes(method):
+    """The collectives in the traced step move what wire_bytes says (16-bit values, and float16's
+    scalar scale)."""
+    from collectives_test import _collective_bytes
+    from jax.sharding import PartitionSpec as P
+
+    n = 1003
+    traced = jax.jit(jax.shard_map(lambda v: method.aggregate(v, "data", step=0, key=jax.random.key(0)),
+                                   mesh=_mesh(), in_specs=P("data"), out_specs=(P(), P("data")))).trace(
+        jnp.zeros(n * N_DEVICES, jnp.float32))
+    uniform, p2p = _collective_bytes(traced.jaxpr.jaxpr, {"data": N_DEVICES})
+    assert not p2p and uniform == pytest.approx(method.wire_bytes(n, N_DEVICES))
+
+
 def test_power_of_two_scale():
     assert float(power_of_two_scale(jnp.float32(1.0), 8)) == 4096.0
     assert float(power_of_two_scale(jnp.float32(0.0), 8)) == 1.0

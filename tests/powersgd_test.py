@@ -104,6 +104,27 @@ def test_steps_match_numpy_reference_with_warm_start_and_error_feedback():
     assert method.kept(n, shapes=shapes) == 2 * (24 + 16) + 2 * (30 + 20) + 16 + 12
 
 
+def test_bytes_on_the_wire_are_wire_bytes():
+    """The two all-reduces in the traced step move what wire_bytes(shapes=) says."""
+    from collectives_test import _collective_bytes
+    from jax.sharding import PartitionSpec as P
+
+    method = PowerSGD(2)
+    shapes = tuple(SHAPES[name] for name in sorted(SHAPES))
+    n = sum(int(np.prod(s)) for s in shapes)
+    state = method.init_state(shapes)
+
+    def f(v):
+        total, sent, _ = method.aggregate_stateful(v, "data", step=0, key=jax.random.key(0), state=state,
+                                                   shapes=shapes)
+        return total, sent
+
+    traced = jax.jit(jax.shard_map(f, mesh=_mesh(), in_specs=P("data"), out_specs=(P(), P("data")))).trace(
+        jnp.zeros(n * N_DEVICES, jnp.float32))
+    uniform, p2p = _collective_bytes(traced.jaxpr.jaxpr, {"data": N_DEVICES})
+    assert not p2p and uniform == pytest.approx(method.wire_bytes(n, N_DEVICES, shapes=shapes))
+
+
 def test_error_feedback_identity_replicas_and_one_compile():
     """Sum of aggregates = sum of gradients - residuals over steps (to float32 rounding: the sum of
     the devices' P q_d^T is P Q^T only up to rounding); replicas identical; one compilation."""

@@ -134,6 +134,9 @@ def from_multisteps(multi_steps: optax.MultiSteps) -> optax.GradientTransformati
       >>> import optax
       >>> from jaxcomp import accumulation as acc
       >>> tx = acc.from_multisteps(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=4))
+
+    References:
+      optax.MultiSteps (the settings and state it reads).
     """
     try:
         schedule, mean = multi_steps._every_k_schedule, multi_steps._use_grad_mean

@@ -42,10 +42,10 @@ DENSE = Dense().label
 def runs(density: float) -> dict[str, Run]:
     """The demo's runs by name, top-k ones at ``density`` (fraction of entries sent)."""
     from jaxcomp.auto import RatioSearch
-    from jaxcomp.methods import Cast, Quantized, RandomK, Sign, TopK, Zfp, candidates
+    from jaxcomp.methods import Cast, PowerSGD, Quantized, RandomK, Sign, TopK, Zfp, candidates
 
     fixed = [Dense(), TopK(density), TopK(density, collective="ar"), TopK(density, collective="hierarchical"),
-             Zfp(8), Quantized(4), RandomK(density), Cast("bfloat16"), Sign()]
+             Zfp(8), Quantized(4), RandomK(density), Cast("bfloat16"), Sign(), PowerSGD(4)]
     table = []
     for method in fixed:
         axis_name = ("node", "device") if method.axes_needed == 2 else "data"

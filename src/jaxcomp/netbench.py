@@ -30,12 +30,12 @@ import sys
 import tempfile
 import time
 
-from jaxcomp.methods import Cast, Dense, Quantized, RandomK, Sign, TopK, Zfp
+from jaxcomp.methods import Cast, Dense, PowerSGD, Quantized, RandomK, Sign, TopK, Zfp
 
 
 def _runs():
     fixed = (Dense(), TopK(0.01), TopK(0.01, collective="ar"), Zfp(8), Quantized(4), RandomK(0.01), Cast("bfloat16"),
-             Sign())
+             Sign(), PowerSGD(4))
     table = {"pmean": (None, {}), fixed[0].label: (fixed[0], {}),
              f"{fixed[0].label}_leaf": (fixed[0], {"granularity": "leaf"})}
     table.update({m.label: (m, {}) for m in fixed[1:]})

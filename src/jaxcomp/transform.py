@@ -258,6 +258,9 @@ def init_method_state(methods_run: tuple[Method, ...], shapes: list) -> tuple:
       >>> state = init_method_state((Dense(), PowerSGD(2)), [((32, 16), (16,))])
       >>> state[0], [q.shape for q in state[1][0]]
       (None, [(16, 2)])
+
+    References:
+      Vogels et al., "PowerSGD", NeurIPS 2019, Alg. 1 (the warm-started Q a step keeps).
     """
     out = []
     for method in methods_run:
@@ -304,6 +307,9 @@ def run_branch(branches: tuple[Method, ...], branch, groups: Groups, axis_name, 
       ...     return run_branch((Dense(),), 0, groups, "data", 0, jax.random.key(0), False, (None,))[0][0]
       >>> jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P())(jnp.arange(4.0)).tolist()
       [2.0, 4.0]
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-D (one collective chosen per step).
     """
     def run(index):
         def branch_fn(vectors, step, key, states):

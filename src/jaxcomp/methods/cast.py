@@ -4,6 +4,7 @@ every compressed method should be compared with."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxcomp import _checks, layout
 from jaxcomp.methods.base import Method
@@ -30,6 +31,9 @@ def canonical_dtype(dtype) -> str:
       >>> import numpy as np
       >>> canonical_dtype(np.float16), canonical_dtype("bf16")
       ('float16', 'bfloat16')
+
+    References:
+      IEEE 754 binary16; the bfloat16 format of Kalamkar et al., arXiv 1905.12322.
     """
     name = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", None) or str(dtype)
     for canonical, aliases in NARROW_TYPES.items():
@@ -57,6 +61,9 @@ def power_of_two_scale(global_max, n_devices: int):
       >>> import jax.numpy as jnp
       >>> float(power_of_two_scale(jnp.float32(1.0), 8))  # 8 * 1 * 4096 = 32768 <= 65504
       4096.0
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018 (loss scaling by powers of two).
     """
     import jax.numpy as jnp
 
@@ -134,7 +141,8 @@ class Cast(Method):
         import jax.numpy as jnp
 
         if self.scaled:
-            n_devices = jax.lax.psum(1, axis_name)
+            axes = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+            n_devices = math.prod(jax.lax.axis_size(a) for a in axes)
             global_max = jax.lax.pmax(jnp.max(jnp.abs(x)).astype(jnp.float32), axis_name)
             s = power_of_two_scale(global_max, n_devices)
         else:

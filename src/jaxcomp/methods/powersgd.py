@@ -24,6 +24,9 @@ def matrix_view(shape: tuple[int, ...]) -> tuple[int, int] | None:
     Example:
       >>> matrix_view((3, 3, 16, 32)), matrix_view((10,))
       ((144, 32), None)
+
+    References:
+      Vogels et al., NeurIPS 2019, §3 (tensors reshaped to matrices).
     """
     shape = tuple(int(d) for d in shape)
     if len(shape) < 2:
@@ -47,6 +50,10 @@ def orthogonalize(p, eps: float = 1e-8):
       >>> q = orthogonalize(jnp.array([[1.0, 1.0], [0.0, 1.0]]))
       >>> [[round(float(v), 6) for v in row] for row in q]
       [[1.0, 0.0], [0.0, 1.0]]
+
+    References:
+      Vogels et al., NeurIPS 2019, Alg. 1 (orthogonalization of P); PyTorch's
+      ``_orthogonalize_gram_schmidt``.
     """
     import jax.numpy as jnp
 
