@@ -94,6 +94,21 @@ def rows():
     return table
 
 
+def variants():
+    """Runs for the investigation in BENCHMARKS.md ("Training quality"), not run by default: other
+    settings of the methods that lose quality."""
+    from jaxcomp import methods as m
+
+    return [Row("ar_topk(0.01) var", m.TopK(0.01, collective="ar", leader="var")),
+            # About allgather_topk(0.01)'s bytes on 8 devices: AR-Topk's k is the whole step's, the
+            # all-gather's k is each device's (up to 8k distinct values summed).
+            Row("ar_topk(0.04)", m.TopK(0.04, collective="ar")),
+            Row("quantized(4) leaf", m.Quantized(4), {"granularity": "leaf"}),
+            Row("quantized(4)_noef", m.Quantized(4), {"error_feedback": False}),
+            Row("zfp(8)_noef", m.Zfp(8), {"error_feedback": False}),
+            Row("zfp(8) leaf", m.Zfp(8), {"granularity": "leaf"})]
+
+
 def load_corpus():
     """``(train, heldout, files)``: uint8 token arrays and ``[(path, bytes)]`` of the files read."""
     import numpy as np
@@ -257,7 +272,7 @@ def plot(results, path, title):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", help="comma-separated row names (default: all); see --list")
+    parser.add_argument("--methods", help="comma-separated row names (default: every method; --list adds the variants)")
     parser.add_argument("--list", action="store_true", help="print the row names and exit")
     parser.add_argument("--steps", type=int, help="training steps (default 500; 6 with --quick)")
     parser.add_argument("--learning-rate", type=float, help="Adam's peak learning rate (default 2e-3)")
@@ -277,20 +292,21 @@ def main(argv=None):
             parser.error(f"--learning-rate must be a positive number, got {args.learning_rate}")
         config = dataclasses.replace(config, learning_rate=args.learning_rate)
 
+    default = [row.name for row in rows()]
+    table = {row.name: row for row in rows() + variants()}
+    if args.list:
+        print("\n".join(table))
+        return 0
+    names = [n.strip() for n in args.methods.split(",") if n.strip()] if args.methods else default
+    unknown = [n for n in names if n not in table]
+    if unknown or not names:
+        parser.error(f"--methods: unknown {unknown}; choose from {','.join(table)}")
+    os.makedirs(args.out, exist_ok=True)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={N_DEVICES}")
     import jax
 
     jax.config.update("jax_num_cpu_devices", N_DEVICES)
-    table = {row.name: row for row in rows()}
-    if args.list:
-        print("\n".join(table))
-        return 0
-    names = [n.strip() for n in args.methods.split(",") if n.strip()] if args.methods else list(table)
-    unknown = [n for n in names if n not in table]
-    if unknown or not names:
-        parser.error(f"--methods: unknown {unknown}; choose from {','.join(table)}")
-    os.makedirs(args.out, exist_ok=True)
 
     corpus = load_corpus()
     devices = jax.devices("cpu")[:N_DEVICES]
