@@ -270,6 +270,27 @@ def plot(results, path, title):
     plt.close(fig)
 
 
+def merge(paths, out):
+    """Joins several runs' ``quality.json`` (same config) into one table, JSON and plot in ``out``."""
+    by_name, first = {}, None
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        if first is not None and data["config"] != first["config"]:
+            raise SystemExit(f"--merge: {path} has another config than {paths[0]}: {data['config']} vs {first['config']}")
+        first = first or data
+        by_name.update({r["name"]: r for r in data["results"]})
+    results = sorted(by_name.values(), key=lambda r: r["name"] != "dense")  # dense first, else in order
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "quality.json"), "w") as f:
+        json.dump(dict(first, results=results, merged_from=list(paths)), f)
+    print(format_table(results))
+    plot(results, os.path.join(out, "quality.png"),
+         f"char-level transformer ({first['params'] / 1e6:.2f}M params) on stdlib source, 8 devices, "
+         f"{first['config']['steps']} steps")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", help="comma-separated row names (default: every method; --list adds the variants)")
@@ -280,7 +301,12 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="quality-results", help="folder for quality.json and quality.png")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="train nothing: join the results of these quality.json files (a later run of the "
+                             "same name replaces an earlier one), print the table and write --out's JSON and plot")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
 
     config = QUICK if args.quick else Config()
     if args.steps is not None:
