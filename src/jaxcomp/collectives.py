@@ -367,11 +367,17 @@ def zfp_allreduce(x, rate, axis_name, algorithm="ring"):
     decoded version of its own words, so partners stay bit-identical); finally the partners send the
     compressed result back to the folded devices and every device decodes those same words.
 
-    ``sent`` is ``x`` decoded as first encoded: chunk by chunk for the ring, whole for recursive
-    doubling. ``x - sent`` is this device's own codec error at ``rate`` -- exactly the error of what
-    leaves the device raw (the ring's first hop, recursive doubling's first exchange); the errors of
-    re-encoding partial sums later are shared by the devices and fed back by none. With ``N = 1``
-    nothing is sent or compressed: ``total = sent = x``.
+    ``sent`` for the ring: ``x`` less every codec error this device made. Each device codes each
+    chunk exactly once (its own chunk raw at the first hop, a partial sum at each later hop, the
+    chunk it owns once fully reduced), and ``total`` is the exact sum less all those errors, so
+    the ``sent`` of all devices add up to ``total`` (up to float32 rounding) and error feedback,
+    ``x - sent``, feeds back everything the ring lost, re-coded partial sums included. Feeding
+    back only the first hop's error (each device's own vector coded alone) keeps an error that
+    was never made on the chunks a device did not send raw and drops the partial sums' errors;
+    on the char-level model of ``benchmarks/quality.py`` that cost held-out loss (BENCHMARKS.md,
+    "Training quality"). For recursive doubling ``sent`` is ``x`` decoded as first encoded (the
+    first exchange's error; the partial sums' errors are shared by the partners and fed back by
+    none). With ``N = 1`` nothing is sent or compressed: ``total = sent = x``.
 
     Args:
       x: this device's local 1-D float32, bfloat16 or float16 vector of ``n`` values.
@@ -418,23 +424,25 @@ def _zfp_ring(values, rate, axis_name, n_devices):
     chunks = jnp.pad(values, (0, n_devices * chunk - n)).reshape(n_devices, chunk)
     me = jax.lax.axis_index(axis_name)
     to_right = [(i, (i + 1) % n_devices) for i in range(n_devices)]
-    # Every chunk coded once: the words error feedback decodes, and hop 0's message (chunk `me`
-    # raw, so its words are these).
-    own_words = zfp_encode(chunks, rate)
-    # Hop t sends chunk (me - t) mod N, summed over t + 1 devices; after N - 1 hops this device
-    # holds chunk (me + 1) mod N summed over all.
-    words = own_words[me]
+    # This device codes each chunk exactly once: chunk `me` raw at hop 0, chunk (me - t) mod N as a
+    # partial sum at hop t, and the chunk it owns, (me + 1) mod N, once fully reduced. What each
+    # coding loses is this device's error on that chunk: the total is the exact sum less every
+    # device's errors, so feeding back all of them (not just hop 0's) feeds back all that was lost.
+    partial = chunks[me]
+    words = zfp_encode(partial, rate)
+    errors = [partial - zfp_decode(words, chunk, rate)]
     for hop in range(n_devices - 1):
         received = jax.lax.ppermute(words, axis_name, to_right)
         partial = zfp_decode(received, chunk, rate) + chunks[(me - hop - 1) % n_devices]
-        if hop < n_devices - 2:
-            words = zfp_encode(partial, rate)
-    owned_words = jax.lax.all_gather(zfp_encode(partial, rate), axis_name, to="invarying")
+        words = zfp_encode(partial, rate)  # the next hop's message; after the last hop, the owned chunk
+        errors.append(partial - zfp_decode(words, chunk, rate))
+    owned_words = jax.lax.all_gather(words, axis_name, to="invarying")
     # Row j of the gathered words is chunk (j + 1) mod N: reorder the words (rate/32 of the
     # floats' bytes), not the decoded floats.
     reduced = zfp_decode(owned_words[(np.arange(n_devices) - 1) % n_devices], chunk, rate)
-    sent = zfp_decode(own_words, chunk, rate)
-    return reduced.reshape(-1)[:n], sent.reshape(-1)[:n]
+    # errors[t] belongs to chunk (me - t) mod N, so chunk c's is errors[(me - c) mod N].
+    lost = jnp.stack(errors)[(me - jnp.arange(n_devices)) % n_devices]
+    return reduced.reshape(-1)[:n], (chunks - lost).reshape(-1)[:n]
 
 
 def _zfp_recursive_doubling(values, rate, axis_name, n_devices):

@@ -90,10 +90,11 @@ class Zfp(Method):
         return rounds if p == N else rounds + 2
 
     def local_work(self, n_values, n_devices):
-        """The codec work of one device: for the ring, every chunk coded once (for error feedback),
-        ``N-1`` hops that code a chunk and add the next, the owned chunk coded and all ``N``
-        decoded (about two encodes and three decodes of the gradient); else one encode and one
-        decode."""
+        """The codec work of one device: for the ring, each of the ``N`` chunks coded once (raw,
+        as a partial sum, or the owned chunk) and decoded once for error feedback, ``N-1``
+        received chunks decoded and added, and all ``N`` owned chunks decoded (``N`` chunk encodes
+        and ``3N-1`` chunk decodes: one encode and three decodes of the gradient); else one encode
+        and one decode."""
         import jax.numpy as jnp
 
         from jaxcomp.zfp import zfp_decode, zfp_encode
@@ -105,12 +106,14 @@ class Zfp(Method):
                 return zfp_decode(zfp_encode(x, rate), n_values, rate)
             chunk = layout.ring_chunk(n_values, workers)
             chunks = jnp.pad(x, (0, chunk * workers - n_values)).reshape(workers, chunk)
-            sent = zfp_decode(zfp_encode(chunks, rate), chunk, rate)
             partial = chunks[0]
-            for hop in range(1, workers):
-                partial = zfp_decode(zfp_encode(partial, rate), chunk, rate) + chunks[hop]
             words = zfp_encode(partial, rate)
+            lost = [partial - zfp_decode(words, chunk, rate)]
+            for hop in range(1, workers):
+                partial = zfp_decode(words, chunk, rate) + chunks[hop]
+                words = zfp_encode(partial, rate)
+                lost.append(partial - zfp_decode(words, chunk, rate))
             owned = jnp.broadcast_to(words, (workers,) + words.shape)
-            return (zfp_decode(owned, chunk, rate) + sent).reshape(-1)[:n_values]
+            return (zfp_decode(owned, chunk, rate) - jnp.stack(lost)).reshape(-1)[:n_values]
 
         return codec

@@ -1,0 +1,363 @@
+"""Training quality: a character-level transformer language model trained once per compression method.
+
+    python benchmarks/quality.py                       # every method, ~20 min on 2 cores (see BENCHMARKS.md)
+    python benchmarks/quality.py --methods dense,ar_topk(0.01) --steps 300
+    python benchmarks/quality.py --quick --out /tmp/q  # a tiny model for a few steps (the smoke test)
+
+A small GPT-style model (flax nnx; pre-LayerNorm blocks of causal self-attention and a GELU MLP) learns
+to predict the next character of Python source: files of the standard library of the running
+interpreter, read from its installation, so nothing is downloaded (``CORPUS`` names them; the JSON
+records each file's size). The concatenation is split 90/10 into a training and a held-out part.
+
+Every method trains data-parallel on 8 virtual CPU devices with ``jaxcomp.data_parallel`` and
+``optax.chain(jaxcomp.compress(method), optax.adam(warm-up + cosine schedule))``, from the same initial
+params, on the same batches, for the same number of steps. At the end each run is evaluated on the
+same held-out sequences. The script prints a Markdown table (final held-out loss, its ratio to dense's,
+bytes one device sends per step and their ratio to dense's) and writes ``quality.json`` and
+``quality.png`` (held-out and training loss curves) to ``--out``.
+
+The methods are data (``rows()``): one line each. Methods that other branches add (PowerSGD, sign,
+a 16-bit cast) appear as soon as ``jaxcomp.methods`` has them.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import sysconfig
+import time
+from typing import Any
+
+N_DEVICES = 8
+
+#: The corpus: these files of the running interpreter's standard library, concatenated in this order.
+CORPUS = ("argparse.py", "dataclasses.py", "functools.py", "inspect.py", "pathlib.py", "typing.py",
+          "subprocess.py", "threading.py", "tarfile.py", "collections/__init__.py", "enum.py", "ast.py",
+          "difflib.py", "shutil.py", "zipfile.py", "configparser.py", "logging/__init__.py", "statistics.py")
+
+#: Characters are bytes folded into 7-bit ASCII (the few non-ASCII bytes become 0).
+VOCAB = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Model and training sizes."""
+
+    layers: int = 2
+    width: int = 128
+    heads: int = 4
+    context: int = 64
+    batch: int = 32  # sequences per step, over all devices
+    steps: int = 500
+    learning_rate: float = 2e-3
+    warmup: int = 25
+    eval_sequences: int = 256
+    eval_points: int = 10
+
+
+QUICK = Config(layers=1, width=16, heads=2, context=8, batch=16, steps=6, warmup=1, eval_sequences=16, eval_points=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One run: a name for the table, a jaxcomp method and compress's options."""
+
+    name: str
+    method: Any
+    options: dict = dataclasses.field(default_factory=dict)
+
+
+def rows():
+    """Every run, dense first: each method at its usual settings."""
+    from jaxcomp import methods as m
+
+    def topk(ratio, collective, **options):
+        method = m.TopK(ratio, collective=collective)
+        suffix = "_noef" if options.get("error_feedback") is False else ""
+        return Row(f"{method.describe()}{suffix}", method, options)
+
+    table = [Row("dense", m.Dense())]
+    for ratio in (0.01, 0.001):
+        table += [topk(ratio, "allgather"), topk(ratio, "allgather", error_feedback=False),
+                  topk(ratio, "ar"), topk(ratio, "ar", error_feedback=False)]
+    table += [Row("zfp(8)", m.Zfp(8)), Row("quantized(4)", m.Quantized(4)), Row("randomk(0.01)", m.RandomK(0.01))]
+    # Methods landing on other branches: one line each, present once jaxcomp.methods has them.
+    if hasattr(m, "PowerSGD"):
+        table.append(Row("powersgd(4)", m.PowerSGD(4)))
+    if hasattr(m, "Sign"):
+        table.append(Row("sign", m.Sign()))
+    if hasattr(m, "Cast"):
+        table.append(Row("cast(bfloat16)", m.Cast("bfloat16")))
+    return table
+
+
+def variants():
+    """Runs for the investigation in BENCHMARKS.md ("Training quality"), not run by default: other
+    settings of the methods that lose quality."""
+    from jaxcomp import methods as m
+
+    return [Row("ar_topk(0.01) var", m.TopK(0.01, collective="ar", leader="var")),
+            # About allgather_topk(0.01)'s bytes on 8 devices: AR-Topk's k is the whole step's, the
+            # all-gather's k is each device's (up to 8k distinct values summed).
+            Row("ar_topk(0.04)", m.TopK(0.04, collective="ar")),
+            Row("quantized(4) leaf", m.Quantized(4), {"granularity": "leaf"}),
+            Row("quantized(4)_noef", m.Quantized(4), {"error_feedback": False}),
+            Row("zfp(8)_noef", m.Zfp(8), {"error_feedback": False}),
+            Row("zfp(8) leaf", m.Zfp(8), {"granularity": "leaf"})]
+
+
+def load_corpus():
+    """``(train, heldout, files)``: uint8 token arrays and ``[(path, bytes)]`` of the files read."""
+    import numpy as np
+
+    root = sysconfig.get_paths()["stdlib"]
+    parts, files = [], []
+    for name in CORPUS:
+        path = os.path.join(root, name)
+        with open(path, "rb") as f:
+            data = f.read()
+        parts.append(data)
+        files.append((path, len(data)))
+    tokens = np.frombuffer(b"".join(parts), np.uint8).copy()
+    tokens[tokens >= VOCAB] = 0
+    split = int(0.9 * len(tokens))
+    return tokens[:split], tokens[split:], files
+
+
+def make_model(config: Config, seed: int):
+    """The transformer as a flax nnx module: ``model(tokens[B, T]) -> logits[B, T, VOCAB]``."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.attention_norm = nnx.LayerNorm(config.width, rngs=rngs)
+            self.attention = nnx.MultiHeadAttention(num_heads=config.heads, in_features=config.width,
+                                                    decode=False, rngs=rngs)
+            self.mlp_norm = nnx.LayerNorm(config.width, rngs=rngs)
+            self.up = nnx.Linear(config.width, 4 * config.width, rngs=rngs)
+            self.down = nnx.Linear(4 * config.width, config.width, rngs=rngs)
+
+        def __call__(self, x, mask):
+            x = x + self.attention(self.attention_norm(x), mask=mask)
+            return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(VOCAB, config.width, rngs=rngs)
+            self.position = nnx.Param(0.02 * jax.random.normal(rngs.params(), (config.context, config.width)))
+            self.blocks = nnx.List([Block(rngs) for _ in range(config.layers)]) if hasattr(nnx, "List") \
+                else [Block(rngs) for _ in range(config.layers)]
+            self.norm = nnx.LayerNorm(config.width, rngs=rngs)
+            self.head = nnx.Linear(config.width, VOCAB, rngs=rngs)
+
+        def __call__(self, tokens):
+            x = self.embed(tokens) + self.position[None, :tokens.shape[1]]
+            mask = nnx.make_causal_mask(jnp.ones(tokens.shape, jnp.int32))
+            for block in self.blocks:
+                x = block(x, mask)
+            return self.head(self.norm(x))
+
+    return Model(nnx.Rngs(seed))
+
+
+def batches(tokens, config: Config, steps: int, seed: int):
+    """``steps`` batches of ``config.batch`` random windows of ``context + 1`` characters (same for every run)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, len(tokens) - config.context - 1, size=(steps, config.batch))
+    return starts[..., None] + np.arange(config.context + 1)
+
+
+def train(row: Row, config: Config, corpus, devices, seed=0, progress=True):
+    """Trains one row; returns its results (curves, final held-out loss, bytes, wall time)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    import jaxcomp
+
+    train_tokens, heldout_tokens, _ = corpus
+    mesh = Mesh(np.array(devices), ("data",))
+    graphdef, params = nnx.split(make_model(config, seed), nnx.Param)
+
+    def loss_fn(params, batch):
+        tokens = batch["tokens"].astype(jnp.int32)
+        logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    schedule = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup, config.steps,
+                                                  end_value=0.1 * config.learning_rate)
+    tx = optax.chain(jaxcomp.compress(row.method, **row.options), optax.adam(schedule))
+    dp = jaxcomp.data_parallel(loss_fn, tx, mesh)
+    evaluate = jax.jit(loss_fn)
+    heldout = {"tokens": heldout_tokens[batches(heldout_tokens, dataclasses.replace(config, batch=config.eval_sequences),
+                                                1, seed + 1)[0]]}
+    windows = batches(train_tokens, config, config.steps, seed)
+    eval_at = set(np.linspace(0, config.steps, config.eval_points + 1).astype(int)[1:].tolist())
+
+    state = dp.init(params)
+    train_curve, eval_curve, metrics = [], [(0, float(evaluate(state.params, heldout)))], None
+    started = time.perf_counter()
+    steps = range(config.steps)
+    if progress:
+        from tqdm.auto import tqdm
+        steps = tqdm(steps, desc=f"{row.name:>24}", file=sys.stderr, mininterval=1.0)
+    for step in steps:
+        state, metrics = dp.step(state, {"tokens": train_tokens[windows[step]]})
+        train_curve.append(metrics["loss"])  # read after the loop: steps run ahead of the host
+        if step + 1 in eval_at:
+            eval_curve.append((step + 1, float(evaluate(state.params, heldout))))
+    train_curve = [float(v) for v in train_curve]
+    return {"name": row.name, "method": row.method.describe(), "options": row.options,
+            "heldout_loss": eval_curve[-1][1], "train_loss": train_curve, "eval_curve": eval_curve,
+            "bytes_per_step": float(metrics["bytes_sent"]), "gain": float(metrics["gain"]),
+            "seconds": time.perf_counter() - started}
+
+
+def count_params(config: Config) -> int:
+    import jax
+    from flax import nnx
+
+    return sum(x.size for x in jax.tree.leaves(nnx.state(make_model(config, 0), nnx.Param)))
+
+
+def format_table(results) -> str:
+    """The results as a Markdown table, ratios to the dense run."""
+    dense = next((r for r in results if r["name"] == "dense"), None)
+    lines = ["| method | held-out loss | vs dense | bytes / step / device | vs dense |", "|---|---:|---:|---:|---:|"]
+    for r in results:
+        loss_ratio = f"{r['heldout_loss'] / dense['heldout_loss']:.4f}" if dense else "-"
+        byte_ratio = f"{r['bytes_per_step'] / dense['bytes_per_step']:.4f}" if dense else "-"
+        lines.append(f"| {r['name']} | {r['heldout_loss']:.4f} | {loss_ratio} | {r['bytes_per_step']:,.0f} | "
+                     f"{byte_ratio} |")
+    return "\n".join(lines)
+
+
+def plot(results, path, title):
+    """Held-out loss and smoothed training loss of every run, dense black and dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (ax_eval, ax_train) = plt.subplots(1, 2, figsize=(13, 5))
+    for r in results:
+        style = {"color": "black", "linestyle": "--", "zorder": 3} if r["name"] == "dense" else {}
+        steps, values = zip(*r["eval_curve"])
+        ax_eval.plot(steps[1:], values[1:], marker=".", label=r["name"], **style)
+        loss = np.asarray(r["train_loss"])
+        window = max(1, len(loss) // 30)
+        ax_train.plot(np.arange(window, len(loss) + 1), np.convolve(loss, np.ones(window) / window, "valid"),
+                      label=r["name"], **style)
+    for ax, name in ((ax_eval, "held-out loss"), (ax_train, "training loss (moving average)")):
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats / character)")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+    ax_eval.legend(fontsize=7, ncol=2)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def merge(paths, out):
+    """Joins several runs' ``quality.json`` (same config) into one table, JSON and plot in ``out``."""
+    by_name, first = {}, None
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        if first is not None and data["config"] != first["config"]:
+            raise SystemExit(f"--merge: {path} has another config than {paths[0]}: {data['config']} vs {first['config']}")
+        first = first or data
+        by_name.update({r["name"]: r for r in data["results"]})
+    results = sorted(by_name.values(), key=lambda r: r["name"] != "dense")  # dense first, else in order
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "quality.json"), "w") as f:
+        json.dump(dict(first, results=results, merged_from=list(paths)), f)
+    print(format_table(results))
+    plot(results, os.path.join(out, "quality.png"),
+         f"char-level transformer ({first['params'] / 1e6:.2f}M params) on stdlib source, 8 devices, "
+         f"{first['config']['steps']} steps")
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", help="comma-separated row names (default: every method; --list adds the variants)")
+    parser.add_argument("--list", action="store_true", help="print the row names and exit")
+    parser.add_argument("--steps", type=int, help="training steps (default 500; 6 with --quick)")
+    parser.add_argument("--learning-rate", type=float, help="Adam's peak learning rate (default 2e-3)")
+    parser.add_argument("--quick", action="store_true", help="a tiny model for a few steps (smoke test)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="quality-results", help="folder for quality.json and quality.png")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="train nothing: join the results of these quality.json files (a later run of the "
+                             "same name replaces an earlier one), print the table and write --out's JSON and plot")
+    args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
+
+    config = QUICK if args.quick else Config()
+    if args.steps is not None:
+        if args.steps < 1:
+            parser.error(f"--steps must be positive, got {args.steps}")
+        config = dataclasses.replace(config, steps=args.steps, warmup=min(config.warmup, args.steps // 10))
+    if args.learning_rate is not None:
+        if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
+            parser.error(f"--learning-rate must be a positive number, got {args.learning_rate}")
+        config = dataclasses.replace(config, learning_rate=args.learning_rate)
+
+    default = [row.name for row in rows()]
+    table = {row.name: row for row in rows() + variants()}
+    if args.list:
+        print("\n".join(table))
+        return 0
+    names = [n.strip() for n in args.methods.split(",") if n.strip()] if args.methods else default
+    unknown = [n for n in names if n not in table]
+    if unknown or not names:
+        parser.error(f"--methods: unknown {unknown}; choose from {','.join(table)}")
+    os.makedirs(args.out, exist_ok=True)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={N_DEVICES}")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", N_DEVICES)
+
+    corpus = load_corpus()
+    devices = jax.devices("cpu")[:N_DEVICES]
+    n_params = count_params(config)
+    header = (f"{platform.node()}: {os.cpu_count()} cores, jax {jax.__version__}, Python {platform.python_version()}, "
+              f"{N_DEVICES} virtual CPU devices; corpus {sum(size for _, size in corpus[2]):,} bytes "
+              f"({len(corpus[0]):,} train / {len(corpus[1]):,} held-out characters) from {len(corpus[2])} "
+              f"stdlib files; model {n_params:,} params ({config.layers} layers, width {config.width}, context "
+              f"{config.context}); {config.steps} steps of {config.batch} sequences, Adam peak lr "
+              f"{config.learning_rate:g}")
+    print(header, file=sys.stderr)
+    started = time.perf_counter()
+    results = []
+    for name in names:
+        results.append(train(table[name], config, corpus, devices, seed=args.seed, progress=not args.no_progress))
+        with open(os.path.join(args.out, "quality.json"), "w") as f:  # partial results survive an interrupt
+            json.dump({"header": header, "config": dataclasses.asdict(config), "params": n_params,
+                       "corpus": [{"path": p, "bytes": s} for p, s in corpus[2]], "results": results}, f)
+    print(format_table(results))
+    plot(results, os.path.join(args.out, "quality.png"),
+         f"char-level transformer ({n_params / 1e6:.2f}M params) on stdlib source, 8 devices, {config.steps} steps")
+    print(f"total {time.perf_counter() - started:.0f} s; wrote {args.out}/quality.json and quality.png",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
