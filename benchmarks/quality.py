@@ -105,6 +105,7 @@ def variants():
             Row("ar_topk(0.04)", m.TopK(0.04, collective="ar")),
             Row("quantized(4) leaf", m.Quantized(4), {"granularity": "leaf"}),
             Row("quantized(4)_noef", m.Quantized(4), {"error_feedback": False}),
+            Row("quantized(4) leaf_noef", m.Quantized(4), {"granularity": "leaf", "error_feedback": False}),
             Row("zfp(8)_noef", m.Zfp(8), {"error_feedback": False}),
             Row("zfp(8) leaf", m.Zfp(8), {"granularity": "leaf"})]
 
@@ -250,8 +251,11 @@ def plot(results, path, title):
     import numpy as np
 
     fig, (ax_eval, ax_train) = plt.subplots(1, 2, figsize=(13, 5))
-    for r in results:
-        style = {"color": "black", "linestyle": "--", "zorder": 3} if r["name"] == "dense" else {}
+    colors = plt.cm.tab20(np.linspace(0, 1, 20))
+    for i, r in enumerate(results):
+        # Dense black and dashed on top; runs without error feedback dotted; 20 distinct colors.
+        style = ({"color": "black", "linestyle": "--", "zorder": 3} if r["name"] == "dense" else
+                 {"color": colors[i % 20], "linestyle": ":" if r["options"].get("error_feedback") is False else "-"})
         steps, values = zip(*r["eval_curve"])
         ax_eval.plot(steps[1:], values[1:], marker=".", label=r["name"], **style)
         loss = np.asarray(r["train_loss"])
