@@ -107,7 +107,10 @@ def variants():
             Row("quantized(4)_noef", m.Quantized(4), {"error_feedback": False}),
             Row("quantized(4) leaf_noef", m.Quantized(4), {"granularity": "leaf", "error_feedback": False}),
             Row("zfp(8)_noef", m.Zfp(8), {"error_feedback": False}),
-            Row("zfp(8) leaf", m.Zfp(8), {"granularity": "leaf"})]
+            Row("zfp(8) leaf", m.Zfp(8), {"granularity": "leaf"}),
+            # A dense warm-up (DGC's, PyTorch's start_powerSGD_iter): 100 of the 500 steps dense.
+            Row("allgather_topk(0.01) warmup100", m.TopK(0.01), {"warmup_steps": 100}),
+            Row("ar_topk(0.01) warmup100", m.TopK(0.01, collective="ar"), {"warmup_steps": 100})]
 
 
 def load_corpus():
