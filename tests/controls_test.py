@@ -7,9 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
-from helpers import assert_trees_equal, count_compilations, need_devices
+from helpers import assert_checkpoint_resumes, count_compilations, need_devices
 from jax.sharding import Mesh
 
 import jaxcomp
@@ -192,17 +191,7 @@ def test_momentum_and_method_state_checkpoint_round_trip(tmp_path):
     rng = np.random.default_rng(5)
     for _ in range(2):
         state, _ = dp.step(state, _batch(rng))
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(tmp_path / "ckpt", state)
-    checkpointer.wait_until_finished()
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    restored = checkpointer.restore(tmp_path / "ckpt", target)
-    assert_trees_equal(restored, state)
-    for _ in range(2):
-        batch = _batch(rng)
-        state, _ = dp.step(state, batch)
-        restored, _ = dp.step(restored, batch)
-    assert_trees_equal(restored, state)
+    state = assert_checkpoint_resumes(dp, state, [_batch(rng) for _ in range(2)], tmp_path / "ckpt")
     assert _flat(jaxcomp.find_compress_state(state.opt_state).velocity).any()
 
 

@@ -52,6 +52,25 @@ def assert_trees_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def assert_checkpoint_resumes(dp, state, batches, path):
+    """Saves ``state`` with orbax, restores it onto the same shardings, checks it bit for bit,
+    then runs ``dp.step`` on ``batches`` from both and checks they stay bit-identical. Returns the
+    state after the batches."""
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path, state)
+    checkpointer.wait_until_finished()
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    restored = checkpointer.restore(path, target)
+    assert_trees_equal(restored, state)
+    for batch in batches:
+        state, _ = dp.step(state, batch)
+        restored, _ = dp.step(restored, batch)
+    assert_trees_equal(restored, state)
+    return state
+
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 from flax import linen as nn
 from flax import nnx
@@ -15,7 +14,7 @@ from jax.sharding import Mesh
 from jaxcomp.cost import Network
 from jaxcomp.train import data_parallel
 from jaxcomp.transform import compress
-from helpers import assert_trees_equal, count_compilations, need_devices
+from helpers import assert_checkpoint_resumes, assert_trees_equal, count_compilations, need_devices
 
 N_DEVICES = 8
 
@@ -149,16 +148,7 @@ def test_checkpoint_round_trip_resumes_bit_identically(tmp_path, options):
     state = dp.init(_mlp_params())
     for i in range(3):
         state, _ = dp.step(state, _batch(i))
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(tmp_path / "ckpt", state)
-    checkpointer.wait_until_finished()
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    restored = checkpointer.restore(tmp_path / "ckpt", target)
-    assert_trees_equal(restored, state)
-    for i in range(3, 6):
-        state, _ = dp.step(state, _batch(i))
-        restored, _ = dp.step(restored, _batch(i))
-    assert_trees_equal(restored, state)
+    assert_checkpoint_resumes(dp, state, [_batch(i) for i in range(3, 6)], tmp_path / "ckpt")
 
 
 def test_flax_nnx_model_with_aux():
