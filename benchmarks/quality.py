@@ -63,11 +63,12 @@ QUICK = Config(layers=1, width=16, heads=2, context=8, batch=16, steps=6, warmup
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One run: a name for the table, a jaxcomp method and compress's options."""
+    """One run: a name for the table, a jaxcomp method, compress's options and data_parallel's."""
 
     name: str
     method: Any
     options: dict = dataclasses.field(default_factory=dict)
+    parallel: dict = dataclasses.field(default_factory=dict)  # data_parallel's keywords (shard=, gather_dtype=)
 
 
 def rows():
@@ -110,7 +111,13 @@ def variants():
             Row("zfp(8) leaf", m.Zfp(8), {"granularity": "leaf"}),
             # A dense warm-up (DGC's, PyTorch's start_powerSGD_iter): 100 of the 500 steps dense.
             Row("allgather_topk(0.01) warmup100", m.TopK(0.01), {"warmup_steps": 100}),
-            Row("ar_topk(0.01) warmup100", m.TopK(0.01, collective="ar"), {"warmup_steps": 100})]
+            Row("ar_topk(0.01) warmup100", m.TopK(0.01, collective="ar"), {"warmup_steps": 100}),
+            # Sharded training (issue 11): ZeRO-3 with the params gathered in bfloat16 (ZeRO++'s
+            # qwZ), and the compressed reduce-scatters.
+            Row("dense shard=params", m.Dense(), parallel={"shard": "params"}),
+            Row("dense shard=params bf16-gather", m.Dense(), parallel={"shard": "params", "gather_dtype": "bfloat16"}),
+            Row("zfp(8) shard=params", m.Zfp(8), parallel={"shard": "params"}),
+            Row("quantized(4) shard=params", m.Quantized(4), parallel={"shard": "params"})]
 
 
 def load_corpus():
@@ -201,15 +208,16 @@ def train(row: Row, config: Config, corpus, devices, seed=0, progress=True):
     schedule = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup, config.steps,
                                                   end_value=0.1 * config.learning_rate)
     tx = optax.chain(jaxcomp.compress(row.method, **row.options), optax.adam(schedule))
-    dp = jaxcomp.data_parallel(loss_fn, tx, mesh)
-    evaluate = jax.jit(loss_fn)
+    dp = jaxcomp.data_parallel(loss_fn, tx, mesh, **row.parallel)
+    evaluate = jax.jit(lambda state, batch: loss_fn(dp.params(state), batch)) if row.parallel.get("shard") == "params" \
+        else jax.jit(lambda state, batch: loss_fn(state.params, batch))
     heldout = {"tokens": heldout_tokens[batches(heldout_tokens, dataclasses.replace(config, batch=config.eval_sequences),
                                                 1, seed + 1)[0]]}
     windows = batches(train_tokens, config, config.steps, seed)
     eval_at = set(np.linspace(0, config.steps, config.eval_points + 1).astype(int)[1:].tolist())
 
     state = dp.init(params)
-    train_curve, eval_curve, metrics = [], [(0, float(evaluate(state.params, heldout)))], None
+    train_curve, eval_curve, metrics = [], [(0, float(evaluate(state, heldout)))], None
     started = time.perf_counter()
     steps = range(config.steps)
     if progress:
@@ -219,11 +227,13 @@ def train(row: Row, config: Config, corpus, devices, seed=0, progress=True):
         state, metrics = dp.step(state, {"tokens": train_tokens[windows[step]]})
         train_curve.append(metrics["loss"])  # read after the loop: steps run ahead of the host
         if step + 1 in eval_at:
-            eval_curve.append((step + 1, float(evaluate(state.params, heldout))))
+            eval_curve.append((step + 1, float(evaluate(state, heldout))))
     train_curve = [float(v) for v in train_curve]
-    return {"name": row.name, "method": row.method.describe(), "options": row.options,
+    return {"name": row.name, "method": row.method.describe(), "options": {**row.options, **row.parallel},
             "heldout_loss": eval_curve[-1][1], "train_loss": train_curve, "eval_curve": eval_curve,
-            "bytes_per_step": float(metrics["bytes_sent"]), "gain": float(metrics["gain"]),
+            # Sharded: the gradient's reduce-scatter plus the params' all-gather.
+            "bytes_per_step": float(metrics["bytes_sent"]) + float(metrics.get("gather_bytes", 0.0)),
+            "gain": float(metrics["gain"]),
             "seconds": time.perf_counter() - started}
 
 

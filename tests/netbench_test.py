@@ -53,11 +53,17 @@ def test_one_small_cell_on_two_emulated_hosts(tmp_path):
     os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]  # the workers import this jaxcomp
     out = tmp_path / "rows.json"
     code = netbench.main(["--hosts", "2", "--rates", "100mbit", "--params", "2e5", "--methods",
-                          "dense,ar_topk,quantized", "--steps", "2", "--json", str(out), "--plot",
-                          str(tmp_path / "p.png")])
+                          "dense,ar_topk,quantized,dense@params,quantized@optimizer", "--steps", "2", "--json",
+                          str(out), "--plot", str(tmp_path / "p.png")])
     assert code == 0
     rows = json.loads(out.read_text())
-    assert [r["method"] for r in rows] == ["pmean", "dense", "ar_topk", "quantized"]
+    assert [r["method"] for r in rows] == ["pmean", "dense", "ar_topk", "quantized", "dense@params",
+                                           "quantized@optimizer"]
+    by = {r["method"]: r for r in rows}
+    # Sharded: the params and Adam's state are halves on 2 hosts (dense keeps no residual).
+    assert by["dense@params"]["state_bytes"] < 0.6 * by["dense"]["state_bytes"]
+    # bytes_sent counts the reduce-scatter and the params' all-gather: what the link carried.
+    assert by["quantized@optimizer"]["bytes_sent"] > by["quantized"]["bytes_sent"]
     for r in rows:
         # The links carried what jaxcomp says it sends, plus TCP/IP framing (a few %).
         assert r["bytes_sent"] <= r["wire_tx"] <= 1.15 * r["bytes_sent"] + 20_000, r

@@ -65,11 +65,12 @@ _EXPORTS = {
     "DataParallel": "jaxcomp.train",
     "TrainState": "jaxcomp.train",
     "data_parallel": "jaxcomp.train",
+    "sharded_updates": "jaxcomp.sharding",
     "probe_network": "jaxcomp.probe",
 }
 
 _SUBMODULES = ("adaptive", "auto", "collectives", "cost", "layout", "methods", "nonfinite", "probe", "reference",
-               "thc", "train", "transform", "xla")
+               "sharding", "thc", "train", "transform", "xla")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 

@@ -103,7 +103,7 @@ def sync_sgd_time(nbytes: float, n_workers: int, network: cost.Network, backward
 def compressed_time(method, nbytes: float, n_workers: int, network: cost.Network, backward_seconds: float,
                     *, encode_decode_seconds: float = 0.0, ratio=None, rate=None, bits=None, rank=None, inner_size=None,
                     overlap: bool = False, bucket_bytes: float = DEFAULT_BUCKET_BYTES,
-                    gamma: float = DEFAULT_GAMMA) -> float:
+                    gamma: float = DEFAULT_GAMMA, shard: bool = False) -> float:
     """Backward pass plus compressed synchronization, ``T_obs`` of paper 002 App. B.
 
     Without overlap (the paper's model, its best case on GPUs): ``T_comp + T_encode-decode +
@@ -123,6 +123,8 @@ def compressed_time(method, nbytes: float, n_workers: int, network: cost.Network
       bits: with a name: quantization bits.
       rank: with a name: PowerSGD's rank.
       inner_size: workers per node for hierarchical top-k.
+      shard: sharded training: the method's reduce-scatter plus the params' all-gather
+        (:func:`jaxcomp.cost.predict`'s ``shard``).
       overlap: whether buckets are compressed and sent during the backward pass.
       bucket_bytes: bucket size when overlapping.
       gamma: backward slowdown when overlapping.
@@ -142,7 +144,7 @@ def compressed_time(method, nbytes: float, n_workers: int, network: cost.Network
     _check_positive(backward_seconds, "backward_seconds", allow_zero=True)
     _check_positive(encode_decode_seconds, "encode_decode_seconds", allow_zero=True)
     method = methods.parse(method, strict=False, ratio=ratio, rate=rate, bits=bits, rank=rank)
-    options = dict(inner_size=inner_size)
+    options = dict(inner_size=inner_size, shard=shard)
     if n_workers == 1:
         return backward_seconds + encode_decode_seconds  # compressed for nobody: only the codec's cost
     if not overlap:
@@ -286,6 +288,9 @@ def _parser():
     parser.add_argument("--target-efficiency", type=float, default=DEFAULT_TARGET_EFFICIENCY,
                         help="fraction of linear scaling that counts as near-linear (default 0.9)")
     parser.add_argument("--plot", default=None, metavar="PNG", help="write speedup against bandwidth here")
+    parser.add_argument("--shard", action="store_true",
+                        help="sharded training (data_parallel(shard=...)): each method's reduce-scatter plus the "
+                             "params' all-gather, for the methods that have one; dense costs the same either way")
     return parser
 
 
@@ -372,7 +377,8 @@ def main(argv=None) -> int:
     if args.inner_size is not None and (args.inner_size < 1 or args.workers % args.inner_size):
         parser.error(f"--inner-size must divide --workers ({args.workers}), got {args.inner_size}")
 
-    compressed = [m for m in cost.available_methods(**_options(args)) if not m.sends_everything]
+    compressed = [m for m in cost.available_methods(**_options(args)) if not m.sends_everything
+                  and (m.scatters or not args.shard)]
     labels = [m.label for m in compressed]
     if args.methods is not None:
         wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -414,7 +420,7 @@ def main(argv=None) -> int:
     def method_at(method, net):
         return compressed_time(method, nbytes, args.workers, net, backward,
                                encode_decode_seconds=encode_decode[method], overlap=args.batch_overlap,
-                               bucket_bytes=bucket, gamma=args.gamma, inner_size=args.inner_size)
+                               bucket_bytes=bucket, gamma=args.gamma, inner_size=args.inner_size, shard=args.shard)
 
     try:
         dense_step = dense_at(network)
@@ -429,6 +435,9 @@ def main(argv=None) -> int:
     how = (f"overlapped with the backward pass in {buckets} buckets of {args.bucket_mb:g} MiB, γ={args.gamma:g}"
            if overlap else "after the backward pass")
     print(f"dense baseline: ring all-reduce {how}")
+    if args.shard:
+        print("sharded (--shard): each method reduce-scatters the gradient, then the params are all-gathered "
+              "densely; sharded dense sends what the all-reduce sends")
     if args.workers == 1:
         print("(1 worker: nothing crosses the network, so no method can be faster than dense; "
               "compression only adds its encode/decode time)")
@@ -447,7 +456,7 @@ def main(argv=None) -> int:
     dense_comm = cost.predict(Dense(), nbytes, args.workers, network)
     row(Dense().label, "-", cost.volume_bytes(Dense(), nbytes, args.workers), dense_comm, 0.0, dense_step)
     for method, step in rows:
-        inner = dict(inner_size=args.inner_size)
+        inner = dict(inner_size=args.inner_size, shard=args.shard)
         row(method.label, _setting(method), cost.volume_bytes(method, nbytes, args.workers, **inner),
             cost.predict(method, nbytes, args.workers, network, **inner), encode_decode[method], step)
     if measured:

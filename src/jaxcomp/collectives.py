@@ -82,6 +82,24 @@ def _scatter_rows(n, indices, values):
     return jax.lax.fori_loop(0, indices.shape[0], add_row, jnp.zeros(n, jnp.float32))
 
 
+def _localize(indices, row, me):
+    """``indices`` relative to row ``me`` (``row`` values each); those outside it become ``row``,
+    which a scatter with ``mode="drop"`` drops."""
+    local = indices - me * row
+    return jnp.where((local >= 0) & (local < row), local, row)
+
+
+def _scatter_own_row(n, n_devices, me, all_indices, all_values):
+    """:func:`_scatter_rows` of the gathered pairs, keeping only this device's row of ``n / N``
+    values (sharded training): the same additions in the same order, on fewer entries."""
+    row = n // n_devices
+    local = _localize(all_indices, row, me)
+
+    def add_row(r, total):
+        return total.at[local[r]].add(all_values[r].astype(jnp.float32), mode="drop")
+    return jax.lax.fori_loop(0, local.shape[0], add_row, _ffi.like_varying(jnp.zeros(row, jnp.float32), local))
+
+
 def _dense(n, indices, values, dtype):
     return jnp.zeros(n, dtype).at[indices].set(values.astype(dtype), unique_indices=True, mode="drop")
 
@@ -123,7 +141,7 @@ def psum(x, axis_name):
     return jax.lax.psum(x, axis_name), x
 
 
-def allgather_topk(x, k, axis_name, selector="exact", *, sparse_sent=False):
+def allgather_topk(x, k, axis_name, selector="exact", *, sparse_sent=False, scatter=False):
     """Top-k sparsification aggregated by all-gathering ``(values, indices)``.
 
     Each device selects its ``k`` largest-magnitude entries, every device gathers all ``N k`` pairs
@@ -138,6 +156,8 @@ def allgather_topk(x, k, axis_name, selector="exact", *, sparse_sent=False):
       sparse_sent: return ``sent`` as ``(indices, values)``, the pairs whose dense form it is
         (index ``>= n`` marks padding, value 0), so that error feedback can zero those entries in
         place instead of building and subtracting a dense vector: one pass less over the gradient.
+      scatter: sharded training: ``x`` is ``N`` rows of equal length and ``total`` is only this
+        device's row of the sum (the gathered pairs that fall in it, added in the same order).
 
     Returns:
       ``(total, sent)``: the sum of every device's selected entries (dtype of ``x``), and this
@@ -165,8 +185,20 @@ def allgather_topk(x, k, axis_name, selector="exact", *, sparse_sent=False):
     values, indices = _select(x, k, selector)
     all_values = jax.lax.all_gather(values, axis_name, to="invarying")
     all_indices = jax.lax.all_gather(indices, axis_name, to="invarying")
-    total = _scatter_rows(n, all_indices, all_values).astype(x.dtype)
-    return total, _sent(n, indices, values, x.dtype, sparse_sent)
+    if scatter:
+        n_devices = _check_rows(n, axis_name)
+        total = _scatter_own_row(n, n_devices, jax.lax.axis_index(axis_name), all_indices, all_values)
+    else:
+        total = _scatter_rows(n, all_indices, all_values)
+    return total.astype(x.dtype), _sent(n, indices, values, x.dtype, sparse_sent)
+
+
+def _check_rows(n, axis_name):
+    """The devices of ``axis_name``, which must split ``n`` values into equal rows."""
+    n_devices = _axis_size(axis_name)
+    if n % n_devices:
+        raise ValueError(f"x has {n} values, not {n_devices} rows of equal length to reduce-scatter")
+    return n_devices
 
 
 def _check_step(step):
@@ -201,7 +233,8 @@ def _broadcast_indices(indices, is_leader, leader_index, axis_name, how):
     return jax.lax.all_gather(indices, axis_name, to="invarying")[leader_index]
 
 
-def ar_topk(x, k, axis_name, leader="star", step=0, selector="exact", *, sparse_sent=False, _broadcast="psum"):
+def ar_topk(x, k, axis_name, leader="star", step=0, selector="exact", *, sparse_sent=False, scatter=False,
+            _broadcast="psum"):
     """AR-Topk: one leader's top-k indices for everyone, then one all-reduce of ``k`` values.
 
     The leader selects its ``k`` largest-magnitude entries; the indices reach every device (an
@@ -224,6 +257,8 @@ def ar_topk(x, k, axis_name, leader="star", step=0, selector="exact", *, sparse_
       sparse_sent: return ``sent`` as ``(indices, values)``, the pairs whose dense form it is
         (index ``>= n`` marks padding, value 0), so that error feedback can zero those entries in
         place instead of building and subtracting a dense vector: one pass less over the gradient.
+      scatter: sharded training: ``x`` is ``N`` rows of equal length and ``total`` is only this
+        device's row of the sum (the summed values whose indices fall in it).
 
     Returns:
       ``(total, sent)``: the sum over devices of their values at the leader's indices (zeros
@@ -270,7 +305,12 @@ def ar_topk(x, k, axis_name, leader="star", step=0, selector="exact", *, sparse_
         is_leader = me == leader_index
     shared = _broadcast_indices(indices, is_leader, leader_index, axis_name, _broadcast)
     values = x[shared]
-    total = _dense(n, shared, jax.lax.psum(values, axis_name), x.dtype)
+    summed = jax.lax.psum(values, axis_name)
+    if scatter:
+        row = n // _check_rows(n, axis_name)
+        total = jnp.zeros(row, x.dtype).at[_localize(shared, row, me)].set(summed.astype(x.dtype), mode="drop")
+    else:
+        total = _dense(n, shared, summed, x.dtype)
     return total, _sent(n, shared, values, x.dtype, sparse_sent)
 
 
@@ -418,31 +458,45 @@ def zfp_allreduce(x, rate, axis_name, algorithm="ring"):
     return total.astype(x.dtype), sent.astype(x.dtype)
 
 
-def _zfp_ring(values, rate, axis_name, n_devices):
+def _zfp_ring(values, rate, axis_name, n_devices, scatter=False):
+    """The ZFP ring: ``(total, sent)``; with ``scatter``, only its reduce-scatter phase, arranged so
+    that device ``d`` ends owning chunk ``d``, and ``total`` is that chunk, exactly as reduced
+    (not coded again: no all-gather follows)."""
     n = values.shape[0]
     chunk = layout.ring_chunk(n, n_devices)
     chunks = jnp.pad(values, (0, n_devices * chunk - n)).reshape(n_devices, chunk)
     me = jax.lax.axis_index(axis_name)
     to_right = [(i, (i + 1) % n_devices) for i in range(n_devices)]
-    # This device codes each chunk exactly once: chunk `me` raw at hop 0, chunk (me - t) mod N as a
-    # partial sum at hop t, and the chunk it owns, (me + 1) mod N, once fully reduced. What each
-    # coding loses is this device's error on that chunk: the total is the exact sum less every
-    # device's errors, so feeding back all of them (not just hop 0's) feeds back all that was lost.
-    partial = chunks[me]
+    # Device me starts with chunk me + start; the ring then hands it chunk me + start + 1 fully
+    # reduced. The all-reduce starts at its own chunk (start 0) and owns the next one; the
+    # reduce-scatter starts one chunk back so that each device owns its own.
+    start = -1 if scatter else 0
+    # This device codes each chunk exactly once: chunk `me + start` raw at hop 0, chunk
+    # (me + start - t) mod N as a partial sum at hop t, and (all-reduce only) the chunk it owns
+    # once fully reduced. What each coding loses is this device's error on that chunk: the total
+    # is the exact sum less every device's errors, so feeding back all of them (not just hop 0's)
+    # feeds back all that was lost.
+    partial = chunks[(me + start) % n_devices]
     words = zfp_encode(partial, rate)
     errors = [partial - zfp_decode(words, chunk, rate)]
     for hop in range(n_devices - 1):
         received = jax.lax.ppermute(words, axis_name, to_right)
-        partial = zfp_decode(received, chunk, rate) + chunks[(me - hop - 1) % n_devices]
+        partial = zfp_decode(received, chunk, rate) + chunks[(me + start - hop - 1) % n_devices]
+        if scatter and hop == n_devices - 2:
+            errors.append(jnp.zeros_like(partial))  # the owned chunk is kept as it is
+            break
         words = zfp_encode(partial, rate)  # the next hop's message; after the last hop, the owned chunk
         errors.append(partial - zfp_decode(words, chunk, rate))
+    # errors[t] belongs to chunk (me + start - t) mod N, so chunk c's is errors[(me + start - c) mod N].
+    lost = jnp.stack(errors)[(me + start - jnp.arange(n_devices)) % n_devices]
+    sent = (chunks - lost).reshape(-1)[:n]
+    if scatter:
+        return partial, sent
     owned_words = jax.lax.all_gather(words, axis_name, to="invarying")
     # Row j of the gathered words is chunk (j + 1) mod N: reorder the words (rate/32 of the
     # floats' bytes), not the decoded floats.
     reduced = zfp_decode(owned_words[(np.arange(n_devices) - 1) % n_devices], chunk, rate)
-    # errors[t] belongs to chunk (me - t) mod N, so chunk c's is errors[(me - c) mod N].
-    lost = jnp.stack(errors)[(me - jnp.arange(n_devices)) % n_devices]
-    return reduced.reshape(-1)[:n], (chunks - lost).reshape(-1)[:n]
+    return reduced.reshape(-1)[:n], sent
 
 
 def _zfp_recursive_doubling(values, rate, axis_name, n_devices):
@@ -476,7 +530,52 @@ def _zfp_recursive_doubling(values, rate, axis_name, n_devices):
     return partial, zfp_decode(own_words, n, rate)
 
 
-def quantized_psum(x, bits, axis_name, key, hadamard=True):
+def zfp_reduce_scatter(x, rate, axis_name):
+    """The reduce-scatter phase of :func:`zfp_allreduce`'s ring: device ``d`` gets chunk ``d`` of the sum.
+
+    ``x`` (``N`` chunks of ``n / N`` values) goes round the ring in ``N - 1`` hops; each hop sends
+    one chunk ZFP-coded at ``rate`` bits a value, the receiver decodes it and adds its own chunk.
+    After the last hop device ``d`` holds chunk ``d`` fully reduced, which it keeps as it is: no
+    all-gather follows, so it is not coded again (one coding error fewer than the all-reduce).
+
+    ``sent``: ``x`` less every coding error this device made (each chunk but its own is coded once
+    by it), so the ``sent`` of all devices add up to the sum (up to float32 rounding) and error
+    feedback keeps all the ring lost. With ``N = 1``: ``total = sent = x``.
+
+    Args:
+      x: this device's local 1-D float32, bfloat16 or float16 vector, ``N`` chunks of equal length.
+      rate: static int in ``[1, 32]``, ZFP bits per value on the wire.
+      axis_name: the mesh axis to sum over.
+
+    Returns:
+      ``(shard, sent)``: chunk ``d`` of the sum (``n / N`` values) and ``x``'s ``sent``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> from jaxcomp import collectives
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> f = jax.jit(jax.shard_map(lambda x: collectives.zfp_reduce_scatter(x, 16, "data")[0],
+      ...                           mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+      >>> bool(jnp.allclose(f(jnp.arange(8.0)), jnp.array([4.0, 6.0, 8.0, 10.0]), atol=1e-2))
+      True
+
+    References:
+      "GPU compression inside MPI_Allreduce with ZFP" (../shared/papers/004), §III-C (the ring's
+      reduce-scatter); Rajbhandari et al., ZeRO, SC 2020 (gradient partitioning).
+    """
+    x = _local_vector(x)
+    rate = _checks.check_rate(rate)
+    n_devices = _axis_size(axis_name)
+    if x.shape[0] % n_devices:
+        raise ValueError(f"x has {x.shape[0]} values, not {n_devices} chunks of equal length to reduce-scatter")
+    if n_devices == 1:
+        return x, x
+    shard, sent = _zfp_ring(x.astype(jnp.float32), rate, axis_name, n_devices, scatter=True)
+    return shard.astype(x.dtype), sent.astype(x.dtype)
+
+
+def quantized_psum(x, bits, axis_name, key, hadamard=True, *, scatter=False):
     """THC homomorphic quantization: integer codes on a shared grid, summed by one integer psum.
 
     1. Optionally a randomized Hadamard transform (random signs, then the orthonormal Walsh-Hadamard
@@ -504,10 +603,13 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True):
       axis_name: the mesh axis to sum over.
       key: a ``jax.random`` key, the same on every device (traced; pass a new one each step).
       hadamard: static bool, whether to apply the randomized Hadamard transform.
+      scatter: end with a reduce-scatter of the integer codes: ``x`` is ``N`` rows of whole
+        Hadamard blocks (:meth:`jaxcomp.Quantized.shard_row`) and ``total`` is this device's row
+        of the sum (sharded training).
 
     Returns:
-      ``(total, sent)`` of ``x``'s shape and dtype (computed in float32). ``E[total]`` is the exact
-      sum.
+      ``(total, sent)`` of ``x``'s shape and dtype (computed in float32); with ``scatter``,
+      ``total`` is one row. ``E[total]`` is the exact sum.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -532,7 +634,16 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True):
     key = _checks.check_key(key, axis_name)
     if n_devices == 1:
         return x, x
+    if scatter:
+        if x.shape[0] % n_devices:
+            raise ValueError(f"x has {x.shape[0]} values, not {n_devices} rows of equal length to reduce-scatter")
+
+        def psum(v):
+            return jax.lax.psum_scatter(v, axis_name, scatter_dimension=0, tiled=False)
+    else:
+        def psum(v):
+            return jax.lax.psum(v, axis_name)
     return thc.thc_aggregate(x, bits, key, hadamard, n_devices, jax.lax.axis_index(axis_name),
-                pmax=lambda v: jax.lax.pmax(v, axis_name), psum=lambda v: jax.lax.psum(v, axis_name))
+                             pmax=lambda v: jax.lax.pmax(v, axis_name), psum=psum, scatter=scatter)
 
 

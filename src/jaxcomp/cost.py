@@ -20,7 +20,7 @@ import math
 import numbers
 import re
 
-from jaxcomp import _checks, methods
+from jaxcomp import _checks, layout, methods
 from jaxcomp.methods import Method
 
 _FLOAT32_BYTES = 4
@@ -265,7 +265,7 @@ def sync_seconds(steps, volume, alpha, beta, overhead=0.0):
     return alpha * steps + beta * volume + overhead
 
 
-def message_steps(method, n_workers: int, *, inner_size: int | None = None, **options) -> int:
+def message_steps(method, n_workers: int, *, inner_size: int | None = None, shard: bool = False, **options) -> int:
     """Sequential message steps of a method: what its latency term multiplies ``α`` by.
 
     Each method counts its own (:meth:`jaxcomp.methods.Method.message_steps`): an all-reduce
@@ -278,6 +278,9 @@ def message_steps(method, n_workers: int, *, inner_size: int | None = None, **op
       method: a :class:`jaxcomp.methods.Method` or a :data:`jaxcomp.methods.SHORTHAND` name.
       n_workers: the number of workers ``N >= 1``.
       inner_size: workers per node, for methods that reduce over two axes (hierarchical top-k).
+      shard: sharded training (``data_parallel(shard=...)``): the method's reduce-scatter
+        (:meth:`jaxcomp.methods.Method.reduce_scatter_steps`) plus the params' ring all-gather
+        (``N - 1``).
       **options: with a name, the method's options (``ratio=``, ...).
 
     Returns:
@@ -295,11 +298,15 @@ def message_steps(method, n_workers: int, *, inner_size: int | None = None, **op
         # Steps do not depend on the ratio, rate or bits: any valid setting builds the method.
         options = {"ratio": 0.5, "rate": 8, "bits": 8}
     method = methods.parse(method, strict=False, **options)
-    return method.message_steps(_check_workers(n_workers), inner_size=inner_size)
+    n = _check_workers(n_workers)
+    if shard:
+        return method.reduce_scatter_steps(n) + layout.reduce_scatter_steps(n)
+    return method.message_steps(n, inner_size=inner_size)
 
 
 def volume_bytes(method, nbytes: float, n_workers: int, *, ratio: float | None = None, rate: float | None = None,
-                 bits: int | None = None, rank: int | None = None, inner_size: int | None = None) -> float:
+                 bits: int | None = None, rank: int | None = None, inner_size: int | None = None,
+                 shard: bool = False, gather_bytes: int = 4) -> float:
     """Bytes one worker sends along the critical path (:meth:`jaxcomp.methods.Method.wire_bytes`).
 
     A gradient of more than ``2**31 - 1`` values (the kernels' int32 row limit) is costed as
@@ -314,13 +321,18 @@ def volume_bytes(method, nbytes: float, n_workers: int, *, ratio: float | None =
       bits: with a name: bits per code for ``quantized``.
       rank: with a name: PowerSGD's rank.
       inner_size: workers per node for hierarchical top-k.
+      shard: sharded training: the method's reduce-scatter
+        (:meth:`jaxcomp.methods.Method.reduce_scatter_bytes`) plus the params' all-gather,
+        ``(N-1)/N`` of the params in ``gather_bytes`` bytes a value.
+      gather_bytes: with ``shard``, bytes per parameter in the all-gather (4; 2 with
+        ``gather_dtype=jnp.bfloat16``).
 
     Returns:
       The byte count the β term multiplies.
 
     Example:
-      >>> volume_bytes("dense", 4 * 1024, 4)
-      6144.0
+      >>> volume_bytes("dense", 4 * 1024, 4), volume_bytes("dense", 4 * 1024, 4, shard=True)
+      (6144.0, 6144.0)
 
     References:
       Tyagi & Swany, arXiv 2312.02493, Table I and §3-D.
@@ -331,15 +343,21 @@ def volume_bytes(method, nbytes: float, n_workers: int, *, ratio: float | None =
     # The kernels index a row with int32, so a larger gradient travels as several pieces of at
     # most MAX_ROW_LENGTH values; their bytes add up.
     pieces, remainder = divmod(size, _checks.MAX_ROW_LENGTH)
-    total = pieces * method.wire_bytes(_checks.MAX_ROW_LENGTH, n, inner_size=inner_size) if pieces else 0.0
+    if shard:
+        def bytes_of(values):
+            return method.reduce_scatter_bytes(values, n) + layout.reduce_scatter_bytes(values * gather_bytes, n)
+    else:
+        def bytes_of(values):
+            return method.wire_bytes(values, n, inner_size=inner_size)
+    total = pieces * bytes_of(_checks.MAX_ROW_LENGTH) if pieces else 0.0
     if remainder:
-        total += method.wire_bytes(remainder, n, inner_size=inner_size)
+        total += bytes_of(remainder)
     return float(total)
 
 
 def predict(method, nbytes: float, n_workers: int, network: Network, ratio: float | None = None,
             rate: float | None = None, bits: int | None = None, *, rank: int | None = None,
-            inner_size: int | None = None, overhead: float = 0.0) -> float:
+            inner_size: int | None = None, overhead: float = 0.0, shard: bool = False) -> float:
     """Predicted seconds to synchronize one float32 gradient of ``nbytes`` with ``method``.
 
     :func:`sync_seconds` of the method's :func:`message_steps` and :func:`volume_bytes`. With
@@ -364,6 +382,9 @@ def predict(method, nbytes: float, n_workers: int, network: Network, ratio: floa
       rank: with a name: PowerSGD's rank.
       inner_size: workers per node, for hierarchical top-k.
       overhead: seconds added as is, e.g. the measured encode/decode time of the method.
+      shard: sharded training (``data_parallel(shard=...)``): the method's reduce-scatter form
+        plus the params' all-gather (dense: the same bytes as its all-reduce; ZFP, THC and
+        bf16: the gradient's half compressed, the params' half not).
 
     Returns:
       Predicted seconds.
@@ -381,8 +402,8 @@ def predict(method, nbytes: float, n_workers: int, network: Network, ratio: floa
         raise TypeError(f"network must be a jaxcomp.cost.Network, got {type(network).__name__}")
     overhead = _check_seconds(overhead, "overhead")
     method = _method(method, ratio, rate, bits, rank)
-    steps = message_steps(method, n_workers, inner_size=inner_size)
-    volume = volume_bytes(method, nbytes, n_workers, inner_size=inner_size)
+    steps = message_steps(method, n_workers, inner_size=inner_size, shard=shard)
+    volume = volume_bytes(method, nbytes, n_workers, inner_size=inner_size, shard=shard)
     return sync_seconds(steps, volume, network.alpha, network.beta, overhead)
 
 

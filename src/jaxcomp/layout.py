@@ -313,3 +313,44 @@ def quantized_length(n: int, hadamard: bool) -> int:
         return n
     block = hadamard_block(n)
     return ceil_div(n, block) * block
+
+
+def reduce_scatter_bytes(message_bytes: float, n_devices: int) -> float:
+    """Bytes one device sends in a ring reduce-scatter of ``message_bytes``: ``(N-1)/N M``, half an
+    all-reduce (the other half, an all-gather of the same size, is what sharded training moves to
+    the parameters).
+
+    Args:
+      message_bytes: bytes of the vector each device contributes.
+      n_devices: devices, >= 1.
+
+    Returns:
+      Bytes sent by one device.
+
+    Example:
+      >>> reduce_scatter_bytes(1000, 8)
+      875.0
+
+    References:
+      Rajbhandari et al., ZeRO, SC 2020, §7 (reduce-scatter plus all-gather is one all-reduce).
+    """
+    return (n_devices - 1) / n_devices * message_bytes
+
+
+def reduce_scatter_steps(n_devices: int) -> int:
+    """Sequential message steps of a ring reduce-scatter (or all-gather): ``N - 1``.
+
+    Args:
+      n_devices: devices, >= 1.
+
+    Returns:
+      The steps (0 for one device).
+
+    Example:
+      >>> reduce_scatter_steps(8)
+      7
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, Table I (half of the ring all-reduce).
+    """
+    return max(0, n_devices - 1)

@@ -36,16 +36,21 @@ from jaxcomp.methods import Cast, Dense, PowerSGD, Quantized, RandomK, Sign, Top
 def _runs():
     fixed = (Dense(), TopK(0.01), TopK(0.01, collective="ar"), Zfp(8), Quantized(4), RandomK(0.01), Cast("bfloat16"),
              Sign(), PowerSGD(4))
-    table = {"pmean": (None, {}), fixed[0].label: (fixed[0], {}),
-             f"{fixed[0].label}_leaf": (fixed[0], {"granularity": "leaf"})}
-    table.update({m.label: (m, {}) for m in fixed[1:]})
-    table["auto"] = (fixed, {})
+    table = {"pmean": (None, {}, None), fixed[0].label: (fixed[0], {}, None),
+             f"{fixed[0].label}_leaf": (fixed[0], {"granularity": "leaf"}, None)}
+    table.update({m.label: (m, {}, None) for m in fixed[1:]})
+    table["auto"] = (fixed, {}, None)
+    # Sharded training (data_parallel(shard=...)): the gradient reduce-scattered, the params all-gathered.
+    for method in (fixed[0], Zfp(8), Quantized(4)):
+        for shard in ("optimizer", "params"):
+            table[f"{method.label}@{shard}"] = (method, {}, shard)
     return table
 
 
 #: The runs of the benchmark, by label: (a jaxcomp.methods object, a tuple of them for
 #: ``compress_auto``'s candidates, or None for the plain pmean; the transformation's keyword
-#: arguments). ``auto`` chooses among the fixed methods.
+#: arguments; data_parallel's ``shard=``). ``auto`` chooses among the fixed methods; a label
+#: ``method@optimizer`` or ``method@params`` runs that method sharded.
 METHODS = _runs()
 
 DEFAULT_RATES = ("10gbit", "1gbit", "100mbit", "none")
@@ -196,7 +201,7 @@ def _worker(spec: Spec) -> None:
                "methods": {}}
 
     for position, label in enumerate(spec.methods):
-        method, options = METHODS[label]
+        method, options, shard = METHODS[label]
         if method is None:
             step = _plain_pmean_step(loss_fn, mesh)
             state = step.init(params)
@@ -204,7 +209,7 @@ def _worker(spec: Spec) -> None:
             aggregate = (jaxcomp.compress_auto(method, **options) if isinstance(method, tuple)
                          else jaxcomp.compress(method, **options))
             tx = optax.chain(aggregate, optax.adam(1e-4))
-            dp = jaxcomp.data_parallel(loss_fn, tx, mesh)
+            dp = jaxcomp.data_parallel(loss_fn, tx, mesh, shard=shard)
             init_start = time.perf_counter()
             state = dp.init(params)
             init_seconds = time.perf_counter() - init_start
@@ -225,12 +230,17 @@ def _worker(spec: Spec) -> None:
         after = read_interface_counters(INTERFACE)
         steps_counted = spec.warmup + extra + spec.steps
         entry = {"step": median, "times": times, "sync": median - compute_first,
-                 "wire_tx": (after[0] - before[0]) / steps_counted, "wire_rx": (after[1] - before[1]) / steps_counted}
+                 "wire_tx": (after[0] - before[0]) / steps_counted, "wire_rx": (after[1] - before[1]) / steps_counted,
+                 # This device's share of the training state (params + optimizer state, the
+                 # error-feedback residual included), from the arrays' shardings, and the process's
+                 # resident memory while the method's state and executables are alive.
+                 "state_bytes": _state_bytes(state), "rss": _resident_bytes()}
         if method is not None:
             entry["init"] = init_seconds
             host = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics_box.items()
-                    if k in ("bytes_sent", "density", "gain", "method")}
-            entry["bytes_sent"] = host.get("bytes_sent")
+                    if k in ("bytes_sent", "density", "gain", "method", "gather_bytes")}
+            # Sharded: the gradient's reduce-scatter plus the params' all-gather.
+            entry["bytes_sent"] = host.get("bytes_sent", 0.0) + host.get("gather_bytes", 0.0)
             ran = jaxcomp.find_compress_state(state.opt_state).methods[int(host.get("method", 0))]
             entry["ran"] = ran.label
         else:
@@ -238,7 +248,7 @@ def _worker(spec: Spec) -> None:
             entry["bytes_sent"] = ran.wire_bytes(n_params, n_hosts)
             entry["ran"] = label
         if network is not None:
-            entry.update(_predictions(ran, params, n_hosts, network, compute_first, mesh))
+            entry.update(_predictions(ran, params, n_hosts, network, compute_first, mesh, shard))
         results["methods"][label] = entry
         if jax.process_index() == 0:
             print(f"netbench: {n_hosts} hosts, {label}: step {median:.3f} s (compute {compute_first:.3f} s), "
@@ -263,11 +273,29 @@ def _worker(spec: Spec) -> None:
             json.dump(results, f)
 
 
-def _predictions(ran, params, n_hosts, network, compute, mesh):
+def _state_bytes(state) -> int:
+    """Bytes of ``state``'s arrays on this process's first device (its shard of each)."""
+    import jax
+
+    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(state)
+               if isinstance(leaf, jax.Array))
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory now (Linux ``/proc/self/statm``), 0 where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _predictions(ran, params, n_hosts, network, compute, mesh, shard=None):
     """The cost model's sync time and paper 002's step time (``jaxcomp advise``) for the method that ran.
 
     Both include the method's local work, measured as ``compress_auto`` measures it
-    (:func:`jaxcomp.probe.overhead_seconds`, every host at once).
+    (:func:`jaxcomp.probe.overhead_seconds`, every host at once). Sharded runs are costed as a
+    reduce-scatter plus the params' all-gather (``shard=True``; dense: the same bytes as its all-reduce).
     """
     import jax
 
@@ -280,8 +308,9 @@ def _predictions(ran, params, n_hosts, network, compute, mesh):
     if ran.sends_everything:
         step = advise.sync_sgd_time(nbytes, n_hosts, network, compute, overlap=False, method=ran)
     else:
-        step = advise.compressed_time(ran, nbytes, n_hosts, network, compute, encode_decode_seconds=local)
-    return {"predicted_sync": cost.predict(ran, nbytes, n_hosts, network, overhead=local),
+        step = advise.compressed_time(ran, nbytes, n_hosts, network, compute, encode_decode_seconds=local,
+                                      shard=shard is not None)
+    return {"predicted_sync": cost.predict(ran, nbytes, n_hosts, network, overhead=local, shard=shard is not None),
             "advise_step": step, "local_work": local}
 
 
@@ -434,8 +463,9 @@ def table(rows) -> str:
       MLSys 2022 (measure the step, not the bytes); issue 13's set-up.
     """
     lines = ["| hosts | rate | method | step s | compute s | sync s | predicted sync s | advise step s | "
-             "wire MB/step/host | bytes_sent MB | sync: dense / this | speedup vs pmean | ran |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "wire MB/step/host | bytes_sent MB | sync: dense / this | speedup vs pmean | ran | state MB/host | "
+             "RSS MB/host |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     dense_sync = {(r["hosts"], r["rate"]): r["sync"] for r in rows if r["method"] == Dense().label}
     for r in rows:
         base = dense_sync.get((r["hosts"], r["rate"]))
@@ -443,7 +473,7 @@ def table(rows) -> str:
         lines.append(f"| {r['hosts']} | {r['rate']} | {r['method']} | {_s(r['step'])} | {_s(r['compute'])} | "
                      f"{_s(r['sync'])} | {_s(r.get('predicted_sync'))} | {_s(r.get('advise_step'))} | "
                      f"{_mb(r['wire_tx'])} | {_mb(r.get('bytes_sent'))} | {ratio} | {r['speedup']:.2f}x | "
-                     f"{r['ran']} |")
+                     f"{r['ran']} | {_mb(r.get('state_bytes'))} | {_mb(r.get('rss'))} |")
     return "\n".join(lines)
 
 

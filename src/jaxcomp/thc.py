@@ -72,8 +72,14 @@ def unpack_codes(words, width: int, length: int):
     return ((words[:, None] >> shifts) & np.uint32((1 << width) - 1)).reshape(-1)[:length]
 
 
-def thc_aggregate(x, bits: int, key, hadamard: bool, n_devices: int, device, pmax, psum):
+def thc_aggregate(x, bits: int, key, hadamard: bool, n_devices: int, device, pmax, psum, scatter: bool = False):
     """THC on one device's vector, with the collectives passed in: ``(total, sent)``.
+
+    With ``scatter`` the sum ends as a reduce-scatter (sharded training): ``x`` holds ``n_devices``
+    rows of equal length (whole Hadamard blocks of :func:`jaxcomp.layout.hadamard_block` of a
+    row), each row's codes are packed on their own, ``psum`` is a reduce-scatter of the
+    ``[n_devices, words]`` packed rows (``jax.lax.psum_scatter`` over the first axis), and
+    ``total`` is row ``device`` of the sum, dequantized and rotated back with that row's signs.
 
     1. Optionally a randomized Hadamard transform (random signs from ``key``, then the
        orthonormal Walsh-Hadamard transform in blocks of :func:`jaxcomp.layout.hadamard_block`).
@@ -91,7 +97,9 @@ def thc_aggregate(x, bits: int, key, hadamard: bool, n_devices: int, device, pma
       n_devices: the devices whose sum the packed fields must hold.
       device: this device's index (seeds its rounding noise).
       pmax: the max over the devices (identity for one device).
-      psum: the sum over the devices (identity for one device).
+      psum: the sum over the devices (identity for one device); with ``scatter``, the
+        reduce-scatter of the packed rows.
+      scatter: end with a reduce-scatter: ``total`` is this device's row of the sum.
 
     Returns:
       ``(total, sent)`` of ``x``'s shape and dtype.
@@ -109,23 +117,26 @@ def thc_aggregate(x, bits: int, key, hadamard: bool, n_devices: int, device, pma
     n = x.shape[0]
     width = layout.code_width(bits, n_devices)
     sign_key, noise_key = jax.random.split(key)
-    length = layout.quantized_length(n, bool(hadamard))
+    row = n // n_devices if scatter else None
+    length = n if scatter else layout.quantized_length(n, bool(hadamard))
     values = jnp.pad(x.astype(jnp.float32), (0, length - n))
     if hadamard:
-        block = layout.hadamard_block(n)
+        block = layout.hadamard_block(row if scatter else n)
+        if length % block:
+            raise ValueError(f"rows of {row} values are not whole Hadamard blocks of {block}")
         signs = counter_signs(sign_key, (length // block, block))
         scale = np.float32(1.0 / math.sqrt(block))
 
         def transform(v):
             return (hadamard_transform(v.reshape(-1, block) * signs) * scale).reshape(-1)
 
-        def inverse(v):
+        def inverse(v, signs=signs):
             return (hadamard_transform(v.reshape(-1, block)) * scale * signs).reshape(-1)[:n]
     else:
         def transform(v):
             return v
 
-        def inverse(v):
+        def inverse(v, signs=None):
             return v[:n]
 
     rotated = transform(values)
@@ -137,11 +148,18 @@ def thc_aggregate(x, bits: int, key, hadamard: bool, n_devices: int, device, pma
     codes = jnp.clip(jnp.floor(position + noise), 0, levels).astype(jnp.uint32)
     # Codes on one grid add homomorphically, and fields of `width` bits add without carrying into
     # each other: one psum of packed words sums every code.
-    summed = unpack_codes(psum(pack_codes(codes, width)), width, length)
     step = bound * np.float32(2 / levels)
-    total = summed.astype(jnp.float32) * step - n_devices * bound
-    sent = codes.astype(jnp.float32) * step - bound
-    total, sent = inverse(total), inverse(sent)  # total stays typed invariant: not stacked with sent
+    sent = inverse(codes.astype(jnp.float32) * step - bound)
+    if scatter:
+        packed = jax.vmap(lambda c: pack_codes(c, width))(codes.reshape(n_devices, row))
+        summed = unpack_codes(psum(packed), width, row)
+        own = None if not hadamard else jax.lax.dynamic_index_in_dim(
+            signs.reshape(n_devices, -1, block), device, keepdims=False)
+        total = summed.astype(jnp.float32) * step - n_devices * bound
+        total = total if not hadamard else (hadamard_transform(total.reshape(-1, block)) * scale * own).reshape(-1)
+    else:
+        summed = unpack_codes(psum(pack_codes(codes, width)), width, length)
+        total = inverse(summed.astype(jnp.float32) * step - n_devices * bound)  # typed invariant: not stacked with sent
     return total.astype(x.dtype), sent.astype(x.dtype)
 
 

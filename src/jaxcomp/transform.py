@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp import _checks, _ffi, adaptive, methods
+from jaxcomp import _checks, _ffi, adaptive, methods, sharding
 from jaxcomp.methods import Method
 from jaxcomp.nonfinite import NONFINITE_POLICIES, NonfinitePolicy
 
@@ -150,6 +150,8 @@ class Groups(NamedTuple):
     inner_size: int | None  # devices of the last axis when there are two (hierarchical top-k's node)
     dtype_bytes: int  # bytes per value on the wire
     shapes: list | None = None  # per vector: the shapes of the leaves it is made of (stateful methods)
+    scatter: bool = False  # sharded training: vectors are shard-major and each device gets its row of the sum
+    values: list | None = None  # with scatter: the real values per vector (the rest is padding)
 
 
 def _shaped(method: Method, groups: Groups, i: int) -> dict:
@@ -176,12 +178,16 @@ def static_cost(method: Method, groups: Groups) -> tuple[float, int, int]:
       Tyagi & Swany, arXiv 2312.02493, Table I.
     """
     sent, kept, steps = 0.0, 0, 0
-    for i, (n, name) in enumerate(zip(groups.sizes, groups.names)):
+    for i, (n, name) in enumerate(zip(groups.values if groups.scatter else groups.sizes, groups.names)):
         shaped = _shaped(method, groups, i)
-        sent += method.wire_bytes(n, groups.n_devices, dtype_bytes=groups.dtype_bytes, inner_size=groups.inner_size,
-                                  **shaped)
+        if groups.scatter:  # sharded training: the reduce-scatter form, on the real values
+            sent += method.reduce_scatter_bytes(n, groups.n_devices, dtype_bytes=groups.dtype_bytes)
+            steps += method.reduce_scatter_steps(groups.n_devices)
+        else:
+            sent += method.wire_bytes(n, groups.n_devices, dtype_bytes=groups.dtype_bytes,
+                                      inner_size=groups.inner_size, **shaped)
+            steps += method.message_steps(groups.n_devices, inner_size=groups.inner_size)
         kept += _kept(method, n, name, shaped)
-        steps += method.message_steps(groups.n_devices, inner_size=groups.inner_size)
     return sent, kept, steps
 
 
@@ -228,8 +234,15 @@ def aggregate_groups(method: Method, groups: Groups, axis_name, step, base_key, 
     """
     totals, sents, new_states = [], [], []
     for i, (vector, name) in enumerate(zip(groups.vectors, groups.names)):
-        _kept(method, vector.shape[0], name, _shaped(method, groups, i))
         key = jax.random.fold_in(base_key, i)
+        if groups.scatter:
+            _kept(method, groups.values[i], name, {})
+            total, sent = method.reduce_scatter(vector, axis_name, step=step, key=key, size=groups.values[i],
+                                                sparse=sparse)
+            totals.append(total)
+            sents.append(sent)
+            continue
+        _kept(method, vector.shape[0], name, _shaped(method, groups, i))
         if method.stateful:
             total, sent, state = method.aggregate_stateful(vector, axis_name, step=step, key=key, state=states[i],
                                                            shapes=groups.shapes[i])
@@ -369,6 +382,8 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
     sends_everything = all(m.sends_everything for m in branches)
 
     def init_fn(params):
+        if sharding.active() is not None:
+            _check_scatters(branches)
         leaves, treedef = jax.tree.flatten(params)
         lay = _layout(c, params, sends_everything)
         compressed = {i for positions, _ in lay.groups for i in positions}
@@ -412,17 +427,21 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
                              "params init saw: give a mask that depends on the params' structure and shapes only")
         axis_sizes = [_bound_axis_size(a) for a in c.axes]
         n_devices = math.prod(axis_sizes)
+        shards = _shards(c, branches, n_devices)  # sharded training: N, else None
         _check_local_gradients(c, [leaves[i] for i in floats])
         comm_dtype = _comm_dtype([leaves[i] for i in floats])
 
         groups = Groups(vectors=[], names=[name for _, name in lay.groups], sizes=[], n_devices=n_devices,
                         inner_size=axis_sizes[-1] if len(axis_sizes) == 2 else None,
                         dtype_bytes=jnp.dtype(comm_dtype).itemsize,
-                        shapes=[tuple(leaves[i].shape for i in positions) for positions, _ in lay.groups])
+                        shapes=[tuple(leaves[i].shape for i in positions) for positions, _ in lay.groups],
+                        scatter=shards is not None,
+                        values=[sum(leaves[i].size for i in positions) for positions, _ in lay.groups])
         scale = 1.0 / n_devices if c.mean else 1.0
+        rows = [_row(branches, [leaves[i] for i in positions], shards) for positions, _ in lay.groups]
         out = list(leaves)
         plain_bytes, plain_kept = 0.0, 0
-        if sends_everything and not uses_auto:
+        if sends_everything and not uses_auto and shards is None:
             # Nothing is lost, so nothing is kept: sum the gradients as they are and look at the
             # sum. A NaN or Inf on any device reaches the sum, so a finite sum proves every entry
             # was finite, for one pass over the total instead of a where and a count over every
@@ -464,14 +483,21 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
                 return g + residuals[i] if keeps_residual else g
 
             # The error-fed vector of each group (for the model: one concatenation of its leaves).
-            feds = [_concat([error_fed(i) for i in positions]) for positions, _ in lay.groups]
+            feds = [_pack([error_fed(i) for i in positions], shards, row)
+                    for (positions, _), row in zip(lay.groups, rows)]
             if lay.plain:
-                # The leaves mask= and min_size= leave out: summed as they are, in one all-reduce.
-                plain_total = jax.lax.psum(_concat([finite_part(i) for i in lay.plain]).astype(comm_dtype),
-                                           c.axis_name)
-                plain_kept = plain_total.shape[0]
-                plain_bytes = _DENSE.wire_bytes(plain_kept, n_devices, dtype_bytes=groups.dtype_bytes)
-                _write(out, leaves, lay.plain, plain_total, scale, None)
+                # The leaves mask= and min_size= leave out: summed as they are, in one all-reduce
+                # (with shards: one reduce-scatter).
+                parts = [finite_part(i) for i in lay.plain]
+                plain = _pack(parts, shards, _row((), parts, shards)).astype(comm_dtype)
+                plain_kept = sum(leaves[i].size for i in lay.plain)
+                if shards is None:
+                    plain_total = jax.lax.psum(plain, c.axis_name)
+                    plain_bytes = _DENSE.wire_bytes(plain_kept, n_devices, dtype_bytes=groups.dtype_bytes)
+                else:
+                    plain_total = jax.lax.psum_scatter(plain, c.axis_name, scatter_dimension=0, tiled=True)
+                    plain_bytes = _DENSE.reduce_scatter_bytes(plain_kept, n_devices, dtype_bytes=groups.dtype_bytes)
+                _write(out, leaves, lay.plain, plain_total, scale, None, shards)
             if feds:
                 vectors = [fed.astype(comm_dtype) for fed in feds]
                 groups = groups._replace(vectors=vectors, sizes=[v.shape[0] for v in vectors])
@@ -495,8 +521,8 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
 
         new_residuals = list(residuals)
         new_velocities = list(velocities) if velocities is not None else None
-        for (positions, _), fed, total, sent in zip(lay.groups, feds, result.totals, result.sents):
-            _write(out, leaves, positions, total, scale, skipped)
+        for (positions, _), row, fed, total, sent in zip(lay.groups, rows, feds, result.totals, result.sents):
+            _write(out, leaves, positions, total, scale, skipped, shards)
             if result.sends_everything:
                 continue  # everything was sent: no residual
             if result.sparse:
@@ -506,13 +532,13 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
             else:
                 remaining = fed - sent.astype(jnp.float32)
             if keeps_residual:
-                _keep(new_residuals, residuals, leaves, positions, remaining, skipped)
+                _keep(new_residuals, residuals, leaves, positions, remaining, skipped, shards)
             if c.momentum is not None:
                 # DGC's momentum factor masking: what was sent leaves the momentum too.
-                u = _concat([momenta[i] for i in positions])
+                u = _pack([momenta[i] for i in positions], shards, row)
                 u = (u.at[indices].set(0.0, mode="drop", unique_indices=True) if result.sparse
                      else jnp.where(sent != 0, 0.0, u))
-                _keep(new_velocities, velocities, leaves, positions, u, skipped)
+                _keep(new_velocities, velocities, leaves, positions, u, skipped, shards)
 
         total_size = sum(leaves[i].size for i in floats)
         metrics = CompressMetrics(gain=gain, bytes_sent=jnp.asarray(result.bytes_sent + plain_bytes, jnp.float32),
@@ -566,11 +592,66 @@ def _concat(parts):
     return jnp.concatenate([p.ravel() for p in parts]) if len(parts) > 1 else parts[0].ravel()
 
 
-def _write(out, leaves, positions, total, scale, skipped):
-    """Splits a group's ``total`` into its leaves' updates (zeros on a skipped step)."""
+def _shards(c: FeedbackConfig, branches, n_devices: int) -> int | None:
+    """With :func:`jaxcomp.sharding.sharded_updates` in force, the shards per leaf (after checking
+    that they are the devices ``c.axes`` reduce over and that every method can reduce-scatter);
+    else None."""
+    active = sharding.active()
+    if active is None:
+        return None
+    if active.n_devices != n_devices:
+        raise ValueError(f"the updates are sharded over {active.n_devices} devices, but compress(axis_name="
+                         f"{c.axis_name!r}) reduces over {n_devices}: give compress the data axes data_parallel "
+                         "splits the batch over")
+    _check_scatters(branches)
+    return n_devices
+
+
+def _check_scatters(branches):
+    """Raises a ValueError naming the first method without a reduce-scatter form."""
+    for method in branches:
+        if not method.scatters:
+            raise ValueError(f"method {method.describe()} has no reduce-scatter form, so it cannot aggregate "
+                             f"sharded gradients (data_parallel(shard=...)); methods that can: "
+                             f"{', '.join(methods.scattering())}; or train with shard=None")
+
+
+def _row(branches, parts, shards) -> int | None:
+    """Values per device row of the shard-major vector of ``parts`` (None when not sharded): the
+    shards of the parts, padded until every branch accepts the row (:meth:`Method.shard_row`)."""
+    if shards is None:
+        return None
+    row = sum(sharding.shard_length(p.size, shards) for p in parts)
+    for _ in range(8):
+        padded = functools.reduce(lambda r, m: max(r, m.shard_row(r, shards)), branches, row)
+        if padded == row:
+            return row
+        row = padded
+    raise ValueError(f"the methods {[m.describe() for m in branches]} agree on no row length for {row} values")
+
+
+def _pack(parts, shards, row):
+    """One vector of the parts: concatenated, or shard-major with ``shards``."""
+    return _concat(parts) if shards is None else sharding.shard_major(parts, shards, row)
+
+
+def _pieces(leaves, positions, vector, shards):
+    """``(i, flat piece)`` of ``vector`` for each leaf ``i`` at ``positions``: the inverse of :func:`_pack`."""
+    sizes = [leaves[i].size for i in positions]
+    if shards is not None:
+        return zip(positions, sharding.from_shard_major(vector, sizes, shards))
+    offsets = np.cumsum([0] + sizes)
+    return ((i, vector[offsets[j]:offsets[j + 1]]) for j, i in enumerate(positions))
+
+
+def _write(out, leaves, positions, total, scale, skipped, shards=None):
+    """Splits a group's ``total`` into its leaves' updates (zeros on a skipped step); with
+    ``shards``, ``total`` is this device's row and each update is its 1-D shard of the leaf."""
     offset = 0
     for i in positions:
         size, shape = leaves[i].size, leaves[i].shape
+        if shards is not None:
+            size, shape = sharding.shard_length(size, shards), (sharding.shard_length(size, shards),)
         update = total[offset:offset + size].reshape(shape).astype(jnp.float32) * scale
         if skipped is not None:
             update = jnp.where(skipped, 0.0, update)
@@ -578,15 +659,12 @@ def _write(out, leaves, positions, total, scale, skipped):
         offset += size
 
 
-def _keep(new, old, leaves, positions, vector, skipped):
+def _keep(new, old, leaves, positions, vector, skipped, shards=None):
     """Splits a group's per-device ``vector`` (residual, momentum) into its leaves, keeping the old
     values on a skipped step."""
-    offset = 0
-    for i in positions:
-        size, shape = leaves[i].size, leaves[i].shape
-        piece = vector[offset:offset + size].reshape(shape)
+    for i, piece in _pieces(leaves, positions, vector, shards):
+        piece = piece.reshape(leaves[i].shape)
         new[i] = piece if skipped is None else jnp.where(skipped, old[i], piece)
-        offset += size
 
 
 def _square(values):

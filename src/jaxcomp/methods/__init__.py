@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from jaxcomp.methods.base import Method
+from jaxcomp.methods.base import Method, scattering
 from jaxcomp.methods.cast import Cast
 from jaxcomp.methods.dense import Dense
 from jaxcomp.methods.powersgd import PowerSGD

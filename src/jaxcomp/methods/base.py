@@ -15,6 +15,10 @@ tables and metrics        :attr:`Method.label`, :attr:`Method.setting`, :meth:`M
 state across steps        :attr:`Method.stateful`: :meth:`Method.init_state` and
                           :meth:`Method.aggregate_stateful` (e.g. PowerSGD's warm-started ``Q``),
                           with the leaves' shapes
+sharded training          :meth:`Method.reduce_scatter` (each device gets its shard of the sum),
+                          :meth:`Method.shard_row`, :meth:`Method.reduce_scatter_bytes` and
+                          :meth:`Method.reduce_scatter_steps`; :attr:`Method.scatters` says whether
+                          the method has this form
 ========================  ==========================================================================
 
 :func:`jaxcomp.compress`, :func:`jaxcomp.compress_auto`, :mod:`jaxcomp.cost`, :mod:`jaxcomp.probe`,
@@ -49,6 +53,8 @@ class Method:
     * ``timed_by_update``: the method's local work is spread over the update (selection, in-place
       error feedback), so its overhead is measured by timing the whole update on one device
       (:func:`jaxcomp.probe.update_seconds`) rather than :meth:`local_work` alone.
+    * ``scatters``: the method has a reduce-scatter form (:meth:`reduce_scatter`), which
+      ``jaxcomp.data_parallel(..., shard=...)`` needs.
     * ``stateful``: the method keeps state of its own across steps and needs the shapes of the
       leaves its vector is made of: it implements :meth:`init_state` and
       :meth:`aggregate_stateful` (instead of :meth:`aggregate`), and its :meth:`kept` and
@@ -79,6 +85,7 @@ class Method:
     replicated_total: ClassVar[bool] = True
     timed_by_update: ClassVar[bool] = False
     stateful: ClassVar[bool] = False
+    scatters: ClassVar[bool] = False
 
     # ---- identity -------------------------------------------------------------------------------
 
@@ -153,6 +160,43 @@ class Method:
         previous step) and ``new_state`` has its structure and stays replicated."""
         raise NotImplementedError(f"{type(self).__name__} is stateful and must implement aggregate_stateful")
 
+    # ---- sharded training (reduce-scatter) -------------------------------------------------------
+
+    def shard_row(self, m: int, n_devices: int) -> int:
+        """Values per device row that :meth:`reduce_scatter` needs for shards of ``m`` values (at
+        least ``m``; e.g. whole Hadamard blocks). Applying it to its own result gives it back."""
+        return m
+
+    def reduce_scatter(self, x, axis_name, *, step, key, size, sparse: bool = False) -> tuple[Any, Any]:
+        """With :attr:`scatters`: this device's shard of the sum, ``(shard, sent)``.
+
+        Args:
+          x: this device's 1-D vector of ``N * row`` values, laid out shard-major
+            (:func:`jaxcomp.sharding.shard_major`), with ``row`` from :meth:`shard_row`.
+          axis_name: the mesh axis, or the tuple of axes, to sum over (device ``d``'s position
+            along them is its row).
+          step: the training step (an int32 scalar, replicated).
+          key: a ``jax.random`` key for this step and vector, replicated.
+          size: how many of ``x``'s values are real (the rest is padding), for the share a
+            method keeps (``kept(size)``).
+          sparse: with :attr:`sparse`, return ``sent`` as ``(indices, values)``.
+
+        Returns:
+          ``shard``: row ``d`` (``row`` values) of the sum over the devices, on device ``d``;
+          ``sent``: this device's contribution as the sum saw it (all ``N * row`` values), so
+          that ``x - sent`` is what error feedback keeps.
+        """
+        raise ValueError(f"method {self.describe()} has no reduce-scatter form, so it cannot aggregate sharded "
+                         f"gradients (data_parallel(shard=...)); methods that can: {', '.join(scattering())}")
+
+    def reduce_scatter_bytes(self, n: int, n_devices: int, *, dtype_bytes: int = 4) -> float:
+        """Bytes one device sends in :meth:`reduce_scatter` of ``n`` values over ``n_devices``."""
+        raise ValueError(f"method {self.describe()} has no reduce-scatter form")
+
+    def reduce_scatter_steps(self, n_devices: int) -> int:
+        """Sequential message steps of :meth:`reduce_scatter` (the α term)."""
+        raise ValueError(f"method {self.describe()} has no reduce-scatter form")
+
     # ---- the cost model -------------------------------------------------------------------------
 
     def wire_bytes(self, n: int, n_devices: int, *, dtype_bytes: int = 4, inner_size: int | None = None) -> float:
@@ -172,6 +216,23 @@ class Method:
         """A function of one device's 1-D float32 vector that does this method's local work (its
         codec) with the collectives taken out, for timing; None when it has none."""
         return None
+
+
+def scattering() -> list[str]:
+    """jaxcomp's methods (and variants) with a reduce-scatter form, for messages.
+
+    Returns:
+      Their names, as a user would write them.
+
+    Example:
+      >>> scattering()[0]
+      'Dense'
+
+    References:
+      Rajbhandari et al., ZeRO, SC 2020 (gradients reduce-scattered to their owners).
+    """
+    return ["Dense", "Cast (bf16, fp16)", "Zfp (algorithm='ring')", "Quantized (thc)",
+            "TopK (collective='allgather' or 'ar')"]
 
 
 class Fraction:

@@ -108,6 +108,7 @@ class Cast(Method):
     allreduce: str = "ring"
 
     name = "cast"
+    scatters = True
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
@@ -136,20 +137,50 @@ class Cast(Method):
 
         return (x.astype(jnp.float32) * s).astype(self._narrow())
 
-    def aggregate(self, x, axis_name, *, step, key, sparse=False):
+    def _scale(self, x, axis_name):
+        """The shared power of two (one pmax of a scalar) with :attr:`scaled`, else 1."""
         import jax
         import jax.numpy as jnp
 
-        if self.scaled:
-            axes = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
-            n_devices = math.prod(jax.lax.axis_size(a) for a in axes)
-            global_max = jax.lax.pmax(jnp.max(jnp.abs(x)).astype(jnp.float32), axis_name)
-            s = power_of_two_scale(global_max, n_devices)
-        else:
-            s = jnp.float32(1.0)
+        if not self.scaled:
+            return jnp.float32(1.0)
+        axes = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+        n_devices = math.prod(jax.lax.axis_size(a) for a in axes)
+        global_max = jax.lax.pmax(jnp.max(jnp.abs(x)).astype(jnp.float32), axis_name)
+        return power_of_two_scale(global_max, n_devices)
+
+    def aggregate(self, x, axis_name, *, step, key, sparse=False):
+        import jax
+
+        return self._sum(x, axis_name, lambda v: jax.lax.psum(v, axis_name))
+
+    def reduce_scatter(self, x, axis_name, *, step, key, size, sparse=False):
+        import jax
+
+        return self._sum(x, axis_name, lambda v: jax.lax.psum_scatter(v, axis_name, scatter_dimension=0, tiled=True))
+
+    def _sum(self, x, axis_name, collective):
+        """``(collective(narrow x) / s, narrow x / s)``: the sum (or this device's shard of it) and
+        what was sent, both back in ``x``'s dtype."""
+        import jax.numpy as jnp
+
+        s = self._scale(x, axis_name)
         narrow = self.encode(x, s)
-        total = jax.lax.psum(narrow, axis_name).astype(jnp.float32) / s
+        total = collective(narrow).astype(jnp.float32) / s
         return total.astype(x.dtype), (narrow.astype(jnp.float32) / s).astype(x.dtype)
+
+    def reduce_scatter_bytes(self, n, n_devices, *, dtype_bytes=4):
+        """A reduce-scatter of ``n`` 2-byte values, plus the scale's all-reduce when :attr:`scaled`."""
+        n, _ = _checks.check_message(n, dtype_bytes)
+        N = _checks.check_devices(n_devices)
+        if N == 1:
+            return 0.0
+        return layout.reduce_scatter_bytes(2 * n, N) + (
+            layout.allreduce_bytes(4, N, self.allreduce) if self.scaled else 0.0)
+
+    def reduce_scatter_steps(self, n_devices):
+        N = _checks.check_devices(n_devices)
+        return layout.reduce_scatter_steps(N) + (layout.allreduce_steps(N, self.allreduce) if self.scaled else 0)
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         """One all-reduce of ``n`` 2-byte values (``2 (N-1)/N * 2n`` as a ring), plus the scale's

@@ -33,6 +33,7 @@ class Dense(Method):
 
     name = "dense"
     sends_everything = True
+    scatters = True
 
     def __post_init__(self):
         _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
@@ -49,3 +50,15 @@ class Dense(Method):
 
     def message_steps(self, n_devices, *, inner_size=None):
         return layout.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
+
+    def reduce_scatter(self, x, axis_name, *, step, key, size, sparse=False):
+        import jax
+
+        return jax.lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True), x
+
+    def reduce_scatter_bytes(self, n, n_devices, *, dtype_bytes=4):
+        n, dtype_bytes = _checks.check_message(n, dtype_bytes)
+        return layout.reduce_scatter_bytes(n * dtype_bytes, _checks.check_devices(n_devices))
+
+    def reduce_scatter_steps(self, n_devices):
+        return layout.reduce_scatter_steps(_checks.check_devices(n_devices))

@@ -41,6 +41,7 @@ class Quantized(Method):
     allreduce: str = "ring"
 
     name = "quantized"
+    scatters = True
 
     def __post_init__(self):
         object.__setattr__(self, "bits", _checks.check_bits(self.bits))
@@ -66,6 +67,30 @@ class Quantized(Method):
         codes = layout.packed_words(layout.quantized_length(n, self.hadamard), self.bits, N) * layout.WORD_BYTES
         return (layout.allreduce_bytes(codes, N, self.allreduce)
                 + layout.allreduce_bytes(layout.SCALAR_BYTES, N, self.allreduce))
+
+    def shard_row(self, m, n_devices):
+        """Whole Hadamard blocks of a row (each device rotates its own row back)."""
+        return layout.quantized_length(m, self.hadamard)
+
+    def reduce_scatter(self, x, axis_name, *, step, key, size, sparse=False):
+        from jaxcomp import collectives
+
+        return collectives.quantized_psum(x, self.bits, axis_name, key, hadamard=self.hadamard, scatter=True)
+
+    def reduce_scatter_bytes(self, n, n_devices, *, dtype_bytes=4):
+        """A reduce-scatter of the rows' packed codes (``n`` values in ``N`` rows of whole Hadamard
+        blocks), plus the all-reduce of the float32 range."""
+        n, dtype_bytes = _checks.check_message(n, dtype_bytes)
+        N = _checks.check_devices(n_devices)
+        if N == 1:
+            return 0.0
+        row = layout.quantized_length(layout.ceil_div(n, N), self.hadamard)
+        codes = N * layout.packed_words(row, self.bits, N) * layout.WORD_BYTES
+        return layout.reduce_scatter_bytes(codes, N) + layout.allreduce_bytes(layout.SCALAR_BYTES, N, self.allreduce)
+
+    def reduce_scatter_steps(self, n_devices):
+        N = _checks.check_devices(n_devices)
+        return layout.reduce_scatter_steps(N) + layout.allreduce_steps(N, self.allreduce)
 
     def message_steps(self, n_devices, *, inner_size=None):
         """Two all-reduces: the shared range, then the packed codes."""

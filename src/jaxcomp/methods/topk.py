@@ -89,6 +89,36 @@ class TopK(Fraction, Method):
         outer, inner = axis_name
         return collectives.hierarchical_topk(x, k, inner, outer, selector=self.selector, sparse_sent=sparse)
 
+    @property
+    def scatters(self):
+        return self.collective != "hierarchical"
+
+    def reduce_scatter(self, x, axis_name, *, step, key, size, sparse=False):
+        """The same selection and exchange as :meth:`aggregate`, with ``k`` taken of the ``size``
+        real values; each device adds only the pairs that fall in its own row (the sharded
+        run's update is bit for bit the replicated one's)."""
+        from jaxcomp import collectives
+
+        if not self.scatters:
+            return super().reduce_scatter(x, axis_name, step=step, key=key, size=size)
+        k = self.kept(size)
+        if self.collective == "allgather":
+            return collectives.allgather_topk(x, k, axis_name, selector=self.selector, sparse_sent=sparse,
+                                              scatter=True)
+        return collectives.ar_topk(x, k, axis_name, leader=self.leader, step=step, selector=self.selector,
+                                   sparse_sent=sparse, scatter=True)
+
+    def reduce_scatter_bytes(self, n, n_devices, *, dtype_bytes=4):
+        """What :meth:`wire_bytes` counts: the exchange is the same, only the adding differs."""
+        if not self.scatters:
+            return super().reduce_scatter_bytes(n, n_devices, dtype_bytes=dtype_bytes)
+        return self.wire_bytes(n, n_devices, dtype_bytes=dtype_bytes)
+
+    def reduce_scatter_steps(self, n_devices):
+        if not self.scatters:
+            return super().reduce_scatter_steps(n_devices)
+        return self.message_steps(n_devices)
+
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         """Bytes per device (``N = n_devices``, ``d = dtype_bytes``, indices 4 bytes):
 

@@ -63,6 +63,30 @@ class Zfp(Method):
 
         return collectives.zfp_allreduce(x, self.rate, axis_name, algorithm=self.algorithm)
 
+    @property
+    def scatters(self):
+        return self.algorithm == "ring"
+
+    def reduce_scatter(self, x, axis_name, *, step, key, size, sparse=False):
+        from jaxcomp import collectives
+
+        if not self.scatters:
+            return super().reduce_scatter(x, axis_name, step=step, key=key, size=size)
+        return collectives.zfp_reduce_scatter(x, self.rate, axis_name)
+
+    def reduce_scatter_bytes(self, n, n_devices, *, dtype_bytes=4):
+        """The ring's reduce-scatter phase: ``N - 1`` compressed chunks of ``ceil(n/N)`` values."""
+        if not self.scatters:
+            return super().reduce_scatter_bytes(n, n_devices, dtype_bytes=dtype_bytes)
+        n, dtype_bytes = _checks.check_message(n, dtype_bytes)
+        N = _checks.check_devices(n_devices)
+        return float((N - 1) * _words(layout.ring_chunk(n, N), self.rate) * layout.WORD_BYTES)
+
+    def reduce_scatter_steps(self, n_devices):
+        if not self.scatters:
+            return super().reduce_scatter_steps(n_devices)
+        return layout.reduce_scatter_steps(_checks.check_devices(n_devices))
+
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         """``"ring"``: ``2 (N-1)`` compressed chunks of ``ceil(n/N)`` values; ``"recursive_doubling"``:
         the whole compressed vector once per round, ``log2 p`` rounds for ``p`` the largest power of
