@@ -5,14 +5,34 @@
 // histogram of the next `width` key bits, restricted to the keys that share the bits resolved so
 // far, evaluates `width` rounds at once: the new digit is the largest bin whose suffix count
 // reaches the k still needed. Digits are 11 bits (a 2048-bin histogram fits in shared memory), so
-// the default 16 rounds take 2 passes over memory and exact top-k (31 rounds) takes 3.
+// the default 16 rounds take 2 radix passes and exact top-k (31 rounds) takes 3.
+//
+// Candidate filtering, as in AIR top-k (RAFT's radix select_k, CUB's DeviceTopK): after the first
+// pass every later pass and the selection only concern the keys >= lo of the first digit, C(lo)
+// of them, known before the second pass. So the second pass (the filter pass) also writes those
+// entries, values and indices, to a per-row candidate buffer (an eighth of the row, at least 256
+// entries, within kCandidateBudget), and later passes read only them. A row whose C(lo) exceeds
+// its buffer (many ties at the k-th magnitude, a large k) reads its values in every pass instead,
+// as without filtering; rows of one launch may differ.
 //
 // Compaction to exactly k then keeps every key >= hi and the lowest-index keys in [lo, hi): an
 // entry i lands at output position A_i + min(T_i, need), where A_i and T_i count the entries above
 // and in the bracket before i. The last histogram pass keeps each tile's own histogram, which
 // gives every tile its counts above and in the bracket once the last digit is chosen; a scan of
 // those counts and one write pass then place every entry without any sort, in ascending index
-// order. Threshold top-k thus reads memory 3 times at the default rounds, exact top-k 4 times.
+// order. Each tile's candidates are in index order and every tile knows where they are, so the
+// write pass reads a filtered row's candidates instead of its values.
+//
+// Reads of the input (f32; a row with candidates / a row whose candidates overflow):
+//   exact top-k (31 rounds)              2 / 4   (passes 1-2 read it, pass 3 and the write read candidates)
+//   threshold_topk, 12-22 rounds         2 / 3   (default 16)
+//   threshold_topk, <= 11 rounds         2       (one pass and the write: nothing to filter)
+//   find_threshold, 23-31 rounds         2 / 3
+//   find_threshold, <= 22 rounds         1-2     (unchanged: no pass after the filter pass)
+// plus writes of at most C(lo) <= n/8 candidates (8 bytes each) and their reads in the later
+// passes. Rows too long for the per-tile histogram budget count their tiles in one more pass,
+// over the candidates when they have them.
+
 #include <cub/block/block_load.cuh>
 #include <cub/block/block_scan.cuh>
 
