@@ -76,7 +76,7 @@ ffi::Error FindThresholdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
     return e;
   }
   if (rows->rows == 0) return ffi::Error::Success();
-  const size_t scratch_bytes = jaxcomp::cuda::select_scratch_bytes(rows->rows, rows->n, static_cast<int>(rounds));
+  const size_t scratch_bytes = jaxcomp::cuda::threshold_scratch_bytes(rows->rows, rows->n, static_cast<int>(rounds));
   ffi::ErrorOr<void*> work = AllocateScratch(scratch, scratch_bytes);
   if (work.has_error()) return work.error();
   return ToError(jaxcomp::cuda::find_threshold(x.typed_data(), rows->rows, rows->n, k, static_cast<int>(rounds),

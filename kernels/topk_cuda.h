@@ -3,7 +3,8 @@
 // Semantics are those of docs/kernels.md: magnitude key bits(x) & 0x7FFFFFFF (NaN largest), the
 // bisection definition of `rounds`, ties to the lower index, output in ascending index order.
 // Launch failures come back as a kInternal Status. Everything is enqueued on `stream`; nothing synchronizes with the host or allocates: the caller
-// passes `scratch` of at least select_scratch_bytes(rows, n, rounds) bytes (256-byte aligned).
+// passes `scratch` of at least select_scratch_bytes(rows, n, rounds) bytes for select_topk, or
+// threshold_scratch_bytes(rows, n, rounds) for find_threshold (256-byte aligned).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,19 +22,35 @@ namespace jaxcomp::cuda {
 // Tests pass less.
 constexpr size_t kTileHistogramBudget = size_t{256} << 20;
 
-// Device scratch needed by select_topk / find_threshold for `rows` rows of `n` values (given the
-// same budget): about 8 KiB a row, up to 4096 rows, plus the per-tile histograms.
-size_t select_scratch_bytes(int64_t rows, int64_t n, int rounds, size_t tile_histogram_budget = kTileHistogramBudget);
+// Scratch for the candidate buffers, at most: each row's keys >= the first digit's lower bound
+// (value and index, 8 bytes each) are kept for the later passes when they fit in an eighth of the
+// row (at least 256 entries), so about 1 byte per value, and at most 2^25 candidates a chunk of
+// rows. Tests pass less to force rows whose candidates do not fit (they read their values again).
+constexpr size_t kCandidateBudget = size_t{256} << 20;
+
+// Device scratch needed by select_topk for `rows` rows of `n` values (given the same budgets):
+// about 8 KiB a row, up to 4096 rows, plus the per-tile histograms and candidate buffers.
+size_t select_scratch_bytes(int64_t rows, int64_t n, int rounds, size_t tile_histogram_budget = kTileHistogramBudget,
+                            size_t candidate_budget = kCandidateBudget);
+
+// Device scratch needed by find_threshold (given the same budget): no per-tile data, and
+// candidate buffers only at rounds > 22 (three passes).
+size_t threshold_scratch_bytes(int64_t rows, int64_t n, int rounds, size_t candidate_budget = kCandidateBudget);
+
+// The candidate slots select_topk gives each row (0: it filters no row), for tests: a row whose
+// C(lo) after the first digit exceeds them reads its values in every pass.
+int64_t select_candidate_slots(int64_t rows, int64_t n, int rounds, size_t tile_histogram_budget = kTileHistogramBudget,
+                               size_t candidate_budget = kCandidateBudget);
 
 // Writes, per row, the k selected entries of threshold_topk(x, k, rounds) in ascending index
 // order; rounds = 31 is exact top-k. x: [rows, n]; values, indices: [rows, k].
 // Requires 1 <= k <= n <= 2^31 - 1 and 1 <= rounds <= 31 (the caller validates).
 Status select_topk(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* values, int32_t* indices,
-                   void* scratch, cudaStream_t stream, size_t tile_histogram_budget = kTileHistogramBudget);
+                   void* scratch, cudaStream_t stream, size_t tile_histogram_budget = kTileHistogramBudget,
+                   size_t candidate_budget = kCandidateBudget);
 
 // find_threshold(x, k, rounds) per row: threshold = float from bits(lo), count = C(lo).
 Status find_threshold(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
-                      int32_t* count, void* scratch, cudaStream_t stream,
-                      size_t tile_histogram_budget = kTileHistogramBudget);
+                      int32_t* count, void* scratch, cudaStream_t stream, size_t candidate_budget = kCandidateBudget);
 
 }  // namespace jaxcomp::cuda

@@ -14,12 +14,14 @@
 // This file holds main(): it also defines the emulator's fiber switch.
 #define CUDA_HOST_MAIN
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -110,25 +112,72 @@ void CheckStatus(const jaxcomp::Status& status, const std::string& what) {
   if (!status.ok()) Fail(what + " returned an error: " + status.message());
 }
 
+// How select_topk's rows went: candidates kept after the first digit (filtered), candidates
+// that did not fit their buffer (overflowed: the row reads its values every pass), or no
+// filtering in that call (one radix pass, or no candidate budget).
+struct Filtering {
+  int64_t filtered = 0, overflowed = 0, unfiltered = 0;
+  void operator+=(const Filtering& o) {
+    filtered += o.filtered;
+    overflowed += o.overflowed;
+    unfiltered += o.unfiltered;
+  }
+};
+Filtering total_filtering;
+
+// The rows' fate in select_topk, from the data: a row keeps its candidates when C(lo) after the
+// first 11-bit digit (the keys whose top 11 bits reach the k-th key's) fits its slots.
+Filtering FilteringOf(const Rows& x, int64_t rows, int64_t n, int64_t k, int rounds, size_t budget,
+                      size_t candidate_budget) {
+  Filtering f;
+  const int64_t slots = jaxcomp::cuda::select_candidate_slots(rows, n, rounds, budget, candidate_budget);
+  if (slots == 0) {
+    f.unfiltered = rows;
+    return f;
+  }
+  std::vector<uint32_t> keys(n);
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t i = 0; i < n; ++i) keys[i] = jaxcomp::topk_internal::MagnitudeKey(x[row * n + i]);
+    std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint32_t>());
+    const uint32_t first_digit = keys[k - 1] >> 20;
+    int64_t candidates = 0;
+    for (int64_t i = 0; i < n; ++i) candidates += (jaxcomp::topk_internal::MagnitudeKey(x[row * n + i]) >> 20) >= first_digit;
+    (candidates <= slots ? f.filtered : f.overflowed) += 1;
+  }
+  return f;
+}
+
 // select_topk (rounds = 31: exact top-k; fewer: threshold_topk) against the CPU kernel.
-// `budget`: scratch for per-tile histograms (small ones force short chunks or the count pass).
-void Select(const Rows& x, int64_t rows, int64_t n, int64_t k, int rounds,
-            size_t budget = jaxcomp::cuda::kTileHistogramBudget) {
+// `budget`: scratch for per-tile histograms (small ones force short chunks or the count pass);
+// `candidate_budget`: scratch for candidate buffers (small ones force the overflow fallback).
+// Returns how the rows were filtered.
+Filtering Select(const Rows& x, int64_t rows, int64_t n, int64_t k, int rounds,
+                 size_t budget = jaxcomp::cuda::kTileHistogramBudget,
+                 size_t candidate_budget = jaxcomp::cuda::kCandidateBudget) {
   const std::string what = "select rows=" + std::to_string(rows) + " n=" + std::to_string(n) +
                            " k=" + std::to_string(k) + " rounds=" + std::to_string(rounds) +
-                           " budget=" + std::to_string(budget);
+                           " budget=" + std::to_string(budget) + " candidate_budget=" +
+                           std::to_string(candidate_budget);
   std::vector<float> cpu_values(rows * k);
   std::vector<int32_t> cpu_indices(rows * k);
   CheckStatus(jaxcomp::ThresholdTopK(x.data(), rows, n, k, rounds, cpu_values.data(), cpu_indices.data(), kSerial),
               what + " (cpu)");
   auto values = Garbage<float>(rows * k);
   auto indices = Garbage<int32_t>(rows * k);
-  auto scratch = Garbage<unsigned char>(jaxcomp::cuda::select_scratch_bytes(rows, n, rounds, budget));
+  auto scratch =
+      Garbage<unsigned char>(jaxcomp::cuda::select_scratch_bytes(rows, n, rounds, budget, candidate_budget));
   CheckStatus(jaxcomp::cuda::select_topk(x.data(), rows, n, k, rounds, values.data(), indices.data(), scratch.data(),
-                                         nullptr, budget),
+                                         nullptr, budget, candidate_budget),
               what);
   ExpectSame(cpu_indices, indices, what + " indices");
   ExpectSame(cpu_values, values, what + " values");
+  const Filtering f = FilteringOf(x, rows, n, k, rounds, budget, candidate_budget);
+  total_filtering += f;
+  return f;
+}
+
+void Expect(bool condition, const std::string& what) {
+  if (!condition) Fail(what);
 }
 
 void Threshold(const Rows& x, int64_t rows, int64_t n, int64_t k, int rounds) {
@@ -140,7 +189,7 @@ void Threshold(const Rows& x, int64_t rows, int64_t n, int64_t k, int rounds) {
               what + " (cpu)");
   auto threshold = Garbage<float>(rows);
   auto count = Garbage<int32_t>(rows);
-  auto scratch = Garbage<unsigned char>(jaxcomp::cuda::select_scratch_bytes(rows, n, rounds));
+  auto scratch = Garbage<unsigned char>(jaxcomp::cuda::threshold_scratch_bytes(rows, n, rounds));
   CheckStatus(jaxcomp::cuda::find_threshold(x.data(), rows, n, k, rounds, threshold.data(), count.data(),
                                             scratch.data(), nullptr),
               what);
@@ -255,6 +304,51 @@ int main(int argc, char** argv) {
     const Rows x = EveryKind(n, 8);
     for (int rounds : {9, 16, 31}) Select(x, 3, n, 700, rounds, 1024);  // every row counts its tiles
   });
+  Section("candidates: kept, overflowed, and both in one launch", [&] {
+    using jaxcomp::cuda::kTileHistogramBudget;
+    const int64_t n = 5 * 8192 + 3;  // odd: rows after the first start unaligned (scalar loads)
+    // Spread rows, small k: every row keeps its candidates, at every pass count that filters.
+    const Rows spread = Row(3 * n, 21, 0);
+    for (int rounds : {12, 16, 22, 23, 31}) {
+      const Filtering f = Select(spread, 3, n, 97, rounds);
+      Expect(f.filtered == 3, "spread rows, k = 97: every row should keep its candidates");
+    }
+    // Ties: two sevenths of the row share the top magnitude, more than the slots (n / 8).
+    const Rows ties = Row(3 * n, 22, 1);
+    for (int64_t k : {int64_t{1}, n / 3}) {
+      const Filtering f = Select(ties, 3, n, k, 31);
+      Expect(f.overflowed == 3, "rows of ties: every row's candidates should overflow");
+    }
+    // One launch, both kinds of row (spread, ties, normal with NaN/Inf/denormals).
+    const Rows mixed = EveryKind(n, 23);
+    for (int rounds : {16, 31}) {
+      const Filtering f = Select(mixed, 3, n, 97, rounds);
+      Expect(f.filtered >= 1 && f.overflowed >= 1, "mixed rows: some rows should filter and some overflow");
+    }
+    // Small candidate budgets: 100 slots a row, then none (no filtering at all).
+    Filtering small;
+    for (int64_t k : {int64_t{1}, int64_t{40}, int64_t{97}, int64_t{400}}) small += Select(spread, 3, n, k, 31, kTileHistogramBudget, 3 * 8 * 100);
+    Expect(small.filtered >= 1 && small.overflowed >= 1, "100 slots: some calls should filter and some overflow");
+    Expect(Select(spread, 3, n, 97, 31, kTileHistogramBudget, 0).unfiltered == 3, "no budget: no filtering");
+    // Candidates counted by count_tiles_kernel (per-tile histograms over budget).
+    for (int rounds : {16, 31}) {
+      Expect(Select(mixed, 3, n, 97, rounds, 1024).filtered >= 1, "count pass: some rows should filter");
+    }
+    // Signed zeros, NaN and Inf among the candidates (a row of 200 keeps all 200).
+    Rows zeros(2 * 200, 0.0f);
+    for (int i = 0; i < 400; i += 3) zeros[i] = -0.0f;
+    zeros[7] = NAN;
+    zeros[250] = -INFINITY;
+    zeros[251] = -NAN;
+    zeros[399] = 1e-45f;
+    for (int64_t k : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{150}, int64_t{200}}) {
+      Expect(Select(zeros, 2, 200, k, 31).filtered == 2, "signed zeros: both rows should filter");
+    }
+    // Many rows in two chunks, 3 slots a row: rows of ties mostly overflow, the others filter.
+    const Rows short_rows = Row(5000 * 7, 24, 1);
+    const Filtering chunks = Select(short_rows, 5000, 7, 2, 31, kTileHistogramBudget, 4096 * 8 * 3);
+    Expect(chunks.filtered >= 1 && chunks.overflowed >= 1, "two chunks, 3 slots: both kinds of row");
+  });
   Section("zfp: rates 1-32 x every length, 3 kinds of row", [&] {
     for (int rate : {1, 2, 3, 4, 5, 7, 8, 12, 16, 21, 31, 32}) {
       for (int64_t n : lengths) Zfp(EveryKind(n, n + rate), 3, n, rate);
@@ -289,6 +383,9 @@ int main(int argc, char** argv) {
     Sign(Row(n, 9, 0), 1, n, n);
     Sign(Row(2000 * 33, 10, 2), 2000, 33, 16);
   });
+  std::printf("top-k rows: %lld kept their candidates, %lld overflowed (read their values again), %lld unfiltered\n",
+              static_cast<long long>(total_filtering.filtered), static_cast<long long>(total_filtering.overflowed),
+              static_cast<long long>(total_filtering.unfiltered));
   const cuda_host::Machine& m = cuda_host::machine();
   std::printf("all match: %llu launches, %llu blocks, %llu block barriers emulated\n", m.launches, m.blocks,
               m.barriers);
