@@ -62,6 +62,7 @@ def test_one_small_cell_on_two_emulated_hosts(tmp_path):
     by = {r["method"]: r for r in rows}
     # Sharded: the params and Adam's state are halves on 2 hosts (dense keeps no residual).
     assert by["dense@params"]["state_bytes"] < 0.6 * by["dense"]["state_bytes"]
+    assert all(r["peak_rss"] > 0 for r in rows)  # each method's own peak (VmHWM reset before it)
     # bytes_sent counts the reduce-scatter and the params' all-gather: what the link carried.
     assert by["quantized@optimizer"]["bytes_sent"] > by["quantized"]["bytes_sent"]
     for r in rows:

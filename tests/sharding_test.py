@@ -333,3 +333,51 @@ def test_bad_arguments_are_named():
         mesh = _mesh_2x4()
         bad = optax.chain(jaxcomp.compress("dense", axis_name="device"), optax.sgd(0.1))
         jaxcomp.data_parallel(_loss, bad, mesh, ("node", "device"), shard="optimizer").init(_params())
+
+
+@pytest.mark.parametrize("nonfinite", ["zero", "skip"])
+@pytest.mark.parametrize("method", ["dense", "bf16"])
+def test_nonfinite_gradients_agree_with_the_replicated_run(method, nonfinite):
+    """A NaN in one device's batch: every device takes the same branch (sharded, each sees its own
+    shards only, so they agree through one all-reduce of a flag), the count is the replicated
+    run's, and so are the params."""
+    results = {}
+    for shard in (None, "params"):
+        tx = optax.chain(jaxcomp.compress(method, nonfinite=nonfinite), optax.sgd(0.1))
+        dp = jaxcomp.data_parallel(_loss, tx, _mesh(), shard=shard)
+        state = dp.init(_params())
+        counts = []
+        for i, batch in enumerate(_batches(3)):
+            if i == 1:
+                batch = {**batch, "x": batch["x"].at[5, 2].set(jnp.nan)}
+            state, metrics = dp.step(state, batch)
+            counts.append(float(metrics["nonfinite"]))
+        results[shard] = counts, jax.tree.map(np.asarray, dp.params(state))
+    assert results["params"][0] == results[None][0] and results[None][0][1] > 0
+    for name, want in results[None][1].items():
+        np.testing.assert_allclose(results["params"][1][name], want, rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def test_cost_model_and_advise_know_the_sharded_form(capsys):
+    from jaxcomp import advise, cost
+
+    net = cost.Network.parse("0.1ms", "1gbit")
+    nbytes, workers = 4e8, 8
+    # A reduce-scatter plus an all-gather is one ring all-reduce: sharded dense costs the same.
+    assert cost.volume_bytes("dense", nbytes, workers, shard=True) == pytest.approx(
+        cost.volume_bytes("dense", nbytes, workers))
+    assert cost.message_steps("dense", workers, shard=True) == cost.message_steps("dense", workers)
+    # ZFP compresses only the gradient's half: its reduce-scatter, plus the params' dense all-gather.
+    zfp = Zfp(8)
+    n = int(nbytes // 4)
+    assert cost.volume_bytes(zfp, nbytes, workers, shard=True) == pytest.approx(
+        zfp.reduce_scatter_bytes(n, workers) + (workers - 1) / workers * nbytes)
+    assert cost.predict(zfp, nbytes, workers, net, shard=True) > cost.predict(zfp, nbytes, workers, net)
+    assert cost.volume_bytes("dense", nbytes, workers, shard=True, gather_bytes=2) < cost.volume_bytes(
+        "dense", nbytes, workers, shard=True)
+    assert advise.main(["--params", "25e6", "--workers", "8", "--bandwidth", "1gbit", "--backward-ms", "50",
+                        "--shard"]) == 0
+    out = capsys.readouterr().out
+    assert "sharded (--shard)" in out and "zfp" in out and "quantized" in out
+    for name in ("sign", "powersgd", "randomk", "hierarchical"):
+        assert f"\n{name}" not in out

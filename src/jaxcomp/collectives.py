@@ -566,9 +566,7 @@ def zfp_reduce_scatter(x, rate, axis_name):
     """
     x = _local_vector(x)
     rate = _checks.check_rate(rate)
-    n_devices = _axis_size(axis_name)
-    if x.shape[0] % n_devices:
-        raise ValueError(f"x has {x.shape[0]} values, not {n_devices} chunks of equal length to reduce-scatter")
+    n_devices = _check_rows(x.shape[0], axis_name)
     if n_devices == 1:
         return x, x
     shard, sent = _zfp_ring(x.astype(jnp.float32), rate, axis_name, n_devices, scatter=True)
@@ -635,8 +633,7 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True, *, scatter=False):
     if n_devices == 1:
         return x, x
     if scatter:
-        if x.shape[0] % n_devices:
-            raise ValueError(f"x has {x.shape[0]} values, not {n_devices} rows of equal length to reduce-scatter")
+        _check_rows(x.shape[0], axis_name)
 
         def psum(v):
             return jax.lax.psum_scatter(v, axis_name, scatter_dimension=0, tiled=False)

@@ -41,7 +41,7 @@ def _runs():
     table.update({m.label: (m, {}, None) for m in fixed[1:]})
     table["auto"] = (fixed, {}, None)
     # Sharded training (data_parallel(shard=...)): the gradient reduce-scattered, the params all-gathered.
-    for method in (fixed[0], Zfp(8), Quantized(4)):
+    for method in (fixed[0], Zfp(8), Quantized(4), Cast("bfloat16")):
         for shard in ("optimizer", "params"):
             table[f"{method.label}@{shard}"] = (method, {}, shard)
     return table
@@ -202,6 +202,8 @@ def _worker(spec: Spec) -> None:
 
     for position, label in enumerate(spec.methods):
         method, options, shard = METHODS[label]
+        gc.collect()
+        _reset_peak_memory()
         if method is None:
             step = _plain_pmean_step(loss_fn, mesh)
             state = step.init(params)
@@ -233,8 +235,8 @@ def _worker(spec: Spec) -> None:
                  "wire_tx": (after[0] - before[0]) / steps_counted, "wire_rx": (after[1] - before[1]) / steps_counted,
                  # This device's share of the training state (params + optimizer state, the
                  # error-feedback residual included), from the arrays' shardings, and the process's
-                 # resident memory while the method's state and executables are alive.
-                 "state_bytes": _state_bytes(state), "rss": _resident_bytes()}
+                 # peak resident memory from this method's init to its last step.
+                 "state_bytes": _state_bytes(state), "peak_rss": _peak_resident_bytes()}
         if method is not None:
             entry["init"] = init_seconds
             host = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics_box.items()
@@ -281,13 +283,26 @@ def _state_bytes(state) -> int:
                if isinstance(leaf, jax.Array))
 
 
-def _resident_bytes() -> int:
-    """This process's resident memory now (Linux ``/proc/self/statm``), 0 where unknown."""
+def _reset_peak_memory() -> None:
+    """Starts a new peak of this process's resident memory (Linux: ``5`` to
+    ``/proc/self/clear_refs`` resets ``VmHWM``); does nothing where that is not possible."""
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_resident_bytes() -> int:
+    """This process's peak resident memory since :func:`_reset_peak_memory` (``VmHWM``), 0 where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
-        return 0
+        pass
+    return 0
 
 
 def _predictions(ran, params, n_hosts, network, compute, mesh, shard=None):
@@ -464,7 +479,7 @@ def table(rows) -> str:
     """
     lines = ["| hosts | rate | method | step s | compute s | sync s | predicted sync s | advise step s | "
              "wire MB/step/host | bytes_sent MB | sync: dense / this | speedup vs pmean | ran | state MB/host | "
-             "RSS MB/host |",
+             "peak RSS MB/host |",
              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     dense_sync = {(r["hosts"], r["rate"]): r["sync"] for r in rows if r["method"] == Dense().label}
     for r in rows:
@@ -473,7 +488,7 @@ def table(rows) -> str:
         lines.append(f"| {r['hosts']} | {r['rate']} | {r['method']} | {_s(r['step'])} | {_s(r['compute'])} | "
                      f"{_s(r['sync'])} | {_s(r.get('predicted_sync'))} | {_s(r.get('advise_step'))} | "
                      f"{_mb(r['wire_tx'])} | {_mb(r.get('bytes_sent'))} | {ratio} | {r['speedup']:.2f}x | "
-                     f"{r['ran']} | {_mb(r.get('state_bytes'))} | {_mb(r.get('rss'))} |")
+                     f"{r['ran']} | {_mb(r.get('state_bytes'))} | {_mb(r.get('peak_rss'))} |")
     return "\n".join(lines)
 
 

@@ -441,17 +441,20 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
         rows = [_row(branches, [leaves[i] for i in positions], shards) for positions, _ in lay.groups]
         out = list(leaves)
         plain_bytes, plain_kept = 0.0, 0
-        if sends_everything and not uses_auto and shards is None:
+        if sends_everything and not uses_auto:
             # Nothing is lost, so nothing is kept: sum the gradients as they are and look at the
             # sum. A NaN or Inf on any device reaches the sum, so a finite sum proves every entry
             # was finite, for one pass over the total instead of a where and a count over every
             # gradient. Only a step whose sum is not finite (rare) sums again with the non-finite
             # entries zeroed and counts them; every device takes the same branch (the sum is
-            # replicated).
-            vectors = [leaves[i].ravel().astype(comm_dtype) for i in floats]
+            # replicated; sharded, each device sees its shards only, so one all-reduce of a flag
+            # makes them agree).
+            vectors = [_pack([leaves[i]], shards, row).astype(comm_dtype) for i, row in zip(floats, rows)]
             groups = groups._replace(vectors=vectors, sizes=[v.shape[0] for v in vectors])
             result, auto_after = aggregate(groups, state)
             finite = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(t)) for t in result.totals])
+            if shards is not None:
+                finite = jax.lax.pmin(finite.astype(jnp.int32), c.axis_name) > 0
 
             def cleaned(vectors):
                 zeroed = [jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v)) for v in vectors]
