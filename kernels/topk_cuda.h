@@ -45,8 +45,9 @@ int64_t select_candidate_slots(int64_t rows, int64_t n, int rounds, size_t tile_
 
 // The element type of x (and of the selected values): float32, or bfloat16 / float16 as their
 // 16-bit patterns. The kernels read 16-bit input directly (no upcast pass) and key each value by
-// its exact float32 upcast (NaN payloads kept), so results are those of the float32 upcast: the
-// same indices, thresholds and counts, and values that are the input's own bits.
+// its float32 upcast (exact; a float16 signalling NaN comes out quiet, as XLA's convert makes
+// it), so results are those of the float32 upcast: the same indices, thresholds and counts, and
+// values that are the input's own bits.
 enum class Element { kF32, kBF16, kF16 };
 
 // Writes, per row, the k selected entries of threshold_topk(x, k, rounds) in ascending index
