@@ -3,8 +3,9 @@
 # stand-in CUDA runtime and CUB of tests/native/cuda_host/ run every launch over its whole grid:
 # threads as fibers, shared memory, barriers, warp collectives, atomics) and compares them bit
 # for bit with the CPU kernels on tests/gpu_test.py's inputs plus multi-chunk rows, garbage-filled
-# scratch and random words (tests/native/cuda_host_test.cc). UBSan is on: undefined behaviour in
-# kernel code (a shift by 32, an overflow) fails the run. About a minute on 2 cores.
+# scratch and random words, and the top-k kernels on bfloat16/float16 input against the float32
+# path on its upcast (tests/native/cuda_host_test.cc). UBSan is on: undefined behaviour in
+# kernel code (a shift by 32, an overflow) fails the run. About two minutes on 2 cores.
 #
 #   bash ci/cuda_host.sh [SEED]     # SEED varies the block and thread orders (default 1)
 set -euo pipefail

@@ -23,7 +23,13 @@
 // order. Each tile's candidates are in index order and every tile knows where they are, so the
 // write pass reads a filtered row's candidates instead of its values.
 //
-// Reads of the input (f32; a row with candidates / a row whose candidates overflow):
+// Input: float32, bfloat16 or float16. Every kernel that reads the input (or the candidates, kept
+// in the input's type) is instantiated per element type and computes each entry's key straight
+// from its bits: the key of its float32 upcast, so a 16-bit row selects exactly what its upcast
+// does, and the selected values written are the input's own bits. No upcast pass, and a 16-bit
+// row is half the bytes to read.
+//
+// Reads of the input (a row with candidates / a row whose candidates overflow):
 //   exact top-k (31 rounds)              2 / 4   (passes 1-2 read it, pass 3 and the write read candidates)
 //   threshold_topk, 12-22 rounds         2 / 3   (default 16)
 //   threshold_topk, <= 11 rounds         2       (one pass and the write: nothing to filter)
@@ -37,6 +43,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/cuda_launch.h"
 #include "kernels/topk_cuda.h"
@@ -52,7 +59,7 @@ constexpr int kItemsPerThread = 16;
 constexpr int64_t kTile = int64_t{kThreads} * kItemsPerThread;
 // Tile-local counts of "above" and "in bracket" entries share one 32-bit word, 16 bits each.
 static_assert(kTile < (1 << 16), "tile counts must fit in 16 bits");
-static_assert(kItemsPerThread % 4 == 0, "whole tiles are read as float4");
+static_assert(kItemsPerThread % 8 == 0, "whole tiles are read in 16-byte vectors (4 floats or 8 16-bit values)");
 constexpr int kSelectThreads = 256;
 constexpr int kBinsPerThread = kBins / kSelectThreads;
 static_assert(kBins % kSelectThreads == 0, "bins must split evenly over the select block");
@@ -83,10 +90,12 @@ struct RowState {
 // filtering; rows of one launch may differ.
 constexpr uint32_t kNoCandidates = 0xFFFFFFFFu;
 
-// Per row `capacity` slots of candidate values and indices (row * capacity + slot), and per
-// tile of the chunk where its candidates start in the row's buffer and how many: start | count << 32.
+// Per row `capacity` slots of candidate values (in the input's type T) and indices (row *
+// capacity + slot), and per tile of the chunk where its candidates start in the row's buffer and
+// how many: start | count << 32. The slots are sized for float32 values whatever T is.
+template <typename T>
 struct Candidates {
-  float* values;
+  T* values;
   uint32_t* indices;
   uint64_t* tiles;
   int64_t capacity;
@@ -97,7 +106,54 @@ struct Candidates {
 // candidates (later passes).
 enum Stage : int { kFromValues = 0, kFilter = 1, kFromCandidates = 2 };
 
+// The element types of the input, and of the selected values: float, and bfloat16 and float16 as
+// their bits (the kernels never convert a value, they only compute its key).
+struct Bf16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+
+// The magnitude key: the float32 bits without the sign; for the 16-bit types those of the
+// float32 upcast that the float32 path sees (XLA's convert), so keys of every type order the same
+// way as the upcast's, bit for bit: bfloat16 is its bits shifted by 16 (NaN payloads kept as
+// they are); float16 is the exact value, and a NaN keeps its payload but comes out quiet, as
+// IEEE 754 widening (and XLA's f16 -> f32 convert) makes it. Checked for all 65536 patterns.
 __device__ __forceinline__ uint32_t magnitude_key(float value) { return __float_as_uint(value) & 0x7FFFFFFFu; }
+__device__ __forceinline__ uint32_t magnitude_key(Bf16 value) { return (uint32_t{value.bits} & 0x7FFFu) << 16; }
+__device__ __forceinline__ uint32_t magnitude_key(F16 value) {
+  const uint32_t bits = value.bits & 0x7FFFu;
+  if (bits > 0x7C00u) return 0x7FC00000u | ((bits & 0x3FFu) << 13);  // NaN: quiet, the payload shifted
+  if (bits == 0x7C00u) return 0x7F800000u;                             // Inf
+  if (bits >= 0x0400u) return (bits << 13) + (uint32_t{127 - 15} << 23);  // normal: exponent rebiased
+  return __float_as_uint(static_cast<float>(bits) * 0x1p-24f);  // zero, subnormal: bits * 2^-24, exact
+}
+
+// Entries of T in one 16-byte vector.
+template <typename T>
+constexpr int kPerVector = 16 / static_cast<int>(sizeof(T));
+
+// The kPerVector<T> entries at p (16-byte aligned) with one 16-byte load.
+template <typename T>
+__device__ __forceinline__ void load_vector(const T* p, T* out) {
+#if defined(JAXCOMP_CUDA_HOST_EMULATION)
+  uint4 v;
+  std::memcpy(&v, p, sizeof v);  // the host compiler's aliasing rules
+#else
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+#endif
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    if constexpr (sizeof(T) == 4) {
+      out[w] = __uint_as_float(words[w]);
+    } else {  // little-endian: the lower address is the low half
+      out[2 * w] = T{static_cast<uint16_t>(words[w] & 0xFFFFu)};
+      out[2 * w + 1] = T{static_cast<uint16_t>(words[w] >> 16)};
+    }
+  }
+}
 
 // The filter pass over one tile of a row with a candidate buffer: `count`s every entry (the
 // histogram) and writes the entries whose key prefix reaches `prefix` (key >= lo), with their
@@ -107,27 +163,23 @@ __device__ __forceinline__ uint32_t magnitude_key(float value) { return __float_
 // as four 16-byte loads in whole, aligned tiles, so one block scan of the threads' counts places
 // every candidate. Only the values and a mask of the kept ones stay live across the scan;
 // pointers are formed after it (64 registers without spills).
-template <typename Count>
-__device__ __forceinline__ void filter_tile(const float* tile_x, int valid, uint32_t begin, int prefix_shift,
-                                            uint32_t prefix, RowState* row_state, const Candidates& candidates,
+template <typename T, typename Count>
+__device__ __forceinline__ void filter_tile(const T* tile_x, int valid, uint32_t begin, int prefix_shift,
+                                            uint32_t prefix, RowState* row_state, const Candidates<T>& candidates,
                                             int64_t row, Count& count) {
   using BlockScan = cub::BlockScan<uint32_t, kThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   __shared__ uint32_t tile_start;
   const int first = static_cast<int>(threadIdx.x) * kItemsPerThread;  // this thread's first entry in the tile
-  float values[kItemsPerThread];
+  T values[kItemsPerThread];
   if (valid == kTile && reinterpret_cast<uintptr_t>(tile_x) % 16 == 0) {
 #pragma unroll
-    for (int j = 0; j < kItemsPerThread / 4; ++j) {
-      const float4 v = reinterpret_cast<const float4*>(tile_x + first)[j];
-      values[4 * j] = v.x;
-      values[4 * j + 1] = v.y;
-      values[4 * j + 2] = v.z;
-      values[4 * j + 3] = v.w;
+    for (int j = 0; j < kItemsPerThread / kPerVector<T>; ++j) {
+      load_vector(tile_x + first + j * kPerVector<T>, values + j * kPerVector<T>);
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < kItemsPerThread; ++i) values[i] = first + i < valid ? tile_x[first + i] : 0.0f;
+    for (int i = 0; i < kItemsPerThread; ++i) values[i] = first + i < valid ? tile_x[first + i] : T{};
   }
   uint32_t kept = 0;  // bit i: values[i] is a candidate
   uint32_t thread_count = 0;
@@ -151,7 +203,7 @@ __device__ __forceinline__ void filter_tile(const float* tile_x, int valid, uint
   __syncthreads();
   if (kept == 0) return;
   const int64_t slot = row * candidates.capacity + tile_start + before;
-  float* slot_values = candidates.values + slot;
+  T* slot_values = candidates.values + slot;
   uint32_t* slot_indices = candidates.indices + slot;
   const uint32_t first_index = begin + static_cast<uint32_t>(first);
 #pragma unroll
@@ -172,11 +224,11 @@ __device__ __forceinline__ void filter_tile(const float* tile_x, int valid, uint
 // order; in later passes such a row reads the tile's candidates instead of its values. The filter
 // instance keeps its 16 values across a block scan: bounded to 64 registers (2 blocks an SM), and
 // the others keep the plain pass's 32.
-template <int kStage>
+template <typename T, int kStage>
 __global__ void __launch_bounds__(kThreads, kStage == kFilter ? 2 : 4)
-    histogram_kernel(const float* __restrict__ x, int64_t n, int64_t tiles_per_row, RowState* __restrict__ state,
+    histogram_kernel(const T* __restrict__ x, int64_t n, int64_t tiles_per_row, RowState* __restrict__ state,
                      uint32_t* __restrict__ histograms, int resolved, int width,
-                     uint32_t* __restrict__ tile_histograms, Candidates candidates) {
+                     uint32_t* __restrict__ tile_histograms, Candidates<T> candidates) {
   __shared__ uint32_t local[kBins];
   __shared__ uint32_t local_above;
   const int64_t row = blockIdx.x / tiles_per_row;
@@ -193,19 +245,19 @@ __global__ void __launch_bounds__(kThreads, kStage == kFilter ? 2 : 4)
   const int prefix_shift = kKeyBits - resolved;  // in [1, 31]: resolved < rounds <= 31
   const int digit_shift = prefix_shift - width;  // >= 0
   uint32_t above = 0;
-  auto count = [&](float value) {
+  auto count = [&](T value) {
     const uint32_t key = magnitude_key(value);
     const uint32_t key_prefix = key >> prefix_shift;
     if (key_prefix == prefix) atomicAdd(&local[(key >> digit_shift) & (bins - 1)], 1u);
     above += key_prefix > prefix ? 1u : 0u;
   };
-  const float* tile_x = x + row * n + begin;
+  const T* tile_x = x + row * n + begin;
   bool counted = false;
   if constexpr (kStage == kFromCandidates) {
     if (filtered) {
       const uint64_t tile = candidates.tiles[blockIdx.x];
       const uint32_t size = static_cast<uint32_t>(tile >> 32);
-      const float* tile_candidates = candidates.values + row * candidates.capacity + static_cast<uint32_t>(tile);
+      const T* tile_candidates = candidates.values + row * candidates.capacity + static_cast<uint32_t>(tile);
       for (uint32_t i = threadIdx.x; i < size; i += kThreads) count(tile_candidates[i]);
       counted = true;
     }
@@ -219,20 +271,15 @@ __global__ void __launch_bounds__(kThreads, kStage == kFilter ? 2 : 4)
   }
   if (counted) {
   } else if (end - begin == kTile && reinterpret_cast<uintptr_t>(tile_x) % 16 == 0) {
-    // Whole, aligned tile: 16-byte loads, all issued before any is used. Order does not matter
-    // to a histogram.
-    float4 values[kItemsPerThread / 4];
+    // Whole, aligned tile: 16-byte loads (4 floats or 8 16-bit values), all issued before any is
+    // used, vector j * kThreads + t by thread t. Order does not matter to a histogram.
+    T values[kItemsPerThread];
 #pragma unroll
-    for (int j = 0; j < kItemsPerThread / 4; ++j) {
-      values[j] = reinterpret_cast<const float4*>(tile_x)[j * kThreads + threadIdx.x];
+    for (int j = 0; j < kItemsPerThread / kPerVector<T>; ++j) {
+      load_vector(tile_x + (int64_t{j} * kThreads + threadIdx.x) * kPerVector<T>, values + j * kPerVector<T>);
     }
 #pragma unroll
-    for (int j = 0; j < kItemsPerThread / 4; ++j) {
-      count(values[j].x);
-      count(values[j].y);
-      count(values[j].z);
-      count(values[j].w);
-    }
+    for (int i = 0; i < kItemsPerThread; ++i) count(values[i]);
   } else {
     for (int64_t i = threadIdx.x; i < end - begin; i += kThreads) count(tile_x[i]);
   }
@@ -350,10 +397,11 @@ __global__ void __launch_bounds__(kThreads) tile_counts_kernel(const uint32_t* _
 // Per tile, straight from memory: the tile_counts_kernel result for rows whose per-tile
 // histograms would not fit the scratch budget (one more read of the row instead). One block per
 // tile; a tile holds fewer than 2^16 entries, so both counts share one 32-bit word until the end.
-__global__ void __launch_bounds__(kThreads) count_tiles_kernel(const float* __restrict__ x, int64_t n,
+template <typename T>
+__global__ void __launch_bounds__(kThreads) count_tiles_kernel(const T* __restrict__ x, int64_t n,
                                                                int64_t tiles_per_row,
                                                                const RowState* __restrict__ state, int rounds,
-                                                               Candidates candidates,
+                                                               Candidates<T> candidates,
                                                                uint64_t* __restrict__ tile_counts) {
   __shared__ uint32_t tile_total;
   const int64_t row = blockIdx.x / tiles_per_row;
@@ -366,11 +414,11 @@ __global__ void __launch_bounds__(kThreads) count_tiles_kernel(const float* __re
   uint32_t packed = 0;
   if (s.candidates != kNoCandidates) {  // every key >= lo of the row is among the tile's candidates
     const uint64_t tile = candidates.tiles[blockIdx.x];
-    const float* tile_candidates = candidates.values + row * candidates.capacity + static_cast<uint32_t>(tile);
+    const T* tile_candidates = candidates.values + row * candidates.capacity + static_cast<uint32_t>(tile);
     const uint32_t size = static_cast<uint32_t>(tile >> 32);
     for (uint32_t i = threadIdx.x; i < size; i += kThreads) packed += classify(magnitude_key(tile_candidates[i]), bracket);
   } else {
-    const float* row_x = x + row * n;
+    const T* row_x = x + row * n;
     for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) packed += classify(magnitude_key(row_x[i]), bracket);
   }
   packed = __reduce_add_sync(0xFFFFFFFFu, packed);
@@ -404,12 +452,12 @@ __global__ void __launch_bounds__(kThreads) scan_tiles_kernel(uint64_t* __restri
 // order, holding every entry the tile selects, with their indices), the other the tile's values
 // (every other row); each skips the other's rows. One kernel for both spilled registers.
 constexpr int kSelectionBlocksPerProcessor = 2;
-template <bool kFromCandidates>
+template <typename T, bool kFromCandidates>
 __global__ void __launch_bounds__(kThreads, kSelectionBlocksPerProcessor) write_selection_kernel(
-    const float* __restrict__ x, int64_t n, int64_t k, int64_t tiles_per_row, const RowState* __restrict__ state,
-    int rounds, const uint64_t* __restrict__ tile_offsets, Candidates candidates, float* __restrict__ values,
+    const T* __restrict__ x, int64_t n, int64_t k, int64_t tiles_per_row, const RowState* __restrict__ state,
+    int rounds, const uint64_t* __restrict__ tile_offsets, Candidates<T> candidates, T* __restrict__ values,
     int32_t* __restrict__ indices) {
-  using BlockLoad = cub::BlockLoad<float, kThreads, kItemsPerThread, cub::BLOCK_LOAD_WARP_TRANSPOSE>;
+  using BlockLoad = cub::BlockLoad<T, kThreads, kItemsPerThread, cub::BLOCK_LOAD_WARP_TRANSPOSE>;
   using BlockScan = cub::BlockScan<uint32_t, kThreads>;
   __shared__ union {
     typename BlockLoad::TempStorage load;
@@ -419,7 +467,7 @@ __global__ void __launch_bounds__(kThreads, kSelectionBlocksPerProcessor) write_
   const int64_t begin = (blockIdx.x % tiles_per_row) * kTile;
   const RowState s = state[row];
   if ((s.candidates != kNoCandidates) != kFromCandidates) return;  // the whole block: the other instance's row
-  const float* tile_x;
+  const T* tile_x;
   int valid;
   if constexpr (kFromCandidates) {
     const uint64_t tile = candidates.tiles[blockIdx.x];
@@ -438,11 +486,11 @@ __global__ void __launch_bounds__(kThreads, kSelectionBlocksPerProcessor) write_
   const uint32_t first_index = static_cast<uint32_t>(begin) + threadIdx.x * kItemsPerThread;
 
   // Blocked arrangement: thread t holds tile entries [t * kItemsPerThread, (t + 1) * kItemsPerThread).
-  float items[kItemsPerThread];
+  T items[kItemsPerThread];
   if (valid == kTile) {
     BlockLoad(storage.load).Load(tile_x, items);
   } else {
-    BlockLoad(storage.load).Load(tile_x, items, valid, 0.0f);
+    BlockLoad(storage.load).Load(tile_x, items, valid, T{});
   }
   __syncthreads();  // storage.load is reused by the scan
 
@@ -457,7 +505,7 @@ __global__ void __launch_bounds__(kThreads, kSelectionBlocksPerProcessor) write_
   uint32_t before;
   BlockScan(storage.scan).ExclusiveSum(thread_total, before);
 
-  float* row_values = values + row * k;
+  T* row_values = values + row * k;
   int32_t* row_indices = indices + row * k;
   // Formed after the scan, not kept across it: a 64-bit pointer more spilled registers.
   const uint32_t* tile_indices = nullptr;
@@ -506,8 +554,14 @@ struct ScratchLayout {
   RowState* states;
   uint32_t* tile_histograms;
   uint64_t* tile_counts;
-  Candidates candidates;
+  Candidates<float> candidates;  // values: float-sized slots, seen as T by candidates_of<T>
 };
+
+// The candidate buffers for input of type T (slots sized for floats hold any T).
+template <typename T>
+Candidates<T> candidates_of(const ScratchLayout& s) {
+  return {reinterpret_cast<T*>(s.candidates.values), s.candidates.indices, s.candidates.tiles, s.candidates.capacity};
+}
 
 size_t histogram_bytes(int64_t chunk_rows) { return align_up(chunk_rows * kBins * sizeof(uint32_t)); }
 size_t state_bytes(int64_t chunk_rows) { return align_up(chunk_rows * sizeof(RowState)); }
@@ -593,7 +647,8 @@ size_t scratch_bytes(const Plan& plan, int64_t n, int rounds) {
 // Runs the radix passes for `chunk_rows` rows starting at `x`, leaving each row's state final,
 // the rows' candidates in scratch (those that fit), and, if `keep_tiles`, the last pass's
 // per-tile histograms in scratch.
-cudaError_t search(const float* x, int64_t chunk_rows, int64_t n, int64_t k, int rounds, bool keep_tiles,
+template <typename T>
+cudaError_t search(const T* x, int64_t chunk_rows, int64_t n, int64_t k, int rounds, bool keep_tiles,
                    const ScratchLayout& s, cudaStream_t stream) {
   // Zeroed histograms and states: prefix 0 and above 0 are the state before any round. Two
   // memsets: the states sit after histograms sized for the largest chunk, so in a last, smaller
@@ -609,11 +664,12 @@ cudaError_t search(const float* x, int64_t chunk_rows, int64_t n, int64_t k, int
     const int width = rounds - resolved < kDigitBits ? rounds - resolved : kDigitBits;
     const bool last = resolved + width == rounds;
     const int stage = !filtering || pass == 0 ? kFromValues : (pass == 1 ? kFilter : kFromCandidates);
-    auto* kernel = stage == kFromValues ? histogram_kernel<kFromValues>
-                   : stage == kFilter   ? histogram_kernel<kFilter>
-                                        : histogram_kernel<kFromCandidates>;
+    auto* kernel = stage == kFromValues ? histogram_kernel<T, kFromValues>
+                   : stage == kFilter   ? histogram_kernel<T, kFilter>
+                                        : histogram_kernel<T, kFromCandidates>;
     err = launch(kernel, static_cast<unsigned>(chunk_rows * tiles), kThreads, stream, x, n, tiles, s.states,
-                 s.histograms, resolved, width, last && keep_tiles ? s.tile_histograms : nullptr, s.candidates);
+                 s.histograms, resolved, width, last && keep_tiles ? s.tile_histograms : nullptr,
+                 candidates_of<T>(s));
     if (err != cudaSuccess) return err;
     err = launch(select_digit_kernel, static_cast<unsigned>(chunk_rows), kSelectThreads, stream, s.histograms,
                  s.states, k, width, pass == 0, s.candidates.capacity);
@@ -641,15 +697,17 @@ int64_t select_candidate_slots(int64_t rows, int64_t n, int rounds, size_t tile_
 
 namespace {
 
-cudaError_t select_chunks(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* values,
+template <typename T>
+cudaError_t select_chunks(const T* x, int64_t rows, int64_t n, int64_t k, int rounds, T* values,
                           int32_t* indices, void* scratch, cudaStream_t stream, size_t tile_histogram_budget,
                           size_t candidate_budget) {
   const Plan plan = plan_of(true, rows, n, rounds, tile_histogram_budget, candidate_budget);
   const ScratchLayout s = layout_of(scratch, plan, n, rounds);
+  const Candidates<T> candidates = candidates_of<T>(s);
   const int64_t tiles_per_row = tiles_per_row_of(n);
   for (int64_t first = 0; first < rows; first += plan.chunk_rows) {
     const int64_t chunk_rows = rows - first < plan.chunk_rows ? rows - first : plan.chunk_rows;
-    const float* chunk_x = x + first * n;
+    const T* chunk_x = x + first * n;
     const int64_t tiles = chunk_rows * tiles_per_row;
     if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;
     cudaError_t err = search(chunk_x, chunk_rows, n, k, rounds, plan.keep_tiles, s, stream);
@@ -660,18 +718,18 @@ cudaError_t select_chunks(const float* x, int64_t rows, int64_t n, int64_t k, in
                    kThreads, stream, s.tile_histograms, tiles, tiles_per_row, s.states, last_width(rounds),
                    s.tile_counts);
     } else {
-      err = launch(count_tiles_kernel, static_cast<unsigned>(tiles), kThreads, stream, chunk_x, n, tiles_per_row,
-                   s.states, rounds, s.candidates, s.tile_counts);
+      err = launch(count_tiles_kernel<T>, static_cast<unsigned>(tiles), kThreads, stream, chunk_x, n, tiles_per_row,
+                   s.states, rounds, candidates, s.tile_counts);
     }
     if (err != cudaSuccess) return err;
     err = launch(scan_tiles_kernel, static_cast<unsigned>(chunk_rows), kThreads, stream, s.tile_counts, tiles_per_row);
     if (err != cudaSuccess) return err;
-    err = launch(write_selection_kernel<false>, static_cast<unsigned>(tiles), kThreads, stream, chunk_x, n, k,
-                 tiles_per_row, s.states, rounds, s.tile_counts, s.candidates, values + first * k, indices + first * k);
+    err = launch(write_selection_kernel<T, false>, static_cast<unsigned>(tiles), kThreads, stream, chunk_x, n, k,
+                 tiles_per_row, s.states, rounds, s.tile_counts, candidates, values + first * k, indices + first * k);
     if (err != cudaSuccess) return err;
     if (plan.candidates > 0) {
-      err = launch(write_selection_kernel<true>, static_cast<unsigned>(tiles), kThreads, stream, chunk_x, n, k,
-                   tiles_per_row, s.states, rounds, s.tile_counts, s.candidates, values + first * k,
+      err = launch(write_selection_kernel<T, true>, static_cast<unsigned>(tiles), kThreads, stream, chunk_x, n, k,
+                   tiles_per_row, s.states, rounds, s.tile_counts, candidates, values + first * k,
                    indices + first * k);
       if (err != cudaSuccess) return err;
     }
@@ -679,7 +737,8 @@ cudaError_t select_chunks(const float* x, int64_t rows, int64_t n, int64_t k, in
   return cudaSuccess;
 }
 
-cudaError_t threshold_chunks(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
+template <typename T>
+cudaError_t threshold_chunks(const T* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
                              int32_t* count, void* scratch, cudaStream_t stream, size_t candidate_budget) {
   const Plan plan = plan_of(false, rows, n, rounds, 0, candidate_budget);
   const ScratchLayout s = layout_of(scratch, plan, n, rounds);
@@ -698,17 +757,56 @@ cudaError_t threshold_chunks(const float* x, int64_t rows, int64_t n, int64_t k,
 
 }  // namespace
 
+Status select_topk(Element type, const void* x, int64_t rows, int64_t n, int64_t k, int rounds, void* values,
+                   int32_t* indices, void* scratch, cudaStream_t stream, size_t tile_histogram_budget,
+                   size_t candidate_budget) {
+  cudaError_t err = cudaErrorInvalidValue;
+  switch (type) {
+    case Element::kF32:
+      err = select_chunks(static_cast<const float*>(x), rows, n, k, rounds, static_cast<float*>(values), indices,
+                          scratch, stream, tile_histogram_budget, candidate_budget);
+      break;
+    case Element::kBF16:
+      err = select_chunks(static_cast<const Bf16*>(x), rows, n, k, rounds, static_cast<Bf16*>(values), indices,
+                          scratch, stream, tile_histogram_budget, candidate_budget);
+      break;
+    case Element::kF16:
+      err = select_chunks(static_cast<const F16*>(x), rows, n, k, rounds, static_cast<F16*>(values), indices,
+                          scratch, stream, tile_histogram_budget, candidate_budget);
+      break;
+  }
+  return StatusOf(err, "jaxcomp top-k kernels");
+}
+
 Status select_topk(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* values, int32_t* indices,
                    void* scratch, cudaStream_t stream, size_t tile_histogram_budget, size_t candidate_budget) {
-  return StatusOf(
-      select_chunks(x, rows, n, k, rounds, values, indices, scratch, stream, tile_histogram_budget, candidate_budget),
-      "jaxcomp top-k kernels");
+  return select_topk(Element::kF32, x, rows, n, k, rounds, values, indices, scratch, stream, tile_histogram_budget,
+                     candidate_budget);
+}
+
+Status find_threshold(Element type, const void* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
+                      int32_t* count, void* scratch, cudaStream_t stream, size_t candidate_budget) {
+  cudaError_t err = cudaErrorInvalidValue;
+  switch (type) {
+    case Element::kF32:
+      err = threshold_chunks(static_cast<const float*>(x), rows, n, k, rounds, threshold, count, scratch, stream,
+                             candidate_budget);
+      break;
+    case Element::kBF16:
+      err = threshold_chunks(static_cast<const Bf16*>(x), rows, n, k, rounds, threshold, count, scratch, stream,
+                             candidate_budget);
+      break;
+    case Element::kF16:
+      err = threshold_chunks(static_cast<const F16*>(x), rows, n, k, rounds, threshold, count, scratch, stream,
+                             candidate_budget);
+      break;
+  }
+  return StatusOf(err, "jaxcomp threshold kernels");
 }
 
 Status find_threshold(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
                       int32_t* count, void* scratch, cudaStream_t stream, size_t candidate_budget) {
-  return StatusOf(threshold_chunks(x, rows, n, k, rounds, threshold, count, scratch, stream, candidate_budget),
-                  "jaxcomp threshold kernels");
+  return find_threshold(Element::kF32, x, rows, n, k, rounds, threshold, count, scratch, stream, candidate_budget);
 }
 
 }  // namespace jaxcomp::cuda

@@ -28,7 +28,8 @@ constexpr size_t kTileHistogramBudget = size_t{256} << 20;
 // rows. Tests pass less to force rows whose candidates do not fit (they read their values again).
 constexpr size_t kCandidateBudget = size_t{256} << 20;
 
-// Device scratch needed by select_topk for `rows` rows of `n` values (given the same budgets):
+// Device scratch needed by select_topk for `rows` rows of `n` values of any element type (given
+// the same budgets):
 // about 8 KiB a row, up to 4096 rows, plus the per-tile histograms and candidate buffers.
 size_t select_scratch_bytes(int64_t rows, int64_t n, int rounds, size_t tile_histogram_budget = kTileHistogramBudget,
                             size_t candidate_budget = kCandidateBudget);
@@ -42,14 +43,27 @@ size_t threshold_scratch_bytes(int64_t rows, int64_t n, int rounds, size_t candi
 int64_t select_candidate_slots(int64_t rows, int64_t n, int rounds, size_t tile_histogram_budget = kTileHistogramBudget,
                                size_t candidate_budget = kCandidateBudget);
 
+// The element type of x (and of the selected values): float32, or bfloat16 / float16 as their
+// 16-bit patterns. The kernels read 16-bit input directly (no upcast pass) and key each value by
+// its float32 upcast (exact; a float16 signalling NaN comes out quiet, as XLA's convert makes
+// it), so results are those of the float32 upcast: the same indices, thresholds and counts, and
+// values that are the input's own bits.
+enum class Element { kF32, kBF16, kF16 };
+
 // Writes, per row, the k selected entries of threshold_topk(x, k, rounds) in ascending index
-// order; rounds = 31 is exact top-k. x: [rows, n]; values, indices: [rows, k].
+// order; rounds = 31 is exact top-k. x: [rows, n]; values (of x's type), indices: [rows, k].
 // Requires 1 <= k <= n <= 2^31 - 1 and 1 <= rounds <= 31 (the caller validates).
+Status select_topk(Element type, const void* x, int64_t rows, int64_t n, int64_t k, int rounds, void* values,
+                   int32_t* indices, void* scratch, cudaStream_t stream,
+                   size_t tile_histogram_budget = kTileHistogramBudget, size_t candidate_budget = kCandidateBudget);
 Status select_topk(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* values, int32_t* indices,
                    void* scratch, cudaStream_t stream, size_t tile_histogram_budget = kTileHistogramBudget,
                    size_t candidate_budget = kCandidateBudget);
 
-// find_threshold(x, k, rounds) per row: threshold = float from bits(lo), count = C(lo).
+// find_threshold(x, k, rounds) per row: threshold = float from bits(lo), count = C(lo) (float32
+// and int32 whatever x's type).
+Status find_threshold(Element type, const void* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
+                      int32_t* count, void* scratch, cudaStream_t stream, size_t candidate_budget = kCandidateBudget);
 Status find_threshold(const float* x, int64_t rows, int64_t n, int64_t k, int rounds, float* threshold,
                       int32_t* count, void* scratch, cudaStream_t stream, size_t candidate_budget = kCandidateBudget);
 

@@ -28,10 +28,10 @@ _OPS = {
 }
 
 
-def _export(fn, platform, shape=(2, 10)):
+def _export(fn, platform, shape=(2, 10), dtype=jnp.float32):
     checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in _ffi.TARGETS]
     return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(
-        jax.ShapeDtypeStruct(shape, jnp.float32))
+        jax.ShapeDtypeStruct(shape, dtype))
 
 
 def test_cuda_module_registers_every_target():
@@ -54,6 +54,26 @@ def test_gpu_lowering_matches_the_build(target):
         with pytest.warns(UserWarning, match="JAXCOMP_CUDA=ON"):
             exported = _export(_OPS[target], "cuda")
         assert "custom_call" not in exported.mlir_module()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("target", ["jaxcomp_topk", "jaxcomp_find_threshold", "jaxcomp_threshold_topk"])
+def test_cuda_top_k_reads_16_bit_input_as_is(target, dtype, monkeypatch):
+    # The CUDA top-k kernels read bfloat16/float16 directly (values come back in that type): no
+    # convert before or after their custom call on CUDA, while the CPU kernels get the float32
+    # upcast. Lowering needs no GPU; a build without the CUDA module lowers as one with it here.
+    monkeypatch.setattr(_ffi, "HAS_CUDA", True)
+    short = {jnp.bfloat16: "bf16", jnp.float16: "f16"}[dtype]
+    values = "f32" if target == "jaxcomp_find_threshold" else short  # the threshold is float32
+    for implementation in (None, "native"):
+        cuda = _export(lambda x: _OPS[target](x, implementation), "cuda", dtype=dtype).mlir_module()
+        (call,) = [line for line in cuda.splitlines() if f"@{target}(" in line]
+        assert f": (tensor<2x10x{short}>) -> (tensor<2{'x3' if values == short else ''}x{values}>" in call
+        assert "stablehlo.convert" not in cuda
+        cpu = _export(lambda x: _OPS[target](x, implementation), "cpu", dtype=dtype).mlir_module()
+        (call,) = [line for line in cpu.splitlines() if f"@{target}(" in line]
+        assert ": (tensor<2x10xf32>) -> (tensor<2" in call
+        assert "stablehlo.convert" in cpu
 
 
 @pytest.mark.parametrize("transform", ["jit", "vmap", "shard_map"])

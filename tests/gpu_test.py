@@ -110,6 +110,26 @@ def test_topk_dtypes_and_batch_match_cpu(dtype):
     _assert_same(*_both(jax.vmap(lambda v: jaxcomp.topk(v, 10)), x))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("n", [1000, 8193, 3 * 8192 + 5])
+def test_16_bit_input_matches_cpu(dtype, n):
+    # The CUDA kernels read bfloat16/float16 directly (the CPU path upcasts to float32 and casts
+    # the values back): same indices, thresholds and counts, values bit for bit. Rows of every
+    # kind: ties, signed zeros, NaN, +-Inf, values that become denormals or zero in 16 bits.
+    with np.errstate(over="ignore"):  # 3.4e38 becomes Inf in float16
+        x = _rows_of_every_kind(n, seed=n).astype(dtype)
+    for k in (1, 97, n // 3):
+        _assert_same(*_both(lambda v: jaxcomp.topk(v, k), x))
+        for rounds in (9, 16, 31):
+            _assert_same(*_both(lambda v: jaxcomp.threshold_topk(v, k, rounds), x))
+            _assert_same(*_both(lambda v: jaxcomp.find_threshold(v, k, rounds), x))
+    # And the GPU's 16-bit values are the float32 path's values on the upcast, cast back.
+    values, indices = jax.tree.map(np.asarray, jaxcomp.topk(_on(GPU, x), 97))
+    up_values, up_indices = jax.tree.map(np.asarray, jaxcomp.topk(_on(GPU, x.astype(np.float32)), 97))
+    np.testing.assert_array_equal(indices, up_indices)
+    np.testing.assert_array_equal(values.astype(np.float32).view(np.uint32), up_values.view(np.uint32))
+
+
 def test_many_short_rows_match_cpu():
     # More rows than one chunk of the GPU radix select's scratch (4096 rows).
     x = _awkward((5000, 7), seed=3, kind="ties")
@@ -157,6 +177,13 @@ def test_gpu_handlers_reject_bad_arguments():
                                              jax.ShapeDtypeStruct((3,), jnp.int32)), vmap_method="broadcast_all")
     with pytest.raises(Exception, match="k must be in"):
         jax.block_until_ready(call(_on(GPU, np.ones(2, np.float32)), k=np.int64(3)))
+    # x of a type the kernels do not read, and values not of x's type.
+    call = jax.ffi.ffi_call("jaxcomp_topk", (jax.ShapeDtypeStruct((1,), jnp.float32),
+                                             jax.ShapeDtypeStruct((1,), jnp.int32)), vmap_method="broadcast_all")
+    with pytest.raises(Exception, match="x must be float32, bfloat16 or float16, got int32"):
+        jax.block_until_ready(call(_on(GPU, np.ones(2, np.int32)), k=np.int64(1)))
+    with pytest.raises(Exception, match="must be bfloat16, got float32"):
+        jax.block_until_ready(call(_on(GPU, np.ones(2, jnp.bfloat16)), k=np.int64(1)))
 
 
 def test_collectives_on_gpu_arrays_match_cpu():

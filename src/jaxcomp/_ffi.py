@@ -203,22 +203,28 @@ def _lower_portable_fallback(ctx, x):
 mlir.register_lowering(_portable_fallback_p, _lower_portable_fallback)
 
 
-def dispatch(op, operands, native, portable, implementation):
+def dispatch(op, operands, native, portable, implementation, *, native_cuda=None):
     """Runs ``native(*operands)`` or ``portable(*operands)`` (both arrays in, pytree out) as
     ``implementation`` says (see the module docstring); ``op`` names the op in error messages.
+
+    ``native_cuda``, if given, is the native implementation when the op is lowered for CUDA (the
+    CUDA top-k kernels read bfloat16/float16 directly, the CPU ones take float32): it must return
+    the same types as ``native``. ``native`` serves every other platform.
 
     The portable path refuses differentiation like the native one, with the same TypeError.
     """
     portable = _not_differentiable(portable, op)
     if implementation == "native":
-        return native(*operands)
+        if native_cuda is None:
+            return native(*operands)
+        return jax.lax.platform_dependent(*operands, cuda=native_cuda, default=native)
     if implementation == "xla":
         return portable(*operands)
 
     def fallback(*args):
         return portable(*(_portable_fallback_p.bind(a) for a in args))
 
-    natives = {"cpu": native, **({"cuda": native} if HAS_CUDA else {})}
+    natives = {"cpu": native, **({"cuda": native_cuda or native} if HAS_CUDA else {})}
     return jax.lax.platform_dependent(*operands, **natives, default=fallback)
 
 

@@ -19,9 +19,36 @@ DEFAULT_ROUNDS = 16
 
 
 def _rows_call(target, x, result_shapes, **attrs):
-    """Calls ``target`` on float32 ``x`` (any leading dims) with int64 attributes."""
+    """Calls ``target`` on ``x`` (any leading dims, passed in its own dtype) with int64 attributes."""
     call = _ffi.ffi_call(target, result_shapes, vmap_method="broadcast_all")
-    return call(x.astype(jnp.float32), **{name: np.int64(v) for name, v in attrs.items()})
+    return call(x, **{name: np.int64(v) for name, v in attrs.items()})
+
+
+def _dispatch_selection(op, x, target, k, portable, implementation, **attrs):
+    """``(values, indices)`` of a selecting op: values in ``x``'s dtype, indices int32.
+
+    The CPU kernels and the XLA path take float32, so a bfloat16/float16 ``x`` is upcast (exact)
+    for them and the selected values cast back (exact: they are upcast inputs). The CUDA kernels
+    read 16-bit input directly and write the values in its dtype: no upcast pass over memory,
+    the same indices, and values whose upcast is the float32 path's.
+    """
+    batch = x.shape[:-1]
+    dtype = x.dtype
+    int_shape = jax.ShapeDtypeStruct(batch + (k,), jnp.int32)
+
+    def native(v):
+        values, indices = _rows_call(target, v.astype(jnp.float32),
+                                     (jax.ShapeDtypeStruct(batch + (k,), jnp.float32), int_shape), k=k, **attrs)
+        return values.astype(dtype), indices
+
+    def native_cuda(v):
+        return _rows_call(target, v, (jax.ShapeDtypeStruct(batch + (k,), dtype), int_shape), k=k, **attrs)
+
+    def xla(v):
+        values, indices = portable(v.astype(jnp.float32))
+        return values.astype(dtype), indices
+
+    return _ffi.dispatch(op, (x,), native, xla, implementation, native_cuda=native_cuda)
 
 
 def topk(x, k, *, implementation=None):
@@ -50,17 +77,7 @@ def topk(x, k, *, implementation=None):
     """
     x, k = _checks.check_k(x, k)
     implementation = _ffi.check_implementation(implementation)
-    batch = x.shape[:-1]
-
-    def native(v):
-        return _rows_call(
-            "jaxcomp_topk", v,
-            (jax.ShapeDtypeStruct(batch + (k,), jnp.float32), jax.ShapeDtypeStruct(batch + (k,), jnp.int32)),
-            k=k)
-
-    values, indices = _ffi.dispatch("jaxcomp.topk", (x.astype(jnp.float32),), native,
-                                    lambda v: _xla.topk(v, k), implementation)
-    return values.astype(x.dtype), indices
+    return _dispatch_selection("jaxcomp.topk", x, "jaxcomp_topk", k, lambda v: _xla.topk(v, k), implementation)
 
 
 def find_threshold(x, k, rounds=DEFAULT_ROUNDS, *, implementation=None):
@@ -97,15 +114,17 @@ def find_threshold(x, k, rounds=DEFAULT_ROUNDS, *, implementation=None):
     rounds = _checks.check_rounds(rounds)
     implementation = _ffi.check_implementation(implementation)
     batch = x.shape[:-1]
+    results = (jax.ShapeDtypeStruct(batch, jnp.float32), jax.ShapeDtypeStruct(batch, jnp.int32))
 
-    def native(v):
-        return _rows_call(
-            "jaxcomp_find_threshold", v,
-            (jax.ShapeDtypeStruct(batch, jnp.float32), jax.ShapeDtypeStruct(batch, jnp.int32)),
-            k=k, rounds=rounds)
+    def native(v):  # CPU: float32 input
+        return _rows_call("jaxcomp_find_threshold", v.astype(jnp.float32), results, k=k, rounds=rounds)
 
-    return _ffi.dispatch("jaxcomp.find_threshold", (x.astype(jnp.float32),), native,
-                         lambda v: _xla.find_threshold(v, k, rounds), implementation)
+    def native_cuda(v):  # the CUDA kernels read bfloat16/float16 as they are
+        return _rows_call("jaxcomp_find_threshold", v, results, k=k, rounds=rounds)
+
+    return _ffi.dispatch("jaxcomp.find_threshold", (x,), native,
+                         lambda v: _xla.find_threshold(v.astype(jnp.float32), k, rounds), implementation,
+                         native_cuda=native_cuda)
 
 
 def threshold_topk(x, k, rounds=DEFAULT_ROUNDS, *, implementation=None):
@@ -139,14 +158,5 @@ def threshold_topk(x, k, rounds=DEFAULT_ROUNDS, *, implementation=None):
     x, k = _checks.check_k(x, k)
     rounds = _checks.check_rounds(rounds)
     implementation = _ffi.check_implementation(implementation)
-    batch = x.shape[:-1]
-
-    def native(v):
-        return _rows_call(
-            "jaxcomp_threshold_topk", v,
-            (jax.ShapeDtypeStruct(batch + (k,), jnp.float32), jax.ShapeDtypeStruct(batch + (k,), jnp.int32)),
-            k=k, rounds=rounds)
-
-    values, indices = _ffi.dispatch("jaxcomp.threshold_topk", (x.astype(jnp.float32),), native,
-                                    lambda v: _xla.threshold_topk(v, k, rounds), implementation)
-    return values.astype(x.dtype), indices
+    return _dispatch_selection("jaxcomp.threshold_topk", x, "jaxcomp_threshold_topk", k,
+                               lambda v: _xla.threshold_topk(v, k, rounds), implementation, rounds=rounds)

@@ -3,7 +3,11 @@
 // kernels/topk.h, kernels/zfp.h and kernels/sign.h, bit for bit: the inputs of tests/gpu_test.py (every length
 // around a zfp block, a warp of blocks and a top-k tile; rows of gradients, ties and special
 // values; every rate; the rounds around each radix digit), rows in several chunks of the radix
-// select's scratch (5000 x 7), a long row, and random words through the decoder. Scratch and
+// select's scratch (5000 x 7), a long row, and random words through the decoder. The top-k
+// kernels also take bfloat16 and float16 input directly: those runs are compared with the float32
+// path (the CPU kernel and the CUDA kernels' float32 instance) on the upcast, bit for bit
+// (indices, thresholds, counts; values are the input's own bits, whose upcast is the float32
+// path's value), on the same kinds of input plus every 16-bit pattern in one row. Scratch and
 // results start out filled with garbage, so a slot the kernels never write, or state they
 // forget to reset, shows up as a difference.
 //
@@ -180,6 +184,151 @@ void Expect(bool condition, const std::string& what) {
   if (!condition) Fail(what);
 }
 
+// ---- bfloat16 and float16 input ----
+
+using jaxcomp::cuda::Element;
+using Bits = std::vector<uint16_t>;  // bfloat16 or float16 bit patterns
+
+const char* NameOf(Element type) { return type == Element::kBF16 ? "bf16" : "f16"; }
+
+uint32_t BitsOf(float value) {
+  uint32_t u;
+  std::memcpy(&u, &value, sizeof u);
+  return u;
+}
+float FloatOf(uint32_t u) {
+  float value;
+  std::memcpy(&value, &u, sizeof value);
+  return value;
+}
+
+// The float32 upcast of a 16-bit pattern as XLA's convert makes it, what the float32 path sees
+// (written from the formats' definitions, independently of kernels/topk.cu's keys): bfloat16
+// shifted by 16 (NaN payloads kept as they are); float16 exact, a NaN keeping its payload and
+// coming out quiet (IEEE 754 widening; XLA's CPU convert does the same for all 65536 patterns).
+float Upcast(Element type, uint16_t bits) {
+  if (type == Element::kBF16) return FloatOf(uint32_t{bits} << 16);
+  const uint32_t sign = uint32_t{bits & 0x8000u} << 16;
+  const uint32_t exponent = (bits >> 10) & 0x1Fu, mantissa = bits & 0x3FFu;
+  if (exponent == 0x1F && mantissa != 0) return FloatOf(sign | 0x7FC00000u | (mantissa << 13));  // NaN
+  if (exponent == 0x1F) return FloatOf(sign | 0x7F800000u);  // Inf
+  if (exponent == 0) return FloatOf(sign | BitsOf(std::ldexp(static_cast<float>(mantissa), -24)));
+  return FloatOf(sign | ((exponent - 15 + 127) << 23) | (mantissa << 13));
+}
+
+Rows UpcastRows(Element type, const Bits& x) {
+  Rows up(x.size());
+  for (size_t i = 0; i < x.size(); ++i) up[i] = Upcast(type, x[i]);
+  return up;
+}
+
+// float32 to the 16-bit type, rounding to nearest even (NaN stays NaN, sign kept).
+uint16_t Downcast(Element type, float value) {
+  if (type == Element::kF16) {
+    const _Float16 h = static_cast<_Float16>(value);
+    uint16_t bits;
+    std::memcpy(&bits, &h, sizeof bits);
+    return bits;
+  }
+  const uint32_t u = BitsOf(value);
+  if (std::isnan(value)) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Row() of `kind`, in the 16-bit type; the special row also gets the type's own specials: quiet
+// and signalling NaNs of both signs with payloads, +-Inf, the smallest and largest denormals,
+// -0 and the largest finite value.
+Bits Row16(Element type, int64_t n, uint64_t seed, int kind) {
+  const Rows x = Row(n, seed, kind);
+  Bits bits(n);
+  for (int64_t i = 0; i < n; ++i) bits[i] = Downcast(type, x[i]);
+  if (kind == 2) {
+    const bool bf16 = type == Element::kBF16;
+    const uint16_t specials[] = {
+        static_cast<uint16_t>(bf16 ? 0x7FC0 : 0x7E00), static_cast<uint16_t>(bf16 ? 0xFFC1 : 0xFE01),  // quiet NaNs
+        static_cast<uint16_t>(bf16 ? 0x7F81 : 0x7C01), static_cast<uint16_t>(bf16 ? 0x7FBF : 0x7DFF),  // signalling
+        static_cast<uint16_t>(bf16 ? 0x7F80 : 0x7C00), static_cast<uint16_t>(bf16 ? 0xFF80 : 0xFC00),  // +-Inf
+        0x0001, 0x8001, static_cast<uint16_t>(bf16 ? 0x807F : 0x83FF), 0x8000,  // denormals, -0
+        static_cast<uint16_t>(bf16 ? 0x7F7F : 0x7BFF)};  // the largest finite value
+    std::mt19937_64 rng(seed ^ 0x16);
+    for (uint16_t special : specials) bits[rng() % n] = special;
+  }
+  return bits;
+}
+
+// [3, n]: one row of each kind.
+Bits EveryKind16(Element type, int64_t n, uint64_t seed) {
+  Bits x;
+  for (int kind = 0; kind < 3; ++kind) {
+    Bits row = Row16(type, n, seed + kind, kind);
+    x.insert(x.end(), row.begin(), row.end());
+  }
+  return x;
+}
+
+// select_topk on 16-bit input against the float32 path on its upcast: the CPU kernel and the
+// CUDA kernels' float32 instance (same indices; values: the input's bits at those indices, whose
+// upcast is the float32 path's value, bit for bit).
+Filtering Select16(Element type, const Bits& x, int64_t rows, int64_t n, int64_t k, int rounds,
+                   size_t budget = jaxcomp::cuda::kTileHistogramBudget,
+                   size_t candidate_budget = jaxcomp::cuda::kCandidateBudget) {
+  const std::string what = std::string(NameOf(type)) + " select rows=" + std::to_string(rows) + " n=" +
+                           std::to_string(n) + " k=" + std::to_string(k) + " rounds=" + std::to_string(rounds) +
+                           " budget=" + std::to_string(budget) + " candidate_budget=" +
+                           std::to_string(candidate_budget);
+  const Rows up = UpcastRows(type, x);
+  const Filtering f = Select(up, rows, n, k, rounds, budget, candidate_budget);  // CUDA float32 vs CPU
+  std::vector<float> cpu_values(rows * k);
+  std::vector<int32_t> cpu_indices(rows * k);
+  CheckStatus(jaxcomp::ThresholdTopK(up.data(), rows, n, k, rounds, cpu_values.data(), cpu_indices.data(), kSerial),
+              what + " (cpu)");
+  auto values = Garbage<uint16_t>(rows * k);
+  auto indices = Garbage<int32_t>(rows * k);
+  auto scratch =
+      Garbage<unsigned char>(jaxcomp::cuda::select_scratch_bytes(rows, n, rounds, budget, candidate_budget));
+  CheckStatus(jaxcomp::cuda::select_topk(type, x.data(), rows, n, k, rounds, values.data(), indices.data(),
+                                         scratch.data(), nullptr, budget, candidate_budget),
+              what);
+  ExpectSame(cpu_indices, indices, what + " indices");
+  Bits expected(rows * k);
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t j = 0; j < k; ++j) expected[row * k + j] = x[row * n + cpu_indices[row * k + j]];
+  }
+  ExpectSame(expected, values, what + " values (the input's bits)");
+  ExpectSame(cpu_values, UpcastRows(type, values), what + " upcast values");
+  return f;
+}
+
+void Threshold16(Element type, const Bits& x, int64_t rows, int64_t n, int64_t k, int rounds) {
+  const std::string what = std::string(NameOf(type)) + " find_threshold rows=" + std::to_string(rows) + " n=" +
+                           std::to_string(n) + " k=" + std::to_string(k) + " rounds=" + std::to_string(rounds);
+  const Rows up = UpcastRows(type, x);
+  std::vector<float> cpu_threshold(rows);
+  std::vector<int32_t> cpu_count(rows);
+  CheckStatus(jaxcomp::FindThreshold(up.data(), rows, n, k, rounds, cpu_threshold.data(), cpu_count.data(), kSerial),
+              what + " (cpu)");
+  auto threshold = Garbage<float>(rows);
+  auto count = Garbage<int32_t>(rows);
+  auto scratch = Garbage<unsigned char>(jaxcomp::cuda::threshold_scratch_bytes(rows, n, rounds));
+  CheckStatus(jaxcomp::cuda::find_threshold(type, x.data(), rows, n, k, rounds, threshold.data(), count.data(),
+                                            scratch.data(), nullptr),
+              what);
+  ExpectSame(cpu_count, count, what + " count");
+  ExpectSame(cpu_threshold, threshold, what + " threshold");
+}
+
+// Upcast() against the compiler's float16 conversion (IEEE 754 widening), for all 65536 patterns.
+void CheckUpcast() {
+  for (uint32_t b = 0; b < 0x10000u; ++b) {
+    const uint16_t bits = static_cast<uint16_t>(b);
+    _Float16 h;
+    std::memcpy(&h, &bits, sizeof h);
+    Expect(BitsOf(Upcast(Element::kF16, bits)) == BitsOf(static_cast<float>(h)),
+           "float16 upcast of 0x" + std::to_string(b));
+    Expect(BitsOf(Upcast(Element::kBF16, bits)) == b << 16, "bfloat16 upcast");
+  }
+}
+
 void Threshold(const Rows& x, int64_t rows, int64_t n, int64_t k, int rounds) {
   const std::string what = "find_threshold rows=" + std::to_string(rows) + " n=" + std::to_string(n) +
                            " k=" + std::to_string(k) + " rounds=" + std::to_string(rounds);
@@ -349,6 +498,66 @@ int main(int argc, char** argv) {
     const Filtering chunks = Select(short_rows, 5000, 7, 2, 31, kTileHistogramBudget, 4096 * 8 * 3);
     Expect(chunks.filtered >= 1 && chunks.overflowed >= 1, "two chunks, 3 slots: both kinds of row");
   });
+  for (Element type : {Element::kBF16, Element::kF16}) {
+    const std::string name = NameOf(type);
+    Section((name + " top-k: every length x {1, n/100, n/3, n}, 3 kinds of row").c_str(), [&] {
+      CheckUpcast();
+      for (int64_t n : lengths) {
+        const Bits x = EveryKind16(type, n, n);
+        for (int64_t k : {int64_t{1}, std::max<int64_t>(1, n / 100), std::max<int64_t>(1, n / 3), n}) {
+          Select16(type, x, 3, n, k, 31);
+        }
+      }
+    });
+    Section((name + " threshold: rounds around every digit x k in {1, 97, n/2}").c_str(), [&] {
+      const int64_t n = 3 * 8192 + 5;
+      for (int rounds : {1, 11, 12, 16, 22, 23, 31}) {
+        const Bits x = EveryKind16(type, n, rounds);
+        for (int64_t k : {int64_t{1}, int64_t{97}, n / 2}) {
+          Threshold16(type, x, 3, n, k, rounds);
+          Select16(type, x, 3, n, k, rounds);
+        }
+      }
+    });
+    Section((name + ": rows in two chunks (5000 x 7), scratch budgets, candidates").c_str(), [&] {
+      using jaxcomp::cuda::kTileHistogramBudget;
+      const Bits short_rows = Row16(type, 5000 * 7, 3, 1);
+      Select16(type, short_rows, 5000, 7, 3, 31);
+      Threshold16(type, short_rows, 5000, 7, 3, 9);
+      Select16(type, short_rows, 5000, 7, 3, 16);
+      Select16(type, short_rows, 5000, 7, 2, 31, kTileHistogramBudget, 4096 * 8 * 3);  // 3 slots a row
+      const int64_t n = 5 * 8192 + 3;  // odd: rows after the first start unaligned (scalar loads)
+      const Bits spread = Row16(type, 3 * n, 21, 0);
+      for (int rounds : {16, 23, 31}) {
+        Expect(Select16(type, spread, 3, n, 97, rounds).filtered == 3, "16-bit spread rows should filter");
+      }
+      const Bits ties = Row16(type, 3 * n, 22, 1);
+      Expect(Select16(type, ties, 3, n, n / 3, 31).overflowed == 3, "16-bit rows of ties should overflow");
+      const Bits mixed = EveryKind16(type, n, 23);
+      const Filtering f = Select16(type, mixed, 3, n, 97, 31);
+      Expect(f.filtered >= 1 && f.overflowed >= 1, "16-bit mixed rows: some should filter and some overflow");
+      for (int rounds : {16, 31}) Select16(type, mixed, 3, n, 97, rounds, 1024);  // tiles counted in a pass
+      Select16(type, spread, 3, n, 40, 31, kTileHistogramBudget, 3 * 8 * 100);     // 100 slots a row
+      Select16(type, spread, 3, n, 97, 31, kTileHistogramBudget, 0);               // no filtering
+    });
+    Section((name + ": every 16-bit pattern in a row (65536, 2 orders)").c_str(), [&] {
+      // Two shuffles of all 65536 patterns: every NaN payload, both Infs and zeros, every
+      // denormal. Thresholds at rounds = 31 read the k-th key exactly, for k across the range.
+      const int64_t n = 65536;
+      Bits x(2 * n);
+      std::mt19937_64 rng(65536);
+      for (int64_t row = 0; row < 2; ++row) {
+        for (int64_t i = 0; i < n; ++i) x[row * n + i] = static_cast<uint16_t>(i);
+        std::shuffle(x.begin() + row * n, x.begin() + (row + 1) * n, rng);
+      }
+      for (int64_t k = 1; k <= n; k += 2731) Threshold16(type, x, 2, n, k, 31);
+      for (int64_t k : {int64_t{1}, int64_t{300}, int64_t{2000}, n / 2, n - 1000, n - 100, n}) {
+        Threshold16(type, x, 2, n, k, 31);
+        Select16(type, x, 2, n, k, 31);
+        Select16(type, x, 2, n, k, 16);
+      }
+    });
+  }
   Section("zfp: rates 1-32 x every length, 3 kinds of row", [&] {
     for (int rate : {1, 2, 3, 4, 5, 7, 8, 12, 16, 21, 31, 32}) {
       for (int64_t n : lengths) Zfp(EveryKind(n, n + rate), 3, n, rate);
