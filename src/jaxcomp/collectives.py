@@ -71,15 +71,19 @@ def _select(x, k, selector):
     return (topk if selector == "exact" else threshold_topk)(x, k)
 
 
-def _scatter_rows(n, indices, values):
+def _scatter_rows(n, indices, values, *, in_range=False):
     """Float32 sum of the sparse rows ``(indices[r], values[r])`` into a dense vector of ``n``.
 
     Each row's indices are distinct, so every scatter is free of collisions, and rows are added in
     a fixed order: the sum is deterministic (no atomics) and identical wherever the rows are.
+    ``in_range``: indices ``>= n`` are dropped (they may repeat: :func:`_localize`'s marker).
     """
     def add_row(row, total):
-        return total.at[indices[row]].add(values[row].astype(jnp.float32), unique_indices=True)
-    return jax.lax.fori_loop(0, indices.shape[0], add_row, jnp.zeros(n, jnp.float32))
+        update = values[row].astype(jnp.float32)
+        if in_range:
+            return total.at[indices[row]].add(update, mode="drop")
+        return total.at[indices[row]].add(update, unique_indices=True)
+    return jax.lax.fori_loop(0, indices.shape[0], add_row, _ffi.like_varying(jnp.zeros(n, jnp.float32), indices))
 
 
 def _localize(indices, row, me):
@@ -93,11 +97,7 @@ def _scatter_own_row(n, n_devices, me, all_indices, all_values):
     """:func:`_scatter_rows` of the gathered pairs, keeping only this device's row of ``n / N``
     values (sharded training): the same additions in the same order, on fewer entries."""
     row = n // n_devices
-    local = _localize(all_indices, row, me)
-
-    def add_row(r, total):
-        return total.at[local[r]].add(all_values[r].astype(jnp.float32), mode="drop")
-    return jax.lax.fori_loop(0, local.shape[0], add_row, _ffi.like_varying(jnp.zeros(row, jnp.float32), local))
+    return _scatter_rows(row, _localize(all_indices, row, me), all_values, in_range=True)
 
 
 def _dense(n, indices, values, dtype):

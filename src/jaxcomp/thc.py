@@ -130,14 +130,17 @@ def thc_aggregate(x, bits: int, key, hadamard: bool, n_devices: int, device, pma
         def transform(v):
             return (hadamard_transform(v.reshape(-1, block) * signs) * scale).reshape(-1)
 
-        def inverse(v, signs=signs):
-            return (hadamard_transform(v.reshape(-1, block)) * scale * signs).reshape(-1)[:n]
+        def rotate_back(v, signs):
+            return (hadamard_transform(v.reshape(-1, block)) * scale * signs).reshape(-1)
     else:
         def transform(v):
             return v
 
-        def inverse(v, signs=None):
-            return v[:n]
+        def rotate_back(v, signs):
+            return v
+
+    def inverse(v):
+        return rotate_back(v, signs if hadamard else None)[:n]
 
     rotated = transform(values)
     bound = pmax(jnp.max(jnp.abs(rotated)))
@@ -153,10 +156,10 @@ def thc_aggregate(x, bits: int, key, hadamard: bool, n_devices: int, device, pma
     if scatter:
         packed = jax.vmap(lambda c: pack_codes(c, width))(codes.reshape(n_devices, row))
         summed = unpack_codes(psum(packed), width, row)
+        # This device's row, rotated back with its own row's signs.
         own = None if not hadamard else jax.lax.dynamic_index_in_dim(
             signs.reshape(n_devices, -1, block), device, keepdims=False)
-        total = summed.astype(jnp.float32) * step - n_devices * bound
-        total = total if not hadamard else (hadamard_transform(total.reshape(-1, block)) * scale * own).reshape(-1)
+        total = rotate_back(summed.astype(jnp.float32) * step - n_devices * bound, own)
     else:
         summed = unpack_codes(psum(pack_codes(codes, width)), width, length)
         total = inverse(summed.astype(jnp.float32) * step - n_devices * bound)  # typed invariant: not stacked with sent

@@ -318,12 +318,16 @@ class DataParallel:
         state_def, mask = self._per_device_mask(avals)
         specs = self._state_specs(avals)
 
+        def this_devices_row(leaf):
+            """A per-device leaf as this device's row of its ``[N, ...]`` stack (typed varying)."""
+            if not set(self._axes) <= varying_axes(leaf):
+                leaf = jax.lax.pcast(leaf, self.axis_name, to="varying")
+            return leaf[None]
+
         def local_init(params):
             shards = self._my_shards(params) if self.shard else None
             leaves = jax.tree.leaves(self._tx_init(params, shards))
-            leaves = [jax.lax.pcast(leaf, self.axis_name, to="varying")[None]
-                      if per_device and not set(self._axes) <= varying_axes(leaf) else
-                      leaf[None] if per_device else leaf for leaf, per_device in zip(leaves, mask)]
+            leaves = [this_devices_row(leaf) if per_device else leaf for leaf, per_device in zip(leaves, mask)]
             stored = jax.tree.map(lambda x: x[None], shards) if self.shard == "params" else params
             return TrainState(params=stored, opt_state=state_def.unflatten(leaves), step=jnp.zeros((), jnp.int32))
 

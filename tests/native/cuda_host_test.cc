@@ -28,6 +28,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/sign.h"
@@ -154,10 +155,17 @@ Filtering FilteringOf(const Rows& x, int64_t rows, int64_t n, int64_t k, int rou
 // select_topk (rounds = 31: exact top-k; fewer: threshold_topk) against the CPU kernel.
 // `budget`: scratch for per-tile histograms (small ones force short chunks or the count pass);
 // `candidate_budget`: scratch for candidate buffers (small ones force the overflow fallback).
-// Returns how the rows were filtered.
+// The CPU kernel's selection, the reference.
+struct CpuSelection {
+  std::vector<float> values;
+  std::vector<int32_t> indices;
+};
+
+// Returns how the rows were filtered; `cpu_out`, when given, receives the CPU kernel's selection
+// (the reference Select16 compares the 16-bit instances with).
 Filtering Select(const Rows& x, int64_t rows, int64_t n, int64_t k, int rounds,
                  size_t budget = jaxcomp::cuda::kTileHistogramBudget,
-                 size_t candidate_budget = jaxcomp::cuda::kCandidateBudget) {
+                 size_t candidate_budget = jaxcomp::cuda::kCandidateBudget, CpuSelection* cpu_out = nullptr) {
   const std::string what = "select rows=" + std::to_string(rows) + " n=" + std::to_string(n) +
                            " k=" + std::to_string(k) + " rounds=" + std::to_string(rounds) +
                            " budget=" + std::to_string(budget) + " candidate_budget=" +
@@ -177,6 +185,7 @@ Filtering Select(const Rows& x, int64_t rows, int64_t n, int64_t k, int rounds,
   ExpectSame(cpu_values, values, what + " values");
   const Filtering f = FilteringOf(x, rows, n, k, rounds, budget, candidate_budget);
   total_filtering += f;
+  if (cpu_out != nullptr) *cpu_out = {std::move(cpu_values), std::move(cpu_indices)};
   return f;
 }
 
@@ -277,11 +286,11 @@ Filtering Select16(Element type, const Bits& x, int64_t rows, int64_t n, int64_t
                            " budget=" + std::to_string(budget) + " candidate_budget=" +
                            std::to_string(candidate_budget);
   const Rows up = UpcastRows(type, x);
-  const Filtering f = Select(up, rows, n, k, rounds, budget, candidate_budget);  // CUDA float32 vs CPU
-  std::vector<float> cpu_values(rows * k);
-  std::vector<int32_t> cpu_indices(rows * k);
-  CheckStatus(jaxcomp::ThresholdTopK(up.data(), rows, n, k, rounds, cpu_values.data(), cpu_indices.data(), kSerial),
-              what + " (cpu)");
+  CpuSelection cpu;
+  // CUDA float32 vs CPU, which also gives the CPU kernel's selection on the upcast.
+  const Filtering f = Select(up, rows, n, k, rounds, budget, candidate_budget, &cpu);
+  const std::vector<float>& cpu_values = cpu.values;
+  const std::vector<int32_t>& cpu_indices = cpu.indices;
   auto values = Garbage<uint16_t>(rows * k);
   auto indices = Garbage<int32_t>(rows * k);
   auto scratch =
