@@ -40,3 +40,85 @@ def test_unknown_method_is_refused_naming_the_option(tmp_path):
     result = run(tmp_path, "--quick", "--methods", "dense,nope", "--out", str(tmp_path))
     assert result.returncode == 2
     assert "--methods" in result.stderr and "nope" in result.stderr
+
+
+def _quality_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quality", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_adam_frozen_variance_is_adam_until_the_freeze_then_linear_in_the_gradients():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    quality = _quality_module()
+    schedule = optax.linear_schedule(1e-3, 5e-3, 6)
+    grads = jax.random.normal(jax.random.key(0), (9, 5)) * jnp.arange(1, 6)
+    frozen, adam = quality.adam_frozen_variance(schedule, freeze_after=4), optax.adam(schedule)
+    state, adam_state = frozen.init(jnp.zeros(5)), adam.init(jnp.zeros(5))
+    for step in range(4):
+        update, state = frozen.update(grads[step], state)
+        expected, adam_state = adam.update(grads[step], adam_state)
+        np.testing.assert_allclose(update, expected, rtol=1e-6, atol=1e-9)
+    # After the freeze: v and its bias correction stay; the update is lr * m_hat / sqrt(v_hat), m as Adam's.
+    nu = state.nu
+    np.testing.assert_array_equal(nu, adam_state[0].nu)
+    mu = np.asarray(state.mu, np.float64)
+    for step in range(4, 9):
+        update, state = frozen.update(grads[step], state)
+        np.testing.assert_array_equal(state.nu, nu)
+        mu = 0.9 * mu + 0.1 * np.asarray(grads[step], np.float64)
+        expected = -schedule(step) * (mu / (1 - 0.9 ** (step + 1))) / (np.sqrt(nu / (1 - 0.999 ** 4)) + 1e-8)
+        np.testing.assert_allclose(update, expected, rtol=1e-4, atol=1e-8)
+    # Linear: 3 steps of g, or 3g at once, move the params as far in total (Adam would move the burst less).
+    one = jnp.ones(5)
+    totals = []
+    for burst in ([one, one, one] + [0 * one] * 150, [3 * one] + [0 * one] * 152):
+        tx = quality.adam_frozen_variance(1e-2, freeze_after=1)
+        # Far past Adam's bias correction of the momentum, which would weigh the two differently.
+        state = tx.init(jnp.zeros(5))._replace(count=jnp.asarray(1000, jnp.int32), nu=jnp.full(5, 1e-3))
+        total = 0.0
+        for g in burst:
+            update, state = tx.update(g, state)
+            total = total + update
+        totals.append(np.asarray(total))
+    np.testing.assert_allclose(totals[0], totals[1], rtol=1e-3)
+
+
+def test_optimizer_names_and_models():
+    quality = _quality_module()
+    config = quality.Config(steps=10, warmup=1)
+    for name in ("adam", "adam(frozen=3)", "adam(b1=0)", "adam(b1=0,frozen=3,lr=1e-3)", "sgd(lr=0.3)", "sgd(lr=0.3,momentum=0.9)"):
+        assert quality.optimizer(name, config).init is not None
+    for bad in ("rmsprop", "sgd(momentum=0.9)", "adam(b1=x)"):
+        try:
+            quality.optimizer(bad, config)
+        except ValueError as error:
+            assert bad in str(error)
+        else:
+            raise AssertionError(f"optimizer {bad!r} was accepted")
+    try:
+        quality.optimizer("adam(momentum=0.9)", config)
+    except ValueError as error:
+        assert "adam(momentum=0.9)" in str(error)
+    else:
+        raise AssertionError("an unknown optimizer was accepted")
+    assert quality.MODELS["small"] == quality.Config()
+    # The names of every row and variant are unique and free of commas (--methods splits on them),
+    # and every variant's optimizer is known.
+    rows = quality.rows() + quality.variants()
+    assert len({row.name for row in rows}) == len(rows)
+    assert not [row.name for row in rows if "," in row.name]
+    for row in rows:
+        quality.optimizer(row.optimizer, config)
+
+
+def test_large_model_has_a_few_million_parameters():
+    quality = _quality_module()
+    assert 2_000_000 < quality.count_params(quality.MODELS["large"]) < 5_000_000

@@ -732,6 +732,16 @@ def compress(method, *, axis_name="data", error_feedback=True, granularity="mode
       nonfinite: what a step with NaN or ±Inf gradient entries does: ``"zero"`` (default; train
         on with them as 0), ``"skip"`` (every device skips the update) or ``"raise"`` (skip, and
         ``data_parallel`` raises ``FloatingPointError``); see "Non-finite gradients" above.
+      warmup_steps: aggregate densely for the first this many steps, then run ``method`` (default
+        0; one compiled step, switched by the step counter).
+      mask: which float leaves are compressed: a pytree of bools like the params, or a callable
+        ``params -> pytree``; the others are summed exactly in one fused all-reduce (default None:
+        all of them).
+      min_size: leaves with fewer values are summed exactly too (default 0).
+      momentum_correction: DGC's momentum ``m`` in [0, 1) for :class:`jaxcomp.TopK` and
+        :class:`jaxcomp.RandomK`: each device accumulates its velocity ``u = m u + g`` (not ``g``)
+        and clears it where sent; follow it with an optimizer without momentum
+        (``optax.sgd(lr)`` or ``optax.adam(lr, b1=0)``). Default None.
       **shorthand: with a method name only: its options (``ratio=``, ``k=``, ``rate=``,
         ``bits=``, ``leader=``, ``selector=``, ``algorithm=``, ``hadamard=``), or with
         ``"auto"`` :func:`jaxcomp.compress_auto`'s.

@@ -85,6 +85,12 @@ class Cast(Method):
     cannot overflow and small gradients keep their precision; bfloat16 has float32's range and needs
     none.
 
+    Where the bytes are saved depends on the backend's collectives: NCCL reduces 16-bit floats
+    natively, but the all-reduce of XLA's CPU collectives (gloo, multi-host CPU clusters) was
+    measured carrying bfloat16 as float32, the full 4 bytes a value, while ``bytes_sent`` and the
+    cost model count 2 (BENCHMARKS.md, "Sharded training at 1 Gbit"). On such a cluster the cast
+    saves nothing on the wire; the rounding it costs stays.
+
     Args:
       dtype: ``jnp.bfloat16`` / ``"bfloat16"`` or ``jnp.float16`` / ``"float16"`` (aliases ``"bf16"``,
         ``"fp16"``).
