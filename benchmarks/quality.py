@@ -3,7 +3,7 @@
     python benchmarks/quality.py                       # every method, ~19 min on 2 cores (see BENCHMARKS.md)
     python benchmarks/quality.py --methods dense,ar_topk(0.01) --steps 300
     python benchmarks/quality.py --quick --out /tmp/q  # a tiny model for a few steps (the smoke test)
-    python benchmarks/quality.py --model large --methods dense,zfp(8)   # 2.45M params, ~4-5 min a row
+    python benchmarks/quality.py --model large --methods dense,zfp(8)   # 2.45M params, 4-9 min a row
 
 A small GPT-style model (flax nnx; pre-LayerNorm blocks of causal self-attention and a GELU MLP) learns
 to predict the next character of Python source: files of the standard library of the running
@@ -63,7 +63,7 @@ QUICK = Config(layers=1, width=16, heads=2, context=8, batch=16, steps=6, warmup
 
 #: ``--model``: "small" (0.44M params) is the default, the one whose full run fits the 20 minutes;
 #: "large" is the few-million-parameter model (2.45M), with half the sequences per step so a row
-#: takes 4-5 minutes on 2 cores (the 11 default rows would take about 50 minutes).
+#: takes 4-9 minutes on 2 cores (the 11 default rows would take about an hour).
 MODELS = {"small": Config(), "large": Config(layers=3, width=256, batch=16)}
 
 
@@ -112,9 +112,10 @@ def variants():
     sparsifiers = (m.TopK(0.01), m.TopK(0.01, collective="ar"), m.TopK(0.001), m.TopK(0.001, collective="ar"),
                    m.RandomK(0.01))
 
+    dgc = {"momentum_correction": 0.9, "warmup_steps": 100}
+
     def with_dgc(suffix, optimizer):
-        return [Row(f"{method.describe()} {suffix}", method, {"momentum_correction": 0.9, "warmup_steps": 100},
-                    optimizer=optimizer) for method in sparsifiers]
+        return [Row(f"{method.describe()} {suffix}", method, dgc, optimizer=optimizer) for method in sparsifiers]
 
     # The recipe that brings top-k within 3% (docs/training.md, "What the methods cost in model
     # quality"): Adam without momentum after the momentum-corrected top-k.
@@ -124,8 +125,8 @@ def variants():
     # up to 10 times larger; "lr=2e-4" is 2e-3's scale (BENCHMARKS.md, "Training quality": what
     # looked like a fix was the larger steps).
     fixed = with_dgc("dgc+frozen-adam", "adam(b1=0,frozen=100)")
-    fixed.append(Row("allgather_topk(0.01) dgc+frozen-adam lr=2e-4", m.TopK(0.01),
-                     {"momentum_correction": 0.9, "warmup_steps": 100}, optimizer="adam(b1=0,frozen=100,lr=2e-4)"))
+    fixed.append(Row("allgather_topk(0.01) dgc+frozen-adam lr=2e-4", m.TopK(0.01), dgc,
+                     optimizer="adam(b1=0,frozen=100,lr=2e-4)"))
     return recipe + fixed + [
         Row("ar_topk(0.01)", m.TopK(0.01, collective="ar")),
         Row("ar_topk(0.001)", m.TopK(0.001, collective="ar")),
@@ -439,8 +440,8 @@ def main(argv=None):
     parser.add_argument("--learning-rate", type=float, help="Adam's peak learning rate (default 4e-3)")
     parser.add_argument("--quick", action="store_true", help="a tiny model for a few steps (smoke test)")
     parser.add_argument("--model", choices=sorted(MODELS), default="small",
-                        help="small: 0.44M params, 32 sequences a step, the whole default run in ~20 min (default); "
-                             "large: 2.45M params, 16 sequences a step, 4-5 min a row")
+                        help="small: 0.44M params, 32 sequences a step, the whole default run in ~19 min (default); "
+                             "large: 2.45M params, 16 sequences a step, 4-9 min a row")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="quality-results", help="folder for quality.json and quality.png")
     parser.add_argument("--no-progress", action="store_true")
