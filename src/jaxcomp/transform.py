@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp import _checks, _ffi, adaptive, methods, sharding
+from jaxcomp import _checks, _ffi, adaptive, flat, methods, sharding
 from jaxcomp.methods import Method
 from jaxcomp.nonfinite import NONFINITE_POLICIES, NonfinitePolicy
 
@@ -476,7 +476,9 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
 
             def finite_part(i):
                 finite = jnp.isfinite(leaves[i])
-                bad_counts.append(jnp.sum(~finite, dtype=jnp.int32).astype(jnp.float32))
+                # A float count reduces in the select's own loop; an int32 one made XLA:CPU write
+                # an s32 copy of the whole leaf first (one more pass). Exact below 2**24 either way.
+                bad_counts.append(jnp.sum(jnp.where(finite, 0.0, 1.0), dtype=jnp.float32))
                 return jnp.where(finite, leaves[i].astype(jnp.float32), 0.0)
 
             def error_fed(i):
@@ -590,11 +592,6 @@ def _layout(c: FeedbackConfig, tree, sends_everything: bool) -> _Layout:
     return _Layout(floats, groups, [i for i in floats if not chosen[i]])
 
 
-def _concat(parts):
-    """One 1-D vector of the parts (raveled), without a copy for a single part."""
-    return jnp.concatenate([p.ravel() for p in parts]) if len(parts) > 1 else parts[0].ravel()
-
-
 def _shards(c: FeedbackConfig, branches, n_devices: int) -> int | None:
     """With :func:`jaxcomp.sharding.sharded_updates` in force, the shards per leaf (after checking
     that they are the devices ``c.axes`` reduce over and that every method can reduce-scatter);
@@ -635,7 +632,7 @@ def _row(branches, parts, shards) -> int | None:
 
 def _pack(parts, shards, row):
     """One vector of the parts: concatenated, or shard-major with ``shards``."""
-    return _concat(parts) if shards is None else sharding.shard_major(parts, shards, row)
+    return flat.concat(parts) if shards is None else sharding.shard_major(parts, shards, row)
 
 
 def _pieces(leaves, positions, vector, shards):

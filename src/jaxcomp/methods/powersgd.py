@@ -185,6 +185,8 @@ class PowerSGD(Method):
         import jax
         import jax.numpy as jnp
 
+        from jaxcomp import flat
+
         shapes = self._shapes(x.shape[0], shapes)
         pieces, offset = [], 0
         for shape in shapes:
@@ -223,8 +225,8 @@ class PowerSGD(Method):
             else:
                 totals.append((p_hat[i] @ q_total[i].T).ravel())
                 sents.append((p_hat[i] @ local_q[i].T).ravel())
-        total = jnp.concatenate(totals).astype(x.dtype)
-        sent = jnp.concatenate(sents).astype(x.dtype)
+        total = flat.concat(totals).astype(x.dtype)
+        sent = flat.concat(sents).astype(x.dtype)
         return total, sent, tuple(q_total[i] for i in compressed)
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None, shapes=None):

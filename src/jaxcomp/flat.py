@@ -1,0 +1,94 @@
+"""One flat vector of many arrays, built so that no XLA fusion can write it slowly.
+
+Every method that compresses the model as a whole (``granularity="model"``) works on one 1-D
+vector made of all the gradient leaves. ``jnp.concatenate`` builds it, and on XLA:CPU the
+concatenation's speed depends on how many arrays it joins:
+
+* with **at most 8 operands**, XLA:CPU's instruction fusion (``CpuInstructionFusion::ShouldFuse``,
+  ``kMaxConcatenateArguments = 8``; "for vectors it's always beneficial to fuse concatenations")
+  fuses the concatenate with its producers (the error-feedback add, the non-finite select, a
+  cast to bfloat16) and with its consumers into one loop fusion. The loop emitter then maps each
+  output index to its operand through a tree of branches of depth ``log2(#operands)`` per
+  element, which LLVM cannot vectorize: 25M values took 1.17 s on this project's machine, 45 ns a
+  value, where a copy takes 1-2 ns (docs/performance.md has the profile);
+* with **more than 8 operands**, the fusion pass refuses ("Concatenate fusion is inefficient"):
+  the producers run as their own vectorized loops and the concatenate as a memcpy per operand.
+
+So the step of a 1024-4096-4096-1024-10 MLP (8 leaves) was 10x slower than that of six 2041x2041
+layers (12 leaves) of the same size. :func:`concat` always takes the second path: it splits the
+largest parts until there are more than 8, which costs nothing (each piece is written by its
+producer's own loop) and does not depend on which shapes a model has, and puts the result behind
+an optimization barrier, so that no consumer's slice can be folded back into a smaller
+concatenate (on one device a method's total is its input, and XLA would otherwise rebuild each
+leaf from its two halves in a fused 2-operand concatenate).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+#: XLA:CPU fuses a concatenate of at most this many operands into its producers and consumers.
+XLA_CPU_FUSED_CONCAT_OPERANDS = 8
+
+
+def split_parts(sizes: list[int], min_parts: int = XLA_CPU_FUSED_CONCAT_OPERANDS + 1) -> list[tuple[int, int, int]]:
+    """How :func:`concat` cuts parts of ``sizes`` values: ``(part, start, stop)`` pieces in order.
+
+    The largest piece is halved until there are ``min_parts`` pieces (or every piece holds one
+    value); a single part is never cut (it needs no concatenation at all).
+
+    Args:
+      sizes: values per part.
+      min_parts: the number of pieces to reach.
+
+    Returns:
+      The pieces, in the parts' order, covering each part exactly once.
+
+    Example:
+      >>> split_parts([8, 2], min_parts=4)
+      [(0, 0, 4), (0, 4, 6), (0, 6, 8), (1, 0, 2)]
+
+    References:
+      XLA ``xla/service/cpu/cpu_instruction_fusion.cc`` (the 8-operand limit).
+    """
+    pieces = [(i, 0, n) for i, n in enumerate(sizes)]
+    if len(sizes) <= 1:
+        return pieces
+    while len(pieces) < min_parts:
+        j = max(range(len(pieces)), key=lambda p: pieces[p][2] - pieces[p][1])
+        part, start, stop = pieces[j]
+        if stop - start < 2:
+            break
+        middle = start + (stop - start) // 2
+        pieces[j:j + 1] = [(part, start, middle), (part, middle, stop)]
+    return pieces
+
+
+def concat(parts):
+    """One 1-D vector of ``parts`` (raveled, in order), never written by a slow fused loop.
+
+    Args:
+      parts: arrays of one dtype, any shapes.
+
+    Returns:
+      Their values as one 1-D array (``parts[0].ravel()`` itself for a single part).
+
+    Example:
+      >>> import jax
+import jax.numpy as jnp
+      >>> concat([jnp.ones((2, 2)), jnp.zeros(3)]).tolist()
+      [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+
+    References:
+      XLA ``xla/service/cpu/cpu_instruction_fusion.cc`` (why more than 8 operands); the module
+      docstring and docs/performance.md (the measurements).
+    """
+    flat = [p.ravel() for p in parts]
+    if len(flat) == 1:
+        return flat[0]
+    pieces = split_parts([f.shape[0] for f in flat])
+    # The barrier keeps XLA's simplifier from folding a consumer's slice of one leaf back through
+    # the concatenate (slice(concat(halves)) -> concat(halves of that leaf)), which would make a
+    # 2-operand concatenate that fuses again.
+    return jax.lax.optimization_barrier(jnp.concatenate([flat[i][start:stop] for i, start, stop in pieces]))

@@ -1,0 +1,100 @@
+"""jaxcomp.flat: the flat gradient vector, and the compiled steps that must never write it in a
+fused concatenate (the XLA:CPU loop that took 1.17 s for 25M values)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp
+from jaxcomp import flat
+
+# The shapes of the 1024-4096-4096-1024-10 MLP's 8 leaves, scaled down 16x per side: the fusion
+# decision depends on the operand count, not on the sizes.
+MLP8_SHAPES = [(64, 256), (256,), (256, 256), (256,), (256, 64), (64,), (64, 10), (10,)]
+
+# Every method of the issue, at model granularity (the one that builds the flat vector).
+METHODS = [("dense", {}), ("allgather_topk", {"ratio": 0.01}), ("ar_topk", {"ratio": 0.01}),
+           ("randomk", {"ratio": 0.01}), ("sign", {}), ("bf16", {}), ("fp16", {}), ("powersgd", {"rank": 2}),
+           ("zfp", {"rate": 8}), ("quantized", {"bits": 4})]
+
+
+@pytest.mark.parametrize("sizes", [[5], [1, 1], [8, 2], [3, 100, 7], [10] * 12, [1] * 3, [2**20, 4]])
+def test_split_parts_covers_each_part_once_in_order(sizes):
+    pieces = flat.split_parts(sizes)
+    assert [p for p, _, _ in pieces] == sorted(p for p, _, _ in pieces)
+    for part, size in enumerate(sizes):
+        spans = [(a, b) for p, a, b in pieces if p == part]
+        assert spans[0][0] == 0 and spans[-1][1] == size
+        assert all(b0 == a1 for (_, b0), (a1, _) in zip(spans, spans[1:]))
+        assert all(b > a for a, b in spans)
+    if len(sizes) > 1:  # enough pieces to keep XLA:CPU from fusing, unless every value is its own
+        assert len(pieces) > flat.XLA_CPU_FUSED_CONCAT_OPERANDS or len(pieces) == sum(sizes)
+    else:
+        assert pieces == [(0, 0, sizes[0])]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32])
+@pytest.mark.parametrize("shapes", [[(3,)], [(2, 3), (4,)], MLP8_SHAPES, [(1,), (1,)]])
+def test_concat_matches_jnp_concatenate(dtype, shapes):
+    rng = np.random.default_rng(0)
+    parts = [jnp.asarray(rng.standard_normal(s) * 100, dtype) for s in shapes]
+    expected = jnp.concatenate([p.ravel() for p in parts])
+    np.testing.assert_array_equal(np.asarray(jax.jit(flat.concat)(parts)), np.asarray(expected))
+
+
+def _fused_concatenates(hlo: str, at_least: int) -> list[str]:
+    """``name: shape`` of each concatenate of at least ``at_least`` values inside a fused
+    computation of ``hlo`` (a standalone concatenate is a memcpy and is fine)."""
+    found = []
+    for body in re.split(r"\n(?=%\S+ \(|ENTRY )", hlo):
+        if body.startswith("%fused"):
+            for shape in re.findall(r"\[([\d,]+)\]\{[\d,]*\} concatenate\(", body):
+                if np.prod([int(d) for d in shape.split(",")]) >= at_least:
+                    found.append(f"{body.split(' ', 1)[0]}: [{shape}]")
+    return found
+
+
+def _compiled_update(method, options, shapes):
+    tx = optax.chain(jaxcomp.compress(method, **options), optax.sgd(0.1))
+    grads = {f"leaf{i}": jnp.ones(s, jnp.float32) for i, s in enumerate(shapes)}
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+
+    def update(g, state):
+        return tx.update(jax.lax.pcast(g, "data", to="varying"), state)
+
+    step = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False))
+    return step.lower(grads, tx.init(grads)).compile().as_text()
+
+
+# Leaf-sized and larger: a concatenate that size in a loop fusion is the slow path; PowerSGD's
+# concatenated P and Q factors (a few thousand values here) are far below it.
+LARGE = 16384
+
+
+@pytest.mark.parametrize("method,options", METHODS, ids=[m for m, _ in METHODS])
+def test_no_method_writes_a_large_vector_in_a_fused_concatenate(method, options):
+    found = _fused_concatenates(_compiled_update(method, options, MLP8_SHAPES), LARGE)
+    assert not found, f"{method}: fused concatenates {found}"
+
+
+@pytest.mark.parametrize("concat", ["jnp.concatenate", "split without barrier"])
+def test_the_check_sees_the_pathology(monkeypatch, concat):
+    """The HLO check above is not vacuous. jnp.concatenate of the 8 leaves (the code before
+    jaxcomp.flat) gives the fused concatenate of the whole vector; splitting without the barrier
+    lets XLA fold a one-device total's slices back into a fused 2-operand concatenate per leaf."""
+    if concat == "jnp.concatenate":
+        patched, method, options = (lambda parts: jnp.concatenate([p.ravel() for p in parts])), "ar_topk", {
+            "ratio": 0.01}
+    else:
+        def patched(parts):
+            pieces = flat.split_parts([p.size for p in parts])
+            return jnp.concatenate([parts[i].ravel()[a:b] for i, a, b in pieces])
+        method, options = "zfp", {"rate": 8}
+    monkeypatch.setattr(flat, "concat", patched)
+    assert _fused_concatenates(_compiled_update(method, options, MLP8_SHAPES), LARGE)
