@@ -11,7 +11,8 @@ namespace jaxcomp_ffi {
 inline nanobind::dict Registrations(XLA_FFI_Handler* topk, XLA_FFI_Handler* find_threshold,
                                     XLA_FFI_Handler* threshold_topk, XLA_FFI_Handler* zfp_encode,
                                     XLA_FFI_Handler* zfp_decode, XLA_FFI_Handler* sign_pack,
-                                    XLA_FFI_Handler* sign_unpack, XLA_FFI_Handler* hadamard = nullptr) {
+                                    XLA_FFI_Handler* sign_unpack, XLA_FFI_Handler* hadamard = nullptr,
+                                    XLA_FFI_Handler* pack = nullptr) {
   auto capsule = [](XLA_FFI_Handler* fn) { return nanobind::capsule(reinterpret_cast<void*>(fn)); };
   nanobind::dict targets;
   targets["jaxcomp_topk"] = capsule(topk);
@@ -23,6 +24,8 @@ inline nanobind::dict Registrations(XLA_FFI_Handler* topk, XLA_FFI_Handler* find
   targets["jaxcomp_sign_unpack"] = capsule(sign_unpack);
   // CPU only: elsewhere jaxcomp.hadamard runs its XLA path (the same butterflies).
   if (hadamard != nullptr) targets["jaxcomp_hadamard"] = capsule(hadamard);
+  // CPU only: elsewhere the flat vector is XLA's (jaxcomp.flat.pack_error_fed's XLA path).
+  if (pack != nullptr) targets["jaxcomp_pack"] = capsule(pack);
   return targets;
 }
 

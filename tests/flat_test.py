@@ -78,14 +78,18 @@ LARGE = 16384
 
 
 @pytest.mark.parametrize("method,options", METHODS, ids=[m for m, _ in METHODS])
-def test_no_method_writes_a_large_vector_in_a_fused_concatenate(method, options):
+@pytest.mark.parametrize("path", ["native", "xla"])
+def test_no_method_writes_a_large_vector_in_a_fused_concatenate(method, options, path, monkeypatch):
+    if path == "xla":  # what GPUs and TPUs run
+        monkeypatch.setattr(flat, "pack_error_fed", flat.pack_error_fed_xla)
     found = _fused_concatenates(_compiled_update(method, options, MLP8_SHAPES), LARGE)
     assert not found, f"{method}: fused concatenates {found}"
 
 
 @pytest.mark.parametrize("concat", ["jnp.concatenate", "split without barrier"])
 def test_the_check_sees_the_pathology(monkeypatch, concat):
-    """The HLO check above is not vacuous. jnp.concatenate of the 8 leaves (the code before
+    """The HLO check above is not vacuous (on the XLA path, which GPUs and TPUs run and which the
+    CPU ran before the native pack kernel). jnp.concatenate of the 8 leaves (the code before
     jaxcomp.flat) gives the fused concatenate of the whole vector; splitting without the barrier
     lets XLA fold a one-device total's slices back into a fused 2-operand concatenate per leaf."""
     if concat == "jnp.concatenate":
@@ -97,4 +101,49 @@ def test_the_check_sees_the_pathology(monkeypatch, concat):
             return jnp.concatenate([parts[i].ravel()[a:b] for i, a, b in pieces])
         method, options = "zfp", {"rate": 8}
     monkeypatch.setattr(flat, "concat", patched)
+    monkeypatch.setattr(flat, "pack_error_fed", flat.pack_error_fed_xla)  # the XLA path, which concat serves
     assert _fused_concatenates(_compiled_update(method, options, MLP8_SHAPES), LARGE)
+
+
+PACK_SHAPES = [[(5,)], [(3,), (70_000,), (5, 7), (1,), (200_000,)], MLP8_SHAPES, [(1,)] * 20, [(0,), (4,)]]
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("shapes", PACK_SHAPES, ids=lambda s: f"{len(s)}leaves")
+def test_pack_error_fed_native_matches_xla_bit_for_bit(shapes, with_residual):
+    rng = np.random.default_rng(len(shapes))
+    grads = [jnp.asarray(rng.standard_normal(s) * 10, jnp.float32) for s in shapes]
+    # Non-finite values at the first and last value of a leaf and across the kernel's task edge.
+    bad = {0: [0], 1: [0, 65_535, 65_536, 69_999], 4: [131_072, 199_999]}
+    for leaf, spots in bad.items():
+        if leaf < len(grads) and grads[leaf].size:
+            for j, spot in enumerate(s for s in spots if s < grads[leaf].size):
+                value = (jnp.nan, jnp.inf, -jnp.inf)[j % 3]
+                grads[leaf] = grads[leaf].ravel().at[spot].set(value).reshape(grads[leaf].shape)
+    residuals = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes] if with_residual else None
+    vector, count = jax.jit(flat.pack_error_fed)(grads, residuals)
+    expected, expected_count = flat.pack_error_fed_xla(grads, residuals)
+    np.testing.assert_array_equal(np.asarray(vector), np.asarray(expected))
+    assert float(count) == float(expected_count) == sum(int((~np.isfinite(np.asarray(g))).sum()) for g in grads)
+    assert np.isfinite(np.asarray(vector)).all()
+
+
+def test_pack_error_fed_runs_the_native_kernel_on_cpu_and_xla_for_16_bit():
+    grads = [jnp.ones((4, 4)), jnp.ones(3)]
+    assert "jaxcomp_pack" in jax.jit(flat.pack_error_fed).lower(grads).as_text()
+    half = [g.astype(jnp.bfloat16) for g in grads]
+    assert "jaxcomp_pack" not in jax.jit(flat.pack_error_fed).lower(half).as_text()
+    np.testing.assert_array_equal(np.asarray(flat.pack_error_fed(half)[0]), np.ones(19, np.float32))
+
+
+def test_pack_error_fed_refuses_bad_input():
+    with pytest.raises(ValueError, match="grads must hold"):
+        flat.pack_error_fed([])
+    with pytest.raises(ValueError, match="residuals must be shaped like grads"):
+        flat.pack_error_fed([jnp.ones(3)], [jnp.ones(4)])
+
+
+@pytest.mark.parametrize("method,options", METHODS[:4], ids=[m for m, _ in METHODS[:4]])
+def test_compress_packs_with_the_native_kernel(method, options):
+    hlo = _compiled_update(method, options, MLP8_SHAPES)
+    assert "jaxcomp_pack" in hlo or method == "dense"  # dense sums leaf by leaf, it packs nothing

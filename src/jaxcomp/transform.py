@@ -475,11 +475,8 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
             bad_counts, momenta = [], {}
 
             def finite_part(i):
-                finite = jnp.isfinite(leaves[i])
-                # A float count reduces in the select's own loop; an int32 one made XLA:CPU write
-                # an s32 copy of the whole leaf first (one more pass). Exact below 2**24 either way.
-                bad_counts.append(jnp.sum(jnp.where(finite, 0.0, 1.0), dtype=jnp.float32))
-                return jnp.where(finite, leaves[i].astype(jnp.float32), 0.0)
+                bad_counts.append(flat.count_nonfinite(leaves[i]))
+                return flat.finite_values(leaves[i])
 
             def error_fed(i):
                 g = finite_part(i)
@@ -487,9 +484,17 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
                     g = momenta[i] = c.momentum * velocities[i] + g
                 return g + residuals[i] if keeps_residual else g
 
-            # The error-fed vector of each group (for the model: one concatenation of its leaves).
-            feds = [_pack([error_fed(i) for i in positions], shards, row)
-                    for (positions, _), row in zip(lay.groups, rows)]
+            def packed(positions, row):
+                """The error-fed vector of a group (for the model: all its leaves joined)."""
+                if shards is not None or c.momentum is not None:
+                    return _pack([error_fed(i) for i in positions], shards, row)
+                # One pass on the CPU: the non-finite select, the residual's add and the join.
+                fed, bad = flat.pack_error_fed([leaves[i] for i in positions],
+                                               [residuals[i] for i in positions] if keeps_residual else None)
+                bad_counts.append(bad)
+                return fed
+
+            feds = [packed(positions, row) for (positions, _), row in zip(lay.groups, rows)]
             if lay.plain:
                 # The leaves mask= and min_size= leave out: summed as they are, in one all-reduce
                 # (with shards: one reduce-scatter).

@@ -9,7 +9,9 @@
 //   * zfp_decode: random words (any bit pattern) and encoded words, decoded by the reference
 //     decoder, compared bit for bit (any NaN equals any NaN);
 //   * sign_pack, sign_unpack: signs bit by bit, scales by the halving tree over a zero-padded
-//     buffer (the definition, not the kernel's lanes and bit-reversed walk), bit for bit.
+//     buffer (the definition, not the kernel's lanes and bit-reversed walk), bit for bit;
+//   * pack_error_fed: random leaf counts and sizes (empty leaves too), with and without residuals,
+//     against the definition value by value (non-finite gradient values as 0, then + residual).
 //
 // Usage: kernels_fuzz [SECONDS] [SEED]   (default 30 s, seed 1; JAXCOMP_FUZZ_SECONDS also sets
 // the time). Prints the number of cases per kernel; exits 1 at the first mismatch, naming it.
@@ -26,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/pack.h"
 #include "kernels/sign.h"
 #include "kernels/topk.h"
 #include "kernels/zfp.h"
@@ -509,6 +512,41 @@ void FuzzSign(std::mt19937_64& rng, uint64_t case_seed) {
   }
 }
 
+
+void FuzzPack(std::mt19937_64& rng, uint64_t case_seed) {
+  const int64_t num_parts = 1 + rng() % 12;
+  const bool with_residual = rng() % 2 == 0;
+  const Parallel parallel = Threads(1 + rng() % 8);
+  std::vector<std::vector<float>> grads(num_parts), residuals(num_parts);
+  std::vector<jaxcomp::PackPart> parts(num_parts);
+  int64_t n = 0;
+  for (int64_t i = 0; i < num_parts; ++i) {
+    const int64_t size = rng() % 5 == 0 ? 0 : DrawLength(rng);  // empty leaves are valid
+    grads[i] = DrawRow(rng, size);
+    residuals[i] = DrawRow(rng, size);
+    for (float& r : residuals[i]) r = std::isfinite(r) ? r : 0.5f;  // residuals are always finite
+    parts[i] = {grads[i].data(), with_residual ? residuals[i].data() : nullptr, size};
+    n += size;
+  }
+  const std::string where = " (parts=" + std::to_string(num_parts) + ", n=" + std::to_string(n) +
+                            (with_residual ? ", residual" : "") + ")";
+  std::vector<float> out(n, -12345.0f);
+  float nonfinite = -1.0f;
+  if (!jaxcomp::pack_error_fed(parts.data(), num_parts, out.data(), &nonfinite, parallel).ok())
+    Fail("pack_error_fed returned an error" + where, case_seed);
+  int64_t pos = 0, bad = 0;
+  for (int64_t i = 0; i < num_parts; ++i) {
+    for (size_t j = 0; j < grads[i].size(); ++j, ++pos) {
+      const float g = grads[i][j];
+      bad += !std::isfinite(g);
+      const float clean = std::isfinite(g) ? g : 0.0f;
+      const float want = with_residual ? clean + residuals[i][j] : clean;
+      if (!SameBits(out[pos], want)) Fail("pack_error_fed at value " + std::to_string(pos) + where, case_seed);
+    }
+  }
+  if (nonfinite != static_cast<float>(bad)) Fail("pack_error_fed's non-finite count" + where, case_seed);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -522,28 +560,32 @@ int main(int argc, char** argv) {
   }
   std::mt19937_64 seeds(seed);
   const auto stop = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  int64_t topk_cases = 0, zfp_cases = 0, sign_cases = 0;
+  int64_t topk_cases = 0, zfp_cases = 0, sign_cases = 0, pack_cases = 0;
   // Alternate the kernels until the time is spent. Each case draws from its own seed (printed on
   // failure); the sequence of case seeds, and so a whole run, is fixed by SEED.
   while (std::chrono::steady_clock::now() < stop) {
     const uint64_t case_seed = seeds();
     std::mt19937_64 rng(case_seed);
-    const int64_t cases = topk_cases + zfp_cases + sign_cases;
-    if (cases % 3 == 0) {
+    const int64_t cases = topk_cases + zfp_cases + sign_cases + pack_cases;
+    if (cases % 4 == 0) {
       FuzzTopK(rng, case_seed);
       ++topk_cases;
-    } else if (cases % 3 == 1) {
+    } else if (cases % 4 == 1) {
       FuzzZfp(rng, case_seed);
       ++zfp_cases;
-    } else {
+    } else if (cases % 4 == 2) {
       FuzzSign(rng, case_seed);
       ++sign_cases;
+    } else {
+      FuzzPack(rng, case_seed);
+      ++pack_cases;
     }
   }
   std::printf("kernels_fuzz: seed %llu, %.0f s: %lld top-k cases (topk, find_threshold, threshold_topk) and "
-              "%lld zfp cases (encode, decode, decode of random words) and %lld sign cases (pack, unpack) match the "
-              "reference\n",
+              "%lld zfp cases (encode, decode, decode of random words), %lld sign cases (pack, unpack) and %lld "
+              "pack_error_fed cases match the reference\n",
               static_cast<unsigned long long>(seed), seconds, static_cast<long long>(topk_cases),
-              static_cast<long long>(zfp_cases), static_cast<long long>(sign_cases));
+              static_cast<long long>(zfp_cases), static_cast<long long>(sign_cases),
+              static_cast<long long>(pack_cases));
   return 0;
 }

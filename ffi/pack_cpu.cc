@@ -1,0 +1,70 @@
+// XLA FFI adapter of the CPU packing kernel (kernels/pack.h): validate, then run on XLA's
+// intra-op thread pool.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ffi/common.h"
+#include "ffi/handlers.h"
+#include "ffi/thread_pool.h"
+#include "kernels/pack.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Operands: the gradients of `parts` leaves, then (with `residual` = 1) their residuals, each
+// float32 of any shape (the residual shaped like its gradient).
+ffi::ErrorOr<std::vector<jaxcomp::PackPart>> DecodeParts(const ffi::RemainingArgs& args, int64_t residual) {
+  const int64_t operands = static_cast<int64_t>(args.size());
+  const int64_t parts = residual ? operands / 2 : operands;
+  if (parts < 1 || (residual && operands % 2 != 0)) {
+    return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(
+        "pack needs at least one gradient" + std::string(residual ? " and one residual per gradient" : "") +
+        ", got " + std::to_string(operands) + " operands"));
+  }
+  std::vector<jaxcomp::PackPart> out(parts);
+  for (int64_t i = 0; i < parts; ++i) {
+    auto grad = args.get<ffi::Buffer<ffi::F32>>(i);
+    if (grad.has_error()) return ffi::Unexpected<ffi::Error>(grad.error());
+    out[i].grad = grad.value().typed_data();
+    out[i].size = static_cast<int64_t>(grad.value().element_count());
+    if (!residual) continue;
+    auto res = args.get<ffi::Buffer<ffi::F32>>(parts + i);
+    if (res.has_error()) return ffi::Unexpected<ffi::Error>(res.error());
+    if (static_cast<int64_t>(res.value().element_count()) != out[i].size) {
+      return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(
+          "residual " + std::to_string(i) + " must have its gradient's " + std::to_string(out[i].size) +
+          " values, got " + std::to_string(res.value().element_count())));
+    }
+    out[i].residual = res.value().typed_data();
+  }
+  return out;
+}
+
+ffi::Error Pack(ffi::ThreadPool pool, ffi::RemainingArgs args, int64_t residual, ffi::ResultBuffer<ffi::F32> out,
+                ffi::ResultBuffer<ffi::F32> nonfinite) {
+  if (ffi::Error e = jaxcomp_ffi::CheckRange(residual, 0, 1, "residual"); e.failure()) return e;
+  auto parts = DecodeParts(args, residual);
+  if (parts.has_error()) return parts.error();
+  int64_t n = 0;
+  for (const auto& p : parts.value()) n += p.size;
+  if (static_cast<int64_t>(out->element_count()) != n || out->dimensions().size() != 1) {
+    return ffi::Error::InvalidArgument("out (the result) must be 1-D with the " + std::to_string(n) +
+                                       " values of the gradients, got " + std::to_string(out->element_count()));
+  }
+  if (nonfinite->element_count() != 1) return ffi::Error::InvalidArgument("nonfinite (the result) must be a scalar");
+  const auto& p = parts.value();
+  return jaxcomp_ffi::ToError(jaxcomp::pack_error_fed(p.data(), static_cast<int64_t>(p.size()), out->typed_data(),
+                                                      nonfinite->typed_data(), jaxcomp_ffi::PoolParallel(pool)));
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompPackCpu, Pack,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()          // pool: XLA's intra-op threads
+                                  .RemainingArgs()                 // the gradients, then their residuals
+                                  .Attr<int64_t>("residual")       // 1: residuals follow the gradients
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // out: the flat error-fed vector
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // nonfinite: non-finite gradient values
