@@ -1,8 +1,10 @@
 """jaxcomp netbench: one small cell end to end on an emulated cluster, the table, the plot, the CLI."""
 
+import dataclasses
 import json
 import os
 
+import numpy as np
 import pytest
 
 from jaxcomp import netbench
@@ -27,15 +29,42 @@ def test_table_has_a_row_per_method_and_the_sync_ratio():
     assert "| 33.3x |" in ar  # dense's sync 10 s over ar_topk's 0.3 s
 
 
-def test_plot_writes_a_png(tmp_path):
+def test_table_compares_each_model_with_its_own_dense():
+    rows = [dict(r, model=model, sync=r["sync"] * scale) for model, scale in (("gpt2", 1), ("resnet50", 2))
+            for r in fake_rows()]
+    lines = netbench.table(rows).splitlines()
+    assert lines[0].startswith("| model | hosts |") and len(lines) == 2 + 12
+    assert all("| 33.3x |" in line for line in lines if "| ar_topk |" in line and "| 100mbit |" in line)
+    assert all(line.startswith("| -") for line in netbench.table(fake_rows()).splitlines()[2:])  # older rows
+
+
+def test_a_zoo_model_is_what_the_workers_train():
+    spec = netbench.Spec(params=25e6, methods=("pmean",), steps=1, warmup=0, batch=3, layers=6, out="-",
+                         rate_bits=None, model="mlp4096")
+    params, loss_fn, batches, about = netbench._workload(spec, np.random.default_rng(0))
+    assert about == {"model": "mlp4096", "leaves": 8, "width": None}
+    assert len(batches) == 4 and batches[0]["x"].shape == (3, 1024)
+    assert np.isfinite(float(loss_fn(params, batches[0])))
+    # Without a model: the MLP of --params, as before the zoo.
+    mlp = dataclasses.replace(spec, model=None, params=2e5)
+    _, _, batches, about = netbench._workload(mlp, np.random.default_rng(0))
+    assert about == {"model": "mlp_6x183", "leaves": 12, "width": 183} and batches[0]["y"].shape == (3, 183)
+
+
+@pytest.mark.parametrize("models", [(None,), ("gpt2", "many_small")])
+def test_plot_writes_a_png(tmp_path, models):
     path = tmp_path / "speedup.png"
-    netbench.plot(fake_rows(), str(path))
+    netbench.plot([dict(r, model=m) for m in models for r in fake_rows()], str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("argv, match", [
     (["--hosts", "0"], "--hosts"), (["--rates", "fast"], "--rates"), (["--methods", "nope"], "--methods"),
     (["--params", "10"], "--params"), (["--steps", "0"], "--steps"), (["--plot", "/nonexistent/x.png"], "folder"),
+    (["--model", "resnet18"], "--model must be among mlp4096,"), (["--model", "gpt2,nope"], "--model"),
+    (["--model", ","], "--model"), (["--model", "gpt2", "--params", "1e6"], "one of --model and --params"),
+    # A good --model passes its check: the next flag's error is the one reported.
+    (["--model", "gpt2,resnet50", "--steps", "0"], "--steps"),
 ])
 def test_cli_checks_its_flags_before_running(argv, match, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -1,19 +1,21 @@
 """The network benchmark: data-parallel training steps on an emulated cluster, per method and link rate.
 
     jaxcomp netbench --hosts 2,4 --rates 10gbit,1gbit,100mbit,none --params 25e6 --plot netbench.png
+    jaxcomp netbench --hosts 2 --rates 1gbit --model mlp4096,gpt2,resnet50,many_small
 
-For every number of hosts and link rate it builds a :class:`jaxcomp.cluster.Cluster` (one
+For every model, number of hosts and link rate it builds a :class:`jaxcomp.cluster.Cluster` (one
 ``jax.distributed`` process with one CPU device per host, gloo over ``tbf``-shaped veth links)
-and runs, in one job, a flax MLP of ``--params`` float32 parameters trained by
-:func:`jaxcomp.data_parallel` with each method: a plain ``lax.pmean`` of the gradients (no
-jaxcomp, the baseline users compare with), ``compress("dense")`` at both granularities, every
-compressed method and ``"auto"``. Per method it reports the median step time after warm-up, the
-compute-only step (the same model's gradient and Adam update with no communication, run by every
-host at once, since the emulated hosts share this machine's cores), sync time = step - compute,
-the bytes the host's ``eth0`` really carried per step (the link's counters) beside jaxcomp's
-``bytes_sent``, the cost model's predicted sync time on the network probed in the job, paper 002's
-prediction of the step (what ``jaxcomp advise`` says), the speedup against the plain ``pmean``
-step, and what ``"auto"`` picked.
+and runs, in one job, a flax model trained by :func:`jaxcomp.data_parallel` with each method: a
+plain ``lax.pmean`` of the gradients (no jaxcomp, the baseline users compare with),
+``compress("dense")`` at both granularities, every compressed method and ``"auto"``. The model is
+a :mod:`jaxcomp.zoo` model named by ``--model`` (several: a cell each), or else an MLP of 6
+square dense layers of ``--params`` float32 parameters. Per method it reports the median step
+time after warm-up, the compute-only step (the same model's gradient and Adam update with no
+communication, run by every host at once, since the emulated hosts share this machine's cores),
+sync time = step - compute, the bytes the host's ``eth0`` really carried per step (the link's
+counters) beside jaxcomp's ``bytes_sent``, the cost model's predicted sync time on the network
+probed in the job, paper 002's prediction of the step (what ``jaxcomp advise`` says), the speedup
+against the plain ``pmean`` step, and what ``"auto"`` picked.
 
 The worker half runs inside each emulated host (``python -m jaxcomp.netbench --worker SPEC``).
 """
@@ -72,6 +74,7 @@ class Spec:
     layers: int
     out: str
     rate_bits: float | None  # the link rate (None: no limit), recorded with the results
+    model: str | None = None  # a jaxcomp.zoo name; None: the MLP of `params` and `layers`
 
 
 def width_for(params: float, layers: int) -> int:
@@ -104,9 +107,7 @@ def _worker(spec: Spec) -> None:
     launch.initialize()
     import gc
 
-    import flax.linen as nn
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from jax.experimental import multihost_utils
@@ -116,30 +117,12 @@ def _worker(spec: Spec) -> None:
     import jaxcomp
     from jaxcomp.cluster import INTERFACE, read_interface_counters
 
-    width = width_for(spec.params, spec.layers)
-
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for i in range(spec.layers):
-                x = nn.Dense(width)(x)
-                if i < spec.layers - 1:
-                    x = jnp.tanh(x)
-            return x
-
-    model = MLP()
-    params = model.init(jax.random.key(0), jnp.zeros((1, width)))
+    params, loss_fn, local_batches, about = _workload(spec, np.random.default_rng(1 + jax.process_index()))
     n_params = sum(x.size for x in jax.tree.leaves(params))
-
-    def loss_fn(p, batch):
-        return jnp.mean((model.apply(p, batch["x"]) - batch["y"]) ** 2)
 
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     mesh = Mesh(np.array(devices), ("data",))
     n_hosts = len(devices)
-    rng = np.random.default_rng(1 + jax.process_index())
-    local_batches = [{"x": rng.normal(size=(spec.batch, width)).astype(np.float32),
-                      "y": rng.normal(size=(spec.batch, width)).astype(np.float32)} for _ in range(4)]
     sharding = NamedSharding(mesh, P("data"))
 
     def global_batch(i):
@@ -195,7 +178,7 @@ def _worker(spec: Spec) -> None:
     probe_start = time.perf_counter()
     network = jaxcomp.probe_network(mesh, "data") if n_hosts > 1 else None
     probe_seconds = time.perf_counter() - probe_start
-    results = {"hosts": n_hosts, "params": n_params, "width": width, "compute": compute_first,
+    results = {"hosts": n_hosts, "params": n_params, **about, "compute": compute_first,
                "probe": None if network is None else {"alpha": network.alpha, "beta": network.beta,
                                                       "seconds": probe_seconds},
                "methods": {}}
@@ -273,6 +256,47 @@ def _worker(spec: Spec) -> None:
     if jax.process_index() == 0:
         with open(spec.out, "w") as f:
             json.dump(results, f)
+
+
+def _workload(spec: Spec, rng):
+    """What the job trains: ``(params, loss_fn, local_batches, about)``.
+
+    ``spec.model`` names a :mod:`jaxcomp.zoo` model; None is the MLP of ``spec.layers`` square dense
+    layers of about ``spec.params`` parameters. ``local_batches`` are four of this host's batches of
+    ``spec.batch`` rows drawn from ``rng``; ``about`` is what the results record of the model.
+    """
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    if spec.model is not None:
+        from jaxcomp import zoo
+
+        model = zoo.build(spec.model)
+        batches = [model.make_batch(rng, spec.batch) for _ in range(4)]
+        return model.params, model.loss_fn, batches, {"model": spec.model, "leaves": model.n_leaves, "width": None}
+    width = width_for(spec.params, spec.layers)
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(spec.layers):
+                x = nn.Dense(width)(x)
+                if i < spec.layers - 1:
+                    x = jnp.tanh(x)
+            return x
+
+    model = MLP()
+    params = model.init(jax.random.key(0), jnp.zeros((1, width)))
+
+    def loss_fn(p, batch):
+        return jnp.mean((model.apply(p, batch["x"]) - batch["y"]) ** 2)
+
+    batches = [{"x": rng.normal(size=(spec.batch, width)).astype(np.float32),
+                "y": rng.normal(size=(spec.batch, width)).astype(np.float32)} for _ in range(4)]
+    about = {"model": f"mlp_{spec.layers}x{width}", "leaves": len(jax.tree.leaves(params)), "width": width}
+    return params, loss_fn, batches, about
 
 
 def _state_bytes(state) -> int:
@@ -362,74 +386,88 @@ class _plain_pmean_step:
 
 def run_benchmark(hosts=DEFAULT_HOSTS, rates=DEFAULT_RATES, *, params=DEFAULT_PARAMS, methods=tuple(METHODS),
                   steps=3, warmup=1, batch=DEFAULT_BATCH, layers=DEFAULT_LAYERS, timeout=1800, progress=True,
-                  log=None, on_cell=None) -> list[dict]:
-    """Runs every (hosts, rate) cell on an emulated cluster; returns one row per cell and method.
+                  log=None, on_cell=None, models=None) -> list[dict]:
+    """Runs every (model, hosts, rate) cell on an emulated cluster; returns one row per cell and method.
 
     Args:
       hosts: numbers of emulated hosts.
       rates: link rates (``"1gbit"``, ``"none"`` for no limit).
-      params: model parameters (float32).
+      params: parameters (float32) of the MLP trained when ``models`` is None.
       methods: labels from :data:`METHODS`; ``"pmean"`` is the baseline speedups are measured
         against and always runs.
       steps: timed steps per method (the median counts), after ``warmup`` untimed ones.
-      batch: rows per host.
-      layers: dense layers of the MLP.
+      batch: rows (sequences, images) per host.
+      layers: dense layers of the MLP trained when ``models`` is None.
       timeout: seconds per cell before its processes are killed.
       progress: show a progress bar (tqdm) over the cells.
       log: file the workers' output goes to (default: discarded unless a cell fails).
       on_cell: called with all rows so far after each cell (to save partial results).
+      models: :data:`jaxcomp.zoo.NAMES` to train, one cell per model, host count and rate; None
+        trains the MLP of ``params`` and ``layers``.
 
     Returns:
-      A list of dicts, one per (hosts, rate, method).
+      A list of dicts, one per (model, hosts, rate, method); ``"model"`` names the model.
 
     Example:
-      >>> rows = run_benchmark(hosts=(2,), rates=("1gbit",), params=1e5, methods=("pmean", "ar_topk"))  # doctest: +SKIP
+      >>> rows = run_benchmark((2,), ("1gbit",), models=("resnet50",), methods=("ar_topk",))  # doctest: +SKIP
 
     References:
       Agarwal et al., "On the Utility of Gradient Compression in Distributed Training Systems",
       MLSys 2022 (measure the step, not the bytes); issue 13's set-up.
     """
-    from jaxcomp.cluster import Cluster, ClusterError, check_support, format_rate, parse_rate
+    from jaxcomp import zoo
+    from jaxcomp.cluster import check_support, format_rate, parse_rate
 
     check_support()
     methods = tuple(dict.fromkeys(("pmean",) + tuple(methods)))
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"methods must be among {tuple(METHODS)}, got {unknown}")
-    cells = [(h, r) for h in hosts for r in rates]
+    if models is not None and (not tuple(models) or any(m not in zoo.NAMES for m in models)):
+        raise ValueError(f"models must be None or names among {zoo.NAMES}, got {models}")
+    models = (None,) if models is None else tuple(models)
+    cells = [(m, h, r) for m in models for h in hosts for r in rates]
     bar = _progress(len(cells), progress)
     rows = []
     try:
-        for n_hosts, rate in cells:
+        for model, n_hosts, rate in cells:
             rate_bits = parse_rate(rate)
-            bar.set_description(f"{n_hosts} hosts, {format_rate(rate_bits)}")
+            bar.set_description(f"{model or 'mlp'}, {n_hosts} hosts, {format_rate(rate_bits)}")
             with tempfile.TemporaryDirectory() as tmp:
                 spec = Spec(params=float(params), methods=methods, steps=steps, warmup=warmup, batch=batch,
-                            layers=layers, out=os.path.join(tmp, "result.json"), rate_bits=rate_bits)
-                log_path = log or os.path.join(tmp, "workers.log")
-                with open(log_path, "a") as out, Cluster(n_hosts, rate=rate_bits) as cluster:
-                    # cwd: `-m` puts it first on sys.path, and a source checkout there would shadow
-                    # the installed package.
-                    codes = cluster.run(["-m", "jaxcomp.netbench", "--worker", json.dumps(dataclasses.asdict(spec))],
-                                        timeout=timeout, stdout=out, stderr=out, cwd=tmp)
-                if any(codes) or not os.path.exists(spec.out):
-                    with open(log_path) as f:
-                        tail = f.read()[-3000:]
-                    raise ClusterError(f"the {n_hosts}-host job at {format_rate(rate_bits)} failed (exit codes "
-                                       f"{codes}); the workers' output ends with:\n{tail}")
-                with open(spec.out) as f:
-                    result = json.load(f)
+                            layers=layers, out=os.path.join(tmp, "result.json"), rate_bits=rate_bits, model=model)
+                result = _run_cell(spec, n_hosts, timeout, log or os.path.join(tmp, "workers.log"), tmp)
             base = result["methods"]["pmean"]["step"]
             for label, entry in result["methods"].items():
-                rows.append({"hosts": n_hosts, "rate": format_rate(rate_bits), "method": label,
-                             "params": result["params"], "compute": result["compute"],
-                             "probe": result["probe"], "speedup": base / entry["step"], **entry})
+                rows.append({"model": result.get("model"), "hosts": n_hosts, "rate": format_rate(rate_bits),
+                             "method": label, "params": result["params"], "leaves": result.get("leaves"),
+                             "compute": result["compute"], "probe": result["probe"], "speedup": base / entry["step"],
+                             **entry})
             bar.update(1)
             if on_cell is not None:
                 on_cell(rows)
     finally:
         bar.close()
     return rows
+
+
+def _run_cell(spec: Spec, n_hosts: int, timeout: float, log_path: str, cwd: str) -> dict:
+    """One job of ``spec`` on a fresh cluster of ``n_hosts``; the workers' results (host 0's JSON)."""
+    from jaxcomp.cluster import Cluster, ClusterError, format_rate
+
+    with open(log_path, "a") as out, Cluster(n_hosts, rate=spec.rate_bits) as cluster:
+        # cwd: `-m` puts it first on sys.path, and a source checkout there would shadow the
+        # installed package.
+        codes = cluster.run(["-m", "jaxcomp.netbench", "--worker", json.dumps(dataclasses.asdict(spec))],
+                            timeout=timeout, stdout=out, stderr=out, cwd=cwd)
+    if any(codes) or not os.path.exists(spec.out):
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        what = f"{spec.model} " if spec.model else ""
+        raise ClusterError(f"the {n_hosts}-host {what}job at {format_rate(spec.rate_bits)} failed (exit codes "
+                           f"{codes}); the workers' output ends with:\n{tail}")
+    with open(spec.out) as f:
+        return json.load(f)
 
 
 def _progress(total, enabled):
@@ -467,26 +505,27 @@ def table(rows) -> str:
       rows: the rows :func:`run_benchmark` returns.
 
     Returns:
-      A markdown table, one line per row.
+      A markdown table, one line per row; rows without a ``"model"`` (older results) show ``-``.
 
     Example:
-      >>> table([]).splitlines()[0].split(" | ")[:3]
-      ['| hosts', 'rate', 'method']
+      >>> table([]).splitlines()[0].split(" | ")[:4]
+      ['| model', 'hosts', 'rate', 'method']
 
     References:
       Agarwal et al., "On the Utility of Gradient Compression in Distributed Training Systems",
       MLSys 2022 (measure the step, not the bytes); issue 13's set-up.
     """
-    lines = ["| hosts | rate | method | step s | compute s | sync s | predicted sync s | advise step s | "
+    lines = ["| model | hosts | rate | method | step s | compute s | sync s | predicted sync s | advise step s | "
              "wire MB/step/host | bytes_sent MB | sync: dense / this | speedup vs pmean | ran | state MB/host | "
              "peak RSS MB/host |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
-    dense_sync = {(r["hosts"], r["rate"]): r["sync"] for r in rows if r["method"] == Dense().label}
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+    dense_sync = {(r.get("model"), r["hosts"], r["rate"]): r["sync"] for r in rows if r["method"] == Dense().label}
     for r in rows:
-        base = dense_sync.get((r["hosts"], r["rate"]))
+        base = dense_sync.get((r.get("model"), r["hosts"], r["rate"]))
         ratio = f"{base / r['sync']:.1f}x" if base and base > 0 and r["sync"] > 0 else "-"
-        lines.append(f"| {r['hosts']} | {r['rate']} | {r['method']} | {_s(r['step'])} | {_s(r['compute'])} | "
-                     f"{_s(r['sync'])} | {_s(r.get('predicted_sync'))} | {_s(r.get('advise_step'))} | "
+        lines.append(f"| {r.get('model') or '-'} | {r['hosts']} | {r['rate']} | {r['method']} | {_s(r['step'])} | "
+                     f"{_s(r['compute'])} | {_s(r['sync'])} | {_s(r.get('predicted_sync'))} | "
+                     f"{_s(r.get('advise_step'))} | "
                      f"{_mb(r['wire_tx'])} | {_mb(r.get('bytes_sent'))} | {ratio} | {r['speedup']:.2f}x | "
                      f"{r['ran']} | {_mb(r.get('state_bytes'))} | {_mb(r.get('peak_rss'))} |")
     return "\n".join(lines)
@@ -495,8 +534,9 @@ def table(rows) -> str:
 def plot(rows, path) -> None:
     """Speedup against link rate per method (measured points) beside the cost model's curve.
 
-    One panel per host count; a method's dashed line is the cost model's step time of the plain
-    pmean over the method's (compute + predicted sync), at the rates measured.
+    One panel per model (a row of panels each) and host count; a method's dashed line is the cost
+    model's step time of the plain pmean over the method's (compute + predicted sync), at the rates
+    measured.
 
     Args:
       rows: the rows :func:`run_benchmark` returns.
@@ -519,52 +559,73 @@ def plot(rows, path) -> None:
 
     from jaxcomp.cluster import parse_rate
 
+    models = list(dict.fromkeys(r.get("model") for r in rows))
     hosts = sorted({r["hosts"] for r in rows})
-    fig, axes = plt.subplots(1, len(hosts), figsize=(6 * len(hosts), 4.5), squeeze=False)
-    for ax, n in zip(axes[0], hosts):
-        cell = [r for r in rows if r["hosts"] == n and parse_rate(r["rate"]) is not None]
-        for method in dict.fromkeys(r["method"] for r in cell):
-            if method == "pmean":
-                continue
-            points = sorted((parse_rate(r["rate"]), r["speedup"], r.get("predicted_sync"), r["compute"])
-                            for r in cell if r["method"] == method)
-            line, = ax.plot([p[0] / 1e9 for p in points], [p[1] for p in points], "o", label=f"{method} measured")
-            base = {parse_rate(r["rate"]): r for r in cell if r["method"] == "pmean"}
-            model = [(p[0] / 1e9, (base[p[0]]["compute"] + base[p[0]]["predicted_sync"]) / (p[3] + p[2]))
-                     for p in points if p[2] is not None and base.get(p[0], {}).get("predicted_sync") is not None]
-            if model:
-                ax.plot([m[0] for m in model], [m[1] for m in model], "--", color=line.get_color(), alpha=0.6)
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xscale("log")
-        ax.set_xlabel("link rate, Gbit/s")
-        ax.set_ylabel("step speedup vs plain pmean")
-        ax.set_title(f"{n} emulated hosts (points: measured, dashed: cost model)")
-        ax.legend(fontsize=7)
+    fig, axes = plt.subplots(len(models), len(hosts), figsize=(6 * len(hosts), 4.5 * len(models)), squeeze=False)
+    for row, model in zip(axes, models):
+        for ax, n in zip(row, hosts):
+            cell = [r for r in rows
+                    if r.get("model") == model and r["hosts"] == n and parse_rate(r["rate"]) is not None]
+            _plot_panel(ax, cell)
+            ax.set_title(f"{model + ', ' if model else ''}{n} emulated hosts (points: measured, dashed: cost model)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
-    """``jaxcomp netbench [--hosts 2,4] [--rates ...] [--params 25e6] [--plot out.png] [--json out.json]``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:
-        _worker(Spec(**{**json.loads(argv[1]), "methods": tuple(json.loads(argv[1])["methods"])}))
-        return 0
+def _plot_panel(ax, cell):
+    """One model's and host count's speedups against the rate: measured points, the cost model's dashes."""
+    from jaxcomp.cluster import parse_rate
+
+    for method in dict.fromkeys(r["method"] for r in cell):
+        if method == "pmean":
+            continue
+        points = sorted((parse_rate(r["rate"]), r["speedup"], r.get("predicted_sync"), r["compute"])
+                        for r in cell if r["method"] == method)
+        line, = ax.plot([p[0] / 1e9 for p in points], [p[1] for p in points], "o", label=f"{method} measured")
+        base = {parse_rate(r["rate"]): r for r in cell if r["method"] == "pmean"}
+        model = [(p[0] / 1e9, (base[p[0]]["compute"] + base[p[0]]["predicted_sync"]) / (p[3] + p[2]))
+                 for p in points if p[2] is not None and base.get(p[0], {}).get("predicted_sync") is not None]
+        if model:
+            ax.plot([m[0] for m in model], [m[1] for m in model], "--", color=line.get_color(), alpha=0.6)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("link rate, Gbit/s")
+    ax.set_ylabel("step speedup vs plain pmean")
+    ax.legend(fontsize=7)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from jaxcomp import zoo
+
     parser = argparse.ArgumentParser(prog="jaxcomp netbench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", default=",".join(map(str, DEFAULT_HOSTS)), help="emulated host counts (default 2,4)")
     parser.add_argument("--rates", default=",".join(DEFAULT_RATES),
                         help=f"link rates, 'none' for no limit (default {','.join(DEFAULT_RATES)})")
-    parser.add_argument("--params", type=float, default=DEFAULT_PARAMS, help="model parameters (default 25e6)")
+    parser.add_argument("--model", default=None, metavar="NAME[,NAME...]",
+                        help=f"train these jaxcomp.zoo models, one cell each, from {','.join(zoo.NAMES)} "
+                             "(default: the MLP of --params)")
+    parser.add_argument("--params", type=float, default=None,
+                        help="parameters of the MLP of 6 square layers trained without --model (default 25e6)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"from {','.join(METHODS)}")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per method, the median counts (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
-    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="rows per host (default 4)")
+    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH,
+                        help="rows (sequences, images) per host (default 4)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per cell (default 1800)")
     parser.add_argument("--plot", default=None, help="write the speedup plot (PNG) here")
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
     parser.add_argument("--log", default=None, help="append the workers' output here")
-    args = parser.parse_args(argv)
-    from jaxcomp.cluster import ClusterError, parse_rate
+    return parser
+
+
+def _names(text):
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _checked_args(parser, args):
+    """The flags' values, checked before any cluster is built: (hosts, rates, methods, models)."""
+    from jaxcomp import zoo
+    from jaxcomp.cluster import parse_rate
 
     try:
         hosts = tuple(int(h) for h in args.hosts.split(","))
@@ -572,8 +633,7 @@ def main(argv=None) -> int:
             raise ValueError
     except ValueError:
         parser.error(f"--hosts must be positive integers separated by commas, got {args.hosts!r}")
-    rates = tuple(r.strip() for r in args.rates.split(",") if r.strip())
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    rates, methods = _names(args.rates), _names(args.methods)
     try:
         for rate in rates:
             parse_rate(rate)
@@ -581,10 +641,14 @@ def main(argv=None) -> int:
         parser.error(f"--rates: {e}")
     if not rates:
         parser.error("--rates names no rate")
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
+    if any(m not in METHODS for m in methods) or not methods:
         parser.error(f"--methods must be among {','.join(METHODS)}, got {args.methods!r}")
-    if not (args.params >= 1000 and math.isfinite(args.params)):
+    models = None if args.model is None else _names(args.model)
+    if models is not None and (not models or any(m not in zoo.NAMES for m in models)):
+        parser.error(f"--model must be among {','.join(zoo.NAMES)}, got {args.model!r}")
+    if models is not None and args.params is not None:
+        parser.error("--params sizes the MLP trained without --model: give one of --model and --params")
+    if args.params is not None and not (args.params >= 1000 and math.isfinite(args.params)):
         parser.error(f"--params must be a finite number >= 1000, got {args.params}")
     for name in ("steps", "batch"):
         if getattr(args, name) < 1:
@@ -594,18 +658,31 @@ def main(argv=None) -> int:
     for path in (args.plot, args.json):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             parser.error(f"the folder of {path!r} does not exist")
+    return hosts, rates, methods, models
+
+
+def main(argv=None) -> int:
+    """``jaxcomp netbench [--hosts 2,4] [--rates ...] [--model resnet50,gpt2 | --params 25e6] [--plot out.png]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        _worker(Spec(**{**json.loads(argv[1]), "methods": tuple(json.loads(argv[1])["methods"])}))
+        return 0
+    parser = _parser()
+    args = parser.parse_args(argv)
+    hosts, rates, methods, models = _checked_args(parser, args)
+    params = DEFAULT_PARAMS if args.params is None else args.params
+
     def save(rows):
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
 
-    from jaxcomp.cluster import sigterm_as_interrupt
+    from jaxcomp.cluster import ClusterError, sigterm_as_interrupt
 
     try:
         with sigterm_as_interrupt():  # `kill` tears the cluster down too
-            rows = run_benchmark(hosts, rates, params=args.params, methods=methods, steps=args.steps,
-                                 warmup=args.warmup, batch=args.batch, timeout=args.timeout, log=args.log,
-                                 on_cell=save)
+            rows = run_benchmark(hosts, rates, params=params, methods=methods, steps=args.steps, warmup=args.warmup,
+                                 batch=args.batch, timeout=args.timeout, log=args.log, on_cell=save, models=models)
     except ClusterError as e:
         print(f"jaxcomp netbench: {e}", file=sys.stderr)
         return 2

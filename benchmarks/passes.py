@@ -1,0 +1,157 @@
+"""Each method's local work in passes over the gradient: its update's time over a plain copy's.
+
+    python benchmarks/passes.py [--models mlp4096,mlp2041,gpt2,resnet50,many_small] [--repeats 5]
+
+For every model of the zoo (:mod:`jaxcomp.zoo`) and every method, one device runs the
+``compress`` update alone (inside ``jax.shard_map``, as in training; on one device the
+collectives move nothing) on random gradients of the model's parameter shapes, and the same job
+times a plain copy of those gradients (``g * 2``: read every value once, write it once, into a
+new buffer as the update's outputs are). The ratio is the method's local work in *passes*: what
+error feedback, packing, selection, codecs and unpacking cost in units of the cheapest thing a
+step could do with the gradient. The issue's targets: at most 4 passes for top-k, random-k, sign
+and the casts (PowerSGD: beside its matmuls), at most 8 for ZFP and THC.
+
+Rounds interleave the methods and each figure is the best round, so that a busy machine skews
+every method alike. Results go to stdout as a table and to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import jax
+import numpy as np
+
+#: Methods and the compress() options each runs with: the issue's list, at their usual settings.
+METHODS = {
+    "dense": ("dense", {}),
+    "allgather_topk": ("allgather_topk", {"ratio": 0.01}),
+    "ar_topk": ("ar_topk", {"ratio": 0.01}),
+    "randomk": ("randomk", {"ratio": 0.01}),
+    "sign": ("sign", {}),
+    "bf16": ("bf16", {}),
+    "fp16": ("fp16", {}),
+    "powersgd": ("powersgd", {"rank": 4}),
+    "zfp": ("zfp", {"rate": 8}),
+    "quantized": ("quantized", {"bits": 4}),
+}
+
+#: The issue's ceiling per method, in passes.
+TARGETS = {"zfp": 8, "quantized": 8, "dense": 4}
+
+
+def parse_args(argv=None):
+    from jaxcomp import zoo
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(zoo.NAMES), help=f"zoo models (default all: {','.join(zoo.NAMES)})")
+    parser.add_argument("--methods", default=",".join(METHODS), help="methods (default all)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds; the best counts (default 5)")
+    parser.add_argument("--json", default=None, help="write the rows here")
+    args = parser.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.methods = [m for m in args.methods.split(",") if m]
+    for name in args.models:
+        if name not in zoo.NAMES:
+            parser.error(f"--models: {name!r} is not a zoo model ({', '.join(zoo.NAMES)})")
+    for name in args.methods:
+        if name not in METHODS:
+            parser.error(f"--methods: {name!r} is not one of {', '.join(METHODS)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    return args
+
+
+def gradients(model_name: str):
+    """Random float32 gradients of the zoo model's parameter shapes, on the first device."""
+    from jaxcomp import zoo
+
+    shapes = zoo.build(model_name, abstract=True).params
+    rng = np.random.default_rng(0)
+    leaves, treedef = jax.tree.flatten(shapes)
+    return jax.device_put(treedef.unflatten([rng.standard_normal(s.shape, np.float32) for s in leaves]),
+                          jax.devices()[0])
+
+
+def update_function(method: str, grads):
+    """A jitted ``(grads, state) -> (updates, state)`` of ``compress(method)`` on one device, and its
+    first state."""
+    import jaxcomp
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    name, options = METHODS[method]
+    tx = jaxcomp.compress(name, **options)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+
+    def update(g, state):
+        g = jax.lax.pcast(g, "data", to="varying")  # this device's own gradient, as in training
+        return tx.update(g, state)
+
+    step = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False))
+    return step, jax.jit(tx.init)(grads)
+
+
+def best_seconds(fn, repeats_per_round: int = 2):
+    """The best of a few calls of ``fn`` (compiled and warm already)."""
+    best = float("inf")
+    for _ in range(repeats_per_round):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(model_name: str, methods, repeats: int) -> list[dict]:
+    """One model's rows: per method the update's best time and its passes over the copy's."""
+    grads = gradients(model_name)
+    copy = jax.jit(lambda g: jax.tree.map(lambda x: x * 2, g))
+    runs = {"copy": lambda: copy(grads)}
+    for method in methods:
+        step, state = update_function(method, grads)
+        runs[method] = lambda step=step, state=state: step(grads, state)
+    for fn in runs.values():
+        jax.block_until_ready(fn())  # compile and warm up
+    best = {name: float("inf") for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            best[name] = min(best[name], best_seconds(fn))
+    n = sum(x.size for x in jax.tree.leaves(grads))
+    leaves = len(jax.tree.leaves(grads))
+    return [{"model": model_name, "params": n, "leaves": leaves, "method": m, "seconds": best[m],
+             "copy_seconds": best["copy"], "passes": best[m] / best["copy"],
+             "target": TARGETS.get(m, 4)} for m in methods]
+
+
+def table(rows) -> str:
+    """The rows as a markdown table, one line per model and method."""
+    lines = ["| model | params | leaves | method | update ms | copy ms | passes | target | within |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        within = "yes" if r["passes"] <= r["target"] else "**no**"
+        lines.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['leaves']} | {r['method']} | "
+                     f"{r['seconds'] * 1e3:.1f} | {r['copy_seconds'] * 1e3:.1f} | {r['passes']:.1f} | "
+                     f"<= {r['target']} | {within} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    print(f"# {platform.node()}: {platform.processor() or platform.machine()}, jax {jax.__version__}, "
+          f"{len(jax.devices())} device(s)", flush=True)
+    rows = []
+    for model_name in args.models:
+        rows += measure(model_name, args.methods, args.repeats)
+        print(f"# {model_name} done", flush=True)
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
