@@ -11,8 +11,8 @@ error feedback, packing, selection, codecs and unpacking cost in units of the ch
 step could do with the gradient. The issue's targets: at most 4 passes for top-k, random-k, sign
 and the casts (PowerSGD: beside its matmuls), at most 8 for ZFP and THC.
 
-Rounds interleave the methods and each figure is the best round, so that a busy machine skews
-every method alike. Results go to stdout as a table and to ``--json``.
+Rounds interleave the methods (each call in a round: one warm-up, then the best of 2) and each
+figure is the best round, so that a busy machine skews every method alike. Results go to stdout as a table and to ``--json``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 
 import jax
 import numpy as np
@@ -95,30 +94,20 @@ def update_function(method: str, grads):
     return step, jax.jit(tx.init)(grads)
 
 
-def best_seconds(fn, repeats_per_round: int = 2):
-    """The best of a few calls of ``fn`` (compiled and warm already)."""
-    best = float("inf")
-    for _ in range(repeats_per_round):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def measure(model_name: str, methods, repeats: int) -> list[dict]:
     """One model's rows: per method the update's best time and its passes over the copy's."""
+    from jaxcomp.kernel_demo import best_seconds  # one warm-up call, then the best of the rest
+
     grads = gradients(model_name)
     copy = jax.jit(lambda g: jax.tree.map(lambda x: x * 2, g))
     runs = {"copy": lambda: copy(grads)}
     for method in methods:
         step, state = update_function(method, grads)
         runs[method] = lambda step=step, state=state: step(grads, state)
-    for fn in runs.values():
-        jax.block_until_ready(fn())  # compile and warm up
     best = {name: float("inf") for name in runs}
     for _ in range(repeats):
         for name, fn in runs.items():
-            best[name] = min(best[name], best_seconds(fn))
+            best[name] = min(best[name], best_seconds(fn, 2))
     n = sum(x.size for x in jax.tree.leaves(grads))
     leaves = len(jax.tree.leaves(grads))
     return [{"model": model_name, "params": n, "leaves": leaves, "method": m, "seconds": best[m],

@@ -110,23 +110,6 @@ class Config:
 # ----------------------------------------------------------------------------------------------
 # Pure helpers: model shapes, DDP options, the table (no torch, no jaxcomp needed).
 
-def width_for(params: float, layers: int) -> int:
-    """The square MLP's width for ``params`` parameters, as :func:`jaxcomp.netbench.width_for` computes it.
-
-    Args:
-      params: the parameter count wanted.
-      layers: square dense layers.
-
-    Returns:
-      The width ``w`` with ``layers * w * w`` closest to ``params`` (at least 8).
-
-    Example:
-      >>> width_for(6 * 2041 * 2041, 6)
-      2041
-    """
-    return max(8, round(math.sqrt(params / layers)))
-
-
 def torch_widths(model: str, params: float | None = None) -> tuple[int, ...] | None:
     """The layer sizes of ``model``'s MLP (input first), or None for the models that are not MLPs.
 
@@ -144,6 +127,8 @@ def torch_widths(model: str, params: float | None = None) -> tuple[int, ...] | N
       (129, 129, 129, 129, 129, 129, 129)
     """
     if model == "mlp2041":
+        from jaxcomp.netbench import width_for  # netbench's own MLP: the same width (imports no JAX)
+
         width = width_for(MLP2041_PARAMS if params is None else params, SQUARE_LAYERS)
         return (width,) * (SQUARE_LAYERS + 1)
     return MLP4096_WIDTHS if model == "mlp4096" else None

@@ -1,4 +1,7 @@
-"""Cast (jaxcomp.methods.cast): the gradient all-reduced in bfloat16 or float16, against a numpy reference."""
+"""Cast (jaxcomp.methods.cast): the gradient all-reduced in bfloat16 or float16, against a numpy reference;
+and the CPU's bfloat16 ring (jaxcomp.collectives.bfloat16_allreduce) against a numpy ring, bit for bit."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -8,9 +11,10 @@ import optax
 import pytest
 from helpers import count_compilations, need_devices
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from jaxcomp import cost
+from jaxcomp import collectives, cost
 from jaxcomp.methods import Cast
 from jaxcomp.methods.cast import power_of_two_scale
 
@@ -40,30 +44,46 @@ def _reference_scale(batch):
     return np.float32(2.0 ** np.clip(np.floor(np.log2(room)), -60, 60))
 
 
-@pytest.mark.parametrize("dtype, magnitude", [("bfloat16", 1.0), ("float16", 1.0), ("float16", 3e4),
-                                              ("float16", 1e-6)])
+@pytest.mark.parametrize("dtype, magnitude", [("float16", 1.0), ("float16", 3e4), ("float16", 1e-6)])
 def test_aggregate_matches_numpy_and_error_feedback_keeps_the_rounding(dtype, magnitude):
-    """One step: each device's error-feedback residual is exactly x - decode(encode(x)) (numpy), and
-    the sum equals numpy's sum of the decoded values to the narrow type's rounding of the sum. float16
-    at 3e4 (8 devices: the unscaled sum would overflow) and at 1e-6 (subnormal unscaled) stays exact
-    to float16's 11 bits thanks to the power-of-two scale."""
+    """float16, one step: each device's error-feedback residual is exactly x - decode(encode(x))
+    (numpy), and the sum equals numpy's sum of the decoded values to float16's rounding of the
+    sum. At 3e4 (8 devices: the unscaled sum would overflow) and at 1e-6 (subnormal unscaled) it
+    stays exact to float16's 11 bits thanks to the power-of-two scale."""
     n = 257
     method = Cast(dtype)
     dp, state = _sgd_run(method, n)
     batch = (np.random.default_rng(0).standard_normal((N_DEVICES, n)) * magnitude).astype(np.float32)
     state, metrics = dp.step(state, batch)
-    scale = _reference_scale(batch) if dtype == "float16" else np.float32(1.0)
+    scale = _reference_scale(batch)
     decoded = _reference_decode(batch, dtype, scale)
     residual = np.asarray(jaxcomp.find_compress_state(state.opt_state).residual)
     np.testing.assert_array_equal(residual, batch - decoded)
     total = -np.asarray(state.params)
     expected = decoded.astype(np.float64).sum(axis=0)
-    eps = 2.0**-8 if dtype == "bfloat16" else 2.0**-11
     # The all-reduce adds in the narrow type: each of the N-1 adds rounds by at most eps/2 of a
     # partial sum whose magnitude is at most sum |decoded|.
-    bound = N_DEVICES * eps * np.abs(decoded).sum(axis=0)
+    bound = N_DEVICES * 2.0**-11 * np.abs(decoded).sum(axis=0)
     assert np.all(np.isfinite(total))
     assert np.all(np.abs(total - expected) <= bound + 1e-30)
+    assert float(metrics["bytes_sent"]) == method.wire_bytes(n, N_DEVICES)
+
+
+@pytest.mark.parametrize("scale", [None, True])
+def test_bfloat16_step_is_the_ring_bit_for_bit(scale):
+    """bfloat16 in a data_parallel step on the CPU: the update is the numpy ring's total and the
+    error-feedback residual is x - the ring's sent, bit for bit (with scale=True, of x times the
+    shared power of two, divided back)."""
+    n = 257
+    method = Cast("bfloat16", scale=scale)
+    dp, state = _sgd_run(method, n)
+    batch = (np.random.default_rng(0).standard_normal((N_DEVICES, n)) * 100).astype(np.float32)
+    state, metrics = dp.step(state, batch)
+    s = _reference_scale(batch) if scale else np.float32(1.0)
+    total, sent, _ = ring_reference(batch * s)
+    np.testing.assert_array_equal(-np.asarray(state.params), total / s)
+    residual = np.asarray(jaxcomp.find_compress_state(state.opt_state).residual)
+    np.testing.assert_array_equal(residual, batch - sent / s)
     assert float(metrics["bytes_sent"]) == method.wire_bytes(n, N_DEVICES)
 
 
@@ -98,19 +118,84 @@ def test_error_feedback_identity_replicas_and_one_compile():
     assert all(np.array_equal(shards[0], s) for s in shards[1:])
 
 
-@pytest.mark.parametrize("method", [Cast("bfloat16"), Cast("float16")], ids=["bf16", "fp16"])
-def test_bytes_on_the_wire_are_wire_bytes(method):
-    """The collectives in the traced step move what wire_bytes says (16-bit values, and float16's
-    scalar scale)."""
-    from collectives_test import _collective_bytes
-    from jax.sharding import PartitionSpec as P
+def _collectives(hlo):
+    """``[(dtype, [dims], op)]`` of the collectives in compiled HLO text."""
+    found = re.findall(r"= (\w+)\[([\d,]*)\]\S* (all-reduce|reduce-scatter|all-gather|collective-permute)"
+                       r"(?:-start)?\(", hlo)
+    return [(dtype, [int(d) for d in dims.split(",") if d], op) for dtype, dims, op in found]
 
-    n = 1003
-    traced = jax.jit(jax.shard_map(lambda v: method.aggregate(v, "data", step=0, key=jax.random.key(0)),
-                                   mesh=_mesh(), in_specs=P("data"), out_specs=(P(), P("data")))).trace(
-        jnp.zeros(n * N_DEVICES, jnp.float32))
-    uniform, p2p = _collective_bytes(traced.jaxpr.jaxpr, {"data": N_DEVICES})
-    assert not p2p and uniform == pytest.approx(method.wire_bytes(n, N_DEVICES))
+
+#: Bytes a value of each HLO element type.
+HLO_BYTES = {"u16": 2, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "u32": 4, "s32": 4}
+
+
+def _hlo_bytes(ops, n_devices):
+    """Bytes one device sends in the collectives ``ops`` of a compiled program (textbook ring costs)."""
+    N, total = n_devices, 0.0
+    for dtype, dims, op in ops:
+        nbytes = int(np.prod(dims)) * HLO_BYTES[dtype]
+        total += {"all-reduce": 2 * (N - 1) / N * nbytes, "all-gather": (N - 1) / N * nbytes,
+                  "reduce-scatter": (N - 1) * nbytes, "collective-permute": nbytes}[op]
+    return total
+
+
+def _compiled_aggregate(method, n, n_devices=N_DEVICES, scatter=False):
+    """The compiled HLO text of ``method``'s aggregate (or reduce_scatter) on the CPU."""
+    key = jax.random.key(0)
+
+    def aggregate(v):
+        if scatter:
+            return method.reduce_scatter(v, "data", step=0, key=key, size=v.shape[0])
+        return method.aggregate(v, "data", step=0, key=key)
+    mesh = Mesh(np.array(jax.devices()[:n_devices]), ("data",))
+    f = jax.jit(jax.shard_map(aggregate, mesh=mesh, in_specs=P("data"), out_specs=(P("data") if scatter else P(),
+                                                                                     P("data"))))
+    return f.lower(jnp.zeros(n * n_devices, jnp.float32)).compile().as_text()
+
+
+@pytest.mark.parametrize("method", [Cast("bfloat16"), Cast("float16"), Cast("bfloat16", scale=True)],
+                         ids=["bf16", "fp16", "bf16-scaled"])
+@pytest.mark.parametrize("n", [1003, 1000])
+def test_bytes_on_the_wire_are_wire_bytes(method, n):
+    """The collectives of the compiled CPU step move what wire_bytes says: bfloat16 as uint16 ring
+    hops and an all-gather of the owned chunks (2 bytes a value, padded to N chunks), float16 one
+    all-reduce of f16, and the scale's scalar all-reduce."""
+    ops = _collectives(_compiled_aggregate(method, n))
+    assert _hlo_bytes(ops, N_DEVICES) == pytest.approx(method.wire_bytes(n, N_DEVICES))
+
+
+@pytest.mark.parametrize("scale", [None, True])
+@pytest.mark.parametrize("scatter", [False, True], ids=["aggregate", "reduce_scatter"])
+def test_compiled_cpu_bfloat16_moves_only_16_bit_words(scale, scatter):
+    """Issue 22, item 5: XLA:CPU's collectives carry a bfloat16 all-reduce as float32. The CPU
+    program has no all-reduce or reduce-scatter of the vector (bf16 or f32): only collective-permutes
+    of u16 chunks and, for the all-reduce, one all-gather of them (plus the scale's scalar)."""
+    n = 4096
+    ops = _collectives(_compiled_aggregate(Cast("bfloat16", scale=scale), n, scatter=scatter))
+    vector_ops = [op for op in ops if np.prod(op[1]) > 1]
+    assert vector_ops and all(dtype == "u16" for dtype, _, _ in vector_ops), ops
+    assert {op for _, _, op in vector_ops} == ({"collective-permute"} if scatter else {"collective-permute",
+                                                                                      "all-gather"}), ops
+    assert sum(op == "collective-permute" for _, _, op in vector_ops) == N_DEVICES - 1
+    assert [op for op in ops if op not in vector_ops] == ([("f32", [], "all-reduce")] if scale else [])
+    if scatter:
+        assert _hlo_bytes(ops, N_DEVICES) == pytest.approx(Cast("bfloat16", scale=scale).reduce_scatter_bytes(
+            n, N_DEVICES))
+
+
+def test_other_platforms_keep_the_bfloat16_psum():
+    """NCCL and the TPU reduce bfloat16 natively: lowered for them, the step is one all-reduce of
+    bf16 and no ring (jax.lax.platform_dependent chooses when lowering)."""
+    mesh = _mesh()
+    f = jax.jit(jax.shard_map(lambda v: Cast("bf16").aggregate(v, "data", step=0, key=None), mesh=mesh,
+                              in_specs=P("data"), out_specs=(P(), P("data"))))
+    traced = f.trace(jnp.zeros(1003 * N_DEVICES, jnp.float32))
+    for platform in ("cuda", "tpu"):
+        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        assert "collective_permute" not in text and "all_gather" not in text
+        assert re.search(r"stablehlo.all_reduce.*\n(.*\n){0,4}.*\(tensor<1003xbf16>\) -> tensor<1003xbf16>", text)
+    cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert "all_reduce" not in cpu and "collective_permute" in cpu
 
 
 def test_power_of_two_scale():
@@ -126,6 +211,10 @@ def test_wire_bytes_names_and_cost_model():
     assert bf16.wire_bytes(1000, 8) == jaxcomp.Dense().wire_bytes(1000, 8) / 2
     assert fp16.wire_bytes(1000, 8) == bf16.wire_bytes(1000, 8) + 2 * 7 / 8 * 4
     assert fp16.message_steps(8) == 2 * bf16.message_steps(8) == 28 and bf16.wire_bytes(1000, 1) == 0.0
+    # bfloat16's ring sends 2 (N-1) chunks of ceil(n/N) values; float16's psum 2 (N-1)/N n values.
+    assert bf16.wire_bytes(1003, 8) == 2 * 7 * 126 * 2 and fp16.wire_bytes(1003, 8) == 2 * 7 / 8 * 2006 + 7
+    assert Cast("bf16", allreduce="tree").wire_bytes(1000, 8) == 2 * 3 * 2000
+    assert bf16.reduce_scatter_bytes(1000, 8) == 7 * 125 * 2 and bf16.reduce_scatter_steps(8) == 7
     assert jaxcomp.methods.parse("bf16") == bf16 and jaxcomp.methods.parse("fp16") == fp16
     net = cost.Network.parse("1ms", "1gbit")
     assert cost.predict("bf16", 4e8, 8, net) < cost.predict("dense", 4e8, 8, net)
@@ -147,3 +236,141 @@ def test_cast_is_a_compress_auto_candidate():
 def test_bad_arguments_are_named(build, match):
     with pytest.raises((ValueError, TypeError), match=match):
         build()
+
+
+# ----------------------------------------------------------------------------------------------
+# The CPU's bfloat16 ring (jaxcomp.collectives.bfloat16_allreduce), against numpy.
+
+def _bf16(v):
+    return np.asarray(v, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def ring_reference(X):
+    """numpy: the bfloat16 ring over the rows of ``X`` ([N, n] float32), in the same order with the
+    same roundings. Device d starts with chunk d - 1; at each hop it sends its partial sum rounded
+    to bfloat16, the receiver adds its own chunk in float32; device d ends owning chunk d and
+    rounds it once more. Returns ``(total, sent [N, n], owned [N, chunk])``: every rounding a
+    device made is taken off its ``sent``."""
+    X = np.asarray(X, np.float32)
+    N, n = X.shape
+    chunk = -(-n // N)
+    chunks = np.pad(X, ((0, 0), (0, N * chunk - n))).reshape(N, N, chunk)
+    sent = chunks.copy()
+    partials = [chunks[d, (d - 1) % N] for d in range(N)]
+    for hop in range(N - 1):
+        messages = [_bf16(p) for p in partials]
+        for d in range(N):
+            sent[d, (d - 1 - hop) % N] -= partials[d] - messages[d]
+        partials = [messages[(d - 1) % N] + chunks[d, (d - 2 - hop) % N] for d in range(N)]
+    owned = np.stack([_bf16(p) for p in partials])
+    for d in range(N):
+        sent[d, d] -= partials[d] - owned[d]
+    return owned.reshape(-1)[:n], sent.reshape(N, -1)[:, :n], owned
+
+
+def _run_ring(n_devices, X, scatter=False, algorithm="auto", axes=("data",)):
+    """Every device's (total, sent) of bfloat16_allreduce over the rows of ``X`` on the first
+    ``n_devices`` devices (over ``axes``, a mesh of that many devices in all)."""
+    need_devices(n_devices)
+    shape = (n_devices,) if len(axes) == 1 else (2, n_devices // 2)
+    mesh = Mesh(np.array(jax.devices()[:n_devices]).reshape(shape), axes)
+    axis = axes[0] if len(axes) == 1 else axes
+
+    def f(v):
+        total, sent = collectives.bfloat16_allreduce(v, axis, scatter=scatter, algorithm=algorithm)
+        return total[None], sent[None]
+    out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(axes), out_specs=(P(axes), P(axes)), check_vma=True))(
+        jnp.asarray(X).reshape(-1))
+    return tuple(np.asarray(a.astype(jnp.float32)) for a in out)
+
+
+def _rows(n_devices, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n_devices, n)) * rng.uniform(0.1, 10.0, (n_devices, 1))).astype(np.float32)
+
+
+@pytest.mark.parametrize("n_devices, n", [(2, 1), (2, 5), (2, 1001), (3, 1), (3, 5), (3, 100), (3, 30001),
+                                          (8, 1), (8, 5), (8, 1003), (8, 100_003)])
+def test_bfloat16_ring_matches_numpy_bit_for_bit(n_devices, n):
+    """The ring on 2, 3 and 8 devices, with fewer values than devices, sizes that are not a multiple
+    of N, and a large one: total and sent bit for bit as numpy's ring, the total identical on every
+    device, and the devices' sent add up to the total (every rounding is some device's, so error
+    feedback keeps all the ring lost)."""
+    X = _rows(n_devices, n)
+    totals, sent = _run_ring(n_devices, X)
+    total, expected_sent, _ = ring_reference(X)
+    np.testing.assert_array_equal(totals, np.broadcast_to(total, totals.shape))
+    np.testing.assert_array_equal(sent, expected_sent)
+    np.testing.assert_allclose(sent.astype(np.float64).sum(0), total, rtol=1e-6,
+                               atol=1e-6 * np.abs(X).sum(0).max())
+    # Each of the N roundings of a chunk is half a bfloat16 ulp of a partial sum at most.
+    bound = n_devices * 2.0**-8 * np.abs(X.astype(np.float64)).sum(0)
+    assert np.all(np.abs(total - X.astype(np.float64).sum(0)) <= bound)
+
+
+@pytest.mark.parametrize("n_devices, row", [(2, 3), (3, 1), (8, 37)])
+def test_bfloat16_ring_reduce_scatter_is_the_all_reduce_split(n_devices, row):
+    """scatter=True (sharded training): the ring's reduce-scatter phase; device d's shard is row d of
+    the all-reduce bit for bit, rounded to bfloat16 as the all-reduce's owner rounds it, with the
+    same sent."""
+    X = _rows(n_devices, n_devices * row, seed=1)
+    shards, sent = _run_ring(n_devices, X, scatter=True)
+    _, expected_sent, owned = ring_reference(X)
+    np.testing.assert_array_equal(shards, owned)
+    np.testing.assert_array_equal(sent, expected_sent)
+    with pytest.raises(ValueError, match="not 3 rows of equal length"):
+        _run_ring(3, _rows(3, 10), scatter=True)
+
+
+def test_bfloat16_ring_over_two_mesh_axes():
+    """A tuple of axes (a 2 x 4 mesh) rings over the devices in the axes' flattened order."""
+    X = _rows(8, 203, seed=2)
+    totals, sent = _run_ring(8, X, axes=("node", "gpu"))
+    total, expected_sent, _ = ring_reference(X)
+    np.testing.assert_array_equal(totals[0], total)
+    np.testing.assert_array_equal(sent, expected_sent)
+
+
+def test_bfloat16_psum_and_one_device():
+    """algorithm="psum" (what GPU and TPU run) is the cast and one psum, sent the cast; with one
+    device nothing is sent and total = sent = x rounded to bfloat16, as Cast always did."""
+    X = np.random.default_rng(3).integers(-40, 41, (8, 11)).astype(np.float32)  # every sum exact
+    totals, sent = _run_ring(8, X, algorithm="psum")
+    np.testing.assert_array_equal(totals, np.broadcast_to(X.sum(0), totals.shape))
+    np.testing.assert_array_equal(sent, X)
+    X = _rows(1, 7)
+    for algorithm in collectives.BFLOAT16_ALGORITHMS:
+        total, sent = _run_ring(1, X, algorithm=algorithm)
+        np.testing.assert_array_equal(total, _bf16(X))
+        np.testing.assert_array_equal(sent, _bf16(X))
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        _run_ring(2, _rows(2, 4), algorithm="tree")
+
+
+def test_bfloat16_training_trains():
+    """compress("bf16") in data_parallel on 8 devices (the CPU ring): a small regression's loss falls
+    by more than 10x in 30 adam steps, along dense's curve to 1%, and the replicas stay identical."""
+    rng = np.random.default_rng(4)
+    w_true = rng.standard_normal((16, 4)).astype(np.float32)
+
+    def loss(params, batch):
+        return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
+
+    batches = []
+    for _ in range(30):
+        x = rng.standard_normal((64, 16)).astype(np.float32)
+        batches.append({"x": x, "y": x @ w_true + 0.5})
+    final = {}
+    for method in ("dense", "bf16"):
+        tx = optax.chain(jaxcomp.compress(method), optax.adam(0.05))
+        dp = jaxcomp.data_parallel(loss, tx, _mesh())
+        state = dp.init({"w": jnp.zeros((16, 4)), "b": jnp.zeros(4)})
+        losses = []
+        for batch in batches:
+            state, metrics = dp.step(state, batch)
+            losses.append(float(metrics["loss"]))
+        final[method] = losses
+        shards = [np.asarray(s.data) for s in state.params["w"].addressable_shards]
+        assert all(np.array_equal(shards[0], s) for s in shards[1:])
+    assert final["bf16"][-1] < 0.1 * final["bf16"][0]
+    np.testing.assert_allclose(final["bf16"], final["dense"], rtol=0.01)

@@ -227,3 +227,39 @@ def test_a_token_bucket_does_not_pass_for_bandwidth(monkeypatch):
     least_squares = probe.fit_alpha_beta((2**10, 2**16, 2**20, 2**23),
                                          [shaped_psum(None, None, s // 4, 1) for s in (2**10, 2**16, 2**20, 2**23)], 2)
     assert least_squares.bandwidth > 1.2 * net.bandwidth  # what the plain fit would have said
+
+
+@pytest.mark.parametrize("method, adds_codec", [
+    ("ar_topk", False), ("randomk", False), ("sign", False), ("bf16", False), ("powersgd", False),
+    ("zfp", True), ("quantized", True)])
+def test_overhead_times_the_real_update_for_every_method(monkeypatch, method, adds_codec):
+    """Issue 22: a slow packing step made every method 3.5-5x slower than a plain step, and the
+    overhead that compress_auto uses only saw it for top-k (the others timed their codec alone).
+    Every method's overhead is now its whole update; ZFP and THC, which skip their codec on one
+    device, add the codec timed on its own."""
+    from jaxcomp import methods, probe
+
+    monkeypatch.setattr(probe, "update_seconds", lambda m, params, repeats=3: 1.0)
+    monkeypatch.setattr(probe, "codec_seconds", lambda m, n, **kw: 0.25)
+    options = {"ratio": 0.01} if method in ("ar_topk", "randomk") else {"rate": 8} if method == "zfp" else {
+        "bits": 4} if method == "quantized" else {"rank": 2} if method == "powersgd" else {}
+    seconds = probe.overhead_seconds(methods.parse(method, **options), {"w": np.zeros((64, 64), np.float32)})
+    assert seconds == (1.25 if adds_codec else 1.0)
+    assert probe.overhead_seconds(methods.parse("dense"), {"w": np.zeros(8, np.float32)}) == 0.0
+
+
+def test_update_seconds_sees_a_slow_packing(monkeypatch):
+    """The measurement is the real update: a packing made 50 ms slower shows up in it."""
+    import time as time_module
+
+    from jaxcomp import flat, methods, probe
+
+    params = {"w": np.zeros((64, 64), np.float32), "b": np.zeros(64, np.float32)}
+    fast = probe.update_seconds(methods.parse("sign"), params, repeats=2)
+
+    def slow_pack(grads, residuals=None):
+        out = flat.pack_error_fed_xla(grads, residuals)
+        return jax.pure_callback(lambda v, c: (time_module.sleep(0.05), (v, c))[1], out, *out)
+
+    monkeypatch.setattr(flat, "pack_error_fed", slow_pack)
+    assert probe.update_seconds(methods.parse("sign"), params, repeats=2) > fast + 0.04

@@ -169,15 +169,17 @@ def _train(method, shard, mesh=None, axis="data", steps=4, **options):
 
 
 # (method, how close the sharded run must stay to the replicated one after 4 adam steps)
-TRAINED = [(Dense(), 1e-6), (Cast("bfloat16"), 1e-6), (TopK(0.2), 1e-6), (TopK(0.2, collective="ar"), 1e-6),
+TRAINED = [(Dense(), 1e-6), (Cast("bfloat16"), 1e-3), (TopK(0.2), 1e-6), (TopK(0.2, collective="ar"), 1e-6),
            (Zfp(12), 0.05), (Quantized(6), 0.05)]
 
 
 @pytest.mark.parametrize("shard", ["optimizer", "params"])
 @pytest.mark.parametrize("method, tol", TRAINED, ids=["dense", "bf16", "allgather_topk", "ar_topk", "zfp", "thc"])
 def test_sharded_training_matches_replicated(method, tol, shard):
-    """Dense, bf16 and top-k aggregate the same sum either way (to float rounding: the sharded
-    step is another XLA program); ZFP and THC code other chunks/blocks, so they agree to their
+    """Dense and top-k aggregate the same sum either way (to float rounding: the sharded step is
+    another XLA program); bf16's CPU ring rounds each partial sum to bfloat16 in an order set by the
+    chunk a value falls in, and the sharded layout puts values in other chunks, so it agrees to
+    bfloat16's rounding; ZFP and THC code other chunks/blocks, so they agree to their
     compression error. The params stay identical on every device."""
     _, ref_state, ref_losses, _ = _train(method, None)
     dp, state, losses, metrics = _train(method, shard)
@@ -218,7 +220,11 @@ def test_compiled_step_reduce_scatters_and_gathers(method, shard):
     state = dp.init(_params())
     ops = _collectives(dp.step.lower(state, next(_batches())).compile().as_text())
     n_values = sum(p.size for p in jax.tree.leaves(_params()))
-    assert any(op == "reduce-scatter" for _, op in ops), ops
+    # bf16 on the CPU: the ring's reduce-scatter phase, uint16 hops (XLA:CPU's reduce-scatter
+    # would carry bfloat16 as float32).
+    scattered = ("u16", "collective-permute") if method == "bf16" else (None, "reduce-scatter")
+    assert any(op == scattered[1] and (scattered[0] is None or shape.startswith(scattered[0]))
+               for shape, op in ops), ops
     assert any(op == "all-gather" for _, op in ops), ops
     for shape, op in ops:
         if op == "all-reduce" and shape.startswith(("f32", "bf16", "f16", "(")):
@@ -355,7 +361,8 @@ def test_nonfinite_gradients_agree_with_the_replicated_run(method, nonfinite):
         results[shard] = counts, jax.tree.map(np.asarray, dp.params(state))
     assert results["params"][0] == results[None][0] and results[None][0][1] > 0
     for name, want in results[None][1].items():
-        np.testing.assert_allclose(results["params"][1][name], want, rtol=1e-6, atol=1e-6, err_msg=name)
+        tol = 1e-3 if method == "bf16" else 1e-6  # bf16: the ring's roundings differ by layout (above)
+        np.testing.assert_allclose(results["params"][1][name], want, rtol=tol, atol=tol, err_msg=name)
 
 
 def test_cost_model_and_advise_know_the_sharded_form(capsys):

@@ -12,10 +12,11 @@ device's local 1-D vector ``x`` and has :func:`jax.lax.psum` (sum) semantics. Ea
 Shapes and every Python argument are static; what changes from step to step (the STAR leader's
 ``step``, the quantizer's ``key``) is a traced argument, so one compilation serves every step.
 
-Dense sums and top-k values cross the wire in ``x``'s dtype (ZFP words and integer codes in their
-own); everything summed locally (scatter-adds, decoded chunks) is accumulated in float32 and
-returned in ``x``'s dtype. The bytes each puts on the wire are counted by the method that uses it
-(:meth:`jaxcomp.methods.Method.wire_bytes`), from the same sizes (:mod:`jaxcomp.layout`).
+Dense sums and top-k values cross the wire in ``x``'s dtype (ZFP words, integer codes and
+bfloat16 bits in their own); everything summed locally (scatter-adds, decoded chunks) is
+accumulated in float32 and returned in ``x``'s dtype. The bytes each puts on the wire are
+counted by the method that uses it (:meth:`jaxcomp.methods.Method.wire_bytes`), from the same
+sizes (:mod:`jaxcomp.layout`).
 
 Typing under ``check_vma=True``: every ``total`` is invariant (replicated) over the axis, except
 ``zfp_allreduce(..., algorithm="recursive_doubling")``, whose result comes out of point-to-point
@@ -24,6 +25,9 @@ Typing under ``check_vma=True``: every ``total`` is invariant (replicated) over 
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +46,9 @@ LEADERS = ("star", "var")
 
 #: Point-to-point algorithms of :func:`zfp_allreduce`.
 ZFP_ALGORITHMS = ("ring", "recursive_doubling")
+
+#: Algorithms of :func:`bfloat16_allreduce`: by platform, or one of the two everywhere.
+BFLOAT16_ALGORITHMS = ("auto", "ring", "psum")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -458,45 +465,92 @@ def zfp_allreduce(x, rate, axis_name, algorithm="ring"):
     return total.astype(x.dtype), sent.astype(x.dtype)
 
 
-def _zfp_ring(values, rate, axis_name, n_devices, scatter=False):
-    """The ZFP ring: ``(total, sent)``; with ``scatter``, only its reduce-scatter phase, arranged so
-    that device ``d`` ends owning chunk ``d``, and ``total`` is that chunk, exactly as reduced
-    (not coded again: no all-gather follows)."""
+class _Codec(NamedTuple):
+    """What each hop of :func:`_ring` sends: ``encode(values)`` turns a float32 chunk into its
+    message (what crosses the wire); ``decode(message, length)`` turns a message, or a stack of
+    them, back into float32 values, ``length`` a message."""
+
+    encode: Callable
+    decode: Callable
+
+
+def _zfp_codec(rate):
+    return _Codec(lambda values: zfp_encode(values, rate), lambda words, length: zfp_decode(words, length, rate))
+
+
+def _bfloat16_bits(values):
+    return jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
+
+
+def _from_bfloat16_bits(bits, length):
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)
+
+
+#: bfloat16 values sent as their 16 bits, typed uint16: XLA:CPU's collectives carry a bfloat16
+#: payload as float32 (4 bytes a value), an integer one as it is.
+_BFLOAT16_BITS = _Codec(_bfloat16_bits, _from_bfloat16_bits)
+
+
+def _ring(values, axis_name, n_devices, codec, *, own=1, scatter=False, code_owned=True):
+    """A ring all-reduce of float32 ``values`` whose every message is coded by ``codec``:
+    ``(total, sent)``.
+
+    The vector is zero-padded into ``N`` chunks. In ``N - 1`` reduce-scatter hops each device
+    sends the chunk it holds, coded, to its right neighbour, which decodes it and adds its own
+    chunk; device ``d`` ends owning chunk ``(d + own) mod N`` fully reduced, codes it once, and the
+    all-gather forwards those messages unchanged, so every device decodes the same ones and
+    ``total`` is identical everywhere (typed invariant). ``scatter``: stop after the reduce-scatter
+    and return the owned chunk as ``total``, coded and decoded with ``code_owned`` (then it is
+    the all-reduce's row bit for bit, for the same ``own``), else exactly as reduced.
+
+    ``sent``: the values less every coding error this device made (each chunk is coded once by
+    each device), so the ``sent`` of all devices add up to ``total`` (to float32 rounding).
+    """
+    encode, decode = codec
     n = values.shape[0]
     chunk = layout.ring_chunk(n, n_devices)
     chunks = jnp.pad(values, (0, n_devices * chunk - n)).reshape(n_devices, chunk)
     me = jax.lax.axis_index(axis_name)
     to_right = [(i, (i + 1) % n_devices) for i in range(n_devices)]
-    # Device me starts with chunk me + start; the ring then hands it chunk me + start + 1 fully
-    # reduced. The all-reduce starts at its own chunk (start 0) and owns the next one; the
-    # reduce-scatter starts one chunk back so that each device owns its own.
-    start = -1 if scatter else 0
+    # Device me starts with chunk me + start; the ring then hands it chunk me + start + 1 = me + own
+    # fully reduced.
+    start = own - 1
     # This device codes each chunk exactly once: chunk `me + start` raw at hop 0, chunk
-    # (me + start - t) mod N as a partial sum at hop t, and (all-reduce only) the chunk it owns
-    # once fully reduced. What each coding loses is this device's error on that chunk: the total
-    # is the exact sum less every device's errors, so feeding back all of them (not just hop 0's)
-    # feeds back all that was lost.
+    # (me + start - t) mod N as a partial sum at hop t, and the chunk it owns once fully reduced
+    # (not with scatter and not code_owned). What each coding loses is this device's error on that
+    # chunk: the total is the exact sum less every device's errors, so feeding back all of them
+    # (not just hop 0's) feeds back all that was lost.
     partial = chunks[(me + start) % n_devices]
-    words = zfp_encode(partial, rate)
-    errors = [partial - zfp_decode(words, chunk, rate)]
+    message = encode(partial)
+    errors = [partial - decode(message, chunk)]
     for hop in range(n_devices - 1):
-        received = jax.lax.ppermute(words, axis_name, to_right)
-        partial = zfp_decode(received, chunk, rate) + chunks[(me + start - hop - 1) % n_devices]
-        if scatter and hop == n_devices - 2:
+        received = jax.lax.ppermute(message, axis_name, to_right)
+        partial = decode(received, chunk) + chunks[(me + start - hop - 1) % n_devices]
+        if scatter and not code_owned and hop == n_devices - 2:
             errors.append(jnp.zeros_like(partial))  # the owned chunk is kept as it is
             break
-        words = zfp_encode(partial, rate)  # the next hop's message; after the last hop, the owned chunk
-        errors.append(partial - zfp_decode(words, chunk, rate))
+        message = encode(partial)  # the next hop's message; after the last hop, the owned chunk
+        decoded = decode(message, chunk)
+        errors.append(partial - decoded)
     # errors[t] belongs to chunk (me + start - t) mod N, so chunk c's is errors[(me + start - c) mod N].
     lost = jnp.stack(errors)[(me + start - jnp.arange(n_devices)) % n_devices]
     sent = (chunks - lost).reshape(-1)[:n]
     if scatter:
-        return partial, sent
-    owned_words = jax.lax.all_gather(words, axis_name, to="invarying")
-    # Row j of the gathered words is chunk (j + 1) mod N: reorder the words (rate/32 of the
-    # floats' bytes), not the decoded floats.
-    reduced = zfp_decode(owned_words[(np.arange(n_devices) - 1) % n_devices], chunk, rate)
-    return reduced.reshape(-1)[:n], sent
+        return (decoded if code_owned else partial), sent
+    owned = jax.lax.all_gather(message, axis_name, to="invarying")
+    if own % n_devices:
+        # Row j of the gathered messages is chunk (j + own) mod N: reorder the messages (fewer
+        # bytes than the decoded floats), not the decoded floats.
+        owned = owned[(np.arange(n_devices) - own) % n_devices]
+    return decode(owned, chunk).reshape(-1)[:n], sent
+
+
+def _zfp_ring(values, rate, axis_name, n_devices, scatter=False):
+    """The ZFP ring: ``(total, sent)``; with ``scatter``, only its reduce-scatter phase, arranged so
+    that device ``d`` ends owning chunk ``d``, and ``total`` is that chunk, exactly as reduced
+    (not coded again: no all-gather follows). The all-reduce's device ``d`` owns chunk ``d + 1``."""
+    return _ring(values, axis_name, n_devices, _zfp_codec(rate), own=0 if scatter else 1, scatter=scatter,
+                 code_owned=not scatter)
 
 
 def _zfp_recursive_doubling(values, rate, axis_name, n_devices):
@@ -571,6 +625,81 @@ def zfp_reduce_scatter(x, rate, axis_name):
         return x, x
     shard, sent = _zfp_ring(x.astype(jnp.float32), rate, axis_name, n_devices, scatter=True)
     return shard.astype(x.dtype), sent.astype(x.dtype)
+
+
+def bfloat16_allreduce(x, axis_name, *, scatter=False, algorithm="auto"):
+    """All-reduce in bfloat16 that sends 2 bytes a value on every backend.
+
+    XLA:CPU's collectives (gloo on multi-process CPU jobs) carry a bfloat16 all-reduce as float32:
+    4 bytes a value on the wire, the dense amount. Moving 16-bit integers needs no arithmetic, so
+    on the CPU this sum is a ring built from :func:`jax.lax.ppermute` whose messages are the
+    bfloat16 values' bits typed uint16: the vector in ``N`` chunks of ``ceil(n/N)`` values, ``N-1``
+    reduce-scatter hops (each device sends its partial sum of one chunk, rounded to bfloat16, to
+    its right neighbour, which widens it to float32, adds its own chunk and rounds again for the
+    next hop), then device ``d``, owning chunk ``d`` fully reduced, rounds it once to bfloat16 and
+    :func:`jax.lax.all_gather` forwards those bits; every device decodes the same bits. It is
+    :func:`zfp_allreduce`'s ring with bfloat16 rounding as the codec. Elsewhere (NCCL, TPU
+    collectives reduce bfloat16 natively) it is one :func:`jax.lax.psum` of ``x`` cast to
+    bfloat16. :func:`jax.lax.platform_dependent` picks when the step is lowered.
+
+    ``sent``, the ring: ``x`` less every rounding this device made (each chunk is rounded once by
+    each device), so the ``sent`` of all devices add up to ``total`` (up to float32 rounding) and
+    error feedback, ``x - sent``, keeps all the ring lost. The psum: ``x`` rounded to bfloat16 (the
+    rounding of the sum itself is fed back by none). With ``N = 1`` nothing is sent: ``total =
+    sent = x`` rounded to bfloat16.
+
+    Args:
+      x: this device's local 1-D float32, bfloat16 or float16 vector of ``n`` values.
+      axis_name: the mesh axis, or tuple of axes, to sum over.
+      scatter: sharded training: ``x`` is ``N`` rows of equal length and ``total`` is only this
+        device's row of the sum: the ring's reduce-scatter phase (device ``d``'s row, rounded to
+        bfloat16 once, the all-reduce's row bit for bit), or one
+        :func:`jax.lax.psum_scatter`.
+      algorithm: ``"auto"`` (the ring on the CPU, the psum elsewhere), ``"ring"`` or ``"psum"``
+        on every platform.
+
+    Returns:
+      ``(total, sent)`` in ``x``'s dtype (the ring adds in float32); ``total`` is typed invariant
+      (replicated) under ``check_vma=True``; with ``scatter`` it is one row, typed varying.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> from jaxcomp import collectives
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> f = jax.jit(jax.shard_map(lambda x: collectives.bfloat16_allreduce(x, "data")[0],
+      ...                           mesh=mesh, in_specs=P("data"), out_specs=P()))
+      >>> f(jnp.array([1.0, 2.0, 3.0, 1.0 / 256])).tolist()  # 2 + 1/256 rounds to 2 in bfloat16
+      [4.0, 2.0]
+
+    References:
+      Kalamkar et al., "A Study of BFLOAT16 for Deep Learning Training", arXiv 1905.12322; the
+      ring of "GPU compression inside MPI_Allreduce with ZFP" (../shared/papers/004), §III-C.
+    """
+    x = _local_vector(x)
+    algorithm = _check_choice(algorithm, "algorithm", BFLOAT16_ALGORITHMS)
+    n_devices = _check_rows(x.shape[0], axis_name) if scatter else _axis_size(axis_name)
+
+    def ring(v):
+        # Device d owns chunk d in both forms, and the reduce-scatter rounds it as the all-reduce
+        # does: the sharded step's shard is the replicated step's row bit for bit.
+        total, sent = _ring(v.astype(jnp.float32), axis_name, n_devices, _BFLOAT16_BITS, own=0, scatter=scatter)
+        return total.astype(v.dtype), sent.astype(v.dtype)
+
+    def psum(v):
+        narrow = v.astype(jnp.bfloat16)
+        if scatter:
+            total = jax.lax.psum_scatter(narrow, axis_name, scatter_dimension=0, tiled=True)
+        else:
+            total = jax.lax.psum(narrow, axis_name)
+        return total.astype(v.dtype), narrow.astype(v.dtype)
+
+    # One device sends nothing: the psum of one is the cast alone.
+    if algorithm == "psum" or n_devices == 1:
+        return psum(x)
+    if algorithm == "ring":
+        return ring(x)
+    return jax.lax.platform_dependent(x, cpu=ring, default=psum)
 
 
 def quantized_psum(x, bits, axis_name, key, hadamard=True, *, scatter=False):

@@ -307,8 +307,8 @@ def update_seconds(method, params, *, repeats: int = 3, **options) -> float:
     a gradient shaped like ``params`` (for top-k: the concatenation, the selection, the scatters
     and the error feedback), minus the same for :class:`jaxcomp.Dense`, with the devices sharing
     the cores as in a step. Call it from every process at once in a multi-process job, for the
-    same reason. Methods that skip their codec on one device (ZFP, THC) are timed by
-    :func:`codec_seconds` instead (:func:`overhead_seconds` picks).
+    same reason. Methods that skip their codec on one device (ZFP, THC) get their codec's
+    :func:`codec_seconds` added by :func:`overhead_seconds`.
 
     Args:
       method: a :mod:`jaxcomp.methods` object, or a name with its options in ``options``.
@@ -357,10 +357,12 @@ def update_seconds(method, params, *, repeats: int = 3, **options) -> float:
 def overhead_seconds(method: Method, params, *, mesh=None, axis_name: str | None = None, repeats: int = 3) -> float:
     """The seconds of local work ``method`` adds to a step, measured the way the method asks.
 
-    0 for a method that sends everything; :func:`update_seconds` for one whose work is spread over
-    the update (:attr:`jaxcomp.methods.Method.timed_by_update`, e.g. top-k); else
-    :func:`codec_seconds` of its :meth:`jaxcomp.methods.Method.local_work` on every device of
-    ``mesh``'s ``axis_name`` at once. :meth:`jaxcomp.DataParallel.reprobe` gives these to
+    0 for a method that sends everything; else :func:`update_seconds`, the method's whole
+    ``compress`` update on one device beyond a dense one (packing, codec, selection, error
+    feedback, unpacking), plus, for a method whose codec does not run on one device
+    (:attr:`jaxcomp.methods.Method.codec_skipped_on_one_device`: ZFP, THC), :func:`codec_seconds`
+    of its :meth:`jaxcomp.methods.Method.local_work` on every device of ``mesh``'s ``axis_name`` at
+    once. :meth:`jaxcomp.DataParallel.reprobe` gives these to
     :func:`jaxcomp.compress_auto`.
 
     Args:
@@ -385,10 +387,13 @@ def overhead_seconds(method: Method, params, *, mesh=None, axis_name: str | None
     method = methods.parse(method)
     if method.sends_everything:
         return 0.0
-    if method.timed_by_update:
-        return update_seconds(method, params, repeats=repeats)
-    n_values = sum(math.prod(np.shape(p)) for p in jax.tree.leaves(params))
-    return codec_seconds(method, n_values, mesh=mesh, axis_name=axis_name, repeats=repeats)
+    # The real update, whatever the method: a slow packing or unpacking (issue 22's fused
+    # concatenate, 1.2 s a step on one model) is local work too, and only the update shows it.
+    seconds = update_seconds(method, params, repeats=repeats)
+    if method.codec_skipped_on_one_device:
+        n_values = sum(math.prod(np.shape(p)) for p in jax.tree.leaves(params))
+        seconds += codec_seconds(method, n_values, mesh=mesh, axis_name=axis_name, repeats=repeats)
+    return seconds
 
 
 def clear_cache() -> None:

@@ -10,7 +10,7 @@ inside ``shard_map``      :meth:`Method.aggregate`: ``(total, sent)`` of one dev
 the cost model            :meth:`Method.wire_bytes` (bytes one device sends) and
                           :meth:`Method.message_steps` (sequential messages, the α term)
 timing its local work     :meth:`Method.local_work` (a function of one device's vector, with the
-                          collectives taken out) and :attr:`Method.timed_by_update`
+                          collectives taken out) and :attr:`Method.codec_skipped_on_one_device`
 tables and metrics        :attr:`Method.label`, :attr:`Method.setting`, :meth:`Method.describe`
 state across steps        :attr:`Method.stateful`: :meth:`Method.init_state` and
                           :meth:`Method.aggregate_stateful` (e.g. PowerSGD's warm-started ``Q``),
@@ -50,9 +50,11 @@ class Method:
       feedback takes them off in place instead of subtracting a dense vector.
     * ``replicated_total``: ``total`` comes out typed replicated (invariant) inside ``shard_map``;
       :func:`jaxcomp.compress_auto` needs this of every candidate, since its branches must agree.
-    * ``timed_by_update``: the method's local work is spread over the update (selection, in-place
-      error feedback), so its overhead is measured by timing the whole update on one device
-      (:func:`jaxcomp.probe.update_seconds`) rather than :meth:`local_work` alone.
+    * ``codec_skipped_on_one_device``: the method's collective runs no codec when it reduces over
+      one device (ZFP's ring, THC's quantizer return their input). Every method's overhead is
+      measured on the real update on one device (:func:`jaxcomp.probe.update_seconds`: packing,
+      codec, selection, unpacking, so that no slow step of the update goes unseen); such a method
+      adds its :meth:`local_work` timed on its own, which that update did not run.
     * ``scatters``: the method has a reduce-scatter form (:meth:`reduce_scatter`), which
       ``jaxcomp.data_parallel(..., shard=...)`` needs.
     * ``stateful``: the method keeps state of its own across steps and needs the shapes of the
@@ -83,7 +85,7 @@ class Method:
     sends_everything: ClassVar[bool] = False
     sparse: ClassVar[bool] = False
     replicated_total: ClassVar[bool] = True
-    timed_by_update: ClassVar[bool] = False
+    codec_skipped_on_one_device: ClassVar[bool] = False
     stateful: ClassVar[bool] = False
     scatters: ClassVar[bool] = False
 

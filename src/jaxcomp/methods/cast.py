@@ -1,5 +1,5 @@
-"""``Cast``: the gradient is all-reduced in a 16-bit float (bfloat16 or float16), the baseline
-every compressed method should be compared with."""
+"""``Cast``: the gradient is all-reduced in a 16-bit float (bfloat16 or float16), 2 bytes a value on
+the wire, the baseline every compressed method should be compared with."""
 
 from __future__ import annotations
 
@@ -75,28 +75,35 @@ def power_of_two_scale(global_max, n_devices: int):
 
 @dataclasses.dataclass(frozen=True)
 class Cast(Method):
-    """The gradient crosses the wire in a 16-bit float: one all-reduce of ``n`` narrow values, what
-    Horovod's fp16 compression and PyTorch's ``fp16_compress_hook``/``bf16_compress_hook`` do.
+    """The gradient crosses the wire in a 16-bit float, 2 bytes a value: what Horovod's fp16
+    compression and PyTorch's ``fp16_compress_hook``/``bf16_compress_hook`` do.
+
+    float16 is one all-reduce (:func:`jax.lax.psum`) of ``n`` float16 values. float16's range ends
+    at 65504: with ``scale`` every device first multiplies by one power of two chosen from the
+    largest ``|x|`` over all devices (one extra all-reduce of a scalar), so the sum cannot overflow
+    and small gradients keep their precision; bfloat16 has float32's range and needs none.
+
+    bfloat16 (:func:`jaxcomp.collectives.bfloat16_allreduce`): NCCL and the TPU reduce bfloat16
+    natively, so on GPU and TPU it is one psum in bfloat16. XLA's CPU collectives (gloo, multi-host
+    CPU clusters) carry a bfloat16 all-reduce as float32, 4 bytes a value (measured:
+    BENCHMARKS.md, "Sharded training at 1 Gbit"), so on the CPU the sum is a ring of
+    ``jax.lax.ppermute`` hops whose messages are the bfloat16 bits typed uint16: ``2 (N-1)``
+    chunks of ``ceil(n/N)`` values, 2 bytes each, what :meth:`wire_bytes` counts. Each hop's
+    receiver adds its own chunk in float32 and rounds the partial sum to bfloat16 for the next hop.
 
     With error feedback (the default of :func:`jaxcomp.compress`) what the cast rounded away is kept
-    and sent later; the rounding of the sum itself (the all-reduce adds in the narrow type) is not.
-    float16's range ends at 65504: with ``scale`` every device first multiplies by one power of two
-    chosen from the largest ``|x|`` over all devices (one extra all-reduce of a scalar), so the sum
-    cannot overflow and small gradients keep their precision; bfloat16 has float32's range and needs
-    none.
-
-    Where the bytes are saved depends on the backend's collectives: NCCL reduces 16-bit floats
-    natively, but the all-reduce of XLA's CPU collectives (gloo, multi-host CPU clusters) was
-    measured carrying bfloat16 as float32, the full 4 bytes a value, while ``bytes_sent`` and the
-    cost model count 2 (BENCHMARKS.md, "Sharded training at 1 Gbit"). On such a cluster the cast
-    saves nothing on the wire; the rounding it costs stays.
+    and sent later. The psum's own rounding (it adds in the narrow type) is not; the ring's is:
+    its ``sent`` is ``x`` less every rounding this device made along the ring, so error feedback
+    keeps all the ring lost.
 
     Args:
       dtype: ``jnp.bfloat16`` / ``"bfloat16"`` or ``jnp.float16`` / ``"float16"`` (aliases ``"bf16"``,
         ``"fp16"``).
       scale: scale by a shared power of two before the cast; ``None`` (default) means yes for
         float16 and no for bfloat16.
-      allreduce: how the cost model costs the all-reduce, ``"ring"`` (default) or ``"tree"``.
+      allreduce: how the cost model costs the all-reduce, ``"ring"`` (default) or ``"tree"``
+        (a backend's tree all-reduce, NCCL's; bfloat16 on the CPU goes by the ring whatever this
+        says).
 
     Example:
       >>> import jax.numpy as jnp
@@ -156,27 +163,36 @@ class Cast(Method):
         return power_of_two_scale(global_max, n_devices)
 
     def aggregate(self, x, axis_name, *, step, key, sparse=False):
-        import jax
-
-        return self._sum(x, axis_name, lambda v: jax.lax.psum(v, axis_name))
+        return self._sum(x, axis_name, scatter=False)
 
     def reduce_scatter(self, x, axis_name, *, step, key, size, sparse=False):
+        return self._sum(x, axis_name, scatter=True)
+
+    def _sum(self, x, axis_name, *, scatter):
+        """``(total / s, sent / s)`` of the sum of ``x`` times the shared scale ``s`` in the narrow
+        type (``scatter``: this device's row of it), both in ``x``'s dtype. bfloat16 goes through
+        :func:`jaxcomp.collectives.bfloat16_allreduce`: a psum, or on the CPU the ring that really
+        sends 2 bytes a value."""
         import jax
-
-        return self._sum(x, axis_name, lambda v: jax.lax.psum_scatter(v, axis_name, scatter_dimension=0, tiled=True))
-
-    def _sum(self, x, axis_name, collective):
-        """``(collective(narrow x) / s, narrow x / s)``: the sum (or this device's shard of it) and
-        what was sent, both back in ``x``'s dtype."""
         import jax.numpy as jnp
 
+        from jaxcomp import collectives
+
         s = self._scale(x, axis_name)
-        narrow = self.encode(x, s)
-        total = collective(narrow).astype(jnp.float32) / s
+        if self.dtype == "bfloat16":
+            total, sent = collectives.bfloat16_allreduce(x.astype(jnp.float32) * s, axis_name, scatter=scatter)
+            return (total / s).astype(x.dtype), (sent / s).astype(x.dtype)
+        narrow = self.encode(x, s)  # float16 travels as 16 bits on every backend: one psum
+        if scatter:
+            total = jax.lax.psum_scatter(narrow, axis_name, scatter_dimension=0, tiled=True)
+        else:
+            total = jax.lax.psum(narrow, axis_name)
+        total = total.astype(jnp.float32) / s
         return total.astype(x.dtype), (narrow.astype(jnp.float32) / s).astype(x.dtype)
 
     def reduce_scatter_bytes(self, n, n_devices, *, dtype_bytes=4):
-        """A reduce-scatter of ``n`` 2-byte values, plus the scale's all-reduce when :attr:`scaled`."""
+        """A reduce-scatter of ``n`` 2-byte values (``n`` is ``N`` rows: bfloat16's ring sends
+        ``N - 1`` of them), plus the scale's all-reduce when :attr:`scaled`."""
         n, _ = _checks.check_message(n, dtype_bytes)
         N = _checks.check_devices(n_devices)
         if N == 1:
@@ -189,14 +205,19 @@ class Cast(Method):
         return layout.reduce_scatter_steps(N) + (layout.allreduce_steps(N, self.allreduce) if self.scaled else 0)
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
-        """One all-reduce of ``n`` 2-byte values (``2 (N-1)/N * 2n`` as a ring), plus the scale's
-        all-reduce of one float32 when :attr:`scaled`."""
+        """One all-reduce of ``n`` 2-byte values, plus the scale's all-reduce of one float32 when
+        :attr:`scaled`. As a ring: bfloat16 sends ``2 (N-1)`` chunks of ``ceil(n/N)`` values (the
+        CPU's ring of uint16 hops; a psum elsewhere, the same but for the padding), float16
+        ``2 (N-1)/N * 2n``."""
         n, _ = _checks.check_message(n, dtype_bytes)
         N = _checks.check_devices(n_devices)
         if N == 1:
             return 0.0
-        return layout.allreduce_bytes(2 * n, N, self.allreduce) + (
-            layout.allreduce_bytes(4, N, self.allreduce) if self.scaled else 0.0)
+        if self.dtype == "bfloat16" and self.allreduce == "ring":
+            values = float(2 * (N - 1) * layout.ring_chunk(n, N) * 2)
+        else:
+            values = layout.allreduce_bytes(2 * n, N, self.allreduce)
+        return values + (layout.allreduce_bytes(4, N, self.allreduce) if self.scaled else 0.0)
 
     def message_steps(self, n_devices, *, inner_size=None):
         steps = layout.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)

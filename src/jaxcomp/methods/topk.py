@@ -68,7 +68,6 @@ class TopK(Fraction, Method):
     allreduce: str = "ring"
 
     sparse = True
-    timed_by_update = True
 
     def __post_init__(self):
         self.check_fraction()
