@@ -690,49 +690,36 @@ def _log_tail(out) -> str:
         return "; the hosts' output ends with:\n" + f.read()[-3000:]
 
 
-def netbench_options(model: str, params: float | None, accepted) -> dict | None:
+def netbench_options(model: str, params: float | None) -> dict:
     """:func:`jaxcomp.netbench.run_benchmark`'s keyword arguments that make it train ``model``.
 
     Args:
       model: a name from :data:`MODELS`.
       params: mlp2041's size from ``--params``, or None.
-      accepted: the names ``run_benchmark`` accepts (its signature's parameters).
 
     Returns:
-      ``{"models": (model,)}`` where netbench has the zoo, ``{"params", "layers"}`` for a resized
-      mlp2041 (netbench's own square MLP, the zoo's mlp2041 at 25M), or None where netbench cannot
-      train ``model``.
+      ``{"models": (model,)}``, or ``{"params", "layers"}`` for a resized mlp2041 (netbench's own
+      square MLP; the zoo's mlp2041 is that MLP at 25M).
 
     Example:
-      >>> netbench_options("mlp2041", 2e5, {"models"})
-      {'params': 200000.0, 'layers': 6}
-      >>> netbench_options("gpt2", None, {"models"}), netbench_options("gpt2", None, {"params"})
-      ({'models': ('gpt2',)}, None)
+      >>> netbench_options("mlp2041", 2e5), netbench_options("gpt2", None)
+      ({'params': 200000.0, 'layers': 6}, {'models': ('gpt2',)})
     """
-    if model == "mlp2041" and (params is not None or not {"models", "model"} & set(accepted)):
-        return {"params": float(MLP2041_PARAMS if params is None else params), "layers": SQUARE_LAYERS}
-    if "models" in accepted:
-        return {"models": (model,)}
-    if "model" in accepted:
-        return {"model": model}
-    return None
+    if model == "mlp2041" and params is not None:
+        return {"params": float(params), "layers": SQUARE_LAYERS}
+    return {"models": (model,)}
 
 
-def jaxcomp_cell(config: Config, model: str, hosts: int, rate: str, log_path: str) -> tuple[list[dict], str | None]:
-    """jaxcomp netbench's rows of one cell, or ``([], why)`` where netbench cannot build the model yet."""
-    import inspect
-
+def jaxcomp_cell(config: Config, model: str, hosts: int, rate: str, log_path: str) -> list[dict]:
+    """jaxcomp netbench's rows of one cell."""
     from jaxcomp import netbench
 
-    options = netbench_options(model, config.params, inspect.signature(netbench.run_benchmark).parameters)
-    if options is None:
-        return [], f"jaxcomp netbench has no --model yet: no jaxcomp rows for {model}"
     found = netbench.run_benchmark(hosts=(hosts,), rates=(rate,), methods=config.jax_methods, steps=config.steps,
                                    warmup=config.warmup, batch=config.batch, timeout=config.timeout, progress=False,
-                                   log=log_path, **options)
+                                   log=log_path, **netbench_options(model, config.params))
     keep = ("step", "compute", "sync", "wire_tx", "speedup", "bytes_sent", "ran", "times", "predicted_sync")
     return [{"model": model, "params": r["params"], "hosts": r["hosts"], "rate": r["rate"], "framework": "jaxcomp",
-             "method": r["method"], "cpu": None, **{k: r.get(k) for k in keep}} for r in found], None
+             "method": r["method"], "cpu": None, **{k: r.get(k) for k in keep}} for r in found]
 
 
 def run(config: Config, argv, out=sys.stdout) -> dict:
@@ -747,7 +734,7 @@ def run(config: Config, argv, out=sys.stdout) -> dict:
         import jax
 
         info["jax"] = jax.__version__
-    report = {"command": argv, "machine": info, "config": dataclasses.asdict(config), "rows": [], "notes": []}
+    report = {"command": argv, "machine": info, "config": dataclasses.asdict(config), "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
         log_path = config.log or os.path.join(tmp, "hosts.log")
         for model in config.models:
@@ -760,18 +747,13 @@ def run(config: Config, argv, out=sys.stdout) -> dict:
     print(header(config, info, argv), file=out)
     print(file=out)
     print(table(report["rows"]), file=out)
-    for note in report["notes"]:
-        print(f"note: {note}", file=out)
     return report
 
 
 def _run_cell(config, report, model, hosts, rate, log_path) -> None:
     print(f"peers: {model}, {hosts} hosts, {rate}", file=sys.stderr, flush=True)
     if "jaxcomp" in config.frameworks:
-        rows, why = jaxcomp_cell(config, model, hosts, rate, log_path)
-        report["rows"] += rows
-        if why and why not in report["notes"]:
-            report["notes"].append(why)
+        report["rows"] += jaxcomp_cell(config, model, hosts, rate, log_path)
     if "torch" in config.frameworks:
         with open(log_path, "a") as out:
             report["rows"] += torch_cell(config, model, hosts, rate, out)

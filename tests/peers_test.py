@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from jaxcomp import netbench
+from jaxcomp import netbench, zoo
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "peers.py")
 
@@ -34,7 +34,6 @@ peers = _load()
 # -- models ---------------------------------------------------------------------------------------
 
 def test_models_are_the_zoos():
-    zoo = pytest.importorskip("jaxcomp.zoo")
     assert tuple(peers.MODELS) == zoo.NAMES
 
 
@@ -54,13 +53,9 @@ def test_square_mlp_matches_netbenchs_width(params):
 
 
 def test_netbench_trains_the_zoo_model_or_its_own_resized_mlp():
-    assert peers.netbench_options("mlp4096", None, {"models", "params"}) == {"models": ("mlp4096",)}
-    assert peers.netbench_options("mlp2041", None, {"models"}) == {"models": ("mlp2041",)}
-    assert peers.netbench_options("mlp2041", 2e5, {"models"}) == {"params": 2e5, "layers": 6}
-    # A netbench without the zoo: its own MLP is mlp2041; the other models get no jaxcomp rows.
-    assert peers.netbench_options("mlp2041", None, {"params"}) == {"params": peers.MLP2041_PARAMS, "layers": 6}
-    assert peers.netbench_options("resnet50", None, {"params"}) is None
-    assert peers.netbench_options("resnet50", None, {"model"}) == {"model": "resnet50"}
+    assert peers.netbench_options("mlp4096", None) == {"models": ("mlp4096",)}
+    assert peers.netbench_options("mlp2041", None) == {"models": ("mlp2041",)}
+    assert peers.netbench_options("mlp2041", 2e5) == {"params": 2e5, "layers": 6}
 
 
 # -- DDP set-up -----------------------------------------------------------------------------------
@@ -213,7 +208,6 @@ def _torch_or_skip():
 
 def test_torch_zoo_has_the_zoos_parameter_and_tensor_counts():
     python = _torch_or_skip()
-    zoo = pytest.importorskip("jaxcomp.zoo")
     # Shapes only (meta tensors: no memory, no initializers), counted in the torch environment.
     script = ("import json, sys, torch, torch_zoo\n"
               "counts = {}\n"

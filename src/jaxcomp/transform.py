@@ -459,7 +459,7 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
             def cleaned(vectors):
                 zeroed = [jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v)) for v in vectors]
                 again, _ = aggregate(groups._replace(vectors=zeroed), state)
-                count = sum(jnp.sum(~jnp.isfinite(v), dtype=jnp.int32) for v in vectors).astype(jnp.float32)
+                count = sum(flat.count_nonfinite(v) for v in vectors)
                 return again.totals, jax.lax.psum(count, c.axis_name)
 
             totals, bad = jax.lax.cond(finite, lambda v: (result.totals, jnp.zeros((), jnp.float32)), cleaned,
