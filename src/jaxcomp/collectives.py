@@ -72,6 +72,13 @@ def _local_vector(x):
 
 
 
+def _one_device_total(x, axis_name):
+    """``x`` as the total of a sum over one device: the same values, typed replicated (invariant)
+    like every other total, so a step's updates agree on every device of a 1-device mesh too. The
+    psum over one device is an identity that XLA removes."""
+    return jax.lax.psum(x, axis_name)
+
+
 def _select(x, k, selector):
     """``(values, indices)`` of this device's top ``k`` of ``x`` by ``selector`` (the ops type
     their results varying like ``x`` themselves)."""
@@ -456,7 +463,7 @@ def zfp_allreduce(x, rate, axis_name, algorithm="ring"):
     algorithm = _check_choice(algorithm, "algorithm", ZFP_ALGORITHMS)
     n_devices = _axis_size(axis_name)
     if n_devices == 1:
-        return x, x
+        return _one_device_total(x, axis_name), x
     values = x.astype(jnp.float32)
     if algorithm == "ring":
         total, sent = _zfp_ring(values, rate, axis_name, n_devices)
@@ -760,7 +767,7 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True, *, scatter=False):
     n_devices = _axis_size(axis_name)
     key = _checks.check_key(key, axis_name)
     if n_devices == 1:
-        return x, x
+        return (x if scatter else _one_device_total(x, axis_name)), x
     if scatter:
         _check_rows(x.shape[0], axis_name)
 
