@@ -91,7 +91,8 @@ def test_the_check_sees_the_pathology(monkeypatch, concat):
     """The HLO check above is not vacuous (on the XLA path, which GPUs and TPUs run and which the
     CPU ran before the native pack kernel). jnp.concatenate of the 8 leaves (the code before
     jaxcomp.flat) gives the fused concatenate of the whole vector; splitting without the barrier
-    lets XLA fold a one-device total's slices back into a fused 2-operand concatenate per leaf."""
+    lets XLA fold the slices PowerSGD takes of its concatenated totals back into a fused 2-operand
+    concatenate per leaf."""
     if concat == "jnp.concatenate":
         patched, method, options = (lambda parts: jnp.concatenate([p.ravel() for p in parts])), "ar_topk", {
             "ratio": 0.01}
@@ -99,7 +100,7 @@ def test_the_check_sees_the_pathology(monkeypatch, concat):
         def patched(parts):
             pieces = flat.split_parts([p.size for p in parts])
             return jnp.concatenate([parts[i].ravel()[a:b] for i, a, b in pieces])
-        method, options = "zfp", {"rate": 8}
+        method, options = "powersgd", {"rank": 2}
     monkeypatch.setattr(flat, "concat", patched)
     monkeypatch.setattr(flat, "pack_error_fed", flat.pack_error_fed_xla)  # the XLA path, which concat serves
     assert _fused_concatenates(_compiled_update(method, options, MLP8_SHAPES), LARGE)

@@ -19,8 +19,8 @@ layers (12 leaves) of the same size. :func:`concat` always takes the second path
 largest parts until there are more than 8, which costs nothing (each piece is written by its
 producer's own loop) and does not depend on which shapes a model has, and puts the result behind
 an optimization barrier, so that no consumer's slice can be folded back into a smaller
-concatenate (on one device a method's total is its input, and XLA would otherwise rebuild each
-leaf from its two halves in a fused 2-operand concatenate).
+concatenate (PowerSGD slices each leaf's total back out of the concatenated totals, and XLA
+would otherwise rebuild each leaf from its two halves in a fused 2-operand concatenate).
 """
 
 from __future__ import annotations
