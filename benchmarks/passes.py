@@ -78,9 +78,10 @@ def gradients(model_name: str):
 def update_function(method: str, grads):
     """A jitted ``(grads, state) -> (updates, state)`` of ``compress(method)`` on one device, and its
     first state."""
-    import jaxcomp
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
+
+    import jaxcomp
 
     name, options = METHODS[method]
     tx = jaxcomp.compress(name, **options)

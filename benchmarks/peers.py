@@ -127,7 +127,9 @@ def torch_widths(model: str, params: float | None = None) -> tuple[int, ...] | N
       (129, 129, 129, 129, 129, 129, 129)
     """
     if model == "mlp2041":
-        from jaxcomp.netbench import width_for  # netbench's own MLP: the same width (imports no JAX)
+        from jaxcomp.netbench import (
+            width_for,  # netbench's own MLP: the same width (imports no JAX)
+        )
 
         width = width_for(MLP2041_PARAMS if params is None else params, SQUARE_LAYERS)
         return (width,) * (SQUARE_LAYERS + 1)

@@ -1,13 +1,12 @@
 """jaxcomp.adaptive: candidate ratios, the knee, re-exploration, and the controller on a synthetic gradient stream."""
 
-import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import need_devices
+
 from jaxcomp import _checks, adaptive, cost, probe
 from jaxcomp.methods import Dense, TopK
 

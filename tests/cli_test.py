@@ -1,6 +1,5 @@
 """The CLI validates every flag before any work (issue 14): a clear error and exit status 2."""
 
-import math
 import os
 
 import pytest

@@ -5,11 +5,11 @@ import os
 import subprocess
 import time
 
+import cluster_worker
 import numpy as np
 import pytest
-
-import cluster_worker
 from helpers import need_devices, subprocess_env
+
 from jaxcomp import cluster
 from jaxcomp.cluster import Cluster, ClusterError
 

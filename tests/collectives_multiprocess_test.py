@@ -4,13 +4,12 @@ import socket
 import subprocess
 import sys
 
+import collectives_worker as worker
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh
-
-import collectives_worker as worker
 from helpers import need_devices, subprocess_env
+from jax.sharding import Mesh
 
 TIMEOUT_S = 180
 

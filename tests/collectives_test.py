@@ -6,14 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from helpers import assert_trees_equal, count_compilations, need_devices
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import collectives, layout, methods
-from jaxcomp.zfp import zfp_num_words
 from jaxcomp.hadamard import counter_signs, counter_uniform
-from helpers import assert_trees_equal, count_compilations, need_devices
-
+from jaxcomp.zfp import zfp_num_words
 
 # ----------------------------------------------------------------------------------------------
 # The byte model (each method's wire_bytes, in jaxcomp.methods), checked against the textbook cost

@@ -257,7 +257,7 @@ def test_accumulate_waits_where_optax_multisteps_cannot_run_in_shard_map():
 
     g = jnp.ones(4 * N_DEVICES)
     assert int(steps(tx)(g)) == 0  # two micro-steps of three: nothing sent yet
-    with pytest.raises(Exception):  # MultiSteps traces its skip branch with the replicated accumulator
+    with pytest.raises(Exception):  # noqa: B017  MultiSteps traces its skip branch with the replicated accumulator
         steps(ms)(g)
 
 

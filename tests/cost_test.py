@@ -207,7 +207,6 @@ def test_three_way_choice_follows_the_pairwise_rules():
 
 
 def test_available_methods():
-    from jaxcomp.methods import Cast, Dense
 
     assert [m.label for m in cost.available_methods()] == ["dense", "dense_tree", "bf16", "sign", "sign_allreduce"]
     labels = [m.label for m in cost.available_methods(ratio=0.1, rate=8, bits=4, inner_size=2)]

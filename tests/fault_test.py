@@ -14,8 +14,8 @@ import threading
 import time
 
 import pytest
-
 from helpers import subprocess_env
+
 from jaxcomp import launch, rendezvous
 
 FAILURE_TIMEOUT = 10

@@ -9,10 +9,10 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from helpers import assert_trees_equal, need_devices, subprocess_env
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import advise, cost, methods
@@ -269,4 +269,4 @@ def test_names_load_on_first_use():
     assert jaxcomp.topk is jaxcomp.selection.topk
     assert callable(jaxcomp.probe_network) and jaxcomp.probe.__name__ == "jaxcomp.probe"
     with pytest.raises(AttributeError, match="no attribute"):
-        jaxcomp.nope
+        _ = jaxcomp.nope

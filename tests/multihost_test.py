@@ -2,12 +2,12 @@
 
 import os
 
+import multihost_worker
 import numpy as np
 import pytest
+from helpers import need_devices, subprocess_env
 
 from jaxcomp.launch import launch
-import multihost_worker
-from helpers import need_devices, subprocess_env
 
 
 @pytest.mark.multiprocess

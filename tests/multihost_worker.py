@@ -13,9 +13,8 @@ launch.initialize()  # before any JAX op
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
-
 from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
 
 from jaxcomp.cost import Network  # noqa: E402
 from jaxcomp.train import data_parallel  # noqa: E402

@@ -75,8 +75,9 @@ def test_cli_checks_its_flags_before_running(argv, match, capsys):
 
 @pytest.mark.multiprocess
 def test_one_small_cell_on_two_emulated_hosts(tmp_path):
-    from jaxcomp import cluster
     from helpers import subprocess_env
+
+    from jaxcomp import cluster
 
     cluster.check_support()
     os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]  # the workers import this jaxcomp
@@ -105,8 +106,9 @@ def test_one_small_cell_on_two_emulated_hosts(tmp_path):
 def test_bytes_sent_is_what_the_links_carry_for_every_method(tmp_path):
     """Issue 22: bytes_sent must tell the truth on the CPU cluster (bf16 once claimed half of what
     gloo carried). Every method netbench runs, checked against the veth counters."""
-    from jaxcomp import cluster
     from helpers import subprocess_env
+
+    from jaxcomp import cluster
 
     cluster.check_support()
     os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]  # the workers import this jaxcomp

@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_trees_equal, need_devices
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from helpers import assert_trees_equal, need_devices
 
 N_DEVICES = 8
 SHAPES = {"a": (3, 5), "b": (7,), "c": (13,)}

@@ -3,8 +3,8 @@
 import os
 
 import nbclient
-import pytest
 import nbformat
+import pytest
 from helpers import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import need_devices
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import _ffi
-from helpers import need_devices
 
 N = 64
 OPS = {

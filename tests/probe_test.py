@@ -9,9 +9,9 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from helpers import count_compilations, need_devices, subprocess_env
 from jax.sharding import Mesh
 
-from helpers import count_compilations, need_devices, subprocess_env
 from jaxcomp import cost
 
 # The module, even once the package exports the function `jaxcomp.probe` under the same name.

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import count_compilations, need_devices
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 import jaxcomp
 from jaxcomp import cost

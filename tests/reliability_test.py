@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import need_devices, subprocess_env
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -20,7 +21,6 @@ import jaxcomp
 from jaxcomp import collectives
 from jaxcomp.train import DEFAULT_MAX_STEPS_IN_FLIGHT, data_parallel
 from jaxcomp.transform import compress
-from helpers import need_devices, subprocess_env
 
 N_DEVICES = 8
 

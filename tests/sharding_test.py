@@ -8,14 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from collectives_test import _collective_bytes
+from helpers import assert_checkpoint_resumes, count_compilations, need_devices
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import sharding
 from jaxcomp.methods import Cast, Dense, PowerSGD, Quantized, RandomK, Sign, TopK, Zfp
-from collectives_test import _collective_bytes
-from helpers import assert_checkpoint_resumes, count_compilations, need_devices
 
 N = 8
 

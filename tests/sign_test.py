@@ -8,7 +8,8 @@ import optax
 import pytest
 from collectives_test import _collective_bytes
 from helpers import count_compilations, need_devices
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp.methods import Sign

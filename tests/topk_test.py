@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_trees_equal, count_compilations, need_devices
 
 import jaxcomp
 from jaxcomp import reference
-from helpers import assert_trees_equal, count_compilations, need_devices
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -192,9 +192,9 @@ def test_uneven_rows_and_long_batched_rows():
     row = rng.standard_normal(300000).astype(np.float32)
     row[:20000] *= 1000.0
     k = 15000
-    for row in (row, row[::-1]):
-        assert_selection(jnp.asarray(row), *jaxcomp.topk(row, k), numpy_topk_indices(row, k))
-        assert_same(jaxcomp.threshold_topk(row, k), reference.threshold_topk(row, k))
+    for ordered in (row, row[::-1]):
+        assert_selection(jnp.asarray(ordered), *jaxcomp.topk(ordered, k), numpy_topk_indices(ordered, k))
+        assert_same(jaxcomp.threshold_topk(ordered, k), reference.threshold_topk(ordered, k))
     # More long rows than threads: each thread takes whole rows.
     x = rng.standard_normal((10, 70000)).astype(np.float32)
     x[3, -5000:] *= 100.0

@@ -9,12 +9,12 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
+from helpers import assert_checkpoint_resumes, assert_trees_equal, count_compilations, need_devices
 from jax.sharding import Mesh
 
 from jaxcomp.cost import Network
 from jaxcomp.train import data_parallel
 from jaxcomp.transform import compress
-from helpers import assert_checkpoint_resumes, assert_trees_equal, count_compilations, need_devices
 
 N_DEVICES = 8
 

@@ -5,13 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import need_devices
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import collectives
 from jaxcomp.transform import compress
-from helpers import need_devices
 
 N_DEVICES = 8
 

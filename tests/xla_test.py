@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import need_devices
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import _ffi, collectives
-from helpers import need_devices
 
 LENGTHS = (1, 3, 4, 5, 127, 1000, 8193)
 RATES = (1, 2, 3, 5, 8, 16, 31, 32)

@@ -10,8 +10,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-
 from helpers import subprocess_env
+
 from jaxcomp import zoo
 
 # (parameters, leaves). GPT-2 small with its tied head: 124,439,808 (Hugging Face's count);

@@ -10,7 +10,7 @@ accumulator (no communication), and the last one compresses and aggregates the m
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

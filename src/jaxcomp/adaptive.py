@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 #: The paper's exploration range of densities (paper 000 §3-E: c_low = 0.001, c_high = 0.1).
 DEFAULT_RATIO_RANGE = (0.001, 0.1)
 

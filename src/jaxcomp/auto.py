@@ -19,8 +19,16 @@ import numpy as np
 
 from jaxcomp import _checks, adaptive, cost, methods
 from jaxcomp.methods import Method
-from jaxcomp.transform import (Aggregation, CompressState, FeedbackConfig, Groups, run_branch,
-                               compress_states, feedback_transformation, static_cost)
+from jaxcomp.transform import (
+    Aggregation,
+    CompressState,
+    FeedbackConfig,
+    Groups,
+    compress_states,
+    feedback_transformation,
+    run_branch,
+    static_cost,
+)
 
 #: How long ``compress_auto`` keeps a choice: it re-decides every this many steps by default,
 #: and at once when the network moves by :data:`NETWORK_TOLERANCE` or more.
@@ -67,7 +75,7 @@ class RatioSearch:
         object.__setattr__(self, "ratio_range", tuple(self.ratio_range) if isinstance(self.ratio_range, (list, tuple))
                            else self.ratio_range)
         object.__setattr__(self, "explore_steps", _checks.check_explore_steps(self.explore_steps))
-        self.ratios  # validates the range and the factor
+        _ = self.ratios  # validates the range and the factor
 
     @property
     def ratios(self) -> tuple[float, ...]:

@@ -33,7 +33,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from jaxcomp import launch
 
@@ -213,7 +213,7 @@ class Cluster:
 
     # -- building and tearing down ------------------------------------------------------------
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         self.create()
         return self
 

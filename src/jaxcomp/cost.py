@@ -67,7 +67,7 @@ class Network:
         return 1.0 / self.bandwidth
 
     @classmethod
-    def parse(cls, latency: str | float, bandwidth: str | float) -> "Network":
+    def parse(cls, latency: str | float, bandwidth: str | float) -> Network:
         """Builds a Network from strings such as ``"0.5ms"`` and ``"10gbit"``.
 
         Args:

@@ -81,8 +81,8 @@ def _use_virtual_cpu_devices():
 
 def load_digits(test_fraction=0.2, seed=0):
     """scikit-learn's digits as float32 ``(x_train, y_train, x_test, y_test)``, pixels in [0, 1]."""
-    from sklearn.datasets import load_digits as sklearn_digits
     import numpy as np
+    from sklearn.datasets import load_digits as sklearn_digits
 
     data = sklearn_digits()
     x = (data.data / 16.0).astype(np.float32)
@@ -123,8 +123,8 @@ def train(run: Run, devices, data, steps, batch_size, learning_rate, optimizer="
     from flax import nnx
     from jax.sharding import Mesh
 
-    from jaxcomp.cost import Network
     from jaxcomp.auto import compress_auto
+    from jaxcomp.cost import Network
     from jaxcomp.train import data_parallel
     from jaxcomp.transform import compress, find_compress_state
 

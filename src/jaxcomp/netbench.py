@@ -243,7 +243,8 @@ def _worker(spec: Spec) -> None:
             with open(spec.out, "w") as f:  # after every method: a failed job keeps what it measured
                 json.dump(results, f)
         # Free this method's state and executables before the next (25M params: ~1 GB each).
-        del state, step, metrics_box, run
+        del state, step, run
+        metrics_box.clear()
         jax.clear_caches()
         gc.collect()
     # Compute again at the end; the smaller of the two counts (noise only ever adds time), and

@@ -49,7 +49,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 PROTOCOL = "jaxcomp-rendezvous-1"
 # The rendezvous server's log (its stderr, and JAX's coordination service's messages) goes to the

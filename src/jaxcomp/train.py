@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -96,7 +97,7 @@ class FeedbackConfig:
 
     @classmethod
     def check(cls, axis_name, error_feedback, granularity, mean, seed, nonfinite, mask=None, min_size=0,
-              momentum=None) -> "FeedbackConfig":
+              momentum=None) -> FeedbackConfig:
         """Validates the shared arguments, naming the one that is wrong."""
         axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
         if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):

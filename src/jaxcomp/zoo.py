@@ -30,7 +30,8 @@ flax is imported by :func:`build`, not by this module (``import jaxcomp.zoo`` lo
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 #: The zoo's model names, from the two MLPs to the models of many (or many kinds of) leaves.
 NAMES = ("mlp4096", "mlp2041", "gpt2", "resnet50", "many_small")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from jaxcomp.methods.base import Method, scattering
+from jaxcomp.methods.base import Method, scattering  # noqa: F401  (public: jaxcomp.methods.scattering)
 from jaxcomp.methods.cast import Cast
 from jaxcomp.methods.dense import Dense
 from jaxcomp.methods.powersgd import PowerSGD

@@ -32,8 +32,8 @@ This module loads no JAX: the cost model and the advisor's command line stay che
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar
-
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +113,7 @@ class Method:
         :func:`jaxcomp.compress` warms up for ``max(warmup_steps, dense_steps)`` steps."""
         return 0
 
-    def with_ratio(self, ratio: float) -> "Method | None":
+    def with_ratio(self, ratio: float) -> Method | None:
         """This method sending a fraction ``ratio`` of the values, or None when it has no such knob
         (:func:`jaxcomp.compress_auto`'s ratio search uses it)."""
         return None
