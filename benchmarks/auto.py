@@ -28,8 +28,9 @@ def parse_args():
 
 args = parse_args()
 # The device count must be fixed before JAX starts its backend.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_force_host_platform_device_count={args.devices}")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -69,17 +70,24 @@ def main():
     rng = np.random.default_rng(0)
     batch = {"g": rng.standard_normal((args.devices, n)).astype(np.float32)}
     configs = [  # (fixed method and options, auto options): auto must run the fixed method on SLOW
-        (("allgather_topk", {"ratio": 0.01}), {"ratio": 0.01, "candidates": ("dense", "allgather_topk")}),
+        (
+            ("allgather_topk", {"ratio": 0.01}),
+            {"ratio": 0.01, "candidates": ("dense", "allgather_topk")},
+        ),
         (("ar_topk", {"ratio": 0.01}), {"ratio": 0.01, "rate": 8, "bits": 8}),
         (("ar_topk", {"ratio": 0.01}), {"ratio": 0.01, "candidates": ("dense", "ar_topk")}),
         # explore_steps keeps it on its first candidate ratio, 0.1, for the whole measurement.
         (("ar_topk", {"ratio": 0.1}), {"adaptive_ratio": True, "explore_steps": 10_000}),
     ]
-    print(f"# {platform.node()}: {os.cpu_count()} cores, jax {jax.__version__}, {args.devices} virtual CPU devices, "
-          f"n = {n:,}, median of {args.repeats} steps")
+    print(
+        f"# {platform.node()}: {os.cpu_count()} cores, jax {jax.__version__}, {args.devices} virtual CPU devices, "
+        f"n = {n:,}, median of {args.repeats} steps"
+    )
     if args.markdown:
-        print("| auto options (network 1 ms, 100 Mbit/s) | branches | ran | fixed step | auto step | auto / fixed "
-              "| first step (compile): fixed / auto |")
+        print(
+            "| auto options (network 1 ms, 100 Mbit/s) | branches | ran | fixed step | auto step | auto / fixed "
+            "| first step (compile): fixed / auto |"
+        )
         print("|---|---:|---|---:|---:|---:|---:|")
     for (method, options), auto_options in configs:
         auto_tx = jaxcomp.compress("auto", network=SLOW, **auto_options)
@@ -87,11 +95,15 @@ def main():
         fixed = measure(jaxcomp.compress(method, **options), n, mesh, batch)
         auto = measure(auto_tx, n, mesh, batch)
         if (auto[2], auto[3]) != (fixed[2], fixed[3]):
-            raise SystemExit(f"auto ran {auto[2]} at density {auto[3]}, not {fixed[2]}: the comparison is meaningless")
+            raise SystemExit(
+                f"auto ran {auto[2]} at density {auto[3]}, not {fixed[2]}: the comparison is meaningless"
+            )
         label = ", ".join(f"{k}={v}" for k, v in auto_options.items())
         if args.markdown:
-            print(f"| {label} | {branches} | {method} ({auto[3]:.3g}) | {1e3 * fixed[1]:.1f} ms | "
-                  f"{1e3 * auto[1]:.1f} ms | {auto[1] / fixed[1]:.2f} | {fixed[0]:.2f} s / {auto[0]:.2f} s |")
+            print(
+                f"| {label} | {branches} | {method} ({auto[3]:.3g}) | {1e3 * fixed[1]:.1f} ms | "
+                f"{1e3 * auto[1]:.1f} ms | {auto[1] / fixed[1]:.2f} | {fixed[0]:.2f} s / {auto[0]:.2f} s |"
+            )
         else:
             print(label, branches, "fixed", fixed, "auto", auto)
 

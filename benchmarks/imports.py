@@ -17,7 +17,12 @@ import subprocess
 import sys
 import time
 
-CASES = ("import jaxcomp", "import jaxcomp.cost", "import jaxcomp.advise", "import jaxcomp; jaxcomp.compress")
+CASES = (
+    "import jaxcomp",
+    "import jaxcomp.cost",
+    "import jaxcomp.advise",
+    "import jaxcomp; jaxcomp.compress",
+)
 
 
 def import_seconds(code, path, repeats):
@@ -25,8 +30,13 @@ def import_seconds(code, path, repeats):
     env = dict(os.environ, PYTHONPATH=path or "")
     times, jax_loaded = [], False
     for _ in range(repeats):
-        out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], env=env, capture_output=True,
-                             text=True, cwd="/")
+        out = subprocess.run(
+            [sys.executable, "-X", "importtime", "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd="/",
+        )
         if out.returncode:
             raise SystemExit(out.stderr)
         total = 0
@@ -45,29 +55,44 @@ def help_seconds(path, repeats):
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "jaxcomp", "advise", "--help"], env=env, capture_output=True, cwd="/",
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "jaxcomp", "advise", "--help"],
+            env=env,
+            capture_output=True,
+            cwd="/",
+            check=True,
+        )
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--path", action="append", default=None,
-                        help="a directory to import jaxcomp from (PYTHONPATH); repeat to compare trees")
+    parser.add_argument(
+        "--path",
+        action="append",
+        default=None,
+        help="a directory to import jaxcomp from (PYTHONPATH); repeat to compare trees",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     paths = args.path or [None]
-    print(f"# {platform.node()}: {os.cpu_count()} cores, Python {platform.python_version()}, median of "
-          f"{args.repeats} fresh interpreters")
+    print(
+        f"# {platform.node()}: {os.cpu_count()} cores, Python {platform.python_version()}, median of "
+        f"{args.repeats} fresh interpreters"
+    )
     print("| jaxcomp from | what | import time | loads JAX |")
     print("|---|---|---:|---|")
     for path in paths:
         for code in CASES:
             seconds, jax_loaded = import_seconds(code, path, args.repeats)
-            print(f"| {path or 'installed'} | `{code}` | {seconds:.3f} s | {'yes' if jax_loaded else 'no'} |")
-        print(f"| {path or 'installed'} | `python -m jaxcomp advise --help` (wall, interpreter included) | "
-              f"{help_seconds(path, args.repeats):.3f} s | |")
+            print(
+                f"| {path or 'installed'} | `{code}` | {seconds:.3f} s | {'yes' if jax_loaded else 'no'} |"
+            )
+        print(
+            f"| {path or 'installed'} | `python -m jaxcomp advise --help` (wall, interpreter included) | "
+            f"{help_seconds(path, args.repeats):.3f} s | |"
+        )
 
 
 if __name__ == "__main__":

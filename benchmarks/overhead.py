@@ -28,9 +28,14 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp  # noqa: E402
 
-STEP_METHODS = {"dense": ("dense", {}), "dense_leaf": ("dense", {"granularity": "leaf"}),
-                "allgather_topk": ("allgather_topk", {"ratio": 0.01}), "ar_topk": ("ar_topk", {"ratio": 0.01}),
-                "zfp": ("zfp", {"rate": 8}), "quantized": ("quantized", {"bits": 4})}
+STEP_METHODS = {
+    "dense": ("dense", {}),
+    "dense_leaf": ("dense", {"granularity": "leaf"}),
+    "allgather_topk": ("allgather_topk", {"ratio": 0.01}),
+    "ar_topk": ("ar_topk", {"ratio": 0.01}),
+    "zfp": ("zfp", {"rate": 8}),
+    "quantized": ("quantized", {"bits": 4}),
+}
 
 
 def main(argv=None) -> int:
@@ -43,7 +48,10 @@ def main(argv=None) -> int:
     jax.config.update("jax_num_cpu_devices", args.devices)
     width = round((args.params / 6) ** 0.5)
     rng = np.random.default_rng(0)
-    params = {f"w{i}": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32) for i in range(6)}
+    params = {
+        f"w{i}": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+        for i in range(6)
+    }
     n_params = sum(p.size for p in params.values())
 
     def loss_fn(p, batch):
@@ -54,9 +62,13 @@ def main(argv=None) -> int:
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
     rows = 4 * args.devices
-    batch = jax.device_put({"x": rng.standard_normal((rows, width)).astype(np.float32),
-                            "y": rng.standard_normal((rows, width)).astype(np.float32)},
-                           NamedSharding(mesh, P("data")))
+    batch = jax.device_put(
+        {
+            "x": rng.standard_normal((rows, width)).astype(np.float32),
+            "y": rng.standard_normal((rows, width)).astype(np.float32),
+        },
+        NamedSharding(mesh, P("data")),
+    )
 
     adam = optax.adam(1e-4)
 
@@ -66,7 +78,9 @@ def main(argv=None) -> int:
         u, opt = adam.update(g, opt, p)
         return optax.apply_updates(p, u), opt, jax.lax.pmean(loss, "data")
 
-    plain_step = jax.jit(jax.shard_map(plain, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P())))
+    plain_step = jax.jit(
+        jax.shard_map(plain, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()))
+    )
     runners = {}
     plain_state = [params, adam.init(params)]
 
@@ -74,14 +88,18 @@ def main(argv=None) -> int:
         p, o, loss = plain_step(plain_state[0], plain_state[1], batch)
         plain_state[:] = [p, o]
         loss.block_until_ready()
+
     runners["pmean"] = run_plain
     for label, (method, options) in STEP_METHODS.items():
-        dp = jaxcomp.data_parallel(loss_fn, optax.chain(jaxcomp.compress(method, **options), adam), mesh)
+        dp = jaxcomp.data_parallel(
+            loss_fn, optax.chain(jaxcomp.compress(method, **options), adam), mesh
+        )
         box = [dp.init(params)]
 
         def run(dp=dp, box=box):
             box[0], metrics = dp.step(box[0], batch)
             jax.block_until_ready(metrics["loss"])
+
         runners[label] = run
     best = {label: float("inf") for label in runners}
     for _ in range(args.repeats + 1):  # the first round compiles and warms up
@@ -91,7 +109,9 @@ def main(argv=None) -> int:
             best[label] = min(best[label], time.perf_counter() - start)
     local = {label: best[label] - best["dense"] for label in STEP_METHODS if label != "dense"}
     result = {"params": n_params, "steps": best, "local_work": local, "version": jaxcomp.__file__}
-    print(f"{n_params / 1e6:.1f}M params, {args.devices} in-process CPU devices, best of {args.repeats}:")
+    print(
+        f"{n_params / 1e6:.1f}M params, {args.devices} in-process CPU devices, best of {args.repeats}:"
+    )
     for label, seconds in best.items():
         print(f"  step {label:15s} {seconds * 1e3:8.1f} ms")
     for label, seconds in local.items():

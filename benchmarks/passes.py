@@ -46,9 +46,15 @@ def parse_args(argv=None):
     from jaxcomp import zoo
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(zoo.NAMES), help=f"zoo models (default all: {','.join(zoo.NAMES)})")
+    parser.add_argument(
+        "--models",
+        default=",".join(zoo.NAMES),
+        help=f"zoo models (default all: {','.join(zoo.NAMES)})",
+    )
     parser.add_argument("--methods", default=",".join(METHODS), help="methods (default all)")
-    parser.add_argument("--repeats", type=int, default=5, help="rounds; the best counts (default 5)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="rounds; the best counts (default 5)"
+    )
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
@@ -71,8 +77,10 @@ def gradients(model_name: str):
     shapes = zoo.build(model_name, abstract=True).params
     rng = np.random.default_rng(0)
     leaves, treedef = jax.tree.flatten(shapes)
-    return jax.device_put(treedef.unflatten([rng.standard_normal(s.shape, np.float32) for s in leaves]),
-                          jax.devices()[0])
+    return jax.device_put(
+        treedef.unflatten([rng.standard_normal(s.shape, np.float32) for s in leaves]),
+        jax.devices()[0],
+    )
 
 
 def update_function(method: str, grads):
@@ -91,7 +99,9 @@ def update_function(method: str, grads):
         g = jax.lax.pcast(g, "data", to="varying")  # this device's own gradient, as in training
         return tx.update(g, state)
 
-    step = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False))
+    step = jax.jit(
+        jax.shard_map(update, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False)
+    )
     return step, jax.jit(tx.init)(grads)
 
 
@@ -111,27 +121,44 @@ def measure(model_name: str, methods, repeats: int) -> list[dict]:
             best[name] = min(best[name], best_seconds(fn, 2))
     n = sum(x.size for x in jax.tree.leaves(grads))
     leaves = len(jax.tree.leaves(grads))
-    return [{"model": model_name, "params": n, "leaves": leaves, "method": m, "seconds": best[m],
-             "copy_seconds": best["copy"], "passes": best[m] / best["copy"],
-             "target": TARGETS.get(m, 4)} for m in methods]
+    return [
+        {
+            "model": model_name,
+            "params": n,
+            "leaves": leaves,
+            "method": m,
+            "seconds": best[m],
+            "copy_seconds": best["copy"],
+            "passes": best[m] / best["copy"],
+            "target": TARGETS.get(m, 4),
+        }
+        for m in methods
+    ]
 
 
 def table(rows) -> str:
     """The rows as a markdown table, one line per model and method."""
-    lines = ["| model | params | leaves | method | update ms | copy ms | passes | target | within |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---|"]
+    lines = [
+        "| model | params | leaves | method | update ms | copy ms | passes | target | within |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         within = "yes" if r["passes"] <= r["target"] else "**no**"
-        lines.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['leaves']} | {r['method']} | "
-                     f"{r['seconds'] * 1e3:.1f} | {r['copy_seconds'] * 1e3:.1f} | {r['passes']:.1f} | "
-                     f"<= {r['target']} | {within} |")
+        lines.append(
+            f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['leaves']} | {r['method']} | "
+            f"{r['seconds'] * 1e3:.1f} | {r['copy_seconds'] * 1e3:.1f} | {r['passes']:.1f} | "
+            f"<= {r['target']} | {within} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    print(f"# {platform.node()}: {platform.processor() or platform.machine()}, jax {jax.__version__}, "
-          f"{len(jax.devices())} device(s)", flush=True)
+    print(
+        f"# {platform.node()}: {platform.processor() or platform.machine()}, jax {jax.__version__}, "
+        f"{len(jax.devices())} device(s)",
+        flush=True,
+    )
     rows = []
     for model_name in args.models:
         rows += measure(model_name, args.methods, args.repeats)

@@ -110,6 +110,7 @@ class Config:
 # ----------------------------------------------------------------------------------------------
 # Pure helpers: model shapes, DDP options, the table (no torch, no jaxcomp needed).
 
+
 def torch_widths(model: str, params: float | None = None) -> tuple[int, ...] | None:
     """The layer sizes of ``model``'s MLP (input first), or None for the models that are not MLPs.
 
@@ -196,12 +197,23 @@ def ddp_options(method: str, n_params: int, *, rank: int = 4, start_iter: int = 
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"PowerSGD rank must be a positive integer, got {rank!r}")
     if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 2:
-        raise ValueError(f"start_powerSGD_iter must be an integer >= 2 (torch needs two plain steps before "
-                         f"error feedback and warm start), got {start_iter!r}")
-    state = {"matrix_approximation_rank": rank, "start_powerSGD_iter": start_iter, "use_error_feedback": True,
-             "warm_start": True, "random_seed": 0}
-    return {"label": f"{label}(rank={rank})", "hook": hook, "bucket_cap_mb": one_bucket_cap_mb(n_params),
-            "powersgd": state}
+        raise ValueError(
+            f"start_powerSGD_iter must be an integer >= 2 (torch needs two plain steps before "
+            f"error feedback and warm start), got {start_iter!r}"
+        )
+    state = {
+        "matrix_approximation_rank": rank,
+        "start_powerSGD_iter": start_iter,
+        "use_error_feedback": True,
+        "warm_start": True,
+        "random_seed": 0,
+    }
+    return {
+        "label": f"{label}(rank={rank})",
+        "hook": hook,
+        "bucket_cap_mb": one_bucket_cap_mb(n_params),
+        "powersgd": state,
+    }
 
 
 def torch_warmup(method: str, warmup: int, start_iter: int) -> int:
@@ -221,7 +233,9 @@ def _s(value):
 def _mb(value):
     if value is None:
         return "-"
-    return f"{value / 1e6:.1f}" if value >= 1e6 else f"{value / 1e6:.3f}"  # small models' rows stay readable
+    return (
+        f"{value / 1e6:.1f}" if value >= 1e6 else f"{value / 1e6:.3f}"
+    )  # small models' rows stay readable
 
 
 def _x(value):
@@ -237,8 +251,11 @@ def add_cross_speedups(rows) -> list[dict]:
     Returns:
       The same rows (changed in place): ``vs_torch_ddp`` is None where the cell has no torch ``ddp`` row.
     """
-    plain = {(r["model"], r["hosts"], r["rate"]): r["step"] for r in rows
-             if r["framework"] == "torch" and r["method"] == TORCH_METHODS["plain"][0]}
+    plain = {
+        (r["model"], r["hosts"], r["rate"]): r["step"]
+        for r in rows
+        if r["framework"] == "torch" and r["method"] == TORCH_METHODS["plain"][0]
+    }
     for r in rows:
         base = plain.get((r["model"], r["hosts"], r["rate"]))
         r["vs_torch_ddp"] = base / r["step"] if base and r["step"] else None
@@ -260,13 +277,19 @@ def table(rows) -> str:
       >>> table([]).splitlines()[0].split(" | ")[:3]
       ['| model', 'params', 'hosts']
     """
-    lines = [("| model | params | hosts | rate | framework | method | step s | compute s | CPU s/step | "
-              "wire MB/step/host | speed vs own plain | speed vs torch DDP |"),
-             "|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        (
+            "| model | params | hosts | rate | framework | method | step s | compute s | CPU s/step | "
+            "wire MB/step/host | speed vs own plain | speed vs torch DDP |"
+        ),
+        "|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['hosts']} | {r['rate']} | {r['framework']} | "
-                     f"{r['method']} | {_s(r['step'])} | {_s(r.get('compute'))} | {_s(r.get('cpu'))} | "
-                     f"{_mb(r.get('wire_tx'))} | {_x(r.get('speedup'))} | {_x(r.get('vs_torch_ddp'))} |")
+        lines.append(
+            f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['hosts']} | {r['rate']} | {r['framework']} | "
+            f"{r['method']} | {_s(r['step'])} | {_s(r.get('compute'))} | {_s(r.get('cpu'))} | "
+            f"{_mb(r.get('wire_tx'))} | {_x(r.get('speedup'))} | {_x(r.get('vs_torch_ddp'))} |"
+        )
     return "\n".join(lines)
 
 
@@ -275,31 +298,48 @@ def machine() -> dict:
     model = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+            model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                model,
+            )
     except OSError:
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"nproc": cores, "cpu": model, "python": platform.python_version(), "os": platform.platform()}
+    return {
+        "nproc": cores,
+        "cpu": model,
+        "python": platform.python_version(),
+        "os": platform.platform(),
+    }
 
 
 def header(config: Config, info: dict, argv) -> str:
     """The lines printed above the table: the command, the machine, the set-up and what still differs."""
     torch_opt = f"{config.torch_optimizer.upper()}(lr={config.lr:g})"
-    return "\n".join([
-        f"command: {' '.join(shlex.quote(a) for a in argv)}",
-        (f"machine: {info['nproc']} cores, {info['cpu']}; torch {info.get('torch', '-')}, "
-         f"jax {info.get('jax', '-')}"),
-        (f"set-up: one process per host, gloo on eth0, {config.batch} rows per host, {config.steps} timed steps "
-         f"after {config.warmup} warm-up (PowerSGD: after its start_powerSGD_iter={config.powersgd_start} "
-         f"plain steps too); step = median of the slowest host; wire = bytes sent by a host's eth0 per step"),
-        (f"optimizers: jaxcomp rows Adam(1e-4) (netbench), torch rows {torch_opt}; torch: 1 thread per host, "
-         "CPU s/step = process CPU time per timed step (host mean); netbench's wire bytes average warm-up and "
-         "timed steps"),
-    ])
+    return "\n".join(
+        [
+            f"command: {' '.join(shlex.quote(a) for a in argv)}",
+            (
+                f"machine: {info['nproc']} cores, {info['cpu']}; torch {info.get('torch', '-')}, "
+                f"jax {info.get('jax', '-')}"
+            ),
+            (
+                f"set-up: one process per host, gloo on eth0, {config.batch} rows per host, {config.steps} timed steps "
+                f"after {config.warmup} warm-up (PowerSGD: after its start_powerSGD_iter={config.powersgd_start} "
+                f"plain steps too); step = median of the slowest host; wire = bytes sent by a host's eth0 per step"
+            ),
+            (
+                f"optimizers: jaxcomp rows Adam(1e-4) (netbench), torch rows {torch_opt}; torch: 1 thread per host, "
+                "CPU s/step = process CPU time per timed step (host mean); netbench's wire bytes average warm-up and "
+                "timed steps"
+            ),
+        ]
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Arguments.
+
 
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
@@ -310,25 +350,61 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="mlp4096", help=f"from {','.join(MODELS)} (default mlp4096)")
     p.add_argument("--hosts", default="4", help="emulated host counts, comma-separated (default 4)")
-    p.add_argument("--rates", default=",".join(DEFAULT_RATES), help="link rates (default 1gbit,100mbit)")
-    p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="jaxcomp,torch (default both)")
-    p.add_argument("--jax-methods", default=",".join(DEFAULT_JAX_METHODS),
-                   help=f"netbench methods; pmean always runs (default {','.join(DEFAULT_JAX_METHODS)})")
-    p.add_argument("--torch-methods", default=",".join(TORCH_METHODS),
-                   help=f"from {','.join(TORCH_METHODS)}; plain always runs (default all)")
-    p.add_argument("--params", type=float, default=None, help="mlp2041's parameters instead of 25M (square layers)")
-    p.add_argument("--batch", type=int, default=2, help="rows per host (default 2: global 8 on 4 hosts)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per method, the median counts (default 5)")
+    p.add_argument(
+        "--rates", default=",".join(DEFAULT_RATES), help="link rates (default 1gbit,100mbit)"
+    )
+    p.add_argument(
+        "--frameworks", default=",".join(FRAMEWORKS), help="jaxcomp,torch (default both)"
+    )
+    p.add_argument(
+        "--jax-methods",
+        default=",".join(DEFAULT_JAX_METHODS),
+        help=f"netbench methods; pmean always runs (default {','.join(DEFAULT_JAX_METHODS)})",
+    )
+    p.add_argument(
+        "--torch-methods",
+        default=",".join(TORCH_METHODS),
+        help=f"from {','.join(TORCH_METHODS)}; plain always runs (default all)",
+    )
+    p.add_argument(
+        "--params",
+        type=float,
+        default=None,
+        help="mlp2041's parameters instead of 25M (square layers)",
+    )
+    p.add_argument(
+        "--batch", type=int, default=2, help="rows per host (default 2: global 8 on 4 hosts)"
+    )
+    p.add_argument(
+        "--steps", type=int, default=5, help="timed steps per method, the median counts (default 5)"
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--powersgd-rank", type=int, default=4, help="torch PowerSGD's rank (default 4)")
-    p.add_argument("--powersgd-start", type=int, default=2, help="torch's start_powerSGD_iter (default 2)")
-    p.add_argument("--torch-optimizer", default="sgd", choices=("sgd", "adam"), help="torch rows' optimizer")
-    p.add_argument("--lr", type=float, default=1e-3, help="torch rows' learning rate (default 1e-3)")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per cluster job (default 1800)")
-    p.add_argument("--torch-venv", default=DEFAULT_TORCH_VENV, help="PyTorch's own environment (made if missing)")
-    p.add_argument("--torch-requirement", default=DEFAULT_TORCH_REQUIREMENT,
-                   help=f"what pip installs there (default {DEFAULT_TORCH_REQUIREMENT})")
-    p.add_argument("--no-install", action="store_true", help="fail instead of creating --torch-venv")
+    p.add_argument(
+        "--powersgd-start", type=int, default=2, help="torch's start_powerSGD_iter (default 2)"
+    )
+    p.add_argument(
+        "--torch-optimizer", default="sgd", choices=("sgd", "adam"), help="torch rows' optimizer"
+    )
+    p.add_argument(
+        "--lr", type=float, default=1e-3, help="torch rows' learning rate (default 1e-3)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=1800, help="seconds per cluster job (default 1800)"
+    )
+    p.add_argument(
+        "--torch-venv",
+        default=DEFAULT_TORCH_VENV,
+        help="PyTorch's own environment (made if missing)",
+    )
+    p.add_argument(
+        "--torch-requirement",
+        default=DEFAULT_TORCH_REQUIREMENT,
+        help=f"what pip installs there (default {DEFAULT_TORCH_REQUIREMENT})",
+    )
+    p.add_argument(
+        "--no-install", action="store_true", help="fail instead of creating --torch-venv"
+    )
     p.add_argument("--json", default=None, help="write the header, machine and rows as JSON here")
     p.add_argument("--log", default=None, help="append the host processes' output here")
     return p
@@ -368,8 +444,10 @@ def config_from_args(args) -> Config:
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if args.powersgd_start < 2:
-        raise ValueError(f"--powersgd-start must be >= 2 (torch runs two plain steps before PowerSGD's error "
-                         f"feedback and warm start), got {args.powersgd_start}")
+        raise ValueError(
+            f"--powersgd-start must be >= 2 (torch runs two plain steps before PowerSGD's error "
+            f"feedback and warm start), got {args.powersgd_start}"
+        )
     if args.params is not None:
         if not (math.isfinite(args.params) and args.params >= 1000):
             raise ValueError(f"--params must be a finite number >= 1000, got {args.params}")
@@ -382,13 +460,28 @@ def config_from_args(args) -> Config:
     for path in (args.json, args.log):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise ValueError(f"the folder of {path!r} does not exist")
-    return Config(models=models, hosts=_positive_ints(args.hosts, "--hosts"), rates=rates, frameworks=frameworks,
-                  jax_methods=jax_methods, torch_methods=torch_methods, params=args.params, batch=args.batch,
-                  steps=args.steps, warmup=args.warmup, powersgd_rank=args.powersgd_rank,
-                  powersgd_start=args.powersgd_start, torch_optimizer=args.torch_optimizer, lr=args.lr,
-                  timeout=args.timeout, torch_venv=os.path.abspath(args.torch_venv),
-                  torch_requirement=args.torch_requirement, install=not args.no_install, json=args.json,
-                  log=args.log)
+    return Config(
+        models=models,
+        hosts=_positive_ints(args.hosts, "--hosts"),
+        rates=rates,
+        frameworks=frameworks,
+        jax_methods=jax_methods,
+        torch_methods=torch_methods,
+        params=args.params,
+        batch=args.batch,
+        steps=args.steps,
+        warmup=args.warmup,
+        powersgd_rank=args.powersgd_rank,
+        powersgd_start=args.powersgd_start,
+        torch_optimizer=args.torch_optimizer,
+        lr=args.lr,
+        timeout=args.timeout,
+        torch_venv=os.path.abspath(args.torch_venv),
+        torch_requirement=args.torch_requirement,
+        install=not args.no_install,
+        json=args.json,
+        log=args.log,
+    )
 
 
 def check_rates_and_methods(config: Config) -> None:
@@ -405,11 +498,14 @@ def check_rates_and_methods(config: Config) -> None:
 
         bad = [m for m in config.jax_methods if m not in METHODS]
         if bad:
-            raise ValueError(f"--jax-methods must be among {','.join(METHODS)}, got {','.join(bad)}")
+            raise ValueError(
+                f"--jax-methods must be among {','.join(METHODS)}, got {','.join(bad)}"
+            )
 
 
 # ----------------------------------------------------------------------------------------------
 # PyTorch's environment.
+
 
 def torch_python(venv: str) -> str:
     """The Python of the torch environment ``venv``."""
@@ -434,17 +530,25 @@ def ensure_torch(config: Config, out=sys.stderr) -> str:
     if version is not None:
         return version
     if not config.install:
-        raise RuntimeError(f"no usable PyTorch environment at {config.torch_venv} ({why}); drop --no-install "
-                           f"to let peers.py make it, or point --torch-venv at one")
+        raise RuntimeError(
+            f"no usable PyTorch environment at {config.torch_venv} ({why}); drop --no-install "
+            f"to let peers.py make it, or point --torch-venv at one"
+        )
     start = time.monotonic()
-    print(f"peers: installing `{config.torch_requirement}` into {config.torch_venv}", file=out, flush=True)
+    print(
+        f"peers: installing `{config.torch_requirement}` into {config.torch_venv}",
+        file=out,
+        flush=True,
+    )
     python = torch_python(config.torch_venv)
     commands = [] if os.path.exists(python) else [[sys.executable, "-m", "venv", config.torch_venv]]
     commands.append([python, "-m", "pip", "install", "-q", *shlex.split(config.torch_requirement)])
     for command in commands:
         result = subprocess.run(command, check=False, capture_output=True, text=True)
         if result.returncode:
-            raise RuntimeError(f"`{' '.join(command)}` failed ({result.returncode}): {result.stderr[-2000:]}")
+            raise RuntimeError(
+                f"`{' '.join(command)}` failed ({result.returncode}): {result.stderr[-2000:]}"
+            )
     print(f"peers: torch installed in {time.monotonic() - start:.0f} s", file=out, flush=True)
     version, why = _check_torch(config.torch_venv)
     if version is None:
@@ -457,9 +561,11 @@ def _check_torch(venv: str) -> tuple[str | None, str]:
     python = torch_python(venv)
     if not os.path.exists(python):
         return None, f"{python} does not exist"
-    check = ("import numpy, torch, torch.distributed as dist; "  # PowerSGDState imports numpy
-             "assert dist.is_available() and dist.is_gloo_available(), 'torch.distributed has no gloo'; "
-             "print(torch.__version__)")
+    check = (
+        "import numpy, torch, torch.distributed as dist; "  # PowerSGDState imports numpy
+        "assert dist.is_available() and dist.is_gloo_available(), 'torch.distributed has no gloo'; "
+        "print(torch.__version__)"
+    )
     result = subprocess.run([python, "-c", check], check=False, capture_output=True, text=True)
     if result.returncode:
         return None, (result.stderr.strip().splitlines() or ["no output"])[-1]
@@ -469,6 +575,7 @@ def _check_torch(venv: str) -> tuple[str | None, str]:
 # ----------------------------------------------------------------------------------------------
 # Torch worker: runs inside each emulated host under the torch environment's Python.
 
+
 def _join_process_group(timeout: float):
     """Joins the job :meth:`jaxcomp.cluster.Cluster.start` described (its JAXCOMP_* variables) with gloo."""
     import datetime
@@ -476,11 +583,17 @@ def _join_process_group(timeout: float):
     import torch.distributed as dist
 
     address, port = os.environ["JAXCOMP_COORDINATOR_ADDRESS"].rsplit(":", 1)
-    os.environ.update(MASTER_ADDR=address, MASTER_PORT=port, RANK=os.environ["JAXCOMP_PROCESS_ID"],
-                      WORLD_SIZE=os.environ["JAXCOMP_NUM_PROCESSES"])
+    os.environ.update(
+        MASTER_ADDR=address,
+        MASTER_PORT=port,
+        RANK=os.environ["JAXCOMP_PROCESS_ID"],
+        WORLD_SIZE=os.environ["JAXCOMP_NUM_PROCESSES"],
+    )
     if os.environ.get("JAXCOMP_INTERFACE"):
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["JAXCOMP_INTERFACE"]
-    dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(
+        "gloo", init_method="env://", timeout=datetime.timedelta(seconds=timeout)
+    )
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -520,8 +633,13 @@ def _timed_steps(model, loss_fn, optimizer, batches, warmup, steps, interface, o
         optimizer.step()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return {"times": times, "step": statistics.median(times), "cpu": (time.process_time() - cpu_start) / steps,
-            "wire_tx": (_tx_bytes(interface) - tx_start) / steps, "loss": float(loss.detach())}
+    return {
+        "times": times,
+        "step": statistics.median(times),
+        "cpu": (time.process_time() - cpu_start) / steps,
+        "wire_tx": (_tx_bytes(interface) - tx_start) / steps,
+        "loss": float(loss.detach()),
+    }
 
 
 def _hooked(options, seen):
@@ -529,7 +647,9 @@ def _hooked(options, seen):
     import importlib
 
     module, name = options["hook"].rsplit(".", 1)
-    hook = getattr(importlib.import_module(f"torch.distributed.algorithms.ddp_comm_hooks.{module}"), name)
+    hook = getattr(
+        importlib.import_module(f"torch.distributed.algorithms.ddp_comm_hooks.{module}"), name
+    )
     state = None
     if options["powersgd"] is not None:
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
@@ -549,9 +669,15 @@ def _run_torch_method(spec, method, position, batches, interface):
     from torch.nn.parallel import DistributedDataParallel
 
     module, _, loss_fn = _build(spec)
-    options = ddp_options(method, sum(p.numel() for p in module.parameters()), rank=spec["powersgd_rank"],
-                          start_iter=spec["powersgd_start"])
-    ddp_kwargs = {} if options["bucket_cap_mb"] is None else {"bucket_cap_mb": options["bucket_cap_mb"]}
+    options = ddp_options(
+        method,
+        sum(p.numel() for p in module.parameters()),
+        rank=spec["powersgd_rank"],
+        start_iter=spec["powersgd_start"],
+    )
+    ddp_kwargs = (
+        {} if options["bucket_cap_mb"] is None else {"bucket_cap_mb": options["bucket_cap_mb"]}
+    )
     # No buffer broadcast: ResNet-50's BatchNorm statistics are not trained, and jaxcomp's rows drop them.
     model = DistributedDataParallel(module, broadcast_buffers=False, **ddp_kwargs)
     seen = []
@@ -561,18 +687,30 @@ def _run_torch_method(spec, method, position, batches, interface):
         model.register_comm_hook(state, hook)
     optimizer = _optimizer(spec, model.parameters())
     # The first method also pays for gloo's connections and TCP's ramp-up: two more warm-up steps.
-    warmup = torch_warmup(method, spec["warmup"], spec["powersgd_start"]) + (2 if position == 0 else 0)
+    warmup = torch_warmup(method, spec["warmup"], spec["powersgd_start"]) + (
+        2 if position == 0 else 0
+    )
     dist.barrier()
-    entry = _timed_steps(model, loss_fn, optimizer, batches, warmup, spec["steps"], interface,
-                         on_timed_start=seen.clear)
+    entry = _timed_steps(
+        model,
+        loss_fn,
+        optimizer,
+        batches,
+        warmup,
+        spec["steps"],
+        interface,
+        on_timed_start=seen.clear,
+    )
     entry.update(label=options["label"], bucket_cap_mb=options["bucket_cap_mb"], warmup=warmup)
     if options["hook"] is not None:
         entry["buckets_per_step"] = len(seen) / spec["steps"]
     if state is not None:
         entry["powersgd_iter"] = state.iter
         if entry["buckets_per_step"] != 1:
-            raise RuntimeError(f"PowerSGD ran with {entry['buckets_per_step']} buckets a step, not one "
-                               f"(bucket_cap_mb={options['bucket_cap_mb']})")
+            raise RuntimeError(
+                f"PowerSGD ran with {entry['buckets_per_step']} buckets a step, not one "
+                f"(bucket_cap_mb={options['bucket_cap_mb']})"
+            )
     dist.barrier()
     return entry
 
@@ -610,9 +748,16 @@ def torch_worker(spec: dict) -> None:
     generator = torch.Generator().manual_seed(1 + rank)
     model, make_batch, _ = _build(spec)
     batches = [make_batch(generator, spec["batch"]) for _ in range(4)]
-    result = {"rank": rank, "world": world, "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "params": sum(p.numel() for p in model.parameters()), "tensors": len(list(model.parameters())),
-              "compute": _local_compute(spec, batches), "methods": {}}
+    result = {
+        "rank": rank,
+        "world": world,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "params": sum(p.numel() for p in model.parameters()),
+        "tensors": len(list(model.parameters())),
+        "compute": _local_compute(spec, batches),
+        "methods": {},
+    }
     del model
     path = os.path.join(spec["out"], f"torch-{rank}.json")
     for position, method in enumerate(spec["methods"]):
@@ -622,8 +767,12 @@ def torch_worker(spec: dict) -> None:
             json.dump(result, f)
         if rank == 0:
             entry = result["methods"][method]
-            print(f"peers torch: {world} hosts, {entry['label']}: step {entry['step']:.3f} s, "
-                  f"wire {entry['wire_tx'] / 1e6:.1f} MB/step", file=sys.stderr, flush=True)
+            print(
+                f"peers torch: {world} hosts, {entry['label']}: step {entry['step']:.3f} s, "
+                f"wire {entry['wire_tx'] / 1e6:.1f} MB/step",
+                file=sys.stderr,
+                flush=True,
+            )
     dist.destroy_process_group()
 
 
@@ -641,15 +790,37 @@ def torch_cell(config: Config, model: str, hosts: int, rate: str, out) -> list[d
 
     rate_bits = parse_rate(rate)
     with tempfile.TemporaryDirectory() as tmp:
-        spec = {"model": model, "widths": torch_widths(model, config.params), "methods": config.torch_methods,
-                "batch": config.batch, "steps": config.steps, "warmup": config.warmup,
-                "powersgd_rank": config.powersgd_rank, "powersgd_start": config.powersgd_start,
-                "optimizer": config.torch_optimizer, "lr": config.lr, "timeout": config.timeout, "out": tmp}
-        command = ["-c", _EXEC, torch_python(config.torch_venv), os.path.abspath(__file__),
-                   "--torch-worker", json.dumps(spec)]
+        spec = {
+            "model": model,
+            "widths": torch_widths(model, config.params),
+            "methods": config.torch_methods,
+            "batch": config.batch,
+            "steps": config.steps,
+            "warmup": config.warmup,
+            "powersgd_rank": config.powersgd_rank,
+            "powersgd_start": config.powersgd_start,
+            "optimizer": config.torch_optimizer,
+            "lr": config.lr,
+            "timeout": config.timeout,
+            "out": tmp,
+        }
+        command = [
+            "-c",
+            _EXEC,
+            torch_python(config.torch_venv),
+            os.path.abspath(__file__),
+            "--torch-worker",
+            json.dumps(spec),
+        ]
         with Cluster(hosts, rate=rate_bits) as cluster:
-            codes = cluster.run(command, timeout=config.timeout, env={"OMP_NUM_THREADS": "1"}, stdout=out,
-                                stderr=out, cwd=tmp)
+            codes = cluster.run(
+                command,
+                timeout=config.timeout,
+                env={"OMP_NUM_THREADS": "1"},
+                stdout=out,
+                stderr=out,
+                cwd=tmp,
+            )
         results = []
         for rank in range(hosts):
             path = os.path.join(tmp, f"torch-{rank}.json")
@@ -657,8 +828,10 @@ def torch_cell(config: Config, model: str, hosts: int, rate: str, out) -> list[d
                 with open(path) as f:
                     results.append(json.load(f))
         if any(codes) or len(results) != hosts:
-            raise ClusterError(f"the torch job ({model}, {hosts} hosts, {format_rate(rate_bits)}) failed, exit "
-                               f"codes {codes}{_log_tail(out)}")
+            raise ClusterError(
+                f"the torch job ({model}, {hosts} hosts, {format_rate(rate_bits)}) failed, exit "
+                f"codes {codes}{_log_tail(out)}"
+            )
     return torch_rows(results, model, hosts, format_rate(rate_bits))
 
 
@@ -668,15 +841,28 @@ def torch_rows(results, model: str, hosts: int, rate: str) -> list[dict]:
     for method in results[0]["methods"]:
         per_host = [r["methods"][method] for r in results]
         first = per_host[0]
-        rows.append({"model": model, "params": results[0]["params"], "hosts": hosts, "rate": rate, "framework": "torch",
-                     "method": first["label"], "step": max(e["step"] for e in per_host),
-                     "compute": max(r["compute"] for r in results),
-                     "cpu": statistics.fmean(e["cpu"] for e in per_host),
-                     "wire_tx": statistics.fmean(e["wire_tx"] for e in per_host),
-                     "host_steps": [e["step"] for e in per_host], "host_wire_tx": [e["wire_tx"] for e in per_host],
-                     "times": first["times"], "loss": first["loss"], "warmup": first["warmup"],
-                     "bucket_cap_mb": first["bucket_cap_mb"], "buckets_per_step": first.get("buckets_per_step"),
-                     "torch": results[0]["torch"]})
+        rows.append(
+            {
+                "model": model,
+                "params": results[0]["params"],
+                "hosts": hosts,
+                "rate": rate,
+                "framework": "torch",
+                "method": first["label"],
+                "step": max(e["step"] for e in per_host),
+                "compute": max(r["compute"] for r in results),
+                "cpu": statistics.fmean(e["cpu"] for e in per_host),
+                "wire_tx": statistics.fmean(e["wire_tx"] for e in per_host),
+                "host_steps": [e["step"] for e in per_host],
+                "host_wire_tx": [e["wire_tx"] for e in per_host],
+                "times": first["times"],
+                "loss": first["loss"],
+                "warmup": first["warmup"],
+                "bucket_cap_mb": first["bucket_cap_mb"],
+                "buckets_per_step": first.get("buckets_per_step"),
+                "torch": results[0]["torch"],
+            }
+        )
     base = rows[0]["step"]  # plain DDP runs first
     for row in rows:
         row["speedup"] = base / row["step"]
@@ -716,12 +902,42 @@ def jaxcomp_cell(config: Config, model: str, hosts: int, rate: str, log_path: st
     """jaxcomp netbench's rows of one cell."""
     from jaxcomp import netbench
 
-    found = netbench.run_benchmark(hosts=(hosts,), rates=(rate,), methods=config.jax_methods, steps=config.steps,
-                                   warmup=config.warmup, batch=config.batch, timeout=config.timeout, progress=False,
-                                   log=log_path, **netbench_options(model, config.params))
-    keep = ("step", "compute", "sync", "wire_tx", "speedup", "bytes_sent", "ran", "times", "predicted_sync")
-    return [{"model": model, "params": r["params"], "hosts": r["hosts"], "rate": r["rate"], "framework": "jaxcomp",
-             "method": r["method"], "cpu": None, **{k: r.get(k) for k in keep}} for r in found]
+    found = netbench.run_benchmark(
+        hosts=(hosts,),
+        rates=(rate,),
+        methods=config.jax_methods,
+        steps=config.steps,
+        warmup=config.warmup,
+        batch=config.batch,
+        timeout=config.timeout,
+        progress=False,
+        log=log_path,
+        **netbench_options(model, config.params),
+    )
+    keep = (
+        "step",
+        "compute",
+        "sync",
+        "wire_tx",
+        "speedup",
+        "bytes_sent",
+        "ran",
+        "times",
+        "predicted_sync",
+    )
+    return [
+        {
+            "model": model,
+            "params": r["params"],
+            "hosts": r["hosts"],
+            "rate": r["rate"],
+            "framework": "jaxcomp",
+            "method": r["method"],
+            "cpu": None,
+            **{k: r.get(k) for k in keep},
+        }
+        for r in found
+    ]
 
 
 def run(config: Config, argv, out=sys.stdout) -> dict:

@@ -35,9 +35,26 @@ from typing import Any
 N_DEVICES = 8
 
 #: The corpus: these files of the running interpreter's standard library, concatenated in this order.
-CORPUS = ("argparse.py", "dataclasses.py", "functools.py", "inspect.py", "pathlib.py", "typing.py",
-          "subprocess.py", "threading.py", "tarfile.py", "collections/__init__.py", "enum.py", "ast.py",
-          "difflib.py", "shutil.py", "zipfile.py", "configparser.py", "logging/__init__.py", "statistics.py")
+CORPUS = (
+    "argparse.py",
+    "dataclasses.py",
+    "functools.py",
+    "inspect.py",
+    "pathlib.py",
+    "typing.py",
+    "subprocess.py",
+    "threading.py",
+    "tarfile.py",
+    "collections/__init__.py",
+    "enum.py",
+    "ast.py",
+    "difflib.py",
+    "shutil.py",
+    "zipfile.py",
+    "configparser.py",
+    "logging/__init__.py",
+    "statistics.py",
+)
 
 #: Characters are bytes folded into 7-bit ASCII (the few non-ASCII bytes become 0).
 VOCAB = 128
@@ -59,7 +76,17 @@ class Config:
     eval_points: int = 10
 
 
-QUICK = Config(layers=1, width=16, heads=2, context=8, batch=16, steps=6, warmup=1, eval_sequences=16, eval_points=2)
+QUICK = Config(
+    layers=1,
+    width=16,
+    heads=2,
+    context=8,
+    batch=16,
+    steps=6,
+    warmup=1,
+    eval_sequences=16,
+    eval_points=2,
+)
 
 #: ``--model``: "small" (0.44M params) is the default, the one whose full run fits the 20 minutes;
 #: "large" is the few-million-parameter model (2.45M), with half the sequences per step so a row
@@ -74,7 +101,9 @@ class Row:
     name: str
     method: Any
     options: dict = dataclasses.field(default_factory=dict)
-    parallel: dict = dataclasses.field(default_factory=dict)  # data_parallel's keywords (shard=, gather_dtype=)
+    parallel: dict = dataclasses.field(
+        default_factory=dict
+    )  # data_parallel's keywords (shard=, gather_dtype=)
     optimizer: str = "adam"  # what follows compress in the chain: see optimizer()
 
 
@@ -92,7 +121,11 @@ def rows():
     table = [Row("dense", m.Dense())]
     for ratio in (0.01, 0.001):
         table += [topk(ratio), topk(ratio, error_feedback=False)]
-    table += [Row("zfp(8)", m.Zfp(8)), Row("quantized(4)", m.Quantized(4)), Row("randomk(0.01)", m.RandomK(0.01))]
+    table += [
+        Row("zfp(8)", m.Zfp(8)),
+        Row("quantized(4)", m.Quantized(4)),
+        Row("randomk(0.01)", m.RandomK(0.01)),
+    ]
     # Methods landing on other branches: one line each, present once jaxcomp.methods has them.
     if hasattr(m, "PowerSGD"):
         table.append(Row("powersgd(4)", m.PowerSGD(4)))
@@ -109,13 +142,21 @@ def variants():
     from jaxcomp import methods as m
 
     # The sparsifiers with DGC's momentum correction and 100 dense steps first, behind two optimizers.
-    sparsifiers = (m.TopK(0.01), m.TopK(0.01, collective="ar"), m.TopK(0.001), m.TopK(0.001, collective="ar"),
-                   m.RandomK(0.01))
+    sparsifiers = (
+        m.TopK(0.01),
+        m.TopK(0.01, collective="ar"),
+        m.TopK(0.001),
+        m.TopK(0.001, collective="ar"),
+        m.RandomK(0.01),
+    )
 
     dgc = {"momentum_correction": 0.9, "warmup_steps": 100}
 
     def with_dgc(suffix, optimizer):
-        return [Row(f"{method.describe()} {suffix}", method, dgc, optimizer=optimizer) for method in sparsifiers]
+        return [
+            Row(f"{method.describe()} {suffix}", method, dgc, optimizer=optimizer)
+            for method in sparsifiers
+        ]
 
     # The recipe that brings top-k within 3% (docs/training.md, "What the methods cost in model
     # quality"): Adam without momentum after the momentum-corrected top-k.
@@ -125,51 +166,82 @@ def variants():
     # up to 10 times larger; "lr=2e-4" is 2e-3's scale (BENCHMARKS.md, "Training quality": what
     # looked like a fix was the larger steps).
     fixed = with_dgc("dgc+frozen-adam", "adam(b1=0,frozen=100)")
-    fixed.append(Row("allgather_topk(0.01) dgc+frozen-adam lr=2e-4", m.TopK(0.01), dgc,
-                     optimizer="adam(b1=0,frozen=100,lr=2e-4)"))
-    return recipe + fixed + [
-        Row("ar_topk(0.01)", m.TopK(0.01, collective="ar")),
-        Row("ar_topk(0.001)", m.TopK(0.001, collective="ar")),
-        Row("ar_topk(0.01)_noef", m.TopK(0.01, collective="ar"), {"error_feedback": False}),
-        Row("ar_topk(0.001)_noef", m.TopK(0.001, collective="ar"), {"error_feedback": False}),
-        Row("ar_topk(0.01) var", m.TopK(0.01, collective="ar", leader="var")),
-        # About allgather_topk(0.01)'s bytes on 8 devices: AR-Topk's k is the whole step's, the
-        # all-gather's k is each device's (up to 8k distinct values summed).
-        Row("ar_topk(0.04)", m.TopK(0.04, collective="ar")),
-        Row("quantized(4) leaf", m.Quantized(4), {"granularity": "leaf"}),
-        Row("quantized(4)_noef", m.Quantized(4), {"error_feedback": False}),
-        Row("quantized(4) leaf_noef", m.Quantized(4), {"granularity": "leaf", "error_feedback": False}),
-        Row("zfp(8)_noef", m.Zfp(8), {"error_feedback": False}),
-        Row("zfp(8) leaf", m.Zfp(8), {"granularity": "leaf"}),
-        # A dense warm-up (DGC's, PyTorch's start_powerSGD_iter): 100 of the 500 steps dense.
-        Row("allgather_topk(0.01) warmup100", m.TopK(0.01), {"warmup_steps": 100}),
-        Row("ar_topk(0.01) warmup100", m.TopK(0.01, collective="ar"), {"warmup_steps": 100}),
-        Row("powersgd(4) warmup100", m.PowerSGD(4), {"warmup_steps": 100}),
-        Row("sign warmup100", m.Sign(), {"warmup_steps": 100}),
-        # Sharded training (issue 11): ZeRO-3 with the params gathered in bfloat16 (ZeRO++'s
-        # qwZ), and the compressed reduce-scatters.
-        Row("dense shard=params", m.Dense(), parallel={"shard": "params"}),
-        Row("dense shard=params bf16-gather", m.Dense(), parallel={"shard": "params", "gather_dtype": "bfloat16"}),
-        Row("zfp(8) shard=params", m.Zfp(8), parallel={"shard": "params"}),
-        Row("quantized(4) shard=params", m.Quantized(4), parallel={"shard": "params"}),
-        # Is it Adam? Freezing Adam's variance after a dense warm-up (1-bit Adam's remedy) makes
-        # the update linear in what error feedback delivers, however bursty; dense beside it
-        # measures what freezing alone costs.
-        Row("dense adam-frozen100", m.Dense(), optimizer="adam(frozen=100)"),
-        Row("allgather_topk(0.01) warmup100 adam-frozen100", m.TopK(0.01), {"warmup_steps": 100},
-            optimizer="adam(frozen=100)"),
-        # Are small layers starved by one model-wide top-k? k per leaf; norms and biases dense.
-        Row("allgather_topk(0.01) leaf", m.TopK(0.01), {"granularity": "leaf"}),
-        Row("allgather_topk(0.01) min_size=1024", m.TopK(0.01), {"min_size": 1024}),
-        # DGC's own setting: SGD with momentum, the momentum moved before top-k (momentum
-        # correction and factor masking), against dense with the same SGD.
-        Row("dense sgd-momentum", m.Dense(), optimizer="sgd(lr=0.3,momentum=0.9)"),
-        Row("allgather_topk(0.01) dgc sgd", m.TopK(0.01), {"momentum_correction": 0.9}, optimizer="sgd(lr=0.3)"),
-        # DGC with Adam: the momentum before top-k (corrected and masked), Adam without its own
-        # momentum after (its variance then sees the bursts).
-        Row("allgather_topk(0.01) dgc adam-b1=0", m.TopK(0.01), {"momentum_correction": 0.9},
-            optimizer="adam(b1=0)"),
-    ]
+    fixed.append(
+        Row(
+            "allgather_topk(0.01) dgc+frozen-adam lr=2e-4",
+            m.TopK(0.01),
+            dgc,
+            optimizer="adam(b1=0,frozen=100,lr=2e-4)",
+        )
+    )
+    return (
+        recipe
+        + fixed
+        + [
+            Row("ar_topk(0.01)", m.TopK(0.01, collective="ar")),
+            Row("ar_topk(0.001)", m.TopK(0.001, collective="ar")),
+            Row("ar_topk(0.01)_noef", m.TopK(0.01, collective="ar"), {"error_feedback": False}),
+            Row("ar_topk(0.001)_noef", m.TopK(0.001, collective="ar"), {"error_feedback": False}),
+            Row("ar_topk(0.01) var", m.TopK(0.01, collective="ar", leader="var")),
+            # About allgather_topk(0.01)'s bytes on 8 devices: AR-Topk's k is the whole step's, the
+            # all-gather's k is each device's (up to 8k distinct values summed).
+            Row("ar_topk(0.04)", m.TopK(0.04, collective="ar")),
+            Row("quantized(4) leaf", m.Quantized(4), {"granularity": "leaf"}),
+            Row("quantized(4)_noef", m.Quantized(4), {"error_feedback": False}),
+            Row(
+                "quantized(4) leaf_noef",
+                m.Quantized(4),
+                {"granularity": "leaf", "error_feedback": False},
+            ),
+            Row("zfp(8)_noef", m.Zfp(8), {"error_feedback": False}),
+            Row("zfp(8) leaf", m.Zfp(8), {"granularity": "leaf"}),
+            # A dense warm-up (DGC's, PyTorch's start_powerSGD_iter): 100 of the 500 steps dense.
+            Row("allgather_topk(0.01) warmup100", m.TopK(0.01), {"warmup_steps": 100}),
+            Row("ar_topk(0.01) warmup100", m.TopK(0.01, collective="ar"), {"warmup_steps": 100}),
+            Row("powersgd(4) warmup100", m.PowerSGD(4), {"warmup_steps": 100}),
+            Row("sign warmup100", m.Sign(), {"warmup_steps": 100}),
+            # Sharded training (issue 11): ZeRO-3 with the params gathered in bfloat16 (ZeRO++'s
+            # qwZ), and the compressed reduce-scatters.
+            Row("dense shard=params", m.Dense(), parallel={"shard": "params"}),
+            Row(
+                "dense shard=params bf16-gather",
+                m.Dense(),
+                parallel={"shard": "params", "gather_dtype": "bfloat16"},
+            ),
+            Row("zfp(8) shard=params", m.Zfp(8), parallel={"shard": "params"}),
+            Row("quantized(4) shard=params", m.Quantized(4), parallel={"shard": "params"}),
+            # Is it Adam? Freezing Adam's variance after a dense warm-up (1-bit Adam's remedy) makes
+            # the update linear in what error feedback delivers, however bursty; dense beside it
+            # measures what freezing alone costs.
+            Row("dense adam-frozen100", m.Dense(), optimizer="adam(frozen=100)"),
+            Row(
+                "allgather_topk(0.01) warmup100 adam-frozen100",
+                m.TopK(0.01),
+                {"warmup_steps": 100},
+                optimizer="adam(frozen=100)",
+            ),
+            # Are small layers starved by one model-wide top-k? k per leaf; norms and biases dense.
+            Row("allgather_topk(0.01) leaf", m.TopK(0.01), {"granularity": "leaf"}),
+            Row("allgather_topk(0.01) min_size=1024", m.TopK(0.01), {"min_size": 1024}),
+            # DGC's own setting: SGD with momentum, the momentum moved before top-k (momentum
+            # correction and factor masking), against dense with the same SGD.
+            Row("dense sgd-momentum", m.Dense(), optimizer="sgd(lr=0.3,momentum=0.9)"),
+            Row(
+                "allgather_topk(0.01) dgc sgd",
+                m.TopK(0.01),
+                {"momentum_correction": 0.9},
+                optimizer="sgd(lr=0.3)",
+            ),
+            # DGC with Adam: the momentum before top-k (corrected and masked), Adam without its own
+            # momentum after (its variance then sees the bursts).
+            Row(
+                "allgather_topk(0.01) dgc adam-b1=0",
+                m.TopK(0.01),
+                {"momentum_correction": 0.9},
+                optimizer="adam(b1=0)",
+            ),
+        ]
+    )
 
 
 def adam_frozen_variance(learning_rate, freeze_after: int, b1=0.9, b2=0.999, eps=1e-8):
@@ -201,12 +273,19 @@ def adam_frozen_variance(learning_rate, freeze_after: int, b1=0.9, b2=0.999, eps
         count = optax.safe_int32_increment(state.count)
         live = count <= freeze_after
         mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
-        nu = jax.tree.map(lambda v, g: jnp.where(live, b2 * v + (1 - b2) * jnp.square(g), v), state.nu, updates)
+        nu = jax.tree.map(
+            lambda v, g: jnp.where(live, b2 * v + (1 - b2) * jnp.square(g), v), state.nu, updates
+        )
         steps = count.astype(jnp.float32)
         variance_steps = jnp.minimum(count, freeze_after).astype(jnp.float32)
         lr = schedule(state.count)
-        out = jax.tree.map(lambda m, v: -lr * (m / (1 - b1 ** steps)) / (jnp.sqrt(v / (1 - b2 ** variance_steps)) + eps),
-                           mu, nu)
+        out = jax.tree.map(
+            lambda m, v: (
+                -lr * (m / (1 - b1**steps)) / (jnp.sqrt(v / (1 - b2**variance_steps)) + eps)
+            ),
+            mu,
+            nu,
+        )
         return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 
     return optax.GradientTransformation(optax.scale_by_adam(b1, b2, eps).init, update)
@@ -227,13 +306,19 @@ def optimizer(name: str, config: "Config"):
 
     kind, _, rest = name.partition("(")
     try:
-        options = {key.strip(): float(value) for key, value in
-                   (item.split("=") for item in rest.rstrip(")").split(",") if item.strip())}
+        options = {
+            key.strip(): float(value)
+            for key, value in (
+                item.split("=") for item in rest.rstrip(")").split(",") if item.strip()
+            )
+        }
     except ValueError:
         raise ValueError(f"optimizer {name!r}: options are key=number, comma-separated") from None
 
     def schedule(peak):
-        return optax.warmup_cosine_decay_schedule(0.0, peak, config.warmup, config.steps, end_value=0.1 * peak)
+        return optax.warmup_cosine_decay_schedule(
+            0.0, peak, config.warmup, config.steps, end_value=0.1 * peak
+        )
 
     if kind == "adam" and set(options) <= {"b1", "frozen", "lr"}:
         b1, peak = options.get("b1", 0.9), options.get("lr", config.learning_rate)
@@ -242,7 +327,9 @@ def optimizer(name: str, config: "Config"):
         return optax.adam(schedule(peak), b1=b1)
     if kind == "sgd" and set(options) <= {"lr", "momentum"} and "lr" in options:
         return optax.sgd(schedule(options["lr"]), momentum=options.get("momentum") or None)
-    raise ValueError(f"unknown optimizer {name!r}: adam, adam(b1=..,frozen=..,lr=..) or sgd(lr=..,momentum=..)")
+    raise ValueError(
+        f"unknown optimizer {name!r}: adam, adam(b1=..,frozen=..,lr=..) or sgd(lr=..,momentum=..)"
+    )
 
 
 def load_corpus():
@@ -272,8 +359,9 @@ def make_model(config: Config, seed: int):
     class Block(nnx.Module):
         def __init__(self, rngs):
             self.attention_norm = nnx.LayerNorm(config.width, rngs=rngs)
-            self.attention = nnx.MultiHeadAttention(num_heads=config.heads, in_features=config.width,
-                                                    decode=False, rngs=rngs)
+            self.attention = nnx.MultiHeadAttention(
+                num_heads=config.heads, in_features=config.width, decode=False, rngs=rngs
+            )
             self.mlp_norm = nnx.LayerNorm(config.width, rngs=rngs)
             self.up = nnx.Linear(config.width, 4 * config.width, rngs=rngs)
             self.down = nnx.Linear(4 * config.width, config.width, rngs=rngs)
@@ -285,14 +373,19 @@ def make_model(config: Config, seed: int):
     class Model(nnx.Module):
         def __init__(self, rngs):
             self.embed = nnx.Embed(VOCAB, config.width, rngs=rngs)
-            self.position = nnx.Param(0.02 * jax.random.normal(rngs.params(), (config.context, config.width)))
-            self.blocks = nnx.List([Block(rngs) for _ in range(config.layers)]) if hasattr(nnx, "List") \
+            self.position = nnx.Param(
+                0.02 * jax.random.normal(rngs.params(), (config.context, config.width))
+            )
+            self.blocks = (
+                nnx.List([Block(rngs) for _ in range(config.layers)])
+                if hasattr(nnx, "List")
                 else [Block(rngs) for _ in range(config.layers)]
+            )
             self.norm = nnx.LayerNorm(config.width, rngs=rngs)
             self.head = nnx.Linear(config.width, VOCAB, rngs=rngs)
 
         def __call__(self, tokens):
-            x = self.embed(tokens) + self.position[None, :tokens.shape[1]]
+            x = self.embed(tokens) + self.position[None, : tokens.shape[1]]
             mask = nnx.make_causal_mask(jnp.ones(tokens.shape, jnp.int32))
             for block in self.blocks:
                 x = block(x, mask)
@@ -332,10 +425,21 @@ def train(row: Row, config: Config, corpus, devices, seed=0, progress=True):
 
     tx = optax.chain(jaxcomp.compress(row.method, **row.options), optimizer(row.optimizer, config))
     dp = jaxcomp.data_parallel(loss_fn, tx, mesh, **row.parallel)
-    evaluate = jax.jit(lambda state, batch: loss_fn(dp.params(state), batch)) if row.parallel.get("shard") == "params" \
+    evaluate = (
+        jax.jit(lambda state, batch: loss_fn(dp.params(state), batch))
+        if row.parallel.get("shard") == "params"
         else jax.jit(lambda state, batch: loss_fn(state.params, batch))
-    heldout = {"tokens": heldout_tokens[batches(heldout_tokens, dataclasses.replace(config, batch=config.eval_sequences),
-                                                1, seed + 1)[0]]}
+    )
+    heldout = {
+        "tokens": heldout_tokens[
+            batches(
+                heldout_tokens,
+                dataclasses.replace(config, batch=config.eval_sequences),
+                1,
+                seed + 1,
+            )[0]
+        ]
+    }
     windows = batches(train_tokens, config, config.steps, seed)
     eval_at = set(np.linspace(0, config.steps, config.eval_points + 1).astype(int)[1:].tolist())
 
@@ -345,6 +449,7 @@ def train(row: Row, config: Config, corpus, devices, seed=0, progress=True):
     steps = range(config.steps)
     if progress:
         from tqdm.auto import tqdm
+
         steps = tqdm(steps, desc=f"{row.name:>24}", file=sys.stderr, mininterval=1.0)
     for step in steps:
         state, metrics = dp.step(state, {"tokens": train_tokens[windows[step]]})
@@ -352,13 +457,19 @@ def train(row: Row, config: Config, corpus, devices, seed=0, progress=True):
         if step + 1 in eval_at:
             eval_curve.append((step + 1, float(evaluate(state, heldout))))
     train_curve = [float(v) for v in train_curve]
-    return {"name": row.name, "method": row.method.describe(), "options": {**row.options, **row.parallel},
-            "optimizer": row.optimizer,
-            "heldout_loss": eval_curve[-1][1], "train_loss": train_curve, "eval_curve": eval_curve,
-            # Sharded: the gradient's reduce-scatter plus the params' all-gather.
-            "bytes_per_step": float(metrics["bytes_sent"]) + float(metrics.get("gather_bytes", 0.0)),
-            "gain": float(metrics["gain"]),
-            "seconds": time.perf_counter() - started}
+    return {
+        "name": row.name,
+        "method": row.method.describe(),
+        "options": {**row.options, **row.parallel},
+        "optimizer": row.optimizer,
+        "heldout_loss": eval_curve[-1][1],
+        "train_loss": train_curve,
+        "eval_curve": eval_curve,
+        # Sharded: the gradient's reduce-scatter plus the params' all-gather.
+        "bytes_per_step": float(metrics["bytes_sent"]) + float(metrics.get("gather_bytes", 0.0)),
+        "gain": float(metrics["gain"]),
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def count_params(config: Config) -> int:
@@ -371,18 +482,24 @@ def count_params(config: Config) -> int:
 def format_table(results) -> str:
     """The results as a Markdown table, ratios to the dense run."""
     dense = next((r for r in results if r["name"] == "dense"), None)
-    lines = ["| method | held-out loss | vs dense | bytes / step / device | vs dense |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        "| method | held-out loss | vs dense | bytes / step / device | vs dense |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for r in results:
         loss_ratio = f"{r['heldout_loss'] / dense['heldout_loss']:.4f}" if dense else "-"
         byte_ratio = f"{r['bytes_per_step'] / dense['bytes_per_step']:.4f}" if dense else "-"
-        lines.append(f"| {r['name']} | {r['heldout_loss']:.4f} | {loss_ratio} | {r['bytes_per_step']:,.0f} | "
-                     f"{byte_ratio} |")
+        lines.append(
+            f"| {r['name']} | {r['heldout_loss']:.4f} | {loss_ratio} | {r['bytes_per_step']:,.0f} | "
+            f"{byte_ratio} |"
+        )
     return "\n".join(lines)
 
 
 def plot(results, path, title):
     """Held-out loss and smoothed training loss of every run, dense black and dashed."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -391,14 +508,24 @@ def plot(results, path, title):
     colors = plt.cm.tab20(np.linspace(0, 1, 20))
     for i, r in enumerate(results):
         # Dense black and dashed on top; runs without error feedback dotted; 20 distinct colors.
-        style = ({"color": "black", "linestyle": "--", "zorder": 3} if r["name"] == "dense" else
-                 {"color": colors[i % 20], "linestyle": ":" if r["options"].get("error_feedback") is False else "-"})
+        style = (
+            {"color": "black", "linestyle": "--", "zorder": 3}
+            if r["name"] == "dense"
+            else {
+                "color": colors[i % 20],
+                "linestyle": ":" if r["options"].get("error_feedback") is False else "-",
+            }
+        )
         steps, values = zip(*r["eval_curve"])
         ax_eval.plot(steps[1:], values[1:], marker=".", label=r["name"], **style)
         loss = np.asarray(r["train_loss"])
         window = max(1, len(loss) // 30)
-        ax_train.plot(np.arange(window, len(loss) + 1), np.convolve(loss, np.ones(window) / window, "valid"),
-                      label=r["name"], **style)
+        ax_train.plot(
+            np.arange(window, len(loss) + 1),
+            np.convolve(loss, np.ones(window) / window, "valid"),
+            label=r["name"],
+            **style,
+        )
     for ax, name in ((ax_eval, "held-out loss"), (ax_train, "training loss (moving average)")):
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats / character)")
@@ -418,36 +545,60 @@ def merge(paths, out):
         with open(path) as f:
             data = json.load(f)
         if first is not None and data["config"] != first["config"]:
-            raise SystemExit(f"--merge: {path} has another config than {paths[0]}: {data['config']} vs {first['config']}")
+            raise SystemExit(
+                f"--merge: {path} has another config than {paths[0]}: {data['config']} vs {first['config']}"
+            )
         first = first or data
         by_name.update({r["name"]: r for r in data["results"]})
-    results = sorted(by_name.values(), key=lambda r: r["name"] != "dense")  # dense first, else in order
+    results = sorted(
+        by_name.values(), key=lambda r: r["name"] != "dense"
+    )  # dense first, else in order
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "quality.json"), "w") as f:
         json.dump(dict(first, results=results, merged_from=list(paths)), f)
     print(format_table(results))
-    plot(results, os.path.join(out, "quality.png"),
-         f"char-level transformer ({first['params'] / 1e6:.2f}M params) on stdlib source, 8 devices, "
-         f"{first['config']['steps']} steps")
+    plot(
+        results,
+        os.path.join(out, "quality.png"),
+        f"char-level transformer ({first['params'] / 1e6:.2f}M params) on stdlib source, 8 devices, "
+        f"{first['config']['steps']} steps",
+    )
     return 0
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", help="comma-separated row names (default: every method; --list adds the variants)")
+    parser.add_argument(
+        "--methods",
+        help="comma-separated row names (default: every method; --list adds the variants)",
+    )
     parser.add_argument("--list", action="store_true", help="print the row names and exit")
     parser.add_argument("--steps", type=int, help="training steps (default 500; 6 with --quick)")
-    parser.add_argument("--learning-rate", type=float, help="Adam's peak learning rate (default 4e-3)")
-    parser.add_argument("--quick", action="store_true", help="a tiny model for a few steps (smoke test)")
-    parser.add_argument("--model", choices=sorted(MODELS), default="small",
-                        help="small: 0.44M params, 32 sequences a step, the whole default run in ~19 min (default); "
-                             "large: 2.45M params, 16 sequences a step, 4-9 min a row")
+    parser.add_argument(
+        "--learning-rate", type=float, help="Adam's peak learning rate (default 4e-3)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny model for a few steps (smoke test)"
+    )
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="small",
+        help="small: 0.44M params, 32 sequences a step, the whole default run in ~19 min (default); "
+        "large: 2.45M params, 16 sequences a step, 4-9 min a row",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="quality-results", help="folder for quality.json and quality.png")
+    parser.add_argument(
+        "--out", default="quality-results", help="folder for quality.json and quality.png"
+    )
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--merge", nargs="+", metavar="JSON",
-                        help="train nothing: join the results of these quality.json files (a later run of the "
-                             "same name replaces an earlier one), print the table and write --out's JSON and plot")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="train nothing: join the results of these quality.json files (a later run of the "
+        "same name replaces an earlier one), print the table and write --out's JSON and plot",
+    )
     args = parser.parse_args(argv)
     if args.merge:
         return merge(args.merge, args.out)
@@ -456,7 +607,9 @@ def main(argv=None):
     if args.steps is not None:
         if args.steps < 1:
             parser.error(f"--steps must be positive, got {args.steps}")
-        config = dataclasses.replace(config, steps=args.steps, warmup=min(config.warmup, args.steps // 10))
+        config = dataclasses.replace(
+            config, steps=args.steps, warmup=min(config.warmup, args.steps // 10)
+        )
     if args.learning_rate is not None:
         if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
             parser.error(f"--learning-rate must be a positive number, got {args.learning_rate}")
@@ -472,8 +625,9 @@ def main(argv=None):
     if unknown or not names:
         parser.error(f"--methods: unknown {unknown}; choose from {','.join(table)}")
     os.makedirs(args.out, exist_ok=True)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={N_DEVICES}")
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEVICES}"
+    )
     import jax
 
     jax.config.update("jax_num_cpu_devices", N_DEVICES)
@@ -481,25 +635,46 @@ def main(argv=None):
     corpus = load_corpus()
     devices = jax.devices("cpu")[:N_DEVICES]
     n_params = count_params(config)
-    header = (f"{platform.node()}: {os.cpu_count()} cores, jax {jax.__version__}, Python {platform.python_version()}, "
-              f"{N_DEVICES} virtual CPU devices; corpus {sum(size for _, size in corpus[2]):,} bytes "
-              f"({len(corpus[0]):,} train / {len(corpus[1]):,} held-out characters) from {len(corpus[2])} "
-              f"stdlib files; model {n_params:,} params ({config.layers} layers, width {config.width}, context "
-              f"{config.context}); {config.steps} steps of {config.batch} sequences, Adam peak lr "
-              f"{config.learning_rate:g}")
+    header = (
+        f"{platform.node()}: {os.cpu_count()} cores, jax {jax.__version__}, Python {platform.python_version()}, "
+        f"{N_DEVICES} virtual CPU devices; corpus {sum(size for _, size in corpus[2]):,} bytes "
+        f"({len(corpus[0]):,} train / {len(corpus[1]):,} held-out characters) from {len(corpus[2])} "
+        f"stdlib files; model {n_params:,} params ({config.layers} layers, width {config.width}, context "
+        f"{config.context}); {config.steps} steps of {config.batch} sequences, Adam peak lr "
+        f"{config.learning_rate:g}"
+    )
     print(header, file=sys.stderr)
     started = time.perf_counter()
     results = []
     for name in names:
-        results.append(train(table[name], config, corpus, devices, seed=args.seed, progress=not args.no_progress))
-        with open(os.path.join(args.out, "quality.json"), "w") as f:  # partial results survive an interrupt
-            json.dump({"header": header, "config": dataclasses.asdict(config), "params": n_params,
-                       "corpus": [{"path": p, "bytes": s} for p, s in corpus[2]], "results": results}, f)
+        results.append(
+            train(
+                table[name], config, corpus, devices, seed=args.seed, progress=not args.no_progress
+            )
+        )
+        with open(
+            os.path.join(args.out, "quality.json"), "w"
+        ) as f:  # partial results survive an interrupt
+            json.dump(
+                {
+                    "header": header,
+                    "config": dataclasses.asdict(config),
+                    "params": n_params,
+                    "corpus": [{"path": p, "bytes": s} for p, s in corpus[2]],
+                    "results": results,
+                },
+                f,
+            )
     print(format_table(results))
-    plot(results, os.path.join(args.out, "quality.png"),
-         f"char-level transformer ({n_params / 1e6:.2f}M params) on stdlib source, 8 devices, {config.steps} steps")
-    print(f"total {time.perf_counter() - started:.0f} s; wrote {args.out}/quality.json and quality.png",
-          file=sys.stderr)
+    plot(
+        results,
+        os.path.join(args.out, "quality.png"),
+        f"char-level transformer ({n_params / 1e6:.2f}M params) on stdlib source, 8 devices, {config.steps} steps",
+    )
+    print(
+        f"total {time.perf_counter() - started:.0f} s; wrote {args.out}/quality.json and quality.png",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -60,7 +60,9 @@ def build(name: str, *, mlp_widths=None, seq_len: int = 64, image_size: int = 64
     torch.manual_seed(seed)
     if name in ("mlp4096", "mlp2041"):
         if not mlp_widths or len(mlp_widths) < 2:
-            raise ValueError(f"{name} needs mlp_widths (input first, at least two sizes), got {mlp_widths!r}")
+            raise ValueError(
+                f"{name} needs mlp_widths (input first, at least two sizes), got {mlp_widths!r}"
+            )
         model = _mlp(mlp_widths)
         if name == "mlp2041":
             return model, _regression(mlp_widths[0], mlp_widths[-1]), F.mse_loss
@@ -83,14 +85,20 @@ def _mlp(widths):
 
 def _classes(features, classes):
     def make_batch(generator, rows):
-        return (torch.randn(rows, features, generator=generator),
-                torch.randint(0, classes, (rows,), generator=generator))
+        return (
+            torch.randn(rows, features, generator=generator),
+            torch.randint(0, classes, (rows,), generator=generator),
+        )
+
     return make_batch
 
 
 def _regression(features, outputs):
     def make_batch(generator, rows):
-        return torch.randn(rows, features, generator=generator), torch.randn(rows, outputs, generator=generator)
+        return torch.randn(rows, features, generator=generator), torch.randn(
+            rows, outputs, generator=generator
+        )
+
     return make_batch
 
 
@@ -98,13 +106,17 @@ def _tokens(seq_len):
     def make_batch(generator, rows):
         tokens = torch.randint(0, _VOCAB, (rows, seq_len), generator=generator)
         return tokens, tokens[:, 1:]
+
     return make_batch
 
 
 def _images(size):
     def make_batch(generator, rows):
-        return (torch.randn(rows, 3, size, size, generator=generator),
-                torch.randint(0, 1000, (rows,), generator=generator))
+        return (
+            torch.randn(rows, 3, size, size, generator=generator),
+            torch.randint(0, 1000, (rows,), generator=generator),
+        )
+
     return make_batch
 
 
@@ -118,8 +130,10 @@ class ManySmall(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Linear(_SMALL_WIDTH, _SMALL_WIDTH)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(_SMALL_WIDTH), nn.Linear(_SMALL_WIDTH, _SMALL_WIDTH))
-                                    for _ in range(_SMALL_BLOCKS))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(_SMALL_WIDTH), nn.Linear(_SMALL_WIDTH, _SMALL_WIDTH))
+            for _ in range(_SMALL_BLOCKS)
+        )
         self.norm_out = nn.LayerNorm(_SMALL_WIDTH)
         self.head = nn.Linear(_SMALL_WIDTH, 10)
 
@@ -149,7 +163,9 @@ class _GPT2Block(nn.Module):
 
         attended = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
         x = x + self.attn_proj(attended.transpose(1, 2).reshape(batch, length, width))
-        return x + self.mlp_proj(F.gelu(self.mlp_fc(self.ln_2(x)), approximate="tanh"))  # flax's gelu
+        return x + self.mlp_proj(
+            F.gelu(self.mlp_fc(self.ln_2(x)), approximate="tanh")
+        )  # flax's gelu
 
 
 class GPT2(nn.Module):
@@ -177,11 +193,17 @@ class _Bottleneck(nn.Module):
         self.conv1, self.bn1 = nn.Conv2d(inputs, features, 1, bias=False), nn.BatchNorm2d(features)
         self.conv2 = nn.Conv2d(features, features, 3, stride, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(features)
-        self.conv3, self.bn3 = nn.Conv2d(features, 4 * features, 1, bias=False), nn.BatchNorm2d(4 * features)
+        self.conv3, self.bn3 = (
+            nn.Conv2d(features, 4 * features, 1, bias=False),
+            nn.BatchNorm2d(4 * features),
+        )
         self.downsample = None
-        if stride != 1 or inputs != 4 * features:  # the first block of a stage: project the shortcut
-            self.downsample = nn.Sequential(nn.Conv2d(inputs, 4 * features, 1, stride, bias=False),
-                                            nn.BatchNorm2d(4 * features))
+        if (
+            stride != 1 or inputs != 4 * features
+        ):  # the first block of a stage: project the shortcut
+            self.downsample = nn.Sequential(
+                nn.Conv2d(inputs, 4 * features, 1, stride, bias=False), nn.BatchNorm2d(4 * features)
+            )
 
     def forward(self, x):
         y = F.relu(self.bn1(self.conv1(x)))

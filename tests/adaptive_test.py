@@ -1,6 +1,5 @@
 """jaxcomp.adaptive: candidate ratios, the knee, re-exploration, and the controller on a synthetic gradient stream."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,13 +17,16 @@ WORKERS = 8
 
 # --- candidate ratios -------------------------------------------------------------------------
 
+
 def test_candidate_ratios_match_the_paper():
     """Paper 000 §3-E: [0.1, 0.033, 0.011, 0.004, 0.001] for the range [0.001, 0.1]."""
     got = adaptive.candidate_ratios((0.001, 0.1))
     np.testing.assert_allclose(got, [0.1, 0.1 / 3, 0.1 / 9, 0.1 / 27, 0.001], rtol=1e-12)
 
 
-@pytest.mark.parametrize("low,high", [(0.001, 0.1), (0.01, 0.5), (1e-4, 1.0), (0.05, 0.05), (0.02, 0.05)])
+@pytest.mark.parametrize(
+    "low,high", [(0.001, 0.1), (0.01, 0.5), (1e-4, 1.0), (0.05, 0.05), (0.02, 0.05)]
+)
 @pytest.mark.parametrize("factor", [2.0, 3.0, 10.0])
 def test_candidate_ratios_span_the_range_with_the_given_spacing(low, high, factor):
     got = np.array(adaptive.candidate_ratios((low, high), factor))
@@ -46,6 +48,7 @@ def test_candidate_ratios_reject_bad_ranges(bad):
 
 # --- compression gain -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("n", [1, 3, 1000])
 def test_compression_gain_matches_numpy(dtype, n):
@@ -53,7 +56,9 @@ def test_compression_gain_matches_numpy(dtype, n):
     error_fed = rng.standard_normal(n).astype(np.float32)
     kept = np.where(np.abs(error_fed) >= np.median(np.abs(error_fed)), error_fed, 0.0)
     ef, c = jnp.asarray(error_fed, dtype), jnp.asarray(kept, dtype)
-    expected = np.sum(np.square(np.asarray(c, np.float64))) / np.sum(np.square(np.asarray(ef, np.float64)))
+    expected = np.sum(np.square(np.asarray(c, np.float64))) / np.sum(
+        np.square(np.asarray(ef, np.float64))
+    )
     assert float(adaptive.compression_gain(c, ef)) == pytest.approx(expected, rel=1e-5)
 
 
@@ -62,6 +67,7 @@ def test_compression_gain_of_zero_gradient_is_one():
 
 
 # --- knee -------------------------------------------------------------------------------------
+
 
 def _brute_force_knee(t_comp, t_sync, gain, base_seconds=0.0, tolerance=0.1):
     """A loop-by-loop restatement of the knee rule, to compare against."""
@@ -76,7 +82,9 @@ def _brute_force_knee(t_comp, t_sync, gain, base_seconds=0.0, tolerance=0.1):
                 normalized[i][j] = (value - lo) / (hi - lo)
     best, best_distance = None, np.inf
     for i, r in enumerate(rows):
-        dominated = any(all(o[j] <= r[j] for j in range(3)) and any(o[j] < r[j] for j in range(3)) for o in rows)
+        dominated = any(
+            all(o[j] <= r[j] for j in range(3)) and any(o[j] < r[j] for j in range(3)) for o in rows
+        )
         distance = np.sqrt(sum(v * v for v in normalized[i]))
         if not dominated and distance < best_distance:
             best, best_distance = i, distance
@@ -91,16 +99,23 @@ def test_knee_matches_a_brute_force_restatement():
         t_sync = rng.uniform(0, 1, m)
         gain = rng.uniform(0.01, 1, m)
         base = float(rng.choice([0.0, 0.1, 10.0]))
-        assert adaptive.knee(t_comp, t_sync, gain, base_seconds=base) == _brute_force_knee(t_comp, t_sync, gain, base)
+        assert adaptive.knee(t_comp, t_sync, gain, base_seconds=base) == _brute_force_knee(
+            t_comp, t_sync, gain, base
+        )
 
 
 def test_knee_takes_the_fastest_when_gain_is_flat_and_the_best_gain_when_time_is_flat():
     t_sync = [1.0, 0.3, 0.1, 0.03]
     assert adaptive.knee([0] * 4, t_sync, [0.99, 0.98, 0.97, 0.95]) == 3
     # A 100 ms backward pass makes sub-millisecond differences in communication irrelevant.
-    assert adaptive.knee([0] * 4, [1e-3, 3e-4, 1e-4, 3e-5], [0.5, 0.2, 0.05, 0.01], base_seconds=0.1) == 0
+    assert (
+        adaptive.knee([0] * 4, [1e-3, 3e-4, 1e-4, 3e-5], [0.5, 0.2, 0.05, 0.01], base_seconds=0.1)
+        == 0
+    )
     # Both matter: a compromise, neither end.
-    assert adaptive.knee([0] * 5, [1.0, 0.33, 0.1, 0.03, 0.01], [0.42, 0.18, 0.066, 0.026, 0.009]) in (1, 2, 3)
+    assert adaptive.knee(
+        [0] * 5, [1.0, 0.33, 0.1, 0.03, 0.01], [0.42, 0.18, 0.066, 0.026, 0.009]
+    ) in (1, 2, 3)
 
 
 def test_knee_never_picks_a_dominated_candidate():
@@ -108,15 +123,18 @@ def test_knee_never_picks_a_dominated_candidate():
     assert adaptive.knee([0, 0, 0], [0.5, 0.6, 0.1], [0.9, 0.8, 0.1]) != 1
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(t_comp=[0, 0], t_sync=[1.0], gain=[0.5, 0.5]), "one entry per candidate"),
-    (dict(t_comp=[], t_sync=[], gain=[]), "non-empty"),
-    (dict(t_comp=[0], t_sync=[-1.0], gain=[0.5]), ">= 0"),
-    (dict(t_comp=[0], t_sync=[1.0], gain=[0.0]), "gain"),
-    (dict(t_comp=[0], t_sync=[np.nan], gain=[0.5]), "t_sync"),
-    (dict(t_comp=[0], t_sync=[1.0], gain=[0.5], base_seconds=-1.0), "base_seconds"),
-    (dict(t_comp=[0], t_sync=[1.0], gain=[0.5], flat_tolerance=1.0), "flat_tolerance"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(t_comp=[0, 0], t_sync=[1.0], gain=[0.5, 0.5]), "one entry per candidate"),
+        (dict(t_comp=[], t_sync=[], gain=[]), "non-empty"),
+        (dict(t_comp=[0], t_sync=[-1.0], gain=[0.5]), ">= 0"),
+        (dict(t_comp=[0], t_sync=[1.0], gain=[0.0]), "gain"),
+        (dict(t_comp=[0], t_sync=[np.nan], gain=[0.5]), "t_sync"),
+        (dict(t_comp=[0], t_sync=[1.0], gain=[0.5], base_seconds=-1.0), "base_seconds"),
+        (dict(t_comp=[0], t_sync=[1.0], gain=[0.5], flat_tolerance=1.0), "flat_tolerance"),
+    ],
+)
 def test_knee_rejects_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         adaptive.knee(**kwargs)
@@ -124,12 +142,19 @@ def test_knee_rejects_bad_input(kwargs, match):
 
 # --- re-decision rules ------------------------------------------------------------------------
 
+
 def test_moved_at_ten_percent_of_the_larger_value():
     """What makes compress_auto re-decide: alpha or bandwidth (equivalently beta) moved by 10%."""
     old = np.array([SLOW.alpha, SLOW.beta])
     assert not adaptive.moved(old, np.array([SLOW.alpha * 1.05, SLOW.beta]), 0.1).any()
-    assert adaptive.moved(old, np.array([SLOW.alpha * 1.2, SLOW.beta]), 0.1).tolist() == [True, False]
-    assert adaptive.moved(old, np.array([SLOW.alpha, SLOW.beta / 0.8]), 0.1).tolist() == [False, True]
+    assert adaptive.moved(old, np.array([SLOW.alpha * 1.2, SLOW.beta]), 0.1).tolist() == [
+        True,
+        False,
+    ]
+    assert adaptive.moved(old, np.array([SLOW.alpha, SLOW.beta / 0.8]), 0.1).tolist() == [
+        False,
+        True,
+    ]
     assert adaptive.moved(np.array([0.0]), np.array([1e-6]), 0.1).all()
     traced = jax.jit(lambda a, b: adaptive.moved(a, b, 0.1, jnp))(old, old * 1.2)
     assert np.asarray(traced).tolist() == [True, True]
@@ -137,14 +162,21 @@ def test_moved_at_ten_percent_of_the_larger_value():
 
 # --- choosing a method: one procedure on the host and in the step -----------------------------
 
-CANDIDATES = [Dense(), TopK(0.01), TopK(0.01, collective="ar"), TopK(0.01, collective="ar", allreduce="tree")]
+CANDIDATES = [
+    Dense(),
+    TopK(0.01),
+    TopK(0.01, collective="ar"),
+    TopK(0.01, collective="ar", allreduce="tree"),
+]
 CODEC = {m: 2e-3 for m in CANDIDATES[1:]}
 
 
 def test_choose_picks_dense_for_the_in_memory_probe_and_compression_for_a_slow_one():
     """What auto mode sees: a probe of 8 virtual CPU devices reports a fast link; a slow one
     (1 ms, 1 Gbit/s) favours compression even with 2 ms of encode/decode."""
-    in_memory = cost.Network(alpha=20e-6, bandwidth=3.5e9)  # what probe_network() measures here, roughly
+    in_memory = cost.Network(
+        alpha=20e-6, bandwidth=3.5e9
+    )  # what probe_network() measures here, roughly
     small_model = 4e5  # 100k float32 parameters
     assert cost.choose(small_model, 8, in_memory, candidates=CANDIDATES, overhead=CODEC) == Dense()
     assert cost.choose(small_model, 8, SLOW, candidates=CANDIDATES, overhead=CODEC) != Dense()
@@ -157,12 +189,15 @@ def test_auto_on_8_virtual_devices_picks_dense_from_the_live_probe_and_compressi
     mesh = jax.sharding.Mesh(jax.devices()[:8], ("data",))
     n_values = 100_000
     in_memory = probe.probe_network(mesh, "data")
-    codec = {m: probe.codec_seconds(m, n_values, mesh=mesh, axis_name="data") for m in CANDIDATES[1:]}
+    codec = {
+        m: probe.codec_seconds(m, n_values, mesh=mesh, axis_name="data") for m in CANDIDATES[1:]
+    }
     assert cost.choose(4 * n_values, 8, in_memory, candidates=CANDIDATES, overhead=codec) == Dense()
     assert cost.choose(4 * n_values, 8, SLOW, candidates=CANDIDATES, overhead=codec) != Dense()
 
 
 # --- the controller on a controlled synthetic gradient stream ---------------------------------
+
 
 class _Stream:
     """Gradients with error feedback at whatever density the controller asks for.
@@ -191,7 +226,11 @@ class _Stream:
         return float(adaptive.compression_gain(jnp.asarray(kept), jnp.asarray(error_fed)))
 
 
-TOPK_COLLECTIVES = (TopK(0.5), TopK(0.5, collective="ar"), TopK(0.5, collective="ar", allreduce="tree"))
+TOPK_COLLECTIVES = (
+    TopK(0.5),
+    TopK(0.5, collective="ar"),
+    TopK(0.5, collective="ar", allreduce="tree"),
+)
 
 
 class _Controller:
@@ -199,7 +238,13 @@ class _Controller:
     inside its step) driven from Python, one call per step; communication time is predicted as the
     cheapest top-k collective at each candidate ratio (compress_auto's sync_per_ratio)."""
 
-    def __init__(self, network=None, ratio_range=adaptive.DEFAULT_RATIO_RANGE, explore_steps=10, base_seconds=0.0):
+    def __init__(
+        self,
+        network=None,
+        ratio_range=adaptive.DEFAULT_RATIO_RANGE,
+        explore_steps=10,
+        base_seconds=0.0,
+    ):
         self.ratios = adaptive.candidate_ratios(ratio_range)
         self.explore_steps = _checks.check_explore_steps(explore_steps)
         self.network = network
@@ -210,8 +255,16 @@ class _Controller:
     def predicted(self):
         if self.network is None:
             return np.zeros(len(self.ratios), np.float32)
-        return np.array([min(cost.predict(m.with_ratio(r), NBYTES, WORKERS, self.network) for m in TOPK_COLLECTIVES)
-                         for r in self.ratios], np.float32)
+        return np.array(
+            [
+                min(
+                    cost.predict(m.with_ratio(r), NBYTES, WORKERS, self.network)
+                    for m in TOPK_COLLECTIVES
+                )
+                for r in self.ratios
+            ],
+            np.float32,
+        )
 
     @property
     def index(self):
@@ -229,8 +282,11 @@ class _Controller:
         self.state = self._observe(self.state, gain, t_comp, t_sync, self.predicted())
 
     def update_network(self, network):
-        if adaptive.moved(np.array([self.network.alpha, self.network.beta]),
-                          np.array([network.alpha, network.beta]), 0.1).any():
+        if adaptive.moved(
+            np.array([self.network.alpha, self.network.beta]),
+            np.array([network.alpha, network.beta]),
+            0.1,
+        ).any():
             self.network = network
             self.state = self._redecide(self.state, self.predicted())
 
@@ -250,7 +306,9 @@ def test_ratio_falls_while_gain_stays_high_and_rises_when_gain_collapses():
     explore = len(ctl.ratios) * ctl.explore_steps
     visited = _run(ctl, stream, explore)
     assert sorted(set(visited)) == list(range(len(ctl.ratios)))  # every candidate ran
-    assert not ctl.exploring and ctl.ratio == min(ctl.ratios)  # gain high everywhere: lowest density
+    assert not ctl.exploring and ctl.ratio == min(
+        ctl.ratios
+    )  # gain high everywhere: lowest density
 
     _run(ctl, stream, 3 * ctl.explore_steps)
     assert not ctl.exploring and ctl.ratio == min(ctl.ratios)  # gain steady: no re-exploration
@@ -284,11 +342,14 @@ def test_controller_uses_measured_times_without_a_network():
     assert ctl.ratio == 0.01
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda: _checks.check_explore_steps(0), "explore_steps"),
-    (lambda: adaptive.candidate_ratios((0.5, 0.1)), "ratio_range"),
-    (lambda: adaptive.candidate_ratios((0.001, 0.1), factor=1.0), "factor"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: _checks.check_explore_steps(0), "explore_steps"),
+        (lambda: adaptive.candidate_ratios((0.5, 0.1)), "ratio_range"),
+        (lambda: adaptive.candidate_ratios((0.001, 0.1), factor=1.0), "factor"),
+    ],
+)
 def test_controller_settings_reject_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()

@@ -23,15 +23,19 @@ def test_sync_sgd_time_matches_hand_computed_values():
     # waits for it. T_comm(b) = 2*3 α + 2*3/4 b β = 6 ms + 1.5 ms; T_comm(b/2) = 6 ms + 0.75 ms.
     nbytes = 3.5 * BUCKET
     comm_bucket, comm_last = 7.5e-3, 6.75e-3
-    assert advise.sync_sgd_time(nbytes, 4, NET, 0.01, bucket_bytes=BUCKET, gamma=1.05) == pytest.approx(
-        max(1.05 * 0.01, 3 * comm_bucket) + comm_last)  # communication-bound
-    assert advise.sync_sgd_time(nbytes, 4, NET, 0.1, bucket_bytes=BUCKET, gamma=1.05) == pytest.approx(
-        1.05 * 0.1 + comm_last)  # compute-bound: only the last bucket shows
-    assert advise.sync_sgd_time(nbytes, 4, NET, 0.1, bucket_bytes=BUCKET, overlap=False) == pytest.approx(
-        0.1 + 3 * comm_bucket + comm_last)
+    assert advise.sync_sgd_time(
+        nbytes, 4, NET, 0.01, bucket_bytes=BUCKET, gamma=1.05
+    ) == pytest.approx(max(1.05 * 0.01, 3 * comm_bucket) + comm_last)  # communication-bound
+    assert advise.sync_sgd_time(
+        nbytes, 4, NET, 0.1, bucket_bytes=BUCKET, gamma=1.05
+    ) == pytest.approx(1.05 * 0.1 + comm_last)  # compute-bound: only the last bucket shows
+    assert advise.sync_sgd_time(
+        nbytes, 4, NET, 0.1, bucket_bytes=BUCKET, overlap=False
+    ) == pytest.approx(0.1 + 3 * comm_bucket + comm_last)
     # One bucket or less: nothing to overlap.
-    assert advise.sync_sgd_time(BUCKET, 4, NET, 0.1, bucket_bytes=BUCKET, gamma=1.1) == pytest.approx(
-        1.1 * 0.1 + comm_bucket)
+    assert advise.sync_sgd_time(
+        BUCKET, 4, NET, 0.1, bucket_bytes=BUCKET, gamma=1.1
+    ) == pytest.approx(1.1 * 0.1 + comm_bucket)
 
 
 def test_sync_sgd_time_uses_eqn_1_of_paper_002():
@@ -44,13 +48,24 @@ def test_sync_sgd_time_uses_eqn_1_of_paper_002():
 
 def test_compressed_time_matches_hand_computed_values():
     comm = cost.predict("allgather_topk", 3.5 * BUCKET, 4, NET, ratio=0.01)
-    assert advise.compressed_time("allgather_topk", 3.5 * BUCKET, 4, NET, 0.1, encode_decode_seconds=0.02,
-                                  ratio=0.01) == pytest.approx(0.1 + 0.02 + comm)
+    assert advise.compressed_time(
+        "allgather_topk", 3.5 * BUCKET, 4, NET, 0.1, encode_decode_seconds=0.02, ratio=0.01
+    ) == pytest.approx(0.1 + 0.02 + comm)
     # Overlapped: encoding slows the backward pass; the last bucket's message waits for it.
     per_bucket = cost.predict("allgather_topk", BUCKET, 4, NET, ratio=0.01)
     last = cost.predict("allgather_topk", 0.5 * BUCKET, 4, NET, ratio=0.01)
-    got = advise.compressed_time("allgather_topk", 3.5 * BUCKET, 4, NET, 0.1, encode_decode_seconds=0.02,
-                                 ratio=0.01, overlap=True, bucket_bytes=BUCKET, gamma=1.05)
+    got = advise.compressed_time(
+        "allgather_topk",
+        3.5 * BUCKET,
+        4,
+        NET,
+        0.1,
+        encode_decode_seconds=0.02,
+        ratio=0.01,
+        overlap=True,
+        bucket_bytes=BUCKET,
+        gamma=1.05,
+    )
     assert got == pytest.approx(max(1.05 * 0.12, 3 * per_bucket) + last)
 
 
@@ -59,12 +74,18 @@ def test_powersgd_on_resnet50_stops_paying_near_9_gbit():
     synchronous SGD once the bandwidth exceeds about 9 Gbit/s."""
 
     def dense(bandwidth):
-        return advise.sync_sgd_time(RESNET50_BYTES, 64, cost.Network(0.0, bandwidth), RESNET50_BACKWARD)
+        return advise.sync_sgd_time(
+            RESNET50_BYTES, 64, cost.Network(0.0, bandwidth), RESNET50_BACKWARD
+        )
 
     def powersgd(bandwidth):
         # Two all-reduces (the P and Q factors), together 1/72 of the gradient.
         net = cost.Network(0.0, bandwidth)
-        return RESNET50_BACKWARD + 0.045 + 2 * cost.predict("dense_ring", RESNET50_BYTES / 72 / 2, 64, net)
+        return (
+            RESNET50_BACKWARD
+            + 0.045
+            + 2 * cost.predict("dense_ring", RESNET50_BYTES / 72 / 2, 64, net)
+        )
 
     edge_gbit = advise.break_even_bandwidth(powersgd, dense) * 8 / 1e9
     assert 8.5 < edge_gbit < 10.5
@@ -72,8 +93,9 @@ def test_powersgd_on_resnet50_stops_paying_near_9_gbit():
 
 def test_resnet50_needs_less_than_4x_at_10_gbit():
     """Paper 002 App. D (Fig. 18): at 10 Gbit/s common models need less than 4x compression."""
-    needed = advise.required_compression(RESNET50_BYTES, 64, cost.Network.parse("0", "10gbit"),
-                                         RESNET50_BACKWARD)
+    needed = advise.required_compression(
+        RESNET50_BYTES, 64, cost.Network.parse("0", "10gbit"), RESNET50_BACKWARD
+    )
     assert 1.0 < needed < 4.0
 
 
@@ -81,15 +103,21 @@ def test_resnet50_needs_less_than_4x_at_10_gbit():
 @pytest.mark.parametrize("target", [0.8, 0.9])
 def test_required_compression_is_the_smallest_ratio_that_reaches_the_target(bandwidth, target):
     net = cost.Network.parse("10us", bandwidth)
-    needed = advise.required_compression(RESNET50_BYTES, 64, net, RESNET50_BACKWARD, target_efficiency=target)
+    needed = advise.required_compression(
+        RESNET50_BYTES, 64, net, RESNET50_BACKWARD, target_efficiency=target
+    )
 
     def efficiency(ratio):
-        return RESNET50_BACKWARD / advise.sync_sgd_time(RESNET50_BYTES / ratio, 64, net, RESNET50_BACKWARD)
+        return RESNET50_BACKWARD / advise.sync_sgd_time(
+            RESNET50_BYTES / ratio, 64, net, RESNET50_BACKWARD
+        )
 
     assert efficiency(needed) >= target
     assert efficiency(needed / 1.001) < target
     # No smaller ratio on a fine grid reaches it either.
-    assert not any(efficiency(needed * 0.999 ** i) >= target for i in range(1, 400) if needed * 0.999 ** i >= 1)
+    assert not any(
+        efficiency(needed * 0.999**i) >= target for i in range(1, 400) if needed * 0.999**i >= 1
+    )
 
 
 def test_required_compression_none_needed_and_unreachable():
@@ -108,17 +136,37 @@ def test_break_even_bandwidth():
     assert math.isinf(advise.break_even_bandwidth(lambda bw: 0.5, lambda bw: 1.0))
 
 
-@pytest.mark.parametrize("call,error,match", [
-    (lambda: advise.sync_sgd_time(1e6, 4, NET, -1.0), ValueError, "backward_seconds"),
-    (lambda: advise.sync_sgd_time(1e6, 4, NET, 0.1, gamma=0.9), ValueError, "gamma"),
-    (lambda: advise.sync_sgd_time(1e6, 4, NET, 0.1, bucket_bytes=0), ValueError, "bucket_bytes"),
-    (lambda: advise.sync_sgd_time(1e6, 4, NET, 0.1, method="allgather_topk"), ValueError, "method"),
-    (lambda: advise.compressed_time("zfp_ring", 1e6, 4, NET, 0.1), ValueError, "rate"),
-    (lambda: advise.compressed_time("zfp_ring", 1e6, 4, NET, 0.1, rate=8, encode_decode_seconds="1"),
-     TypeError, "encode_decode_seconds"),
-    (lambda: advise.required_compression(1e6, 4, NET, 0.1, target_efficiency=1.0), ValueError, "target_efficiency"),
-    (lambda: advise.required_compression(1e6, 4, NET, 0.0), ValueError, "backward_seconds"),
-])
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda: advise.sync_sgd_time(1e6, 4, NET, -1.0), ValueError, "backward_seconds"),
+        (lambda: advise.sync_sgd_time(1e6, 4, NET, 0.1, gamma=0.9), ValueError, "gamma"),
+        (
+            lambda: advise.sync_sgd_time(1e6, 4, NET, 0.1, bucket_bytes=0),
+            ValueError,
+            "bucket_bytes",
+        ),
+        (
+            lambda: advise.sync_sgd_time(1e6, 4, NET, 0.1, method="allgather_topk"),
+            ValueError,
+            "method",
+        ),
+        (lambda: advise.compressed_time("zfp_ring", 1e6, 4, NET, 0.1), ValueError, "rate"),
+        (
+            lambda: advise.compressed_time(
+                "zfp_ring", 1e6, 4, NET, 0.1, rate=8, encode_decode_seconds="1"
+            ),
+            TypeError,
+            "encode_decode_seconds",
+        ),
+        (
+            lambda: advise.required_compression(1e6, 4, NET, 0.1, target_efficiency=1.0),
+            ValueError,
+            "target_efficiency",
+        ),
+        (lambda: advise.required_compression(1e6, 4, NET, 0.0), ValueError, "backward_seconds"),
+    ],
+)
 def test_bad_input_names_the_argument(call, error, match):
     with pytest.raises(error, match=match):
         call()
@@ -126,15 +174,35 @@ def test_bad_input_names_the_argument(call, error, match):
 
 # --- the command line ---------------------------------------------------------------------------
 
-ISSUE_EXAMPLE = ["--params", "25.6e6", "--workers", "64", "--bandwidth", "10gbit", "--latency", "0.5ms",
-                 "--backward-ms", "120"]
+ISSUE_EXAMPLE = [
+    "--params",
+    "25.6e6",
+    "--workers",
+    "64",
+    "--bandwidth",
+    "10gbit",
+    "--latency",
+    "0.5ms",
+    "--backward-ms",
+    "120",
+]
 
 
 def test_main_prints_every_method_and_the_summaries(capsys):
     assert advise.main(ISSUE_EXAMPLE) == 0
     out = capsys.readouterr().out
-    for method in ("dense", "allgather_topk", "ar_topk", "ar_topk_tree", "randomk", "zfp",
-                   "zfp_recursive_doubling", "quantized", "sign", "sign_allreduce"):
+    for method in (
+        "dense",
+        "allgather_topk",
+        "ar_topk",
+        "ar_topk_tree",
+        "randomk",
+        "zfp",
+        "zfp_recursive_doubling",
+        "quantized",
+        "sign",
+        "sign_allreduce",
+    ):
         assert method in out
     assert "hierarchical_topk" not in out  # needs --inner-size
     assert "Compression needed for 90% of linear scaling" in out
@@ -145,21 +213,46 @@ def test_main_prints_every_method_and_the_summaries(capsys):
 
 
 def test_main_with_encode_decode_times_and_overlap_options(capsys):
-    argv = ISSUE_EXAMPLE + ["--methods", "allgather_topk,ar_topk_tree", "--inner-size", "8",
-                            "--encode-decode-ms", "allgather_topk=100,ar_topk_tree=40", "--batch-overlap"]
+    argv = ISSUE_EXAMPLE + [
+        "--methods",
+        "allgather_topk,ar_topk_tree",
+        "--inner-size",
+        "8",
+        "--encode-decode-ms",
+        "allgather_topk=100,ar_topk_tree=40",
+        "--batch-overlap",
+    ]
     assert advise.main(argv) == 0
     out = capsys.readouterr().out
     assert "zfp" not in out and "upper bounds" not in out
     line = next(line for line in out.splitlines() if line.startswith("allgather_topk"))
-    expected = advise.compressed_time("allgather_topk", 4 * 25.6e6, 64, cost.Network.parse("0.5ms", "10gbit"),
-                                      0.12, encode_decode_seconds=0.1, ratio=0.01, overlap=True)
+    expected = advise.compressed_time(
+        "allgather_topk",
+        4 * 25.6e6,
+        64,
+        cost.Network.parse("0.5ms", "10gbit"),
+        0.12,
+        encode_decode_seconds=0.1,
+        ratio=0.01,
+        overlap=True,
+    )
     assert cost.format_duration(expected) in line
     assert advise.main(ISSUE_EXAMPLE + ["--no-overlap", "--encode-decode-ms", "5"]) == 0
     assert "after the backward pass" in capsys.readouterr().out
 
 
 def test_main_measures_the_codecs_on_this_machine(capsys):
-    argv = ["--params", "1e5", "--workers", "8", "--bandwidth", "1gbit", "--backward-ms", "10", "--measure-codec"]
+    argv = [
+        "--params",
+        "1e5",
+        "--workers",
+        "8",
+        "--bandwidth",
+        "1gbit",
+        "--backward-ms",
+        "10",
+        "--measure-codec",
+    ]
     assert advise.main(argv) == 0
     out = capsys.readouterr().out
     assert "measured on this machine" in out and "upper bounds" not in out
@@ -174,12 +267,23 @@ def test_main_plots_speedup_against_bandwidth(tmp_path, capsys):
     assert str(path) in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("extra", [
-    ["--bandwidth", "fast"], ["--latency", "-1ms"], ["--workers", "0"], ["--backward-ms", "0"],
-    ["--ratio", "2"], ["--inner-size", "5"], ["--methods", "dense_ring"], ["--methods", "sign_sgd"],
-    ["--encode-decode-ms", "lots"], ["--encode-decode-ms", "zfp_ring=1,bogus=2"], ["--gamma", "0.5"],
-    ["--target-efficiency", "1.5"],
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--bandwidth", "fast"],
+        ["--latency", "-1ms"],
+        ["--workers", "0"],
+        ["--backward-ms", "0"],
+        ["--ratio", "2"],
+        ["--inner-size", "5"],
+        ["--methods", "dense_ring"],
+        ["--methods", "sign_sgd"],
+        ["--encode-decode-ms", "lots"],
+        ["--encode-decode-ms", "zfp_ring=1,bogus=2"],
+        ["--gamma", "0.5"],
+        ["--target-efficiency", "1.5"],
+    ],
+)
 def test_main_rejects_bad_arguments(extra, capsys):
     with pytest.raises(SystemExit) as exit_info:
         advise.main(ISSUE_EXAMPLE + extra)
@@ -188,7 +292,13 @@ def test_main_rejects_bad_arguments(extra, capsys):
 
 
 def test_runs_as_a_module(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "jaxcomp.advise", *ISSUE_EXAMPLE], env=subprocess_env(), cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxcomp.advise", *ISSUE_EXAMPLE],
+        env=subprocess_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("jaxcomp advise: 25.6M parameters")

@@ -50,7 +50,9 @@ def _with_network(state, network, overhead=None):
 def _host_choice(state, n=N_PARAMS):
     """The host's choice (jaxcomp.cost.choose) among the state's branches, with its network and overheads."""
     compress_state = find_compress_state(state.opt_state)
-    alpha, beta = np.asarray(compress_state.auto.network, np.float64)  # np.asarray: no helper jit to count
+    alpha, beta = np.asarray(
+        compress_state.auto.network, np.float64
+    )  # np.asarray: no helper jit to count
     network = cost.Network(alpha, 1.0 / beta)
     branches = list(compress_state.methods)
     overhead = dict(zip(branches, np.asarray(compress_state.auto.overhead, np.float64).tolist()))
@@ -63,8 +65,12 @@ def test_auto_picks_dense_in_memory_and_compression_when_the_probe_reports_a_slo
     auto = find_compress_state(state.opt_state).auto
     alpha, beta = np.asarray(auto.network, np.float64)
     probed = cost.Network(alpha, 1.0 / beta)
-    assert probed.bandwidth > 3e8  # bytes/s: memory (a loaded 2-core machine moves ~1e9 here), not a slow link
-    assert np.all(np.asarray(auto.overhead)[1:] > 0)  # the top-k branches' measured encode/decode time
+    assert (
+        probed.bandwidth > 3e8
+    )  # bytes/s: memory (a loaded 2-core machine moves ~1e9 here), not a slow link
+    assert np.all(
+        np.asarray(auto.overhead)[1:] > 0
+    )  # the top-k branches' measured encode/decode time
     rng = np.random.default_rng(0)
     with count_compilations() as compiles:
         state, metrics = dp.step(state, _gaussian(rng))
@@ -93,8 +99,12 @@ def test_auto_keeps_its_choice_for_decide_every_steps_unless_the_network_moves_b
     alpha, overhead = 1e-5, 2e-3
     bandwidth = _break_even_bandwidth(alpha, overhead)
     below = cost.Network(alpha, 0.97 * bandwidth)  # compression pays
-    above = cost.Network(alpha, 1.03 * bandwidth)  # dense pays: 6% away, under the 10% that re-decides at once
-    tx = compress("auto", ratio=0.01, candidates=("dense", "allgather_topk"), network=below, decide_every=4)
+    above = cost.Network(
+        alpha, 1.03 * bandwidth
+    )  # dense pays: 6% away, under the 10% that re-decides at once
+    tx = compress(
+        "auto", ratio=0.01, candidates=("dense", "allgather_topk"), network=below, decide_every=4
+    )
     dp = _trainer(tx)
     state = _with_network(dp.init(jnp.zeros(N_PARAMS)), below, {"allgather_topk": overhead})
     rng = np.random.default_rng(1)
@@ -109,7 +119,9 @@ def test_auto_keeps_its_choice_for_decide_every_steps_unless_the_network_moves_b
     assert ran == ["allgather_topk"] * 4 + ["dense"] * 2 + ["allgather_topk"] * 4
 
 
-@pytest.mark.parametrize("candidates", [("dense", "allgather_topk", "ar_topk"), ("quantized", "dense")])
+@pytest.mark.parametrize(
+    "candidates", [("dense", "allgather_topk", "ar_topk"), ("quantized", "dense")]
+)
 def test_error_feedback_stays_exact_across_switches(candidates):
     """Whatever ran, the residual is what was not sent: sum of aggregates = sum of gradients - residuals.
 
@@ -136,12 +148,17 @@ def test_error_feedback_stays_exact_across_switches(candidates):
         if ran[-1] == "dense":
             assert not residual.any()  # dense sends everything, the residual included
         # With sgd(1) and mean=False, params = -(sum of every aggregate so far).
-        np.testing.assert_allclose(-np.asarray(state.params), fed - residual.astype(np.float64).sum(axis=0),
-                                   rtol=1e-4, atol=2e-4)
+        np.testing.assert_allclose(
+            -np.asarray(state.params),
+            fed - residual.astype(np.float64).sum(axis=0),
+            rtol=1e-4,
+            atol=2e-4,
+        )
     assert "dense" in ran and len(set(ran)) == 2, ran
 
 
 # --- the adaptive ratio on a controlled synthetic gradient stream ------------------------------
+
 
 def _concentrated(rng, n=30_000):
     """Ten coordinates carry nearly all the energy: every candidate keeps almost all of it."""
@@ -177,10 +194,14 @@ def test_adaptive_ratio_falls_while_gain_stays_high_and_rises_when_gain_collapse
         np.testing.assert_allclose(visited, np.repeat(ratios, 2), rtol=2e-3)
         assert not bool(controller().exploring)
         low = run(4, _concentrated)
-        np.testing.assert_allclose(low, min(ratios), rtol=2e-3)  # the gain stayed high: lowest density
+        np.testing.assert_allclose(
+            low, min(ratios), rtol=2e-3
+        )  # the gain stayed high: lowest density
 
         run(2, lambda rng: {"g": rng.standard_normal((N_DEVICES, 30_000)).astype(np.float32)})
-        assert bool(controller().exploring)  # the gain collapsed by far more than 10%: explore again
+        assert bool(
+            controller().exploring
+        )  # the gain collapsed by far more than 10%: explore again
         run(explore, lambda rng: {"g": rng.standard_normal((N_DEVICES, 30_000)).astype(np.float32)})
         assert not bool(controller().exploring)
         chosen = ratios[int(controller().index)]
@@ -190,10 +211,15 @@ def test_adaptive_ratio_falls_while_gain_stays_high_and_rises_when_gain_collapse
 
 def test_adaptive_ratio_waits_while_dense_runs():
     """On a fast network dense wins even against the lowest density: no exploration runs."""
-    tx = compress("auto", adaptive_ratio=True, network=cost.Network.parse("1us", "100GB/s"), explore_steps=1)
+    tx = compress(
+        "auto", adaptive_ratio=True, network=cost.Network.parse("1us", "100GB/s"), explore_steps=1
+    )
     dp = _trainer(tx)
-    state = _with_network(dp.init(jnp.zeros(N_PARAMS)), cost.Network.parse("1us", "100GB/s"),
-                          lambda method: 0.0 if method.sends_everything else 1e-2)
+    state = _with_network(
+        dp.init(jnp.zeros(N_PARAMS)),
+        cost.Network.parse("1us", "100GB/s"),
+        lambda method: 0.0 if method.sends_everything else 1e-2,
+    )
     rng = np.random.default_rng(4)
     for _ in range(3):
         state, metrics = dp.step(state, _gaussian(rng))
@@ -213,20 +239,28 @@ def test_auto_on_two_axes_includes_hierarchical_topk_and_matches_the_cost_model(
     (branches,) = jaxcomp.auto_branches(state.opt_state)
     assert [m.label for m in branches] == list(candidates)
     state, metrics = dp.step(state, _gaussian(np.random.default_rng(5)))
-    assert _method(state, metrics) == cost.choose(4 * N_PARAMS, N_DEVICES, slow, candidates=branches, inner_size=4).label
+    assert (
+        _method(state, metrics)
+        == cost.choose(4 * N_PARAMS, N_DEVICES, slow, candidates=branches, inner_size=4).label
+    )
 
 
 def test_state_round_trips_and_branches_are_listed():
     tx = compress("auto", ratio=0.01, rate=8, bits=4)
     state = tx.init({"w": jnp.zeros(10)})
     assert [[m.describe() for m in group] for group in jaxcomp.auto_branches(state)] == [
-        ["dense", "allgather_topk(0.01)", "ar_topk(0.01)", "zfp(8)", "quantized(4)"]]
-    tx = compress("auto", adaptive_ratio=True, ratio_range=(0.01, 0.1), candidates=("ar_topk", "dense"))
+        ["dense", "allgather_topk(0.01)", "ar_topk(0.01)", "zfp(8)", "quantized(4)"]
+    ]
+    tx = compress(
+        "auto", adaptive_ratio=True, ratio_range=(0.01, 0.1), candidates=("ar_topk", "dense")
+    )
     (branches,) = jaxcomp.auto_branches(tx.init({"w": jnp.zeros(10)}))
     assert [m.label for m in branches] == ["ar_topk"] * 3 + ["dense"]
     assert [m.setting for m in branches[:3]] == pytest.approx([0.1, 0.1 / 3, 0.01], rel=1e-6)
     assert branches[3].setting is None
-    assert int(tx.init({"w": jnp.zeros(10)}).metrics.method) == 0  # the first branch until it decides
+    assert (
+        int(tx.init({"w": jnp.zeros(10)}).metrics.method) == 0
+    )  # the first branch until it decides
 
 
 def test_set_network_checks_its_arguments():
@@ -235,7 +269,9 @@ def test_set_network_checks_its_arguments():
     updated = set_network(state, net, [0.0, 1e-3, 2e-3])
     np.testing.assert_allclose(np.asarray(updated.auto.overhead), [0.0, 1e-3, 2e-3])
     np.testing.assert_allclose(np.asarray(updated.auto.network), [1e-3, 8e-9], rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(set_network(updated, net, {"ar_topk": 5.0}).auto.overhead), [0, 1e-3, 5])
+    np.testing.assert_allclose(
+        np.asarray(set_network(updated, net, {"ar_topk": 5.0}).auto.overhead), [0, 1e-3, 5]
+    )
     with pytest.raises(TypeError, match="network"):
         set_network(state, (1e-3, 1e9))
     with pytest.raises(ValueError, match="no compress"):
@@ -248,33 +284,44 @@ def test_set_network_checks_its_arguments():
         set_network(state, net, [0.0, -1.0, 0.0])
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(), ValueError, "something to compress with"),
-    (dict(k=10), ValueError, "ratio="),
-    (dict(ratio=0.01, adaptive_ratio=True), ValueError, "remove ratio="),
-    (dict(ratio=0.01, ratio_range=(0.01, 0.1)), ValueError, "adaptive_ratio=True only"),
-    (dict(adaptive_ratio="yes"), TypeError, "adaptive_ratio"),
-    (dict(adaptive_ratio=True, ratio_range=(0.5, 0.1)), ValueError, "ratio_range"),
-    (dict(ratio=0.01, candidates="dense"), TypeError, "candidates"),
-    (dict(ratio=0.01, candidates=("dense", "auto")), ValueError, "candidates"),
-    (dict(ratio=0.01, candidates=("dense", "dense")), ValueError, "candidates"),
-    (dict(ratio=0.01, candidates=("dense", "zfp")), ValueError, "rate="),
-    (dict(bits=8, candidates=("quantized", "ar_topk")), ValueError, "ratio="),
-    (dict(ratio=0.01, candidates=("hierarchical_topk",)), ValueError, "outer, inner"),
-    (dict(ratio=0.01, decide_every=0), ValueError, "decide_every"),
-    (dict(ratio=0.01, explore_steps=0), ValueError, "explore_steps"),
-    (dict(ratio=0.01, network=(1e-3, 1e9)), TypeError, "network"),
-    (dict(rate=8, algorithm="recursive_doubling"), ValueError, "ring"),
-    (dict(ratio=0.01, hadamard=False), ValueError, "hadamard"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(), ValueError, "something to compress with"),
+        (dict(k=10), ValueError, "ratio="),
+        (dict(ratio=0.01, adaptive_ratio=True), ValueError, "remove ratio="),
+        (dict(ratio=0.01, ratio_range=(0.01, 0.1)), ValueError, "adaptive_ratio=True only"),
+        (dict(adaptive_ratio="yes"), TypeError, "adaptive_ratio"),
+        (dict(adaptive_ratio=True, ratio_range=(0.5, 0.1)), ValueError, "ratio_range"),
+        (dict(ratio=0.01, candidates="dense"), TypeError, "candidates"),
+        (dict(ratio=0.01, candidates=("dense", "auto")), ValueError, "candidates"),
+        (dict(ratio=0.01, candidates=("dense", "dense")), ValueError, "candidates"),
+        (dict(ratio=0.01, candidates=("dense", "zfp")), ValueError, "rate="),
+        (dict(bits=8, candidates=("quantized", "ar_topk")), ValueError, "ratio="),
+        (dict(ratio=0.01, candidates=("hierarchical_topk",)), ValueError, "outer, inner"),
+        (dict(ratio=0.01, decide_every=0), ValueError, "decide_every"),
+        (dict(ratio=0.01, explore_steps=0), ValueError, "explore_steps"),
+        (dict(ratio=0.01, network=(1e-3, 1e9)), TypeError, "network"),
+        (dict(rate=8, algorithm="recursive_doubling"), ValueError, "ring"),
+        (dict(ratio=0.01, hadamard=False), ValueError, "hadamard"),
+    ],
+)
 def test_auto_rejects_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         compress("auto", **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [dict(decide_every=5), dict(network=SLOW), dict(adaptive_ratio=True),
-                                    dict(candidates=("dense",)), dict(ratio_range=(0.01, 0.1)),
-                                    dict(explore_steps=3)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(decide_every=5),
+        dict(network=SLOW),
+        dict(adaptive_ratio=True),
+        dict(candidates=("dense",)),
+        dict(ratio_range=(0.01, 0.1)),
+        dict(explore_steps=3),
+    ],
+)
 def test_auto_arguments_are_refused_for_fixed_methods(kwargs):
     with pytest.raises(ValueError, match="applies to method 'auto' only"):
         compress("ar_topk", ratio=0.01, **kwargs)

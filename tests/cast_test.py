@@ -44,7 +44,9 @@ def _reference_scale(batch):
     return np.float32(2.0 ** np.clip(np.floor(np.log2(room)), -60, 60))
 
 
-@pytest.mark.parametrize("dtype, magnitude", [("float16", 1.0), ("float16", 3e4), ("float16", 1e-6)])
+@pytest.mark.parametrize(
+    "dtype, magnitude", [("float16", 1.0), ("float16", 3e4), ("float16", 1e-6)]
+)
 def test_aggregate_matches_numpy_and_error_feedback_keeps_the_rounding(dtype, magnitude):
     """float16, one step: each device's error-feedback residual is exactly x - decode(encode(x))
     (numpy), and the sum equals numpy's sum of the decoded values to float16's rounding of the
@@ -53,7 +55,9 @@ def test_aggregate_matches_numpy_and_error_feedback_keeps_the_rounding(dtype, ma
     n = 257
     method = Cast(dtype)
     dp, state = _sgd_run(method, n)
-    batch = (np.random.default_rng(0).standard_normal((N_DEVICES, n)) * magnitude).astype(np.float32)
+    batch = (np.random.default_rng(0).standard_normal((N_DEVICES, n)) * magnitude).astype(
+        np.float32
+    )
     state, metrics = dp.step(state, batch)
     scale = _reference_scale(batch)
     decoded = _reference_decode(batch, dtype, scale)
@@ -113,15 +117,20 @@ def test_error_feedback_identity_replicas_and_one_compile():
             state, _ = dp.step(state, batch)
     assert compiles[0] == 1
     residual = np.asarray(jaxcomp.find_compress_state(state.opt_state).residual, np.float64)
-    np.testing.assert_allclose(-np.asarray(state.params), fed - residual.sum(axis=0), rtol=0, atol=0.3)
+    np.testing.assert_allclose(
+        -np.asarray(state.params), fed - residual.sum(axis=0), rtol=0, atol=0.3
+    )
     shards = [np.asarray(s.data) for s in state.params.addressable_shards]
     assert all(np.array_equal(shards[0], s) for s in shards[1:])
 
 
 def _collectives(hlo):
     """``[(dtype, [dims], op)]`` of the collectives in compiled HLO text."""
-    found = re.findall(r"= (\w+)\[([\d,]*)\]\S* (all-reduce|reduce-scatter|all-gather|collective-permute)"
-                       r"(?:-start)?\(", hlo)
+    found = re.findall(
+        r"= (\w+)\[([\d,]*)\]\S* (all-reduce|reduce-scatter|all-gather|collective-permute)"
+        r"(?:-start)?\(",
+        hlo,
+    )
     return [(dtype, [int(d) for d in dims.split(",") if d], op) for dtype, dims, op in found]
 
 
@@ -134,8 +143,12 @@ def _hlo_bytes(ops, n_devices):
     N, total = n_devices, 0.0
     for dtype, dims, op in ops:
         nbytes = int(np.prod(dims)) * HLO_BYTES[dtype]
-        total += {"all-reduce": 2 * (N - 1) / N * nbytes, "all-gather": (N - 1) / N * nbytes,
-                  "reduce-scatter": (N - 1) * nbytes, "collective-permute": nbytes}[op]
+        total += {
+            "all-reduce": 2 * (N - 1) / N * nbytes,
+            "all-gather": (N - 1) / N * nbytes,
+            "reduce-scatter": (N - 1) * nbytes,
+            "collective-permute": nbytes,
+        }[op]
     return total
 
 
@@ -147,14 +160,24 @@ def _compiled_aggregate(method, n, n_devices=N_DEVICES, scatter=False):
         if scatter:
             return method.reduce_scatter(v, "data", step=0, key=key, size=v.shape[0])
         return method.aggregate(v, "data", step=0, key=key)
+
     mesh = Mesh(np.array(jax.devices()[:n_devices]), ("data",))
-    f = jax.jit(jax.shard_map(aggregate, mesh=mesh, in_specs=P("data"), out_specs=(P("data") if scatter else P(),
-                                                                                     P("data"))))
+    f = jax.jit(
+        jax.shard_map(
+            aggregate,
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=(P("data") if scatter else P(), P("data")),
+        )
+    )
     return f.lower(jnp.zeros(n * n_devices, jnp.float32)).compile().as_text()
 
 
-@pytest.mark.parametrize("method", [Cast("bfloat16"), Cast("float16"), Cast("bfloat16", scale=True)],
-                         ids=["bf16", "fp16", "bf16-scaled"])
+@pytest.mark.parametrize(
+    "method",
+    [Cast("bfloat16"), Cast("float16"), Cast("bfloat16", scale=True)],
+    ids=["bf16", "fp16", "bf16-scaled"],
+)
 @pytest.mark.parametrize("n", [1003, 1000])
 def test_bytes_on_the_wire_are_wire_bytes(method, n):
     """The collectives of the compiled CPU step move what wire_bytes says: bfloat16 as uint16 ring
@@ -174,26 +197,38 @@ def test_compiled_cpu_bfloat16_moves_only_16_bit_words(scale, scatter):
     ops = _collectives(_compiled_aggregate(Cast("bfloat16", scale=scale), n, scatter=scatter))
     vector_ops = [op for op in ops if np.prod(op[1]) > 1]
     assert vector_ops and all(dtype == "u16" for dtype, _, _ in vector_ops), ops
-    assert {op for _, _, op in vector_ops} == ({"collective-permute"} if scatter else {"collective-permute",
-                                                                                      "all-gather"}), ops
+    assert {op for _, _, op in vector_ops} == (
+        {"collective-permute"} if scatter else {"collective-permute", "all-gather"}
+    ), ops
     assert sum(op == "collective-permute" for _, _, op in vector_ops) == N_DEVICES - 1
-    assert [op for op in ops if op not in vector_ops] == ([("f32", [], "all-reduce")] if scale else [])
+    assert [op for op in ops if op not in vector_ops] == (
+        [("f32", [], "all-reduce")] if scale else []
+    )
     if scatter:
-        assert _hlo_bytes(ops, N_DEVICES) == pytest.approx(Cast("bfloat16", scale=scale).reduce_scatter_bytes(
-            n, N_DEVICES))
+        assert _hlo_bytes(ops, N_DEVICES) == pytest.approx(
+            Cast("bfloat16", scale=scale).reduce_scatter_bytes(n, N_DEVICES)
+        )
 
 
 def test_other_platforms_keep_the_bfloat16_psum():
     """NCCL and the TPU reduce bfloat16 natively: lowered for them, the step is one all-reduce of
     bf16 and no ring (jax.lax.platform_dependent chooses when lowering)."""
     mesh = _mesh()
-    f = jax.jit(jax.shard_map(lambda v: Cast("bf16").aggregate(v, "data", step=0, key=None), mesh=mesh,
-                              in_specs=P("data"), out_specs=(P(), P("data"))))
+    f = jax.jit(
+        jax.shard_map(
+            lambda v: Cast("bf16").aggregate(v, "data", step=0, key=None),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=(P(), P("data")),
+        )
+    )
     traced = f.trace(jnp.zeros(1003 * N_DEVICES, jnp.float32))
     for platform in ("cuda", "tpu"):
         text = traced.lower(lowering_platforms=(platform,)).as_text()
         assert "collective_permute" not in text and "all_gather" not in text
-        assert re.search(r"stablehlo.all_reduce.*\n(.*\n){0,4}.*\(tensor<1003xbf16>\) -> tensor<1003xbf16>", text)
+        assert re.search(
+            r"stablehlo.all_reduce.*\n(.*\n){0,4}.*\(tensor<1003xbf16>\) -> tensor<1003xbf16>", text
+        )
     cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
     assert "all_reduce" not in cpu and "collective_permute" in cpu
 
@@ -207,12 +242,21 @@ def test_power_of_two_scale():
 def test_wire_bytes_names_and_cost_model():
     bf16, fp16 = Cast("bf16"), Cast(jnp.float16)
     assert bf16 == Cast(jnp.bfloat16) == Cast(ml_dtypes.bfloat16) and fp16 == Cast(np.float16)
-    assert bf16.label == "bf16" and fp16.label == "fp16" and Cast(allreduce="tree").label == "bf16_tree"
+    assert (
+        bf16.label == "bf16"
+        and fp16.label == "fp16"
+        and Cast(allreduce="tree").label == "bf16_tree"
+    )
     assert bf16.wire_bytes(1000, 8) == jaxcomp.Dense().wire_bytes(1000, 8) / 2
     assert fp16.wire_bytes(1000, 8) == bf16.wire_bytes(1000, 8) + 2 * 7 / 8 * 4
-    assert fp16.message_steps(8) == 2 * bf16.message_steps(8) == 28 and bf16.wire_bytes(1000, 1) == 0.0
+    assert (
+        fp16.message_steps(8) == 2 * bf16.message_steps(8) == 28 and bf16.wire_bytes(1000, 1) == 0.0
+    )
     # bfloat16's ring sends 2 (N-1) chunks of ceil(n/N) values; float16's psum 2 (N-1)/N n values.
-    assert bf16.wire_bytes(1003, 8) == 2 * 7 * 126 * 2 and fp16.wire_bytes(1003, 8) == 2 * 7 / 8 * 2006 + 7
+    assert (
+        bf16.wire_bytes(1003, 8) == 2 * 7 * 126 * 2
+        and fp16.wire_bytes(1003, 8) == 2 * 7 / 8 * 2006 + 7
+    )
     assert Cast("bf16", allreduce="tree").wire_bytes(1000, 8) == 2 * 3 * 2000
     assert bf16.reduce_scatter_bytes(1000, 8) == 7 * 125 * 2 and bf16.reduce_scatter_steps(8) == 7
     assert jaxcomp.methods.parse("bf16") == bf16 and jaxcomp.methods.parse("fp16") == fp16
@@ -226,13 +270,16 @@ def test_cast_is_a_compress_auto_candidate():
     assert [m.describe() for m in state.methods] == ["dense", "bf16"]
 
 
-@pytest.mark.parametrize("build, match", [
-    (lambda: Cast(jnp.float32), "dtype must be bfloat16 or float16"),
-    (lambda: Cast("int8"), "dtype must be"),
-    (lambda: Cast("bf16", scale="yes"), "scale must be"),
-    (lambda: Cast("bf16", allreduce="star"), "allreduce must be one of"),
-    (lambda: jaxcomp.compress("bf16", ratio=0.1), "remove ratio="),
-])
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: Cast(jnp.float32), "dtype must be bfloat16 or float16"),
+        (lambda: Cast("int8"), "dtype must be"),
+        (lambda: Cast("bf16", scale="yes"), "scale must be"),
+        (lambda: Cast("bf16", allreduce="star"), "allreduce must be one of"),
+        (lambda: jaxcomp.compress("bf16", ratio=0.1), "remove ratio="),
+    ],
+)
 def test_bad_arguments_are_named(build, match):
     with pytest.raises((ValueError, TypeError), match=match):
         build()
@@ -240,6 +287,7 @@ def test_bad_arguments_are_named(build, match):
 
 # ----------------------------------------------------------------------------------------------
 # The CPU's bfloat16 ring (jaxcomp.collectives.bfloat16_allreduce), against numpy.
+
 
 def _bf16(v):
     return np.asarray(v, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
@@ -279,18 +327,36 @@ def _run_ring(n_devices, X, scatter=False, algorithm="auto", axes=("data",)):
     def f(v):
         total, sent = collectives.bfloat16_allreduce(v, axis, scatter=scatter, algorithm=algorithm)
         return total[None], sent[None]
-    out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(axes), out_specs=(P(axes), P(axes)), check_vma=True))(
-        jnp.asarray(X).reshape(-1))
+
+    out = jax.jit(
+        jax.shard_map(f, mesh=mesh, in_specs=P(axes), out_specs=(P(axes), P(axes)), check_vma=True)
+    )(jnp.asarray(X).reshape(-1))
     return tuple(np.asarray(a.astype(jnp.float32)) for a in out)
 
 
 def _rows(n_devices, n, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((n_devices, n)) * rng.uniform(0.1, 10.0, (n_devices, 1))).astype(np.float32)
+    return (rng.standard_normal((n_devices, n)) * rng.uniform(0.1, 10.0, (n_devices, 1))).astype(
+        np.float32
+    )
 
 
-@pytest.mark.parametrize("n_devices, n", [(2, 1), (2, 5), (2, 1001), (3, 1), (3, 5), (3, 100), (3, 30001),
-                                          (8, 1), (8, 5), (8, 1003), (8, 100_003)])
+@pytest.mark.parametrize(
+    "n_devices, n",
+    [
+        (2, 1),
+        (2, 5),
+        (2, 1001),
+        (3, 1),
+        (3, 5),
+        (3, 100),
+        (3, 30001),
+        (8, 1),
+        (8, 5),
+        (8, 1003),
+        (8, 100_003),
+    ],
+)
 def test_bfloat16_ring_matches_numpy_bit_for_bit(n_devices, n):
     """The ring on 2, 3 and 8 devices, with fewer values than devices, sizes that are not a multiple
     of N, and a large one: total and sent bit for bit as numpy's ring, the total identical on every
@@ -301,8 +367,9 @@ def test_bfloat16_ring_matches_numpy_bit_for_bit(n_devices, n):
     total, expected_sent, _ = ring_reference(X)
     np.testing.assert_array_equal(totals, np.broadcast_to(total, totals.shape))
     np.testing.assert_array_equal(sent, expected_sent)
-    np.testing.assert_allclose(sent.astype(np.float64).sum(0), total, rtol=1e-6,
-                               atol=1e-6 * np.abs(X).sum(0).max())
+    np.testing.assert_allclose(
+        sent.astype(np.float64).sum(0), total, rtol=1e-6, atol=1e-6 * np.abs(X).sum(0).max()
+    )
     # Each of the N roundings of a chunk is half a bfloat16 ulp of a partial sum at most.
     bound = n_devices * 2.0**-8 * np.abs(X.astype(np.float64)).sum(0)
     assert np.all(np.abs(total - X.astype(np.float64).sum(0)) <= bound)

@@ -19,19 +19,29 @@ HEADER_BYTES = 66
 
 def our_namespaces():
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith(cluster.PREFIX + f"{os.getpid()}-")]
+    return [
+        line.split()[0]
+        for line in out.splitlines()
+        if line.startswith(cluster.PREFIX + f"{os.getpid()}-")
+    ]
 
 
 def run_workers(tmp_path, *args, timeout=240):
     env = subprocess_env()
     with Cluster(2, rate="100mbit") as c:
         assert len(our_namespaces()) == 3  # the bridge's and one per host
-        qdiscs = subprocess.run(["tc", "-n", c.namespace(1), "qdisc", "show", "dev", "eth0"],
-                                capture_output=True, text=True).stdout
+        qdiscs = subprocess.run(
+            ["tc", "-n", c.namespace(1), "qdisc", "show", "dev", "eth0"],
+            capture_output=True,
+            text=True,
+        ).stdout
         assert "tbf" in qdiscs and "100Mbit" in qdiscs
         start = time.monotonic()
-        codes = c.run([cluster_worker.__file__, str(tmp_path), *args], timeout=timeout,
-                      env={"PYTHONPATH": env["PYTHONPATH"]})
+        codes = c.run(
+            [cluster_worker.__file__, str(tmp_path), *args],
+            timeout=timeout,
+            env={"PYTHONPATH": env["PYTHONPATH"]},
+        )
         elapsed = time.monotonic() - start
         pids = [p.popen.pid for p in c.processes]
     return codes, elapsed, pids
@@ -50,18 +60,29 @@ def test_two_emulated_hosts_train_like_one_process_and_wire_bytes_match(tmp_path
     want, _ = cluster_worker.run(jax.devices()[:2], lambda batch: batch)
     for name, value in want.items():
         # Two hosts: every sum has two terms, so gloo and XLA's in-process sum agree bit for bit.
-        np.testing.assert_array_equal(hosts[0][name], hosts[1][name], err_msg=f"hosts differ: {name}")
-        np.testing.assert_array_equal(hosts[0][name], value, err_msg=f"cluster vs one process: {name}")
+        np.testing.assert_array_equal(
+            hosts[0][name], hosts[1][name], err_msg=f"hosts differ: {name}"
+        )
+        np.testing.assert_array_equal(
+            hosts[0][name], value, err_msg=f"cluster vs one process: {name}"
+        )
     for host in hosts:
         for method in cluster_worker.METHODS:
-            tx_bytes, tx_packets, rx_bytes, rx_packets, retransmitted, bytes_sent = host[f"wire/{method}"]
+            tx_bytes, tx_packets, rx_bytes, rx_packets, retransmitted, bytes_sent = host[
+                f"wire/{method}"
+            ]
             steps = cluster_worker.STEPS - 1
             payload = tx_bytes - HEADER_BYTES * tx_packets
             # A loaded machine can make tbf drop a segment; TCP then sends it again (at most a
             # full segment each), which is framing too: measured per namespace, not guessed.
             resent = retransmitted * 1448
             assert payload >= 0.95 * steps * bytes_sent, (method, payload, steps * bytes_sent)
-            assert payload - resent <= 1.05 * steps * bytes_sent, (method, payload, resent, steps * bytes_sent)
+            assert payload - resent <= 1.05 * steps * bytes_sent, (
+                method,
+                payload,
+                resent,
+                steps * bytes_sent,
+            )
 
 
 @pytest.mark.multiprocess
@@ -83,7 +104,9 @@ def test_without_root_a_clear_error_before_anything_is_created(monkeypatch):
 
 
 def test_missing_tools_are_named(monkeypatch):
-    monkeypatch.setattr(cluster.shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/" + tool)
+    monkeypatch.setattr(
+        cluster.shutil, "which", lambda tool: None if tool == "tc" else "/usr/sbin/" + tool
+    )
     with pytest.raises(ClusterError, match="`tc`"):
         cluster.check_support()
 
@@ -95,10 +118,16 @@ def test_delay_needs_netem_and_says_so():
     assert our_namespaces() == []
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"hosts": 0}, "hosts"), ({"hosts": 2, "rate": "fast"}, "rate"), ({"hosts": 2, "rate": -5}, "rate"),
-    ({"hosts": 2, "subnet": "8.8.8"}, "subnet"), ({"hosts": 2, "burst": 10}, "burst"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"hosts": 0}, "hosts"),
+        ({"hosts": 2, "rate": "fast"}, "rate"),
+        ({"hosts": 2, "rate": -5}, "rate"),
+        ({"hosts": 2, "subnet": "8.8.8"}, "subnet"),
+        ({"hosts": 2, "burst": 10}, "burst"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Cluster(**kwargs)
@@ -132,8 +161,24 @@ def test_sigterm_to_the_cli_tears_everything_down(tmp_path):
     env = subprocess_env()
     script = tmp_path / "sleep.py"
     script.write_text("import time\ntime.sleep(600)\n")
-    cli = subprocess.Popen([sys.executable, "-m", "jaxcomp", "cluster", "--hosts", "2", "--rate", "1gbit", "--",
-                            str(script)], env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    cli = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxcomp",
+            "cluster",
+            "--hosts",
+            "2",
+            "--rate",
+            "1gbit",
+            "--",
+            str(script),
+        ],
+        env=env,
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     prefix = f"{cluster.PREFIX}{cli.pid}-"
 
     def namespaces():
@@ -148,5 +193,7 @@ def test_sigterm_to_the_cli_tears_everything_down(tmp_path):
     cli.send_signal(signal.SIGTERM)
     cli.wait(timeout=60)
     assert namespaces() == []
-    leftover = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout.split()
+    leftover = subprocess.run(
+        ["pgrep", "-f", str(script)], capture_output=True, text=True
+    ).stdout.split()
     assert leftover == []

@@ -36,14 +36,19 @@ def loss_fn(params, batch):
 
 def params0():
     rng = np.random.default_rng(1)
-    return {name: (rng.normal(size=shape) / np.sqrt(shape[0])).astype(np.float32) for name, shape in SHAPES.items()}
+    return {
+        name: (rng.normal(size=shape) / np.sqrt(shape[0])).astype(np.float32)
+        for name, shape in SHAPES.items()
+    }
 
 
 def batches():
     rng = np.random.default_rng(0)
     for _ in range(STEPS):
-        yield {"x": rng.normal(size=(GLOBAL_BATCH, 64)).astype(np.float32),
-               "y": rng.normal(size=(GLOBAL_BATCH, 256)).astype(np.float32)}
+        yield {
+            "x": rng.normal(size=(GLOBAL_BATCH, 64)).astype(np.float32),
+            "y": rng.normal(size=(GLOBAL_BATCH, 256)).astype(np.float32),
+        }
 
 
 def retransmitted_segments():
@@ -54,8 +59,13 @@ def retransmitted_segments():
 
 def counters():
     base = "/sys/class/net/eth0/statistics/"
-    return np.array([int(open(base + name).read()) for name in ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")]
-                    + [retransmitted_segments()])
+    return np.array(
+        [
+            int(open(base + name).read())
+            for name in ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")
+        ]
+        + [retransmitted_segments()]
+    )
 
 
 def run(devices, local_rows):
@@ -63,18 +73,26 @@ def run(devices, local_rows):
     mesh = Mesh(np.array(devices), ("data",))
     out, wire = {}, {}
     for method, options in METHODS.items():
-        dp = data_parallel(loss_fn, optax.chain(compress(method, **options), optax.adam(1e-2)), mesh)
+        dp = data_parallel(
+            loss_fn, optax.chain(compress(method, **options), optax.adam(1e-2)), mesh
+        )
         state = dp.init(params0())
         batch_list = list(batches())
-        state, metrics = dp.step(state, dp.shard_batch(local_rows(batch_list[0])))  # compile, warm up
+        state, metrics = dp.step(
+            state, dp.shard_batch(local_rows(batch_list[0]))
+        )  # compile, warm up
         jax.block_until_ready(metrics["loss"])
         before = counters() if os.path.exists("/sys/class/net/eth0") else None
         for batch in batch_list[1:]:
             state, metrics = dp.step(state, dp.shard_batch(local_rows(batch)))
             jax.block_until_ready(metrics["loss"])
         if before is not None:
-            wire[method] = np.concatenate([counters() - before,
-                                           [float(np.asarray(metrics["bytes_sent"].addressable_data(0)))]])
+            wire[method] = np.concatenate(
+                [
+                    counters() - before,
+                    [float(np.asarray(metrics["bytes_sent"].addressable_data(0)))],
+                ]
+            )
         for name, value in state.params.items():
             out[f"{method}/{name}"] = np.asarray(value.addressable_data(0))
     return out, wire
@@ -83,6 +101,7 @@ def run(devices, local_rows):
 if __name__ == "__main__":
     if sys.argv[2:] == ["fail"]:
         from jax.experimental import multihost_utils
+
         if jax.process_index() == 1:
             os._exit(3)
         multihost_utils.sync_global_devices("never completes")
@@ -90,6 +109,9 @@ if __name__ == "__main__":
     rows = GLOBAL_BATCH // jax.process_count()
     lo = jax.process_index() * rows
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    params, wire = run(devices, lambda batch: {k: v[lo:lo + rows] for k, v in batch.items()})
-    np.savez(os.path.join(sys.argv[1], f"host{jax.process_index()}.npz"), **params,
-             **{f"wire/{m}": w for m, w in wire.items()})
+    params, wire = run(devices, lambda batch: {k: v[lo : lo + rows] for k, v in batch.items()})
+    np.savez(
+        os.path.join(sys.argv[1], f"host{jax.process_index()}.npz"),
+        **params,
+        **{f"wire/{m}": w for m, w in wire.items()},
+    )

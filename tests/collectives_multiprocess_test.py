@@ -29,9 +29,16 @@ def test_two_processes_match_one(tmp_path):
     env.pop("XLA_FLAGS", None)  # the worker sets its own device count
     outputs = [tmp_path / f"process{i}.npz" for i in range(num_processes)]
     processes = [
-        subprocess.Popen([sys.executable, worker.__file__, str(i), str(num_processes), str(port), str(out)],
-                         env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i, out in enumerate(outputs)]
+        subprocess.Popen(
+            [sys.executable, worker.__file__, str(i), str(num_processes), str(port), str(out)],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i, out in enumerate(outputs)
+    ]
     logs = []
     try:
         for process in processes:

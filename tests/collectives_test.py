@@ -26,8 +26,9 @@ def bytes_sent(method, n, n_devices, *, dtype_bytes=4, inner_size=None, **option
     """The wire bytes of the method behind a collective, by the collective's name."""
     if method in ("psum", "ar_topk", "quantized_psum") and "algorithm" in options:
         options["allreduce"] = options.pop("algorithm")
-    return methods.parse(_NAMES.get(method, method), **options).wire_bytes(n, n_devices, dtype_bytes=dtype_bytes,
-                                                                          inner_size=inner_size)
+    return methods.parse(_NAMES.get(method, method), **options).wire_bytes(
+        n, n_devices, dtype_bytes=dtype_bytes, inner_size=inner_size
+    )
 
 
 @pytest.mark.parametrize("n_devices", [1, 2, 6, 8])
@@ -42,21 +43,29 @@ def test_bytes_sent_matches_the_cost_of_each_step(n_devices, dtype_bytes):
     assert bytes_sent("allgather_topk", n, N, k=k, dtype_bytes=d) == (N - 1) * k * (d + 4)
     assert bytes_sent("ar_topk", n, N, k=k, dtype_bytes=d) == ring(4 * k) + ring(k * d)
     assert bytes_sent("ar_topk", n, N, k=k, algorithm="tree", leader="var", dtype_bytes=d) == (
-        tree(4 * k) + tree(k * d) + (N - 1) * 4)
+        tree(4 * k) + tree(k * d) + (N - 1) * 4
+    )
     chunk_words = zfp_num_words(math.ceil(n / N), 8)
     assert bytes_sent("zfp_allreduce", n, N, rate=8) == 2 * (N - 1) * chunk_words * 4
     p = 2 ** int(math.log2(N))
     rounds = int(math.log2(p)) + (p != N)
     assert bytes_sent("zfp_allreduce", n, N, rate=8, algorithm="recursive_doubling") == (
-        rounds * zfp_num_words(n, 8) * 4)
+        rounds * zfp_num_words(n, 8) * 4
+    )
+
     # 1003 values pad to one Hadamard block of 1024. Codes travel packed in uint32 words, in
     # fields wide enough for the sum of N codes: 4 bits + log2(N) headroom.
     def words(length, bits):
         width = (N * (2**bits - 1)).bit_length()
         return math.ceil(length / (32 // width)) * 4
+
     assert bytes_sent("quantized_psum", n, N, bits=4) == ring(words(1024, 4)) + ring(4)
-    assert bytes_sent("quantized_psum", n, N, bits=4, hadamard=False) == ring(words(1003, 4)) + ring(4)
-    assert bytes_sent("quantized_psum", n, N, bits=8, algorithm="tree") == tree(words(1024, 8)) + tree(4)
+    assert bytes_sent("quantized_psum", n, N, bits=4, hadamard=False) == ring(
+        words(1003, 4)
+    ) + ring(4)
+    assert bytes_sent("quantized_psum", n, N, bits=8, algorithm="tree") == tree(
+        words(1024, 8)
+    ) + tree(4)
     if N == 8:  # 4-bit codes from 8 devices: 7-bit fields, 4 to a word, 1 byte a value
         assert bytes_sent("quantized_psum", n, N, bits=4) == ring(1024) + ring(4)
 
@@ -66,15 +75,18 @@ def test_bytes_sent_hierarchical(inner_size, n_devices):
     n, k = 1003, 50
     inner, outer = inner_size, n_devices // inner_size
     shard, k_shard = math.ceil(n / inner), math.ceil(k / inner)
-    expected = (inner - 1) * shard * 4 + (outer - 1) * k_shard * 8 + (inner - 1) * outer * k_shard * 8
+    expected = (
+        (inner - 1) * shard * 4 + (outer - 1) * k_shard * 8 + (inner - 1) * outer * k_shard * 8
+    )
     assert bytes_sent("hierarchical_topk", n, n_devices, k=k, inner_size=inner) == expected
 
 
 def test_bytes_sent_ratio_is_rounded_k():
     for ratio in (0.001, 0.01, 0.5, 1.0):
         k = max(1, round(ratio * 2500))
-        assert (bytes_sent("allgather_topk", 2500, 8, ratio=ratio)
-                == bytes_sent("allgather_topk", 2500, 8, k=k))
+        assert bytes_sent("allgather_topk", 2500, 8, ratio=ratio) == bytes_sent(
+            "allgather_topk", 2500, 8, k=k
+        )
 
 
 def test_bytes_sent_compression_beats_dense_at_scale():
@@ -86,28 +98,31 @@ def test_bytes_sent_compression_beats_dense_at_scale():
     assert bytes_sent("quantized_psum", n, 8, bits=4) < dense / 3
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(method="nope", n=10, n_devices=2), "method"),
-    (dict(method="psum", n=0, n_devices=2), "n must"),
-    (dict(method="psum", n=10, n_devices=0), "n_devices"),
-    (dict(method="psum", n=10, n_devices=2, algorithm="star"), "allreduce"),
-    (dict(method="psum", n=10, n_devices=2, k=3), "remove k="),
-    (dict(method="allgather_topk", n=10, n_devices=2), "exactly one of ratio"),
-    (dict(method="allgather_topk", n=10, n_devices=2, k=3, ratio=0.1), "exactly one of ratio"),
-    (dict(method="allgather_topk", n=10, n_devices=2, k=11), "k=11 exceeds"),
-    (dict(method="allgather_topk", n=10, n_devices=2, k=0), "k must"),
-    (dict(method="allgather_topk", n=10, n_devices=2, ratio=1.5), "ratio"),
-    (dict(method="ar_topk", n=10, n_devices=2, k=3, leader="max"), "leader"),
-    (dict(method="hierarchical_topk", n=10, n_devices=8, k=3), "inner_size"),
-    (dict(method="hierarchical_topk", n=10, n_devices=8, k=3, inner_size=3), "inner_size"),
-    (dict(method="zfp_allreduce", n=10, n_devices=2), "rate"),
-    (dict(method="zfp_allreduce", n=10, n_devices=2, rate=33), "rate"),
-    (dict(method="zfp_allreduce", n=10, n_devices=2, rate=8, algorithm="tree"), "algorithm"),
-    (dict(method="quantized_psum", n=10, n_devices=2, bits=0), "bits"),
-    (dict(method="quantized_psum", n=10, n_devices=2, bits=17), "bits"),
-    (dict(method="quantized_psum", n=10, n_devices=2, rate=8, bits=4), "remove rate="),
-    (dict(method="psum", n=10, n_devices=2, dtype_bytes=0), "dtype_bytes"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(method="nope", n=10, n_devices=2), "method"),
+        (dict(method="psum", n=0, n_devices=2), "n must"),
+        (dict(method="psum", n=10, n_devices=0), "n_devices"),
+        (dict(method="psum", n=10, n_devices=2, algorithm="star"), "allreduce"),
+        (dict(method="psum", n=10, n_devices=2, k=3), "remove k="),
+        (dict(method="allgather_topk", n=10, n_devices=2), "exactly one of ratio"),
+        (dict(method="allgather_topk", n=10, n_devices=2, k=3, ratio=0.1), "exactly one of ratio"),
+        (dict(method="allgather_topk", n=10, n_devices=2, k=11), "k=11 exceeds"),
+        (dict(method="allgather_topk", n=10, n_devices=2, k=0), "k must"),
+        (dict(method="allgather_topk", n=10, n_devices=2, ratio=1.5), "ratio"),
+        (dict(method="ar_topk", n=10, n_devices=2, k=3, leader="max"), "leader"),
+        (dict(method="hierarchical_topk", n=10, n_devices=8, k=3), "inner_size"),
+        (dict(method="hierarchical_topk", n=10, n_devices=8, k=3, inner_size=3), "inner_size"),
+        (dict(method="zfp_allreduce", n=10, n_devices=2), "rate"),
+        (dict(method="zfp_allreduce", n=10, n_devices=2, rate=33), "rate"),
+        (dict(method="zfp_allreduce", n=10, n_devices=2, rate=8, algorithm="tree"), "algorithm"),
+        (dict(method="quantized_psum", n=10, n_devices=2, bits=0), "bits"),
+        (dict(method="quantized_psum", n=10, n_devices=2, bits=17), "bits"),
+        (dict(method="quantized_psum", n=10, n_devices=2, rate=8, bits=4), "remove rate="),
+        (dict(method="psum", n=10, n_devices=2, dtype_bytes=0), "dtype_bytes"),
+    ],
+)
 def test_bytes_sent_bad_input(kwargs, message):
     with pytest.raises(ValueError, match=message):
         bytes_sent(**kwargs)
@@ -132,14 +147,16 @@ def mesh_2d(outer, inner):
 def sharded(mesh, fn, n_args=0, axes=AXIS):
     """jit(shard_map(fn)) over rows of a [devices, n] array; returns every device's (total, sent)."""
     spec = P(axes)
-    mapped = jax.shard_map(fn, mesh=mesh, in_specs=(spec,) + (P(),) * n_args, out_specs=(spec, spec),
-                           check_vma=True)
+    mapped = jax.shard_map(
+        fn, mesh=mesh, in_specs=(spec,) + (P(),) * n_args, out_specs=(spec, spec), check_vma=True
+    )
     compiled = jax.jit(mapped)
 
     def call(X, *args):
         total, sent = compiled(jnp.asarray(X).reshape(-1), *args)
         shape = X.shape
         return tuple(np.asarray(a.astype(jnp.float32)).reshape(shape) for a in (total, sent))
+
     return call
 
 
@@ -215,13 +232,17 @@ def sim_hierarchical(X, k, outer, inner, select):
     shard, k_shard = -(-n // inner), -(-k // inner)
     total, sent = np.zeros(inner * shard, np.float32), np.zeros_like(Xf)
     for node in range(outer):
-        rows = np.pad(Xf[node * inner:(node + 1) * inner], ((0, 0), (0, inner * shard - n)))
+        rows = np.pad(Xf[node * inner : (node + 1) * inner], ((0, 0), (0, inner * shard - n)))
         node_sum = wire_sum(rows)
-        chosen = np.concatenate([select(node_sum[j * shard:(j + 1) * shard], k_shard) + j * shard
-                                 for j in range(inner)])
+        chosen = np.concatenate(
+            [
+                select(node_sum[j * shard : (j + 1) * shard], k_shard) + j * shard
+                for j in range(inner)
+            ]
+        )
         total[chosen] += node_sum[chosen]
         real = chosen[chosen < n]
-        sent[node * inner:(node + 1) * inner, real] = Xf[node * inner:(node + 1) * inner, real]
+        sent[node * inner : (node + 1) * inner, real] = Xf[node * inner : (node + 1) * inner, real]
     return total[:n], sent
 
 
@@ -231,6 +252,7 @@ def codec(rate):
 
     def decode(words, n):
         return np.asarray(jaxcomp.zfp_decode(jnp.asarray(words), n, rate))
+
     return encode, decode
 
 
@@ -249,7 +271,9 @@ def sim_zfp_ring(X, rate):
         bound += np.max([np.abs(decode(w, chunk) - p) for w, p in zip(words, partials)], axis=0)
         for d in range(N):
             sent[d, (d - hop) % N] -= partials[d] - decode(words[d], chunk)
-        partials = [decode(words[(d - 1) % N], chunk) + chunks[d, (d - hop - 1) % N] for d in range(N)]
+        partials = [
+            decode(words[(d - 1) % N], chunk) + chunks[d, (d - hop - 1) % N] for d in range(N)
+        ]
     owned = [encode(p) for p in partials]  # device d owns chunk (d + 1) % N
     total = np.concatenate([decode(owned[(j - 1) % N], chunk) for j in range(N)])[:n]
     bound += np.max([np.abs(decode(w, chunk) - p) for w, p in zip(owned, partials)], axis=0)
@@ -291,8 +315,11 @@ def sim_zfp_recursive_doubling(X, rate):
 # ----------------------------------------------------------------------------------------------
 # Each collective against its simulation: every device gets the same bits.
 
-@pytest.mark.parametrize("dtype, n_devices, n", [
-    (jnp.float32, 8, 1003), (jnp.bfloat16, 8, 1003), (jnp.float16, 6, 5), (jnp.float32, 1, 7)])
+
+@pytest.mark.parametrize(
+    "dtype, n_devices, n",
+    [(jnp.float32, 8, 1003), (jnp.bfloat16, 8, 1003), (jnp.float16, 6, 5), (jnp.float32, 1, 7)],
+)
 def test_psum(dtype, n_devices, n):
     X = gradients(n_devices, n, dtype)
     total, sent = sharded(mesh_1d(n_devices), lambda x: collectives.psum(x, AXIS))(X)
@@ -301,33 +328,43 @@ def test_psum(dtype, n_devices, n):
     assert_bits_equal(sent, X.astype(np.float32), dtype)
 
 
-@pytest.mark.parametrize("dtype, n_devices, n, k, selector", [
-    (jnp.float32, 8, 1003, 37, "exact"),
-    (jnp.float32, 8, 1003, 37, "threshold"),
-    (jnp.bfloat16, 6, 50, 50, "exact"),  # k = n
-    (jnp.float16, 8, 3, 1, "threshold"),
-    (jnp.bfloat16, 1, 9, 4, "exact"),  # an axis of one device
-])
+@pytest.mark.parametrize(
+    "dtype, n_devices, n, k, selector",
+    [
+        (jnp.float32, 8, 1003, 37, "exact"),
+        (jnp.float32, 8, 1003, 37, "threshold"),
+        (jnp.bfloat16, 6, 50, 50, "exact"),  # k = n
+        (jnp.float16, 8, 3, 1, "threshold"),
+        (jnp.bfloat16, 1, 9, 4, "exact"),  # an axis of one device
+    ],
+)
 def test_allgather_topk(dtype, n_devices, n, k, selector):
     X = gradients(n_devices, n, dtype)
-    total, sent = sharded(mesh_1d(n_devices), lambda x: collectives.allgather_topk(x, k, AXIS, selector))(X)
+    total, sent = sharded(
+        mesh_1d(n_devices), lambda x: collectives.allgather_topk(x, k, AXIS, selector)
+    )(X)
     expected_total, expected_sent = sim_allgather_topk(X, k, selection(selector))
     assert_replicas_identical(total)
     assert_bits_equal(total[0], expected_total, dtype)
     assert_bits_equal(sent, expected_sent, dtype)
 
 
-@pytest.mark.parametrize("dtype, n_devices, n, k, leader", [
-    (jnp.float32, 8, 1003, 37, "star"),
-    (jnp.float32, 8, 1003, 37, "var"),
-    (jnp.bfloat16, 6, 50, 50, "star"),
-    (jnp.float16, 6, 7, 3, "var"),
-    (jnp.float32, 1, 9, 4, "star"),
-    (jnp.bfloat16, 1, 9, 4, "var"),
-])
+@pytest.mark.parametrize(
+    "dtype, n_devices, n, k, leader",
+    [
+        (jnp.float32, 8, 1003, 37, "star"),
+        (jnp.float32, 8, 1003, 37, "var"),
+        (jnp.bfloat16, 6, 50, 50, "star"),
+        (jnp.float16, 6, 7, 3, "var"),
+        (jnp.float32, 1, 9, 4, "star"),
+        (jnp.bfloat16, 1, 9, 4, "var"),
+    ],
+)
 def test_ar_topk(dtype, n_devices, n, k, leader):
     X = gradients(n_devices, n, dtype)
-    call = sharded(mesh_1d(n_devices), lambda x, s: collectives.ar_topk(x, k, AXIS, leader, step=s), 1)
+    call = sharded(
+        mesh_1d(n_devices), lambda x, s: collectives.ar_topk(x, k, AXIS, leader, step=s), 1
+    )
     for step in (0, 3, n_devices + 1):
         total, sent = call(X, jnp.int32(step))
         expected_total, expected_sent = sim_ar_topk(X, k, leader, step, np_topk)
@@ -339,8 +376,13 @@ def test_ar_topk(dtype, n_devices, n, k, leader):
 @pytest.mark.parametrize("broadcast", ["psum", "all_gather"])
 def test_ar_topk_threshold_selector_and_both_broadcasts(broadcast):
     X = gradients(8, 500, jnp.float32)
-    call = sharded(mesh_1d(8), lambda x, s: collectives.ar_topk(
-        x, 20, AXIS, "var", step=s, selector="threshold", _broadcast=broadcast), 1)
+    call = sharded(
+        mesh_1d(8),
+        lambda x, s: collectives.ar_topk(
+            x, 20, AXIS, "var", step=s, selector="threshold", _broadcast=broadcast
+        ),
+        1,
+    )
     total, sent = call(X, jnp.int32(0))
     expected_total, expected_sent = sim_ar_topk(X, 20, "var", 0, selection("threshold"))
     assert_replicas_identical(total)
@@ -348,18 +390,24 @@ def test_ar_topk_threshold_selector_and_both_broadcasts(broadcast):
     assert_bits_equal(sent, expected_sent, jnp.float32)
 
 
-@pytest.mark.parametrize("dtype, outer, inner, n, k", [
-    (jnp.float32, 2, 4, 1003, 40),  # shards of 251, k_shard 10
-    (jnp.bfloat16, 2, 4, 1003, 40),
-    (jnp.float32, 2, 4, 10, 10),  # k larger than a shard (3): every real entry is kept
-    (jnp.float16, 4, 2, 7, 3),
-    (jnp.float32, 1, 4, 9, 5),  # one node
-    (jnp.bfloat16, 4, 1, 9, 5),  # one device per node
-])
+@pytest.mark.parametrize(
+    "dtype, outer, inner, n, k",
+    [
+        (jnp.float32, 2, 4, 1003, 40),  # shards of 251, k_shard 10
+        (jnp.bfloat16, 2, 4, 1003, 40),
+        (jnp.float32, 2, 4, 10, 10),  # k larger than a shard (3): every real entry is kept
+        (jnp.float16, 4, 2, 7, 3),
+        (jnp.float32, 1, 4, 9, 5),  # one node
+        (jnp.bfloat16, 4, 1, 9, 5),  # one device per node
+    ],
+)
 def test_hierarchical_topk(dtype, outer, inner, n, k):
     X = gradients(outer * inner, n, dtype)
-    call = sharded(mesh_2d(outer, inner), lambda x: collectives.hierarchical_topk(x, k, "gpu", "node"),
-                   axes=("node", "gpu"))
+    call = sharded(
+        mesh_2d(outer, inner),
+        lambda x: collectives.hierarchical_topk(x, k, "gpu", "node"),
+        axes=("node", "gpu"),
+    )
     total, sent = call(X)
     expected_total, expected_sent = sim_hierarchical(X, k, outer, inner, np_topk)
     assert_replicas_identical(total)
@@ -371,8 +419,11 @@ def test_hierarchical_topk(dtype, outer, inner, n, k):
 
 def test_hierarchical_topk_threshold_selector():
     X = gradients(8, 300, jnp.float32)
-    call = sharded(mesh_2d(2, 4), lambda x: collectives.hierarchical_topk(x, 30, "gpu", "node", "threshold"),
-                   axes=("node", "gpu"))
+    call = sharded(
+        mesh_2d(2, 4),
+        lambda x: collectives.hierarchical_topk(x, 30, "gpu", "node", "threshold"),
+        axes=("node", "gpu"),
+    )
     total, sent = call(X)
     expected_total, expected_sent = sim_hierarchical(X, 30, 2, 4, selection("threshold"))
     assert_bits_equal(total[0], expected_total, jnp.float32)
@@ -380,16 +431,21 @@ def test_hierarchical_topk_threshold_selector():
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling"])
-@pytest.mark.parametrize("dtype, n_devices, n, rate", [
-    (jnp.float32, 8, 1003, 12),
-    (jnp.float32, 6, 101, 8),  # not a power of two: recursive doubling folds two devices
-    (jnp.bfloat16, 6, 5, 2),  # fewer values than devices; rate 2 has a header word
-    (jnp.float16, 3, 64, 32),
-    (jnp.float32, 2, 6, 1),
-])
+@pytest.mark.parametrize(
+    "dtype, n_devices, n, rate",
+    [
+        (jnp.float32, 8, 1003, 12),
+        (jnp.float32, 6, 101, 8),  # not a power of two: recursive doubling folds two devices
+        (jnp.bfloat16, 6, 5, 2),  # fewer values than devices; rate 2 has a header word
+        (jnp.float16, 3, 64, 32),
+        (jnp.float32, 2, 6, 1),
+    ],
+)
 def test_zfp_allreduce(dtype, algorithm, n_devices, n, rate):
     X = gradients(n_devices, n, dtype)
-    call = sharded(mesh_1d(n_devices), lambda x: collectives.zfp_allreduce(x, rate, AXIS, algorithm))
+    call = sharded(
+        mesh_1d(n_devices), lambda x: collectives.zfp_allreduce(x, rate, AXIS, algorithm)
+    )
     total, sent = call(X)
     simulate = sim_zfp_ring if algorithm == "ring" else sim_zfp_recursive_doubling
     expected_total, expected_sent, bound = simulate(X, rate)
@@ -398,8 +454,9 @@ def test_zfp_allreduce(dtype, algorithm, n_devices, n, rate):
     assert_bits_equal(sent, expected_sent, dtype)
     if algorithm == "ring" and dtype == jnp.float32:
         # Every error the ring made is some device's: the sents add up to the total.
-        np.testing.assert_allclose(sent.astype(np.float64).sum(0), total[0], rtol=1e-5,
-                                   atol=1e-5 * np.abs(X).sum(0).max())
+        np.testing.assert_allclose(
+            sent.astype(np.float64).sum(0), total[0], rtol=1e-5, atol=1e-5 * np.abs(X).sum(0).max()
+        )
     # Within the codec's error of the exact sum (plus float32 and output rounding).
     exact = X.astype(np.float64).sum(0)
     slack = 1e-5 * np.abs(X.astype(np.float64)).sum(0) + np.abs(exact) * float(jnp.finfo(dtype).eps)
@@ -409,7 +466,9 @@ def test_zfp_allreduce(dtype, algorithm, n_devices, n, rate):
 def test_zfp_allreduce_one_device_sends_nothing():
     X = gradients(1, 10, jnp.float32)
     for algorithm in collectives.ZFP_ALGORITHMS:
-        total, sent = sharded(mesh_1d(1), lambda x: collectives.zfp_allreduce(x, 4, AXIS, algorithm))(X)
+        total, sent = sharded(
+            mesh_1d(1), lambda x: collectives.zfp_allreduce(x, 4, AXIS, algorithm)
+        )(X)
         np.testing.assert_array_equal(total, X)
         np.testing.assert_array_equal(sent, X)
 
@@ -417,17 +476,24 @@ def test_zfp_allreduce_one_device_sends_nothing():
 # ----------------------------------------------------------------------------------------------
 # quantized_psum: unbiased, on the agreed grid, and the devices' sent add up to the total.
 
+
 def quantized_means(mesh, X, bits, keys, hadamard):
     """Mean and all totals of quantized_psum over many keys, in one compiled call."""
+
     def many(x, keys):
-        totals = jax.lax.map(lambda key: collectives.quantized_psum(x, bits, AXIS, key, hadamard)[0], keys)
+        totals = jax.lax.map(
+            lambda key: collectives.quantized_psum(x, bits, AXIS, key, hadamard)[0], keys
+        )
         return totals, totals
+
     f = jax.jit(jax.shard_map(many, mesh=mesh, in_specs=(P(AXIS), P()), out_specs=(P(), P(AXIS))))
     totals, per_device = f(jnp.asarray(X).reshape(-1), keys)
     return np.asarray(totals, np.float32), np.asarray(per_device, np.float32)
 
 
-@pytest.mark.parametrize("hadamard, n_devices, n, bits", [(True, 8, 100, 4), (False, 6, 37, 2), (True, 6, 5, 1)])
+@pytest.mark.parametrize(
+    "hadamard, n_devices, n, bits", [(True, 8, 100, 4), (False, 6, 37, 2), (True, 6, 5, 1)]
+)
 def test_quantized_psum_is_unbiased(hadamard, n_devices, n, bits):
     X = gradients(n_devices, n, jnp.float32, seed=n)
     draws = 400
@@ -460,7 +526,11 @@ def sim_quantized(X, bits, key, hadamard):
     signs = np.asarray(counter_signs(sign_key, (length // block, block)))
 
     def forward(v):
-        return ((np.pad(v, (0, length - n)).reshape(-1, block) * signs) @ H).reshape(-1) if hadamard else v
+        return (
+            ((np.pad(v, (0, length - n)).reshape(-1, block) * signs) @ H).reshape(-1)
+            if hadamard
+            else v
+        )
 
     def inverse(v):
         return ((v.reshape(-1, block) @ H) * signs).reshape(-1)[:n] if hadamard else v
@@ -468,8 +538,9 @@ def sim_quantized(X, bits, key, hadamard):
     rotated = np.stack([forward(row) for row in Xf])
     bound = np.abs(rotated).max()
     levels = 2**bits - 1
-    noise = np.stack([np.asarray(counter_uniform(jax.random.fold_in(noise_key, d), (length,)))
-                      for d in range(N)])
+    noise = np.stack(
+        [np.asarray(counter_uniform(jax.random.fold_in(noise_key, d), (length,))) for d in range(N)]
+    )
     codes = np.clip(np.floor((rotated / bound + 1) * (levels / 2) + noise), 0, levels)
     step = bound * 2 / levels
     total = inverse(codes.sum(0) * step - N * bound)
@@ -477,17 +548,24 @@ def sim_quantized(X, bits, key, hadamard):
     return total, sent, step
 
 
-@pytest.mark.parametrize("dtype, hadamard, n_devices, n, bits", [
-    (jnp.float32, True, 8, 1003, 8),
-    (jnp.float32, False, 8, 1003, 8),
-    (jnp.bfloat16, True, 6, 20, 3),
-    (jnp.float16, False, 6, 20, 3),
-    (jnp.float32, True, 8, 4, 16),
-])
+@pytest.mark.parametrize(
+    "dtype, hadamard, n_devices, n, bits",
+    [
+        (jnp.float32, True, 8, 1003, 8),
+        (jnp.float32, False, 8, 1003, 8),
+        (jnp.bfloat16, True, 6, 20, 3),
+        (jnp.float16, False, 6, 20, 3),
+        (jnp.float32, True, 8, 4, 16),
+    ],
+)
 def test_quantized_psum_matches_simulation(dtype, hadamard, n_devices, n, bits):
     X = gradients(n_devices, n, dtype)
     key = jax.random.key(3)
-    call = sharded(mesh_1d(n_devices), lambda x, key: collectives.quantized_psum(x, bits, AXIS, key, hadamard), 1)
+    call = sharded(
+        mesh_1d(n_devices),
+        lambda x, key: collectives.quantized_psum(x, bits, AXIS, key, hadamard),
+        1,
+    )
     total, sent = call(X, key)
     expected_total, expected_sent, step = sim_quantized(X, bits, key, hadamard)
     assert_replicas_identical(total)
@@ -495,7 +573,9 @@ def test_quantized_psum_matches_simulation(dtype, hadamard, n_devices, n, bits):
     # another order -- and by the final rounding to dtype. Rarely a code sits within rounding of a
     # level and goes the other way: one grid step on one entry, or spread over a Hadamard block.
     eps = float(jnp.finfo(dtype).eps)
-    slack = 1e-2 * step + 16 * float(jnp.finfo(jnp.float32).eps) * n_devices * step * (2**bits - 1) / 2
+    slack = (
+        1e-2 * step + 16 * float(jnp.finfo(jnp.float32).eps) * n_devices * step * (2**bits - 1) / 2
+    )
     block = min(1 << (n - 1).bit_length(), layout.MAX_HADAMARD_BLOCK)
     flip = 2 * step / np.sqrt(block) if hadamard else step
     for actual, expected in ((total[0], expected_total), (sent, expected_sent)):
@@ -504,16 +584,22 @@ def test_quantized_psum_matches_simulation(dtype, hadamard, n_devices, n, bits):
         if not hadamard:
             assert np.mean(off > 0) <= 1e-3
     # The devices' sent add up to the total: error feedback is exact.
-    assert np.all(np.abs(wire_sum(sent) - total[0]) <= eps * (np.abs(sent).sum(0) + np.abs(total[0])) + slack)
+    assert np.all(
+        np.abs(wire_sum(sent) - total[0]) <= eps * (np.abs(sent).sum(0) + np.abs(total[0])) + slack
+    )
 
 
 def test_quantized_psum_zero_input_and_one_device():
     zeros = np.zeros((8, 9), np.float32)
     key = jax.random.key(0)
-    total, sent = sharded(mesh_1d(8), lambda x, k: collectives.quantized_psum(x, 4, AXIS, k), 1)(zeros, key)
+    total, sent = sharded(mesh_1d(8), lambda x, k: collectives.quantized_psum(x, 4, AXIS, k), 1)(
+        zeros, key
+    )
     np.testing.assert_array_equal(total, zeros)
     X = gradients(1, 9, jnp.float32)
-    total, sent = sharded(mesh_1d(1), lambda x, k: collectives.quantized_psum(x, 4, AXIS, k), 1)(X, key)
+    total, sent = sharded(mesh_1d(1), lambda x, k: collectives.quantized_psum(x, 4, AXIS, k), 1)(
+        X, key
+    )
     np.testing.assert_array_equal(total, X)
     np.testing.assert_array_equal(sent, X)
 
@@ -524,19 +610,31 @@ def test_same_result_without_vma_checks(method):
     fn = {
         "allgather_topk": lambda x, s, key: collectives.allgather_topk(x, 5, AXIS),
         "ar_topk": lambda x, s, key: collectives.ar_topk(x, 5, AXIS, "var"),
-        "zfp_allreduce": lambda x, s, key: collectives.zfp_allreduce(x, 8, AXIS, "recursive_doubling"),
+        "zfp_allreduce": lambda x, s, key: collectives.zfp_allreduce(
+            x, 8, AXIS, "recursive_doubling"
+        ),
         "quantized_psum": lambda x, s, key: collectives.quantized_psum(x, 4, AXIS, key),
     }[method]
     mesh = mesh_1d(6)
     x = jnp.asarray(gradients(6, 40, jnp.float32)).reshape(-1)
-    results = [jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=(P(AXIS), P(AXIS)),
-                                     check_vma=check))(x, jnp.int32(2), jax.random.key(5))
-               for check in (True, False)]
+    results = [
+        jax.jit(
+            jax.shard_map(
+                fn,
+                mesh=mesh,
+                in_specs=(P(AXIS), P(), P()),
+                out_specs=(P(AXIS), P(AXIS)),
+                check_vma=check,
+            )
+        )(x, jnp.int32(2), jax.random.key(5))
+        for check in (True, False)
+    ]
     assert_trees_equal(*results)
 
 
 # ----------------------------------------------------------------------------------------------
 # One compilation for every step and key.
+
 
 def test_new_step_or_key_does_not_recompile():
     X = jnp.asarray(gradients(8, 64, jnp.float32)).reshape(-1)
@@ -558,6 +656,7 @@ def test_new_step_or_key_does_not_recompile():
 
 # ----------------------------------------------------------------------------------------------
 # bytes_sent agrees with what the implementation puts on the wire, read off its jaxpr.
+
 
 def _sub_jaxprs(params):
     for value in params.values():
@@ -600,21 +699,34 @@ CASES = [
     ("ar_topk", lambda x: collectives.ar_topk(x, 7, AXIS, "star"), dict(k=7)),
     ("ar_topk", lambda x: collectives.ar_topk(x, 7, AXIS, "var"), dict(k=7, leader="var")),
     ("zfp_allreduce", lambda x: collectives.zfp_allreduce(x, 8, AXIS), dict(rate=8)),
-    ("zfp_allreduce", lambda x: collectives.zfp_allreduce(x, 8, AXIS, "recursive_doubling"),
-     dict(rate=8, algorithm="recursive_doubling")),
-    ("quantized_psum", lambda x: collectives.quantized_psum(x, 4, AXIS, jax.random.key(0)), dict(bits=4)),
-    ("quantized_psum", lambda x: collectives.quantized_psum(x, 12, AXIS, jax.random.key(0), False),
-     dict(bits=12, hadamard=False)),
+    (
+        "zfp_allreduce",
+        lambda x: collectives.zfp_allreduce(x, 8, AXIS, "recursive_doubling"),
+        dict(rate=8, algorithm="recursive_doubling"),
+    ),
+    (
+        "quantized_psum",
+        lambda x: collectives.quantized_psum(x, 4, AXIS, jax.random.key(0)),
+        dict(bits=4),
+    ),
+    (
+        "quantized_psum",
+        lambda x: collectives.quantized_psum(x, 12, AXIS, jax.random.key(0), False),
+        dict(bits=12, hadamard=False),
+    ),
 ]
 
 
 @pytest.mark.parametrize("n_devices", [8, 6])
-@pytest.mark.parametrize("method, fn, params", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    "method, fn, params", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+)
 def test_bytes_sent_agrees_with_the_implementation(n_devices, method, fn, params):
     n, dtype = 1003, jnp.bfloat16
     mesh = mesh_1d(n_devices)
-    traced = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=(P(AXIS), P(AXIS)))).trace(
-        jnp.zeros(n * n_devices, dtype))
+    traced = jax.jit(
+        jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=(P(AXIS), P(AXIS)))
+    ).trace(jnp.zeros(n * n_devices, dtype))
     uniform, p2p = _collective_bytes(traced.jaxpr.jaxpr, {AXIS: n_devices})
     measured = uniform + max(p2p.values(), default=0)
     assert measured == pytest.approx(bytes_sent(method, n, n_devices, dtype_bytes=2, **params))
@@ -624,8 +736,11 @@ def test_bytes_sent_agrees_with_hierarchical_implementation():
     n, k = 1003, 40
     mesh = mesh_2d(2, 4)
     fn = lambda x: collectives.hierarchical_topk(x, k, "gpu", "node")  # noqa: E731
-    traced = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(("node", "gpu")),
-                                   out_specs=(P(("node", "gpu")),) * 2)).trace(jnp.zeros(n * 8))
+    traced = jax.jit(
+        jax.shard_map(
+            fn, mesh=mesh, in_specs=P(("node", "gpu")), out_specs=(P(("node", "gpu")),) * 2
+        )
+    ).trace(jnp.zeros(n * 8))
     uniform, p2p = _collective_bytes(traced.jaxpr.jaxpr, {"node": 2, "gpu": 4})
     assert not p2p
     assert uniform == pytest.approx(bytes_sent("hierarchical_topk", n, 8, k=k, inner_size=4))
@@ -634,45 +749,71 @@ def test_bytes_sent_agrees_with_hierarchical_implementation():
 # ----------------------------------------------------------------------------------------------
 # Bad input: errors that name the argument, raised while tracing.
 
+
 def trace(fn, mesh=None, n=10, dtype=jnp.float32):
     mesh = mesh or mesh_1d(2)
     jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))).trace(
-        jnp.zeros(n * mesh.size, dtype))
+        jnp.zeros(n * mesh.size, dtype)
+    )
 
 
 KEY = jax.random.key(0)
 
 
-@pytest.mark.parametrize("fn, error, message", [
-    (lambda x: collectives.psum(x, "model"), ValueError, "axis_name='model'"),
-    (lambda x: collectives.allgather_topk(x, 3, "model"), ValueError, "axis_name='model'"),
-    (lambda x: collectives.ar_topk(x, 3, "model"), ValueError, "axis_name='model'"),
-    (lambda x: collectives.zfp_allreduce(x, 8, "model"), ValueError, "axis_name='model'"),
-    (lambda x: collectives.quantized_psum(x, 4, "model", KEY), ValueError, "axis_name='model'"),
-    (lambda x: collectives.hierarchical_topk(x, 3, "gpu", AXIS), ValueError, "inner_axis='gpu'"),
-    (lambda x: collectives.hierarchical_topk(x, 3, AXIS, "node"), ValueError, "outer_axis='node'"),
-    (lambda x: collectives.hierarchical_topk(x, 3, AXIS, AXIS), ValueError, "must be different"),
-    (lambda x: collectives.allgather_topk(x, 0, AXIS), ValueError, "k must be"),
-    (lambda x: collectives.allgather_topk(x, 11, AXIS), ValueError, "k must be"),
-    (lambda x: collectives.ar_topk(x, -1, AXIS), ValueError, "k must be"),
-    (lambda x: collectives.ar_topk(x, 11, AXIS), ValueError, "k must be"),
-    (lambda x: collectives.hierarchical_topk(x, 0, AXIS, AXIS), ValueError, "k must be"),
-    (lambda x: collectives.allgather_topk(x, 2.5, AXIS), TypeError, "k must be"),
-    (lambda x: collectives.allgather_topk(x, 3, AXIS, "sort"), ValueError, "selector"),
-    (lambda x: collectives.ar_topk(x, 3, AXIS, leader="max"), ValueError, "leader"),
-    (lambda x: collectives.ar_topk(x, 3, AXIS, step=1.5), TypeError, "step"),
-    (lambda x: collectives.zfp_allreduce(x, 0, AXIS), ValueError, "rate"),
-    (lambda x: collectives.zfp_allreduce(x, 33, AXIS), ValueError, "rate"),
-    (lambda x: collectives.zfp_allreduce(x, 8, AXIS, "tree"), ValueError, "algorithm"),
-    (lambda x: collectives.quantized_psum(x, 0, AXIS, KEY), ValueError, "bits"),
-    (lambda x: collectives.quantized_psum(x, 17, AXIS, KEY), ValueError, "bits"),
-    (lambda x: collectives.quantized_psum(x, 4, AXIS, 3), TypeError, "key"),
-    (lambda x: collectives.quantized_psum(x, 4, AXIS, KEY, hadamard="yes"), TypeError, "hadamard"),
-    (lambda x: collectives.quantized_psum(x, 4, AXIS, jax.random.fold_in(KEY, jax.lax.axis_index(AXIS))),
-     ValueError, "same on every device"),
-    (lambda x: collectives.psum(x.reshape(2, 5), AXIS), ValueError, "1-D"),
-    (lambda x: collectives.psum(x.astype(jnp.int32), AXIS), TypeError, "x must be"),
-])
+@pytest.mark.parametrize(
+    "fn, error, message",
+    [
+        (lambda x: collectives.psum(x, "model"), ValueError, "axis_name='model'"),
+        (lambda x: collectives.allgather_topk(x, 3, "model"), ValueError, "axis_name='model'"),
+        (lambda x: collectives.ar_topk(x, 3, "model"), ValueError, "axis_name='model'"),
+        (lambda x: collectives.zfp_allreduce(x, 8, "model"), ValueError, "axis_name='model'"),
+        (lambda x: collectives.quantized_psum(x, 4, "model", KEY), ValueError, "axis_name='model'"),
+        (
+            lambda x: collectives.hierarchical_topk(x, 3, "gpu", AXIS),
+            ValueError,
+            "inner_axis='gpu'",
+        ),
+        (
+            lambda x: collectives.hierarchical_topk(x, 3, AXIS, "node"),
+            ValueError,
+            "outer_axis='node'",
+        ),
+        (
+            lambda x: collectives.hierarchical_topk(x, 3, AXIS, AXIS),
+            ValueError,
+            "must be different",
+        ),
+        (lambda x: collectives.allgather_topk(x, 0, AXIS), ValueError, "k must be"),
+        (lambda x: collectives.allgather_topk(x, 11, AXIS), ValueError, "k must be"),
+        (lambda x: collectives.ar_topk(x, -1, AXIS), ValueError, "k must be"),
+        (lambda x: collectives.ar_topk(x, 11, AXIS), ValueError, "k must be"),
+        (lambda x: collectives.hierarchical_topk(x, 0, AXIS, AXIS), ValueError, "k must be"),
+        (lambda x: collectives.allgather_topk(x, 2.5, AXIS), TypeError, "k must be"),
+        (lambda x: collectives.allgather_topk(x, 3, AXIS, "sort"), ValueError, "selector"),
+        (lambda x: collectives.ar_topk(x, 3, AXIS, leader="max"), ValueError, "leader"),
+        (lambda x: collectives.ar_topk(x, 3, AXIS, step=1.5), TypeError, "step"),
+        (lambda x: collectives.zfp_allreduce(x, 0, AXIS), ValueError, "rate"),
+        (lambda x: collectives.zfp_allreduce(x, 33, AXIS), ValueError, "rate"),
+        (lambda x: collectives.zfp_allreduce(x, 8, AXIS, "tree"), ValueError, "algorithm"),
+        (lambda x: collectives.quantized_psum(x, 0, AXIS, KEY), ValueError, "bits"),
+        (lambda x: collectives.quantized_psum(x, 17, AXIS, KEY), ValueError, "bits"),
+        (lambda x: collectives.quantized_psum(x, 4, AXIS, 3), TypeError, "key"),
+        (
+            lambda x: collectives.quantized_psum(x, 4, AXIS, KEY, hadamard="yes"),
+            TypeError,
+            "hadamard",
+        ),
+        (
+            lambda x: collectives.quantized_psum(
+                x, 4, AXIS, jax.random.fold_in(KEY, jax.lax.axis_index(AXIS))
+            ),
+            ValueError,
+            "same on every device",
+        ),
+        (lambda x: collectives.psum(x.reshape(2, 5), AXIS), ValueError, "1-D"),
+        (lambda x: collectives.psum(x.astype(jnp.int32), AXIS), TypeError, "x must be"),
+    ],
+)
 def test_bad_input(fn, error, message):
     with pytest.raises(error, match=message):
         trace(fn)
@@ -699,7 +840,9 @@ def test_sparse_sent_is_the_dense_sent_as_pairs(method):
     def both(x):
         total, sent = run(x, False)
         total_s, (indices, values) = run(x, True)
-        scattered = jnp.zeros(n + 64, x.dtype).at[indices].set(values)[:n]  # room for padding indices
+        scattered = (
+            jnp.zeros(n + 64, x.dtype).at[indices].set(values)[:n]
+        )  # room for padding indices
         return total_s - total, scattered - sent
 
     f = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=P(axes), out_specs=(P(axes), P(axes))))

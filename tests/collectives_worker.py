@@ -23,11 +23,15 @@ AXIS = "data"
 def cases():
     """(name, function of the local vector) pairs; the test runs the same ones in one process."""
     from jaxcomp import collectives
+
     return [
         ("ar_topk_star", lambda x: collectives.ar_topk(x, 9, AXIS, "star", step=jnp.int32(3))),
         ("ar_topk_var", lambda x: collectives.ar_topk(x, 9, AXIS, "var")),
         ("zfp_ring", lambda x: collectives.zfp_allreduce(x, 8, AXIS, "ring")),
-        ("zfp_recursive_doubling", lambda x: collectives.zfp_allreduce(x, 8, AXIS, "recursive_doubling")),
+        (
+            "zfp_recursive_doubling",
+            lambda x: collectives.zfp_allreduce(x, 8, AXIS, "recursive_doubling"),
+        ),
     ]
 
 
@@ -53,13 +57,23 @@ def main():
     # before its backend starts.
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
     jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
-    process_id, num_processes, port, output = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id)
+    process_id, num_processes, port, output = (
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        sys.argv[4],
+    )
+    jax.distributed.initialize(
+        f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id
+    )
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     assert jax.process_count() == num_processes and len(devices) == num_processes * LOCAL_DEVICES, (
         f"expected {num_processes} processes of {LOCAL_DEVICES} devices, got {jax.process_count()} and "
-        f"{len(devices)} devices")
-    print(f"process {process_id}: {len(devices)} devices, {jax.process_count()} processes", flush=True)
+        f"{len(devices)} devices"
+    )
+    print(
+        f"process {process_id}: {len(devices)} devices, {jax.process_count()} processes", flush=True
+    )
     mesh = Mesh(np.array(devices), (AXIS,))
     X = gradients(len(devices), 501)
     rows = {}

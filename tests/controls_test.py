@@ -29,7 +29,10 @@ def _loss(params, batch):
 
 
 def _batch(rng):
-    return {name: rng.standard_normal((N_DEVICES, *shape)).astype(np.float32) for name, shape in SHAPES.items()}
+    return {
+        name: rng.standard_normal((N_DEVICES, *shape)).astype(np.float32)
+        for name, shape in SHAPES.items()
+    }
 
 
 def _zeros():
@@ -43,8 +46,15 @@ def _run(tx):
 
 def _flat(tree):
     """The model vector in the params' flattening order (sorted dict keys), per device when stacked."""
-    return np.concatenate([np.asarray(tree[name], np.float64).reshape(*np.shape(tree[name])[:-len(SHAPES[name])], -1)
-                           for name in sorted(SHAPES)], axis=-1)
+    return np.concatenate(
+        [
+            np.asarray(tree[name], np.float64).reshape(
+                *np.shape(tree[name])[: -len(SHAPES[name])], -1
+            )
+            for name in sorted(SHAPES)
+        ],
+        axis=-1,
+    )
 
 
 # ---- warm-up ---------------------------------------------------------------------------------
@@ -53,9 +63,14 @@ def _flat(tree):
 def test_warmup_runs_dense_then_the_method_with_error_feedback_exact_across_the_switch():
     """Steps 0-1 are the exact dense sum (nothing kept), step 2 on runs top-k; sum of aggregates =
     sum of gradients - residuals throughout; one compilation."""
-    tx = optax.chain(jaxcomp.compress(TopK(k=10, collective="ar"), mean=False, warmup_steps=2), optax.sgd(1.0))
+    tx = optax.chain(
+        jaxcomp.compress(TopK(k=10, collective="ar"), mean=False, warmup_steps=2), optax.sgd(1.0)
+    )
     dp, state = _run(tx)
-    assert [m.label for m in jaxcomp.find_compress_state(state.opt_state).methods] == ["dense", "ar_topk"]
+    assert [m.label for m in jaxcomp.find_compress_state(state.opt_state).methods] == [
+        "dense",
+        "ar_topk",
+    ]
     rng = np.random.default_rng(0)
     fed, ran = np.zeros(_flat(_zeros()).shape), []
     with count_compilations() as compiles:
@@ -67,20 +82,32 @@ def test_warmup_runs_dense_then_the_method_with_error_feedback_exact_across_the_
             fed += _flat(batch).sum(axis=0)
             residual = _flat(jaxcomp.find_compress_state(state.opt_state).residual)
             if step < 2:
-                np.testing.assert_allclose(before - _flat(state.params), _flat(batch).sum(axis=0), rtol=1e-6, atol=1e-5)
+                np.testing.assert_allclose(
+                    before - _flat(state.params), _flat(batch).sum(axis=0), rtol=1e-6, atol=1e-5
+                )
                 assert not residual.any() and float(metrics["density"]) == pytest.approx(1.0)
             else:
                 assert residual.any() and float(metrics["density"]) == pytest.approx(10 / fed.size)
-            np.testing.assert_allclose(-_flat(state.params), fed - residual.sum(axis=0), rtol=1e-5, atol=1e-4)
+            np.testing.assert_allclose(
+                -_flat(state.params), fed - residual.sum(axis=0), rtol=1e-5, atol=1e-4
+            )
     assert ran == [0, 0, 1, 1] and compiles[0] == 1
 
 
-@pytest.mark.parametrize("build, match", [
-    (lambda: jaxcomp.compress(TopK(0.1), warmup_steps=-1), "warmup_steps must be"),
-    (lambda: jaxcomp.compress(TopK(0.1), warmup_steps=1.5), "warmup_steps must be"),
-    (lambda: jaxcomp.compress(jaxcomp.Zfp(8, algorithm="recursive_doubling"), warmup_steps=3), "replicated"),
-    (lambda: jaxcomp.compress("auto", ratio=0.1, warmup_steps=3), "single method"),
-])
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: jaxcomp.compress(TopK(0.1), warmup_steps=-1), "warmup_steps must be"),
+        (lambda: jaxcomp.compress(TopK(0.1), warmup_steps=1.5), "warmup_steps must be"),
+        (
+            lambda: jaxcomp.compress(
+                jaxcomp.Zfp(8, algorithm="recursive_doubling"), warmup_steps=3
+            ),
+            "replicated",
+        ),
+        (lambda: jaxcomp.compress("auto", ratio=0.1, warmup_steps=3), "single method"),
+    ],
+)
 def test_warmup_bad_arguments(build, match):
     with pytest.raises((ValueError, TypeError), match=match):
         build()
@@ -96,29 +123,45 @@ def _all_reduce_operands(dp, state, batch):
     for line in hlo.splitlines():
         match = re.search(r"=\s*(.*?)\s+all-reduce(?:-start)?\(", line)
         if match:
-            found += [(dtype, int(np.prod([int(d) for d in dims.split(",") if d])))
-                      for dtype, dims in re.findall(r"([a-z]+[0-9]*)\[([\d,]*)\]", match.group(1))]
+            found += [
+                (dtype, int(np.prod([int(d) for d in dims.split(",") if d])))
+                for dtype, dims in re.findall(r"([a-z]+[0-9]*)\[([\d,]*)\]", match.group(1))
+            ]
     return found
 
 
-@pytest.mark.parametrize("option", [{"min_size": 20}, {"mask": {"w": True, "b": False, "scale": False}},
-                                    {"mask": lambda p: jax.tree.map(lambda x: x.ndim > 1, p)}],
-                         ids=["min_size", "mask_tree", "mask_callable"])
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"min_size": 20},
+        {"mask": {"w": True, "b": False, "scale": False}},
+        {"mask": lambda p: jax.tree.map(lambda x: x.ndim > 1, p)},
+    ],
+    ids=["min_size", "mask_tree", "mask_callable"],
+)
 def test_left_out_leaves_are_summed_exactly_in_one_fused_all_reduce(option):
     """b and scale (12 + 5 values) go dense in ONE all-reduce of 17 floats, keep no residual and
     come out as the exact sum; w is compressed with error feedback."""
-    tx = optax.chain(jaxcomp.compress(TopK(k=5, collective="ar"), mean=False, **option), optax.sgd(1.0))
+    tx = optax.chain(
+        jaxcomp.compress(TopK(k=5, collective="ar"), mean=False, **option), optax.sgd(1.0)
+    )
     dp, state = _run(tx)
     residual = jaxcomp.find_compress_state(state.opt_state).residual
-    assert isinstance(residual["b"], optax.MaskedNode) and isinstance(residual["scale"], optax.MaskedNode)
+    assert isinstance(residual["b"], optax.MaskedNode) and isinstance(
+        residual["scale"], optax.MaskedNode
+    )
     batch = _batch(np.random.default_rng(1))
     state, metrics = dp.step(state, batch)
     for name in ("b", "scale"):
-        np.testing.assert_allclose(-np.asarray(state.params[name]), batch[name].sum(axis=0), rtol=1e-6, atol=1e-5)
+        np.testing.assert_allclose(
+            -np.asarray(state.params[name]), batch[name].sum(axis=0), rtol=1e-6, atol=1e-5
+        )
     assert np.count_nonzero(np.asarray(state.params["w"])) <= 5
     assert float(metrics["density"]) == pytest.approx((5 + 17) / (16 * 12 + 17))
     dense = jaxcomp.Dense().wire_bytes(17, N_DEVICES)
-    assert float(metrics["bytes_sent"]) == pytest.approx(TopK(k=5, collective="ar").wire_bytes(192, N_DEVICES) + dense)
+    assert float(metrics["bytes_sent"]) == pytest.approx(
+        TopK(k=5, collective="ar").wire_bytes(192, N_DEVICES) + dense
+    )
     # One all-reduce carries both left-out leaves; no float all-reduce is as large as w (192).
     operands = _all_reduce_operands(dp, state, batch)
     assert operands.count(("f32", 17)) == 1
@@ -126,8 +169,10 @@ def test_left_out_leaves_are_summed_exactly_in_one_fused_all_reduce(option):
 
 
 def test_everything_masked_out_is_plain_dense():
-    tx = optax.chain(jaxcomp.compress(TopK(k=5), mean=False, mask=lambda p: jax.tree.map(lambda _: False, p)),
-                     optax.sgd(1.0))
+    tx = optax.chain(
+        jaxcomp.compress(TopK(k=5), mean=False, mask=lambda p: jax.tree.map(lambda _: False, p)),
+        optax.sgd(1.0),
+    )
     dp, state = _run(tx)
     batch = _batch(np.random.default_rng(2))
     state, metrics = dp.step(state, batch)
@@ -138,16 +183,21 @@ def test_everything_masked_out_is_plain_dense():
 def test_powersgd_with_min_size_leaves_small_leaves_to_the_fused_all_reduce():
     tx = optax.chain(jaxcomp.compress(PowerSGD(2), mean=False, min_size=50), optax.sgd(1.0))
     dp, state = _run(tx)
-    assert [q.shape for q in jaxcomp.find_compress_state(state.opt_state).method_state[0][0]] == [(12, 2)]
+    assert [q.shape for q in jaxcomp.find_compress_state(state.opt_state).method_state[0][0]] == [
+        (12, 2)
+    ]
     state, _ = dp.step(state, _batch(np.random.default_rng(3)))
     assert np.isfinite(_flat(state.params)).all()
 
 
-@pytest.mark.parametrize("option, match", [
-    ({"mask": {"w": True}}, "mask must have the structure of the params"),
-    ({"mask": {"w": 1, "b": True, "scale": True}}, "mask must hold Python bools"),
-    ({"min_size": -1}, "min_size must be"),
-])
+@pytest.mark.parametrize(
+    "option, match",
+    [
+        ({"mask": {"w": True}}, "mask must have the structure of the params"),
+        ({"mask": {"w": 1, "b": True, "scale": True}}, "mask must hold Python bools"),
+        ({"min_size": -1}, "min_size must be"),
+    ],
+)
 def test_mask_bad_arguments(option, match):
     with pytest.raises(ValueError, match=match):
         jaxcomp.compress(TopK(0.1), **option).init(_zeros())
@@ -195,11 +245,20 @@ def test_momentum_and_method_state_checkpoint_round_trip(tmp_path):
     assert _flat(jaxcomp.find_compress_state(state.opt_state).velocity).any()
 
 
-@pytest.mark.parametrize("build, match", [
-    (lambda: jaxcomp.compress(jaxcomp.Zfp(8), momentum_correction=0.9), "sparsifying methods"),
-    (lambda: jaxcomp.compress(TopK(0.1), momentum_correction=1.0), r"momentum_correction must be a momentum in \[0, 1\)"),
-    (lambda: jaxcomp.compress(TopK(0.1), momentum_correction="0.9"), "momentum_correction must be"),
-])
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: jaxcomp.compress(jaxcomp.Zfp(8), momentum_correction=0.9), "sparsifying methods"),
+        (
+            lambda: jaxcomp.compress(TopK(0.1), momentum_correction=1.0),
+            r"momentum_correction must be a momentum in \[0, 1\)",
+        ),
+        (
+            lambda: jaxcomp.compress(TopK(0.1), momentum_correction="0.9"),
+            "momentum_correction must be",
+        ),
+    ],
+)
 def test_momentum_bad_arguments(build, match):
     with pytest.raises(ValueError, match=match):
         build()
@@ -230,11 +289,13 @@ def test_multisteps_compresses_once_per_accumulated_step():
     # The micro-steps communicate nothing: the collectives sit in the emitting branch of one
     # conditional, which runs once per accumulated step.
     hlo = dp.step.lower(state, micro[0]).compile().as_text()
-    entry = hlo[hlo.index("ENTRY"):]
-    entry = entry[:entry.index("\n}\n")]
+    entry = hlo[hlo.index("ENTRY") :]
+    entry = entry[: entry.index("\n}\n")]
     assert "conditional(" in entry
     outside = [line for line in entry.splitlines() if re.search(r"all-reduce(-start)?\(", line)]
-    assert not [line for line in outside if re.search(r"f32\[\d", line)], outside  # scalars (the loss) only
+    assert not [line for line in outside if re.search(r"f32\[\d", line)], (
+        outside
+    )  # scalars (the loss) only
 
 
 def test_accumulate_waits_where_optax_multisteps_cannot_run_in_shard_map():
@@ -252,8 +313,15 @@ def test_accumulate_waits_where_optax_multisteps_cannot_run_in_shard_map():
             for _ in range(2):
                 _, state = transform.update({"w": g}, state)
             return jaxcomp.find_compress_state(state.inner_opt_state).step
-        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=jax.sharding.PartitionSpec("data"),
-                                     out_specs=jax.sharding.PartitionSpec()))
+
+        return jax.jit(
+            jax.shard_map(
+                f,
+                mesh=mesh,
+                in_specs=jax.sharding.PartitionSpec("data"),
+                out_specs=jax.sharding.PartitionSpec(),
+            )
+        )
 
     g = jnp.ones(4 * N_DEVICES)
     assert int(steps(tx)(g)) == 0  # two micro-steps of three: nothing sent yet

@@ -31,8 +31,12 @@ HAND = [
     ("ar_topk_tree", {"ratio": RATIO}, 8, 12e-3 + 2 * (6 * 4 * K) / 1e9),
     # G = 4 per node, 2 nodes: steps (G-1) + log 2 + log 4 = 6; bytes (G-1) n/G 4 +
     # (O-1) k/G 8 + (G-1) O k/G 8
-    ("hierarchical_topk", {"ratio": RATIO, "inner_size": 4}, 8,
-     6e-3 + (3 * (N_VALUES // 4) * 4 + 1 * (K // 4) * 8 + 3 * 2 * (K // 4) * 8) / 1e9),
+    (
+        "hierarchical_topk",
+        {"ratio": RATIO, "inner_size": 4},
+        8,
+        6e-3 + (3 * (N_VALUES // 4) * 4 + 1 * (K // 4) * 8 + 3 * 2 * (K // 4) * 8) / 1e9,
+    ),
     # rate 8 = one 32-bit word per 4-value block; chunks of n/N values; 2 (N-1) chunks sent
     ("zfp_ring", {"rate": 8}, 8, 14e-3 + 2 * 7 * (N_VALUES // 8) / 1e9),
     # log N rounds, each sends the whole compressed vector (n bytes at rate 8)
@@ -47,14 +51,19 @@ HAND = [
 ]
 
 
-@pytest.mark.parametrize("method,options,n_workers,expected", HAND, ids=[f"{r[0]}-N{r[2]}" for r in HAND])
+@pytest.mark.parametrize(
+    "method,options,n_workers,expected", HAND, ids=[f"{r[0]}-N{r[2]}" for r in HAND]
+)
 def test_predict_matches_hand_computed_cost(method, options, n_workers, expected):
     got = cost.predict(method, NBYTES, n_workers, NET, **options)
     assert got == pytest.approx(expected, rel=1e-12)
 
 
-@pytest.mark.parametrize("method", cost.available_methods(ratio=RATIO, rate=8, bits=4, inner_size=1),
-                         ids=lambda m: m.label)
+@pytest.mark.parametrize(
+    "method",
+    cost.available_methods(ratio=RATIO, rate=8, bits=4, inner_size=1),
+    ids=lambda m: m.label,
+)
 def test_single_worker_costs_nothing(method):
     assert cost.predict(method, NBYTES, 1, NET, inner_size=1) == 0.0
 
@@ -69,8 +78,10 @@ def test_table_i_dense_costs():
     assert cost.predict("dense_tree", m, n, net) == pytest.approx(tree, rel=1e-12)
 
 
-@pytest.mark.parametrize("method,options", [("dense_ring", {}), ("allgather_topk", {"ratio": 0.01}),
-                                            ("zfp_ring", {"rate": 8})])
+@pytest.mark.parametrize(
+    "method,options",
+    [("dense_ring", {}), ("allgather_topk", {"ratio": 0.01}), ("zfp_ring", {"rate": 8})],
+)
 def test_gradients_beyond_the_int32_row_limit_are_costed_in_pieces(method, options):
     from jaxcomp import methods
 
@@ -83,7 +94,9 @@ def test_gradients_beyond_the_int32_row_limit_are_costed_in_pieces(method, optio
 
 def test_overhead_adds_as_is():
     base = cost.predict("allgather_topk", NBYTES, 8, NET, ratio=RATIO)
-    assert cost.predict("allgather_topk", NBYTES, 8, NET, ratio=RATIO, overhead=0.25) == pytest.approx(base + 0.25)
+    assert cost.predict(
+        "allgather_topk", NBYTES, 8, NET, ratio=RATIO, overhead=0.25
+    ) == pytest.approx(base + 0.25)
 
 
 def _random_setups(count, seed):
@@ -92,7 +105,9 @@ def _random_setups(count, seed):
         yield dict(
             nbytes=float(4 * int(10 ** rng.uniform(3, 9))),
             n_workers=int(rng.choice([2, 3, 4, 8, 12, 16, 64])),
-            network=Network(alpha=float(10 ** rng.uniform(-6, -1)), bandwidth=float(10 ** rng.uniform(7, 11))),
+            network=Network(
+                alpha=float(10 ** rng.uniform(-6, -1)), bandwidth=float(10 ** rng.uniform(7, 11))
+            ),
             ratio=float(10 ** rng.uniform(-3, -1)),
         )
 
@@ -100,8 +115,12 @@ def _random_setups(count, seed):
 def test_choose_is_the_argmin():
     for setup in _random_setups(60, seed=0):
         names = cost.available_methods(ratio=setup["ratio"], rate=8, bits=4)
-        times = [cost.predict(m, setup["nbytes"], setup["n_workers"], setup["network"]) for m in names]
-        chosen = cost.choose(setup["nbytes"], setup["n_workers"], setup["network"], setup["ratio"], rate=8, bits=4)
+        times = [
+            cost.predict(m, setup["nbytes"], setup["n_workers"], setup["network"]) for m in names
+        ]
+        chosen = cost.choose(
+            setup["nbytes"], setup["n_workers"], setup["network"], setup["ratio"], rate=8, bits=4
+        )
         assert chosen == names[int(np.argmin(times))]
 
 
@@ -109,8 +128,14 @@ def test_choose_adds_overhead_per_method():
     net = Network.parse("10us", "1gbit")
     fast = cost.choose(NBYTES, 8, net, RATIO, candidates=["dense_ring", "allgather_topk"])
     assert fast == "allgather_topk"
-    slowed = cost.choose(NBYTES, 8, net, RATIO, candidates=["dense_ring", "allgather_topk"],
-                         overhead={"allgather_topk": 1.0})
+    slowed = cost.choose(
+        NBYTES,
+        8,
+        net,
+        RATIO,
+        candidates=["dense_ring", "allgather_topk"],
+        overhead={"allgather_topk": 1.0},
+    )
     assert slowed == "dense_ring"
 
 
@@ -150,8 +175,10 @@ def test_switching_rule_helper_reproduces_eqn_5_of_the_paper(n_workers):
 def _networks_around(threshold_alpha_over_beta):
     """Two networks just on either side of a switching point (never on it, so no ties)."""
     beta = 1e-9
-    return (Network(alpha=0.8 * threshold_alpha_over_beta * beta, bandwidth=1 / beta),
-            Network(alpha=1.25 * threshold_alpha_over_beta * beta, bandwidth=1 / beta))
+    return (
+        Network(alpha=0.8 * threshold_alpha_over_beta * beta, bandwidth=1 / beta),
+        Network(alpha=1.25 * threshold_alpha_over_beta * beta, bandwidth=1 / beta),
+    )
 
 
 @pytest.mark.parametrize("n_workers", [4, 8, 16, 64])
@@ -186,7 +213,9 @@ def test_choose_agrees_with_eqn_5b_5c(n_workers, ar_method):
     # The coefficients are the model's own: steps from message_steps, volumes from bytes_sent.
     for method, (steps, per_volume) in ((ar_method, ar), ("allgather_topk", allgather)):
         assert cost.message_steps(method, n) == steps
-        assert cost.volume_bytes(method, NBYTES, n, ratio=RATIO) == pytest.approx(per_volume * volume)
+        assert cost.volume_bytes(method, NBYTES, n, ratio=RATIO) == pytest.approx(
+            per_volume * volume
+        )
     below, above = _networks_around(closed_form * volume)
     pair = [ar_method, "allgather_topk"]
     assert cost.choose(NBYTES, n, below, RATIO, pair) == ar_method
@@ -208,20 +237,44 @@ def test_three_way_choice_follows_the_pairwise_rules():
 
 def test_available_methods():
 
-    assert [m.label for m in cost.available_methods()] == ["dense", "dense_tree", "bf16", "sign", "sign_allreduce"]
+    assert [m.label for m in cost.available_methods()] == [
+        "dense",
+        "dense_tree",
+        "bf16",
+        "sign",
+        "sign_allreduce",
+    ]
     labels = [m.label for m in cost.available_methods(ratio=0.1, rate=8, bits=4, inner_size=2)]
-    assert labels == ["dense", "dense_tree", "allgather_topk", "ar_topk", "ar_topk_tree", "hierarchical_topk",
-                      "randomk", "zfp", "zfp_recursive_doubling", "quantized", "bf16", "sign", "sign_allreduce"]
+    assert labels == [
+        "dense",
+        "dense_tree",
+        "allgather_topk",
+        "ar_topk",
+        "ar_topk_tree",
+        "hierarchical_topk",
+        "randomk",
+        "zfp",
+        "zfp_recursive_doubling",
+        "quantized",
+        "bf16",
+        "sign",
+        "sign_allreduce",
+    ]
 
 
 def test_names_and_objects_cost_the_same():
     """The string shorthand is only a shorthand: a name with options costs what its object does."""
     from jaxcomp import methods
 
-    for name, options in [("dense_tree", {}), ("ar_topk", {"ratio": RATIO}), ("zfp_recursive_doubling", {"rate": 8}),
-                          ("quantized", {"bits": 4})]:
-        assert cost.predict(name, NBYTES, 8, NET, **options) == cost.predict(methods.parse(name, **options), NBYTES,
-                                                                             8, NET)
+    for name, options in [
+        ("dense_tree", {}),
+        ("ar_topk", {"ratio": RATIO}),
+        ("zfp_recursive_doubling", {"rate": 8}),
+        ("quantized", {"bits": 4}),
+    ]:
+        assert cost.predict(name, NBYTES, 8, NET, **options) == cost.predict(
+            methods.parse(name, **options), NBYTES, 8, NET
+        )
 
 
 def test_sync_seconds_runs_on_numpy_and_inside_jit():
@@ -231,22 +284,43 @@ def test_sync_seconds_runs_on_numpy_and_inside_jit():
 
     steps, volume = np.array([14.0, 3.0]), np.array([7000.0, 560.0])
     host = cost.sync_seconds(steps, volume, 1e-3, 1e-9)
-    traced = jax.jit(lambda s, v: cost.sync_seconds(s, v, jnp.float32(1e-3), jnp.float32(1e-9)))(steps, volume)
+    traced = jax.jit(lambda s, v: cost.sync_seconds(s, v, jnp.float32(1e-3), jnp.float32(1e-9)))(
+        steps, volume
+    )
     np.testing.assert_allclose(np.asarray(traced), host, rtol=1e-6)
     assert cost.cheapest(host) == int(jnp.argmin(traced)) == 1
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("10gbit", 1.25e9), ("10Gbps", 1.25e9), ("25gb/s", 25e9 / 8), ("100mbit", 12.5e6), ("1GB/s", 1e9),
-    ("1GiB/s", 2.0**30), ("2.5e9", 2.5e9), (1e6, 1e6), (" 1.5 Tbit ", 1.5e12 / 8),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("10gbit", 1.25e9),
+        ("10Gbps", 1.25e9),
+        ("25gb/s", 25e9 / 8),
+        ("100mbit", 12.5e6),
+        ("1GB/s", 1e9),
+        ("1GiB/s", 2.0**30),
+        ("2.5e9", 2.5e9),
+        (1e6, 1e6),
+        (" 1.5 Tbit ", 1.5e12 / 8),
+    ],
+)
 def test_parse_bandwidth(text, expected):
     assert cost.parse_bandwidth(text) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("0.5ms", 5e-4), ("20us", 2e-5), ("1s", 1.0), ("3e-3", 3e-3), (0, 0.0), ("100ns", 1e-7), ("5µs", 5e-6),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("0.5ms", 5e-4),
+        ("20us", 2e-5),
+        ("1s", 1.0),
+        ("3e-3", 3e-3),
+        (0, 0.0),
+        ("100ns", 1e-7),
+        ("5µs", 5e-6),
+    ],
+)
 def test_parse_duration(text, expected):
     assert cost.parse_duration(text) == pytest.approx(expected)
 
@@ -283,21 +357,30 @@ def test_network_validates():
     assert Network.parse("0.5ms", "10gbit") == Network(alpha=5e-4, bandwidth=1.25e9)
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda: cost.predict("nope", NBYTES, 8, NET), "method"),
-    (lambda: cost.predict("allgather_topk", NBYTES, 8, NET), "ratio"),
-    (lambda: cost.predict("zfp_ring", NBYTES, 8, NET), "rate"),
-    (lambda: cost.predict("quantized", NBYTES, 8, NET), "bits"),
-    (lambda: cost.predict("hierarchical_topk", NBYTES, 8, NET, RATIO), "inner_size"),
-    (lambda: cost.predict("hierarchical_topk", NBYTES, 8, NET, RATIO, inner_size=3), "inner_size"),
-    (lambda: cost.predict("dense_ring", 0, 8, NET), "nbytes"),
-    (lambda: cost.predict("dense_ring", NBYTES, 0, NET), "n_workers"),
-    (lambda: cost.predict("allgather_topk", NBYTES, 8, NET, ratio=2.0), "ratio"),
-    (lambda: cost.predict("dense_ring", NBYTES, 8, NET, overhead=-1.0), "overhead"),
-    (lambda: cost.choose(NBYTES, 8, NET, RATIO, candidates=[]), "candidates"),
-    (lambda: cost.choose(NBYTES, 8, NET, RATIO, candidates="dense_ring"), "candidates"),
-    (lambda: cost.choose(NBYTES, 8, NET, RATIO, ["dense_ring"], overhead={"zfp_ring": 1.0}), "overhead"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: cost.predict("nope", NBYTES, 8, NET), "method"),
+        (lambda: cost.predict("allgather_topk", NBYTES, 8, NET), "ratio"),
+        (lambda: cost.predict("zfp_ring", NBYTES, 8, NET), "rate"),
+        (lambda: cost.predict("quantized", NBYTES, 8, NET), "bits"),
+        (lambda: cost.predict("hierarchical_topk", NBYTES, 8, NET, RATIO), "inner_size"),
+        (
+            lambda: cost.predict("hierarchical_topk", NBYTES, 8, NET, RATIO, inner_size=3),
+            "inner_size",
+        ),
+        (lambda: cost.predict("dense_ring", 0, 8, NET), "nbytes"),
+        (lambda: cost.predict("dense_ring", NBYTES, 0, NET), "n_workers"),
+        (lambda: cost.predict("allgather_topk", NBYTES, 8, NET, ratio=2.0), "ratio"),
+        (lambda: cost.predict("dense_ring", NBYTES, 8, NET, overhead=-1.0), "overhead"),
+        (lambda: cost.choose(NBYTES, 8, NET, RATIO, candidates=[]), "candidates"),
+        (lambda: cost.choose(NBYTES, 8, NET, RATIO, candidates="dense_ring"), "candidates"),
+        (
+            lambda: cost.choose(NBYTES, 8, NET, RATIO, ["dense_ring"], overhead={"zfp_ring": 1.0}),
+            "overhead",
+        ),
+    ],
+)
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()

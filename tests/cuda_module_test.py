@@ -20,18 +20,21 @@ _OPS = {
     "jaxcomp_find_threshold": lambda x, i=None: jaxcomp.find_threshold(x, 3, implementation=i),
     "jaxcomp_threshold_topk": lambda x, i=None: jaxcomp.threshold_topk(x, 3, implementation=i),
     "jaxcomp_zfp_encode": lambda x, i=None: jaxcomp.zfp_encode(x, 8, implementation=i),
-    "jaxcomp_zfp_decode": lambda x, i=None: jaxcomp.zfp_decode(jaxcomp.zfp_encode(x, 8, implementation=i), 10, 8,
-                                                               implementation=i),
+    "jaxcomp_zfp_decode": lambda x, i=None: jaxcomp.zfp_decode(
+        jaxcomp.zfp_encode(x, 8, implementation=i), 10, 8, implementation=i
+    ),
     "jaxcomp_sign_pack": lambda x, i=None: jaxcomp.sign_pack(x, 4, implementation=i),
-    "jaxcomp_sign_unpack": lambda x, i=None: jaxcomp.sign_unpack(*jaxcomp.sign_pack(x, 4, implementation=i), 10, 4,
-                                                                 implementation=i),
+    "jaxcomp_sign_unpack": lambda x, i=None: jaxcomp.sign_unpack(
+        *jaxcomp.sign_pack(x, 4, implementation=i), 10, 4, implementation=i
+    ),
 }
 
 
 def _export(fn, platform, shape=(2, 10), dtype=jnp.float32):
     checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in _ffi.TARGETS]
     return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(
-        jax.ShapeDtypeStruct(shape, dtype))
+        jax.ShapeDtypeStruct(shape, dtype)
+    )
 
 
 def test_cuda_module_registers_every_target():
@@ -57,7 +60,9 @@ def test_gpu_lowering_matches_the_build(target):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("target", ["jaxcomp_topk", "jaxcomp_find_threshold", "jaxcomp_threshold_topk"])
+@pytest.mark.parametrize(
+    "target", ["jaxcomp_topk", "jaxcomp_find_threshold", "jaxcomp_threshold_topk"]
+)
 def test_cuda_top_k_reads_16_bit_input_as_is(target, dtype, monkeypatch):
     # The CUDA top-k kernels read bfloat16/float16 directly (values come back in that type): no
     # convert before or after their custom call on CUDA, while the CPU kernels get the float32
@@ -68,7 +73,10 @@ def test_cuda_top_k_reads_16_bit_input_as_is(target, dtype, monkeypatch):
     for implementation in (None, "native"):
         cuda = _export(lambda x: _OPS[target](x, implementation), "cuda", dtype=dtype).mlir_module()
         (call,) = [line for line in cuda.splitlines() if f"@{target}(" in line]
-        assert f": (tensor<2x10x{short}>) -> (tensor<2{'x3' if values == short else ''}x{values}>" in call
+        assert (
+            f": (tensor<2x10x{short}>) -> (tensor<2{'x3' if values == short else ''}x{values}>"
+            in call
+        )
         assert "stablehlo.convert" not in cuda
         cpu = _export(lambda x: _OPS[target](x, implementation), "cpu", dtype=dtype).mlir_module()
         (call,) = [line for line in cpu.splitlines() if f"@{target}(" in line]
@@ -86,7 +94,9 @@ def test_gpu_guard_is_invisible_on_cpu(transform):
     else:
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
         spec = jax.sharding.PartitionSpec("data")
-        y = jax.jit(jax.shard_map(_ffi.require_cuda_module, mesh=mesh, in_specs=spec, out_specs=spec))(x)
+        y = jax.jit(
+            jax.shard_map(_ffi.require_cuda_module, mesh=mesh, in_specs=spec, out_specs=spec)
+        )(x)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
     # The guard itself lowers to nothing on the CPU.
     assert "custom_call" not in _export(_ffi.require_cuda_module, "cpu", x.shape).mlir_module()

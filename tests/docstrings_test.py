@@ -11,8 +11,10 @@ import jaxcomp
 
 # Modules users call; command-line front ends document themselves through --help.
 PUBLIC_MODULES = sorted(
-    name for _, name, _ in pkgutil.walk_packages(jaxcomp.__path__, "jaxcomp.")
-    if not any(part.startswith("_") for part in name.split(".")) and not name.endswith(("launch", "demo"))
+    name
+    for _, name, _ in pkgutil.walk_packages(jaxcomp.__path__, "jaxcomp.")
+    if not any(part.startswith("_") for part in name.split("."))
+    and not name.endswith(("launch", "demo"))
 )
 
 
@@ -32,7 +34,9 @@ def test_public_functions_have_example_and_reference(module_name):
     for name, fn in public_functions(module):
         doc = inspect.getdoc(fn) or ""
         for section in ("Args:", "Returns:", "Example", "References:"):
-            if section not in doc and not (section == "Args:" and not inspect.signature(fn).parameters):
+            if section not in doc and not (
+                section == "Args:" and not inspect.signature(fn).parameters
+            ):
                 missing.append(f"{name}: {section}")
     assert not missing, f"{module_name} docstrings lack sections: {missing}"
 
@@ -40,5 +44,7 @@ def test_public_functions_have_example_and_reference(module_name):
 @pytest.mark.parametrize("module_name", PUBLIC_MODULES)
 def test_docstring_examples_run(module_name):
     module = importlib.import_module(module_name)
-    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False)
+    result = doctest.testmod(
+        module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False
+    )
     assert result.failed == 0, f"{result.failed} doctest example(s) failed in {module_name}"

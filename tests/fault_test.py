@@ -42,11 +42,22 @@ def run_job(fault, faulty, at_step, start=(0, 1), wait=90, steps=200, wait_for=N
     processes = {}
     began = time.monotonic()
     for process_id in start:
-        env = launch.process_env(coordinator, 2, process_id, 1, base=subprocess_env(),
-                                 failure_timeout=FAILURE_TIMEOUT, rendezvous_port=rendezvous_port)
+        env = launch.process_env(
+            coordinator,
+            2,
+            process_id,
+            1,
+            base=subprocess_env(),
+            failure_timeout=FAILURE_TIMEOUT,
+            rendezvous_port=rendezvous_port,
+        )
         processes[process_id] = subprocess.Popen(
-            [sys.executable, WORKER, fault, str(faulty), str(at_step), str(steps)], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [sys.executable, WORKER, fault, str(faulty), str(at_step), str(steps)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     results, elapsed = {"rendezvous_port": rendezvous_port}, {}
     wait_for = [i for i in start if i != faulty] if wait_for is None else wait_for
     try:
@@ -100,7 +111,9 @@ def test_killed_peer_is_an_error_in_an_idle_process(faulty):
     code, output = results[survivor]
     assert "idle" in output, output
     assert code == 1, output
-    assert f"PeerLostError: process {survivor} of 2: process(es) {faulty} left the job" in output, output
+    assert f"PeerLostError: process {survivor} of 2: process(es) {faulty} left the job" in output, (
+        output
+    )
     assert "Terminating process" not in output, output
     assert elapsed[survivor] < 25, elapsed  # well before the 30 s idle ends
 
@@ -150,16 +163,24 @@ def test_a_job_that_ends_normally_leaves_nothing_behind():
                 s.bind(("127.0.0.1", results["rendezvous_port"]))
                 break
             except OSError:
-                assert time.monotonic() < deadline, "the rendezvous server still runs after the job ended"
+                assert time.monotonic() < deadline, (
+                    "the rendezvous server still runs after the job ended"
+                )
         time.sleep(0.2)
 
 
 def test_launcher_stops_at_the_first_failure_of_any_worker():
     # Worker 1 fails at once while worker 0 would sleep 20 s: launch returns 1's code, not after 20 s.
     began = time.monotonic()
-    code = launch.launch(["-c", "import os, sys, time\n"
-                          "if os.environ['JAXCOMP_PROCESS_ID'] == '1': sys.exit(3)\n"
-                          "time.sleep(20)"], num_processes=2)
+    code = launch.launch(
+        [
+            "-c",
+            "import os, sys, time\n"
+            "if os.environ['JAXCOMP_PROCESS_ID'] == '1': sys.exit(3)\n"
+            "time.sleep(20)",
+        ],
+        num_processes=2,
+    )
     assert code == 3
     assert time.monotonic() - began < 10
 
@@ -183,6 +204,7 @@ def fake_job(monkeypatch, process_id, failure_timeout=12.5, **env_options):
     """initialize()'s calls to the rendezvous and to JAX, recorded without starting a job."""
     calls = {}
     import jax
+
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: calls.update(jax=kw))
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(jax.config, "update", lambda *a: None)
@@ -191,14 +213,23 @@ def fake_job(monkeypatch, process_id, failure_timeout=12.5, **env_options):
     monkeypatch.setattr(launch, "_memberships", [])
 
     def check_in(address, num_processes, pid, timeout, **kw):
-        calls.update(check_in=dict(address=address, num_processes=num_processes, process_id=pid, timeout=timeout,
-                                   **kw))
+        calls.update(
+            check_in=dict(
+                address=address, num_processes=num_processes, process_id=pid, timeout=timeout, **kw
+            )
+        )
         return FakeMembership()
 
     monkeypatch.setattr(launch.rendezvous, "check_in", check_in)
-    env = launch.process_env("127.0.0.1:7733", 2, process_id, 1,
-                             base={"XLA_FLAGS": "--xla_cpu_collective_timeout_seconds=5"},
-                             failure_timeout=failure_timeout, **env_options)
+    env = launch.process_env(
+        "127.0.0.1:7733",
+        2,
+        process_id,
+        1,
+        base={"XLA_FLAGS": "--xla_cpu_collective_timeout_seconds=5"},
+        failure_timeout=failure_timeout,
+        **env_options,
+    )
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     return calls
@@ -230,6 +261,7 @@ def test_process_0_hands_the_coordination_service_to_the_rendezvous_server(monke
 def test_initialize_leaves_a_job_the_script_joined_itself(monkeypatch):
     calls = fake_job(monkeypatch, 1)
     import jax
+
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     assert launch.initialize() == 1
@@ -249,7 +281,9 @@ def test_rendezvous_port_must_be_a_port(value, monkeypatch):
 def test_rendezvous_port_from_the_environment_is_checked(monkeypatch):
     fake_job(monkeypatch, 1)
     monkeypatch.setenv("JAXCOMP_RENDEZVOUS_PORT", "next")
-    with pytest.raises(ValueError, match="JAXCOMP_RENDEZVOUS_PORT must be a port number, got 'next'"):
+    with pytest.raises(
+        ValueError, match="JAXCOMP_RENDEZVOUS_PORT must be a port number, got 'next'"
+    ):
         launch.initialize()
 
 
@@ -270,8 +304,13 @@ def check_in_all(ids, num_processes, timeout=5.0, address=None, on_loss=None):
 
     def one(process_id):
         try:
-            results[process_id] = rendezvous.check_in(address, num_processes, process_id, timeout,
-                                                      on_loss=on_loss and (lambda *a: on_loss(process_id, *a)))
+            results[process_id] = rendezvous.check_in(
+                address,
+                num_processes,
+                process_id,
+                timeout,
+                on_loss=on_loss and (lambda *a: on_loss(process_id, *a)),
+            )
         except Exception as e:
             results[process_id] = e
 
@@ -295,7 +334,9 @@ def test_rendezvous_names_the_process_that_never_checks_in():
     results, seconds = check_in_all([0, 2], 3, timeout=2.0)
     for process_id in (0, 2):
         error = results[process_id]
-        assert isinstance(error, rendezvous.MissingProcessError) and isinstance(error, TimeoutError), error
+        assert isinstance(error, rendezvous.MissingProcessError) and isinstance(
+            error, TimeoutError
+        ), error
         assert error.missing == (1,)
         assert f"process {process_id} of 3: process(es) 1 did not check in" in str(error)
     assert 1.5 < seconds < 10
@@ -332,13 +373,17 @@ def test_rendezvous_port_in_use_is_a_clear_error():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         address = f"127.0.0.1:{busy.getsockname()[1]}"
-        with pytest.raises(OSError, match=f"cannot start the rendezvous server on {address}.*--rendezvous-port"):
+        with pytest.raises(
+            OSError, match=f"cannot start the rendezvous server on {address}.*--rendezvous-port"
+        ):
             rendezvous.check_in(address, 2, 0, 5.0)
 
 
 def test_rendezvous_reports_a_process_that_leaves_without_a_goodbye():
     heard = []
-    results, _ = check_in_all([0, 1, 2], 3, on_loss=lambda me, lost, message: heard.append((me, lost, message)))
+    results, _ = check_in_all(
+        [0, 1, 2], 3, on_loss=lambda me, lost, message: heard.append((me, lost, message))
+    )
     results[1].leaving()  # a goodbye: not a loss
     results[1]._sock.shutdown(socket.SHUT_RDWR)
     results[2]._sock.shutdown(socket.SHUT_RDWR)  # no goodbye: as if killed
@@ -346,8 +391,13 @@ def test_rendezvous_reports_a_process_that_leaves_without_a_goodbye():
     while results[0].lost != (2,) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert results[0].lost == (2,)
-    assert any(me == 0 and lost == (2,) and "process(es) 2 left the job" in message for me, lost, message in heard)
-    with pytest.raises(rendezvous.PeerLostError, match="process 0 of 3: process.es. 2 left the job") as error:
+    assert any(
+        me == 0 and lost == (2,) and "process(es) 2 left the job" in message
+        for me, lost, message in heard
+    )
+    with pytest.raises(
+        rendezvous.PeerLostError, match="process 0 of 3: process.es. 2 left the job"
+    ) as error:
         results[0].raise_if_lost()
     assert error.value.lost == (2,)
     results[0].close()
@@ -359,8 +409,15 @@ def test_rendezvous_address_must_be_host_port(address):
         rendezvous.check_in(address, 2, 0, 1.0)
 
 
-@pytest.mark.parametrize("name, args", [("num_processes", (0, 0, 1.0)), ("process_id", (2, 2, 1.0)),
-                                        ("timeout", (2, 0, 0.0)), ("timeout", (2, 0, float("inf")))])
+@pytest.mark.parametrize(
+    "name, args",
+    [
+        ("num_processes", (0, 0, 1.0)),
+        ("process_id", (2, 2, 1.0)),
+        ("timeout", (2, 0, 0.0)),
+        ("timeout", (2, 0, float("inf"))),
+    ],
+)
 def test_rendezvous_arguments_are_checked(name, args):
     with pytest.raises(ValueError, match=name):
         rendezvous.check_in("127.0.0.1:7734", *args)

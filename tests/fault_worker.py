@@ -28,8 +28,12 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
 mesh = Mesh(jax.devices(), ("data",))
-total = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()))
-x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), jnp.ones(len(jax.local_devices())))
+total = jax.jit(
+    jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh, in_specs=P("data"), out_specs=P())
+)
+x = jax.make_array_from_process_local_data(
+    NamedSharding(mesh, P("data")), jnp.ones(len(jax.local_devices()))
+)
 for step in range(steps):
     if process_id != faulty and step == at_step and fault == "kill-idle":
         print("idle", flush=True)

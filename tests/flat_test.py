@@ -19,12 +19,23 @@ from jaxcomp import flat
 MLP8_SHAPES = [(64, 256), (256,), (256, 256), (256,), (256, 64), (64,), (64, 10), (10,)]
 
 # Every method of the issue, at model granularity (the one that builds the flat vector).
-METHODS = [("dense", {}), ("allgather_topk", {"ratio": 0.01}), ("ar_topk", {"ratio": 0.01}),
-           ("randomk", {"ratio": 0.01}), ("sign", {}), ("bf16", {}), ("fp16", {}), ("powersgd", {"rank": 2}),
-           ("zfp", {"rate": 8}), ("quantized", {"bits": 4})]
+METHODS = [
+    ("dense", {}),
+    ("allgather_topk", {"ratio": 0.01}),
+    ("ar_topk", {"ratio": 0.01}),
+    ("randomk", {"ratio": 0.01}),
+    ("sign", {}),
+    ("bf16", {}),
+    ("fp16", {}),
+    ("powersgd", {"rank": 2}),
+    ("zfp", {"rate": 8}),
+    ("quantized", {"bits": 4}),
+]
 
 
-@pytest.mark.parametrize("sizes", [[5], [1, 1], [8, 2], [3, 100, 7], [10] * 12, [1] * 3, [2**20, 4]])
+@pytest.mark.parametrize(
+    "sizes", [[5], [1, 1], [8, 2], [3, 100, 7], [10] * 12, [1] * 3, [2**20, 4]]
+)
 def test_split_parts_covers_each_part_once_in_order(sizes):
     pieces = flat.split_parts(sizes)
     assert [p for p, _, _ in pieces] == sorted(p for p, _, _ in pieces)
@@ -68,7 +79,9 @@ def _compiled_update(method, options, shapes):
     def update(g, state):
         return tx.update(jax.lax.pcast(g, "data", to="varying"), state)
 
-    step = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False))
+    step = jax.jit(
+        jax.shard_map(update, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False)
+    )
     return step.lower(grads, tx.init(grads)).compile().as_text()
 
 
@@ -94,19 +107,32 @@ def test_the_check_sees_the_pathology(monkeypatch, concat):
     lets XLA fold the slices PowerSGD takes of its concatenated totals back into a fused 2-operand
     concatenate per leaf."""
     if concat == "jnp.concatenate":
-        patched, method, options = (lambda parts: jnp.concatenate([p.ravel() for p in parts])), "ar_topk", {
-            "ratio": 0.01}
+        patched, method, options = (
+            (lambda parts: jnp.concatenate([p.ravel() for p in parts])),
+            "ar_topk",
+            {"ratio": 0.01},
+        )
     else:
+
         def patched(parts):
             pieces = flat.split_parts([p.size for p in parts])
             return jnp.concatenate([parts[i].ravel()[a:b] for i, a, b in pieces])
+
         method, options = "powersgd", {"rank": 2}
     monkeypatch.setattr(flat, "concat", patched)
-    monkeypatch.setattr(flat, "pack_error_fed", flat.pack_error_fed_xla)  # the XLA path, which concat serves
+    monkeypatch.setattr(
+        flat, "pack_error_fed", flat.pack_error_fed_xla
+    )  # the XLA path, which concat serves
     assert _fused_concatenates(_compiled_update(method, options, MLP8_SHAPES), LARGE)
 
 
-PACK_SHAPES = [[(5,)], [(3,), (70_000,), (5, 7), (1,), (200_000,)], MLP8_SHAPES, [(1,)] * 20, [(0,), (4,)]]
+PACK_SHAPES = [
+    [(5,)],
+    [(3,), (70_000,), (5, 7), (1,), (200_000,)],
+    MLP8_SHAPES,
+    [(1,)] * 20,
+    [(0,), (4,)],
+]
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
@@ -121,11 +147,19 @@ def test_pack_error_fed_native_matches_xla_bit_for_bit(shapes, with_residual):
             for j, spot in enumerate(s for s in spots if s < grads[leaf].size):
                 value = (jnp.nan, jnp.inf, -jnp.inf)[j % 3]
                 grads[leaf] = grads[leaf].ravel().at[spot].set(value).reshape(grads[leaf].shape)
-    residuals = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes] if with_residual else None
+    residuals = (
+        [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+        if with_residual
+        else None
+    )
     vector, count = jax.jit(flat.pack_error_fed)(grads, residuals)
     expected, expected_count = flat.pack_error_fed_xla(grads, residuals)
     np.testing.assert_array_equal(np.asarray(vector), np.asarray(expected))
-    assert float(count) == float(expected_count) == sum(int((~np.isfinite(np.asarray(g))).sum()) for g in grads)
+    assert (
+        float(count)
+        == float(expected_count)
+        == sum(int((~np.isfinite(np.asarray(g))).sum()) for g in grads)
+    )
     assert np.isfinite(np.asarray(vector)).all()
 
 

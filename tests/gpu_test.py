@@ -29,13 +29,17 @@ def _gpus():
 
 
 if not _gpus():
-    pytest.skip("no GPU: jax.devices('gpu') is empty, so the CUDA kernels cannot be compared with the CPU "
-                "ones here (run `pytest -m gpu tests/gpu_test.py` on a GPU machine, see docs/gpu.md)",
-                allow_module_level=True)
+    pytest.skip(
+        "no GPU: jax.devices('gpu') is empty, so the CUDA kernels cannot be compared with the CPU "
+        "ones here (run `pytest -m gpu tests/gpu_test.py` on a GPU machine, see docs/gpu.md)",
+        allow_module_level=True,
+    )
 if not _ffi.HAS_CUDA:
-    pytest.skip("jaxcomp was built without its CUDA module (_jaxcomp_cuda); rebuild with "
-                "`pip install --no-build-isolation --no-deps -Ccmake.define.JAXCOMP_CUDA=ON .`",
-                allow_module_level=True)
+    pytest.skip(
+        "jaxcomp was built without its CUDA module (_jaxcomp_cuda); rebuild with "
+        "`pip install --no-build-isolation --no-deps -Ccmake.define.JAXCOMP_CUDA=ON .`",
+        allow_module_level=True,
+    )
 
 GPU = _gpus()[0]
 CPU = jax.devices("cpu")[0]
@@ -77,13 +81,15 @@ def _awkward(shape, seed, kind):
         flat = x.reshape(-1)
         picks = rng.choice(flat.size, size=min(flat.size, 7), replace=False)
         specials = [np.nan, np.inf, -np.inf, 1e-40, -1e-45, 0.0, 3.4e38]
-        flat[picks] = specials[:picks.size]
+        flat[picks] = specials[: picks.size]
     return np.asarray(x, np.float32)
 
 
 def _rows_of_every_kind(n, seed):
     """[3, n]: one row of each kind of _awkward, so one call covers all three."""
-    return np.stack([_awkward((n,), seed + i, kind) for i, kind in enumerate(("gradient", "ties", "special"))])
+    return np.stack(
+        [_awkward((n,), seed + i, kind) for i, kind in enumerate(("gradient", "ties", "special"))]
+    )
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -125,9 +131,13 @@ def test_16_bit_input_matches_cpu(dtype, n):
             _assert_same(*_both(lambda v: jaxcomp.find_threshold(v, k, rounds), x))
     # And the GPU's 16-bit values are the float32 path's values on the upcast, cast back.
     values, indices = jax.tree.map(np.asarray, jaxcomp.topk(_on(GPU, x), 97))
-    up_values, up_indices = jax.tree.map(np.asarray, jaxcomp.topk(_on(GPU, x.astype(np.float32)), 97))
+    up_values, up_indices = jax.tree.map(
+        np.asarray, jaxcomp.topk(_on(GPU, x.astype(np.float32)), 97)
+    )
     np.testing.assert_array_equal(indices, up_indices)
-    np.testing.assert_array_equal(values.astype(np.float32).view(np.uint32), up_values.view(np.uint32))
+    np.testing.assert_array_equal(
+        values.astype(np.float32).view(np.uint32), up_values.view(np.uint32)
+    )
 
 
 def test_many_short_rows_match_cpu():
@@ -173,13 +183,19 @@ def test_zfp_large_row_matches_cpu():
 def test_gpu_handlers_reject_bad_arguments():
     # Python validates first; the handlers check again (here: a result shape Python cannot get
     # wrong, so call the target directly with an inconsistent one).
-    call = jax.ffi.ffi_call("jaxcomp_topk", (jax.ShapeDtypeStruct((3,), jnp.float32),
-                                             jax.ShapeDtypeStruct((3,), jnp.int32)), vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(
+        "jaxcomp_topk",
+        (jax.ShapeDtypeStruct((3,), jnp.float32), jax.ShapeDtypeStruct((3,), jnp.int32)),
+        vmap_method="broadcast_all",
+    )
     with pytest.raises(Exception, match="k must be in"):
         jax.block_until_ready(call(_on(GPU, np.ones(2, np.float32)), k=np.int64(3)))
     # x of a type the kernels do not read, and values not of x's type.
-    call = jax.ffi.ffi_call("jaxcomp_topk", (jax.ShapeDtypeStruct((1,), jnp.float32),
-                                             jax.ShapeDtypeStruct((1,), jnp.int32)), vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(
+        "jaxcomp_topk",
+        (jax.ShapeDtypeStruct((1,), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32)),
+        vmap_method="broadcast_all",
+    )
     with pytest.raises(Exception, match="x must be float32, bfloat16 or float16, got int32"):
         jax.block_until_ready(call(_on(GPU, np.ones(2, np.int32)), k=np.int64(1)))
     with pytest.raises(Exception, match="must be bfloat16, got float32"):
@@ -192,8 +208,13 @@ def test_collectives_on_gpu_arrays_match_cpu():
     def run(device, fn):
         mesh = jax.sharding.Mesh(np.array([device]), ("data",))
         spec = jax.sharding.PartitionSpec("data")
-        mapped = jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=(jax.sharding.PartitionSpec(), spec),
-                               check_vma=False)
+        mapped = jax.shard_map(
+            fn,
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=(jax.sharding.PartitionSpec(), spec),
+            check_vma=False,
+        )
         return jax.tree.map(np.asarray, jax.jit(mapped)(_on(device, x)))
 
     calls = {

@@ -17,7 +17,9 @@ def sylvester(n):
     return h
 
 
-@pytest.mark.parametrize("shape", [(1,), (2,), (8,), (3, 16), (2, 5, 64), (1024,), (4, 2**14), (2**15,)])
+@pytest.mark.parametrize(
+    "shape", [(1,), (2,), (8,), (3, 16), (2, 5, 64), (1024,), (4, 2**14), (2**15,)]
+)
 def test_native_equals_xla_path_bit_for_bit_and_the_matrix(shape):
     x = jax.random.normal(jax.random.key(shape[-1]), shape)
     got = jaxcomp.hadamard_transform(x)
@@ -34,7 +36,10 @@ def test_is_its_own_inverse_up_to_n_and_works_under_jit_and_vmap():
     x = jax.random.normal(jax.random.key(0), (6, 256))
     twice = jax.jit(jaxcomp.hadamard_transform)(jaxcomp.hadamard_transform(x)) / 256
     np.testing.assert_allclose(np.asarray(twice), np.asarray(x), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(jax.vmap(jaxcomp.hadamard_transform)(x)), np.asarray(jaxcomp.hadamard_transform(x)))
+    np.testing.assert_array_equal(
+        np.asarray(jax.vmap(jaxcomp.hadamard_transform)(x)),
+        np.asarray(jaxcomp.hadamard_transform(x)),
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -42,25 +47,34 @@ def test_narrow_floats_are_transformed_in_float32(dtype):
     x = jnp.arange(16, dtype=dtype)
     got = jaxcomp.hadamard_transform(x)
     assert got.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(hadamard_reference(x.astype(jnp.float32))))
+    np.testing.assert_array_equal(
+        np.asarray(got), np.asarray(hadamard_reference(x.astype(jnp.float32)))
+    )
 
 
-@pytest.mark.parametrize("x, error, match", [
-    (jnp.ones(3), ValueError, "power-of-two"),
-    (jnp.ones((4, 12)), ValueError, "power-of-two"),
-    (jnp.ones(()), ValueError, "at least one dimension"),
-    (jnp.ones(4, jnp.int32), TypeError, "x"),
-])
+@pytest.mark.parametrize(
+    "x, error, match",
+    [
+        (jnp.ones(3), ValueError, "power-of-two"),
+        (jnp.ones((4, 12)), ValueError, "power-of-two"),
+        (jnp.ones(()), ValueError, "at least one dimension"),
+        (jnp.ones(4, jnp.int32), TypeError, "x"),
+    ],
+)
 def test_bad_input_is_refused_before_anything_runs(x, error, match):
     with pytest.raises(error, match=match):
         jaxcomp.hadamard_transform(x)
 
 
 def test_handler_validates_on_its_own():
-    call = jax.ffi.ffi_call("jaxcomp_hadamard", jax.ShapeDtypeStruct((6,), jnp.float32), vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(
+        "jaxcomp_hadamard", jax.ShapeDtypeStruct((6,), jnp.float32), vmap_method="broadcast_all"
+    )
     with pytest.raises(Exception, match="power of two"):
         jax.block_until_ready(call(jnp.ones(6, jnp.float32)))
-    call = jax.ffi.ffi_call("jaxcomp_hadamard", jax.ShapeDtypeStruct((4,), jnp.float32), vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(
+        "jaxcomp_hadamard", jax.ShapeDtypeStruct((4,), jnp.float32), vmap_method="broadcast_all"
+    )
     with pytest.raises(Exception, match="out must have x's leading dimensions followed by n = 8"):
         jax.block_until_ready(call(jnp.ones(8, jnp.float32)))
 
@@ -78,8 +92,10 @@ def test_counter_streams_are_uniform_independent_and_keyed():
     # The same key gives the same draws; another key, other draws; raw u32[2] keys work too.
     np.testing.assert_array_equal(u, np.asarray(counter_uniform(key, (200_000,))))
     assert not np.array_equal(u[:100], np.asarray(counter_uniform(jax.random.key(8), (100,))))
-    np.testing.assert_array_equal(np.asarray(counter_uniform(jax.random.PRNGKey(7), (5,))),
-                                  np.asarray(counter_uniform(jax.random.wrap_key_data(jax.random.PRNGKey(7)), (5,))))
+    np.testing.assert_array_equal(
+        np.asarray(counter_uniform(jax.random.PRNGKey(7), (5,))),
+        np.asarray(counter_uniform(jax.random.wrap_key_data(jax.random.PRNGKey(7)), (5,))),
+    )
     s = np.asarray(counter_signs(key, (400, 500)))
     assert set(np.unique(s)) == {-1.0, 1.0} and abs(s.mean()) < 5 / np.sqrt(s.size)
     assert s.shape == (400, 500)

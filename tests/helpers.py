@@ -14,8 +14,10 @@ import pytest
 def need_devices(count: int):
     """Fails (not skips) when fewer than ``count`` devices exist: CI must never pass silently."""
     if jax.device_count() < count:
-        pytest.fail(f"this test needs {count} devices, found {jax.device_count()}; "
-                    "set XLA_FLAGS=--xla_force_host_platform_device_count=8")
+        pytest.fail(
+            f"this test needs {count} devices, found {jax.device_count()}; "
+            "set XLA_FLAGS=--xla_force_host_platform_device_count=8"
+        )
 
 
 @contextlib.contextmanager
@@ -61,7 +63,9 @@ def assert_checkpoint_resumes(dp, state, batches, path):
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(path, state)
     checkpointer.wait_until_finished()
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
     restored = checkpointer.restore(path, target)
     assert_trees_equal(restored, state)
     for batch in batches:

@@ -23,7 +23,9 @@ import argparse
 import os
 import time
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -35,7 +37,9 @@ from jax.sharding import PartitionSpec as P
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--block-every", type=int, default=0, help="read the loss every N steps (0: never)")
+    parser.add_argument(
+        "--block-every", type=int, default=0, help="read the loss every N steps (0: never)"
+    )
     args = parser.parse_args()
     mesh = Mesh(np.array(jax.devices()), ("data",))
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
@@ -51,8 +55,13 @@ def main():
         return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), loss
 
     rng = np.random.default_rng(0)
-    params = jax.device_put({"w1": rng.normal(size=(64, 256)).astype(np.float32) / 8,
-                             "w2": rng.normal(size=(256, 64)).astype(np.float32) / 16}, replicated)
+    params = jax.device_put(
+        {
+            "w1": rng.normal(size=(64, 256)).astype(np.float32) / 8,
+            "w2": rng.normal(size=(256, 64)).astype(np.float32) / 16,
+        },
+        replicated,
+    )
     x = jax.device_put(rng.normal(size=(256, 64)).astype(np.float32), sharded)
     y = jax.device_put(rng.normal(size=(256, 64)).astype(np.float32), sharded)
     began = time.perf_counter()
@@ -61,7 +70,10 @@ def main():
         if args.block_every and (i + 1) % args.block_every == 0:
             loss.block_until_ready()
     print(f"dispatched {args.steps} steps in {time.perf_counter() - began:.1f} s", flush=True)
-    print(f"loss {float(loss):.6f} after {args.steps} steps, {time.perf_counter() - began:.1f} s", flush=True)
+    print(
+        f"loss {float(loss):.6f} after {args.steps} steps, {time.perf_counter() - began:.1f} s",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

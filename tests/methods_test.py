@@ -59,30 +59,36 @@ def _aggregate(tx, g, steps=1):
             updates, state = tx.update(g[0], state)
         return updates, state.metrics.bytes_sent, state.metrics.method
 
-    return jax.jit(jax.shard_map(run, mesh=_mesh(), in_specs=P("data"), out_specs=(P(), P(), P())))(g)
+    return jax.jit(jax.shard_map(run, mesh=_mesh(), in_specs=P("data"), out_specs=(P(), P(), P())))(
+        g
+    )
 
 
 # --- the objects -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("build, match", [
-    (lambda: TopK(), "exactly one of ratio"),
-    (lambda: TopK(0.1, k=3), "exactly one of ratio"),
-    (lambda: TopK(1.5), "ratio must be in"),
-    (lambda: TopK(k=0), "k must be"),
-    (lambda: TopK(0.1, collective="ring"), "collective must be one of"),
-    (lambda: TopK(0.1, selector="fast"), "selector must be one of"),
-    (lambda: TopK(0.1, leader="var"), "leader= applies to collective='ar' only"),
-    (lambda: TopK(0.1, collective="ar", leader="max"), "leader must be one of"),
-    (lambda: TopK(0.1, allreduce="tree"), "allreduce= applies to collective='ar' only"),
-    (lambda: Zfp(0), "rate must be"),
-    (lambda: Zfp(8, algorithm="tree"), "algorithm must be one of"),
-    (lambda: Quantized(17), "bits must be"),
-    (lambda: Quantized(4, hadamard="yes"), "hadamard must be True or False"),
-    (lambda: Dense(allreduce="star"), "allreduce must be one of"),
-    (lambda: Sign(0), "chunk must be"),
-    (lambda: Sign(aggregation="ring"), "aggregation must be one of"),
-    (lambda: Sign(allreduce="tree"), "costs aggregation='allreduce' only"),
-])
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: TopK(), "exactly one of ratio"),
+        (lambda: TopK(0.1, k=3), "exactly one of ratio"),
+        (lambda: TopK(1.5), "ratio must be in"),
+        (lambda: TopK(k=0), "k must be"),
+        (lambda: TopK(0.1, collective="ring"), "collective must be one of"),
+        (lambda: TopK(0.1, selector="fast"), "selector must be one of"),
+        (lambda: TopK(0.1, leader="var"), "leader= applies to collective='ar' only"),
+        (lambda: TopK(0.1, collective="ar", leader="max"), "leader must be one of"),
+        (lambda: TopK(0.1, allreduce="tree"), "allreduce= applies to collective='ar' only"),
+        (lambda: Zfp(0), "rate must be"),
+        (lambda: Zfp(8, algorithm="tree"), "algorithm must be one of"),
+        (lambda: Quantized(17), "bits must be"),
+        (lambda: Quantized(4, hadamard="yes"), "hadamard must be True or False"),
+        (lambda: Dense(allreduce="star"), "allreduce must be one of"),
+        (lambda: Sign(0), "chunk must be"),
+        (lambda: Sign(aggregation="ring"), "aggregation must be one of"),
+        (lambda: Sign(allreduce="tree"), "costs aggregation='allreduce' only"),
+    ],
+)
 def test_methods_validate_themselves_at_construction(build, match):
     with pytest.raises((ValueError, TypeError), match=match):
         build()
@@ -115,14 +121,17 @@ def test_parse_refuses_options_on_objects_and_unknown_names():
         methods.parse(3)
 
 
-@pytest.mark.parametrize("name, options, method", [
-    ("ar_topk", dict(ratio=0.25, leader="var"), TopK(0.25, collective="ar", leader="var")),
-    ("allgather_topk", dict(k=3, selector="threshold"), TopK(k=3, selector="threshold")),
-    ("quantized", dict(bits=8, hadamard=False), Quantized(8, hadamard=False)),
-    ("zfp", dict(rate=12), Zfp(12)),
-    ("dense", {}, Dense()),
-    ("sign_majority", dict(chunk=16), Sign(16, aggregation="majority")),
-])
+@pytest.mark.parametrize(
+    "name, options, method",
+    [
+        ("ar_topk", dict(ratio=0.25, leader="var"), TopK(0.25, collective="ar", leader="var")),
+        ("allgather_topk", dict(k=3, selector="threshold"), TopK(k=3, selector="threshold")),
+        ("quantized", dict(bits=8, hadamard=False), Quantized(8, hadamard=False)),
+        ("zfp", dict(rate=12), Zfp(12)),
+        ("dense", {}, Dense()),
+        ("sign_majority", dict(chunk=16), Sign(16, aggregation="majority")),
+    ],
+)
 def test_the_string_shorthand_is_the_object_bit_for_bit(name, options, method):
     g = jax.random.normal(jax.random.key(0), (N_DEVICES, 64))
     by_name = _aggregate(jaxcomp.compress(name, **options), g, steps=2)
@@ -131,6 +140,7 @@ def test_the_string_shorthand_is_the_object_bit_for_bit(name, options, method):
 
 
 # --- a method defined outside jaxcomp ------------------------------------------------------------
+
 
 def test_an_outside_method_aggregates_with_error_feedback_in_compress():
     g = jax.random.normal(jax.random.key(1), (N_DEVICES, 1000))
@@ -146,18 +156,26 @@ def test_an_outside_method_aggregates_with_error_feedback_in_compress():
         state = tx.update(g[0], tx.init(g[0]))[1]
         return state.residual[None]
 
-    kept = jax.jit(jax.shard_map(residual, mesh=_mesh(), in_specs=P("data"), out_specs=P("data")))(g)
-    np.testing.assert_array_equal(np.asarray(kept), np.asarray(g - g.astype(jnp.bfloat16).astype(jnp.float32)))
+    kept = jax.jit(jax.shard_map(residual, mesh=_mesh(), in_specs=P("data"), out_specs=P("data")))(
+        g
+    )
+    np.testing.assert_array_equal(
+        np.asarray(kept), np.asarray(g - g.astype(jnp.bfloat16).astype(jnp.float32))
+    )
 
 
 def test_an_outside_method_is_costed_chosen_and_advised():
     net_fast, net_slow = cost.Network.parse("1us", "100GB/s"), cost.Network.parse("1ms", "1gbit")
     nbytes = 4e8
     assert cost.predict(Cast16(), nbytes, 8, net_slow) == pytest.approx(
-        14e-3 + 2 * 7 / 8 * 2e8 * 8e-9)  # half the bytes of dense, the same steps
+        14e-3 + 2 * 7 / 8 * 2e8 * 8e-9
+    )  # half the bytes of dense, the same steps
     assert cost.choose(nbytes, 8, net_slow, candidates=[Dense(), Cast16()]) == Cast16()
     # With 50 ms of local work a fast network keeps dense.
-    assert cost.choose(nbytes, 8, net_fast, candidates=[Dense(), Cast16()], overhead={Cast16(): 0.05}) == Dense()
+    assert (
+        cost.choose(nbytes, 8, net_fast, candidates=[Dense(), Cast16()], overhead={Cast16(): 0.05})
+        == Dense()
+    )
     step = advise.compressed_time(Cast16(), nbytes, 8, net_slow, 0.1)
     assert step == pytest.approx(0.1 + cost.predict(Cast16(), nbytes, 8, net_slow))
     assert jaxcomp.probe.codec_seconds(Cast16(), 4096, repeats=1) > 0
@@ -193,8 +211,15 @@ def test_compress_auto_validates_its_candidates():
 
 def test_compress_auto_with_a_ratio_search_makes_one_branch_per_ratio():
     search = jaxcomp.RatioSearch((0.01, 0.1))
-    state = jaxcomp.compress_auto([TopK(0.5, collective="ar"), Dense()], ratio_search=search).init({"w": jnp.zeros(3)})
-    assert [m.describe() for m in state.methods] == ["ar_topk(0.1)", "ar_topk(0.0333)", "ar_topk(0.01)", "dense"]
+    state = jaxcomp.compress_auto([TopK(0.5, collective="ar"), Dense()], ratio_search=search).init(
+        {"w": jnp.zeros(3)}
+    )
+    assert [m.describe() for m in state.methods] == [
+        "ar_topk(0.1)",
+        "ar_topk(0.0333)",
+        "ar_topk(0.01)",
+        "dense",
+    ]
 
 
 # --- the layers ------------------------------------------------------------------------------------
@@ -207,11 +232,21 @@ ALLOWED = {"methods/__init__.py": "the shorthand table"}
 
 def _string_literals(path):
     tree = ast.parse(path.read_text())
-    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
-                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
-    return [node for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
-            and id(node) not in docstrings]
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in docstrings
+    ]
 
 
 def test_no_module_above_the_methods_names_a_method():
@@ -219,10 +254,17 @@ def test_no_module_above_the_methods_names_a_method():
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE).as_posix()
-        if relative.startswith("methods/") and relative != "methods/__init__.py" or relative in ALLOWED:
+        if (
+            relative.startswith("methods/")
+            and relative != "methods/__init__.py"
+            or relative in ALLOWED
+        ):
             continue
-        found += [f"{relative}:{node.lineno}: {node.value!r}" for node in _string_literals(path)
-                  if node.value in METHOD_NAMES]
+        found += [
+            f"{relative}:{node.lineno}: {node.value!r}"
+            for node in _string_literals(path)
+            if node.value in METHOD_NAMES
+        ]
     assert not found, "method names spelled outside jaxcomp.methods:\n" + "\n".join(found)
 
 
@@ -231,36 +273,62 @@ def test_no_private_name_is_imported_across_modules():
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxcomp"):
-                found += [f"{path.relative_to(PACKAGE)}:{node.lineno}: {alias.name}" for alias in node.names
-                          if alias.name.startswith("_") and not alias.name.startswith("_jaxcomp_")
-                          and alias.name not in ("_checks", "_ffi")]
+                found += [
+                    f"{path.relative_to(PACKAGE)}:{node.lineno}: {alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_")
+                    and not alias.name.startswith("_jaxcomp_")
+                    and alias.name not in ("_checks", "_ffi")
+                ]
     assert not found, "private names imported from another module:\n" + "\n".join(found)
 
 
 # --- imports cost nothing until used ----------------------------------------------------------------
 
+
 def _modules_after(code):
-    out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"],
-                         env=subprocess_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"],
+        env=subprocess_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return set(out.stdout.split())
 
 
-@pytest.mark.parametrize("code", ["import jaxcomp", "import jaxcomp.cost", "import jaxcomp.methods",
-                                  "from jaxcomp import cost; cost.predict('ar_topk', 4e8, 8, "
-                                  "cost.Network.parse('1ms', '1gbit'), ratio=0.01)"])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import jaxcomp",
+        "import jaxcomp.cost",
+        "import jaxcomp.methods",
+        "from jaxcomp import cost; cost.predict('ar_topk', 4e8, 8, "
+        "cost.Network.parse('1ms', '1gbit'), ratio=0.01)",
+    ],
+)
 def test_importing_the_package_and_the_cost_model_loads_no_jax(code):
     loaded = _modules_after(code)
     assert not {"jax", "optax", "flax", "jaxcomp._jaxcomp_cpu"} & loaded
 
 
 def test_advise_help_loads_no_jax_and_runs_from_the_checkout_root():
-    loaded = _modules_after("import jaxcomp.__main__ as m\ntry:\n    m.main(['advise', '--help'])\nexcept SystemExit:\n"
-                            "    pass")
+    loaded = _modules_after(
+        "import jaxcomp.__main__ as m\ntry:\n    m.main(['advise', '--help'])\nexcept SystemExit:\n"
+        "    pass"
+    )
     assert "jax" not in loaded
     # From the repository's root (the source tree is src/jaxcomp, so nothing shadows the package).
-    out = subprocess.run([sys.executable, "-m", "jaxcomp", "advise", "--help"], env=subprocess_env(), cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxcomp", "advise", "--help"],
+        env=subprocess_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and "--bandwidth" in out.stdout, out.stderr
 
 

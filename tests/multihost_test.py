@@ -18,7 +18,12 @@ def test_two_processes_match_one(tmp_path):
     # launch() passes this process's environment on to the workers.
     os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]
     try:
-        code = launch([multihost_worker.__file__, str(out)], num_processes=2, devices_per_process=4, timeout=240)
+        code = launch(
+            [multihost_worker.__file__, str(out)],
+            num_processes=2,
+            devices_per_process=4,
+            timeout=240,
+        )
     finally:
         if env_path is None:
             os.environ.pop("PYTHONPATH")
@@ -35,29 +40,39 @@ def test_two_processes_match_one(tmp_path):
 
 
 def test_launcher_reports_the_first_failure():
-    code = launch(["-c", "import sys, os; sys.exit(3 if os.environ['JAXCOMP_PROCESS_ID'] == '1' else 0)"],
-                  num_processes=2)
+    code = launch(
+        ["-c", "import sys, os; sys.exit(3 if os.environ['JAXCOMP_PROCESS_ID'] == '1' else 0)"],
+        num_processes=2,
+    )
     assert code == 3
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"command": [], "num_processes": 2}, "command"),
-    ({"command": ["x.py"], "num_processes": 0}, "num_processes"),
-    ({"command": ["x.py"], "num_processes": 2, "devices_per_process": 0}, "devices_per_process"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"command": [], "num_processes": 2}, "command"),
+        ({"command": ["x.py"], "num_processes": 0}, "num_processes"),
+        (
+            {"command": ["x.py"], "num_processes": 2, "devices_per_process": 0},
+            "devices_per_process",
+        ),
+    ],
+)
 def test_launcher_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         launch(**kwargs)
 
 
-
-@pytest.mark.parametrize("kwargs, match", [
-    ({"num_hosts": 2}, "coordinator"),
-    ({"coordinator": "10.0.0.1", "num_hosts": 2, "host_id": 1}, "HOST:PORT"),
-    ({"coordinator": "10.0.0.1:7733", "num_hosts": 2, "host_id": 2}, "host_id"),
-    ({"coordinator": "10.0.0.1:7733", "port": 7733}, "port"),
-    ({"interface": ""}, "interface"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_hosts": 2}, "coordinator"),
+        ({"coordinator": "10.0.0.1", "num_hosts": 2, "host_id": 1}, "HOST:PORT"),
+        ({"coordinator": "10.0.0.1:7733", "num_hosts": 2, "host_id": 2}, "host_id"),
+        ({"coordinator": "10.0.0.1:7733", "port": 7733}, "port"),
+        ({"interface": ""}, "interface"),
+    ],
+)
 def test_launcher_multi_host_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         launch(["x.py"], num_processes=1, **kwargs)
@@ -66,12 +81,25 @@ def test_launcher_multi_host_arguments(kwargs, match):
 def test_several_hosts_number_their_processes_and_pass_the_interface():
     from jaxcomp.launch import process_env
 
-    script = ("import os, sys; e = os.environ; sys.exit(0 if (e['JAXCOMP_PROCESS_ID'], e['JAXCOMP_NUM_PROCESSES'], "
-              "e['JAXCOMP_COORDINATOR_ADDRESS'], e['JAXCOMP_INTERFACE']) in "
-              "[('2', '4', '10.0.0.1:7733', 'lo'), ('3', '4', '10.0.0.1:7733', 'lo')] else 5)")
-    assert launch(["-c", script], num_processes=2, coordinator="10.0.0.1:7733", num_hosts=2, host_id=1,
-                  interface="lo") == 0
-    assert "JAXCOMP_INTERFACE" not in process_env("h:1", 2, 0, 1, base={"JAXCOMP_INTERFACE": "eth9"})
+    script = (
+        "import os, sys; e = os.environ; sys.exit(0 if (e['JAXCOMP_PROCESS_ID'], e['JAXCOMP_NUM_PROCESSES'], "
+        "e['JAXCOMP_COORDINATOR_ADDRESS'], e['JAXCOMP_INTERFACE']) in "
+        "[('2', '4', '10.0.0.1:7733', 'lo'), ('3', '4', '10.0.0.1:7733', 'lo')] else 5)"
+    )
+    assert (
+        launch(
+            ["-c", script],
+            num_processes=2,
+            coordinator="10.0.0.1:7733",
+            num_hosts=2,
+            host_id=1,
+            interface="lo",
+        )
+        == 0
+    )
+    assert "JAXCOMP_INTERFACE" not in process_env(
+        "h:1", 2, 0, 1, base={"JAXCOMP_INTERFACE": "eth9"}
+    )
 
 
 def test_an_interface_that_does_not_exist_is_named():

@@ -25,9 +25,17 @@ GLOBAL_BATCH = 32
 # "auto" on a given slow network: every process must take the same lax.switch branch.
 # label: (method, its options, data_parallel's shard=); the sharded runs reduce-scatter the
 # gradient and all-gather the params across the two processes.
-METHODS = {"dense": ("dense", {}, None), "ar_topk": ("ar_topk", {"ratio": 0.05}, None),
-           "auto": ("auto", {"ratio": 0.05, "network": Network.parse("1ms", "1gbit"), "decide_every": 2}, None),
-           "dense_optimizer": ("dense", {}, "optimizer"), "quantized_params": ("quantized", {"bits": 8}, "params")}
+METHODS = {
+    "dense": ("dense", {}, None),
+    "ar_topk": ("ar_topk", {"ratio": 0.05}, None),
+    "auto": (
+        "auto",
+        {"ratio": 0.05, "network": Network.parse("1ms", "1gbit"), "decide_every": 2},
+        None,
+    ),
+    "dense_optimizer": ("dense", {}, "optimizer"),
+    "quantized_params": ("quantized", {"bits": 8}, "params"),
+}
 
 
 def loss_fn(params, batch):
@@ -50,25 +58,37 @@ def run():
     rows = GLOBAL_BATCH // jax.process_count()
     lo = jax.process_index() * rows
     rng = np.random.default_rng(1)
-    params = {"w1": (rng.normal(size=(12, 16)) / 4).astype(np.float32),
-              "w2": (rng.normal(size=(16, 5)) / 4).astype(np.float32)}
+    params = {
+        "w1": (rng.normal(size=(12, 16)) / 4).astype(np.float32),
+        "w2": (rng.normal(size=(16, 5)) / 4).astype(np.float32),
+    }
     out = {}
     for method, (name, options, shard) in METHODS.items():
-        dp = data_parallel(loss_fn, optax.chain(compress(name, **options), optax.adam(1e-2)), mesh, shard=shard)
+        dp = data_parallel(
+            loss_fn, optax.chain(compress(name, **options), optax.adam(1e-2)), mesh, shard=shard
+        )
         state = dp.init(params)
         for batch in global_batches():
-            local = {name: value[lo:lo + rows] for name, value in batch.items()}
+            local = {name: value[lo : lo + rows] for name, value in batch.items()}
             state, metrics = dp.step(state, dp.shard_batch(local))
         # Metrics are this process's copies: a training loop logs them on every process.
         out[f"{method}/loss"] = np.float32(float(metrics["loss"]))
         for name, value in dp.params(state).items():
             out[f"{method}/{name}"] = np.asarray(value.addressable_data(0))
         if method == "auto":
-            out["auto/method"] = np.asarray(find_compress_state(state.opt_state).metrics.method.addressable_data(0))
+            out["auto/method"] = np.asarray(
+                find_compress_state(state.opt_state).metrics.method.addressable_data(0)
+            )
             # Probing from every process must give every process the same network and codec times.
-            auto = find_compress_state(dp.reprobe(state, sizes=(1024, 65536), repeats=2).opt_state).auto
-            measured = np.concatenate([np.asarray(auto.network.addressable_data(0)),
-                                       np.asarray(auto.overhead.addressable_data(0))])
+            auto = find_compress_state(
+                dp.reprobe(state, sizes=(1024, 65536), repeats=2).opt_state
+            ).auto
+            measured = np.concatenate(
+                [
+                    np.asarray(auto.network.addressable_data(0)),
+                    np.asarray(auto.overhead.addressable_data(0)),
+                ]
+            )
             everywhere = np.asarray(multihost_utils.process_allgather(measured))
             if not (everywhere == everywhere[:1]).all():
                 raise SystemExit(f"processes measured different networks: {everywhere}")

@@ -14,11 +14,27 @@ def fake_rows():
     rows = []
     for rate in ("1gbit", "100mbit"):
         slow = 10 if rate == "100mbit" else 1
-        for method, step, sync in (("pmean", 1.2 * slow, 1.0 * slow), ("dense", 1.2 * slow, 1.0 * slow),
-                                   ("ar_topk", 0.5, 0.3)):
-            rows.append({"hosts": 4, "rate": rate, "method": method, "step": step, "compute": 0.2, "sync": sync,
-                         "predicted_sync": sync * 0.9, "advise_step": step * 0.9, "wire_tx": 1e6, "bytes_sent": 1e6,
-                         "speedup": 1.2 * slow / step, "ran": method})
+        for method, step, sync in (
+            ("pmean", 1.2 * slow, 1.0 * slow),
+            ("dense", 1.2 * slow, 1.0 * slow),
+            ("ar_topk", 0.5, 0.3),
+        ):
+            rows.append(
+                {
+                    "hosts": 4,
+                    "rate": rate,
+                    "method": method,
+                    "step": step,
+                    "compute": 0.2,
+                    "sync": sync,
+                    "predicted_sync": sync * 0.9,
+                    "advise_step": step * 0.9,
+                    "wire_tx": 1e6,
+                    "bytes_sent": 1e6,
+                    "speedup": 1.2 * slow / step,
+                    "ran": method,
+                }
+            )
     return rows
 
 
@@ -30,17 +46,33 @@ def test_table_has_a_row_per_method_and_the_sync_ratio():
 
 
 def test_table_compares_each_model_with_its_own_dense():
-    rows = [dict(r, model=model, sync=r["sync"] * scale) for model, scale in (("gpt2", 1), ("resnet50", 2))
-            for r in fake_rows()]
+    rows = [
+        dict(r, model=model, sync=r["sync"] * scale)
+        for model, scale in (("gpt2", 1), ("resnet50", 2))
+        for r in fake_rows()
+    ]
     lines = netbench.table(rows).splitlines()
     assert lines[0].startswith("| model | hosts |") and len(lines) == 2 + 12
-    assert all("| 33.3x |" in line for line in lines if "| ar_topk |" in line and "| 100mbit |" in line)
-    assert all(line.startswith("| -") for line in netbench.table(fake_rows()).splitlines()[2:])  # older rows
+    assert all(
+        "| 33.3x |" in line for line in lines if "| ar_topk |" in line and "| 100mbit |" in line
+    )
+    assert all(
+        line.startswith("| -") for line in netbench.table(fake_rows()).splitlines()[2:]
+    )  # older rows
 
 
 def test_a_zoo_model_is_what_the_workers_train():
-    spec = netbench.Spec(params=25e6, methods=("pmean",), steps=1, warmup=0, batch=3, layers=6, out="-",
-                         rate_bits=None, model="mlp4096")
+    spec = netbench.Spec(
+        params=25e6,
+        methods=("pmean",),
+        steps=1,
+        warmup=0,
+        batch=3,
+        layers=6,
+        out="-",
+        rate_bits=None,
+        model="mlp4096",
+    )
     params, loss_fn, batches, about = netbench._workload(spec, np.random.default_rng(0))
     assert about == {"model": "mlp4096", "leaves": 8, "width": None}
     assert len(batches) == 4 and batches[0]["x"].shape == (3, 1024)
@@ -48,7 +80,9 @@ def test_a_zoo_model_is_what_the_workers_train():
     # Without a model: the MLP of --params, as before the zoo.
     mlp = dataclasses.replace(spec, model=None, params=2e5)
     _, _, batches, about = netbench._workload(mlp, np.random.default_rng(0))
-    assert about == {"model": "mlp_6x183", "leaves": 12, "width": 183} and batches[0]["y"].shape == (3, 183)
+    assert about == {"model": "mlp_6x183", "leaves": 12, "width": 183} and batches[0][
+        "y"
+    ].shape == (3, 183)
 
 
 @pytest.mark.parametrize("models", [(None,), ("gpt2", "many_small")])
@@ -58,14 +92,23 @@ def test_plot_writes_a_png(tmp_path, models):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--hosts", "0"], "--hosts"), (["--rates", "fast"], "--rates"), (["--methods", "nope"], "--methods"),
-    (["--params", "10"], "--params"), (["--steps", "0"], "--steps"), (["--plot", "/nonexistent/x.png"], "folder"),
-    (["--model", "resnet18"], "--model must be among mlp4096,"), (["--model", "gpt2,nope"], "--model"),
-    (["--model", ","], "--model"), (["--model", "gpt2", "--params", "1e6"], "one of --model and --params"),
-    # A good --model passes its check: the next flag's error is the one reported.
-    (["--model", "gpt2,resnet50", "--steps", "0"], "--steps"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--hosts", "0"], "--hosts"),
+        (["--rates", "fast"], "--rates"),
+        (["--methods", "nope"], "--methods"),
+        (["--params", "10"], "--params"),
+        (["--steps", "0"], "--steps"),
+        (["--plot", "/nonexistent/x.png"], "folder"),
+        (["--model", "resnet18"], "--model must be among mlp4096,"),
+        (["--model", "gpt2,nope"], "--model"),
+        (["--model", ","], "--model"),
+        (["--model", "gpt2", "--params", "1e6"], "one of --model and --params"),
+        # A good --model passes its check: the next flag's error is the one reported.
+        (["--model", "gpt2,resnet50", "--steps", "0"], "--steps"),
+    ],
+)
 def test_cli_checks_its_flags_before_running(argv, match, capsys):
     with pytest.raises(SystemExit) as exit_info:
         netbench.main(argv)
@@ -82,13 +125,34 @@ def test_one_small_cell_on_two_emulated_hosts(tmp_path):
     cluster.check_support()
     os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]  # the workers import this jaxcomp
     out = tmp_path / "rows.json"
-    code = netbench.main(["--hosts", "2", "--rates", "100mbit", "--params", "2e5", "--methods",
-                          "dense,ar_topk,quantized,dense@params,quantized@optimizer", "--steps", "2", "--json",
-                          str(out), "--plot", str(tmp_path / "p.png")])
+    code = netbench.main(
+        [
+            "--hosts",
+            "2",
+            "--rates",
+            "100mbit",
+            "--params",
+            "2e5",
+            "--methods",
+            "dense,ar_topk,quantized,dense@params,quantized@optimizer",
+            "--steps",
+            "2",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "p.png"),
+        ]
+    )
     assert code == 0
     rows = json.loads(out.read_text())
-    assert [r["method"] for r in rows] == ["pmean", "dense", "ar_topk", "quantized", "dense@params",
-                                           "quantized@optimizer"]
+    assert [r["method"] for r in rows] == [
+        "pmean",
+        "dense",
+        "ar_topk",
+        "quantized",
+        "dense@params",
+        "quantized@optimizer",
+    ]
     by = {r["method"]: r for r in rows}
     # Sharded: the params and Adam's state are halves on 2 hosts (dense keeps no residual).
     assert by["dense@params"]["state_bytes"] < 0.6 * by["dense"]["state_bytes"]
@@ -114,8 +178,22 @@ def test_bytes_sent_is_what_the_links_carry_for_every_method(tmp_path):
     os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]  # the workers import this jaxcomp
     out = tmp_path / "rows.json"
     methods = "allgather_topk,bf16,fp16,zfp,powersgd,sign,randomk"
-    code = netbench.main(["--hosts", "2", "--rates", "1gbit", "--params", "2e5", "--methods", methods,
-                          "--steps", "2", "--json", str(out)])
+    code = netbench.main(
+        [
+            "--hosts",
+            "2",
+            "--rates",
+            "1gbit",
+            "--params",
+            "2e5",
+            "--methods",
+            methods,
+            "--steps",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     rows = json.loads(out.read_text())
     assert {r["method"] for r in rows} == {"pmean", *methods.split(",")}

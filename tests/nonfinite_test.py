@@ -52,7 +52,9 @@ def _dp(method, policy, optimizer=None):
     mesh, axis = _mesh(method)
     args = dict(METHODS[method])
     args["axis_name"] = axis
-    tx = optax.chain(jaxcomp.compress(method, nonfinite=policy, **args), optimizer or optax.sgd(0.1))
+    tx = optax.chain(
+        jaxcomp.compress(method, nonfinite=policy, **args), optimizer or optax.sgd(0.1)
+    )
     return jaxcomp.data_parallel(_loss, tx, mesh, axis_name=axis)
 
 
@@ -63,7 +65,10 @@ def _params():
 def _batch(seed, bad=None):
     """Per-device gradient rows; ``bad``: "plant" the non-finite entries, "zero" zeros there."""
     rng = np.random.default_rng(seed)
-    batch = {name: rng.standard_normal((N_DEVICES,) + shape).astype(np.float32) for name, shape in SHAPES.items()}
+    batch = {
+        name: rng.standard_normal((N_DEVICES,) + shape).astype(np.float32)
+        for name, shape in SHAPES.items()
+    }
     for name, device, index, value in PLANTED:
         if bad == "plant":
             batch[name][(device,) + index] = value
@@ -86,13 +91,19 @@ def _check_replicas_identical(state):
 
 
 def _residuals(state):
-    return [np.asarray(r) for r in jax.tree.leaves(jaxcomp.find_compress_state(state.opt_state).residual)]
+    return [
+        np.asarray(r)
+        for r in jax.tree.leaves(jaxcomp.find_compress_state(state.opt_state).residual)
+    ]
 
 
 def _strip_metrics(opt_state):
     """The optimizer state without compress's metrics (which report the step, bad entries included)."""
-    return jax.tree.map(lambda x: x._replace(metrics=None) if isinstance(x, jaxcomp.CompressState) else x,
-                        opt_state, is_leaf=lambda x: isinstance(x, jaxcomp.CompressState))
+    return jax.tree.map(
+        lambda x: x._replace(metrics=None) if isinstance(x, jaxcomp.CompressState) else x,
+        opt_state,
+        is_leaf=lambda x: isinstance(x, jaxcomp.CompressState),
+    )
 
 
 def _metrics(metrics):
@@ -114,7 +125,9 @@ def test_zero_drops_the_entries_and_matches_a_run_with_zeros(method):
         _check_replicas_identical(bad_state)
         # Bit for bit: every method is deterministic given its inputs (quantized's key included).
         assert_trees_equal(_host(bad_state.params), _host(clean_state.params))
-        assert_trees_equal(_strip_metrics(_host(bad_state.opt_state)), _strip_metrics(_host(clean_state.opt_state)))
+        assert_trees_equal(
+            _strip_metrics(_host(bad_state.opt_state)), _strip_metrics(_host(clean_state.opt_state))
+        )
         got, want = _metrics(bad_metrics), _metrics(clean_metrics)
         got.pop("nonfinite"), want.pop("nonfinite")
         assert_trees_equal(got, want)
@@ -124,7 +137,9 @@ def test_zero_drops_the_entries_and_matches_a_run_with_zeros(method):
 @pytest.mark.parametrize("method", list(METHODS))
 def test_skip_keeps_every_state_and_agrees_on_every_device(method):
     dp = _dp(method, "skip", optax.adam(0.1))
-    state, _ = dp.step(dp.init(_params()), _batch(0))  # adam's moments and the residual are non-zero now
+    state, _ = dp.step(
+        dp.init(_params()), _batch(0)
+    )  # adam's moments and the residual are non-zero now
     before = _host(state)
     skipped, metrics = dp.step(state, _batch(1, "plant"))
     assert float(metrics["nonfinite"]) == len(PLANTED)
@@ -147,7 +162,9 @@ def test_raise_raises_at_that_step_and_keeps_the_state(method):
     dp = _dp(method, "raise", optax.adam(0.1))
     state, metrics = dp.step(dp.init(_params()), _batch(0))
     assert float(metrics["nonfinite"]) == 0
-    with pytest.raises(FloatingPointError, match=r"step 1: the gradients held 3 non-finite entries"):
+    with pytest.raises(
+        FloatingPointError, match=r"step 1: the gradients held 3 non-finite entries"
+    ):
         dp.step(state, _batch(1, "plant"))
     # The state passed in is intact and training goes on from it.
     for leaf in jax.tree.leaves(_host(state.params)) + _residuals(state):
@@ -165,18 +182,23 @@ def _local_run(tx, grads_per_device, mesh):
         updates, new_state = tx.update({"w": g[0]}, state)
         compress_state = jaxcomp.find_compress_state(new_state)
         adam = new_state[1][0]
-        adam_count = adam.count if isinstance(adam, optax.ScaleByAdamState) else jnp.zeros((), jnp.int32)
+        adam_count = (
+            adam.count if isinstance(adam, optax.ScaleByAdamState) else jnp.zeros((), jnp.int32)
+        )
         return updates["w"], compress_state.residual["w"][None], compress_state.metrics, adam_count
 
-    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data"), P(), P())))
+    f = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data"), P(), P()))
+    )
     return f(jnp.asarray(grads_per_device))
 
 
 def test_skip_nonfinite_wraps_a_chain_in_a_custom_step():
     need_devices(N_DEVICES)
     mesh = Mesh(np.array(jax.devices()[:N_DEVICES]), ("data",))
-    tx = jaxcomp.skip_nonfinite(optax.chain(jaxcomp.compress("ar_topk", ratio=0.5, nonfinite="skip"),
-                                            optax.adam(0.1)))
+    tx = jaxcomp.skip_nonfinite(
+        optax.chain(jaxcomp.compress("ar_topk", ratio=0.5, nonfinite="skip"), optax.adam(0.1))
+    )
     grads = np.random.default_rng(0).standard_normal((N_DEVICES, 6)).astype(np.float32)
     grads[2, 1] = np.nan
     updates, residual, metrics, count = _local_run(tx, grads, mesh)
@@ -236,6 +258,7 @@ def test_bfloat16_gradients():
         def step(g):
             updates, new_state = tx.update({"w": g[0]}, state)
             return updates["w"], new_state[0].residual["w"][None], new_state[0].metrics.nonfinite
+
         f = jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data"), P()))
         return f(jnp.asarray(g, jnp.bfloat16))
 
@@ -246,7 +269,9 @@ def test_bfloat16_gradients():
 
 
 def test_nonfinite_argument_is_checked():
-    with pytest.raises(ValueError, match=r"nonfinite must be one of \('zero', 'skip', 'raise'\).*'ignore'"):
+    with pytest.raises(
+        ValueError, match=r"nonfinite must be one of \('zero', 'skip', 'raise'\).*'ignore'"
+    ):
         jaxcomp.compress("dense", nonfinite="ignore")
     state = jaxcomp.compress("dense", nonfinite="skip").init({"w": jnp.zeros(3)})
     assert state.policy == jaxcomp.NonfinitePolicy("skip")
@@ -258,7 +283,9 @@ def test_a_state_of_another_policy_is_refused():
     mesh = Mesh(np.array(jax.devices()[:N_DEVICES]), ("data",))
     state = jaxcomp.compress("dense", nonfinite="skip").init({"w": jnp.zeros(2)})
     tx = jaxcomp.compress("dense")
-    f = jax.shard_map(lambda g: tx.update({"w": g}, state)[0]["w"], mesh=mesh, in_specs=P("data"), out_specs=P())
+    f = jax.shard_map(
+        lambda g: tx.update({"w": g}, state)[0]["w"], mesh=mesh, in_specs=P("data"), out_specs=P()
+    )
     with pytest.raises(ValueError, match="nonfinite='skip'"):
         f(jnp.ones(2 * N_DEVICES))
 
@@ -277,7 +304,9 @@ def test_adaptive_ratio_learns_nothing_from_a_gain_it_could_not_measure():
     grads = np.random.default_rng(4).standard_normal((N_DEVICES, 64)).astype(np.float32)
     grads[3, 2] = np.nan
     metrics, ratio = f(jnp.asarray(grads))
-    assert np.isfinite(float(metrics.gain)) and int(ratio.count) == 1  # a NaN entry: the gain of the rest
+    assert (
+        np.isfinite(float(metrics.gain)) and int(ratio.count) == 1
+    )  # a NaN entry: the gain of the rest
     metrics, ratio = f(jnp.asarray(grads * 1e30))  # finite, but the sums of squares overflow
     assert not np.isfinite(float(metrics.gain))  # reported as unmeasurable, not as 1.0
     assert int(ratio.count) == 0 and np.all(np.isfinite(np.asarray(ratio.gain_sum)))

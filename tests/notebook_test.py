@@ -12,34 +12,53 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_quickstart_notebook_executes(tmp_path):
     notebook = nbformat.read(os.path.join(ROOT, "notebooks", "quickstart.ipynb"), as_version=4)
-    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "JAXCOMP_NOTEBOOK_STEPS", "MPLBACKEND")}
+    saved = {
+        name: os.environ.get(name)
+        for name in ("PYTHONPATH", "JAXCOMP_NOTEBOOK_STEPS", "MPLBACKEND")
+    }
     # The kernel inherits this environment: the jaxcomp this process imported, few steps, and the
     # notebook's own inline plots (a non-interactive MPLBACKEND would swallow them).
     os.environ.pop("MPLBACKEND", None)
-    os.environ.update({"PYTHONPATH": subprocess_env()["PYTHONPATH"],
-                       "JAXCOMP_NOTEBOOK_STEPS": "6"})
+    os.environ.update({"PYTHONPATH": subprocess_env()["PYTHONPATH"], "JAXCOMP_NOTEBOOK_STEPS": "6"})
     try:
-        nbclient.NotebookClient(notebook, timeout=240, kernel_name="python3",
-                                resources={"metadata": {"path": str(tmp_path)}}).execute()
+        nbclient.NotebookClient(
+            notebook,
+            timeout=240,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(tmp_path)}},
+        ).execute()
     finally:
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
+    outputs = [
+        output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs
+    ]
     text = "".join(output.get("text", "") for output in outputs)
     assert "non-zero entries of the update: 10" in text
     assert "after 6 steps" in text
     assert "| allgather_topk_noef |" in text
-    assert any("image/png" in output.get("data", {}) for output in outputs), "the comparison plot is missing"
+    assert any("image/png" in output.get("data", {}) for output in outputs), (
+        "the comparison plot is missing"
+    )
 
 
 def test_demo_command_prints_table_and_saves_plot(tmp_path, capsys):
     from jaxcomp import demo
 
-    code = demo.main(["--steps", "3", "--methods", "dense,ar_topk,auto_adaptive_100mbit", "--out", str(tmp_path),
-                      "--no-progress"])
+    code = demo.main(
+        [
+            "--steps",
+            "3",
+            "--methods",
+            "dense,ar_topk,auto_adaptive_100mbit",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     table = capsys.readouterr().out
     assert "| dense | dense (1) |" in table and "| ar_topk | ar_topk (0.00999) |" in table
@@ -47,8 +66,10 @@ def test_demo_command_prints_table_and_saves_plot(tmp_path, capsys):
     ar_line = next(line for line in table.splitlines() if line.startswith("| ar_topk |"))
     assert float(ar_line.split("|")[6]) < 0.1
     # On the simulated slow link auto compresses, exploring from the highest candidate density.
-    assert "| auto_adaptive_100mbit | allgather_topk (0.1) |" in table or \
-        "| auto_adaptive_100mbit | ar_topk (0.1) |" in table
+    assert (
+        "| auto_adaptive_100mbit | allgather_topk (0.1) |" in table
+        or "| auto_adaptive_100mbit | ar_topk (0.1) |" in table
+    )
     with open(tmp_path / "loss_curves.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 

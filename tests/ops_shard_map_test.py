@@ -17,7 +17,9 @@ OPS = {
     "find_threshold": lambda x: jaxcomp.find_threshold(x, 5),
     "threshold_topk": lambda x: jaxcomp.threshold_topk(x, 5),
     "zfp_encode": lambda x: jaxcomp.zfp_encode(x, 8),
-    "zfp_decode": lambda x: jaxcomp.zfp_decode(jax.lax.stop_gradient(jaxcomp.zfp_encode(x, 8)), N, 8),
+    "zfp_decode": lambda x: jaxcomp.zfp_decode(
+        jax.lax.stop_gradient(jaxcomp.zfp_encode(x, 8)), N, 8
+    ),
     "hadamard_transform": jaxcomp.hadamard_transform,
 }
 
@@ -36,8 +38,11 @@ def test_results_vary_over_the_input_axes(name, implementation):
 
     x = jnp.asarray(np.random.default_rng(0).standard_normal((8, N)), jnp.float32)
     with _ffi.default_implementation(implementation):
-        mapped = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
-                                       check_vma=True))
+        mapped = jax.jit(
+            jax.shard_map(
+                per_device, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=True
+            )
+        )
         per_device_results = mapped(x)
     assert seen["vma"] and all("data" in vma for vma in seen["vma"]), seen["vma"]
     # And the per-device results are each device's own: row d equals the op on x[d] alone.
@@ -57,5 +62,7 @@ def test_replicated_input_gives_replicated_results():
         seen["vma"] = (_ffi.varying_axes(values), _ffi.varying_axes(indices))
         return values
 
-    jax.jit(jax.shard_map(replicated, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=True))(jnp.arange(10.0))
+    jax.jit(jax.shard_map(replicated, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=True))(
+        jnp.arange(10.0)
+    )
     assert seen["vma"] == (frozenset(), frozenset())

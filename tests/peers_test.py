@@ -17,7 +17,9 @@ import pytest
 
 from jaxcomp import netbench, zoo
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "peers.py")
+SCRIPT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "peers.py"
+)
 
 
 def _load():
@@ -32,6 +34,7 @@ peers = _load()
 
 
 # -- models ---------------------------------------------------------------------------------------
+
 
 def test_models_are_the_zoos():
     assert tuple(peers.MODELS) == zoo.NAMES
@@ -60,6 +63,7 @@ def test_netbench_trains_the_zoo_model_or_its_own_resized_mlp():
 
 # -- DDP set-up -----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("n_params", [1000, 25_185_290, 124_000_000, 400_000_000])
 def test_powersgd_puts_every_gradient_in_one_bucket(n_params):
     options = peers.ddp_options("powersgd", n_params, rank=4, start_iter=2)
@@ -79,10 +83,14 @@ def test_other_rows_keep_ddps_default_buckets_and_name_their_hook():
     assert all(h["bucket_cap_mb"] is None and h["powersgd"] is None for h in hooks.values())
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"method": "nope"}, "torch method"), ({"method": "powersgd", "rank": 0}, "rank"),
-    ({"method": "powersgd", "start_iter": 1}, "start_powerSGD_iter"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"method": "nope"}, "torch method"),
+        ({"method": "powersgd", "rank": 0}, "rank"),
+        ({"method": "powersgd", "start_iter": 1}, "start_powerSGD_iter"),
+    ],
+)
 def test_bad_ddp_options_are_refused(kwargs, match):
     method = kwargs.pop("method")
     with pytest.raises(ValueError, match=match):
@@ -96,6 +104,7 @@ def test_powersgd_warms_up_past_its_plain_steps():
 
 
 # -- flags ----------------------------------------------------------------------------------------
+
 
 def _config(*argv):
     return peers.config_from_args(peers.build_parser().parse_args(list(argv)))
@@ -115,22 +124,38 @@ def test_baselines_always_run_first():
     assert config.jax_methods == ("pmean", "ar_topk")
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--models", "mlp9"], "--models"), (["--hosts", "0"], "--hosts"), (["--hosts", "x"], "--hosts"),
-    (["--frameworks", "jax"], "--frameworks"), (["--torch-methods", "fp8"], "--torch-methods"),
-    (["--params", "10", "--models", "mlp2041"], "--params"), (["--params", "1e5"], "sizes mlp2041 only"),
-    (["--steps", "0"], "--steps"), (["--warmup", "-1"], "--warmup"), (["--powersgd-start", "1"], "--powersgd-start"),
-    (["--powersgd-rank", "0"], "--powersgd-rank"), (["--rates", ","], "--rates"), (["--lr", "0"], "--lr"),
-    (["--json", "/nonexistent/peers.json"], "folder"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--models", "mlp9"], "--models"),
+        (["--hosts", "0"], "--hosts"),
+        (["--hosts", "x"], "--hosts"),
+        (["--frameworks", "jax"], "--frameworks"),
+        (["--torch-methods", "fp8"], "--torch-methods"),
+        (["--params", "10", "--models", "mlp2041"], "--params"),
+        (["--params", "1e5"], "sizes mlp2041 only"),
+        (["--steps", "0"], "--steps"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--powersgd-start", "1"], "--powersgd-start"),
+        (["--powersgd-rank", "0"], "--powersgd-rank"),
+        (["--rates", ","], "--rates"),
+        (["--lr", "0"], "--lr"),
+        (["--json", "/nonexistent/peers.json"], "folder"),
+    ],
+)
 def test_bad_flags_are_refused_naming_the_flag(argv, match):
     with pytest.raises(ValueError, match=match):
         _config(*argv)
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--rates", "fast"], "--rates"), (["--jax-methods", "nope"], "--jax-methods"), (["--models", "x"], "--models"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--rates", "fast"], "--rates"),
+        (["--jax-methods", "nope"], "--jax-methods"),
+        (["--models", "x"], "--models"),
+    ],
+)
 def test_main_exits_2_with_the_reason_before_building_anything(argv, match, capsys):
     with pytest.raises(SystemExit) as exit_info:
         peers.main(argv)
@@ -140,13 +165,28 @@ def test_main_exits_2_with_the_reason_before_building_anything(argv, match, caps
 
 # -- rows and table -------------------------------------------------------------------------------
 
+
 def _host_result(rank, steps):
     methods = {}
     for method, step in steps.items():
         label = peers.ddp_options(method, 1000)["label"]
-        methods[method] = {"label": label, "step": step + rank, "cpu": 0.1 * (rank + 1), "wire_tx": 1e6 * (rank + 1),
-                           "times": [step], "loss": 1.0, "warmup": 2, "bucket_cap_mb": None}
-    return {"rank": rank, "torch": "2.13.0+cpu", "params": 25_185_290, "compute": 0.2 + rank, "methods": methods}
+        methods[method] = {
+            "label": label,
+            "step": step + rank,
+            "cpu": 0.1 * (rank + 1),
+            "wire_tx": 1e6 * (rank + 1),
+            "times": [step],
+            "loss": 1.0,
+            "warmup": 2,
+            "bucket_cap_mb": None,
+        }
+    return {
+        "rank": rank,
+        "torch": "2.13.0+cpu",
+        "params": 25_185_290,
+        "compute": 0.2 + rank,
+        "methods": methods,
+    }
 
 
 def test_torch_rows_take_the_slowest_host_and_average_cpu_and_wire():
@@ -160,8 +200,21 @@ def test_torch_rows_take_the_slowest_host_and_average_cpu_and_wire():
 
 
 def _rows():
-    rows = [{"model": "mlp4096", "params": 25_185_290, "hosts": 4, "rate": "1gbit", "framework": "jaxcomp",
-             "method": "pmean", "step": 2.0, "compute": 0.3, "cpu": None, "wire_tx": 150e6, "speedup": 1.0}]
+    rows = [
+        {
+            "model": "mlp4096",
+            "params": 25_185_290,
+            "hosts": 4,
+            "rate": "1gbit",
+            "framework": "jaxcomp",
+            "method": "pmean",
+            "step": 2.0,
+            "compute": 0.3,
+            "cpu": None,
+            "wire_tx": 150e6,
+            "speedup": 1.0,
+        }
+    ]
     results = [_host_result(r, {"plain": 4.0, "powersgd": 1.0}) for r in range(1)]
     return rows + peers.torch_rows(results, "mlp4096", 4, "1gbit")
 
@@ -199,26 +252,37 @@ def test_missing_torch_environment_is_an_error_when_install_is_off(tmp_path):
 
 # -- the torch worker (needs the torch environment) ----------------------------------------------
 
+
 def _torch_or_skip():
     version, why = peers._check_torch(peers.DEFAULT_TORCH_VENV)
     if version is None:
-        pytest.skip(f"no PyTorch environment for peers.py ({why}); `python benchmarks/peers.py` makes one")
+        pytest.skip(
+            f"no PyTorch environment for peers.py ({why}); `python benchmarks/peers.py` makes one"
+        )
     return peers.torch_python(peers.DEFAULT_TORCH_VENV)
 
 
 def test_torch_zoo_has_the_zoos_parameter_and_tensor_counts():
     python = _torch_or_skip()
     # Shapes only (meta tensors: no memory, no initializers), counted in the torch environment.
-    script = ("import json, sys, torch, torch_zoo\n"
-              "counts = {}\n"
-              "for name, widths in json.loads(sys.argv[1]).items():\n"
-              "    with torch.device('meta'):\n"
-              "        model = torch_zoo.build(name, mlp_widths=widths)[0]\n"
-              "    counts[name] = [sum(p.numel() for p in model.parameters()), len(list(model.parameters()))]\n"
-              "print(json.dumps(counts))")
+    script = (
+        "import json, sys, torch, torch_zoo\n"
+        "counts = {}\n"
+        "for name, widths in json.loads(sys.argv[1]).items():\n"
+        "    with torch.device('meta'):\n"
+        "        model = torch_zoo.build(name, mlp_widths=widths)[0]\n"
+        "    counts[name] = [sum(p.numel() for p in model.parameters()), len(list(model.parameters()))]\n"
+        "print(json.dumps(counts))"
+    )
     widths = {name: peers.torch_widths(name) for name in zoo.NAMES}
-    result = subprocess.run([python, "-c", script, json.dumps(widths)], check=False, capture_output=True, text=True,
-                            timeout=120, cwd=os.path.dirname(SCRIPT))
+    result = subprocess.run(
+        [python, "-c", script, json.dumps(widths)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(SCRIPT),
+    )
     assert result.returncode == 0, result.stderr
     counts = json.loads(result.stdout)
     for name in zoo.NAMES:
@@ -234,14 +298,37 @@ def _free_port():
 
 def test_torch_worker_runs_every_hook_over_gloo_on_loopback(tmp_path):
     python = _torch_or_skip()
-    spec = {"model": "mlp2041", "widths": [64] * 7, "methods": list(peers.TORCH_METHODS), "batch": 2, "steps": 2,
-            "warmup": 0, "powersgd_rank": 4, "powersgd_start": 2, "optimizer": "sgd", "lr": 1e-3, "timeout": 60,
-            "out": str(tmp_path)}
-    base = dict(os.environ, JAXCOMP_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", JAXCOMP_NUM_PROCESSES="2",
-                JAXCOMP_INTERFACE="lo", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([python, SCRIPT, "--torch-worker", json.dumps(spec)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=dict(base, JAXCOMP_PROCESS_ID=str(rank)))
-             for rank in range(2)]
+    spec = {
+        "model": "mlp2041",
+        "widths": [64] * 7,
+        "methods": list(peers.TORCH_METHODS),
+        "batch": 2,
+        "steps": 2,
+        "warmup": 0,
+        "powersgd_rank": 4,
+        "powersgd_start": 2,
+        "optimizer": "sgd",
+        "lr": 1e-3,
+        "timeout": 60,
+        "out": str(tmp_path),
+    }
+    base = dict(
+        os.environ,
+        JAXCOMP_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}",
+        JAXCOMP_NUM_PROCESSES="2",
+        JAXCOMP_INTERFACE="lo",
+        OMP_NUM_THREADS="1",
+    )
+    procs = [
+        subprocess.Popen(
+            [python, SCRIPT, "--torch-worker", json.dumps(spec)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(base, JAXCOMP_PROCESS_ID=str(rank)),
+        )
+        for rank in range(2)
+    ]
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     results = [json.loads((tmp_path / f"torch-{rank}.json").read_text()) for rank in range(2)]
@@ -251,6 +338,10 @@ def test_torch_worker_runs_every_hook_over_gloo_on_loopback(tmp_path):
     assert psgd["powersgd_iter"] > 2  # the timed steps were compressed ones
     rows = peers.torch_rows(results, "mlp2041", 2, "none")
     assert rows[0]["params"] == peers.mlp_params(spec["widths"])
-    assert [r["method"] for r in rows] == ["ddp", "ddp+fp16_compress_hook", "ddp+bf16_compress_hook",
-                                           "ddp+powerSGD_hook(rank=4)"]
+    assert [r["method"] for r in rows] == [
+        "ddp",
+        "ddp+fp16_compress_hook",
+        "ddp+bf16_compress_hook",
+        "ddp+powerSGD_hook(rank=4)",
+    ]
     assert all(r["step"] > 0 and r["cpu"] > 0 for r in rows)

@@ -30,7 +30,10 @@ def _loss(params, batch):
 
 
 def _batch(rng):
-    return {name: rng.standard_normal((N_DEVICES, *shape)).astype(np.float32) for name, shape in SHAPES.items()}
+    return {
+        name: rng.standard_normal((N_DEVICES, *shape)).astype(np.float32)
+        for name, shape in SHAPES.items()
+    }
 
 
 def _run(method, **options):
@@ -67,7 +70,9 @@ def _reference_step(fed, qs, rank):
         local_q = [m[d].T @ p_hat for d in range(N_DEVICES)]
         new_q[name] = sum(local_q)
         total[name] = (p_hat @ new_q[name].T).reshape(SHAPES[name])
-        residual[name] = np.stack([(m[d] - p_hat @ local_q[d].T).reshape(SHAPES[name]) for d in range(N_DEVICES)])
+        residual[name] = np.stack(
+            [(m[d] - p_hat @ local_q[d].T).reshape(SHAPES[name]) for d in range(N_DEVICES)]
+        )
     return total, residual, [new_q[name] for name in compressed]
 
 
@@ -90,14 +95,22 @@ def test_steps_match_numpy_reference_with_warm_start_and_error_feedback():
         state, metrics = dp.step(state, batch)
         cs = jaxcomp.find_compress_state(state.opt_state)
         for name in SHAPES:
-            np.testing.assert_allclose(params_before[name] - np.asarray(state.params[name]), total[name],
-                                       rtol=2e-4, atol=2e-4)
-            np.testing.assert_allclose(np.asarray(cs.residual[name]), residual[name], rtol=2e-4, atol=2e-4)
+            np.testing.assert_allclose(
+                params_before[name] - np.asarray(state.params[name]),
+                total[name],
+                rtol=2e-4,
+                atol=2e-4,
+            )
+            np.testing.assert_allclose(
+                np.asarray(cs.residual[name]), residual[name], rtol=2e-4, atol=2e-4
+            )
         for got, want in zip(cs.method_state[0][0], new_q):
             np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4)
     shapes = tuple(SHAPES[name] for name in sorted(SHAPES))
     n = sum(int(np.prod(s)) for s in shapes)
-    assert float(metrics["bytes_sent"]) == pytest.approx(method.wire_bytes(n, N_DEVICES, shapes=shapes))
+    assert float(metrics["bytes_sent"]) == pytest.approx(
+        method.wire_bytes(n, N_DEVICES, shapes=shapes)
+    )
     assert float(metrics["density"]) == pytest.approx(method.kept(n, shapes=shapes) / n)
     # 24x16 and 30x20 at rank 2, the bias and the small matrix as they are.
     assert method.kept(n, shapes=shapes) == 2 * (24 + 16) + 2 * (30 + 20) + 16 + 12
@@ -114,12 +127,14 @@ def test_bytes_on_the_wire_are_wire_bytes():
     state = method.init_state(shapes)
 
     def f(v):
-        total, sent, _ = method.aggregate_stateful(v, "data", step=0, key=jax.random.key(0), state=state,
-                                                   shapes=shapes)
+        total, sent, _ = method.aggregate_stateful(
+            v, "data", step=0, key=jax.random.key(0), state=state, shapes=shapes
+        )
         return total, sent
 
-    traced = jax.jit(jax.shard_map(f, mesh=_mesh(), in_specs=P("data"), out_specs=(P(), P("data")))).trace(
-        jnp.zeros(n * N_DEVICES, jnp.float32))
+    traced = jax.jit(
+        jax.shard_map(f, mesh=_mesh(), in_specs=P("data"), out_specs=(P(), P("data")))
+    ).trace(jnp.zeros(n * N_DEVICES, jnp.float32))
     uniform, p2p = _collective_bytes(traced.jaxpr.jaxpr, {"data": N_DEVICES})
     assert not p2p and uniform == pytest.approx(method.wire_bytes(n, N_DEVICES, shapes=shapes))
 
@@ -140,7 +155,9 @@ def test_error_feedback_identity_replicas_and_one_compile():
     cs = jaxcomp.find_compress_state(state.opt_state)
     for name in SHAPES:
         residual = np.asarray(cs.residual[name], np.float64).sum(axis=0)
-        np.testing.assert_allclose(-np.asarray(state.params[name]), fed[name] - residual, rtol=1e-4, atol=1e-3)
+        np.testing.assert_allclose(
+            -np.asarray(state.params[name]), fed[name] - residual, rtol=1e-4, atol=1e-3
+        )
     for leaf in jax.tree.leaves((state.params, cs.method_state)):
         shards = [np.asarray(s.data) for s in leaf.addressable_shards]
         assert all(np.array_equal(shards[0], s) for s in shards[1:])
@@ -148,7 +165,10 @@ def test_error_feedback_identity_replicas_and_one_compile():
 
 def test_start_iter_runs_dense_first_then_powersgd():
     dp, state = _run(PowerSGD(2, start_iter=2))
-    assert [m.label for m in jaxcomp.find_compress_state(state.opt_state).methods] == ["dense", "powersgd"]
+    assert [m.label for m in jaxcomp.find_compress_state(state.opt_state).methods] == [
+        "dense",
+        "powersgd",
+    ]
     rng = np.random.default_rng(2)
     ran = []
     for _ in range(3):
@@ -171,7 +191,11 @@ def test_orthogonalize_and_matrix_view():
     p = orthogonalize(jnp.asarray(np.random.default_rng(4).standard_normal((20, 3)), jnp.float32))
     np.testing.assert_allclose(np.asarray(p.T @ p), np.eye(3), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(orthogonalize(jnp.zeros((5, 2)))), np.zeros((5, 2)))
-    assert matrix_view((3, 3, 16, 32)) == (144, 32) and matrix_view((7,)) is None and matrix_view(()) is None
+    assert (
+        matrix_view((3, 3, 16, 32)) == (144, 32)
+        and matrix_view((7,)) is None
+        and matrix_view(()) is None
+    )
 
 
 def test_cost_model_and_candidates():
@@ -189,8 +213,12 @@ def test_cost_model_and_candidates():
 
 def test_powersgd_is_a_compress_auto_candidate():
     """Its state rides along in every branch; the branches compile, dense runs first."""
-    tx = optax.chain(jaxcomp.compress_auto([jaxcomp.Dense(), PowerSGD(2)], network=cost.Network.parse("1ms", "100mbit")),
-                     optax.sgd(1.0))
+    tx = optax.chain(
+        jaxcomp.compress_auto(
+            [jaxcomp.Dense(), PowerSGD(2)], network=cost.Network.parse("1ms", "100mbit")
+        ),
+        optax.sgd(1.0),
+    )
     dp = jaxcomp.data_parallel(_loss, tx, _mesh())
     state = dp.init({name: jnp.zeros(shape) for name, shape in SHAPES.items()})
     state, metrics = dp.step(state, _batch(np.random.default_rng(5)))
@@ -198,17 +226,23 @@ def test_powersgd_is_a_compress_auto_candidate():
     assert len(jaxcomp.find_compress_state(state.opt_state).method_state[1][0]) == 2
 
 
-@pytest.mark.parametrize("build, match", [
-    (lambda: PowerSGD(0), "rank must be"),
-    (lambda: PowerSGD(2.5), "rank must be"),
-    (lambda: PowerSGD(2, start_iter=-1), "start_iter must be"),
-    (lambda: PowerSGD(2, min_compression_rate=0.5), "min_compression_rate must be"),
-    (lambda: PowerSGD(2, allreduce="star"), "allreduce must be one of"),
-    # rank larger than every matrix: refused at init, naming rank.
-    (lambda: jaxcomp.compress(PowerSGD(8)).init({"w": jnp.zeros((6, 5)), "b": jnp.zeros(5)}), "rank=8 compresses none"),
-    (lambda: jaxcomp.compress(PowerSGD(1)).init({"b": jnp.zeros(5)}), "have none"),
-    (lambda: jaxcomp.compress("powersgd", ratio=0.1), "remove ratio="),
-])
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: PowerSGD(0), "rank must be"),
+        (lambda: PowerSGD(2.5), "rank must be"),
+        (lambda: PowerSGD(2, start_iter=-1), "start_iter must be"),
+        (lambda: PowerSGD(2, min_compression_rate=0.5), "min_compression_rate must be"),
+        (lambda: PowerSGD(2, allreduce="star"), "allreduce must be one of"),
+        # rank larger than every matrix: refused at init, naming rank.
+        (
+            lambda: jaxcomp.compress(PowerSGD(8)).init({"w": jnp.zeros((6, 5)), "b": jnp.zeros(5)}),
+            "rank=8 compresses none",
+        ),
+        (lambda: jaxcomp.compress(PowerSGD(1)).init({"b": jnp.zeros(5)}), "have none"),
+        (lambda: jaxcomp.compress("powersgd", ratio=0.1), "remove ratio="),
+    ],
+)
 def test_bad_arguments_are_named(build, match):
     with pytest.raises((ValueError, TypeError), match=match):
         build()

@@ -20,10 +20,14 @@ probe = importlib.import_module("jaxcomp.probe")
 SIZES = (2**10, 2**13, 2**16, 2**19, 2**22)
 
 
-@pytest.mark.parametrize("alpha,bandwidth", [(5e-4, 1.25e9), (2e-6, 100e9), (1e-2, 1.25e8), (0.0, 1e9)])
+@pytest.mark.parametrize(
+    "alpha,bandwidth", [(5e-4, 1.25e9), (2e-6, 100e9), (1e-2, 1.25e8), (0.0, 1e9)]
+)
 @pytest.mark.parametrize("n_workers", [2, 8, 64])
 @pytest.mark.parametrize("method", ["dense_ring", "dense_tree"])
-def test_fit_recovers_alpha_and_beta_from_noisy_synthetic_timings(alpha, bandwidth, n_workers, method):
+def test_fit_recovers_alpha_and_beta_from_noisy_synthetic_timings(
+    alpha, bandwidth, n_workers, method
+):
     """Timings from the α-β model, each multiplied by up to ±10% noise, fit back within 30%."""
     rng = np.random.default_rng(n_workers)
     true = cost.Network(alpha=alpha, bandwidth=bandwidth)
@@ -55,14 +59,20 @@ def test_fit_clamps_negative_latency_to_zero():
     assert fit.bandwidth == pytest.approx(1e9, rel=0.3)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(sizes=[1024, 1024], seconds=[1e-3, 1e-3], n_workers=8), "distinct"),
-    (dict(sizes=[1024, 2048], seconds=[1e-3], n_workers=8), "equal length"),
-    (dict(sizes=[1024, 2048], seconds=[1e-3, -1.0], n_workers=8), "seconds"),
-    (dict(sizes=[1024, 2048], seconds=[1e-3, 2e-3], n_workers=1), "n_workers"),
-    (dict(sizes=[1024, 2048], seconds=[2e-3, 1e-3], n_workers=8), "bandwidth"),
-    (dict(sizes=[1024, 2048], seconds=[1e-3, 2e-3], n_workers=8, method="allgather_topk"), "method"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(sizes=[1024, 1024], seconds=[1e-3, 1e-3], n_workers=8), "distinct"),
+        (dict(sizes=[1024, 2048], seconds=[1e-3], n_workers=8), "equal length"),
+        (dict(sizes=[1024, 2048], seconds=[1e-3, -1.0], n_workers=8), "seconds"),
+        (dict(sizes=[1024, 2048], seconds=[1e-3, 2e-3], n_workers=1), "n_workers"),
+        (dict(sizes=[1024, 2048], seconds=[2e-3, 1e-3], n_workers=8), "bandwidth"),
+        (
+            dict(sizes=[1024, 2048], seconds=[1e-3, 2e-3], n_workers=8, method="allgather_topk"),
+            "method",
+        ),
+    ],
+)
 def test_fit_rejects_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         probe.fit_alpha_beta(**kwargs)
@@ -85,13 +95,16 @@ def test_probe_on_virtual_devices_is_cached_per_mesh_and_axis():
     assert probe.probe_network(mesh, "data", sizes=sizes, repeats=2) is not net
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(axis_name="nope"), ValueError, "axis_name"),
-    (dict(axis_name="one"), ValueError, "at least 2"),
-    (dict(axis_name="data", sizes=(1024, 1023)), ValueError, "sizes"),
-    (dict(axis_name="data", sizes=(1024,)), ValueError, "sizes"),
-    (dict(axis_name="data", repeats=0), ValueError, "repeats"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(axis_name="nope"), ValueError, "axis_name"),
+        (dict(axis_name="one"), ValueError, "at least 2"),
+        (dict(axis_name="data", sizes=(1024, 1023)), ValueError, "sizes"),
+        (dict(axis_name="data", sizes=(1024,)), ValueError, "sizes"),
+        (dict(axis_name="data", repeats=0), ValueError, "repeats"),
+    ],
+)
 def test_probe_rejects_bad_input(kwargs, error, match):
     need_devices(8)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(8, 1), ("data", "one"))
@@ -122,8 +135,17 @@ def test_every_process_gets_the_same_network(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, f"127.0.0.1:{port}", str(i)], env=env, cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER, f"127.0.0.1:{port}", str(i)],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outputs = []
     for p in procs:
         try:
@@ -139,8 +161,15 @@ def test_every_process_gets_the_same_network(tmp_path):
     assert float(alpha) >= 0 and float(bandwidth) > 0
 
 
-@pytest.mark.parametrize("method,options", [("allgather_topk", {"ratio": 0.01}), ("ar_topk_ring", {"ratio": 0.1}),
-                                            ("zfp_ring", {"rate": 8}), ("zfp_recursive_doubling", {"rate": 4})])
+@pytest.mark.parametrize(
+    "method,options",
+    [
+        ("allgather_topk", {"ratio": 0.01}),
+        ("ar_topk_ring", {"ratio": 0.1}),
+        ("zfp_ring", {"rate": 8}),
+        ("zfp_recursive_doubling", {"rate": 4}),
+    ],
+)
 def test_codec_seconds_times_the_kernels_once(method, options):
     probe.clear_cache()
     seconds = probe.codec_seconds(method, 3001, repeats=1, **options)
@@ -157,7 +186,10 @@ def test_codec_seconds_on_a_mesh_runs_every_device_once_per_call():
     seconds = probe.codec_seconds("zfp_ring", 1000, rate=8, mesh=mesh, axis_name="data", repeats=1)
     assert 0 < seconds < float("inf")
     with count_compilations() as compiled:
-        assert probe.codec_seconds("zfp_ring", 1000, rate=8, mesh=mesh, axis_name="data", repeats=1) == seconds
+        assert (
+            probe.codec_seconds("zfp_ring", 1000, rate=8, mesh=mesh, axis_name="data", repeats=1)
+            == seconds
+        )
     assert compiled[0] == 0
     with pytest.raises(ValueError, match="axis_name"):
         probe.codec_seconds("zfp_ring", 1000, rate=8, mesh=mesh, axis_name="nope")
@@ -194,7 +226,9 @@ def test_the_budget_skips_the_sizes_that_would_not_fit(monkeypatch):
     net = probe.probe_network(mesh, "data", sizes=sizes, repeats=3, cache=False, budget=5.0)
     # 1 MiB is expected to take ~4.2 s (fits in 5), 8 MiB ~34 s (does not).
     assert timed == [2**10, 2**16, 2**20]
-    assert net.bandwidth == pytest.approx(1e6, rel=0.05)  # 2 devices: the ring moves M bytes, at 1 MB/s
+    assert net.bandwidth == pytest.approx(
+        1e6, rel=0.05
+    )  # 2 devices: the ring moves M bytes, at 1 MB/s
     timed.clear()
     probe.probe_network(mesh, "data", sizes=sizes, repeats=3, cache=False, budget=1.0)
     assert timed == [2**10, 2**16]  # the two smallest always run
@@ -218,20 +252,38 @@ def test_a_token_bucket_does_not_pass_for_bandwidth(monkeypatch):
 
     def shaped_psum(mesh, axis_name, values_per_device, repeats):
         volume = cost.volume_bytes("dense_ring", 4.0 * values_per_device, 2)
-        return alpha * cost.message_steps("dense_ring", 2) + max(0.0, volume - bucket) / rate + volume / 5e9
+        return (
+            alpha * cost.message_steps("dense_ring", 2)
+            + max(0.0, volume - bucket) / rate
+            + volume / 5e9
+        )
 
     monkeypatch.setattr(probe, "_time_psum", shaped_psum)
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-    net = probe.probe_network(mesh, "data", sizes=(2**10, 2**16, 2**20, 2**23), cache=False, budget=None)
+    net = probe.probe_network(
+        mesh, "data", sizes=(2**10, 2**16, 2**20, 2**23), cache=False, budget=None
+    )
     assert net.bandwidth == pytest.approx(1 / (1 / rate + 1 / 5e9), rel=0.01)
-    least_squares = probe.fit_alpha_beta((2**10, 2**16, 2**20, 2**23),
-                                         [shaped_psum(None, None, s // 4, 1) for s in (2**10, 2**16, 2**20, 2**23)], 2)
+    least_squares = probe.fit_alpha_beta(
+        (2**10, 2**16, 2**20, 2**23),
+        [shaped_psum(None, None, s // 4, 1) for s in (2**10, 2**16, 2**20, 2**23)],
+        2,
+    )
     assert least_squares.bandwidth > 1.2 * net.bandwidth  # what the plain fit would have said
 
 
-@pytest.mark.parametrize("method, adds_codec", [
-    ("ar_topk", False), ("randomk", False), ("sign", False), ("bf16", False), ("powersgd", False),
-    ("zfp", True), ("quantized", True)])
+@pytest.mark.parametrize(
+    "method, adds_codec",
+    [
+        ("ar_topk", False),
+        ("randomk", False),
+        ("sign", False),
+        ("bf16", False),
+        ("powersgd", False),
+        ("zfp", True),
+        ("quantized", True),
+    ],
+)
 def test_overhead_times_the_real_update_for_every_method(monkeypatch, method, adds_codec):
     """Issue 22: a slow packing step made every method 3.5-5x slower than a plain step, and the
     overhead that compress_auto uses only saw it for top-k (the others timed their codec alone).
@@ -241,9 +293,20 @@ def test_overhead_times_the_real_update_for_every_method(monkeypatch, method, ad
 
     monkeypatch.setattr(probe, "update_seconds", lambda m, params, repeats=3: 1.0)
     monkeypatch.setattr(probe, "codec_seconds", lambda m, n, **kw: 0.25)
-    options = {"ratio": 0.01} if method in ("ar_topk", "randomk") else {"rate": 8} if method == "zfp" else {
-        "bits": 4} if method == "quantized" else {"rank": 2} if method == "powersgd" else {}
-    seconds = probe.overhead_seconds(methods.parse(method, **options), {"w": np.zeros((64, 64), np.float32)})
+    options = (
+        {"ratio": 0.01}
+        if method in ("ar_topk", "randomk")
+        else {"rate": 8}
+        if method == "zfp"
+        else {"bits": 4}
+        if method == "quantized"
+        else {"rank": 2}
+        if method == "powersgd"
+        else {}
+    )
+    seconds = probe.overhead_seconds(
+        methods.parse(method, **options), {"w": np.zeros((64, 64), np.float32)}
+    )
     assert seconds == (1.25 if adds_codec else 1.0)
     assert probe.overhead_seconds(methods.parse("dense"), {"w": np.zeros(8, np.float32)}) == 0.0
 

@@ -8,17 +8,32 @@ import sys
 
 from helpers import subprocess_env
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "quality.py")
+SCRIPT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "quality.py"
+)
 
 
 def run(tmp_path, *args):
-    return subprocess.run([sys.executable, SCRIPT, *args], env=subprocess_env(), cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, SCRIPT, *args],
+        env=subprocess_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_quick_run_writes_finite_losses_bytes_and_a_plot(tmp_path):
-    result = run(tmp_path, "--quick", "--methods", "dense,allgather_topk(0.01)", "--out", str(tmp_path),
-                 "--no-progress")
+    result = run(
+        tmp_path,
+        "--quick",
+        "--methods",
+        "dense,allgather_topk(0.01)",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    )
     assert result.returncode == 0, result.stderr
     with open(tmp_path / "quality.json") as f:
         data = json.load(f)
@@ -31,7 +46,9 @@ def test_quick_run_writes_finite_losses_bytes_and_a_plot(tmp_path):
         assert math.isfinite(r["heldout_loss"]) and 0 < r["heldout_loss"] < math.log(128) + 1
         assert r["eval_curve"][-1] == [data["config"]["steps"], r["heldout_loss"]]
     assert 0 < topk["bytes_per_step"] < dense["bytes_per_step"]
-    assert data["corpus"] and all(f["bytes"] > 0 and os.path.isfile(f["path"]) for f in data["corpus"])
+    assert data["corpus"] and all(
+        f["bytes"] > 0 and os.path.isfile(f["path"]) for f in data["corpus"]
+    )
     assert (tmp_path / "quality.png").stat().st_size > 1000
     assert "| allgather_topk(0.01) |" in result.stdout
 
@@ -74,7 +91,9 @@ def test_adam_frozen_variance_is_adam_until_the_freeze_then_linear_in_the_gradie
         update, state = frozen.update(grads[step], state)
         np.testing.assert_array_equal(state.nu, nu)
         mu = 0.9 * mu + 0.1 * np.asarray(grads[step], np.float64)
-        expected = -schedule(step) * (mu / (1 - 0.9 ** (step + 1))) / (np.sqrt(nu / (1 - 0.999 ** 4)) + 1e-8)
+        expected = (
+            -schedule(step) * (mu / (1 - 0.9 ** (step + 1))) / (np.sqrt(nu / (1 - 0.999**4)) + 1e-8)
+        )
         np.testing.assert_allclose(update, expected, rtol=1e-4, atol=1e-8)
     # Linear: 3 steps of g, or 3g at once, move the params as far in total (Adam would move the burst less).
     one = jnp.ones(5)
@@ -82,7 +101,9 @@ def test_adam_frozen_variance_is_adam_until_the_freeze_then_linear_in_the_gradie
     for burst in ([one, one, one] + [0 * one] * 150, [3 * one] + [0 * one] * 152):
         tx = quality.adam_frozen_variance(1e-2, freeze_after=1)
         # Far past Adam's bias correction of the momentum, which would weigh the two differently.
-        state = tx.init(jnp.zeros(5))._replace(count=jnp.asarray(1000, jnp.int32), nu=jnp.full(5, 1e-3))
+        state = tx.init(jnp.zeros(5))._replace(
+            count=jnp.asarray(1000, jnp.int32), nu=jnp.full(5, 1e-3)
+        )
         total = 0.0
         for g in burst:
             update, state = tx.update(g, state)
@@ -111,14 +132,20 @@ def test_optimizer_names_build_what_they_say_and_bad_names_are_refused():
         _, state = tx.update(grads, state)
         return np.asarray(tx.update(0.5 * grads, state)[0])
 
-    expected = {"adam": optax.adam(schedule(config.learning_rate)),
-                "adam(b1=0,lr=1e-3)": optax.adam(schedule(1e-3), b1=0.0),
-                "adam(frozen=3)": quality.adam_frozen_variance(schedule(config.learning_rate), 3),
-                "sgd(lr=0.3)": optax.sgd(schedule(0.3)),
-                "sgd(lr=0.3,momentum=0.9)": optax.sgd(schedule(0.3), momentum=0.9)}
+    expected = {
+        "adam": optax.adam(schedule(config.learning_rate)),
+        "adam(b1=0,lr=1e-3)": optax.adam(schedule(1e-3), b1=0.0),
+        "adam(frozen=3)": quality.adam_frozen_variance(schedule(config.learning_rate), 3),
+        "sgd(lr=0.3)": optax.sgd(schedule(0.3)),
+        "sgd(lr=0.3,momentum=0.9)": optax.sgd(schedule(0.3), momentum=0.9),
+    }
     for name, tx in expected.items():
-        np.testing.assert_allclose(second_update(quality.optimizer(name, config)), second_update(tx), rtol=1e-6,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            second_update(quality.optimizer(name, config)),
+            second_update(tx),
+            rtol=1e-6,
+            err_msg=name,
+        )
     for bad in ("rmsprop", "sgd(momentum=0.9)", "adam(b1=x)", "adam(momentum=0.9)"):
         with pytest.raises(ValueError, match=re.escape(repr(bad))):
             quality.optimizer(bad, config)

@@ -32,6 +32,7 @@ def _mesh_2x4():
 
 # ---- the layout ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("sizes", [[1], [5], [8], [13, 3, 64, 1]])
 def test_shard_layout_against_numpy(sizes):
     rng = np.random.default_rng(0)
@@ -44,11 +45,16 @@ def test_shard_layout_against_numpy(sizes):
     offset = 0
     for part, mi in zip(parts, m):
         padded = np.zeros(N * mi, np.float32)
-        padded[:part.size] = part
-        want[:, offset:offset + mi] = padded.reshape(N, mi)
+        padded[: part.size] = part
+        want[:, offset : offset + mi] = padded.reshape(N, mi)
         for d in range(N):
-            np.testing.assert_array_equal(np.asarray(sharding.shard_of(jnp.asarray(part), N, d)), padded[d * mi:(d + 1) * mi])
-        np.testing.assert_array_equal(np.asarray(sharding.unshard(jnp.asarray(padded.reshape(N, mi)), part.shape)), part)
+            np.testing.assert_array_equal(
+                np.asarray(sharding.shard_of(jnp.asarray(part), N, d)),
+                padded[d * mi : (d + 1) * mi],
+            )
+        np.testing.assert_array_equal(
+            np.asarray(sharding.unshard(jnp.asarray(padded.reshape(N, mi)), part.shape)), part
+        )
         offset += mi
     np.testing.assert_array_equal(vector, want.reshape(-1))
     for got, part in zip(sharding.from_shard_major(jnp.asarray(vector), sizes, N), parts):
@@ -60,6 +66,7 @@ def test_shard_layout_against_numpy(sizes):
 
 # ---- each method's reduce-scatter, against its all-reduce ---------------------------------------
 
+
 def _run_both(method, x, row):
     """``(total, sent)`` of ``aggregate`` and ``(shard rows, sent)`` of ``reduce_scatter`` on the
     same per-device vectors ``x`` ([N, N * row])."""
@@ -68,17 +75,31 @@ def _run_both(method, x, row):
     def both(v):
         v = v[0]
         total, sent = method.aggregate(v, "data", step=jnp.int32(1), key=key)
-        shard, sent_rs = method.reduce_scatter(v, "data", step=jnp.int32(1), key=key, size=v.shape[0])
+        shard, sent_rs = method.reduce_scatter(
+            v, "data", step=jnp.int32(1), key=key, size=v.shape[0]
+        )
         return total, sent[None], shard, sent_rs[None]
 
-    out = jax.jit(jax.shard_map(both, mesh=_mesh(), in_specs=P("data"),
-                                out_specs=(P(), P("data"), P("data"), P("data"))))(x)
+    out = jax.jit(
+        jax.shard_map(
+            both, mesh=_mesh(), in_specs=P("data"), out_specs=(P(), P("data"), P("data"), P("data"))
+        )
+    )(x)
     return [np.asarray(o) for o in out]
 
 
-@pytest.mark.parametrize("method", [Dense(), Cast("bfloat16"), Cast("float16"), TopK(0.1),
-                                    TopK(k=7, collective="ar"), TopK(0.05, selector="threshold")],
-                         ids=["dense", "bf16", "fp16", "allgather_topk", "ar_topk", "mstopk"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        Dense(),
+        Cast("bfloat16"),
+        Cast("float16"),
+        TopK(0.1),
+        TopK(k=7, collective="ar"),
+        TopK(0.05, selector="threshold"),
+    ],
+    ids=["dense", "bf16", "fp16", "allgather_topk", "ar_topk", "mstopk"],
+)
 def test_exact_reduce_scatter_is_the_all_reduce_split(method):
     """Dense, Cast and TopK reduce-scatter the very sum their all-reduce computes: device d's
     shard is row d of it bit for bit (Dense: to XLA's summation order), with the same sent."""
@@ -93,8 +114,11 @@ def test_exact_reduce_scatter_is_the_all_reduce_split(method):
     np.testing.assert_array_equal(sent_rs, sent)
 
 
-@pytest.mark.parametrize("method", [Zfp(8), Zfp(16), Quantized(4), Quantized(8, hadamard=False)],
-                         ids=["zfp8", "zfp16", "thc4", "thc8-plain"])
+@pytest.mark.parametrize(
+    "method",
+    [Zfp(8), Zfp(16), Quantized(4), Quantized(8, hadamard=False)],
+    ids=["zfp8", "zfp16", "thc4", "thc8-plain"],
+)
 def test_lossy_reduce_scatter_sums_what_each_device_sent(method):
     """ZFP's ring reduce-scatter and THC's integer-code reduce-scatter: each shard is the sum of
     what the devices sent (so error feedback keeps exactly what was lost), close to the exact sum."""
@@ -108,15 +132,28 @@ def test_lossy_reduce_scatter_sums_what_each_device_sent(method):
     assert 0 < error < 1.2 * error_allreduce, (error, error_allreduce)
 
 
-@pytest.mark.parametrize("method, n", [(Dense(), 1003), (Cast("float16"), 1003), (Zfp(8), 1003),
-                                       (Quantized(4), 1003), (TopK(0.01), 1003)],
-                         ids=["dense", "fp16", "zfp", "thc", "topk"])
+@pytest.mark.parametrize(
+    "method, n",
+    [
+        (Dense(), 1003),
+        (Cast("float16"), 1003),
+        (Zfp(8), 1003),
+        (Quantized(4), 1003),
+        (TopK(0.01), 1003),
+    ],
+    ids=["dense", "fp16", "zfp", "thc", "topk"],
+)
 def test_reduce_scatter_bytes_are_what_the_collectives_move(method, n):
     row = method.shard_row(-(-n // N), N)
     key = jax.random.key(0)
-    traced = jax.jit(jax.shard_map(
-        lambda v: method.reduce_scatter(v, "data", step=jnp.int32(0), key=key, size=n),
-        mesh=_mesh(), in_specs=P("data"), out_specs=(P("data"), P("data")))).trace(jnp.zeros(N * N * row, jnp.float32))
+    traced = jax.jit(
+        jax.shard_map(
+            lambda v: method.reduce_scatter(v, "data", step=jnp.int32(0), key=key, size=n),
+            mesh=_mesh(),
+            in_specs=P("data"),
+            out_specs=(P("data"), P("data")),
+        )
+    ).trace(jnp.zeros(N * N * row, jnp.float32))
     uniform, p2p = _collective_bytes(traced.jaxpr.jaxpr, {"data": N})
     model = method.reduce_scatter_bytes(N * row, N)
     assert uniform + max(p2p.values(), default=0) == pytest.approx(model)
@@ -124,9 +161,17 @@ def test_reduce_scatter_bytes_are_what_the_collectives_move(method, n):
         assert model < method.wire_bytes(N * row, N)  # half an all-reduce, or less
 
 
-@pytest.mark.parametrize("method", [Sign(), PowerSGD(2), RandomK(0.1), TopK(0.1, collective="hierarchical"),
-                                    Zfp(8, algorithm="recursive_doubling")],
-                         ids=["sign", "powersgd", "randomk", "hierarchical", "zfp-rd"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        Sign(),
+        PowerSGD(2),
+        RandomK(0.1),
+        TopK(0.1, collective="hierarchical"),
+        Zfp(8, algorithm="recursive_doubling"),
+    ],
+    ids=["sign", "powersgd", "randomk", "hierarchical", "zfp-rd"],
+)
 def test_methods_without_a_reduce_scatter_say_so(method):
     assert not method.scatters
     axis = ("node", "device") if method.axes_needed == 2 else "data"
@@ -139,6 +184,7 @@ def test_methods_without_a_reduce_scatter_say_so(method):
 
 # ---- training ----------------------------------------------------------------------------------
 
+
 def _loss(params, batch):
     hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
     return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2)
@@ -146,15 +192,21 @@ def _loss(params, batch):
 
 def _params():
     rng = np.random.default_rng(0)
-    return {"w1": jnp.asarray(rng.normal(size=(12, 19)) / 4, jnp.float32), "b1": jnp.zeros(19, jnp.float32),
-            "w2": jnp.asarray(rng.normal(size=(19, 3)) / 4, jnp.float32)}
+    return {
+        "w1": jnp.asarray(rng.normal(size=(12, 19)) / 4, jnp.float32),
+        "b1": jnp.zeros(19, jnp.float32),
+        "w2": jnp.asarray(rng.normal(size=(19, 3)) / 4, jnp.float32),
+    }
 
 
 def _batches(steps=4, rows=32):
     rng = np.random.default_rng(1)
     for _ in range(steps):
         x = rng.normal(size=(rows, 12)).astype(np.float32)
-        yield {"x": jnp.asarray(x), "y": jnp.asarray(np.stack([x[:, 0], x[:, 1] * x[:, 2], -x[:, 3]], 1))}
+        yield {
+            "x": jnp.asarray(x),
+            "y": jnp.asarray(np.stack([x[:, 0], x[:, 1] * x[:, 2], -x[:, 3]], 1)),
+        }
 
 
 def _train(method, shard, mesh=None, axis="data", steps=4, **options):
@@ -169,12 +221,20 @@ def _train(method, shard, mesh=None, axis="data", steps=4, **options):
 
 
 # (method, how close the sharded run must stay to the replicated one after 4 adam steps)
-TRAINED = [(Dense(), 1e-6), (Cast("bfloat16"), 1e-3), (TopK(0.2), 1e-6), (TopK(0.2, collective="ar"), 1e-6),
-           (Zfp(12), 0.05), (Quantized(6), 0.05)]
+TRAINED = [
+    (Dense(), 1e-6),
+    (Cast("bfloat16"), 1e-3),
+    (TopK(0.2), 1e-6),
+    (TopK(0.2, collective="ar"), 1e-6),
+    (Zfp(12), 0.05),
+    (Quantized(6), 0.05),
+]
 
 
 @pytest.mark.parametrize("shard", ["optimizer", "params"])
-@pytest.mark.parametrize("method, tol", TRAINED, ids=["dense", "bf16", "allgather_topk", "ar_topk", "zfp", "thc"])
+@pytest.mark.parametrize(
+    "method, tol", TRAINED, ids=["dense", "bf16", "allgather_topk", "ar_topk", "zfp", "thc"]
+)
 def test_sharded_training_matches_replicated(method, tol, shard):
     """Dense and top-k aggregate the same sum either way (to float rounding: the sharded step is
     another XLA program); bf16's CPU ring rounds each partial sum to bfloat16 in an order set by the
@@ -185,7 +245,9 @@ def test_sharded_training_matches_replicated(method, tol, shard):
     dp, state, losses, metrics = _train(method, shard)
     params = dp.params(state)
     for name, want in ref_state.params.items():
-        np.testing.assert_allclose(np.asarray(params[name]), np.asarray(want), rtol=tol, atol=tol, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(params[name]), np.asarray(want), rtol=tol, atol=tol, err_msg=name
+        )
         shards = [np.asarray(s.data) for s in params[name].addressable_shards]
         assert all(np.array_equal(shards[0], s) for s in shards[1:])
     np.testing.assert_allclose(losses, ref_losses, rtol=max(tol, 1e-6))
@@ -200,13 +262,17 @@ def test_sharded_training_on_a_2x4_mesh(method):
     dp, state, _, _ = _train(method, "params", mesh, axis)
     tol = 0.05 if isinstance(method, Quantized) else 1e-6
     for name, want in ref.params.items():
-        np.testing.assert_allclose(np.asarray(dp.params(state)[name]), np.asarray(want), rtol=tol, atol=tol)
+        np.testing.assert_allclose(
+            np.asarray(dp.params(state)[name]), np.asarray(want), rtol=tol, atol=tol
+        )
     assert state.params["w1"].sharding.spec == P(axis)
 
 
 def _collectives(hlo):
     """``[(op, shape)]`` of the collectives in compiled HLO text."""
-    return re.findall(r"= (\S+) (all-reduce|reduce-scatter|all-gather|collective-permute)(?:-start)?\(", hlo)
+    return re.findall(
+        r"= (\S+) (all-reduce|reduce-scatter|all-gather|collective-permute)(?:-start)?\(", hlo
+    )
 
 
 @pytest.mark.parametrize("shard", ["optimizer", "params"])
@@ -223,13 +289,17 @@ def test_compiled_step_reduce_scatters_and_gathers(method, shard):
     # bf16 on the CPU: the ring's reduce-scatter phase, uint16 hops (XLA:CPU's reduce-scatter
     # would carry bfloat16 as float32).
     scattered = ("u16", "collective-permute") if method == "bf16" else (None, "reduce-scatter")
-    assert any(op == scattered[1] and (scattered[0] is None or shape.startswith(scattered[0]))
-               for shape, op in ops), ops
+    assert any(
+        op == scattered[1] and (scattered[0] is None or shape.startswith(scattered[0]))
+        for shape, op in ops
+    ), ops
     assert any(op == "all-gather" for _, op in ops), ops
     for shape, op in ops:
         if op == "all-reduce" and shape.startswith(("f32", "bf16", "f16", "(")):
-            sizes = [int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-                     for dims in re.findall(r"\[([\d,]*)\]", shape)]
+            sizes = [
+                int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                for dims in re.findall(r"\[([\d,]*)\]", shape)
+            ]
             assert max(sizes) < n_values // N, (shape, ops)
     if method == "quantized":
         assert any(op == "reduce-scatter" and shape.startswith("u32") for shape, op in ops), ops
@@ -254,7 +324,11 @@ def test_memory_per_device_is_a_shard(method):
     def split(state):
         compress_state = jaxcomp.find_compress_state(state.opt_state)
         residual = _bytes_per_device(compress_state.residual)
-        return _bytes_per_device(state.params), _bytes_per_device(state.opt_state) - residual, residual
+        return (
+            _bytes_per_device(state.params),
+            _bytes_per_device(state.opt_state) - residual,
+            residual,
+        )
 
     full_params, full_opt, full_residual = split(states[None])
     for shard in ("optimizer", "params"):
@@ -262,11 +336,15 @@ def test_memory_per_device_is_a_shard(method):
         slack = 64 * 4 * 3  # padding of each leaf to whole shards, adam's count
         assert opt <= full_opt / N + slack, (shard, opt, full_opt)
         assert residual == full_residual  # error feedback: the whole local gradient, per device
-        assert params == (full_params if shard == "optimizer" else pytest.approx(full_params / N, abs=slack))
+        assert params == (
+            full_params if shard == "optimizer" else pytest.approx(full_params / N, abs=slack)
+        )
     if method == "dense":
         assert full_residual == 0
         # ZeRO-3 without a residual: everything is 1/N.
-        assert _bytes_per_device(states["params"]) <= _bytes_per_device(states[None]) / N + 2 * slack
+        assert (
+            _bytes_per_device(states["params"]) <= _bytes_per_device(states[None]) / N + 2 * slack
+        )
 
 
 def test_one_compile_and_a_checkpoint_resumes_bit_for_bit(tmp_path):
@@ -292,13 +370,19 @@ def test_restoring_onto_another_device_count_is_refused(tmp_path):
     tx = optax.chain(jaxcomp.compress("dense"), optax.adam(1e-2))
     dp = jaxcomp.data_parallel(_loss, tx, _mesh(), shard="params")
     state = dp.init(_params())
-    four = jaxcomp.data_parallel(_loss, tx, Mesh(np.array(jax.devices()[:4]), ("data",)), shard="params")
+    four = jaxcomp.data_parallel(
+        _loss, tx, Mesh(np.array(jax.devices()[:4]), ("data",)), shard="params"
+    )
     four.init(_params())  # knows the params' shapes
-    with pytest.raises(ValueError, match="shards for 8 devices, but this data_parallel shards over 4"):
+    with pytest.raises(
+        ValueError, match="shards for 8 devices, but this data_parallel shards over 4"
+    ):
         four.step(state, next(_batches()))
     # shard="optimizer": the params are whole, the optimizer's shards do not fit.
     dp8 = jaxcomp.data_parallel(_loss, tx, _mesh(), shard="optimizer")
-    dp4 = jaxcomp.data_parallel(_loss, tx, Mesh(np.array(jax.devices()[:4]), ("data",)), shard="optimizer")
+    dp4 = jaxcomp.data_parallel(
+        _loss, tx, Mesh(np.array(jax.devices()[:4]), ("data",)), shard="optimizer"
+    )
     with pytest.raises(ValueError, match="does not fit state.params"):
         dp4.step(dp8.init(_params()), next(_batches()))
 
@@ -338,7 +422,9 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="sharded over 8 devices, but compress"):
         mesh = _mesh_2x4()
         bad = optax.chain(jaxcomp.compress("dense", axis_name="device"), optax.sgd(0.1))
-        jaxcomp.data_parallel(_loss, bad, mesh, ("node", "device"), shard="optimizer").init(_params())
+        jaxcomp.data_parallel(_loss, bad, mesh, ("node", "device"), shard="optimizer").init(
+            _params()
+        )
 
 
 @pytest.mark.parametrize("nonfinite", ["zero", "skip"])
@@ -361,8 +447,12 @@ def test_nonfinite_gradients_agree_with_the_replicated_run(method, nonfinite):
         results[shard] = counts, jax.tree.map(np.asarray, dp.params(state))
     assert results["params"][0] == results[None][0] and results[None][0][1] > 0
     for name, want in results[None][1].items():
-        tol = 1e-3 if method == "bf16" else 1e-6  # bf16: the ring's roundings differ by layout (above)
-        np.testing.assert_allclose(results["params"][1][name], want, rtol=tol, atol=tol, err_msg=name)
+        tol = (
+            1e-3 if method == "bf16" else 1e-6
+        )  # bf16: the ring's roundings differ by layout (above)
+        np.testing.assert_allclose(
+            results["params"][1][name], want, rtol=tol, atol=tol, err_msg=name
+        )
 
 
 def test_cost_model_and_advise_know_the_sharded_form(capsys):
@@ -372,18 +462,37 @@ def test_cost_model_and_advise_know_the_sharded_form(capsys):
     nbytes, workers = 4e8, 8
     # A reduce-scatter plus an all-gather is one ring all-reduce: sharded dense costs the same.
     assert cost.volume_bytes("dense", nbytes, workers, shard=True) == pytest.approx(
-        cost.volume_bytes("dense", nbytes, workers))
+        cost.volume_bytes("dense", nbytes, workers)
+    )
     assert cost.message_steps("dense", workers, shard=True) == cost.message_steps("dense", workers)
     # ZFP compresses only the gradient's half: its reduce-scatter, plus the params' dense all-gather.
     zfp = Zfp(8)
     n = int(nbytes // 4)
     assert cost.volume_bytes(zfp, nbytes, workers, shard=True) == pytest.approx(
-        zfp.reduce_scatter_bytes(n, workers) + (workers - 1) / workers * nbytes)
-    assert cost.predict(zfp, nbytes, workers, net, shard=True) > cost.predict(zfp, nbytes, workers, net)
-    assert cost.volume_bytes("dense", nbytes, workers, shard=True, gather_bytes=2) < cost.volume_bytes(
-        "dense", nbytes, workers, shard=True)
-    assert advise.main(["--params", "25e6", "--workers", "8", "--bandwidth", "1gbit", "--backward-ms", "50",
-                        "--shard"]) == 0
+        zfp.reduce_scatter_bytes(n, workers) + (workers - 1) / workers * nbytes
+    )
+    assert cost.predict(zfp, nbytes, workers, net, shard=True) > cost.predict(
+        zfp, nbytes, workers, net
+    )
+    assert cost.volume_bytes(
+        "dense", nbytes, workers, shard=True, gather_bytes=2
+    ) < cost.volume_bytes("dense", nbytes, workers, shard=True)
+    assert (
+        advise.main(
+            [
+                "--params",
+                "25e6",
+                "--workers",
+                "8",
+                "--bandwidth",
+                "1gbit",
+                "--backward-ms",
+                "50",
+                "--shard",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "sharded (--shard)" in out and "zfp" in out and "quantized" in out
     for name in ("sign", "powersgd", "randomk", "hierarchical"):

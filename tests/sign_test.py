@@ -21,27 +21,34 @@ SMALLEST_NORMAL = np.float32(2.0**-126)
 
 # --- numpy reference -------------------------------------------------------------------------------
 
+
 def ref_pack(x, chunk):
     """docs/kernels.md step by step: IEEE's x >= 0 (numpy flushes no denormal), the halving tree."""
     x = np.asarray(x, np.float32)
     n = x.shape[-1]
     bits = np.zeros(x.shape[:-1] + (-(-n // 32) * 32,), np.uint64)
     bits[..., :n] = x >= 0
-    words = (bits.reshape(x.shape[:-1] + (-1, 32)) << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32)
+    words = (
+        (bits.reshape(x.shape[:-1] + (-1, 32)) << np.arange(32, dtype=np.uint64))
+        .sum(-1)
+        .astype(np.uint32)
+    )
     p = 1 << (chunk - 1).bit_length()
     scales = np.zeros(x.shape[:-1] + (-(-n // chunk),), np.float32)
     for index in np.ndindex(scales.shape):
         *row, q = index
-        values = np.abs(x[tuple(row)][q * chunk:(q + 1) * chunk])
+        values = np.abs(x[tuple(row)][q * chunk : (q + 1) * chunk])
         tree = np.zeros(p, np.float32)
-        tree[:values.size] = np.where(values < SMALLEST_NORMAL, np.float32(0), values)
+        tree[: values.size] = np.where(values < SMALLEST_NORMAL, np.float32(0), values)
         h = p // 2
         while h >= 1:
-            tree = tree[:h] + tree[h:2 * h]
+            tree = tree[:h] + tree[h : 2 * h]
             h //= 2
         with np.errstate(over="ignore", invalid="ignore"):
             mean = tree[0] * (np.float32(1) / np.float32(values.size))
-        scales[index] = np.float32(np.nan) if np.isnan(mean) else (0 if abs(mean) < SMALLEST_NORMAL else mean)
+        scales[index] = (
+            np.float32(np.nan) if np.isnan(mean) else (0 if abs(mean) < SMALLEST_NORMAL else mean)
+        )
     return words, scales
 
 
@@ -59,8 +66,10 @@ def test_the_pure_jax_reference_is_the_numpy_one():
         want_words, want_scales = ref_pack(x, chunk)
         np.testing.assert_array_equal(np.asarray(words), want_words)
         np.testing.assert_array_equal(as_bits(scales), as_bits(want_scales))
-        np.testing.assert_array_equal(as_bits(jaxcomp.reference.sign_unpack(words, scales, 203, chunk)),
-                                      as_bits(ref_unpack(want_words, want_scales, 203, chunk)))
+        np.testing.assert_array_equal(
+            as_bits(jaxcomp.reference.sign_unpack(words, scales, 203, chunk)),
+            as_bits(ref_unpack(want_words, want_scales, 203, chunk)),
+        )
 
 
 def as_bits(a):
@@ -76,14 +85,16 @@ def rows(n, seed):
     ties = rng.choice([-2.0, -1.0, 0.0, -0.0, 1.0, 0.5], n)
     special = rng.standard_normal(n)
     picks = rng.choice(n, min(n, 6), replace=False)
-    special[picks] = [np.nan, np.inf, -np.inf, 1e-40, -1e-40, -0.0][:picks.size]
+    special[picks] = [np.nan, np.inf, -np.inf, 1e-40, -1e-40, -0.0][: picks.size]
     return np.stack([gradient, ties, special]).astype(np.float32)
 
 
 # --- the kernels -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n, chunk", [(1, 1), (33, 5), (100, 32), (1000, 1000), (1003, 7), (5000, 1024),
-                                      (300, 4096)])
+
+@pytest.mark.parametrize(
+    "n, chunk", [(1, 1), (33, 5), (100, 32), (1000, 1000), (1003, 7), (5000, 1024), (300, 4096)]
+)
 @pytest.mark.parametrize("implementation", ["native", "xla"])
 def test_pack_and_unpack_match_the_reference_bit_for_bit(n, chunk, implementation):
     x = rows(n, n + chunk)
@@ -91,8 +102,12 @@ def test_pack_and_unpack_match_the_reference_bit_for_bit(n, chunk, implementatio
     want_words, want_scales = ref_pack(x, chunk)
     np.testing.assert_array_equal(np.asarray(words), want_words)
     np.testing.assert_array_equal(as_bits(scales), as_bits(want_scales))
-    decoded = jax.jit(lambda w, s: sign_unpack(w, s, n, chunk, implementation=implementation))(words, scales)
-    np.testing.assert_array_equal(as_bits(decoded), as_bits(ref_unpack(want_words, want_scales, n, chunk)))
+    decoded = jax.jit(lambda w, s: sign_unpack(w, s, n, chunk, implementation=implementation))(
+        words, scales
+    )
+    np.testing.assert_array_equal(
+        as_bits(decoded), as_bits(ref_unpack(want_words, want_scales, n, chunk))
+    )
 
 
 def test_native_and_xla_agree_on_16_bit_input_and_under_jit():
@@ -108,26 +123,46 @@ def test_native_and_xla_agree_on_16_bit_input_and_under_jit():
     assert decoded.dtype == jnp.float16
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (lambda: sign_pack(jnp.ones(10), 0), ValueError, "chunk"),
-    (lambda: sign_pack(jnp.ones(10), 2.5), TypeError, "chunk"),
-    (lambda: sign_pack(jnp.ones(10, jnp.int32), 4), TypeError, "x must be"),
-    (lambda: sign_pack(jnp.ones(10), 4, implementation="cuda"), ValueError, "implementation"),
-    (lambda: sign_unpack(jnp.zeros(3, jnp.uint32), jnp.ones(3), 40, 16), ValueError, "words must have"),
-    (lambda: sign_unpack(jnp.zeros(1, jnp.uint32), jnp.ones(3), 20, 16), ValueError, "scales must have"),
-    (lambda: sign_unpack(jnp.zeros(1, jnp.int32), jnp.ones(2), 20, 16), TypeError, "words must be uint32"),
-    (lambda: sign_unpack(jnp.zeros(1, jnp.uint32), jnp.ones(2), 0, 16), ValueError, "n must be"),
-    (lambda: Sign(0), ValueError, "chunk must be"),
-    (lambda: Sign(aggregation="mean"), ValueError, "aggregation must be one of"),
-    (lambda: Sign(allreduce="tree"), ValueError, "aggregation='allreduce' only"),
-    (lambda: jaxcomp.compress("sign", chunk=-1), ValueError, "chunk"),
-])
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: sign_pack(jnp.ones(10), 0), ValueError, "chunk"),
+        (lambda: sign_pack(jnp.ones(10), 2.5), TypeError, "chunk"),
+        (lambda: sign_pack(jnp.ones(10, jnp.int32), 4), TypeError, "x must be"),
+        (lambda: sign_pack(jnp.ones(10), 4, implementation="cuda"), ValueError, "implementation"),
+        (
+            lambda: sign_unpack(jnp.zeros(3, jnp.uint32), jnp.ones(3), 40, 16),
+            ValueError,
+            "words must have",
+        ),
+        (
+            lambda: sign_unpack(jnp.zeros(1, jnp.uint32), jnp.ones(3), 20, 16),
+            ValueError,
+            "scales must have",
+        ),
+        (
+            lambda: sign_unpack(jnp.zeros(1, jnp.int32), jnp.ones(2), 20, 16),
+            TypeError,
+            "words must be uint32",
+        ),
+        (
+            lambda: sign_unpack(jnp.zeros(1, jnp.uint32), jnp.ones(2), 0, 16),
+            ValueError,
+            "n must be",
+        ),
+        (lambda: Sign(0), ValueError, "chunk must be"),
+        (lambda: Sign(aggregation="mean"), ValueError, "aggregation must be one of"),
+        (lambda: Sign(allreduce="tree"), ValueError, "aggregation='allreduce' only"),
+        (lambda: jaxcomp.compress("sign", chunk=-1), ValueError, "chunk"),
+    ],
+)
 def test_bad_arguments_are_named(call, error, match):
     with pytest.raises(error, match=match):
         call()
 
 
 # --- the method -----------------------------------------------------------------------------------------
+
 
 def _mesh():
     need_devices(N_DEVICES)
@@ -136,11 +171,14 @@ def _mesh():
 
 def _aggregate(method, x):
     """(total of every device, sent of every device) of ``method.aggregate`` on rows of ``x``."""
+
     def run(v):
         total, sent = method.aggregate(v[0], "data", step=jnp.int32(0), key=jax.random.key(0))
         return total[None], sent[None]
 
-    return jax.jit(jax.shard_map(run, mesh=_mesh(), in_specs=P("data"), out_specs=(P("data"), P("data"))))(x)
+    return jax.jit(
+        jax.shard_map(run, mesh=_mesh(), in_specs=P("data"), out_specs=(P("data"), P("data")))
+    )(x)
 
 
 @pytest.mark.parametrize("aggregation", ["allgather", "majority", "allreduce"])
@@ -159,7 +197,9 @@ def test_aggregate_matches_numpy_and_is_identical_on_every_device(aggregation):
         np.testing.assert_array_equal(total[0], want)
         np.testing.assert_array_equal(sent, decoded)
     elif aggregation == "majority":
-        votes = np.sign(np.where(ref_unpack(words, np.ones_like(scales), n, chunk) > 0, 1, -1).sum(0))
+        votes = np.sign(
+            np.where(ref_unpack(words, np.ones_like(scales), n, chunk) > 0, 1, -1).sum(0)
+        )
         summed = np.zeros(scales.shape[1], np.float32)
         for row in scales:
             summed = summed + row
@@ -176,12 +216,19 @@ def test_wire_bytes_are_the_bytes_the_collectives_move(aggregation):
     n = 1003
     method = Sign(100, aggregation=aggregation)
     for dtype in (jnp.float32, jnp.bfloat16):
-        traced = jax.jit(jax.shard_map(lambda v: method.aggregate(v, "data", step=0, key=jax.random.key(0)),
-                                       mesh=_mesh(), in_specs=P("data"), out_specs=(P(), P("data")))).trace(
-            jnp.zeros(n * N_DEVICES, dtype))
+        traced = jax.jit(
+            jax.shard_map(
+                lambda v: method.aggregate(v, "data", step=0, key=jax.random.key(0)),
+                mesh=_mesh(),
+                in_specs=P("data"),
+                out_specs=(P(), P("data")),
+            )
+        ).trace(jnp.zeros(n * N_DEVICES, dtype))
         uniform, p2p = _collective_bytes(traced.jaxpr.jaxpr, {"data": N_DEVICES})
         assert not p2p
-        assert uniform == pytest.approx(method.wire_bytes(n, N_DEVICES, dtype_bytes=jnp.dtype(dtype).itemsize))
+        assert uniform == pytest.approx(
+            method.wire_bytes(n, N_DEVICES, dtype_bytes=jnp.dtype(dtype).itemsize)
+        )
     # The packed all-gather's bytes against the dense all-reduce: N - 1 copies of ~n/8 bytes against
     # ~2n d, so it wins below ~16 d devices.
     assert Sign().wire_bytes(1 << 20, 8) < jaxcomp.Dense().wire_bytes(1 << 20, 8) / 7.5
@@ -208,7 +255,9 @@ def test_error_feedback_is_exact_over_steps_with_one_compilation(aggregation):
                 first = compiles[0]
             assert float(metrics["bytes_sent"]) == method.wire_bytes(n, N_DEVICES)
             residual = np.asarray(jaxcomp.find_compress_state(state.opt_state).residual, np.float64)
-            np.testing.assert_allclose(-np.asarray(state.params), fed - residual.sum(axis=0), rtol=1e-5, atol=1e-4)
+            np.testing.assert_allclose(
+                -np.asarray(state.params), fed - residual.sum(axis=0), rtol=1e-5, atol=1e-4
+            )
     assert compiles[0] == first
 
 
@@ -225,8 +274,11 @@ def test_compress_auto_takes_the_packed_signs_on_a_slow_network():
         return updates, state.metrics.bytes_sent, state.metrics.method
 
     g = jax.random.normal(jax.random.key(2), (N_DEVICES, n))
-    updates, bytes_sent, method = jax.jit(jax.shard_map(run, mesh=_mesh(), in_specs=P("data"),
-                                                        out_specs=(P(), P(), P())))(g)
+    updates, bytes_sent, method = jax.jit(
+        jax.shard_map(run, mesh=_mesh(), in_specs=P("data"), out_specs=(P(), P(), P()))
+    )(g)
     assert int(method) == 1 and float(bytes_sent) == Sign(64).wire_bytes(n, N_DEVICES)
     words, scales = ref_pack(np.asarray(g), 64)
-    np.testing.assert_allclose(updates, ref_unpack(words, scales, n, 64).mean(0), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        updates, ref_unpack(words, scales, n, 64).mean(0), rtol=1e-6, atol=1e-7
+    )

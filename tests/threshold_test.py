@@ -38,7 +38,9 @@ def test_find_threshold_matches_reference_and_numpy(dtype, shape, k):
         threshold, count = jaxcomp.find_threshold(x, k, rounds=rounds)
         assert threshold.shape == count.shape == shape[:-1]
         assert threshold.dtype == jnp.float32 and count.dtype == jnp.int32
-        np.testing.assert_array_equal(count, np.sum(np.abs(x32) >= np.asarray(threshold)[..., None], axis=-1))
+        np.testing.assert_array_equal(
+            count, np.sum(np.abs(x32) >= np.asarray(threshold)[..., None], axis=-1)
+        )
         assert np.all(np.asarray(count) >= k)
         # The reference sees the exact float32 upcast, so it compiles once per shape for all dtypes.
         assert_same((threshold, count), reference.find_threshold(x32, k, rounds=rounds))
@@ -54,7 +56,10 @@ def test_threshold_topk_matches_reference_and_keeps_the_bracket(dtype, shape, k)
         values, indices = jaxcomp.threshold_topk(x, k, rounds=rounds)
         assert values.shape == indices.shape == shape[:-1] + (k,)
         assert values.dtype == x.dtype and indices.dtype == jnp.int32
-        assert_same((np.asarray(values, np.float32), indices), reference.threshold_topk(x32, k, rounds=rounds))
+        assert_same(
+            (np.asarray(values, np.float32), indices),
+            reference.threshold_topk(x32, k, rounds=rounds),
+        )
         # The guarantee: selected keys >= lo, unselected keys < hi = lo + 2^(31 - rounds).
         threshold, _ = jaxcomp.find_threshold(x, k, rounds=rounds)
         lo = keys_of(threshold[..., None])[:, 0]
@@ -134,12 +139,21 @@ def test_traced_rounds_is_rejected():
 
 
 @pytest.mark.parametrize("target", ["jaxcomp_find_threshold", "jaxcomp_threshold_topk"])
-@pytest.mark.parametrize("k,rounds,match", [(2, 0, "rounds must be in"), (2, 32, "rounds must be in"),
-                                            (9, 16, "k must be in")])
+@pytest.mark.parametrize(
+    "k,rounds,match",
+    [(2, 0, "rounds must be in"), (2, 32, "rounds must be in"), (9, 16, "k must be in")],
+)
 def test_handler_validates_on_its_own(target, k, rounds, match):
     result_shape = (k,) if target == "jaxcomp_threshold_topk" else ()
     call = jax.ffi.ffi_call(
-        target, (jax.ShapeDtypeStruct(result_shape, jnp.float32), jax.ShapeDtypeStruct(result_shape, jnp.int32)),
-        vmap_method="broadcast_all")
+        target,
+        (
+            jax.ShapeDtypeStruct(result_shape, jnp.float32),
+            jax.ShapeDtypeStruct(result_shape, jnp.int32),
+        ),
+        vmap_method="broadcast_all",
+    )
     with pytest.raises(jax.errors.JaxRuntimeError, match=match):
-        jax.block_until_ready(call(jnp.ones(5, jnp.float32), k=np.int64(k), rounds=np.int64(rounds)))
+        jax.block_until_ready(
+            call(jnp.ones(5, jnp.float32), k=np.int64(k), rounds=np.int64(rounds))
+        )

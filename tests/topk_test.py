@@ -77,7 +77,9 @@ def test_topk_matches_reference(dtype, shape, k):
     values, indices = jaxcomp.topk(x, k)
     assert_selection(x, values, indices, expected)
     # The reference sees the exact float32 upcast, so it compiles once per shape for all dtypes.
-    assert_same(reference.topk(np.asarray(x, np.float32), k), (np.asarray(values, np.float32), indices))
+    assert_same(
+        reference.topk(np.asarray(x, np.float32), k), (np.asarray(values, np.float32), indices)
+    )
 
 
 @pytest.mark.parametrize("shape", [(5,), (4096,), (3, 2, 1001)])
@@ -98,7 +100,9 @@ def test_equal_magnitudes_go_to_the_lower_index(shape):
     larger = np.arange(5, n, n // 5)[:5]
     x[..., larger] = 3.0
     k = 20
-    expected = np.sort(np.concatenate([larger, np.setdiff1d(np.arange(n), larger)[: k - len(larger)]]))
+    expected = np.sort(
+        np.concatenate([larger, np.setdiff1d(np.arange(n), larger)[: k - len(larger)]])
+    )
     expected = np.broadcast_to(expected, (int(np.prod(shape[:-1])), k))
     x = jnp.asarray(x)
     assert_selection(x, *jaxcomp.topk(x, k), expected)
@@ -116,7 +120,9 @@ def test_nan_ranks_largest(dtype):
         values, indices = jaxcomp.topk(x, k)
         np.testing.assert_array_equal(indices[0], first_row)
         assert int(indices[1, -1]) == 39999 and np.isnan(float(values[1, -1]))
-        assert_same((np.asarray(values, np.float32), indices), reference.topk(np.asarray(x, np.float32), k))
+        assert_same(
+            (np.asarray(values, np.float32), indices), reference.topk(np.asarray(x, np.float32), k)
+        )
 
 
 def test_jit_vmap_and_static_shapes():
@@ -126,8 +132,13 @@ def test_jit_vmap_and_static_shapes():
     assert_trees_equal(jax.vmap(lambda row: jaxcomp.topk(row, 10))(x), batched)
     # A vmapped axis that is not the leading one: the rows are still x's columns.
     assert_trees_equal(jax.vmap(lambda row: jaxcomp.topk(row, 10), in_axes=1)(x.T), batched)
-    shapes = jax.eval_shape(functools.partial(jaxcomp.topk, k=10), jax.ShapeDtypeStruct((2, 3, 50), jnp.bfloat16))
-    assert [(s.shape, s.dtype) for s in shapes] == [((2, 3, 10), jnp.bfloat16), ((2, 3, 10), jnp.int32)]
+    shapes = jax.eval_shape(
+        functools.partial(jaxcomp.topk, k=10), jax.ShapeDtypeStruct((2, 3, 50), jnp.bfloat16)
+    )
+    assert [(s.shape, s.dtype) for s in shapes] == [
+        ((2, 3, 10), jnp.bfloat16),
+        ((2, 3, 10), jnp.int32),
+    ]
 
 
 def test_second_call_does_not_recompile():
@@ -167,19 +178,26 @@ def _direct_topk_call(x, k, values_len, indices_len):
     """The FFI target called without the Python wrapper's checks."""
     call = jax.ffi.ffi_call(
         "jaxcomp_topk",
-        (jax.ShapeDtypeStruct((values_len,), jnp.float32), jax.ShapeDtypeStruct((indices_len,), jnp.int32)),
-        vmap_method="broadcast_all")
+        (
+            jax.ShapeDtypeStruct((values_len,), jnp.float32),
+            jax.ShapeDtypeStruct((indices_len,), jnp.int32),
+        ),
+        vmap_method="broadcast_all",
+    )
     return jax.block_until_ready(call(x, k=np.int64(k)))
 
 
 # k = 0 gets one-element results: XLA drops a call whose results are all empty, so the handler
 # would never run.
-@pytest.mark.parametrize("k,values_len,indices_len,match", [
-    (6, 6, 6, r"k must be in \[1, 5\], got 6"),
-    (0, 1, 1, r"k must be in \[1, 5\], got 0"),
-    (2, 3, 2, "values must have x's leading dimensions followed by k = 2"),
-    (2, 2, 1, "indices must have"),
-])
+@pytest.mark.parametrize(
+    "k,values_len,indices_len,match",
+    [
+        (6, 6, 6, r"k must be in \[1, 5\], got 6"),
+        (0, 1, 1, r"k must be in \[1, 5\], got 0"),
+        (2, 3, 2, "values must have x's leading dimensions followed by k = 2"),
+        (2, 2, 1, "indices must have"),
+    ],
+)
 def test_handler_validates_on_its_own(k, values_len, indices_len, match):
     with pytest.raises(jax.errors.JaxRuntimeError, match=match):
         _direct_topk_call(jnp.ones(5, jnp.float32), k, values_len, indices_len)
@@ -193,13 +211,17 @@ def test_uneven_rows_and_long_batched_rows():
     row[:20000] *= 1000.0
     k = 15000
     for ordered in (row, row[::-1]):
-        assert_selection(jnp.asarray(ordered), *jaxcomp.topk(ordered, k), numpy_topk_indices(ordered, k))
+        assert_selection(
+            jnp.asarray(ordered), *jaxcomp.topk(ordered, k), numpy_topk_indices(ordered, k)
+        )
         assert_same(jaxcomp.threshold_topk(ordered, k), reference.threshold_topk(ordered, k))
     # More long rows than threads: each thread takes whole rows.
     x = rng.standard_normal((10, 70000)).astype(np.float32)
     x[3, -5000:] *= 100.0
     assert_selection(jnp.asarray(x), *jaxcomp.topk(x, 700), numpy_topk_indices(x, 700))
-    assert_same(jaxcomp.threshold_topk(x, 700, rounds=20), reference.threshold_topk(x, 700, rounds=20))
+    assert_same(
+        jaxcomp.threshold_topk(x, 700, rounds=20), reference.threshold_topk(x, 700, rounds=20)
+    )
 
 
 def test_concurrent_calls_inside_shard_map():
@@ -207,8 +229,13 @@ def test_concurrent_calls_inside_shard_map():
     need_devices(8)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
     x = jnp.asarray(np.random.default_rng(7).standard_normal((8, 100003)), jnp.float32)
-    per_shard = jax.jit(jax.shard_map(lambda rows: jaxcomp.topk(rows, 500), mesh=mesh,
-                                      in_specs=jax.sharding.PartitionSpec("data"),
-                                      out_specs=jax.sharding.PartitionSpec("data")))
+    per_shard = jax.jit(
+        jax.shard_map(
+            lambda rows: jaxcomp.topk(rows, 500),
+            mesh=mesh,
+            in_specs=jax.sharding.PartitionSpec("data"),
+            out_specs=jax.sharding.PartitionSpec("data"),
+        )
+    )
     values, indices = per_shard(x)
     assert_selection(x, values, indices, numpy_topk_indices(x, 500))

@@ -38,8 +38,12 @@ def _mesh(axis_name="data"):
 
 def _mlp_params(seed=0, hidden=32, dtype=jnp.float32):
     k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    return {"w1": (jax.random.normal(k1, (16, hidden)) / 4).astype(dtype), "b1": jnp.zeros(hidden, dtype),
-            "w2": (jax.random.normal(k2, (hidden, 10)) / 6).astype(dtype), "b2": jnp.zeros(10, dtype)}
+    return {
+        "w1": (jax.random.normal(k1, (16, hidden)) / 4).astype(dtype),
+        "b1": jnp.zeros(hidden, dtype),
+        "w2": (jax.random.normal(k2, (hidden, 10)) / 6).astype(dtype),
+        "b2": jnp.zeros(10, dtype),
+    }
 
 
 def _mlp_loss(params, batch):
@@ -61,7 +65,9 @@ def _all_reduces(hlo_text):
         match = re.search(r"=\s*(.*?)\s+all-reduce(?:-start)?\(", line)
         if match:
             for dtype, dims in re.findall(r"([a-z]+[0-9]*)\[([\d,]*)\]", match.group(1)):
-                found.append((dtype, int(np.prod([int(d) for d in dims.split(",") if d])), line.strip()))
+                found.append(
+                    (dtype, int(np.prod([int(d) for d in dims.split(",") if d])), line.strip())
+                )
     return found
 
 
@@ -96,14 +102,17 @@ def test_compressed_step_has_no_dense_all_reduce_and_replicas_stay_identical(met
     hlo = dp.step.lower(state, batches[0]).compile().as_text()
     large = [(dtype, line) for dtype, size, line in _all_reduces(hlo) if size >= 0.1 * n_params]
     if method == "dense":
-        assert any(dtype == "f32" for dtype, _ in large), "dense should all-reduce the whole gradient"
+        assert any(dtype == "f32" for dtype, _ in large), (
+            "dense should all-reduce the whole gradient"
+        )
     elif method == "quantized":
         # THC sums integer codes of every entry, packed in uint32 words (8 devices x 8-bit codes:
         # 11-bit fields, two to a word), never the float gradient.
         assert large and all(dtype == "u32" for dtype, _ in large), large
     else:
         assert not large, f"{method} all-reduces >= 10% of the {n_params} params:\n" + "\n".join(
-            line for _, line in large)
+            line for _, line in large
+        )
 
 
 def test_dense_equals_full_batch_gradient_descent():
@@ -122,7 +131,9 @@ def test_dense_equals_full_batch_gradient_descent():
 
 @pytest.mark.parametrize("error_feedback", [True, False])
 def test_residual_layout(error_feedback):
-    tx = optax.chain(compress("allgather_topk", ratio=0.05, error_feedback=error_feedback), optax.sgd(0.1))
+    tx = optax.chain(
+        compress("allgather_topk", ratio=0.05, error_feedback=error_feedback), optax.sgd(0.1)
+    )
     dp = data_parallel(_mlp_loss, tx, _mesh())
     state = dp.init(_mlp_params())
     state, _ = dp.step(state, _batch(0))
@@ -137,11 +148,20 @@ def test_residual_layout(error_feedback):
         assert isinstance(residual["w1"], optax.MaskedNode)
 
 
-@pytest.mark.parametrize("options", [
-    {"method": "ar_topk", "ratio": 0.05},
-    # "auto" mid-exploration: the controller's state must resume too.
-    {"method": "auto", "adaptive_ratio": True, "explore_steps": 2, "network": Network.parse("1ms", "1gbit")},
-], ids=["ar_topk", "auto"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"method": "ar_topk", "ratio": 0.05},
+        # "auto" mid-exploration: the controller's state must resume too.
+        {
+            "method": "auto",
+            "adaptive_ratio": True,
+            "explore_steps": 2,
+            "network": Network.parse("1ms", "1gbit"),
+        },
+    ],
+    ids=["ar_topk", "auto"],
+)
 def test_checkpoint_round_trip_resumes_bit_identically(tmp_path, options):
     tx = optax.chain(compress(**options), optax.adam(1e-2))
     dp = data_parallel(_mlp_loss, tx, _mesh())
@@ -152,7 +172,9 @@ def test_checkpoint_round_trip_resumes_bit_identically(tmp_path, options):
 
 
 def test_flax_nnx_model_with_aux():
-    model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(32, 10, rngs=nnx.Rngs(1)))
+    model = nnx.Sequential(
+        nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(32, 10, rngs=nnx.Rngs(1))
+    )
     graphdef, params = nnx.split(model, nnx.Param)
 
     def loss_fn(params, batch):
@@ -188,7 +210,9 @@ def test_flax_linen_model():
         logits = model.apply({"params": params}, batch["x"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
-    dp = data_parallel(loss_fn, optax.chain(compress("allgather_topk", ratio=0.05), optax.adam(1e-2)), _mesh())
+    dp = data_parallel(
+        loss_fn, optax.chain(compress("allgather_topk", ratio=0.05), optax.adam(1e-2)), _mesh()
+    )
     state = dp.init(params)
     first = None
     for i in range(10):
@@ -221,7 +245,9 @@ def test_explicit_mesh_from_make_mesh_trains_like_an_auto_mesh():
     explicit = jax.make_mesh((N_DEVICES,), ("data",), devices=jax.devices()[:N_DEVICES])
     results = []
     for mesh in (explicit, _mesh()):
-        dp = data_parallel(_mlp_loss, optax.chain(compress("ar_topk", ratio=0.05), optax.sgd(0.1)), mesh)
+        dp = data_parallel(
+            _mlp_loss, optax.chain(compress("ar_topk", ratio=0.05), optax.sgd(0.1)), mesh
+        )
         state = dp.init(_mlp_params())
         for i in range(2):
             state, _ = dp.step(state, _batch(i))
@@ -230,9 +256,18 @@ def test_explicit_mesh_from_make_mesh_trains_like_an_auto_mesh():
 
 
 # Every method at a setting that trains a small MLP in a few steps.
-EVERY_METHOD = [("dense", {}), ("allgather_topk", {"ratio": 0.1}), ("ar_topk", {"ratio": 0.1}),
-                ("randomk", {"ratio": 0.1}), ("sign", {}), ("bf16", {}), ("fp16", {}), ("powersgd", {"rank": 2}),
-                ("zfp", {"rate": 8}), ("quantized", {"bits": 4})]
+EVERY_METHOD = [
+    ("dense", {}),
+    ("allgather_topk", {"ratio": 0.1}),
+    ("ar_topk", {"ratio": 0.1}),
+    ("randomk", {"ratio": 0.1}),
+    ("sign", {}),
+    ("bf16", {}),
+    ("fp16", {}),
+    ("powersgd", {"rank": 2}),
+    ("zfp", {"rate": 8}),
+    ("quantized", {"bits": 4}),
+]
 
 
 @pytest.mark.parametrize("n_devices", [1, 2, 3, 8])
@@ -242,8 +277,11 @@ def test_every_method_trains_on_1_2_3_and_8_devices(method, options, n_devices):
     updates that differ per device"), their one-device total not typed replicated."""
     need_devices(n_devices)
     rng = np.random.default_rng(0)
-    params = {"w1": jnp.asarray(rng.standard_normal((16, 32)) * 0.1, jnp.float32), "b": jnp.zeros(32),
-              "w2": jnp.asarray(rng.standard_normal((32, 4)) * 0.1, jnp.float32)}
+    params = {
+        "w1": jnp.asarray(rng.standard_normal((16, 32)) * 0.1, jnp.float32),
+        "b": jnp.zeros(32),
+        "w2": jnp.asarray(rng.standard_normal((32, 4)) * 0.1, jnp.float32),
+    }
     x = rng.standard_normal((24, 16)).astype(np.float32)
 
     def loss_fn(p, batch):

@@ -34,7 +34,7 @@ def _planted_gradients(shapes, steps, seed):
         leaves, offset = [], 0
         for s in shapes:
             size = int(np.prod(s))
-            leaves.append(flat[:, offset:offset + size].reshape((N_DEVICES,) + s))
+            leaves.append(flat[:, offset : offset + size].reshape((N_DEVICES,) + s))
             offset += size
         out.append(leaves)
     return out
@@ -53,12 +53,20 @@ def _run_compress(tx, steps_of_leaves, dtype):
         out, new_state = tx.update(grads, local_state)
         return out, [r[None] for r in new_state.residual], new_state.step, new_state.metrics
 
-    step_fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data"), P()),
-                                    out_specs=(P(), P("data"), P(), P())))
+    step_fn = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P("data"), P("data"), P()),
+            out_specs=(P(), P("data"), P(), P()),
+        )
+    )
     step = state.step
     history = []
     for leaves in steps_of_leaves:
-        out, residual, step, metrics = step_fn([jnp.asarray(x, dtype) for x in leaves], residual, step)
+        out, residual, step, metrics = step_fn(
+            [jnp.asarray(x, dtype) for x in leaves], residual, step
+        )
         history.append(([np.asarray(o) for o in out], [np.asarray(r) for r in residual], metrics))
     return history
 
@@ -70,11 +78,19 @@ def _reference(steps_of_leaves, dtype, select, error_feedback, granularity, mean
     residual = np.zeros((N_DEVICES, sum(sizes)), np.float32)
     history = []
     for step, leaves in enumerate(steps_of_leaves):
-        g = np.concatenate([np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)).reshape(N_DEVICES, -1)
-                            for x in leaves], axis=1)
+        g = np.concatenate(
+            [
+                np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)).reshape(N_DEVICES, -1)
+                for x in leaves
+            ],
+            axis=1,
+        )
         g_e = g + residual if error_feedback else g
-        groups = [(0, sum(sizes))] if granularity == "model" else \
-            [(int(np.sum(sizes[:i])), int(np.sum(sizes[:i + 1]))) for i in range(len(sizes))]
+        groups = (
+            [(0, sum(sizes))]
+            if granularity == "model"
+            else [(int(np.sum(sizes[:i])), int(np.sum(sizes[: i + 1]))) for i in range(len(sizes))]
+        )
         sent = np.zeros_like(g_e)
         # The collective sees g_e rounded to the communication dtype (the gradients' own).
         g_comm = np.asarray(jnp.asarray(g_e).astype(dtype).astype(jnp.float32))
@@ -85,11 +101,11 @@ def _reference(steps_of_leaves, dtype, select, error_feedback, granularity, mean
         total = sent.sum(axis=0) / (N_DEVICES if mean else 1)
         outs, offset = [], 0
         for s, size in zip(shapes, sizes):
-            outs.append(total[offset:offset + size].reshape(s))
+            outs.append(total[offset : offset + size].reshape(s))
             offset += size
         res, offset = [], 0
         for s, size in zip(shapes, sizes):
-            res.append(residual[:, offset:offset + size].reshape((N_DEVICES,) + s))
+            res.append(residual[:, offset : offset + size].reshape((N_DEVICES,) + s))
             offset += size
         history.append((outs, res))
     return history
@@ -102,6 +118,7 @@ def _own_topk(ratio):
         sent = np.zeros_like(g_e)
         np.put_along_axis(sent, keep, np.take_along_axis(g_e, keep, axis=1), axis=1)
         return sent
+
     return select
 
 
@@ -113,6 +130,7 @@ def _leader_topk(ratio):
         sent = np.zeros_like(g_e)
         sent[:, keep] = g_e[:, keep]
         return sent
+
     return select
 
 
@@ -123,23 +141,31 @@ SHAPES = {
 }
 
 
-SELECTORS = {"allgather_topk": _own_topk(0.2), "ar_topk": _leader_topk(0.2), "dense": lambda g_e, step: g_e}
+SELECTORS = {
+    "allgather_topk": _own_topk(0.2),
+    "ar_topk": _leader_topk(0.2),
+    "dense": lambda g_e, step: g_e,
+}
 
 
 # Method x granularity x awkward shapes x dtype, pairwise rather than the full product (each case
 # compiles twice): every value of every axis appears with every method at least once.
-@pytest.mark.parametrize("method, granularity, shapes, dtype", [
-    ("allgather_topk", "model", "awkward", jnp.float32),
-    ("allgather_topk", "model", "awkward", jnp.bfloat16),
-    ("allgather_topk", "leaf", "awkward", jnp.float32),
-    ("allgather_topk", "model", "one", jnp.float32),
-    ("allgather_topk", "leaf", "block", jnp.bfloat16),
-    ("ar_topk", "model", "block", jnp.float32),
-    ("ar_topk", "leaf", "awkward", jnp.bfloat16),
-    ("ar_topk", "model", "one", jnp.bfloat16),
-    ("dense", "model", "awkward", jnp.bfloat16),
-    ("dense", "leaf", "one", jnp.float32),
-], ids=lambda v: getattr(v, "__name__", str(v)))
+@pytest.mark.parametrize(
+    "method, granularity, shapes, dtype",
+    [
+        ("allgather_topk", "model", "awkward", jnp.float32),
+        ("allgather_topk", "model", "awkward", jnp.bfloat16),
+        ("allgather_topk", "leaf", "awkward", jnp.float32),
+        ("allgather_topk", "model", "one", jnp.float32),
+        ("allgather_topk", "leaf", "block", jnp.bfloat16),
+        ("ar_topk", "model", "block", jnp.float32),
+        ("ar_topk", "leaf", "awkward", jnp.bfloat16),
+        ("ar_topk", "model", "one", jnp.bfloat16),
+        ("dense", "model", "awkward", jnp.bfloat16),
+        ("dense", "leaf", "one", jnp.float32),
+    ],
+    ids=lambda v: getattr(v, "__name__", str(v)),
+)
 def test_error_feedback_matches_reference(method, granularity, shapes, dtype):
     shapes, select = SHAPES[shapes], SELECTORS[method]
     kwargs = {} if method == "dense" else {"ratio": 0.2}
@@ -181,7 +207,10 @@ def test_dense_gain_is_one():
 def test_non_float_leaves_pass_through_and_state_types_stay():
     mesh = _mesh()
     tx = compress("ar_topk", ratio=0.5)
-    params = {"w": jax.ShapeDtypeStruct((6,), jnp.bfloat16), "count": jax.ShapeDtypeStruct((), jnp.int32)}
+    params = {
+        "w": jax.ShapeDtypeStruct((6,), jnp.bfloat16),
+        "count": jax.ShapeDtypeStruct((), jnp.int32),
+    }
     state = tx.init(params)
     assert isinstance(state.residual["count"], optax.MaskedNode)
     assert state.residual["w"].dtype == jnp.float32
@@ -193,8 +222,9 @@ def test_non_float_leaves_pass_through_and_state_types_stay():
         types["after"] = jax.tree.map(lambda x: (x.shape, x.dtype), new_state)
         return updates["count"], updates["w"]
 
-    count, w = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P(), P())))(
-        jnp.arange(6 * N_DEVICES, dtype=jnp.bfloat16), jnp.int32(7))
+    count, w = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P(), P()))
+    )(jnp.arange(6 * N_DEVICES, dtype=jnp.bfloat16), jnp.int32(7))
     assert count.dtype == jnp.int32 and int(count) == 7
     assert w.dtype == jnp.bfloat16 and w.shape == (6,)
     assert types["before"] == types["after"]
@@ -207,7 +237,9 @@ def test_replicated_params_trap_is_refused():
     state = tx.init(w)
 
     def trapped(w, x):
-        grads = jax.grad(lambda w: jnp.sum((x @ w) ** 2))(w)  # w replicated: grads come back psum'ed
+        grads = jax.grad(lambda w: jnp.sum((x @ w) ** 2))(
+            w
+        )  # w replicated: grads come back psum'ed
         return tx.update(grads, state)[0]
 
     f = jax.shard_map(trapped, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
@@ -215,31 +247,42 @@ def test_replicated_params_trap_is_refused():
         jax.jit(f)(w, jnp.ones((N_DEVICES, 4)))
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"method": "nope"}, ValueError, "method must be a jaxcomp.methods.Method or one of"),
-    ({"method": "ar_topk"}, ValueError, "exactly one of ratio"),
-    ({"method": "ar_topk", "ratio": 0.1, "k": 3}, ValueError, "exactly one of ratio"),
-    ({"method": "ar_topk", "ratio": 0.0}, ValueError, "ratio must be in"),
-    ({"method": "ar_topk", "ratio": 1.5}, ValueError, "ratio must be in"),
-    ({"method": "ar_topk", "ratio": "x"}, TypeError, "ratio"),
-    ({"method": "ar_topk", "k": 0}, ValueError, "k must be"),
-    ({"method": "ar_topk", "k": 2.5}, TypeError, "k must be"),
-    ({"method": "ar_topk", "ratio": 0.1, "rate": 8}, ValueError, "remove rate="),
-    ({"method": "dense", "ratio": 0.1}, ValueError, "remove ratio="),
-    ({"method": "zfp"}, ValueError, "needs rate="),
-    ({"method": "zfp", "rate": 0}, ValueError, "rate must be"),
-    ({"method": "zfp", "rate": 8, "bits": 4}, ValueError, "remove bits="),
-    ({"method": "quantized"}, ValueError, "needs bits="),
-    ({"method": "quantized", "bits": 40}, ValueError, "bits must be"),
-    ({"method": "hierarchical_topk", "ratio": 0.1}, ValueError, "axis_name=\\(outer, inner\\)"),
-    ({"method": "ar_topk", "ratio": 0.1, "leader": "max"}, ValueError, "leader must be"),
-    ({"method": "allgather_topk", "ratio": 0.1, "leader": "var"}, ValueError, "leader= applies"),
-    ({"method": "zfp", "rate": 8, "selector": "exact"}, ValueError, "remove selector="),
-    ({"method": "dense", "algorithm": "ring"}, ValueError, "remove algorithm="),
-    ({"method": "ar_topk", "ratio": 0.1, "granularity": "layer"}, ValueError, "granularity must be"),
-    ({"method": "dense", "axis_name": ""}, ValueError, "axis_name"),
-    ({"method": "dense", "error_feedback": "yes"}, TypeError, "error_feedback"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"method": "nope"}, ValueError, "method must be a jaxcomp.methods.Method or one of"),
+        ({"method": "ar_topk"}, ValueError, "exactly one of ratio"),
+        ({"method": "ar_topk", "ratio": 0.1, "k": 3}, ValueError, "exactly one of ratio"),
+        ({"method": "ar_topk", "ratio": 0.0}, ValueError, "ratio must be in"),
+        ({"method": "ar_topk", "ratio": 1.5}, ValueError, "ratio must be in"),
+        ({"method": "ar_topk", "ratio": "x"}, TypeError, "ratio"),
+        ({"method": "ar_topk", "k": 0}, ValueError, "k must be"),
+        ({"method": "ar_topk", "k": 2.5}, TypeError, "k must be"),
+        ({"method": "ar_topk", "ratio": 0.1, "rate": 8}, ValueError, "remove rate="),
+        ({"method": "dense", "ratio": 0.1}, ValueError, "remove ratio="),
+        ({"method": "zfp"}, ValueError, "needs rate="),
+        ({"method": "zfp", "rate": 0}, ValueError, "rate must be"),
+        ({"method": "zfp", "rate": 8, "bits": 4}, ValueError, "remove bits="),
+        ({"method": "quantized"}, ValueError, "needs bits="),
+        ({"method": "quantized", "bits": 40}, ValueError, "bits must be"),
+        ({"method": "hierarchical_topk", "ratio": 0.1}, ValueError, "axis_name=\\(outer, inner\\)"),
+        ({"method": "ar_topk", "ratio": 0.1, "leader": "max"}, ValueError, "leader must be"),
+        (
+            {"method": "allgather_topk", "ratio": 0.1, "leader": "var"},
+            ValueError,
+            "leader= applies",
+        ),
+        ({"method": "zfp", "rate": 8, "selector": "exact"}, ValueError, "remove selector="),
+        ({"method": "dense", "algorithm": "ring"}, ValueError, "remove algorithm="),
+        (
+            {"method": "ar_topk", "ratio": 0.1, "granularity": "layer"},
+            ValueError,
+            "granularity must be",
+        ),
+        ({"method": "dense", "axis_name": ""}, ValueError, "axis_name"),
+        ({"method": "dense", "error_feedback": "yes"}, TypeError, "error_feedback"),
+    ],
+)
 def test_bad_arguments_are_named(kwargs, error, match):
     with pytest.raises(error, match=match):
         compress(**kwargs)
@@ -247,21 +290,32 @@ def test_bad_arguments_are_named(kwargs, error, match):
 
 def test_k_larger_than_the_gradient_is_refused_at_trace_time():
     tx = compress("allgather_topk", k=10)
-    f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=_mesh(), in_specs=P("data"), out_specs=P())
+    f = jax.shard_map(
+        lambda g: tx.update(g, tx.init(g))[0], mesh=_mesh(), in_specs=P("data"), out_specs=P()
+    )
     with pytest.raises(ValueError, match="k=10 exceeds the 4"):
         jax.jit(f)(jnp.ones(4 * N_DEVICES))
 
 
-
 COLLECTIVE_CASES = {
     "dense": ({}, lambda x, k, key, step: collectives.psum(x, "data")),
-    "allgather_topk": ({"ratio": 0.1}, lambda x, k, key, step: collectives.allgather_topk(x, k, "data")),
-    "ar_topk": ({"ratio": 0.1, "leader": "var"},
-                lambda x, k, key, step: collectives.ar_topk(x, k, "data", leader="var", step=step)),
-    "hierarchical_topk": ({"ratio": 0.1, "axis_name": ("node", "data")},
-                          lambda x, k, key, step: collectives.hierarchical_topk(x, k, "data", "node")),
+    "allgather_topk": (
+        {"ratio": 0.1},
+        lambda x, k, key, step: collectives.allgather_topk(x, k, "data"),
+    ),
+    "ar_topk": (
+        {"ratio": 0.1, "leader": "var"},
+        lambda x, k, key, step: collectives.ar_topk(x, k, "data", leader="var", step=step),
+    ),
+    "hierarchical_topk": (
+        {"ratio": 0.1, "axis_name": ("node", "data")},
+        lambda x, k, key, step: collectives.hierarchical_topk(x, k, "data", "node"),
+    ),
     "zfp": ({"rate": 8}, lambda x, k, key, step: collectives.zfp_allreduce(x, 8, "data")),
-    "quantized": ({"bits": 4}, lambda x, k, key, step: collectives.quantized_psum(x, 4, "data", key)),
+    "quantized": (
+        {"bits": 4},
+        lambda x, k, key, step: collectives.quantized_psum(x, 4, "data", key),
+    ),
 }
 
 
@@ -274,7 +328,10 @@ def test_residual_is_exactly_what_the_collective_did_not_send(method):
     options = dict(options)
     axis_name = options.pop("axis_name", "data")
     axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    mesh = Mesh(np.array(jax.devices()[:N_DEVICES]).reshape((2, 4) if len(axes) == 2 else (N_DEVICES,)), axes)
+    mesh = Mesh(
+        np.array(jax.devices()[:N_DEVICES]).reshape((2, 4) if len(axes) == 2 else (N_DEVICES,)),
+        axes,
+    )
     tx = compress(method, axis_name=axis_name, **options)
     n = 37
     k = max(1, round(0.1 * n))
@@ -288,12 +345,20 @@ def test_residual_is_exactly_what_the_collective_did_not_send(method):
         key = jax.random.fold_in(jax.random.fold_in(state.key, step), 0)
         total, sent = collective(g + residual.reshape(n), k, key, step)
         size = np.prod([jax.lax.axis_size(a) for a in axes])
-        return (out, total / size, new_state.residual[None], (g + residual.reshape(n) - sent)[None],
-                new_state.step)
+        return (
+            out,
+            total / size,
+            new_state.residual[None],
+            (g + residual.reshape(n) - sent)[None],
+            new_state.step,
+        )
 
     spec = P(axes)
-    step_fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, P()),
-                                    out_specs=(P(), P(), spec, spec, P())))
+    step_fn = jax.jit(
+        jax.shard_map(
+            local, mesh=mesh, in_specs=(spec, spec, P()), out_specs=(P(), P(), spec, spec, P())
+        )
+    )
     grads = _planted_gradients([(n,)], steps=2, seed=7)
     residual, step = jnp.zeros((N_DEVICES, n), jnp.float32), state.step
     for (g,) in grads:

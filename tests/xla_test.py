@@ -23,7 +23,9 @@ def bits(tree):
     out = []
     for leaf in jax.tree.leaves(tree):
         leaf = np.asarray(leaf)
-        out.append(leaf.view({8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}[leaf.dtype.itemsize]))
+        out.append(
+            leaf.view({8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}[leaf.dtype.itemsize])
+        )
     return out
 
 
@@ -42,7 +44,7 @@ def rows(n, seed):
     ties = rng.choice([-2.0, -1.0, 0.0, -0.0, 1.0, 2.0, 0.5], n)
     special = rng.standard_normal(n)
     picks = rng.choice(n, min(n, 7), replace=False)
-    special[picks] = [np.nan, np.inf, -np.inf, 1e-40, -1e-45, 0.0, 3.4e38][:picks.size]
+    special[picks] = [np.nan, np.inf, -np.inf, 1e-40, -1e-45, 0.0, 3.4e38][: picks.size]
     return np.stack([gradient, ties, special]).astype(np.float32)
 
 
@@ -92,7 +94,9 @@ def test_zfp_words_and_values_identical(rate):
         assert_same(*both(jaxcomp.zfp_decode, native_words, n, rate))
     # Any words decode, the same way: random bit patterns reach every plane-decoding path.
     n = 203
-    words = np.random.default_rng(rate).integers(0, 2**32, (2, jaxcomp.zfp_num_words(n, rate)), dtype=np.uint32)
+    words = np.random.default_rng(rate).integers(
+        0, 2**32, (2, jaxcomp.zfp_num_words(n, rate)), dtype=np.uint32
+    )
     words[1, 0] &= 0xFF  # rates 1-2: a valid row exponent in the header word
     assert_same(*both(jaxcomp.zfp_decode, words, n, rate))
 
@@ -105,7 +109,9 @@ def test_zfp_special_rows_and_dtypes():
     for rate in (1, 2, 3, 8, 32):
         words, portable_words = both(jaxcomp.zfp_encode, x, rate)
         assert_same(words, portable_words)
-        assert_same(*both(jaxcomp.zfp_decode, words, 300, rate, jnp.bfloat16 if rate == 8 else jnp.float32))
+        assert_same(
+            *both(jaxcomp.zfp_decode, words, 300, rate, jnp.bfloat16 if rate == 8 else jnp.float32)
+        )
 
 
 def test_hadamard_identical_and_differentiable():
@@ -113,9 +119,15 @@ def test_hadamard_identical_and_differentiable():
     assert_same(*both(jaxcomp.hadamard_transform, x))
     weights = jnp.arange(256.0)
     for implementation in ("native", "xla"):
-        grad = jax.grad(lambda v, i=implementation: jnp.sum(jaxcomp.hadamard_transform(v, implementation=i) * weights))
+        grad = jax.grad(
+            lambda v, i=implementation: jnp.sum(
+                jaxcomp.hadamard_transform(v, implementation=i) * weights
+            )
+        )
         # The transform is symmetric: the gradient of <H x, w> is H w.
-        np.testing.assert_array_equal(np.asarray(grad(x[0])), np.asarray(jaxcomp.hadamard_transform(weights)))
+        np.testing.assert_array_equal(
+            np.asarray(grad(x[0])), np.asarray(jaxcomp.hadamard_transform(weights))
+        )
 
 
 OPS = {
@@ -131,7 +143,9 @@ OPS = {
 @pytest.mark.parametrize("name", OPS)
 def test_differentiation_is_a_clear_type_error(name, implementation):
     x = jnp.ones(16)
-    with pytest.raises(TypeError, match=rf"jaxcomp\.{name} is not differentiable.*stop_gradient") as info:
+    with pytest.raises(
+        TypeError, match=rf"jaxcomp\.{name} is not differentiable.*stop_gradient"
+    ) as info:
         jax.grad(lambda v: jnp.sum(OPS[name](v, implementation)))(x)
     assert "CUDA" not in str(info.value)
     # Constants and stopped gradients go through.
@@ -140,11 +154,13 @@ def test_differentiation_is_a_clear_type_error(name, implementation):
 
 @pytest.mark.parametrize("bad", ["XLA", "cuda", 1, ""])
 def test_bad_implementation_names_the_argument(bad):
-    for call in (lambda: jaxcomp.topk(jnp.ones(4), 2, implementation=bad),
-                 lambda: jaxcomp.zfp_encode(jnp.ones(4), 8, implementation=bad),
-                 lambda: jaxcomp.zfp_decode(jnp.zeros(1, jnp.uint32), 4, 8, implementation=bad),
-                 lambda: jaxcomp.find_threshold(jnp.ones(4), 2, implementation=bad),
-                 lambda: jaxcomp.hadamard_transform(jnp.ones(4), implementation=bad)):
+    for call in (
+        lambda: jaxcomp.topk(jnp.ones(4), 2, implementation=bad),
+        lambda: jaxcomp.zfp_encode(jnp.ones(4), 8, implementation=bad),
+        lambda: jaxcomp.zfp_decode(jnp.zeros(1, jnp.uint32), 4, 8, implementation=bad),
+        lambda: jaxcomp.find_threshold(jnp.ones(4), 2, implementation=bad),
+        lambda: jaxcomp.hadamard_transform(jnp.ones(4), implementation=bad),
+    ):
         with pytest.raises(ValueError, match="implementation must be 'native', 'xla' or None"):
             call()
 
@@ -160,15 +176,21 @@ def test_default_picks_native_on_cpu_and_xla_with_one_warning_elsewhere():
         warnings.simplefilter("error")  # the CPU uses the native kernel: no warning
         assert "jaxcomp_topk" in _exported_text(lambda v: jaxcomp.topk(v, 3), "cpu", x)
     _ffi._warned_platforms.discard("tpu")
-    with pytest.warns(UserWarning, match="lowered for 'tpu' run their portable XLA implementation") as record:
+    with pytest.warns(
+        UserWarning, match="lowered for 'tpu' run their portable XLA implementation"
+    ) as record:
         text = _exported_text(lambda v: jaxcomp.topk(v, 3), "tpu", x)
         _exported_text(lambda v: jaxcomp.zfp_encode(v, 8), "tpu", x)
     assert len([w for w in record if "portable" in str(w.message)]) == 1  # once per platform
     assert "jaxcomp_topk" not in text
-    if not _ffi.HAS_CUDA:  # a GPU build without the CUDA module: xla, with the way to native kernels
+    if (
+        not _ffi.HAS_CUDA
+    ):  # a GPU build without the CUDA module: xla, with the way to native kernels
         _ffi._warned_platforms.discard("cuda")
         with pytest.warns(UserWarning, match="JAXCOMP_CUDA=ON"):
-            text = _exported_text(lambda v: jaxcomp.zfp_decode(jaxcomp.zfp_encode(v, 8), 64, 8), "cuda", x)
+            text = _exported_text(
+                lambda v: jaxcomp.zfp_decode(jaxcomp.zfp_encode(v, 8), 64, 8), "cuda", x
+            )
         assert "jaxcomp_zfp" not in text
         with pytest.raises(_ffi.MissingCudaModuleError):  # unless native is asked for
             _exported_text(lambda v: jaxcomp.topk(v, 3, implementation="native"), "cuda", x)
@@ -176,12 +198,17 @@ def test_default_picks_native_on_cpu_and_xla_with_one_warning_elsewhere():
 
 COLLECTIVES = {
     "allgather_topk": lambda v: collectives.allgather_topk(v, k=41, axis_name="data"),
-    "allgather_threshold": lambda v: collectives.allgather_topk(v, k=41, axis_name="data", selector="threshold"),
+    "allgather_threshold": lambda v: collectives.allgather_topk(
+        v, k=41, axis_name="data", selector="threshold"
+    ),
     "ar_topk": lambda v: collectives.ar_topk(v, k=41, axis_name="data"),
     "zfp_allreduce": lambda v: collectives.zfp_allreduce(v, rate=8, axis_name="data"),
-    "zfp_allreduce_low_rate": lambda v: collectives.zfp_allreduce(v, rate=2, axis_name="data",
-                                                                  algorithm="recursive_doubling"),
-    "quantized_psum": lambda v: collectives.quantized_psum(v, bits=4, axis_name="data", key=jax.random.key(1)),
+    "zfp_allreduce_low_rate": lambda v: collectives.zfp_allreduce(
+        v, rate=2, axis_name="data", algorithm="recursive_doubling"
+    ),
+    "quantized_psum": lambda v: collectives.quantized_psum(
+        v, bits=4, axis_name="data", key=jax.random.key(1)
+    ),
 }
 
 
@@ -194,8 +221,13 @@ def test_collectives_on_the_xla_path(name):
 
     def run(implementation):
         with _ffi.default_implementation(implementation):
-            fn = jax.shard_map(lambda v: COLLECTIVES[name](v[0]), mesh=mesh, in_specs=P("data"),
-                               out_specs=(P(), P("data")), check_vma=False)
+            fn = jax.shard_map(
+                lambda v: COLLECTIVES[name](v[0]),
+                mesh=mesh,
+                in_specs=P("data"),
+                out_specs=(P(), P("data")),
+                check_vma=False,
+            )
             return jax.jit(fn)(x)
 
     assert_same(run("native"), run("xla"))

@@ -17,7 +17,10 @@ from jaxcomp import zoo
 # (parameters, leaves). GPT-2 small with its tied head: 124,439,808 (Hugging Face's count);
 # ResNet-50: 25,557,032 in torchvision's 161 parameter tensors.
 COUNTS = {
-    "mlp4096": (sum(i * o + o for i, o in ((1024, 4096), (4096, 4096), (4096, 1024), (1024, 10))), 8),
+    "mlp4096": (
+        sum(i * o + o for i, o in ((1024, 4096), (4096, 4096), (4096, 1024), (1024, 10))),
+        8,
+    ),
     "mlp2041": (6 * (2041 * 2041 + 2041), 12),
     "gpt2": (124_439_808, 148),
     "resnet50": (25_557_032, 161),
@@ -40,7 +43,9 @@ def test_the_zoo_names_its_models():
 
 
 def test_an_unknown_model_is_refused_with_the_names():
-    with pytest.raises(ValueError, match=r"model must be one of mlp4096, .*many_small; got 'resnet18'"):
+    with pytest.raises(
+        ValueError, match=r"model must be one of mlp4096, .*many_small; got 'resnet18'"
+    ):
         zoo.build("resnet18")
 
 
@@ -84,7 +89,9 @@ def test_resnet50_has_hwio_kernels_and_batchnorm_vectors(abstract):
     leaf_shapes = shapes(model.params)
     kernels = [s for s in leaf_shapes if len(s) == 4]
     assert len(kernels) == 53 and (7, 7, 3, 64) in kernels and (3, 3, 512, 512) in kernels
-    assert sum(len(s) == 1 for s in leaf_shapes) == 2 * 53 + 1  # BatchNorm scale and bias; the fc bias
+    assert (
+        sum(len(s) == 1 for s in leaf_shapes) == 2 * 53 + 1
+    )  # BatchNorm scale and bias; the fc bias
     assert (2048, 1000) in leaf_shapes
     # The running statistics are not trained: a collection of their own, outside params.
     assert len(jax.tree.leaves(model.state["batch_stats"])) == 2 * 53
@@ -96,7 +103,9 @@ def test_many_small_has_over_a_thousand_small_leaves(abstract):
     assert max(int(np.prod(s)) for s in shapes(model.params)) <= 64 * 64
 
 
-@pytest.mark.parametrize("name", ["mlp4096", "mlp2041", "gpt2", "resnet50"])  # many_small: trained below
+@pytest.mark.parametrize(
+    "name", ["mlp4096", "mlp2041", "gpt2", "resnet50"]
+)  # many_small: trained below
 def test_the_gradient_has_the_params_structure(abstract, name):
     model = abstract[name]
     batch = model.make_batch(np.random.default_rng(0), 2)
@@ -120,7 +129,12 @@ def test_small_models_train(name):
 def test_batches_follow_the_options():
     rng = np.random.default_rng(0)
     tokens = zoo.build("gpt2", seq_len=16, abstract=True).make_batch(rng, 3)["tokens"]
-    assert tokens.shape == (3, 16) and tokens.dtype == np.int32 and 0 <= tokens.min() and tokens.max() < 50257
+    assert (
+        tokens.shape == (3, 16)
+        and tokens.dtype == np.int32
+        and 0 <= tokens.min()
+        and tokens.max() < 50257
+    )
     images = zoo.build("resnet50", image_size=32, abstract=True).make_batch(rng, 2)
     assert images["image"].shape == (2, 32, 32, 3) and images["label"].shape == (2,)
     with pytest.raises(ValueError, match="batch_size"):
@@ -129,7 +143,12 @@ def test_batches_follow_the_options():
 
 def test_importing_the_zoo_loads_no_jax():
     code = "import jaxcomp.zoo\nimport sys; print(' '.join(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert not {"jax", "flax", "optax"} & set(out.stdout.split())

@@ -69,8 +69,22 @@ _EXPORTS = {
     "probe_network": "jaxcomp.probe",
 }
 
-_SUBMODULES = ("adaptive", "auto", "collectives", "cost", "layout", "methods", "nonfinite", "probe", "reference",
-               "sharding", "thc", "train", "transform", "xla")
+_SUBMODULES = (
+    "adaptive",
+    "auto",
+    "collectives",
+    "cost",
+    "layout",
+    "methods",
+    "nonfinite",
+    "probe",
+    "reference",
+    "sharding",
+    "thc",
+    "train",
+    "transform",
+    "xla",
+)
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 

@@ -8,12 +8,25 @@ import sys
 # Subcommand -> (module with main(argv) -> int, one-line help). Modules import lazily so that
 # `jaxcomp --help` stays fast.
 COMMANDS = {
-    "demo": ("jaxcomp.demo", "train a small flax model data-parallel on 8 virtual devices, once per method"),
+    "demo": (
+        "jaxcomp.demo",
+        "train a small flax model data-parallel on 8 virtual devices, once per method",
+    ),
     "advise": ("jaxcomp.advise", "will gradient compression help? predicted step time per method"),
-    "netbench": ("jaxcomp.netbench", "step time per method on an emulated cluster of N hosts at given link rates"),
-    "cluster": ("jaxcomp.cluster", "run a jax.distributed script on N emulated hosts with rate-limited links"),
-    "kernels": ("jaxcomp.kernel_demo", "the three kernels on a realistic gradient, beside jax.lax.top_k and zfpy"),
+    "netbench": (
+        "jaxcomp.netbench",
+        "step time per method on an emulated cluster of N hosts at given link rates",
+    ),
+    "cluster": (
+        "jaxcomp.cluster",
+        "run a jax.distributed script on N emulated hosts with rate-limited links",
+    ),
+    "kernels": (
+        "jaxcomp.kernel_demo",
+        "the three kernels on a realistic gradient, beside jax.lax.top_k and zfpy",
+    ),
 }
+
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -25,7 +38,9 @@ def main(argv=None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"jaxcomp: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        print(
+            f"jaxcomp: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr
+        )
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     return module.main(rest)

@@ -33,22 +33,29 @@ def float_array(x, name: str):
 
     # Strings would be read as dtype names ("abc" -> numpy's "data type 'abc' not understood").
     if x is None or isinstance(x, (str, bytes)):
-        raise TypeError(f"{name} must be a float32, bfloat16 or float16 array, got {type(x).__name__}")
+        raise TypeError(
+            f"{name} must be a float32, bfloat16 or float16 array, got {type(x).__name__}"
+        )
     try:
         dtype = jnp.result_type(x)
     except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a float32, bfloat16 or float16 array, got {type(x).__name__}") from None
-    if dtype not in __getattr__("FLOAT_DTYPES"):
         raise TypeError(
-            f"{name} must be float32, bfloat16 or float16, got dtype {dtype}")
+            f"{name} must be a float32, bfloat16 or float16 array, got {type(x).__name__}"
+        ) from None
+    if dtype not in __getattr__("FLOAT_DTYPES"):
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got dtype {dtype}")
     x = jnp.asarray(x)
     if x.ndim == 0:
         raise ValueError(f"{name} must have at least one dimension (the values), got a scalar")
     n = x.shape[-1]
     if n < 1:
-        raise ValueError(f"{name} must hold at least one value in its last dimension, got shape {x.shape}")
+        raise ValueError(
+            f"{name} must hold at least one value in its last dimension, got shape {x.shape}"
+        )
     if n > MAX_ROW_LENGTH:
-        raise ValueError(f"{name}'s last dimension is {n}; jaxcomp indexes rows with int32, so at most {MAX_ROW_LENGTH}")
+        raise ValueError(
+            f"{name}'s last dimension is {n}; jaxcomp indexes rows with int32, so at most {MAX_ROW_LENGTH}"
+        )
     return x
 
 
@@ -87,7 +94,11 @@ def check_ratio(ratio) -> float:
       >>> check_ratio(0.01)
       0.01
     """
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) and not _is_numpy_number(ratio):
+    if (
+        isinstance(ratio, bool)
+        or not isinstance(ratio, (int, float))
+        and not _is_numpy_number(ratio)
+    ):
         raise TypeError(f"ratio must be a number in (0, 1], got {ratio!r}")
     ratio = float(ratio)
     if not 0.0 < ratio <= 1.0:
@@ -96,7 +107,9 @@ def check_ratio(ratio) -> float:
 
 
 def _is_numpy_number(value) -> bool:
-    return type(value).__module__ == "numpy" and hasattr(value, "dtype") and value.dtype.kind in "iuf"
+    return (
+        type(value).__module__ == "numpy" and hasattr(value, "dtype") and value.dtype.kind in "iuf"
+    )
 
 
 def check_rate(rate) -> int:
@@ -153,8 +166,7 @@ def check_message(n, dtype_bytes) -> tuple[int, int]:
       >>> check_message(1000, 4)
       (1000, 4)
     """
-    return (static_int(n, "n", 1, MAX_ROW_LENGTH),
-            static_int(dtype_bytes, "dtype_bytes", 1, 8))
+    return (static_int(n, "n", 1, MAX_ROW_LENGTH), static_int(dtype_bytes, "dtype_bytes", 1, 8))
 
 
 def check_explore_steps(explore_steps) -> int:
@@ -164,7 +176,11 @@ def check_explore_steps(explore_steps) -> int:
       >>> check_explore_steps(10)
       10
     """
-    if isinstance(explore_steps, bool) or not isinstance(explore_steps, (int, np.integer)) or explore_steps < 1:
+    if (
+        isinstance(explore_steps, bool)
+        or not isinstance(explore_steps, (int, np.integer))
+        or explore_steps < 1
+    ):
         raise ValueError(f"explore_steps must be an integer >= 1, got {explore_steps!r}")
     return int(explore_steps)
 
@@ -184,14 +200,18 @@ def check_key(key, axis_name=None):  # noqa: D401
     key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     if not (typed and key.ndim == 0) and not (key.dtype == jnp.uint32 and key.shape == (2,)):
-        raise TypeError(f"key must be one jax.random key (jax.random.key or PRNGKey), got "
-                        f"{key.dtype}{list(key.shape)}")
+        raise TypeError(
+            f"key must be one jax.random key (jax.random.key or PRNGKey), got "
+            f"{key.dtype}{list(key.shape)}"
+        )
     if axis_name is not None:
         from jaxcomp._ffi import varying_axes
 
         if axis_name in varying_axes(key):
-            raise ValueError(f"key must be the same on every device of {axis_name!r} (replicated: all devices "
-                             "must apply the same Hadamard transform), got a key that varies over it")
+            raise ValueError(
+                f"key must be the same on every device of {axis_name!r} (replicated: all devices "
+                "must apply the same Hadamard transform), got a key that varies over it"
+            )
     return key if typed else jax.random.wrap_key_data(key)
 
 
@@ -200,7 +220,9 @@ def check_k(x, k):
     x = float_array(x, "x")
     k = static_int(k, "k", 1)
     if k > x.shape[-1]:
-        raise ValueError(f"k must be at most the number of values in a row ({x.shape[-1]}), got {k}")
+        raise ValueError(
+            f"k must be at most the number of values in a row ({x.shape[-1]}), got {k}"
+        )
     return x, k
 
 
@@ -226,5 +248,6 @@ def check_decode(words, n, rate, dtype):
     expected = zfp_num_words(n, rate)
     if words.ndim == 0 or words.shape[-1] != expected:
         raise ValueError(
-            f"words must have {expected} words in its last axis for n={n}, rate={rate}, got shape {words.shape}")
+            f"words must have {expected} words in its last axis for n={n}, rate={rate}, got shape {words.shape}"
+        )
     return words, n, rate, dtype

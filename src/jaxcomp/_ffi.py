@@ -70,13 +70,20 @@ mlir.register_lowering(_require_cuda_module_p, lambda ctx, x: [x])
 def _refuse_gpu(message):
     def lowering(ctx, x):
         raise MissingCudaModuleError(message)
+
     return lowering
 
 
 mlir.register_lowering(_require_cuda_module_p, _refuse_gpu(_INSTALL_CUDA), platform="cuda")
-mlir.register_lowering(_require_cuda_module_p, _refuse_gpu("jaxcomp has no ROCm kernels; run its ops on the CPU"),
-                       platform="rocm")
-batching.primitive_batchers[_require_cuda_module_p] = lambda args, dims: (_require_cuda_module_p.bind(*args), dims[0])
+mlir.register_lowering(
+    _require_cuda_module_p,
+    _refuse_gpu("jaxcomp has no ROCm kernels; run its ops on the CPU"),
+    platform="rocm",
+)
+batching.primitive_batchers[_require_cuda_module_p] = lambda args, dims: (
+    _require_cuda_module_p.bind(*args),
+    dims[0],
+)
 
 
 def require_cuda_module(x):
@@ -166,18 +173,23 @@ def check_implementation(implementation):
         return implementation
     raise ValueError(
         "implementation must be 'native', 'xla' or None (native where a native module serves the platform, "
-        f"else xla), got {implementation!r}")
+        f"else xla), got {implementation!r}"
+    )
 
 
 def _portable_message(platform):
     if platform == "cuda":
-        how = ("this jaxcomp was built without its CUDA module; for the native CUDA kernels rebuild it with "
-               "`pip install -Ccmake.define.JAXCOMP_CUDA=ON .` (CUDA 13 nvcc and jax[cuda13]; see docs/gpu.md)")
+        how = (
+            "this jaxcomp was built without its CUDA module; for the native CUDA kernels rebuild it with "
+            "`pip install -Ccmake.define.JAXCOMP_CUDA=ON .` (CUDA 13 nvcc and jax[cuda13]; see docs/gpu.md)"
+        )
     else:
         how = f"jaxcomp has native kernels for CPU and CUDA only, none for {platform!r}"
-    return (f"jaxcomp ops lowered for {platform!r} run their portable XLA implementation (jaxcomp.xla: the same "
-            f"results as the native kernels, slower): {how}. Pass implementation='xla' to choose it explicitly "
-            "and silence this warning.")
+    return (
+        f"jaxcomp ops lowered for {platform!r} run their portable XLA implementation (jaxcomp.xla: the same "
+        f"results as the native kernels, slower): {how}. Pass implementation='xla' to choose it explicitly "
+        "and silence this warning."
+    )
 
 
 _warned_platforms = set()
@@ -189,7 +201,10 @@ _portable_fallback_p = jax.extend.core.Primitive("jaxcomp_portable_fallback")
 _portable_fallback_p.def_abstract_eval(lambda x: x)
 _portable_fallback_jit = jax.jit(_portable_fallback_p.bind)
 _portable_fallback_p.def_impl(lambda x: _portable_fallback_jit(x))
-batching.primitive_batchers[_portable_fallback_p] = lambda args, dims: (_portable_fallback_p.bind(*args), dims[0])
+batching.primitive_batchers[_portable_fallback_p] = lambda args, dims: (
+    _portable_fallback_p.bind(*args),
+    dims[0],
+)
 
 
 def _lower_portable_fallback(ctx, x):
@@ -250,7 +265,8 @@ def _not_differentiable(call, op):
                 f"nor its XLA implementation defines a derivative). Its input carries a gradient here: wrap it "
                 f"in jax.lax.stop_gradient(x) if "
                 f"no gradient should flow through {op}, or differentiate the pure-JAX "
-                f"jaxcomp.reference.{op.split('.', 1)[1]} instead")
+                f"jaxcomp.reference.{op.split('.', 1)[1]} instead"
+            )
 
         return op_call(*operands)
 

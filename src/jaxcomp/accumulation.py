@@ -19,8 +19,9 @@ import optax
 from jaxcomp import _checks
 
 
-def accumulate(tx: optax.GradientTransformation, every_k: int | Callable, *,
-               use_grad_mean: bool = True) -> optax.GradientTransformationExtraArgs:
+def accumulate(
+    tx: optax.GradientTransformation, every_k: int | Callable, *, use_grad_mean: bool = True
+) -> optax.GradientTransformationExtraArgs:
     """Accumulates ``every_k`` micro-steps of gradients and runs ``tx`` once on their mean.
 
     The state is an ``optax.MultiStepsState``; micro-steps return zero updates and leave ``tx``'s
@@ -62,15 +63,22 @@ def accumulate(tx: optax.GradientTransformation, every_k: int | Callable, *,
     inner = optax.with_extra_args_support(tx)
 
     def init_fn(params):
-        return optax.MultiStepsState(mini_step=jnp.zeros((), jnp.int32), gradient_step=jnp.zeros((), jnp.int32),
-                                     inner_opt_state=inner.init(params),
-                                     acc_grads=jax.tree.map(jnp.zeros_like, params), skip_state=())
+        return optax.MultiStepsState(
+            mini_step=jnp.zeros((), jnp.int32),
+            gradient_step=jnp.zeros((), jnp.int32),
+            inner_opt_state=inner.init(params),
+            acc_grads=jax.tree.map(jnp.zeros_like, params),
+            skip_state=(),
+        )
 
     def update_fn(updates, state, params=None, **extra_args):
         k = jnp.asarray(schedule(state.gradient_step), jnp.int32)
         n = state.mini_step
-        acc = jax.tree.map(lambda g, a: (a + (g - a) / (n + 1) if use_grad_mean else a + g).astype(a.dtype),
-                           updates, state.acc_grads)
+        acc = jax.tree.map(
+            lambda g, a: (a + (g - a) / (n + 1) if use_grad_mean else a + g).astype(a.dtype),
+            updates,
+            state.acc_grads,
+        )
         emit = n == k - 1
 
         def run(acc, inner_state):
@@ -85,20 +93,31 @@ def accumulate(tx: optax.GradientTransformation, every_k: int | Callable, *,
         # Inside shard_map both branches must type every output alike: a state leaf that the
         # update makes per-device (varying) is cast so in the branch that passes it through.
         axes = [_vma(x) for x in jax.tree.leaves(jax.eval_shape(run, acc, state.inner_opt_state))]
-        axes = [a | _vma(x) for a, x in zip(axes, jax.tree.leaves(jax.eval_shape(wait, acc, state.inner_opt_state)))]
+        axes = [
+            a | _vma(x)
+            for a, x in zip(axes, jax.tree.leaves(jax.eval_shape(wait, acc, state.inner_opt_state)))
+        ]
 
         def typed(branch):
             def fn(*args):
                 out = branch(*args)
                 leaves, treedef = jax.tree.flatten(out)
                 return treedef.unflatten([_cast(x, a) for x, a in zip(leaves, axes)])
+
             return fn
 
-        new_updates, new_inner, new_acc = jax.lax.cond(emit, typed(run), typed(wait), acc, state.inner_opt_state)
+        new_updates, new_inner, new_acc = jax.lax.cond(
+            emit, typed(run), typed(wait), acc, state.inner_opt_state
+        )
         new_state = optax.MultiStepsState(
             mini_step=jnp.where(emit, 0, n + 1).astype(jnp.int32),
-            gradient_step=jnp.where(emit, state.gradient_step + 1, state.gradient_step).astype(jnp.int32),
-            inner_opt_state=new_inner, acc_grads=new_acc, skip_state=state.skip_state)
+            gradient_step=jnp.where(emit, state.gradient_step + 1, state.gradient_step).astype(
+                jnp.int32
+            ),
+            inner_opt_state=new_inner,
+            acc_grads=new_acc,
+            skip_state=state.skip_state,
+        )
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -142,9 +161,16 @@ def from_multisteps(multi_steps: optax.MultiSteps) -> optax.GradientTransformati
         schedule, mean = multi_steps._every_k_schedule, multi_steps._use_grad_mean
         skip = multi_steps._should_skip_update_fn
     except AttributeError:
-        raise TypeError("this optax version's MultiSteps cannot be read; pass jaxcomp.accumulate(tx, every_k) "
-                        "instead of optax.MultiSteps") from None
-    if getattr(skip, "__name__", "") != "should_skip_update_fn" or skip.__qualname__.split(".")[0] != "MultiSteps":
-        raise ValueError("an optax.MultiSteps with should_skip_update_fn cannot be turned into jaxcomp.accumulate; "
-                         "skip non-finite steps with jaxcomp.compress(..., nonfinite='skip') instead")
+        raise TypeError(
+            "this optax version's MultiSteps cannot be read; pass jaxcomp.accumulate(tx, every_k) "
+            "instead of optax.MultiSteps"
+        ) from None
+    if (
+        getattr(skip, "__name__", "") != "should_skip_update_fn"
+        or skip.__qualname__.split(".")[0] != "MultiSteps"
+    ):
+        raise ValueError(
+            "an optax.MultiSteps with should_skip_update_fn cannot be turned into jaxcomp.accumulate; "
+            "skip non-finite steps with jaxcomp.compress(..., nonfinite='skip') instead"
+        )
     return accumulate(multi_steps.inner_opt, schedule, use_grad_mean=mean)

@@ -25,6 +25,7 @@ import numpy as np
 #: The paper's exploration range of densities (paper 000 §3-E: c_low = 0.001, c_high = 0.1).
 DEFAULT_RATIO_RANGE = (0.001, 0.1)
 
+
 def candidate_ratios(ratio_range=DEFAULT_RATIO_RANGE, factor: float = 3.0) -> tuple[float, ...]:
     """Candidate densities from the top of ``ratio_range`` down, each ``factor`` times smaller.
 
@@ -79,6 +80,7 @@ def compression_gain(compressed, error_fed):
     References:
       Tyagi & Swany, arXiv 2312.02493, §2-C3 (gain from GraVAC).
     """
+
     def energy(tree):
         return sum(jnp.sum(jnp.square(jnp.asarray(x, jnp.float32))) for x in jax.tree.leaves(tree))
 
@@ -137,7 +139,11 @@ def knee(t_comp, t_sync, gain, *, base_seconds: float = 0.0, flat_tolerance: flo
       Tyagi & Swany, arXiv 2312.02493, §3-E, Eqn (6) (the knee of the Pareto front).
     """
     t_comp, t_sync, gain = _check_measurements(t_comp, t_sync, gain)
-    if not isinstance(base_seconds, (int, float)) or isinstance(base_seconds, bool) or not base_seconds >= 0:
+    if (
+        not isinstance(base_seconds, (int, float))
+        or isinstance(base_seconds, bool)
+        or not base_seconds >= 0
+    ):
         raise ValueError(f"base_seconds must be a number >= 0, got {base_seconds!r}")
     if not isinstance(flat_tolerance, (int, float)) or not 0 <= flat_tolerance < 1:
         raise ValueError(f"flat_tolerance must be in [0, 1), got {flat_tolerance!r}")
@@ -227,10 +233,18 @@ def ratio_init(n_candidates: int, explore_steps: int) -> RatioState:
       Tyagi & Swany, arXiv 2312.02493, §3-E.
     """
     zeros_f, zeros_i = jnp.zeros(n_candidates, jnp.float32), jnp.zeros(n_candidates, jnp.int32)
-    return RatioState(index=jnp.zeros((), jnp.int32), exploring=jnp.ones((), bool), count=jnp.zeros((), jnp.int32),
-                      gain_sum=zeros_f, comp_sum=zeros_f, sync_sum=zeros_f, sync_count=zeros_i,
-                      recent=jnp.zeros(explore_steps, jnp.float32), recent_count=jnp.zeros((), jnp.int32),
-                      reference=jnp.ones((), jnp.float32))
+    return RatioState(
+        index=jnp.zeros((), jnp.int32),
+        exploring=jnp.ones((), bool),
+        count=jnp.zeros((), jnp.int32),
+        gain_sum=zeros_f,
+        comp_sum=zeros_f,
+        sync_sum=zeros_f,
+        sync_count=zeros_i,
+        recent=jnp.zeros(explore_steps, jnp.float32),
+        recent_count=jnp.zeros((), jnp.int32),
+        reference=jnp.ones((), jnp.float32),
+    )
 
 
 def where_tree(condition, a, b):
@@ -260,15 +274,30 @@ def _decide(state: RatioState, predicted_sync, base_seconds, flat_tolerance) -> 
     steps = state.recent.shape[0]
     gains = state.gain_sum / steps
     t_comp = state.comp_sum / steps
-    t_sync = jnp.where(state.sync_count > 0, state.sync_sum / jnp.maximum(state.sync_count, 1),
-                       predicted_sync)
+    t_sync = jnp.where(
+        state.sync_count > 0, state.sync_sum / jnp.maximum(state.sync_count, 1), predicted_sync
+    )
     index = _knee_index(t_comp, t_sync, gains, base_seconds, flat_tolerance, jnp).astype(jnp.int32)
-    return state._replace(index=index, exploring=jnp.zeros((), bool), reference=gains[index],
-                          recent=jnp.zeros_like(state.recent), recent_count=jnp.zeros((), jnp.int32))
+    return state._replace(
+        index=index,
+        exploring=jnp.zeros((), bool),
+        reference=gains[index],
+        recent=jnp.zeros_like(state.recent),
+        recent_count=jnp.zeros((), jnp.int32),
+    )
 
 
-def ratio_observe(state: RatioState, gain, t_comp, t_sync, predicted_sync, *, gain_tolerance: float = 0.1,
-                  base_seconds: float = 0.0, flat_tolerance: float = 0.1) -> RatioState:
+def ratio_observe(
+    state: RatioState,
+    gain,
+    t_comp,
+    t_sync,
+    predicted_sync,
+    *,
+    gain_tolerance: float = 0.1,
+    base_seconds: float = 0.0,
+    flat_tolerance: float = 0.1,
+) -> RatioState:
     """Records one step run at ``state.index``; returns the state that says what runs next.
 
     While exploring, each candidate (highest density first) collects ``E`` steps; after the last
@@ -316,25 +345,34 @@ def ratio_observe(state: RatioState, gain, t_comp, t_sync, predicted_sync, *, ga
         gain_sum=state.gain_sum + jnp.where(here, gain, 0.0),
         comp_sum=state.comp_sum + jnp.where(here, t_comp, 0.0),
         sync_sum=state.sync_sum + jnp.where(here & measured, t_sync, 0.0),
-        sync_count=state.sync_count + (here & measured).astype(jnp.int32))
+        sync_count=state.sync_count + (here & measured).astype(jnp.int32),
+    )
     candidate_done = recorded.count >= steps
     last = state.index == n_candidates - 1
-    moved_on = recorded._replace(index=jnp.where(candidate_done, state.index + 1, state.index),
-                                 count=jnp.where(candidate_done, 0, recorded.count))
-    explored = where_tree(candidate_done & last, _decide(recorded, predicted_sync, base_seconds, flat_tolerance),
-                          moved_on)
+    moved_on = recorded._replace(
+        index=jnp.where(candidate_done, state.index + 1, state.index),
+        count=jnp.where(candidate_done, 0, recorded.count),
+    )
+    explored = where_tree(
+        candidate_done & last,
+        _decide(recorded, predicted_sync, base_seconds, flat_tolerance),
+        moved_on,
+    )
 
     # Settled: keep the last E gains; explore again when their mean moved from the reference.
-    window = state._replace(recent=state.recent.at[state.recent_count % steps].set(gain),
-                            recent_count=state.recent_count + 1)
+    window = state._replace(
+        recent=state.recent.at[state.recent_count % steps].set(gain),
+        recent_count=state.recent_count + 1,
+    )
     full = window.recent_count >= steps
     gain_moved = full & _gain_moved(state.reference, jnp.mean(window.recent), gain_tolerance)
     settled = where_tree(gain_moved, ratio_init(n_candidates, steps), window)
     return where_tree(state.exploring, explored, settled)
 
 
-def ratio_redecide(state: RatioState, predicted_sync, *, base_seconds: float = 0.0,
-                   flat_tolerance: float = 0.1) -> RatioState:
+def ratio_redecide(
+    state: RatioState, predicted_sync, *, base_seconds: float = 0.0, flat_tolerance: float = 0.1
+) -> RatioState:
     """The network changed: forget measured communication times and, if settled, choose again.
 
     The new choice comes from the stored exploration (gains and compression times) with
@@ -360,8 +398,12 @@ def ratio_redecide(state: RatioState, predicted_sync, *, base_seconds: float = 0
     References:
       Tyagi & Swany, arXiv 2312.02493, §3-E (re-solve when α or β changes).
     """
-    cleared = state._replace(sync_sum=jnp.zeros_like(state.sync_sum), sync_count=jnp.zeros_like(state.sync_count))
-    decided = _decide(cleared, jnp.asarray(predicted_sync, jnp.float32), base_seconds, flat_tolerance)
+    cleared = state._replace(
+        sync_sum=jnp.zeros_like(state.sync_sum), sync_count=jnp.zeros_like(state.sync_count)
+    )
+    decided = _decide(
+        cleared, jnp.asarray(predicted_sync, jnp.float32), base_seconds, flat_tolerance
+    )
     return where_tree(state.exploring, cleared, decided)
 
 
@@ -388,8 +430,10 @@ def _check_measurements(t_comp, t_sync, gain):
             raise ValueError(f"{name} must be finite, got {values.tolist()}")
         arrays.append(values)
     if not arrays[0].shape == arrays[1].shape == arrays[2].shape:
-        raise ValueError(f"t_comp, t_sync and gain must have one entry per candidate, got lengths "
-                         f"{[a.size for a in arrays]}")
+        raise ValueError(
+            f"t_comp, t_sync and gain must have one entry per candidate, got lengths "
+            f"{[a.size for a in arrays]}"
+        )
     if np.any(arrays[0] < 0) or np.any(arrays[1] < 0):
         raise ValueError("t_comp and t_sync must be >= 0")
     if np.any(arrays[2] <= 0):

@@ -51,9 +51,17 @@ MAX_MEASURED_PARAMS = 2**28
 PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg")
 
 
-def sync_sgd_time(nbytes: float, n_workers: int, network: cost.Network, backward_seconds: float, *,
-                  bucket_bytes: float = DEFAULT_BUCKET_BYTES, gamma: float = DEFAULT_GAMMA,
-                  overlap: bool = True, method=Dense()) -> float:
+def sync_sgd_time(
+    nbytes: float,
+    n_workers: int,
+    network: cost.Network,
+    backward_seconds: float,
+    *,
+    bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+    gamma: float = DEFAULT_GAMMA,
+    overlap: bool = True,
+    method=Dense(),
+) -> float:
     """Backward pass plus gradient synchronization of dense synchronous SGD, ``T_obs``.
 
     With overlap (paper 002 §4.1): ``max(γ T_comp, (k-1) T_comm(b)) + T_comm(b̂)``, the last
@@ -88,7 +96,9 @@ def sync_sgd_time(nbytes: float, n_workers: int, network: cost.Network, backward
         raise ValueError(f"gamma must be a number >= 1, got {gamma!r}")
     method = methods.parse(method)
     if not method.sends_everything:
-        raise ValueError(f"method must be a dense one (that sends everything), got {method.describe()}")
+        raise ValueError(
+            f"method must be a dense one (that sends everything), got {method.describe()}"
+        )
     if n_workers == 1:
         return backward_seconds  # nothing to synchronize, nothing to overlap with
     full_buckets = max(math.ceil(nbytes / bucket_bytes) - 1, 0)
@@ -100,10 +110,24 @@ def sync_sgd_time(nbytes: float, n_workers: int, network: cost.Network, backward
     return backward_seconds + full_buckets * per_bucket + last
 
 
-def compressed_time(method, nbytes: float, n_workers: int, network: cost.Network, backward_seconds: float,
-                    *, encode_decode_seconds: float = 0.0, ratio=None, rate=None, bits=None, rank=None, inner_size=None,
-                    overlap: bool = False, bucket_bytes: float = DEFAULT_BUCKET_BYTES,
-                    gamma: float = DEFAULT_GAMMA, shard: bool = False) -> float:
+def compressed_time(
+    method,
+    nbytes: float,
+    n_workers: int,
+    network: cost.Network,
+    backward_seconds: float,
+    *,
+    encode_decode_seconds: float = 0.0,
+    ratio=None,
+    rate=None,
+    bits=None,
+    rank=None,
+    inner_size=None,
+    overlap: bool = False,
+    bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+    gamma: float = DEFAULT_GAMMA,
+    shard: bool = False,
+) -> float:
     """Backward pass plus compressed synchronization, ``T_obs`` of paper 002 App. B.
 
     Without overlap (the paper's model, its best case on GPUs): ``T_comp + T_encode-decode +
@@ -146,21 +170,36 @@ def compressed_time(method, nbytes: float, n_workers: int, network: cost.Network
     method = methods.parse(method, strict=False, ratio=ratio, rate=rate, bits=bits, rank=rank)
     options = dict(inner_size=inner_size, shard=shard)
     if n_workers == 1:
-        return backward_seconds + encode_decode_seconds  # compressed for nobody: only the codec's cost
+        return (
+            backward_seconds + encode_decode_seconds
+        )  # compressed for nobody: only the codec's cost
     if not overlap:
-        return backward_seconds + encode_decode_seconds + cost.predict(method, nbytes, n_workers, network, **options)
+        return (
+            backward_seconds
+            + encode_decode_seconds
+            + cost.predict(method, nbytes, n_workers, network, **options)
+        )
     _check_positive(bucket_bytes, "bucket_bytes")
     full_buckets = max(math.ceil(nbytes / bucket_bytes) - 1, 0)
     last_bucket = nbytes - full_buckets * bucket_bytes
-    per_bucket = cost.predict(method, bucket_bytes, n_workers, network, **options) if full_buckets else 0.0
+    per_bucket = (
+        cost.predict(method, bucket_bytes, n_workers, network, **options) if full_buckets else 0.0
+    )
     last = cost.predict(method, last_bucket, n_workers, network, **options)
     return max(gamma * (backward_seconds + encode_decode_seconds), full_buckets * per_bucket) + last
 
 
-def required_compression(nbytes: float, n_workers: int, network: cost.Network, backward_seconds: float, *,
-                         target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
-                         bucket_bytes: float = DEFAULT_BUCKET_BYTES, gamma: float = DEFAULT_GAMMA,
-                         max_ratio: float = 1e4) -> float | None:
+def required_compression(
+    nbytes: float,
+    n_workers: int,
+    network: cost.Network,
+    backward_seconds: float,
+    *,
+    target_efficiency: float = DEFAULT_TARGET_EFFICIENCY,
+    bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+    gamma: float = DEFAULT_GAMMA,
+    max_ratio: float = 1e4,
+) -> float | None:
     """Smallest compression ratio for near-linear scaling (paper 002 §4.2, App. D, Fig. 12/18).
 
     An ideal all-reduce-compatible compressor with no encode/decode cost shrinks the gradient by
@@ -193,8 +232,14 @@ def required_compression(nbytes: float, n_workers: int, network: cost.Network, b
         raise ValueError(f"target_efficiency must be in (0, 1), got {target_efficiency!r}")
 
     def reaches(ratio):
-        step = sync_sgd_time(nbytes / ratio, n_workers, network, backward_seconds,
-                             bucket_bytes=bucket_bytes, gamma=gamma)
+        step = sync_sgd_time(
+            nbytes / ratio,
+            n_workers,
+            network,
+            backward_seconds,
+            bucket_bytes=bucket_bytes,
+            gamma=gamma,
+        )
         return backward_seconds / step >= target_efficiency
 
     if reaches(1.0):
@@ -255,42 +300,84 @@ def _parser():
     parser = argparse.ArgumentParser(
         prog="jaxcomp advise",
         description="Predict whether gradient compression speeds up data-parallel training "
-                    "(performance model of Agarwal et al., MLSys 2022, with jaxcomp's collectives).")
+        "(performance model of Agarwal et al., MLSys 2022, with jaxcomp's collectives).",
+    )
     parser.add_argument("--params", type=float, required=True, help="model parameters, e.g. 25.6e6")
     parser.add_argument("--workers", type=int, required=True, help="data-parallel workers")
-    parser.add_argument("--bandwidth", required=True, help="per-link bandwidth, e.g. 10gbit, 25Gbps, 1.25GB/s")
-    parser.add_argument("--latency", default="0", help="per-message latency α, e.g. 0.5ms (default 0)")
-    parser.add_argument("--backward-ms", type=float, required=True, help="backward pass on one worker, ms")
-    parser.add_argument("--ratio", type=float, default=0.01, help="top-k density k/n (default 0.01)")
+    parser.add_argument(
+        "--bandwidth", required=True, help="per-link bandwidth, e.g. 10gbit, 25Gbps, 1.25GB/s"
+    )
+    parser.add_argument(
+        "--latency", default="0", help="per-message latency α, e.g. 0.5ms (default 0)"
+    )
+    parser.add_argument(
+        "--backward-ms", type=float, required=True, help="backward pass on one worker, ms"
+    )
+    parser.add_argument(
+        "--ratio", type=float, default=0.01, help="top-k density k/n (default 0.01)"
+    )
     parser.add_argument("--rate", type=int, default=8, help="ZFP bits per value (default 8)")
     parser.add_argument("--bits", type=int, default=4, help="quantization bits (default 4)")
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD rank (default 4)")
-    parser.add_argument("--inner-size", type=int, default=None,
-                        help="workers per node; adds hierarchical_topk")
-    parser.add_argument("--methods", default=None,
-                        help="comma-separated compressed methods (default: all that apply)")
-    parser.add_argument("--encode-decode-ms", default="0",
-                        help="encode+decode time: one number for every method, or method=ms pairs "
-                             "separated by commas (default 0: speedups are then upper bounds)")
-    parser.add_argument("--measure-codec", action="store_true",
-                        help="time each method's local work on this machine at this model size (top-k "
-                             "selection and scatter, the ZFP ring's encodes and decodes, THC's transforms, "
-                             "rounding and packing) and use it instead of --encode-decode-ms")
-    parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20,
-                        help="gradient bucket, MiB (default 25, PyTorch DDP's)")
-    parser.add_argument("--gamma", type=float, default=DEFAULT_GAMMA,
-                        help="backward slowdown under overlap (default 1.05; paper 002: 1.04-1.1)")
-    parser.add_argument("--batch-overlap", action="store_true",
-                        help="also overlap the compressed methods with the backward pass, bucket by "
-                             "bucket (encode/decode then slows the backward pass)")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="dense all-reduce after the backward pass instead of overlapped")
-    parser.add_argument("--target-efficiency", type=float, default=DEFAULT_TARGET_EFFICIENCY,
-                        help="fraction of linear scaling that counts as near-linear (default 0.9)")
-    parser.add_argument("--plot", default=None, metavar="PNG", help="write speedup against bandwidth here")
-    parser.add_argument("--shard", action="store_true",
-                        help="sharded training (data_parallel(shard=...)): each method's reduce-scatter plus the "
-                             "params' all-gather, for the methods that have one; dense costs the same either way")
+    parser.add_argument(
+        "--inner-size", type=int, default=None, help="workers per node; adds hierarchical_topk"
+    )
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated compressed methods (default: all that apply)",
+    )
+    parser.add_argument(
+        "--encode-decode-ms",
+        default="0",
+        help="encode+decode time: one number for every method, or method=ms pairs "
+        "separated by commas (default 0: speedups are then upper bounds)",
+    )
+    parser.add_argument(
+        "--measure-codec",
+        action="store_true",
+        help="time each method's local work on this machine at this model size (top-k "
+        "selection and scatter, the ZFP ring's encodes and decodes, THC's transforms, "
+        "rounding and packing) and use it instead of --encode-decode-ms",
+    )
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=DEFAULT_BUCKET_BYTES / 2**20,
+        help="gradient bucket, MiB (default 25, PyTorch DDP's)",
+    )
+    parser.add_argument(
+        "--gamma",
+        type=float,
+        default=DEFAULT_GAMMA,
+        help="backward slowdown under overlap (default 1.05; paper 002: 1.04-1.1)",
+    )
+    parser.add_argument(
+        "--batch-overlap",
+        action="store_true",
+        help="also overlap the compressed methods with the backward pass, bucket by "
+        "bucket (encode/decode then slows the backward pass)",
+    )
+    parser.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="dense all-reduce after the backward pass instead of overlapped",
+    )
+    parser.add_argument(
+        "--target-efficiency",
+        type=float,
+        default=DEFAULT_TARGET_EFFICIENCY,
+        help="fraction of linear scaling that counts as near-linear (default 0.9)",
+    )
+    parser.add_argument(
+        "--plot", default=None, metavar="PNG", help="write speedup against bandwidth here"
+    )
+    parser.add_argument(
+        "--shard",
+        action="store_true",
+        help="sharded training (data_parallel(shard=...)): each method's reduce-scatter plus the "
+        "params' all-gather, for the methods that have one; dense costs the same either way",
+    )
     return parser
 
 
@@ -308,17 +395,23 @@ def _encode_decode(text, compressed, parser):
             name, _, value = item.partition("=")
             name = name.strip()
             if name not in labels:
-                parser.error(f"--encode-decode-ms names {name!r}, which is not among the methods {list(labels)}")
+                parser.error(
+                    f"--encode-decode-ms names {name!r}, which is not among the methods {list(labels)}"
+                )
             table[labels[name]] = float(value) / 1e3
             if not table[labels[name]] >= 0:
                 raise ValueError
         return table
     except ValueError:
-        parser.error(f"--encode-decode-ms must be a number of ms >= 0 or method=ms pairs, got {text!r}")
+        parser.error(
+            f"--encode-decode-ms must be a number of ms >= 0 or method=ms pairs, got {text!r}"
+        )
 
 
 def _options(args):
-    return dict(ratio=args.ratio, rate=args.rate, bits=args.bits, rank=args.rank, inner_size=args.inner_size)
+    return dict(
+        ratio=args.ratio, rate=args.rate, bits=args.bits, rank=args.rank, inner_size=args.inner_size
+    )
 
 
 def _setting(method):
@@ -365,9 +458,11 @@ def main(argv=None) -> int:
     if not (math.isfinite(args.backward_ms)):
         parser.error(f"--backward-ms must be finite, got {args.backward_ms}")
     if args.measure_codec and args.params > MAX_MEASURED_PARAMS:
-        parser.error(f"--measure-codec times the codec on a gradient of --params float32 values in this machine's "
-                     f"memory, at most {MAX_MEASURED_PARAMS:,}; got {args.params:g}. Pass --encode-decode-ms "
-                     "instead (or measure a smaller model and scale the time by the size)")
+        parser.error(
+            f"--measure-codec times the codec on a gradient of --params float32 values in this machine's "
+            f"memory, at most {MAX_MEASURED_PARAMS:,}; got {args.params:g}. Pass --encode-decode-ms "
+            "instead (or measure a smaller model and scale the time by the size)"
+        )
     if args.plot is not None:
         problem = _unwritable_plot(args.plot)
         if problem:
@@ -377,8 +472,11 @@ def main(argv=None) -> int:
     if args.inner_size is not None and (args.inner_size < 1 or args.workers % args.inner_size):
         parser.error(f"--inner-size must divide --workers ({args.workers}), got {args.inner_size}")
 
-    compressed = [m for m in cost.available_methods(**_options(args)) if not m.sends_everything
-                  and (m.scatters or not args.shard)]
+    compressed = [
+        m
+        for m in cost.available_methods(**_options(args))
+        if not m.sends_everything and (m.scatters or not args.shard)
+    ]
     labels = [m.label for m in compressed]
     if args.methods is not None:
         wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -387,8 +485,14 @@ def main(argv=None) -> int:
         picked = []
         for name in wanted:
             try:
-                method = methods.parse(name, strict=False, ratio=args.ratio, rate=args.rate, bits=args.bits,
-                                       rank=args.rank)
+                method = methods.parse(
+                    name,
+                    strict=False,
+                    ratio=args.ratio,
+                    rate=args.rate,
+                    bits=args.bits,
+                    rank=args.rank,
+                )
             except ValueError:
                 method = None
             if method not in compressed:
@@ -404,8 +508,9 @@ def main(argv=None) -> int:
 
         for method in compressed:
             # Each method's whole local work (the ZFP ring's hops, THC's transforms and packing).
-            encode_decode[method] = probe.codec_seconds(method, math.ceil(args.params),
-                                                        n_workers=min(args.workers, 64))
+            encode_decode[method] = probe.codec_seconds(
+                method, math.ceil(args.params), n_workers=min(args.workers, 64)
+            )
             measured.append(method.label)
 
     nbytes = 4.0 * args.params
@@ -414,13 +519,30 @@ def main(argv=None) -> int:
     overlap = not args.no_overlap
 
     def dense_at(net):
-        return sync_sgd_time(nbytes, args.workers, net, backward, bucket_bytes=bucket, gamma=args.gamma,
-                             overlap=overlap)
+        return sync_sgd_time(
+            nbytes,
+            args.workers,
+            net,
+            backward,
+            bucket_bytes=bucket,
+            gamma=args.gamma,
+            overlap=overlap,
+        )
 
     def method_at(method, net):
-        return compressed_time(method, nbytes, args.workers, net, backward,
-                               encode_decode_seconds=encode_decode[method], overlap=args.batch_overlap,
-                               bucket_bytes=bucket, gamma=args.gamma, inner_size=args.inner_size, shard=args.shard)
+        return compressed_time(
+            method,
+            nbytes,
+            args.workers,
+            net,
+            backward,
+            encode_decode_seconds=encode_decode[method],
+            overlap=args.batch_overlap,
+            bucket_bytes=bucket,
+            gamma=args.gamma,
+            inner_size=args.inner_size,
+            shard=args.shard,
+        )
 
     try:
         dense_step = dense_at(network)
@@ -429,58 +551,101 @@ def main(argv=None) -> int:
         parser.error(str(error))
 
     count = f"{args.params / 1e9:.4g}B" if args.params >= 1e9 else f"{args.params / 1e6:.4g}M"
-    print(f"jaxcomp advise: {count} parameters ({_bytes(nbytes)} float32), "
-          f"{args.workers} workers, {network}, backward {args.backward_ms:g} ms")
+    print(
+        f"jaxcomp advise: {count} parameters ({_bytes(nbytes)} float32), "
+        f"{args.workers} workers, {network}, backward {args.backward_ms:g} ms"
+    )
     buckets = max(math.ceil(nbytes / bucket), 1)
-    how = (f"overlapped with the backward pass in {buckets} buckets of {args.bucket_mb:g} MiB, γ={args.gamma:g}"
-           if overlap else "after the backward pass")
+    how = (
+        f"overlapped with the backward pass in {buckets} buckets of {args.bucket_mb:g} MiB, γ={args.gamma:g}"
+        if overlap
+        else "after the backward pass"
+    )
     print(f"dense baseline: ring all-reduce {how}")
     if args.shard:
-        print("sharded (--shard): each method reduce-scatters the gradient, then the params are all-gathered "
-              "densely; sharded dense sends what the all-reduce sends")
+        print(
+            "sharded (--shard): each method reduce-scatters the gradient, then the params are all-gathered "
+            "densely; sharded dense sends what the all-reduce sends"
+        )
     if args.workers == 1:
-        print("(1 worker: nothing crosses the network, so no method can be faster than dense; "
-              "compression only adds its encode/decode time)")
+        print(
+            "(1 worker: nothing crosses the network, so no method can be faster than dense; "
+            "compression only adds its encode/decode time)"
+        )
     print()
-    header = f"{'method':<24}{'setting':<14}{'sent/worker':>12}{'comm':>11}{'enc+dec':>10}{'step T_obs':>12}" \
-             f"{'speedup':>9}{'scaling':>14}"
+    header = (
+        f"{'method':<24}{'setting':<14}{'sent/worker':>12}{'comm':>11}{'enc+dec':>10}{'step T_obs':>12}"
+        f"{'speedup':>9}{'scaling':>14}"
+    )
     print(header)
     print("-" * len(header))
 
     def row(name, setting, sent, comm, codec, step):
         scaling = args.workers * backward / step
-        print(f"{name:<24}{setting:<14}{_bytes(sent):>12}{cost.format_duration(comm):>11}"
-              f"{cost.format_duration(codec) if codec else '0':>10}{cost.format_duration(step):>12}"
-              f"{dense_step / step:>8.2f}x{scaling:>8.1f}x of {args.workers}")
+        print(
+            f"{name:<24}{setting:<14}{_bytes(sent):>12}{cost.format_duration(comm):>11}"
+            f"{cost.format_duration(codec) if codec else '0':>10}{cost.format_duration(step):>12}"
+            f"{dense_step / step:>8.2f}x{scaling:>8.1f}x of {args.workers}"
+        )
 
     dense_comm = cost.predict(Dense(), nbytes, args.workers, network)
-    row(Dense().label, "-", cost.volume_bytes(Dense(), nbytes, args.workers), dense_comm, 0.0, dense_step)
+    row(
+        Dense().label,
+        "-",
+        cost.volume_bytes(Dense(), nbytes, args.workers),
+        dense_comm,
+        0.0,
+        dense_step,
+    )
     for method, step in rows:
         inner = dict(inner_size=args.inner_size, shard=args.shard)
-        row(method.label, _setting(method), cost.volume_bytes(method, nbytes, args.workers, **inner),
-            cost.predict(method, nbytes, args.workers, network, **inner), encode_decode[method], step)
+        row(
+            method.label,
+            _setting(method),
+            cost.volume_bytes(method, nbytes, args.workers, **inner),
+            cost.predict(method, nbytes, args.workers, network, **inner),
+            encode_decode[method],
+            step,
+        )
     if measured:
-        print(f"(encode/decode of {', '.join(measured)} measured on this machine's {jax.default_backend()}; "
-              "a training step's codec may run elsewhere)")
+        print(
+            f"(encode/decode of {', '.join(measured)} measured on this machine's {jax.default_backend()}; "
+            "a training step's codec may run elsewhere)"
+        )
     if not any(encode_decode.values()) and compressed:
-        print("(encode/decode time not included: pass --encode-decode-ms; these speedups are upper bounds)")
+        print(
+            "(encode/decode time not included: pass --encode-decode-ms; these speedups are upper bounds)"
+        )
     print()
 
-    needed = required_compression(nbytes, args.workers, network, backward, target_efficiency=args.target_efficiency,
-                                  bucket_bytes=bucket, gamma=args.gamma)
+    needed = required_compression(
+        nbytes,
+        args.workers,
+        network,
+        backward,
+        target_efficiency=args.target_efficiency,
+        bucket_bytes=bucket,
+        gamma=args.gamma,
+    )
     target = f"{args.target_efficiency:.0%} of linear scaling"
     if needed is None:
-        print(f"Compression needed for {target}: unreachable (latency or the overlap slowdown bound the step)")
+        print(
+            f"Compression needed for {target}: unreachable (latency or the overlap slowdown bound the step)"
+        )
     elif needed == 1.0:
         print(f"Compression needed for {target}: none, dense synchronous SGD already reaches it")
     else:
-        print(f"Compression needed for {target}: {needed:.2f}x "
-              "(an all-reduce-compatible compressor with free encode/decode)")
+        print(
+            f"Compression needed for {target}: {needed:.2f}x "
+            "(an all-reduce-compatible compressor with free encode/decode)"
+        )
 
     print("Compression pays below (break-even bandwidth):")
     for method in compressed:
-        edge = break_even_bandwidth(lambda bw, m=method: method_at(m, cost.Network(network.alpha, bw)),
-                                    lambda bw: dense_at(cost.Network(network.alpha, bw)))
+        edge = break_even_bandwidth(
+            lambda bw, m=method: method_at(m, cost.Network(network.alpha, bw)),
+            lambda bw: dense_at(cost.Network(network.alpha, bw)),
+        )
         if args.workers == 1:
             verdict = "never (1 worker sends nothing)"
         elif edge is None:
@@ -488,7 +653,9 @@ def main(argv=None) -> int:
         elif math.isinf(edge):
             verdict = "always (faster than dense up to 10 Tbit/s)"
         else:
-            verdict = f"{cost.format_bandwidth(edge)}" + ("  <- pays here" if network.bandwidth < edge else "")
+            verdict = f"{cost.format_bandwidth(edge)}" + (
+                "  <- pays here" if network.bandwidth < edge else ""
+            )
         print(f"  {method.label:<24}{verdict}")
 
     if args.plot:
@@ -508,7 +675,10 @@ def _plot(path, network, compressed, dense_at, method_at, workers, backward):
     x = bandwidths * 8 / 1e9
 
     def speedup(step_of):
-        return [workers * backward / step_of(cost.Network(network.alpha, float(bw))) for bw in bandwidths]
+        return [
+            workers * backward / step_of(cost.Network(network.alpha, float(bw)))
+            for bw in bandwidths
+        ]
 
     axes.plot(x, speedup(dense_at), color="black", linewidth=2, label="dense (overlapped)")
     for method in compressed:
@@ -553,7 +723,9 @@ def _check_positive(value, name, allow_zero=False):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} and finite, got {value}")
+        raise ValueError(
+            f"{name} must be {'>= 0' if allow_zero else '> 0'} and finite, got {value}"
+        )
 
 
 if __name__ == "__main__":

@@ -72,8 +72,13 @@ class RatioSearch:
     factor: float = 3.0
 
     def __post_init__(self):
-        object.__setattr__(self, "ratio_range", tuple(self.ratio_range) if isinstance(self.ratio_range, (list, tuple))
-                           else self.ratio_range)
+        object.__setattr__(
+            self,
+            "ratio_range",
+            tuple(self.ratio_range)
+            if isinstance(self.ratio_range, (list, tuple))
+            else self.ratio_range,
+        )
         object.__setattr__(self, "explore_steps", _checks.check_explore_steps(self.explore_steps))
         _ = self.ratios  # validates the range and the factor
 
@@ -88,9 +93,13 @@ class AutoState(NamedTuple):
     (:attr:`jaxcomp.CompressState.methods` lists them). Set the network with :func:`set_network`
     (``jaxcomp.data_parallel`` probes it for you)."""
 
-    network: jax.Array  # f32[2]: (alpha seconds, beta seconds per byte) of the latest probe; NaN until one is set
+    network: (
+        jax.Array
+    )  # f32[2]: (alpha seconds, beta seconds per byte) of the latest probe; NaN until one is set
     overhead: jax.Array  # f32[B]: each branch's local work in seconds (0 until measured)
-    decided: jax.Array  # f32[2]: the network the current choice was made with (NaN before the first choice)
+    decided: (
+        jax.Array
+    )  # f32[2]: the network the current choice was made with (NaN before the first choice)
     choice: jax.Array  # i32[]: the chosen candidate, an index into the candidates
     ratio: Any  # adaptive.RatioState with a RatioSearch, else None
 
@@ -100,16 +109,20 @@ class _Branches:
     """The branches of a candidate list: one per candidate, or per (candidate, ratio)."""
 
     methods: tuple[Method, ...]
-    table: np.ndarray  # i32[C, R]: the branch of candidate c at ratio r (a candidate without a ratio fills its row)
+    table: (
+        np.ndarray
+    )  # i32[C, R]: the branch of candidate c at ratio r (a candidate without a ratio fills its row)
     tunable: np.ndarray  # bool[C]: candidates that run at the searched ratios
 
     @classmethod
     def of(cls, candidates, ratios):
         out, rows = [], []
-        tunable = np.array([bool(ratios) and m.with_ratio(ratios[0]) is not None for m in candidates])
+        tunable = np.array(
+            [bool(ratios) and m.with_ratio(ratios[0]) is not None for m in candidates]
+        )
         for m, tune in zip(candidates, tunable):
             row = []
-            for r in (ratios if tune else (None,)):
+            for r in ratios if tune else (None,):
                 out.append(m.with_ratio(r) if tune else m)
                 row.append(len(out) - 1)
             rows.append(row * (max(1, len(ratios)) if not tune else 1))
@@ -119,7 +132,9 @@ class _Branches:
 class _Plan:
     """The branches with their static costs, built while tracing one update."""
 
-    def __init__(self, branches: _Branches, search: RatioSearch | None, decide_every: int, groups: Groups):
+    def __init__(
+        self, branches: _Branches, search: RatioSearch | None, decide_every: int, groups: Groups
+    ):
         self.b, self.search, self.decide_every = branches, search, decide_every
         costs = np.array([static_cost(m, groups) for m in branches.methods], np.float64)
         self.bytes, self.kept, self.steps = (costs[:, i].astype(np.float32) for i in range(3))
@@ -135,28 +150,37 @@ class _Plan:
     def decide(self, auto: AutoState, step):
         """Re-decides when due; returns (new AutoState, branch to run, predicted comm seconds per branch)."""
         known = jnp.all(jnp.isfinite(auto.network))
-        moved = (jnp.any(adaptive.moved(auto.decided, auto.network, NETWORK_TOLERANCE, jnp))
-                 | ~jnp.all(jnp.isfinite(auto.decided)))
+        moved = jnp.any(
+            adaptive.moved(auto.decided, auto.network, NETWORK_TOLERANCE, jnp)
+        ) | ~jnp.all(jnp.isfinite(auto.decided))
         due = known & ((step % self.decide_every == 0) | moved)
         decided = jnp.where(due, auto.network, auto.decided)
         # The cost model's one formula, on the network the choice is made with.
-        comm = cost.sync_seconds(jnp.asarray(self.steps), jnp.asarray(self.bytes), decided[0], decided[1])
+        comm = cost.sync_seconds(
+            jnp.asarray(self.steps), jnp.asarray(self.bytes), decided[0], decided[1]
+        )
         predicted = comm + auto.overhead
         ratio = auto.ratio
         if self.search is not None:
             # A moved network re-chooses the ratio from the last exploration, without exploring.
-            ratio = adaptive.where_tree(due & moved, adaptive.ratio_redecide(ratio, self.sync_per_ratio(comm)), ratio)
+            ratio = adaptive.where_tree(
+                due & moved, adaptive.ratio_redecide(ratio, self.sync_per_ratio(comm)), ratio
+            )
             r = ratio.index
             # While exploring, a tunable candidate competes at its lowest density: could it pay at all?
             r_judge = jnp.where(ratio.exploring, len(self.search.ratios) - 1, r)
         else:
             r = r_judge = 0
         table = jnp.asarray(self.b.table)
-        choice = jnp.where(due, jnp.argmin(predicted[table[:, r_judge]]), auto.choice).astype(jnp.int32)
+        choice = jnp.where(due, jnp.argmin(predicted[table[:, r_judge]]), auto.choice).astype(
+            jnp.int32
+        )
         row = choice
         if self.search is not None and self.tunable_rows.size:
             # A tunable choice runs the cheapest tunable candidate at the ratio of this step.
-            best = jnp.asarray(self.tunable_rows)[jnp.argmin(predicted[table[self.tunable_rows, r]])]
+            best = jnp.asarray(self.tunable_rows)[
+                jnp.argmin(predicted[table[self.tunable_rows, r]])
+            ]
             row = jnp.where(jnp.asarray(self.b.tunable)[choice], best, choice)
         branch = table[row, r]
         return auto._replace(decided=decided, choice=choice, ratio=ratio), branch, comm
@@ -165,16 +189,29 @@ class _Plan:
         """Feeds a tunable branch's gain to the ratio controller."""
         if self.search is None:
             return auto
-        observed = adaptive.ratio_observe(auto.ratio, gain, auto.overhead[branch], jnp.nan, self.sync_per_ratio(comm))
+        observed = adaptive.ratio_observe(
+            auto.ratio, gain, auto.overhead[branch], jnp.nan, self.sync_per_ratio(comm)
+        )
         # A gain that could not be measured (NaN or Inf: the sums overflowed) teaches nothing.
         learn = jnp.asarray(self.tunable_branch)[branch] & jnp.isfinite(gain)
         return auto._replace(ratio=adaptive.where_tree(learn, observed, auto.ratio))
 
 
-def compress_auto(candidates, *, axis_name="data", ratio_search: RatioSearch | None = None,
-                  network: cost.Network | None = None, decide_every: int = DEFAULT_DECIDE_EVERY,
-                  error_feedback=True, granularity="model", mean=True, seed=0, nonfinite="zero", mask=None,
-                  min_size=0):
+def compress_auto(
+    candidates,
+    *,
+    axis_name="data",
+    ratio_search: RatioSearch | None = None,
+    network: cost.Network | None = None,
+    decide_every: int = DEFAULT_DECIDE_EVERY,
+    error_feedback=True,
+    granularity="model",
+    mean=True,
+    seed=0,
+    nonfinite="zero",
+    mask=None,
+    min_size=0,
+):
     """Aggregates gradients like :func:`jaxcomp.compress`, choosing the cheapest of ``candidates``.
 
     One branch per candidate (per candidate and ratio with ``ratio_search``) is compiled once; a
@@ -231,56 +268,94 @@ def compress_auto(candidates, *, axis_name="data", ratio_search: RatioSearch | N
       Tyagi & Swany, arXiv 2312.02493, §3-D (choice of collective, Eqn 5a-5c) and §3-E (adaptive
       compression ratio).
     """
-    config = FeedbackConfig.check(axis_name, error_feedback, granularity, mean, seed, nonfinite, mask, min_size)
+    config = FeedbackConfig.check(
+        axis_name, error_feedback, granularity, mean, seed, nonfinite, mask, min_size
+    )
     candidates = _check_candidates(candidates, config.axes)
     if ratio_search is not None and not isinstance(ratio_search, RatioSearch):
-        raise TypeError(f"ratio_search must be a jaxcomp.RatioSearch or None, got {type(ratio_search).__name__}")
+        raise TypeError(
+            f"ratio_search must be a jaxcomp.RatioSearch or None, got {type(ratio_search).__name__}"
+        )
     ratios = ratio_search.ratios if ratio_search is not None else ()
     if ratios and not any(m.with_ratio(ratios[0]) is not None for m in candidates):
-        raise ValueError(f"ratio_search needs a candidate with a ratio (e.g. jaxcomp.TopK), got "
-                         f"{[m.describe() for m in candidates]}")
+        raise ValueError(
+            f"ratio_search needs a candidate with a ratio (e.g. jaxcomp.TopK), got "
+            f"{[m.describe() for m in candidates]}"
+        )
     decide_every = _checks.static_int(decide_every, "decide_every", 1)
     if network is not None and not isinstance(network, cost.Network):
-        raise TypeError(f"network must be a jaxcomp.cost.Network (e.g. jaxcomp.probe_network(mesh, axis)) or None, "
-                        f"got {type(network).__name__}")
+        raise TypeError(
+            f"network must be a jaxcomp.cost.Network (e.g. jaxcomp.probe_network(mesh, axis)) or None, "
+            f"got {type(network).__name__}"
+        )
     branches = _Branches.of(candidates, ratios)
     keeps_residual = config.error_feedback and not all(m.sends_everything for m in branches.methods)
 
     def init_auto():
         start = np.full(2, np.nan) if network is None else np.array([network.alpha, network.beta])
-        return AutoState(network=jnp.asarray(start, jnp.float32),
-                         overhead=jnp.zeros(len(branches.methods), jnp.float32),
-                         decided=jnp.full(2, jnp.nan, jnp.float32), choice=jnp.zeros((), jnp.int32),
-                         ratio=(adaptive.ratio_init(len(ratios), ratio_search.explore_steps)
-                                if ratio_search is not None else None))
+        return AutoState(
+            network=jnp.asarray(start, jnp.float32),
+            overhead=jnp.zeros(len(branches.methods), jnp.float32),
+            decided=jnp.full(2, jnp.nan, jnp.float32),
+            choice=jnp.zeros((), jnp.int32),
+            ratio=(
+                adaptive.ratio_init(len(ratios), ratio_search.explore_steps)
+                if ratio_search is not None
+                else None
+            ),
+        )
 
     def aggregate(groups: Groups, state: CompressState):
         plan = _Plan(branches, ratio_search, decide_every, groups)
         auto, branch, comm = plan.decide(state.auto, state.step)
 
-        totals, sents, method_state = run_branch(branches.methods, branch, groups, config.axis_name, state.step,
-                                                 jax.random.fold_in(state.key, state.step), False, state.method_state)
-        result = Aggregation(totals, sents, jnp.asarray(plan.bytes)[branch], jnp.asarray(plan.kept)[branch],
-                             branch, sparse=False, sends_everything=False, method_state=method_state)
+        totals, sents, method_state = run_branch(
+            branches.methods,
+            branch,
+            groups,
+            config.axis_name,
+            state.step,
+            jax.random.fold_in(state.key, state.step),
+            False,
+            state.method_state,
+        )
+        result = Aggregation(
+            totals,
+            sents,
+            jnp.asarray(plan.bytes)[branch],
+            jnp.asarray(plan.kept)[branch],
+            branch,
+            sparse=False,
+            sends_everything=False,
+            method_state=method_state,
+        )
         return result, lambda gain: plan.observe(auto, branch, gain, comm)
 
-    return feedback_transformation(config, branches.methods, keeps_residual, aggregate, init_auto=init_auto)
+    return feedback_transformation(
+        config, branches.methods, keeps_residual, aggregate, init_auto=init_auto
+    )
 
 
 def _check_candidates(candidates, axes) -> tuple[Method, ...]:
     if isinstance(candidates, (str, Method)) or not hasattr(candidates, "__iter__"):
-        raise TypeError(f"candidates must be a sequence of jaxcomp.methods objects, got {candidates!r}")
+        raise TypeError(
+            f"candidates must be a sequence of jaxcomp.methods objects, got {candidates!r}"
+        )
     candidates = tuple(candidates)
     if not candidates or not all(isinstance(m, Method) for m in candidates):
-        raise TypeError(f"candidates must be a non-empty sequence of jaxcomp.methods objects (use "
-                        f"jaxcomp.methods.parse for names), got {candidates!r}")
+        raise TypeError(
+            f"candidates must be a non-empty sequence of jaxcomp.methods objects (use "
+            f"jaxcomp.methods.parse for names), got {candidates!r}"
+        )
     if len(set(candidates)) != len(candidates):
         raise ValueError(f"candidates must be distinct, got {[m.describe() for m in candidates]}")
     for m in candidates:
         m.check_axes(axes)
         if not m.replicated_total:
-            raise ValueError(f"candidate {m.describe()} returns a total typed varying, and compress_auto's branches "
-                             f"must agree on replicated totals; leave it out (for Zfp: algorithm='ring')")
+            raise ValueError(
+                f"candidate {m.describe()} returns a total typed varying, and compress_auto's branches "
+                f"must agree on replicated totals; leave it out (for Zfp: algorithm='ring')"
+            )
     return candidates
 
 
@@ -288,9 +363,21 @@ def _check_candidates(candidates, axes) -> tuple[Method, ...]:
 _SETTING_OPTIONS = ("ratio", "rate", "bits", "rank", "leader", "selector", "algorithm", "hadamard")
 
 
-def compress_auto_shorthand(*, candidates=None, ratio=None, k=None, rate=None, bits=None, adaptive_ratio=None,
-                            ratio_range=None, explore_steps=None, network=None, decide_every=None, axis_name="data",
-                            **options):
+def compress_auto_shorthand(
+    *,
+    candidates=None,
+    ratio=None,
+    k=None,
+    rate=None,
+    bits=None,
+    adaptive_ratio=None,
+    ratio_range=None,
+    explore_steps=None,
+    network=None,
+    decide_every=None,
+    axis_name="data",
+    **options,
+):
     """``compress("auto", ...)``: :func:`compress_auto` from method names and settings.
 
     Args:
@@ -323,7 +410,9 @@ def compress_auto_shorthand(*, candidates=None, ratio=None, k=None, rate=None, b
       Tyagi & Swany, arXiv 2312.02493, §3-D and §3-E.
     """
     if k is not None:
-        raise ValueError("method 'auto' sizes top-k by ratio= (its cost model is per ratio); pass ratio= instead of k=")
+        raise ValueError(
+            "method 'auto' sizes top-k by ratio= (its cost model is per ratio); pass ratio= instead of k="
+        )
     if adaptive_ratio is None:
         adaptive_ratio = False
     if not isinstance(adaptive_ratio, (bool, np.bool_)):
@@ -331,43 +420,76 @@ def compress_auto_shorthand(*, candidates=None, ratio=None, k=None, rate=None, b
     search = None
     if adaptive_ratio:
         if ratio is not None:
-            raise ValueError("adaptive_ratio=True chooses the ratio from ratio_range=; remove ratio=")
-        search = RatioSearch(adaptive.DEFAULT_RATIO_RANGE if ratio_range is None else ratio_range,
-                             DEFAULT_EXPLORE_STEPS if explore_steps is None else explore_steps)
+            raise ValueError(
+                "adaptive_ratio=True chooses the ratio from ratio_range=; remove ratio="
+            )
+        search = RatioSearch(
+            adaptive.DEFAULT_RATIO_RANGE if ratio_range is None else ratio_range,
+            DEFAULT_EXPLORE_STEPS if explore_steps is None else explore_steps,
+        )
         ratio = search.ratios[0]
     else:
         for name, value in (("ratio_range", ratio_range), ("explore_steps", explore_steps)):
             if value is not None:
-                raise ValueError(f"{name}= applies with adaptive_ratio=True only; remove it or set adaptive_ratio=True")
+                raise ValueError(
+                    f"{name}= applies with adaptive_ratio=True only; remove it or set adaptive_ratio=True"
+                )
     axes = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
-    settings = {"ratio": ratio, "rate": rate, "bits": bits,
-                **{name: options.pop(name) for name in _SETTING_OPTIONS if name in options}}
+    settings = {
+        "ratio": ratio,
+        "rate": rate,
+        "bits": bits,
+        **{name: options.pop(name) for name in _SETTING_OPTIONS if name in options},
+    }
     settings = {name: value for name, value in settings.items() if value is not None}
     if settings.get("algorithm") not in (None, "ring"):
-        raise ValueError("method 'auto' runs zfp with algorithm='ring': the recursive-doubling total is typed "
-                         "varying and the branches must agree; remove algorithm=")
+        raise ValueError(
+            "method 'auto' runs zfp with algorithm='ring': the recursive-doubling total is typed "
+            "varying and the branches must agree; remove algorithm="
+        )
     if candidates is None:
-        picked = methods.candidates(ratio=ratio, rate=rate, bits=bits, rank=settings.get("rank"),
-                                    hierarchical=len(axes) == 2)
+        picked = methods.candidates(
+            ratio=ratio,
+            rate=rate,
+            bits=bits,
+            rank=settings.get("rank"),
+            hierarchical=len(axes) == 2,
+        )
         if len(picked) == 1:
-            raise ValueError("method 'auto' needs something to compress with: ratio= (top-k methods), "
-                             "adaptive_ratio=True, rate= (zfp) or bits= (quantized)")
+            raise ValueError(
+                "method 'auto' needs something to compress with: ratio= (top-k methods), "
+                "adaptive_ratio=True, rate= (zfp) or bits= (quantized)"
+            )
         names = [m.label for m in picked]
     else:
         if isinstance(candidates, str) or not all(isinstance(m, str) for m in candidates):
             raise TypeError(f"candidates must be a sequence of method names, got {candidates!r}")
         names = list(candidates)
         if not names or len(set(names)) != len(names) or not set(names) <= set(methods.SHORTHAND):
-            raise ValueError(f"candidates must be distinct method names from {tuple(methods.SHORTHAND)}, "
-                             f"got {tuple(names)!r}")
+            raise ValueError(
+                f"candidates must be distinct method names from {tuple(methods.SHORTHAND)}, "
+                f"got {tuple(names)!r}"
+            )
     built = [methods.parse(name, strict=False, **settings) for name in names]
     for option in settings:
-        takes = [name for name, m in zip(names, built) if option in {f.name for f in dataclasses.fields(m)}]
+        takes = [
+            name
+            for name, m in zip(names, built)
+            if option in {f.name for f in dataclasses.fields(m)}
+        ]
         if not takes:
-            raise ValueError(f"{option}= goes with none of the candidates {tuple(names)!r}; remove it or add a "
-                             "candidate that takes it")
-    return compress_auto(built, axis_name=axis_name, ratio_search=search, network=network,
-                         decide_every=DEFAULT_DECIDE_EVERY if decide_every is None else decide_every, **options)
+            raise ValueError(
+                f"{option}= goes with none of the candidates {tuple(names)!r}; remove it or add a "
+                "candidate that takes it"
+            )
+    return compress_auto(
+        built,
+        axis_name=axis_name,
+        ratio_search=search,
+        network=network,
+        decide_every=DEFAULT_DECIDE_EVERY if decide_every is None else decide_every,
+        **options,
+    )
 
 
 def auto_branches(opt_state) -> list[list[Method]]:
@@ -437,17 +559,29 @@ def set_network(opt_state, network: cost.Network, overhead=None):
             known = set(branches) | {m.label for m in branches}
             unknown = [key for key in overhead if key not in known]
             if unknown:
-                raise ValueError(f"overhead names {unknown}, which are not among the branches "
-                                 f"{[m.describe() for m in branches]}")
-            seconds = [overhead.get(m, overhead.get(m.label, current[b])) for b, m in enumerate(branches)]
+                raise ValueError(
+                    f"overhead names {unknown}, which are not among the branches "
+                    f"{[m.describe() for m in branches]}"
+                )
+            seconds = [
+                overhead.get(m, overhead.get(m.label, current[b])) for b, m in enumerate(branches)
+            ]
         else:
             seconds = list(overhead)
             if len(seconds) != len(branches):
-                raise ValueError(f"overhead has {len(seconds)} entries for {len(branches)} branches "
-                                 f"{[m.describe() for m in branches]}")
+                raise ValueError(
+                    f"overhead has {len(seconds)} entries for {len(branches)} branches "
+                    f"{[m.describe() for m in branches]}"
+                )
         seconds = np.asarray(seconds, np.float64)
-        if seconds.shape != (len(branches),) or not np.all(np.isfinite(seconds)) or np.any(seconds < 0):
-            raise ValueError(f"overhead must give finite seconds >= 0 per branch, got {seconds.tolist()}")
+        if (
+            seconds.shape != (len(branches),)
+            or not np.all(np.isfinite(seconds))
+            or np.any(seconds < 0)
+        ):
+            raise ValueError(
+                f"overhead must give finite seconds >= 0 per branch, got {seconds.tolist()}"
+            )
         return seconds.astype(np.float32)
 
     def like(old, new):
@@ -459,8 +593,12 @@ def set_network(opt_state, network: cost.Network, overhead=None):
     def replace(node):
         if isinstance(node, CompressState) and node.auto is not None:
             auto = node.auto
-            return node._replace(auto=auto._replace(network=like(auto.network, values),
-                                                    overhead=like(auto.overhead, overhead_of(node))))
+            return node._replace(
+                auto=auto._replace(
+                    network=like(auto.network, values),
+                    overhead=like(auto.overhead, overhead_of(node)),
+                )
+            )
         return node
 
     return jax.tree.map(replace, opt_state, is_leaf=lambda x: isinstance(x, CompressState))

@@ -70,14 +70,20 @@ def parse_rate(rate) -> float | None:
     References:
       ``tc(8)``: rates in bits per second with SI prefixes, as ``tc qdisc ... tbf rate`` reads them.
     """
-    if rate is None or (isinstance(rate, str) and rate.strip().lower() in ("none", "unlimited", "inf")):
+    if rate is None or (
+        isinstance(rate, str) and rate.strip().lower() in ("none", "unlimited", "inf")
+    ):
         return None
     if isinstance(rate, (int, float)) and not isinstance(rate, bool):
         value = float(rate)
     else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(bit|bps|b/s)?\s*", str(rate).lower())
+        match = re.fullmatch(
+            r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(bit|bps|b/s)?\s*", str(rate).lower()
+        )
         if not match:
-            raise ValueError(f"rate must look like '1gbit', '100mbit' or '250kbit' (bits per second), got {rate!r}")
+            raise ValueError(
+                f"rate must look like '1gbit', '100mbit' or '250kbit' (bits per second), got {rate!r}"
+            )
         value = float(match.group(1)) * _UNITS[match.group(2)]
     if not (value > 0 and value < float("inf")):
         raise ValueError(f"rate must be a positive, finite number of bits per second, got {rate!r}")
@@ -111,7 +117,9 @@ def format_rate(bits_per_second: float | None) -> str:
 def _run(*args, check=True) -> subprocess.CompletedProcess:
     result = subprocess.run(list(args), capture_output=True, text=True)
     if check and result.returncode:
-        raise ClusterError(f"`{' '.join(args)}` failed ({result.returncode}): {result.stderr.strip()}")
+        raise ClusterError(
+            f"`{' '.join(args)}` failed ({result.returncode}): {result.stderr.strip()}"
+        )
     return result
 
 
@@ -134,15 +142,19 @@ def check_support() -> None:
     if sys.platform != "linux":
         missing.append(f"Linux network namespaces (this is {sys.platform})")
     elif os.geteuid() != 0:
-        missing.append("root: network namespaces, veth links and qdiscs need CAP_NET_ADMIN and CAP_SYS_ADMIN "
-                       "(run as root, or under sudo)")
+        missing.append(
+            "root: network namespaces, veth links and qdiscs need CAP_NET_ADMIN and CAP_SYS_ADMIN "
+            "(run as root, or under sudo)"
+        )
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             missing.append(f"the `{tool}` command (Debian/Ubuntu: apt-get install iproute2)")
     if sys.platform == "linux" and not os.path.exists("/proc/self/ns/net"):
         missing.append("network namespace support in the kernel (/proc/self/ns/net is absent)")
     if missing:
-        raise ClusterError("jaxcomp cluster cannot emulate hosts here; missing: " + "; ".join(missing))
+        raise ClusterError(
+            "jaxcomp cluster cannot emulate hosts here; missing: " + "; ".join(missing)
+        )
 
 
 @dataclasses.dataclass
@@ -179,17 +191,32 @@ class Cluster:
       [0, 0]
     """
 
-    def __init__(self, hosts: int, rate=None, *, delay=None, subnet: str = DEFAULT_SUBNET, burst: int | None = None):
+    def __init__(
+        self,
+        hosts: int,
+        rate=None,
+        *,
+        delay=None,
+        subnet: str = DEFAULT_SUBNET,
+        burst: int | None = None,
+    ):
         if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= 250:
             raise ValueError(f"hosts must be an integer in [1, 250], got {hosts!r}")
         self.hosts = hosts
         self.rate = parse_rate(rate)
         self.delay = None if delay in (None, 0, "0", "0ms") else str(delay)
-        if not re.fullmatch(r"(10|172\.(1[6-9]|2[0-9]|3[01])|192\.168)(\.\d{1,3}){1,2}", subnet) or \
-                subnet.count(".") != 2 or any(int(o) > 255 for o in subnet.split(".")):
-            raise ValueError(f"subnet must be three octets of a private network, e.g. '10.213.0', got {subnet!r}")
+        if (
+            not re.fullmatch(r"(10|172\.(1[6-9]|2[0-9]|3[01])|192\.168)(\.\d{1,3}){1,2}", subnet)
+            or subnet.count(".") != 2
+            or any(int(o) > 255 for o in subnet.split("."))
+        ):
+            raise ValueError(
+                f"subnet must be three octets of a private network, e.g. '10.213.0', got {subnet!r}"
+            )
         self.subnet = subnet
-        if burst is not None and (isinstance(burst, bool) or not isinstance(burst, int) or burst < 1600):
+        if burst is not None and (
+            isinstance(burst, bool) or not isinstance(burst, int) or burst < 1600
+        ):
             raise ValueError(f"burst must be an integer number of bytes >= 1600, got {burst!r}")
         self.burst = burst
         self.name = f"{PREFIX}{os.getpid()}"
@@ -227,8 +254,9 @@ class Cluster:
             raise ClusterError(
                 f"delay={self.delay!r} needs the netem qdisc, which this kernel lacks or which cannot be "
                 "checked without creating a namespace; jaxcomp cluster emulates rate only (tbf)"
-                if not _has_netem() else
-                "delay is not supported by jaxcomp cluster yet; emulate rate only")
+                if not _has_netem()
+                else "delay is not supported by jaxcomp cluster yet; emulate rate only"
+            )
         try:
             self._add_namespace(self.bridge_namespace)
             _run("ip", "-n", self.bridge_namespace, "link", "add", "br0", "type", "bridge")
@@ -239,8 +267,21 @@ class Cluster:
                 port = f"h{host}"
                 # Made inside the bridge's namespace with its peer placed straight into the host's:
                 # nothing is ever created in the root namespace.
-                _run("ip", "-n", self.bridge_namespace, "link", "add", port, "type", "veth",
-                     "peer", "name", INTERFACE, "netns", ns)
+                _run(
+                    "ip",
+                    "-n",
+                    self.bridge_namespace,
+                    "link",
+                    "add",
+                    port,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    INTERFACE,
+                    "netns",
+                    ns,
+                )
                 _run("ip", "-n", self.bridge_namespace, "link", "set", port, "master", "br0")
                 _run("ip", "-n", self.bridge_namespace, "link", "set", port, "up")
                 _run("ip", "-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", INTERFACE)
@@ -267,11 +308,29 @@ class Cluster:
             # The queue holds 50 ms at rate: deep enough that TCP reaches the rate, bounded so the
             # queue cannot hide a slow link.
             limit = burst + int(bytes_per_second * 0.05)
-            result = _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(self.rate)}bit",
-                          "burst", str(burst), "limit", str(limit), check=False)
+            result = _run(
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                f"{int(self.rate)}bit",
+                "burst",
+                str(burst),
+                "limit",
+                str(limit),
+                check=False,
+            )
             if result.returncode:
-                raise ClusterError(f"the kernel refused the tbf qdisc ({result.stderr.strip()}); jaxcomp cluster "
-                                   "needs sch_tbf to limit the rate (or pass rate=None)")
+                raise ClusterError(
+                    f"the kernel refused the tbf qdisc ({result.stderr.strip()}); jaxcomp cluster "
+                    "needs sch_tbf to limit the rate (or pass rate=None)"
+                )
 
     def set_rate(self, rate) -> None:
         """Changes every link's rate (both directions) while the cluster runs; None removes the limit."""
@@ -288,8 +347,17 @@ class Cluster:
 
     # -- processes ----------------------------------------------------------------------------
 
-    def start(self, command: Sequence[str], *, devices_per_host: int = 1, port: int = 7733, env=None,
-              stdout=None, stderr=None, cwd=None) -> list[HostProcess]:
+    def start(
+        self,
+        command: Sequence[str],
+        *,
+        devices_per_host: int = 1,
+        port: int = 7733,
+        env=None,
+        stdout=None,
+        stderr=None,
+        cwd=None,
+    ) -> list[HostProcess]:
         """Starts ``python *command`` once per host, as the processes of one ``jax.distributed`` job.
 
         The processes find the job through :func:`jaxcomp.launch.initialize` (coordinator on host
@@ -309,18 +377,31 @@ class Cluster:
           One :class:`HostProcess` per host.
         """
         if not self.namespaces:
-            raise ClusterError("the cluster is not built: use it as a context manager or call create() first")
+            raise ClusterError(
+                "the cluster is not built: use it as a context manager or call create() first"
+            )
         if self.processes:
             raise ClusterError("a job is already running on this cluster; wait() for it first")
         command = list(command)
         if not command:
             raise ValueError("command must name a script (or -m module) to run")
         for host in range(self.hosts):
-            host_env = launch.process_env(f"{self.address(0)}:{port}", self.hosts, host, devices_per_host,
-                                          interface=INTERFACE, base=dict(os.environ, **(env or {})))
-            popen = subprocess.Popen(["ip", "netns", "exec", self.namespace(host), sys.executable, *command],
-                                     env=host_env, stdout=stdout, stderr=stderr, cwd=cwd,
-                                     start_new_session=True)
+            host_env = launch.process_env(
+                f"{self.address(0)}:{port}",
+                self.hosts,
+                host,
+                devices_per_host,
+                interface=INTERFACE,
+                base=dict(os.environ, **(env or {})),
+            )
+            popen = subprocess.Popen(
+                ["ip", "netns", "exec", self.namespace(host), sys.executable, *command],
+                env=host_env,
+                stdout=stdout,
+                stderr=stderr,
+                cwd=cwd,
+                start_new_session=True,
+            )
             self.processes.append(HostProcess(host, popen))
         return self.processes
 
@@ -330,11 +411,15 @@ class Cluster:
         Returns:
           Each host's exit code (124 for a process killed at the timeout, negative for a signal).
         """
-        codes, _ = launch.wait_all([p.popen for p in self.processes], timeout=timeout, kill=self._kill)
+        codes, _ = launch.wait_all(
+            [p.popen for p in self.processes], timeout=timeout, kill=self._kill
+        )
         self.processes = []
         return codes
 
-    def run(self, command: Sequence[str], *, timeout: float | None = None, **start_options) -> list[int]:
+    def run(
+        self, command: Sequence[str], *, timeout: float | None = None, **start_options
+    ) -> list[int]:
         """:meth:`start` then :meth:`wait`: each host's exit code."""
         self.start(command, **start_options)
         return self.wait(timeout)
@@ -362,10 +447,18 @@ class Cluster:
     def _read_counters(self) -> list[dict]:
         out = []
         for host in range(self.hosts):
-            info = json.loads(_run("ip", "-n", self.namespace(host), "-s", "-j", "link", "show", INTERFACE).stdout)
+            info = json.loads(
+                _run("ip", "-n", self.namespace(host), "-s", "-j", "link", "show", INTERFACE).stdout
+            )
             stats = info[0]["stats64"]
-            out.append({"tx_bytes": stats["tx"]["bytes"], "rx_bytes": stats["rx"]["bytes"],
-                        "tx_packets": stats["tx"]["packets"], "rx_packets": stats["rx"]["packets"]})
+            out.append(
+                {
+                    "tx_bytes": stats["tx"]["bytes"],
+                    "rx_bytes": stats["rx"]["bytes"],
+                    "tx_packets": stats["tx"]["packets"],
+                    "rx_packets": stats["rx"]["packets"],
+                }
+            )
         return out
 
     def counters(self) -> list[dict]:
@@ -373,7 +466,10 @@ class Cluster:
         if self._baseline is None:
             raise ClusterError("the cluster is not built")
         now = self._read_counters()
-        return [{key: value - base[key] for key, value in current.items()} for current, base in zip(now, self._baseline)]
+        return [
+            {key: value - base[key] for key, value in current.items()}
+            for current, base in zip(now, self._baseline)
+        ]
 
 
 def read_interface_counters(interface: str = INTERFACE) -> tuple[int, int]:
@@ -400,12 +496,15 @@ def read_interface_counters(interface: str = INTERFACE) -> tuple[int, int]:
         with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
             return int(tx.read()), int(rx.read())
     except OSError as e:
-        raise ClusterError(f"cannot read the byte counters of interface {interface!r}: {e}") from None
+        raise ClusterError(
+            f"cannot read the byte counters of interface {interface!r}: {e}"
+        ) from None
 
 
 def _has_netem() -> bool:
     return os.path.exists("/sys/module/sch_netem") or any(
-        "sch_netem" in line for line in _read_lines("/proc/modules"))
+        "sch_netem" in line for line in _read_lines("/proc/modules")
+    )
 
 
 def _read_lines(path):
@@ -463,20 +562,44 @@ def main(argv=None) -> int:
     """``jaxcomp cluster --hosts N [--rate R] [--devices-per-host D] [--timeout S] script.py [args...]``."""
     parser = argparse.ArgumentParser(
         prog="jaxcomp cluster",
-        description="Run a jax.distributed script on N emulated hosts (network namespaces, tbf-limited links).")
-    parser.add_argument("--hosts", type=int, default=2, help="emulated hosts, one process each (default 2)")
-    parser.add_argument("--rate", default="1gbit", help="link rate both ways: 10gbit, 1gbit, 100mbit, none (default 1gbit)")
-    parser.add_argument("--delay", default=None, help="one-way delay per link (needs netem; an error without it)")
-    parser.add_argument("--devices-per-host", type=int, default=1, help="CPU devices per process (default 1)")
-    parser.add_argument("--subnet", default=DEFAULT_SUBNET, help=f"private /24 of the hosts (default {DEFAULT_SUBNET})")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds before every process is killed")
-    parser.add_argument("--cleanup", action="store_true", help="delete namespaces left by killed runs, then exit")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...] or -m module [args...]")
+        description="Run a jax.distributed script on N emulated hosts (network namespaces, tbf-limited links).",
+    )
+    parser.add_argument(
+        "--hosts", type=int, default=2, help="emulated hosts, one process each (default 2)"
+    )
+    parser.add_argument(
+        "--rate",
+        default="1gbit",
+        help="link rate both ways: 10gbit, 1gbit, 100mbit, none (default 1gbit)",
+    )
+    parser.add_argument(
+        "--delay", default=None, help="one-way delay per link (needs netem; an error without it)"
+    )
+    parser.add_argument(
+        "--devices-per-host", type=int, default=1, help="CPU devices per process (default 1)"
+    )
+    parser.add_argument(
+        "--subnet",
+        default=DEFAULT_SUBNET,
+        help=f"private /24 of the hosts (default {DEFAULT_SUBNET})",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds before every process is killed"
+    )
+    parser.add_argument(
+        "--cleanup", action="store_true", help="delete namespaces left by killed runs, then exit"
+    )
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="script.py [args...] or -m module [args...]"
+    )
     args = parser.parse_args(argv)
     try:
         if args.cleanup:
             removed = cleanup()
-            print(f"removed {len(removed)} namespace(s)" + (": " + ", ".join(removed) if removed else ""))
+            print(
+                f"removed {len(removed)} namespace(s)"
+                + (": " + ", ".join(removed) if removed else "")
+            )
             return 0
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         if not command:
@@ -493,14 +616,23 @@ def main(argv=None) -> int:
         return 2
     try:
         with sigterm_as_interrupt(), cluster:
-            print(f"jaxcomp cluster: {args.hosts} hosts at {format_rate(cluster.rate)} "
-                  f"({cluster.address(0)}..{cluster.address(args.hosts - 1)})", file=sys.stderr, flush=True)
+            print(
+                f"jaxcomp cluster: {args.hosts} hosts at {format_rate(cluster.rate)} "
+                f"({cluster.address(0)}..{cluster.address(args.hosts - 1)})",
+                file=sys.stderr,
+                flush=True,
+            )
             start = time.monotonic()
-            codes = cluster.run(command, devices_per_host=args.devices_per_host, timeout=args.timeout)
+            codes = cluster.run(
+                command, devices_per_host=args.devices_per_host, timeout=args.timeout
+            )
             elapsed = time.monotonic() - start
             for host, (code, counts) in enumerate(zip(codes, cluster.counters())):
-                print(f"host {host} ({cluster.address(host)}): exit {code}, sent {counts['tx_bytes']:,} B, "
-                      f"received {counts['rx_bytes']:,} B", file=sys.stderr)
+                print(
+                    f"host {host} ({cluster.address(host)}): exit {code}, sent {counts['tx_bytes']:,} B, "
+                    f"received {counts['rx_bytes']:,} B",
+                    file=sys.stderr,
+                )
             print(f"jaxcomp cluster: {elapsed:.1f} s", file=sys.stderr)
             return next((c for c in codes if c), 0)
     except ClusterError as e:
@@ -524,6 +656,7 @@ def sigterm_as_interrupt():
     References:
       Python ``signal`` module; ``kill(1)``'s default signal.
     """
+
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 

@@ -54,22 +54,24 @@ BFLOAT16_ALGORITHMS = ("auto", "ring", "psum")
 # ----------------------------------------------------------------------------------------------
 # Argument checks and small pieces shared by the collectives.
 
+
 def _axis_size(axis_name, name="axis_name"):
     try:
         return jax.lax.axis_size(axis_name)
     except NameError:
         raise ValueError(
             f"{name}={axis_name!r} is not an axis of the enclosing shard_map's mesh; call this inside "
-            "jax.shard_map and pass one of its mesh axis names") from None
+            "jax.shard_map and pass one of its mesh axis names"
+        ) from None
 
 
 def _local_vector(x):
     x = _checks.float_array(x, "x")
     if x.ndim != 1:
-        raise ValueError(f"x must be this device's local 1-D vector, got shape {x.shape}; flatten it first")
+        raise ValueError(
+            f"x must be this device's local 1-D vector, got shape {x.shape}; flatten it first"
+        )
     return x
-
-
 
 
 def _one_device_total(x, axis_name):
@@ -92,12 +94,16 @@ def _scatter_rows(n, indices, values, *, in_range=False):
     a fixed order: the sum is deterministic (no atomics) and identical wherever the rows are.
     ``in_range``: indices ``>= n`` are dropped (they may repeat: :func:`_localize`'s marker).
     """
+
     def add_row(row, total):
         update = values[row].astype(jnp.float32)
         if in_range:
             return total.at[indices[row]].add(update, mode="drop")
         return total.at[indices[row]].add(update, unique_indices=True)
-    return jax.lax.fori_loop(0, indices.shape[0], add_row, _ffi.like_varying(jnp.zeros(n, jnp.float32), indices))
+
+    return jax.lax.fori_loop(
+        0, indices.shape[0], add_row, _ffi.like_varying(jnp.zeros(n, jnp.float32), indices)
+    )
 
 
 def _localize(indices, row, me):
@@ -115,7 +121,9 @@ def _scatter_own_row(n, n_devices, me, all_indices, all_values):
 
 
 def _dense(n, indices, values, dtype):
-    return jnp.zeros(n, dtype).at[indices].set(values.astype(dtype), unique_indices=True, mode="drop")
+    return (
+        jnp.zeros(n, dtype).at[indices].set(values.astype(dtype), unique_indices=True, mode="drop")
+    )
 
 
 def _sent(n, indices, values, dtype, sparse):
@@ -125,6 +133,7 @@ def _sent(n, indices, values, dtype, sparse):
 
 # ----------------------------------------------------------------------------------------------
 # The collectives.
+
 
 def psum(x, axis_name):
     """Dense all-reduce: :func:`jax.lax.psum` under the collectives' ``(total, sent)`` interface.
@@ -201,7 +210,9 @@ def allgather_topk(x, k, axis_name, selector="exact", *, sparse_sent=False, scat
     all_indices = jax.lax.all_gather(indices, axis_name, to="invarying")
     if scatter:
         n_devices = _check_rows(n, axis_name)
-        total = _scatter_own_row(n, n_devices, jax.lax.axis_index(axis_name), all_indices, all_values)
+        total = _scatter_own_row(
+            n, n_devices, jax.lax.axis_index(axis_name), all_indices, all_values
+        )
     else:
         total = _scatter_rows(n, all_indices, all_values)
     return total.astype(x.dtype), _sent(n, indices, values, x.dtype, sparse_sent)
@@ -211,15 +222,19 @@ def _check_rows(n, axis_name):
     """The devices of ``axis_name``, which must split ``n`` values into equal rows."""
     n_devices = _axis_size(axis_name)
     if n % n_devices:
-        raise ValueError(f"x has {n} values, not {n_devices} rows of equal length to reduce-scatter")
+        raise ValueError(
+            f"x has {n} values, not {n_devices} rows of equal length to reduce-scatter"
+        )
     return n_devices
 
 
 def _check_step(step):
     step = jnp.asarray(step)
     if step.ndim != 0 or not jnp.issubdtype(step.dtype, jnp.integer):
-        raise TypeError(f"step must be an integer scalar (a Python int or a traced int array), got "
-                        f"{step.dtype}{list(step.shape)}")
+        raise TypeError(
+            f"step must be an integer scalar (a Python int or a traced int array), got "
+            f"{step.dtype}{list(step.shape)}"
+        )
     return step
 
 
@@ -230,7 +245,8 @@ def _check_step_replicated(step, axis_name):
         raise ValueError(
             f"step must be the same on every device of {axis_name!r} (it picks the STAR leader, who must be "
             "one device for all), got a step typed varying over it; pass the replicated training step (e.g. "
-            "in_specs=P() for it), not a per-device value")
+            "in_specs=P() for it), not a per-device value"
+        )
 
 
 def _broadcast_indices(indices, is_leader, leader_index, axis_name, how):
@@ -247,8 +263,18 @@ def _broadcast_indices(indices, is_leader, leader_index, axis_name, how):
     return jax.lax.all_gather(indices, axis_name, to="invarying")[leader_index]
 
 
-def ar_topk(x, k, axis_name, leader="star", step=0, selector="exact", *, sparse_sent=False, scatter=False,
-            _broadcast="psum"):
+def ar_topk(
+    x,
+    k,
+    axis_name,
+    leader="star",
+    step=0,
+    selector="exact",
+    *,
+    sparse_sent=False,
+    scatter=False,
+    _broadcast="psum",
+):
     """AR-Topk: one leader's top-k indices for everyone, then one all-reduce of ``k`` values.
 
     The leader selects its ``k`` largest-magnitude entries; the indices reach every device (an
@@ -311,10 +337,13 @@ def ar_topk(x, k, axis_name, leader="star", step=0, selector="exact", *, sparse_
             is_leader,
             lambda v: _select(v, k, selector)[1],
             lambda v: _ffi.like_varying(jnp.zeros(k, jnp.int32), v),
-            x)
+            x,
+        )
     else:
         values, indices = _select(x, k, selector)
-        norms = jax.lax.all_gather(jnp.sum(jnp.square(values.astype(jnp.float32))), axis_name, to="invarying")
+        norms = jax.lax.all_gather(
+            jnp.sum(jnp.square(values.astype(jnp.float32))), axis_name, to="invarying"
+        )
         leader_index = jnp.argmax(norms)  # the first maximum: every device agrees
         is_leader = me == leader_index
     shared = _broadcast_indices(indices, is_leader, leader_index, axis_name, _broadcast)
@@ -322,7 +351,11 @@ def ar_topk(x, k, axis_name, leader="star", step=0, selector="exact", *, sparse_
     summed = jax.lax.psum(values, axis_name)
     if scatter:
         row = n // _check_rows(n, axis_name)
-        total = jnp.zeros(row, x.dtype).at[_localize(shared, row, me)].set(summed.astype(x.dtype), mode="drop")
+        total = (
+            jnp.zeros(row, x.dtype)
+            .at[_localize(shared, row, me)]
+            .set(summed.astype(x.dtype), mode="drop")
+        )
     else:
         total = _dense(n, shared, summed, x.dtype)
     return total, _sent(n, shared, values, x.dtype, sparse_sent)
@@ -381,7 +414,9 @@ def hierarchical_topk(x, k, inner_axis, outer_axis, selector="exact", *, sparse_
     k = _checks.static_int(k, "k", 1, n)
     selector = _check_choice(selector, "selector", SELECTORS)
     if inner_axis == outer_axis:
-        raise ValueError(f"inner_axis and outer_axis must be different mesh axes, got {inner_axis!r} twice")
+        raise ValueError(
+            f"inner_axis and outer_axis must be different mesh axes, got {inner_axis!r} twice"
+        )
     inner = _axis_size(inner_axis, "inner_axis")
     outer = _axis_size(outer_axis, "outer_axis")
     shard, k_shard = layout.hierarchical_shard(n, k, inner)
@@ -393,12 +428,17 @@ def hierarchical_topk(x, k, inner_axis, outer_axis, selector="exact", *, sparse_
     values, indices = (jax.lax.all_gather(a, inner_axis, to="invarying") for a in (values, indices))
     # [inner, outer, k_shard] -> one row per node: a node's shards are disjoint, so its row has
     # distinct indices.
-    values, indices = (a.transpose(1, 0, 2).reshape(outer, inner * k_shard) for a in (values, indices))
+    values, indices = (
+        a.transpose(1, 0, 2).reshape(outer, inner * k_shard) for a in (values, indices)
+    )
     total = _scatter_rows(inner * shard, indices, values)[:n].astype(x.dtype)
     node_set = indices[jax.lax.axis_index(outer_axis)]
     if sparse_sent:
         # Padding entries (index >= n) carry 0; scatters of them are dropped.
-        return total, (node_set, jnp.where(node_set < n, x[jnp.minimum(node_set, n - 1)], 0).astype(x.dtype))
+        return total, (
+            node_set,
+            jnp.where(node_set < n, x[jnp.minimum(node_set, n - 1)], 0).astype(x.dtype),
+        )
     in_node_set = jnp.zeros(inner * shard, jnp.bool_).at[node_set].set(True)[:n]
     return total, jnp.where(in_node_set, x, jnp.zeros_like(x))
 
@@ -482,7 +522,10 @@ class _Codec(NamedTuple):
 
 
 def _zfp_codec(rate):
-    return _Codec(lambda values: zfp_encode(values, rate), lambda words, length: zfp_decode(words, length, rate))
+    return _Codec(
+        lambda values: zfp_encode(values, rate),
+        lambda words, length: zfp_decode(words, length, rate),
+    )
 
 
 def _bfloat16_bits(values):
@@ -556,8 +599,15 @@ def _zfp_ring(values, rate, axis_name, n_devices, scatter=False):
     """The ZFP ring: ``(total, sent)``; with ``scatter``, only its reduce-scatter phase, arranged so
     that device ``d`` ends owning chunk ``d``, and ``total`` is that chunk, exactly as reduced
     (not coded again: no all-gather follows). The all-reduce's device ``d`` owns chunk ``d + 1``."""
-    return _ring(values, axis_name, n_devices, _zfp_codec(rate), own=0 if scatter else 1, scatter=scatter,
-                 code_owned=not scatter)
+    return _ring(
+        values,
+        axis_name,
+        n_devices,
+        _zfp_codec(rate),
+        own=0 if scatter else 1,
+        scatter=scatter,
+        code_owned=not scatter,
+    )
 
 
 def _zfp_recursive_doubling(values, rate, axis_name, n_devices):
@@ -574,13 +624,17 @@ def _zfp_recursive_doubling(values, rate, axis_name, n_devices):
     own_words = zfp_encode(values, rate)
     partial = values
     if extra:
-        received = jax.lax.ppermute(own_words, axis_name, [(2 * i, 2 * i + 1) for i in range(extra)])
+        received = jax.lax.ppermute(
+            own_words, axis_name, [(2 * i, 2 * i + 1) for i in range(extra)]
+        )
         partner = (me < 2 * extra) & (me % 2 == 1)
         partial = jnp.where(partner, values + zfp_decode(received, n, rate), values)
     distance = 1
     while distance < p:
         words = zfp_encode(partial, rate)
-        received = jax.lax.ppermute(words, axis_name, [(device(r), device(r ^ distance)) for r in range(p)])
+        received = jax.lax.ppermute(
+            words, axis_name, [(device(r), device(r ^ distance)) for r in range(p)]
+        )
         both = zfp_decode(jnp.stack([words, received]), n, rate)
         partial = both[0] + both[1]
         distance *= 2
@@ -690,7 +744,9 @@ def bfloat16_allreduce(x, axis_name, *, scatter=False, algorithm="auto"):
     def ring(v):
         # Device d owns chunk d in both forms, and the reduce-scatter rounds it as the all-reduce
         # does: the sharded step's shard is the replicated step's row bit for bit.
-        total, sent = _ring(v.astype(jnp.float32), axis_name, n_devices, _BFLOAT16_BITS, own=0, scatter=scatter)
+        total, sent = _ring(
+            v.astype(jnp.float32), axis_name, n_devices, _BFLOAT16_BITS, own=0, scatter=scatter
+        )
         return total.astype(v.dtype), sent.astype(v.dtype)
 
     def psum(v):
@@ -774,9 +830,18 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True, *, scatter=False):
         def psum(v):
             return jax.lax.psum_scatter(v, axis_name, scatter_dimension=0, tiled=False)
     else:
+
         def psum(v):
             return jax.lax.psum(v, axis_name)
-    return thc.thc_aggregate(x, bits, key, hadamard, n_devices, jax.lax.axis_index(axis_name),
-                             pmax=lambda v: jax.lax.pmax(v, axis_name), psum=psum, scatter=scatter)
 
-
+    return thc.thc_aggregate(
+        x,
+        bits,
+        key,
+        hadamard,
+        n_devices,
+        jax.lax.axis_index(axis_name),
+        pmax=lambda v: jax.lax.pmax(v, axis_name),
+        psum=psum,
+        scatter=scatter,
+    )

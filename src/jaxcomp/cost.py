@@ -84,7 +84,10 @@ class Network:
         References:
           Tyagi & Swany, arXiv 2312.02493, Table I.
         """
-        return cls(alpha=parse_duration(latency, "latency"), bandwidth=parse_bandwidth(bandwidth, "bandwidth"))
+        return cls(
+            alpha=parse_duration(latency, "latency"),
+            bandwidth=parse_bandwidth(bandwidth, "bandwidth"),
+        )
 
     def __str__(self):
         return f"α={format_duration(self.alpha)}, bandwidth={format_bandwidth(self.bandwidth)}"
@@ -98,13 +101,35 @@ _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
 # Bits per second use powers of ten (network convention: 10 Gbit/s = 1e10 bit/s); bytes per
 # second take decimal (KB, MB, GB) or binary (KiB, MiB, GiB) prefixes as written.
 _BANDWIDTH_UNITS = {
-    "bit": 1 / 8, "bps": 1 / 8, "b/s": 1 / 8, "bit/s": 1 / 8,
-    "kbit": 1e3 / 8, "kbps": 1e3 / 8, "kb/s": 1e3 / 8, "kbit/s": 1e3 / 8,
-    "mbit": 1e6 / 8, "mbps": 1e6 / 8, "mb/s": 1e6 / 8, "mbit/s": 1e6 / 8,
-    "gbit": 1e9 / 8, "gbps": 1e9 / 8, "gb/s": 1e9 / 8, "gbit/s": 1e9 / 8,
-    "tbit": 1e12 / 8, "tbps": 1e12 / 8, "tb/s": 1e12 / 8, "tbit/s": 1e12 / 8,
-    "B/s": 1.0, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12,
-    "KiB/s": 2.0**10, "MiB/s": 2.0**20, "GiB/s": 2.0**30, "TiB/s": 2.0**40,
+    "bit": 1 / 8,
+    "bps": 1 / 8,
+    "b/s": 1 / 8,
+    "bit/s": 1 / 8,
+    "kbit": 1e3 / 8,
+    "kbps": 1e3 / 8,
+    "kb/s": 1e3 / 8,
+    "kbit/s": 1e3 / 8,
+    "mbit": 1e6 / 8,
+    "mbps": 1e6 / 8,
+    "mb/s": 1e6 / 8,
+    "mbit/s": 1e6 / 8,
+    "gbit": 1e9 / 8,
+    "gbps": 1e9 / 8,
+    "gb/s": 1e9 / 8,
+    "gbit/s": 1e9 / 8,
+    "tbit": 1e12 / 8,
+    "tbps": 1e12 / 8,
+    "tb/s": 1e12 / 8,
+    "tbit/s": 1e12 / 8,
+    "B/s": 1.0,
+    "KB/s": 1e3,
+    "MB/s": 1e6,
+    "GB/s": 1e9,
+    "TB/s": 1e12,
+    "KiB/s": 2.0**10,
+    "MiB/s": 2.0**20,
+    "GiB/s": 2.0**30,
+    "TiB/s": 2.0**40,
 }
 
 _DURATION_UNITS = {"s": 1.0, "sec": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
@@ -119,7 +144,9 @@ def _split_number(text, name):
         raise TypeError(f"{name} must be a number or a string, got {type(text).__name__}")
     match = re.fullmatch(_NUMBER + r"\s*(\S*)", text.strip())
     if not match:
-        raise ValueError(f"{name}: cannot read {text!r}; expected a number and a unit, like '10gbit' or '0.5ms'")
+        raise ValueError(
+            f"{name}: cannot read {text!r}; expected a number and a unit, like '10gbit' or '0.5ms'"
+        )
     return float(match.group(1)), match.group(2)
 
 
@@ -152,7 +179,9 @@ def parse_bandwidth(text: str | float, name: str = "bandwidth") -> float:
     elif "B" not in unit and unit.lower() in _BANDWIDTH_UNITS:
         scale = _BANDWIDTH_UNITS[unit.lower()]
     else:
-        raise ValueError(f"{name}: unknown unit {unit!r} in {text!r}; use e.g. gbit, mbit, Gbps, GB/s, MiB/s")
+        raise ValueError(
+            f"{name}: unknown unit {unit!r} in {text!r}; use e.g. gbit, mbit, Gbps, GB/s, MiB/s"
+        )
     result = value * scale
     if not (result > 0 and math.isfinite(result)):
         raise ValueError(f"{name} must be positive and finite, got {text!r}")
@@ -265,7 +294,9 @@ def sync_seconds(steps, volume, alpha, beta, overhead=0.0):
     return alpha * steps + beta * volume + overhead
 
 
-def message_steps(method, n_workers: int, *, inner_size: int | None = None, shard: bool = False, **options) -> int:
+def message_steps(
+    method, n_workers: int, *, inner_size: int | None = None, shard: bool = False, **options
+) -> int:
     """Sequential message steps of a method: what its latency term multiplies ``α`` by.
 
     Each method counts its own (:meth:`jaxcomp.methods.Method.message_steps`): an all-reduce
@@ -304,9 +335,19 @@ def message_steps(method, n_workers: int, *, inner_size: int | None = None, shar
     return method.message_steps(n, inner_size=inner_size)
 
 
-def volume_bytes(method, nbytes: float, n_workers: int, *, ratio: float | None = None, rate: float | None = None,
-                 bits: int | None = None, rank: int | None = None, inner_size: int | None = None,
-                 shard: bool = False, gather_bytes: int = 4) -> float:
+def volume_bytes(
+    method,
+    nbytes: float,
+    n_workers: int,
+    *,
+    ratio: float | None = None,
+    rate: float | None = None,
+    bits: int | None = None,
+    rank: int | None = None,
+    inner_size: int | None = None,
+    shard: bool = False,
+    gather_bytes: int = 4,
+) -> float:
     """Bytes one worker sends along the critical path (:meth:`jaxcomp.methods.Method.wire_bytes`).
 
     A gradient of more than ``2**31 - 1`` values (the kernels' int32 row limit) is costed as
@@ -344,20 +385,36 @@ def volume_bytes(method, nbytes: float, n_workers: int, *, ratio: float | None =
     # most MAX_ROW_LENGTH values; their bytes add up.
     pieces, remainder = divmod(size, _checks.MAX_ROW_LENGTH)
     if shard:
+
         def bytes_of(values):
-            return method.reduce_scatter_bytes(values, n) + layout.reduce_scatter_bytes(values * gather_bytes, n)
+            return method.reduce_scatter_bytes(values, n) + layout.reduce_scatter_bytes(
+                values * gather_bytes, n
+            )
     else:
+
         def bytes_of(values):
             return method.wire_bytes(values, n, inner_size=inner_size)
+
     total = pieces * bytes_of(_checks.MAX_ROW_LENGTH) if pieces else 0.0
     if remainder:
         total += bytes_of(remainder)
     return float(total)
 
 
-def predict(method, nbytes: float, n_workers: int, network: Network, ratio: float | None = None,
-            rate: float | None = None, bits: int | None = None, *, rank: int | None = None,
-            inner_size: int | None = None, overhead: float = 0.0, shard: bool = False) -> float:
+def predict(
+    method,
+    nbytes: float,
+    n_workers: int,
+    network: Network,
+    ratio: float | None = None,
+    rate: float | None = None,
+    bits: int | None = None,
+    *,
+    rank: int | None = None,
+    inner_size: int | None = None,
+    overhead: float = 0.0,
+    shard: bool = False,
+) -> float:
     """Predicted seconds to synchronize one float32 gradient of ``nbytes`` with ``method``.
 
     :func:`sync_seconds` of the method's :func:`message_steps` and :func:`volume_bytes`. With
@@ -407,7 +464,9 @@ def predict(method, nbytes: float, n_workers: int, network: Network, ratio: floa
     return sync_seconds(steps, volume, network.alpha, network.beta, overhead)
 
 
-def available_methods(*, ratio=None, rate=None, bits=None, rank=None, inner_size=None) -> tuple[Method, ...]:
+def available_methods(
+    *, ratio=None, rate=None, bits=None, rank=None, inner_size=None
+) -> tuple[Method, ...]:
     """The methods the given options allow (dense always), with the model's ring and tree variants.
 
     Args:
@@ -428,8 +487,14 @@ def available_methods(*, ratio=None, rate=None, bits=None, rank=None, inner_size
     References:
       Tyagi & Swany, arXiv 2312.02493, §3-D.
     """
-    return methods.candidates(ratio=ratio, rate=rate, bits=bits, rank=rank, hierarchical=inner_size is not None,
-                              variants=True)
+    return methods.candidates(
+        ratio=ratio,
+        rate=rate,
+        bits=bits,
+        rank=rank,
+        hierarchical=inner_size is not None,
+        variants=True,
+    )
 
 
 def cheapest(seconds) -> int:
@@ -452,9 +517,19 @@ def cheapest(seconds) -> int:
     return min(range(len(seconds)), key=seconds.__getitem__)
 
 
-def choose(nbytes: float, n_workers: int, network: Network, ratio: float | None = None,
-           candidates=None, *, rate: float | None = None, bits: int | None = None, rank: int | None = None,
-           inner_size: int | None = None, overhead=None):
+def choose(
+    nbytes: float,
+    n_workers: int,
+    network: Network,
+    ratio: float | None = None,
+    candidates=None,
+    *,
+    rate: float | None = None,
+    bits: int | None = None,
+    rank: int | None = None,
+    inner_size: int | None = None,
+    overhead=None,
+):
     """The candidate with the least predicted time (:func:`cheapest` of :func:`predict_all`).
 
     Where only all-gather top-k and AR-Topk (ring and tree) compete, this is the closed form of
@@ -491,15 +566,39 @@ def choose(nbytes: float, n_workers: int, network: Network, ratio: float | None 
     """
     if isinstance(candidates, str):
         raise TypeError(f"candidates must be a sequence of methods, got the string {candidates!r}")
-    names = tuple(candidates) if candidates is not None else available_methods(
-        ratio=ratio, rate=rate, bits=bits, rank=rank, inner_size=inner_size)
-    times = predict_all(nbytes, n_workers, network, names, ratio=ratio, rate=rate, bits=bits, rank=rank,
-                        inner_size=inner_size, overhead=overhead)
+    names = (
+        tuple(candidates)
+        if candidates is not None
+        else available_methods(ratio=ratio, rate=rate, bits=bits, rank=rank, inner_size=inner_size)
+    )
+    times = predict_all(
+        nbytes,
+        n_workers,
+        network,
+        names,
+        ratio=ratio,
+        rate=rate,
+        bits=bits,
+        rank=rank,
+        inner_size=inner_size,
+        overhead=overhead,
+    )
     return names[cheapest(times)]
 
 
-def predict_all(nbytes: float, n_workers: int, network: Network, candidates, *, ratio=None,
-                rate=None, bits=None, rank=None, inner_size=None, overhead=None) -> list[float]:
+def predict_all(
+    nbytes: float,
+    n_workers: int,
+    network: Network,
+    candidates,
+    *,
+    ratio=None,
+    rate=None,
+    bits=None,
+    rank=None,
+    inner_size=None,
+    overhead=None,
+) -> list[float]:
     """:func:`predict` for each candidate, in order.
 
     Args:
@@ -534,8 +633,17 @@ def predict_all(nbytes: float, n_workers: int, network: Network, candidates, *, 
     for name in overhead:
         if name not in names:
             raise ValueError(f"overhead names {name!r}, which is not among the candidates {names}")
-    return [predict(_method(m, ratio, rate, bits, rank), nbytes, n_workers, network, inner_size=inner_size,
-                    overhead=overhead.get(m, 0.0)) for m in names]
+    return [
+        predict(
+            _method(m, ratio, rate, bits, rank),
+            nbytes,
+            n_workers,
+            network,
+            inner_size=inner_size,
+            overhead=overhead.get(m, 0.0),
+        )
+        for m in names
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,7 +651,11 @@ def predict_all(nbytes: float, n_workers: int, network: Network, candidates, *, 
 
 
 def _check_workers(n_workers):
-    if isinstance(n_workers, bool) or not isinstance(n_workers, int) and not hasattr(n_workers, "__index__"):
+    if (
+        isinstance(n_workers, bool)
+        or not isinstance(n_workers, int)
+        and not hasattr(n_workers, "__index__")
+    ):
         raise TypeError(f"n_workers must be an integer, got {type(n_workers).__name__}")
     n = int(n_workers)
     if n < 1:

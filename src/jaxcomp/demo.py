@@ -44,20 +44,35 @@ def runs(density: float) -> dict[str, Run]:
     from jaxcomp.auto import RatioSearch
     from jaxcomp.methods import Cast, PowerSGD, Quantized, RandomK, Sign, TopK, Zfp, candidates
 
-    fixed = [Dense(), TopK(density), TopK(density, collective="ar"), TopK(density, collective="hierarchical"),
-             Zfp(8), Quantized(4), RandomK(density), Cast("bfloat16"), Sign(), PowerSGD(4)]
+    fixed = [
+        Dense(),
+        TopK(density),
+        TopK(density, collective="ar"),
+        TopK(density, collective="hierarchical"),
+        Zfp(8),
+        Quantized(4),
+        RandomK(density),
+        Cast("bfloat16"),
+        Sign(),
+        PowerSGD(4),
+    ]
     table = []
     for method in fixed:
         axis_name = ("node", "device") if method.axes_needed == 2 else "data"
         table.append(Run(method.label, method, {}, axis_name))
-        if method.with_ratio(density) is not None and axis_name == "data":  # top-k without error feedback too
+        if (
+            method.with_ratio(density) is not None and axis_name == "data"
+        ):  # top-k without error feedback too
             table.append(Run(f"{method.label}_noef", method, {"error_feedback": False}))
     table += [
         # Chooses from the probed network: on 8 in-memory devices that is dense.
         Run("auto", candidates(ratio=density, rate=8)),
         # The same choice on a simulated slow link, with the ratio chosen as well (paper 000 §3-E).
-        Run("auto_adaptive_100mbit", candidates(ratio=density),
-            {"ratio_search": RatioSearch(), "network": "1ms/100mbit"}),
+        Run(
+            "auto_adaptive_100mbit",
+            candidates(ratio=density),
+            {"ratio_search": RatioSearch(), "network": "1ms/100mbit"},
+        ),
     ]
     return {run.name: run for run in table}
 
@@ -66,16 +81,21 @@ def _use_virtual_cpu_devices():
     """Asks for 8 CPU devices; must run before JAX starts a backend."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={N_DEVICES}".strip()
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={N_DEVICES}".strip()
+        )
     import jax
+
     try:
         jax.config.update("jax_num_cpu_devices", N_DEVICES)
     except RuntimeError:  # a backend already started (e.g. in a notebook); checked below
         pass
     cpus = jax.devices("cpu")
     if len(cpus) < N_DEVICES:
-        raise SystemExit(f"jaxcomp demo needs {N_DEVICES} CPU devices, found {len(cpus)}: run it in a fresh "
-                         f"process or set XLA_FLAGS=--xla_force_host_platform_device_count={N_DEVICES}")
+        raise SystemExit(
+            f"jaxcomp demo needs {N_DEVICES} CPU devices, found {len(cpus)}: run it in a fresh "
+            f"process or set XLA_FLAGS=--xla_force_host_platform_device_count={N_DEVICES}"
+        )
     return cpus[:N_DEVICES]
 
 
@@ -98,9 +118,13 @@ def make_model(seed=0, hidden=128):
     from flax import nnx
 
     rngs = nnx.Rngs(seed)
-    return nnx.Sequential(nnx.Linear(64, hidden, rngs=rngs), nnx.relu,
-                          nnx.Linear(hidden, hidden, rngs=rngs), nnx.relu,
-                          nnx.Linear(hidden, 10, rngs=rngs))
+    return nnx.Sequential(
+        nnx.Linear(64, hidden, rngs=rngs),
+        nnx.relu,
+        nnx.Linear(hidden, hidden, rngs=rngs),
+        nnx.relu,
+        nnx.Linear(hidden, 10, rngs=rngs),
+    )
 
 
 def make_optimizer(name: str, learning_rate: float):
@@ -114,7 +138,17 @@ def make_optimizer(name: str, learning_rate: float):
     raise ValueError(f"optimizer must be 'adam' or 'momentum', got {name!r}")
 
 
-def train(run: Run, devices, data, steps, batch_size, learning_rate, optimizer="momentum", seed=0, progress=True):
+def train(
+    run: Run,
+    devices,
+    data,
+    steps,
+    batch_size,
+    learning_rate,
+    optimizer="momentum",
+    seed=0,
+    progress=True,
+):
     """Trains one run; returns a dict of results (curves, final eval, bytes, step time)."""
     import jax
     import jax.numpy as jnp
@@ -143,8 +177,11 @@ def train(run: Run, devices, data, steps, batch_size, learning_rate, optimizer="
     options = dict(run.options)
     if "network" in options:  # a simulated link: "latency/bandwidth"
         options["network"] = Network.parse(*options["network"].split("/"))
-    aggregate = (compress_auto(run.method, axis_name=run.axis_name, **options) if isinstance(run.method, tuple)
-                 else compress(run.method, axis_name=run.axis_name, **options))
+    aggregate = (
+        compress_auto(run.method, axis_name=run.axis_name, **options)
+        if isinstance(run.method, tuple)
+        else compress(run.method, axis_name=run.axis_name, **options)
+    )
     tx = optax.chain(aggregate, make_optimizer(optimizer, learning_rate))
     dp = data_parallel(loss_fn, tx, mesh, axis_name=run.axis_name, has_aux=True)
     evaluate = jax.jit(loss_fn)
@@ -167,7 +204,9 @@ def train(run: Run, devices, data, steps, batch_size, learning_rate, optimizer="
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             eval_curve.append((step + 1, evaluate(state.params, {"x": x_test, "y": y_test})[0]))
     jax.block_until_ready(state)
-    step_time = (time.perf_counter() - start) / max(1, steps - 1) if start is not None else float("nan")
+    step_time = (
+        (time.perf_counter() - start) / max(1, steps - 1) if start is not None else float("nan")
+    )
     eval_loss, eval_accuracy = evaluate(state.params, {"x": x_test, "y": y_test})
     return {
         "name": run.name,
@@ -196,19 +235,26 @@ def _progress(iterable, name, enabled):
 def format_table(results) -> str:
     """The results as a Markdown table (bytes relative to the dense run when there is one)."""
     dense = next((r for r in results if r["name"] == DENSE), None)
-    lines = ["| run | last step ran (density) | eval loss | eval accuracy | bytes sent / step / device | vs dense "
-             "| mean step time |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| run | last step ran (density) | eval loss | eval accuracy | bytes sent / step / device | vs dense "
+        "| mean step time |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
-        ratio = f"{r['bytes_sent'] / dense['bytes_sent']:.4f}" if dense and dense["bytes_sent"] else "-"
-        lines.append(f"| {r['name']} | {r['method']} ({r['density']:.3g}) | {r['eval_loss']:.4f} | "
-                     f"{100 * r['eval_accuracy']:.2f}% | {r['bytes_sent']:,.0f} | {ratio} | {1e3 * r['step_time']:.2f} ms |")
+        ratio = (
+            f"{r['bytes_sent'] / dense['bytes_sent']:.4f}" if dense and dense["bytes_sent"] else "-"
+        )
+        lines.append(
+            f"| {r['name']} | {r['method']} ({r['density']:.3g}) | {r['eval_loss']:.4f} | "
+            f"{100 * r['eval_accuracy']:.2f}% | {r['bytes_sent']:,.0f} | {ratio} | {1e3 * r['step_time']:.2f} ms |"
+        )
     return "\n".join(lines)
 
 
 def plot(results, path):
     """Saves training loss (smoothed) and eval loss curves of every run to ``path`` (PNG)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -270,18 +316,36 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="jaxcomp demo",
         description="Trains a small flax MLP on scikit-learn's digits, data-parallel on 8 CPU devices, once per "
-                    "gradient compression method; prints a table and saves a loss-curve plot.")
-    parser.add_argument("--steps", type=int, default=500, help="training steps per method (default 500)")
-    parser.add_argument("--methods", default=",".join(all_runs),
-                        help=f"comma-separated runs (default all: {','.join(all_runs)})")
-    parser.add_argument("--density", type=float, default=0.01,
-                        help="fraction of gradient entries the top-k methods send (default 0.01)")
+        "gradient compression method; prints a table and saves a loss-curve plot.",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=500, help="training steps per method (default 500)"
+    )
+    parser.add_argument(
+        "--methods",
+        default=",".join(all_runs),
+        help=f"comma-separated runs (default all: {','.join(all_runs)})",
+    )
+    parser.add_argument(
+        "--density",
+        type=float,
+        default=0.01,
+        help="fraction of gradient entries the top-k methods send (default 0.01)",
+    )
     parser.add_argument("--batch-size", type=int, default=128, help="global batch (default 128)")
-    parser.add_argument("--optimizer", choices=("momentum", "adam"), default="momentum",
-                        help="optimizer after compress: SGD with momentum 0.9 (default) or adam")
-    parser.add_argument("--learning-rate", type=float, default=0.05, help="learning rate (default 0.05)")
+    parser.add_argument(
+        "--optimizer",
+        choices=("momentum", "adam"),
+        default="momentum",
+        help="optimizer after compress: SGD with momentum 0.9 (default) or adam",
+    )
+    parser.add_argument(
+        "--learning-rate", type=float, default=0.05, help="learning rate (default 0.05)"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="jaxcomp-demo", help="folder for the plot (default ./jaxcomp-demo)")
+    parser.add_argument(
+        "--out", default="jaxcomp-demo", help="folder for the plot (default ./jaxcomp-demo)"
+    )
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -295,8 +359,10 @@ def main(argv=None) -> int:
     if args.steps < 2:
         parser.error("--steps must be at least 2")
     if args.batch_size < N_DEVICES or args.batch_size % N_DEVICES:
-        parser.error(f"--batch-size must be a positive multiple of {N_DEVICES} (one share per device), "
-                     f"got {args.batch_size}")
+        parser.error(
+            f"--batch-size must be a positive multiple of {N_DEVICES} (one share per device), "
+            f"got {args.batch_size}"
+        )
     if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
         parser.error(f"--learning-rate must be a positive finite number, got {args.learning_rate}")
     if not 0 <= args.seed < 2**32:
@@ -308,15 +374,32 @@ def main(argv=None) -> int:
             parser.error(f"--out {args.out!r}: {problem}")
     data = load_digits(seed=args.seed)
     if args.batch_size > len(data[0]):
-        parser.error(f"--batch-size must be at most the {len(data[0])} training images (batches are drawn "
-                     f"without replacement), got {args.batch_size}")
+        parser.error(
+            f"--batch-size must be at most the {len(data[0])} training images (batches are drawn "
+            f"without replacement), got {args.batch_size}"
+        )
 
     devices = _use_virtual_cpu_devices()
-    print(f"digits: {len(data[0])} train / {len(data[2])} test images, {N_DEVICES} CPU devices, "
-          f"{args.steps} steps of {args.batch_size} per method", file=sys.stderr)
+    print(
+        f"digits: {len(data[0])} train / {len(data[2])} test images, {N_DEVICES} CPU devices, "
+        f"{args.steps} steps of {args.batch_size} per method",
+        file=sys.stderr,
+    )
     started = time.perf_counter()
-    results = [train(all_runs[name], devices, data, args.steps, args.batch_size, args.learning_rate,
-                     optimizer=args.optimizer, seed=args.seed, progress=not args.no_progress) for name in names]
+    results = [
+        train(
+            all_runs[name],
+            devices,
+            data,
+            args.steps,
+            args.batch_size,
+            args.learning_rate,
+            optimizer=args.optimizer,
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+        for name in names
+    ]
     print()
     print(format_table(results))
     if not args.no_plot:

@@ -33,7 +33,9 @@ import numpy as np
 XLA_CPU_FUSED_CONCAT_OPERANDS = 8
 
 
-def split_parts(sizes: list[int], min_parts: int = XLA_CPU_FUSED_CONCAT_OPERANDS + 1) -> list[tuple[int, int, int]]:
+def split_parts(
+    sizes: list[int], min_parts: int = XLA_CPU_FUSED_CONCAT_OPERANDS + 1
+) -> list[tuple[int, int, int]]:
     """How :func:`concat` cuts parts of ``sizes`` values: ``(part, start, stop)`` pieces in order.
 
     The largest piece is halved until there are ``min_parts`` pieces (or every piece holds one
@@ -62,7 +64,7 @@ def split_parts(sizes: list[int], min_parts: int = XLA_CPU_FUSED_CONCAT_OPERANDS
         if stop - start < 2:
             break
         middle = start + (stop - start) // 2
-        pieces[j:j + 1] = [(part, start, middle), (part, middle, stop)]
+        pieces[j : j + 1] = [(part, start, middle), (part, middle, stop)]
     return pieces
 
 
@@ -91,7 +93,9 @@ def concat(parts):
     # The barrier keeps XLA's simplifier from folding a consumer's slice of one leaf back through
     # the concatenate (slice(concat(halves)) -> concat(halves of that leaf)), which would make a
     # 2-operand concatenate that fuses again.
-    return jax.lax.optimization_barrier(jnp.concatenate([flat[i][start:stop] for i, start, stop in pieces]))
+    return jax.lax.optimization_barrier(
+        jnp.concatenate([flat[i][start:stop] for i, start, stop in pieces])
+    )
 
 
 def finite_values(g):
@@ -157,7 +161,10 @@ def pack_error_fed_xla(grads, residuals=None):
     References:
       Tyagi & Swany, arXiv 2312.02493, Alg. 1 (error feedback, g_e = g + residual).
     """
-    fed = [finite_values(g) if residuals is None else finite_values(g) + r for g, r in zip(grads, residuals or grads)]
+    fed = [
+        finite_values(g) if residuals is None else finite_values(g) + r
+        for g, r in zip(grads, residuals or grads)
+    ]
     return concat(fed), sum(count_nonfinite(g) for g in grads)
 
 
@@ -195,13 +202,18 @@ def pack_error_fed(grads, residuals=None):
     if not grads:
         raise ValueError("grads must hold at least one array")
     if residuals is not None and [r.shape for r in residuals] != [g.shape for g in grads]:
-        raise ValueError(f"residuals must be shaped like grads: {[r.shape for r in residuals]} vs "
-                         f"{[g.shape for g in grads]}")
+        raise ValueError(
+            f"residuals must be shaped like grads: {[r.shape for r in residuals]} vs "
+            f"{[g.shape for g in grads]}"
+        )
     if any(g.dtype != jnp.float32 for g in grads + (residuals or [])):  # the kernel reads float32
         return pack_error_fed_xla(grads, residuals)
     n = sum(g.size for g in grads)
-    call = _ffi.ffi_call("jaxcomp_pack", (jax.ShapeDtypeStruct((n,), jnp.float32),
-                                          jax.ShapeDtypeStruct((), jnp.float32)), vmap_method="sequential")
+    call = _ffi.ffi_call(
+        "jaxcomp_pack",
+        (jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32)),
+        vmap_method="sequential",
+    )
     operands = grads + (residuals or [])
     has_residual = np.int64(residuals is not None)
 
@@ -209,6 +221,8 @@ def pack_error_fed(grads, residuals=None):
         return tuple(call(*operands, residual=has_residual))
 
     def portable(*operands):
-        return pack_error_fed_xla(operands[:len(grads)], operands[len(grads):] if residuals is not None else None)
+        return pack_error_fed_xla(
+            operands[: len(grads)], operands[len(grads) :] if residuals is not None else None
+        )
 
     return tuple(jax.lax.platform_dependent(*operands, cpu=native, default=portable))

@@ -94,8 +94,9 @@ def hadamard_transform(x, *, implementation=None):
 def _transform(x, implementation):
     if implementation == "xla":
         return hadamard_reference(x)
-    call = jax.ffi.ffi_call("jaxcomp_hadamard", jax.ShapeDtypeStruct(x.shape, jnp.float32),
-                            vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(
+        "jaxcomp_hadamard", jax.ShapeDtypeStruct(x.shape, jnp.float32), vmap_method="broadcast_all"
+    )
 
     def native(v):
         return _ffi.like_varying(call(v), v)

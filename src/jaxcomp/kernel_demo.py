@@ -83,7 +83,14 @@ def _rmse(a, b) -> float:
     return float(np.sqrt(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)))
 
 
-def measure(n: int, ratios=(0.01, 0.001), rates=(8,), repeats: int = 3, device=None, numpy_baselines: bool = True):
+def measure(
+    n: int,
+    ratios=(0.01, 0.001),
+    rates=(8,),
+    repeats: int = 3,
+    device=None,
+    numpy_baselines: bool = True,
+):
     """Times jaxcomp's kernels and their baselines side by side on one realistic gradient.
 
     Args:
@@ -131,13 +138,22 @@ def measure(n: int, ratios=(0.01, 0.001), rates=(8,), repeats: int = 3, device=N
             Row(n, "jax.lax.top_k(|x|)", param, t_lax),
             Row(n, "jax.lax.approx_max_k(|x|)", param, t_approx, "jax.lax.top_k", t_lax / t_approx),
             Row(n, "jaxcomp.topk", param, t_ours, "jax.lax.top_k", t_lax / t_ours, "exact"),
-            Row(n, "jaxcomp.threshold_topk", param, t_thr, "jax.lax.top_k", t_lax / t_thr,
-                f"min selected / k-th = {thr_min / kth:.4f}" if kth > 0 else ""),
+            Row(
+                n,
+                "jaxcomp.threshold_topk",
+                param,
+                t_thr,
+                "jax.lax.top_k",
+                t_lax / t_thr,
+                f"min selected / k-th = {thr_min / kth:.4f}" if kth > 0 else "",
+            ),
         ]
         if numpy_baselines:
-            t_np = best_seconds(lambda k=k: np.argpartition(np.abs(host), n - k)[n - k:], repeats)
+            t_np = best_seconds(lambda k=k: np.argpartition(np.abs(host), n - k)[n - k :], repeats)
             rows.append(Row(n, "numpy.argpartition", param, t_np, "jax.lax.top_k", t_lax / t_np))
-            rows.append(Row(n, "jaxcomp.topk", param, t_ours, "numpy.argpartition", t_np / t_ours, "exact"))
+            rows.append(
+                Row(n, "jaxcomp.topk", param, t_ours, "numpy.argpartition", t_np / t_ours, "exact")
+            )
 
     for rate in rates:
         param = f"rate={rate}"
@@ -148,28 +164,49 @@ def measure(n: int, ratios=(0.01, 0.001), rates=(8,), repeats: int = 3, device=N
         t_dec = best_seconds(lambda: dec(words), repeats)
         err = _rmse(dec(words), host)
         if zfpy is not None:
-            t_zenc = best_seconds(lambda: zfpy.compress_numpy(host, rate=rate, write_header=False), repeats)
+            t_zenc = best_seconds(
+                lambda: zfpy.compress_numpy(host, rate=rate, write_header=False), repeats
+            )
             blob = zfpy.compress_numpy(host, rate=rate)
             t_zdec = best_seconds(lambda: zfpy.decompress_numpy(blob), repeats)
             zerr = _rmse(zfpy.decompress_numpy(blob), host)
             rows += [
                 Row(n, "zfpy.compress", param, t_zenc, error=f"rmse {zerr:.3e}"),
-                Row(n, "jaxcomp.zfp_encode", param, t_enc, "zfpy.compress", t_zenc / t_enc,
-                    f"rmse {err:.3e} ({err / zerr:.3f}x zfpy)"),
+                Row(
+                    n,
+                    "jaxcomp.zfp_encode",
+                    param,
+                    t_enc,
+                    "zfpy.compress",
+                    t_zenc / t_enc,
+                    f"rmse {err:.3e} ({err / zerr:.3f}x zfpy)",
+                ),
                 Row(n, "zfpy.decompress", param, t_zdec),
                 Row(n, "jaxcomp.zfp_decode", param, t_dec, "zfpy.decompress", t_zdec / t_dec),
             ]
         else:
-            rows += [Row(n, "jaxcomp.zfp_encode", param, t_enc, error=f"rmse {err:.3e}"),
-                     Row(n, "jaxcomp.zfp_decode", param, t_dec)]
+            rows += [
+                Row(n, "jaxcomp.zfp_encode", param, t_enc, error=f"rmse {err:.3e}"),
+                Row(n, "jaxcomp.zfp_decode", param, t_dec),
+            ]
     return rows
 
 
 def format_table(rows, markdown: bool = False) -> str:
     """Renders rows as an aligned text table, or as a Markdown table."""
     header = ["n", "op", "param", "ms", "speedup", "vs", "notes"]
-    body = [[f"{r.n:,}", r.op, r.param, f"{r.seconds * 1e3:.2f}",
-             "" if r.speedup != r.speedup else f"{r.speedup:.1f}x", r.baseline, r.error] for r in rows]
+    body = [
+        [
+            f"{r.n:,}",
+            r.op,
+            r.param,
+            f"{r.seconds * 1e3:.2f}",
+            "" if r.speedup != r.speedup else f"{r.speedup:.1f}x",
+            r.baseline,
+            r.error,
+        ]
+        for r in rows
+    ]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(cells) + " |" for cells in body]
@@ -188,7 +225,9 @@ def main(argv=None) -> int:
     n = int(args.n)
     if n < 1000:
         parser.error("--n must be at least 1000")
-    print(f"jaxcomp {jaxcomp.__version__} kernels on a realistic {n:,}-value float32 gradient "
-          f"({jax.devices()[0].platform}, {jax.devices()[0].device_kind})")
+    print(
+        f"jaxcomp {jaxcomp.__version__} kernels on a realistic {n:,}-value float32 gradient "
+        f"({jax.devices()[0].platform}, {jax.devices()[0].device_kind})"
+    )
     print(format_table(measure(n, repeats=args.repeats)))
     return 0

@@ -56,8 +56,12 @@ _RENDEZVOUS_PORT = "JAXCOMP_RENDEZVOUS_PORT"
 DEFAULT_FAILURE_TIMEOUT = 60.0
 
 
-def initialize(interface: str | None = None, *, failure_timeout: float | None = None,
-               rendezvous_port: int | None = None) -> int:
+def initialize(
+    interface: str | None = None,
+    *,
+    failure_timeout: float | None = None,
+    rendezvous_port: int | None = None,
+) -> int:
     """Joins the job :func:`launch` started (no-op when not launched); call before any JAX op.
 
     Sets this process's CPU device count, checks in at jaxcomp's rendezvous
@@ -127,7 +131,9 @@ def initialize(interface: str | None = None, *, failure_timeout: float | None = 
         try:
             failure_timeout = float(text)
         except ValueError:
-            raise ValueError(f"{_FAILURE_TIMEOUT} must be a number of seconds, got {text!r}") from None
+            raise ValueError(
+                f"{_FAILURE_TIMEOUT} must be a number of seconds, got {text!r}"
+            ) from None
         failure_timeout = _check_timeout(failure_timeout, _FAILURE_TIMEOUT)
     coordinator = os.environ[_COORDINATOR]
     if rendezvous_port is None and os.environ.get(_RENDEZVOUS_PORT):
@@ -146,34 +152,51 @@ def initialize(interface: str | None = None, *, failure_timeout: float | None = 
         use_gloo_interface(interface)
     seconds = max(1, math.ceil(failure_timeout))
     # XLA reads XLA_FLAGS when the CPU client is built, which is after this (no JAX op ran yet).
-    os.environ["XLA_FLAGS"] = _with_flag(os.environ.get("XLA_FLAGS", ""), "xla_cpu_collective_timeout_seconds",
-                                         seconds)
+    os.environ["XLA_FLAGS"] = _with_flag(
+        os.environ.get("XLA_FLAGS", ""), "xla_cpu_collective_timeout_seconds", seconds
+    )
     jax.config.update("jax_num_cpu_devices", int(os.environ[_LOCAL_DEVICES]))
     process_id = int(os.environ[_PROCESS_ID])
     num_processes = int(os.environ[_NUM_PROCESSES])
     host, port = rendezvous.split_address(coordinator)
     service = rendezvous.JaxService(
-        os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or f"[::]:{port}", num_processes,
-        heartbeat_timeout=seconds, shutdown_timeout=seconds,
-        recoverable=bool(getattr(jax.config, "jax_enable_recoverability", False)))
+        os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or f"[::]:{port}",
+        num_processes,
+        heartbeat_timeout=seconds,
+        shutdown_timeout=seconds,
+        recoverable=bool(getattr(jax.config, "jax_enable_recoverability", False)),
+    )
     exiting = threading.Event()  # set once this process is on its way out: no PeerLostError then
-    membership = rendezvous.check_in(rendezvous.join_address(host, rendezvous_port), num_processes, process_id,
-                                     failure_timeout, jax_service=service if process_id == 0 else None,
-                                     on_loss=_raise_peer_lost_later(exiting, min(_LOSS_GRACE_SECONDS, seconds / 2)))
+    membership = rendezvous.check_in(
+        rendezvous.join_address(host, rendezvous_port),
+        num_processes,
+        process_id,
+        failure_timeout,
+        jax_service=service if process_id == 0 else None,
+        on_loss=_raise_peer_lost_later(exiting, min(_LOSS_GRACE_SECONDS, seconds / 2)),
+    )
     # Every process checked in; a peer that dies now, before connecting to the coordinator, makes
     # JAX abort the process (a C++ fatal error, no Python exception) when initialization_timeout
     # expires; this watchdog ends the process first, with a message and exit code 1.
     joined = threading.Event()
-    threading.Thread(target=_initialize_watchdog, daemon=True,
-                     args=(joined, failure_timeout, process_id, num_processes, coordinator)).start()
+    threading.Thread(
+        target=_initialize_watchdog,
+        daemon=True,
+        args=(joined, failure_timeout, process_id, num_processes, coordinator),
+    ).start()
     # With the coordination service in the rendezvous server, process 0's own (which
     # jax.distributed.initialize always starts) listens on an unused port nobody connects to.
     bind = "127.0.0.1:0" if process_id == 0 and membership.hosts_jax_service else None
     try:
-        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
-                                   initialization_timeout=seconds + _ABORT_MARGIN_SECONDS,
-                                   coordinator_bind_address=bind,
-                                   heartbeat_timeout_seconds=seconds, shutdown_timeout_seconds=seconds)
+        jax.distributed.initialize(
+            coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=seconds + _ABORT_MARGIN_SECONDS,
+            coordinator_bind_address=bind,
+            heartbeat_timeout_seconds=seconds,
+            shutdown_timeout_seconds=seconds,
+        )
     finally:  # joined, or failed with an exception of its own: either way the watchdog stands down
         joined.set()
     # atexit runs last-registered first: on failure _exit_promptly_on_failure's handler exits
@@ -203,8 +226,11 @@ def _raise_peer_lost_later(exiting: threading.Event, grace: float):
         def fire():
             if exiting.wait(grace) or not threading.main_thread().is_alive():
                 return
-            print(f"jaxcomp.launch: {message}; raising PeerLostError in the main thread", file=sys.stderr,
-                  flush=True)
+            print(
+                f"jaxcomp.launch: {message}; raising PeerLostError in the main thread",
+                file=sys.stderr,
+                flush=True,
+            )
             _raise_in_main_thread(rendezvous.PeerLostError, message, lost)
 
         threading.Thread(target=fire, name="jaxcomp-peer-lost", daemon=True).start()
@@ -221,22 +247,35 @@ def _raise_in_main_thread(kind, message, lost):
     """
     import ctypes
 
-    error = type(kind.__name__, (kind,), {"__init__": lambda self: kind.__init__(self, message, lost),
-                                          "__module__": kind.__module__, "__qualname__": kind.__qualname__})
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.main_thread().ident),
-                                               ctypes.py_object(error))
+    error = type(
+        kind.__name__,
+        (kind,),
+        {
+            "__init__": lambda self: kind.__init__(self, message, lost),
+            "__module__": kind.__module__,
+            "__qualname__": kind.__qualname__,
+        },
+    )
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(threading.main_thread().ident), ctypes.py_object(error)
+    )
 
 
 def _initialize_watchdog(joined, seconds, process_id, num_processes, coordinator):
     if not joined.wait(seconds):
-        print(f"jaxcomp.launch: process {process_id} of {num_processes}: not every process of the job connected to "
-              f"the coordinator at {coordinator} within {seconds:g} s (failure_timeout): a process was never "
-              "started, died while starting, or cannot reach the coordinator; exiting", file=sys.stderr, flush=True)
+        print(
+            f"jaxcomp.launch: process {process_id} of {num_processes}: not every process of the job connected to "
+            f"the coordinator at {coordinator} within {seconds:g} s (failure_timeout): a process was never "
+            "started, died while starting, or cannot reach the coordinator; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
 
 
-def _exit_promptly_on_failure(process_id: int, num_processes: int,
-                              exiting: threading.Event | None = None) -> None:
+def _exit_promptly_on_failure(
+    process_id: int, num_processes: int, exiting: threading.Event | None = None
+) -> None:
     """On an uncaught exception: name the peers that do not check in, then exit(1) at once.
 
     JAX's exit handler (registered when jax was imported, so it runs after this one) shuts the
@@ -256,9 +295,13 @@ def _exit_promptly_on_failure(process_id: int, num_processes: int,
         failed.append(True)
         missing = _missing_processes(process_id, num_processes)
         if missing:
-            print(f"jaxcomp.launch: process {process_id} of {num_processes} failed; process(es) "
-                  f"{', '.join(map(str, missing))} did not check in within {_CHECK_IN_SECONDS} s "
-                  "(dead or stalled, unless still running without error)", file=sys.stderr, flush=True)
+            print(
+                f"jaxcomp.launch: process {process_id} of {num_processes} failed; process(es) "
+                f"{', '.join(map(str, missing))} did not check in within {_CHECK_IN_SECONDS} s "
+                "(dead or stalled, unless still running without error)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def exit_now():
         exiting.set()
@@ -281,6 +324,7 @@ def _missing_processes(process_id: int, num_processes: int) -> list[int]:
     """The processes that do not reach a check-in barrier in time, by id; [] if none or unknown."""
     try:
         from jax._src import distributed
+
         client = distributed.global_state.client
         if client is None:
             return []
@@ -289,7 +333,9 @@ def _missing_processes(process_id: int, num_processes: int) -> list[int]:
         try:
             client.wait_at_barrier(barrier, _CHECK_IN_SECONDS * 1000)
             return []
-        except Exception as e:  # the coordination service's message names the tasks that did not come
+        except (
+            Exception
+        ) as e:  # the coordination service's message names the tasks that did not come
             message = str(e)
         # "... Some timed out task names:\n1\n3\nRPC: ..." (XLA's coordination service, jax 0.10)
         names = re.search(r"timed out task names:([\s\d,]*)", message)
@@ -297,7 +343,9 @@ def _missing_processes(process_id: int, num_processes: int) -> list[int]:
             late = sorted({int(t) for t in re.findall(r"\d+", names.group(1))} - {process_id})
             if late:
                 return late
-        return [0] if process_id != 0 else []  # no answer at all: the coordinator (process 0) is gone
+        return (
+            [0] if process_id != 0 else []
+        )  # no answer at all: the coordinator (process 0) is gone
     except Exception:
         return []
 
@@ -322,31 +370,50 @@ def use_gloo_interface(interface: str) -> None:
       >>> use_gloo_interface("lo")  # doctest: +SKIP
     """
     if not isinstance(interface, str) or not interface or "/" in interface:
-        raise ValueError(f"interface must be a network interface name such as 'eth0', got {interface!r}")
+        raise ValueError(
+            f"interface must be a network interface name such as 'eth0', got {interface!r}"
+        )
     if sys.platform == "linux" and not os.path.exists(f"/sys/class/net/{interface}"):
         present = sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []
-        raise ValueError(f"interface {interface!r} does not exist on this host (interfaces: {', '.join(present)})")
+        raise ValueError(
+            f"interface {interface!r} does not exist on this host (interfaces: {', '.join(present)})"
+        )
     try:
         from jax._src import distributed, xla_bridge
         from jax.extend.backend import register_backend_factory
         from jaxlib import _jax
+
         make_collectives = _jax.make_gloo_tcp_collectives
         make_cpu_client = xla_bridge.make_cpu_client
     except (ImportError, AttributeError) as e:
-        raise RuntimeError(f"this jax has no way to choose gloo's interface that jaxcomp knows ({e}); set the "
-                           "hostname to resolve to the interface's address instead") from None
+        raise RuntimeError(
+            f"this jax has no way to choose gloo's interface that jaxcomp knows ({e}); set the "
+            "hostname to resolve to the interface's address instead"
+        ) from None
 
     def cpu_client_on_interface():
         client = distributed.global_state.client
-        collectives = None if client is None else make_collectives(distributed_client=client, interface=interface)
+        collectives = (
+            None
+            if client is None
+            else make_collectives(distributed_client=client, interface=interface)
+        )
         return make_cpu_client(collectives=collectives)
 
     register_backend_factory("cpu", cpu_client_on_interface, priority=0, fail_quietly=False)
 
 
-def process_env(coordinator: str, num_processes: int, process_id: int, devices: int, *,
-                interface: str | None = None, base: dict | None = None,
-                failure_timeout: float | None = None, rendezvous_port: int | None = None) -> dict:
+def process_env(
+    coordinator: str,
+    num_processes: int,
+    process_id: int,
+    devices: int,
+    *,
+    interface: str | None = None,
+    base: dict | None = None,
+    failure_timeout: float | None = None,
+    rendezvous_port: int | None = None,
+) -> dict:
     """The environment that makes :func:`initialize` join a job as ``process_id``.
 
     Args:
@@ -370,9 +437,15 @@ def process_env(coordinator: str, num_processes: int, process_id: int, devices: 
       ('1', '--xla_force_host_platform_device_count=4')
     """
     env = dict(os.environ if base is None else base)
-    env.update({_COORDINATOR: coordinator, _NUM_PROCESSES: str(num_processes), _PROCESS_ID: str(process_id),
-                _LOCAL_DEVICES: str(devices),
-                "XLA_FLAGS": _with_device_count(env.get("XLA_FLAGS", ""), devices)})
+    env.update(
+        {
+            _COORDINATOR: coordinator,
+            _NUM_PROCESSES: str(num_processes),
+            _PROCESS_ID: str(process_id),
+            _LOCAL_DEVICES: str(devices),
+            "XLA_FLAGS": _with_device_count(env.get("XLA_FLAGS", ""), devices),
+        }
+    )
     if interface:
         env[_INTERFACE] = interface
     else:
@@ -459,7 +532,12 @@ def _with_flag(flags: str, name: str, value: int) -> str:
 
 
 def _check_timeout(value, name):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
     return float(value)
 
@@ -470,10 +548,20 @@ def _positive_int(value, name):
     return value
 
 
-def launch(command, num_processes: int, devices_per_process: int = 1, port: int | None = None,
-           timeout: float | None = None, *, coordinator: str | None = None, num_hosts: int = 1,
-           host_id: int = 0, interface: str | None = None, failure_timeout: float | None = None,
-           rendezvous_port: int | None = None) -> int:
+def launch(
+    command,
+    num_processes: int,
+    devices_per_process: int = 1,
+    port: int | None = None,
+    timeout: float | None = None,
+    *,
+    coordinator: str | None = None,
+    num_hosts: int = 1,
+    host_id: int = 0,
+    interface: str | None = None,
+    failure_timeout: float | None = None,
+    rendezvous_port: int | None = None,
+) -> int:
     """Runs ``python *command`` as ``num_processes`` processes of one ``jax.distributed`` job.
 
     On one machine (the default) the coordinator is a free port on 127.0.0.1. For several hosts,
@@ -520,7 +608,9 @@ def launch(command, num_processes: int, devices_per_process: int = 1, port: int 
         _check_port(rendezvous_port, "rendezvous_port")
     if coordinator is None:
         if num_hosts > 1:
-            raise ValueError("a job of several hosts needs coordinator='HOST:PORT' (host 0's address)")
+            raise ValueError(
+                "a job of several hosts needs coordinator='HOST:PORT' (host 0's address)"
+            )
         if port is not None:
             _check_port(port, "port")
         free = _free_ports(2)
@@ -543,12 +633,21 @@ def launch(command, num_processes: int, devices_per_process: int = 1, port: int 
     if rendezvous_port is None:
         rendezvous.default_port(coordinator)  # a coordinator on port 65535 needs one given
     if rendezvous_port is not None and rendezvous_port == rendezvous.split_address(coordinator)[1]:
-        raise ValueError(f"rendezvous_port must differ from the coordinator's port, got {rendezvous_port}")
+        raise ValueError(
+            f"rendezvous_port must differ from the coordinator's port, got {rendezvous_port}"
+        )
     total = num_hosts * num_processes
     processes = []
     for local in range(num_processes):
-        env = process_env(coordinator, total, host_id * num_processes + local, devices_per_process,
-                          interface=interface, failure_timeout=failure_timeout, rendezvous_port=rendezvous_port)
+        env = process_env(
+            coordinator,
+            total,
+            host_id * num_processes + local,
+            devices_per_process,
+            interface=interface,
+            failure_timeout=failure_timeout,
+            rendezvous_port=rendezvous_port,
+        )
         processes.append(subprocess.Popen([sys.executable, *command], env=env))
     codes, failed = wait_all(processes, timeout)
     return codes[failed] if failed is not None else (124 if 124 in codes else 0)
@@ -557,30 +656,65 @@ def launch(command, num_processes: int, devices_per_process: int = 1, port: int 
 def main(argv=None) -> int:
     """``python -m jaxcomp.launch -n N [--devices-per-process D] [--coordinator H:P --num-hosts M --host-id I]
     [--interface IF] [--failure-timeout S] [--rendezvous-port P] script.py [args...]``."""
-    parser = argparse.ArgumentParser(prog="python -m jaxcomp.launch", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-n", "--num-processes", type=int, default=1, help="processes on this host (default 1)")
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxcomp.launch", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "-n", "--num-processes", type=int, default=1, help="processes on this host (default 1)"
+    )
     parser.add_argument("--devices-per-process", type=int, default=1)
-    parser.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (one host)")
-    parser.add_argument("--coordinator", default=None, help="HOST:PORT of host 0's coordinator (several hosts)")
-    parser.add_argument("--num-hosts", type=int, default=1, help="hosts in the job, each running this command")
-    parser.add_argument("--host-id", type=int, default=0, help="this host's index, 0 on the coordinator's host")
-    parser.add_argument("--interface", default=None, help="network interface gloo binds to, e.g. eth0")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds before all processes are killed")
-    parser.add_argument("--failure-timeout", type=float, default=None,
-                        help="seconds after which a dead, never-started or stalled process is an error in the "
-                             f"others (default {DEFAULT_FAILURE_TIMEOUT:g})")
-    parser.add_argument("--rendezvous-port", type=int, default=None,
-                        help="port of jaxcomp's rendezvous server on the coordinator's host (default: a free one "
-                             "on one host, else the coordinator's port + 1)")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py [args...] or -m module [args...]")
+    parser.add_argument(
+        "--port", type=int, default=None, help="coordinator port on 127.0.0.1 (one host)"
+    )
+    parser.add_argument(
+        "--coordinator", default=None, help="HOST:PORT of host 0's coordinator (several hosts)"
+    )
+    parser.add_argument(
+        "--num-hosts", type=int, default=1, help="hosts in the job, each running this command"
+    )
+    parser.add_argument(
+        "--host-id", type=int, default=0, help="this host's index, 0 on the coordinator's host"
+    )
+    parser.add_argument(
+        "--interface", default=None, help="network interface gloo binds to, e.g. eth0"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds before all processes are killed"
+    )
+    parser.add_argument(
+        "--failure-timeout",
+        type=float,
+        default=None,
+        help="seconds after which a dead, never-started or stalled process is an error in the "
+        f"others (default {DEFAULT_FAILURE_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--rendezvous-port",
+        type=int,
+        default=None,
+        help="port of jaxcomp's rendezvous server on the coordinator's host (default: a free one "
+        "on one host, else the coordinator's port + 1)",
+    )
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="script.py [args...] or -m module [args...]"
+    )
     args = parser.parse_args(argv)
     if not args.command:
         parser.error("name a script to run")
     try:
-        return launch(args.command, args.num_processes, args.devices_per_process, args.port, args.timeout,
-                      coordinator=args.coordinator, num_hosts=args.num_hosts, host_id=args.host_id,
-                      interface=args.interface, failure_timeout=args.failure_timeout,
-                      rendezvous_port=args.rendezvous_port)
+        return launch(
+            args.command,
+            args.num_processes,
+            args.devices_per_process,
+            args.port,
+            args.timeout,
+            coordinator=args.coordinator,
+            num_hosts=args.num_hosts,
+            host_id=args.host_id,
+            interface=args.interface,
+            failure_timeout=args.failure_timeout,
+            rendezvous_port=args.rendezvous_port,
+        )
     except ValueError as e:
         parser.error(str(e))
 

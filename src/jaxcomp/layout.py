@@ -228,7 +228,8 @@ def code_width(bits: int, n_devices: int) -> int:
     if width > 32:
         raise ValueError(
             f"bits={bits} with {n_devices} devices needs sums up to {largest_sum}, more than 32 bits hold; "
-            "lower bits")
+            "lower bits"
+        )
     return width
 
 

@@ -36,10 +36,22 @@ from jaxcomp.methods import Cast, Dense, PowerSGD, Quantized, RandomK, Sign, Top
 
 
 def _runs():
-    fixed = (Dense(), TopK(0.01), TopK(0.01, collective="ar"), Zfp(8), Quantized(4), RandomK(0.01), Cast("bfloat16"),
-             Sign(), PowerSGD(4))
-    table = {"pmean": (None, {}, None), fixed[0].label: (fixed[0], {}, None),
-             f"{fixed[0].label}_leaf": (fixed[0], {"granularity": "leaf"}, None)}
+    fixed = (
+        Dense(),
+        TopK(0.01),
+        TopK(0.01, collective="ar"),
+        Zfp(8),
+        Quantized(4),
+        RandomK(0.01),
+        Cast("bfloat16"),
+        Sign(),
+        PowerSGD(4),
+    )
+    table = {
+        "pmean": (None, {}, None),
+        fixed[0].label: (fixed[0], {}, None),
+        f"{fixed[0].label}_leaf": (fixed[0], {"granularity": "leaf"}, None),
+    }
     table.update({m.label: (m, {}, None) for m in fixed[1:]})
     # float16 halves the wire over gloo as bfloat16 does (issue 22 compares both); not an auto candidate.
     table[Cast("float16").label] = (Cast("float16"), {}, None)
@@ -103,6 +115,7 @@ def width_for(params: float, layers: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # Worker: runs inside each emulated host.
 
+
 def _worker(spec: Spec) -> None:
     from jaxcomp import launch
 
@@ -119,7 +132,9 @@ def _worker(spec: Spec) -> None:
     import jaxcomp
     from jaxcomp.cluster import INTERFACE, read_interface_counters
 
-    params, loss_fn, local_batches, about = _workload(spec, np.random.default_rng(1 + jax.process_index()))
+    params, loss_fn, local_batches, about = _workload(
+        spec, np.random.default_rng(1 + jax.process_index())
+    )
     n_params = sum(x.size for x in jax.tree.leaves(params))
 
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -128,7 +143,9 @@ def _worker(spec: Spec) -> None:
     sharding = NamedSharding(mesh, P("data"))
 
     def global_batch(i):
-        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batches[i % 4])
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(sharding, x), local_batches[i % 4]
+        )
 
     def median_step(step, state, make_batch, extra_warmup=0):
         times = []
@@ -180,10 +197,16 @@ def _worker(spec: Spec) -> None:
     probe_start = time.perf_counter()
     network = jaxcomp.probe_network(mesh, "data") if n_hosts > 1 else None
     probe_seconds = time.perf_counter() - probe_start
-    results = {"hosts": n_hosts, "params": n_params, **about, "compute": compute_first,
-               "probe": None if network is None else {"alpha": network.alpha, "beta": network.beta,
-                                                      "seconds": probe_seconds},
-               "methods": {}}
+    results = {
+        "hosts": n_hosts,
+        "params": n_params,
+        **about,
+        "compute": compute_first,
+        "probe": None
+        if network is None
+        else {"alpha": network.alpha, "beta": network.beta, "seconds": probe_seconds},
+        "methods": {},
+    }
 
     for position, label in enumerate(spec.methods):
         method, options, shard = METHODS[label]
@@ -193,8 +216,11 @@ def _worker(spec: Spec) -> None:
             step = _plain_pmean_step(loss_fn, mesh)
             state = step.init(params)
         else:
-            aggregate = (jaxcomp.compress_auto(method, **options) if isinstance(method, tuple)
-                         else jaxcomp.compress(method, **options))
+            aggregate = (
+                jaxcomp.compress_auto(method, **options)
+                if isinstance(method, tuple)
+                else jaxcomp.compress(method, **options)
+            )
             tx = optax.chain(aggregate, optax.adam(1e-4))
             dp = jaxcomp.data_parallel(loss_fn, tx, mesh, shard=shard)
             init_start = time.perf_counter()
@@ -216,16 +242,25 @@ def _worker(spec: Spec) -> None:
         state, median, times = median_step(run, state, global_batch, extra)
         after = read_interface_counters(INTERFACE)
         steps_counted = spec.warmup + extra + spec.steps
-        entry = {"step": median, "times": times, "sync": median - compute_first,
-                 "wire_tx": (after[0] - before[0]) / steps_counted, "wire_rx": (after[1] - before[1]) / steps_counted,
-                 # This device's share of the training state (params + optimizer state, the
-                 # error-feedback residual included), from the arrays' shardings, and the process's
-                 # peak resident memory from this method's init to its last step.
-                 "state_bytes": _state_bytes(state), "peak_rss": _peak_resident_bytes()}
+        entry = {
+            "step": median,
+            "times": times,
+            "sync": median - compute_first,
+            "wire_tx": (after[0] - before[0]) / steps_counted,
+            "wire_rx": (after[1] - before[1]) / steps_counted,
+            # This device's share of the training state (params + optimizer state, the
+            # error-feedback residual included), from the arrays' shardings, and the process's
+            # peak resident memory from this method's init to its last step.
+            "state_bytes": _state_bytes(state),
+            "peak_rss": _peak_resident_bytes(),
+        }
         if method is not None:
             entry["init"] = init_seconds
-            host = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics_box.items()
-                    if k in ("bytes_sent", "density", "gain", "method", "gather_bytes")}
+            host = {
+                k: float(np.asarray(v.addressable_data(0)))
+                for k, v in metrics_box.items()
+                if k in ("bytes_sent", "density", "gain", "method", "gather_bytes")
+            }
             # Sharded: the gradient's reduce-scatter plus the params' all-gather.
             entry["bytes_sent"] = host.get("bytes_sent", 0.0) + host.get("gather_bytes", 0.0)
             ran = jaxcomp.find_compress_state(state.opt_state).methods[int(host.get("method", 0))]
@@ -238,9 +273,15 @@ def _worker(spec: Spec) -> None:
             entry.update(_predictions(ran, params, n_hosts, network, compute_first, mesh, shard))
         results["methods"][label] = entry
         if jax.process_index() == 0:
-            print(f"netbench: {n_hosts} hosts, {label}: step {median:.3f} s (compute {compute_first:.3f} s), "
-                  f"wire {entry['wire_tx'] / 1e6:.1f} MB/step", file=sys.stderr, flush=True)
-            with open(spec.out, "w") as f:  # after every method: a failed job keeps what it measured
+            print(
+                f"netbench: {n_hosts} hosts, {label}: step {median:.3f} s (compute {compute_first:.3f} s), "
+                f"wire {entry['wire_tx'] / 1e6:.1f} MB/step",
+                file=sys.stderr,
+                flush=True,
+            )
+            with open(
+                spec.out, "w"
+            ) as f:  # after every method: a failed job keeps what it measured
                 json.dump(results, f)
         # Free this method's state and executables before the next (25M params: ~1 GB each).
         del state, step, run
@@ -278,7 +319,12 @@ def _workload(spec: Spec, rng):
 
         model = zoo.build(spec.model)
         batches = [model.make_batch(rng, spec.batch) for _ in range(4)]
-        return model.params, model.loss_fn, batches, {"model": spec.model, "leaves": model.n_leaves, "width": None}
+        return (
+            model.params,
+            model.loss_fn,
+            batches,
+            {"model": spec.model, "leaves": model.n_leaves, "width": None},
+        )
     width = width_for(spec.params, spec.layers)
 
     class MLP(nn.Module):
@@ -296,9 +342,18 @@ def _workload(spec: Spec, rng):
     def loss_fn(p, batch):
         return jnp.mean((model.apply(p, batch["x"]) - batch["y"]) ** 2)
 
-    batches = [{"x": rng.normal(size=(spec.batch, width)).astype(np.float32),
-                "y": rng.normal(size=(spec.batch, width)).astype(np.float32)} for _ in range(4)]
-    about = {"model": f"mlp_{spec.layers}x{width}", "leaves": len(jax.tree.leaves(params)), "width": width}
+    batches = [
+        {
+            "x": rng.normal(size=(spec.batch, width)).astype(np.float32),
+            "y": rng.normal(size=(spec.batch, width)).astype(np.float32),
+        }
+        for _ in range(4)
+    ]
+    about = {
+        "model": f"mlp_{spec.layers}x{width}",
+        "leaves": len(jax.tree.leaves(params)),
+        "width": width,
+    }
     return params, loss_fn, batches, about
 
 
@@ -306,8 +361,11 @@ def _state_bytes(state) -> int:
     """Bytes of ``state``'s arrays on this process's first device (its shard of each)."""
     import jax
 
-    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(state)
-               if isinstance(leaf, jax.Array))
+    return sum(
+        leaf.addressable_shards[0].data.nbytes
+        for leaf in jax.tree.leaves(state)
+        if isinstance(leaf, jax.Array)
+    )
 
 
 def _reset_peak_memory() -> None:
@@ -350,10 +408,22 @@ def _predictions(ran, params, n_hosts, network, compute, mesh, shard=None):
     if ran.sends_everything:
         step = advise.sync_sgd_time(nbytes, n_hosts, network, compute, overlap=False, method=ran)
     else:
-        step = advise.compressed_time(ran, nbytes, n_hosts, network, compute, encode_decode_seconds=local,
-                                      shard=shard is not None)
-    return {"predicted_sync": cost.predict(ran, nbytes, n_hosts, network, overhead=local, shard=shard is not None),
-            "advise_step": step, "local_work": local}
+        step = advise.compressed_time(
+            ran,
+            nbytes,
+            n_hosts,
+            network,
+            compute,
+            encode_decode_seconds=local,
+            shard=shard is not None,
+        )
+    return {
+        "predicted_sync": cost.predict(
+            ran, nbytes, n_hosts, network, overhead=local, shard=shard is not None
+        ),
+        "advise_step": step,
+        "local_work": local,
+    }
 
 
 class _plain_pmean_step:
@@ -373,8 +443,11 @@ class _plain_pmean_step:
             updates, opt = self.tx.update(grads, opt, params)
             return optax.apply_updates(params, updates), opt, jax.lax.pmean(loss, "data")
 
-        self._step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                           out_specs=(P(), P(), P())))
+        self._step = jax.jit(
+            jax.shard_map(
+                local, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P())
+            )
+        )
 
     def init(self, params):
         return params, self.tx.init(params)
@@ -387,9 +460,23 @@ class _plain_pmean_step:
 # ----------------------------------------------------------------------------------------------
 # Controller: builds the clusters, runs the jobs, prints the table.
 
-def run_benchmark(hosts=DEFAULT_HOSTS, rates=DEFAULT_RATES, *, params=DEFAULT_PARAMS, methods=tuple(METHODS),
-                  steps=3, warmup=1, batch=DEFAULT_BATCH, layers=DEFAULT_LAYERS, timeout=1800, progress=True,
-                  log=None, on_cell=None, models=None) -> list[dict]:
+
+def run_benchmark(
+    hosts=DEFAULT_HOSTS,
+    rates=DEFAULT_RATES,
+    *,
+    params=DEFAULT_PARAMS,
+    methods=tuple(METHODS),
+    steps=3,
+    warmup=1,
+    batch=DEFAULT_BATCH,
+    layers=DEFAULT_LAYERS,
+    timeout=1800,
+    progress=True,
+    log=None,
+    on_cell=None,
+    models=None,
+) -> list[dict]:
     """Runs every (model, hosts, rate) cell on an emulated cluster; returns one row per cell and method.
 
     Args:
@@ -437,15 +524,36 @@ def run_benchmark(hosts=DEFAULT_HOSTS, rates=DEFAULT_RATES, *, params=DEFAULT_PA
             rate_bits = parse_rate(rate)
             bar.set_description(f"{model or 'mlp'}, {n_hosts} hosts, {format_rate(rate_bits)}")
             with tempfile.TemporaryDirectory() as tmp:
-                spec = Spec(params=float(params), methods=methods, steps=steps, warmup=warmup, batch=batch,
-                            layers=layers, out=os.path.join(tmp, "result.json"), rate_bits=rate_bits, model=model)
-                result = _run_cell(spec, n_hosts, timeout, log or os.path.join(tmp, "workers.log"), tmp)
+                spec = Spec(
+                    params=float(params),
+                    methods=methods,
+                    steps=steps,
+                    warmup=warmup,
+                    batch=batch,
+                    layers=layers,
+                    out=os.path.join(tmp, "result.json"),
+                    rate_bits=rate_bits,
+                    model=model,
+                )
+                result = _run_cell(
+                    spec, n_hosts, timeout, log or os.path.join(tmp, "workers.log"), tmp
+                )
             base = result["methods"]["pmean"]["step"]
             for label, entry in result["methods"].items():
-                rows.append({"model": result.get("model"), "hosts": n_hosts, "rate": format_rate(rate_bits),
-                             "method": label, "params": result["params"], "leaves": result.get("leaves"),
-                             "compute": result["compute"], "probe": result["probe"], "speedup": base / entry["step"],
-                             **entry})
+                rows.append(
+                    {
+                        "model": result.get("model"),
+                        "hosts": n_hosts,
+                        "rate": format_rate(rate_bits),
+                        "method": label,
+                        "params": result["params"],
+                        "leaves": result.get("leaves"),
+                        "compute": result["compute"],
+                        "probe": result["probe"],
+                        "speedup": base / entry["step"],
+                        **entry,
+                    }
+                )
             bar.update(1)
             if on_cell is not None:
                 on_cell(rows)
@@ -461,14 +569,21 @@ def _run_cell(spec: Spec, n_hosts: int, timeout: float, log_path: str, cwd: str)
     with open(log_path, "a") as out, Cluster(n_hosts, rate=spec.rate_bits) as cluster:
         # cwd: `-m` puts it first on sys.path, and a source checkout there would shadow the
         # installed package.
-        codes = cluster.run(["-m", "jaxcomp.netbench", "--worker", json.dumps(dataclasses.asdict(spec))],
-                            timeout=timeout, stdout=out, stderr=out, cwd=cwd)
+        codes = cluster.run(
+            ["-m", "jaxcomp.netbench", "--worker", json.dumps(dataclasses.asdict(spec))],
+            timeout=timeout,
+            stdout=out,
+            stderr=out,
+            cwd=cwd,
+        )
     if any(codes) or not os.path.exists(spec.out):
         with open(log_path) as f:
             tail = f.read()[-3000:]
         what = f"{spec.model} " if spec.model else ""
-        raise ClusterError(f"the {n_hosts}-host {what}job at {format_rate(spec.rate_bits)} failed (exit codes "
-                           f"{codes}); the workers' output ends with:\n{tail}")
+        raise ClusterError(
+            f"the {n_hosts}-host {what}job at {format_rate(spec.rate_bits)} failed (exit codes "
+            f"{codes}); the workers' output ends with:\n{tail}"
+        )
     with open(spec.out) as f:
         return json.load(f)
 
@@ -479,6 +594,7 @@ def _progress(total, enabled):
     except ImportError:  # the progress bar is optional
         tqdm = None
     if tqdm is None or not enabled:
+
         class _Quiet:
             def set_description(self, text):
                 if enabled:
@@ -489,6 +605,7 @@ def _progress(total, enabled):
 
             def close(self):
                 pass
+
         return _Quiet()
     return tqdm(total=total, unit="cell", file=sys.stderr)
 
@@ -518,19 +635,27 @@ def table(rows) -> str:
       Agarwal et al., "On the Utility of Gradient Compression in Distributed Training Systems",
       MLSys 2022 (measure the step, not the bytes); issue 13's set-up.
     """
-    lines = ["| model | hosts | rate | method | step s | compute s | sync s | predicted sync s | advise step s | "
-             "wire MB/step/host | bytes_sent MB | sync: dense / this | speedup vs pmean | ran | state MB/host | "
-             "peak RSS MB/host |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
-    dense_sync = {(r.get("model"), r["hosts"], r["rate"]): r["sync"] for r in rows if r["method"] == Dense().label}
+    lines = [
+        "| model | hosts | rate | method | step s | compute s | sync s | predicted sync s | advise step s | "
+        "wire MB/step/host | bytes_sent MB | sync: dense / this | speedup vs pmean | ran | state MB/host | "
+        "peak RSS MB/host |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    dense_sync = {
+        (r.get("model"), r["hosts"], r["rate"]): r["sync"]
+        for r in rows
+        if r["method"] == Dense().label
+    }
     for r in rows:
         base = dense_sync.get((r.get("model"), r["hosts"], r["rate"]))
         ratio = f"{base / r['sync']:.1f}x" if base and base > 0 and r["sync"] > 0 else "-"
-        lines.append(f"| {r.get('model') or '-'} | {r['hosts']} | {r['rate']} | {r['method']} | {_s(r['step'])} | "
-                     f"{_s(r['compute'])} | {_s(r['sync'])} | {_s(r.get('predicted_sync'))} | "
-                     f"{_s(r.get('advise_step'))} | "
-                     f"{_mb(r['wire_tx'])} | {_mb(r.get('bytes_sent'))} | {ratio} | {r['speedup']:.2f}x | "
-                     f"{r['ran']} | {_mb(r.get('state_bytes'))} | {_mb(r.get('peak_rss'))} |")
+        lines.append(
+            f"| {r.get('model') or '-'} | {r['hosts']} | {r['rate']} | {r['method']} | {_s(r['step'])} | "
+            f"{_s(r['compute'])} | {_s(r['sync'])} | {_s(r.get('predicted_sync'))} | "
+            f"{_s(r.get('advise_step'))} | "
+            f"{_mb(r['wire_tx'])} | {_mb(r.get('bytes_sent'))} | {ratio} | {r['speedup']:.2f}x | "
+            f"{r['ran']} | {_mb(r.get('state_bytes'))} | {_mb(r.get('peak_rss'))} |"
+        )
     return "\n".join(lines)
 
 
@@ -564,13 +689,20 @@ def plot(rows, path) -> None:
 
     models = list(dict.fromkeys(r.get("model") for r in rows))
     hosts = sorted({r["hosts"] for r in rows})
-    fig, axes = plt.subplots(len(models), len(hosts), figsize=(6 * len(hosts), 4.5 * len(models)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(models), len(hosts), figsize=(6 * len(hosts), 4.5 * len(models)), squeeze=False
+    )
     for row, model in zip(axes, models):
         for ax, n in zip(row, hosts):
-            cell = [r for r in rows
-                    if r.get("model") == model and r["hosts"] == n and parse_rate(r["rate"]) is not None]
+            cell = [
+                r
+                for r in rows
+                if r.get("model") == model and r["hosts"] == n and parse_rate(r["rate"]) is not None
+            ]
             _plot_panel(ax, cell)
-            ax.set_title(f"{model + ', ' if model else ''}{n} emulated hosts (points: measured, dashed: cost model)")
+            ax.set_title(
+                f"{model + ', ' if model else ''}{n} emulated hosts (points: measured, dashed: cost model)"
+            )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -582,14 +714,28 @@ def _plot_panel(ax, cell):
     for method in dict.fromkeys(r["method"] for r in cell):
         if method == "pmean":
             continue
-        points = sorted((parse_rate(r["rate"]), r["speedup"], r.get("predicted_sync"), r["compute"])
-                        for r in cell if r["method"] == method)
-        line, = ax.plot([p[0] / 1e9 for p in points], [p[1] for p in points], "o", label=f"{method} measured")
+        points = sorted(
+            (parse_rate(r["rate"]), r["speedup"], r.get("predicted_sync"), r["compute"])
+            for r in cell
+            if r["method"] == method
+        )
+        (line,) = ax.plot(
+            [p[0] / 1e9 for p in points], [p[1] for p in points], "o", label=f"{method} measured"
+        )
         base = {parse_rate(r["rate"]): r for r in cell if r["method"] == "pmean"}
-        model = [(p[0] / 1e9, (base[p[0]]["compute"] + base[p[0]]["predicted_sync"]) / (p[3] + p[2]))
-                 for p in points if p[2] is not None and base.get(p[0], {}).get("predicted_sync") is not None]
+        model = [
+            (p[0] / 1e9, (base[p[0]]["compute"] + base[p[0]]["predicted_sync"]) / (p[3] + p[2]))
+            for p in points
+            if p[2] is not None and base.get(p[0], {}).get("predicted_sync") is not None
+        ]
         if model:
-            ax.plot([m[0] for m in model], [m[1] for m in model], "--", color=line.get_color(), alpha=0.6)
+            ax.plot(
+                [m[0] for m in model],
+                [m[1] for m in model],
+                "--",
+                color=line.get_color(),
+                alpha=0.6,
+            )
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("link rate, Gbit/s")
@@ -601,20 +747,43 @@ def _parser() -> argparse.ArgumentParser:
     from jaxcomp import zoo
 
     parser = argparse.ArgumentParser(prog="jaxcomp netbench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hosts", default=",".join(map(str, DEFAULT_HOSTS)), help="emulated host counts (default 2,4)")
-    parser.add_argument("--rates", default=",".join(DEFAULT_RATES),
-                        help=f"link rates, 'none' for no limit (default {','.join(DEFAULT_RATES)})")
-    parser.add_argument("--model", default=None, metavar="NAME[,NAME...]",
-                        help=f"train these jaxcomp.zoo models, one cell each, from {','.join(zoo.NAMES)} "
-                             "(default: the MLP of --params)")
-    parser.add_argument("--params", type=float, default=None,
-                        help="parameters of the MLP of 6 square layers trained without --model (default 25e6)")
+    parser.add_argument(
+        "--hosts",
+        default=",".join(map(str, DEFAULT_HOSTS)),
+        help="emulated host counts (default 2,4)",
+    )
+    parser.add_argument(
+        "--rates",
+        default=",".join(DEFAULT_RATES),
+        help=f"link rates, 'none' for no limit (default {','.join(DEFAULT_RATES)})",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME[,NAME...]",
+        help=f"train these jaxcomp.zoo models, one cell each, from {','.join(zoo.NAMES)} "
+        "(default: the MLP of --params)",
+    )
+    parser.add_argument(
+        "--params",
+        type=float,
+        default=None,
+        help="parameters of the MLP of 6 square layers trained without --model (default 25e6)",
+    )
     parser.add_argument("--methods", default=",".join(METHODS), help=f"from {','.join(METHODS)}")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per method, the median counts (default 3)")
+    parser.add_argument(
+        "--steps", type=int, default=3, help="timed steps per method, the median counts (default 3)"
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
-    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH,
-                        help="rows (sequences, images) per host (default 4)")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per cell (default 1800)")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=DEFAULT_BATCH,
+        help="rows (sequences, images) per host (default 4)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=1800, help="seconds per cell (default 1800)"
+    )
     parser.add_argument("--plot", default=None, help="write the speedup plot (PNG) here")
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
     parser.add_argument("--log", default=None, help="append the workers' output here")
@@ -650,7 +819,9 @@ def _checked_args(parser, args):
     if models is not None and (not models or any(m not in zoo.NAMES for m in models)):
         parser.error(f"--model must be among {','.join(zoo.NAMES)}, got {args.model!r}")
     if models is not None and args.params is not None:
-        parser.error("--params sizes the MLP trained without --model: give one of --model and --params")
+        parser.error(
+            "--params sizes the MLP trained without --model: give one of --model and --params"
+        )
     if args.params is not None and not (args.params >= 1000 and math.isfinite(args.params)):
         parser.error(f"--params must be a finite number >= 1000, got {args.params}")
     for name in ("steps", "batch"):
@@ -684,8 +855,19 @@ def main(argv=None) -> int:
 
     try:
         with sigterm_as_interrupt():  # `kill` tears the cluster down too
-            rows = run_benchmark(hosts, rates, params=params, methods=methods, steps=args.steps, warmup=args.warmup,
-                                 batch=args.batch, timeout=args.timeout, log=args.log, on_cell=save, models=models)
+            rows = run_benchmark(
+                hosts,
+                rates,
+                params=params,
+                methods=methods,
+                steps=args.steps,
+                warmup=args.warmup,
+                batch=args.batch,
+                timeout=args.timeout,
+                log=args.log,
+                on_cell=save,
+                models=models,
+            )
     except ClusterError as e:
         print(f"jaxcomp netbench: {e}", file=sys.stderr)
         return 2

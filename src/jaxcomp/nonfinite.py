@@ -58,8 +58,9 @@ def skipped_update(opt_state):
       optax ``apply_if_finite`` (skips a step on non-finite updates); Micikevicius et al.,
       "Mixed Precision Training", ICLR 2018, §3.2 (a step with Inf/NaN gradients is skipped).
     """
-    flags = [state.metrics.nonfinite > 0 for state in _states(opt_state)
-             if state.policy.name != "zero"]
+    flags = [
+        state.metrics.nonfinite > 0 for state in _states(opt_state) if state.policy.name != "zero"
+    ]
     if not flags:
         return None
     return functools.reduce(jnp.logical_or, flags)
@@ -143,13 +144,16 @@ def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransforma
         if skipped is None:
             return new_updates, new_state
         new_updates = jax.tree.map(
-            lambda u: jnp.where(skipped, jnp.zeros_like(u), u) if jnp.issubdtype(u.dtype, jnp.inexact) else u,
-            new_updates)
+            lambda u: (
+                jnp.where(skipped, jnp.zeros_like(u), u)
+                if jnp.issubdtype(u.dtype, jnp.inexact)
+                else u
+            ),
+            new_updates,
+        )
         return new_updates, keep_if_skipped(skipped, state, new_state)
 
     return optax.GradientTransformationExtraArgs(inner.init, update)
-
-
 
 
 def _states(opt_state):

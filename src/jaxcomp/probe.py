@@ -75,16 +75,24 @@ def fit_alpha_beta(sizes, seconds, n_workers: int, method: Method = Dense()) -> 
     sizes = np.asarray(sizes, dtype=np.float64)
     seconds = np.asarray(seconds, dtype=np.float64)
     if sizes.ndim != 1 or seconds.shape != sizes.shape:
-        raise ValueError(f"sizes and seconds must be 1-D of equal length, got shapes {sizes.shape} and {seconds.shape}")
+        raise ValueError(
+            f"sizes and seconds must be 1-D of equal length, got shapes {sizes.shape} and {seconds.shape}"
+        )
     if len(np.unique(sizes)) < 2:
-        raise ValueError(f"sizes must hold at least two distinct sizes to separate α from β, got {sizes.tolist()}")
+        raise ValueError(
+            f"sizes must hold at least two distinct sizes to separate α from β, got {sizes.tolist()}"
+        )
     if not np.all(np.isfinite(seconds)) or np.any(seconds <= 0):
         raise ValueError(f"seconds must be positive and finite, got {seconds.tolist()}")
     if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 2:
-        raise ValueError(f"n_workers must be an integer >= 2 (one device sends nothing), got {n_workers!r}")
+        raise ValueError(
+            f"n_workers must be an integer >= 2 (one device sends nothing), got {n_workers!r}"
+        )
     method = methods.parse(method)
     if not method.sends_everything:
-        raise ValueError(f"method must be one that sends everything (a dense all-reduce), got {method.describe()}")
+        raise ValueError(
+            f"method must be one that sends everything (a dense all-reduce), got {method.describe()}"
+        )
     steps = float(cost.message_steps(method, n_workers))
     volumes = np.array([cost.volume_bytes(method, float(s), n_workers) for s in sizes])
     weights = 1.0 / seconds
@@ -92,16 +100,25 @@ def fit_alpha_beta(sizes, seconds, n_workers: int, method: Method = Dense()) -> 
     (alpha, beta), *_ = np.linalg.lstsq(design, seconds * weights, rcond=None)
     if alpha < 0:
         alpha = 0.0
-        beta = float(np.sum(volumes * weights * seconds * weights) / np.sum((volumes * weights) ** 2))
+        beta = float(
+            np.sum(volumes * weights * seconds * weights) / np.sum((volumes * weights) ** 2)
+        )
     if not beta > 0:
         raise ValueError(
             "seconds do not grow with size, so the bandwidth cannot be estimated; time larger sizes "
-            f"(sizes={sizes.tolist()}, seconds={seconds.tolist()})")
+            f"(sizes={sizes.tolist()}, seconds={seconds.tolist()})"
+        )
     return cost.Network(alpha=float(alpha), bandwidth=float(1.0 / beta))
 
 
-def probe_network(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFAULT_REPEATS,
-          cache: bool = True, budget: float | None = DEFAULT_BUDGET) -> cost.Network:
+def probe_network(
+    mesh,
+    axis_name: str,
+    sizes=DEFAULT_SIZES,
+    repeats: int = DEFAULT_REPEATS,
+    cache: bool = True,
+    budget: float | None = DEFAULT_BUDGET,
+) -> cost.Network:
     """Measures α and β of ``axis_name`` on ``mesh`` by timing ``psum`` at several sizes.
 
     Sizes run smallest first. Each is compiled once, run once to warm up, then timed
@@ -151,18 +168,31 @@ def probe_network(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFA
     sizes = tuple(sizes)
     for size in sizes:
         if isinstance(size, bool) or not isinstance(size, int) or size < 4 or size % 4:
-            raise ValueError(f"sizes must be positive multiples of 4 bytes (float32 values), got {size!r}")
+            raise ValueError(
+                f"sizes must be positive multiples of 4 bytes (float32 values), got {size!r}"
+            )
     if len(set(sizes)) < 2:
         raise ValueError(f"sizes must hold at least two distinct sizes, got {sizes}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
-    if budget is not None and not (isinstance(budget, (int, float)) and not isinstance(budget, bool)
-                                   and math.isfinite(budget) and budget > 0):
+    if budget is not None and not (
+        isinstance(budget, (int, float))
+        and not isinstance(budget, bool)
+        and math.isfinite(budget)
+        and budget > 0
+    ):
         raise ValueError(f"budget must be a positive number of seconds or None, got {budget!r}")
     sizes = tuple(sorted(sizes))
 
-    key = (tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, mesh.axis_names, axis_name,
-           sizes, repeats, budget)
+    key = (
+        tuple(d.id for d in mesh.devices.flat),
+        mesh.devices.shape,
+        mesh.axis_names,
+        axis_name,
+        sizes,
+        repeats,
+        budget,
+    )
     if cache and key in _CACHE:
         return _CACHE[key]
     start = time.perf_counter()
@@ -176,10 +206,17 @@ def probe_network(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFA
                 if elapsed + expected > budget:
                     break
             timed.append(size)
-            seconds.append(float(agree_across_processes(np.array([_time_psum(mesh, axis_name, size // 4,
-                                                                               repeats)]))[0]))
+            seconds.append(
+                float(
+                    agree_across_processes(
+                        np.array([_time_psum(mesh, axis_name, size // 4, repeats)])
+                    )[0]
+                )
+            )
         try:
-            network = _bucket_free(fit_alpha_beta(timed, seconds, n_workers), timed, seconds, n_workers)
+            network = _bucket_free(
+                fit_alpha_beta(timed, seconds, n_workers), timed, seconds, n_workers
+            )
             break
         except ValueError:
             # Timings that do not grow with size are noise on a link too fast for these sizes:
@@ -194,8 +231,17 @@ def probe_network(mesh, axis_name: str, sizes=DEFAULT_SIZES, repeats: int = DEFA
     return network
 
 
-def codec_seconds(method, n_values: int, *, n_workers: int | None = None, mesh=None, axis_name: str | None = None,
-                  repeats: int = 3, cache: bool = True, **options) -> float:
+def codec_seconds(
+    method,
+    n_values: int,
+    *,
+    n_workers: int | None = None,
+    mesh=None,
+    axis_name: str | None = None,
+    repeats: int = 3,
+    cache: bool = True,
+    **options,
+) -> float:
     """Measures a method's local work (:meth:`jaxcomp.methods.Method.local_work`) on this machine.
 
     Without a mesh the work runs once on the default device. With ``mesh`` and ``axis_name``
@@ -237,19 +283,26 @@ def codec_seconds(method, n_values: int, *, n_workers: int | None = None, mesh=N
         raise ValueError(f"n_values must be an integer >= 1, got {n_values!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
-    if n_workers is not None and (isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1):
+    if n_workers is not None and (
+        isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1
+    ):
         raise ValueError(f"n_workers must be an integer >= 1, got {n_workers!r}")
     if mesh is not None:
         if not isinstance(mesh, jax.sharding.Mesh):
             raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
         if axis_name not in mesh.axis_names:
-            raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+            raise ValueError(
+                f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}"
+            )
     workers = n_workers or (mesh.shape[axis_name] if mesh is not None else 2)
     codec = method.local_work(n_values, workers)
     if codec is None:
         return 0.0
-    where = ((tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, mesh.axis_names, axis_name)
-             if mesh is not None else jax.default_backend())
+    where = (
+        (tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, mesh.axis_names, axis_name)
+        if mesh is not None
+        else jax.default_backend()
+    )
     key = ("codec", method, n_values, workers, repeats, where)
     if cache and key in _CACHE:
         return _CACHE[key]
@@ -260,7 +313,9 @@ def codec_seconds(method, n_values: int, *, n_workers: int | None = None, mesh=N
         spec = P(axis_name)
         shape = (mesh.shape[axis_name] * n_values,)
         values = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-        x = jax.make_array_from_callback(shape, NamedSharding(mesh, spec), lambda index: values[index])
+        x = jax.make_array_from_callback(
+            shape, NamedSharding(mesh, spec), lambda index: values[index]
+        )
         run = jax.jit(jax.shard_map(codec, mesh=mesh, in_specs=spec, out_specs=spec))
     best = _best_seconds(lambda: run(x), repeats)
     if cache:
@@ -335,11 +390,15 @@ def update_seconds(method, params, *, repeats: int = 3, **options) -> float:
     from jaxcomp.transform import compress  # the transformation is only needed when timing
 
     axes = tuple(f"_local{i}" for i in range(method.axes_needed or 1))
-    mesh = jax.sharding.Mesh(np.array(jax.local_devices()).reshape(-1, *(1,) * len(axes)), ("_device",) + axes)
+    mesh = jax.sharding.Mesh(
+        np.array(jax.local_devices()).reshape(-1, *(1,) * len(axes)), ("_device",) + axes
+    )
     rng = np.random.default_rng(0)
     replicated = NamedSharding(mesh, P())
-    grads = jax.tree.map(lambda p: jax.device_put(rng.standard_normal(np.shape(p)).astype(np.float32), replicated),
-                         params)
+    grads = jax.tree.map(
+        lambda p: jax.device_put(rng.standard_normal(np.shape(p)).astype(np.float32), replicated),
+        params,
+    )
 
     def time_update(m):
         tx = compress(m, axis_name=axes if len(axes) > 1 else axes[0])
@@ -349,13 +408,17 @@ def update_seconds(method, params, *, repeats: int = 3, **options) -> float:
             g = jax.lax.pcast(g, axes, to="varying")
             return tx.update(g, state)[0]
 
-        run = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False))
+        run = jax.jit(
+            jax.shard_map(update, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+        )
         return _best_seconds(lambda: run(grads, state), repeats)
 
     return max(0.0, time_update(method) - time_update(Dense()))
 
 
-def overhead_seconds(method: Method, params, *, mesh=None, axis_name: str | None = None, repeats: int = 3) -> float:
+def overhead_seconds(
+    method: Method, params, *, mesh=None, axis_name: str | None = None, repeats: int = 3
+) -> float:
     """The seconds of local work ``method`` adds to a step, measured the way the method asks.
 
     0 for a method that sends everything; else :func:`update_seconds`, the method's whole
@@ -416,9 +479,12 @@ def _time_psum(mesh, axis_name, values_per_device, repeats):
     spec = P(axis_name)
     sharding = NamedSharding(mesh, spec)
     shape = (mesh.shape[axis_name] * values_per_device,)
-    x = jax.make_array_from_callback(shape, sharding, lambda index: np.ones(shape, np.float32)[index])
-    reduce = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, axis_name), mesh=mesh, in_specs=spec,
-                                   out_specs=P()))
+    x = jax.make_array_from_callback(
+        shape, sharding, lambda index: np.ones(shape, np.float32)[index]
+    )
+    reduce = jax.jit(
+        jax.shard_map(lambda v: jax.lax.psum(v, axis_name), mesh=mesh, in_specs=spec, out_specs=P())
+    )
     reduce(x).block_until_ready()  # compile and warm up outside the timing
     times = []
     for _ in range(repeats):

@@ -152,7 +152,9 @@ def default_port(coordinator: str) -> int:
     """
     port = split_address(coordinator)[1]
     if port == 65535:
-        raise ValueError(f"coordinator {coordinator!r} uses port 65535: give the rendezvous port explicitly")
+        raise ValueError(
+            f"coordinator {coordinator!r} uses port 65535: give the rendezvous port explicitly"
+        )
     return port + 1
 
 
@@ -186,7 +188,9 @@ class Membership:
         binds its own, unused, elsewhere).
     """
 
-    def __init__(self, sock, reader, address, num_processes, process_id, hosts_jax_service, on_loss, server):
+    def __init__(
+        self, sock, reader, address, num_processes, process_id, hosts_jax_service, on_loss, server
+    ):
         self.address = address
         self.num_processes = num_processes
         self.process_id = process_id
@@ -198,7 +202,9 @@ class Membership:
         self._lock = threading.Lock()
         self._leaving = False
         self._server = server  # process 0: the server's Popen (kept so it is not reaped as garbage)
-        self._watch = threading.Thread(target=self._watch_loop, name="jaxcomp-rendezvous-watch", daemon=True)
+        self._watch = threading.Thread(
+            target=self._watch_loop, name="jaxcomp-rendezvous-watch", daemon=True
+        )
         self._watch.start()
 
     @property
@@ -245,10 +251,14 @@ class Membership:
                 line = None
             with self._lock:
                 leaving = self._leaving
-            if line is None:  # the server is gone: it lives as long as any process does, so process 0 went
+            if (
+                line is None
+            ):  # the server is gone: it lives as long as any process does, so process 0 went
                 if leaving:
                     return
-                self._note_loss([0], "the rendezvous server (process 0's helper) closed the connection")
+                self._note_loss(
+                    [0], "the rendezvous server (process 0's helper) closed the connection"
+                )
                 return
             words = line.split()
             if words and words[0] == "LOST":
@@ -267,13 +277,21 @@ class Membership:
 
 
 def _lost_message(lost, process_id, num_processes):
-    return (f"process {process_id} of {num_processes}: process(es) {', '.join(map(str, lost))} left the job "
-            "without a clean goodbye (killed, crashed, or exited on an error)")
+    return (
+        f"process {process_id} of {num_processes}: process(es) {', '.join(map(str, lost))} left the job "
+        "without a clean goodbye (killed, crashed, or exited on an error)"
+    )
 
 
-def check_in(address: str, num_processes: int, process_id: int, timeout: float = 60.0, *,
-             jax_service: JaxService | None = None,
-             on_loss: Callable[[tuple, str], None] | None = None) -> Membership:
+def check_in(
+    address: str,
+    num_processes: int,
+    process_id: int,
+    timeout: float = 60.0,
+    *,
+    jax_service: JaxService | None = None,
+    on_loss: Callable[[tuple, str], None] | None = None,
+) -> Membership:
     """Waits until every process of the job has checked in; raises naming the ones that did not.
 
     Process 0 first starts the rendezvous server on ``address`` (a helper process that lives until
@@ -312,15 +330,27 @@ def check_in(address: str, num_processes: int, process_id: int, timeout: float =
     host, port = split_address(address)
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
-    if isinstance(process_id, bool) or not isinstance(process_id, int) or not 0 <= process_id < num_processes:
-        raise ValueError(f"process_id must be an integer in [0, {num_processes}), got {process_id!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
-            or timeout <= 0:
+    if (
+        isinstance(process_id, bool)
+        or not isinstance(process_id, int)
+        or not 0 <= process_id < num_processes
+    ):
+        raise ValueError(
+            f"process_id must be an integer in [0, {num_processes}), got {process_id!r}"
+        )
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
         raise ValueError(f"timeout must be a positive finite number of seconds, got {timeout!r}")
     deadline = time.monotonic() + timeout
     server, hosts_service = None, False
     if process_id == 0:
-        server, hosts_service = _start_server(host, port, num_processes, timeout, jax_service, deadline)
+        server, hosts_service = _start_server(
+            host, port, num_processes, timeout, jax_service, deadline
+        )
     sock = _connect(host, port, deadline, address, num_processes, process_id, timeout)
     try:
         sock.sendall(f"HELLO {PROTOCOL} {num_processes} {process_id}\n".encode())
@@ -333,9 +363,13 @@ def check_in(address: str, num_processes: int, process_id: int, timeout: float =
         sock.close()
         raise MissingProcessError(
             f"process {process_id} of {num_processes}: lost the connection to the rendezvous server at {address} "
-            f"before every process checked in ({e}): process 0 died while starting", [0]) from None
+            f"before every process checked in ({e}): process 0 died while starting",
+            [0],
+        ) from None
     if line == "GO":
-        return Membership(sock, reader, address, num_processes, process_id, hosts_service, on_loss, server)
+        return Membership(
+            sock, reader, address, num_processes, process_id, hosts_service, on_loss, server
+        )
     sock.close()
     words = (line or "").split(maxsplit=1)
     if words and words[0] in ("MISSING", "WAITING"):
@@ -343,12 +377,18 @@ def check_in(address: str, num_processes: int, process_id: int, timeout: float =
         raise MissingProcessError(
             f"process {process_id} of {num_processes}: process(es) {', '.join(map(str, missing))} did not check "
             f"in at the rendezvous on {address} within {timeout:g} s: never started, died while starting, or "
-            "cannot reach process 0's host", missing)
+            "cannot reach process 0's host",
+            missing,
+        )
     if words and words[0] == "ERROR":
-        raise ValueError(f"the rendezvous server at {address} refused process {process_id}: {words[1]}")
+        raise ValueError(
+            f"the rendezvous server at {address} refused process {process_id}: {words[1]}"
+        )
     raise MissingProcessError(
         f"process {process_id} of {num_processes}: the rendezvous server at {address} (process 0) did not answer "
-        f"within {timeout:g} s: process 0 died while starting", [0])
+        f"within {timeout:g} s: process 0 died while starting",
+        [0],
+    )
 
 
 def _connect(host, port, deadline, address, num_processes, process_id, timeout):
@@ -359,37 +399,60 @@ def _connect(host, port, deadline, address, num_processes, process_id, timeout):
             raise MissingProcessError(
                 f"process {process_id} of {num_processes}: process 0 did not open the rendezvous on {address} "
                 f"within {timeout:g} s ({error}): it never started, died while starting, or is not reachable "
-                "from this host", [0])
+                "from this host",
+                [0],
+            )
         try:
             sock = socket.create_connection((host, port), timeout=min(left, 5.0))
             sock.settimeout(None)
             return sock
-        except OSError as e:  # refused (not listening yet), unreachable, timed out: retry until the deadline
+        except (
+            OSError
+        ) as e:  # refused (not listening yet), unreachable, timed out: retry until the deadline
             error = e
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
-_RUN_THIS_FILE = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+_RUN_THIS_FILE = (
+    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 
 def _start_server(host, port, num_processes, timeout, jax_service, deadline):
     """Starts the rendezvous server as a helper process; returns (Popen, hosts_jax_service)."""
     # This file run as a script, not ``-m jaxcomp.rendezvous``: importing the package would import
     # JAX (seconds); and through runpy, so that this file's folder does not go first on sys.path.
-    args = [sys.executable, "-c", _RUN_THIS_FILE, os.path.abspath(__file__), "serve", join_address(host, port),
-            str(num_processes),
-            # the server's deadline is process 0's: it answers the processes still waiting at about then
-            repr(max(0.1, deadline - time.monotonic()))]
+    args = [
+        sys.executable,
+        "-c",
+        _RUN_THIS_FILE,
+        os.path.abspath(__file__),
+        "serve",
+        join_address(host, port),
+        str(num_processes),
+        # the server's deadline is process 0's: it answers the processes still waiting at about then
+        repr(max(0.1, deadline - time.monotonic())),
+    ]
     if jax_service is not None:
-        args += ["--jax-service", jax_service.bind_address, str(jax_service.num_processes),
-                 str(int(jax_service.heartbeat_timeout)), str(int(jax_service.shutdown_timeout)),
-                 str(int(bool(jax_service.recoverable)))]
+        args += [
+            "--jax-service",
+            jax_service.bind_address,
+            str(jax_service.num_processes),
+            str(int(jax_service.heartbeat_timeout)),
+            str(int(jax_service.shutdown_timeout)),
+            str(int(bool(jax_service.recoverable))),
+        ]
     # Its own session: a Ctrl-C meant for the job does not take the server down before the others
     # leave. Not process 0's stderr: whoever reads that pipe would wait for the server to exit too.
     log = os.environ.get(LOG_VARIABLE)
     with open(log or os.devnull, "ab") as stderr:
-        server = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr,
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            start_new_session=True,
+        )
     reader = _LineReader(server.stdout)
     line = reader.readline(max(deadline, time.monotonic() + 30.0))  # jaxlib's import can be slow
     server.stdout.close()
@@ -397,16 +460,21 @@ def _start_server(host, port, num_processes, timeout, jax_service, deadline):
     if words and words[0] == "READY":
         hosts_service = words[1:] == ["jax-service"]
         if jax_service is not None and not hosts_service:
-            print(f"jaxcomp.rendezvous: the rendezvous server cannot host JAX's coordination service "
-                  f"({words[1] if len(words) > 1 else 'unknown reason'}); process 0 hosts it, as JAX does by default",
-                  file=sys.stderr, flush=True)
+            print(
+                f"jaxcomp.rendezvous: the rendezvous server cannot host JAX's coordination service "
+                f"({words[1] if len(words) > 1 else 'unknown reason'}); process 0 hosts it, as JAX does by default",
+                file=sys.stderr,
+                flush=True,
+            )
         return server, hosts_service
     if server.poll() is None:
         server.kill()
     server.wait()
     why = words[1] if words and words[0] == "FAILED" else f"it exited with code {server.returncode}"
-    raise OSError(f"process 0 cannot start the rendezvous server on {join_address(host, port)}: {why}. Pick "
-                  "another port (jaxcomp.launch: --rendezvous-port, rendezvous_port=, or JAXCOMP_RENDEZVOUS_PORT)")
+    raise OSError(
+        f"process 0 cannot start the rendezvous server on {join_address(host, port)}: {why}. Pick "
+        "another port (jaxcomp.launch: --rendezvous-port, rendezvous_port=, or JAXCOMP_RENDEZVOUS_PORT)"
+    )
 
 
 def _parse_ids(words):
@@ -431,8 +499,11 @@ class _LineReader:
                     selector.register(self.source, selectors.EVENT_READ)
                     if not selector.select(left):
                         continue
-            chunk = self.source.recv(4096) if isinstance(self.source, socket.socket) else os.read(
-                self.source.fileno(), 4096)
+            chunk = (
+                self.source.recv(4096)
+                if isinstance(self.source, socket.socket)
+                else os.read(self.source.fileno(), 4096)
+            )
             if not chunk:
                 return None
             self.buffer += chunk
@@ -443,8 +514,13 @@ class _LineReader:
 # -- the server (the helper process) ---------------------------------------------------------------
 
 
-def serve(address: str, num_processes: int, timeout: float, jax_service: JaxService | None = None,
-          ready: Callable[[str], None] | None = None) -> int:
+def serve(
+    address: str,
+    num_processes: int,
+    timeout: float,
+    jax_service: JaxService | None = None,
+    ready: Callable[[str], None] | None = None,
+) -> int:
     """Runs the rendezvous server until every process has left (what process 0's helper runs).
 
     Args:
@@ -477,9 +553,14 @@ def serve(address: str, num_processes: int, timeout: float, jax_service: JaxServ
     if jax_service is not None:
         try:
             from jaxlib import _jax
+
             service = _jax.get_distributed_runtime_service(
-                jax_service.bind_address, jax_service.num_processes, heartbeat_timeout=jax_service.heartbeat_timeout,
-                shutdown_timeout=jax_service.shutdown_timeout, recoverable=jax_service.recoverable)
+                jax_service.bind_address,
+                jax_service.num_processes,
+                heartbeat_timeout=jax_service.heartbeat_timeout,
+                shutdown_timeout=jax_service.shutdown_timeout,
+                recoverable=jax_service.recoverable,
+            )
             hosted = " jax-service"
         except Exception as e:  # not hosted: process 0 hosts it itself, as JAX normally does
             hosted = " " + " ".join(f"{type(e).__name__}: {e}".split())
@@ -503,7 +584,9 @@ def _listen(host, port, backlog):
             listener.close()
             # HOST is not one of this machine's addresses (a NAT, a name for another interface):
             # listen on every interface instead. Any other error (port in use) is final.
-            if e.errno in (99, 49, -2, -3, -5) or isinstance(e, socket.gaierror):  # EADDRNOTAVAIL, resolve errors
+            if e.errno in (99, 49, -2, -3, -5) or isinstance(
+                e, socket.gaierror
+            ):  # EADDRNOTAVAIL, resolve errors
                 continue
             raise
         listener.listen(max(16, backlog))
@@ -532,8 +615,12 @@ class _Server:
             if not self.started and now >= self.deadline:
                 missing = self.missing()
                 self.broadcast(f"MISSING {','.join(map(str, missing))}\n")
-                print(f"jaxcomp.rendezvous: process(es) {', '.join(map(str, missing))} of {self.num_processes} did "
-                      "not check in in time", file=sys.stderr, flush=True)
+                print(
+                    f"jaxcomp.rendezvous: process(es) {', '.join(map(str, missing))} of {self.num_processes} did "
+                    "not check in in time",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
             if self.started and not self.members:
                 return 0
@@ -581,19 +668,32 @@ class _Server:
         if not words:
             return
         if words[0] == "HELLO":
-            if len(words) != 4 or words[1] != PROTOCOL or not words[2].isdigit() or not words[3].isdigit():
+            if (
+                len(words) != 4
+                or words[1] != PROTOCOL
+                or not words[2].isdigit()
+                or not words[3].isdigit()
+            ):
                 self.refuse(sock, f"not a {PROTOCOL} hello: {' '.join(words)[:80]!r}")
                 return
             count, process_id = int(words[2]), int(words[3])
             if count != self.num_processes:
-                self.refuse(sock, f"process {process_id} says the job has {count} processes, process 0 says "
-                                  f"{self.num_processes}")
+                self.refuse(
+                    sock,
+                    f"process {process_id} says the job has {count} processes, process 0 says "
+                    f"{self.num_processes}",
+                )
             elif not 0 <= process_id < self.num_processes:
                 self.refuse(sock, f"process id {process_id} is not in [0, {self.num_processes})")
             elif self.started:
-                self.refuse(sock, f"process {process_id} checked in after the job started (restarted?)")
+                self.refuse(
+                    sock, f"process {process_id} checked in after the job started (restarted?)"
+                )
             elif process_id in self.members:
-                self.refuse(sock, f"process id {process_id} checked in twice (two processes given the same id?)")
+                self.refuse(
+                    sock,
+                    f"process id {process_id} checked in twice (two processes given the same id?)",
+                )
             else:
                 peer["id"] = process_id
                 self.members[process_id] = sock
@@ -602,7 +702,9 @@ class _Server:
                     self.started = True
                     self.broadcast("GO\n")
         elif words[0] == "STATUS":
-            self.send(sock, "GO\n" if self.started else f"WAITING {','.join(map(str, self.missing()))}\n")
+            self.send(
+                sock, "GO\n" if self.started else f"WAITING {','.join(map(str, self.missing()))}\n"
+            )
         elif words[0] == "BYE":
             peer["bye"] = True
 
@@ -630,8 +732,12 @@ class _Server:
         del self.members[process_id]
         if not self.started or peer["bye"] or quiet:
             return  # before the go-ahead a process that leaves is simply missing again
-        print(f"jaxcomp.rendezvous: process {process_id} of {self.num_processes} left without a goodbye; telling "
-              "the others", file=sys.stderr, flush=True)
+        print(
+            f"jaxcomp.rendezvous: process {process_id} of {self.num_processes} left without a goodbye; telling "
+            "the others",
+            file=sys.stderr,
+            flush=True,
+        )
         self.broadcast(f"LOST {process_id}\n")
         if self.give_up_at is None:
             self.give_up_at = time.monotonic() + self.linger
@@ -640,7 +746,11 @@ class _Server:
 def _main(argv=None) -> int:
     """``python -m jaxcomp.rendezvous serve HOST:PORT N TIMEOUT [--jax-service BIND N HB SHUTDOWN RECOVERABLE]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) not in (4, 10) or argv[0] != "serve" or (len(argv) == 10 and argv[4] != "--jax-service"):
+    if (
+        len(argv) not in (4, 10)
+        or argv[0] != "serve"
+        or (len(argv) == 10 and argv[4] != "--jax-service")
+    ):
         print(_main.__doc__, file=sys.stderr)
         return 2
     jax_service = None

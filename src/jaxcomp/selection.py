@@ -37,12 +37,19 @@ def _dispatch_selection(op, x, target, k, portable, implementation, **attrs):
     int_shape = jax.ShapeDtypeStruct(batch + (k,), jnp.int32)
 
     def native(v):
-        values, indices = _rows_call(target, v.astype(jnp.float32),
-                                     (jax.ShapeDtypeStruct(batch + (k,), jnp.float32), int_shape), k=k, **attrs)
+        values, indices = _rows_call(
+            target,
+            v.astype(jnp.float32),
+            (jax.ShapeDtypeStruct(batch + (k,), jnp.float32), int_shape),
+            k=k,
+            **attrs,
+        )
         return values.astype(dtype), indices
 
     def native_cuda(v):
-        return _rows_call(target, v, (jax.ShapeDtypeStruct(batch + (k,), dtype), int_shape), k=k, **attrs)
+        return _rows_call(
+            target, v, (jax.ShapeDtypeStruct(batch + (k,), dtype), int_shape), k=k, **attrs
+        )
 
     def xla(v):
         values, indices = portable(v.astype(jnp.float32))
@@ -77,7 +84,9 @@ def topk(x, k, *, implementation=None):
     """
     x, k = _checks.check_k(x, k)
     implementation = _ffi.check_implementation(implementation)
-    return _dispatch_selection("jaxcomp.topk", x, "jaxcomp_topk", k, lambda v: _xla.topk(v, k), implementation)
+    return _dispatch_selection(
+        "jaxcomp.topk", x, "jaxcomp_topk", k, lambda v: _xla.topk(v, k), implementation
+    )
 
 
 def find_threshold(x, k, rounds=DEFAULT_ROUNDS, *, implementation=None):
@@ -117,14 +126,21 @@ def find_threshold(x, k, rounds=DEFAULT_ROUNDS, *, implementation=None):
     results = (jax.ShapeDtypeStruct(batch, jnp.float32), jax.ShapeDtypeStruct(batch, jnp.int32))
 
     def native(v):  # CPU: float32 input
-        return _rows_call("jaxcomp_find_threshold", v.astype(jnp.float32), results, k=k, rounds=rounds)
+        return _rows_call(
+            "jaxcomp_find_threshold", v.astype(jnp.float32), results, k=k, rounds=rounds
+        )
 
     def native_cuda(v):  # the CUDA kernels read bfloat16/float16 as they are
         return _rows_call("jaxcomp_find_threshold", v, results, k=k, rounds=rounds)
 
-    return _ffi.dispatch("jaxcomp.find_threshold", (x,), native,
-                         lambda v: _xla.find_threshold(v.astype(jnp.float32), k, rounds), implementation,
-                         native_cuda=native_cuda)
+    return _ffi.dispatch(
+        "jaxcomp.find_threshold",
+        (x,),
+        native,
+        lambda v: _xla.find_threshold(v.astype(jnp.float32), k, rounds),
+        implementation,
+        native_cuda=native_cuda,
+    )
 
 
 def threshold_topk(x, k, rounds=DEFAULT_ROUNDS, *, implementation=None):
@@ -158,5 +174,12 @@ def threshold_topk(x, k, rounds=DEFAULT_ROUNDS, *, implementation=None):
     x, k = _checks.check_k(x, k)
     rounds = _checks.check_rounds(rounds)
     implementation = _ffi.check_implementation(implementation)
-    return _dispatch_selection("jaxcomp.threshold_topk", x, "jaxcomp_threshold_topk", k,
-                               lambda v: _xla.threshold_topk(v, k, rounds), implementation, rounds=rounds)
+    return _dispatch_selection(
+        "jaxcomp.threshold_topk",
+        x,
+        "jaxcomp_threshold_topk",
+        k,
+        lambda v: _xla.threshold_topk(v, k, rounds),
+        implementation,
+        rounds=rounds,
+    )

@@ -43,7 +43,9 @@ class ShardedUpdates:
     n_devices: int
 
 
-_ACTIVE: contextvars.ContextVar[ShardedUpdates | None] = contextvars.ContextVar("jaxcomp_sharded", default=None)
+_ACTIVE: contextvars.ContextVar[ShardedUpdates | None] = contextvars.ContextVar(
+    "jaxcomp_sharded", default=None
+)
 
 
 @contextlib.contextmanager
@@ -163,7 +165,7 @@ def unshard(shards, shape):
     References:
       Rajbhandari et al., ZeRO, SC 2020 (the parameter all-gather).
     """
-    return shards.reshape(-1)[:math.prod(shape)].reshape(shape)
+    return shards.reshape(-1)[: math.prod(shape)].reshape(shape)
 
 
 def shard_major(parts, n_devices: int, row: int):
@@ -221,6 +223,6 @@ def from_shard_major(vector, sizes, n_devices: int):
     parts, offset = [], 0
     for size in sizes:
         m = shard_length(size, n_devices)
-        parts.append(matrix[:, offset:offset + m].reshape(-1)[:size])
+        parts.append(matrix[:, offset : offset + m].reshape(-1)[:size])
         offset += m
     return parts

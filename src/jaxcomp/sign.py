@@ -118,12 +118,18 @@ def sign_pack(x, chunk=DEFAULT_CHUNK, *, implementation=None):
     chunk = check_chunk(chunk)
     implementation = _ffi.check_implementation(implementation)
     n = x.shape[-1]
-    shapes = (jax.ShapeDtypeStruct(x.shape[:-1] + (sign_num_words(n),), jnp.uint32),
-              jax.ShapeDtypeStruct(x.shape[:-1] + (-(-n // chunk),), jnp.float32))
+    shapes = (
+        jax.ShapeDtypeStruct(x.shape[:-1] + (sign_num_words(n),), jnp.uint32),
+        jax.ShapeDtypeStruct(x.shape[:-1] + (-(-n // chunk),), jnp.float32),
+    )
     call = _ffi.ffi_call("jaxcomp_sign_pack", shapes, vmap_method="broadcast_all")
-    words, scales = _ffi.dispatch("jaxcomp.sign_pack", (x.astype(jnp.float32),),
-                                  lambda v: call(v, chunk=np.int64(chunk)), lambda v: _xla.sign_pack(v, chunk),
-                                  implementation)
+    words, scales = _ffi.dispatch(
+        "jaxcomp.sign_pack",
+        (x.astype(jnp.float32),),
+        lambda v: call(v, chunk=np.int64(chunk)),
+        lambda v: _xla.sign_pack(v, chunk),
+        implementation,
+    )
     return words, scales
 
 
@@ -161,17 +167,28 @@ def sign_unpack(words, scales, n, chunk=DEFAULT_CHUNK, dtype=jnp.float32, *, imp
     if words.dtype != jnp.uint32:
         raise TypeError(f"words must be uint32 (as sign_pack returns), got dtype {words.dtype}")
     if words.ndim == 0 or words.shape[-1] != sign_num_words(n):
-        raise ValueError(f"words must have ceil(n / 32) = {sign_num_words(n)} words in its last axis for n={n}, "
-                         f"got shape {words.shape}")
+        raise ValueError(
+            f"words must have ceil(n / 32) = {sign_num_words(n)} words in its last axis for n={n}, "
+            f"got shape {words.shape}"
+        )
     if scales.dtype != jnp.float32:
         raise TypeError(f"scales must be float32 (as sign_pack returns), got dtype {scales.dtype}")
     expected = words.shape[:-1] + (-(-n // chunk),)
     if scales.shape != expected:
-        raise ValueError(f"scales must have shape {expected} (words' leading axes, then ceil(n / chunk) for n={n}, "
-                         f"chunk={chunk}), got {scales.shape}")
-    call = _ffi.ffi_call("jaxcomp_sign_unpack", jax.ShapeDtypeStruct(words.shape[:-1] + (n,), jnp.float32),
-                         vmap_method="broadcast_all")
-    decoded = _ffi.dispatch("jaxcomp.sign_unpack", (words, scales),
-                            lambda w, s: call(w, s, n=np.int64(n), chunk=np.int64(chunk)),
-                            lambda w, s: _xla.sign_unpack(w, s, n, chunk), implementation)
+        raise ValueError(
+            f"scales must have shape {expected} (words' leading axes, then ceil(n / chunk) for n={n}, "
+            f"chunk={chunk}), got {scales.shape}"
+        )
+    call = _ffi.ffi_call(
+        "jaxcomp_sign_unpack",
+        jax.ShapeDtypeStruct(words.shape[:-1] + (n,), jnp.float32),
+        vmap_method="broadcast_all",
+    )
+    decoded = _ffi.dispatch(
+        "jaxcomp.sign_unpack",
+        (words, scales),
+        lambda w, s: call(w, s, n=np.int64(n), chunk=np.int64(chunk)),
+        lambda w, s: _xla.sign_unpack(w, s, n, chunk),
+        implementation,
+    )
     return decoded.astype(dtype)

@@ -42,7 +42,9 @@ def pack_codes(codes, width: int):
       Li et al., THC, NSDI 2024.
     """
     per_word = 32 // width
-    codes = jnp.pad(codes, (0, layout.ceil_div(codes.shape[0], per_word) * per_word - codes.shape[0]))
+    codes = jnp.pad(
+        codes, (0, layout.ceil_div(codes.shape[0], per_word) * per_word - codes.shape[0])
+    )
     shifts = jnp.arange(per_word, dtype=jnp.uint32) * np.uint32(width)
     # Fields do not overlap, so the sum is a bitwise or.
     return jnp.sum(codes.reshape(-1, per_word) << shifts, axis=1, dtype=jnp.uint32)
@@ -72,7 +74,9 @@ def unpack_codes(words, width: int, length: int):
     return ((words[:, None] >> shifts) & np.uint32((1 << width) - 1)).reshape(-1)[:length]
 
 
-def thc_aggregate(x, bits: int, key, hadamard: bool, n_devices: int, device, pmax, psum, scatter: bool = False):
+def thc_aggregate(
+    x, bits: int, key, hadamard: bool, n_devices: int, device, pmax, psum, scatter: bool = False
+):
     """THC on one device's vector, with the collectives passed in: ``(total, sent)``.
 
     With ``scatter`` the sum ends as a reduce-scatter (sharded training): ``x`` holds ``n_devices``
@@ -133,6 +137,7 @@ def thc_aggregate(x, bits: int, key, hadamard: bool, n_devices: int, device, pma
         def rotate_back(v, signs):
             return (hadamard_transform(v.reshape(-1, block)) * scale * signs).reshape(-1)
     else:
+
         def transform(v):
             return v
 
@@ -157,12 +162,19 @@ def thc_aggregate(x, bits: int, key, hadamard: bool, n_devices: int, device, pma
         packed = jax.vmap(lambda c: pack_codes(c, width))(codes.reshape(n_devices, row))
         summed = unpack_codes(psum(packed), width, row)
         # This device's row, rotated back with its own row's signs.
-        own = None if not hadamard else jax.lax.dynamic_index_in_dim(
-            signs.reshape(n_devices, -1, block), device, keepdims=False)
+        own = (
+            None
+            if not hadamard
+            else jax.lax.dynamic_index_in_dim(
+                signs.reshape(n_devices, -1, block), device, keepdims=False
+            )
+        )
         total = rotate_back(summed.astype(jnp.float32) * step - n_devices * bound, own)
     else:
         summed = unpack_codes(psum(pack_codes(codes, width)), width, length)
-        total = inverse(summed.astype(jnp.float32) * step - n_devices * bound)  # typed invariant: not stacked with sent
+        total = inverse(
+            summed.astype(jnp.float32) * step - n_devices * bound
+        )  # typed invariant: not stacked with sent
     return total.astype(x.dtype), sent.astype(x.dtype)
 
 
@@ -200,4 +212,6 @@ def quantized_psum_local(x, bits, key, n_devices, hadamard=True):
     bits = _checks.check_bits(bits)
     key = _checks.check_key(key)
     n_devices = _checks.static_int(n_devices, "n_devices", 1)
-    return thc_aggregate(x, bits, key, bool(hadamard), n_devices, 0, pmax=lambda v: v, psum=lambda v: v)
+    return thc_aggregate(
+        x, bits, key, bool(hadamard), n_devices, 0, pmax=lambda v: v, psum=lambda v: v
+    )

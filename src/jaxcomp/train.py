@@ -96,8 +96,17 @@ def _local_copy(x):
 class DataParallel:
     """The object :func:`data_parallel` returns: ``init``, ``step``, ``shard_batch`` and ``params``."""
 
-    def __init__(self, loss_fn, tx, mesh, axis_name, has_aux, max_steps_in_flight=DEFAULT_MAX_STEPS_IN_FLIGHT,
-                 shard=None, gather_dtype=None):
+    def __init__(
+        self,
+        loss_fn,
+        tx,
+        mesh,
+        axis_name,
+        has_aux,
+        max_steps_in_flight=DEFAULT_MAX_STEPS_IN_FLIGHT,
+        shard=None,
+        gather_dtype=None,
+    ):
         self.loss_fn = loss_fn
         self.tx = tx
         self.mesh = mesh
@@ -118,8 +127,12 @@ class DataParallel:
 
     def _shard_avals(self, avals):
         """The avals of one device's shards of ``avals`` (1-D, :func:`jaxcomp.sharding.shard_length`)."""
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((sharding.shard_length(math.prod(a.shape),
-                                                                                  self.n_devices),), a.dtype), avals)
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(
+                (sharding.shard_length(math.prod(a.shape), self.n_devices),), a.dtype
+            ),
+            avals,
+        )
 
     def _tx_init(self, params, shards=None):
         """``tx.init`` as this run lays it out: of the params, or (sharded) of this device's shards,
@@ -127,11 +140,15 @@ class DataParallel:
         residual of the whole local gradient)."""
         if self.shard is None:
             return self.tx.init(params)
-        with sharding.sharded_updates(self.n_devices):  # a compress without a reduce-scatter form says so
+        with sharding.sharded_updates(
+            self.n_devices
+        ):  # a compress without a reduce-scatter form says so
             whole = self.tx.init(params)
             of_shards = self.tx.init(shards)
         is_compress = lambda x: isinstance(x, CompressState)  # noqa: E731
-        return jax.tree.map(lambda w, s: w if is_compress(w) else s, whole, of_shards, is_leaf=is_compress)
+        return jax.tree.map(
+            lambda w, s: w if is_compress(w) else s, whole, of_shards, is_leaf=is_compress
+        )
 
     def _tx_update(self, grads, opt_state, params):
         """``tx.update``; sharded, inside :func:`jaxcomp.sharding.sharded_updates`."""
@@ -143,9 +160,15 @@ class DataParallel:
     def _gather_bytes(self, avals) -> float:
         """Bytes one device sends in a step's all-gather of the params (sharded modes): ``(N-1)/N``
         of every leaf's ``N`` shards, in ``gather_dtype`` or the leaf's dtype."""
-        return sum(layout.reduce_scatter_bytes(
-            self.n_devices * sharding.shard_length(math.prod(a.shape), self.n_devices)
-            * jnp.dtype(self.gather_dtype or a.dtype).itemsize, self.n_devices) for a in jax.tree.leaves(avals))
+        return sum(
+            layout.reduce_scatter_bytes(
+                self.n_devices
+                * sharding.shard_length(math.prod(a.shape), self.n_devices)
+                * jnp.dtype(self.gather_dtype or a.dtype).itemsize,
+                self.n_devices,
+            )
+            for a in jax.tree.leaves(avals)
+        )
 
     def _my_shards(self, params):
         """This device's shard of each leaf of the whole ``params`` (inside ``shard_map``)."""
@@ -154,7 +177,9 @@ class DataParallel:
 
     def _avals(self, params):
         """The whole params' avals, from whole params, or from a sharded state's params."""
-        avals = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)), params)
+        avals = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)), params
+        )
         if self.shard != "params":
             return avals
         key = _tree_key(avals)
@@ -162,24 +187,32 @@ class DataParallel:
             return self._shapes[key]
         leaves = jax.tree.leaves(avals)
         counts = {a.shape[0] for a in leaves if len(a.shape) == 2}
-        if len(counts) == 1 and all(len(a.shape) == 2 for a in leaves) and counts != {self.n_devices}:
+        if (
+            len(counts) == 1
+            and all(len(a.shape) == 2 for a in leaves)
+            and counts != {self.n_devices}
+        ):
             raise ValueError(
                 f"state.params are shards for {counts.pop()} devices, but this data_parallel shards over "
                 f"{self.n_devices}: a sharded state restores onto the same number of devices only. Its "
                 "error-feedback residuals are per device and cannot be re-split exactly; to move to another "
                 "mesh, gather the params with params(state) on the old one and init anew (the optimizer state "
-                "and residuals start over)")
+                "and residuals start over)"
+            )
         if all(len(a.shape) == 2 and a.shape[0] == self.n_devices for a in leaves):
             raise ValueError(
                 "these are sharded params (shard='params'): call init(params) or state_sharding(params) of "
                 "this data_parallel with the whole params first (e.g. before restoring a checkpoint), so that "
-                "it knows each leaf's shape")
+                "it knows each leaf's shape"
+            )
         return avals
 
     def _remember_shapes(self, avals):
         if self.shard == "params":
-            stored = jax.tree.map(lambda a: jax.ShapeDtypeStruct((self.n_devices,) + a.shape, a.dtype),
-                                  self._shard_avals(avals))
+            stored = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct((self.n_devices,) + a.shape, a.dtype),
+                self._shard_avals(avals),
+            )
             self._shapes[_tree_key(stored)] = avals
 
     # -- layout of the optimizer state ---------------------------------------------------------
@@ -192,7 +225,9 @@ class DataParallel:
         ``params`` are the whole params (arrays or avals).
         """
         _check_params(params)
-        avals = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)), params)
+        avals = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)), params
+        )
         cache_key = _tree_key(avals)
         if cache_key in self._masks:
             return self._masks[cache_key]
@@ -206,36 +241,53 @@ class DataParallel:
             found = {}
 
             def trace_update(params, state_leaves, mask=mask, found=found):
-                opt_state = state_def.unflatten([leaf[0] if per_device else leaf
-                                                 for leaf, per_device in zip(state_leaves, mask)])
+                opt_state = state_def.unflatten(
+                    [
+                        leaf[0] if per_device else leaf
+                        for leaf, per_device in zip(state_leaves, mask)
+                    ]
+                )
                 grads = jax.lax.pcast(params, self.axis_name, to="varying")
                 tx_params = self._my_shards(params) if self.shard else params
                 updates, new_state = self._tx_update(grads, opt_state, tx_params)
                 new_leaves, new_def = jax.tree.flatten(new_state)
                 if new_def != state_def:
-                    raise ValueError(f"tx.update changed the optimizer state's structure: {state_def} -> {new_def}")
+                    raise ValueError(
+                        f"tx.update changed the optimizer state's structure: {state_def} -> {new_def}"
+                    )
                 found["mask"] = tuple(bool(set(self._axes) & varying_axes(x)) for x in new_leaves)
-                found["updates"] = any(set(self._axes) & varying_axes(u) for u in jax.tree.leaves(updates))
+                found["updates"] = any(
+                    set(self._axes) & varying_axes(u) for u in jax.tree.leaves(updates)
+                )
                 found["shapes"] = [u.shape for u in jax.tree.leaves(updates)]
                 return jnp.zeros(())
 
             specs = [P(self.axis_name) if per_device else P() for per_device in mask]
-            stacked = [jax.ShapeDtypeStruct((self.n_devices,) + leaf.shape, leaf.dtype) if per_device else leaf
-                       for leaf, per_device in zip(state_leaves, mask)]
-            jax.eval_shape(jax.shard_map(trace_update, mesh=self.mesh, in_specs=(P(), specs), out_specs=P()),
-                           avals, stacked)
+            stacked = [
+                jax.ShapeDtypeStruct((self.n_devices,) + leaf.shape, leaf.dtype)
+                if per_device
+                else leaf
+                for leaf, per_device in zip(state_leaves, mask)
+            ]
+            jax.eval_shape(
+                jax.shard_map(trace_update, mesh=self.mesh, in_specs=(P(), specs), out_specs=P()),
+                avals,
+                stacked,
+            )
             if self.shard:
                 want = [a.shape for a in jax.tree.leaves(shard_avals)]
                 if found["shapes"] != want:
-                    raise self._needs_compress(f"tx returned updates of shapes {found['shapes']}, not the shards "
-                                               f"{want}")
+                    raise self._needs_compress(
+                        f"tx returned updates of shapes {found['shapes']}, not the shards {want}"
+                    )
             elif found["updates"]:
                 raise ValueError(
                     "tx returns updates that differ per device: its first transformation must aggregate "
                     "the gradients across the data axis, e.g. optax.chain(jaxcomp.compress('dense', "
                     f"axis_name={self.axis_name!r}), optax.adam(1e-3)). (compress('zfp', "
                     "algorithm='recursive_doubling') returns a total typed varying although it is the same "
-                    "everywhere; use the default algorithm='ring' with data_parallel.)")
+                    "everywhere; use the default algorithm='ring' with data_parallel.)"
+                )
             new_mask = tuple(a or b for a, b in zip(mask, found["mask"]))
             if new_mask == mask:
                 break
@@ -247,16 +299,20 @@ class DataParallel:
         return ValueError(
             f"with shard={self.shard!r}, tx must begin with jaxcomp.compress (or compress_auto) on the data axes, "
             f"e.g. optax.chain(jaxcomp.compress('dense', axis_name={self.axis_name!r}), optax.adam(1e-3)): it hands "
-            f"the rest of the chain each device's shard of the aggregated gradient; {found}")
+            f"the rest of the chain each device's shard of the aggregated gradient; {found}"
+        )
 
     def _check_state(self, state):
         """Refuses a state whose optimizer state was not made for its params by this ``tx``."""
         if not isinstance(state, TrainState):
-            raise TypeError(f"state must be the TrainState that init returns, got {type(state).__name__}")
+            raise TypeError(
+                f"state must be the TrainState that init returns, got {type(state).__name__}"
+            )
         avals = self._avals(state.params)
         state_def, mask = self._per_device_mask(avals)
-        expected = jax.tree.leaves(jax.eval_shape(self._tx_init, avals,
-                                                  self._shard_avals(avals) if self.shard else None))
+        expected = jax.tree.leaves(
+            jax.eval_shape(self._tx_init, avals, self._shard_avals(avals) if self.shard else None)
+        )
         try:
             leaves = state_def.flatten_up_to(state.opt_state)
         except (ValueError, TypeError):
@@ -271,14 +327,17 @@ class DataParallel:
             raise ValueError(
                 "state.opt_state does not fit state.params: it was made for other params (or by another tx, "
                 "or by a data_parallel with another shard= or mesh). Build the state with init(params) of this "
-                f"data_parallel, and keep params and opt_state together; expected opt_state of structure {state_def}")
+                f"data_parallel, and keep params and opt_state together; expected opt_state of structure {state_def}"
+            )
         return avals
 
     def _state_specs(self, avals):
         state_def, mask = self._per_device_mask(avals)
         opt_specs = state_def.unflatten([P(self.axis_name) if m else P() for m in mask])
         param_spec = P(self.axis_name) if self.shard == "params" else P()
-        return TrainState(params=jax.tree.map(lambda _: param_spec, avals), opt_state=opt_specs, step=P())
+        return TrainState(
+            params=jax.tree.map(lambda _: param_spec, avals), opt_state=opt_specs, step=P()
+        )
 
     def state_sharding(self, params):
         """The :class:`TrainState` of ``NamedSharding`` s that :meth:`init` lays the state out with.
@@ -290,10 +349,15 @@ class DataParallel:
           A :class:`TrainState` pytree of ``jax.sharding.NamedSharding``, e.g. for restoring a
           checkpoint onto the mesh.
         """
-        avals = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)), params)
+        avals = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)), params
+        )
         self._remember_shapes(avals)
-        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._state_specs(avals),
-                            is_leaf=lambda x: isinstance(x, P))
+        return jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, spec),
+            self._state_specs(avals),
+            is_leaf=lambda x: isinstance(x, P),
+        )
 
     def state_shapes(self, params):
         """The :class:`TrainState` of ``jax.ShapeDtypeStruct`` (with shardings) that :meth:`init`
@@ -307,15 +371,21 @@ class DataParallel:
           A :class:`TrainState` of ``jax.ShapeDtypeStruct``.
         """
         shardings = self.state_sharding(params)
-        shapes = jax.eval_shape(self._build, jax.tree.map(
-            lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)), params))
-        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, shardings)
+        shapes = jax.eval_shape(
+            self._build,
+            jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)), params),
+        )
+        return jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, shardings
+        )
 
     # -- the public entry points ---------------------------------------------------------------
 
     def _build(self, params):
         """The initial :class:`TrainState` of replicated ``params`` (traced; see :meth:`init`)."""
-        avals = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)), params)
+        avals = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)), params
+        )
         state_def, mask = self._per_device_mask(avals)
         specs = self._state_specs(avals)
 
@@ -328,9 +398,14 @@ class DataParallel:
         def local_init(params):
             shards = self._my_shards(params) if self.shard else None
             leaves = jax.tree.leaves(self._tx_init(params, shards))
-            leaves = [this_devices_row(leaf) if per_device else leaf for leaf, per_device in zip(leaves, mask)]
+            leaves = [
+                this_devices_row(leaf) if per_device else leaf
+                for leaf, per_device in zip(leaves, mask)
+            ]
             stored = jax.tree.map(lambda x: x[None], shards) if self.shard == "params" else params
-            return TrainState(params=stored, opt_state=state_def.unflatten(leaves), step=jnp.zeros((), jnp.int32))
+            return TrainState(
+                params=stored, opt_state=state_def.unflatten(leaves), step=jnp.zeros((), jnp.int32)
+            )
 
         return jax.shard_map(local_init, mesh=self.mesh, in_specs=(P(),), out_specs=specs)(params)
 
@@ -344,7 +419,9 @@ class DataParallel:
         Returns:
           A :class:`TrainState` with step 0.
         """
-        avals = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)), params)
+        avals = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(np.shape(p), jnp.result_type(p)), params
+        )
         self._remember_shapes(avals)
         multi_process = jax.process_count() > 1
 
@@ -359,8 +436,9 @@ class DataParallel:
         params = jax.tree.map(host_value, params)
         state = jax.jit(self._build, out_shardings=self.state_sharding(avals))(params)
         if self._probe_axis() is not None and any(
-                s.auto is not None and not np.all(np.isfinite(np.asarray(_local_copy(s.auto.network))))
-                for s in compress_states(state.opt_state)):
+            s.auto is not None and not np.all(np.isfinite(np.asarray(_local_copy(s.auto.network))))
+            for s in compress_states(state.opt_state)
+        ):
             state = self.reprobe(state)
         return state
 
@@ -379,12 +457,23 @@ class DataParallel:
         avals = self._avals(state.params)
 
         def gather(stored):
-            return jax.tree.map(lambda s, a: sharding.unshard(jax.lax.all_gather(s[0], self.axis_name, to="invarying"),
-                                                              a.shape), stored, avals)
+            return jax.tree.map(
+                lambda s, a: sharding.unshard(
+                    jax.lax.all_gather(s[0], self.axis_name, to="invarying"), a.shape
+                ),
+                stored,
+                avals,
+            )
 
         specs = jax.tree.map(lambda _: P(self.axis_name), avals)
-        return jax.jit(jax.shard_map(gather, mesh=self.mesh, in_specs=(specs,), out_specs=jax.tree.map(
-            lambda _: P(), avals)))(state.params)
+        return jax.jit(
+            jax.shard_map(
+                gather,
+                mesh=self.mesh,
+                in_specs=(specs,),
+                out_specs=jax.tree.map(lambda _: P(), avals),
+            )
+        )(state.params)
 
     def _probe_axis(self):
         """The axis :meth:`reprobe` measures: the first of ``axis_name`` with 2 or more devices."""
@@ -425,24 +514,34 @@ class DataParallel:
         """
         branches = auto_branches(state.opt_state)
         if not branches:
-            raise ValueError("tx holds no compress_auto (compress('auto')): there is nothing to reprobe for")
+            raise ValueError(
+                "tx holds no compress_auto (compress('auto')): there is nothing to reprobe for"
+            )
         axis = self._probe_axis()
         if axis is None:
-            raise ValueError(f"every axis of {self.axis_name!r} has 1 device: no network to probe (nothing "
-                             "crosses one; compress_auto runs its first candidate)")
+            raise ValueError(
+                f"every axis of {self.axis_name!r} has 1 device: no network to probe (nothing "
+                "crosses one; compress_auto runs its first candidate)"
+            )
         network = probe_network(self.mesh, axis, cache=False, **probe_options)
         overhead = None
         if codec:
-            shapes = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in jax.tree.leaves(self._avals(state.params))
-                      if jnp.issubdtype(a.dtype, jnp.floating)]
+            shapes = [
+                jax.ShapeDtypeStruct(a.shape, jnp.float32)
+                for a in jax.tree.leaves(self._avals(state.params))
+                if jnp.issubdtype(a.dtype, jnp.floating)
+            ]
             unique = list(dict.fromkeys(m for group in branches for m in group))
             seconds = [overhead_seconds(m, shapes, mesh=self.mesh, axis_name=axis) for m in unique]
             # Every process must take the same branch: all of them use the slowest one's times.
-            agreed = dict(zip(unique, (float(s) for s in agree_across_processes(np.array(seconds)))))
+            agreed = dict(
+                zip(unique, (float(s) for s in agree_across_processes(np.array(seconds))))
+            )
             overhead = agreed.__getitem__
         opt_state = set_network(state.opt_state, network, overhead)
         return jax.jit(lambda s: s, out_shardings=self.state_sharding(self._avals(state.params)))(
-            state._replace(opt_state=opt_state))
+            state._replace(opt_state=opt_state)
+        )
 
     def _check_nonfinite(self, args, metrics):
         """``compress(nonfinite="raise")``: a step whose gradients held NaN or Inf raises here."""
@@ -457,7 +556,8 @@ class DataParallel:
                 "devices, and tx's compress has nonfinite='raise'. The update was skipped on every device and "
                 "the state you passed to this step is intact. Find the cause (learning rate, loss scale, a bad "
                 "batch), or pass nonfinite='skip' (skip such steps) or 'zero' (drop those entries) to "
-                "jaxcomp.compress")
+                "jaxcomp.compress"
+            )
 
     def shard_batch(self, batch):
         """Builds the global batch from this process's rows (all rows when there is one process).
@@ -469,19 +569,25 @@ class DataParallel:
           The same pytree as global arrays split over the data axis, ready for :attr:`step`.
         """
         sharding = NamedSharding(self.mesh, P(self.axis_name))
-        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch
+        )
 
     def _step(self, state: TrainState, batch):
         if not jax.tree.leaves(batch):
             raise ValueError("batch holds no arrays: pass the global batch as a pytree of arrays")
         for leaf in jax.tree.leaves(batch):
             if leaf.ndim == 0 or leaf.shape[0] % self.n_devices:
-                raise ValueError(f"batch leaves need a leading (global batch) axis divisible by the "
-                                 f"{self.n_devices} devices of {self.axis_name!r}, got shape {leaf.shape}")
+                raise ValueError(
+                    f"batch leaves need a leading (global batch) axis divisible by the "
+                    f"{self.n_devices} devices of {self.axis_name!r}, got shape {leaf.shape}"
+                )
             if leaf.shape[0] == 0:
                 # An empty shard makes the mean loss NaN on every device: the step would train on nothing.
-                raise ValueError(f"batch is empty (a leaf of shape {leaf.shape}): every device needs at least "
-                                 "one example")
+                raise ValueError(
+                    f"batch is empty (a leaf of shape {leaf.shape}): every device needs at least "
+                    "one example"
+                )
         avals = self._check_state(state)
         state_def, mask = self._per_device_mask(avals)
         specs = self._state_specs(avals)
@@ -490,20 +596,31 @@ class DataParallel:
 
         def local_step(state: TrainState, batch):
             leaves = state_def.flatten_up_to(state.opt_state)
-            opt_state = state_def.unflatten([leaf[0] if m else leaf for leaf, m in zip(leaves, mask)])
+            opt_state = state_def.unflatten(
+                [leaf[0] if m else leaf for leaf, m in zip(leaves, mask)]
+            )
             if self.shard == "params":
                 # Each leaf is all-gathered (in gather_dtype, if given) for this step's forward pass.
                 shards = jax.tree.map(lambda s: s[0], state.params)
-                params = jax.tree.map(lambda s, a: sharding.unshard(jax.lax.all_gather(
-                    s.astype(self.gather_dtype or s.dtype), axis_name, to="invarying"), a.shape).astype(a.dtype),
-                    shards, avals)
+                params = jax.tree.map(
+                    lambda s, a: sharding.unshard(
+                        jax.lax.all_gather(
+                            s.astype(self.gather_dtype or s.dtype), axis_name, to="invarying"
+                        ),
+                        a.shape,
+                    ).astype(a.dtype),
+                    shards,
+                    avals,
+                )
             else:
                 params = state.params
                 shards = self._my_shards(params) if self.shard else params
             # The cast makes grad's cotangents varying: each device keeps its own gradient.
             local_params = jax.lax.pcast(params, axis_name, to="varying")
             if self.has_aux:
-                (loss, aux), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(local_params, batch)
+                (loss, aux), grads = jax.value_and_grad(self.loss_fn, has_aux=True)(
+                    local_params, batch
+                )
             else:
                 loss, grads = jax.value_and_grad(self.loss_fn)(local_params, batch)
                 aux = None
@@ -514,18 +631,29 @@ class DataParallel:
                 # compress(nonfinite="skip"/"raise") skipped its part; the rest of the chain keeps
                 # its state too, and the params stay bit for bit (p + 0 would turn -0.0 into +0.0).
                 new_opt_state = keep_if_skipped(skipped, opt_state, new_opt_state)
-            self._raises_on_nonfinite = any(s.policy.name == "raise" for s in compress_states(new_opt_state))
+            self._raises_on_nonfinite = any(
+                s.policy.name == "raise" for s in compress_states(new_opt_state)
+            )
             new_params = optax.apply_updates(shards, updates)
             if skipped is not None:
-                new_params = jax.tree.map(lambda old, new: jnp.where(skipped, old, new), shards, new_params)
+                new_params = jax.tree.map(
+                    lambda old, new: jnp.where(skipped, old, new), shards, new_params
+                )
             if self.shard == "params":
                 new_params = jax.tree.map(lambda s: s[None], new_params)
             elif self.shard == "optimizer":
                 # Every device's updated shards, gathered back into the replicated params.
-                new_params = jax.tree.map(lambda s, p: sharding.unshard(
-                    jax.lax.all_gather(s, axis_name, to="invarying"), p.shape), new_params, params)
+                new_params = jax.tree.map(
+                    lambda s, p: sharding.unshard(
+                        jax.lax.all_gather(s, axis_name, to="invarying"), p.shape
+                    ),
+                    new_params,
+                    params,
+                )
             new_leaves = state_def.flatten_up_to(new_opt_state)
-            new_opt_state = state_def.unflatten([leaf[None] if m else leaf for leaf, m in zip(new_leaves, mask)])
+            new_opt_state = state_def.unflatten(
+                [leaf[None] if m else leaf for leaf, m in zip(new_leaves, mask)]
+            )
             metrics = {"loss": jax.lax.pmean(loss, axis_name)}
             if aux is not None:
                 metrics["aux"] = jax.tree.map(lambda x: jax.lax.pmean(x, axis_name), aux)
@@ -534,10 +662,13 @@ class DataParallel:
                 metrics.update(compress_state.metrics._asdict())
             if self.shard:
                 metrics["gather_bytes"] = jnp.float32(self._gather_bytes(avals))
-            return TrainState(params=new_params, opt_state=new_opt_state, step=state.step + 1), metrics
+            return TrainState(
+                params=new_params, opt_state=new_opt_state, step=state.step + 1
+            ), metrics
 
-        return jax.shard_map(local_step, mesh=self.mesh, in_specs=(specs, batch_specs),
-                             out_specs=(specs, P()))(state, batch)
+        return jax.shard_map(
+            local_step, mesh=self.mesh, in_specs=(specs, batch_specs), out_specs=(specs, P())
+        )(state, batch)
 
 
 def _tree_key(avals):
@@ -556,16 +687,26 @@ def _check_params(params):
             raise TypeError(
                 f"params{jax.tree_util.keystr(path)} has dtype {dtype}: data_parallel differentiates every leaf "
                 "of params, so each must be floating point. Keep integer or boolean state (counters, masks, "
-                "tables) out of params: close over it in loss_fn or pass it in the batch")
+                "tables) out of params: close over it in loss_fn or pass it in the batch"
+            )
     if sum(math.prod(np.shape(leaf)) for _, leaf in leaves) == 0:
-        raise ValueError(f"params holds no values (every leaf is empty: shapes "
-                         f"{[tuple(np.shape(leaf)) for _, leaf in leaves]}): nothing to train")
+        raise ValueError(
+            f"params holds no values (every leaf is empty: shapes "
+            f"{[tuple(np.shape(leaf)) for _, leaf in leaves]}): nothing to train"
+        )
 
 
-def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
-                  axis_name="data", *, has_aux: bool = False,
-                  max_steps_in_flight: int | None = DEFAULT_MAX_STEPS_IN_FLIGHT, shard: str | None = None,
-                  gather_dtype=None) -> DataParallel:
+def data_parallel(
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    axis_name="data",
+    *,
+    has_aux: bool = False,
+    max_steps_in_flight: int | None = DEFAULT_MAX_STEPS_IN_FLIGHT,
+    shard: str | None = None,
+    gather_dtype=None,
+) -> DataParallel:
     """A data-parallel training step around a compressing optax chain.
 
     ``step(state, batch)`` is a ``jax.jit``-compiled function (so ``step.lower(...)`` works): each
@@ -658,18 +799,28 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: jax
         raise ValueError(f"shard must be None, 'optimizer' or 'params', got {shard!r}")
     if gather_dtype is not None:
         if shard != "params":
-            raise ValueError(f"gather_dtype applies to shard='params' (the params gathered for the forward pass), "
-                             f"not shard={shard!r}")
+            raise ValueError(
+                f"gather_dtype applies to shard='params' (the params gathered for the forward pass), "
+                f"not shard={shard!r}"
+            )
         try:
             gather_dtype = jnp.dtype(gather_dtype)
         except TypeError:
-            raise ValueError(f"gather_dtype must be a float dtype such as jnp.bfloat16, got {gather_dtype!r}") from None
+            raise ValueError(
+                f"gather_dtype must be a float dtype such as jnp.bfloat16, got {gather_dtype!r}"
+            ) from None
         if not jnp.issubdtype(gather_dtype, jnp.floating):
-            raise ValueError(f"gather_dtype must be a float dtype such as jnp.bfloat16, got {gather_dtype}")
-    if isinstance(tx, optax.MultiSteps):  # gradient accumulation, communicating once per accumulated step
+            raise ValueError(
+                f"gather_dtype must be a float dtype such as jnp.bfloat16, got {gather_dtype}"
+            )
+    if isinstance(
+        tx, optax.MultiSteps
+    ):  # gradient accumulation, communicating once per accumulated step
         if shard is not None:
-            raise ValueError("gradient accumulation (optax.MultiSteps, jaxcomp.accumulate) does not combine with "
-                             "shard= yet: its accumulator holds whole gradients while the optimizer holds shards")
+            raise ValueError(
+                "gradient accumulation (optax.MultiSteps, jaxcomp.accumulate) does not combine with "
+                "shard= yet: its accumulator holds whole gradients while the optimizer holds shards"
+            )
         from jaxcomp.accumulation import from_multisteps
 
         tx = from_multisteps(tx)
@@ -680,7 +831,9 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: jax
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     missing = [a for a in axes if a not in mesh.shape]
     if missing or not axes:
-        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh (axes: {tuple(mesh.shape)})")
+        raise ValueError(
+            f"axis_name {axis_name!r} is not an axis of the mesh (axes: {tuple(mesh.shape)})"
+        )
     axis_name = axes[0] if len(axes) == 1 else axes
     # jax.make_mesh's default Explicit axes would make sharding part of every type inside the step;
     # the step places everything itself, so it runs on the same devices with Auto axes.
@@ -688,8 +841,15 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: jax
     if tuple(mesh.axis_types) != auto:
         mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
     if max_steps_in_flight is not None:
-        if isinstance(max_steps_in_flight, bool) or not isinstance(max_steps_in_flight, (int, np.integer)) \
-                or max_steps_in_flight < 1:
-            raise ValueError(f"max_steps_in_flight must be a positive integer or None, got {max_steps_in_flight!r}")
+        if (
+            isinstance(max_steps_in_flight, bool)
+            or not isinstance(max_steps_in_flight, (int, np.integer))
+            or max_steps_in_flight < 1
+        ):
+            raise ValueError(
+                f"max_steps_in_flight must be a positive integer or None, got {max_steps_in_flight!r}"
+            )
         max_steps_in_flight = int(max_steps_in_flight)
-    return DataParallel(loss_fn, tx, mesh, axis_name, bool(has_aux), max_steps_in_flight, shard, gather_dtype)
+    return DataParallel(
+        loss_fn, tx, mesh, axis_name, bool(has_aux), max_steps_in_flight, shard, gather_dtype
+    )

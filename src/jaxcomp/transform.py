@@ -39,10 +39,16 @@ class CompressMetrics(NamedTuple):
     that overflowed makes it NaN or Inf rather than a plausible number.
     """
 
-    gain: jax.Array  # f32[]: compression gain sum_d ||sent_d||^2 / sum_d ||g_e,d||^2 (1 when g_e = 0)
+    gain: (
+        jax.Array
+    )  # f32[]: compression gain sum_d ||sent_d||^2 / sum_d ||g_e,d||^2 (1 when g_e = 0)
     bytes_sent: jax.Array  # f32[]: bytes one device sends in this step's collectives
-    density: jax.Array  # f32[]: fraction of gradient entries whose values are sent (1 for dense/zfp/quantized)
-    method: jax.Array  # i32[]: the method that ran, an index into CompressState.methods (0 for compress)
+    density: (
+        jax.Array
+    )  # f32[]: fraction of gradient entries whose values are sent (1 for dense/zfp/quantized)
+    method: (
+        jax.Array
+    )  # i32[]: the method that ran, an index into CompressState.methods (0 for compress)
     nonfinite: jax.Array  # f32[]: non-finite (NaN, ±Inf) gradient entries this step, summed over the devices (exact below 2**24)
 
 
@@ -67,7 +73,9 @@ class CompressState(NamedTuple):
     auto: Any = None  # jaxcomp.AutoState for compress_auto, else None
     policy: NonfinitePolicy = NonfinitePolicy("zero")  # static: the nonfinite= policy (no array)
     branches: Branches = Branches(())  # static: the methods the `method` metric indexes
-    velocity: Any = None  # with momentum_correction: like residual, DGC's momentum per device; else None
+    velocity: Any = (
+        None  # with momentum_correction: like residual, DGC's momentum per device; else None
+    )
     method_state: Any = ()  # per method of `methods`: its own state (PowerSGD's Q per group), or None
 
     @property
@@ -86,7 +94,9 @@ class FeedbackConfig:
     mean: bool = True
     seed: int = 0
     nonfinite: str = "zero"
-    mask: Any = dataclasses.field(default=None, compare=False)  # None, a pytree of bools or a callable
+    mask: Any = dataclasses.field(
+        default=None, compare=False
+    )  # None, a pytree of bools or a callable
     min_size: int = 0
     momentum: float | None = None  # DGC's momentum correction
 
@@ -96,29 +106,64 @@ class FeedbackConfig:
         return self.axes[0] if len(self.axes) == 1 else self.axes
 
     @classmethod
-    def check(cls, axis_name, error_feedback, granularity, mean, seed, nonfinite, mask=None, min_size=0,
-              momentum=None) -> FeedbackConfig:
+    def check(
+        cls,
+        axis_name,
+        error_feedback,
+        granularity,
+        mean,
+        seed,
+        nonfinite,
+        mask=None,
+        min_size=0,
+        momentum=None,
+    ) -> FeedbackConfig:
         """Validates the shared arguments, naming the one that is wrong."""
         axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-        if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):
-            raise ValueError(f"axis_name must be a mesh axis name or a tuple of distinct ones, got {axis_name!r}")
+        if (
+            not axes
+            or not all(isinstance(a, str) and a for a in axes)
+            or len(set(axes)) != len(axes)
+        ):
+            raise ValueError(
+                f"axis_name must be a mesh axis name or a tuple of distinct ones, got {axis_name!r}"
+            )
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be 'model' or 'leaf', got {granularity!r}")
         for flag, name in ((error_feedback, "error_feedback"), (mean, "mean")):
             if not isinstance(flag, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
-        seed = _checks.static_int(seed, "seed", 0, 2**32 - 1)  # PRNGKey keeps 32 bits: 2**32 would be seed 0
+        seed = _checks.static_int(
+            seed, "seed", 0, 2**32 - 1
+        )  # PRNGKey keeps 32 bits: 2**32 would be seed 0
         if not isinstance(nonfinite, str) or nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES} (what to do with NaN/Inf gradient "
-                             f"entries), got {nonfinite!r}")
+            raise ValueError(
+                f"nonfinite must be one of {NONFINITE_POLICIES} (what to do with NaN/Inf gradient "
+                f"entries), got {nonfinite!r}"
+            )
         min_size = _checks.static_int(min_size, "min_size", 0)
         if momentum is not None:
-            if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
-                raise ValueError(f"momentum_correction must be a momentum in [0, 1) (e.g. 0.9) or None, got "
-                                 f"{momentum!r}")
+            if (
+                isinstance(momentum, bool)
+                or not isinstance(momentum, (int, float))
+                or not 0 <= momentum < 1
+            ):
+                raise ValueError(
+                    f"momentum_correction must be a momentum in [0, 1) (e.g. 0.9) or None, got "
+                    f"{momentum!r}"
+                )
             momentum = float(momentum)
-        return cls(axes=axes, error_feedback=bool(error_feedback), granularity=granularity, mean=bool(mean),
-                   seed=seed, nonfinite=nonfinite, mask=mask, min_size=min_size, momentum=momentum)
+        return cls(
+            axes=axes,
+            error_feedback=bool(error_feedback),
+            granularity=granularity,
+            mean=bool(mean),
+            seed=seed,
+            nonfinite=nonfinite,
+            mask=mask,
+            min_size=min_size,
+            momentum=momentum,
+        )
 
     def compressed(self, tree) -> list[bool]:
         """Per leaf of ``tree`` (params or gradients): whether ``mask`` and ``min_size`` let it be
@@ -132,11 +177,15 @@ class FeedbackConfig:
             try:
                 chosen = treedef.flatten_up_to(mask)
             except (ValueError, TypeError) as e:
-                raise ValueError(f"mask must have the structure of the params (a pytree of bools, or a callable "
-                                 f"returning one): {e}") from None
+                raise ValueError(
+                    f"mask must have the structure of the params (a pytree of bools, or a callable "
+                    f"returning one): {e}"
+                ) from None
             bad = [m for m in chosen if not isinstance(m, (bool, np.bool_))]
             if bad:
-                raise ValueError(f"mask must hold Python bools (True: compress the leaf), got {bad[0]!r}")
+                raise ValueError(
+                    f"mask must hold Python bools (True: compress the leaf), got {bad[0]!r}"
+                )
         return [bool(m) and leaf.size >= self.min_size for m, leaf in zip(chosen, leaves)]
 
 
@@ -148,10 +197,16 @@ class Groups(NamedTuple):
     names: list  # "the model" or "leaf i", for error messages
     sizes: list  # values per vector
     n_devices: int  # devices over all of the config's axes
-    inner_size: int | None  # devices of the last axis when there are two (hierarchical top-k's node)
+    inner_size: (
+        int | None
+    )  # devices of the last axis when there are two (hierarchical top-k's node)
     dtype_bytes: int  # bytes per value on the wire
-    shapes: list | None = None  # per vector: the shapes of the leaves it is made of (stateful methods)
-    scatter: bool = False  # sharded training: vectors are shard-major and each device gets its row of the sum
+    shapes: list | None = (
+        None  # per vector: the shapes of the leaves it is made of (stateful methods)
+    )
+    scatter: bool = (
+        False  # sharded training: vectors are shard-major and each device gets its row of the sum
+    )
     values: list | None = None  # with scatter: the real values per vector (the rest is padding)
 
 
@@ -179,14 +234,21 @@ def static_cost(method: Method, groups: Groups) -> tuple[float, int, int]:
       Tyagi & Swany, arXiv 2312.02493, Table I.
     """
     sent, kept, steps = 0.0, 0, 0
-    for i, (n, name) in enumerate(zip(groups.values if groups.scatter else groups.sizes, groups.names)):
+    for i, (n, name) in enumerate(
+        zip(groups.values if groups.scatter else groups.sizes, groups.names)
+    ):
         shaped = _shaped(method, groups, i)
         if groups.scatter:  # sharded training: the reduce-scatter form, on the real values
             sent += method.reduce_scatter_bytes(n, groups.n_devices, dtype_bytes=groups.dtype_bytes)
             steps += method.reduce_scatter_steps(groups.n_devices)
         else:
-            sent += method.wire_bytes(n, groups.n_devices, dtype_bytes=groups.dtype_bytes,
-                                      inner_size=groups.inner_size, **shaped)
+            sent += method.wire_bytes(
+                n,
+                groups.n_devices,
+                dtype_bytes=groups.dtype_bytes,
+                inner_size=groups.inner_size,
+                **shaped,
+            )
             steps += method.message_steps(groups.n_devices, inner_size=groups.inner_size)
         kept += _kept(method, n, name, shaped)
     return sent, kept, steps
@@ -199,8 +261,9 @@ def _kept(method: Method, n: int, name: str, shaped: dict) -> int:
         raise ValueError(f"{e} (in {name})") from None
 
 
-def aggregate_groups(method: Method, groups: Groups, axis_name, step, base_key, sparse: bool = False,
-                     states=None):
+def aggregate_groups(
+    method: Method, groups: Groups, axis_name, step, base_key, sparse: bool = False, states=None
+):
     """Runs ``method`` on each group's vector: ``(totals, sents, states)``, one per group
     (``sparse``: each ``sent`` is ``(indices, values)``). Group ``i`` draws its randomness from
     ``fold_in(base_key, i)``.
@@ -238,15 +301,17 @@ def aggregate_groups(method: Method, groups: Groups, axis_name, step, base_key, 
         key = jax.random.fold_in(base_key, i)
         if groups.scatter:
             _kept(method, groups.values[i], name, {})
-            total, sent = method.reduce_scatter(vector, axis_name, step=step, key=key, size=groups.values[i],
-                                                sparse=sparse)
+            total, sent = method.reduce_scatter(
+                vector, axis_name, step=step, key=key, size=groups.values[i], sparse=sparse
+            )
             totals.append(total)
             sents.append(sent)
             continue
         _kept(method, vector.shape[0], name, _shaped(method, groups, i))
         if method.stateful:
-            total, sent, state = method.aggregate_stateful(vector, axis_name, step=step, key=key, state=states[i],
-                                                           shapes=groups.shapes[i])
+            total, sent, state = method.aggregate_stateful(
+                vector, axis_name, step=step, key=key, state=states[i], shapes=groups.shapes[i]
+            )
             new_states.append(state)
         else:
             total, sent = method.aggregate(vector, axis_name, step=step, key=key, sparse=sparse)
@@ -286,14 +351,23 @@ def init_method_state(methods_run: tuple[Method, ...], shapes: list) -> tuple:
             try:
                 group_states.append(method.init_state(group))
             except ValueError as e:
-                raise ValueError(f"{method.describe()}: {e}" + (f" (in group {i})" if len(shapes) > 1 else "")
-                                 ) from None
+                raise ValueError(
+                    f"{method.describe()}: {e}" + (f" (in group {i})" if len(shapes) > 1 else "")
+                ) from None
         out.append(tuple(group_states))
     return tuple(out)
 
 
-def run_branch(branches: tuple[Method, ...], branch, groups: Groups, axis_name, step, key, sparse: bool,
-               states: tuple):
+def run_branch(
+    branches: tuple[Method, ...],
+    branch,
+    groups: Groups,
+    axis_name,
+    step,
+    key,
+    sparse: bool,
+    states: tuple,
+):
     """Runs the method ``branches[branch]`` on the groups, ``branch`` static or traced
     (``lax.switch``: every branch is compiled, one runs). Each branch updates its own entry of
     ``states`` (:attr:`CompressState.method_state`) and passes the others through.
@@ -325,16 +399,27 @@ def run_branch(branches: tuple[Method, ...], branch, groups: Groups, axis_name, 
     References:
       Tyagi & Swany, arXiv 2312.02493, §3-D (one collective chosen per step).
     """
+
     def run(index):
         def branch_fn(vectors, step, key, states):
-            totals, sents, own = aggregate_groups(branches[index], groups._replace(vectors=vectors), axis_name, step,
-                                                  key, sparse=sparse, states=states[index])
-            return totals, sents, states[:index] + (own,) + states[index + 1:]
+            totals, sents, own = aggregate_groups(
+                branches[index],
+                groups._replace(vectors=vectors),
+                axis_name,
+                step,
+                key,
+                sparse=sparse,
+                states=states[index],
+            )
+            return totals, sents, states[:index] + (own,) + states[index + 1 :]
+
         return branch_fn
 
     if isinstance(branch, int):
         return run(branch)(groups.vectors, step, key, states)
-    return jax.lax.switch(branch, [run(i) for i in range(len(branches))], groups.vectors, step, key, states)
+    return jax.lax.switch(
+        branch, [run(i) for i in range(len(branches))], groups.vectors, step, key, states
+    )
 
 
 class Aggregation(NamedTuple):
@@ -350,9 +435,13 @@ class Aggregation(NamedTuple):
     method_state: Any = ()  # the methods' new states (CompressState.method_state)
 
 
-def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...], keeps_residual: bool,
-                            aggregate: Callable, init_auto: Callable | None = None
-                            ) -> optax.GradientTransformationExtraArgs:
+def feedback_transformation(
+    config: FeedbackConfig,
+    branches: tuple[Method, ...],
+    keeps_residual: bool,
+    aggregate: Callable,
+    init_auto: Callable | None = None,
+) -> optax.GradientTransformationExtraArgs:
     """The error-feedback transformation around an aggregation step (what :func:`compress` and
     :func:`jaxcomp.compress_auto` build on).
 
@@ -390,16 +479,27 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
         compressed = {i for positions, _ in lay.groups for i in positions}
 
         def per_compressed_leaf(keep):
-            return treedef.unflatten([jnp.zeros(leaf.shape, jnp.float32) if keep and i in compressed
-                                      else optax.MaskedNode() for i, leaf in enumerate(leaves)])
+            return treedef.unflatten(
+                [
+                    jnp.zeros(leaf.shape, jnp.float32)
+                    if keep and i in compressed
+                    else optax.MaskedNode()
+                    for i, leaf in enumerate(leaves)
+                ]
+            )
 
         shapes = [tuple(leaves[i].shape for i in positions) for positions, _ in lay.groups]
-        return CompressState(residual=per_compressed_leaf(keeps_residual and not sends_everything),
-                             step=jnp.zeros((), jnp.int32), key=jax.random.PRNGKey(c.seed),
-                             metrics=_init_metrics(), auto=init_auto() if uses_auto else None, policy=policy,
-                             branches=Branches(branches),
-                             velocity=per_compressed_leaf(True) if c.momentum is not None else None,
-                             method_state=init_method_state(branches, shapes))
+        return CompressState(
+            residual=per_compressed_leaf(keeps_residual and not sends_everything),
+            step=jnp.zeros((), jnp.int32),
+            key=jax.random.PRNGKey(c.seed),
+            metrics=_init_metrics(),
+            auto=init_auto() if uses_auto else None,
+            policy=policy,
+            branches=Branches(branches),
+            velocity=per_compressed_leaf(True) if c.momentum is not None else None,
+            method_state=init_method_state(branches, shapes),
+        )
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
@@ -408,38 +508,54 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
             residuals = treedef.flatten_up_to(state.residual)
             velocities = treedef.flatten_up_to(state.velocity) if c.momentum is not None else None
         except (ValueError, TypeError) as e:
-            raise ValueError("updates do not have the structure of the params compress was initialized with: "
-                             f"{e}") from None
+            raise ValueError(
+                "updates do not have the structure of the params compress was initialized with: "
+                f"{e}"
+            ) from None
         if uses_auto != (state.auto is not None) or state.branches != Branches(branches):
-            raise ValueError(f"state was not made by this transformation's init (it runs "
-                             f"{[m.describe() for m in state.methods]}, this one {[m.describe() for m in branches]})")
+            raise ValueError(
+                f"state was not made by this transformation's init (it runs "
+                f"{[m.describe() for m in state.methods]}, this one {[m.describe() for m in branches]})"
+            )
         if state.policy != policy:
-            raise ValueError(f"state was made by a compress(nonfinite={state.policy.name!r}), not by this "
-                             f"compress(nonfinite={c.nonfinite!r})'s init")
+            raise ValueError(
+                f"state was made by a compress(nonfinite={state.policy.name!r}), not by this "
+                f"compress(nonfinite={c.nonfinite!r})'s init"
+            )
         lay = _layout(c, updates, sends_everything)
         floats = lay.floats
         if not floats:
             return updates, state
         compressed = {i for positions, _ in lay.groups for i in positions}
         kept_per_leaf = residuals if keeps_residual and not sends_everything else velocities
-        if kept_per_leaf is not None and any(isinstance(kept_per_leaf[i], optax.MaskedNode) == (i in compressed)
-                                             for i in floats):
-            raise ValueError("mask and min_size choose other leaves to compress for these updates than for the "
-                             "params init saw: give a mask that depends on the params' structure and shapes only")
+        if kept_per_leaf is not None and any(
+            isinstance(kept_per_leaf[i], optax.MaskedNode) == (i in compressed) for i in floats
+        ):
+            raise ValueError(
+                "mask and min_size choose other leaves to compress for these updates than for the "
+                "params init saw: give a mask that depends on the params' structure and shapes only"
+            )
         axis_sizes = [_bound_axis_size(a) for a in c.axes]
         n_devices = math.prod(axis_sizes)
         shards = _shards(c, branches, n_devices)  # sharded training: N, else None
         _check_local_gradients(c, [leaves[i] for i in floats])
         comm_dtype = _comm_dtype([leaves[i] for i in floats])
 
-        groups = Groups(vectors=[], names=[name for _, name in lay.groups], sizes=[], n_devices=n_devices,
-                        inner_size=axis_sizes[-1] if len(axis_sizes) == 2 else None,
-                        dtype_bytes=jnp.dtype(comm_dtype).itemsize,
-                        shapes=[tuple(leaves[i].shape for i in positions) for positions, _ in lay.groups],
-                        scatter=shards is not None,
-                        values=[sum(leaves[i].size for i in positions) for positions, _ in lay.groups])
+        groups = Groups(
+            vectors=[],
+            names=[name for _, name in lay.groups],
+            sizes=[],
+            n_devices=n_devices,
+            inner_size=axis_sizes[-1] if len(axis_sizes) == 2 else None,
+            dtype_bytes=jnp.dtype(comm_dtype).itemsize,
+            shapes=[tuple(leaves[i].shape for i in positions) for positions, _ in lay.groups],
+            scatter=shards is not None,
+            values=[sum(leaves[i].size for i in positions) for positions, _ in lay.groups],
+        )
         scale = 1.0 / n_devices if c.mean else 1.0
-        rows = [_row(branches, [leaves[i] for i in positions], shards) for positions, _ in lay.groups]
+        rows = [
+            _row(branches, [leaves[i] for i in positions], shards) for positions, _ in lay.groups
+        ]
         out = list(leaves)
         plain_bytes, plain_kept = 0.0, 0
         if sends_everything and not uses_auto:
@@ -450,10 +566,14 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
             # entries zeroed and counts them; every device takes the same branch (the sum is
             # replicated; sharded, each device sees its shards only, so one all-reduce of a flag
             # makes them agree).
-            vectors = [_pack([leaves[i]], shards, row).astype(comm_dtype) for i, row in zip(floats, rows)]
+            vectors = [
+                _pack([leaves[i]], shards, row).astype(comm_dtype) for i, row in zip(floats, rows)
+            ]
             groups = groups._replace(vectors=vectors, sizes=[v.shape[0] for v in vectors])
             result, auto_after = aggregate(groups, state)
-            finite = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(t)) for t in result.totals])
+            finite = functools.reduce(
+                jnp.logical_and, [jnp.all(jnp.isfinite(t)) for t in result.totals]
+            )
             if shards is not None:
                 finite = jax.lax.pmin(finite.astype(jnp.int32), c.axis_name) > 0
 
@@ -463,8 +583,9 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
                 count = sum(flat.count_nonfinite(v) for v in vectors)
                 return again.totals, jax.lax.psum(count, c.axis_name)
 
-            totals, bad = jax.lax.cond(finite, lambda v: (result.totals, jnp.zeros((), jnp.float32)), cleaned,
-                                       vectors)
+            totals, bad = jax.lax.cond(
+                finite, lambda v: (result.totals, jnp.zeros((), jnp.float32)), cleaned, vectors
+            )
             result = result._replace(totals=totals)
             feds = [None] * len(totals)
             gain = jnp.ones((), jnp.float32)  # everything is sent
@@ -490,8 +611,10 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
                 if shards is not None or c.momentum is not None:
                     return _pack([error_fed(i) for i in positions], shards, row)
                 # One pass on the CPU: the non-finite select, the residual's add and the join.
-                fed, bad = flat.pack_error_fed([leaves[i] for i in positions],
-                                               [residuals[i] for i in positions] if keeps_residual else None)
+                fed, bad = flat.pack_error_fed(
+                    [leaves[i] for i in positions],
+                    [residuals[i] for i in positions] if keeps_residual else None,
+                )
                 bad_counts.append(bad)
                 return fed
 
@@ -504,10 +627,16 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
                 plain_kept = sum(leaves[i].size for i in lay.plain)
                 if shards is None:
                     plain_total = jax.lax.psum(plain, c.axis_name)
-                    plain_bytes = _DENSE.wire_bytes(plain_kept, n_devices, dtype_bytes=groups.dtype_bytes)
+                    plain_bytes = _DENSE.wire_bytes(
+                        plain_kept, n_devices, dtype_bytes=groups.dtype_bytes
+                    )
                 else:
-                    plain_total = jax.lax.psum_scatter(plain, c.axis_name, scatter_dimension=0, tiled=True)
-                    plain_bytes = _DENSE.reduce_scatter_bytes(plain_kept, n_devices, dtype_bytes=groups.dtype_bytes)
+                    plain_total = jax.lax.psum_scatter(
+                        plain, c.axis_name, scatter_dimension=0, tiled=True
+                    )
+                    plain_bytes = _DENSE.reduce_scatter_bytes(
+                        plain_kept, n_devices, dtype_bytes=groups.dtype_bytes
+                    )
                 _write(out, leaves, lay.plain, plain_total, scale, None, shards)
             if feds:
                 vectors = [fed.astype(comm_dtype) for fed in feds]
@@ -532,14 +661,18 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
 
         new_residuals = list(residuals)
         new_velocities = list(velocities) if velocities is not None else None
-        for (positions, _), row, fed, total, sent in zip(lay.groups, rows, feds, result.totals, result.sents):
+        for (positions, _), row, fed, total, sent in zip(
+            lay.groups, rows, feds, result.totals, result.sents
+        ):
             _write(out, leaves, positions, total, scale, skipped, shards)
             if result.sends_everything:
                 continue  # everything was sent: no residual
             if result.sparse:
                 indices, values = sent
                 # fed[i] + (-v) is fed[i] - v exactly: the same residual as fed - dense(sent).
-                remaining = fed.at[indices].add(-values.astype(jnp.float32), mode="drop", unique_indices=True)
+                remaining = fed.at[indices].add(
+                    -values.astype(jnp.float32), mode="drop", unique_indices=True
+                )
             else:
                 remaining = fed - sent.astype(jnp.float32)
             if keeps_residual:
@@ -547,14 +680,21 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
             if c.momentum is not None:
                 # DGC's momentum factor masking: what was sent leaves the momentum too.
                 u = _pack([momenta[i] for i in positions], shards, row)
-                u = (u.at[indices].set(0.0, mode="drop", unique_indices=True) if result.sparse
-                     else jnp.where(sent != 0, 0.0, u))
+                u = (
+                    u.at[indices].set(0.0, mode="drop", unique_indices=True)
+                    if result.sparse
+                    else jnp.where(sent != 0, 0.0, u)
+                )
                 _keep(new_velocities, velocities, leaves, positions, u, skipped, shards)
 
         total_size = sum(leaves[i].size for i in floats)
-        metrics = CompressMetrics(gain=gain, bytes_sent=jnp.asarray(result.bytes_sent + plain_bytes, jnp.float32),
-                                  density=jnp.asarray((result.kept + plain_kept) / total_size, jnp.float32),
-                                  method=jnp.asarray(result.method, jnp.int32), nonfinite=bad)
+        metrics = CompressMetrics(
+            gain=gain,
+            bytes_sent=jnp.asarray(result.bytes_sent + plain_bytes, jnp.float32),
+            density=jnp.asarray((result.kept + plain_kept) / total_size, jnp.float32),
+            method=jnp.asarray(result.method, jnp.int32),
+            nonfinite=bad,
+        )
         new_auto = auto_after(gain) if auto_after is not None else state.auto
         method_state = result.method_state
         step = state.step + 1
@@ -563,9 +703,14 @@ def feedback_transformation(config: FeedbackConfig, branches: tuple[Method, ...]
             step = jnp.where(skipped, state.step, step)
             new_auto = adaptive.where_tree(skipped, state.auto, new_auto) if uses_auto else None
             method_state = adaptive.where_tree(skipped, state.method_state, method_state)
-        new_state = state._replace(residual=treedef.unflatten(new_residuals), step=step, metrics=metrics,
-                                   auto=new_auto, method_state=method_state,
-                                   velocity=treedef.unflatten(new_velocities) if velocities is not None else None)
+        new_state = state._replace(
+            residual=treedef.unflatten(new_residuals),
+            step=step,
+            metrics=metrics,
+            auto=new_auto,
+            method_state=method_state,
+            velocity=treedef.unflatten(new_velocities) if velocities is not None else None,
+        )
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, _checked_update(update_fn))
@@ -593,8 +738,11 @@ def _layout(c: FeedbackConfig, tree, sends_everything: bool) -> _Layout:
         return _Layout(floats, [([i], f"leaf {i}") for i in floats], [])
     chosen = c.compressed(tree)
     compressed = [i for i in floats if chosen[i]]
-    groups = ([(compressed, "the model")] if c.granularity == "model" and compressed
-              else [([i], f"leaf {i}") for i in compressed])
+    groups = (
+        [(compressed, "the model")]
+        if c.granularity == "model" and compressed
+        else [([i], f"leaf {i}") for i in compressed]
+    )
     return _Layout(floats, groups, [i for i in floats if not chosen[i]])
 
 
@@ -606,9 +754,11 @@ def _shards(c: FeedbackConfig, branches, n_devices: int) -> int | None:
     if active is None:
         return None
     if active.n_devices != n_devices:
-        raise ValueError(f"the updates are sharded over {active.n_devices} devices, but compress(axis_name="
-                         f"{c.axis_name!r}) reduces over {n_devices}: give compress the data axes data_parallel "
-                         "splits the batch over")
+        raise ValueError(
+            f"the updates are sharded over {active.n_devices} devices, but compress(axis_name="
+            f"{c.axis_name!r}) reduces over {n_devices}: give compress the data axes data_parallel "
+            "splits the batch over"
+        )
     _check_scatters(branches)
     return n_devices
 
@@ -617,9 +767,11 @@ def _check_scatters(branches):
     """Raises a ValueError naming the first method without a reduce-scatter form."""
     for method in branches:
         if not method.scatters:
-            raise ValueError(f"method {method.describe()} has no reduce-scatter form, so it cannot aggregate "
-                             f"sharded gradients (data_parallel(shard=...)); methods that can: "
-                             f"{', '.join(methods.scattering())}; or train with shard=None")
+            raise ValueError(
+                f"method {method.describe()} has no reduce-scatter form, so it cannot aggregate "
+                f"sharded gradients (data_parallel(shard=...)); methods that can: "
+                f"{', '.join(methods.scattering())}; or train with shard=None"
+            )
 
 
 def _row(branches, parts, shards) -> int | None:
@@ -633,7 +785,9 @@ def _row(branches, parts, shards) -> int | None:
         if padded == row:
             return row
         row = padded
-    raise ValueError(f"the methods {[m.describe() for m in branches]} agree on no row length for {row} values")
+    raise ValueError(
+        f"the methods {[m.describe() for m in branches]} agree on no row length for {row} values"
+    )
 
 
 def _pack(parts, shards, row):
@@ -647,7 +801,7 @@ def _pieces(leaves, positions, vector, shards):
     if shards is not None:
         return zip(positions, sharding.from_shard_major(vector, sizes, shards))
     offsets = np.cumsum([0] + sizes)
-    return ((i, vector[offsets[j]:offsets[j + 1]]) for j, i in enumerate(positions))
+    return ((i, vector[offsets[j] : offsets[j + 1]]) for j, i in enumerate(positions))
 
 
 def _write(out, leaves, positions, total, scale, skipped, shards=None):
@@ -657,8 +811,11 @@ def _write(out, leaves, positions, total, scale, skipped, shards=None):
     for i in positions:
         size, shape = leaves[i].size, leaves[i].shape
         if shards is not None:
-            size, shape = sharding.shard_length(size, shards), (sharding.shard_length(size, shards),)
-        update = total[offset:offset + size].reshape(shape).astype(jnp.float32) * scale
+            size, shape = (
+                sharding.shard_length(size, shards),
+                (sharding.shard_length(size, shards),),
+            )
+        update = total[offset : offset + size].reshape(shape).astype(jnp.float32) * scale
         if skipped is not None:
             update = jnp.where(skipped, 0.0, update)
         out[i] = update.astype(leaves[i].dtype)
@@ -677,9 +834,21 @@ def _square(values):
     return jnp.sum(jnp.square(values.astype(jnp.float32)))
 
 
-def compress(method, *, axis_name="data", error_feedback=True, granularity="model", mean=True, seed=0,
-             nonfinite="zero", warmup_steps=0, mask=None, min_size=0, momentum_correction=None,
-             **shorthand) -> optax.GradientTransformationExtraArgs:
+def compress(
+    method,
+    *,
+    axis_name="data",
+    error_feedback=True,
+    granularity="model",
+    mean=True,
+    seed=0,
+    nonfinite="zero",
+    warmup_steps=0,
+    mask=None,
+    min_size=0,
+    momentum_correction=None,
+    **shorthand,
+) -> optax.GradientTransformationExtraArgs:
     """Aggregates gradients across a mesh axis with a compressing method and error feedback.
 
     Put it first in an ``optax.chain`` and call the chain's ``update`` inside ``jax.shard_map``
@@ -783,27 +952,53 @@ def compress(method, *, axis_name="data", error_feedback=True, granularity="mode
     if method == "auto":  # the shorthand of the automatic choice
         from jaxcomp.auto import compress_auto_shorthand
 
-        for value, name in ((warmup_steps, "warmup_steps"), (momentum_correction, "momentum_correction")):
+        for value, name in (
+            (warmup_steps, "warmup_steps"),
+            (momentum_correction, "momentum_correction"),
+        ):
             if value:
-                raise ValueError(f"{name}= applies to a single method, not to 'auto' (compress_auto chooses dense "
-                                 f"itself while it is the cheapest)")
-        return compress_auto_shorthand(axis_name=axis_name, error_feedback=error_feedback, granularity=granularity,
-                                       mean=mean, seed=seed, nonfinite=nonfinite, mask=mask, min_size=min_size,
-                                       **shorthand)
-    config = FeedbackConfig.check(axis_name, error_feedback, granularity, mean, seed, nonfinite, mask, min_size,
-                                  momentum_correction)
+                raise ValueError(
+                    f"{name}= applies to a single method, not to 'auto' (compress_auto chooses dense "
+                    f"itself while it is the cheapest)"
+                )
+        return compress_auto_shorthand(
+            axis_name=axis_name,
+            error_feedback=error_feedback,
+            granularity=granularity,
+            mean=mean,
+            seed=seed,
+            nonfinite=nonfinite,
+            mask=mask,
+            min_size=min_size,
+            **shorthand,
+        )
+    config = FeedbackConfig.check(
+        axis_name,
+        error_feedback,
+        granularity,
+        mean,
+        seed,
+        nonfinite,
+        mask,
+        min_size,
+        momentum_correction,
+    )
     method = _parse_method(method, shorthand)
     method.check_axes(config.axes)
     warmup = max(_checks.static_int(warmup_steps, "warmup_steps", 0), method.dense_steps)
     if config.momentum is not None and not method.sparse:
-        raise ValueError(f"momentum_correction applies to the sparsifying methods (jaxcomp.TopK, jaxcomp.RandomK), "
-                         f"whose sent entries it clears from the momentum; got {method.describe()}")
+        raise ValueError(
+            f"momentum_correction applies to the sparsifying methods (jaxcomp.TopK, jaxcomp.RandomK), "
+            f"whose sent entries it clears from the momentum; got {method.describe()}"
+        )
     if warmup and method.sends_everything:
         warmup = 0  # dense already
     if warmup and not method.replicated_total:
-        raise ValueError(f"warmup_steps needs a method whose total comes out replicated, to switch from dense "
-                         f"to it inside one compiled step; {method.describe()} does not (for Zfp: "
-                         f"algorithm='ring')")
+        raise ValueError(
+            f"warmup_steps needs a method whose total comes out replicated, to switch from dense "
+            f"to it inside one compiled step; {method.describe()} does not (for Zfp: "
+            f"algorithm='ring')"
+        )
     # The methods the state records: with a warm-up, dense first (the `method` metric says which ran).
     branches = (_DENSE, method) if warmup else (method,)
     keeps_residual = config.error_feedback and not method.sends_everything
@@ -820,25 +1015,38 @@ def compress(method, *, axis_name="data", error_feedback=True, granularity="mode
             costs = [static_cost(m, groups) for m in branches]
             bytes_sent = jnp.asarray([cost[0] for cost in costs], jnp.float32)[branch]
             kept = jnp.asarray([cost[1] for cost in costs], jnp.float32)[branch]
-        totals, sents, method_state = run_branch(branches, branch, groups, config.axis_name, state.step, key,
-                                                 sparse, state.method_state)
-        return Aggregation(totals, sents, bytes_sent, kept, branch, sparse, method.sends_everything,
-                           method_state), None
+        totals, sents, method_state = run_branch(
+            branches, branch, groups, config.axis_name, state.step, key, sparse, state.method_state
+        )
+        return Aggregation(
+            totals, sents, bytes_sent, kept, branch, sparse, method.sends_everything, method_state
+        ), None
 
     return feedback_transformation(config, branches, keeps_residual, aggregate)
 
 
 def _parse_method(method, shorthand) -> Method:
-    auto_only = sorted(name for name in shorthand if name in _AUTO_ONLY and shorthand[name] is not None)
+    auto_only = sorted(
+        name for name in shorthand if name in _AUTO_ONLY and shorthand[name] is not None
+    )
     if auto_only:
-        raise ValueError(f"{', '.join(f'{name}=' for name in auto_only)} applies to method 'auto' only "
-                         f"(jaxcomp.compress_auto); remove it for method {method!r}")
+        raise ValueError(
+            f"{', '.join(f'{name}=' for name in auto_only)} applies to method 'auto' only "
+            f"(jaxcomp.compress_auto); remove it for method {method!r}"
+        )
     return methods.parse(method, **shorthand)
 
 
 # compress_auto's arguments, refused by a single method with a message that says where they go.
-_AUTO_ONLY = ("candidates", "network", "decide_every", "adaptive_ratio", "ratio_range", "explore_steps",
-              "ratio_search")
+_AUTO_ONLY = (
+    "candidates",
+    "network",
+    "decide_every",
+    "adaptive_ratio",
+    "ratio_range",
+    "explore_steps",
+    "ratio_search",
+)
 
 
 def _checked_update(update_fn):
@@ -854,21 +1062,33 @@ def _checked_update(update_fn):
 def _check_updates_fit_state(updates, state):
     """Gradients shaped like the params ``init`` saw, and at least one value to aggregate."""
     if not isinstance(state, CompressState):
-        raise TypeError(f"state must be the CompressState that compress's init returns, got {type(state).__name__}")
+        raise TypeError(
+            f"state must be the CompressState that compress's init returns, got {type(state).__name__}"
+        )
     leaves, treedef = jax.tree.flatten_with_path(updates)
     try:
         residuals = treedef.flatten_up_to(state.residual)
     except (ValueError, TypeError):
         return  # update reports the structure mismatch itself
-    floats = [(path, leaf, residual) for (path, leaf), residual in zip(leaves, residuals) if _is_float(leaf)]
+    floats = [
+        (path, leaf, residual)
+        for (path, leaf), residual in zip(leaves, residuals)
+        if _is_float(leaf)
+    ]
     for path, leaf, residual in floats:
-        if isinstance(residual, jax.Array | jax.ShapeDtypeStruct | np.ndarray) and leaf.shape != residual.shape:
+        if (
+            isinstance(residual, jax.Array | jax.ShapeDtypeStruct | np.ndarray)
+            and leaf.shape != residual.shape
+        ):
             raise ValueError(
                 f"updates{jax.tree_util.keystr(path)} has shape {leaf.shape}, but compress was initialized with a "
-                f"param of shape {residual.shape} there: pass the gradients of the params given to init")
+                f"param of shape {residual.shape} there: pass the gradients of the params given to init"
+            )
     if floats and sum(leaf.size for _, leaf, _ in floats) == 0:
-        raise ValueError(f"updates hold no values (every float leaf is empty: shapes "
-                         f"{[leaf.shape for _, leaf, _ in floats]}): there is nothing to aggregate")
+        raise ValueError(
+            f"updates hold no values (every float leaf is empty: shapes "
+            f"{[leaf.shape for _, leaf, _ in floats]}): there is nothing to aggregate"
+        )
 
 
 def _is_float(leaf) -> bool:
@@ -881,7 +1101,8 @@ def _bound_axis_size(axis_name) -> int:
     except NameError:
         raise ValueError(
             f"compress(axis_name={axis_name!r}): update must run inside jax.shard_map over a mesh with axis "
-            f"{axis_name!r} (or use jaxcomp.data_parallel); no such axis is bound here") from None
+            f"{axis_name!r} (or use jaxcomp.data_parallel); no such axis is bound here"
+        ) from None
 
 
 def _check_local_gradients(c: FeedbackConfig, leaves):
@@ -896,7 +1117,8 @@ def _check_local_gradients(c: FeedbackConfig, leaves):
                 f"compress got gradients that are replicated over {c.axis_name!r}: jax.grad of replicated "
                 "params inside shard_map already all-reduced them densely, before compression. Cast the "
                 f"params first: params = jax.lax.pcast(params, {c.axis_name!r}, to='varying') (or use "
-                "jaxcomp.data_parallel, which does this).")
+                "jaxcomp.data_parallel, which does this)."
+            )
 
 
 def _comm_dtype(leaves):
@@ -909,7 +1131,9 @@ def _comm_dtype(leaves):
 
 def _init_metrics():
     zero = jnp.zeros((), jnp.float32)
-    return CompressMetrics(gain=zero, bytes_sent=zero, density=zero, method=jnp.zeros((), jnp.int32), nonfinite=zero)
+    return CompressMetrics(
+        gain=zero, bytes_sent=zero, density=zero, method=jnp.zeros((), jnp.int32), nonfinite=zero
+    )
 
 
 def find_compress_state(opt_state) -> CompressState | None:
@@ -952,5 +1176,8 @@ def compress_states(opt_state) -> list[CompressState]:
     References:
       Tyagi & Swany, arXiv 2312.02493 (Alg. 1's per-worker state).
     """
-    return [node for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, CompressState))
-            if isinstance(node, CompressState)]
+    return [
+        node
+        for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, CompressState))
+        if isinstance(node, CompressState)
+    ]

@@ -72,10 +72,16 @@ def zfp_encode(x, rate, *, implementation=None):
     rate = _checks.check_rate(rate)
     implementation = _ffi.check_implementation(implementation)
     shape = x.shape[:-1] + (zfp_num_words(x.shape[-1], rate),)
-    call = _ffi.ffi_call("jaxcomp_zfp_encode", jax.ShapeDtypeStruct(shape, jnp.uint32),
-                            vmap_method="broadcast_all")
-    return _ffi.dispatch("jaxcomp.zfp_encode", (x.astype(jnp.float32),), lambda v: call(v, rate=np.int64(rate)),
-                         lambda v: _xla.zfp_encode(v, rate), implementation)
+    call = _ffi.ffi_call(
+        "jaxcomp_zfp_encode", jax.ShapeDtypeStruct(shape, jnp.uint32), vmap_method="broadcast_all"
+    )
+    return _ffi.dispatch(
+        "jaxcomp.zfp_encode",
+        (x.astype(jnp.float32),),
+        lambda v: call(v, rate=np.int64(rate)),
+        lambda v: _xla.zfp_encode(v, rate),
+        implementation,
+    )
 
 
 def zfp_decode(words, n, rate, dtype=jnp.float32, *, implementation=None):
@@ -102,8 +108,16 @@ def zfp_decode(words, n, rate, dtype=jnp.float32, *, implementation=None):
     """
     words, n, rate, dtype = _checks.check_decode(words, n, rate, dtype)
     implementation = _ffi.check_implementation(implementation)
-    call = _ffi.ffi_call("jaxcomp_zfp_decode", jax.ShapeDtypeStruct(words.shape[:-1] + (n,), jnp.float32),
-                            vmap_method="broadcast_all")
-    decoded = _ffi.dispatch("jaxcomp.zfp_decode", (words,), lambda w: call(w, n=np.int64(n), rate=np.int64(rate)),
-                            lambda w: _xla.zfp_decode(w, n, rate), implementation)
+    call = _ffi.ffi_call(
+        "jaxcomp_zfp_decode",
+        jax.ShapeDtypeStruct(words.shape[:-1] + (n,), jnp.float32),
+        vmap_method="broadcast_all",
+    )
+    decoded = _ffi.dispatch(
+        "jaxcomp.zfp_decode",
+        (words,),
+        lambda w: call(w, n=np.int64(n), rate=np.int64(rate)),
+        lambda w: _xla.zfp_decode(w, n, rate),
+        implementation,
+    )
     return decoded.astype(dtype)

@@ -98,13 +98,19 @@ def build(model: str, *, seq_len: int = 64, image_size: int = 64, abstract: bool
     if model not in NAMES:
         raise ValueError(f"model must be one of {', '.join(NAMES)}; got {model!r}")
     if not 1 <= seq_len <= _POSITIONS:
-        raise ValueError(f"seq_len must be between 1 and {_POSITIONS} (GPT-2's positions), got {seq_len}")
+        raise ValueError(
+            f"seq_len must be between 1 and {_POSITIONS} (GPT-2's positions), got {seq_len}"
+        )
     if image_size < 32:
-        raise ValueError(f"image_size must be at least 32 (ResNet-50's total stride), got {image_size}")
+        raise ValueError(
+            f"image_size must be at least 32 (ResNet-50's total stride), got {image_size}"
+        )
     try:
         import flax  # noqa: F401
     except ImportError as e:
-        raise ImportError("jaxcomp.zoo builds flax models: pip install flax (or jaxcomp[demo])") from e
+        raise ImportError(
+            "jaxcomp.zoo builds flax models: pip install flax (or jaxcomp[demo])"
+        ) from e
     import jax
     import numpy as np
 
@@ -116,16 +122,25 @@ def build(model: str, *, seq_len: int = 64, image_size: int = 64, abstract: bool
     variables = jax.eval_shape(init) if abstract else init()
     params = variables["params"]
     state = {k: v for k, v in variables.items() if k != "params"}
-    if abstract:  # loss_fn closes over the state: give it arrays (zeros: train mode never reads them)
+    if (
+        abstract
+    ):  # loss_fn closes over the state: give it arrays (zeros: train mode never reads them)
         state = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), state)
 
     def loss_fn(p, batch):
         return recipe.loss({"params": p, **state}, batch)
 
     leaves = jax.tree.leaves(params)
-    return Model(name=model, description=recipe.description, params=params, loss_fn=loss_fn,
-                 make_batch=_checked(recipe.make_batch), n_params=sum(int(np.prod(x.shape)) for x in leaves),
-                 n_leaves=len(leaves), state=state)
+    return Model(
+        name=model,
+        description=recipe.description,
+        params=params,
+        loss_fn=loss_fn,
+        make_batch=_checked(recipe.make_batch),
+        n_params=sum(int(np.prod(x.shape)) for x in leaves),
+        n_leaves=len(leaves),
+        state=state,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +156,7 @@ def _checked(make_batch):
         if int(batch_size) != batch_size or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         return make_batch(rng, int(batch_size))
+
     return checked
 
 
@@ -156,12 +172,15 @@ def _cross_entropy(logits, labels):
 def _classes(rng, batch_size, features, classes):
     import numpy as np
 
-    return {"x": rng.normal(size=(batch_size, features)).astype(np.float32),
-            "label": rng.integers(0, classes, size=batch_size, dtype=np.int32)}
+    return {
+        "x": rng.normal(size=(batch_size, features)).astype(np.float32),
+        "label": rng.integers(0, classes, size=batch_size, dtype=np.int32),
+    }
 
 
 # ----------------------------------------------------------------------------------------------
 # The recipes: each builds its flax module (flax imported here, on first use).
+
 
 def _mlp(widths):
     """A flax MLP of Dense layers of ``widths`` with tanh between them (none after the last)."""
@@ -186,7 +205,8 @@ def _mlp4096(**_):
         description="MLP 1024-4096-4096-1024-10, tanh between, softmax cross-entropy; batch: 1024 features, a label",
         init=lambda key, b: module.init(key, b["x"]),
         loss=lambda v, b: _cross_entropy(module.apply(v, b["x"]), b["label"]),
-        make_batch=lambda rng, n: _classes(rng, n, 1024, 10))
+        make_batch=lambda rng, n: _classes(rng, n, 1024, 10),
+    )
 
 
 def _mlp2041(**_):
@@ -197,15 +217,18 @@ def _mlp2041(**_):
     module = _mlp((width,) * 6)
 
     def make_batch(rng, n):
-        return {"x": rng.normal(size=(n, width)).astype(np.float32),
-                "y": rng.normal(size=(n, width)).astype(np.float32)}
+        return {
+            "x": rng.normal(size=(n, width)).astype(np.float32),
+            "y": rng.normal(size=(n, width)).astype(np.float32),
+        }
 
     return _Recipe(
         description="MLP of six square 2041-wide Dense layers, tanh between, mean squared error "
-                    "(netbench's --params 25e6 model); batch: 2041 features and targets",
+        "(netbench's --params 25e6 model); batch: 2041 features and targets",
         init=lambda key, b: module.init(key, b["x"]),
         loss=lambda v, b: jnp.mean((module.apply(v, b["x"]) - b["y"]) ** 2),
-        make_batch=make_batch)
+        make_batch=make_batch,
+    )
 
 
 def _gpt2_module():
@@ -226,15 +249,21 @@ def _gpt2_module():
             batch, length, width = x.shape
             q, k, v = jnp.split(dense(3 * width, "attn_qkv")(norm("ln_1")(x)), 3, axis=-1)
             heads = [t.reshape(batch, length, _HEADS, width // _HEADS) for t in (q, k, v)]
-            attended = jax.nn.dot_product_attention(*heads, is_causal=True).reshape(batch, length, width)
+            attended = jax.nn.dot_product_attention(*heads, is_causal=True).reshape(
+                batch, length, width
+            )
             x = x + dense(width, "attn_proj")(attended)
-            return x + dense(width, "mlp_proj")(nn.gelu(dense(4 * width, "mlp_fc")(norm("ln_2")(x))))
+            return x + dense(width, "mlp_proj")(
+                nn.gelu(dense(4 * width, "mlp_fc")(norm("ln_2")(x)))
+            )
 
     class GPT2(nn.Module):
         @nn.compact
         def __call__(self, tokens):
             wte = nn.Embed(_VOCAB, _WIDTH, embedding_init=nn.initializers.normal(0.02), name="wte")
-            wpe = nn.Embed(_POSITIONS, _WIDTH, embedding_init=nn.initializers.normal(0.01), name="wpe")
+            wpe = nn.Embed(
+                _POSITIONS, _WIDTH, embedding_init=nn.initializers.normal(0.01), name="wpe"
+            )
             x = wte(tokens) + wpe(jnp.arange(tokens.shape[-1]))
             for i in range(_BLOCKS):
                 x = Block(name=f"h_{i}")(x)
@@ -254,10 +283,13 @@ def _gpt2(*, seq_len, **_):
 
     return _Recipe(
         description=f"GPT-2 small: 50257x768 token and 1024x768 position embeddings, 12 blocks, tied head; "
-                    f"batch: {seq_len}-token sequences, next-token loss",
+        f"batch: {seq_len}-token sequences, next-token loss",
         init=lambda key, b: module.init(key, b["tokens"]),
         loss=loss,
-        make_batch=lambda rng, n: {"tokens": rng.integers(0, _VOCAB, size=(n, seq_len), dtype=np.int32)})
+        make_batch=lambda rng, n: {
+            "tokens": rng.integers(0, _VOCAB, size=(n, seq_len), dtype=np.int32)
+        },
+    )
 
 
 def _resnet50_module():
@@ -275,7 +307,9 @@ def _resnet50_module():
 
         @nn.compact
         def __call__(self, x, train):
-            norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5)
+            norm = functools.partial(
+                nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5
+            )
             y = nn.relu(norm()(conv(self.features, (1, 1))(x)))
             y = nn.relu(norm()(conv(self.features, (3, 3), self.strides)(y)))
             y = norm()(conv(4 * self.features, (1, 1))(y))
@@ -309,15 +343,18 @@ def _resnet50(*, image_size, **_):
         return _cross_entropy(logits, batch["label"])
 
     def make_batch(rng, n):
-        return {"image": rng.normal(size=(n, image_size, image_size, 3)).astype(np.float32),
-                "label": rng.integers(0, 1000, size=n, dtype=np.int32)}
+        return {
+            "image": rng.normal(size=(n, image_size, image_size, 3)).astype(np.float32),
+            "label": rng.integers(0, 1000, size=n, dtype=np.int32),
+        }
 
     return _Recipe(
         description=f"ResNet-50 v1.5: HWIO conv kernels, BatchNorm (train mode), 1000 classes; "
-                    f"batch: {image_size}x{image_size}x3 images and labels",
+        f"batch: {image_size}x{image_size}x3 images and labels",
         init=lambda key, b: module.init(key, b["image"], train=False),
         loss=loss,
-        make_batch=make_batch)
+        make_batch=make_batch,
+    )
 
 
 def _many_small(**_):
@@ -329,17 +366,25 @@ def _many_small(**_):
         def __call__(self, x):
             x = nn.Dense(_SMALL_WIDTH, name="embed")(x)
             for i in range(_SMALL_BLOCKS):
-                x = x + jnp.tanh(nn.Dense(_SMALL_WIDTH, name=f"dense_{i}")(nn.LayerNorm(name=f"norm_{i}")(x)))
+                x = x + jnp.tanh(
+                    nn.Dense(_SMALL_WIDTH, name=f"dense_{i}")(nn.LayerNorm(name=f"norm_{i}")(x))
+                )
             return nn.Dense(10, name="head")(nn.LayerNorm(name="norm_out")(x))
 
     module = ManySmall()
     return _Recipe(
         description=f"{_SMALL_BLOCKS} residual blocks of LayerNorm + Dense {_SMALL_WIDTH}x{_SMALL_WIDTH}, "
-                    f"softmax cross-entropy; batch: {_SMALL_WIDTH} features, a label",
+        f"softmax cross-entropy; batch: {_SMALL_WIDTH} features, a label",
         init=lambda key, b: module.init(key, b["x"]),
         loss=lambda v, b: _cross_entropy(module.apply(v, b["x"]), b["label"]),
-        make_batch=lambda rng, n: _classes(rng, n, _SMALL_WIDTH, 10))
+        make_batch=lambda rng, n: _classes(rng, n, _SMALL_WIDTH, 10),
+    )
 
 
-_RECIPES = {"mlp4096": _mlp4096, "mlp2041": _mlp2041, "gpt2": _gpt2, "resnet50": _resnet50,
-            "many_small": _many_small}
+_RECIPES = {
+    "mlp4096": _mlp4096,
+    "mlp2041": _mlp2041,
+    "gpt2": _gpt2,
+    "resnet50": _resnet50,
+    "many_small": _many_small,
+}

@@ -59,8 +59,10 @@ SHORTHAND = {
 }
 
 #: What each required option of the string form means, for error messages.
-_OPTION_HELP = {"rate": "rate= (bits per value, an integer in [1, 32], e.g. 8)",
-                "bits": "bits= (bits per value, an integer in [1, 16], e.g. 8)"}
+_OPTION_HELP = {
+    "rate": "rate= (bits per value, an integer in [1, 32], e.g. 8)",
+    "bits": "bits= (bits per value, an integer in [1, 16], e.g. 8)",
+}
 
 
 def parse(method, *, strict: bool = True, **options) -> Method:
@@ -92,14 +94,20 @@ def parse(method, *, strict: bool = True, **options) -> Method:
     options = {name: value for name, value in options.items() if value is not None}
     if isinstance(method, Method):
         if options and strict:
-            raise ValueError(f"{', '.join(f'{name}=' for name in options)} goes with a method name; a method "
-                             f"object carries its own settings: {method!r}")
+            raise ValueError(
+                f"{', '.join(f'{name}=' for name in options)} goes with a method name; a method "
+                f"object carries its own settings: {method!r}"
+            )
         return method
     if not isinstance(method, str):
-        raise TypeError(f"method must be a jaxcomp.methods.Method or one of {tuple(SHORTHAND)}, got "
-                        f"{type(method).__name__}")
+        raise TypeError(
+            f"method must be a jaxcomp.methods.Method or one of {tuple(SHORTHAND)}, got "
+            f"{type(method).__name__}"
+        )
     if method not in SHORTHAND:
-        raise ValueError(f"method must be a jaxcomp.methods.Method or one of {tuple(SHORTHAND)}, got {method!r}")
+        raise ValueError(
+            f"method must be a jaxcomp.methods.Method or one of {tuple(SHORTHAND)}, got {method!r}"
+        )
     build = SHORTHAND[method]
     cls = build.func if isinstance(build, functools.partial) else build
     fixed = build.keywords if isinstance(build, functools.partial) else {}
@@ -109,20 +117,37 @@ def parse(method, *, strict: bool = True, **options) -> Method:
         options = {name: value for name, value in options.items() if name in accepted}
     elif extra:
         wanted = " or ".join(f"{name}=" for name in sorted(accepted)) or "nothing else"
-        raise ValueError(f"method {method!r} takes {wanted}; remove {', '.join(f'{name}=' for name in extra)}")
-    missing = [field.name for field in dataclasses.fields(cls) if field.name in accepted
-               and field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
-               and field.name not in options]
+        raise ValueError(
+            f"method {method!r} takes {wanted}; remove {', '.join(f'{name}=' for name in extra)}"
+        )
+    missing = [
+        field.name
+        for field in dataclasses.fields(cls)
+        if field.name in accepted
+        and field.default is dataclasses.MISSING
+        and field.default_factory is dataclasses.MISSING
+        and field.name not in options
+    ]
     if missing:
-        raise ValueError(f"method {method!r} needs {_OPTION_HELP.get(missing[0], missing[0] + '=')}")
+        raise ValueError(
+            f"method {method!r} needs {_OPTION_HELP.get(missing[0], missing[0] + '=')}"
+        )
     try:
         return build(**options)
     except ValueError as e:  # the method's own check, said of the name the caller used
         raise ValueError(f"method {method!r}: {e}") from None
 
 
-def candidates(*, ratio=None, rate=None, bits=None, rank=None, hierarchical: bool = False,
-               variants: bool = False, sign=None) -> tuple[Method, ...]:
+def candidates(
+    *,
+    ratio=None,
+    rate=None,
+    bits=None,
+    rank=None,
+    hierarchical: bool = False,
+    variants: bool = False,
+    sign=None,
+) -> tuple[Method, ...]:
     """The methods the given settings allow, dense first: what ``compress_auto`` and ``advise`` try
     by default.
 
@@ -167,5 +192,17 @@ def candidates(*, ratio=None, rate=None, bits=None, rank=None, hierarchical: boo
     return tuple(out)
 
 
-__all__ = ["Cast", "Dense", "Method", "PowerSGD", "Quantized", "RandomK", "SHORTHAND", "Sign", "TopK", "Zfp",
-           "candidates", "parse"]
+__all__ = [
+    "Cast",
+    "Dense",
+    "Method",
+    "PowerSGD",
+    "Quantized",
+    "RandomK",
+    "SHORTHAND",
+    "Sign",
+    "TopK",
+    "Zfp",
+    "candidates",
+    "parse",
+]

@@ -123,10 +123,16 @@ class Method:
     def check_axes(self, axes: tuple[str, ...]) -> None:
         """Raises a ValueError naming ``axis_name`` when the method cannot reduce over ``axes``."""
         if self.axes_needed is not None and len(axes) != self.axes_needed:
-            how = ("axis_name=(outer, inner), e.g. ('node', 'device'): the slow axis between nodes first, the "
-                   "fast one inside a node" if self.axes_needed == 2 else f"{self.axes_needed} axes in order")
-            raise ValueError(f"method {self.describe()} needs {how}; got axis_name="
-                             f"{axes if len(axes) > 1 else axes[0]!r}")
+            how = (
+                "axis_name=(outer, inner), e.g. ('node', 'device'): the slow axis between nodes first, the "
+                "fast one inside a node"
+                if self.axes_needed == 2
+                else f"{self.axes_needed} axes in order"
+            )
+            raise ValueError(
+                f"method {self.describe()} needs {how}; got axis_name="
+                f"{axes if len(axes) > 1 else axes[0]!r}"
+            )
 
     def kept(self, n: int) -> int:
         """Values of an ``n``-vector whose content is sent (the ``density`` metric's numerator)."""
@@ -154,13 +160,17 @@ class Method:
         concatenated in that order), replicated on every device; a pytree of arrays, saved in
         checkpoints with the rest of the optimizer state. Raises a ValueError naming the setting that
         cannot serve these shapes."""
-        raise NotImplementedError(f"{type(self).__name__} is stateful and must implement init_state")
+        raise NotImplementedError(
+            f"{type(self).__name__} is stateful and must implement init_state"
+        )
 
     def aggregate_stateful(self, x, axis_name, *, step, key, state, shapes) -> tuple[Any, Any, Any]:
         """With :attr:`stateful`: :meth:`aggregate` with the method's own state: ``(total, sent,
         new_state)``, where ``state`` came from :meth:`init_state` for these ``shapes`` (or from the
         previous step) and ``new_state`` has its structure and stays replicated."""
-        raise NotImplementedError(f"{type(self).__name__} is stateful and must implement aggregate_stateful")
+        raise NotImplementedError(
+            f"{type(self).__name__} is stateful and must implement aggregate_stateful"
+        )
 
     # ---- sharded training (reduce-scatter) -------------------------------------------------------
 
@@ -169,7 +179,9 @@ class Method:
         least ``m``; e.g. whole Hadamard blocks). Applying it to its own result gives it back."""
         return m
 
-    def reduce_scatter(self, x, axis_name, *, step, key, size, sparse: bool = False) -> tuple[Any, Any]:
+    def reduce_scatter(
+        self, x, axis_name, *, step, key, size, sparse: bool = False
+    ) -> tuple[Any, Any]:
         """With :attr:`scatters`: this device's shard of the sum, ``(shard, sent)``.
 
         Args:
@@ -188,8 +200,10 @@ class Method:
           ``sent``: this device's contribution as the sum saw it (all ``N * row`` values), so
           that ``x - sent`` is what error feedback keeps.
         """
-        raise ValueError(f"method {self.describe()} has no reduce-scatter form, so it cannot aggregate sharded "
-                         f"gradients (data_parallel(shard=...)); methods that can: {', '.join(scattering())}")
+        raise ValueError(
+            f"method {self.describe()} has no reduce-scatter form, so it cannot aggregate sharded "
+            f"gradients (data_parallel(shard=...)); methods that can: {', '.join(scattering())}"
+        )
 
     def reduce_scatter_bytes(self, n: int, n_devices: int, *, dtype_bytes: int = 4) -> float:
         """Bytes one device sends in :meth:`reduce_scatter` of ``n`` values over ``n_devices``."""
@@ -201,7 +215,9 @@ class Method:
 
     # ---- the cost model -------------------------------------------------------------------------
 
-    def wire_bytes(self, n: int, n_devices: int, *, dtype_bytes: int = 4, inner_size: int | None = None) -> float:
+    def wire_bytes(
+        self, n: int, n_devices: int, *, dtype_bytes: int = 4, inner_size: int | None = None
+    ) -> float:
         """Bytes one device sends to aggregate ``n`` values over ``n_devices`` (its busiest path).
 
         ``inner_size`` is the number of devices of the last (fastest) axis when the method reduces
@@ -233,8 +249,13 @@ def scattering() -> list[str]:
     References:
       Rajbhandari et al., ZeRO, SC 2020 (gradients reduce-scattered to their owners).
     """
-    return ["Dense", "Cast (bf16, fp16)", "Zfp (algorithm='ring')", "Quantized (thc)",
-            "TopK (collective='allgather' or 'ar')"]
+    return [
+        "Dense",
+        "Cast (bf16, fp16)",
+        "Zfp (algorithm='ring')",
+        "Quantized (thc)",
+        "TopK (collective='allgather' or 'ar')",
+    ]
 
 
 class Fraction:
@@ -246,12 +267,16 @@ class Fraction:
         from jaxcomp import _checks
 
         if (self.ratio is None) == (self.k is None):
-            raise ValueError(f"{type(self).__name__} needs exactly one of ratio= (fraction of entries sent, e.g. "
-                             f"0.01) or k= (entries sent), got ratio={self.ratio!r}, k={self.k!r}")
+            raise ValueError(
+                f"{type(self).__name__} needs exactly one of ratio= (fraction of entries sent, e.g. "
+                f"0.01) or k= (entries sent), got ratio={self.ratio!r}, k={self.k!r}"
+            )
         if self.ratio is not None:
             object.__setattr__(self, "ratio", _checks.check_ratio(self.ratio))
         else:
-            object.__setattr__(self, "k", _checks.static_int(self.k, "k", 1, _checks.MAX_ROW_LENGTH))
+            object.__setattr__(
+                self, "k", _checks.static_int(self.k, "k", 1, _checks.MAX_ROW_LENGTH)
+            )
 
     @property
     def setting(self):
@@ -266,6 +291,8 @@ class Fraction:
         if self.ratio is not None:
             return layout.resolve_k(n, None, self.ratio)
         if self.k > n:
-            raise ValueError(f"k={self.k} exceeds the {n} gradient entries it is taken from; pass a smaller k or "
-                             "ratio=")
+            raise ValueError(
+                f"k={self.k} exceeds the {n} gradient entries it is taken from; pass a smaller k or "
+                "ratio="
+            )
         return self.k

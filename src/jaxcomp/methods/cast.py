@@ -39,8 +39,10 @@ def canonical_dtype(dtype) -> str:
     for canonical, aliases in NARROW_TYPES.items():
         if name == canonical or name in aliases:
             return canonical
-    raise ValueError(f"dtype must be bfloat16 or float16 (jnp.bfloat16, jnp.float16 or one of "
-                     f"{[n for c, a in NARROW_TYPES.items() for n in (c, *a)]}), got {dtype!r}")
+    raise ValueError(
+        f"dtype must be bfloat16 or float16 (jnp.bfloat16, jnp.float16 or one of "
+        f"{[n for c, a in NARROW_TYPES.items() for n in (c, *a)]}), got {dtype!r}"
+    )
 
 
 def power_of_two_scale(global_max, n_devices: int):
@@ -180,7 +182,9 @@ class Cast(Method):
 
         s = self._scale(x, axis_name)
         if self.dtype == "bfloat16":
-            total, sent = collectives.bfloat16_allreduce(x.astype(jnp.float32) * s, axis_name, scatter=scatter)
+            total, sent = collectives.bfloat16_allreduce(
+                x.astype(jnp.float32) * s, axis_name, scatter=scatter
+            )
             return (total / s).astype(x.dtype), (sent / s).astype(x.dtype)
         narrow = self.encode(x, s)  # float16 travels as 16 bits on every backend: one psum
         if scatter:
@@ -198,11 +202,14 @@ class Cast(Method):
         if N == 1:
             return 0.0
         return layout.reduce_scatter_bytes(2 * n, N) + (
-            layout.allreduce_bytes(4, N, self.allreduce) if self.scaled else 0.0)
+            layout.allreduce_bytes(4, N, self.allreduce) if self.scaled else 0.0
+        )
 
     def reduce_scatter_steps(self, n_devices):
         N = _checks.check_devices(n_devices)
-        return layout.reduce_scatter_steps(N) + (layout.allreduce_steps(N, self.allreduce) if self.scaled else 0)
+        return layout.reduce_scatter_steps(N) + (
+            layout.allreduce_steps(N, self.allreduce) if self.scaled else 0
+        )
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         """One all-reduce of ``n`` 2-byte values, plus the scale's all-reduce of one float32 when

@@ -46,7 +46,11 @@ class Dense(Method):
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         n, dtype_bytes = _checks.check_message(n, dtype_bytes)
         n_devices = _checks.check_devices(n_devices)
-        return 0.0 if n_devices == 1 else layout.allreduce_bytes(n * dtype_bytes, n_devices, self.allreduce)
+        return (
+            0.0
+            if n_devices == 1
+            else layout.allreduce_bytes(n * dtype_bytes, n_devices, self.allreduce)
+        )
 
     def message_steps(self, n_devices, *, inner_size=None):
         return layout.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)

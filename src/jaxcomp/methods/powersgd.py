@@ -119,9 +119,16 @@ class PowerSGD(Method):
         object.__setattr__(self, "rank", _checks.static_int(self.rank, "rank", 1, 1 << 16))
         object.__setattr__(self, "start_iter", _checks.static_int(self.start_iter, "start_iter", 0))
         rate = self.min_compression_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate < 1:
-            raise ValueError(f"min_compression_rate must be a number >= 1 (how many times smaller the rank-r "
-                             f"factors must be than a matrix to compress it), got {rate!r}")
+        if (
+            isinstance(rate, bool)
+            or not isinstance(rate, (int, float))
+            or not math.isfinite(rate)
+            or rate < 1
+        ):
+            raise ValueError(
+                f"min_compression_rate must be a number >= 1 (how many times smaller the rank-r "
+                f"factors must be than a matrix to compress it), got {rate!r}"
+            )
         object.__setattr__(self, "min_compression_rate", float(rate))
         _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
 
@@ -139,7 +146,9 @@ class PowerSGD(Method):
         if view is None:
             return False
         rows, cols = view
-        return self.rank <= min(rows, cols) and rows * cols >= self.min_compression_rate * self.rank * (rows + cols)
+        return self.rank <= min(
+            rows, cols
+        ) and rows * cols >= self.min_compression_rate * self.rank * (rows + cols)
 
     def _shapes(self, n: int, shapes) -> tuple[tuple[int, ...], ...]:
         """The leaves' shapes, checked against ``n``; without shapes (the cost model's question about
@@ -149,7 +158,9 @@ class PowerSGD(Method):
             return ((side, side), (int(n) - side * side,)) if n > side * side else ((side, side),)
         shapes = tuple(tuple(int(d) for d in shape) for shape in shapes)
         if sum(math.prod(s) for s in shapes) != n:
-            raise ValueError(f"shapes {shapes} hold {sum(math.prod(s) for s in shapes)} values, not the vector's {n}")
+            raise ValueError(
+                f"shapes {shapes} hold {sum(math.prod(s) for s in shapes)} values, not the vector's {n}"
+            )
         return shapes
 
     def _split(self, shapes):
@@ -171,15 +182,22 @@ class PowerSGD(Method):
         if not matrices:
             views = [matrix_view(s) for s in shapes if matrix_view(s) is not None]
             if not views:
-                raise ValueError(f"PowerSGD compresses matrix-shaped leaves, and these gradients have none (shapes "
-                                 f"{list(shapes)}): use another method, or jaxcomp.Dense")
+                raise ValueError(
+                    f"PowerSGD compresses matrix-shaped leaves, and these gradients have none (shapes "
+                    f"{list(shapes)}): use another method, or jaxcomp.Dense"
+                )
             rows, cols = max(views, key=min)
-            raise ValueError(f"rank={self.rank} compresses none of the gradients' matrices (the largest, {rows}x{cols}, "
-                             f"needs rank <= {min(rows, cols)} and rank * (rows + cols) * min_compression_rate="
-                             f"{self.min_compression_rate:g} <= rows * cols): pass a smaller rank")
+            raise ValueError(
+                f"rank={self.rank} compresses none of the gradients' matrices (the largest, {rows}x{cols}, "
+                f"needs rank <= {min(rows, cols)} and rank * (rows + cols) * min_compression_rate="
+                f"{self.min_compression_rate:g} <= rows * cols): pass a smaller rank"
+            )
         # The same Q on every device: drawn from a fixed key, one per compressed leaf.
         keys = jax.random.split(jax.random.key(0), len(matrices))
-        return tuple(jax.random.normal(key, (cols, self.rank), jnp.float32) for key, (_, cols) in zip(keys, matrices))
+        return tuple(
+            jax.random.normal(key, (cols, self.rank), jnp.float32)
+            for key, (_, cols) in zip(keys, matrices)
+        )
 
     def aggregate_stateful(self, x, axis_name, *, step, key, state, shapes):
         import jax
@@ -191,7 +209,7 @@ class PowerSGD(Method):
         pieces, offset = [], 0
         for shape in shapes:
             size = math.prod(shape)
-            pieces.append(x[offset:offset + size].astype(jnp.float32))
+            pieces.append(x[offset : offset + size].astype(jnp.float32))
             offset += size
         compressed = [i for i, s in enumerate(shapes) if self.compresses(s)]
         dense = [i for i, s in enumerate(shapes) if not self.compresses(s)]
@@ -200,21 +218,23 @@ class PowerSGD(Method):
 
         # All-reduce 1: every P, and the leaves sent as they are.
         ps = [mats[i] @ qs[i] for i in compressed]
-        first = jax.lax.psum(jnp.concatenate([p.ravel() for p in ps] + [pieces[i] for i in dense]), axis_name)
+        first = jax.lax.psum(
+            jnp.concatenate([p.ravel() for p in ps] + [pieces[i] for i in dense]), axis_name
+        )
         p_hat, offset = {}, 0
         for i, p in zip(compressed, ps):
-            p_hat[i] = orthogonalize(first[offset:offset + p.size].reshape(p.shape))
+            p_hat[i] = orthogonalize(first[offset : offset + p.size].reshape(p.shape))
             offset += p.size
         dense_total = {}
         for i in dense:
-            dense_total[i] = first[offset:offset + pieces[i].size]
+            dense_total[i] = first[offset : offset + pieces[i].size]
             offset += pieces[i].size
         # All-reduce 2: every Q = M^T P.
         local_q = {i: mats[i].T @ p_hat[i] for i in compressed}
         second = jax.lax.psum(jnp.concatenate([local_q[i].ravel() for i in compressed]), axis_name)
         q_total, offset = {}, 0
         for i in compressed:
-            q_total[i] = second[offset:offset + local_q[i].size].reshape(local_q[i].shape)
+            q_total[i] = second[offset : offset + local_q[i].size].reshape(local_q[i].shape)
             offset += local_q[i].size
 
         totals, sents = [], []
@@ -239,7 +259,9 @@ class PowerSGD(Method):
         matrices, dense = self._split(self._shapes(n, shapes))
         first = 4 * (sum(self.rank * rows for rows, _ in matrices) + dense)
         second = 4 * sum(self.rank * cols for _, cols in matrices)
-        return layout.allreduce_bytes(first, N, self.allreduce) + layout.allreduce_bytes(second, N, self.allreduce)
+        return layout.allreduce_bytes(first, N, self.allreduce) + layout.allreduce_bytes(
+            second, N, self.allreduce
+        )
 
     def message_steps(self, n_devices, *, inner_size=None):
         return 2 * layout.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
@@ -251,7 +273,7 @@ class PowerSGD(Method):
         q = jnp.ones((cols, self.rank), jnp.float32)
 
         def codec(x):
-            m = x[:rows * cols].reshape(rows, cols)
+            m = x[: rows * cols].reshape(rows, cols)
             p = orthogonalize(m @ q)
             return (p @ (m.T @ p).T).ravel()
 

@@ -65,9 +65,13 @@ class Quantized(Method):
         N = _checks.check_devices(n_devices)
         if N == 1:
             return 0.0
-        codes = layout.packed_words(layout.quantized_length(n, self.hadamard), self.bits, N) * layout.WORD_BYTES
-        return (layout.allreduce_bytes(codes, N, self.allreduce)
-                + layout.allreduce_bytes(layout.SCALAR_BYTES, N, self.allreduce))
+        codes = (
+            layout.packed_words(layout.quantized_length(n, self.hadamard), self.bits, N)
+            * layout.WORD_BYTES
+        )
+        return layout.allreduce_bytes(codes, N, self.allreduce) + layout.allreduce_bytes(
+            layout.SCALAR_BYTES, N, self.allreduce
+        )
 
     def shard_row(self, m, n_devices):
         """Whole Hadamard blocks of a row (each device rotates its own row back)."""
@@ -76,7 +80,9 @@ class Quantized(Method):
     def reduce_scatter(self, x, axis_name, *, step, key, size, sparse=False):
         from jaxcomp import collectives
 
-        return collectives.quantized_psum(x, self.bits, axis_name, key, hadamard=self.hadamard, scatter=True)
+        return collectives.quantized_psum(
+            x, self.bits, axis_name, key, hadamard=self.hadamard, scatter=True
+        )
 
     def reduce_scatter_bytes(self, n, n_devices, *, dtype_bytes=4):
         """A reduce-scatter of the rows' packed codes (``n`` values in ``N`` rows of whole Hadamard
@@ -87,7 +93,9 @@ class Quantized(Method):
             return 0.0
         row = layout.quantized_length(layout.ceil_div(n, N), self.hadamard)
         codes = N * layout.packed_words(row, self.bits, N) * layout.WORD_BYTES
-        return layout.reduce_scatter_bytes(codes, N) + layout.allreduce_bytes(layout.SCALAR_BYTES, N, self.allreduce)
+        return layout.reduce_scatter_bytes(codes, N) + layout.allreduce_bytes(
+            layout.SCALAR_BYTES, N, self.allreduce
+        )
 
     def reduce_scatter_steps(self, n_devices):
         N = _checks.check_devices(n_devices)
@@ -106,7 +114,9 @@ class Quantized(Method):
         workers = max(2, _checks.check_devices(n_devices))
 
         def codec(x):
-            total, sent = quantized_psum_local(x, self.bits, jax.random.key(0), workers, hadamard=self.hadamard)
+            total, sent = quantized_psum_local(
+                x, self.bits, jax.random.key(0), workers, hadamard=self.hadamard
+            )
             return total + sent
 
         return codec

@@ -92,7 +92,9 @@ class RandomK(Fraction, Method):
         """One all-reduce of ``k`` values: ``2 (N-1)/N k d`` as a ring."""
         n, dtype_bytes = _checks.check_message(n, dtype_bytes)
         N = _checks.check_devices(n_devices)
-        return 0.0 if N == 1 else layout.allreduce_bytes(self.kept(n) * dtype_bytes, N, self.allreduce)
+        return (
+            0.0 if N == 1 else layout.allreduce_bytes(self.kept(n) * dtype_bytes, N, self.allreduce)
+        )
 
     def message_steps(self, n_devices, *, inner_size=None):
         return layout.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
@@ -104,6 +106,8 @@ class RandomK(Fraction, Method):
 
         def codec(x):
             indices = shared_indices(jax.random.key(0), n_values, k)
-            return x.at[indices].add(-x[indices])  # the draw, the gather and the in-place error feedback
+            return x.at[indices].add(
+                -x[indices]
+            )  # the draw, the gather and the in-place error feedback
 
         return codec

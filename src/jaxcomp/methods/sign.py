@@ -28,6 +28,7 @@ def _gathered_sum(all_words, all_scales, n: int, chunk: int, majority: bool):
 
     devices = all_words.shape[0]
     if not majority:
+
         def add(d, total):
             return total + sign_unpack(all_words[d], all_scales[d], n, chunk)
 
@@ -39,7 +40,9 @@ def _gathered_sum(all_words, all_scales, n: int, chunk: int, majority: bool):
         votes, scales = carry  # votes: sums of +-1, exact in float32 up to 2^24 devices
         return votes + sign_unpack(all_words[d], ones, n, chunk), scales + all_scales[d]
 
-    votes, scales = jax.lax.fori_loop(0, devices, vote, (jnp.zeros(n, jnp.float32), jnp.zeros_like(ones)))
+    votes, scales = jax.lax.fori_loop(
+        0, devices, vote, (jnp.zeros(n, jnp.float32), jnp.zeros_like(ones))
+    )
     plus = jnp.repeat(scales, chunk, total_repeat_length=scales.shape[0] * chunk)[:n]
     return jnp.sign(votes) * plus
 
@@ -90,18 +93,24 @@ class Sign(Method):
     name = "sign"
 
     def __post_init__(self):
-        object.__setattr__(self, "chunk", _checks.static_int(self.chunk, "chunk", 1, _checks.MAX_ROW_LENGTH))
+        object.__setattr__(
+            self, "chunk", _checks.static_int(self.chunk, "chunk", 1, _checks.MAX_ROW_LENGTH)
+        )
         _checks.check_choice(self.aggregation, "aggregation", AGGREGATIONS)
         _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
         if self.allreduce != "ring" and self.aggregation != "allreduce":
-            raise ValueError(f"allreduce={self.allreduce!r} costs aggregation='allreduce' only; got "
-                             f"aggregation={self.aggregation!r}")
+            raise ValueError(
+                f"allreduce={self.allreduce!r} costs aggregation='allreduce' only; got "
+                f"aggregation={self.aggregation!r}"
+            )
 
     @property
     def label(self):
         if self.aggregation == "allgather":
             return self.name
-        return "_".join([self.name, self.aggregation] + ([self.allreduce] if self.allreduce != "ring" else []))
+        return "_".join(
+            [self.name, self.aggregation] + ([self.allreduce] if self.allreduce != "ring" else [])
+        )
 
     def aggregate(self, x, axis_name, *, step, key, sparse=False):
         import jax
@@ -132,7 +141,10 @@ class Sign(Method):
             return 0.0
         if self.aggregation == "allreduce":
             return layout.allreduce_bytes(n * dtype_bytes, N, self.allreduce)
-        packed = layout.ceil_div(n, 32) * layout.WORD_BYTES + layout.ceil_div(n, self.chunk) * layout.SCALAR_BYTES
+        packed = (
+            layout.ceil_div(n, 32) * layout.WORD_BYTES
+            + layout.ceil_div(n, self.chunk) * layout.SCALAR_BYTES
+        )
         return float((N - 1) * packed)
 
     def message_steps(self, n_devices, *, inner_size=None):
@@ -156,8 +168,12 @@ class Sign(Method):
             words, scales = sign_pack(x, self.chunk)
             if self.aggregation == "allreduce":
                 return sign_unpack(words, scales, n_values, self.chunk)
-            return _gathered_sum(jnp.broadcast_to(words, (workers,) + words.shape),
-                                 jnp.broadcast_to(scales, (workers,) + scales.shape), n_values, self.chunk,
-                                 self.aggregation == "majority")
+            return _gathered_sum(
+                jnp.broadcast_to(words, (workers,) + words.shape),
+                jnp.broadcast_to(scales, (workers,) + scales.shape),
+                n_values,
+                self.chunk,
+                self.aggregation == "majority",
+            )
 
         return codec

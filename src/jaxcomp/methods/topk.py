@@ -77,7 +77,9 @@ class TopK(Fraction, Method):
         _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
         for option, default in (("leader", "star"), ("allreduce", "ring")):
             if getattr(self, option) != default and self.collective != "ar":
-                raise ValueError(f"{option}= applies to collective='ar' only, not {self.collective!r}; remove it")
+                raise ValueError(
+                    f"{option}= applies to collective='ar' only, not {self.collective!r}; remove it"
+                )
 
     @property
     def axes_needed(self):
@@ -92,12 +94,23 @@ class TopK(Fraction, Method):
 
         k = self.kept(x.shape[0])
         if self.collective == "allgather":
-            return collectives.allgather_topk(x, k, axis_name, selector=self.selector, sparse_sent=sparse)
+            return collectives.allgather_topk(
+                x, k, axis_name, selector=self.selector, sparse_sent=sparse
+            )
         if self.collective == "ar":
-            return collectives.ar_topk(x, k, axis_name, leader=self.leader, step=step, selector=self.selector,
-                                       sparse_sent=sparse)
+            return collectives.ar_topk(
+                x,
+                k,
+                axis_name,
+                leader=self.leader,
+                step=step,
+                selector=self.selector,
+                sparse_sent=sparse,
+            )
         outer, inner = axis_name
-        return collectives.hierarchical_topk(x, k, inner, outer, selector=self.selector, sparse_sent=sparse)
+        return collectives.hierarchical_topk(
+            x, k, inner, outer, selector=self.selector, sparse_sent=sparse
+        )
 
     @property
     def scatters(self):
@@ -113,10 +126,19 @@ class TopK(Fraction, Method):
             return super().reduce_scatter(x, axis_name, step=step, key=key, size=size)
         k = self.kept(size)
         if self.collective == "allgather":
-            return collectives.allgather_topk(x, k, axis_name, selector=self.selector, sparse_sent=sparse,
-                                              scatter=True)
-        return collectives.ar_topk(x, k, axis_name, leader=self.leader, step=step, selector=self.selector,
-                                   sparse_sent=sparse, scatter=True)
+            return collectives.allgather_topk(
+                x, k, axis_name, selector=self.selector, sparse_sent=sparse, scatter=True
+            )
+        return collectives.ar_topk(
+            x,
+            k,
+            axis_name,
+            leader=self.leader,
+            step=step,
+            selector=self.selector,
+            sparse_sent=sparse,
+            scatter=True,
+        )
 
     def reduce_scatter_bytes(self, n, n_devices, *, dtype_bytes=4):
         """What :meth:`wire_bytes` counts: the exchange is the same, only the adding differs."""
@@ -149,14 +171,18 @@ class TopK(Fraction, Method):
         if self.collective == "ar":
             if N == 1:
                 return 0.0
-            total = (layout.allreduce_bytes(k * layout.INDEX_BYTES, N, self.allreduce)
-                     + layout.allreduce_bytes(k * dtype_bytes, N, self.allreduce))
+            total = layout.allreduce_bytes(
+                k * layout.INDEX_BYTES, N, self.allreduce
+            ) + layout.allreduce_bytes(k * dtype_bytes, N, self.allreduce)
             return total + ((N - 1) * layout.SCALAR_BYTES if self.leader == "var" else 0.0)
         inner = self._inner(N, inner_size)
         outer = N // inner
         shard, k_shard = layout.hierarchical_shard(n, k, inner)
-        return float((inner - 1) * shard * dtype_bytes + (outer - 1) * k_shard * pair
-                     + (inner - 1) * outer * k_shard * pair)
+        return float(
+            (inner - 1) * shard * dtype_bytes
+            + (outer - 1) * k_shard * pair
+            + (inner - 1) * outer * k_shard * pair
+        )
 
     def message_steps(self, n_devices, *, inner_size=None):
         """``"allgather"``: ``ceil(log2 N)`` (recursive doubling); ``"ar"``: two all-reduces

@@ -97,7 +97,9 @@ class Zfp(Method):
         if N == 1:
             return 0.0
         if self.algorithm == "ring":
-            return float(2 * (N - 1) * _words(layout.ring_chunk(n, N), self.rate) * layout.WORD_BYTES)
+            return float(
+                2 * (N - 1) * _words(layout.ring_chunk(n, N), self.rate) * layout.WORD_BYTES
+            )
         p = layout.power_of_two_below(N)
         rounds = p.bit_length() - 1 + (1 if p != N else 0)
         return float(rounds * _words(n, self.rate) * layout.WORD_BYTES)

@@ -8,4 +8,12 @@ from jaxcomp.reference.sign import sign_pack, sign_unpack
 from jaxcomp.reference.topk import find_threshold, threshold_topk, topk
 from jaxcomp.reference.zfp import zfp_decode, zfp_encode
 
-__all__ = ["find_threshold", "sign_pack", "sign_unpack", "threshold_topk", "topk", "zfp_decode", "zfp_encode"]
+__all__ = [
+    "find_threshold",
+    "sign_pack",
+    "sign_unpack",
+    "threshold_topk",
+    "topk",
+    "zfp_decode",
+    "zfp_encode",
+]

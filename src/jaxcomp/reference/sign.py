@@ -46,24 +46,28 @@ def sign_pack(x, chunk):
     plus = (magnitude == 0) | (sign_clear & (magnitude <= 0x7F800000))
     words = []
     for w in range(-(-n // 32)):
-        bits = plus[..., 32 * w:32 * (w + 1)].astype(jnp.uint32)
-        words.append(jnp.sum(bits << jnp.arange(bits.shape[-1], dtype=jnp.uint32), axis=-1, dtype=jnp.uint32))
+        bits = plus[..., 32 * w : 32 * (w + 1)].astype(jnp.uint32)
+        words.append(
+            jnp.sum(bits << jnp.arange(bits.shape[-1], dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+        )
     # Magnitudes below the smallest normal float count as 0.
     values = jnp.where(magnitude < _SMALLEST_NORMAL_BITS, 0.0, jnp.abs(x))
     tree = 1 << (chunk - 1).bit_length()
     scales = []
     for start in range(0, n, chunk):
-        part = values[..., start:start + chunk]
+        part = values[..., start : start + chunk]
         count = part.shape[-1]
         part = jnp.pad(part, [(0, 0)] * (x.ndim - 1) + [(0, tree - count)])
         h = tree // 2
         while h >= 1:  # the halving tree: the upper half onto the lower
-            part = part[..., :h] + part[..., h:2 * h]
+            part = part[..., :h] + part[..., h : 2 * h]
             h //= 2
         mean = part[..., 0] * (np.float32(1) / np.float32(count))
         mean_bits = _magnitude_bits(mean)
         mean = jnp.where(mean_bits < _SMALLEST_NORMAL_BITS, 0.0, mean)
-        scales.append(jnp.where(jnp.isnan(mean), np.array(0x7FC00000, np.uint32).view(np.float32), mean))
+        scales.append(
+            jnp.where(jnp.isnan(mean), np.array(0x7FC00000, np.uint32).view(np.float32), mean)
+        )
     return jnp.stack(words, axis=-1), jnp.stack(scales, axis=-1)
 
 

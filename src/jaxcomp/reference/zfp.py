@@ -64,7 +64,9 @@ def _quantize(bits, emax):
     shift = jnp.maximum(biased, 1) - 120 - emax
     left = jnp.clip(shift, 0, 31).astype(jnp.uint32)
     right = jnp.clip(-shift, 0, 31).astype(jnp.uint32)
-    magnitude = jnp.where(shift >= 0, mantissa << left, jnp.where(shift > -32, mantissa >> right, 0))
+    magnitude = jnp.where(
+        shift >= 0, mantissa << left, jnp.where(shift > -32, mantissa >> right, 0)
+    )
     magnitude = magnitude.astype(jnp.int32)
     return jnp.where((bits >> 31) == 1, -magnitude, magnitude)
 
@@ -83,28 +85,48 @@ def _dequantize(q, emax):
     half = jnp.uint32(1) << (shift - 1)
     kept = kept + ((rest > half) | ((rest == half) & ((kept & 1) == 1))).astype(jnp.uint32)
     denormal = jnp.where(1 - exponent > 25, sign, sign | kept)
-    result = jnp.where(exponent >= 255, sign | _NONFINITE_KEY, jnp.where(exponent >= 1, normal, denormal))
+    result = jnp.where(
+        exponent >= 255, sign | _NONFINITE_KEY, jnp.where(exponent >= 1, normal, denormal)
+    )
     result = jnp.where(q == 0, 0, result)
     return lax.bitcast_convert_type(result, jnp.float32)
 
 
 def _forward_lift(q):
     x, y, z, w = (q[:, i] for i in range(4))
-    x += w; x >>= 1; w -= x  # noqa: E702
-    z += y; z >>= 1; y -= z  # noqa: E702
-    x += z; x >>= 1; z -= x  # noqa: E702
-    w += y; w >>= 1; y -= w  # noqa: E702
-    w += y >> 1; y -= w >> 1  # noqa: E702
+    x += w
+    x >>= 1
+    w -= x  # noqa: E702
+    z += y
+    z >>= 1
+    y -= z  # noqa: E702
+    x += z
+    x >>= 1
+    z -= x  # noqa: E702
+    w += y
+    w >>= 1
+    y -= w  # noqa: E702
+    w += y >> 1
+    y -= w >> 1  # noqa: E702
     return jnp.stack([x, y, z, w], axis=1)
 
 
 def _inverse_lift(q):
     x, y, z, w = (q[:, i] for i in range(4))
-    y += w >> 1; w -= y >> 1  # noqa: E702
-    y += w; w <<= 1; w -= y  # noqa: E702
-    z += x; x <<= 1; x -= z  # noqa: E702
-    y += z; z <<= 1; z -= y  # noqa: E702
-    w += x; x <<= 1; x -= w  # noqa: E702
+    y += w >> 1
+    w -= y >> 1  # noqa: E702
+    y += w
+    w <<= 1
+    w -= y  # noqa: E702
+    z += x
+    x <<= 1
+    x -= z  # noqa: E702
+    y += z
+    z <<= 1
+    z -= y  # noqa: E702
+    w += x
+    x <<= 1
+    x -= w  # noqa: E702
     return jnp.stack([x, y, z, w], axis=1)
 
 
@@ -169,8 +191,11 @@ def _encode_planes(stream, pos, u, bits):
         bit = jnp.where(testing, x != 0, (x & 1) == 1)
         stream, pos = _BitStreams.write(stream, pos, bit, tests | scans)
         bits -= (tests | scans).astype(jnp.int32)
-        state = jnp.where(testing, jnp.where(tests & bit, _SCAN, _DONE),
-                          jnp.where(scanning, jnp.where(scans & ~bit, _SCAN, _TEST), state))
+        state = jnp.where(
+            testing,
+            jnp.where(tests & bit, _SCAN, _DONE),
+            jnp.where(scanning, jnp.where(scans & ~bit, _SCAN, _TEST), state),
+        )
         # Every scan step moves to the next coefficient (found or not, written or not).
         x = jnp.where(scanning, x >> 1, x)
         n = jnp.where(scanning, n + 1, n)
@@ -210,8 +235,11 @@ def _decode_planes(stream, pos, bits):
         # A scan that finds the bit, or runs out (n == 3 or no budget), sets coefficient n.
         found = scanning & (one | ~scans)
         x = jnp.where(found, x | (jnp.uint32(1) << n.astype(jnp.uint32)), x)
-        state = jnp.where(testing, jnp.where(tests & one, _SCAN, _DONE),
-                          jnp.where(scanning, jnp.where(found, _TEST, _SCAN), state))
+        state = jnp.where(
+            testing,
+            jnp.where(tests & one, _SCAN, _DONE),
+            jnp.where(scanning, jnp.where(found, _TEST, _SCAN), state),
+        )
         n = jnp.where(scanning, n + 1, n)
         return pos, bits, n, x, state
 
@@ -302,12 +330,15 @@ def _join_blocks(streams, max_key, shape, rate):
     """[bucket, 128] block bits -> [*shape[:-1], words], with the row header word at rates 1-2."""
     rows = int(np.prod(shape[:-1]))
     blocks = rows * -(-shape[-1] // 4)
-    bit_rows = streams[:blocks, :4 * rate].reshape(rows, -1)
+    bit_rows = streams[:blocks, : 4 * rate].reshape(rows, -1)
     words = _pack_words(bit_rows)
     if rate <= 2:
         row_key = max_key[:blocks].reshape(rows, -1)[:, 0]
-        header = jnp.where(row_key >= _NONFINITE_KEY, _NONFINITE_ROW_HEADER,
-                           jnp.where(row_key == 0, 0, _exponent(row_key) + 127)).astype(jnp.uint32)
+        header = jnp.where(
+            row_key >= _NONFINITE_KEY,
+            _NONFINITE_ROW_HEADER,
+            jnp.where(row_key == 0, 0, _exponent(row_key) + 127),
+        ).astype(jnp.uint32)
         words = jnp.concatenate([header[:, None], words], axis=1)
     return words.reshape(shape[:-1] + (-1,))
 
@@ -322,7 +353,9 @@ def _split_words(words, n, rate):
     if rate <= 2:
         header = jnp.broadcast_to(words[:, :1], header.shape)
         words = words[:, 1:]
-    streams = _unpack_words(words, blocks_per_row * 4 * rate).reshape(rows * blocks_per_row, 4 * rate)
+    streams = _unpack_words(words, blocks_per_row * 4 * rate).reshape(
+        rows * blocks_per_row, 4 * rate
+    )
     bucket = _bucket(rows * blocks_per_row)
     streams = jnp.pad(streams, ((0, bucket - streams.shape[0]), (0, _MAX_BLOCK_BITS - 4 * rate)))
     return streams, _pad_blocks(header.reshape(-1), bucket)
@@ -351,7 +384,7 @@ def _decode_blocks(stream, row_header, rate):
 def _join_values(values, shape, dtype):
     """[bucket, 4] decoded blocks -> [*shape[:-1], n] of dtype."""
     rows, n = int(np.prod(shape[:-1])), shape[-1]
-    values = values[:rows * -(-n // 4)].reshape(rows, -1)[:, :n]
+    values = values[: rows * -(-n // 4)].reshape(rows, -1)[:, :n]
     return values.reshape(shape).astype(dtype)
 
 

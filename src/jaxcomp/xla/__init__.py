@@ -17,4 +17,12 @@ from jaxcomp.xla.sign import sign_pack, sign_unpack
 from jaxcomp.xla.topk import find_threshold, threshold_topk, topk
 from jaxcomp.xla.zfp import zfp_decode, zfp_encode
 
-__all__ = ["find_threshold", "sign_pack", "sign_unpack", "threshold_topk", "topk", "zfp_decode", "zfp_encode"]
+__all__ = [
+    "find_threshold",
+    "sign_pack",
+    "sign_unpack",
+    "threshold_topk",
+    "topk",
+    "zfp_decode",
+    "zfp_encode",
+]

@@ -69,16 +69,21 @@ def sign_pack(x, chunk):
     words = jnp.sum(lanes << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
 
     chunks, p = -(-n // chunk), _tree_size(chunk)
-    values = lax.bitcast_convert_type(jnp.where(magnitude < _SMALLEST_NORMAL_BITS, np.uint32(0), magnitude),
-                                      jnp.float32)
+    values = lax.bitcast_convert_type(
+        jnp.where(magnitude < _SMALLEST_NORMAL_BITS, np.uint32(0), magnitude), jnp.float32
+    )
     values = _pad_last(_pad_last(values, chunks * chunk).reshape(lead + (chunks, chunk)), p)
     h = p // 2
     while h >= 1:
-        values = values[..., :h] + values[..., h:2 * h]
+        values = values[..., :h] + values[..., h : 2 * h]
         h //= 2
     mean = values[..., 0] * _inverse_counts(n, chunk)
     mean_bits = lax.bitcast_convert_type(mean, jnp.uint32) & _ABS_MASK
-    scales = jnp.where(mean_bits > _INF_BITS, _NAN, jnp.where(mean_bits < _SMALLEST_NORMAL_BITS, np.float32(0), mean))
+    scales = jnp.where(
+        mean_bits > _INF_BITS,
+        _NAN,
+        jnp.where(mean_bits < _SMALLEST_NORMAL_BITS, np.float32(0), mean),
+    )
     return words, scales
 
 
@@ -104,6 +109,8 @@ def sign_unpack(words, scales, n, chunk):
       Karimireddy et al., ICML 2019.
     """
     lead = words.shape[:-1]
-    bits = ((words[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & np.uint32(1)).reshape(lead + (-1,))[..., :n]
+    bits = ((words[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & np.uint32(1)).reshape(
+        lead + (-1,)
+    )[..., :n]
     plus = jnp.repeat(scales, chunk, axis=-1, total_repeat_length=scales.shape[-1] * chunk)[..., :n]
     return jnp.where(bits == 1, plus, -plus)

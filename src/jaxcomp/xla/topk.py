@@ -40,8 +40,12 @@ def _histogram(bins, keys, weight, count):
 def _kth_bin(hist, need):
     """Per row, the highest bin b with hist[b] + hist[b + 1] + ... >= need, and the count above b."""
     from_top = jnp.cumsum(hist[:, ::-1], axis=-1)  # [j]: bins count-1-j .. count-1
-    reached = jnp.sum(from_top < need[:, None], axis=-1)  # bins from the top before the one reaching it
-    above = jnp.take_along_axis(jnp.pad(from_top, ((0, 0), (1, 0))), reached[:, None], axis=-1)[:, 0]
+    reached = jnp.sum(
+        from_top < need[:, None], axis=-1
+    )  # bins from the top before the one reaching it
+    above = jnp.take_along_axis(jnp.pad(from_top, ((0, 0), (1, 0))), reached[:, None], axis=-1)[
+        :, 0
+    ]
     return hist.shape[-1] - 1 - reached, above
 
 
@@ -50,7 +54,9 @@ def _bracket(keys, k, rounds):
     rows, n = keys.shape
     need = jnp.full((rows,), k, jnp.int32)
     coarse = (keys >> _FINE_BITS).astype(jnp.int32)
-    kth_coarse, above = _kth_bin(_histogram(coarse, keys, jnp.ones((rows, n), jnp.int32), 1 << _COARSE_BITS), need)
+    kth_coarse, above = _kth_bin(
+        _histogram(coarse, keys, jnp.ones((rows, n), jnp.int32), 1 << _COARSE_BITS), need
+    )
     kth = kth_coarse.astype(jnp.uint32) << _FINE_BITS
     if rounds > _COARSE_BITS:
         inside = (coarse == kth_coarse[:, None]).astype(jnp.int32)
@@ -66,13 +72,17 @@ def _pack(mask):
     rows, n = mask.shape
     words = -(-n // 32)
     mask = jnp.pad(mask, ((0, 0), (0, words * 32 - n))).reshape(rows, words, 32)
-    return jnp.sum(mask.astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+    return jnp.sum(
+        mask.astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32
+    )
 
 
 def _low_mask(bits):
     """Words with their low ``bits`` (0..32) bits set."""
     bits = jnp.asarray(bits, jnp.uint32)
-    return jnp.where(bits >= 32, jnp.uint32(0xFFFFFFFF), (jnp.uint32(1) << jnp.minimum(bits, 31)) - 1)
+    return jnp.where(
+        bits >= 32, jnp.uint32(0xFFFFFFFF), (jnp.uint32(1) << jnp.minimum(bits, 31)) - 1
+    )
 
 
 def _count_before(mask):

@@ -124,8 +124,11 @@ def _quantize(bits, emax):
     fraction = bits & 0x7FFFFF
     mantissa = jnp.where(biased > 0, fraction | 0x800000, fraction)
     shift = jnp.maximum(biased, 1) - 120 - emax
-    magnitude = jnp.where(shift >= 0, _shift_left(mantissa, shift),
-                          jnp.where(shift > -32, _shift_right(mantissa, -shift), 0)).astype(jnp.int32)
+    magnitude = jnp.where(
+        shift >= 0,
+        _shift_left(mantissa, shift),
+        jnp.where(shift > -32, _shift_right(mantissa, -shift), 0),
+    ).astype(jnp.int32)
     return jnp.where((bits >> 31) == 1, -magnitude, magnitude)
 
 
@@ -142,32 +145,57 @@ def _dequantize_bits(q, emax):
     half = jnp.uint32(1) << (shift - 1)
     kept = kept + ((rest > half) | ((rest == half) & ((kept & 1) == 1))).astype(jnp.uint32)
     denormal = jnp.where(1 - exponent > 25, sign, sign | kept)
-    result = jnp.where(exponent >= 255, sign | np.uint32(_NONFINITE_KEY), jnp.where(exponent >= 1, normal, denormal))
+    result = jnp.where(
+        exponent >= 255,
+        sign | np.uint32(_NONFINITE_KEY),
+        jnp.where(exponent >= 1, normal, denormal),
+    )
     return jnp.where(q == 0, np.uint32(0), result)
 
 
 def _forward_lift(x, y, z, w):
-    x += w; x >>= 1; w -= x  # noqa: E702
-    z += y; z >>= 1; y -= z  # noqa: E702
-    x += z; x >>= 1; z -= x  # noqa: E702
-    w += y; w >>= 1; y -= w  # noqa: E702
-    w += y >> 1; y -= w >> 1  # noqa: E702
+    x += w
+    x >>= 1
+    w -= x  # noqa: E702
+    z += y
+    z >>= 1
+    y -= z  # noqa: E702
+    x += z
+    x >>= 1
+    z -= x  # noqa: E702
+    w += y
+    w >>= 1
+    y -= w  # noqa: E702
+    w += y >> 1
+    y -= w >> 1  # noqa: E702
     return x, y, z, w
 
 
 def _inverse_lift(x, y, z, w):
-    y += w >> 1; w -= y >> 1  # noqa: E702
-    y += w; w <<= 1; w -= y  # noqa: E702
-    z += x; x <<= 1; x -= z  # noqa: E702
-    y += z; z <<= 1; z -= y  # noqa: E702
-    w += x; x <<= 1; x -= w  # noqa: E702
+    y += w >> 1
+    w -= y >> 1  # noqa: E702
+    y += w
+    w <<= 1
+    w -= y  # noqa: E702
+    z += x
+    x <<= 1
+    x -= z  # noqa: E702
+    y += z
+    z <<= 1
+    z -= y  # noqa: E702
+    w += x
+    x <<= 1
+    x -= w  # noqa: E702
     return x, y, z, w
 
 
 def _row_header(max_key):
     """Rates 1-2: the header word of a row from its largest magnitude key."""
-    return jnp.where(max_key >= _NONFINITE_KEY, np.uint32(_NONFINITE_ROW_HEADER),
-                     jnp.where(max_key == 0, np.uint32(0), (max_key >> 23) + np.uint32(1)))
+    return jnp.where(
+        max_key >= _NONFINITE_KEY,
+        np.uint32(_NONFINITE_ROW_HEADER),
+        jnp.where(max_key == 0, np.uint32(0), (max_key >> 23) + np.uint32(1)),
+    )
 
 
 def _loop_carry(carry, like):
@@ -190,10 +218,16 @@ def _encode_blocks(u, start, limit, planes):
         code = entry & 0xFFFF
         # A code has at most 7 bits: it lands in the word holding `pos` and perhaps the next.
         words = tuple(
-            word | jnp.where((pos >= 32 * i) & (pos < 32 * i + 32), _shift_left(code, pos - 32 * i), 0)
+            word
+            | jnp.where((pos >= 32 * i) & (pos < 32 * i + 32), _shift_left(code, pos - 32 * i), 0)
             | jnp.where((pos < 32 * i) & (pos > 32 * i - 32), _shift_right(code, 32 * i - pos), 0)
-            for i, word in enumerate(words))
-        return words, pos + ((entry >> 16) & 0xFF).astype(jnp.int32), (entry >> 24).astype(jnp.int32)
+            for i, word in enumerate(words)
+        )
+        return (
+            words,
+            pos + ((entry >> 16) & 0xFF).astype(jnp.int32),
+            (entry >> 24).astype(jnp.int32),
+        )
 
     zero = jnp.zeros_like(u[0])
     init = _loop_carry(((zero,) * 4, start, jnp.zeros_like(start)), u[0])
@@ -223,7 +257,7 @@ def _pack(words, block_bits, rate):
             if shift and first + i + 1 < rate:
                 out[first + i + 1] = out[first + i + 1] | (part >> (32 - shift))
     packed = jnp.stack(out, axis=-1).reshape(rows, groups * rate)
-    return packed[:, :-(-blocks * block_bits // 32)]
+    return packed[:, : -(-blocks * block_bits // 32)]
 
 
 def _unpack(body, blocks, block_bits, rate):
@@ -276,15 +310,21 @@ def zfp_encode(x, rate):
         start = jnp.full((rows, blocks), _HEADER_BITS, jnp.int32)
         limit = jnp.where(nonfinite | zero, 0, block_bits).astype(jnp.int32)
     else:  # the row's exponent, in the row's header word
-        row_header = _row_header(jnp.max(keys, axis=(1, 2)) if blocks else jnp.zeros(rows, jnp.uint32))
+        row_header = _row_header(
+            jnp.max(keys, axis=(1, 2)) if blocks else jnp.zeros(rows, jnp.uint32)
+        )
         coded = (row_header != 0) & (row_header != _NONFINITE_ROW_HEADER)
         emax = jnp.broadcast_to((row_header.astype(jnp.int32) - 127)[:, None], (rows, blocks))
         start = jnp.zeros((rows, blocks), jnp.int32)
-        limit = jnp.broadcast_to(jnp.where(coded, block_bits, 0)[:, None], (rows, blocks)).astype(jnp.int32)
+        limit = jnp.broadcast_to(jnp.where(coded, block_bits, 0)[:, None], (rows, blocks)).astype(
+            jnp.int32
+        )
     q = _quantize(values, emax[..., None])
     lifted = _forward_lift(*(q[..., i] for i in range(4)))
     u = [(c.astype(jnp.uint32) + _NEGABINARY_MASK) ^ _NEGABINARY_MASK for c in lifted]
-    words = _encode_blocks(u, start, limit, min(32, block_bits - (_HEADER_BITS if rate >= 3 else 0)))
+    words = _encode_blocks(
+        u, start, limit, min(32, block_bits - (_HEADER_BITS if rate >= 3 else 0))
+    )
     if rate >= 3:  # the header, where the block is not zero (nonfinite: header, then zeros)
         words[0] = words[0] | jnp.where(zero, np.uint32(0), header)
     packed = _pack(words, block_bits, rate)
@@ -303,8 +343,10 @@ def _decode_planes(window, start, budget, planes):
         """The 128-bit window moved on by ``count`` (0..31) bits, zeros coming in at the top."""
         count = jnp.asarray(count, jnp.uint32)
         # (high << (31 - count)) << 1: no shift by 32 when count is 0.
-        return tuple((low >> count) | ((high << (31 - count)) << 1)
-                     for low, high in zip(words, words[1:] + (jnp.zeros_like(words[0]),)))
+        return tuple(
+            (low >> count) | ((high << (31 - count)) << 1)
+            for low, high in zip(words, words[1:] + (jnp.zeros_like(words[0]),))
+        )
 
     def plane(step, carry):
         u, stream, bits, n = carry
@@ -313,7 +355,12 @@ def _decode_planes(window, start, budget, planes):
         nibble = entry & 0xF
         length = (entry >> 4) & 0xF
         u = tuple(c | (((nibble >> i) & 1) << k) for i, c in enumerate(u))
-        return u, advance(stream, length), bits - length.astype(jnp.int32), (entry >> 8).astype(jnp.int32)
+        return (
+            u,
+            advance(stream, length),
+            bits - length.astype(jnp.int32),
+            (entry >> 8).astype(jnp.int32),
+        )
 
     zero = jnp.zeros_like(window[0])
     stream = advance(tuple(window), start) if start else tuple(window)
@@ -360,10 +407,14 @@ def zfp_decode(words, n, rate):
         emax = header.astype(jnp.int32) - 127
         start = 0
         budget = jnp.where(zero | nonfinite, 0, block_bits).astype(jnp.int32)
-    u = _decode_planes(window, start, budget, min(32, block_bits - (_HEADER_BITS if rate >= 3 else 0)))
+    u = _decode_planes(
+        window, start, budget, min(32, block_bits - (_HEADER_BITS if rate >= 3 else 0))
+    )
     q = [((c ^ _NEGABINARY_MASK) - _NEGABINARY_MASK).astype(jnp.int32) for c in u]
     q = _inverse_lift(*q)
     bits = jnp.stack([_dequantize_bits(c, emax) for c in q], axis=-1)
-    bits = jnp.where(zero[..., None], np.uint32(0), jnp.where(nonfinite[..., None], _NAN_BITS, bits))
+    bits = jnp.where(
+        zero[..., None], np.uint32(0), jnp.where(nonfinite[..., None], _NAN_BITS, bits)
+    )
     values = lax.bitcast_convert_type(bits.reshape(rows, blocks * 4)[:, :n], jnp.float32)
     return values.reshape(lead + (n,))
