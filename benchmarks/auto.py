@@ -40,7 +40,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 import jaxcomp  # noqa: E402
 
-SLOW = jaxcomp.cost.Network.parse("1ms", "100mbit")
+SLOW = jaxcomp.costmodel.cost.Network.parse("1ms", "100mbit")
 
 
 def loss(w, batch):

@@ -19,8 +19,8 @@ import time
 
 CASES = (
     "import jaxcomp",
-    "import jaxcomp.cost",
-    "import jaxcomp.advise",
+    "import jaxcomp.costmodel.cost",
+    "import jaxcomp.cli.advise",
     "import jaxcomp; jaxcomp.compress",
 )
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxcomp
-from jaxcomp.kernel_demo import Row, best_seconds, format_table, measure, realistic_gradient
+from jaxcomp.cli.kernels import Row, best_seconds, format_table, measure, realistic_gradient
 
 
 def measure_portable(n, ratio, rate, repeats, device):

@@ -2,7 +2,7 @@
 
     python benchmarks/passes.py [--models mlp4096,mlp2041,gpt2,resnet50,many_small] [--repeats 5]
 
-For every model of the zoo (:mod:`jaxcomp.zoo`) and every method, one device runs the
+For every model of the zoo (:mod:`jaxcomp.training.zoo`) and every method, one device runs the
 ``compress`` update alone (inside ``jax.shard_map``, as in training; on one device the
 collectives move nothing) on random gradients of the model's parameter shapes, and the same job
 times a plain copy of those gradients (``g * 2``: read every value once, write it once, into a
@@ -43,7 +43,7 @@ TARGETS = {"zfp": 8, "quantized": 8, "dense": 4}
 
 
 def parse_args(argv=None):
-    from jaxcomp import zoo
+    from jaxcomp.training import zoo
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -72,7 +72,7 @@ def parse_args(argv=None):
 
 def gradients(model_name: str):
     """Random float32 gradients of the zoo model's parameter shapes, on the first device."""
-    from jaxcomp import zoo
+    from jaxcomp.training import zoo
 
     shapes = zoo.build(model_name, abstract=True).params
     rng = np.random.default_rng(0)
@@ -107,7 +107,7 @@ def update_function(method: str, grads):
 
 def measure(model_name: str, methods, repeats: int) -> list[dict]:
     """One model's rows: per method the update's best time and its passes over the copy's."""
-    from jaxcomp.kernel_demo import best_seconds  # one warm-up call, then the best of the rest
+    from jaxcomp.cli.kernels import best_seconds  # one warm-up call, then the best of the rest
 
     grads = gradients(model_name)
     copy = jax.jit(lambda g: jax.tree.map(lambda x: x * 2, g))

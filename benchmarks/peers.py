@@ -5,12 +5,12 @@
     sudo .venv/bin/python benchmarks/peers.py --hosts 2 --rates 1gbit --models mlp2041 --params 2e5 \\
         --steps 2 --warmup 1                                                # a smoke run, under a minute
 
-For every model, host count and link rate it builds a :class:`jaxcomp.cluster.Cluster` (network
+For every model, host count and link rate it builds a :class:`jaxcomp.distributed.cluster.Cluster` (network
 namespaces behind ``tbf``-shaped veth links, one process per host, gloo over ``eth0``) twice, with the
-same rate: once for ``jaxcomp netbench``'s rows (:func:`jaxcomp.netbench.run_benchmark`: the plain
+same rate: once for ``jaxcomp netbench``'s rows (:func:`jaxcomp.distributed.netbench.run_benchmark`: the plain
 ``lax.pmean`` baseline and jaxcomp's methods) and once for PyTorch's: ``DistributedDataParallel`` with
 gloo's all-reduce (``ddp``), ``fp16_compress_hook``, ``bf16_compress_hook`` and ``powerSGD_hook`` (rank
-``--powersgd-rank``). The models are ``jaxcomp.zoo``'s, by name; ``benchmarks/torch_zoo.py`` builds
+``--powersgd-rank``). The models are ``jaxcomp.training.zoo``'s, by name; ``benchmarks/torch_zoo.py`` builds
 the same layers in PyTorch (the same parameter and tensor counts), with the same loss and batches of
 the same shapes and rows per host. Both report the median step of the slowest host; the wire bytes
 come from each host's ``eth0`` counters.
@@ -55,7 +55,7 @@ DEFAULT_TORCH_VENV = os.path.join(REPO, ".venv-torch")
 #: What pip installs into the torch environment when it is missing (a CPU build on this project's machines).
 DEFAULT_TORCH_REQUIREMENT = "torch==2.13.0 numpy"  # PowerSGDState imports numpy
 
-#: The models, by their ``jaxcomp.zoo`` names (``jaxcomp netbench --model``); the torch worker builds the
+#: The models, by their ``jaxcomp.training.zoo`` names (``jaxcomp netbench --model``); the torch worker builds the
 #: same layers, in the same order, with the same loss and random batches of the same shapes.
 MODELS = {
     "mlp4096": "MLP 1024-4096-4096-1024-10, tanh between, softmax cross-entropy over 10 classes",
@@ -67,7 +67,7 @@ MODELS = {
 MLP4096_WIDTHS = (1024, 4096, 4096, 1024, 10)
 SQUARE_LAYERS = 6  # mlp2041: netbench's own MLP (--params 25e6 --layers 6)
 MLP2041_PARAMS = SQUARE_LAYERS * 2041 * 2041  # netbench.width_for(this, 6) == 2041
-GPT2_SEQ_LEN, RESNET_IMAGE = 64, 64  # jaxcomp.zoo's defaults
+GPT2_SEQ_LEN, RESNET_IMAGE = 64, 64  # jaxcomp.training.zoo's defaults
 
 #: Torch rows: name -> (row label, DDP comm hook in torch.distributed.algorithms.ddp_comm_hooks or None).
 TORCH_METHODS = {
@@ -128,7 +128,7 @@ def torch_widths(model: str, params: float | None = None) -> tuple[int, ...] | N
       (129, 129, 129, 129, 129, 129, 129)
     """
     if model == "mlp2041":
-        from jaxcomp.netbench import (
+        from jaxcomp.distributed.netbench import (
             width_for,  # netbench's own MLP: the same width (imports no JAX)
         )
 
@@ -486,7 +486,7 @@ def config_from_args(args) -> Config:
 
 def check_rates_and_methods(config: Config) -> None:
     """Checks the rates and jaxcomp methods against jaxcomp itself (``ValueError`` naming the flag)."""
-    from jaxcomp.cluster import parse_rate
+    from jaxcomp.distributed.cluster import parse_rate
 
     for rate in config.rates:
         try:
@@ -494,7 +494,7 @@ def check_rates_and_methods(config: Config) -> None:
         except ValueError as e:
             raise ValueError(f"--rates: {e}") from None
     if "jaxcomp" in config.frameworks:
-        from jaxcomp.netbench import METHODS
+        from jaxcomp.distributed.netbench import METHODS
 
         bad = [m for m in config.jax_methods if m not in METHODS]
         if bad:
@@ -577,7 +577,7 @@ def _check_torch(venv: str) -> tuple[str | None, str]:
 
 
 def _join_process_group(timeout: float):
-    """Joins the job :meth:`jaxcomp.cluster.Cluster.start` described (its JAXCOMP_* variables) with gloo."""
+    """Joins the job :meth:`jaxcomp.distributed.cluster.Cluster.start` described (its JAXCOMP_* variables) with gloo."""
     import datetime
 
     import torch.distributed as dist
@@ -786,7 +786,7 @@ _EXEC = "import os, sys; os.execv(sys.argv[1], sys.argv[1:])"
 
 def torch_cell(config: Config, model: str, hosts: int, rate: str, out) -> list[dict]:
     """The torch rows of one (model, hosts, rate) cell, from one job on a fresh emulated cluster."""
-    from jaxcomp.cluster import Cluster, ClusterError, format_rate, parse_rate
+    from jaxcomp.distributed.cluster import Cluster, ClusterError, format_rate, parse_rate
 
     rate_bits = parse_rate(rate)
     with tempfile.TemporaryDirectory() as tmp:
@@ -879,7 +879,7 @@ def _log_tail(out) -> str:
 
 
 def netbench_options(model: str, params: float | None) -> dict:
-    """:func:`jaxcomp.netbench.run_benchmark`'s keyword arguments that make it train ``model``.
+    """:func:`jaxcomp.distributed.netbench.run_benchmark`'s keyword arguments that make it train ``model``.
 
     Args:
       model: a name from :data:`MODELS`.
@@ -900,7 +900,7 @@ def netbench_options(model: str, params: float | None) -> dict:
 
 def jaxcomp_cell(config: Config, model: str, hosts: int, rate: str, log_path: str) -> list[dict]:
     """jaxcomp netbench's rows of one cell."""
-    from jaxcomp import netbench
+    from jaxcomp.distributed import netbench
 
     found = netbench.run_benchmark(
         hosts=(hosts,),
@@ -942,7 +942,7 @@ def jaxcomp_cell(config: Config, model: str, hosts: int, rate: str, log_path: st
 
 def run(config: Config, argv, out=sys.stdout) -> dict:
     """Every cell, both frameworks; prints the header and table, writes ``--json``; returns the report."""
-    from jaxcomp.cluster import check_support
+    from jaxcomp.distributed.cluster import check_support
 
     check_support()
     info = machine()
@@ -996,7 +996,7 @@ def main(argv=None) -> int:
         check_rates_and_methods(config)
     except ValueError as e:
         parser.error(str(e))
-    from jaxcomp.cluster import ClusterError, sigterm_as_interrupt
+    from jaxcomp.distributed.cluster import ClusterError, sigterm_as_interrupt
 
     try:
         with sigterm_as_interrupt():  # `kill` tears the clusters down too

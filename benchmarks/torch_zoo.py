@@ -1,4 +1,4 @@
-"""``jaxcomp.zoo``'s models in PyTorch, for the torch rows of ``benchmarks/peers.py``.
+"""``jaxcomp.training.zoo``'s models in PyTorch, for the torch rows of ``benchmarks/peers.py``.
 
     model, make_batch, loss_fn = torch_zoo.build("resnet50")
     inputs, targets = make_batch(torch.Generator().manual_seed(0), 2)

@@ -1,4 +1,4 @@
-"""jaxcomp.adaptive: candidate ratios, the knee, re-exploration, and the controller on a synthetic gradient stream."""
+"""jaxcomp.costmodel.ratio_choice: candidate ratios, the knee, re-exploration, and the controller on a synthetic gradient stream."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from helpers import need_devices
 
-from jaxcomp import _checks, adaptive, cost, probe
+from jaxcomp.costmodel import cost, probe, ratio_choice
 from jaxcomp.methods import Dense, TopK
+from jaxcomp.ops import _checks
 
 SLOW = cost.Network.parse("1ms", "1gbit")
 FAST = cost.Network.parse("1us", "100GB/s")
@@ -20,7 +21,7 @@ WORKERS = 8
 
 def test_candidate_ratios_match_the_paper():
     """Paper 000 §3-E: [0.1, 0.033, 0.011, 0.004, 0.001] for the range [0.001, 0.1]."""
-    got = adaptive.candidate_ratios((0.001, 0.1))
+    got = ratio_choice.candidate_ratios((0.001, 0.1))
     np.testing.assert_allclose(got, [0.1, 0.1 / 3, 0.1 / 9, 0.1 / 27, 0.001], rtol=1e-12)
 
 
@@ -29,7 +30,7 @@ def test_candidate_ratios_match_the_paper():
 )
 @pytest.mark.parametrize("factor", [2.0, 3.0, 10.0])
 def test_candidate_ratios_span_the_range_with_the_given_spacing(low, high, factor):
-    got = np.array(adaptive.candidate_ratios((low, high), factor))
+    got = np.array(ratio_choice.candidate_ratios((low, high), factor))
     assert got[0] == high and got[-1] == pytest.approx(low)
     assert np.all(np.diff(got) < 0) or len(got) == 1
     steps = got[:-1] / got[1:]
@@ -43,7 +44,7 @@ def test_candidate_ratios_span_the_range_with_the_given_spacing(low, high, facto
 @pytest.mark.parametrize("bad", [(0.0, 0.1), (0.2, 0.1), (0.1, 2.0), (0.1,), "0.1"])
 def test_candidate_ratios_reject_bad_ranges(bad):
     with pytest.raises(ValueError, match="ratio_range"):
-        adaptive.candidate_ratios(bad)
+        ratio_choice.candidate_ratios(bad)
 
 
 # --- compression gain -------------------------------------------------------------------------
@@ -59,11 +60,11 @@ def test_compression_gain_matches_numpy(dtype, n):
     expected = np.sum(np.square(np.asarray(c, np.float64))) / np.sum(
         np.square(np.asarray(ef, np.float64))
     )
-    assert float(adaptive.compression_gain(c, ef)) == pytest.approx(expected, rel=1e-5)
+    assert float(ratio_choice.compression_gain(c, ef)) == pytest.approx(expected, rel=1e-5)
 
 
 def test_compression_gain_of_zero_gradient_is_one():
-    assert float(adaptive.compression_gain(jnp.zeros(4), jnp.zeros(4))) == 1.0
+    assert float(ratio_choice.compression_gain(jnp.zeros(4), jnp.zeros(4))) == 1.0
 
 
 # --- knee -------------------------------------------------------------------------------------
@@ -99,28 +100,30 @@ def test_knee_matches_a_brute_force_restatement():
         t_sync = rng.uniform(0, 1, m)
         gain = rng.uniform(0.01, 1, m)
         base = float(rng.choice([0.0, 0.1, 10.0]))
-        assert adaptive.knee(t_comp, t_sync, gain, base_seconds=base) == _brute_force_knee(
+        assert ratio_choice.knee(t_comp, t_sync, gain, base_seconds=base) == _brute_force_knee(
             t_comp, t_sync, gain, base
         )
 
 
 def test_knee_takes_the_fastest_when_gain_is_flat_and_the_best_gain_when_time_is_flat():
     t_sync = [1.0, 0.3, 0.1, 0.03]
-    assert adaptive.knee([0] * 4, t_sync, [0.99, 0.98, 0.97, 0.95]) == 3
+    assert ratio_choice.knee([0] * 4, t_sync, [0.99, 0.98, 0.97, 0.95]) == 3
     # A 100 ms backward pass makes sub-millisecond differences in communication irrelevant.
     assert (
-        adaptive.knee([0] * 4, [1e-3, 3e-4, 1e-4, 3e-5], [0.5, 0.2, 0.05, 0.01], base_seconds=0.1)
+        ratio_choice.knee(
+            [0] * 4, [1e-3, 3e-4, 1e-4, 3e-5], [0.5, 0.2, 0.05, 0.01], base_seconds=0.1
+        )
         == 0
     )
     # Both matter: a compromise, neither end.
-    assert adaptive.knee(
+    assert ratio_choice.knee(
         [0] * 5, [1.0, 0.33, 0.1, 0.03, 0.01], [0.42, 0.18, 0.066, 0.026, 0.009]
     ) in (1, 2, 3)
 
 
 def test_knee_never_picks_a_dominated_candidate():
     # Candidate 1 is slower and loses more than candidate 0.
-    assert adaptive.knee([0, 0, 0], [0.5, 0.6, 0.1], [0.9, 0.8, 0.1]) != 1
+    assert ratio_choice.knee([0, 0, 0], [0.5, 0.6, 0.1], [0.9, 0.8, 0.1]) != 1
 
 
 @pytest.mark.parametrize(
@@ -137,7 +140,7 @@ def test_knee_never_picks_a_dominated_candidate():
 )
 def test_knee_rejects_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        adaptive.knee(**kwargs)
+        ratio_choice.knee(**kwargs)
 
 
 # --- re-decision rules ------------------------------------------------------------------------
@@ -146,17 +149,17 @@ def test_knee_rejects_bad_input(kwargs, match):
 def test_moved_at_ten_percent_of_the_larger_value():
     """What makes compress_auto re-decide: alpha or bandwidth (equivalently beta) moved by 10%."""
     old = np.array([SLOW.alpha, SLOW.beta])
-    assert not adaptive.moved(old, np.array([SLOW.alpha * 1.05, SLOW.beta]), 0.1).any()
-    assert adaptive.moved(old, np.array([SLOW.alpha * 1.2, SLOW.beta]), 0.1).tolist() == [
+    assert not ratio_choice.moved(old, np.array([SLOW.alpha * 1.05, SLOW.beta]), 0.1).any()
+    assert ratio_choice.moved(old, np.array([SLOW.alpha * 1.2, SLOW.beta]), 0.1).tolist() == [
         True,
         False,
     ]
-    assert adaptive.moved(old, np.array([SLOW.alpha, SLOW.beta / 0.8]), 0.1).tolist() == [
+    assert ratio_choice.moved(old, np.array([SLOW.alpha, SLOW.beta / 0.8]), 0.1).tolist() == [
         False,
         True,
     ]
-    assert adaptive.moved(np.array([0.0]), np.array([1e-6]), 0.1).all()
-    traced = jax.jit(lambda a, b: adaptive.moved(a, b, 0.1, jnp))(old, old * 1.2)
+    assert ratio_choice.moved(np.array([0.0]), np.array([1e-6]), 0.1).all()
+    traced = jax.jit(lambda a, b: ratio_choice.moved(a, b, 0.1, jnp))(old, old * 1.2)
     assert np.asarray(traced).tolist() == [True, True]
 
 
@@ -223,7 +226,7 @@ class _Stream:
         top = np.argpartition(np.abs(error_fed), -k)[-k:]
         kept[top] = error_fed[top]
         self.residual = error_fed - kept
-        return float(adaptive.compression_gain(jnp.asarray(kept), jnp.asarray(error_fed)))
+        return float(ratio_choice.compression_gain(jnp.asarray(kept), jnp.asarray(error_fed)))
 
 
 TOPK_COLLECTIVES = (
@@ -241,16 +244,20 @@ class _Controller:
     def __init__(
         self,
         network=None,
-        ratio_range=adaptive.DEFAULT_RATIO_RANGE,
+        ratio_range=ratio_choice.DEFAULT_RATIO_RANGE,
         explore_steps=10,
         base_seconds=0.0,
     ):
-        self.ratios = adaptive.candidate_ratios(ratio_range)
+        self.ratios = ratio_choice.candidate_ratios(ratio_range)
         self.explore_steps = _checks.check_explore_steps(explore_steps)
         self.network = network
-        self.state = adaptive.ratio_init(len(self.ratios), self.explore_steps)
-        self._observe = jax.jit(lambda *a: adaptive.ratio_observe(*a, base_seconds=base_seconds))
-        self._redecide = jax.jit(lambda *a: adaptive.ratio_redecide(*a, base_seconds=base_seconds))
+        self.state = ratio_choice.ratio_init(len(self.ratios), self.explore_steps)
+        self._observe = jax.jit(
+            lambda *a: ratio_choice.ratio_observe(*a, base_seconds=base_seconds)
+        )
+        self._redecide = jax.jit(
+            lambda *a: ratio_choice.ratio_redecide(*a, base_seconds=base_seconds)
+        )
 
     def predicted(self):
         if self.network is None:
@@ -282,7 +289,7 @@ class _Controller:
         self.state = self._observe(self.state, gain, t_comp, t_sync, self.predicted())
 
     def update_network(self, network):
-        if adaptive.moved(
+        if ratio_choice.moved(
             np.array([self.network.alpha, self.network.beta]),
             np.array([network.alpha, network.beta]),
             0.1,
@@ -346,8 +353,8 @@ def test_controller_uses_measured_times_without_a_network():
     "call,match",
     [
         (lambda: _checks.check_explore_steps(0), "explore_steps"),
-        (lambda: adaptive.candidate_ratios((0.5, 0.1)), "ratio_range"),
-        (lambda: adaptive.candidate_ratios((0.001, 0.1), factor=1.0), "factor"),
+        (lambda: ratio_choice.candidate_ratios((0.5, 0.1)), "ratio_range"),
+        (lambda: ratio_choice.candidate_ratios((0.001, 0.1), factor=1.0), "factor"),
     ],
 )
 def test_controller_settings_reject_bad_input(call, match):

@@ -1,4 +1,4 @@
-"""jaxcomp.advise: paper 002's T_obs model against hand-computed values and the paper's own numbers, and the CLI."""
+"""jaxcomp.costmodel.advise: paper 002's T_obs model against hand-computed values and the paper's own numbers, and the CLI."""
 
 import math
 import subprocess
@@ -7,7 +7,8 @@ import sys
 import pytest
 from helpers import subprocess_env
 
-from jaxcomp import advise, cost
+from jaxcomp.cli import advise as advise_cli
+from jaxcomp.costmodel import advise, cost
 
 NET = cost.Network(alpha=1e-3, bandwidth=1e9)
 BUCKET = 1e6
@@ -189,7 +190,7 @@ ISSUE_EXAMPLE = [
 
 
 def test_main_prints_every_method_and_the_summaries(capsys):
-    assert advise.main(ISSUE_EXAMPLE) == 0
+    assert advise_cli.main(ISSUE_EXAMPLE) == 0
     out = capsys.readouterr().out
     for method in (
         "dense",
@@ -222,7 +223,7 @@ def test_main_with_encode_decode_times_and_overlap_options(capsys):
         "allgather_topk=100,ar_topk_tree=40",
         "--batch-overlap",
     ]
-    assert advise.main(argv) == 0
+    assert advise_cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "zfp" not in out and "upper bounds" not in out
     line = next(line for line in out.splitlines() if line.startswith("allgather_topk"))
@@ -237,7 +238,7 @@ def test_main_with_encode_decode_times_and_overlap_options(capsys):
         overlap=True,
     )
     assert cost.format_duration(expected) in line
-    assert advise.main(ISSUE_EXAMPLE + ["--no-overlap", "--encode-decode-ms", "5"]) == 0
+    assert advise_cli.main(ISSUE_EXAMPLE + ["--no-overlap", "--encode-decode-ms", "5"]) == 0
     assert "after the backward pass" in capsys.readouterr().out
 
 
@@ -253,7 +254,7 @@ def test_main_measures_the_codecs_on_this_machine(capsys):
         "10",
         "--measure-codec",
     ]
-    assert advise.main(argv) == 0
+    assert advise_cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "measured on this machine" in out and "upper bounds" not in out
     line = next(line for line in out.splitlines() if line.split()[:1] == ["zfp"])
@@ -262,7 +263,7 @@ def test_main_measures_the_codecs_on_this_machine(capsys):
 
 def test_main_plots_speedup_against_bandwidth(tmp_path, capsys):
     path = tmp_path / "speedup.png"
-    assert advise.main(ISSUE_EXAMPLE + ["--plot", str(path)]) == 0
+    assert advise_cli.main(ISSUE_EXAMPLE + ["--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert str(path) in capsys.readouterr().out
 
@@ -286,14 +287,14 @@ def test_main_plots_speedup_against_bandwidth(tmp_path, capsys):
 )
 def test_main_rejects_bad_arguments(extra, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        advise.main(ISSUE_EXAMPLE + extra)
+        advise_cli.main(ISSUE_EXAMPLE + extra)
     assert exit_info.value.code == 2
     assert "error" in capsys.readouterr().err
 
 
 def test_runs_as_a_module(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "jaxcomp.advise", *ISSUE_EXAMPLE],
+        [sys.executable, "-m", "jaxcomp.cli.advise", *ISSUE_EXAMPLE],
         env=subprocess_env(),
         cwd=tmp_path,
         capture_output=True,

@@ -9,11 +9,11 @@ from helpers import count_compilations, need_devices
 from jax.sharding import Mesh
 
 import jaxcomp
-from jaxcomp import adaptive, cost
-from jaxcomp.auto import set_network
+from jaxcomp.costmodel import cost, ratio_choice
 from jaxcomp.methods import Dense, TopK
-from jaxcomp.train import data_parallel
-from jaxcomp.transform import compress, find_compress_state
+from jaxcomp.optim.auto import set_network
+from jaxcomp.optim.transform import compress, find_compress_state
+from jaxcomp.training.trainer import data_parallel
 
 N_DEVICES = 8
 N_PARAMS = 100_000
@@ -48,7 +48,7 @@ def _with_network(state, network, overhead=None):
 
 
 def _host_choice(state, n=N_PARAMS):
-    """The host's choice (jaxcomp.cost.choose) among the state's branches, with its network and overheads."""
+    """The host's choice (jaxcomp.costmodel.cost.choose) among the state's branches, with its network and overheads."""
     compress_state = find_compress_state(state.opt_state)
     alpha, beta = np.asarray(
         compress_state.auto.network, np.float64
@@ -171,7 +171,7 @@ def test_adaptive_ratio_falls_while_gain_stays_high_and_rises_when_gain_collapse
     tx = compress("auto", adaptive_ratio=True, network=SLOW, explore_steps=2)
     dp = _trainer(tx, lr=0.0)
     state = dp.init(jnp.zeros(30_000))
-    ratios = adaptive.candidate_ratios()
+    ratios = ratio_choice.candidate_ratios()
     explore = 2 * len(ratios)
     rng = np.random.default_rng(3)
 

@@ -14,7 +14,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from jaxcomp import collectives, cost
+from jaxcomp import collectives
+from jaxcomp.costmodel import cost
 from jaxcomp.methods import Cast
 from jaxcomp.methods.cast import power_of_two_scale
 

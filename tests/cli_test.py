@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from jaxcomp import advise, demo
+from jaxcomp.cli import advise, demo
 
 ADVISE = ["--workers", "8", "--bandwidth", "10gbit", "--backward-ms", "120"]
 
@@ -63,7 +63,7 @@ def test_advise_with_one_worker_claims_no_speedup(capsys):
 
 
 def test_one_worker_step_times_are_the_backward_pass():
-    from jaxcomp import cost
+    from jaxcomp.costmodel import cost
 
     net = cost.Network.parse("1ms", "1gbit")
     assert (

@@ -1,4 +1,4 @@
-"""jaxcomp.cluster: an emulated 2-host cluster (network namespaces, tbf at 100 Mbit) trains like one
+"""jaxcomp.distributed.cluster: an emulated 2-host cluster (network namespaces, tbf at 100 Mbit) trains like one
 process, the wire carries what bytes_sent says, and nothing is left behind. Needs root, as CI has."""
 
 import os
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from helpers import need_devices, subprocess_env
 
-from jaxcomp import cluster
-from jaxcomp.cluster import Cluster, ClusterError
+from jaxcomp.distributed import cluster
+from jaxcomp.distributed.cluster import Cluster, ClusterError
 
 # Ethernet (14) + IPv4 (20) + TCP with timestamps (32): the framing of every packet on the veths.
 HEADER_BYTES = 66

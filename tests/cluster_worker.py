@@ -9,7 +9,7 @@ process 0 waits in a collective.
 import os
 import sys
 
-from jaxcomp import launch
+from jaxcomp.distributed import launch
 
 launch.initialize()  # before any JAX op
 
@@ -18,8 +18,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from jaxcomp.train import data_parallel  # noqa: E402
-from jaxcomp.transform import compress  # noqa: E402
+from jaxcomp.optim.transform import compress  # noqa: E402
+from jaxcomp.training.trainer import data_parallel  # noqa: E402
 
 STEPS = 5
 GLOBAL_BATCH = 16

@@ -11,9 +11,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from jaxcomp import collectives, layout, methods
-from jaxcomp.hadamard import counter_signs, counter_uniform
-from jaxcomp.zfp import zfp_num_words
+from jaxcomp import collectives, methods
+from jaxcomp.collectives import sizes
+from jaxcomp.ops.hadamard import counter_signs, counter_uniform
+from jaxcomp.ops.zfp import zfp_num_words
 
 # ----------------------------------------------------------------------------------------------
 # The byte model (each method's wire_bytes, in jaxcomp.methods), checked against the textbook cost
@@ -517,7 +518,7 @@ def sim_quantized(X, bits, key, hadamard):
     sign_key, noise_key = jax.random.split(key)
     length, block = n, n
     if hadamard:
-        block = min(1 << (n - 1).bit_length(), layout.MAX_HADAMARD_BLOCK)
+        block = min(1 << (n - 1).bit_length(), sizes.MAX_HADAMARD_BLOCK)
         length = -(-n // block) * block
     H = np.ones((1, 1), np.float32)
     while H.shape[0] < block:
@@ -576,7 +577,7 @@ def test_quantized_psum_matches_simulation(dtype, hadamard, n_devices, n, bits):
     slack = (
         1e-2 * step + 16 * float(jnp.finfo(jnp.float32).eps) * n_devices * step * (2**bits - 1) / 2
     )
-    block = min(1 << (n - 1).bit_length(), layout.MAX_HADAMARD_BLOCK)
+    block = min(1 << (n - 1).bit_length(), sizes.MAX_HADAMARD_BLOCK)
     flip = 2 * step / np.sqrt(block) if hadamard else step
     for actual, expected in ((total[0], expected_total), (sent, expected_sent)):
         off = np.abs(actual - expected) - eps * np.abs(expected) - slack

@@ -1,4 +1,4 @@
-"""jaxcomp.cost: the α-β model against hand-computed costs, choose as the argmin, paper 000 Eqn (5a)-(5c)."""
+"""jaxcomp.costmodel.cost: the α-β model against hand-computed costs, choose as the argmin, paper 000 Eqn (5a)-(5c)."""
 
 import itertools
 import math
@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from jaxcomp import cost
-from jaxcomp.cost import Network
+from jaxcomp.costmodel import cost
+from jaxcomp.costmodel.cost import Network
 
 # 2**20 float32 values and a density of 2**-7 keep every count exact: k = 8192, M c = 2**15 bytes.
 N_VALUES = 2**20

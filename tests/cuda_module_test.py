@@ -2,7 +2,7 @@
 
 A build without ``_jaxcomp_cuda`` lowers jaxcomp ops for a GPU to their portable XLA implementation
 (with a warning naming the fix) by default, and refuses ``implementation="native"`` with
-:class:`jaxcomp._ffi.MissingCudaModuleError` instead of failing later inside XLA or running on the
+:class:`jaxcomp.ops._ffi.MissingCudaModuleError` instead of failing later inside XLA or running on the
 host; a build with it must lower them to its custom calls. Lowering for CUDA needs
 no GPU (``jax.export`` cross-lowers), so both cases are checked on the CPU.
 """
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxcomp
-from jaxcomp import _ffi
+from jaxcomp.ops import _ffi
 
 _OPS = {
     "jaxcomp_topk": lambda x, i=None: jaxcomp.topk(x, 3, implementation=i),

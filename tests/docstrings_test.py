@@ -14,7 +14,8 @@ PUBLIC_MODULES = sorted(
     name
     for _, name, _ in pkgutil.walk_packages(jaxcomp.__path__, "jaxcomp.")
     if not any(part.startswith("_") for part in name.split("."))
-    and not name.endswith(("launch", "demo"))
+    and not name.startswith("jaxcomp.cli")
+    and not name.endswith("launch")
 )
 
 

@@ -3,7 +3,7 @@
 Each multi-process test starts 2 processes of one ``jax.distributed`` job (1 CPU device each)
 with ``failure_timeout`` of 10 s and reads the surviving process's exit code, output and run time.
 JAX's defaults would wait 100 to 300 s here and then abort the process (issue 14). The
-rendezvous (``jaxcomp.rendezvous``) is also tested on its own, with threads standing for processes.
+rendezvous (``jaxcomp.distributed.rendezvous``) is also tested on its own, with threads standing for processes.
 """
 
 import os
@@ -16,7 +16,7 @@ import time
 import pytest
 from helpers import subprocess_env
 
-from jaxcomp import launch, rendezvous
+from jaxcomp.distributed import launch, rendezvous
 
 FAILURE_TIMEOUT = 10
 WORKER = os.path.join(os.path.dirname(__file__), "fault_worker.py")
@@ -139,7 +139,9 @@ def test_peer_that_never_starts_is_a_python_exception(missing):
     assert code == 1, output
     # Raised in initialize, before JAX is, so the script could catch it (the worker does, and re-raises).
     assert f"caught MissingProcessError, missing=[{missing}]" in output, output
-    assert "Traceback" in output and "jaxcomp.rendezvous.MissingProcessError" in output, output
+    assert (
+        "Traceback" in output and "jaxcomp.distributed.rendezvous.MissingProcessError" in output
+    ), output
     if missing:
         assert "process(es) 1 did not check in at the rendezvous" in output, output
     else:

@@ -1,6 +1,6 @@
 """Worker of fault_test.py: steps a 2-process psum until the fault FAULT (argv[1]) hits.
 
-Usage (under the environment ``jaxcomp.launch.process_env`` makes): python tests/fault_worker.py
+Usage (under the environment ``jaxcomp.distributed.launch.process_env`` makes): python tests/fault_worker.py
 FAULT PROCESS STEP [STEPS], with FAULT one of ``kill`` (SIGKILL itself), ``kill-idle`` (SIGKILL
 itself while the others spend 30 s in Python code without a collective), ``stall`` (sleep for
 10 min) or ``none``; process PROCESS does it before step STEP. Every process prints ``step N`` as
@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-from jaxcomp import launch, rendezvous
+from jaxcomp.distributed import launch, rendezvous
 
 fault, faulty, at_step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 steps = int(sys.argv[4]) if len(sys.argv) > 4 else 200

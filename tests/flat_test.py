@@ -1,4 +1,4 @@
-"""jaxcomp.flat: the flat gradient vector, and the compiled steps that must never write it in a
+"""jaxcomp.ops.flat: the flat gradient vector, and the compiled steps that must never write it in a
 fused concatenate (the XLA:CPU loop that took 1.17 s for 25M values)."""
 
 import re
@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from jaxcomp import flat
+from jaxcomp.ops import flat
 
 # The shapes of the 1024-4096-4096-1024-10 MLP's 8 leaves, scaled down 16x per side: the fusion
 # decision depends on the operand count, not on the sizes.
@@ -103,7 +103,7 @@ def test_no_method_writes_a_large_vector_in_a_fused_concatenate(method, options,
 def test_the_check_sees_the_pathology(monkeypatch, concat):
     """The HLO check above is not vacuous (on the XLA path, which GPUs and TPUs run and which the
     CPU ran before the native pack kernel). jnp.concatenate of the 8 leaves (the code before
-    jaxcomp.flat) gives the fused concatenate of the whole vector; splitting without the barrier
+    jaxcomp.ops.flat) gives the fused concatenate of the whole vector; splitting without the barrier
     lets XLA fold the slices PowerSGD takes of its concatenated totals back into a fused 2-operand
     concatenate per leaf."""
     if concat == "jnp.concatenate":

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import jaxcomp
-from jaxcomp import _ffi, collectives
+from jaxcomp import collectives
+from jaxcomp.ops import _ffi
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""jaxcomp.hadamard: the native Walsh-Hadamard kernel against its XLA path and the matrix, and the
+"""jaxcomp.ops.hadamard: the native Walsh-Hadamard kernel against its XLA path and the matrix, and the
 counter-hash random streams of the quantizer."""
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxcomp
-from jaxcomp.hadamard import counter_signs, counter_uniform, hadamard_reference
+from jaxcomp.ops.hadamard import counter_signs, counter_uniform, hadamard_reference
 
 
 def sylvester(n):

@@ -15,7 +15,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from jaxcomp import advise, cost, methods
+from jaxcomp import methods
+from jaxcomp.costmodel import advise, cost
 from jaxcomp.methods import Dense, Method, Quantized, Sign, TopK, Zfp
 
 N_DEVICES = 8
@@ -178,7 +179,7 @@ def test_an_outside_method_is_costed_chosen_and_advised():
     )
     step = advise.compressed_time(Cast16(), nbytes, 8, net_slow, 0.1)
     assert step == pytest.approx(0.1 + cost.predict(Cast16(), nbytes, 8, net_slow))
-    assert jaxcomp.probe.codec_seconds(Cast16(), 4096, repeats=1) > 0
+    assert jaxcomp.costmodel.probe.codec_seconds(Cast16(), 4096, repeats=1) > 0
 
 
 def test_an_outside_method_runs_in_compress_auto_and_is_chosen_on_a_slow_network():
@@ -303,7 +304,7 @@ def _modules_after(code):
     "code",
     [
         "import jaxcomp",
-        "import jaxcomp.cost",
+        "import jaxcomp.costmodel.cost",
         "import jaxcomp.methods",
         "from jaxcomp import cost; cost.predict('ar_topk', 4e8, 8, "
         "cost.Network.parse('1ms', '1gbit'), ratio=0.01)",
@@ -333,8 +334,11 @@ def test_advise_help_loads_no_jax_and_runs_from_the_checkout_root():
 
 
 def test_names_load_on_first_use():
-    assert jaxcomp.compress is jaxcomp.transform.compress
-    assert jaxcomp.topk is jaxcomp.selection.topk
-    assert callable(jaxcomp.probe_network) and jaxcomp.probe.__name__ == "jaxcomp.probe"
+    assert jaxcomp.compress is jaxcomp.optim.transform.compress
+    assert jaxcomp.topk is jaxcomp.ops.topk.topk
+    assert (
+        callable(jaxcomp.probe_network)
+        and jaxcomp.costmodel.probe.__name__ == "jaxcomp.costmodel.probe"
+    )
     with pytest.raises(AttributeError, match="no attribute"):
         _ = jaxcomp.nope

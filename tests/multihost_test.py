@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from helpers import need_devices, subprocess_env
 
-from jaxcomp.launch import launch
+from jaxcomp.distributed.launch import launch
 
 
 @pytest.mark.multiprocess
@@ -79,7 +79,7 @@ def test_launcher_multi_host_arguments(kwargs, match):
 
 
 def test_several_hosts_number_their_processes_and_pass_the_interface():
-    from jaxcomp.launch import process_env
+    from jaxcomp.distributed.launch import process_env
 
     script = (
         "import os, sys; e = os.environ; sys.exit(0 if (e['JAXCOMP_PROCESS_ID'], e['JAXCOMP_NUM_PROCESSES'], "
@@ -103,7 +103,7 @@ def test_several_hosts_number_their_processes_and_pass_the_interface():
 
 
 def test_an_interface_that_does_not_exist_is_named():
-    from jaxcomp.launch import use_gloo_interface
+    from jaxcomp.distributed.launch import use_gloo_interface
 
     with pytest.raises(ValueError, match="does not exist"):
         use_gloo_interface("nope0")

@@ -1,4 +1,4 @@
-"""Worker of multihost_test.py: a few data-parallel steps, run under jaxcomp.launch or alone.
+"""Worker of multihost_test.py: a few data-parallel steps, run under jaxcomp.distributed.launch or alone.
 
 Usage: python tests/multihost_worker.py OUT.npz. Under the launcher each process feeds its own
 rows of the global batch; process 0 writes the final params of every method to OUT.npz.
@@ -6,7 +6,7 @@ rows of the global batch; process 0 writes the final params of every method to O
 
 import sys
 
-from jaxcomp import launch
+from jaxcomp.distributed import launch
 
 launch.initialize()  # before any JAX op
 
@@ -16,9 +16,9 @@ import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from jaxcomp.cost import Network  # noqa: E402
-from jaxcomp.train import data_parallel  # noqa: E402
-from jaxcomp.transform import compress, find_compress_state  # noqa: E402
+from jaxcomp.costmodel.cost import Network  # noqa: E402
+from jaxcomp.optim.transform import compress, find_compress_state  # noqa: E402
+from jaxcomp.training.trainer import data_parallel  # noqa: E402
 
 STEPS = 3
 GLOBAL_BATCH = 32

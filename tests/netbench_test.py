@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from jaxcomp import netbench
+from jaxcomp.distributed import netbench
 
 
 def fake_rows():
@@ -120,7 +120,7 @@ def test_cli_checks_its_flags_before_running(argv, match, capsys):
 def test_one_small_cell_on_two_emulated_hosts(tmp_path):
     from helpers import subprocess_env
 
-    from jaxcomp import cluster
+    from jaxcomp.distributed import cluster
 
     cluster.check_support()
     os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]  # the workers import this jaxcomp
@@ -172,7 +172,7 @@ def test_bytes_sent_is_what_the_links_carry_for_every_method(tmp_path):
     gloo carried). Every method netbench runs, checked against the veth counters."""
     from helpers import subprocess_env
 
-    from jaxcomp import cluster
+    from jaxcomp.distributed import cluster
 
     cluster.check_support()
     os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]  # the workers import this jaxcomp

@@ -21,7 +21,7 @@ N_DEVICES = 8
 SHAPES = {"a": (3, 5), "b": (7,), "c": (13,)}
 # (leaf, device, index, value): 3 non-finite entries on 2 devices.
 PLANTED = [("a", 3, (1, 2), np.nan), ("c", 3, (4,), np.inf), ("b", 5, (0,), -np.inf)]
-SLOW = jaxcomp.cost.Network.parse("1ms", "10mbit")
+SLOW = jaxcomp.costmodel.cost.Network.parse("1ms", "10mbit")
 
 METHODS = {
     "dense": {},

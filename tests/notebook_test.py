@@ -46,7 +46,7 @@ def test_quickstart_notebook_executes(tmp_path):
 
 
 def test_demo_command_prints_table_and_saves_plot(tmp_path, capsys):
-    from jaxcomp import demo
+    from jaxcomp.cli import demo
 
     code = demo.main(
         [
@@ -75,7 +75,7 @@ def test_demo_command_prints_table_and_saves_plot(tmp_path, capsys):
 
 
 def test_demo_rejects_unknown_methods():
-    from jaxcomp import demo
+    from jaxcomp.cli import demo
 
     with pytest.raises(SystemExit):
         demo.main(["--methods", "dense,fastest"])

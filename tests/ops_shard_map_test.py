@@ -9,7 +9,7 @@ from helpers import need_devices
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from jaxcomp import _ffi
+from jaxcomp.ops import _ffi
 
 N = 64
 OPS = {

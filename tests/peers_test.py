@@ -1,7 +1,7 @@
 """benchmarks/peers.py: its flags, the DDP set-up of each torch row, the rows and the table.
 
 None of these needs PyTorch or root except the last two, which use the environment peers.py makes
-(``.venv-torch``): benchmarks/torch_zoo.py's models against jaxcomp.zoo's, and the torch worker on
+(``.venv-torch``): benchmarks/torch_zoo.py's models against jaxcomp.training.zoo's, and the torch worker on
 two processes over loopback. They are skipped, with the reason, where that environment is absent
 (CI never installs PyTorch).
 """
@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from jaxcomp import netbench, zoo
+from jaxcomp.distributed import netbench
+from jaxcomp.training import zoo
 
 SCRIPT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "peers.py"

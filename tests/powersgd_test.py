@@ -9,7 +9,7 @@ from helpers import assert_checkpoint_resumes, count_compilations, need_devices
 from jax.sharding import Mesh
 
 import jaxcomp
-from jaxcomp import cost
+from jaxcomp.costmodel import cost
 from jaxcomp.methods import PowerSGD
 from jaxcomp.methods.powersgd import matrix_view, orthogonalize
 

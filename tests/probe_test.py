@@ -1,4 +1,4 @@
-"""jaxcomp.probe: the α-β fit against a synthetic timing model, and the live probe on CPU devices."""
+"""jaxcomp.costmodel.probe: the α-β fit against a synthetic timing model, and the live probe on CPU devices."""
 
 import importlib
 import socket
@@ -12,10 +12,10 @@ import pytest
 from helpers import count_compilations, need_devices, subprocess_env
 from jax.sharding import Mesh
 
-from jaxcomp import cost
+from jaxcomp.costmodel import cost
 
-# The module, even once the package exports the function `jaxcomp.probe` under the same name.
-probe = importlib.import_module("jaxcomp.probe")
+# The module, even once the package exports the function `jaxcomp.costmodel.probe` under the same name.
+probe = importlib.import_module("jaxcomp.costmodel.probe")
 
 SIZES = (2**10, 2**13, 2**16, 2**19, 2**22)
 
@@ -119,7 +119,7 @@ _WORKER = textwrap.dedent("""
     import jax
     jax.config.update("jax_num_cpu_devices", 2)
     jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
-    from jaxcomp.probe import probe_network as probe
+    from jaxcomp.costmodel.probe import probe_network as probe
     mesh = jax.sharding.Mesh(jax.devices(), ("data",))
     net = probe(mesh, "data", sizes=(2**10, 2**18, 2**21), repeats=3)
     print("NETWORK", repr(net.alpha), repr(net.bandwidth), flush=True)
@@ -289,10 +289,11 @@ def test_overhead_times_the_real_update_for_every_method(monkeypatch, method, ad
     overhead that compress_auto uses only saw it for top-k (the others timed their codec alone).
     Every method's overhead is now its whole update; ZFP and THC, which skip their codec on one
     device, add the codec timed on its own."""
-    from jaxcomp import methods, probe
+    from jaxcomp import methods
+    from jaxcomp.optim import timing
 
-    monkeypatch.setattr(probe, "update_seconds", lambda m, params, repeats=3: 1.0)
-    monkeypatch.setattr(probe, "codec_seconds", lambda m, n, **kw: 0.25)
+    monkeypatch.setattr(timing, "update_seconds", lambda m, params, repeats=3: 1.0)
+    monkeypatch.setattr(timing, "codec_seconds", lambda m, n, **kw: 0.25)
     options = (
         {"ratio": 0.01}
         if method in ("ar_topk", "randomk")
@@ -304,25 +305,27 @@ def test_overhead_times_the_real_update_for_every_method(monkeypatch, method, ad
         if method == "powersgd"
         else {}
     )
-    seconds = probe.overhead_seconds(
+    seconds = timing.overhead_seconds(
         methods.parse(method, **options), {"w": np.zeros((64, 64), np.float32)}
     )
     assert seconds == (1.25 if adds_codec else 1.0)
-    assert probe.overhead_seconds(methods.parse("dense"), {"w": np.zeros(8, np.float32)}) == 0.0
+    assert timing.overhead_seconds(methods.parse("dense"), {"w": np.zeros(8, np.float32)}) == 0.0
 
 
 def test_update_seconds_sees_a_slow_packing(monkeypatch):
     """The measurement is the real update: a packing made 50 ms slower shows up in it."""
     import time as time_module
 
-    from jaxcomp import flat, methods, probe
+    from jaxcomp import methods
+    from jaxcomp.ops import flat
+    from jaxcomp.optim import timing
 
     params = {"w": np.zeros((64, 64), np.float32), "b": np.zeros(64, np.float32)}
-    fast = probe.update_seconds(methods.parse("sign"), params, repeats=2)
+    fast = timing.update_seconds(methods.parse("sign"), params, repeats=2)
 
     def slow_pack(grads, residuals=None):
         out = flat.pack_error_fed_xla(grads, residuals)
         return jax.pure_callback(lambda v, c: (time_module.sleep(0.05), (v, c))[1], out, *out)
 
     monkeypatch.setattr(flat, "pack_error_fed", slow_pack)
-    assert probe.update_seconds(methods.parse("sign"), params, repeats=2) > fast + 0.04
+    assert timing.update_seconds(methods.parse("sign"), params, repeats=2) > fast + 0.04

@@ -9,7 +9,7 @@ from helpers import count_compilations, need_devices
 from jax.sharding import Mesh
 
 import jaxcomp
-from jaxcomp import cost
+from jaxcomp.costmodel import cost
 from jaxcomp.methods import RandomK
 from jaxcomp.methods.randomk import shared_indices
 

@@ -19,8 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import collectives
-from jaxcomp.train import DEFAULT_MAX_STEPS_IN_FLIGHT, data_parallel
-from jaxcomp.transform import compress
+from jaxcomp.optim.transform import compress
+from jaxcomp.training.trainer import DEFAULT_MAX_STEPS_IN_FLIGHT, data_parallel
 
 N_DEVICES = 8
 

@@ -14,8 +14,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from jaxcomp import sharding
 from jaxcomp.methods import Cast, Dense, PowerSGD, Quantized, RandomK, Sign, TopK, Zfp
+from jaxcomp.optim import sharding
 
 N = 8
 
@@ -456,7 +456,7 @@ def test_nonfinite_gradients_agree_with_the_replicated_run(method, nonfinite):
 
 
 def test_cost_model_and_advise_know_the_sharded_form(capsys):
-    from jaxcomp import advise, cost
+    from jaxcomp.costmodel import advise, cost
 
     net = cost.Network.parse("0.1ms", "1gbit")
     nbytes, workers = 4e8, 8

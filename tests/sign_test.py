@@ -1,4 +1,4 @@
-"""The sign codec (jaxcomp.sign: native kernels and XLA path) and the Sign method
+"""The sign codec (jaxcomp.ops.sign: native kernels and XLA path) and the Sign method
 (jaxcomp.methods.sign), against a numpy reference of docs/kernels.md, bit for bit."""
 
 import jax
@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp.methods import Sign
-from jaxcomp.sign import sign_pack, sign_unpack
+from jaxcomp.ops.sign import sign_pack, sign_unpack
 
 N_DEVICES = 8
 SMALLEST_NORMAL = np.float32(2.0**-126)
@@ -62,12 +62,12 @@ def ref_unpack(words, scales, n, chunk):
 def test_the_pure_jax_reference_is_the_numpy_one():
     x = rows(203, 1)
     for chunk in (29, 256):
-        words, scales = jax.jit(lambda v: jaxcomp.reference.sign_pack(v, chunk))(x)
+        words, scales = jax.jit(lambda v: jaxcomp.ops.reference.sign_pack(v, chunk))(x)
         want_words, want_scales = ref_pack(x, chunk)
         np.testing.assert_array_equal(np.asarray(words), want_words)
         np.testing.assert_array_equal(as_bits(scales), as_bits(want_scales))
         np.testing.assert_array_equal(
-            as_bits(jaxcomp.reference.sign_unpack(words, scales, 203, chunk)),
+            as_bits(jaxcomp.ops.reference.sign_unpack(words, scales, 203, chunk)),
             as_bits(ref_unpack(want_words, want_scales, 203, chunk)),
         )
 
@@ -267,7 +267,9 @@ def test_compress_auto_takes_the_packed_signs_on_a_slow_network():
     n = 1000
     candidates = jaxcomp.methods.candidates(sign=64)
     assert [m.describe() for m in candidates] == ["dense", "sign", "sign_allreduce"]
-    tx = jaxcomp.compress_auto(candidates, network=jaxcomp.cost.Network.parse("1ms", "1gbit"))
+    tx = jaxcomp.compress_auto(
+        candidates, network=jaxcomp.costmodel.cost.Network.parse("1ms", "1gbit")
+    )
 
     def run(g):
         updates, state = tx.update(g[0], tx.init(g[0]))

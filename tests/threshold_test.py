@@ -9,7 +9,7 @@ from helpers import assert_trees_equal
 from topk_test import DTYPES, SHAPE_K, assert_same
 
 import jaxcomp
-from jaxcomp import reference
+from jaxcomp.ops import reference
 
 # 1 and 8 rounds settle only exponent bits, 16 is the default (one histogram pass), 23 and 31
 # need the kernel's second pass; 31 is exact top-k.

@@ -9,7 +9,7 @@ import pytest
 from helpers import assert_trees_equal, count_compilations, need_devices
 
 import jaxcomp
-from jaxcomp import reference
+from jaxcomp.ops import reference
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 

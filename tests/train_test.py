@@ -12,9 +12,9 @@ from flax import nnx
 from helpers import assert_checkpoint_resumes, assert_trees_equal, count_compilations, need_devices
 from jax.sharding import Mesh
 
-from jaxcomp.cost import Network
-from jaxcomp.train import data_parallel
-from jaxcomp.transform import compress
+from jaxcomp.costmodel.cost import Network
+from jaxcomp.optim.transform import compress
+from jaxcomp.training.trainer import data_parallel
 
 N_DEVICES = 8
 

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import collectives
-from jaxcomp.transform import compress
+from jaxcomp.optim.transform import compress
 
 N_DEVICES = 8
 

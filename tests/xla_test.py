@@ -1,4 +1,4 @@
-"""The portable XLA implementation (jaxcomp.xla, implementation="xla") against the native kernels,
+"""The portable XLA implementation (jaxcomp.ops.xla, implementation="xla") against the native kernels,
 bit for bit: every op over the awkward inputs of the kernel tests, the collectives run on it,
 argument checks, differentiation, and the default's choice (with its warning) per platform."""
 
@@ -12,7 +12,8 @@ from helpers import need_devices
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from jaxcomp import _ffi, collectives
+from jaxcomp import collectives
+from jaxcomp.ops import _ffi
 
 LENGTHS = (1, 3, 4, 5, 127, 1000, 8193)
 RATES = (1, 2, 3, 5, 8, 16, 31, 32)

@@ -7,7 +7,7 @@ import pytest
 import zfpy
 
 import jaxcomp
-from jaxcomp import reference
+from jaxcomp.ops import reference
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 LENGTHS = (1, 2, 3, 4, 5, 7, 1000, 4099)

@@ -1,4 +1,4 @@
-"""jaxcomp.zoo: every model builds with the published shapes and counts, and its loss trains.
+"""jaxcomp.training.zoo: every model builds with the published shapes and counts, and its loss trains.
 
 The big models (GPT-2, ResNet-50) are checked abstractly (``jax.eval_shape``); the small ones run a
 real forward and backward pass.
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from helpers import subprocess_env
 
-from jaxcomp import zoo
+from jaxcomp.training import zoo
 
 # (parameters, leaves). GPT-2 small with its tied head: 124,439,808 (Hugging Face's count);
 # ResNet-50: 25,557,032 in torchvision's 161 parameter tensors.
@@ -142,7 +142,7 @@ def test_batches_follow_the_options():
 
 
 def test_importing_the_zoo_loads_no_jax():
-    code = "import jaxcomp.zoo\nimport sys; print(' '.join(sorted(sys.modules)))"
+    code = "import jaxcomp.training.zoo\nimport sys; print(' '.join(sorted(sys.modules)))"
     out = subprocess.run(
         [sys.executable, "-c", code],
         env=subprocess_env(),

@@ -13,29 +13,32 @@ A compression method is one object (:mod:`jaxcomp.methods`: :class:`Dense`, :cla
 ``optax.chain``, and :func:`compress_auto` chooses among several as the network changes.
 
 Everything is imported on first use (PEP 562): ``import jaxcomp`` loads neither JAX, optax nor
-the native module until a name that needs them is touched, so ``import jaxcomp.cost`` and the
-command line's ``--help`` stay fast.
+the native module until a name that needs them is touched, so ``import jaxcomp.costmodel.cost``
+and the command line's ``--help`` stay fast.
 """
 
 from __future__ import annotations
 
 import importlib
 
+from jaxcomp import _deprecated
+from jaxcomp._lazy import attach
+
 __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS = {
     # ops
-    "DEFAULT_ROUNDS": "jaxcomp.selection",
-    "find_threshold": "jaxcomp.selection",
-    "threshold_topk": "jaxcomp.selection",
-    "topk": "jaxcomp.selection",
-    "zfp_decode": "jaxcomp.zfp",
-    "zfp_encode": "jaxcomp.zfp",
-    "zfp_num_words": "jaxcomp.zfp",
-    "hadamard_transform": "jaxcomp.hadamard",
-    "sign_pack": "jaxcomp.sign",
-    "sign_unpack": "jaxcomp.sign",
+    "DEFAULT_ROUNDS": "jaxcomp.ops.topk",
+    "find_threshold": "jaxcomp.ops.topk",
+    "threshold_topk": "jaxcomp.ops.topk",
+    "topk": "jaxcomp.ops.topk",
+    "zfp_decode": "jaxcomp.ops.zfp",
+    "zfp_encode": "jaxcomp.ops.zfp",
+    "zfp_num_words": "jaxcomp.ops.zfp",
+    "hadamard_transform": "jaxcomp.ops.hadamard",
+    "sign_pack": "jaxcomp.ops.sign",
+    "sign_unpack": "jaxcomp.ops.sign",
     # methods
     "Method": "jaxcomp.methods",
     "Dense": "jaxcomp.methods",
@@ -47,58 +50,37 @@ _EXPORTS = {
     "PowerSGD": "jaxcomp.methods",
     "Sign": "jaxcomp.methods",
     # the transformations
-    "compress": "jaxcomp.transform",
-    "CompressMetrics": "jaxcomp.transform",
-    "CompressState": "jaxcomp.transform",
-    "find_compress_state": "jaxcomp.transform",
-    "compress_auto": "jaxcomp.auto",
-    "AutoState": "jaxcomp.auto",
-    "RatioSearch": "jaxcomp.auto",
-    "auto_branches": "jaxcomp.auto",
-    "set_network": "jaxcomp.auto",
-    "NONFINITE_POLICIES": "jaxcomp.nonfinite",
-    "NonfinitePolicy": "jaxcomp.nonfinite",
-    "skip_nonfinite": "jaxcomp.nonfinite",
-    "skipped_update": "jaxcomp.nonfinite",
+    "compress": "jaxcomp.optim.transform",
+    "CompressMetrics": "jaxcomp.optim.transform",
+    "CompressState": "jaxcomp.optim.transform",
+    "find_compress_state": "jaxcomp.optim.transform",
+    "compress_auto": "jaxcomp.optim.auto",
+    "AutoState": "jaxcomp.optim.auto",
+    "RatioSearch": "jaxcomp.optim.auto",
+    "auto_branches": "jaxcomp.optim.auto",
+    "set_network": "jaxcomp.optim.auto",
+    "NONFINITE_POLICIES": "jaxcomp.optim.nonfinite",
+    "NonfinitePolicy": "jaxcomp.optim.nonfinite",
+    "skip_nonfinite": "jaxcomp.optim.nonfinite",
+    "skipped_update": "jaxcomp.optim.nonfinite",
     # training and measuring
-    "accumulate": "jaxcomp.accumulation",
-    "DataParallel": "jaxcomp.train",
-    "TrainState": "jaxcomp.train",
-    "data_parallel": "jaxcomp.train",
-    "sharded_updates": "jaxcomp.sharding",
-    "probe_network": "jaxcomp.probe",
+    "accumulate": "jaxcomp.optim.accumulation",
+    "DataParallel": "jaxcomp.training.trainer",
+    "TrainState": "jaxcomp.training.trainer",
+    "data_parallel": "jaxcomp.training.trainer",
+    "sharded_updates": "jaxcomp.optim.sharding",
+    "probe_network": "jaxcomp.costmodel.probe",
+    "Network": "jaxcomp.costmodel.cost",
 }
 
-_SUBMODULES = (
-    "adaptive",
-    "auto",
-    "collectives",
-    "cost",
-    "layout",
-    "methods",
-    "nonfinite",
-    "probe",
-    "reference",
-    "sharding",
-    "thc",
-    "train",
-    "transform",
-    "xla",
-)
+# The layers, bottom up; each imports only those before it (tests/layers_test.py).
+LAYERS = ("ops", "collectives", "methods", "costmodel", "optim", "training", "distributed", "cli")
 
-__all__ = sorted(_EXPORTS) + list(_SUBMODULES)
+_getattr, __dir__, __all__ = attach(__name__, submodules=LAYERS, exports=_EXPORTS)
+_deprecated.install()
 
 
 def __getattr__(name):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"jaxcomp.{name}")
-    else:
-        raise AttributeError(f"module 'jaxcomp' has no attribute {name!r}")
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    if f"jaxcomp.{name}" in _deprecated.MOVED:  # jaxcomp.cost & co.: warns, then the new module
+        return importlib.import_module(f"jaxcomp.{name}")
+    return _getattr(name)

@@ -21,7 +21,7 @@ sharded training          :meth:`Method.reduce_scatter` (each device gets its sh
                           the method has this form
 ========================  ==========================================================================
 
-:func:`jaxcomp.compress`, :func:`jaxcomp.compress_auto`, :mod:`jaxcomp.cost`, :mod:`jaxcomp.probe`,
+:func:`jaxcomp.compress`, :func:`jaxcomp.compress_auto`, :mod:`jaxcomp.costmodel.cost`, :mod:`jaxcomp.costmodel.probe`,
 ``jaxcomp advise``, the demo and the benchmarks only ever call these; none of them knows a method
 by name. To add a method, subclass :class:`Method` in a file of its own (see ``docs/methods.md``);
 it then works everywhere, also when it is defined outside jaxcomp.
@@ -52,7 +52,7 @@ class Method:
       :func:`jaxcomp.compress_auto` needs this of every candidate, since its branches must agree.
     * ``codec_skipped_on_one_device``: the method's collective runs no codec when it reduces over
       one device (ZFP's ring, THC's quantizer return their input). Every method's overhead is
-      measured on the real update on one device (:func:`jaxcomp.probe.update_seconds`: packing,
+      measured on the real update on one device (:func:`jaxcomp.optim.timing.update_seconds`: packing,
       codec, selection, unpacking, so that no slow step of the update goes unseen); such a method
       adds its :meth:`local_work` timed on its own, which that update did not run.
     * ``scatters``: the method has a reduce-scatter form (:meth:`reduce_scatter`), which
@@ -186,7 +186,7 @@ class Method:
 
         Args:
           x: this device's 1-D vector of ``N * row`` values, laid out shard-major
-            (:func:`jaxcomp.sharding.shard_major`), with ``row`` from :meth:`shard_row`.
+            (:func:`jaxcomp.optim.sharding.shard_major`), with ``row`` from :meth:`shard_row`.
           axis_name: the mesh axis, or the tuple of axes, to sum over (device ``d``'s position
             along them is its row).
           step: the training step (an int32 scalar, replicated).
@@ -264,7 +264,7 @@ class Fraction:
 
     def check_fraction(self) -> None:
         """Validates ``ratio``/``k`` (exactly one; ``ratio`` in ``(0, 1]``, ``k >= 1``), in place."""
-        from jaxcomp import _checks
+        from jaxcomp.ops import _checks
 
         if (self.ratio is None) == (self.k is None):
             raise ValueError(
@@ -286,10 +286,10 @@ class Fraction:
         return dataclasses.replace(self, ratio=ratio, k=None)
 
     def kept(self, n):
-        from jaxcomp import layout
+        from jaxcomp.collectives import sizes
 
         if self.ratio is not None:
-            return layout.resolve_k(n, None, self.ratio)
+            return sizes.resolve_k(n, None, self.ratio)
         if self.k > n:
             raise ValueError(
                 f"k={self.k} exceeds the {n} gradient entries it is taken from; pass a smaller k or "

@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxcomp import _checks, layout
+from jaxcomp.collectives import sizes
 from jaxcomp.methods.base import Method
 from jaxcomp.methods.dense import ALLREDUCE_ALGORITHMS
+from jaxcomp.ops import _checks
 
 #: The narrow types, by canonical name, with the names they are also known by and their short label.
 NARROW_TYPES = {"bfloat16": ("bf16",), "float16": ("fp16", "f16", "half")}
@@ -201,14 +202,14 @@ class Cast(Method):
         N = _checks.check_devices(n_devices)
         if N == 1:
             return 0.0
-        return layout.reduce_scatter_bytes(2 * n, N) + (
-            layout.allreduce_bytes(4, N, self.allreduce) if self.scaled else 0.0
+        return sizes.reduce_scatter_bytes(2 * n, N) + (
+            sizes.allreduce_bytes(4, N, self.allreduce) if self.scaled else 0.0
         )
 
     def reduce_scatter_steps(self, n_devices):
         N = _checks.check_devices(n_devices)
-        return layout.reduce_scatter_steps(N) + (
-            layout.allreduce_steps(N, self.allreduce) if self.scaled else 0
+        return sizes.reduce_scatter_steps(N) + (
+            sizes.allreduce_steps(N, self.allreduce) if self.scaled else 0
         )
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
@@ -221,13 +222,13 @@ class Cast(Method):
         if N == 1:
             return 0.0
         if self.dtype == "bfloat16" and self.allreduce == "ring":
-            values = float(2 * (N - 1) * layout.ring_chunk(n, N) * 2)
+            values = float(2 * (N - 1) * sizes.ring_chunk(n, N) * 2)
         else:
-            values = layout.allreduce_bytes(2 * n, N, self.allreduce)
-        return values + (layout.allreduce_bytes(4, N, self.allreduce) if self.scaled else 0.0)
+            values = sizes.allreduce_bytes(2 * n, N, self.allreduce)
+        return values + (sizes.allreduce_bytes(4, N, self.allreduce) if self.scaled else 0.0)
 
     def message_steps(self, n_devices, *, inner_size=None):
-        steps = layout.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
+        steps = sizes.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
         return 2 * steps if self.scaled else steps
 
     def local_work(self, n_values, n_devices):

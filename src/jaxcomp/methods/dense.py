@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxcomp import _checks, layout
+from jaxcomp.collectives import sizes
 from jaxcomp.methods.base import Method
+from jaxcomp.ops import _checks
 
 #: How the cost model may cost an all-reduce: as a ring or as a tree (reduce up, broadcast down).
 ALLREDUCE_ALGORITHMS = ("ring", "tree")
@@ -49,11 +50,11 @@ class Dense(Method):
         return (
             0.0
             if n_devices == 1
-            else layout.allreduce_bytes(n * dtype_bytes, n_devices, self.allreduce)
+            else sizes.allreduce_bytes(n * dtype_bytes, n_devices, self.allreduce)
         )
 
     def message_steps(self, n_devices, *, inner_size=None):
-        return layout.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
+        return sizes.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
 
     def reduce_scatter(self, x, axis_name, *, step, key, size, sparse=False):
         import jax
@@ -62,7 +63,7 @@ class Dense(Method):
 
     def reduce_scatter_bytes(self, n, n_devices, *, dtype_bytes=4):
         n, dtype_bytes = _checks.check_message(n, dtype_bytes)
-        return layout.reduce_scatter_bytes(n * dtype_bytes, _checks.check_devices(n_devices))
+        return sizes.reduce_scatter_bytes(n * dtype_bytes, _checks.check_devices(n_devices))
 
     def reduce_scatter_steps(self, n_devices):
-        return layout.reduce_scatter_steps(_checks.check_devices(n_devices))
+        return sizes.reduce_scatter_steps(_checks.check_devices(n_devices))

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxcomp import _checks, layout
+from jaxcomp.collectives import sizes
 from jaxcomp.methods.base import Method
 from jaxcomp.methods.dense import ALLREDUCE_ALGORITHMS
+from jaxcomp.ops import _checks
 
 
 def matrix_view(shape: tuple[int, ...]) -> tuple[int, int] | None:
@@ -203,7 +204,7 @@ class PowerSGD(Method):
         import jax
         import jax.numpy as jnp
 
-        from jaxcomp import flat
+        from jaxcomp.ops import flat
 
         shapes = self._shapes(x.shape[0], shapes)
         pieces, offset = [], 0
@@ -259,12 +260,12 @@ class PowerSGD(Method):
         matrices, dense = self._split(self._shapes(n, shapes))
         first = 4 * (sum(self.rank * rows for rows, _ in matrices) + dense)
         second = 4 * sum(self.rank * cols for _, cols in matrices)
-        return layout.allreduce_bytes(first, N, self.allreduce) + layout.allreduce_bytes(
+        return sizes.allreduce_bytes(first, N, self.allreduce) + sizes.allreduce_bytes(
             second, N, self.allreduce
         )
 
     def message_steps(self, n_devices, *, inner_size=None):
-        return 2 * layout.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
+        return 2 * sizes.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
 
     def local_work(self, n_values, n_devices):
         import jax.numpy as jnp

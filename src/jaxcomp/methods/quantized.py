@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxcomp import _checks, layout
+from jaxcomp.collectives import sizes
 from jaxcomp.methods.base import Method
 from jaxcomp.methods.dense import ALLREDUCE_ALGORITHMS
+from jaxcomp.ops import _checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,22 +61,22 @@ class Quantized(Method):
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         """An all-reduce of the codes (``n``, padded to whole Hadamard blocks) packed into uint32
-        words of :func:`jaxcomp.layout.codes_per_word` codes, plus one of the float32 range."""
+        words of :func:`jaxcomp.collectives.sizes.codes_per_word` codes, plus one of the float32 range."""
         n, dtype_bytes = _checks.check_message(n, dtype_bytes)
         N = _checks.check_devices(n_devices)
         if N == 1:
             return 0.0
         codes = (
-            layout.packed_words(layout.quantized_length(n, self.hadamard), self.bits, N)
-            * layout.WORD_BYTES
+            sizes.packed_words(sizes.quantized_length(n, self.hadamard), self.bits, N)
+            * sizes.WORD_BYTES
         )
-        return layout.allreduce_bytes(codes, N, self.allreduce) + layout.allreduce_bytes(
-            layout.SCALAR_BYTES, N, self.allreduce
+        return sizes.allreduce_bytes(codes, N, self.allreduce) + sizes.allreduce_bytes(
+            sizes.SCALAR_BYTES, N, self.allreduce
         )
 
     def shard_row(self, m, n_devices):
         """Whole Hadamard blocks of a row (each device rotates its own row back)."""
-        return layout.quantized_length(m, self.hadamard)
+        return sizes.quantized_length(m, self.hadamard)
 
     def reduce_scatter(self, x, axis_name, *, step, key, size, sparse=False):
         from jaxcomp import collectives
@@ -91,25 +92,25 @@ class Quantized(Method):
         N = _checks.check_devices(n_devices)
         if N == 1:
             return 0.0
-        row = layout.quantized_length(layout.ceil_div(n, N), self.hadamard)
-        codes = N * layout.packed_words(row, self.bits, N) * layout.WORD_BYTES
-        return layout.reduce_scatter_bytes(codes, N) + layout.allreduce_bytes(
-            layout.SCALAR_BYTES, N, self.allreduce
+        row = sizes.quantized_length(sizes.ceil_div(n, N), self.hadamard)
+        codes = N * sizes.packed_words(row, self.bits, N) * sizes.WORD_BYTES
+        return sizes.reduce_scatter_bytes(codes, N) + sizes.allreduce_bytes(
+            sizes.SCALAR_BYTES, N, self.allreduce
         )
 
     def reduce_scatter_steps(self, n_devices):
         N = _checks.check_devices(n_devices)
-        return layout.reduce_scatter_steps(N) + layout.allreduce_steps(N, self.allreduce)
+        return sizes.reduce_scatter_steps(N) + sizes.allreduce_steps(N, self.allreduce)
 
     def message_steps(self, n_devices, *, inner_size=None):
         """Two all-reduces: the shared range, then the packed codes."""
-        return 2 * layout.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
+        return 2 * sizes.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
 
     def local_work(self, n_values, n_devices):
-        """THC's whole local work (:func:`jaxcomp.thc.quantized_psum_local`)."""
+        """THC's whole local work (:func:`jaxcomp.collectives.quantized.quantized_psum_local`)."""
         import jax
 
-        from jaxcomp.thc import quantized_psum_local
+        from jaxcomp.collectives.quantized import quantized_psum_local
 
         workers = max(2, _checks.check_devices(n_devices))
 

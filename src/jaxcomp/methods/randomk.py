@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxcomp import _checks, layout
+from jaxcomp.collectives import sizes
 from jaxcomp.methods.base import Fraction, Method
 from jaxcomp.methods.dense import ALLREDUCE_ALGORITHMS
+from jaxcomp.ops import _checks
 
 
 def shared_indices(key, n: int, k: int):
@@ -93,11 +94,11 @@ class RandomK(Fraction, Method):
         n, dtype_bytes = _checks.check_message(n, dtype_bytes)
         N = _checks.check_devices(n_devices)
         return (
-            0.0 if N == 1 else layout.allreduce_bytes(self.kept(n) * dtype_bytes, N, self.allreduce)
+            0.0 if N == 1 else sizes.allreduce_bytes(self.kept(n) * dtype_bytes, N, self.allreduce)
         )
 
     def message_steps(self, n_devices, *, inner_size=None):
-        return layout.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
+        return sizes.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
 
     def local_work(self, n_values, n_devices):
         import jax

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxcomp import _checks, layout
+from jaxcomp.collectives import sizes
 from jaxcomp.methods.base import Method
 from jaxcomp.methods.dense import ALLREDUCE_ALGORITHMS
+from jaxcomp.ops import _checks
 
 #: How the signs are aggregated (see :class:`Sign`).
 AGGREGATIONS = ("allgather", "allreduce", "majority")
 
-#: Values per scale by default (:data:`jaxcomp.sign.DEFAULT_CHUNK`; repeated here so that the cost
+#: Values per scale by default (:data:`jaxcomp.ops.sign.DEFAULT_CHUNK`; repeated here so that the cost
 #: model loads no JAX).
 DEFAULT_CHUNK = 1024
 
@@ -24,7 +25,7 @@ def _gathered_sum(all_words, all_scales, n: int, chunk: int, majority: bool):
     import jax
     import jax.numpy as jnp
 
-    from jaxcomp.sign import sign_unpack
+    from jaxcomp.ops.sign import sign_unpack
 
     devices = all_words.shape[0]
     if not majority:
@@ -49,7 +50,7 @@ def _gathered_sum(all_words, all_scales, n: int, chunk: int, majority: bool):
 
 @dataclasses.dataclass(frozen=True)
 class Sign(Method):
-    """Scaled signs: each device sends 1 bit a value (32 a uint32 word, :func:`jaxcomp.sign.sign_pack`)
+    """Scaled signs: each device sends 1 bit a value (32 a uint32 word, :func:`jaxcomp.ops.sign.sign_pack`)
     and one float32 scale, the mean ``|x|``, per ``chunk`` values, which decode to ``±scale``.
 
     The decoded vector is what the device sent, so error feedback keeps ``x - decoded``
@@ -115,7 +116,7 @@ class Sign(Method):
     def aggregate(self, x, axis_name, *, step, key, sparse=False):
         import jax
 
-        from jaxcomp.sign import sign_pack, sign_unpack
+        from jaxcomp.ops.sign import sign_pack, sign_unpack
 
         n = x.shape[0]
         words, scales = sign_pack(x, self.chunk)
@@ -140,10 +141,10 @@ class Sign(Method):
         if N == 1:
             return 0.0
         if self.aggregation == "allreduce":
-            return layout.allreduce_bytes(n * dtype_bytes, N, self.allreduce)
+            return sizes.allreduce_bytes(n * dtype_bytes, N, self.allreduce)
         packed = (
-            layout.ceil_div(n, 32) * layout.WORD_BYTES
-            + layout.ceil_div(n, self.chunk) * layout.SCALAR_BYTES
+            sizes.ceil_div(n, 32) * sizes.WORD_BYTES
+            + sizes.ceil_div(n, self.chunk) * sizes.SCALAR_BYTES
         )
         return float((N - 1) * packed)
 
@@ -152,15 +153,15 @@ class Sign(Method):
         steps for ``"allreduce"``."""
         N = _checks.check_devices(n_devices)
         if self.aggregation == "allreduce":
-            return layout.allreduce_steps(N, self.allreduce)
-        return layout.log2_steps(N)
+            return sizes.allreduce_steps(N, self.allreduce)
+        return sizes.log2_steps(N)
 
     def local_work(self, n_values, n_devices):
         """Packing the vector, then decoding it once (``"allreduce"``) or decoding and adding
         ``N`` devices' signs (the all-gathers, with this device's words standing in for all)."""
         import jax.numpy as jnp
 
-        from jaxcomp.sign import sign_pack, sign_unpack
+        from jaxcomp.ops.sign import sign_pack, sign_unpack
 
         workers = _checks.check_devices(n_devices)
 

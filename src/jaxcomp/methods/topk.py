@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxcomp import _checks, layout
+from jaxcomp.collectives import sizes
 from jaxcomp.methods.base import Fraction, Method
 from jaxcomp.methods.dense import ALLREDUCE_ALGORITHMS
+from jaxcomp.ops import _checks
 
 #: How the selected values travel (:mod:`jaxcomp.collectives`): ``allgather_topk``, ``ar_topk``
 #: or ``hierarchical_topk``.
@@ -165,19 +166,19 @@ class TopK(Fraction, Method):
         n, dtype_bytes = _checks.check_message(n, dtype_bytes)
         N = _checks.check_devices(n_devices, inner_size)
         k = self.kept(n)
-        pair = dtype_bytes + layout.INDEX_BYTES
+        pair = dtype_bytes + sizes.INDEX_BYTES
         if self.collective == "allgather":
             return float((N - 1) * k * pair)
         if self.collective == "ar":
             if N == 1:
                 return 0.0
-            total = layout.allreduce_bytes(
-                k * layout.INDEX_BYTES, N, self.allreduce
-            ) + layout.allreduce_bytes(k * dtype_bytes, N, self.allreduce)
-            return total + ((N - 1) * layout.SCALAR_BYTES if self.leader == "var" else 0.0)
+            total = sizes.allreduce_bytes(
+                k * sizes.INDEX_BYTES, N, self.allreduce
+            ) + sizes.allreduce_bytes(k * dtype_bytes, N, self.allreduce)
+            return total + ((N - 1) * sizes.SCALAR_BYTES if self.leader == "var" else 0.0)
         inner = self._inner(N, inner_size)
         outer = N // inner
-        shard, k_shard = layout.hierarchical_shard(n, k, inner)
+        shard, k_shard = sizes.hierarchical_shard(n, k, inner)
         return float(
             (inner - 1) * shard * dtype_bytes
             + (outer - 1) * k_shard * pair
@@ -192,11 +193,11 @@ class TopK(Fraction, Method):
         if N == 1:
             return 0
         if self.collective == "allgather":
-            return layout.log2_steps(N)
+            return sizes.log2_steps(N)
         if self.collective == "ar":
-            return 2 * layout.allreduce_steps(N, self.allreduce)
+            return 2 * sizes.allreduce_steps(N, self.allreduce)
         inner = self._inner(N, inner_size)
-        return (inner - 1) + layout.log2_steps(N // inner) + layout.log2_steps(inner)
+        return (inner - 1) + sizes.log2_steps(N // inner) + sizes.log2_steps(inner)
 
     def _inner(self, n_devices, inner_size):
         if inner_size is None:
@@ -204,7 +205,7 @@ class TopK(Fraction, Method):
         return inner_size
 
     def local_work(self, n_values, n_devices):
-        from jaxcomp.selection import threshold_topk, topk
+        from jaxcomp.ops.topk import threshold_topk, topk
 
         k = self.kept(n_values)
         select = topk if self.selector == "exact" else threshold_topk

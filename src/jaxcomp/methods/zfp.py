@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxcomp import _checks, layout
+from jaxcomp.collectives import sizes
 from jaxcomp.methods.base import Method
+from jaxcomp.ops import _checks
 
 #: Point-to-point algorithms of :func:`jaxcomp.collectives.zfp_allreduce`.
 ALGORITHMS = ("ring", "recursive_doubling")
 
 
 def _words(n: int, rate: int) -> int:
-    from jaxcomp.zfp import zfp_num_words  # the codec's format: loads JAX, so only when counting
+    from jaxcomp.ops.zfp import (
+        zfp_num_words,  # the codec's format: loads JAX, so only when counting
+    )
 
     return zfp_num_words(n, rate)
 
@@ -81,12 +84,12 @@ class Zfp(Method):
             return super().reduce_scatter_bytes(n, n_devices, dtype_bytes=dtype_bytes)
         n, dtype_bytes = _checks.check_message(n, dtype_bytes)
         N = _checks.check_devices(n_devices)
-        return float((N - 1) * _words(layout.ring_chunk(n, N), self.rate) * layout.WORD_BYTES)
+        return float((N - 1) * _words(sizes.ring_chunk(n, N), self.rate) * sizes.WORD_BYTES)
 
     def reduce_scatter_steps(self, n_devices):
         if not self.scatters:
             return super().reduce_scatter_steps(n_devices)
-        return layout.reduce_scatter_steps(_checks.check_devices(n_devices))
+        return sizes.reduce_scatter_steps(_checks.check_devices(n_devices))
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         """``"ring"``: ``2 (N-1)`` compressed chunks of ``ceil(n/N)`` values; ``"recursive_doubling"``:
@@ -97,12 +100,10 @@ class Zfp(Method):
         if N == 1:
             return 0.0
         if self.algorithm == "ring":
-            return float(
-                2 * (N - 1) * _words(layout.ring_chunk(n, N), self.rate) * layout.WORD_BYTES
-            )
-        p = layout.power_of_two_below(N)
+            return float(2 * (N - 1) * _words(sizes.ring_chunk(n, N), self.rate) * sizes.WORD_BYTES)
+        p = sizes.power_of_two_below(N)
         rounds = p.bit_length() - 1 + (1 if p != N else 0)
-        return float(rounds * _words(n, self.rate) * layout.WORD_BYTES)
+        return float(rounds * _words(n, self.rate) * sizes.WORD_BYTES)
 
     def message_steps(self, n_devices, *, inner_size=None):
         """``"ring"``: ``2(N-1)``; ``"recursive_doubling"``: ``log2 p``, plus a fold-in and a
@@ -112,7 +113,7 @@ class Zfp(Method):
             return 0
         if self.algorithm == "ring":
             return 2 * (N - 1)
-        p = layout.power_of_two_below(N)
+        p = sizes.power_of_two_below(N)
         rounds = p.bit_length() - 1
         return rounds if p == N else rounds + 2
 
@@ -124,14 +125,14 @@ class Zfp(Method):
         and one decode."""
         import jax.numpy as jnp
 
-        from jaxcomp.zfp import zfp_decode, zfp_encode
+        from jaxcomp.ops.zfp import zfp_decode, zfp_encode
 
         rate, workers = self.rate, _checks.check_devices(n_devices)
 
         def codec(x):
             if self.algorithm != "ring" or workers == 1:
                 return zfp_decode(zfp_encode(x, rate), n_values, rate)
-            chunk = layout.ring_chunk(n_values, workers)
+            chunk = sizes.ring_chunk(n_values, workers)
             chunks = jnp.pad(x, (0, chunk * workers - n_values)).reshape(workers, chunk)
             partial = chunks[0]
             words = zfp_encode(partial, rate)

@@ -1,0 +1,162 @@
+"""The module paths of jaxcomp 0.1 (a flat package), kept working for one release.
+
+``import jaxcomp.transform`` or ``from jaxcomp.cost import Network`` imports the module at its new
+home (``jaxcomp.optim.transform``, ``jaxcomp.costmodel.cost``) under the old name too, with a
+``DeprecationWarning`` naming the new path; ``python -m jaxcomp.launch`` keeps working the same way.
+The table below is the whole mapping; remove it (and this file) in jaxcomp 0.3.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+
+#: Old module path -> new module path (issue 23: the layered package).
+MOVED = {
+    "jaxcomp._ffi": "jaxcomp.ops._ffi",
+    "jaxcomp._checks": "jaxcomp.ops._checks",
+    "jaxcomp.selection": "jaxcomp.ops.topk",
+    "jaxcomp.zfp": "jaxcomp.ops.zfp",
+    "jaxcomp.hadamard": "jaxcomp.ops.hadamard",
+    "jaxcomp.sign": "jaxcomp.ops.sign",
+    "jaxcomp.flat": "jaxcomp.ops.flat",
+    "jaxcomp.reference": "jaxcomp.ops.reference",
+    "jaxcomp.xla": "jaxcomp.ops.xla",
+    "jaxcomp.layout": "jaxcomp.collectives.sizes",
+    "jaxcomp.thc": "jaxcomp.collectives.quantized",
+    "jaxcomp.cost": "jaxcomp.costmodel.cost",
+    "jaxcomp.probe": "jaxcomp.costmodel.probe",
+    "jaxcomp.adaptive": "jaxcomp.costmodel.ratio_choice",
+    "jaxcomp.advise": "jaxcomp.cli.advise",
+    "jaxcomp.transform": "jaxcomp.optim.transform",
+    "jaxcomp.auto": "jaxcomp.optim.auto",
+    "jaxcomp.nonfinite": "jaxcomp.optim.nonfinite",
+    "jaxcomp.accumulation": "jaxcomp.optim.accumulation",
+    "jaxcomp.sharding": "jaxcomp.optim.sharding",
+    "jaxcomp.train": "jaxcomp.training.trainer",
+    "jaxcomp.zoo": "jaxcomp.training.zoo",
+    "jaxcomp.launch": "jaxcomp.distributed.launch",
+    "jaxcomp.rendezvous": "jaxcomp.distributed.rendezvous",
+    "jaxcomp.cluster": "jaxcomp.distributed.cluster",
+    "jaxcomp.netbench": "jaxcomp.distributed.netbench",
+    "jaxcomp.demo": "jaxcomp.cli.demo",
+    "jaxcomp.kernel_demo": "jaxcomp.cli.kernels",
+}
+
+
+def new_name(old: str) -> str | None:
+    """The new path of an old module path (or of a module below one), else None.
+
+    Args:
+      old: a dotted module path.
+
+    Returns:
+      the path it moved to, or None when it did not move.
+
+    Example:
+      >>> new_name("jaxcomp.reference.topk")
+      'jaxcomp.ops.reference.topk'
+      >>> new_name("jaxcomp.methods") is None
+      True
+    """
+    for before, after in MOVED.items():
+        if old == before or old.startswith(before + "."):
+            return after + old[len(before) :]
+    return None
+
+
+_OWN_FILES = (__file__, __file__.replace("_deprecated.py", "__init__.py"))
+
+
+def _importer_stacklevel() -> int:
+    """The stack level of the first frame outside the import machinery and this file.
+
+    :func:`warnings.warn` does not count the import system's frames (``importlib._bootstrap``),
+    so neither does this.
+    """
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "importlib" in name and "_bootstrap" in name:
+            frame = frame.f_back
+            continue
+        if name not in _OWN_FILES and "importlib" not in name:
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
+
+
+def warn(old: str, new: str, stacklevel: int | None = None) -> None:
+    """Warns that ``old`` is deprecated in favour of ``new``.
+
+    Args:
+      old: the old module path.
+      new: the new one.
+      stacklevel: passed to :func:`warnings.warn`; by default the code that imported ``old``.
+
+    Returns:
+      None.
+
+    Example:
+      >>> import warnings
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     warn("jaxcomp.cost", "jaxcomp.costmodel.cost")
+      >>> str(caught[0].message).split(";")[0]
+      'jaxcomp.cost is deprecated and will be removed in jaxcomp 0.3'
+    """
+    warnings.warn(
+        f"{old} is deprecated and will be removed in jaxcomp 0.3; import {new} instead",
+        DeprecationWarning,
+        stacklevel=_importer_stacklevel() if stacklevel is None else stacklevel,
+    )
+
+
+class _Alias(importlib.abc.Loader):
+    """Loads an old path as the module at its new path (the same object, not a copy)."""
+
+    def __init__(self, new: str):
+        self.new = new
+        self._spec = None
+
+    def create_module(self, spec):
+        warn(spec.name, self.new)
+        module = importlib.import_module(self.new)
+        self._spec = module.__spec__
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = self._spec  # the import system set the alias's spec; restore the real one
+
+    def get_code(self, fullname):  # `python -m jaxcomp.launch` runs the new module's code
+        warn(fullname, self.new)
+        return importlib.util.find_spec(self.new).loader.get_code(self.new)
+
+    def is_package(self, fullname):
+        return False
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        new = new_name(fullname) if fullname.startswith("jaxcomp.") else None
+        if new is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, _Alias(new))
+
+
+def install() -> None:
+    """Puts the old paths' finder first on ``sys.meta_path`` (once).
+
+    Returns:
+      None.
+
+    Example:
+      >>> install()
+      >>> sum(isinstance(f, _Finder) for f in sys.meta_path)
+      1
+    """
+    if not any(isinstance(finder, _Finder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())

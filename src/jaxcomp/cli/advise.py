@@ -1,0 +1,462 @@
+"""``jaxcomp advise``: will gradient compression make this training job faster?
+
+The command line over :mod:`jaxcomp.costmodel.advise` (paper 002's performance model): each
+method's predicted step time and speed-up, the compression a compressor would need for near-linear
+scaling, and the bandwidth below which each method starts to pay; ``--measure-codec`` times the
+codecs (:func:`jaxcomp.optim.timing.overhead_seconds`), ``--plot`` draws the step time against the
+bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import numpy as np
+
+from jaxcomp import methods
+from jaxcomp.costmodel import cost
+from jaxcomp.costmodel.advise import (  # noqa: F401  (re-exported for the old path jaxcomp.advise)
+    BANDWIDTH_SEARCH,
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_GAMMA,
+    DEFAULT_TARGET_EFFICIENCY,
+    MAX_MEASURED_PARAMS,
+    MAX_PARAMS,
+    PLOT_FORMATS,
+    _check_positive,
+    break_even_bandwidth,
+    compressed_time,
+    required_compression,
+    sync_sgd_time,
+)
+from jaxcomp.methods import Dense
+
+
+def _parser():
+    parser = argparse.ArgumentParser(
+        prog="jaxcomp advise",
+        description="Predict whether gradient compression speeds up data-parallel training "
+        "(performance model of Agarwal et al., MLSys 2022, with jaxcomp's collectives).",
+    )
+    parser.add_argument("--params", type=float, required=True, help="model parameters, e.g. 25.6e6")
+    parser.add_argument("--workers", type=int, required=True, help="data-parallel workers")
+    parser.add_argument(
+        "--bandwidth", required=True, help="per-link bandwidth, e.g. 10gbit, 25Gbps, 1.25GB/s"
+    )
+    parser.add_argument(
+        "--latency", default="0", help="per-message latency α, e.g. 0.5ms (default 0)"
+    )
+    parser.add_argument(
+        "--backward-ms", type=float, required=True, help="backward pass on one worker, ms"
+    )
+    parser.add_argument(
+        "--ratio", type=float, default=0.01, help="top-k density k/n (default 0.01)"
+    )
+    parser.add_argument("--rate", type=int, default=8, help="ZFP bits per value (default 8)")
+    parser.add_argument("--bits", type=int, default=4, help="quantization bits (default 4)")
+    parser.add_argument("--rank", type=int, default=4, help="PowerSGD rank (default 4)")
+    parser.add_argument(
+        "--inner-size", type=int, default=None, help="workers per node; adds hierarchical_topk"
+    )
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated compressed methods (default: all that apply)",
+    )
+    parser.add_argument(
+        "--encode-decode-ms",
+        default="0",
+        help="encode+decode time: one number for every method, or method=ms pairs "
+        "separated by commas (default 0: speedups are then upper bounds)",
+    )
+    parser.add_argument(
+        "--measure-codec",
+        action="store_true",
+        help="time each method's local work on this machine at this model size (top-k "
+        "selection and scatter, the ZFP ring's encodes and decodes, THC's transforms, "
+        "rounding and packing) and use it instead of --encode-decode-ms",
+    )
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=DEFAULT_BUCKET_BYTES / 2**20,
+        help="gradient bucket, MiB (default 25, PyTorch DDP's)",
+    )
+    parser.add_argument(
+        "--gamma",
+        type=float,
+        default=DEFAULT_GAMMA,
+        help="backward slowdown under overlap (default 1.05; paper 002: 1.04-1.1)",
+    )
+    parser.add_argument(
+        "--batch-overlap",
+        action="store_true",
+        help="also overlap the compressed methods with the backward pass, bucket by "
+        "bucket (encode/decode then slows the backward pass)",
+    )
+    parser.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="dense all-reduce after the backward pass instead of overlapped",
+    )
+    parser.add_argument(
+        "--target-efficiency",
+        type=float,
+        default=DEFAULT_TARGET_EFFICIENCY,
+        help="fraction of linear scaling that counts as near-linear (default 0.9)",
+    )
+    parser.add_argument(
+        "--plot", default=None, metavar="PNG", help="write speedup against bandwidth here"
+    )
+    parser.add_argument(
+        "--shard",
+        action="store_true",
+        help="sharded training (data_parallel(shard=...)): each method's reduce-scatter plus the "
+        "params' all-gather, for the methods that have one; dense costs the same either way",
+    )
+    return parser
+
+
+def _encode_decode(text, compressed, parser):
+    """``--encode-decode-ms``: one number for every method, or label=ms pairs; seconds per method."""
+    labels = {m.label: m for m in compressed}
+    try:
+        if "=" not in text:
+            value = float(text)
+            if not value >= 0:
+                raise ValueError
+            return {m: value / 1e3 for m in compressed}
+        table = dict.fromkeys(compressed, 0.0)
+        for item in text.split(","):
+            name, _, value = item.partition("=")
+            name = name.strip()
+            if name not in labels:
+                parser.error(
+                    f"--encode-decode-ms names {name!r}, which is not among the methods {list(labels)}"
+                )
+            table[labels[name]] = float(value) / 1e3
+            if not table[labels[name]] >= 0:
+                raise ValueError
+        return table
+    except ValueError:
+        parser.error(
+            f"--encode-decode-ms must be a number of ms >= 0 or method=ms pairs, got {text!r}"
+        )
+
+
+def _options(args):
+    return dict(
+        ratio=args.ratio, rate=args.rate, bits=args.bits, rank=args.rank, inner_size=args.inner_size
+    )
+
+
+def _setting(method):
+    return "-" if method.setting is None else f"{method.setting:g}"
+
+
+def main(argv=None) -> int:
+    """Runs ``jaxcomp advise``: prints the predicted step time and speedup of each method.
+
+    Args:
+      argv: the arguments after ``advise`` (default ``sys.argv[1:]``).
+
+    Returns:
+      0 on success (bad arguments exit with status 2, as argparse does).
+
+    Example:
+      >>> main(["--params", "25.6e6", "--workers", "64", "--bandwidth", "10gbit",
+      ...       "--latency", "0.5ms", "--backward-ms", "120"])  # doctest: +ELLIPSIS
+      jaxcomp advise: 25.6M parameters...
+      0
+
+    References:
+      Agarwal et al., MLSys 2022, §4.1, App. B and App. D.
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        network = cost.Network.parse(args.latency, args.bandwidth)
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+    if not 1 <= args.params <= MAX_PARAMS:
+        # Beyond it the bucket arithmetic of float64 byte counts loses the last bucket entirely.
+        parser.error(f"--params must be in [1, {MAX_PARAMS:g}], got {args.params}")
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
+    if not args.backward_ms > 0:
+        parser.error(f"--backward-ms must be > 0, got {args.backward_ms}")
+    if not 0 < args.ratio <= 1:
+        parser.error(f"--ratio must be in (0, 1], got {args.ratio}")
+    if not (args.gamma >= 1 and math.isfinite(args.gamma)):
+        parser.error(f"--gamma must be >= 1 and finite, got {args.gamma}")
+    if not (args.bucket_mb > 0 and math.isfinite(args.bucket_mb)):
+        parser.error(f"--bucket-mb must be > 0 and finite, got {args.bucket_mb}")
+    if not (math.isfinite(args.backward_ms)):
+        parser.error(f"--backward-ms must be finite, got {args.backward_ms}")
+    if args.measure_codec and args.params > MAX_MEASURED_PARAMS:
+        parser.error(
+            f"--measure-codec times the codec on a gradient of --params float32 values in this machine's "
+            f"memory, at most {MAX_MEASURED_PARAMS:,}; got {args.params:g}. Pass --encode-decode-ms "
+            "instead (or measure a smaller model and scale the time by the size)"
+        )
+    if args.plot is not None:
+        problem = _unwritable_plot(args.plot)
+        if problem:
+            parser.error(f"--plot {args.plot!r}: {problem}")
+    if not 0 < args.target_efficiency < 1:
+        parser.error(f"--target-efficiency must be in (0, 1), got {args.target_efficiency}")
+    if args.inner_size is not None and (args.inner_size < 1 or args.workers % args.inner_size):
+        parser.error(f"--inner-size must divide --workers ({args.workers}), got {args.inner_size}")
+
+    compressed = [
+        m
+        for m in cost.available_methods(**_options(args))
+        if not m.sends_everything and (m.scatters or not args.shard)
+    ]
+    labels = [m.label for m in compressed]
+    if args.methods is not None:
+        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
+        if not wanted:
+            parser.error(f"--methods names no method; give a comma-separated list of {labels}")
+        picked = []
+        for name in wanted:
+            try:
+                method = methods.parse(
+                    name,
+                    strict=False,
+                    ratio=args.ratio,
+                    rate=args.rate,
+                    bits=args.bits,
+                    rank=args.rank,
+                )
+            except ValueError:
+                method = None
+            if method not in compressed:
+                parser.error(f"--methods: {name!r} is not one of {labels}")
+            picked.append(method)
+        compressed = picked
+    encode_decode = _encode_decode(args.encode_decode_ms, compressed, parser)
+    measured = []
+    if args.measure_codec:
+        import jax
+
+        from jaxcomp.costmodel import probe  # jax and the kernels load only when a codec is timed
+
+        for method in compressed:
+            # Each method's whole local work (the ZFP ring's hops, THC's transforms and packing).
+            encode_decode[method] = probe.codec_seconds(
+                method, math.ceil(args.params), n_workers=min(args.workers, 64)
+            )
+            measured.append(method.label)
+
+    nbytes = 4.0 * args.params
+    backward = args.backward_ms / 1e3
+    bucket = args.bucket_mb * 2**20
+    overlap = not args.no_overlap
+
+    def dense_at(net):
+        return sync_sgd_time(
+            nbytes,
+            args.workers,
+            net,
+            backward,
+            bucket_bytes=bucket,
+            gamma=args.gamma,
+            overlap=overlap,
+        )
+
+    def method_at(method, net):
+        return compressed_time(
+            method,
+            nbytes,
+            args.workers,
+            net,
+            backward,
+            encode_decode_seconds=encode_decode[method],
+            overlap=args.batch_overlap,
+            bucket_bytes=bucket,
+            gamma=args.gamma,
+            inner_size=args.inner_size,
+            shard=args.shard,
+        )
+
+    try:
+        dense_step = dense_at(network)
+        rows = [(m, method_at(m, network)) for m in compressed]
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+
+    count = f"{args.params / 1e9:.4g}B" if args.params >= 1e9 else f"{args.params / 1e6:.4g}M"
+    print(
+        f"jaxcomp advise: {count} parameters ({_bytes(nbytes)} float32), "
+        f"{args.workers} workers, {network}, backward {args.backward_ms:g} ms"
+    )
+    buckets = max(math.ceil(nbytes / bucket), 1)
+    how = (
+        f"overlapped with the backward pass in {buckets} buckets of {args.bucket_mb:g} MiB, γ={args.gamma:g}"
+        if overlap
+        else "after the backward pass"
+    )
+    print(f"dense baseline: ring all-reduce {how}")
+    if args.shard:
+        print(
+            "sharded (--shard): each method reduce-scatters the gradient, then the params are all-gathered "
+            "densely; sharded dense sends what the all-reduce sends"
+        )
+    if args.workers == 1:
+        print(
+            "(1 worker: nothing crosses the network, so no method can be faster than dense; "
+            "compression only adds its encode/decode time)"
+        )
+    print()
+    header = (
+        f"{'method':<24}{'setting':<14}{'sent/worker':>12}{'comm':>11}{'enc+dec':>10}{'step T_obs':>12}"
+        f"{'speedup':>9}{'scaling':>14}"
+    )
+    print(header)
+    print("-" * len(header))
+
+    def row(name, setting, sent, comm, codec, step):
+        scaling = args.workers * backward / step
+        print(
+            f"{name:<24}{setting:<14}{_bytes(sent):>12}{cost.format_duration(comm):>11}"
+            f"{cost.format_duration(codec) if codec else '0':>10}{cost.format_duration(step):>12}"
+            f"{dense_step / step:>8.2f}x{scaling:>8.1f}x of {args.workers}"
+        )
+
+    dense_comm = cost.predict(Dense(), nbytes, args.workers, network)
+    row(
+        Dense().label,
+        "-",
+        cost.volume_bytes(Dense(), nbytes, args.workers),
+        dense_comm,
+        0.0,
+        dense_step,
+    )
+    for method, step in rows:
+        inner = dict(inner_size=args.inner_size, shard=args.shard)
+        row(
+            method.label,
+            _setting(method),
+            cost.volume_bytes(method, nbytes, args.workers, **inner),
+            cost.predict(method, nbytes, args.workers, network, **inner),
+            encode_decode[method],
+            step,
+        )
+    if measured:
+        print(
+            f"(encode/decode of {', '.join(measured)} measured on this machine's {jax.default_backend()}; "
+            "a training step's codec may run elsewhere)"
+        )
+    if not any(encode_decode.values()) and compressed:
+        print(
+            "(encode/decode time not included: pass --encode-decode-ms; these speedups are upper bounds)"
+        )
+    print()
+
+    needed = required_compression(
+        nbytes,
+        args.workers,
+        network,
+        backward,
+        target_efficiency=args.target_efficiency,
+        bucket_bytes=bucket,
+        gamma=args.gamma,
+    )
+    target = f"{args.target_efficiency:.0%} of linear scaling"
+    if needed is None:
+        print(
+            f"Compression needed for {target}: unreachable (latency or the overlap slowdown bound the step)"
+        )
+    elif needed == 1.0:
+        print(f"Compression needed for {target}: none, dense synchronous SGD already reaches it")
+    else:
+        print(
+            f"Compression needed for {target}: {needed:.2f}x "
+            "(an all-reduce-compatible compressor with free encode/decode)"
+        )
+
+    print("Compression pays below (break-even bandwidth):")
+    for method in compressed:
+        edge = break_even_bandwidth(
+            lambda bw, m=method: method_at(m, cost.Network(network.alpha, bw)),
+            lambda bw: dense_at(cost.Network(network.alpha, bw)),
+        )
+        if args.workers == 1:
+            verdict = "never (1 worker sends nothing)"
+        elif edge is None:
+            verdict = "never (slower than dense at every bandwidth from 1 Mbit/s to 10 Tbit/s)"
+        elif math.isinf(edge):
+            verdict = "always (faster than dense up to 10 Tbit/s)"
+        else:
+            verdict = f"{cost.format_bandwidth(edge)}" + (
+                "  <- pays here" if network.bandwidth < edge else ""
+            )
+        print(f"  {method.label:<24}{verdict}")
+
+    if args.plot:
+        _plot(args.plot, network, compressed, dense_at, method_at, args.workers, backward)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _plot(path, network, compressed, dense_at, method_at, workers, backward):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bandwidths = np.geomspace(1e8 / 8, 4e11 / 8, 120)  # 0.1 to 400 Gbit/s
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    x = bandwidths * 8 / 1e9
+
+    def speedup(step_of):
+        return [
+            workers * backward / step_of(cost.Network(network.alpha, float(bw)))
+            for bw in bandwidths
+        ]
+
+    axes.plot(x, speedup(dense_at), color="black", linewidth=2, label="dense (overlapped)")
+    for method in compressed:
+        axes.plot(x, speedup(lambda net, m=method: method_at(m, net)), label=method.label)
+    axes.axhline(workers, color="gray", linestyle=":", label="linear")
+    axes.axvline(network.bandwidth * 8 / 1e9, color="gray", linestyle="--", linewidth=0.8)
+    axes.set_xscale("log")
+    axes.set_xlabel("bandwidth (Gbit/s)")
+    axes.set_ylabel(f"speedup over one worker ({workers} workers)")
+    axes.set_title(f"α = {cost.format_duration(network.alpha)}")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _unwritable_plot(path) -> str | None:
+    """Why the plot cannot be written to ``path``, or None; checked before any work."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "is a folder; name the image file, e.g. speedup.png"
+    if not os.path.isdir(folder):
+        return f"the folder {folder} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} is not writable"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return "the file exists and is not writable"
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffix not in PLOT_FORMATS:
+        return f"the name must end in one of {', '.join('.' + f for f in PLOT_FORMATS)} (the image format)"
+    return None
+
+
+def _bytes(count):
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count:.3g} B"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,415 @@
+"""``jaxcomp demo``: data-parallel training of a small flax model once per compression method.
+
+Trains an MLP on scikit-learn's bundled digits (8x8 images, 10 classes; ships with scikit-learn,
+no download) on 8 virtual CPU devices, with the same initial params, batches and step count for
+every method, then prints final eval loss and accuracy, bytes sent per step (and the ratio to
+dense), mean step time, and saves a loss-curve plot.
+
+    jaxcomp demo                       # all methods, about a minute on 2 cores
+    python -m jaxcomp demo --steps 600 --methods dense,ar_topk,ar_topk_noef
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+from typing import Any
+
+from jaxcomp.methods import Dense
+
+#: Virtual CPU devices the demo trains on.
+N_DEVICES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One line of the demo's table: a method (or, for ``compress_auto``, its candidates) and options."""
+
+    name: str
+    method: Any  # a jaxcomp.methods object, or a tuple of them: compress_auto's candidates
+    options: dict = dataclasses.field(default_factory=dict)
+    axis_name: str | tuple = "data"
+
+
+#: The run every other is compared with: the dense all-reduce.
+DENSE = Dense().label
+
+
+def runs(density: float) -> dict[str, Run]:
+    """The demo's runs by name, top-k ones at ``density`` (fraction of entries sent)."""
+    from jaxcomp.methods import Cast, PowerSGD, Quantized, RandomK, Sign, TopK, Zfp, candidates
+    from jaxcomp.optim.auto import RatioSearch
+
+    fixed = [
+        Dense(),
+        TopK(density),
+        TopK(density, collective="ar"),
+        TopK(density, collective="hierarchical"),
+        Zfp(8),
+        Quantized(4),
+        RandomK(density),
+        Cast("bfloat16"),
+        Sign(),
+        PowerSGD(4),
+    ]
+    table = []
+    for method in fixed:
+        axis_name = ("node", "device") if method.axes_needed == 2 else "data"
+        table.append(Run(method.label, method, {}, axis_name))
+        if (
+            method.with_ratio(density) is not None and axis_name == "data"
+        ):  # top-k without error feedback too
+            table.append(Run(f"{method.label}_noef", method, {"error_feedback": False}))
+    table += [
+        # Chooses from the probed network: on 8 in-memory devices that is dense.
+        Run("auto", candidates(ratio=density, rate=8)),
+        # The same choice on a simulated slow link, with the ratio chosen as well (paper 000 §3-E).
+        Run(
+            "auto_adaptive_100mbit",
+            candidates(ratio=density),
+            {"ratio_search": RatioSearch(), "network": "1ms/100mbit"},
+        ),
+    ]
+    return {run.name: run for run in table}
+
+
+def _use_virtual_cpu_devices():
+    """Asks for 8 CPU devices; must run before JAX starts a backend."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={N_DEVICES}".strip()
+        )
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", N_DEVICES)
+    except RuntimeError:  # a backend already started (e.g. in a notebook); checked below
+        pass
+    cpus = jax.devices("cpu")
+    if len(cpus) < N_DEVICES:
+        raise SystemExit(
+            f"jaxcomp demo needs {N_DEVICES} CPU devices, found {len(cpus)}: run it in a fresh "
+            f"process or set XLA_FLAGS=--xla_force_host_platform_device_count={N_DEVICES}"
+        )
+    return cpus[:N_DEVICES]
+
+
+def load_digits(test_fraction=0.2, seed=0):
+    """scikit-learn's digits as float32 ``(x_train, y_train, x_test, y_test)``, pixels in [0, 1]."""
+    import numpy as np
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    data = sklearn_digits()
+    x = (data.data / 16.0).astype(np.float32)
+    y = data.target.astype(np.int32)
+    order = np.random.default_rng(seed).permutation(len(x))
+    n_test = int(len(x) * test_fraction)
+    test, train = order[:n_test], order[n_test:]
+    return x[train], y[train], x[test], y[test]
+
+
+def make_model(seed=0, hidden=128):
+    """The demo's MLP (64 -> hidden -> hidden -> 10) as a flax nnx module."""
+    from flax import nnx
+
+    rngs = nnx.Rngs(seed)
+    return nnx.Sequential(
+        nnx.Linear(64, hidden, rngs=rngs),
+        nnx.relu,
+        nnx.Linear(hidden, hidden, rngs=rngs),
+        nnx.relu,
+        nnx.Linear(hidden, 10, rngs=rngs),
+    )
+
+
+def make_optimizer(name: str, learning_rate: float):
+    """The optimizer after ``compress`` in the chain: ``"adam"`` or ``"momentum"`` (SGD, 0.9)."""
+    import optax
+
+    if name == "adam":
+        return optax.adam(learning_rate)
+    if name == "momentum":
+        return optax.sgd(learning_rate, momentum=0.9)
+    raise ValueError(f"optimizer must be 'adam' or 'momentum', got {name!r}")
+
+
+def train(
+    run: Run,
+    devices,
+    data,
+    steps,
+    batch_size,
+    learning_rate,
+    optimizer="momentum",
+    seed=0,
+    progress=True,
+):
+    """Trains one run; returns a dict of results (curves, final eval, bytes, step time)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    from jaxcomp.costmodel.cost import Network
+    from jaxcomp.optim.auto import compress_auto
+    from jaxcomp.optim.transform import compress, find_compress_state
+    from jaxcomp.training.trainer import data_parallel
+
+    x_train, y_train, x_test, y_test = data
+    if isinstance(run.axis_name, tuple):  # 2 "nodes" of 4 devices: the outer axis is the slow one
+        mesh = Mesh(np.array(devices).reshape(2, N_DEVICES // 2), run.axis_name)
+    else:
+        mesh = Mesh(np.array(devices), (run.axis_name,))
+    graphdef, params = nnx.split(make_model(seed), nnx.Param)
+
+    def loss_fn(params, batch):
+        logits = nnx.merge(graphdef, params)(batch["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss, jnp.mean(logits.argmax(-1) == batch["y"])
+
+    options = dict(run.options)
+    if "network" in options:  # a simulated link: "latency/bandwidth"
+        options["network"] = Network.parse(*options["network"].split("/"))
+    aggregate = (
+        compress_auto(run.method, axis_name=run.axis_name, **options)
+        if isinstance(run.method, tuple)
+        else compress(run.method, axis_name=run.axis_name, **options)
+    )
+    tx = optax.chain(aggregate, make_optimizer(optimizer, learning_rate))
+    dp = data_parallel(loss_fn, tx, mesh, axis_name=run.axis_name, has_aux=True)
+    evaluate = jax.jit(loss_fn)
+    state = dp.init(params)
+    rng = np.random.default_rng(seed)  # the same batches for every run
+    batches = [rng.choice(len(x_train), batch_size, replace=False) for _ in range(steps)]
+    eval_every = max(1, steps // 20)
+
+    losses, eval_curve, metrics = [], [], None
+    bar = _progress(range(steps), run.name, progress)
+    start = None
+    for step in bar:
+        if step == 1:  # step 0 compiles; time the rest
+            jax.block_until_ready(state)
+            start = time.perf_counter()
+        index = batches[step]
+        state, metrics = dp.step(state, {"x": x_train[index], "y": y_train[index]})
+        # Reading the loss waits for the step: the progress bar and the step time stay honest.
+        losses.append(float(metrics["loss"]))
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            eval_curve.append((step + 1, evaluate(state.params, {"x": x_test, "y": y_test})[0]))
+    jax.block_until_ready(state)
+    step_time = (
+        (time.perf_counter() - start) / max(1, steps - 1) if start is not None else float("nan")
+    )
+    eval_loss, eval_accuracy = evaluate(state.params, {"x": x_test, "y": y_test})
+    return {
+        "name": run.name,
+        "train_loss": np.asarray(losses),
+        "eval_curve": [(s, float(v)) for s, v in eval_curve],
+        "eval_loss": float(eval_loss),
+        "eval_accuracy": float(eval_accuracy),
+        "bytes_sent": float(metrics["bytes_sent"]),
+        "density": float(metrics["density"]),
+        "method": find_compress_state(state.opt_state).methods[int(metrics["method"])].label,
+        "gain": float(metrics["gain"]),
+        "step_time": step_time,
+    }
+
+
+def _progress(iterable, name, enabled):
+    if not enabled:
+        return iterable
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is optional: plain iteration
+        return iterable
+    return tqdm(iterable, desc=f"{name:>20}", leave=True, file=sys.stderr, mininterval=0.5)
+
+
+def format_table(results) -> str:
+    """The results as a Markdown table (bytes relative to the dense run when there is one)."""
+    dense = next((r for r in results if r["name"] == DENSE), None)
+    lines = [
+        "| run | last step ran (density) | eval loss | eval accuracy | bytes sent / step / device | vs dense "
+        "| mean step time |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        ratio = (
+            f"{r['bytes_sent'] / dense['bytes_sent']:.4f}" if dense and dense["bytes_sent"] else "-"
+        )
+        lines.append(
+            f"| {r['name']} | {r['method']} ({r['density']:.3g}) | {r['eval_loss']:.4f} | "
+            f"{100 * r['eval_accuracy']:.2f}% | {r['bytes_sent']:,.0f} | {ratio} | {1e3 * r['step_time']:.2f} ms |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    """Saves training loss (smoothed) and eval loss curves of every run to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        loss = r["train_loss"]
+        window = max(1, len(loss) // 25)
+        smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
+        # Dense is the reference: drawn on top, black and dashed, so curves that match it show.
+        style = {"color": "black", "linestyle": "--", "zorder": 3} if r["name"] == DENSE else {}
+        ax_train.plot(np.arange(window, len(loss) + 1), smooth, label=r["name"], **style)
+        steps, values = zip(*r["eval_curve"])
+        ax_eval.plot(steps, values, marker=".", label=r["name"], **style)
+    for ax, title in ((ax_train, "training loss (moving average)"), (ax_eval, "eval loss")):
+        ax.set_xlabel("step")
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    ax_eval.legend(fontsize=8)
+    fig.suptitle("jaxcomp demo: digits MLP, 8 data-parallel CPU devices")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _unwritable_folder(path) -> str | None:
+    """Why ``path`` cannot become a folder we write into (it is created if missing), or None."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "exists and is not a folder"
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        return f"cannot create the folder ({error.strerror or error})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "the folder is not writable"
+    return None
+
+
+def main(argv=None) -> int:
+    """Runs the demo; returns the process exit code.
+
+    Args:
+      argv: command-line arguments after ``demo`` (default ``sys.argv[1:]``); ``--help`` lists them.
+
+    Returns:
+      0 on success.
+
+    Example:
+      >>> from jaxcomp import demo
+      >>> demo.main(["--steps", "20", "--methods", "dense,ar_topk", "--no-plot"])  # doctest: +SKIP
+      0
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493 (AR-Topk, error feedback); Shi et al., MLSys 2021
+      (hierarchical top-k); ../shared/papers/004 (ZFP all-reduce); Li et al., THC, NSDI 2024.
+    """
+    all_runs = runs(0.01)
+    parser = argparse.ArgumentParser(
+        prog="jaxcomp demo",
+        description="Trains a small flax MLP on scikit-learn's digits, data-parallel on 8 CPU devices, once per "
+        "gradient compression method; prints a table and saves a loss-curve plot.",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=500, help="training steps per method (default 500)"
+    )
+    parser.add_argument(
+        "--methods",
+        default=",".join(all_runs),
+        help=f"comma-separated runs (default all: {','.join(all_runs)})",
+    )
+    parser.add_argument(
+        "--density",
+        type=float,
+        default=0.01,
+        help="fraction of gradient entries the top-k methods send (default 0.01)",
+    )
+    parser.add_argument("--batch-size", type=int, default=128, help="global batch (default 128)")
+    parser.add_argument(
+        "--optimizer",
+        choices=("momentum", "adam"),
+        default="momentum",
+        help="optimizer after compress: SGD with momentum 0.9 (default) or adam",
+    )
+    parser.add_argument(
+        "--learning-rate", type=float, default=0.05, help="learning rate (default 0.05)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--out", default="jaxcomp-demo", help="folder for the plot (default ./jaxcomp-demo)"
+    )
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    all_runs = runs(args.density)
+    names = [name.strip() for name in args.methods.split(",") if name.strip()]
+    unknown = [name for name in names if name not in all_runs]
+    if unknown or not names:
+        parser.error(f"--methods: unknown {unknown}; choose from {','.join(all_runs)}")
+    if not 0.0 < args.density <= 1.0:
+        parser.error("--density must be in (0, 1]")
+    if args.steps < 2:
+        parser.error("--steps must be at least 2")
+    if args.batch_size < N_DEVICES or args.batch_size % N_DEVICES:
+        parser.error(
+            f"--batch-size must be a positive multiple of {N_DEVICES} (one share per device), "
+            f"got {args.batch_size}"
+        )
+    if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
+        parser.error(f"--learning-rate must be a positive finite number, got {args.learning_rate}")
+    if not 0 <= args.seed < 2**32:
+        parser.error(f"--seed must be in [0, 2**32 - 1], got {args.seed}")
+    if not args.no_plot:
+        # Where the plot goes is checked now, not after minutes of training.
+        problem = _unwritable_folder(args.out)
+        if problem:
+            parser.error(f"--out {args.out!r}: {problem}")
+    data = load_digits(seed=args.seed)
+    if args.batch_size > len(data[0]):
+        parser.error(
+            f"--batch-size must be at most the {len(data[0])} training images (batches are drawn "
+            f"without replacement), got {args.batch_size}"
+        )
+
+    devices = _use_virtual_cpu_devices()
+    print(
+        f"digits: {len(data[0])} train / {len(data[2])} test images, {N_DEVICES} CPU devices, "
+        f"{args.steps} steps of {args.batch_size} per method",
+        file=sys.stderr,
+    )
+    started = time.perf_counter()
+    results = [
+        train(
+            all_runs[name],
+            devices,
+            data,
+            args.steps,
+            args.batch_size,
+            args.learning_rate,
+            optimizer=args.optimizer,
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+        for name in names
+    ]
+    print()
+    print(format_table(results))
+    if not args.no_plot:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "loss_curves.png")
+        plot(results, path)
+        print(f"\nloss curves: {path}")
+    print(f"total time: {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""THC's codec: homomorphic quantization of a vector onto a grid all devices share.
+
+The op module of :func:`jaxcomp.collectives.quantized_psum`: the randomized Hadamard rotation,
+the stochastic rounding onto ``2**bits`` levels, and the packing of codes into uint32 fields wide
+enough for the sum of ``N`` codes. :func:`thc_aggregate` is the whole algorithm with its two
+collectives (the range's max, the codes' sum) passed in, so the collective and the codec's local
+timing (:func:`quantized_psum_local`) run one body.
+
+References:
+  Li et al., "THC: Accelerating Distributed Deep Learning Using Tensor Homomorphic Compression",
+  NSDI 2024.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcomp.collectives import sizes
+from jaxcomp.ops import _checks
+from jaxcomp.ops.hadamard import counter_signs, counter_uniform, hadamard_transform
+
+
+def pack_codes(codes, width: int):
+    """uint32 words holding ``32 // width`` codes of ``width`` bits each (the last word zero-padded).
+
+    Args:
+      codes: a 1-D uint32 vector of codes below ``2**width``.
+      width: bits per field, 1..32.
+
+    Returns:
+      The uint32 words.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> pack_codes(jnp.array([1, 2, 3], jnp.uint32), 8).tolist()  # 1 + 2 << 8 + 3 << 16
+      [197121]
+
+    References:
+      Li et al., THC, NSDI 2024.
+    """
+    per_word = 32 // width
+    codes = jnp.pad(
+        codes, (0, sizes.ceil_div(codes.shape[0], per_word) * per_word - codes.shape[0])
+    )
+    shifts = jnp.arange(per_word, dtype=jnp.uint32) * np.uint32(width)
+    # Fields do not overlap, so the sum is a bitwise or.
+    return jnp.sum(codes.reshape(-1, per_word) << shifts, axis=1, dtype=jnp.uint32)
+
+
+def unpack_codes(words, width: int, length: int):
+    """The first ``length`` codes of ``width`` bits held in ``words`` (the inverse of :func:`pack_codes`).
+
+    Args:
+      words: uint32 words from :func:`pack_codes` (or their sum over devices).
+      width: bits per field.
+      length: codes to return.
+
+    Returns:
+      A uint32 vector of ``length`` codes.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> unpack_codes(jnp.array([197121], jnp.uint32), 8, 3).tolist()
+      [1, 2, 3]
+
+    References:
+      Li et al., THC, NSDI 2024.
+    """
+    per_word = 32 // width
+    shifts = jnp.arange(per_word, dtype=jnp.uint32) * np.uint32(width)
+    return ((words[:, None] >> shifts) & np.uint32((1 << width) - 1)).reshape(-1)[:length]
+
+
+def thc_aggregate(
+    x, bits: int, key, hadamard: bool, n_devices: int, device, pmax, psum, scatter: bool = False
+):
+    """THC on one device's vector, with the collectives passed in: ``(total, sent)``.
+
+    With ``scatter`` the sum ends as a reduce-scatter (sharded training): ``x`` holds ``n_devices``
+    rows of equal length (whole Hadamard blocks of :func:`jaxcomp.collectives.sizes.hadamard_block` of a
+    row), each row's codes are packed on their own, ``psum`` is a reduce-scatter of the
+    ``[n_devices, words]`` packed rows (``jax.lax.psum_scatter`` over the first axis), and
+    ``total`` is row ``device`` of the sum, dequantized and rotated back with that row's signs.
+
+    1. Optionally a randomized Hadamard transform (random signs from ``key``, then the
+       orthonormal Walsh-Hadamard transform in blocks of :func:`jaxcomp.collectives.sizes.hadamard_block`).
+    2. The range ``R = pmax(max |rotated|)``.
+    3. Stochastic rounding onto ``2**bits`` levels over ``[-R, R]`` with noise from ``key``
+       folded with ``device``.
+    4. Codes packed into fields of :func:`jaxcomp.collectives.sizes.code_width` bits, summed by ``psum``,
+       unpacked, dequantized and transformed back.
+
+    Args:
+      x: a 1-D float vector.
+      bits: code width, 1..:data:`jaxcomp.collectives.sizes.MAX_QUANTIZATION_BITS`.
+      key: a typed ``jax.random`` key, the same on every device.
+      hadamard: whether to rotate first.
+      n_devices: the devices whose sum the packed fields must hold.
+      device: this device's index (seeds its rounding noise).
+      pmax: the max over the devices (identity for one device).
+      psum: the sum over the devices (identity for one device); with ``scatter``, the
+        reduce-scatter of the packed rows.
+      scatter: end with a reduce-scatter: ``total`` is this device's row of the sum.
+
+    Returns:
+      ``(total, sent)`` of ``x``'s shape and dtype.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> x = jnp.linspace(-1, 1, 64)
+      >>> total, sent = thc_aggregate(x, 8, jax.random.key(0), True, 1, 0, lambda v: v, lambda v: v)
+      >>> bool(jnp.allclose(total, x, atol=0.02))
+      True
+
+    References:
+      Li et al., THC, NSDI 2024.
+    """
+    n = x.shape[0]
+    width = sizes.code_width(bits, n_devices)
+    sign_key, noise_key = jax.random.split(key)
+    row = n // n_devices if scatter else None
+    length = n if scatter else sizes.quantized_length(n, bool(hadamard))
+    values = jnp.pad(x.astype(jnp.float32), (0, length - n))
+    if hadamard:
+        block = sizes.hadamard_block(row if scatter else n)
+        if length % block:
+            raise ValueError(f"rows of {row} values are not whole Hadamard blocks of {block}")
+        signs = counter_signs(sign_key, (length // block, block))
+        scale = np.float32(1.0 / math.sqrt(block))
+
+        def transform(v):
+            return (hadamard_transform(v.reshape(-1, block) * signs) * scale).reshape(-1)
+
+        def rotate_back(v, signs):
+            return (hadamard_transform(v.reshape(-1, block)) * scale * signs).reshape(-1)
+    else:
+
+        def transform(v):
+            return v
+
+        def rotate_back(v, signs):
+            return v
+
+    def inverse(v):
+        return rotate_back(v, signs if hadamard else None)[:n]
+
+    rotated = transform(values)
+    bound = pmax(jnp.max(jnp.abs(rotated)))
+    levels = 2**bits - 1
+    unit = jnp.where(bound > 0, bound, 1.0)  # all-zero input: any grid works, the codes cancel
+    position = (rotated / unit + 1.0) * np.float32(levels / 2)  # in [0, levels]
+    noise = counter_uniform(jax.random.fold_in(noise_key, device), (length,))
+    codes = jnp.clip(jnp.floor(position + noise), 0, levels).astype(jnp.uint32)
+    # Codes on one grid add homomorphically, and fields of `width` bits add without carrying into
+    # each other: one psum of packed words sums every code.
+    step = bound * np.float32(2 / levels)
+    sent = inverse(codes.astype(jnp.float32) * step - bound)
+    if scatter:
+        packed = jax.vmap(lambda c: pack_codes(c, width))(codes.reshape(n_devices, row))
+        summed = unpack_codes(psum(packed), width, row)
+        # This device's row, rotated back with its own row's signs.
+        own = (
+            None
+            if not hadamard
+            else jax.lax.dynamic_index_in_dim(
+                signs.reshape(n_devices, -1, block), device, keepdims=False
+            )
+        )
+        total = rotate_back(summed.astype(jnp.float32) * step - n_devices * bound, own)
+    else:
+        summed = unpack_codes(psum(pack_codes(codes, width)), width, length)
+        total = inverse(
+            summed.astype(jnp.float32) * step - n_devices * bound
+        )  # typed invariant: not stacked with sent
+    return total.astype(x.dtype), sent.astype(x.dtype)
+
+
+def quantized_psum_local(x, bits, key, n_devices, hadamard=True):
+    """THC's local work alone: :func:`jaxcomp.collectives.quantized_psum` with its two collectives
+    taken out.
+
+    The transform, rounding, packing and back-transforms of one device out of ``n_devices``,
+    with this device's range for the agreed one and its own packed words for their sum; what
+    :func:`jaxcomp.costmodel.probe.codec_seconds` times, since THC has no codec apart from its collective.
+
+    Args:
+      x: a 1-D float vector.
+      bits: code width, as for :func:`jaxcomp.collectives.quantized_psum`.
+      key: a ``jax.random`` key.
+      n_devices: the devices whose sum the packed fields must hold.
+      hadamard: whether to rotate first.
+
+    Returns:
+      ``(total, sent)`` as :func:`jaxcomp.collectives.quantized_psum` computes them when this
+      device is alone.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> total, sent = quantized_psum_local(jnp.linspace(-1, 1, 64), 8, jax.random.key(0), 4)
+      >>> bool(jnp.allclose(sent, jnp.linspace(-1, 1, 64), atol=0.02))
+      True
+
+    References:
+      Li et al., THC, NSDI 2024; Agarwal et al., MLSys 2022, App. C (timing the codec on its own).
+    """
+    x = _checks.float_array(x, "x")
+    if x.ndim != 1:
+        raise ValueError(f"x must be a 1-D vector, got shape {x.shape}")
+    bits = _checks.check_bits(bits)
+    key = _checks.check_key(key)
+    n_devices = _checks.static_int(n_devices, "n_devices", 1)
+    return thc_aggregate(
+        x, bits, key, bool(hadamard), n_devices, 0, pmax=lambda v: v, psum=lambda v: v
+    )

@@ -1,0 +1,723 @@
+"""Multi-process runs under ``jax.distributed``: a launcher and its worker-side half.
+
+    python -m jaxcomp.distributed.launch -n 2 --devices-per-process 4 train.py --steps 10
+
+starts ``train.py`` twice, as processes 0 and 1 of one JAX job with 4 CPU devices each (8 in all),
+coordinated on a free localhost port. The script calls :func:`initialize` before any JAX op;
+outside the launcher that is a no-op, so the same script runs single-process too. CPU collectives
+between processes go through gloo (JAX's default).
+
+**Several hosts.** Run the same command once on every host, naming the coordinator (host 0's
+reachable address and a free port), the job's size and this host's process id, and the network
+interface gloo should use::
+
+    host0$ python -m jaxcomp.distributed.launch --coordinator 10.0.0.1:7733 --num-hosts 2 --host-id 0 --interface eth0 train.py
+    host1$ python -m jaxcomp.distributed.launch --coordinator 10.0.0.1:7733 --num-hosts 2 --host-id 1 --interface eth0 train.py
+
+Each host then starts ``-n`` processes (default 1) with ids ``host_id * n ... host_id * n + n - 1``.
+Host 0 also listens on the coordinator's port + 1 (jaxcomp's rendezvous, :mod:`jaxcomp.distributed.rendezvous`;
+``--rendezvous-port`` picks another, the same on every host): both ports must be reachable.
+Under SLURM or Open MPI, ``srun``/``mpirun`` can start the script directly: call
+``jax.distributed.initialize()`` with no arguments there (it reads the scheduler's environment),
+and :func:`use_gloo_interface` first if the hostname resolves to a loopback address.
+
+**Why the interface matters.** Gloo binds to the address the hostname resolves to. In containers
+and network namespaces that is often ``127.0.0.1``, and every process then fails at its first
+collective with "Gloo context initialization failed ... Connection refused, remote=[127.0.0.1]".
+``--interface`` (or ``initialize(interface=...)``, or the ``JAXCOMP_INTERFACE`` variable) makes
+gloo bind to that interface's address instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import itertools
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from jaxcomp.distributed import rendezvous
+
+_COORDINATOR = "JAXCOMP_COORDINATOR_ADDRESS"
+_NUM_PROCESSES = "JAXCOMP_NUM_PROCESSES"
+_PROCESS_ID = "JAXCOMP_PROCESS_ID"
+_LOCAL_DEVICES = "JAXCOMP_LOCAL_DEVICES"
+_INTERFACE = "JAXCOMP_INTERFACE"
+_FAILURE_TIMEOUT = "JAXCOMP_FAILURE_TIMEOUT"
+_RENDEZVOUS_PORT = "JAXCOMP_RENDEZVOUS_PORT"
+
+DEFAULT_FAILURE_TIMEOUT = 60.0
+
+
+def initialize(
+    interface: str | None = None,
+    *,
+    failure_timeout: float | None = None,
+    rendezvous_port: int | None = None,
+) -> int:
+    """Joins the job :func:`launch` started (no-op when not launched); call before any JAX op.
+
+    Sets this process's CPU device count, checks in at jaxcomp's rendezvous
+    (:func:`jaxcomp.distributed.rendezvous.check_in`), then calls ``jax.distributed.initialize`` with the
+    coordinator, process count and id the launcher put in the environment, and with timeouts that
+    turn a dead, never-started or stalled peer into a Python exception within about
+    ``failure_timeout`` seconds on every surviving process (JAX's own defaults wait 100 to 300 s
+    and then abort the process with no exception):
+
+    - the rendezvous: a process that never starts makes every other one raise
+      :class:`jaxcomp.distributed.rendezvous.MissingProcessError` (a ``TimeoutError``) naming it, after
+      ``failure_timeout``; JAX is not initialized then, so the exception can be caught;
+    - JAX's coordination service runs in the rendezvous server, a helper process of process 0,
+      so that killing process 0 does not abort the others (JAX's error poller would);
+    - a process that leaves without a goodbye (killed, or ended on an error) is reported to the
+      others at once by the rendezvous server; a process still running Python code 2 s later
+      gets :class:`jaxcomp.distributed.rendezvous.PeerLostError` raised in its main thread (normally its
+      next collective has raised already);
+    - ``heartbeat_timeout_seconds = failure_timeout``: a peer that stops heartbeating is declared
+      dead by the coordination service (the processes still alive then abort: JAX's own ending);
+    - ``--xla_cpu_collective_timeout_seconds = failure_timeout``: a collective a peer never joins
+      (the peer stalled, or died without resetting the connection) fails instead of waiting 30 min.
+
+    When a process of the job then ends on an uncaught exception, it prints which processes did not
+    answer a short check-in through the coordinator (the missing ones, by id) and exits with code 1
+    at once, instead of waiting in JAX's exit-time shutdown barrier for a peer that is gone (which
+    ends, after the heartbeat timeout, in an abort).
+
+    When ``jax.distributed`` is already initialized (the script called
+    ``jax.distributed.initialize`` itself), this does nothing and returns ``jax.process_index()``.
+
+    Args:
+      interface: network interface gloo binds to (e.g. ``"eth0"``); default: the launcher's
+        ``--interface`` (``JAXCOMP_INTERFACE``), else gloo's own choice, the address the
+        hostname resolves to.
+      failure_timeout: seconds, ``> 0``, after which a missing peer is an error (see above);
+        default: the launcher's ``--failure-timeout`` (``JAXCOMP_FAILURE_TIMEOUT``), else 60.
+        Raise it when the first step's compilation can take longer than that on some process.
+      rendezvous_port: the rendezvous server's port on the coordinator's host; default: the
+        launcher's ``--rendezvous-port`` (``JAXCOMP_RENDEZVOUS_PORT``), else the coordinator's
+        port + 1.
+
+    Returns:
+      This process's id (0 when not launched).
+
+    Raises:
+      jaxcomp.distributed.rendezvous.MissingProcessError: a process of the job did not start within
+        ``failure_timeout`` (the message and ``.missing`` name it).
+
+    Example:
+      >>> from jaxcomp import launch
+      >>> launch.initialize()  # not under the launcher: nothing to join
+      0
+
+    References:
+      JAX multi-process programming (``jax.distributed``); the data-parallel setting of Tyagi &
+      Swany, arXiv 2312.02493.
+    """
+    if failure_timeout is not None:
+        failure_timeout = _check_timeout(failure_timeout, "failure_timeout")
+    if rendezvous_port is not None:
+        _check_port(rendezvous_port, "rendezvous_port")
+    if _COORDINATOR not in os.environ:
+        return 0
+    if failure_timeout is None:
+        text = os.environ.get(_FAILURE_TIMEOUT, str(DEFAULT_FAILURE_TIMEOUT))
+        try:
+            failure_timeout = float(text)
+        except ValueError:
+            raise ValueError(
+                f"{_FAILURE_TIMEOUT} must be a number of seconds, got {text!r}"
+            ) from None
+        failure_timeout = _check_timeout(failure_timeout, _FAILURE_TIMEOUT)
+    coordinator = os.environ[_COORDINATOR]
+    if rendezvous_port is None and os.environ.get(_RENDEZVOUS_PORT):
+        text = os.environ[_RENDEZVOUS_PORT]
+        if not text.isdigit():
+            raise ValueError(f"{_RENDEZVOUS_PORT} must be a port number, got {text!r}")
+        rendezvous_port = _check_port(int(text), _RENDEZVOUS_PORT)
+    if rendezvous_port is None:
+        rendezvous_port = rendezvous.default_port(coordinator)
+    import jax
+
+    if jax.distributed.is_initialized():  # the script joined the job itself
+        return jax.process_index()
+    interface = interface or os.environ.get(_INTERFACE) or None
+    if interface is not None:
+        use_gloo_interface(interface)
+    seconds = max(1, math.ceil(failure_timeout))
+    # XLA reads XLA_FLAGS when the CPU client is built, which is after this (no JAX op ran yet).
+    os.environ["XLA_FLAGS"] = _with_flag(
+        os.environ.get("XLA_FLAGS", ""), "xla_cpu_collective_timeout_seconds", seconds
+    )
+    jax.config.update("jax_num_cpu_devices", int(os.environ[_LOCAL_DEVICES]))
+    process_id = int(os.environ[_PROCESS_ID])
+    num_processes = int(os.environ[_NUM_PROCESSES])
+    host, port = rendezvous.split_address(coordinator)
+    service = rendezvous.JaxService(
+        os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or f"[::]:{port}",
+        num_processes,
+        heartbeat_timeout=seconds,
+        shutdown_timeout=seconds,
+        recoverable=bool(getattr(jax.config, "jax_enable_recoverability", False)),
+    )
+    exiting = threading.Event()  # set once this process is on its way out: no PeerLostError then
+    membership = rendezvous.check_in(
+        rendezvous.join_address(host, rendezvous_port),
+        num_processes,
+        process_id,
+        failure_timeout,
+        jax_service=service if process_id == 0 else None,
+        on_loss=_raise_peer_lost_later(exiting, min(_LOSS_GRACE_SECONDS, seconds / 2)),
+    )
+    # Every process checked in; a peer that dies now, before connecting to the coordinator, makes
+    # JAX abort the process (a C++ fatal error, no Python exception) when initialization_timeout
+    # expires; this watchdog ends the process first, with a message and exit code 1.
+    joined = threading.Event()
+    threading.Thread(
+        target=_initialize_watchdog,
+        daemon=True,
+        args=(joined, failure_timeout, process_id, num_processes, coordinator),
+    ).start()
+    # With the coordination service in the rendezvous server, process 0's own (which
+    # jax.distributed.initialize always starts) listens on an unused port nobody connects to.
+    bind = "127.0.0.1:0" if process_id == 0 and membership.hosts_jax_service else None
+    try:
+        jax.distributed.initialize(
+            coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=seconds + _ABORT_MARGIN_SECONDS,
+            coordinator_bind_address=bind,
+            heartbeat_timeout_seconds=seconds,
+            shutdown_timeout_seconds=seconds,
+        )
+    finally:  # joined, or failed with an exception of its own: either way the watchdog stands down
+        joined.set()
+    # atexit runs last-registered first: on failure _exit_promptly_on_failure's handler exits
+    # before the goodbye (the others must hear of the loss); on a normal exit the goodbye is said
+    # before JAX's shutdown barrier.
+    atexit.register(membership.leaving)
+    _exit_promptly_on_failure(process_id, num_processes, exiting)
+    _memberships.append(membership)
+    return process_id
+
+
+# Seconds between hearing that a peer was lost and raising PeerLostError in the main thread: time
+# for the collective that normally fails first to raise its own exception.
+_LOSS_GRACE_SECONDS = 2.0
+_memberships = []  # this process's rendezvous connection, kept open until exit
+
+
+def _raise_peer_lost_later(exiting: threading.Event, grace: float):
+    """An ``on_loss`` callback: after ``grace`` s, raise PeerLostError in the main thread, once."""
+    fired = []
+
+    def on_loss(lost, message):
+        if fired or exiting.is_set():
+            return
+        fired.append(True)
+
+        def fire():
+            if exiting.wait(grace) or not threading.main_thread().is_alive():
+                return
+            print(
+                f"jaxcomp.distributed.launch: {message}; raising PeerLostError in the main thread",
+                file=sys.stderr,
+                flush=True,
+            )
+            _raise_in_main_thread(rendezvous.PeerLostError, message, lost)
+
+        threading.Thread(target=fire, name="jaxcomp-peer-lost", daemon=True).start()
+
+    return on_loss
+
+
+def _raise_in_main_thread(kind, message, lost):
+    """Raises ``kind(message, lost)`` in the main thread at its next Python bytecode.
+
+    CPython's ``PyThreadState_SetAsyncExc`` takes an exception class, instantiated with no
+    arguments, so the message goes into a subclass made for it (``except kind`` still catches it).
+    A main thread blocked inside a C call (a sleep, a collective) gets it when the call returns.
+    """
+    import ctypes
+
+    error = type(
+        kind.__name__,
+        (kind,),
+        {
+            "__init__": lambda self: kind.__init__(self, message, lost),
+            "__module__": kind.__module__,
+            "__qualname__": kind.__qualname__,
+        },
+    )
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(threading.main_thread().ident), ctypes.py_object(error)
+    )
+
+
+def _initialize_watchdog(joined, seconds, process_id, num_processes, coordinator):
+    if not joined.wait(seconds):
+        print(
+            f"jaxcomp.distributed.launch: process {process_id} of {num_processes}: not every process of the job connected to "
+            f"the coordinator at {coordinator} within {seconds:g} s (failure_timeout): a process was never "
+            "started, died while starting, or cannot reach the coordinator; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+
+def _exit_promptly_on_failure(
+    process_id: int, num_processes: int, exiting: threading.Event | None = None
+) -> None:
+    """On an uncaught exception: name the peers that do not check in, then exit(1) at once.
+
+    JAX's exit handler (registered when jax was imported, so it runs after this one) shuts the
+    distributed client down through a barrier every process must reach; with a peer dead or stuck
+    it waits for the heartbeat timeout and then aborts, hiding the exit code. Handlers registered
+    after :func:`initialize` (e.g. a checkpoint manager's) still run before this one.
+    """
+    failed = []
+    previous_hook = sys.excepthook
+    exiting = exiting or threading.Event()
+
+    def excepthook(kind, value, traceback):
+        exiting.set()
+        previous_hook(kind, value, traceback)
+        if kind is KeyboardInterrupt:
+            return
+        failed.append(True)
+        missing = _missing_processes(process_id, num_processes)
+        if missing:
+            print(
+                f"jaxcomp.distributed.launch: process {process_id} of {num_processes} failed; process(es) "
+                f"{', '.join(map(str, missing))} did not check in within {_CHECK_IN_SECONDS} s "
+                "(dead or stalled, unless still running without error)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def exit_now():
+        exiting.set()
+        if failed:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    sys.excepthook = excepthook
+    atexit.register(exit_now)
+
+
+_CHECK_IN_SECONDS = 5
+# JAX's own abort at the end of initialization comes this much after jaxcomp's watchdog.
+_ABORT_MARGIN_SECONDS = 10
+_check_ins = itertools.count()
+
+
+def _missing_processes(process_id: int, num_processes: int) -> list[int]:
+    """The processes that do not reach a check-in barrier in time, by id; [] if none or unknown."""
+    try:
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        if client is None:
+            return []
+        # Every surviving process that fails reaches this barrier; a dead or stalled one does not.
+        barrier = f"jaxcomp_failure_check_in_{next(_check_ins)}"
+        try:
+            client.wait_at_barrier(barrier, _CHECK_IN_SECONDS * 1000)
+            return []
+        except (
+            Exception
+        ) as e:  # the coordination service's message names the tasks that did not come
+            message = str(e)
+        # "... Some timed out task names:\n1\n3\nRPC: ..." (XLA's coordination service, jax 0.10)
+        names = re.search(r"timed out task names:([\s\d,]*)", message)
+        if names:
+            late = sorted({int(t) for t in re.findall(r"\d+", names.group(1))} - {process_id})
+            if late:
+                return late
+        return (
+            [0] if process_id != 0 else []
+        )  # no answer at all: the coordinator (process 0) is gone
+    except Exception:
+        return []
+
+
+def use_gloo_interface(interface: str) -> None:
+    """Makes JAX's CPU collectives (gloo) bind to ``interface``; call before any JAX op.
+
+    JAX has no public option for this (its CPU client always builds gloo from the hostname), so
+    this re-registers the ``"cpu"`` backend factory through the public
+    ``jax.extend.backend.register_backend_factory`` with a factory that differs from JAX's own in
+    one argument: it builds the gloo collectives with ``interface=``. That factory uses three
+    private names, the least that can do it: ``jax._src.distributed.global_state`` (the
+    coordinator client gloo needs), ``jax._src.xla_bridge.make_cpu_client`` (JAX's own CPU client
+    builder, so every other setting stays JAX's) and ``jaxlib._jax.make_gloo_tcp_collectives``.
+    Tested with jax 0.10.x; a jax without them raises a clear error here.
+
+    Args:
+      interface: a network interface of this host, e.g. ``"eth0"``.
+
+    Example:
+      >>> from jaxcomp.distributed.launch import use_gloo_interface
+      >>> use_gloo_interface("lo")  # doctest: +SKIP
+    """
+    if not isinstance(interface, str) or not interface or "/" in interface:
+        raise ValueError(
+            f"interface must be a network interface name such as 'eth0', got {interface!r}"
+        )
+    if sys.platform == "linux" and not os.path.exists(f"/sys/class/net/{interface}"):
+        present = sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []
+        raise ValueError(
+            f"interface {interface!r} does not exist on this host (interfaces: {', '.join(present)})"
+        )
+    try:
+        from jax._src import distributed, xla_bridge
+        from jax.extend.backend import register_backend_factory
+        from jaxlib import _jax
+
+        make_collectives = _jax.make_gloo_tcp_collectives
+        make_cpu_client = xla_bridge.make_cpu_client
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(
+            f"this jax has no way to choose gloo's interface that jaxcomp knows ({e}); set the "
+            "hostname to resolve to the interface's address instead"
+        ) from None
+
+    def cpu_client_on_interface():
+        client = distributed.global_state.client
+        collectives = (
+            None
+            if client is None
+            else make_collectives(distributed_client=client, interface=interface)
+        )
+        return make_cpu_client(collectives=collectives)
+
+    register_backend_factory("cpu", cpu_client_on_interface, priority=0, fail_quietly=False)
+
+
+def process_env(
+    coordinator: str,
+    num_processes: int,
+    process_id: int,
+    devices: int,
+    *,
+    interface: str | None = None,
+    base: dict | None = None,
+    failure_timeout: float | None = None,
+    rendezvous_port: int | None = None,
+) -> dict:
+    """The environment that makes :func:`initialize` join a job as ``process_id``.
+
+    Args:
+      coordinator: ``"host:port"`` of process 0's coordinator.
+      num_processes: processes in the job.
+      process_id: this process's id.
+      devices: CPU devices this process gets.
+      interface: network interface for gloo, or None.
+      base: the environment to extend (default ``os.environ``).
+      failure_timeout: seconds after which :func:`initialize` makes a missing peer an error, or
+        None for its default (60).
+      rendezvous_port: port of the rendezvous server on the coordinator's host, or None for
+        :func:`initialize`'s default (the coordinator's port + 1).
+
+    Returns:
+      A new dict.
+
+    Example:
+      >>> env = process_env("10.0.0.1:7733", 2, 1, 4, base={})
+      >>> env["JAXCOMP_PROCESS_ID"], env["XLA_FLAGS"]
+      ('1', '--xla_force_host_platform_device_count=4')
+    """
+    env = dict(os.environ if base is None else base)
+    env.update(
+        {
+            _COORDINATOR: coordinator,
+            _NUM_PROCESSES: str(num_processes),
+            _PROCESS_ID: str(process_id),
+            _LOCAL_DEVICES: str(devices),
+            "XLA_FLAGS": _with_device_count(env.get("XLA_FLAGS", ""), devices),
+        }
+    )
+    if interface:
+        env[_INTERFACE] = interface
+    else:
+        env.pop(_INTERFACE, None)
+    if failure_timeout is not None:
+        env[_FAILURE_TIMEOUT] = repr(_check_timeout(failure_timeout, "failure_timeout"))
+    if rendezvous_port is not None:
+        env[_RENDEZVOUS_PORT] = str(_check_port(rendezvous_port, "rendezvous_port"))
+    else:
+        env.pop(_RENDEZVOUS_PORT, None)
+    return env
+
+
+def wait_all(processes, timeout: float | None = None, kill=None) -> tuple[list[int], int | None]:
+    """Polls every process until all exit; the first failure (or the timeout) stops the others.
+
+    Args:
+      processes: ``subprocess.Popen`` objects.
+      timeout: seconds before every process still running is stopped (code 124), or None.
+      kill: ``kill(popen, signal)`` to stop one (default ``popen.send_signal``).
+
+    Returns:
+      ``(codes, failed)``: each process's exit code (124 when stopped at the timeout; a process
+      stopped because another failed reports the signal that stopped it, negative), and the
+      index of the process that failed first (None when none failed).
+    """
+    kill = kill or (lambda p, sig: p.send_signal(sig))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    timed_out, failed = set(), None
+    try:
+        while True:
+            codes = [p.poll() for p in processes]
+            failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed is not None or all(c is not None for c in codes):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                timed_out = {i for i, c in enumerate(codes) if c is None}
+                break
+            time.sleep(0.05)
+    finally:
+        # One process failing leaves the others waiting on collectives forever: stop them.
+        for p in processes:
+            if p.poll() is None:
+                kill(p, signal.SIGTERM)
+        for p in processes:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                kill(p, signal.SIGKILL)
+                p.wait()
+    return [124 if i in timed_out else p.returncode for i, p in enumerate(processes)], failed
+
+
+def _free_port() -> int:
+    return _free_ports(1)[0]
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports on 127.0.0.1 (all held open while choosing)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _check_port(value, name):
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise ValueError(f"{name} must be a port number in [1, 65535], got {value!r}")
+    return value
+
+
+def _with_device_count(flags: str, count: int) -> str:
+    return _with_flag(flags, "xla_force_host_platform_device_count", count)
+
+
+def _with_flag(flags: str, name: str, value: int) -> str:
+    """``flags`` with ``--name=value`` replacing any earlier setting of ``name``."""
+    flags = " ".join(re.sub(rf"--{name}=\S*", "", flags).split())
+    return f"{flags} --{name}={value}".strip()
+
+
+def _check_timeout(value, name):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+    return float(value)
+
+
+def _positive_int(value, name):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def launch(
+    command,
+    num_processes: int,
+    devices_per_process: int = 1,
+    port: int | None = None,
+    timeout: float | None = None,
+    *,
+    coordinator: str | None = None,
+    num_hosts: int = 1,
+    host_id: int = 0,
+    interface: str | None = None,
+    failure_timeout: float | None = None,
+    rendezvous_port: int | None = None,
+) -> int:
+    """Runs ``python *command`` as ``num_processes`` processes of one ``jax.distributed`` job.
+
+    On one machine (the default) the coordinator is a free port on 127.0.0.1. For several hosts,
+    run the same call on each with ``coordinator`` (host 0's address and port), ``num_hosts`` and
+    this host's ``host_id``; the job then has ``num_hosts * num_processes`` processes.
+
+    Args:
+      command: arguments after ``python``: a script and its arguments, or ``["-m", module, ...]``.
+      num_processes: processes on this host, ``>= 1``.
+      devices_per_process: CPU devices each process gets, ``>= 1``.
+      port: coordinator port on 127.0.0.1 for single-host runs (default: a free one).
+      timeout: seconds to wait for all processes (default: no limit); on expiry all are stopped.
+      coordinator: ``"host:port"`` of the coordinator, reachable from every host (multi-host).
+      num_hosts: hosts in the job, each running this launcher.
+      host_id: this host's index in ``[0, num_hosts)``; host 0 runs the coordinator.
+      interface: network interface gloo binds to on every process (e.g. ``"eth0"``).
+      failure_timeout: seconds after which a dead, never-started or stalled process is an error
+        in every other process (see :func:`initialize`); default 60.
+      rendezvous_port: port of jaxcomp's rendezvous server (:mod:`jaxcomp.distributed.rendezvous`) on the
+        coordinator's host; default: a second free port on one host, else the coordinator's
+        port + 1. Every host must use the same.
+
+    Returns:
+      0 when every process exits with 0; else the first failing process's code (the others are
+      stopped as soon as one fails), or 124 on timeout.
+
+    Example:
+      >>> from jaxcomp.distributed.launch import launch
+      >>> launch(["-c", "from jaxcomp import launch; launch.initialize()"], num_processes=2)  # doctest: +SKIP
+      0
+
+    References:
+      JAX multi-process programming (``jax.distributed``).
+    """
+    command = list(command)
+    if not command:
+        raise ValueError("command must name a script (or -m module) to run")
+    _positive_int(num_processes, "num_processes")
+    _positive_int(devices_per_process, "devices_per_process")
+    _positive_int(num_hosts, "num_hosts")
+    if isinstance(host_id, bool) or not isinstance(host_id, int) or not 0 <= host_id < num_hosts:
+        raise ValueError(f"host_id must be an integer in [0, {num_hosts}), got {host_id!r}")
+    if rendezvous_port is not None:
+        _check_port(rendezvous_port, "rendezvous_port")
+    if coordinator is None:
+        if num_hosts > 1:
+            raise ValueError(
+                "a job of several hosts needs coordinator='HOST:PORT' (host 0's address)"
+            )
+        if port is not None:
+            _check_port(port, "port")
+        free = _free_ports(2)
+        if port is None:
+            port = free[0]
+        if rendezvous_port is None:
+            rendezvous_port = free[1] if free[1] != port else free[0]
+        coordinator = f"127.0.0.1:{port}"
+    elif port is not None:
+        raise ValueError("give the port inside coordinator='HOST:PORT', not as port=")
+    elif not re.fullmatch(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:]+\]:\d{1,5}", str(coordinator)):
+        raise ValueError(f"coordinator must be 'HOST:PORT', got {coordinator!r}")
+    if interface is not None:
+        if not isinstance(interface, str) or not interface:
+            raise ValueError(f"interface must be a network interface name, got {interface!r}")
+    if failure_timeout is not None:
+        _check_timeout(failure_timeout, "failure_timeout")
+    if timeout is not None:
+        _check_timeout(timeout, "timeout")
+    if rendezvous_port is None:
+        rendezvous.default_port(coordinator)  # a coordinator on port 65535 needs one given
+    if rendezvous_port is not None and rendezvous_port == rendezvous.split_address(coordinator)[1]:
+        raise ValueError(
+            f"rendezvous_port must differ from the coordinator's port, got {rendezvous_port}"
+        )
+    total = num_hosts * num_processes
+    processes = []
+    for local in range(num_processes):
+        env = process_env(
+            coordinator,
+            total,
+            host_id * num_processes + local,
+            devices_per_process,
+            interface=interface,
+            failure_timeout=failure_timeout,
+            rendezvous_port=rendezvous_port,
+        )
+        processes.append(subprocess.Popen([sys.executable, *command], env=env))
+    codes, failed = wait_all(processes, timeout)
+    return codes[failed] if failed is not None else (124 if 124 in codes else 0)
+
+
+def main(argv=None) -> int:
+    """``python -m jaxcomp.distributed.launch -n N [--devices-per-process D] [--coordinator H:P --num-hosts M --host-id I]
+    [--interface IF] [--failure-timeout S] [--rendezvous-port P] script.py [args...]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxcomp.distributed.launch", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "-n", "--num-processes", type=int, default=1, help="processes on this host (default 1)"
+    )
+    parser.add_argument("--devices-per-process", type=int, default=1)
+    parser.add_argument(
+        "--port", type=int, default=None, help="coordinator port on 127.0.0.1 (one host)"
+    )
+    parser.add_argument(
+        "--coordinator", default=None, help="HOST:PORT of host 0's coordinator (several hosts)"
+    )
+    parser.add_argument(
+        "--num-hosts", type=int, default=1, help="hosts in the job, each running this command"
+    )
+    parser.add_argument(
+        "--host-id", type=int, default=0, help="this host's index, 0 on the coordinator's host"
+    )
+    parser.add_argument(
+        "--interface", default=None, help="network interface gloo binds to, e.g. eth0"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds before all processes are killed"
+    )
+    parser.add_argument(
+        "--failure-timeout",
+        type=float,
+        default=None,
+        help="seconds after which a dead, never-started or stalled process is an error in the "
+        f"others (default {DEFAULT_FAILURE_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--rendezvous-port",
+        type=int,
+        default=None,
+        help="port of jaxcomp's rendezvous server on the coordinator's host (default: a free one "
+        "on one host, else the coordinator's port + 1)",
+    )
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="script.py [args...] or -m module [args...]"
+    )
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.error("name a script to run")
+    try:
+        return launch(
+            args.command,
+            args.num_processes,
+            args.devices_per_process,
+            args.port,
+            args.timeout,
+            coordinator=args.coordinator,
+            num_hosts=args.num_hosts,
+            host_id=args.host_id,
+            interface=args.interface,
+            failure_timeout=args.failure_timeout,
+            rendezvous_port=args.rendezvous_port,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,771 @@
+"""A rendezvous before ``jax.distributed``: every process checks in, or each one that did gets an error.
+
+``jax.distributed.initialize`` waits for a process that never starts for ``initialization_timeout``
+seconds and then aborts every other process from C++ (no Python exception, exit code -6).
+:func:`check_in` runs first, over its own TCP port: process 0 starts a small helper process (the
+*rendezvous server*, ``python -m jaxcomp.distributed.rendezvous serve``) that listens there; every process
+connects and says its id; once all have, each gets the go-ahead, else every process that did
+start raises :class:`MissingProcessError` naming the ids that did not, within ``timeout``::
+
+    from jaxcomp.distributed.rendezvous import check_in
+    membership = check_in("10.0.0.1:7734", num_processes=2, process_id=pid, timeout=60)
+    jax.distributed.initialize("10.0.0.1:7733", 2, pid)
+
+(:func:`jaxcomp.distributed.launch.initialize` does both.) The connections stay open for the whole job: when a
+process's connection drops without a clean goodbye (it was killed, or exited on an error), the
+server tells every other process at once (:attr:`Membership.lost`, and an ``on_loss`` callback).
+
+**The port.** ``address`` is ``"HOST:PORT"``; HOST is process 0's host (the JAX coordinator's),
+PORT any free port, by convention the coordinator's port + 1 (:func:`default_port`). The server
+binds HOST's address when it is one of this machine's, else every interface.
+
+**Hosting JAX's coordination service.** Normally process 0 runs JAX's coordination service, and
+when process 0 dies the service dies with it and JAX aborts every other process at once
+("Terminating process because the JAX distributed service detected fatal errors", SIGABRT).
+``check_in(..., jax_service=JaxService(...))`` makes the rendezvous server host that service
+instead, so it outlives process 0 (not process 0's host): the other processes then fail with a
+Python exception. Process 0 must then call ``jax.distributed.initialize`` with
+``coordinator_bind_address`` pointing at an unused port (:attr:`Membership.hosts_jax_service`
+says whether the server hosts it); :func:`jaxcomp.distributed.launch.initialize` does this.
+
+**Its log.** The server's messages and JAX's coordination service's go to the file named by
+``JAXCOMP_RENDEZVOUS_LOG``, by default nowhere (not to process 0's stderr: a reader of that pipe
+would wait for the server to exit as well).
+
+**Wire format.** Lines of ASCII: ``HELLO <protocol> <num_processes> <process_id>`` from each
+process; ``GO``, ``MISSING <ids>``, ``WAITING <ids>`` (the answer to ``STATUS``), ``LOST <ids>``
+or ``ERROR <text>`` from the server; ``BYE`` from a process leaving normally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import selectors
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+PROTOCOL = "jaxcomp-rendezvous-1"
+# The rendezvous server's log (its stderr, and JAX's coordination service's messages) goes to the
+# file this variable names; by default nowhere.
+LOG_VARIABLE = "JAXCOMP_RENDEZVOUS_LOG"
+# How long a process waits for the server's answer to STATUS once its own deadline has passed.
+_STATUS_SECONDS = 2.0
+# How long the server lingers after a process was lost, for the others to leave (they normally
+# leave within seconds: their next collective fails).
+_LINGER_MARGIN_SECONDS = 10.0
+
+
+class MissingProcessError(TimeoutError):
+    """Some processes of the job did not check in at the rendezvous in time.
+
+    Attributes:
+      missing: the ids of the processes that did not check in, sorted.
+    """
+
+    def __init__(self, message: str, missing):
+        super().__init__(message)
+        self.missing = tuple(sorted(missing))
+
+
+class PeerLostError(RuntimeError):
+    """A process of the job left it without a clean goodbye (killed, or exited on an error).
+
+    Attributes:
+      lost: the ids of the processes lost so far, sorted.
+    """
+
+    def __init__(self, message: str, lost):
+        super().__init__(message)
+        self.lost = tuple(sorted(lost))
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxService:
+    """JAX's coordination service, hosted by the rendezvous server (see the module's docstring).
+
+    Attributes:
+      bind_address: ``"HOST:PORT"`` it listens on, e.g. ``"[::]:7733"`` (what
+        ``jax.distributed.initialize`` binds by default for coordinator port 7733).
+      num_processes: tasks in the job.
+      heartbeat_timeout: seconds without a heartbeat after which a task is declared dead.
+      shutdown_timeout: seconds the exit-time barrier waits.
+      recoverable: JAX's ``jax_enable_recoverability``.
+    """
+
+    bind_address: str
+    num_processes: int
+    heartbeat_timeout: int = 100
+    shutdown_timeout: int = 300
+    recoverable: bool = False
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` (or ``"[IPv6]:PORT"``) as ``(host, port)``, checked.
+
+    Args:
+      address: the address.
+
+    Returns:
+      ``(host, port)`` with the brackets of an IPv6 host removed.
+
+    Example:
+      >>> split_address("10.0.0.1:7733")
+      ('10.0.0.1', 7733)
+      >>> split_address("[::1]:7733")
+      ('::1', 7733)
+
+    References:
+      RFC 3986 section 3.2 (host and port syntax).
+    """
+    match = re.fullmatch(r"\[([0-9a-fA-F:.]+)\]:(\d{1,5})|([^\s:\[\]]+):(\d{1,5})", str(address))
+    if not match:
+        raise ValueError(f"address must be 'HOST:PORT', got {address!r}")
+    host = match.group(1) or match.group(3)
+    port = int(match.group(2) or match.group(4))
+    if not 0 < port < 65536:
+        raise ValueError(f"the port of address {address!r} must be in [1, 65535]")
+    return host, port
+
+
+def default_port(coordinator: str) -> int:
+    """The rendezvous port used when none is given: the JAX coordinator's port + 1.
+
+    Args:
+      coordinator: the JAX coordinator's ``"HOST:PORT"``.
+
+    Returns:
+      The port.
+
+    Example:
+      >>> default_port("10.0.0.1:7733")
+      7734
+
+    References:
+      JAX multi-process programming (``jax.distributed.initialize``'s ``coordinator_address``).
+    """
+    port = split_address(coordinator)[1]
+    if port == 65535:
+        raise ValueError(
+            f"coordinator {coordinator!r} uses port 65535: give the rendezvous port explicitly"
+        )
+    return port + 1
+
+
+def join_address(host: str, port: int) -> str:
+    """``(host, port)`` as ``"HOST:PORT"``, bracketing an IPv6 host.
+
+    Args:
+      host: a host name or address.
+      port: a port.
+
+    Returns:
+      The address.
+
+    Example:
+      >>> join_address("::1", 7734)
+      '[::1]:7734'
+
+    References:
+      RFC 3986 section 3.2.2.
+    """
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Membership:
+    """This process's place in the job, after :func:`check_in`: the connection to the server stays open.
+
+    Attributes:
+      address: the rendezvous server's ``"HOST:PORT"``.
+      num_processes, process_id: as given to :func:`check_in`.
+      hosts_jax_service: True when the server hosts JAX's coordination service (process 0 then
+        binds its own, unused, elsewhere).
+    """
+
+    def __init__(
+        self, sock, reader, address, num_processes, process_id, hosts_jax_service, on_loss, server
+    ):
+        self.address = address
+        self.num_processes = num_processes
+        self.process_id = process_id
+        self.hosts_jax_service = hosts_jax_service
+        self._sock = sock
+        self._reader = reader
+        self._on_loss = on_loss
+        self._lost: set[int] = set()
+        self._lock = threading.Lock()
+        self._leaving = False
+        self._server = server  # process 0: the server's Popen (kept so it is not reaped as garbage)
+        self._watch = threading.Thread(
+            target=self._watch_loop, name="jaxcomp-rendezvous-watch", daemon=True
+        )
+        self._watch.start()
+
+    @property
+    def lost(self) -> tuple[int, ...]:
+        """The ids of the processes that left without a goodbye so far (sorted)."""
+        with self._lock:
+            return tuple(sorted(self._lost))
+
+    def raise_if_lost(self) -> None:
+        """Raises :class:`PeerLostError` when a process was lost."""
+        lost = self.lost
+        if lost:
+            raise PeerLostError(_lost_message(lost, self.process_id, self.num_processes), lost)
+
+    def leaving(self) -> None:
+        """Tells the server this process is leaving normally (its connection may close any moment).
+
+        The connection itself stays open until the process exits; call :meth:`close` to close it.
+        """
+        with self._lock:
+            if self._leaving:
+                return
+            self._leaving = True
+        try:
+            self._sock.sendall(b"BYE\n")
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Says goodbye and closes the connection. With a hosted JAX service, do it only after
+        ``jax.distributed.shutdown()``: the server stops the service once every process is gone."""
+        self.leaving()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def _watch_loop(self):
+        while True:
+            try:
+                line = self._reader.readline(None)
+            except OSError:
+                line = None
+            with self._lock:
+                leaving = self._leaving
+            if (
+                line is None
+            ):  # the server is gone: it lives as long as any process does, so process 0 went
+                if leaving:
+                    return
+                self._note_loss(
+                    [0], "the rendezvous server (process 0's helper) closed the connection"
+                )
+                return
+            words = line.split()
+            if words and words[0] == "LOST":
+                self._note_loss(_parse_ids(words[1:]), None)
+
+    def _note_loss(self, ids, why):
+        with self._lock:
+            new = set(ids) - self._lost - {self.process_id}
+            self._lost |= new
+            lost = tuple(sorted(self._lost))
+        if new and self._on_loss is not None:
+            message = _lost_message(lost, self.process_id, self.num_processes)
+            if why:
+                message += f" ({why})"
+            self._on_loss(lost, message)
+
+
+def _lost_message(lost, process_id, num_processes):
+    return (
+        f"process {process_id} of {num_processes}: process(es) {', '.join(map(str, lost))} left the job "
+        "without a clean goodbye (killed, crashed, or exited on an error)"
+    )
+
+
+def check_in(
+    address: str,
+    num_processes: int,
+    process_id: int,
+    timeout: float = 60.0,
+    *,
+    jax_service: JaxService | None = None,
+    on_loss: Callable[[tuple, str], None] | None = None,
+) -> Membership:
+    """Waits until every process of the job has checked in; raises naming the ones that did not.
+
+    Process 0 first starts the rendezvous server on ``address`` (a helper process that lives until
+    every process has left). Call it on every process before ``jax.distributed.initialize``.
+
+    Args:
+      address: ``"HOST:PORT"`` of the server: process 0's host, a free port (by convention the
+        JAX coordinator's port + 1, :func:`default_port`).
+      num_processes: processes in the job, ``>= 1``.
+      process_id: this process's id in ``[0, num_processes)``.
+      timeout: seconds, ``> 0``, from this call until every process must have checked in.
+      jax_service: process 0 only: make the server host JAX's coordination service too.
+      on_loss: called as ``on_loss(lost_ids, message)`` from a helper thread whenever processes
+        leave the job without a goodbye after the rendezvous (the ids so far, sorted).
+
+    Returns:
+      A :class:`Membership` (keep it: its connection tells the server this process is alive).
+
+    Raises:
+      MissingProcessError: (a ``TimeoutError``) a process did not check in within ``timeout``;
+        its ``missing`` attribute and message name the ids. Process 0 never reached means it
+        names process 0.
+      ValueError: bad arguments, or processes that disagree on ``num_processes`` or share an id.
+      OSError: process 0 cannot listen on ``address`` (the message says how to pick another port).
+
+    Example:
+      >>> from jaxcomp.distributed.rendezvous import check_in
+      >>> membership = check_in("127.0.0.1:7734", 1, 0, timeout=10)  # doctest: +SKIP
+      >>> membership.lost  # doctest: +SKIP
+      ()
+
+    References:
+      JAX multi-process programming (``jax.distributed``); the rendezvous of PyTorch's elastic
+      launcher (``torch.distributed.elastic.rendezvous``), which this follows in spirit.
+    """
+    host, port = split_address(address)
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
+    if (
+        isinstance(process_id, bool)
+        or not isinstance(process_id, int)
+        or not 0 <= process_id < num_processes
+    ):
+        raise ValueError(
+            f"process_id must be an integer in [0, {num_processes}), got {process_id!r}"
+        )
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise ValueError(f"timeout must be a positive finite number of seconds, got {timeout!r}")
+    deadline = time.monotonic() + timeout
+    server, hosts_service = None, False
+    if process_id == 0:
+        server, hosts_service = _start_server(
+            host, port, num_processes, timeout, jax_service, deadline
+        )
+    sock = _connect(host, port, deadline, address, num_processes, process_id, timeout)
+    try:
+        sock.sendall(f"HELLO {PROTOCOL} {num_processes} {process_id}\n".encode())
+        reader = _LineReader(sock)
+        line = reader.readline(deadline)
+        if line is None and time.monotonic() >= deadline:  # ask the server who it still waits for
+            sock.sendall(b"STATUS\n")
+            line = reader.readline(time.monotonic() + _STATUS_SECONDS)
+    except OSError as e:
+        sock.close()
+        raise MissingProcessError(
+            f"process {process_id} of {num_processes}: lost the connection to the rendezvous server at {address} "
+            f"before every process checked in ({e}): process 0 died while starting",
+            [0],
+        ) from None
+    if line == "GO":
+        return Membership(
+            sock, reader, address, num_processes, process_id, hosts_service, on_loss, server
+        )
+    sock.close()
+    words = (line or "").split(maxsplit=1)
+    if words and words[0] in ("MISSING", "WAITING"):
+        missing = _parse_ids(words[1:])
+        raise MissingProcessError(
+            f"process {process_id} of {num_processes}: process(es) {', '.join(map(str, missing))} did not check "
+            f"in at the rendezvous on {address} within {timeout:g} s: never started, died while starting, or "
+            "cannot reach process 0's host",
+            missing,
+        )
+    if words and words[0] == "ERROR":
+        raise ValueError(
+            f"the rendezvous server at {address} refused process {process_id}: {words[1]}"
+        )
+    raise MissingProcessError(
+        f"process {process_id} of {num_processes}: the rendezvous server at {address} (process 0) did not answer "
+        f"within {timeout:g} s: process 0 died while starting",
+        [0],
+    )
+
+
+def _connect(host, port, deadline, address, num_processes, process_id, timeout):
+    error = None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise MissingProcessError(
+                f"process {process_id} of {num_processes}: process 0 did not open the rendezvous on {address} "
+                f"within {timeout:g} s ({error}): it never started, died while starting, or is not reachable "
+                "from this host",
+                [0],
+            )
+        try:
+            sock = socket.create_connection((host, port), timeout=min(left, 5.0))
+            sock.settimeout(None)
+            return sock
+        except (
+            OSError
+        ) as e:  # refused (not listening yet), unreachable, timed out: retry until the deadline
+            error = e
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
+_RUN_THIS_FILE = (
+    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def _start_server(host, port, num_processes, timeout, jax_service, deadline):
+    """Starts the rendezvous server as a helper process; returns (Popen, hosts_jax_service)."""
+    # This file run as a script, not ``-m jaxcomp.distributed.rendezvous``: importing the package would import
+    # JAX (seconds); and through runpy, so that this file's folder does not go first on sys.path.
+    args = [
+        sys.executable,
+        "-c",
+        _RUN_THIS_FILE,
+        os.path.abspath(__file__),
+        "serve",
+        join_address(host, port),
+        str(num_processes),
+        # the server's deadline is process 0's: it answers the processes still waiting at about then
+        repr(max(0.1, deadline - time.monotonic())),
+    ]
+    if jax_service is not None:
+        args += [
+            "--jax-service",
+            jax_service.bind_address,
+            str(jax_service.num_processes),
+            str(int(jax_service.heartbeat_timeout)),
+            str(int(jax_service.shutdown_timeout)),
+            str(int(bool(jax_service.recoverable))),
+        ]
+    # Its own session: a Ctrl-C meant for the job does not take the server down before the others
+    # leave. Not process 0's stderr: whoever reads that pipe would wait for the server to exit too.
+    log = os.environ.get(LOG_VARIABLE)
+    with open(log or os.devnull, "ab") as stderr:
+        server = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            start_new_session=True,
+        )
+    reader = _LineReader(server.stdout)
+    line = reader.readline(max(deadline, time.monotonic() + 30.0))  # jaxlib's import can be slow
+    server.stdout.close()
+    words = (line or "").split(maxsplit=1)
+    if words and words[0] == "READY":
+        hosts_service = words[1:] == ["jax-service"]
+        if jax_service is not None and not hosts_service:
+            print(
+                f"jaxcomp.distributed.rendezvous: the rendezvous server cannot host JAX's coordination service "
+                f"({words[1] if len(words) > 1 else 'unknown reason'}); process 0 hosts it, as JAX does by default",
+                file=sys.stderr,
+                flush=True,
+            )
+        return server, hosts_service
+    if server.poll() is None:
+        server.kill()
+    server.wait()
+    why = words[1] if words and words[0] == "FAILED" else f"it exited with code {server.returncode}"
+    raise OSError(
+        f"process 0 cannot start the rendezvous server on {join_address(host, port)}: {why}. Pick "
+        "another port (jaxcomp.distributed.launch: --rendezvous-port, rendezvous_port=, or JAXCOMP_RENDEZVOUS_PORT)"
+    )
+
+
+def _parse_ids(words):
+    return sorted({int(t) for word in words for t in re.findall(r"\d+", word)})
+
+
+class _LineReader:
+    """Reads ``\\n``-terminated ASCII lines from a socket or a pipe, with an optional deadline."""
+
+    def __init__(self, source):
+        self.source = source
+        self.buffer = b""
+
+    def readline(self, deadline):
+        """The next line without its newline; None at EOF or when ``deadline`` (monotonic) passes."""
+        while b"\n" not in self.buffer:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                with selectors.DefaultSelector() as selector:
+                    selector.register(self.source, selectors.EVENT_READ)
+                    if not selector.select(left):
+                        continue
+            chunk = (
+                self.source.recv(4096)
+                if isinstance(self.source, socket.socket)
+                else os.read(self.source.fileno(), 4096)
+            )
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode("ascii", "replace").strip()
+
+
+# -- the server (the helper process) ---------------------------------------------------------------
+
+
+def serve(
+    address: str,
+    num_processes: int,
+    timeout: float,
+    jax_service: JaxService | None = None,
+    ready: Callable[[str], None] | None = None,
+) -> int:
+    """Runs the rendezvous server until every process has left (what process 0's helper runs).
+
+    Args:
+      address: ``"HOST:PORT"`` to listen on.
+      num_processes: processes in the job.
+      timeout: seconds until every process must have checked in.
+      jax_service: also host JAX's coordination service for the job's lifetime.
+      ready: called with ``"READY"`` once listening (``"READY jax-service"`` when hosting the
+        service, ``"READY <why not>"`` when asked to and unable), or ``"FAILED <why>"``.
+
+    Returns:
+      0 when every process checked in, 1 when some did not.
+
+    Example:
+      >>> import threading
+      >>> from jaxcomp.distributed.rendezvous import serve
+      >>> threading.Thread(target=serve, args=("127.0.0.1:7734", 1, 10.0)).start()  # doctest: +SKIP
+
+    References:
+      Python's ``selectors`` module (one thread multiplexes every connection).
+    """
+    ready = ready or (lambda line: None)
+    host, port = split_address(address)
+    try:
+        listener = _listen(host, port, num_processes)
+    except OSError as e:
+        ready(f"FAILED cannot listen on {address}: {e.strerror or e}")
+        return 1
+    service, hosted = None, ""
+    if jax_service is not None:
+        try:
+            from jaxlib import _jax
+
+            service = _jax.get_distributed_runtime_service(
+                jax_service.bind_address,
+                jax_service.num_processes,
+                heartbeat_timeout=jax_service.heartbeat_timeout,
+                shutdown_timeout=jax_service.shutdown_timeout,
+                recoverable=jax_service.recoverable,
+            )
+            hosted = " jax-service"
+        except Exception as e:  # not hosted: process 0 hosts it itself, as JAX normally does
+            hosted = " " + " ".join(f"{type(e).__name__}: {e}".split())
+    ready("READY" + hosted)
+    try:
+        return _Server(listener, num_processes, timeout).run()
+    finally:
+        listener.close()
+        if service is not None:
+            service.shutdown()
+
+
+def _listen(host, port, backlog):
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for bind_host in (host, "::" if family == socket.AF_INET6 else ""):
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((bind_host, port))
+        except OSError as e:
+            listener.close()
+            # HOST is not one of this machine's addresses (a NAT, a name for another interface):
+            # listen on every interface instead. Any other error (port in use) is final.
+            if e.errno in (99, 49, -2, -3, -5) or isinstance(
+                e, socket.gaierror
+            ):  # EADDRNOTAVAIL, resolve errors
+                continue
+            raise
+        listener.listen(max(16, backlog))
+        listener.setblocking(False)
+        return listener
+    raise OSError(99, f"cannot bind {host} nor every interface")
+
+
+class _Server:
+    def __init__(self, listener, num_processes, timeout):
+        self.listener = listener
+        self.num_processes = num_processes
+        self.deadline = time.monotonic() + timeout
+        self.linger = timeout + _LINGER_MARGIN_SECONDS
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(listener, selectors.EVENT_READ)
+        self.peers = {}  # socket -> {"id": int | None, "buffer": bytes, "bye": bool}
+        self.members = {}  # process id -> socket
+        self.ever = set()  # ids that checked in at some point
+        self.started = False
+        self.give_up_at = None  # after a loss: stop waiting for the others to leave at this time
+
+    def run(self):
+        while True:
+            now = time.monotonic()
+            if not self.started and now >= self.deadline:
+                missing = self.missing()
+                self.broadcast(f"MISSING {','.join(map(str, missing))}\n")
+                print(
+                    f"jaxcomp.distributed.rendezvous: process(es) {', '.join(map(str, missing))} of {self.num_processes} did "
+                    "not check in in time",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 1
+            if self.started and not self.members:
+                return 0
+            if self.give_up_at is not None and now >= self.give_up_at:
+                return 0
+            wake = self.give_up_at if self.started else self.deadline
+            for key, _ in self.selector.select(None if wake is None else max(0.0, wake - now)):
+                if key.fileobj is self.listener:
+                    self.accept()
+                else:
+                    self.read(key.fileobj)
+
+    def missing(self):
+        """The processes that never checked in; else (all did, some left since) those not here now."""
+        never = [i for i in range(self.num_processes) if i not in self.ever]
+        return never or [i for i in range(self.num_processes) if i not in self.members]
+
+    def accept(self):
+        try:
+            sock, _ = self.listener.accept()
+        except OSError:
+            return
+        sock.setblocking(True)
+        sock.settimeout(5.0)  # a peer that stops reading must not block the server
+        self.peers[sock] = {"id": None, "buffer": b"", "bye": False}
+        self.selector.register(sock, selectors.EVENT_READ)
+
+    def read(self, sock):
+        peer = self.peers[sock]
+        try:
+            chunk = sock.recv(4096)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.drop(sock)
+            return
+        peer["buffer"] += chunk
+        while b"\n" in peer["buffer"]:
+            line, peer["buffer"] = peer["buffer"].split(b"\n", 1)
+            self.handle(sock, peer, line.decode("ascii", "replace").split())
+            if sock not in self.peers:
+                return
+
+    def handle(self, sock, peer, words):
+        if not words:
+            return
+        if words[0] == "HELLO":
+            if (
+                len(words) != 4
+                or words[1] != PROTOCOL
+                or not words[2].isdigit()
+                or not words[3].isdigit()
+            ):
+                self.refuse(sock, f"not a {PROTOCOL} hello: {' '.join(words)[:80]!r}")
+                return
+            count, process_id = int(words[2]), int(words[3])
+            if count != self.num_processes:
+                self.refuse(
+                    sock,
+                    f"process {process_id} says the job has {count} processes, process 0 says "
+                    f"{self.num_processes}",
+                )
+            elif not 0 <= process_id < self.num_processes:
+                self.refuse(sock, f"process id {process_id} is not in [0, {self.num_processes})")
+            elif self.started:
+                self.refuse(
+                    sock, f"process {process_id} checked in after the job started (restarted?)"
+                )
+            elif process_id in self.members:
+                self.refuse(
+                    sock,
+                    f"process id {process_id} checked in twice (two processes given the same id?)",
+                )
+            else:
+                peer["id"] = process_id
+                self.members[process_id] = sock
+                self.ever.add(process_id)
+                if len(self.members) == self.num_processes:
+                    self.started = True
+                    self.broadcast("GO\n")
+        elif words[0] == "STATUS":
+            self.send(
+                sock, "GO\n" if self.started else f"WAITING {','.join(map(str, self.missing()))}\n"
+            )
+        elif words[0] == "BYE":
+            peer["bye"] = True
+
+    def refuse(self, sock, why):
+        self.send(sock, f"ERROR {why}\n")
+        self.drop(sock, quiet=True)
+
+    def send(self, sock, text):
+        try:
+            sock.sendall(text.encode())
+        except OSError:
+            pass
+
+    def broadcast(self, text):
+        for sock in list(self.members.values()):
+            self.send(sock, text)
+
+    def drop(self, sock, quiet=False):
+        peer = self.peers.pop(sock)
+        self.selector.unregister(sock)
+        sock.close()
+        process_id = peer["id"]
+        if process_id is None or self.members.get(process_id) is not sock:
+            return
+        del self.members[process_id]
+        if not self.started or peer["bye"] or quiet:
+            return  # before the go-ahead a process that leaves is simply missing again
+        print(
+            f"jaxcomp.distributed.rendezvous: process {process_id} of {self.num_processes} left without a goodbye; telling "
+            "the others",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.broadcast(f"LOST {process_id}\n")
+        if self.give_up_at is None:
+            self.give_up_at = time.monotonic() + self.linger
+
+
+def _main(argv=None) -> int:
+    """``python -m jaxcomp.distributed.rendezvous serve HOST:PORT N TIMEOUT [--jax-service BIND N HB SHUTDOWN RECOVERABLE]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if (
+        len(argv) not in (4, 10)
+        or argv[0] != "serve"
+        or (len(argv) == 10 and argv[4] != "--jax-service")
+    ):
+        print(_main.__doc__, file=sys.stderr)
+        return 2
+    jax_service = None
+    if len(argv) == 10:
+        jax_service = JaxService(argv[5], int(argv[6]), int(argv[7]), int(argv[8]), argv[9] == "1")
+
+    def ready(line):
+        # Tell process 0 (reading stdout), then let go of stdout: process 0 closes its end.
+        os.write(1, (line + "\n").encode())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+
+    return serve(argv[1], int(argv[2]), float(argv[3]), jax_service, ready)
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

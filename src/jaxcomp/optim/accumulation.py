@@ -1,0 +1,176 @@
+"""Gradient accumulation that communicates once per accumulated step: :func:`accumulate`.
+
+``optax.MultiSteps`` calls its inner transformation on every micro-step and keeps the result only
+on the last one (``jnp.where``), so a ``jaxcomp.compress`` inside it would run its collectives on
+every micro-step. :func:`accumulate` keeps ``MultiSteps``'s state and arithmetic but runs the
+inner transformation under ``lax.cond``: micro-steps only add the local gradient to the
+accumulator (no communication), and the last one compresses and aggregates the mean once.
+:func:`jaxcomp.data_parallel` applies it to an ``optax.MultiSteps`` it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxcomp.ops import _checks
+
+
+def accumulate(
+    tx: optax.GradientTransformation, every_k: int | Callable, *, use_grad_mean: bool = True
+) -> optax.GradientTransformationExtraArgs:
+    """Accumulates ``every_k`` micro-steps of gradients and runs ``tx`` once on their mean.
+
+    The state is an ``optax.MultiStepsState``; micro-steps return zero updates and leave ``tx``'s
+    state untouched. Inside ``shard_map`` the accumulator is each device's own (local gradients),
+    and ``tx`` (e.g. a chain starting with :func:`jaxcomp.compress`) communicates only on the
+    step that emits. Every device must take the same branch, which holds since the step counters
+    are replicated.
+
+    Args:
+      tx: the transformation to run on the accumulated gradients.
+      every_k: micro-steps per update, an int >= 1 or a schedule ``gradient_step -> int``
+        (as ``optax.MultiSteps``'s ``every_k_schedule``).
+      use_grad_mean: average the micro-steps' gradients (default) instead of summing them.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxcomp
+      >>> tx = jaxcomp.accumulate(optax.sgd(1.0), 2)
+      >>> state = tx.init({"w": jnp.zeros(2)})
+      >>> u, state = tx.update({"w": jnp.ones(2)}, state)   # micro-step: nothing yet
+      >>> u2, state = tx.update({"w": 3 * jnp.ones(2)}, state)  # emits -(1 + 3) / 2
+      >>> u["w"].tolist(), u2["w"].tolist()
+      ([0.0, 0.0], [-2.0, -2.0])
+
+    References:
+      optax.MultiSteps (the state and the running mean); Lin et al., "Deep Gradient Compression",
+      ICLR 2018 (compressing the accumulated gradient).
+    """
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
+    if callable(every_k):
+        schedule = every_k
+    else:
+        every_k = _checks.static_int(every_k, "every_k", 1)
+        schedule = lambda step: every_k  # noqa: E731
+    use_grad_mean = _checks.check_flag(use_grad_mean, "use_grad_mean")
+    inner = optax.with_extra_args_support(tx)
+
+    def init_fn(params):
+        return optax.MultiStepsState(
+            mini_step=jnp.zeros((), jnp.int32),
+            gradient_step=jnp.zeros((), jnp.int32),
+            inner_opt_state=inner.init(params),
+            acc_grads=jax.tree.map(jnp.zeros_like, params),
+            skip_state=(),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        k = jnp.asarray(schedule(state.gradient_step), jnp.int32)
+        n = state.mini_step
+        acc = jax.tree.map(
+            lambda g, a: (a + (g - a) / (n + 1) if use_grad_mean else a + g).astype(a.dtype),
+            updates,
+            state.acc_grads,
+        )
+        emit = n == k - 1
+
+        def run(acc, inner_state):
+            grads = jax.tree.map(lambda a, g: a.astype(g.dtype), acc, updates)
+            new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
+            return new_updates, new_inner, jax.tree.map(jnp.zeros_like, acc)
+
+        def wait(acc, inner_state):
+            shapes = jax.eval_shape(lambda: run(acc, inner_state)[0])
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state, acc
+
+        # Inside shard_map both branches must type every output alike: a state leaf that the
+        # update makes per-device (varying) is cast so in the branch that passes it through.
+        axes = [_vma(x) for x in jax.tree.leaves(jax.eval_shape(run, acc, state.inner_opt_state))]
+        axes = [
+            a | _vma(x)
+            for a, x in zip(axes, jax.tree.leaves(jax.eval_shape(wait, acc, state.inner_opt_state)))
+        ]
+
+        def typed(branch):
+            def fn(*args):
+                out = branch(*args)
+                leaves, treedef = jax.tree.flatten(out)
+                return treedef.unflatten([_cast(x, a) for x, a in zip(leaves, axes)])
+
+            return fn
+
+        new_updates, new_inner, new_acc = jax.lax.cond(
+            emit, typed(run), typed(wait), acc, state.inner_opt_state
+        )
+        new_state = optax.MultiStepsState(
+            mini_step=jnp.where(emit, 0, n + 1).astype(jnp.int32),
+            gradient_step=jnp.where(emit, state.gradient_step + 1, state.gradient_step).astype(
+                jnp.int32
+            ),
+            inner_opt_state=new_inner,
+            acc_grads=new_acc,
+            skip_state=state.skip_state,
+        )
+        return new_updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _vma(x) -> frozenset:
+    """The axes an array or abstract value is typed varying over inside shard_map."""
+    manual = getattr(x, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    from jaxcomp.ops import _ffi
+
+    return _ffi.varying_axes(x)
+
+
+def _cast(x, axes: frozenset):
+    """``x`` typed varying over ``axes`` (it already varies over a subset of them)."""
+    missing = tuple(sorted(axes - _vma(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def from_multisteps(multi_steps: optax.MultiSteps) -> optax.GradientTransformationExtraArgs:
+    """:func:`accumulate` with the settings of an ``optax.MultiSteps`` (its inner transformation,
+    ``every_k_schedule`` and mean/sum), so that it communicates once per accumulated step.
+
+    Args:
+      multi_steps: an ``optax.MultiSteps`` without ``should_skip_update_fn``.
+
+    Returns:
+      The equivalent :func:`accumulate` transformation (same state type).
+
+    Example:
+      >>> import optax
+      >>> from jaxcomp import accumulation as acc
+      >>> tx = acc.from_multisteps(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=4))
+
+    References:
+      optax.MultiSteps (the settings and state it reads).
+    """
+    try:
+        schedule, mean = multi_steps._every_k_schedule, multi_steps._use_grad_mean
+        skip = multi_steps._should_skip_update_fn
+    except AttributeError:
+        raise TypeError(
+            "this optax version's MultiSteps cannot be read; pass jaxcomp.accumulate(tx, every_k) "
+            "instead of optax.MultiSteps"
+        ) from None
+    if (
+        getattr(skip, "__name__", "") != "should_skip_update_fn"
+        or skip.__qualname__.split(".")[0] != "MultiSteps"
+    ):
+        raise ValueError(
+            "an optax.MultiSteps with should_skip_update_fn cannot be turned into jaxcomp.accumulate; "
+            "skip non-finite steps with jaxcomp.compress(..., nonfinite='skip') instead"
+        )
+    return accumulate(multi_steps.inner_opt, schedule, use_grad_mean=mean)

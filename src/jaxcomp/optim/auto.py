@@ -1,0 +1,615 @@
+"""``compress_auto``: error-feedback aggregation that picks the cheapest method as the network changes.
+
+It compiles one branch per candidate method (a ratio-tunable candidate once per candidate ratio
+when a :class:`RatioSearch` is given) and picks one per step with ``lax.switch`` on a traced
+index, so choices never recompile. Each branch's time is predicted with the α-β model
+(:func:`jaxcomp.costmodel.cost.sync_seconds`: message steps times α plus bytes times β, the same formula
+:func:`jaxcomp.costmodel.cost.choose` uses on the host) plus the branch's measured local work, on the
+network in its :class:`AutoState`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcomp import methods
+from jaxcomp.costmodel import cost, ratio_choice
+from jaxcomp.methods import Method
+from jaxcomp.ops import _checks
+from jaxcomp.optim.transform import (
+    Aggregation,
+    CompressState,
+    FeedbackConfig,
+    Groups,
+    compress_states,
+    feedback_transformation,
+    run_branch,
+    static_cost,
+)
+
+#: How long ``compress_auto`` keeps a choice: it re-decides every this many steps by default,
+#: and at once when the network moves by :data:`NETWORK_TOLERANCE` or more.
+DEFAULT_DECIDE_EVERY = 100
+
+#: Steps a :class:`RatioSearch` runs each candidate ratio while exploring.
+DEFAULT_EXPLORE_STEPS = 10
+
+#: Relative change of latency or bandwidth that makes ``compress_auto`` re-decide at once.
+NETWORK_TOLERANCE = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class RatioSearch:
+    """Paper 000 §3-E's search for the compression ratio, for :func:`compress_auto`.
+
+    Candidate ratios from ``ratio_range`` spaced by ``factor``
+    (:func:`jaxcomp.costmodel.ratio_choice.candidate_ratios`); an exploration runs each for ``explore_steps``
+    steps (highest density first) measuring the compression gain, then keeps the knee of
+    (local work, predicted communication, 1 / gain) (:func:`jaxcomp.costmodel.ratio_choice.knee`); a new
+    exploration starts when the mean gain of the last ``explore_steps`` steps moves by 10%, and
+    a moved network re-chooses from the stored measurements. Every candidate with a ratio
+    (:meth:`jaxcomp.methods.Method.with_ratio`) runs at the searched ratios; its own ratio is not
+    used.
+
+    Args:
+      ratio_range: ``(low, high)`` densities, default ``(0.001, 0.1)``.
+      explore_steps: steps per candidate ratio while exploring, and the window of the gain check.
+      factor: spacing of the candidate ratios, > 1.
+
+    Example:
+      >>> [round(r, 4) for r in RatioSearch().ratios]
+      [0.1, 0.0333, 0.0111, 0.0037, 0.001]
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-E.
+    """
+
+    ratio_range: tuple[float, float] = ratio_choice.DEFAULT_RATIO_RANGE
+    explore_steps: int = DEFAULT_EXPLORE_STEPS
+    factor: float = 3.0
+
+    def __post_init__(self):
+        object.__setattr__(
+            self,
+            "ratio_range",
+            tuple(self.ratio_range)
+            if isinstance(self.ratio_range, (list, tuple))
+            else self.ratio_range,
+        )
+        object.__setattr__(self, "explore_steps", _checks.check_explore_steps(self.explore_steps))
+        _ = self.ratios  # validates the range and the factor
+
+    @property
+    def ratios(self) -> tuple[float, ...]:
+        """The candidate densities, highest first."""
+        return ratio_choice.candidate_ratios(self.ratio_range, self.factor)
+
+
+class AutoState(NamedTuple):
+    """What :func:`compress_auto` decides with; replicated. ``B`` branches, compiled once each
+    (:attr:`jaxcomp.CompressState.methods` lists them). Set the network with :func:`set_network`
+    (``jaxcomp.data_parallel`` probes it for you)."""
+
+    network: (
+        jax.Array
+    )  # f32[2]: (alpha seconds, beta seconds per byte) of the latest probe; NaN until one is set
+    overhead: jax.Array  # f32[B]: each branch's local work in seconds (0 until measured)
+    decided: (
+        jax.Array
+    )  # f32[2]: the network the current choice was made with (NaN before the first choice)
+    choice: jax.Array  # i32[]: the chosen candidate, an index into the candidates
+    ratio: Any  # ratio_choice.RatioState with a RatioSearch, else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Branches:
+    """The branches of a candidate list: one per candidate, or per (candidate, ratio)."""
+
+    methods: tuple[Method, ...]
+    table: (
+        np.ndarray
+    )  # i32[C, R]: the branch of candidate c at ratio r (a candidate without a ratio fills its row)
+    tunable: np.ndarray  # bool[C]: candidates that run at the searched ratios
+
+    @classmethod
+    def of(cls, candidates, ratios):
+        out, rows = [], []
+        tunable = np.array(
+            [bool(ratios) and m.with_ratio(ratios[0]) is not None for m in candidates]
+        )
+        for m, tune in zip(candidates, tunable):
+            row = []
+            for r in ratios if tune else (None,):
+                out.append(m.with_ratio(r) if tune else m)
+                row.append(len(out) - 1)
+            rows.append(row * (max(1, len(ratios)) if not tune else 1))
+        return cls(tuple(out), np.array(rows, np.int32), tunable)
+
+
+class _Plan:
+    """The branches with their static costs, built while tracing one update."""
+
+    def __init__(
+        self, branches: _Branches, search: RatioSearch | None, decide_every: int, groups: Groups
+    ):
+        self.b, self.search, self.decide_every = branches, search, decide_every
+        costs = np.array([static_cost(m, groups) for m in branches.methods], np.float64)
+        self.bytes, self.kept, self.steps = (costs[:, i].astype(np.float32) for i in range(3))
+        self.tunable_rows = np.flatnonzero(branches.tunable).astype(np.int32)
+        self.tunable_branch = np.zeros(len(branches.methods), bool)
+        self.tunable_branch[branches.table[self.tunable_rows].ravel()] = True
+
+    def sync_per_ratio(self, comm):
+        """Predicted communication seconds of each candidate ratio by its cheapest tunable candidate."""
+        comm = jnp.where(jnp.isfinite(comm), comm, 0.0)  # no network yet: time counts as flat
+        return jnp.min(comm[self.b.table[self.tunable_rows, :]], axis=0)
+
+    def decide(self, auto: AutoState, step):
+        """Re-decides when due; returns (new AutoState, branch to run, predicted comm seconds per branch)."""
+        known = jnp.all(jnp.isfinite(auto.network))
+        moved = jnp.any(
+            ratio_choice.moved(auto.decided, auto.network, NETWORK_TOLERANCE, jnp)
+        ) | ~jnp.all(jnp.isfinite(auto.decided))
+        due = known & ((step % self.decide_every == 0) | moved)
+        decided = jnp.where(due, auto.network, auto.decided)
+        # The cost model's one formula, on the network the choice is made with.
+        comm = cost.sync_seconds(
+            jnp.asarray(self.steps), jnp.asarray(self.bytes), decided[0], decided[1]
+        )
+        predicted = comm + auto.overhead
+        ratio = auto.ratio
+        if self.search is not None:
+            # A moved network re-chooses the ratio from the last exploration, without exploring.
+            ratio = ratio_choice.where_tree(
+                due & moved, ratio_choice.ratio_redecide(ratio, self.sync_per_ratio(comm)), ratio
+            )
+            r = ratio.index
+            # While exploring, a tunable candidate competes at its lowest density: could it pay at all?
+            r_judge = jnp.where(ratio.exploring, len(self.search.ratios) - 1, r)
+        else:
+            r = r_judge = 0
+        table = jnp.asarray(self.b.table)
+        choice = jnp.where(due, jnp.argmin(predicted[table[:, r_judge]]), auto.choice).astype(
+            jnp.int32
+        )
+        row = choice
+        if self.search is not None and self.tunable_rows.size:
+            # A tunable choice runs the cheapest tunable candidate at the ratio of this step.
+            best = jnp.asarray(self.tunable_rows)[
+                jnp.argmin(predicted[table[self.tunable_rows, r]])
+            ]
+            row = jnp.where(jnp.asarray(self.b.tunable)[choice], best, choice)
+        branch = table[row, r]
+        return auto._replace(decided=decided, choice=choice, ratio=ratio), branch, comm
+
+    def observe(self, auto: AutoState, branch, gain, comm) -> AutoState:
+        """Feeds a tunable branch's gain to the ratio controller."""
+        if self.search is None:
+            return auto
+        observed = ratio_choice.ratio_observe(
+            auto.ratio, gain, auto.overhead[branch], jnp.nan, self.sync_per_ratio(comm)
+        )
+        # A gain that could not be measured (NaN or Inf: the sums overflowed) teaches nothing.
+        learn = jnp.asarray(self.tunable_branch)[branch] & jnp.isfinite(gain)
+        return auto._replace(ratio=ratio_choice.where_tree(learn, observed, auto.ratio))
+
+
+def compress_auto(
+    candidates,
+    *,
+    axis_name="data",
+    ratio_search: RatioSearch | None = None,
+    network: cost.Network | None = None,
+    decide_every: int = DEFAULT_DECIDE_EVERY,
+    error_feedback=True,
+    granularity="model",
+    mean=True,
+    seed=0,
+    nonfinite="zero",
+    mask=None,
+    min_size=0,
+):
+    """Aggregates gradients like :func:`jaxcomp.compress`, choosing the cheapest of ``candidates``.
+
+    One branch per candidate (per candidate and ratio with ``ratio_search``) is compiled once; a
+    traced index picks one per step (``lax.switch``). The choice is the least predicted time,
+    :func:`jaxcomp.costmodel.cost.sync_seconds` of each branch's message steps and bytes on the network in
+    the state, plus its measured local work; it is re-made every ``decide_every`` steps and at
+    once when the network moves by :data:`NETWORK_TOLERANCE` (10%) or more. The network comes
+    from ``network=``, :func:`set_network`, or :func:`jaxcomp.data_parallel`, whose ``init``
+    probes the mesh (and ``reprobe`` measures it again); until one is known, the first candidate
+    runs. All branches share one residual, which stays exact across switches: it always holds
+    what the branch that ran did not send. The ``method`` metric indexes
+    :attr:`jaxcomp.CompressState.methods`, the branches.
+
+    With ``ratio_search`` the ratio of every candidate that has one follows paper 000 §3-E (see
+    :class:`RatioSearch`); the controller runs inside the step and only advances on steps that ran
+    such a candidate; while it explores, those candidates compete at the lowest candidate density.
+
+    ``compress("auto", ratio=..., rate=..., bits=..., candidates=[names], adaptive_ratio=...,
+    ratio_range=..., explore_steps=..., network=..., decide_every=...)`` is the string shorthand:
+    by default its candidates are :func:`jaxcomp.methods.candidates` of the given settings (dense,
+    all-gather and AR top-k, hierarchical top-k on two axes, ZFP, THC).
+
+    Args:
+      candidates: the methods to choose among, in order (the first runs until a network is known):
+        distinct :mod:`jaxcomp.methods` objects whose totals come out replicated.
+      axis_name: as for :func:`jaxcomp.compress`.
+      ratio_search: a :class:`RatioSearch` to choose the ratio too, or None (each candidate keeps
+        its own).
+      network: a :class:`jaxcomp.costmodel.cost.Network` to start from, e.g.
+        ``jaxcomp.probe_network(mesh, "data")``. Local work then counts as 0 until
+        :func:`set_network` gives it (``overhead=``); ``jaxcomp.data_parallel`` measures both
+        when ``network`` is None.
+      decide_every: steps between decisions (default :data:`DEFAULT_DECIDE_EVERY`, 100); a moved
+        network re-decides at once.
+      error_feedback: as for :func:`jaxcomp.compress`.
+      granularity: as for :func:`jaxcomp.compress`.
+      mean: as for :func:`jaxcomp.compress`.
+      seed: as for :func:`jaxcomp.compress`.
+      nonfinite: as for :func:`jaxcomp.compress`.
+      mask: as for :func:`jaxcomp.compress`.
+      min_size: as for :func:`jaxcomp.compress`.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`jaxcomp.CompressState`
+      with an :class:`AutoState`.
+
+    Example:
+      >>> import jaxcomp
+      >>> slow = jaxcomp.costmodel.cost.Network.parse("1ms", "100mbit")
+      >>> tx = jaxcomp.compress_auto([jaxcomp.Dense(), jaxcomp.TopK(0.01, collective="ar"), jaxcomp.Zfp(8)],
+      ...                            network=slow)
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-D (choice of collective, Eqn 5a-5c) and §3-E (adaptive
+      compression ratio).
+    """
+    config = FeedbackConfig.check(
+        axis_name, error_feedback, granularity, mean, seed, nonfinite, mask, min_size
+    )
+    candidates = _check_candidates(candidates, config.axes)
+    if ratio_search is not None and not isinstance(ratio_search, RatioSearch):
+        raise TypeError(
+            f"ratio_search must be a jaxcomp.RatioSearch or None, got {type(ratio_search).__name__}"
+        )
+    ratios = ratio_search.ratios if ratio_search is not None else ()
+    if ratios and not any(m.with_ratio(ratios[0]) is not None for m in candidates):
+        raise ValueError(
+            f"ratio_search needs a candidate with a ratio (e.g. jaxcomp.TopK), got "
+            f"{[m.describe() for m in candidates]}"
+        )
+    decide_every = _checks.static_int(decide_every, "decide_every", 1)
+    if network is not None and not isinstance(network, cost.Network):
+        raise TypeError(
+            f"network must be a jaxcomp.costmodel.cost.Network (e.g. jaxcomp.probe_network(mesh, axis)) or None, "
+            f"got {type(network).__name__}"
+        )
+    branches = _Branches.of(candidates, ratios)
+    keeps_residual = config.error_feedback and not all(m.sends_everything for m in branches.methods)
+
+    def init_auto():
+        start = np.full(2, np.nan) if network is None else np.array([network.alpha, network.beta])
+        return AutoState(
+            network=jnp.asarray(start, jnp.float32),
+            overhead=jnp.zeros(len(branches.methods), jnp.float32),
+            decided=jnp.full(2, jnp.nan, jnp.float32),
+            choice=jnp.zeros((), jnp.int32),
+            ratio=(
+                ratio_choice.ratio_init(len(ratios), ratio_search.explore_steps)
+                if ratio_search is not None
+                else None
+            ),
+        )
+
+    def aggregate(groups: Groups, state: CompressState):
+        plan = _Plan(branches, ratio_search, decide_every, groups)
+        auto, branch, comm = plan.decide(state.auto, state.step)
+
+        totals, sents, method_state = run_branch(
+            branches.methods,
+            branch,
+            groups,
+            config.axis_name,
+            state.step,
+            jax.random.fold_in(state.key, state.step),
+            False,
+            state.method_state,
+        )
+        result = Aggregation(
+            totals,
+            sents,
+            jnp.asarray(plan.bytes)[branch],
+            jnp.asarray(plan.kept)[branch],
+            branch,
+            sparse=False,
+            sends_everything=False,
+            method_state=method_state,
+        )
+        return result, lambda gain: plan.observe(auto, branch, gain, comm)
+
+    return feedback_transformation(
+        config, branches.methods, keeps_residual, aggregate, init_auto=init_auto
+    )
+
+
+def _check_candidates(candidates, axes) -> tuple[Method, ...]:
+    if isinstance(candidates, (str, Method)) or not hasattr(candidates, "__iter__"):
+        raise TypeError(
+            f"candidates must be a sequence of jaxcomp.methods objects, got {candidates!r}"
+        )
+    candidates = tuple(candidates)
+    if not candidates or not all(isinstance(m, Method) for m in candidates):
+        raise TypeError(
+            f"candidates must be a non-empty sequence of jaxcomp.methods objects (use "
+            f"jaxcomp.methods.parse for names), got {candidates!r}"
+        )
+    if len(set(candidates)) != len(candidates):
+        raise ValueError(f"candidates must be distinct, got {[m.describe() for m in candidates]}")
+    for m in candidates:
+        m.check_axes(axes)
+        if not m.replicated_total:
+            raise ValueError(
+                f"candidate {m.describe()} returns a total typed varying, and compress_auto's branches "
+                f"must agree on replicated totals; leave it out (for Zfp: algorithm='ring')"
+            )
+    return candidates
+
+
+# The option names of compress("auto", ...) that set candidates' settings, and the auto-only ones.
+_SETTING_OPTIONS = ("ratio", "rate", "bits", "rank", "leader", "selector", "algorithm", "hadamard")
+
+
+def compress_auto_shorthand(
+    *,
+    candidates=None,
+    ratio=None,
+    k=None,
+    rate=None,
+    bits=None,
+    adaptive_ratio=None,
+    ratio_range=None,
+    explore_steps=None,
+    network=None,
+    decide_every=None,
+    axis_name="data",
+    **options,
+):
+    """``compress("auto", ...)``: :func:`compress_auto` from method names and settings.
+
+    Args:
+      candidates: method names from :data:`jaxcomp.methods.SHORTHAND`, or None for
+        :func:`jaxcomp.methods.candidates` of the settings.
+      ratio: density of the top-k candidates (not with ``adaptive_ratio``).
+      k: refused: the cost model sizes top-k by ratio.
+      rate: ZFP bits per value.
+      bits: THC bits.
+      adaptive_ratio: search the ratio (:class:`RatioSearch` over ``ratio_range`` with
+        ``explore_steps``).
+      ratio_range: with ``adaptive_ratio``: ``(low, high)``.
+      explore_steps: with ``adaptive_ratio``: steps per candidate ratio.
+      network: as for :func:`compress_auto`.
+      decide_every: as for :func:`compress_auto`.
+      axis_name: as for :func:`compress_auto`.
+      **options: ``rank=`` (adds PowerSGD), ``leader=``, ``selector=``, ``algorithm=``,
+        ``hadamard=`` for the candidates that take them, and :func:`compress_auto`'s own keywords.
+
+    Returns:
+      What :func:`compress_auto` returns.
+
+    Example:
+      >>> import jaxcomp
+      >>> state = jaxcomp.compress("auto", ratio=0.01).init({})
+      >>> [m.describe() for m in state.methods]
+      ['dense', 'allgather_topk(0.01)', 'ar_topk(0.01)']
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-D and §3-E.
+    """
+    if k is not None:
+        raise ValueError(
+            "method 'auto' sizes top-k by ratio= (its cost model is per ratio); pass ratio= instead of k="
+        )
+    if adaptive_ratio is None:
+        adaptive_ratio = False
+    if not isinstance(adaptive_ratio, (bool, np.bool_)):
+        raise TypeError(f"adaptive_ratio must be True or False, got {adaptive_ratio!r}")
+    search = None
+    if adaptive_ratio:
+        if ratio is not None:
+            raise ValueError(
+                "adaptive_ratio=True chooses the ratio from ratio_range=; remove ratio="
+            )
+        search = RatioSearch(
+            ratio_choice.DEFAULT_RATIO_RANGE if ratio_range is None else ratio_range,
+            DEFAULT_EXPLORE_STEPS if explore_steps is None else explore_steps,
+        )
+        ratio = search.ratios[0]
+    else:
+        for name, value in (("ratio_range", ratio_range), ("explore_steps", explore_steps)):
+            if value is not None:
+                raise ValueError(
+                    f"{name}= applies with adaptive_ratio=True only; remove it or set adaptive_ratio=True"
+                )
+    axes = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    settings = {
+        "ratio": ratio,
+        "rate": rate,
+        "bits": bits,
+        **{name: options.pop(name) for name in _SETTING_OPTIONS if name in options},
+    }
+    settings = {name: value for name, value in settings.items() if value is not None}
+    if settings.get("algorithm") not in (None, "ring"):
+        raise ValueError(
+            "method 'auto' runs zfp with algorithm='ring': the recursive-doubling total is typed "
+            "varying and the branches must agree; remove algorithm="
+        )
+    if candidates is None:
+        picked = methods.candidates(
+            ratio=ratio,
+            rate=rate,
+            bits=bits,
+            rank=settings.get("rank"),
+            hierarchical=len(axes) == 2,
+        )
+        if len(picked) == 1:
+            raise ValueError(
+                "method 'auto' needs something to compress with: ratio= (top-k methods), "
+                "adaptive_ratio=True, rate= (zfp) or bits= (quantized)"
+            )
+        names = [m.label for m in picked]
+    else:
+        if isinstance(candidates, str) or not all(isinstance(m, str) for m in candidates):
+            raise TypeError(f"candidates must be a sequence of method names, got {candidates!r}")
+        names = list(candidates)
+        if not names or len(set(names)) != len(names) or not set(names) <= set(methods.SHORTHAND):
+            raise ValueError(
+                f"candidates must be distinct method names from {tuple(methods.SHORTHAND)}, "
+                f"got {tuple(names)!r}"
+            )
+    built = [methods.parse(name, strict=False, **settings) for name in names]
+    for option in settings:
+        takes = [
+            name
+            for name, m in zip(names, built)
+            if option in {f.name for f in dataclasses.fields(m)}
+        ]
+        if not takes:
+            raise ValueError(
+                f"{option}= goes with none of the candidates {tuple(names)!r}; remove it or add a "
+                "candidate that takes it"
+            )
+    return compress_auto(
+        built,
+        axis_name=axis_name,
+        ratio_search=search,
+        network=network,
+        decide_every=DEFAULT_DECIDE_EVERY if decide_every is None else decide_every,
+        **options,
+    )
+
+
+def auto_branches(opt_state) -> list[list[Method]]:
+    """The branches of each :func:`compress_auto` state in ``opt_state``, in branch order.
+
+    Args:
+      opt_state: an optimizer state holding one or more :class:`jaxcomp.CompressState`.
+
+    Returns:
+      One list of methods per ``compress_auto`` state, in depth-first order; the order
+      :func:`set_network`'s ``overhead`` sequence uses.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxcomp
+      >>> state = jaxcomp.compress_auto([jaxcomp.Dense(), jaxcomp.TopK(0.01)]).init({"w": jnp.zeros(3)})
+      >>> [m.describe() for m in jaxcomp.auto_branches(state)[0]]
+      ['dense', 'allgather_topk(0.01)']
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-D and §3-E (the candidates flexible communication picks from).
+    """
+    return [list(state.methods) for state in compress_states(opt_state) if state.auto is not None]
+
+
+def set_network(opt_state, network: cost.Network, overhead=None):
+    """Gives every :func:`compress_auto` state in ``opt_state`` a newly measured network.
+
+    It re-decides in its next step when latency or bandwidth moved by 10% or more
+    (:data:`NETWORK_TOLERANCE`), otherwise at its next regular decision. Call it on the host
+    between steps (:meth:`jaxcomp.DataParallel.reprobe` does, after probing).
+
+    Args:
+      opt_state: an optimizer state holding one or more :class:`jaxcomp.CompressState`.
+      network: the :class:`jaxcomp.costmodel.cost.Network`, e.g. ``jaxcomp.probe_network(mesh, "data")``.
+      overhead: optional seconds of local work per branch: a sequence in :func:`auto_branches`
+        order, a dict keyed by branch method or by label (``{"zfp": 0.01}``; missing branches keep
+        theirs), or a function ``method -> seconds``. Kept as they are when None.
+
+    Returns:
+      ``opt_state`` with the network (and overhead) replaced; everything else is untouched.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxcomp
+      >>> tx = jaxcomp.compress_auto([jaxcomp.Dense(), jaxcomp.TopK(0.01)])
+      >>> state = jaxcomp.set_network(tx.init({"w": jnp.zeros(3)}), jaxcomp.costmodel.cost.Network.parse("1ms", "1gbit"))
+      >>> [float(v) for v in state.auto.network]  # alpha seconds, beta seconds per byte
+      [0.0010000000474974513, 7.999999773744548e-09]
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-E (re-decide when α or β changes).
+    """
+    if not isinstance(network, cost.Network):
+        raise TypeError(
+            f"network must be a jaxcomp.costmodel.cost.Network, got {type(network).__name__}"
+        )
+    if not any(state.auto is not None for state in compress_states(opt_state)):
+        raise ValueError("opt_state holds no compress_auto state to give a network to")
+    values = np.array([network.alpha, network.beta], np.float32)
+
+    def overhead_of(state: CompressState):
+        auto = state.auto
+        if overhead is None:
+            return auto.overhead
+        current = _host(auto.overhead).astype(np.float64)
+        branches = state.methods
+        if callable(overhead):
+            seconds = [overhead(m) for m in branches]
+        elif isinstance(overhead, dict):
+            known = set(branches) | {m.label for m in branches}
+            unknown = [key for key in overhead if key not in known]
+            if unknown:
+                raise ValueError(
+                    f"overhead names {unknown}, which are not among the branches "
+                    f"{[m.describe() for m in branches]}"
+                )
+            seconds = [
+                overhead.get(m, overhead.get(m.label, current[b])) for b, m in enumerate(branches)
+            ]
+        else:
+            seconds = list(overhead)
+            if len(seconds) != len(branches):
+                raise ValueError(
+                    f"overhead has {len(seconds)} entries for {len(branches)} branches "
+                    f"{[m.describe() for m in branches]}"
+                )
+        seconds = np.asarray(seconds, np.float64)
+        if (
+            seconds.shape != (len(branches),)
+            or not np.all(np.isfinite(seconds))
+            or np.any(seconds < 0)
+        ):
+            raise ValueError(
+                f"overhead must give finite seconds >= 0 per branch, got {seconds.tolist()}"
+            )
+        return seconds.astype(np.float32)
+
+    def like(old, new):
+        # Keep the old leaf's placement, so a jitted step sees the same input and does not recompile.
+        if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer):
+            return jax.device_put(new, old.sharding)
+        return new
+
+    def replace(node):
+        if isinstance(node, CompressState) and node.auto is not None:
+            auto = node.auto
+            return node._replace(
+                auto=auto._replace(
+                    network=like(auto.network, values),
+                    overhead=like(auto.overhead, overhead_of(node)),
+                )
+            )
+        return node
+
+    return jax.tree.map(replace, opt_state, is_leaf=lambda x: isinstance(x, CompressState))
+
+
+def _host(x) -> np.ndarray:
+    """A replicated array's value on the host (also when it spans processes)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_shards[0].data
+    return np.asarray(x)

@@ -1,0 +1,168 @@
+"""What ``compress`` does with non-finite gradients: the policy and the chain-wide skip.
+
+Every compressing transformation drops NaN and ±Inf gradient entries (never sent, never kept in
+the residual) and counts them in its ``nonfinite`` metric; its ``nonfinite=`` policy then decides
+the step: train on (``"zero"``), skip it everywhere (``"skip"``), or skip and raise on the host
+(``"raise"``). :func:`skip_nonfinite` extends a skip to the whole optax chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+#: What :func:`compress` does with non-finite gradient entries (NaN, ±Inf), its ``nonfinite=``
+#: argument; the first is the default. In every policy such entries are never sent and never
+#: stored in the residual, and the ``nonfinite`` metric counts them.
+NONFINITE_POLICIES = ("zero", "skip", "raise")
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class NonfinitePolicy:
+    """The ``nonfinite=`` policy of a :func:`compress`, kept in its state as static structure.
+
+    It holds no array (a pytree with no leaves), so it costs nothing in a step, a checkpoint or a
+    sharding, and host code (:func:`skip_nonfinite`, :func:`jaxcomp.data_parallel`) reads it
+    while tracing, without waiting for a device.
+    """
+
+    name: str  # one of NONFINITE_POLICIES
+
+
+def skipped_update(opt_state):
+    """Whether the step that made ``opt_state`` was skipped by a ``compress(nonfinite="skip"|"raise")``.
+
+    Read it inside the step, after ``tx.update``: a traced boolean, identical on every device (it
+    comes from the ``nonfinite`` metric, a sum over the devices), or ``None`` when no
+    :class:`jaxcomp.CompressState` in ``opt_state`` can skip (none, or all with ``nonfinite="zero"``),
+    so callers add no work then.
+
+    Args:
+      opt_state: the optimizer state ``tx.update`` returned.
+
+    Returns:
+      A boolean scalar (traced inside a step), or None.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxcomp
+      >>> state = jaxcomp.compress(jaxcomp.Dense(), nonfinite="skip").init({"w": jnp.zeros(3)})
+      >>> bool(jaxcomp.skipped_update(state)), jaxcomp.skipped_update(jaxcomp.compress(jaxcomp.Dense()).init({}))
+      (False, None)
+
+    References:
+      optax ``apply_if_finite`` (skips a step on non-finite updates); Micikevicius et al.,
+      "Mixed Precision Training", ICLR 2018, §3.2 (a step with Inf/NaN gradients is skipped).
+    """
+    flags = [
+        state.metrics.nonfinite > 0 for state in _states(opt_state) if state.policy.name != "zero"
+    ]
+    if not flags:
+        return None
+    return functools.reduce(jnp.logical_or, flags)
+
+
+def keep_if_skipped(skipped, old_state, new_state):
+    """``new_state`` where the step ran, ``old_state`` where it was skipped; CompressStates stay new.
+
+    A compress skips its own state (residual, step, ``compress_auto``'s choices) and reports the
+    step in its metrics, so its new state is right either way.
+
+    Args:
+      skipped: the step's skip flag, identical on every device.
+      old_state: the optimizer state before the step.
+      new_state: the optimizer state after it.
+
+    Returns:
+      The optimizer state to keep.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> keep_if_skipped(jnp.bool_(True), {"count": jnp.int32(1)}, {"count": jnp.int32(2)})["count"].tolist()
+      1
+
+    References:
+      optax ``apply_if_finite``; Micikevicius et al., ICLR 2018, §3.2.
+    """
+
+    def keep(new, old):
+        return new if _is_compress_state(new) else jnp.where(skipped, old, new)
+
+    return jax.tree.map(keep, new_state, old_state, is_leaf=_is_compress_state)
+
+
+def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """Makes a whole optax chain skip the steps its ``compress(nonfinite="skip")`` skips.
+
+    ``compress(..., nonfinite="skip")`` (or ``"raise"``) keeps its own state and returns zero
+    updates when any device saw a non-finite gradient entry, but the transformations after it
+    would still advance on those zeros (adam's moments decay, its count grows, and the params
+    move). This wrapper runs ``tx`` and, on such a step, returns zero updates and ``tx``'s
+    previous state, everywhere but inside the compress states (which already kept theirs and
+    report the step in their ``nonfinite`` metric). It decides with ``jnp.where`` on a scalar
+    that every device agrees on, not ``lax.cond``, so it works inside ``jax.shard_map`` where
+    ``optax.apply_if_finite`` fails ("cond branches must have equal output types").
+    :func:`jaxcomp.data_parallel` does this by itself (and keeps the params bit for bit); use
+    the wrapper in your own ``shard_map`` step. The state is ``tx``'s own.
+
+    Args:
+      tx: an optax transformation holding a :func:`compress` with ``nonfinite="skip"`` or
+        ``"raise"`` (with ``"zero"`` or no compress the wrapper changes nothing).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with ``tx``'s ``init`` and state.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()), ("data",))
+      >>> tx = jaxcomp.skip_nonfinite(optax.chain(jaxcomp.compress(jaxcomp.Dense(), nonfinite="skip"), optax.adam(0.1)))
+      >>> state = tx.init({"w": jnp.zeros(2)})
+      >>> def step(g):
+      ...     updates, new_state = tx.update({"w": g}, state)
+      ...     return updates["w"], new_state[1][0].count, jaxcomp.find_compress_state(new_state).metrics.nonfinite
+      >>> f = jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P())
+      >>> g = jnp.ones(2 * jax.device_count()).at[0].set(jnp.nan)
+      >>> updates, adam_count, nonfinite = f(g)
+      >>> updates.tolist(), int(adam_count), float(nonfinite)
+      ([0.0, 0.0], 0, 1.0)
+
+    References:
+      optax ``apply_if_finite``; Micikevicius et al., "Mixed Precision Training", ICLR 2018, §3.2.
+    """
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
+    inner = optax.with_extra_args_support(tx)
+
+    def update(updates, state, params=None, **extra_args):
+        new_updates, new_state = inner.update(updates, state, params, **extra_args)
+        skipped = skipped_update(new_state)
+        if skipped is None:
+            return new_updates, new_state
+        new_updates = jax.tree.map(
+            lambda u: (
+                jnp.where(skipped, jnp.zeros_like(u), u)
+                if jnp.issubdtype(u.dtype, jnp.inexact)
+                else u
+            ),
+            new_updates,
+        )
+        return new_updates, keep_if_skipped(skipped, state, new_state)
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+def _states(opt_state):
+    from jaxcomp.optim.transform import compress_states  # transform imports this module
+
+    return compress_states(opt_state)
+
+
+def _is_compress_state(node) -> bool:
+    from jaxcomp.optim.transform import CompressState
+
+    return isinstance(node, CompressState)
