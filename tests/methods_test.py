@@ -306,7 +306,7 @@ def _modules_after(code):
         "import jaxcomp",
         "import jaxcomp.costmodel.cost",
         "import jaxcomp.methods",
-        "from jaxcomp import cost; cost.predict('ar_topk', 4e8, 8, "
+        "from jaxcomp.costmodel import cost; cost.predict('ar_topk', 4e8, 8, "
         "cost.Network.parse('1ms', '1gbit'), ratio=0.01)",
     ],
 )

@@ -304,7 +304,7 @@ def main(argv=None) -> int:
       0 on success.
 
     Example:
-      >>> from jaxcomp import demo
+      >>> from jaxcomp.cli import demo
       >>> demo.main(["--steps", "20", "--methods", "dense,ar_topk", "--no-plot"])  # doctest: +SKIP
       0
 

@@ -187,7 +187,7 @@ class Cluster:
     Example:
       >>> from jaxcomp.distributed.cluster import Cluster
       >>> with Cluster(2, rate="100mbit") as cluster:  # doctest: +SKIP
-      ...     cluster.run(["-c", "from jaxcomp import launch; launch.initialize()"])
+      ...     cluster.run(["-c", "from jaxcomp.distributed import launch; launch.initialize()"])
       [0, 0]
     """
 

@@ -112,7 +112,7 @@ def initialize(
         ``failure_timeout`` (the message and ``.missing`` name it).
 
     Example:
-      >>> from jaxcomp import launch
+      >>> from jaxcomp.distributed import launch
       >>> launch.initialize()  # not under the launcher: nothing to join
       0
 
@@ -590,7 +590,7 @@ def launch(
 
     Example:
       >>> from jaxcomp.distributed.launch import launch
-      >>> launch(["-c", "from jaxcomp import launch; launch.initialize()"], num_processes=2)  # doctest: +SKIP
+      >>> launch(["-c", "from jaxcomp.distributed import launch; launch.initialize()"], num_processes=2)  # doctest: +SKIP
       0
 
     References:

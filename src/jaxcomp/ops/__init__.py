@@ -4,10 +4,13 @@
 Imports nothing else of jaxcomp. The public functions are also ``jaxcomp.topk``, ``jaxcomp.zfp_encode``...
 """
 
+import pkgutil
+
 from jaxcomp._lazy import attach
 
 __getattr__, __dir__, __all__ = attach(
     __name__,
-    submodules=("topk", "zfp", "hadamard", "sign", "flat", "reference", "xla"),
+    # every public submodule: topk, zfp, hadamard, sign, flat, reference, xla
+    submodules=[m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")],
     exports={},
 )

@@ -71,7 +71,7 @@ def topk(x, k):
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxcomp import reference
+      >>> from jaxcomp.ops import reference
       >>> reference.topk(jnp.array([1.0, -2.0, 2.0, 0.5]), 2)[1].tolist()
       [1, 2]
 
@@ -107,7 +107,7 @@ def find_threshold(x, k, rounds=16):  # 16 = jaxcomp.DEFAULT_ROUNDS
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxcomp import reference
+      >>> from jaxcomp.ops import reference
       >>> t, c = reference.find_threshold(jnp.array([0.5, -3.0, 1.0, 2.0]), 2, rounds=31)
       >>> float(t), int(c)
       (2.0, 2)
@@ -145,7 +145,7 @@ def threshold_topk(x, k, rounds=16):  # 16 = jaxcomp.DEFAULT_ROUNDS
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxcomp import reference
+      >>> from jaxcomp.ops import reference
       >>> reference.threshold_topk(jnp.array([0.5, -3.0, 1.0, 2.0]), 2)[1].tolist()
       [1, 3]
 

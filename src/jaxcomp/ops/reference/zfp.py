@@ -400,7 +400,7 @@ def zfp_encode(x, rate):
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxcomp import reference
+      >>> from jaxcomp.ops import reference
       >>> reference.zfp_encode(jnp.ones(4), rate=8).tolist()
       [11521]
 
@@ -428,7 +428,7 @@ def zfp_decode(words, n, rate, dtype=jnp.float32):
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxcomp import reference
+      >>> from jaxcomp.ops import reference
       >>> reference.zfp_decode(reference.zfp_encode(jnp.ones(4), rate=8), n=4, rate=8).tolist()
       [1.0, 1.0, 1.0, 1.0]
 

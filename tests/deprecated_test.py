@@ -1,0 +1,102 @@
+"""The module paths of the flat package (jaxcomp 0.1) keep working for one release, with a warning.
+
+Each old path is the new module itself (not a copy): monkeypatching either patches both, and
+``isinstance`` checks agree.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+from helpers import subprocess_env
+
+import jaxcomp
+from jaxcomp import _deprecated
+
+
+def _forget(old):
+    """Drops an old path from the import system and the parent's attributes, so it imports anew."""
+    for name in [n for n in sys.modules if n == old or n.startswith(old + ".")]:
+        del sys.modules[name]
+    parent, _, child = old.rpartition(".")
+    module = sys.modules.get(parent)
+    if module is not None and child in vars(module):
+        delattr(module, child)
+
+
+@pytest.mark.parametrize("old", sorted(_deprecated.MOVED))
+def test_every_old_path_imports_the_new_module_with_a_warning(old):
+    new = _deprecated.MOVED[old]
+    _forget(old)
+    with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated.*import {new} instead"):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+    assert module.__name__ == new and module.__spec__.name == new  # the real module, untouched
+
+
+def test_from_import_and_attribute_access_of_an_old_path():
+    _forget("jaxcomp.cost")
+    with pytest.warns(DeprecationWarning, match="jaxcomp.cost is deprecated") as caught:
+        from jaxcomp.cost import Network  # noqa: F401
+    assert caught[0].filename == __file__  # the warning points at the importing line
+    from jaxcomp.costmodel.cost import Network as new
+
+    assert Network is new
+    _forget("jaxcomp.probe")
+    with pytest.warns(DeprecationWarning, match="jaxcomp.probe is deprecated"):
+        probe = jaxcomp.probe
+    assert probe is importlib.import_module("jaxcomp.costmodel.probe")
+
+
+def test_a_module_below_an_old_package_path():
+    _forget("jaxcomp.reference")
+    with pytest.warns(DeprecationWarning, match="jaxcomp.reference"):
+        import jaxcomp.reference.topk as topk_module
+    assert topk_module is importlib.import_module("jaxcomp.ops.reference.topk")
+    from jaxcomp.reference import topk  # the function, as before
+
+    assert topk is importlib.import_module("jaxcomp.ops.reference").topk
+
+
+def test_new_paths_do_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for new in _deprecated.MOVED.values():
+            importlib.import_module(new)
+        assert jaxcomp.compress is importlib.import_module("jaxcomp.optim").compress
+
+
+def test_new_name_maps_only_moved_paths():
+    assert _deprecated.new_name("jaxcomp.xla.zfp") == "jaxcomp.ops.xla.zfp"
+    assert _deprecated.new_name("jaxcomp.methods") is None
+    assert _deprecated.new_name("jaxcomp.costs") is None  # a prefix of a name is not a path
+
+
+def test_unknown_attribute_still_raises():
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        _ = jaxcomp.nope
+
+
+def test_python_dash_m_with_an_old_path_runs_the_new_module():
+    result = subprocess.run(
+        [sys.executable, "-W", "always", "-m", "jaxcomp.launch", "--help"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "usage: python -m jaxcomp.distributed.launch" in result.stdout
+    assert "jaxcomp.launch is deprecated" in result.stderr
+
+
+def test_importing_jaxcomp_loads_no_jax():
+    code = "import sys, jaxcomp; print('jax' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env()
+    )
+    assert result.stdout.strip() == "False", result.stderr
