@@ -62,7 +62,7 @@ def fit_alpha_beta(sizes, seconds, n_workers: int, method: Method = Dense()) -> 
       The fitted :class:`jaxcomp.costmodel.cost.Network`.
 
     Example:
-      >>> from jaxcomp import cost, methods
+      >>> from jaxcomp.costmodel import cost
       >>> true = cost.Network(alpha=1e-4, bandwidth=1e9)
       >>> sizes = [2**10, 2**16, 2**22]
       >>> times = [cost.predict("dense", s, 8, true) for s in sizes]
