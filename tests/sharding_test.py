@@ -456,7 +456,8 @@ def test_nonfinite_gradients_agree_with_the_replicated_run(method, nonfinite):
 
 
 def test_cost_model_and_advise_know_the_sharded_form(capsys):
-    from jaxcomp.costmodel import advise, cost
+    from jaxcomp.cli import advise
+    from jaxcomp.costmodel import cost
 
     net = cost.Network.parse("0.1ms", "1gbit")
     nbytes, workers = 4e8, 8

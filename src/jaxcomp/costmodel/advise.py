@@ -100,13 +100,10 @@ def sync_sgd_time(
         )
     if n_workers == 1:
         return backward_seconds  # nothing to synchronize, nothing to overlap with
-    full_buckets = max(math.ceil(nbytes / bucket_bytes) - 1, 0)
-    last_bucket = nbytes - full_buckets * bucket_bytes
-    per_bucket = cost.predict(method, bucket_bytes, n_workers, network) if full_buckets else 0.0
-    last = cost.predict(method, last_bucket, n_workers, network)
+    overlappable, last = _bucketed_comm(method, nbytes, n_workers, network, bucket_bytes)
     if overlap:
-        return max(gamma * backward_seconds, full_buckets * per_bucket) + last
-    return backward_seconds + full_buckets * per_bucket + last
+        return max(gamma * backward_seconds, overlappable) + last
+    return backward_seconds + overlappable + last
 
 
 def compressed_time(
@@ -179,13 +176,20 @@ def compressed_time(
             + cost.predict(method, nbytes, n_workers, network, **options)
         )
     _check_positive(bucket_bytes, "bucket_bytes")
+    overlappable, last = _bucketed_comm(method, nbytes, n_workers, network, bucket_bytes, **options)
+    return max(gamma * (backward_seconds + encode_decode_seconds), overlappable) + last
+
+
+def _bucketed_comm(method, nbytes, n_workers, network, bucket_bytes, **options):
+    """``((k-1) T_comm(b), T_comm(b̂))``: the ``k - 1`` full buckets of ``b`` bytes, which can
+    overlap the backward pass, and the last bucket ``b̂``, which waits for its end."""
     full_buckets = max(math.ceil(nbytes / bucket_bytes) - 1, 0)
     last_bucket = nbytes - full_buckets * bucket_bytes
     per_bucket = (
         cost.predict(method, bucket_bytes, n_workers, network, **options) if full_buckets else 0.0
     )
     last = cost.predict(method, last_bucket, n_workers, network, **options)
-    return max(gamma * (backward_seconds + encode_decode_seconds), full_buckets * per_bucket) + last
+    return full_buckets * per_bucket, last
 
 
 def required_compression(
@@ -292,7 +296,7 @@ def break_even_bandwidth(compressed, dense, search=BANDWIDTH_SEARCH, points: int
 
 
 # ---------------------------------------------------------------------------------------------
-# Command line
+# Argument checks (the command line is jaxcomp.cli.advise)
 
 
 def _check_positive(value, name, allow_zero=False):

@@ -62,7 +62,6 @@ def fit_alpha_beta(sizes, seconds, n_workers: int, method: Method = Dense()) -> 
       The fitted :class:`jaxcomp.costmodel.cost.Network`.
 
     Example:
-      >>> from jaxcomp import methods
       >>> from jaxcomp.costmodel import cost
       >>> true = cost.Network(alpha=1e-4, bandwidth=1e9)
       >>> sizes = [2**10, 2**16, 2**22]
@@ -160,6 +159,39 @@ def probe_network(
       Tyagi & Swany, arXiv 2312.02493, §3-E (re-measure α and β, re-decide);
       Agarwal et al., MLSys 2022, App. C (α from a timed all-reduce).
     """
+    n_workers, sizes = _check_probe(mesh, axis_name, sizes, repeats, budget)
+    key = (
+        tuple(d.id for d in mesh.devices.flat),
+        mesh.devices.shape,
+        mesh.axis_names,
+        axis_name,
+        sizes,
+        repeats,
+        budget,
+    )
+    if cache and key in _CACHE:
+        return _CACHE[key]
+    for attempt in range(_ATTEMPTS):
+        timed, seconds = _time_sizes(mesh, axis_name, sizes, repeats, budget)
+        try:
+            network = _bucket_free(
+                fit_alpha_beta(timed, seconds, n_workers), timed, seconds, n_workers
+            )
+            break
+        except ValueError:
+            # Timings that do not grow with size are noise on a link too fast for these sizes:
+            # measure again with larger messages (every process sees the same gathered timings,
+            # so all of them retry together).
+            if attempt == _ATTEMPTS - 1:
+                raise
+            sizes = tuple(8 * size for size in sizes)
+    if cache:
+        _CACHE[key] = network
+    return network
+
+
+def _check_probe(mesh, axis_name, sizes, repeats, budget):
+    """``(n_workers, sorted sizes)`` of :func:`probe_network`'s arguments, or a ValueError naming one."""
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if axis_name not in mesh.axis_names:
@@ -184,53 +216,30 @@ def probe_network(
         and budget > 0
     ):
         raise ValueError(f"budget must be a positive number of seconds or None, got {budget!r}")
-    sizes = tuple(sorted(sizes))
+    return n_workers, tuple(sorted(sizes))
 
-    key = (
-        tuple(d.id for d in mesh.devices.flat),
-        mesh.devices.shape,
-        mesh.axis_names,
-        axis_name,
-        sizes,
-        repeats,
-        budget,
-    )
-    if cache and key in _CACHE:
-        return _CACHE[key]
+
+def _time_sizes(mesh, axis_name, sizes, repeats, budget):
+    """``(timed sizes, seconds)``: the agreed (slowest process's) ``psum`` time of each size, smallest
+    first, stopping before a size that would not fit in what is left of ``budget``."""
     start = time.perf_counter()
-    for attempt in range(_ATTEMPTS):
-        timed, seconds = [], []
-        for size in sizes:
-            if len(timed) >= 2 and budget is not None:
-                expected = seconds[-1] * size / timed[-1] * (repeats + 1)
-                # The elapsed time is agreed too: every process must skip the same sizes.
-                elapsed = float(agree_across_processes(np.array([time.perf_counter() - start]))[0])
-                if elapsed + expected > budget:
-                    break
-            timed.append(size)
-            seconds.append(
-                float(
-                    agree_across_processes(
-                        np.array([_time_psum(mesh, axis_name, size // 4, repeats)])
-                    )[0]
-                )
+    timed, seconds = [], []
+    for size in sizes:
+        if len(timed) >= 2 and budget is not None:
+            expected = seconds[-1] * size / timed[-1] * (repeats + 1)
+            # The elapsed time is agreed too: every process must skip the same sizes.
+            elapsed = float(agree_across_processes(np.array([time.perf_counter() - start]))[0])
+            if elapsed + expected > budget:
+                break
+        timed.append(size)
+        seconds.append(
+            float(
+                agree_across_processes(np.array([_time_psum(mesh, axis_name, size // 4, repeats)]))[
+                    0
+                ]
             )
-        try:
-            network = _bucket_free(
-                fit_alpha_beta(timed, seconds, n_workers), timed, seconds, n_workers
-            )
-            break
-        except ValueError:
-            # Timings that do not grow with size are noise on a link too fast for these sizes:
-            # measure again with larger messages (every process sees the same gathered timings,
-            # so all of them retry together).
-            if attempt == _ATTEMPTS - 1:
-                raise
-            sizes = tuple(8 * size for size in sizes)
-            start = time.perf_counter()
-    if cache:
-        _CACHE[key] = network
-    return network
+        )
+    return timed, seconds
 
 
 def codec_seconds(

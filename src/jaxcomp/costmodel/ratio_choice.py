@@ -1,4 +1,8 @@
-"""Decisions for "auto" compression: which collective, and which compression ratio.
+"""The adaptive compression ratio of paper 000 §3-E (this module was ``jaxcomp.adaptive``).
+
+Which compression ratio (top-k density) ``compress_auto`` runs, decided while training; which
+method runs is the cost model's choice (:func:`jaxcomp.costmodel.cost.choose`), and
+:func:`moved` tells both when the network changed enough to decide again.
 
 Paper 000 §3-E treats the compression ratio (CR, the density ``k / n``) as a multi-objective
 problem: minimize compression time, communication time and ``1 / gain``, where the compression

@@ -1,12 +1,13 @@
-"""Layer 6, training: :func:`data_parallel` (the jitted, sharded step) and the model zoo that the
-benchmarks train (:mod:`.zoo`).
+"""Layer 6, training: :func:`data_parallel` (the jitted, sharded step; :mod:`.trainer`, built from
+:mod:`.state`, :mod:`.layout`, :mod:`.mask`, :mod:`.step`, :mod:`.dispatch` and :mod:`.reprobe`)
+and the model zoo that the benchmarks train (:mod:`.zoo`).
 """
 
 from jaxcomp._lazy import attach
 
 __getattr__, __dir__, __all__ = attach(
     __name__,
-    submodules=("trainer", "zoo"),
+    submodules=("trainer", "state", "layout", "mask", "step", "dispatch", "reprobe", "zoo"),
     exports={
         "data_parallel": "jaxcomp.training.trainer",
         "DataParallel": "jaxcomp.training.trainer",

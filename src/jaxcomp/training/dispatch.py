@@ -1,0 +1,76 @@
+"""How far the host may run ahead of the devices: :class:`BoundedStep` around the jitted step.
+
+Why a bound: XLA:CPU runs the collectives of each step as an in-process rendezvous of one thread
+per device with a fixed 40 s termination timeout. A loop that never reads a result queues
+hundreds of steps; the threads of one device then fall so far behind another's that a
+rendezvous times out and XLA aborts the process ("Termination timeout for all reduce
+RendezvousKey ... only 7 of 8 arrived", issue 14; a reproduction without jaxcomp is
+``tests/inflight_repro.py``). Waiting for an output that is ``max_in_flight`` steps old costs
+nothing measurable while the queue stays ahead (docs/training.md).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+
+#: Steps :attr:`DataParallel.step` lets run ahead of the host by default (see :func:`data_parallel`).
+DEFAULT_MAX_STEPS_IN_FLIGHT = 8
+
+
+class BoundedStep:
+    """A jitted step that blocks on step ``t - max_in_flight``'s output before dispatching step ``t``.
+
+    See the module's docstring for why. Every other attribute (``lower``, ``trace``, ...) is the
+    jitted function's.
+
+    The metrics come back as this process's copy of each (replicated) value, an array on one
+    local device: ``float(metrics["loss"])`` works on every process of a multi-process job,
+    where the global arrays would span devices this process cannot read. Taking the local copy
+    waits for nothing.
+    """
+
+    def __init__(self, jitted, max_in_flight, check=None):
+        self._jitted = jitted
+        self._max_in_flight = max_in_flight
+        self._in_flight = collections.deque()
+        self._check = check  # check(args, metrics): raises on a step the host must not go past
+
+    def __call__(self, *args, **kwargs):
+        out = self._jitted(*args, **kwargs)
+        if self._max_in_flight is not None:
+            # One scalar per step: the new step counter, ready when the whole step has run.
+            self._in_flight.append(out[0].step)
+            while len(self._in_flight) > self._max_in_flight:
+                self._in_flight.popleft().block_until_ready()
+        state, metrics = out
+        metrics = jax.tree.map(local_copy, metrics)
+        if self._check is not None:
+            self._check(args, metrics)
+        return state, metrics
+
+    def __getattr__(self, name):
+        return getattr(self._jitted, name)
+
+
+def local_copy(x):
+    """This process's copy of a replicated global array (``x`` itself when it is all local).
+
+    Args:
+      x: anything; a ``jax.Array`` that spans devices of other processes is replaced.
+
+    Returns:
+      ``x.addressable_data(0)`` for such an array, else ``x``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> local_copy(jnp.ones(2)).tolist()
+      [1.0, 1.0]
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, Alg. 1 (every worker holds the same replicated values).
+    """
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return x.addressable_data(0)
+    return x

@@ -1,0 +1,235 @@
+"""Where a :func:`jaxcomp.data_parallel` run keeps its state, and what its ``tx`` sees.
+
+A :class:`Layout` holds the run's ``tx``, mesh, data axes and ``shard=`` mode. ``tx`` sees the
+whole params, or with ``shard=`` each device's ``1/N`` shard of every leaf
+(:mod:`jaxcomp.optim.sharding`). Optimizer-state leaves that differ per device (the
+error-feedback residual; with ``shard=``, the optimizer's shards) are stored with a leading axis
+of size ``n_devices`` sharded over the data axis; every other leaf, and the params, is
+replicated (with ``shard="params"`` the params are stored as each leaf's shards, ``[N, m]``).
+Which leaves differ is read off shard_map's types (:mod:`jaxcomp.training.mask`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp.collectives import sizes
+from jaxcomp.ops._ffi import varying_axes
+from jaxcomp.optim import sharding
+from jaxcomp.optim.transform import CompressState
+from jaxcomp.training import mask as mask_lib
+from jaxcomp.training.state import TrainState, avals_of, check_params, tree_key
+
+
+class Layout:
+    """The layout of one data_parallel run: ``tx``'s view of the params and the state's shardings.
+
+    Attributes:
+      tx, mesh, axis_name, shard, gather_dtype: as :func:`jaxcomp.data_parallel` was given them
+        (``mesh`` with Auto axes).
+      axes: ``axis_name`` as a tuple.
+      n_devices: the devices over the data axes (the shards of each leaf).
+    """
+
+    def __init__(self, tx, mesh, axis_name, shard=None, gather_dtype=None):
+        self.tx = tx
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.shard = shard
+        self.gather_dtype = gather_dtype
+        self.axes = tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
+        self.n_devices = math.prod(mesh.shape[a] for a in self.axes)
+        self._masks = {}  # tree_key(avals) -> (state_def, mask)
+        self._shapes = {}  # shard="params": the structure and shard shapes of params -> their full avals
+
+    # -- what tx sees: the whole params, or this device's shards of them -------------------------
+
+    def shard_avals(self, avals):
+        """The avals of one device's shards of ``avals`` (1-D, :func:`jaxcomp.optim.sharding.shard_length`)."""
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(
+                (sharding.shard_length(math.prod(a.shape), self.n_devices),), a.dtype
+            ),
+            avals,
+        )
+
+    def tx_init(self, params, shards=None):
+        """``tx.init`` as this run lays it out: of the params, or (sharded) of this device's shards,
+        with every compress state still made from the whole params (error feedback keeps the
+        residual of the whole local gradient)."""
+        if self.shard is None:
+            return self.tx.init(params)
+        with sharding.sharded_updates(
+            self.n_devices
+        ):  # a compress without a reduce-scatter form says so
+            whole = self.tx.init(params)
+            of_shards = self.tx.init(shards)
+        is_compress = lambda x: isinstance(x, CompressState)  # noqa: E731
+        return jax.tree.map(
+            lambda w, s: w if is_compress(w) else s, whole, of_shards, is_leaf=is_compress
+        )
+
+    def tx_update(self, grads, opt_state, params):
+        """``tx.update``; sharded, inside :func:`jaxcomp.optim.sharding.sharded_updates`."""
+        if self.shard is None:
+            return self.tx.update(grads, opt_state, params)
+        with sharding.sharded_updates(self.n_devices):
+            return self.tx.update(grads, opt_state, params)
+
+    def my_shards(self, params):
+        """This device's shard of each leaf of the whole ``params`` (inside ``shard_map``)."""
+        me = jax.lax.axis_index(self.axis_name)
+        return jax.tree.map(lambda p: sharding.shard_of(p, self.n_devices, me), params)
+
+    def gather_bytes(self, avals) -> float:
+        """Bytes one device sends in a step's all-gather of the params (sharded modes): ``(N-1)/N``
+        of every leaf's ``N`` shards, in ``gather_dtype`` or the leaf's dtype."""
+        return sum(
+            sizes.reduce_scatter_bytes(
+                self.n_devices
+                * sharding.shard_length(math.prod(a.shape), self.n_devices)
+                * jnp.dtype(self.gather_dtype or a.dtype).itemsize,
+                self.n_devices,
+            )
+            for a in jax.tree.leaves(avals)
+        )
+
+    # -- the whole params of a stored state ------------------------------------------------------
+
+    def whole_avals(self, params):
+        """The whole params' avals, from whole params, or from a sharded state's params."""
+        avals = avals_of(params)
+        if self.shard != "params":
+            return avals
+        key = tree_key(avals)
+        if key in self._shapes:
+            return self._shapes[key]
+        self._refuse_unknown_shards(jax.tree.leaves(avals))
+        return avals
+
+    def _refuse_unknown_shards(self, leaves):
+        """Sharded params this layout has no whole shapes for: made for another mesh, or unseen."""
+        counts = {a.shape[0] for a in leaves if len(a.shape) == 2}
+        if (
+            len(counts) == 1
+            and all(len(a.shape) == 2 for a in leaves)
+            and counts != {self.n_devices}
+        ):
+            raise ValueError(
+                f"state.params are shards for {counts.pop()} devices, but this data_parallel shards over "
+                f"{self.n_devices}: a sharded state restores onto the same number of devices only. Its "
+                "error-feedback residuals are per device and cannot be re-split exactly; to move to another "
+                "mesh, gather the params with params(state) on the old one and init anew (the optimizer state "
+                "and residuals start over)"
+            )
+        if all(len(a.shape) == 2 and a.shape[0] == self.n_devices for a in leaves):
+            raise ValueError(
+                "these are sharded params (shard='params'): call init(params) or state_sharding(params) of "
+                "this data_parallel with the whole params first (e.g. before restoring a checkpoint), so that "
+                "it knows each leaf's shape"
+            )
+
+    def remember_shapes(self, avals):
+        """With ``shard="params"``, remembers the whole ``avals`` behind their stored shards."""
+        if self.shard == "params":
+            stored = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct((self.n_devices,) + a.shape, a.dtype),
+                self.shard_avals(avals),
+            )
+            self._shapes[tree_key(stored)] = avals
+
+    # -- layout of the optimizer state ---------------------------------------------------------
+
+    def per_device_mask(self, params):
+        """``(state_def, mask)``: the optimizer state's structure and which of its leaves differ
+        per device (:func:`jaxcomp.training.mask.per_device_mask`, cached per params shapes)."""
+        check_params(params)
+        avals = avals_of(params)
+        cache_key = tree_key(avals)
+        if cache_key not in self._masks:
+            self._masks[cache_key] = mask_lib.per_device_mask(self, avals)
+        return self._masks[cache_key]
+
+    def state_specs(self, avals):
+        """The :class:`TrainState` of ``PartitionSpec`` s of the state of whole params ``avals``."""
+        state_def, mask = self.per_device_mask(avals)
+        opt_specs = state_def.unflatten([P(self.axis_name) if m else P() for m in mask])
+        param_spec = P(self.axis_name) if self.shard == "params" else P()
+        return TrainState(
+            params=jax.tree.map(lambda _: param_spec, avals), opt_state=opt_specs, step=P()
+        )
+
+    def state_sharding(self, avals):
+        """:meth:`state_specs` as ``NamedSharding`` s on the mesh."""
+        return jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, spec),
+            self.state_specs(avals),
+            is_leaf=lambda x: isinstance(x, P),
+        )
+
+    def check_state(self, state):
+        """Refuses a state whose optimizer state was not made for its params by this ``tx``;
+        returns the whole params' avals."""
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"state must be the TrainState that init returns, got {type(state).__name__}"
+            )
+        avals = self.whole_avals(state.params)
+        state_def, mask = self.per_device_mask(avals)
+        expected = jax.tree.leaves(
+            jax.eval_shape(self.tx_init, avals, self.shard_avals(avals) if self.shard else None)
+        )
+        if not self._fits(state_def, mask, state.opt_state, expected):
+            raise ValueError(
+                "state.opt_state does not fit state.params: it was made for other params (or by another tx, "
+                "or by a data_parallel with another shard= or mesh). Build the state with init(params) of this "
+                f"data_parallel, and keep params and opt_state together; expected opt_state of structure {state_def}"
+            )
+        return avals
+
+    def _fits(self, state_def, mask, opt_state, expected) -> bool:
+        """Whether ``opt_state`` has the structure and (stacked) shapes of ``expected``."""
+        try:
+            leaves = state_def.flatten_up_to(opt_state)
+        except (ValueError, TypeError):
+            return False
+        # Both come from tx_init's structure: as many leaves, in the same order.
+        for leaf, want, per_device in zip(leaves, expected, mask):
+            shape = ((self.n_devices,) if per_device else ()) + tuple(want.shape)
+            if tuple(np.shape(leaf)) != shape:
+                return False
+        return True
+
+    # -- the initial state ---------------------------------------------------------------------
+
+    def initial_state(self, params):
+        """The initial :class:`TrainState` of replicated ``params`` (traced, e.g. under ``jax.jit``)."""
+        avals = avals_of(params)
+        state_def, mask = self.per_device_mask(avals)
+        specs = self.state_specs(avals)
+
+        def this_devices_row(leaf):
+            """A per-device leaf as this device's row of its ``[N, ...]`` stack (typed varying)."""
+            if not set(self.axes) <= varying_axes(leaf):
+                leaf = jax.lax.pcast(leaf, self.axis_name, to="varying")
+            return leaf[None]
+
+        def local_init(params):
+            shards = self.my_shards(params) if self.shard else None
+            leaves = jax.tree.leaves(self.tx_init(params, shards))
+            leaves = [
+                this_devices_row(leaf) if per_device else leaf
+                for leaf, per_device in zip(leaves, mask)
+            ]
+            stored = jax.tree.map(lambda x: x[None], shards) if self.shard == "params" else params
+            return TrainState(
+                params=stored, opt_state=state_def.unflatten(leaves), step=jnp.zeros((), jnp.int32)
+            )
+
+        return jax.shard_map(local_init, mesh=self.mesh, in_specs=(P(),), out_specs=specs)(params)

@@ -1,0 +1,112 @@
+"""jaxcomp.training.layout, .mask and .state: the pieces data_parallel's step is built from."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import need_devices
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp.optim.transform import compress
+from jaxcomp.training.layout import Layout
+from jaxcomp.training.mask import per_device_mask
+from jaxcomp.training.state import TrainState, avals_of, check_params, tree_key
+
+N_DEVICES = 8
+PARAMS = {
+    "w": jax.ShapeDtypeStruct((5, 3), jnp.float32),
+    "b": jax.ShapeDtypeStruct((3,), jnp.float32),
+}
+
+
+def _mesh():
+    need_devices(N_DEVICES)
+    return Mesh(np.array(jax.devices()[:N_DEVICES]), ("data",))
+
+
+def _layout(tx, shard=None):
+    return Layout(tx, _mesh(), "data", shard)
+
+
+def test_the_residual_is_per_device_and_adam_is_not():
+    layout = _layout(optax.chain(compress("ar_topk", ratio=0.5), optax.adam(0.1)))
+    state_def, mask = per_device_mask(layout, PARAMS)
+    leaves = state_def.unflatten(mask)
+    assert jax.tree.leaves(leaves[0].residual) == [True, True]
+    assert not any(jax.tree.leaves(leaves[1]))
+
+
+def test_without_error_feedback_nothing_is_per_device():
+    layout = _layout(optax.chain(compress("dense"), optax.sgd(0.1)))
+    assert not any(per_device_mask(layout, PARAMS)[1])
+
+
+def test_sharded_optimizer_state_is_per_device():
+    layout = _layout(optax.chain(compress("dense"), optax.adam(0.1)), shard="optimizer")
+    state_def, mask = per_device_mask(layout, PARAMS)
+    adam = state_def.unflatten(mask)[1][0]
+    assert jax.tree.leaves(adam.mu) == [True, True] and not adam.count
+
+
+def test_a_tx_that_does_not_aggregate_is_refused():
+    with pytest.raises(ValueError, match="differ per device"):
+        per_device_mask(_layout(optax.sgd(0.1)), PARAMS)
+    with pytest.raises(ValueError, match="must begin with jaxcomp.compress"):
+        per_device_mask(_layout(optax.sgd(0.1), shard="optimizer"), PARAMS)
+
+
+def test_the_mask_is_cached_per_shapes():
+    layout = _layout(optax.chain(compress("ar_topk", ratio=0.5), optax.sgd(0.1)))
+    first = layout.per_device_mask(PARAMS)
+    assert layout.per_device_mask(jax.tree.map(jnp.zeros_like, PARAMS)) is first
+
+
+def test_state_specs_put_per_device_leaves_on_the_data_axis():
+    layout = _layout(optax.chain(compress("ar_topk", ratio=0.5), optax.sgd(0.1)), shard="params")
+    specs = layout.state_specs(PARAMS)
+    assert isinstance(specs, TrainState) and specs.step == P()
+    assert jax.tree.leaves(specs.params, is_leaf=lambda x: isinstance(x, P)) == [P("data")] * 2
+    residual = specs.opt_state[0].residual
+    assert jax.tree.leaves(residual, is_leaf=lambda x: isinstance(x, P)) == [P("data")] * 2
+
+
+def test_initial_state_matches_the_specs_shapes():
+    layout = _layout(optax.chain(compress("ar_topk", ratio=0.5), optax.sgd(0.1)), shard="params")
+    state = jax.eval_shape(layout.initial_state, PARAMS)
+    assert state.params["w"].shape == (N_DEVICES, 2)  # ceil(15 / 8)
+    assert state.opt_state[0].residual["w"].shape == (N_DEVICES, 5, 3)
+    layout.remember_shapes(PARAMS)
+    assert layout.whole_avals(state.params) == avals_of(PARAMS)
+
+
+def test_unknown_shards_are_refused_with_a_way_out():
+    layout = _layout(optax.chain(compress("dense"), optax.sgd(0.1)), shard="params")
+    with pytest.raises(ValueError, match="init\\(params\\) or state_sharding"):
+        layout.whole_avals({"w": jnp.zeros((N_DEVICES, 2))})
+    with pytest.raises(ValueError, match="shards for 4 devices"):
+        layout.whole_avals({"w": jnp.zeros((4, 2))})
+
+
+def test_check_state_refuses_a_foreign_optimizer_state():
+    layout = _layout(optax.chain(compress("ar_topk", ratio=0.5), optax.sgd(0.1)))
+    state = jax.eval_shape(layout.initial_state, PARAMS)
+    assert layout.check_state(state) == avals_of(PARAMS)
+    other = jax.eval_shape(
+        layout.initial_state, {"w": PARAMS["w"], "b": jax.ShapeDtypeStruct((4,), jnp.float32)}
+    )
+    with pytest.raises(ValueError, match="does not fit state.params"):
+        layout.check_state(state._replace(opt_state=other.opt_state))
+    with pytest.raises(TypeError, match="TrainState"):
+        layout.check_state((state.params, state.opt_state, state.step))
+
+
+def test_params_are_checked_and_keyed_by_shape():
+    with pytest.raises(ValueError, match="no arrays"):
+        check_params({})
+    with pytest.raises(ValueError, match="no values"):
+        check_params({"w": jnp.zeros((0, 3))})
+    with pytest.raises(TypeError, match=r"params\['n'\] has dtype int32"):
+        check_params({"n": jnp.zeros(2, jnp.int32)})
+    assert tree_key(avals_of(jnp.zeros(3))) != tree_key(avals_of(jnp.zeros(3, jnp.bfloat16)))
