@@ -1,5 +1,5 @@
 """Layer 7, many hosts: ``jax.distributed`` start-up with a rendezvous (:mod:`.launch`,
-:mod:`.rendezvous`, its server :mod:`.rendezvous_server`), the emulated cluster (:mod:`.cluster`)
+:mod:`.rendezvous`, its server :mod:`.rendezvous_server`, what a peer's failure does: :mod:`.failure`), the emulated cluster (:mod:`.cluster`)
 and the network benchmark (:mod:`.netbench`, its worker :mod:`.netbench_worker`).
 """
 
@@ -11,6 +11,7 @@ __getattr__, __dir__, __all__ = attach(
         "launch",
         "rendezvous",
         "rendezvous_server",
+        "failure",
         "cluster",
         "netbench",
         "netbench_worker",
