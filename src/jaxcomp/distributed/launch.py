@@ -43,6 +43,9 @@ import threading
 import time
 
 from jaxcomp.distributed import rendezvous
+from jaxcomp.distributed._checks import port as _check_port
+from jaxcomp.distributed._checks import positive_int as _positive_int
+from jaxcomp.distributed._checks import positive_seconds as _check_timeout
 from jaxcomp.distributed.failure import (
     _LOSS_GRACE_SECONDS,
     _exit_promptly_on_failure,
@@ -413,12 +416,6 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _check_port(value, name):
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
-        raise ValueError(f"{name} must be a port number in [1, 65535], got {value!r}")
-    return value
-
-
 def _with_device_count(flags: str, count: int) -> str:
     return _with_flag(flags, "xla_force_host_platform_device_count", count)
 
@@ -427,23 +424,6 @@ def _with_flag(flags: str, name: str, value: int) -> str:
     """``flags`` with ``--name=value`` replacing any earlier setting of ``name``."""
     flags = " ".join(re.sub(rf"--{name}=\S*", "", flags).split())
     return f"{flags} --{name}={value}".strip()
-
-
-def _check_timeout(value, name):
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
-    return float(value)
-
-
-def _positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 def launch(

@@ -39,7 +39,6 @@ or ``ERROR <text>`` from the server; ``BYE`` from a process leaving normally.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import selectors
@@ -50,7 +49,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from jaxcomp.distributed import rendezvous_server
+from jaxcomp.distributed import _checks, rendezvous_server
 from jaxcomp.distributed.rendezvous_server import (  # noqa: F401  (the documented names, here too)
     PROTOCOL,
     JaxService,
@@ -332,8 +331,7 @@ def check_in(
 
 def _check_job(num_processes, process_id, timeout) -> None:
     """:func:`check_in`'s numbers, checked: a ValueError names the argument."""
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
-        raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
+    _checks.positive_int(num_processes, "num_processes")
     if (
         isinstance(process_id, bool)
         or not isinstance(process_id, int)
@@ -342,13 +340,7 @@ def _check_job(num_processes, process_id, timeout) -> None:
         raise ValueError(
             f"process_id must be an integer in [0, {num_processes}), got {process_id!r}"
         )
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not math.isfinite(timeout)
-        or timeout <= 0
-    ):
-        raise ValueError(f"timeout must be a positive finite number of seconds, got {timeout!r}")
+    _checks.positive_seconds(timeout, "timeout")
 
 
 def _connect(host, port, deadline, address, num_processes, process_id, timeout):
