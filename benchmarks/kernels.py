@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxcomp
-from jaxcomp.cli.kernels import Row, best_seconds, format_table, measure, realistic_gradient
+from jaxcomp.cli.kernels import Row, format_table, measure, realistic_gradient
+from jaxcomp.costmodel.probe import best_seconds
 
 
 def measure_portable(n, ratio, rate, repeats, device):

@@ -107,7 +107,7 @@ def update_function(method: str, grads):
 
 def measure(model_name: str, methods, repeats: int) -> list[dict]:
     """One model's rows: per method the update's best time and its passes over the copy's."""
-    from jaxcomp.cli.kernels import best_seconds  # one warm-up call, then the best of the rest
+    from jaxcomp.costmodel.probe import best_seconds  # one warm-up call, then the best of the rest
 
     grads = gradients(model_name)
     copy = jax.jit(lambda g: jax.tree.map(lambda x: x * 2, g))

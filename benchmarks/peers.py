@@ -910,7 +910,7 @@ def jaxcomp_cell(config: Config, model: str, hosts: int, rate: str, log_path: st
         warmup=config.warmup,
         batch=config.batch,
         timeout=config.timeout,
-        progress=False,
+        progress=None,
         log=log_path,
         **netbench_options(model, config.params),
     )

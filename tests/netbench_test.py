@@ -7,7 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from jaxcomp.distributed import netbench
+from jaxcomp.cli import netbench as netbench_cli
+from jaxcomp.distributed import netbench, netbench_worker
 
 
 def fake_rows():
@@ -39,7 +40,7 @@ def fake_rows():
 
 
 def test_table_has_a_row_per_method_and_the_sync_ratio():
-    lines = netbench.table(fake_rows()).splitlines()
+    lines = netbench_cli.table(fake_rows()).splitlines()
     assert len(lines) == 2 + 6
     ar = [line for line in lines if "| ar_topk |" in line and "| 100mbit |" in line][0]
     assert "| 33.3x |" in ar  # dense's sync 10 s over ar_topk's 0.3 s
@@ -51,13 +52,13 @@ def test_table_compares_each_model_with_its_own_dense():
         for model, scale in (("gpt2", 1), ("resnet50", 2))
         for r in fake_rows()
     ]
-    lines = netbench.table(rows).splitlines()
+    lines = netbench_cli.table(rows).splitlines()
     assert lines[0].startswith("| model | hosts |") and len(lines) == 2 + 12
     assert all(
         "| 33.3x |" in line for line in lines if "| ar_topk |" in line and "| 100mbit |" in line
     )
     assert all(
-        line.startswith("| -") for line in netbench.table(fake_rows()).splitlines()[2:]
+        line.startswith("| -") for line in netbench_cli.table(fake_rows()).splitlines()[2:]
     )  # older rows
 
 
@@ -73,13 +74,13 @@ def test_a_zoo_model_is_what_the_workers_train():
         rate_bits=None,
         model="mlp4096",
     )
-    params, loss_fn, batches, about = netbench._workload(spec, np.random.default_rng(0))
+    params, loss_fn, batches, about = netbench_worker._workload(spec, np.random.default_rng(0))
     assert about == {"model": "mlp4096", "leaves": 8, "width": None}
     assert len(batches) == 4 and batches[0]["x"].shape == (3, 1024)
     assert np.isfinite(float(loss_fn(params, batches[0])))
     # Without a model: the MLP of --params, as before the zoo.
     mlp = dataclasses.replace(spec, model=None, params=2e5)
-    _, _, batches, about = netbench._workload(mlp, np.random.default_rng(0))
+    _, _, batches, about = netbench_worker._workload(mlp, np.random.default_rng(0))
     assert about == {"model": "mlp_6x183", "leaves": 12, "width": 183} and batches[0][
         "y"
     ].shape == (3, 183)
@@ -88,7 +89,7 @@ def test_a_zoo_model_is_what_the_workers_train():
 @pytest.mark.parametrize("models", [(None,), ("gpt2", "many_small")])
 def test_plot_writes_a_png(tmp_path, models):
     path = tmp_path / "speedup.png"
-    netbench.plot([dict(r, model=m) for m in models for r in fake_rows()], str(path))
+    netbench_cli.plot([dict(r, model=m) for m in models for r in fake_rows()], str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -111,7 +112,7 @@ def test_plot_writes_a_png(tmp_path, models):
 )
 def test_cli_checks_its_flags_before_running(argv, match, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        netbench.main(argv)
+        netbench_cli.main(argv)
     assert exit_info.value.code == 2
     assert match in capsys.readouterr().err
 
@@ -125,7 +126,7 @@ def test_one_small_cell_on_two_emulated_hosts(tmp_path):
     cluster.check_support()
     os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]  # the workers import this jaxcomp
     out = tmp_path / "rows.json"
-    code = netbench.main(
+    code = netbench_cli.main(
         [
             "--hosts",
             "2",
@@ -178,7 +179,7 @@ def test_bytes_sent_is_what_the_links_carry_for_every_method(tmp_path):
     os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]  # the workers import this jaxcomp
     out = tmp_path / "rows.json"
     methods = "allgather_topk,bf16,fp16,zfp,powersgd,sign,randomk"
-    code = netbench.main(
+    code = netbench_cli.main(
         [
             "--hosts",
             "2",

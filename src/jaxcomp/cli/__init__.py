@@ -17,11 +17,11 @@ COMMANDS = {
         "will gradient compression help? predicted step time per method",
     ),
     "netbench": (
-        "jaxcomp.distributed.netbench",
+        "jaxcomp.cli.netbench",
         "step time per method on an emulated cluster of N hosts at given link rates",
     ),
     "cluster": (
-        "jaxcomp.distributed.cluster",
+        "jaxcomp.cli.cluster",
         "run a jax.distributed script on N emulated hosts with rate-limited links",
     ),
     "kernels": (

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
 import numpy as np
 
 from jaxcomp import methods
+from jaxcomp.cli import _report
 from jaxcomp.costmodel import cost
 from jaxcomp.costmodel.advise import (  # noqa: F401  (re-exported for the old path jaxcomp.advise)
     BANDWIDTH_SEARCH,
@@ -41,6 +41,14 @@ def _parser():
         description="Predict whether gradient compression speeds up data-parallel training "
         "(performance model of Agarwal et al., MLSys 2022, with jaxcomp's collectives).",
     )
+    _add_job_flags(parser)
+    _add_method_flags(parser)
+    _add_model_flags(parser)
+    return parser
+
+
+def _add_job_flags(parser):
+    """The training job: its size, its workers, their network and the backward pass."""
     parser.add_argument("--params", type=float, required=True, help="model parameters, e.g. 25.6e6")
     parser.add_argument("--workers", type=int, required=True, help="data-parallel workers")
     parser.add_argument(
@@ -52,6 +60,10 @@ def _parser():
     parser.add_argument(
         "--backward-ms", type=float, required=True, help="backward pass on one worker, ms"
     )
+
+
+def _add_method_flags(parser):
+    """The compressed methods and what their encode and decode cost."""
     parser.add_argument(
         "--ratio", type=float, default=0.01, help="top-k density k/n (default 0.01)"
     )
@@ -79,6 +91,10 @@ def _parser():
         "selection and scatter, the ZFP ring's encodes and decodes, THC's transforms, "
         "rounding and packing) and use it instead of --encode-decode-ms",
     )
+
+
+def _add_model_flags(parser):
+    """The performance model's options (buckets, overlap, sharding), the target and the plot."""
     parser.add_argument(
         "--bucket-mb",
         type=float,
@@ -117,7 +133,6 @@ def _parser():
         help="sharded training (data_parallel(shard=...)): each method's reduce-scatter plus the "
         "params' all-gather, for the methods that have one; dense costs the same either way",
     )
-    return parser
 
 
 def _encode_decode(text, compressed, parser):
@@ -177,6 +192,37 @@ def main(argv=None) -> int:
     """
     parser = _parser()
     args = parser.parse_args(argv)
+    network = _checked_network(parser, args)
+    compressed = _chosen_methods(parser, args)
+    encode_decode = _encode_decode(args.encode_decode_ms, compressed, parser)
+    measured = _measure_codecs(args, compressed, encode_decode)
+    model = _Model(args, network, encode_decode)
+    try:
+        dense_step = model.dense_at(network)
+        rows = [(m, model.method_at(m, network)) for m in compressed]
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+    _print_setting(args, network, model)
+    _print_table(args, network, model, dense_step, rows)
+    _print_notes(measured, encode_decode, compressed)
+    _print_required_compression(args, network, model)
+    _print_break_even(args, network, model, compressed)
+    if args.plot:
+        _plot(
+            args.plot,
+            network,
+            compressed,
+            model.dense_at,
+            model.method_at,
+            args.workers,
+            model.backward,
+        )
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _checked_network(parser, args) -> cost.Network:
+    """The network of ``--latency`` and ``--bandwidth``, every other flag checked too."""
     try:
         network = cost.Network.parse(args.latency, args.bandwidth)
     except (TypeError, ValueError) as error:
@@ -196,6 +242,12 @@ def main(argv=None) -> int:
         parser.error(f"--bucket-mb must be > 0 and finite, got {args.bucket_mb}")
     if not (math.isfinite(args.backward_ms)):
         parser.error(f"--backward-ms must be finite, got {args.backward_ms}")
+    _check_work_flags(parser, args)
+    return network
+
+
+def _check_work_flags(parser, args) -> None:
+    """``--measure-codec``, ``--plot``, ``--target-efficiency`` and ``--inner-size``."""
     if args.measure_codec and args.params > MAX_MEASURED_PARAMS:
         parser.error(
             f"--measure-codec times the codec on a gradient of --params float32 values in this machine's "
@@ -203,7 +255,7 @@ def main(argv=None) -> int:
             "instead (or measure a smaller model and scale the time by the size)"
         )
     if args.plot is not None:
-        problem = _unwritable_plot(args.plot)
+        problem = _report.unwritable_file(args.plot, PLOT_FORMATS)
         if problem:
             parser.error(f"--plot {args.plot!r}: {problem}")
     if not 0 < args.target_efficiency < 1:
@@ -211,93 +263,97 @@ def main(argv=None) -> int:
     if args.inner_size is not None and (args.inner_size < 1 or args.workers % args.inner_size):
         parser.error(f"--inner-size must divide --workers ({args.workers}), got {args.inner_size}")
 
+
+def _chosen_methods(parser, args) -> list:
+    """The compressed methods to predict: every one that applies, or those of ``--methods``."""
     compressed = [
         m
         for m in cost.available_methods(**_options(args))
         if not m.sends_everything and (m.scatters or not args.shard)
     ]
     labels = [m.label for m in compressed]
-    if args.methods is not None:
-        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
-        if not wanted:
-            parser.error(f"--methods names no method; give a comma-separated list of {labels}")
-        picked = []
-        for name in wanted:
-            try:
-                method = methods.parse(
-                    name,
-                    strict=False,
-                    ratio=args.ratio,
-                    rate=args.rate,
-                    bits=args.bits,
-                    rank=args.rank,
-                )
-            except ValueError:
-                method = None
-            if method not in compressed:
-                parser.error(f"--methods: {name!r} is not one of {labels}")
-            picked.append(method)
-        compressed = picked
-    encode_decode = _encode_decode(args.encode_decode_ms, compressed, parser)
-    measured = []
-    if args.measure_codec:
-        import jax
-
-        from jaxcomp.costmodel import probe  # jax and the kernels load only when a codec is timed
-
-        for method in compressed:
-            # Each method's whole local work (the ZFP ring's hops, THC's transforms and packing).
-            encode_decode[method] = probe.codec_seconds(
-                method, math.ceil(args.params), n_workers=min(args.workers, 64)
+    if args.methods is None:
+        return compressed
+    wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not wanted:
+        parser.error(f"--methods names no method; give a comma-separated list of {labels}")
+    picked = []
+    for name in wanted:
+        try:
+            method = methods.parse(
+                name, strict=False, ratio=args.ratio, rate=args.rate, bits=args.bits, rank=args.rank
             )
-            measured.append(method.label)
+        except ValueError:
+            method = None
+        if method not in compressed:
+            parser.error(f"--methods: {name!r} is not one of {labels}")
+        picked.append(method)
+    return picked
 
-    nbytes = 4.0 * args.params
-    backward = args.backward_ms / 1e3
-    bucket = args.bucket_mb * 2**20
-    overlap = not args.no_overlap
 
-    def dense_at(net):
+def _measure_codecs(args, compressed, encode_decode) -> list[str]:
+    """``--measure-codec``: times each method's local work into ``encode_decode``; the labels timed."""
+    if not args.measure_codec:
+        return []
+    from jaxcomp.costmodel import probe  # jax and the kernels load only when a codec is timed
+
+    for method in compressed:
+        # Each method's whole local work (the ZFP ring's hops, THC's transforms and packing).
+        encode_decode[method] = probe.codec_seconds(
+            method, math.ceil(args.params), n_workers=min(args.workers, 64)
+        )
+    return [method.label for method in compressed]
+
+
+class _Model:
+    """The job of the flags in paper 002's model: the step time of dense or of a method at a network."""
+
+    def __init__(self, args, network, encode_decode):
+        self.args = args
+        self.encode_decode = encode_decode
+        self.nbytes = 4.0 * args.params
+        self.backward = args.backward_ms / 1e3
+        self.bucket = args.bucket_mb * 2**20
+        self.overlap = not args.no_overlap
+
+    def dense_at(self, net):
         return sync_sgd_time(
-            nbytes,
-            args.workers,
+            self.nbytes,
+            self.args.workers,
             net,
-            backward,
-            bucket_bytes=bucket,
-            gamma=args.gamma,
-            overlap=overlap,
+            self.backward,
+            bucket_bytes=self.bucket,
+            gamma=self.args.gamma,
+            overlap=self.overlap,
         )
 
-    def method_at(method, net):
+    def method_at(self, method, net):
         return compressed_time(
             method,
-            nbytes,
-            args.workers,
+            self.nbytes,
+            self.args.workers,
             net,
-            backward,
-            encode_decode_seconds=encode_decode[method],
-            overlap=args.batch_overlap,
-            bucket_bytes=bucket,
-            gamma=args.gamma,
-            inner_size=args.inner_size,
-            shard=args.shard,
+            self.backward,
+            encode_decode_seconds=self.encode_decode[method],
+            overlap=self.args.batch_overlap,
+            bucket_bytes=self.bucket,
+            gamma=self.args.gamma,
+            inner_size=self.args.inner_size,
+            shard=self.args.shard,
         )
 
-    try:
-        dense_step = dense_at(network)
-        rows = [(m, method_at(m, network)) for m in compressed]
-    except (TypeError, ValueError) as error:
-        parser.error(str(error))
 
+def _print_setting(args, network, model) -> None:
+    """The job in one line, how dense synchronises, and the caveats of sharding and one worker."""
     count = f"{args.params / 1e9:.4g}B" if args.params >= 1e9 else f"{args.params / 1e6:.4g}M"
     print(
-        f"jaxcomp advise: {count} parameters ({_bytes(nbytes)} float32), "
+        f"jaxcomp advise: {count} parameters ({_bytes(model.nbytes)} float32), "
         f"{args.workers} workers, {network}, backward {args.backward_ms:g} ms"
     )
-    buckets = max(math.ceil(nbytes / bucket), 1)
+    buckets = max(math.ceil(model.nbytes / model.bucket), 1)
     how = (
         f"overlapped with the backward pass in {buckets} buckets of {args.bucket_mb:g} MiB, γ={args.gamma:g}"
-        if overlap
+        if model.overlap
         else "after the backward pass"
     )
     print(f"dense baseline: ring all-reduce {how}")
@@ -312,6 +368,10 @@ def main(argv=None) -> int:
             "compression only adds its encode/decode time)"
         )
     print()
+
+
+def _print_table(args, network, model, dense_step, rows) -> None:
+    """One line per method (dense first): what it sends, its times, speedup and scaling."""
     header = (
         f"{'method':<24}{'setting':<14}{'sent/worker':>12}{'comm':>11}{'enc+dec':>10}{'step T_obs':>12}"
         f"{'speedup':>9}{'scaling':>14}"
@@ -320,33 +380,35 @@ def main(argv=None) -> int:
     print("-" * len(header))
 
     def row(name, setting, sent, comm, codec, step):
-        scaling = args.workers * backward / step
+        scaling = args.workers * model.backward / step
         print(
             f"{name:<24}{setting:<14}{_bytes(sent):>12}{cost.format_duration(comm):>11}"
             f"{cost.format_duration(codec) if codec else '0':>10}{cost.format_duration(step):>12}"
             f"{dense_step / step:>8.2f}x{scaling:>8.1f}x of {args.workers}"
         )
 
-    dense_comm = cost.predict(Dense(), nbytes, args.workers, network)
+    nbytes, workers = model.nbytes, args.workers
+    dense_comm = cost.predict(Dense(), nbytes, workers, network)
     row(
-        Dense().label,
-        "-",
-        cost.volume_bytes(Dense(), nbytes, args.workers),
-        dense_comm,
-        0.0,
-        dense_step,
+        Dense().label, "-", cost.volume_bytes(Dense(), nbytes, workers), dense_comm, 0.0, dense_step
     )
     for method, step in rows:
         inner = dict(inner_size=args.inner_size, shard=args.shard)
         row(
             method.label,
             _setting(method),
-            cost.volume_bytes(method, nbytes, args.workers, **inner),
-            cost.predict(method, nbytes, args.workers, network, **inner),
-            encode_decode[method],
+            cost.volume_bytes(method, nbytes, workers, **inner),
+            cost.predict(method, nbytes, workers, network, **inner),
+            model.encode_decode[method],
             step,
         )
+
+
+def _print_notes(measured, encode_decode, compressed) -> None:
+    """Where the encode/decode times came from, or that they are missing."""
     if measured:
+        import jax
+
         print(
             f"(encode/decode of {', '.join(measured)} measured on this machine's {jax.default_backend()}; "
             "a training step's codec may run elsewhere)"
@@ -357,13 +419,16 @@ def main(argv=None) -> int:
         )
     print()
 
+
+def _print_required_compression(args, network, model) -> None:
+    """The compression an all-reduce-compatible compressor would need for near-linear scaling."""
     needed = required_compression(
-        nbytes,
+        model.nbytes,
         args.workers,
         network,
-        backward,
+        model.backward,
         target_efficiency=args.target_efficiency,
-        bucket_bytes=bucket,
+        bucket_bytes=model.bucket,
         gamma=args.gamma,
     )
     target = f"{args.target_efficiency:.0%} of linear scaling"
@@ -379,11 +444,14 @@ def main(argv=None) -> int:
             "(an all-reduce-compatible compressor with free encode/decode)"
         )
 
+
+def _print_break_even(args, network, model, compressed) -> None:
+    """Per method, the bandwidth below which it beats dense."""
     print("Compression pays below (break-even bandwidth):")
     for method in compressed:
         edge = break_even_bandwidth(
-            lambda bw, m=method: method_at(m, cost.Network(network.alpha, bw)),
-            lambda bw: dense_at(cost.Network(network.alpha, bw)),
+            lambda bw, m=method: model.method_at(m, cost.Network(network.alpha, bw)),
+            lambda bw: model.dense_at(cost.Network(network.alpha, bw)),
         )
         if args.workers == 1:
             verdict = "never (1 worker sends nothing)"
@@ -397,20 +465,10 @@ def main(argv=None) -> int:
             )
         print(f"  {method.label:<24}{verdict}")
 
-    if args.plot:
-        _plot(args.plot, network, compressed, dense_at, method_at, args.workers, backward)
-        print(f"wrote {args.plot}")
-    return 0
-
 
 def _plot(path, network, compressed, dense_at, method_at, workers, backward):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     bandwidths = np.geomspace(1e8 / 8, 4e11 / 8, 120)  # 0.1 to 400 Gbit/s
-    figure, axes = plt.subplots(figsize=(7, 4.5))
+    figure, axes = _report.pyplot().subplots(figsize=(7, 4.5))
     x = bandwidths * 8 / 1e9
 
     def speedup(step_of):
@@ -429,26 +487,7 @@ def _plot(path, network, compressed, dense_at, method_at, workers, backward):
     axes.set_ylabel(f"speedup over one worker ({workers} workers)")
     axes.set_title(f"α = {cost.format_duration(network.alpha)}")
     axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
-
-def _unwritable_plot(path) -> str | None:
-    """Why the plot cannot be written to ``path``, or None; checked before any work."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return "is a folder; name the image file, e.g. speedup.png"
-    if not os.path.isdir(folder):
-        return f"the folder {folder} does not exist"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"the folder {folder} is not writable"
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        return "the file exists and is not writable"
-    suffix = os.path.splitext(path)[1].lstrip(".").lower()
-    if suffix not in PLOT_FORMATS:
-        return f"the name must end in one of {', '.join('.' + f for f in PLOT_FORMATS)} (the image format)"
-    return None
+    _report.save_figure(figure, path, dpi=120)
 
 
 def _bytes(count):

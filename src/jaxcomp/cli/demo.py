@@ -19,6 +19,9 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+
+from jaxcomp.cli import _report
 from jaxcomp.methods import Dense
 
 #: Virtual CPU devices the demo trains on.
@@ -101,7 +104,6 @@ def _use_virtual_cpu_devices():
 
 def load_digits(test_fraction=0.2, seed=0):
     """scikit-learn's digits as float32 ``(x_train, y_train, x_test, y_test)``, pixels in [0, 1]."""
-    import numpy as np
     from sklearn.datasets import load_digits as sklearn_digits
 
     data = sklearn_digits()
@@ -150,19 +152,30 @@ def train(
     progress=True,
 ):
     """Trains one run; returns a dict of results (curves, final eval, bytes, step time)."""
+    dp, state, evaluate = _setup(run, devices, learning_rate, optimizer, seed)
+    x_train = data[0]
+    rng = np.random.default_rng(seed)  # the same batches for every run
+    batches = [rng.choice(len(x_train), batch_size, replace=False) for _ in range(steps)]
+    bar = _report.progress_bar(
+        range(steps), enabled=progress, desc=f"{run.name:>20}", leave=True, mininterval=0.5
+    )
+    state, metrics, curves = _steps(dp, state, evaluate, data, batches, bar)
+    return _results(run, state, metrics, evaluate, data, curves)
+
+
+def _setup(run: Run, devices, learning_rate, optimizer, seed):
+    """The run's mesh, model and training step: ``(data_parallel, its state, jitted eval)``."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
     from flax import nnx
     from jax.sharding import Mesh
 
     from jaxcomp.costmodel.cost import Network
     from jaxcomp.optim.auto import compress_auto
-    from jaxcomp.optim.transform import compress, find_compress_state
+    from jaxcomp.optim.transform import compress
     from jaxcomp.training.trainer import data_parallel
 
-    x_train, y_train, x_test, y_test = data
     if isinstance(run.axis_name, tuple):  # 2 "nodes" of 4 devices: the outer axis is the slow one
         mesh = Mesh(np.array(devices).reshape(2, N_DEVICES // 2), run.axis_name)
     else:
@@ -184,14 +197,17 @@ def train(
     )
     tx = optax.chain(aggregate, make_optimizer(optimizer, learning_rate))
     dp = data_parallel(loss_fn, tx, mesh, axis_name=run.axis_name, has_aux=True)
-    evaluate = jax.jit(loss_fn)
-    state = dp.init(params)
-    rng = np.random.default_rng(seed)  # the same batches for every run
-    batches = [rng.choice(len(x_train), batch_size, replace=False) for _ in range(steps)]
-    eval_every = max(1, steps // 20)
+    return dp, dp.init(params), jax.jit(loss_fn)
 
+
+def _steps(dp, state, evaluate, data, batches, bar):
+    """The training loop: ``(state, last metrics, (losses, eval curve, mean step seconds))``."""
+    import jax
+
+    x_train, y_train, x_test, y_test = data
+    steps = len(batches)
+    eval_every = max(1, steps // 20)
     losses, eval_curve, metrics = [], [], None
-    bar = _progress(range(steps), run.name, progress)
     start = None
     for step in bar:
         if step == 1:  # step 0 compiles; time the rest
@@ -207,7 +223,15 @@ def train(
     step_time = (
         (time.perf_counter() - start) / max(1, steps - 1) if start is not None else float("nan")
     )
-    eval_loss, eval_accuracy = evaluate(state.params, {"x": x_test, "y": y_test})
+    return state, metrics, (losses, eval_curve, step_time)
+
+
+def _results(run: Run, state, metrics, evaluate, data, curves) -> dict:
+    """What :func:`train` returns: the curves, the final eval, the bytes and the step time."""
+    from jaxcomp.optim.transform import find_compress_state
+
+    losses, eval_curve, step_time = curves
+    eval_loss, eval_accuracy = evaluate(state.params, {"x": data[2], "y": data[3]})
     return {
         "name": run.name,
         "train_loss": np.asarray(losses),
@@ -222,44 +246,40 @@ def train(
     }
 
 
-def _progress(iterable, name, enabled):
-    if not enabled:
-        return iterable
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # tqdm is optional: plain iteration
-        return iterable
-    return tqdm(iterable, desc=f"{name:>20}", leave=True, file=sys.stderr, mininterval=0.5)
-
-
 def format_table(results) -> str:
     """The results as a Markdown table (bytes relative to the dense run when there is one)."""
     dense = next((r for r in results if r["name"] == DENSE), None)
-    lines = [
-        "| run | last step ran (density) | eval loss | eval accuracy | bytes sent / step / device | vs dense "
-        "| mean step time |",
-        "|---|---|---:|---:|---:|---:|---:|",
+    header = [
+        "run",
+        "last step ran (density)",
+        "eval loss",
+        "eval accuracy",
+        "bytes sent / step / device",
+        "vs dense",
+        "mean step time",
     ]
+    rows = []
     for r in results:
         ratio = (
             f"{r['bytes_sent'] / dense['bytes_sent']:.4f}" if dense and dense["bytes_sent"] else "-"
         )
-        lines.append(
-            f"| {r['name']} | {r['method']} ({r['density']:.3g}) | {r['eval_loss']:.4f} | "
-            f"{100 * r['eval_accuracy']:.2f}% | {r['bytes_sent']:,.0f} | {ratio} | {1e3 * r['step_time']:.2f} ms |"
+        rows.append(
+            [
+                r["name"],
+                f"{r['method']} ({r['density']:.3g})",
+                f"{r['eval_loss']:.4f}",
+                f"{100 * r['eval_accuracy']:.2f}%",
+                f"{r['bytes_sent']:,.0f}",
+                ratio,
+                f"{1e3 * r['step_time']:.2f} ms",
+            ]
         )
-    return "\n".join(lines)
+    return _report.format_table(header, rows, align="llrrrrr")
 
 
 def plot(results, path):
     """Saves training loss (smoothed) and eval loss curves of every run to ``path`` (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, (ax_train, ax_eval) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_train, ax_eval) = _report.pyplot().subplots(1, 2, figsize=(12, 4.5))
     for r in results:
         loss = r["train_loss"]
         window = max(1, len(loss) // 25)
@@ -276,22 +296,7 @@ def plot(results, path):
         ax.grid(alpha=0.3)
     ax_eval.legend(fontsize=8)
     fig.suptitle("jaxcomp demo: digits MLP, 8 data-parallel CPU devices")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _unwritable_folder(path) -> str | None:
-    """Why ``path`` cannot become a folder we write into (it is created if missing), or None."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        return "exists and is not a folder"
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as error:
-        return f"cannot create the folder ({error.strerror or error})"
-    if not os.access(path, os.W_OK | os.X_OK):
-        return "the folder is not writable"
-    return None
+    _report.save_figure(fig, path, dpi=110)
 
 
 def main(argv=None) -> int:
@@ -312,7 +317,16 @@ def main(argv=None) -> int:
       Tyagi & Swany, arXiv 2312.02493 (AR-Topk, error feedback); Shi et al., MLSys 2021
       (hierarchical top-k); ../shared/papers/004 (ZFP all-reduce); Li et al., THC, NSDI 2024.
     """
-    all_runs = runs(0.01)
+    parser = _parser(runs(0.01))
+    args = parser.parse_args(argv)
+    selected = _checked_runs(parser, args)
+    data = _checked_data(parser, args)
+    results, started = _train_all(args, selected, data)
+    _report_results(args, results, started)
+    return 0
+
+
+def _parser(all_runs) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxcomp demo",
         description="Trains a small flax MLP on scikit-learn's digits, data-parallel on 8 CPU devices, once per "
@@ -348,7 +362,11 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _checked_runs(parser, args) -> list[Run]:
+    """The runs the flags name, every flag checked before any training (bad ones exit via argparse)."""
     all_runs = runs(args.density)
     names = [name.strip() for name in args.methods.split(",") if name.strip()]
     unknown = [name for name in names if name not in all_runs]
@@ -369,16 +387,25 @@ def main(argv=None) -> int:
         parser.error(f"--seed must be in [0, 2**32 - 1], got {args.seed}")
     if not args.no_plot:
         # Where the plot goes is checked now, not after minutes of training.
-        problem = _unwritable_folder(args.out)
+        problem = _report.unwritable_folder(args.out)
         if problem:
             parser.error(f"--out {args.out!r}: {problem}")
+    return [all_runs[name] for name in names]
+
+
+def _checked_data(parser, args):
+    """The digits split by ``--seed``; a batch larger than the training set is a flag error."""
     data = load_digits(seed=args.seed)
     if args.batch_size > len(data[0]):
         parser.error(
             f"--batch-size must be at most the {len(data[0])} training images (batches are drawn "
             f"without replacement), got {args.batch_size}"
         )
+    return data
 
+
+def _train_all(args, selected, data) -> tuple[list[dict], float]:
+    """Trains every selected run on the virtual devices, one after the other; ``(results, start)``."""
     devices = _use_virtual_cpu_devices()
     print(
         f"digits: {len(data[0])} train / {len(data[2])} test images, {N_DEVICES} CPU devices, "
@@ -388,7 +415,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     results = [
         train(
-            all_runs[name],
+            run,
             devices,
             data,
             args.steps,
@@ -398,8 +425,13 @@ def main(argv=None) -> int:
             seed=args.seed,
             progress=not args.no_progress,
         )
-        for name in names
+        for run in selected
     ]
+    return results, started
+
+
+def _report_results(args, results, started) -> None:
+    """Prints the table, writes the plot and says how long it all took."""
     print()
     print(format_table(results))
     if not args.no_plot:
@@ -408,7 +440,6 @@ def main(argv=None) -> int:
         plot(results, path)
         print(f"\nloss curves: {path}")
     print(f"total time: {time.perf_counter() - started:.1f} s", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ and the benchmark cannot disagree about what is timed.
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import dataclass
 
 import jax
@@ -15,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxcomp
+from jaxcomp.cli import _report
+from jaxcomp.costmodel.probe import best_seconds
 
 
 def realistic_gradient(n: int, seed: int = 0) -> np.ndarray:
@@ -45,17 +46,6 @@ def realistic_gradient(n: int, seed: int = 0) -> np.ndarray:
     scales = 10.0 ** rng.uniform(-5, -1, size=layers)
     scale = np.repeat(scales, np.diff(bounds)).astype(np.float32)
     return (rng.standard_t(3, size=n).astype(np.float32) * scale).astype(np.float32)
-
-
-def best_seconds(fn, repeats: int) -> float:
-    """Best wall time of ``fn()`` over ``repeats`` runs after one warm-up (compile) run."""
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 @dataclass
@@ -117,79 +107,87 @@ def measure(
     host = realistic_gradient(n)
     x = jax.device_put(host, device)
     rows: list[Row] = []
-    zfpy = _zfpy() if numpy_baselines else None
-
     for ratio in ratios:
-        k = max(1, int(round(n * ratio)))
-        param = f"k=n*{ratio:g}"
-        lax_topk = jax.jit(lambda v, k=k: jax.lax.top_k(jnp.abs(v), k))
-        approx = jax.jit(lambda v, k=k: jax.lax.approx_max_k(jnp.abs(v), k))
-        ours = jax.jit(lambda v, k=k: jaxcomp.topk(v, k))
-        ours_thr = jax.jit(lambda v, k=k: jaxcomp.threshold_topk(v, k))
-        t_lax = best_seconds(lambda: lax_topk(x), repeats)
-        t_approx = best_seconds(lambda: approx(x), repeats)
-        t_ours = best_seconds(lambda: ours(x), repeats)
-        t_thr = best_seconds(lambda: ours_thr(x), repeats)
-        # Quality of the threshold selection: the smallest selected magnitude relative to the
-        # exact k-th largest.
-        kth = float(np.partition(np.abs(host), n - k)[n - k])
-        thr_min = float(jnp.min(jnp.abs(ours_thr(x)[0])))
-        rows += [
-            Row(n, "jax.lax.top_k(|x|)", param, t_lax),
-            Row(n, "jax.lax.approx_max_k(|x|)", param, t_approx, "jax.lax.top_k", t_lax / t_approx),
-            Row(n, "jaxcomp.topk", param, t_ours, "jax.lax.top_k", t_lax / t_ours, "exact"),
-            Row(
-                n,
-                "jaxcomp.threshold_topk",
-                param,
-                t_thr,
-                "jax.lax.top_k",
-                t_lax / t_thr,
-                f"min selected / k-th = {thr_min / kth:.4f}" if kth > 0 else "",
-            ),
-        ]
-        if numpy_baselines:
-            t_np = best_seconds(lambda k=k: np.argpartition(np.abs(host), n - k)[n - k :], repeats)
-            rows.append(Row(n, "numpy.argpartition", param, t_np, "jax.lax.top_k", t_lax / t_np))
-            rows.append(
-                Row(n, "jaxcomp.topk", param, t_ours, "numpy.argpartition", t_np / t_ours, "exact")
-            )
-
+        rows += _topk_rows(x, host, ratio, repeats, numpy_baselines)
+    zfpy = _zfpy() if numpy_baselines else None
     for rate in rates:
-        param = f"rate={rate}"
-        enc = jax.jit(lambda v, rate=rate: jaxcomp.zfp_encode(v, rate))
-        dec = jax.jit(lambda w, rate=rate: jaxcomp.zfp_decode(w, n, rate))
-        words = enc(x)
-        t_enc = best_seconds(lambda: enc(x), repeats)
-        t_dec = best_seconds(lambda: dec(words), repeats)
-        err = _rmse(dec(words), host)
-        if zfpy is not None:
-            t_zenc = best_seconds(
-                lambda: zfpy.compress_numpy(host, rate=rate, write_header=False), repeats
-            )
-            blob = zfpy.compress_numpy(host, rate=rate)
-            t_zdec = best_seconds(lambda: zfpy.decompress_numpy(blob), repeats)
-            zerr = _rmse(zfpy.decompress_numpy(blob), host)
-            rows += [
-                Row(n, "zfpy.compress", param, t_zenc, error=f"rmse {zerr:.3e}"),
-                Row(
-                    n,
-                    "jaxcomp.zfp_encode",
-                    param,
-                    t_enc,
-                    "zfpy.compress",
-                    t_zenc / t_enc,
-                    f"rmse {err:.3e} ({err / zerr:.3f}x zfpy)",
-                ),
-                Row(n, "zfpy.decompress", param, t_zdec),
-                Row(n, "jaxcomp.zfp_decode", param, t_dec, "zfpy.decompress", t_zdec / t_dec),
-            ]
-        else:
-            rows += [
-                Row(n, "jaxcomp.zfp_encode", param, t_enc, error=f"rmse {err:.3e}"),
-                Row(n, "jaxcomp.zfp_decode", param, t_dec),
-            ]
+        rows += _zfp_rows(x, host, rate, repeats, zfpy)
     return rows
+
+
+def _topk_rows(x, host, ratio, repeats, numpy_baselines) -> list[Row]:
+    """jaxcomp's two top-k selections beside ``jax.lax.top_k``, ``approx_max_k`` and numpy's."""
+    n = host.size
+    k = max(1, int(round(n * ratio)))
+    param = f"k=n*{ratio:g}"
+    lax_topk = jax.jit(lambda v: jax.lax.top_k(jnp.abs(v), k))
+    approx = jax.jit(lambda v: jax.lax.approx_max_k(jnp.abs(v), k))
+    ours = jax.jit(lambda v: jaxcomp.topk(v, k))
+    ours_thr = jax.jit(lambda v: jaxcomp.threshold_topk(v, k))
+    t_lax = best_seconds(lambda: lax_topk(x), repeats)
+    t_approx = best_seconds(lambda: approx(x), repeats)
+    t_ours = best_seconds(lambda: ours(x), repeats)
+    t_thr = best_seconds(lambda: ours_thr(x), repeats)
+    # Quality of the threshold selection: the smallest selected magnitude relative to the
+    # exact k-th largest.
+    kth = float(np.partition(np.abs(host), n - k)[n - k])
+    thr_min = float(jnp.min(jnp.abs(ours_thr(x)[0])))
+    rows = [
+        Row(n, "jax.lax.top_k(|x|)", param, t_lax),
+        Row(n, "jax.lax.approx_max_k(|x|)", param, t_approx, "jax.lax.top_k", t_lax / t_approx),
+        Row(n, "jaxcomp.topk", param, t_ours, "jax.lax.top_k", t_lax / t_ours, "exact"),
+        Row(
+            n,
+            "jaxcomp.threshold_topk",
+            param,
+            t_thr,
+            "jax.lax.top_k",
+            t_lax / t_thr,
+            f"min selected / k-th = {thr_min / kth:.4f}" if kth > 0 else "",
+        ),
+    ]
+    if numpy_baselines:
+        t_np = best_seconds(lambda: np.argpartition(np.abs(host), n - k)[n - k :], repeats)
+        rows.append(Row(n, "numpy.argpartition", param, t_np, "jax.lax.top_k", t_lax / t_np))
+        rows.append(
+            Row(n, "jaxcomp.topk", param, t_ours, "numpy.argpartition", t_np / t_ours, "exact")
+        )
+    return rows
+
+
+def _zfp_rows(x, host, rate, repeats, zfpy) -> list[Row]:
+    """jaxcomp's ZFP encode and decode, beside zfpy's (when installed) and their errors."""
+    n = host.size
+    param = f"rate={rate}"
+    enc = jax.jit(lambda v: jaxcomp.zfp_encode(v, rate))
+    dec = jax.jit(lambda w: jaxcomp.zfp_decode(w, n, rate))
+    words = enc(x)
+    t_enc = best_seconds(lambda: enc(x), repeats)
+    t_dec = best_seconds(lambda: dec(words), repeats)
+    err = _rmse(dec(words), host)
+    if zfpy is None:
+        return [
+            Row(n, "jaxcomp.zfp_encode", param, t_enc, error=f"rmse {err:.3e}"),
+            Row(n, "jaxcomp.zfp_decode", param, t_dec),
+        ]
+    t_zenc = best_seconds(lambda: zfpy.compress_numpy(host, rate=rate, write_header=False), repeats)
+    blob = zfpy.compress_numpy(host, rate=rate)
+    t_zdec = best_seconds(lambda: zfpy.decompress_numpy(blob), repeats)
+    zerr = _rmse(zfpy.decompress_numpy(blob), host)
+    return [
+        Row(n, "zfpy.compress", param, t_zenc, error=f"rmse {zerr:.3e}"),
+        Row(
+            n,
+            "jaxcomp.zfp_encode",
+            param,
+            t_enc,
+            "zfpy.compress",
+            t_zenc / t_enc,
+            f"rmse {err:.3e} ({err / zerr:.3f}x zfpy)",
+        ),
+        Row(n, "zfpy.decompress", param, t_zdec),
+        Row(n, "jaxcomp.zfp_decode", param, t_dec, "zfpy.decompress", t_zdec / t_dec),
+    ]
 
 
 def format_table(rows, markdown: bool = False) -> str:
@@ -207,13 +205,7 @@ def format_table(rows, markdown: bool = False) -> str:
         ]
         for r in rows
     ]
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(cells) + " |" for cells in body]
-        return "\n".join(lines)
-    widths = [max(len(h), *(len(c[i]) for c in body)) for i, h in enumerate(header)]
-    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(c) for c in body])
+    return _report.format_table(header, body, markdown=markdown)
 
 
 def main(argv=None) -> int:

@@ -1,12 +1,20 @@
 """Layer 7, many hosts: ``jax.distributed`` start-up with a rendezvous (:mod:`.launch`,
-:mod:`.rendezvous`), the emulated cluster (:mod:`.cluster`) and ``jaxcomp netbench``
-(:mod:`.netbench`).
+:mod:`.rendezvous`, its server :mod:`.rendezvous_server`, what a peer's failure does: :mod:`.failure`), the emulated cluster (:mod:`.cluster`)
+and the network benchmark (:mod:`.netbench`, its worker :mod:`.netbench_worker`).
 """
 
 from jaxcomp._lazy import attach
 
 __getattr__, __dir__, __all__ = attach(
     __name__,
-    submodules=("launch", "rendezvous", "cluster", "netbench"),
+    submodules=(
+        "launch",
+        "rendezvous",
+        "rendezvous_server",
+        "failure",
+        "cluster",
+        "netbench",
+        "netbench_worker",
+    ),
     exports={},
 )

@@ -22,19 +22,19 @@ an error, never a silent no-delay run.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 
+from jaxcomp.costmodel.cost import parse_bandwidth
 from jaxcomp.distributed import launch
 
 #: Namespace names start with this, then the creating process's id: ``jaxcomp-<pid>-h0``.
@@ -46,7 +46,8 @@ INTERFACE = "eth0"
 #: The /24 the hosts are numbered in: host i is ``<subnet>.<i + 1>``.
 DEFAULT_SUBNET = "10.213.0"
 
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+# What tc(8) writes: a number, an SI prefix, then bit (or bps, b/s); a bare prefix means bits.
+_RATE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(bit|bps|b/s)?\s*")
 
 
 class ClusterError(RuntimeError):
@@ -77,17 +78,25 @@ def parse_rate(rate) -> float | None:
     if isinstance(rate, (int, float)) and not isinstance(rate, bool):
         value = float(rate)
     else:
-        match = re.fullmatch(
-            r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(bit|bps|b/s)?\s*", str(rate).lower()
-        )
+        match = _RATE.fullmatch(str(rate).lower())
         if not match:
             raise ValueError(
                 f"rate must look like '1gbit', '100mbit' or '250kbit' (bits per second), got {rate!r}"
             )
-        value = float(match.group(1)) * _UNITS[match.group(2)]
+        value = _bits_per_second(float(match.group(1)), match.group(2))
     if not (value > 0 and value < float("inf")):
         raise ValueError(f"rate must be a positive, finite number of bits per second, got {rate!r}")
     return value
+
+
+def _bits_per_second(number: float, prefix: str) -> float:
+    """``number`` with an SI ``prefix`` of bits per second, read by the cost model's parser (bytes)."""
+    if not 0 < number < math.inf:  # parse_rate says why, in its own words
+        return number
+    try:
+        return 8 * parse_bandwidth(f"{number!r}{prefix}bit", "rate")
+    except ValueError:  # the text was checked: only an overflow to infinity is left
+        return math.inf
 
 
 def format_rate(bits_per_second: float | None) -> str:
@@ -558,88 +567,6 @@ def cleanup() -> list[str]:
     return stale
 
 
-def main(argv=None) -> int:
-    """``jaxcomp cluster --hosts N [--rate R] [--devices-per-host D] [--timeout S] script.py [args...]``."""
-    parser = argparse.ArgumentParser(
-        prog="jaxcomp cluster",
-        description="Run a jax.distributed script on N emulated hosts (network namespaces, tbf-limited links).",
-    )
-    parser.add_argument(
-        "--hosts", type=int, default=2, help="emulated hosts, one process each (default 2)"
-    )
-    parser.add_argument(
-        "--rate",
-        default="1gbit",
-        help="link rate both ways: 10gbit, 1gbit, 100mbit, none (default 1gbit)",
-    )
-    parser.add_argument(
-        "--delay", default=None, help="one-way delay per link (needs netem; an error without it)"
-    )
-    parser.add_argument(
-        "--devices-per-host", type=int, default=1, help="CPU devices per process (default 1)"
-    )
-    parser.add_argument(
-        "--subnet",
-        default=DEFAULT_SUBNET,
-        help=f"private /24 of the hosts (default {DEFAULT_SUBNET})",
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=None, help="seconds before every process is killed"
-    )
-    parser.add_argument(
-        "--cleanup", action="store_true", help="delete namespaces left by killed runs, then exit"
-    )
-    parser.add_argument(
-        "command", nargs=argparse.REMAINDER, help="script.py [args...] or -m module [args...]"
-    )
-    args = parser.parse_args(argv)
-    try:
-        if args.cleanup:
-            removed = cleanup()
-            print(
-                f"removed {len(removed)} namespace(s)"
-                + (": " + ", ".join(removed) if removed else "")
-            )
-            return 0
-        command = args.command[1:] if args.command[:1] == ["--"] else args.command
-        if not command:
-            parser.error("name a script to run (after --)")
-        if args.devices_per_host < 1:
-            parser.error(f"--devices-per-host must be >= 1, got {args.devices_per_host}")
-        if args.timeout is not None and not args.timeout > 0:
-            parser.error(f"--timeout must be > 0 seconds, got {args.timeout}")
-        cluster = Cluster(args.hosts, rate=args.rate, delay=args.delay, subnet=args.subnet)
-    except ValueError as e:
-        parser.error(str(e))
-    except ClusterError as e:
-        print(f"jaxcomp cluster: {e}", file=sys.stderr)
-        return 2
-    try:
-        with sigterm_as_interrupt(), cluster:
-            print(
-                f"jaxcomp cluster: {args.hosts} hosts at {format_rate(cluster.rate)} "
-                f"({cluster.address(0)}..{cluster.address(args.hosts - 1)})",
-                file=sys.stderr,
-                flush=True,
-            )
-            start = time.monotonic()
-            codes = cluster.run(
-                command, devices_per_host=args.devices_per_host, timeout=args.timeout
-            )
-            elapsed = time.monotonic() - start
-            for host, (code, counts) in enumerate(zip(codes, cluster.counters())):
-                print(
-                    f"host {host} ({cluster.address(host)}): exit {code}, sent {counts['tx_bytes']:,} B, "
-                    f"received {counts['rx_bytes']:,} B",
-                    file=sys.stderr,
-                )
-            print(f"jaxcomp cluster: {elapsed:.1f} s", file=sys.stderr)
-            return next((c for c in codes if c), 0)
-    except ClusterError as e:
-        print(f"jaxcomp cluster: {e}", file=sys.stderr)
-        return 2
-
-
 @contextlib.contextmanager
 def sigterm_as_interrupt():
     """Within the block, SIGTERM raises ``KeyboardInterrupt``, so that ``with Cluster(...)`` tears down.
@@ -667,5 +594,8 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the command line moved up a layer
+    sys.exit(
+        "python -m jaxcomp.distributed.cluster is no longer a command: run `jaxcomp cluster` "
+        "(python -m jaxcomp.cli.cluster)"
+    )

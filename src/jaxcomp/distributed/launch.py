@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import itertools
 import math
 import os
 import re
@@ -44,6 +43,15 @@ import threading
 import time
 
 from jaxcomp.distributed import rendezvous
+from jaxcomp.distributed._checks import port as _check_port
+from jaxcomp.distributed._checks import positive_int as _positive_int
+from jaxcomp.distributed._checks import positive_seconds as _check_timeout
+from jaxcomp.distributed.failure import (
+    _LOSS_GRACE_SECONDS,
+    _exit_promptly_on_failure,
+    _initialize_watchdog,
+    _raise_peer_lost_later,
+)
 
 _COORDINATOR = "JAXCOMP_COORDINATOR_ADDRESS"
 _NUM_PROCESSES = "JAXCOMP_NUM_PROCESSES"
@@ -126,36 +134,66 @@ def initialize(
         _check_port(rendezvous_port, "rendezvous_port")
     if _COORDINATOR not in os.environ:
         return 0
-    if failure_timeout is None:
-        text = os.environ.get(_FAILURE_TIMEOUT, str(DEFAULT_FAILURE_TIMEOUT))
-        try:
-            failure_timeout = float(text)
-        except ValueError:
-            raise ValueError(
-                f"{_FAILURE_TIMEOUT} must be a number of seconds, got {text!r}"
-            ) from None
-        failure_timeout = _check_timeout(failure_timeout, _FAILURE_TIMEOUT)
+    failure_timeout = failure_timeout or _failure_timeout_from_env()
     coordinator = os.environ[_COORDINATOR]
-    if rendezvous_port is None and os.environ.get(_RENDEZVOUS_PORT):
-        text = os.environ[_RENDEZVOUS_PORT]
-        if not text.isdigit():
-            raise ValueError(f"{_RENDEZVOUS_PORT} must be a port number, got {text!r}")
-        rendezvous_port = _check_port(int(text), _RENDEZVOUS_PORT)
-    if rendezvous_port is None:
-        rendezvous_port = rendezvous.default_port(coordinator)
+    rendezvous_port = rendezvous_port or _rendezvous_port_from_env(coordinator)
     import jax
 
     if jax.distributed.is_initialized():  # the script joined the job itself
         return jax.process_index()
-    interface = interface or os.environ.get(_INTERFACE) or None
+    seconds = max(1, math.ceil(failure_timeout))
+    _configure_cpu(interface or os.environ.get(_INTERFACE) or None, seconds)
+    process_id = int(os.environ[_PROCESS_ID])
+    num_processes = int(os.environ[_NUM_PROCESSES])
+    exiting = threading.Event()  # set once this process is on its way out: no PeerLostError then
+    membership = _check_in(coordinator, rendezvous_port, failure_timeout, seconds, exiting)
+    _join_jax(coordinator, membership, failure_timeout, seconds)
+    # atexit runs last-registered first: on failure _exit_promptly_on_failure's handler exits
+    # before the goodbye (the others must hear of the loss); on a normal exit the goodbye is said
+    # before JAX's shutdown barrier.
+    atexit.register(membership.leaving)
+    _exit_promptly_on_failure(process_id, num_processes, exiting)
+    _memberships.append(membership)
+    return process_id
+
+
+def _failure_timeout_from_env() -> float:
+    """``JAXCOMP_FAILURE_TIMEOUT`` (the launcher's ``--failure-timeout``), else the default, checked."""
+    text = os.environ.get(_FAILURE_TIMEOUT, str(DEFAULT_FAILURE_TIMEOUT))
+    try:
+        failure_timeout = float(text)
+    except ValueError:
+        raise ValueError(f"{_FAILURE_TIMEOUT} must be a number of seconds, got {text!r}") from None
+    return _check_timeout(failure_timeout, _FAILURE_TIMEOUT)
+
+
+def _rendezvous_port_from_env(coordinator: str) -> int:
+    """``JAXCOMP_RENDEZVOUS_PORT`` (the launcher's ``--rendezvous-port``), else the coordinator's + 1."""
+    text = os.environ.get(_RENDEZVOUS_PORT)
+    if not text:
+        return rendezvous.default_port(coordinator)
+    if not text.isdigit():
+        raise ValueError(f"{_RENDEZVOUS_PORT} must be a port number, got {text!r}")
+    return _check_port(int(text), _RENDEZVOUS_PORT)
+
+
+def _configure_cpu(interface: str | None, seconds: int) -> None:
+    """gloo's interface, the collectives' timeout and the CPU device count, before JAX's CPU client."""
+    import jax
+
     if interface is not None:
         use_gloo_interface(interface)
-    seconds = max(1, math.ceil(failure_timeout))
     # XLA reads XLA_FLAGS when the CPU client is built, which is after this (no JAX op ran yet).
     os.environ["XLA_FLAGS"] = _with_flag(
         os.environ.get("XLA_FLAGS", ""), "xla_cpu_collective_timeout_seconds", seconds
     )
     jax.config.update("jax_num_cpu_devices", int(os.environ[_LOCAL_DEVICES]))
+
+
+def _check_in(coordinator, rendezvous_port, failure_timeout, seconds, exiting):
+    """The rendezvous (process 0 hands it JAX's coordination service): this process's membership."""
+    import jax
+
     process_id = int(os.environ[_PROCESS_ID])
     num_processes = int(os.environ[_NUM_PROCESSES])
     host, port = rendezvous.split_address(coordinator)
@@ -166,8 +204,7 @@ def initialize(
         shutdown_timeout=seconds,
         recoverable=bool(getattr(jax.config, "jax_enable_recoverability", False)),
     )
-    exiting = threading.Event()  # set once this process is on its way out: no PeerLostError then
-    membership = rendezvous.check_in(
+    return rendezvous.check_in(
         rendezvous.join_address(host, rendezvous_port),
         num_processes,
         process_id,
@@ -175,6 +212,14 @@ def initialize(
         jax_service=service if process_id == 0 else None,
         on_loss=_raise_peer_lost_later(exiting, min(_LOSS_GRACE_SECONDS, seconds / 2)),
     )
+
+
+def _join_jax(coordinator, membership, failure_timeout, seconds) -> None:
+    """``jax.distributed.initialize`` with jaxcomp's timeouts, under a watchdog."""
+    import jax
+
+    process_id = int(os.environ[_PROCESS_ID])
+    num_processes = int(os.environ[_NUM_PROCESSES])
     # Every process checked in; a peer that dies now, before connecting to the coordinator, makes
     # JAX abort the process (a C++ fatal error, no Python exception) when initialization_timeout
     # expires; this watchdog ends the process first, with a message and exit code 1.
@@ -199,155 +244,11 @@ def initialize(
         )
     finally:  # joined, or failed with an exception of its own: either way the watchdog stands down
         joined.set()
-    # atexit runs last-registered first: on failure _exit_promptly_on_failure's handler exits
-    # before the goodbye (the others must hear of the loss); on a normal exit the goodbye is said
-    # before JAX's shutdown barrier.
-    atexit.register(membership.leaving)
-    _exit_promptly_on_failure(process_id, num_processes, exiting)
-    _memberships.append(membership)
-    return process_id
 
 
-# Seconds between hearing that a peer was lost and raising PeerLostError in the main thread: time
-# for the collective that normally fails first to raise its own exception.
-_LOSS_GRACE_SECONDS = 2.0
-_memberships = []  # this process's rendezvous connection, kept open until exit
-
-
-def _raise_peer_lost_later(exiting: threading.Event, grace: float):
-    """An ``on_loss`` callback: after ``grace`` s, raise PeerLostError in the main thread, once."""
-    fired = []
-
-    def on_loss(lost, message):
-        if fired or exiting.is_set():
-            return
-        fired.append(True)
-
-        def fire():
-            if exiting.wait(grace) or not threading.main_thread().is_alive():
-                return
-            print(
-                f"jaxcomp.distributed.launch: {message}; raising PeerLostError in the main thread",
-                file=sys.stderr,
-                flush=True,
-            )
-            _raise_in_main_thread(rendezvous.PeerLostError, message, lost)
-
-        threading.Thread(target=fire, name="jaxcomp-peer-lost", daemon=True).start()
-
-    return on_loss
-
-
-def _raise_in_main_thread(kind, message, lost):
-    """Raises ``kind(message, lost)`` in the main thread at its next Python bytecode.
-
-    CPython's ``PyThreadState_SetAsyncExc`` takes an exception class, instantiated with no
-    arguments, so the message goes into a subclass made for it (``except kind`` still catches it).
-    A main thread blocked inside a C call (a sleep, a collective) gets it when the call returns.
-    """
-    import ctypes
-
-    error = type(
-        kind.__name__,
-        (kind,),
-        {
-            "__init__": lambda self: kind.__init__(self, message, lost),
-            "__module__": kind.__module__,
-            "__qualname__": kind.__qualname__,
-        },
-    )
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(threading.main_thread().ident), ctypes.py_object(error)
-    )
-
-
-def _initialize_watchdog(joined, seconds, process_id, num_processes, coordinator):
-    if not joined.wait(seconds):
-        print(
-            f"jaxcomp.distributed.launch: process {process_id} of {num_processes}: not every process of the job connected to "
-            f"the coordinator at {coordinator} within {seconds:g} s (failure_timeout): a process was never "
-            "started, died while starting, or cannot reach the coordinator; exiting",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(1)
-
-
-def _exit_promptly_on_failure(
-    process_id: int, num_processes: int, exiting: threading.Event | None = None
-) -> None:
-    """On an uncaught exception: name the peers that do not check in, then exit(1) at once.
-
-    JAX's exit handler (registered when jax was imported, so it runs after this one) shuts the
-    distributed client down through a barrier every process must reach; with a peer dead or stuck
-    it waits for the heartbeat timeout and then aborts, hiding the exit code. Handlers registered
-    after :func:`initialize` (e.g. a checkpoint manager's) still run before this one.
-    """
-    failed = []
-    previous_hook = sys.excepthook
-    exiting = exiting or threading.Event()
-
-    def excepthook(kind, value, traceback):
-        exiting.set()
-        previous_hook(kind, value, traceback)
-        if kind is KeyboardInterrupt:
-            return
-        failed.append(True)
-        missing = _missing_processes(process_id, num_processes)
-        if missing:
-            print(
-                f"jaxcomp.distributed.launch: process {process_id} of {num_processes} failed; process(es) "
-                f"{', '.join(map(str, missing))} did not check in within {_CHECK_IN_SECONDS} s "
-                "(dead or stalled, unless still running without error)",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def exit_now():
-        exiting.set()
-        if failed:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
-
-    sys.excepthook = excepthook
-    atexit.register(exit_now)
-
-
-_CHECK_IN_SECONDS = 5
 # JAX's own abort at the end of initialization comes this much after jaxcomp's watchdog.
 _ABORT_MARGIN_SECONDS = 10
-_check_ins = itertools.count()
-
-
-def _missing_processes(process_id: int, num_processes: int) -> list[int]:
-    """The processes that do not reach a check-in barrier in time, by id; [] if none or unknown."""
-    try:
-        from jax._src import distributed
-
-        client = distributed.global_state.client
-        if client is None:
-            return []
-        # Every surviving process that fails reaches this barrier; a dead or stalled one does not.
-        barrier = f"jaxcomp_failure_check_in_{next(_check_ins)}"
-        try:
-            client.wait_at_barrier(barrier, _CHECK_IN_SECONDS * 1000)
-            return []
-        except (
-            Exception
-        ) as e:  # the coordination service's message names the tasks that did not come
-            message = str(e)
-        # "... Some timed out task names:\n1\n3\nRPC: ..." (XLA's coordination service, jax 0.10)
-        names = re.search(r"timed out task names:([\s\d,]*)", message)
-        if names:
-            late = sorted({int(t) for t in re.findall(r"\d+", names.group(1))} - {process_id})
-            if late:
-                return late
-        return (
-            [0] if process_id != 0 else []
-        )  # no answer at all: the coordinator (process 0) is gone
-    except Exception:
-        return []
+_memberships = []  # this process's rendezvous connection, kept open until exit
 
 
 def use_gloo_interface(interface: str) -> None:
@@ -515,12 +416,6 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _check_port(value, name):
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
-        raise ValueError(f"{name} must be a port number in [1, 65535], got {value!r}")
-    return value
-
-
 def _with_device_count(flags: str, count: int) -> str:
     return _with_flag(flags, "xla_force_host_platform_device_count", count)
 
@@ -529,23 +424,6 @@ def _with_flag(flags: str, name: str, value: int) -> str:
     """``flags`` with ``--name=value`` replacing any earlier setting of ``name``."""
     flags = " ".join(re.sub(rf"--{name}=\S*", "", flags).split())
     return f"{flags} --{name}={value}".strip()
-
-
-def _check_timeout(value, name):
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
-    return float(value)
-
-
-def _positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 def launch(
@@ -653,9 +531,7 @@ def launch(
     return codes[failed] if failed is not None else (124 if 124 in codes else 0)
 
 
-def main(argv=None) -> int:
-    """``python -m jaxcomp.distributed.launch -n N [--devices-per-process D] [--coordinator H:P --num-hosts M --host-id I]
-    [--interface IF] [--failure-timeout S] [--rendezvous-port P] script.py [args...]``."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jaxcomp.distributed.launch", description=__doc__.split("\n\n")[0]
     )
@@ -698,6 +574,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "command", nargs=argparse.REMAINDER, help="script.py [args...] or -m module [args...]"
     )
+    return parser
+
+
+def main(argv=None) -> int:
+    """``python -m jaxcomp.distributed.launch -n N [--devices-per-process D] [--coordinator H:P --num-hosts M --host-id I]
+    [--interface IF] [--failure-timeout S] [--rendezvous-port P] script.py [args...]``."""
+    parser = _parser()
     args = parser.parse_args(argv)
     if not args.command:
         parser.error("name a script to run")

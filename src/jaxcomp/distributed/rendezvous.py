@@ -3,7 +3,7 @@
 ``jax.distributed.initialize`` waits for a process that never starts for ``initialization_timeout``
 seconds and then aborts every other process from C++ (no Python exception, exit code -6).
 :func:`check_in` runs first, over its own TCP port: process 0 starts a small helper process (the
-*rendezvous server*, ``python -m jaxcomp.distributed.rendezvous serve``) that listens there; every process
+*rendezvous server*, :mod:`jaxcomp.distributed.rendezvous_server`) that listens there; every process
 connects and says its id; once all have, each gets the go-ahead, else every process that did
 start raises :class:`MissingProcessError` naming the ids that did not, within ``timeout``::
 
@@ -39,8 +39,6 @@ or ``ERROR <text>`` from the server; ``BYE`` from a process leaving normally.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import re
 import selectors
@@ -51,15 +49,19 @@ import threading
 import time
 from collections.abc import Callable
 
-PROTOCOL = "jaxcomp-rendezvous-1"
+from jaxcomp.distributed import _checks, rendezvous_server
+from jaxcomp.distributed.rendezvous_server import (  # noqa: F401  (the documented names, here too)
+    PROTOCOL,
+    JaxService,
+    serve,
+    split_address,
+)
+
 # The rendezvous server's log (its stderr, and JAX's coordination service's messages) goes to the
 # file this variable names; by default nowhere.
 LOG_VARIABLE = "JAXCOMP_RENDEZVOUS_LOG"
 # How long a process waits for the server's answer to STATUS once its own deadline has passed.
 _STATUS_SECONDS = 2.0
-# How long the server lingers after a process was lost, for the others to leave (they normally
-# leave within seconds: their next collective fails).
-_LINGER_MARGIN_SECONDS = 10.0
 
 
 class MissingProcessError(TimeoutError):
@@ -84,54 +86,6 @@ class PeerLostError(RuntimeError):
     def __init__(self, message: str, lost):
         super().__init__(message)
         self.lost = tuple(sorted(lost))
-
-
-@dataclasses.dataclass(frozen=True)
-class JaxService:
-    """JAX's coordination service, hosted by the rendezvous server (see the module's docstring).
-
-    Attributes:
-      bind_address: ``"HOST:PORT"`` it listens on, e.g. ``"[::]:7733"`` (what
-        ``jax.distributed.initialize`` binds by default for coordinator port 7733).
-      num_processes: tasks in the job.
-      heartbeat_timeout: seconds without a heartbeat after which a task is declared dead.
-      shutdown_timeout: seconds the exit-time barrier waits.
-      recoverable: JAX's ``jax_enable_recoverability``.
-    """
-
-    bind_address: str
-    num_processes: int
-    heartbeat_timeout: int = 100
-    shutdown_timeout: int = 300
-    recoverable: bool = False
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``"HOST:PORT"`` (or ``"[IPv6]:PORT"``) as ``(host, port)``, checked.
-
-    Args:
-      address: the address.
-
-    Returns:
-      ``(host, port)`` with the brackets of an IPv6 host removed.
-
-    Example:
-      >>> split_address("10.0.0.1:7733")
-      ('10.0.0.1', 7733)
-      >>> split_address("[::1]:7733")
-      ('::1', 7733)
-
-    References:
-      RFC 3986 section 3.2 (host and port syntax).
-    """
-    match = re.fullmatch(r"\[([0-9a-fA-F:.]+)\]:(\d{1,5})|([^\s:\[\]]+):(\d{1,5})", str(address))
-    if not match:
-        raise ValueError(f"address must be 'HOST:PORT', got {address!r}")
-    host = match.group(1) or match.group(3)
-    port = int(match.group(2) or match.group(4))
-    if not 0 < port < 65536:
-        raise ValueError(f"the port of address {address!r} must be in [1, 65535]")
-    return host, port
 
 
 def default_port(coordinator: str) -> int:
@@ -328,23 +282,7 @@ def check_in(
       launcher (``torch.distributed.elastic.rendezvous``), which this follows in spirit.
     """
     host, port = split_address(address)
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
-        raise ValueError(f"num_processes must be a positive integer, got {num_processes!r}")
-    if (
-        isinstance(process_id, bool)
-        or not isinstance(process_id, int)
-        or not 0 <= process_id < num_processes
-    ):
-        raise ValueError(
-            f"process_id must be an integer in [0, {num_processes}), got {process_id!r}"
-        )
-    if (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not math.isfinite(timeout)
-        or timeout <= 0
-    ):
-        raise ValueError(f"timeout must be a positive finite number of seconds, got {timeout!r}")
+    _check_job(num_processes, process_id, timeout)
     deadline = time.monotonic() + timeout
     server, hosts_service = None, False
     if process_id == 0:
@@ -391,6 +329,20 @@ def check_in(
     )
 
 
+def _check_job(num_processes, process_id, timeout) -> None:
+    """:func:`check_in`'s numbers, checked: a ValueError names the argument."""
+    _checks.positive_int(num_processes, "num_processes")
+    if (
+        isinstance(process_id, bool)
+        or not isinstance(process_id, int)
+        or not 0 <= process_id < num_processes
+    ):
+        raise ValueError(
+            f"process_id must be an integer in [0, {num_processes}), got {process_id!r}"
+        )
+    _checks.positive_seconds(timeout, "timeout")
+
+
 def _connect(host, port, deadline, address, num_processes, process_id, timeout):
     error = None
     while True:
@@ -420,13 +372,13 @@ _RUN_THIS_FILE = (
 
 def _start_server(host, port, num_processes, timeout, jax_service, deadline):
     """Starts the rendezvous server as a helper process; returns (Popen, hosts_jax_service)."""
-    # This file run as a script, not ``-m jaxcomp.distributed.rendezvous``: importing the package would import
-    # JAX (seconds); and through runpy, so that this file's folder does not go first on sys.path.
+    # The server's file run as a script, not ``-m``: importing the package would import JAX
+    # (seconds); and through runpy, so that the file's folder does not go first on sys.path.
     args = [
         sys.executable,
         "-c",
         _RUN_THIS_FILE,
-        os.path.abspath(__file__),
+        os.path.abspath(rendezvous_server.__file__),
         "serve",
         join_address(host, port),
         str(num_processes),
@@ -511,261 +463,5 @@ class _LineReader:
         return line.decode("ascii", "replace").strip()
 
 
-# -- the server (the helper process) ---------------------------------------------------------------
-
-
-def serve(
-    address: str,
-    num_processes: int,
-    timeout: float,
-    jax_service: JaxService | None = None,
-    ready: Callable[[str], None] | None = None,
-) -> int:
-    """Runs the rendezvous server until every process has left (what process 0's helper runs).
-
-    Args:
-      address: ``"HOST:PORT"`` to listen on.
-      num_processes: processes in the job.
-      timeout: seconds until every process must have checked in.
-      jax_service: also host JAX's coordination service for the job's lifetime.
-      ready: called with ``"READY"`` once listening (``"READY jax-service"`` when hosting the
-        service, ``"READY <why not>"`` when asked to and unable), or ``"FAILED <why>"``.
-
-    Returns:
-      0 when every process checked in, 1 when some did not.
-
-    Example:
-      >>> import threading
-      >>> from jaxcomp.distributed.rendezvous import serve
-      >>> threading.Thread(target=serve, args=("127.0.0.1:7734", 1, 10.0)).start()  # doctest: +SKIP
-
-    References:
-      Python's ``selectors`` module (one thread multiplexes every connection).
-    """
-    ready = ready or (lambda line: None)
-    host, port = split_address(address)
-    try:
-        listener = _listen(host, port, num_processes)
-    except OSError as e:
-        ready(f"FAILED cannot listen on {address}: {e.strerror or e}")
-        return 1
-    service, hosted = None, ""
-    if jax_service is not None:
-        try:
-            from jaxlib import _jax
-
-            service = _jax.get_distributed_runtime_service(
-                jax_service.bind_address,
-                jax_service.num_processes,
-                heartbeat_timeout=jax_service.heartbeat_timeout,
-                shutdown_timeout=jax_service.shutdown_timeout,
-                recoverable=jax_service.recoverable,
-            )
-            hosted = " jax-service"
-        except Exception as e:  # not hosted: process 0 hosts it itself, as JAX normally does
-            hosted = " " + " ".join(f"{type(e).__name__}: {e}".split())
-    ready("READY" + hosted)
-    try:
-        return _Server(listener, num_processes, timeout).run()
-    finally:
-        listener.close()
-        if service is not None:
-            service.shutdown()
-
-
-def _listen(host, port, backlog):
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    for bind_host in (host, "::" if family == socket.AF_INET6 else ""):
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            listener.bind((bind_host, port))
-        except OSError as e:
-            listener.close()
-            # HOST is not one of this machine's addresses (a NAT, a name for another interface):
-            # listen on every interface instead. Any other error (port in use) is final.
-            if e.errno in (99, 49, -2, -3, -5) or isinstance(
-                e, socket.gaierror
-            ):  # EADDRNOTAVAIL, resolve errors
-                continue
-            raise
-        listener.listen(max(16, backlog))
-        listener.setblocking(False)
-        return listener
-    raise OSError(99, f"cannot bind {host} nor every interface")
-
-
-class _Server:
-    def __init__(self, listener, num_processes, timeout):
-        self.listener = listener
-        self.num_processes = num_processes
-        self.deadline = time.monotonic() + timeout
-        self.linger = timeout + _LINGER_MARGIN_SECONDS
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(listener, selectors.EVENT_READ)
-        self.peers = {}  # socket -> {"id": int | None, "buffer": bytes, "bye": bool}
-        self.members = {}  # process id -> socket
-        self.ever = set()  # ids that checked in at some point
-        self.started = False
-        self.give_up_at = None  # after a loss: stop waiting for the others to leave at this time
-
-    def run(self):
-        while True:
-            now = time.monotonic()
-            if not self.started and now >= self.deadline:
-                missing = self.missing()
-                self.broadcast(f"MISSING {','.join(map(str, missing))}\n")
-                print(
-                    f"jaxcomp.distributed.rendezvous: process(es) {', '.join(map(str, missing))} of {self.num_processes} did "
-                    "not check in in time",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return 1
-            if self.started and not self.members:
-                return 0
-            if self.give_up_at is not None and now >= self.give_up_at:
-                return 0
-            wake = self.give_up_at if self.started else self.deadline
-            for key, _ in self.selector.select(None if wake is None else max(0.0, wake - now)):
-                if key.fileobj is self.listener:
-                    self.accept()
-                else:
-                    self.read(key.fileobj)
-
-    def missing(self):
-        """The processes that never checked in; else (all did, some left since) those not here now."""
-        never = [i for i in range(self.num_processes) if i not in self.ever]
-        return never or [i for i in range(self.num_processes) if i not in self.members]
-
-    def accept(self):
-        try:
-            sock, _ = self.listener.accept()
-        except OSError:
-            return
-        sock.setblocking(True)
-        sock.settimeout(5.0)  # a peer that stops reading must not block the server
-        self.peers[sock] = {"id": None, "buffer": b"", "bye": False}
-        self.selector.register(sock, selectors.EVENT_READ)
-
-    def read(self, sock):
-        peer = self.peers[sock]
-        try:
-            chunk = sock.recv(4096)
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self.drop(sock)
-            return
-        peer["buffer"] += chunk
-        while b"\n" in peer["buffer"]:
-            line, peer["buffer"] = peer["buffer"].split(b"\n", 1)
-            self.handle(sock, peer, line.decode("ascii", "replace").split())
-            if sock not in self.peers:
-                return
-
-    def handle(self, sock, peer, words):
-        if not words:
-            return
-        if words[0] == "HELLO":
-            if (
-                len(words) != 4
-                or words[1] != PROTOCOL
-                or not words[2].isdigit()
-                or not words[3].isdigit()
-            ):
-                self.refuse(sock, f"not a {PROTOCOL} hello: {' '.join(words)[:80]!r}")
-                return
-            count, process_id = int(words[2]), int(words[3])
-            if count != self.num_processes:
-                self.refuse(
-                    sock,
-                    f"process {process_id} says the job has {count} processes, process 0 says "
-                    f"{self.num_processes}",
-                )
-            elif not 0 <= process_id < self.num_processes:
-                self.refuse(sock, f"process id {process_id} is not in [0, {self.num_processes})")
-            elif self.started:
-                self.refuse(
-                    sock, f"process {process_id} checked in after the job started (restarted?)"
-                )
-            elif process_id in self.members:
-                self.refuse(
-                    sock,
-                    f"process id {process_id} checked in twice (two processes given the same id?)",
-                )
-            else:
-                peer["id"] = process_id
-                self.members[process_id] = sock
-                self.ever.add(process_id)
-                if len(self.members) == self.num_processes:
-                    self.started = True
-                    self.broadcast("GO\n")
-        elif words[0] == "STATUS":
-            self.send(
-                sock, "GO\n" if self.started else f"WAITING {','.join(map(str, self.missing()))}\n"
-            )
-        elif words[0] == "BYE":
-            peer["bye"] = True
-
-    def refuse(self, sock, why):
-        self.send(sock, f"ERROR {why}\n")
-        self.drop(sock, quiet=True)
-
-    def send(self, sock, text):
-        try:
-            sock.sendall(text.encode())
-        except OSError:
-            pass
-
-    def broadcast(self, text):
-        for sock in list(self.members.values()):
-            self.send(sock, text)
-
-    def drop(self, sock, quiet=False):
-        peer = self.peers.pop(sock)
-        self.selector.unregister(sock)
-        sock.close()
-        process_id = peer["id"]
-        if process_id is None or self.members.get(process_id) is not sock:
-            return
-        del self.members[process_id]
-        if not self.started or peer["bye"] or quiet:
-            return  # before the go-ahead a process that leaves is simply missing again
-        print(
-            f"jaxcomp.distributed.rendezvous: process {process_id} of {self.num_processes} left without a goodbye; telling "
-            "the others",
-            file=sys.stderr,
-            flush=True,
-        )
-        self.broadcast(f"LOST {process_id}\n")
-        if self.give_up_at is None:
-            self.give_up_at = time.monotonic() + self.linger
-
-
-def _main(argv=None) -> int:
-    """``python -m jaxcomp.distributed.rendezvous serve HOST:PORT N TIMEOUT [--jax-service BIND N HB SHUTDOWN RECOVERABLE]``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if (
-        len(argv) not in (4, 10)
-        or argv[0] != "serve"
-        or (len(argv) == 10 and argv[4] != "--jax-service")
-    ):
-        print(_main.__doc__, file=sys.stderr)
-        return 2
-    jax_service = None
-    if len(argv) == 10:
-        jax_service = JaxService(argv[5], int(argv[6]), int(argv[7]), int(argv[8]), argv[9] == "1")
-
-    def ready(line):
-        # Tell process 0 (reading stdout), then let go of stdout: process 0 closes its end.
-        os.write(1, (line + "\n").encode())
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.close(devnull)
-
-    return serve(argv[1], int(argv[2]), float(argv[3]), jax_service, ready)
-
-
-if __name__ == "__main__":
-    sys.exit(_main())
+if __name__ == "__main__":  # the server, under the name it had before it got a file of its own
+    sys.exit(rendezvous_server._main())

@@ -1,0 +1,484 @@
+"""The half of ``jaxcomp netbench`` that runs inside each emulated host.
+
+    python -m jaxcomp.distributed.netbench_worker SPEC
+
+:func:`jaxcomp.distributed.netbench.run_benchmark` starts this once per host of a
+:class:`jaxcomp.distributed.cluster.Cluster`, with ``SPEC`` the JSON of a
+:class:`jaxcomp.distributed.netbench.Spec`. The job times the compute-only step, probes the network,
+then trains the model with each method in turn and times its steps; process 0 writes the results to
+``spec.out`` after every method (a failed job keeps what it measured).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+import time
+
+from jaxcomp.distributed.netbench import METHODS, Spec, width_for
+from jaxcomp.methods import Dense
+
+
+@dataclasses.dataclass
+class _Job:
+    """What every method of one job shares: the model, this host's batches and the mesh."""
+
+    spec: Spec
+    params: object
+    loss_fn: object
+    local_batches: list
+    about: dict
+    mesh: object
+    n_hosts: int
+    n_params: int
+
+    def global_batch(self, i):
+        import jax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        sharding = NamedSharding(self.mesh, P("data"))
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(sharding, x),
+            self.local_batches[i % 4],
+        )
+
+
+def _start_job(spec: Spec) -> _Job:
+    """Joins the job and builds its workload and mesh (one CPU device per host)."""
+    from jaxcomp.distributed import launch
+
+    launch.initialize()
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    params, loss_fn, local_batches, about = _workload(
+        spec, np.random.default_rng(1 + jax.process_index())
+    )
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return _Job(
+        spec,
+        params,
+        loss_fn,
+        local_batches,
+        about,
+        Mesh(np.array(devices), ("data",)),
+        len(devices),
+        sum(x.size for x in jax.tree.leaves(params)),
+    )
+
+
+class _ComputeTimer:
+    """The compute-only step: the same gradient and Adam update on the local device, no
+    communication, all hosts at once (they share the machine's cores as in the real steps)."""
+
+    def __init__(self, job: _Job):
+        import jax
+        import optax
+
+        adam = optax.adam(1e-4)
+        self._device = jax.local_devices()[0]
+        self._batches = job.local_batches
+        self._spec = job.spec
+        local_params = jax.device_put(job.params, self._device)
+
+        @jax.jit
+        def local_step(state, batch):
+            p, opt = state
+            loss, grads = jax.value_and_grad(job.loss_fn)(p, batch)
+            updates, opt = adam.update(grads, opt, p)
+            return (optax.apply_updates(p, updates), opt), loss
+
+        self._step = local_step
+        self._state = (local_params, adam.init(local_params))
+
+    def _run(self, i):
+        import jax
+
+        batch = jax.device_put(self._batches[i % 4], self._device)
+        self._state, loss = self._step(self._state, batch)
+        jax.block_until_ready(loss)
+
+    def measure(self, label):
+        """Median local step, timed after every host compiled and warmed up (they share the cores)."""
+        from jax.experimental import multihost_utils
+
+        for i in range(self._spec.warmup + 1):
+            self._run(i)
+        multihost_utils.sync_global_devices(label)
+        times = []
+        for i in range(self._spec.steps):
+            start = time.perf_counter()
+            self._run(i)
+            times.append(time.perf_counter() - start)
+        multihost_utils.sync_global_devices(label + " done")
+        return statistics.median(times)
+
+
+def _probe(job: _Job, compute_first):
+    """Probes the network (several hosts only); returns ``(network, results)`` before any method."""
+    import jaxcomp
+
+    probe_start = time.perf_counter()
+    network = jaxcomp.probe_network(job.mesh, "data") if job.n_hosts > 1 else None
+    probe_seconds = time.perf_counter() - probe_start
+    results = {
+        "hosts": job.n_hosts,
+        "params": job.n_params,
+        **job.about,
+        "compute": compute_first,
+        "probe": None
+        if network is None
+        else {"alpha": network.alpha, "beta": network.beta, "seconds": probe_seconds},
+        "methods": {},
+    }
+    return network, results
+
+
+def _build_step(job: _Job, method, options, shard):
+    """The training step of one run and its initial state; ``init_seconds`` None for the pmean."""
+    import optax
+
+    import jaxcomp
+
+    if method is None:
+        step = _plain_pmean_step(job.loss_fn, job.mesh)
+        return step, step.init(job.params), None
+    aggregate = (
+        jaxcomp.compress_auto(method, **options)
+        if isinstance(method, tuple)
+        else jaxcomp.compress(method, **options)
+    )
+    tx = optax.chain(aggregate, optax.adam(1e-4))
+    dp = jaxcomp.data_parallel(job.loss_fn, tx, job.mesh, shard=shard)
+    init_start = time.perf_counter()
+    state = dp.init(job.params)
+    return dp, state, time.perf_counter() - init_start
+
+
+def _median_step(job: _Job, run, state, extra_warmup):
+    """Runs warm-up then timed steps; ``(state, median seconds, every timed step's seconds)``."""
+    import jax
+
+    times = []
+    warmup = job.spec.warmup + extra_warmup
+    for i in range(warmup + job.spec.steps):
+        batch = job.global_batch(i)
+        start = time.perf_counter()
+        state, loss = run(state, batch)
+        jax.block_until_ready(loss)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return state, statistics.median(times), times
+
+
+def _timed_run(job: _Job, label, position, step, state, compute_first):
+    """One method's steps, timed, with the link's counters around them: ``(state, metrics, entry)``."""
+    from jax.experimental import multihost_utils
+
+    from jaxcomp.distributed.cluster import INTERFACE, read_interface_counters
+
+    metrics_box = {}
+
+    def run(state, batch):
+        state, metrics = step.step(state, batch)
+        metrics_box.update(metrics)
+        return state, metrics["loss"]
+
+    multihost_utils.sync_global_devices(label)
+    # The first method also pays for gloo's connections and TCP's ramp-up: two more warm-up steps.
+    extra = 2 if position == 0 else 0
+    before = read_interface_counters(INTERFACE)
+    state, median, times = _median_step(job, run, state, extra)
+    after = read_interface_counters(INTERFACE)
+    steps_counted = job.spec.warmup + extra + job.spec.steps
+    entry = {
+        "step": median,
+        "times": times,
+        "sync": median - compute_first,
+        "wire_tx": (after[0] - before[0]) / steps_counted,
+        "wire_rx": (after[1] - before[1]) / steps_counted,
+        # This device's share of the training state (params + optimizer state, the
+        # error-feedback residual included), from the arrays' shardings, and the process's
+        # peak resident memory from this method's init to its last step.
+        "state_bytes": _state_bytes(state),
+        "peak_rss": _peak_resident_bytes(),
+    }
+    return state, metrics_box, entry
+
+
+def _what_ran(job: _Job, label, method, state, metrics, init_seconds):
+    """The method that ran (``auto``'s choice), and the entry's init time and bytes sent."""
+    import numpy as np
+
+    import jaxcomp
+
+    if method is None:
+        ran = Dense()
+        return ran, {"bytes_sent": ran.wire_bytes(job.n_params, job.n_hosts), "ran": label}
+    host = {
+        k: float(np.asarray(v.addressable_data(0)))
+        for k, v in metrics.items()
+        if k in ("bytes_sent", "density", "gain", "method", "gather_bytes")
+    }
+    ran = jaxcomp.find_compress_state(state.opt_state).methods[int(host.get("method", 0))]
+    return ran, {
+        "init": init_seconds,
+        # Sharded: the gradient's reduce-scatter plus the params' all-gather.
+        "bytes_sent": host.get("bytes_sent", 0.0) + host.get("gather_bytes", 0.0),
+        "ran": ran.label,
+    }
+
+
+def _run_method(job: _Job, label, position, network, compute_first) -> dict:
+    """One method's entry of the results: its step time, wire bytes, memory and predictions."""
+    method, options, shard = METHODS[label]
+    gc.collect()
+    _reset_peak_memory()
+    step, state, init_seconds = _build_step(job, method, options, shard)
+    state, metrics, entry = _timed_run(job, label, position, step, state, compute_first)
+    ran, about = _what_ran(job, label, method, state, metrics, init_seconds)
+    entry.update(about)
+    if network is not None:
+        entry.update(
+            _predictions(ran, job.params, job.n_hosts, network, compute_first, job.mesh, shard)
+        )
+    return entry
+
+
+def _report(job: _Job, results, label, entry, compute_first) -> None:
+    """Process 0: a line on stderr, and the results so far to ``spec.out``."""
+    import jax
+
+    if jax.process_index() != 0:
+        return
+    print(
+        f"netbench: {job.n_hosts} hosts, {label}: step {entry['step']:.3f} s (compute {compute_first:.3f} s), "
+        f"wire {entry['wire_tx'] / 1e6:.1f} MB/step",
+        file=sys.stderr,
+        flush=True,
+    )
+    with open(job.spec.out, "w") as f:  # after every method: a failed job keeps what it measured
+        json.dump(results, f)
+
+
+def _finish(results, compute_first, compute_last) -> None:
+    """The smaller of the two compute times counts (noise only ever adds time); every method's
+    sync is its step minus that."""
+    compute = min(compute_first, compute_last)
+    results.update(compute=compute, compute_first=compute_first, compute_last=compute_last)
+    for entry in results["methods"].values():
+        entry["sync"] = entry["step"] - compute
+        if "advise_step" in entry:  # paper 002's step (no overlap) is linear in the compute time
+            entry["advise_step"] += compute - compute_first
+
+
+def run_job(spec: Spec) -> None:
+    """Runs one job of the benchmark in this emulated host (every host of the cluster runs it).
+
+    Args:
+      spec: what to measure (the models, methods, steps and where process 0 writes the results).
+
+    Returns:
+      None; process 0 writes the results as JSON to ``spec.out``.
+
+    Example:
+      >>> run_job(Spec(2e5, ("pmean",), 2, 1, 4, 6, "out.json", None))  # doctest: +SKIP
+
+    References:
+      Agarwal et al., "On the Utility of Gradient Compression in Distributed Training Systems",
+      MLSys 2022 (measure the step, not the bytes); issue 13's set-up.
+    """
+    import jax
+
+    job = _start_job(spec)
+    timer = _ComputeTimer(job)
+    compute_first = timer.measure("compute")
+    network, results = _probe(job, compute_first)
+    for position, label in enumerate(spec.methods):
+        entry = _run_method(job, label, position, network, compute_first)
+        results["methods"][label] = entry
+        _report(job, results, label, entry, compute_first)
+        # Free this method's state and executables before the next (25M params: ~1 GB each).
+        jax.clear_caches()
+        gc.collect()
+    _finish(results, compute_first, timer.measure("compute again"))
+    if jax.process_index() == 0:
+        with open(spec.out, "w") as f:
+            json.dump(results, f)
+
+
+def _workload(spec: Spec, rng):
+    """What the job trains: ``(params, loss_fn, local_batches, about)``.
+
+    ``spec.model`` names a :mod:`jaxcomp.training.zoo` model; None is the MLP of ``spec.layers`` square dense
+    layers of about ``spec.params`` parameters. ``local_batches`` are four of this host's batches of
+    ``spec.batch`` rows drawn from ``rng``; ``about`` is what the results record of the model.
+    """
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    if spec.model is not None:
+        from jaxcomp.training import zoo
+
+        model = zoo.build(spec.model)
+        batches = [model.make_batch(rng, spec.batch) for _ in range(4)]
+        return (
+            model.params,
+            model.loss_fn,
+            batches,
+            {"model": spec.model, "leaves": model.n_leaves, "width": None},
+        )
+    width = width_for(spec.params, spec.layers)
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(spec.layers):
+                x = nn.Dense(width)(x)
+                if i < spec.layers - 1:
+                    x = jnp.tanh(x)
+            return x
+
+    model = MLP()
+    params = model.init(jax.random.key(0), jnp.zeros((1, width)))
+
+    def loss_fn(p, batch):
+        return jnp.mean((model.apply(p, batch["x"]) - batch["y"]) ** 2)
+
+    batches = [
+        {
+            "x": rng.normal(size=(spec.batch, width)).astype(np.float32),
+            "y": rng.normal(size=(spec.batch, width)).astype(np.float32),
+        }
+        for _ in range(4)
+    ]
+    about = {
+        "model": f"mlp_{spec.layers}x{width}",
+        "leaves": len(jax.tree.leaves(params)),
+        "width": width,
+    }
+    return params, loss_fn, batches, about
+
+
+def _state_bytes(state) -> int:
+    """Bytes of ``state``'s arrays on this process's first device (its shard of each)."""
+    import jax
+
+    return sum(
+        leaf.addressable_shards[0].data.nbytes
+        for leaf in jax.tree.leaves(state)
+        if isinstance(leaf, jax.Array)
+    )
+
+
+def _reset_peak_memory() -> None:
+    """Starts a new peak of this process's resident memory (Linux: ``5`` to
+    ``/proc/self/clear_refs`` resets ``VmHWM``); does nothing where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_resident_bytes() -> int:
+    """This process's peak resident memory since :func:`_reset_peak_memory` (``VmHWM``), 0 where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _predictions(ran, params, n_hosts, network, compute, mesh, shard=None):
+    """The cost model's sync time and paper 002's step time (``jaxcomp advise``) for the method that ran.
+
+    Both include the method's local work, measured as ``compress_auto`` measures it
+    (:func:`jaxcomp.optim.timing.overhead_seconds`, every host at once). Sharded runs are costed as a
+    reduce-scatter plus the params' all-gather (``shard=True``; dense: the same bytes as its all-reduce).
+    """
+    import jax
+
+    from jaxcomp.costmodel import advise, cost
+    from jaxcomp.optim.timing import overhead_seconds
+
+    n_params = sum(int(x.size) for x in jax.tree.leaves(params))
+    nbytes = 4.0 * n_params
+    local = overhead_seconds(ran, params, mesh=mesh, axis_name="data")
+    if ran.sends_everything:
+        step = advise.sync_sgd_time(nbytes, n_hosts, network, compute, overlap=False, method=ran)
+    else:
+        step = advise.compressed_time(
+            ran,
+            nbytes,
+            n_hosts,
+            network,
+            compute,
+            encode_decode_seconds=local,
+            shard=shard is not None,
+        )
+    return {
+        "predicted_sync": cost.predict(
+            ran, nbytes, n_hosts, network, overhead=local, shard=shard is not None
+        ),
+        "advise_step": step,
+        "local_work": local,
+    }
+
+
+class _plain_pmean_step:
+    """The baseline without jaxcomp: ``jax.grad`` on varying params, ``lax.pmean`` of the gradients, Adam."""
+
+    def __init__(self, loss_fn, mesh):
+        import jax
+        import optax
+        from jax.sharding import PartitionSpec as P
+
+        self.tx = optax.adam(1e-4)
+
+        def local(params, opt, batch):
+            varying = jax.lax.pcast(params, "data", to="varying")
+            loss, grads = jax.value_and_grad(loss_fn)(varying, batch)
+            grads = jax.lax.pmean(grads, "data")
+            updates, opt = self.tx.update(grads, opt, params)
+            return optax.apply_updates(params, updates), opt, jax.lax.pmean(loss, "data")
+
+        self._step = jax.jit(
+            jax.shard_map(
+                local, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P())
+            )
+        )
+
+    def init(self, params):
+        return params, self.tx.init(params)
+
+    def step(self, state, batch):
+        params, opt, loss = self._step(state[0], state[1], batch)
+        return (params, opt), {"loss": loss}
+
+
+def main(argv=None) -> int:
+    """``python -m jaxcomp.distributed.netbench_worker SPEC``: one job, ``SPEC`` a :class:`Spec` as JSON."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:  # the form the launcher used before the worker had its own module
+        argv = argv[1:]
+    if len(argv) != 1:
+        print(main.__doc__, file=sys.stderr)
+        return 2
+    fields = json.loads(argv[0])
+    run_job(Spec(**{**fields, "methods": tuple(fields["methods"])}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
