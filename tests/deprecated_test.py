@@ -81,17 +81,25 @@ def test_unknown_attribute_still_raises():
         _ = jaxcomp.nope
 
 
-def test_python_dash_m_with_an_old_path_runs_the_new_module():
+@pytest.mark.parametrize(
+    "old, usage",
+    [
+        ("jaxcomp.launch", "usage: python -m jaxcomp.distributed.launch"),
+        ("jaxcomp.netbench", "usage: jaxcomp netbench"),  # its command line: jaxcomp.cli.netbench
+        ("jaxcomp.cluster", "usage: jaxcomp cluster"),
+    ],
+)
+def test_python_dash_m_with_an_old_path_runs_the_new_module(old, usage):
     result = subprocess.run(
-        [sys.executable, "-W", "always", "-m", "jaxcomp.launch", "--help"],
+        [sys.executable, "-W", "always", "-m", old, "--help"],
         capture_output=True,
         text=True,
         env=subprocess_env(),
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert "usage: python -m jaxcomp.distributed.launch" in result.stdout
-    assert "jaxcomp.launch is deprecated" in result.stderr
+    assert usage in result.stdout
+    assert f"{old} is deprecated" in result.stderr
 
 
 def test_importing_jaxcomp_loads_no_jax():

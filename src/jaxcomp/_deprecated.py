@@ -46,6 +46,12 @@ MOVED = {
     "jaxcomp.kernel_demo": "jaxcomp.cli.kernels",
 }
 
+#: Old paths whose ``python -m`` ran a command line that now lives apart from the library module.
+RUN_AS_MAIN = {
+    "jaxcomp.netbench": "jaxcomp.cli.netbench",
+    "jaxcomp.cluster": "jaxcomp.cli.cluster",
+}
+
 
 def new_name(old: str) -> str | None:
     """The new path of an old module path (or of a module below one), else None.
@@ -132,8 +138,9 @@ class _Alias(importlib.abc.Loader):
         module.__spec__ = self._spec  # the import system set the alias's spec; restore the real one
 
     def get_code(self, fullname):  # `python -m jaxcomp.launch` runs the new module's code
-        warn(fullname, self.new)
-        return importlib.util.find_spec(self.new).loader.get_code(self.new)
+        new = RUN_AS_MAIN.get(fullname, self.new)
+        warn(fullname, new)
+        return importlib.util.find_spec(new).loader.get_code(new)
 
     def is_package(self, fullname):
         return False

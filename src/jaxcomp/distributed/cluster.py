@@ -592,10 +592,3 @@ def sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-if __name__ == "__main__":  # the command line moved up a layer
-    sys.exit(
-        "python -m jaxcomp.distributed.cluster is no longer a command: run `jaxcomp cluster` "
-        "(python -m jaxcomp.cli.cluster)"
-    )

@@ -271,13 +271,3 @@ def _run_cell(spec: Spec, n_hosts: int, timeout: float, log_path: str, cwd: str)
         )
     with open(spec.out) as f:
         return json.load(f)
-
-
-if __name__ == "__main__":  # the command line moved up a layer, the worker to a module of its own
-    import sys
-
-    sys.exit(
-        "python -m jaxcomp.distributed.netbench is no longer a command: run `jaxcomp netbench` "
-        "(python -m jaxcomp.cli.netbench); a host's worker is python -m "
-        "jaxcomp.distributed.netbench_worker SPEC"
-    )
