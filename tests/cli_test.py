@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from jaxcomp.cli import advise, demo
+from jaxcomp.cli import advise, demo, kernels, netbench
 
 ADVISE = ["--workers", "8", "--bandwidth", "10gbit", "--backward-ms", "120"]
 
@@ -93,6 +93,9 @@ def test_advise_largest_model_is_exact(capsys):
         (["--learning-rate=-inf"], "--learning-rate must be a positive finite number"),
         (["--seed", "-1"], "--seed must be in [0, 2**32 - 1]"),
         (["--out", "/proc/x"], "--out '/proc/x': cannot create the folder"),
+        # issue 24: a density out of range was a traceback from building the methods
+        (["--density", "0"], "--density must be in (0, 1], got 0.0"),
+        (["--density", "2"], "--density must be in (0, 1], got 2.0"),
     ],
 )
 def test_demo_refuses_bad_flags_before_training(argv, match, capsys):
@@ -108,3 +111,14 @@ def test_demo_out_that_is_a_file_fails_at_start(tmp_path, capsys):
         capsys,
         "exists and is not a folder",
     )
+
+
+def test_kernels_refuses_zero_repeats(capsys):
+    """Issue 24: ``--repeats 0`` printed ``inf`` for every kernel."""
+    _fails(kernels.main, ["--repeats", "0"], capsys, "--repeats must be at least 1")
+
+
+@pytest.mark.parametrize("hosts", ["1", "2,1", "0"])
+def test_netbench_refuses_a_single_host(hosts, capsys):
+    """Issue 24: ``--hosts 1`` printed a row with a 0.00x speed-up (one host sends nothing)."""
+    _fails(netbench.main, ["--hosts", hosts], capsys, "--hosts: every count must be at least 2")

@@ -367,13 +367,13 @@ def _parser(all_runs) -> argparse.ArgumentParser:
 
 def _checked_runs(parser, args) -> list[Run]:
     """The runs the flags name, every flag checked before any training (bad ones exit via argparse)."""
+    if not 0.0 < args.density <= 1.0:  # before runs(), which builds the methods at this density
+        parser.error(f"--density must be in (0, 1], got {args.density}")
     all_runs = runs(args.density)
     names = [name.strip() for name in args.methods.split(",") if name.strip()]
     unknown = [name for name in names if name not in all_runs]
     if unknown or not names:
         parser.error(f"--methods: unknown {unknown}; choose from {','.join(all_runs)}")
-    if not 0.0 < args.density <= 1.0:
-        parser.error("--density must be in (0, 1]")
     if args.steps < 2:
         parser.error("--steps must be at least 2")
     if args.batch_size < N_DEVICES or args.batch_size % N_DEVICES:

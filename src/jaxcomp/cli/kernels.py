@@ -212,11 +212,13 @@ def main(argv=None) -> int:
     """Entry point of ``jaxcomp kernels``."""
     parser = argparse.ArgumentParser(prog="jaxcomp kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=float, default=25e6, help="gradient length (default 25M)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per kernel, >= 1")
     args = parser.parse_args(argv)
     n = int(args.n)
     if n < 1000:
         parser.error("--n must be at least 1000")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1 (timed runs; the fastest counts), got {args.repeats}")
     print(
         f"jaxcomp {jaxcomp.__version__} kernels on a realistic {n:,}-value float32 gradient "
         f"({jax.devices()[0].platform}, {jax.devices()[0].device_kind})"

@@ -142,7 +142,12 @@ class DataParallel:
 
         Returns:
           The params pytree, as :meth:`init` was given it.
+
+        Raises:
+          TypeError: ``state`` is not a :class:`TrainState`; ValueError: it is the state of another
+          data_parallel (another ``tx``, ``shard=`` or mesh).
         """
+        self.layout.check_state(state)
         if self.shard != "params":
             return state.params
         avals = self.layout.whole_avals(state.params)
@@ -381,6 +386,11 @@ def _check_gather_dtype(gather_dtype, shard):
     if not jnp.issubdtype(gather_dtype, jnp.floating):
         raise ValueError(
             f"gather_dtype must be a float dtype such as jnp.bfloat16, got {gather_dtype}"
+        )
+    if gather_dtype.itemsize > 4 and not jax.config.jax_enable_x64:
+        raise ValueError(
+            f"gather_dtype={gather_dtype} needs jax_enable_x64 (without it JAX computes in float32 "
+            "and the gather would silently be float32); to send fewer bytes use jnp.bfloat16"
         )
     return gather_dtype
 
