@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxcomp.collectives import sizes
+from jaxcomp.collectives import LEADERS, SELECTORS, sizes
 from jaxcomp.methods.base import Fraction, Method
 from jaxcomp.methods.dense import ALLREDUCE_ALGORITHMS
 from jaxcomp.ops import _checks
@@ -12,12 +12,6 @@ from jaxcomp.ops import _checks
 #: How the selected values travel (:mod:`jaxcomp.collectives`): ``allgather_topk``, ``ar_topk``
 #: or ``hierarchical_topk``.
 COLLECTIVES = ("allgather", "ar", "hierarchical")
-
-#: Top-k selectors: exact :func:`jaxcomp.topk` or MSTopK :func:`jaxcomp.threshold_topk`.
-SELECTORS = ("exact", "threshold")
-
-#: AR-Topk leader rules: round-robin by step (STAR) or largest local top-k norm (VAR).
-LEADERS = ("star", "var")
 
 
 @dataclasses.dataclass(frozen=True)
