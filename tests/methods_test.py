@@ -284,6 +284,64 @@ def test_no_private_name_is_imported_across_modules():
     assert not found, "private names imported from another module:\n" + "\n".join(found)
 
 
+#: jax.lax's cross-device exchanges; axis_index and axis_size only ask about the mesh.
+LAX_COLLECTIVES = {
+    "all_gather",
+    "all_gather_invariant",
+    "all_to_all",
+    "pbroadcast",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "pshuffle",
+    "psum",
+    "psum_scatter",
+    "pswapaxes",
+    "ragged_all_to_all",
+}
+
+
+def _lax_collectives(source: str) -> list[str]:
+    """``line: name`` of each jax.lax collective ``source`` names (called or passed on)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module == "jax.lax":
+            found += [f"{node.lineno}: {a.name}" for a in node.names if a.name in LAX_COLLECTIVES]
+        elif isinstance(node, ast.Attribute) and node.attr in LAX_COLLECTIVES:
+            base = node.value
+            if (isinstance(base, ast.Name) and base.id == "lax") or (
+                isinstance(base, ast.Attribute) and base.attr == "lax"
+            ):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_every_cross_device_byte_of_a_method_goes_through_the_collectives():
+    """STYLE.md: the methods call jaxcomp.collectives, never a jax.lax collective themselves, so
+    every exchange is in one layer (and counted against its sizes)."""
+    found = [
+        f"methods/{path.name}:{hit}"
+        for path in sorted((PACKAGE / "methods").glob("*.py"))
+        for hit in _lax_collectives(path.read_text())
+    ]
+    assert not found, "jax.lax collectives called from jaxcomp.methods:\n" + "\n".join(found)
+
+
+def test_the_collective_finder_finds_them():
+    source = (
+        "import jax\nfrom jax import lax\nfrom jax.lax import ppermute\n"
+        "def f(x, a):\n    jax.lax.psum(x, a); lax.all_gather(x, a); g(jax.lax.pmax)\n"
+        "    return jax.lax.axis_index(a), jax.lax.axis_size(a)\n"
+    )
+    assert _lax_collectives(source) == [
+        "3: ppermute",
+        "5: jax.lax.psum",
+        "5: lax.all_gather",
+        "5: jax.lax.pmax",
+    ]
+
+
 # --- imports cost nothing until used ----------------------------------------------------------------
 
 

@@ -201,9 +201,9 @@ class PowerSGD(Method):
         )
 
     def aggregate_stateful(self, x, axis_name, *, step, key, state, shapes):
-        import jax
         import jax.numpy as jnp
 
+        from jaxcomp import collectives
         from jaxcomp.ops import flat
 
         shapes = self._shapes(x.shape[0], shapes)
@@ -219,7 +219,7 @@ class PowerSGD(Method):
 
         # All-reduce 1: every P, and the leaves sent as they are.
         ps = [mats[i] @ qs[i] for i in compressed]
-        first = jax.lax.psum(
+        first, _ = collectives.psum(
             jnp.concatenate([p.ravel() for p in ps] + [pieces[i] for i in dense]), axis_name
         )
         p_hat, offset = {}, 0
@@ -232,7 +232,9 @@ class PowerSGD(Method):
             offset += pieces[i].size
         # All-reduce 2: every Q = M^T P.
         local_q = {i: mats[i].T @ p_hat[i] for i in compressed}
-        second = jax.lax.psum(jnp.concatenate([local_q[i].ravel() for i in compressed]), axis_name)
+        second, _ = collectives.psum(
+            jnp.concatenate([local_q[i].ravel() for i in compressed]), axis_name
+        )
         q_total, offset = {}, 0
         for i in compressed:
             q_total[i] = second[offset : offset + local_q[i].size].reshape(local_q[i].shape)

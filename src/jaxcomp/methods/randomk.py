@@ -77,13 +77,14 @@ class RandomK(Fraction, Method):
         _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
 
     def aggregate(self, x, axis_name, *, step, key, sparse=False):
-        import jax
         import jax.numpy as jnp
+
+        from jaxcomp import collectives
 
         n = x.shape[0]
         indices = shared_indices(key, n, self.kept(n))
         values = x[indices]
-        summed = jax.lax.psum(values, axis_name)
+        summed, _ = collectives.psum(values, axis_name)
         total = jnp.zeros(n, x.dtype).at[indices].set(summed, unique_indices=True)
         if sparse:
             return total, (indices, values)
