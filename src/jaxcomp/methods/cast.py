@@ -124,7 +124,6 @@ class Cast(Method):
     allreduce: str = "ring"
 
     name = "cast"
-    scatters = True
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
@@ -167,8 +166,8 @@ class Cast(Method):
         global_max = collectives.pmax(jnp.max(jnp.abs(x)).astype(jnp.float32), axis_name)
         return power_of_two_scale(global_max, n_devices)
 
-    def aggregate(self, x, axis_name, *, step, key, sparse=False):
-        return self._sum(x, axis_name, scatter=False)
+    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
+        return (*self._sum(x, axis_name, scatter=False), state)
 
     def reduce_scatter(self, x, axis_name, *, step, key, size, sparse=False):
         return self._sum(x, axis_name, scatter=True)

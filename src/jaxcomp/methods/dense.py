@@ -35,15 +35,14 @@ class Dense(Method):
 
     name = "dense"
     sends_everything = True
-    scatters = True
 
     def __post_init__(self):
         _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
 
-    def aggregate(self, x, axis_name, *, step, key, sparse=False):
+    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
         from jaxcomp import collectives
 
-        return collectives.psum(x, axis_name)
+        return (*collectives.psum(x, axis_name), state)
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         n, dtype_bytes = _checks.check_message(n, dtype_bytes)

@@ -114,7 +114,6 @@ class PowerSGD(Method):
     allreduce: str = "ring"
 
     name = "powersgd"
-    stateful = True
 
     def __post_init__(self):
         object.__setattr__(self, "rank", _checks.static_int(self.rank, "rank", 1, 1 << 16))
@@ -200,12 +199,20 @@ class PowerSGD(Method):
             for key, (_, cols) in zip(keys, matrices)
         )
 
-    def aggregate_stateful(self, x, axis_name, *, step, key, state, shapes):
+    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None, shapes=None):
+        """The two all-reduces of one power iteration, warm-started from ``state`` (one ``Q`` per
+        compressed leaf, from :meth:`init_state` for these ``shapes`` or the previous step):
+        ``(total, sent, new_state)``, the new state being this step's summed ``Q``."""
         import jax.numpy as jnp
 
         from jaxcomp import collectives
         from jaxcomp.ops import flat
 
+        if state is None:
+            raise ValueError(
+                "PowerSGD keeps state across steps: pass state=method.init_state(shapes) (or the "
+                "state the previous step returned), as jaxcomp.compress does"
+            )
         shapes = self._shapes(x.shape[0], shapes)
         pieces, offset = [], 0
         for shape in shapes:

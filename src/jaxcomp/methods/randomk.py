@@ -76,7 +76,7 @@ class RandomK(Fraction, Method):
         self.check_fraction()
         _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
 
-    def aggregate(self, x, axis_name, *, step, key, sparse=False):
+    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
         import jax.numpy as jnp
 
         from jaxcomp import collectives
@@ -87,8 +87,8 @@ class RandomK(Fraction, Method):
         summed, _ = collectives.psum(values, axis_name)
         total = jnp.zeros(n, x.dtype).at[indices].set(summed, unique_indices=True)
         if sparse:
-            return total, (indices, values)
-        return total, jnp.zeros_like(x).at[indices].set(values, unique_indices=True)
+            return total, (indices, values), state
+        return total, jnp.zeros_like(x).at[indices].set(values, unique_indices=True), state
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         """One all-reduce of ``k`` values: ``2 (N-1)/N k d`` as a ring."""

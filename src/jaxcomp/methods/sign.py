@@ -83,18 +83,19 @@ class Sign(Method):
             [self.name, self.aggregation] + ([self.allreduce] if self.allreduce != "ring" else [])
         )
 
-    def aggregate(self, x, axis_name, *, step, key, sparse=False):
+    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
         from jaxcomp import collectives
         from jaxcomp.ops.sign import sign_pack, sign_unpack
 
         if self.aggregation != "allreduce":
-            return collectives.sign_allgather(
+            total, sent = collectives.sign_allgather(
                 x, self.chunk, axis_name, majority=self.aggregation == "majority"
             )
+            return total, sent, state
         words, scales = sign_pack(x, self.chunk)
         sent = sign_unpack(words, scales, x.shape[0], self.chunk, dtype=x.dtype)
         total, _ = collectives.psum(sent, axis_name)
-        return total, sent
+        return total, sent, state
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         """``"allgather"``, ``"majority"``: an all-gather of ``ceil(n/32)`` words and

@@ -84,16 +84,16 @@ class TopK(Fraction, Method):
     def name(self):
         return f"{self.collective}_topk"
 
-    def aggregate(self, x, axis_name, *, step, key, sparse=False):
+    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
         from jaxcomp import collectives
 
         k = self.kept(x.shape[0])
         if self.collective == "allgather":
-            return collectives.allgather_topk(
+            total, sent = collectives.allgather_topk(
                 x, k, axis_name, selector=self.selector, sparse_sent=sparse
             )
-        if self.collective == "ar":
-            return collectives.ar_topk(
+        elif self.collective == "ar":
+            total, sent = collectives.ar_topk(
                 x,
                 k,
                 axis_name,
@@ -102,10 +102,12 @@ class TopK(Fraction, Method):
                 selector=self.selector,
                 sparse_sent=sparse,
             )
-        outer, inner = axis_name
-        return collectives.hierarchical_topk(
-            x, k, inner, outer, selector=self.selector, sparse_sent=sparse
-        )
+        else:
+            outer, inner = axis_name
+            total, sent = collectives.hierarchical_topk(
+                x, k, inner, outer, selector=self.selector, sparse_sent=sparse
+            )
+        return total, sent, state
 
     @property
     def scatters(self):

@@ -55,10 +55,11 @@ class Zfp(Method):
     def setting(self):
         return self.rate
 
-    def aggregate(self, x, axis_name, *, step, key, sparse=False):
+    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
         from jaxcomp import collectives
 
-        return collectives.zfp_allreduce(x, self.rate, axis_name, algorithm=self.algorithm)
+        total, sent = collectives.zfp_allreduce(x, self.rate, axis_name, algorithm=self.algorithm)
+        return total, sent, state
 
     @property
     def scatters(self):

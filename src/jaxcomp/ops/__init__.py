@@ -8,6 +8,6 @@ from jaxcomp._lazy import attach
 
 __getattr__, __dir__, __all__ = attach(
     __name__,
-    submodules=("topk", "zfp", "zfp_format", "hadamard", "sign", "flat", "reference", "xla"),
+    submodules=("topk", "zfp", "hadamard", "sign", "flat", "reference", "xla"),
     exports={},
 )
