@@ -347,7 +347,7 @@ def scattering() -> list[str]:
         "Dense",
         "Cast (bf16, fp16)",
         "Zfp (algorithm='ring')",
-        "Quantized (thc)",
+        "Quantized",
         "TopK (collective='allgather' or 'ar')",
     ]
 
