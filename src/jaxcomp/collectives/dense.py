@@ -156,7 +156,7 @@ def bfloat16_allreduce(x, axis_name, *, scatter=False, algorithm="auto"):
     algorithm = check_choice(algorithm, "algorithm", BFLOAT16_ALGORITHMS)
     n_devices = check_rows(x.shape[0], axis_name) if scatter else axis_size(axis_name)
 
-    def ring(v):
+    def by_ring(v):
         # Device d owns chunk d in both forms, and the reduce-scatter rounds it as the all-reduce
         # does: the sharded step's shard is the replicated step's row bit for bit.
         total, sent = ring_allreduce(
@@ -164,7 +164,7 @@ def bfloat16_allreduce(x, axis_name, *, scatter=False, algorithm="auto"):
         )
         return total.astype(v.dtype), sent.astype(v.dtype)
 
-    def psum(v):
+    def by_psum(v):
         narrow = v.astype(jnp.bfloat16)
         if scatter:
             total = jax.lax.psum_scatter(narrow, axis_name, scatter_dimension=0, tiled=True)
@@ -174,7 +174,7 @@ def bfloat16_allreduce(x, axis_name, *, scatter=False, algorithm="auto"):
 
     # One device sends nothing: the psum of one is the cast alone.
     if algorithm == "psum" or n_devices == 1:
-        return psum(x)
+        return by_psum(x)
     if algorithm == "ring":
-        return ring(x)
-    return jax.lax.platform_dependent(x, cpu=ring, default=psum)
+        return by_ring(x)
+    return jax.lax.platform_dependent(x, cpu=by_ring, default=by_psum)

@@ -81,10 +81,11 @@ class Cast(Method):
     """The gradient crosses the wire in a 16-bit float, 2 bytes a value: what Horovod's fp16
     compression and PyTorch's ``fp16_compress_hook``/``bf16_compress_hook`` do.
 
-    float16 is one all-reduce (:func:`jaxcomp.collectives.psum`) of ``n`` float16 values. float16's range ends
-    at 65504: with ``scale`` every device first multiplies by one power of two chosen from the
-    largest ``|x|`` over all devices (one extra all-reduce of a scalar), so the sum cannot overflow
-    and small gradients keep their precision; bfloat16 has float32's range and needs none.
+    float16 is one all-reduce (:func:`jaxcomp.collectives.psum`) of ``n`` float16 values.
+    float16's range ends at 65504: with ``scale`` every device first multiplies by one power of two
+    chosen from the largest ``|x|`` over all devices (one extra all-reduce of a scalar,
+    :func:`jaxcomp.collectives.pmax`), so the sum cannot overflow and small gradients keep their
+    precision; bfloat16 has float32's range and needs none.
 
     bfloat16 (:func:`jaxcomp.collectives.bfloat16_allreduce`): NCCL and the TPU reduce bfloat16
     natively, so on GPU and TPU it is one psum in bfloat16. XLA's CPU collectives (gloo, multi-host
