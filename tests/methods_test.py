@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from jaxcomp import methods
+from jaxcomp import collectives, methods
 from jaxcomp.costmodel import advise, cost
 from jaxcomp.methods import Dense, Method, Quantized, Sign, TopK, Zfp
 
@@ -32,9 +32,9 @@ class Cast16(Method):
     allreduce: str = "ring"
     name = "cast16"
 
-    def aggregate(self, x, axis_name, *, step, key, sparse=False):
-        sent = x.astype(jnp.bfloat16)
-        return jax.lax.psum(sent, axis_name).astype(x.dtype), sent.astype(x.dtype)
+    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
+        total, sent = collectives.psum(x.astype(jnp.bfloat16), axis_name)
+        return total.astype(x.dtype), sent.astype(x.dtype), state  # no state: returned as given
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         return 0.0 if n_devices == 1 else 2.0 * (n_devices - 1) / n_devices * n * 2
@@ -165,6 +165,60 @@ def test_an_outside_method_aggregates_with_error_feedback_in_compress():
     )
 
 
+def test_a_method_written_for_the_old_protocol_still_works_and_is_told_how_to_update():
+    """jaxcomp 0.1's protocol (aggregate without state=, returning (total, sent); stateful methods'
+    aggregate_stateful) keeps working until 0.3, with a warning naming the new signature."""
+    with pytest.warns(DeprecationWarning, match=r"state=None\) returning \(total, sent, state\)"):
+
+        @dataclasses.dataclass(frozen=True)
+        class OldCast16(Cast16):
+            def aggregate(self, x, axis_name, *, step, key, sparse=False):
+                sent = x.astype(jnp.bfloat16)
+                return jax.lax.psum(sent, axis_name).astype(x.dtype), sent.astype(x.dtype)
+
+    g = jax.random.normal(jax.random.key(1), (N_DEVICES, 1000))
+    old = _aggregate(jaxcomp.compress(OldCast16(), mean=False), g, steps=3)
+    new = _aggregate(jaxcomp.compress(Cast16(), mean=False), g, steps=3)
+    np.testing.assert_array_equal(np.asarray(old[0]), np.asarray(new[0]))
+
+    with pytest.warns(DeprecationWarning, match="aggregate_stateful is jaxcomp 0.1's protocol"):
+
+        @dataclasses.dataclass(frozen=True)
+        class OldCounted(Cast16):
+            """Counts its steps in a state of its own."""
+
+            stateful = True
+
+            def init_state(self, shapes):
+                return jnp.zeros((), jnp.int32)
+
+            def kept(self, n, shapes=None):
+                return n
+
+            def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None, shapes=None):
+                return Cast16.wire_bytes(self, n, n_devices)
+
+            def aggregate_stateful(self, x, axis_name, *, step, key, state, shapes):
+                total, sent, _ = Cast16.aggregate(self, x, axis_name, step=step, key=key)
+                return total, sent, state + 1
+
+    method = OldCounted()
+    assert method.stateful
+    tx = jaxcomp.compress(method, mean=False)
+
+    def count(g):
+        state = tx.init(g[0])
+        for _ in range(3):
+            updates, state = tx.update(g[0], state)
+        return updates[None], jaxcomp.find_compress_state(state).method_state[0][0]
+
+    updates, steps = jax.jit(
+        jax.shard_map(count, mesh=_mesh(), in_specs=P("data"), out_specs=(P("data"), P()))
+    )(g)
+    np.testing.assert_array_equal(np.asarray(updates[0]), np.asarray(new[0]))
+    assert int(steps) == 3
+
+
 def test_an_outside_method_is_costed_chosen_and_advised():
     net_fast, net_slow = cost.Network.parse("1us", "100GB/s"), cost.Network.parse("1ms", "1gbit")
     nbytes = 4e8
@@ -228,7 +282,10 @@ def test_compress_auto_with_a_ratio_search_makes_one_branch_per_ratio():
 # The names of the methods, as string literals: only the methods package (its SHORTHAND table) may
 # spell them.
 METHOD_NAMES = set(methods.SHORTHAND)
-ALLOWED = {"methods/__init__.py": "the shorthand table"}
+ALLOWED = {
+    "methods/__init__.py": "the shorthand table",
+    "collectives/__init__.py": "the lazy table of the collectives, some named like their methods",
+}
 
 
 def _string_literals(path):
@@ -282,6 +339,64 @@ def test_no_private_name_is_imported_across_modules():
                     and alias.name not in ("_checks", "_ffi")
                 ]
     assert not found, "private names imported from another module:\n" + "\n".join(found)
+
+
+#: jax.lax's cross-device exchanges; axis_index and axis_size only ask about the mesh.
+LAX_COLLECTIVES = {
+    "all_gather",
+    "all_gather_invariant",
+    "all_to_all",
+    "pbroadcast",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "pshuffle",
+    "psum",
+    "psum_scatter",
+    "pswapaxes",
+    "ragged_all_to_all",
+}
+
+
+def _lax_collectives(source: str) -> list[str]:
+    """``line: name`` of each jax.lax collective ``source`` names (called or passed on)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module == "jax.lax":
+            found += [f"{node.lineno}: {a.name}" for a in node.names if a.name in LAX_COLLECTIVES]
+        elif isinstance(node, ast.Attribute) and node.attr in LAX_COLLECTIVES:
+            base = node.value
+            if (isinstance(base, ast.Name) and base.id == "lax") or (
+                isinstance(base, ast.Attribute) and base.attr == "lax"
+            ):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_every_cross_device_byte_of_a_method_goes_through_the_collectives():
+    """STYLE.md: the methods call jaxcomp.collectives, never a jax.lax collective themselves, so
+    every exchange is in one layer (and counted against its sizes)."""
+    found = [
+        f"methods/{path.name}:{hit}"
+        for path in sorted((PACKAGE / "methods").glob("*.py"))
+        for hit in _lax_collectives(path.read_text())
+    ]
+    assert not found, "jax.lax collectives called from jaxcomp.methods:\n" + "\n".join(found)
+
+
+def test_the_collective_finder_finds_them():
+    source = (
+        "import jax\nfrom jax import lax\nfrom jax.lax import ppermute\n"
+        "def f(x, a):\n    jax.lax.psum(x, a); lax.all_gather(x, a); g(jax.lax.pmax)\n"
+        "    return jax.lax.axis_index(a), jax.lax.axis_size(a)\n"
+    )
+    assert _lax_collectives(source) == [
+        "3: ppermute",
+        "5: jax.lax.psum",
+        "5: lax.all_gather",
+        "5: jax.lax.pmax",
+    ]
 
 
 # --- imports cost nothing until used ----------------------------------------------------------------

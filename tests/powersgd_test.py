@@ -127,7 +127,7 @@ def test_bytes_on_the_wire_are_wire_bytes():
     state = method.init_state(shapes)
 
     def f(v):
-        total, sent, _ = method.aggregate_stateful(
+        total, sent, _ = method.aggregate(
             v, "data", step=0, key=jax.random.key(0), state=state, shapes=shapes
         )
         return total, sent

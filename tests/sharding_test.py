@@ -74,7 +74,7 @@ def _run_both(method, x, row):
 
     def both(v):
         v = v[0]
-        total, sent = method.aggregate(v, "data", step=jnp.int32(1), key=key)
+        total, sent, _ = method.aggregate(v, "data", step=jnp.int32(1), key=key)
         shard, sent_rs = method.reduce_scatter(
             v, "data", step=jnp.int32(1), key=key, size=v.shape[0]
         )

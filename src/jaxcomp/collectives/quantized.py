@@ -1,10 +1,11 @@
-"""THC's codec: homomorphic quantization of a vector onto a grid all devices share.
+"""THC's homomorphic quantization: the collective :func:`quantized_psum` and its codec.
 
-The op module of :func:`jaxcomp.collectives.quantized_psum`: the randomized Hadamard rotation,
-the stochastic rounding onto ``2**bits`` levels, and the packing of codes into uint32 fields wide
-enough for the sum of ``N`` codes. :func:`thc_aggregate` is the whole algorithm with its two
-collectives (the range's max, the codes' sum) passed in, so the collective and the codec's local
-timing (:func:`quantized_psum_local`) run one body.
+The randomized Hadamard rotation, the stochastic rounding onto ``2**bits`` levels, and the packing
+of codes into uint32 fields wide enough for the sum of ``N`` codes. :func:`quantized_sum` is the
+whole algorithm with its two collectives (the range's max, the codes' sum) passed in, so the
+collective (:func:`quantized_psum`) and the codec's local timing (:func:`quantized_psum_local`)
+run one body. THC is the paper's name; jaxcomp's names say "quantized" (the method is
+:class:`jaxcomp.methods.Quantized`).
 
 References:
   Li et al., "THC: Accelerating Distributed Deep Learning Using Tensor Homomorphic Compression",
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp.collectives import sizes
+from jaxcomp.collectives._common import axis_size, check_rows, local_vector, one_device_total
 from jaxcomp.ops import _checks
 from jaxcomp.ops.hadamard import counter_signs, counter_uniform, hadamard_transform
 
@@ -75,10 +77,10 @@ def unpack_codes(words, width: int, length: int):
     return ((words[:, None] >> shifts) & np.uint32((1 << width) - 1)).reshape(-1)[:length]
 
 
-def thc_aggregate(
+def quantized_sum(
     x, bits: int, key, hadamard: bool, n_devices: int, device, pmax, psum, scatter: bool = False
 ):
-    """THC on one device's vector, with the collectives passed in: ``(total, sent)``.
+    """THC's quantized sum of one device's vector, with the collectives passed in: ``(total, sent)``.
 
     With ``scatter`` the sum ends as a reduce-scatter (sharded training): ``x`` holds ``n_devices``
     rows of equal length (whole Hadamard blocks of :func:`jaxcomp.collectives.sizes.hadamard_block` of a
@@ -112,7 +114,7 @@ def thc_aggregate(
     Example:
       >>> import jax, jax.numpy as jnp
       >>> x = jnp.linspace(-1, 1, 64)
-      >>> total, sent = thc_aggregate(x, 8, jax.random.key(0), True, 1, 0, lambda v: v, lambda v: v)
+      >>> total, sent = quantized_sum(x, 8, jax.random.key(0), True, 1, 0, lambda v: v, lambda v: v)
       >>> bool(jnp.allclose(total, x, atol=0.02))
       True
 
@@ -213,6 +215,93 @@ def quantized_psum_local(x, bits, key, n_devices, hadamard=True):
     bits = _checks.check_bits(bits)
     key = _checks.check_key(key)
     n_devices = _checks.static_int(n_devices, "n_devices", 1)
-    return thc_aggregate(
+    return quantized_sum(
         x, bits, key, bool(hadamard), n_devices, 0, pmax=lambda v: v, psum=lambda v: v
     )
+
+
+def quantized_psum(x, bits, axis_name, key, hadamard=True, *, scatter=False):
+    """THC homomorphic quantization: integer codes on a shared grid, summed by one integer psum.
+
+    1. Optionally a randomized Hadamard transform (random signs, then the orthonormal Walsh-Hadamard
+       transform in blocks of up to :data:`jaxcomp.collectives.sizes.MAX_HADAMARD_BLOCK`; ``x`` is zero-padded to whole
+       blocks; :func:`jaxcomp.hadamard_transform`, a native kernel on CPU) spreads each vector's energy so
+       its range shrinks. The signs come from ``key`` (:func:`jaxcomp.ops.hadamard.counter_signs`; the codec is :mod:`jaxcomp.collectives.quantized`),
+       which must be the same on every device.
+    2. The range ``R`` is agreed by all: :func:`jax.lax.pmax` of the local max magnitudes.
+    3. Each value is stochastically rounded onto the ``2**bits`` levels spanning ``[-R, R]`` (noise
+       from ``key`` folded with the axis index, :func:`jaxcomp.ops.hadamard.counter_uniform`, so
+       every device draws its own): the codes are unbiased.
+    4. Because every device uses the same grid, codes add homomorphically: the codes are packed
+       into uint32 words, ``32 // w`` to a word with ``w`` the bits of ``N (2**bits - 1)``, so that
+       one psum of the words adds every field without carries between fields (4-bit codes on 4
+       devices travel in 6-bit fields, 6.4 bits a value); then dequantize and invert the
+       transform.
+
+    ``sent`` is this device's own codes dequantized and transformed back, so the ``sent`` of all
+    devices sum to ``total`` (up to float rounding) and ``x - sent`` is this device's quantization
+    error (zero mean). With ``N = 1`` nothing is sent or quantized: ``total = sent = x``.
+
+    Args:
+      x: this device's local 1-D float32, bfloat16 or float16 vector.
+      bits: static int in ``[1, jaxcomp.collectives.sizes.MAX_QUANTIZATION_BITS]``, the width of a code.
+      axis_name: the mesh axis to sum over.
+      key: a ``jax.random`` key, the same on every device (traced; pass a new one each step).
+      hadamard: static bool, whether to apply the randomized Hadamard transform.
+      scatter: end with a reduce-scatter of the integer codes: ``x`` is ``N`` rows of whole
+        Hadamard blocks (:meth:`jaxcomp.Quantized.shard_row`) and ``total`` is this device's row
+        of the sum (sharded training).
+
+    Returns:
+      ``(total, sent)`` of ``x``'s shape and dtype (computed in float32); with ``scatter``,
+      ``total`` is one row. ``E[total]`` is the exact sum.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> from jaxcomp import collectives
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> f = jax.jit(jax.shard_map(lambda x, key: collectives.quantized_psum(x, 8, "data", key)[0],
+      ...                           mesh=mesh, in_specs=(P("data"), P()), out_specs=P()))
+      >>> total = f(jnp.arange(8.0), jax.random.key(0))
+      >>> bool(jnp.allclose(total, jnp.array([4.0, 6.0, 8.0, 10.0]), atol=0.2))
+      True
+
+    References:
+      Li et al., "THC: Accelerating Distributed Deep Learning Using Tensor Homomorphic
+      Compression", NSDI 2024.
+    """
+    x = local_vector(x)
+    bits = _checks.check_bits(bits)
+    if not isinstance(hadamard, (bool, np.bool_)):
+        raise TypeError(f"hadamard must be a bool, got {hadamard!r}")
+    n_devices = axis_size(axis_name)
+    key = _checks.check_key(key, axis_name)
+    if n_devices == 1:
+        return (x if scatter else one_device_total(x, axis_name)), x
+    if scatter:
+        check_rows(x.shape[0], axis_name)
+
+        def psum(v):
+            return jax.lax.psum_scatter(v, axis_name, scatter_dimension=0, tiled=False)
+    else:
+
+        def psum(v):
+            return jax.lax.psum(v, axis_name)
+
+    return quantized_sum(
+        x,
+        bits,
+        key,
+        hadamard,
+        n_devices,
+        jax.lax.axis_index(axis_name),
+        pmax=lambda v: jax.lax.pmax(v, axis_name),
+        psum=psum,
+        scatter=scatter,
+    )
+
+
+#: jaxcomp 0.1's name of :func:`quantized_sum` (``jaxcomp.thc.thc_aggregate``), kept for one
+#: release; remove it in jaxcomp 0.3 with the old module paths.
+thc_aggregate = quantized_sum

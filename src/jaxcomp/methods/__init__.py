@@ -1,7 +1,7 @@
 """Compression methods: one object per method, owning everything about it.
 
 ============================  ===================================================================
-:class:`Dense`                the plain all-reduce (``jax.lax.psum``)
+:class:`Dense`                the plain all-reduce (:func:`jaxcomp.collectives.psum`)
 :class:`TopK`                 top-k sparsification: ``collective="allgather" | "ar" | "hierarchical"``
 :class:`Zfp`                  ZFP fixed-rate compression in a ring (or recursive-doubling) all-reduce
 :class:`Quantized`            THC homomorphic quantization, one integer all-reduce

@@ -5,16 +5,17 @@ construction, naming the argument in the error, and answers every question the r
 asks about it:
 
 ========================  ==========================================================================
-inside ``shard_map``      :meth:`Method.aggregate`: ``(total, sent)`` of one device's 1-D vector;
-                          :meth:`Method.kept`: how many values it sends of ``n``
+inside ``shard_map``      :meth:`Method.aggregate`: ``(total, sent, state)`` of one device's 1-D
+                          vector (``state``: the method's own, e.g. PowerSGD's warm-started ``Q``;
+                          None for a method without state); :meth:`Method.kept`: how many values it
+                          sends of ``n``
 the cost model            :meth:`Method.wire_bytes` (bytes one device sends) and
                           :meth:`Method.message_steps` (sequential messages, the α term)
 timing its local work     :meth:`Method.local_work` (a function of one device's vector, with the
                           collectives taken out) and :attr:`Method.codec_skipped_on_one_device`
 tables and metrics        :attr:`Method.label`, :attr:`Method.setting`, :meth:`Method.describe`
-state across steps        :attr:`Method.stateful`: :meth:`Method.init_state` and
-                          :meth:`Method.aggregate_stateful` (e.g. PowerSGD's warm-started ``Q``),
-                          with the leaves' shapes
+state across steps        :meth:`Method.init_state` (:attr:`Method.stateful` says whether a method
+                          has one), with the leaves' shapes
 sharded training          :meth:`Method.reduce_scatter` (each device gets its shard of the sum),
                           :meth:`Method.shard_row`, :meth:`Method.reduce_scatter_bytes` and
                           :meth:`Method.reduce_scatter_steps`; :attr:`Method.scatters` says whether
@@ -32,6 +33,8 @@ This module loads no JAX: the cost model and the advisor's command line stay che
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -40,27 +43,49 @@ from typing import Any, ClassVar
 class Method:
     """Base class of a compression method (subclass it as a ``@dataclasses.dataclass(frozen=True)``).
 
-    Class attributes a subclass may override:
+    **Required** of every method:
 
-    * ``name``: the short name in tables and metrics (:attr:`label` adds variants to it).
-    * ``axes_needed``: mesh axes the method reduces over, in order (``None``: any number, reduced
-      over all of them; ``2``: exactly ``(outer, inner)``, as hierarchical top-k needs).
-    * ``sends_everything``: the method loses nothing (no residual to keep, gain 1, no codec).
-    * ``sparse``: :meth:`aggregate` can return ``sent`` as ``(indices, values)`` pairs, so error
-      feedback takes them off in place instead of subtracting a dense vector.
-    * ``replicated_total``: ``total`` comes out typed replicated (invariant) inside ``shard_map``;
-      :func:`jaxcomp.compress_auto` needs this of every candidate, since its branches must agree.
-    * ``codec_skipped_on_one_device``: the method's collective runs no codec when it reduces over
-      one device (ZFP's ring, THC's quantizer return their input). Every method's overhead is
-      measured on the real update on one device (:func:`jaxcomp.optim.timing.update_seconds`: packing,
-      codec, selection, unpacking, so that no slow step of the update goes unseen); such a method
-      adds its :meth:`local_work` timed on its own, which that update did not run.
-    * ``scatters``: the method has a reduce-scatter form (:meth:`reduce_scatter`), which
-      ``jaxcomp.data_parallel(..., shard=...)`` needs.
-    * ``stateful``: the method keeps state of its own across steps and needs the shapes of the
-      leaves its vector is made of: it implements :meth:`init_state` and
-      :meth:`aggregate_stateful` (instead of :meth:`aggregate`), and its :meth:`kept` and
-      :meth:`wire_bytes` take ``shapes=``.
+    * ``name`` (class attribute): the short name in tables and metrics (:attr:`label` adds
+      variants to it).
+    * :meth:`aggregate` ``(x, axis_name, *, step, key, sparse=False, state=None)``: inside
+      ``shard_map``, returns ``(total, sent, state)``: the sum over the devices, this device's
+      contribution as the sum saw it (error feedback keeps ``x - sent``), and the method's new
+      state, which a method without state returns as it got it (None). Exchange through
+      :mod:`jaxcomp.collectives`, so that every byte crossing devices is in one layer.
+    * :meth:`wire_bytes` and :meth:`message_steps`: what one device sends, and in how many
+      sequential messages, for the cost model.
+
+    **Optional**, each with its default (override only what differs):
+
+    * ``axes_needed = None``: mesh axes the method reduces over, in order (``None``: any number,
+      reduced over all of them; ``2``: exactly ``(outer, inner)``, as hierarchical top-k needs).
+    * ``sends_everything = False``: the method loses nothing (no residual to keep, gain 1, no
+      codec).
+    * ``sparse = False``: :meth:`aggregate` can return ``sent`` as ``(indices, values)`` pairs
+      when asked (``sparse=True``), so error feedback takes them off in place instead of
+      subtracting a dense vector.
+    * ``replicated_total = True``: ``total`` comes out typed replicated (invariant) inside
+      ``shard_map``; :func:`jaxcomp.compress_auto` needs this of every candidate, since its
+      branches must agree.
+    * ``codec_skipped_on_one_device = False``: the method's collective runs no codec when it
+      reduces over one device (ZFP's ring, THC's quantizer return their input). Every method's
+      overhead is measured on the real update on one device
+      (:func:`jaxcomp.optim.timing.update_seconds`); such a method adds its :meth:`local_work`
+      timed on its own, which that update did not run.
+    * :meth:`kept` (``n``), :attr:`setting` (None), :meth:`with_ratio` (None),
+      :attr:`dense_steps` (0), :meth:`local_work` (None), :attr:`label` (``name``).
+    * State across steps: :meth:`init_state` (the method then is :attr:`stateful`, and
+      :meth:`aggregate`, :meth:`kept` and :meth:`wire_bytes` take ``shapes=``, the leaves its
+      vector is made of).
+    * Sharded training: :meth:`reduce_scatter` with :meth:`reduce_scatter_bytes` and
+      :meth:`reduce_scatter_steps` (the method then :attr:`scatters`), and :meth:`shard_row`
+      (``m``) when a row needs padding.
+
+    Provided, not to be overridden: :meth:`describe` and :meth:`check_axes`.
+
+    A method written for jaxcomp 0.1 (``aggregate`` without ``state=`` returning ``(total,
+    sent)``, or ``aggregate_stateful``) keeps working until jaxcomp 0.3, with a
+    ``DeprecationWarning`` that says how to update it.
 
     Example:
       >>> import dataclasses
@@ -69,15 +94,16 @@ class Method:
       ... class Sum(Method):  # the plain all-reduce, written from scratch
       ...     name = "sum"
       ...     sends_everything = True
-      ...     def aggregate(self, x, axis_name, *, step, key, sparse=False):
-      ...         import jax
-      ...         return jax.lax.psum(x, axis_name), x
+      ...     def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
+      ...         from jaxcomp import collectives
+      ...         total, sent = collectives.psum(x, axis_name)
+      ...         return total, sent, state
       ...     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
       ...         return 2.0 * (n_devices - 1) / n_devices * n * dtype_bytes
       ...     def message_steps(self, n_devices, *, inner_size=None):
       ...         return 2 * (n_devices - 1)
-      >>> Sum().wire_bytes(1000, 8), Sum().label
-      (7000.0, 'sum')
+      >>> Sum().wire_bytes(1000, 8), Sum().label, Sum().stateful, Sum().scatters
+      (7000.0, 'sum', False, False)
     """
 
     name: ClassVar[str] = "method"
@@ -86,8 +112,10 @@ class Method:
     sparse: ClassVar[bool] = False
     replicated_total: ClassVar[bool] = True
     codec_skipped_on_one_device: ClassVar[bool] = False
-    stateful: ClassVar[bool] = False
-    scatters: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _adapt_0_1_protocol(cls)
 
     # ---- identity -------------------------------------------------------------------------------
 
@@ -138,8 +166,10 @@ class Method:
         """Values of an ``n``-vector whose content is sent (the ``density`` metric's numerator)."""
         return n
 
-    def aggregate(self, x, axis_name, *, step, key, sparse: bool = False) -> tuple[Any, Any]:
-        """Aggregates this device's 1-D vector ``x`` inside ``shard_map``: ``(total, sent)``.
+    def aggregate(
+        self, x, axis_name, *, step, key, sparse: bool = False, state: Any = None
+    ) -> tuple[Any, Any, Any]:
+        """Aggregates this device's 1-D vector ``x`` inside ``shard_map``: ``(total, sent, state)``.
 
         Args:
           x: this device's local 1-D vector (float32, or the gradients' 16-bit float).
@@ -147,32 +177,42 @@ class Method:
           step: the training step (an int32 scalar, replicated).
           key: a ``jax.random`` key for this step and vector, replicated.
           sparse: with :attr:`sparse`, return ``sent`` as ``(indices, values)``.
+          state: with :attr:`stateful`, the method's state from :meth:`init_state` for these
+            leaves (or from the previous step); None otherwise. A stateful method also takes
+            ``shapes=``, the shapes of the leaves ``x`` is made of.
 
         Returns:
           ``total``, the sum over the devices, identical on every device (typed replicated when
-          :attr:`replicated_total`), and ``sent``, this device's contribution as the sum saw it, so
-          that ``x - sent`` is what error feedback keeps.
+          :attr:`replicated_total`); ``sent``, this device's contribution as the sum saw it, so
+          that ``x - sent`` is what error feedback keeps; and ``state``, the method's new state
+          (the same structure, replicated), or the ``state`` given (None) for a method without
+          state.
         """
         raise NotImplementedError(f"{type(self).__name__} must implement aggregate")
 
-    def init_state(self, shapes: tuple[tuple[int, ...], ...]) -> Any:
-        """With :attr:`stateful`: the state for one vector made of leaves of ``shapes`` (flattened and
-        concatenated in that order), replicated on every device; a pytree of arrays, saved in
-        checkpoints with the rest of the optimizer state. Raises a ValueError naming the setting that
-        cannot serve these shapes."""
-        raise NotImplementedError(
-            f"{type(self).__name__} is stateful and must implement init_state"
-        )
+    # ---- state across steps ---------------------------------------------------------------------
 
-    def aggregate_stateful(self, x, axis_name, *, step, key, state, shapes) -> tuple[Any, Any, Any]:
-        """With :attr:`stateful`: :meth:`aggregate` with the method's own state: ``(total, sent,
-        new_state)``, where ``state`` came from :meth:`init_state` for these ``shapes`` (or from the
-        previous step) and ``new_state`` has its structure and stays replicated."""
-        raise NotImplementedError(
-            f"{type(self).__name__} is stateful and must implement aggregate_stateful"
-        )
+    @property
+    def stateful(self) -> bool:
+        """Whether the method keeps state of its own across steps: it implements
+        :meth:`init_state`, and its :meth:`aggregate`, :meth:`kept` and :meth:`wire_bytes` take
+        ``shapes=``."""
+        return type(self).init_state is not Method.init_state
+
+    def init_state(self, shapes: tuple[tuple[int, ...], ...]) -> Any:
+        """The state for one vector made of leaves of ``shapes`` (flattened and concatenated in
+        that order), replicated on every device; a pytree of arrays, saved in checkpoints with the
+        rest of the optimizer state. Raises a ValueError naming the setting that cannot serve
+        these shapes. Only a method with state implements it."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no state of its own")
 
     # ---- sharded training (reduce-scatter) -------------------------------------------------------
+
+    @property
+    def scatters(self) -> bool:
+        """Whether the method has a reduce-scatter form (:meth:`reduce_scatter`), which
+        ``jaxcomp.data_parallel(..., shard=...)`` needs: by default, whether it implements one."""
+        return type(self).reduce_scatter is not Method.reduce_scatter
 
     def shard_row(self, m: int, n_devices: int) -> int:
         """Values per device row that :meth:`reduce_scatter` needs for shards of ``m`` values (at
@@ -182,7 +222,8 @@ class Method:
     def reduce_scatter(
         self, x, axis_name, *, step, key, size, sparse: bool = False
     ) -> tuple[Any, Any]:
-        """With :attr:`scatters`: this device's shard of the sum, ``(shard, sent)``.
+        """With :attr:`scatters`: this device's shard of the sum, ``(shard, sent)`` (no method
+        with state has this form, so there is no state to return).
 
         Args:
           x: this device's 1-D vector of ``N * row`` values, laid out shard-major
@@ -236,6 +277,59 @@ class Method:
         return None
 
 
+_HOW_TO_UPDATE = (
+    "def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None{shapes}) returning "
+    "(total, sent, state){what} (docs/methods.md, 'How to write a method')"
+)
+
+
+def _adapt_0_1_protocol(cls) -> None:
+    """Keeps a method written for jaxcomp 0.1 working until 0.3, with a DeprecationWarning: its
+    ``aggregate`` without ``state=`` (returning ``(total, sent)``) or its ``aggregate_stateful``
+    (``(total, sent, state)``) becomes the one :meth:`Method.aggregate`."""
+    own = cls.__dict__.get("aggregate")
+    old_stateful = cls.__dict__.get("aggregate_stateful")
+    if old_stateful is not None and own is None:
+
+        def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None, shapes=None):
+            return old_stateful(self, x, axis_name, step=step, key=key, state=state, shapes=shapes)
+
+        how = _HOW_TO_UPDATE.format(shapes=", shapes=None", what=", one method for both")
+        _warn(f"{cls.__qualname__}.aggregate_stateful is jaxcomp 0.1's protocol; write {how}")
+    elif own is not None and not _takes_state(own):
+
+        def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
+            total, sent = own(self, x, axis_name, step=step, key=key, sparse=sparse)
+            return total, sent, state
+
+        how = _HOW_TO_UPDATE.format(
+            shapes="", what=": a method without state returns state as given"
+        )
+        _warn(
+            f"{cls.__qualname__}.aggregate takes no state= and returns (total, sent), jaxcomp 0.1's "
+            f"protocol; write {how}"
+        )
+    else:
+        return
+    aggregate.__qualname__ = f"{cls.__qualname__}.aggregate"
+    aggregate.__doc__ = Method.aggregate.__doc__
+    cls.aggregate = aggregate
+
+
+def _takes_state(function) -> bool:
+    parameters = inspect.signature(function).parameters.values()
+    return any(p.name == "state" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def _warn(message: str) -> None:
+    # Levels: _warn, _adapt_0_1_protocol, Method.__init_subclass__, then the class statement.
+    warnings.warn(
+        f"{message}; the old form keeps working until jaxcomp 0.3",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+
+
 def scattering() -> list[str]:
     """jaxcomp's methods (and variants) with a reduce-scatter form, for messages.
 
@@ -253,7 +347,7 @@ def scattering() -> list[str]:
         "Dense",
         "Cast (bf16, fp16)",
         "Zfp (algorithm='ring')",
-        "Quantized (thc)",
+        "Quantized",
         "TopK (collective='allgather' or 'ar')",
     ]
 

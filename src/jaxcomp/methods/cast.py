@@ -81,10 +81,11 @@ class Cast(Method):
     """The gradient crosses the wire in a 16-bit float, 2 bytes a value: what Horovod's fp16
     compression and PyTorch's ``fp16_compress_hook``/``bf16_compress_hook`` do.
 
-    float16 is one all-reduce (:func:`jax.lax.psum`) of ``n`` float16 values. float16's range ends
-    at 65504: with ``scale`` every device first multiplies by one power of two chosen from the
-    largest ``|x|`` over all devices (one extra all-reduce of a scalar), so the sum cannot overflow
-    and small gradients keep their precision; bfloat16 has float32's range and needs none.
+    float16 is one all-reduce (:func:`jaxcomp.collectives.psum`) of ``n`` float16 values.
+    float16's range ends at 65504: with ``scale`` every device first multiplies by one power of two
+    chosen from the largest ``|x|`` over all devices (one extra all-reduce of a scalar,
+    :func:`jaxcomp.collectives.pmax`), so the sum cannot overflow and small gradients keep their
+    precision; bfloat16 has float32's range and needs none.
 
     bfloat16 (:func:`jaxcomp.collectives.bfloat16_allreduce`): NCCL and the TPU reduce bfloat16
     natively, so on GPU and TPU it is one psum in bfloat16. XLA's CPU collectives (gloo, multi-host
@@ -124,7 +125,6 @@ class Cast(Method):
     allreduce: str = "ring"
 
     name = "cast"
-    scatters = True
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
@@ -158,15 +158,17 @@ class Cast(Method):
         import jax
         import jax.numpy as jnp
 
+        from jaxcomp import collectives
+
         if not self.scaled:
             return jnp.float32(1.0)
         axes = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
         n_devices = math.prod(jax.lax.axis_size(a) for a in axes)
-        global_max = jax.lax.pmax(jnp.max(jnp.abs(x)).astype(jnp.float32), axis_name)
+        global_max = collectives.pmax(jnp.max(jnp.abs(x)).astype(jnp.float32), axis_name)
         return power_of_two_scale(global_max, n_devices)
 
-    def aggregate(self, x, axis_name, *, step, key, sparse=False):
-        return self._sum(x, axis_name, scatter=False)
+    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
+        return (*self._sum(x, axis_name, scatter=False), state)
 
     def reduce_scatter(self, x, axis_name, *, step, key, size, sparse=False):
         return self._sum(x, axis_name, scatter=True)
@@ -176,7 +178,6 @@ class Cast(Method):
         type (``scatter``: this device's row of it), both in ``x``'s dtype. bfloat16 goes through
         :func:`jaxcomp.collectives.bfloat16_allreduce`: a psum, or on the CPU the ring that really
         sends 2 bytes a value."""
-        import jax
         import jax.numpy as jnp
 
         from jaxcomp import collectives
@@ -188,10 +189,7 @@ class Cast(Method):
             )
             return (total / s).astype(x.dtype), (sent / s).astype(x.dtype)
         narrow = self.encode(x, s)  # float16 travels as 16 bits on every backend: one psum
-        if scatter:
-            total = jax.lax.psum_scatter(narrow, axis_name, scatter_dimension=0, tiled=True)
-        else:
-            total = jax.lax.psum(narrow, axis_name)
+        total, _ = (collectives.psum_scatter if scatter else collectives.psum)(narrow, axis_name)
         total = total.astype(jnp.float32) / s
         return total.astype(x.dtype), (narrow.astype(jnp.float32) / s).astype(x.dtype)
 

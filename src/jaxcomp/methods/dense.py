@@ -14,7 +14,8 @@ ALLREDUCE_ALGORITHMS = ("ring", "tree")
 
 @dataclasses.dataclass(frozen=True)
 class Dense(Method):
-    """Dense aggregation: one ``jax.lax.psum`` of the whole gradient; nothing is lost.
+    """Dense aggregation: one all-reduce (:func:`jaxcomp.collectives.psum`) of the whole gradient;
+    nothing is lost.
 
     Args:
       allreduce: how the cost model costs the all-reduce, ``"ring"`` (default; ``2(N-1)`` steps,
@@ -34,15 +35,14 @@ class Dense(Method):
 
     name = "dense"
     sends_everything = True
-    scatters = True
 
     def __post_init__(self):
         _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
 
-    def aggregate(self, x, axis_name, *, step, key, sparse=False):
+    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
         from jaxcomp import collectives
 
-        return collectives.psum(x, axis_name)
+        return (*collectives.psum(x, axis_name), state)
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         n, dtype_bytes = _checks.check_message(n, dtype_bytes)
@@ -57,9 +57,9 @@ class Dense(Method):
         return sizes.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
 
     def reduce_scatter(self, x, axis_name, *, step, key, size, sparse=False):
-        import jax
+        from jaxcomp import collectives
 
-        return jax.lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True), x
+        return collectives.psum_scatter(x, axis_name)
 
     def reduce_scatter_bytes(self, n, n_devices, *, dtype_bytes=4):
         n, dtype_bytes = _checks.check_message(n, dtype_bytes)

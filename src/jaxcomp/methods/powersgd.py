@@ -114,7 +114,6 @@ class PowerSGD(Method):
     allreduce: str = "ring"
 
     name = "powersgd"
-    stateful = True
 
     def __post_init__(self):
         object.__setattr__(self, "rank", _checks.static_int(self.rank, "rank", 1, 1 << 16))
@@ -200,12 +199,20 @@ class PowerSGD(Method):
             for key, (_, cols) in zip(keys, matrices)
         )
 
-    def aggregate_stateful(self, x, axis_name, *, step, key, state, shapes):
-        import jax
+    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None, shapes=None):
+        """The two all-reduces of one power iteration, warm-started from ``state`` (one ``Q`` per
+        compressed leaf, from :meth:`init_state` for these ``shapes`` or the previous step):
+        ``(total, sent, new_state)``, the new state being this step's summed ``Q``."""
         import jax.numpy as jnp
 
+        from jaxcomp import collectives
         from jaxcomp.ops import flat
 
+        if state is None:
+            raise ValueError(
+                "PowerSGD keeps state across steps: pass state=method.init_state(shapes) (or the "
+                "state the previous step returned), as jaxcomp.compress does"
+            )
         shapes = self._shapes(x.shape[0], shapes)
         pieces, offset = [], 0
         for shape in shapes:
@@ -219,7 +226,7 @@ class PowerSGD(Method):
 
         # All-reduce 1: every P, and the leaves sent as they are.
         ps = [mats[i] @ qs[i] for i in compressed]
-        first = jax.lax.psum(
+        first, _ = collectives.psum(
             jnp.concatenate([p.ravel() for p in ps] + [pieces[i] for i in dense]), axis_name
         )
         p_hat, offset = {}, 0
@@ -232,7 +239,9 @@ class PowerSGD(Method):
             offset += pieces[i].size
         # All-reduce 2: every Q = M^T P.
         local_q = {i: mats[i].T @ p_hat[i] for i in compressed}
-        second = jax.lax.psum(jnp.concatenate([local_q[i].ravel() for i in compressed]), axis_name)
+        second, _ = collectives.psum(
+            jnp.concatenate([local_q[i].ravel() for i in compressed]), axis_name
+        )
         q_total, offset = {}, 0
         for i in compressed:
             q_total[i] = second[offset : offset + local_q[i].size].reshape(local_q[i].shape)

@@ -42,7 +42,6 @@ class Quantized(Method):
     allreduce: str = "ring"
 
     name = "quantized"
-    scatters = True
     codec_skipped_on_one_device = True  # quantized_psum returns its input on one device
 
     def __post_init__(self):
@@ -54,10 +53,13 @@ class Quantized(Method):
     def setting(self):
         return self.bits
 
-    def aggregate(self, x, axis_name, *, step, key, sparse=False):
+    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
         from jaxcomp import collectives
 
-        return collectives.quantized_psum(x, self.bits, axis_name, key, hadamard=self.hadamard)
+        total, sent = collectives.quantized_psum(
+            x, self.bits, axis_name, key, hadamard=self.hadamard
+        )
+        return total, sent, state
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         """An all-reduce of the codes (``n``, padded to whole Hadamard blocks) packed into uint32

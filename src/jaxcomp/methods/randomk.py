@@ -76,18 +76,19 @@ class RandomK(Fraction, Method):
         self.check_fraction()
         _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
 
-    def aggregate(self, x, axis_name, *, step, key, sparse=False):
-        import jax
+    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
         import jax.numpy as jnp
+
+        from jaxcomp import collectives
 
         n = x.shape[0]
         indices = shared_indices(key, n, self.kept(n))
         values = x[indices]
-        summed = jax.lax.psum(values, axis_name)
+        summed, _ = collectives.psum(values, axis_name)
         total = jnp.zeros(n, x.dtype).at[indices].set(summed, unique_indices=True)
         if sparse:
-            return total, (indices, values)
-        return total, jnp.zeros_like(x).at[indices].set(values, unique_indices=True)
+            return total, (indices, values), state
+        return total, jnp.zeros_like(x).at[indices].set(values, unique_indices=True), state
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         """One all-reduce of ``k`` values: ``2 (N-1)/N k d`` as a ring."""

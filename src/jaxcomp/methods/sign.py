@@ -18,36 +18,6 @@ AGGREGATIONS = ("allgather", "allreduce", "majority")
 DEFAULT_CHUNK = 1024
 
 
-def _gathered_sum(all_words, all_scales, n: int, chunk: int, majority: bool):
-    """The aggregate of every device's packed signs and scales (``[N, words]``, ``[N, chunks]``),
-    devices added one after another in a loop, so the order is fixed and one decoded vector is
-    live at a time."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxcomp.ops.sign import sign_unpack
-
-    devices = all_words.shape[0]
-    if not majority:
-
-        def add(d, total):
-            return total + sign_unpack(all_words[d], all_scales[d], n, chunk)
-
-        return jax.lax.fori_loop(0, devices, add, jnp.zeros(n, jnp.float32))
-
-    ones = jnp.ones(all_scales.shape[1:], jnp.float32)
-
-    def vote(d, carry):
-        votes, scales = carry  # votes: sums of +-1, exact in float32 up to 2^24 devices
-        return votes + sign_unpack(all_words[d], ones, n, chunk), scales + all_scales[d]
-
-    votes, scales = jax.lax.fori_loop(
-        0, devices, vote, (jnp.zeros(n, jnp.float32), jnp.zeros_like(ones))
-    )
-    plus = jnp.repeat(scales, chunk, total_repeat_length=scales.shape[0] * chunk)[:n]
-    return jnp.sign(votes) * plus
-
-
 @dataclasses.dataclass(frozen=True)
 class Sign(Method):
     """Scaled signs: each device sends 1 bit a value (32 a uint32 word, :func:`jaxcomp.ops.sign.sign_pack`)
@@ -113,24 +83,19 @@ class Sign(Method):
             [self.name, self.aggregation] + ([self.allreduce] if self.allreduce != "ring" else [])
         )
 
-    def aggregate(self, x, axis_name, *, step, key, sparse=False):
-        import jax
-
+    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
+        from jaxcomp import collectives
         from jaxcomp.ops.sign import sign_pack, sign_unpack
 
-        n = x.shape[0]
+        if self.aggregation != "allreduce":
+            total, sent = collectives.sign_allgather(
+                x, self.chunk, axis_name, majority=self.aggregation == "majority"
+            )
+            return total, sent, state
         words, scales = sign_pack(x, self.chunk)
-        if self.aggregation == "allreduce":
-            sent = sign_unpack(words, scales, n, self.chunk, dtype=x.dtype)
-            return jax.lax.psum(sent, axis_name), sent
-        all_words = jax.lax.all_gather(words, axis_name, to="invarying")
-        all_scales = jax.lax.all_gather(scales, axis_name, to="invarying")
-        total = _gathered_sum(all_words, all_scales, n, self.chunk, self.aggregation == "majority")
-        if self.aggregation == "majority":
-            sent = total / all_words.shape[0]
-        else:
-            sent = sign_unpack(words, scales, n, self.chunk)
-        return total.astype(x.dtype), sent.astype(x.dtype)
+        sent = sign_unpack(words, scales, x.shape[0], self.chunk, dtype=x.dtype)
+        total, _ = collectives.psum(sent, axis_name)
+        return total, sent, state
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         """``"allgather"``, ``"majority"``: an all-gather of ``ceil(n/32)`` words and
@@ -161,6 +126,7 @@ class Sign(Method):
         ``N`` devices' signs (the all-gathers, with this device's words standing in for all)."""
         import jax.numpy as jnp
 
+        from jaxcomp.collectives.sign import gathered_sign_sum
         from jaxcomp.ops.sign import sign_pack, sign_unpack
 
         workers = _checks.check_devices(n_devices)
@@ -169,7 +135,7 @@ class Sign(Method):
             words, scales = sign_pack(x, self.chunk)
             if self.aggregation == "allreduce":
                 return sign_unpack(words, scales, n_values, self.chunk)
-            return _gathered_sum(
+            return gathered_sign_sum(
                 jnp.broadcast_to(words, (workers,) + words.shape),
                 jnp.broadcast_to(scales, (workers,) + scales.shape),
                 n_values,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxcomp.collectives import sizes
+from jaxcomp.collectives import LEADERS, SELECTORS, sizes
 from jaxcomp.methods.base import Fraction, Method
 from jaxcomp.methods.dense import ALLREDUCE_ALGORITHMS
 from jaxcomp.ops import _checks
@@ -12,12 +12,6 @@ from jaxcomp.ops import _checks
 #: How the selected values travel (:mod:`jaxcomp.collectives`): ``allgather_topk``, ``ar_topk``
 #: or ``hierarchical_topk``.
 COLLECTIVES = ("allgather", "ar", "hierarchical")
-
-#: Top-k selectors: exact :func:`jaxcomp.topk` or MSTopK :func:`jaxcomp.threshold_topk`.
-SELECTORS = ("exact", "threshold")
-
-#: AR-Topk leader rules: round-robin by step (STAR) or largest local top-k norm (VAR).
-LEADERS = ("star", "var")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,16 +84,16 @@ class TopK(Fraction, Method):
     def name(self):
         return f"{self.collective}_topk"
 
-    def aggregate(self, x, axis_name, *, step, key, sparse=False):
+    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
         from jaxcomp import collectives
 
         k = self.kept(x.shape[0])
         if self.collective == "allgather":
-            return collectives.allgather_topk(
+            total, sent = collectives.allgather_topk(
                 x, k, axis_name, selector=self.selector, sparse_sent=sparse
             )
-        if self.collective == "ar":
-            return collectives.ar_topk(
+        elif self.collective == "ar":
+            total, sent = collectives.ar_topk(
                 x,
                 k,
                 axis_name,
@@ -108,10 +102,12 @@ class TopK(Fraction, Method):
                 selector=self.selector,
                 sparse_sent=sparse,
             )
-        outer, inner = axis_name
-        return collectives.hierarchical_topk(
-            x, k, inner, outer, selector=self.selector, sparse_sent=sparse
-        )
+        else:
+            outer, inner = axis_name
+            total, sent = collectives.hierarchical_topk(
+                x, k, inner, outer, selector=self.selector, sparse_sent=sparse
+            )
+        return total, sent, state
 
     @property
     def scatters(self):

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxcomp.collectives import sizes
+from jaxcomp.collectives import ZFP_ALGORITHMS, sizes
 from jaxcomp.methods.base import Method
 from jaxcomp.ops import _checks
+from jaxcomp.ops.zfp_format import row_words
 
-#: Point-to-point algorithms of :func:`jaxcomp.collectives.zfp_allreduce`.
-ALGORITHMS = ("ring", "recursive_doubling")
-
-
-def _words(n: int, rate: int) -> int:
-    from jaxcomp.ops.zfp import (
-        zfp_num_words,  # the codec's format: loads JAX, so only when counting
-    )
-
-    return zfp_num_words(n, rate)
+#: jaxcomp 0.1's name here of :data:`jaxcomp.collectives.ZFP_ALGORITHMS` (the same tuple).
+ALGORITHMS = ZFP_ALGORITHMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +41,7 @@ class Zfp(Method):
 
     def __post_init__(self):
         object.__setattr__(self, "rate", _checks.check_rate(self.rate))
-        _checks.check_choice(self.algorithm, "algorithm", ALGORITHMS)
+        _checks.check_choice(self.algorithm, "algorithm", ZFP_ALGORITHMS)
 
     @property
     def replicated_total(self):
@@ -62,10 +55,11 @@ class Zfp(Method):
     def setting(self):
         return self.rate
 
-    def aggregate(self, x, axis_name, *, step, key, sparse=False):
+    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
         from jaxcomp import collectives
 
-        return collectives.zfp_allreduce(x, self.rate, axis_name, algorithm=self.algorithm)
+        total, sent = collectives.zfp_allreduce(x, self.rate, axis_name, algorithm=self.algorithm)
+        return total, sent, state
 
     @property
     def scatters(self):
@@ -84,7 +78,7 @@ class Zfp(Method):
             return super().reduce_scatter_bytes(n, n_devices, dtype_bytes=dtype_bytes)
         n, dtype_bytes = _checks.check_message(n, dtype_bytes)
         N = _checks.check_devices(n_devices)
-        return float((N - 1) * _words(sizes.ring_chunk(n, N), self.rate) * sizes.WORD_BYTES)
+        return float((N - 1) * row_words(sizes.ring_chunk(n, N), self.rate) * sizes.WORD_BYTES)
 
     def reduce_scatter_steps(self, n_devices):
         if not self.scatters:
@@ -100,10 +94,12 @@ class Zfp(Method):
         if N == 1:
             return 0.0
         if self.algorithm == "ring":
-            return float(2 * (N - 1) * _words(sizes.ring_chunk(n, N), self.rate) * sizes.WORD_BYTES)
+            return float(
+                2 * (N - 1) * row_words(sizes.ring_chunk(n, N), self.rate) * sizes.WORD_BYTES
+            )
         p = sizes.power_of_two_below(N)
         rounds = p.bit_length() - 1 + (1 if p != N else 0)
-        return float(rounds * _words(n, self.rate) * sizes.WORD_BYTES)
+        return float(rounds * row_words(n, self.rate) * sizes.WORD_BYTES)
 
     def message_steps(self, n_devices, *, inner_size=None):
         """``"ring"``: ``2(N-1)``; ``"recursive_doubling"``: ``log2 p``, plus a fold-in and a

@@ -10,6 +10,8 @@ import operator
 
 import numpy as np
 
+from jaxcomp.ops.zfp_format import row_words
+
 #: Kernels index with int32, so a row holds at most this many values.
 MAX_ROW_LENGTH = 2**31 - 1
 
@@ -235,8 +237,6 @@ def check_decode(words, n, rate, dtype):
     """Checks :func:`jaxcomp.zfp_decode`'s arguments (also used by its reference)."""
     import jax.numpy as jnp
 
-    from jaxcomp.ops.zfp import zfp_num_words
-
     n = static_int(n, "n", 1, MAX_ROW_LENGTH)
     rate = check_rate(rate)
     dtype = jnp.dtype(dtype)
@@ -245,7 +245,7 @@ def check_decode(words, n, rate, dtype):
     words = jnp.asarray(words)
     if words.dtype != jnp.uint32:
         raise TypeError(f"words must be uint32 (as zfp_encode returns), got dtype {words.dtype}")
-    expected = zfp_num_words(n, rate)
+    expected = row_words(n, rate)
     if words.ndim == 0 or words.shape[-1] != expected:
         raise ValueError(
             f"words must have {expected} words in its last axis for n={n}, rate={rate}, got shape {words.shape}"

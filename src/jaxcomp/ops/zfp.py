@@ -8,6 +8,7 @@ import numpy as np
 
 from jaxcomp.ops import _checks, _ffi
 from jaxcomp.ops import xla as _xla
+from jaxcomp.ops.zfp_format import row_words
 
 
 def zfp_num_words(n, rate):
@@ -30,8 +31,7 @@ def zfp_num_words(n, rate):
     """
     n = _checks.static_int(n, "n", 1, _checks.MAX_ROW_LENGTH)
     rate = _checks.check_rate(rate)
-    blocks = -(-n // 4)
-    return -(-(blocks * 4 * rate) // 32) + (1 if rate <= 2 else 0)
+    return row_words(n, rate)
 
 
 def zfp_encode(x, rate, *, implementation=None):

@@ -311,13 +311,16 @@ def aggregate_groups(
             sents.append(sent)
             continue
         _kept(method, vector.shape[0], name, _shaped(method, groups, i))
-        if method.stateful:
-            total, sent, state = method.aggregate_stateful(
-                vector, axis_name, step=step, key=key, state=states[i], shapes=groups.shapes[i]
-            )
-            new_states.append(state)
-        else:
-            total, sent = method.aggregate(vector, axis_name, step=step, key=key, sparse=sparse)
+        total, sent, state = method.aggregate(
+            vector,
+            axis_name,
+            step=step,
+            key=key,
+            sparse=sparse,
+            state=states[i] if method.stateful else None,
+            **_shaped(method, groups, i),
+        )
+        new_states.append(state)
         totals.append(total)
         sents.append(sent)
     return totals, sents, tuple(new_states) if method.stateful else states

@@ -1,0 +1,332 @@
+"""Top-k sparsification at the collective level: all-gathered pairs, AR-Topk's one leader's indices
+and one all-reduce, and hierarchical top-k (HiTopKComm) on a 2-D mesh."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxcomp.collectives import LEADERS, SELECTORS, sizes
+from jaxcomp.collectives._common import axis_size, check_rows, local_vector
+from jaxcomp.ops import _checks, _ffi
+from jaxcomp.ops._checks import check_choice
+from jaxcomp.ops.topk import threshold_topk, topk
+
+
+def _select(x, k, selector):
+    """``(values, indices)`` of this device's top ``k`` of ``x`` by ``selector`` (the ops type
+    their results varying like ``x`` themselves)."""
+    return (topk if selector == "exact" else threshold_topk)(x, k)
+
+
+def _scatter_rows(n, indices, values, *, in_range=False):
+    """Float32 sum of the sparse rows ``(indices[r], values[r])`` into a dense vector of ``n``.
+
+    Each row's indices are distinct, so every scatter is free of collisions, and rows are added in
+    a fixed order: the sum is deterministic (no atomics) and identical wherever the rows are.
+    ``in_range``: indices ``>= n`` are dropped (they may repeat: :func:`_localize`'s marker).
+    """
+
+    def add_row(row, total):
+        update = values[row].astype(jnp.float32)
+        if in_range:
+            return total.at[indices[row]].add(update, mode="drop")
+        return total.at[indices[row]].add(update, unique_indices=True)
+
+    return jax.lax.fori_loop(
+        0, indices.shape[0], add_row, _ffi.like_varying(jnp.zeros(n, jnp.float32), indices)
+    )
+
+
+def _localize(indices, row, me):
+    """``indices`` relative to row ``me`` (``row`` values each); those outside it become ``row``,
+    which a scatter with ``mode="drop"`` drops."""
+    local = indices - me * row
+    return jnp.where((local >= 0) & (local < row), local, row)
+
+
+def _scatter_own_row(n, n_devices, me, all_indices, all_values):
+    """:func:`_scatter_rows` of the gathered pairs, keeping only this device's row of ``n / N``
+    values (sharded training): the same additions in the same order, on fewer entries."""
+    row = n // n_devices
+    return _scatter_rows(row, _localize(all_indices, row, me), all_values, in_range=True)
+
+
+def _dense(n, indices, values, dtype):
+    return (
+        jnp.zeros(n, dtype).at[indices].set(values.astype(dtype), unique_indices=True, mode="drop")
+    )
+
+
+def _sent(n, indices, values, dtype, sparse):
+    """A top-k collective's ``sent``: dense, or the ``(indices, values)`` pairs with ``sparse``."""
+    return (indices, values.astype(dtype)) if sparse else _dense(n, indices, values, dtype)
+
+
+def allgather_topk(x, k, axis_name, selector="exact", *, sparse_sent=False, scatter=False):
+    """Top-k sparsification aggregated by all-gathering ``(values, indices)``.
+
+    Each device selects its ``k`` largest-magnitude entries, every device gathers all ``N k`` pairs
+    and scatter-adds them (device by device, in float32) into a dense vector.
+
+    Args:
+      x: this device's local 1-D float32, bfloat16 or float16 vector of ``n`` values.
+      k: static int, entries each device sends, ``1 <= k <= n``.
+      axis_name: the mesh axis to sum over.
+      selector: ``"exact"`` (:func:`jaxcomp.topk`) or ``"threshold"`` (MSTopK,
+        :func:`jaxcomp.threshold_topk`).
+      sparse_sent: return ``sent`` as ``(indices, values)``, the pairs whose dense form it is
+        (index ``>= n`` marks padding, value 0), so that error feedback can zero those entries in
+        place instead of building and subtracting a dense vector: one pass less over the gradient.
+      scatter: sharded training: ``x`` is ``N`` rows of equal length and ``total`` is only this
+        device's row of the sum (the gathered pairs that fall in it, added in the same order).
+
+    Returns:
+      ``(total, sent)``: the sum of every device's selected entries (dtype of ``x``), and this
+      device's selected entries as a dense vector (so ``x - sent`` is the unselected rest).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> from jaxcomp import collectives
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> f = jax.jit(jax.shard_map(lambda x: collectives.allgather_topk(x, 1, "data")[0],
+      ...                           mesh=mesh, in_specs=P("data"), out_specs=P()))
+      >>> f(jnp.array([1.0, 5.0, 3.0, 2.0])).tolist()  # devices hold [1, 5] and [3, 2]
+      [3.0, 5.0]
+
+    References:
+      Shi et al., MLSys 2021, §3.2 (top-k aggregation with two all-gathers); Tyagi & Swany,
+      arXiv 2312.02493, §3-B (AG).
+    """
+    x = local_vector(x)
+    n = x.shape[0]
+    k = _checks.static_int(k, "k", 1, n)
+    selector = check_choice(selector, "selector", SELECTORS)
+    axis_size(axis_name)
+    values, indices = _select(x, k, selector)
+    all_values = jax.lax.all_gather(values, axis_name, to="invarying")
+    all_indices = jax.lax.all_gather(indices, axis_name, to="invarying")
+    if scatter:
+        n_devices = check_rows(n, axis_name)
+        total = _scatter_own_row(
+            n, n_devices, jax.lax.axis_index(axis_name), all_indices, all_values
+        )
+    else:
+        total = _scatter_rows(n, all_indices, all_values)
+    return total.astype(x.dtype), _sent(n, indices, values, x.dtype, sparse_sent)
+
+
+def _check_step(step):
+    step = jnp.asarray(step)
+    if step.ndim != 0 or not jnp.issubdtype(step.dtype, jnp.integer):
+        raise TypeError(
+            f"step must be an integer scalar (a Python int or a traced int array), got "
+            f"{step.dtype}{list(step.shape)}"
+        )
+    return step
+
+
+def _check_step_replicated(step, axis_name):
+    """Refuses a STAR step that differs per device: each device would lead and sum zeros."""
+    axes = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
+    if axes & _ffi.varying_axes(_check_step(step)):
+        raise ValueError(
+            f"step must be the same on every device of {axis_name!r} (it picks the STAR leader, who must be "
+            "one device for all), got a step typed varying over it; pass the replicated training step (e.g. "
+            "in_specs=P() for it), not a per-device value"
+        )
+
+
+def _broadcast_indices(indices, is_leader, leader_index, axis_name, how):
+    """The leader's indices on every device, typed invariant.
+
+    ``"psum"`` sums leader-masked indices (every other device contributes zeros): an all-reduce of
+    ``k`` int32, ``2 (N-1)/N 4k`` bytes on a ring. ``"all_gather"`` gathers every device's indices
+    and keeps the leader's row: ``(N-1) 4k`` bytes. In ``benchmarks/collectives.py`` (25M values
+    on 8 CPU devices, BENCHMARKS.md) the psum was as fast or faster, within a shared host's noise,
+    and it sends less once ``N > 2``: :func:`ar_topk` uses it.
+    """
+    if how == "psum":
+        return jax.lax.psum(jnp.where(is_leader, indices, 0), axis_name)
+    return jax.lax.all_gather(indices, axis_name, to="invarying")[leader_index]
+
+
+def ar_topk(
+    x,
+    k,
+    axis_name,
+    leader="star",
+    step=0,
+    selector="exact",
+    *,
+    sparse_sent=False,
+    scatter=False,
+    _broadcast="psum",
+):
+    """AR-Topk: one leader's top-k indices for everyone, then one all-reduce of ``k`` values.
+
+    The leader selects its ``k`` largest-magnitude entries; the indices reach every device (an
+    all-reduce of leader-masked indices, see :func:`_broadcast_indices`); each device takes its own
+    values at those indices; a :func:`jax.lax.psum` of the ``k`` values sums them; every device
+    scatters the sum into a dense vector.
+
+    * STAR: the leader is ``step mod N`` (round-robin). Only the leader runs the top-k kernel.
+    * VAR: the leader is the device whose local top-k values have the largest squared norm, agreed
+      by an all-gather of one float32 per device (ties: the lowest axis index).
+
+    Args:
+      x: this device's local 1-D float32, bfloat16 or float16 vector of ``n`` values.
+      k: static int, ``1 <= k <= n``.
+      axis_name: the mesh axis to sum over.
+      leader: ``"star"`` or ``"var"``.
+      step: integer scalar, the training step (STAR only); pass it traced so every step reuses one
+        compilation.
+      selector: ``"exact"`` (:func:`jaxcomp.topk`) or ``"threshold"`` (:func:`jaxcomp.threshold_topk`).
+      sparse_sent: return ``sent`` as ``(indices, values)``, the pairs whose dense form it is
+        (index ``>= n`` marks padding, value 0), so that error feedback can zero those entries in
+        place instead of building and subtracting a dense vector: one pass less over the gradient.
+      scatter: sharded training: ``x`` is ``N`` rows of equal length and ``total`` is only this
+        device's row of the sum (the summed values whose indices fall in it).
+
+    Returns:
+      ``(total, sent)``: the sum over devices of their values at the leader's indices (zeros
+      elsewhere; dtype of ``x``), and ``x`` at those indices as a dense vector, so ``x - sent`` is
+      the error fed back (Alg. 1's residual).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> from jaxcomp import collectives
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> f = jax.jit(jax.shard_map(lambda x, s: collectives.ar_topk(x, 1, "data", step=s)[0],
+      ...                           mesh=mesh, in_specs=(P("data"), P()), out_specs=P()))
+      >>> x = jnp.array([1.0, 5.0, 3.0, 2.0])  # devices hold [1, 5] and [3, 2]
+      >>> f(x, 0).tolist(), f(x, 1).tolist()  # leader 0 picks index 1, leader 1 index 0
+      ([0.0, 7.0], [4.0, 0.0])
+
+    References:
+      Tyagi & Swany, "Flexible Communication for Optimal Distributed Learning over Unpredictable
+      Networks", arXiv 2312.02493, §3-A/3-B and Alg. 1 (AR-Topk, STAR, VAR).
+    """
+    x = local_vector(x)
+    n = x.shape[0]
+    k = _checks.static_int(k, "k", 1, n)
+    leader = check_choice(leader, "leader", LEADERS)
+    selector = check_choice(selector, "selector", SELECTORS)
+    if leader == "star":
+        _check_step_replicated(step, axis_name)
+    n_devices = axis_size(axis_name)
+    me = jax.lax.axis_index(axis_name)
+    if leader == "star":
+        leader_index = _check_step(step).astype(jnp.int32) % n_devices
+        is_leader = me == leader_index
+        # Only the leader's indices are used: the others skip the kernel.
+        indices = jax.lax.cond(
+            is_leader,
+            lambda v: _select(v, k, selector)[1],
+            lambda v: _ffi.like_varying(jnp.zeros(k, jnp.int32), v),
+            x,
+        )
+    else:
+        values, indices = _select(x, k, selector)
+        norms = jax.lax.all_gather(
+            jnp.sum(jnp.square(values.astype(jnp.float32))), axis_name, to="invarying"
+        )
+        leader_index = jnp.argmax(norms)  # the first maximum: every device agrees
+        is_leader = me == leader_index
+    shared = _broadcast_indices(indices, is_leader, leader_index, axis_name, _broadcast)
+    values = x[shared]
+    summed = jax.lax.psum(values, axis_name)
+    if scatter:
+        row = n // check_rows(n, axis_name)
+        total = (
+            jnp.zeros(row, x.dtype)
+            .at[_localize(shared, row, me)]
+            .set(summed.astype(x.dtype), mode="drop")
+        )
+    else:
+        total = _dense(n, shared, summed, x.dtype)
+    return total, _sent(n, shared, values, x.dtype, sparse_sent)
+
+
+def hierarchical_topk(x, k, inner_axis, outer_axis, selector="exact", *, sparse_sent=False):
+    """HiTopKComm: reduce-scatter in the node, top-k per shard, all-gathers across and inside nodes.
+
+    On a 2-D mesh (``outer_axis`` = nodes, ``inner_axis`` = the ``I`` devices of a node):
+
+    1. :func:`jax.lax.psum_scatter` inside the node: device ``i`` holds the node's sum of shard
+       ``i`` (``s = ceil(n / I)`` values; ``x`` is zero-padded to ``I s``).
+    2. Each device keeps the ``k_s = ceil(k / I)`` largest-magnitude entries of its shard, so a node
+       keeps ``I k_s >= k`` entries in all. ``k_s <= s`` always (``k <= n``), so ``k`` may exceed
+       a shard; padding entries that get selected are zeros and are dropped.
+    3. :func:`jax.lax.all_gather` across nodes of the ``k_s`` (value, index) pairs.
+    4. :func:`jax.lax.all_gather` inside the node of the ``O k_s`` pairs each device now holds;
+       every device scatter-adds all pairs, node by node, in float32.
+
+    ``sent`` (what keeps error feedback exact): the pairs a node sends are its node-summed gradient
+    at the node's selected index set ``J`` (the union of its devices' shard selections), so each
+    device's own contribution is ``x`` restricted to ``J``: ``sent = where(index in J, x, 0)``.
+    Summed over all devices, ``sent`` equals ``total`` up to float rounding, and ``x - sent`` is
+    exactly what this device's gradient lost.
+
+    Args:
+      x: this device's local 1-D float32, bfloat16 or float16 vector of ``n`` values.
+      k: static int, ``1 <= k <= n``: entries kept per node (rounded up to a multiple of the node
+        size).
+      inner_axis: the mesh axis of devices inside a node.
+      outer_axis: the mesh axis of nodes.
+      selector: ``"exact"`` (:func:`jaxcomp.topk`) or ``"threshold"`` (MSTopK, the paper's choice).
+      sparse_sent: return ``sent`` as ``(indices, values)``, the pairs whose dense form it is
+        (index ``>= n`` marks padding, value 0), so that error feedback can zero those entries in
+        place instead of building and subtracting a dense vector: one pass less over the gradient.
+
+    Returns:
+      ``(total, sent)``, both of ``x``'s shape and dtype.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> from jaxcomp import collectives
+      >>> mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("node", "gpu"))
+      >>> f = jax.jit(jax.shard_map(lambda x: collectives.hierarchical_topk(x, 2, "gpu", "node")[0],
+      ...                           mesh=mesh, in_specs=P(("node", "gpu")), out_specs=P()))
+      >>> f(jnp.array([1.0, 0.0, 0.0, 1.0, 0.0, 4.0, 3.0, 0.0])).tolist()
+      [4.0, 5.0]
+
+    References:
+      Shi et al., "Towards Scalable Distributed Training of Deep Learning on Public Cloud
+      Clusters", MLSys 2021, §3.2 and Alg. 2 (HiTopKComm).
+    """
+    x = local_vector(x)
+    n = x.shape[0]
+    k = _checks.static_int(k, "k", 1, n)
+    selector = check_choice(selector, "selector", SELECTORS)
+    if inner_axis == outer_axis:
+        raise ValueError(
+            f"inner_axis and outer_axis must be different mesh axes, got {inner_axis!r} twice"
+        )
+    inner = axis_size(inner_axis, "inner_axis")
+    outer = axis_size(outer_axis, "outer_axis")
+    shard, k_shard = sizes.hierarchical_shard(n, k, inner)
+    padded = jnp.pad(x, (0, inner * shard - n))
+    node_shard = jax.lax.psum_scatter(padded, inner_axis, scatter_dimension=0, tiled=True)
+    values, indices = _select(node_shard, k_shard, selector)
+    indices = indices + jax.lax.axis_index(inner_axis) * shard
+    values, indices = (jax.lax.all_gather(a, outer_axis, to="invarying") for a in (values, indices))
+    values, indices = (jax.lax.all_gather(a, inner_axis, to="invarying") for a in (values, indices))
+    # [inner, outer, k_shard] -> one row per node: a node's shards are disjoint, so its row has
+    # distinct indices.
+    values, indices = (
+        a.transpose(1, 0, 2).reshape(outer, inner * k_shard) for a in (values, indices)
+    )
+    total = _scatter_rows(inner * shard, indices, values)[:n].astype(x.dtype)
+    node_set = indices[jax.lax.axis_index(outer_axis)]
+    if sparse_sent:
+        # Padding entries (index >= n) carry 0; scatters of them are dropped.
+        return total, (
+            node_set,
+            jnp.where(node_set < n, x[jnp.minimum(node_set, n - 1)], 0).astype(x.dtype),
+        )
+    in_node_set = jnp.zeros(inner * shard, jnp.bool_).at[node_set].set(True)[:n]
+    return total, jnp.where(in_node_set, x, jnp.zeros_like(x))
