@@ -155,7 +155,7 @@ def from_multisteps(multi_steps: optax.MultiSteps) -> optax.GradientTransformati
 
     Example:
       >>> import optax
-      >>> from jaxcomp import accumulation as acc
+      >>> from jaxcomp.optim import accumulation as acc
       >>> tx = acc.from_multisteps(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=4))
 
     References:

@@ -54,7 +54,7 @@ def check_switchable(method: Method, warmup: int) -> None:
 
     Example:
       >>> from jaxcomp.methods import Zfp
-      >>> check_switchable(Zfp(8), 10)
+      >>> check_switchable(Zfp(8, algorithm="recursive_doubling"), 10)
       Traceback (most recent call last):
       ValueError: warmup_steps needs a method whose total comes out replicated, ...
 
