@@ -41,7 +41,7 @@ from jaxcomp.optim.stages.guard import NonfinitePolicy
 from jaxcomp.optim.state import Branches, CompressState, init_metrics
 
 
-class _Update(NamedTuple):
+class _Gradients(NamedTuple):
     """What every stage of one update reads: the gradients and how they are laid out."""
 
     leaves: list  # the gradients' leaves
@@ -106,8 +106,7 @@ def feedback_transformation(
     keeps_residual = keeps_residual and not sends_everything
 
     def init_fn(params):
-        auto = init_auto() if uses_auto else None
-        return _init_state(c, branches, params, keeps_residual, auto, policy)
+        return _init_state(c, branches, params, keeps_residual, init_auto, policy)
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
@@ -118,16 +117,16 @@ def feedback_transformation(
         if not lay.floats:
             return updates, state
         mask.check_same_choice(lay, residuals if keeps_residual else velocities)
-        u = _prepare(c, branches, leaves, lay)
+        grads = _prepare(c, branches, leaves, lay)
         if sends_everything and not uses_auto:
-            done = _sum_dense(c, u, aggregate, state)
+            done = _sum_dense(c, grads, aggregate, state)
         else:
-            done = _sum_error_fed(c, u, aggregate, state, residuals, velocities, keeps_residual)
+            done = _sum_error_fed(c, grads, aggregate, state, residuals, velocities, keeps_residual)
         skipped = guard.skip_flag(c.nonfinite, done.nonfinite)
         new_residuals, new_velocities = _write_back(
-            c, u, done, skipped, residuals, velocities, keeps_residual
+            c, grads, done, skipped, residuals, velocities, keeps_residual
         )
-        new_state = _next_state(c, u, done, skipped, state, uses_auto)._replace(
+        new_state = _next_state(c, grads, done, skipped, state, uses_auto)._replace(
             residual=treedef.unflatten(new_residuals),
             velocity=treedef.unflatten(new_velocities) if velocities is not None else None,
         )
@@ -136,7 +135,7 @@ def feedback_transformation(
     return optax.GradientTransformationExtraArgs(init_fn, _checked_update(update_fn))
 
 
-def _init_state(c: FeedbackConfig, branches, params, keeps_residual, auto, policy):
+def _init_state(c: FeedbackConfig, branches, params, keeps_residual, init_auto, policy):
     """The state before the first update: zero residual and velocity per compressed leaf."""
     if sharding.active() is not None:
         _check_scatters(branches)
@@ -160,7 +159,7 @@ def _init_state(c: FeedbackConfig, branches, params, keeps_residual, auto, polic
         step=jnp.zeros((), jnp.int32),
         key=jax.random.PRNGKey(c.seed),
         metrics=init_metrics(),
-        auto=auto,
+        auto=init_auto() if init_auto is not None else None,
         policy=policy,
         branches=Branches(branches),
         velocity=per_compressed_leaf(True) if c.momentum is not None else None,
@@ -194,8 +193,8 @@ def _check_state_is_ours(c: FeedbackConfig, state, uses_auto, branches, policy):
         )
 
 
-def _prepare(c: FeedbackConfig, branches, leaves, lay: mask.Layout) -> _Update:
-    """The :class:`_Update` of these gradients, after checking where the update runs."""
+def _prepare(c: FeedbackConfig, branches, leaves, lay: mask.Layout) -> _Gradients:
+    """The :class:`_Gradients` of these gradients, after checking where the update runs."""
     axis_sizes = [_bound_axis_size(a) for a in c.axes]
     n_devices = math.prod(axis_sizes)
     shards = _shards(c, branches, n_devices)  # sharded training: N, else None
@@ -217,54 +216,61 @@ def _prepare(c: FeedbackConfig, branches, leaves, lay: mask.Layout) -> _Update:
         packing.row(branches, [leaves[i] for i in positions], shards) for positions, _ in lay.groups
     ]
     scale = 1.0 / n_devices if c.mean else 1.0
-    return _Update(leaves, lay, groups, rows, shards, comm_dtype, scale)
+    return _Gradients(leaves, lay, groups, rows, shards, comm_dtype, scale)
 
 
 def _filled(groups: Groups, vectors) -> Groups:
     return groups._replace(vectors=vectors, sizes=[v.shape[0] for v in vectors])
 
 
-def _sum_dense(c: FeedbackConfig, u: _Update, aggregate, state) -> _Aggregated:
+def _sum_dense(c: FeedbackConfig, grads: _Gradients, aggregate, state) -> _Aggregated:
     """The route of a method that loses nothing: nothing is kept, so the gradients are summed as
     they are (leaf by leaf) and the guard looks at the sums (:func:`guard.guarded_totals`)."""
     vectors = [
-        packing.pack([u.leaves[i]], u.shards, row).astype(u.comm_dtype)
-        for i, row in zip(u.layout.floats, u.rows)
+        packing.pack([grads.leaves[i]], grads.shards, row).astype(grads.comm_dtype)
+        for i, row in zip(grads.layout.floats, grads.rows)
     ]
-    groups = _filled(u.groups, vectors)
+    groups = _filled(grads.groups, vectors)
     result, auto_after = aggregate(groups, state)
     totals, count = guard.guarded_totals(
         result.totals,
         vectors,
         lambda zeroed: aggregate(groups._replace(vectors=zeroed), state)[0].totals,
         c.axis_name,
-        sharded=u.shards is not None,
+        sharded=grads.shards is not None,
     )
     result = result._replace(totals=totals)
     gain = jnp.ones((), jnp.float32)  # everything is sent
     return _Aggregated(
-        list(u.leaves), result, auto_after, [None] * len(totals), {}, gain, count, 0.0, 0
+        list(grads.leaves), result, auto_after, [None] * len(totals), {}, gain, count, 0.0, 0
     )
 
 
 def _sum_error_fed(
-    c: FeedbackConfig, u: _Update, aggregate, state, residuals, velocities, keeps_residual
+    c: FeedbackConfig, grads: _Gradients, aggregate, state, residuals, velocities, keeps_residual
 ) -> _Aggregated:
     """Stages 1 and 3 to 6 and the metrics' sums: guard, mask, momentum, error feedback,
     aggregation."""
-    feds, plain_parts, counts, momenta = _error_fed(c, u, residuals, velocities, keeps_residual)
-    out = list(u.leaves)
+    feds, plain_parts, counts, momenta = _error_fed(c, grads, residuals, velocities, keeps_residual)
+    out = list(grads.leaves)
     plain_bytes, plain_kept = 0.0, 0
     if plain_parts:
         # The leaves mask= and min_size= leave out: summed as they are, in one all-reduce.
-        groups = u.groups
+        groups = grads.groups
         plain_total, plain_bytes, plain_kept = mask.sum_plain(
-            plain_parts, c.axis_name, groups.n_devices, groups.dtype_bytes, u.comm_dtype, u.shards
+            plain_parts,
+            c.axis_name,
+            groups.n_devices,
+            groups.dtype_bytes,
+            grads.comm_dtype,
+            grads.shards,
         )
-        packing.write(out, u.leaves, u.layout.plain, plain_total, u.scale, None, u.shards)
+        packing.write(
+            out, grads.leaves, grads.layout.plain, plain_total, grads.scale, None, grads.shards
+        )
     if feds:
-        vectors = [fed.astype(u.comm_dtype) for fed in feds]
-        result, auto_after = aggregate(_filled(u.groups, vectors), state)
+        vectors = [fed.astype(grads.comm_dtype) for fed in feds]
+        result, auto_after = aggregate(_filled(grads.groups, vectors), state)
     else:  # every leaf is plain
         result = Aggregation([], [], 0.0, 0, 0, False, True, state.method_state)
         auto_after = None
@@ -272,7 +278,7 @@ def _sum_error_fed(
     return _Aggregated(out, result, auto_after, feds, momenta, gain, count, plain_bytes, plain_kept)
 
 
-def _error_fed(c: FeedbackConfig, u: _Update, residuals, velocities, keeps_residual):
+def _error_fed(c: FeedbackConfig, grads: _Gradients, residuals, velocities, keeps_residual):
     """Stages 1, 4 and 5: per group the error-fed vector, the plain leaves' finite values, the
     non-finite counts and the new velocities.
 
@@ -282,7 +288,7 @@ def _error_fed(c: FeedbackConfig, u: _Update, residuals, velocities, keeps_resid
     counts, momenta = [], {}
 
     def finite_part(i):
-        values, count = guard.finite(u.leaves[i])
+        values, count = guard.finite(grads.leaves[i])
         counts.append(count)
         return values
 
@@ -293,23 +299,31 @@ def _error_fed(c: FeedbackConfig, u: _Update, residuals, velocities, keeps_resid
         return error_feedback.add_residual(g, residuals[i]) if keeps_residual else g
 
     def fed_group(positions, row):
-        if u.shards is not None or c.momentum is not None:
-            return packing.pack([fed_leaf(i) for i in positions], u.shards, row)
+        if grads.shards is not None or c.momentum is not None:
+            return packing.pack([fed_leaf(i) for i in positions], grads.shards, row)
         # One pass on the CPU: the non-finite select, the residual's add and the join.
         fed, count = error_feedback.fused(
-            [u.leaves[i] for i in positions],
+            [grads.leaves[i] for i in positions],
             [residuals[i] for i in positions] if keeps_residual else None,
         )
         counts.append(count)
         return fed
 
-    feds = [fed_group(positions, row) for (positions, _), row in zip(u.layout.groups, u.rows)]
-    plain_parts = [finite_part(i) for i in u.layout.plain]
+    feds = [
+        fed_group(positions, row) for (positions, _), row in zip(grads.layout.groups, grads.rows)
+    ]
+    plain_parts = [finite_part(i) for i in grads.layout.plain]
     return feds, plain_parts, counts, momenta
 
 
 def _write_back(
-    c: FeedbackConfig, u: _Update, done: _Aggregated, skipped, residuals, velocities, keeps_residual
+    c: FeedbackConfig,
+    grads: _Gradients,
+    done: _Aggregated,
+    skipped,
+    residuals,
+    velocities,
+    keeps_residual,
 ):
     """Stages 5 and 4 after aggregation: the updates from the totals, the new residual
     (``g_e - sent``) and velocity (cleared where sent); a skipped step keeps the old ones."""
@@ -317,31 +331,31 @@ def _write_back(
     new_residuals = list(residuals)
     new_velocities = list(velocities) if velocities is not None else None
     for (positions, _), row, fed, total, sent in zip(
-        u.layout.groups, u.rows, done.feds, result.totals, result.sents
+        grads.layout.groups, grads.rows, done.feds, result.totals, result.sents
     ):
-        packing.write(done.out, u.leaves, positions, total, u.scale, skipped, u.shards)
+        packing.write(done.out, grads.leaves, positions, total, grads.scale, skipped, grads.shards)
         if result.sends_everything:
             continue  # everything was sent: no residual
         remaining = error_feedback.remaining(fed, sent, result.sparse)
         if keeps_residual:
             packing.keep(
-                new_residuals, residuals, u.leaves, positions, remaining, skipped, u.shards
+                new_residuals, residuals, grads.leaves, positions, remaining, skipped, grads.shards
             )
         if c.momentum is not None:
             # DGC's momentum factor masking: what was sent leaves the momentum too.
-            velocity = packing.pack([done.momenta[i] for i in positions], u.shards, row)
+            velocity = packing.pack([done.momenta[i] for i in positions], grads.shards, row)
             velocity = momentum.clear_sent(velocity, sent, result.sparse)
             packing.keep(
-                new_velocities, velocities, u.leaves, positions, velocity, skipped, u.shards
+                new_velocities, velocities, grads.leaves, positions, velocity, skipped, grads.shards
             )
     return new_residuals, new_velocities
 
 
-def _next_state(c, u: _Update, done: _Aggregated, skipped, state: CompressState, uses_auto):
+def _next_state(c, grads: _Gradients, done: _Aggregated, skipped, state: CompressState, uses_auto):
     """Stage 7 and the guard's skip: the metrics, and the step, auto and method states (a
     skipped step leaves the state as it was; only the metrics report it)."""
     result = done.result
-    total_size = sum(u.leaves[i].size for i in u.layout.floats)
+    total_size = sum(grads.leaves[i].size for i in grads.layout.floats)
     step_metrics = metrics.step_metrics(
         done.gain,
         result.bytes_sent + done.plain_bytes,
