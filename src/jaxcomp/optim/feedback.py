@@ -256,6 +256,8 @@ def _sum_error_fed(
     plain_bytes, plain_kept = 0.0, 0
     if plain_parts:
         # The leaves mask= and min_size= leave out: summed as they are, in one all-reduce.
+        # Written before the skip flag is known, so a skipped step does not zero them (as of
+        # 0.1; jaxcomp.skip_nonfinite and data_parallel zero every update of a skipped step).
         groups = grads.groups
         plain_total, plain_bytes, plain_kept = mask.sum_plain(
             plain_parts,
