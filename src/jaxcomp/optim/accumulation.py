@@ -90,24 +90,8 @@ def accumulate(
             shapes = jax.eval_shape(lambda: run(acc, inner_state)[0])
             return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state, acc
 
-        # Inside shard_map both branches must type every output alike: a state leaf that the
-        # update makes per-device (varying) is cast so in the branch that passes it through.
-        axes = [_vma(x) for x in jax.tree.leaves(jax.eval_shape(run, acc, state.inner_opt_state))]
-        axes = [
-            a | _vma(x)
-            for a, x in zip(axes, jax.tree.leaves(jax.eval_shape(wait, acc, state.inner_opt_state)))
-        ]
-
-        def typed(branch):
-            def fn(*args):
-                out = branch(*args)
-                leaves, treedef = jax.tree.flatten(out)
-                return treedef.unflatten([_cast(x, a) for x, a in zip(leaves, axes)])
-
-            return fn
-
-        new_updates, new_inner, new_acc = jax.lax.cond(
-            emit, typed(run), typed(wait), acc, state.inner_opt_state
+        new_updates, new_inner, new_acc = _cond_typed_alike(
+            emit, run, wait, acc, state.inner_opt_state
         )
         new_state = optax.MultiStepsState(
             mini_step=jnp.where(emit, 0, n + 1).astype(jnp.int32),
@@ -121,6 +105,26 @@ def accumulate(
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _cond_typed_alike(emit, run, wait, *operands):
+    """``lax.cond(emit, run, wait, *operands)`` with both branches' outputs typed alike.
+
+    Inside shard_map both branches must type every output alike: a state leaf that the update
+    makes per-device (varying) is cast so in the branch that passes it through.
+    """
+    axes = [_vma(x) for x in jax.tree.leaves(jax.eval_shape(run, *operands))]
+    axes = [a | _vma(x) for a, x in zip(axes, jax.tree.leaves(jax.eval_shape(wait, *operands)))]
+
+    def typed(branch):
+        def fn(*args):
+            out = branch(*args)
+            leaves, treedef = jax.tree.flatten(out)
+            return treedef.unflatten([_cast(x, a) for x, a in zip(leaves, axes)])
+
+        return fn
+
+    return jax.lax.cond(emit, typed(run), typed(wait), *operands)
 
 
 def _vma(x) -> frozenset:

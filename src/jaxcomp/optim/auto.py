@@ -11,6 +11,7 @@ network in its :class:`AutoState`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -21,16 +22,10 @@ from jaxcomp import methods
 from jaxcomp.costmodel import cost, ratio_choice
 from jaxcomp.methods import Method
 from jaxcomp.ops import _checks
-from jaxcomp.optim.transform import (
-    Aggregation,
-    CompressState,
-    FeedbackConfig,
-    Groups,
-    compress_states,
-    feedback_transformation,
-    run_branch,
-    static_cost,
-)
+from jaxcomp.optim.config import FeedbackConfig
+from jaxcomp.optim.feedback import feedback_transformation
+from jaxcomp.optim.stages.aggregation import Aggregation, Groups, run_branch, static_cost
+from jaxcomp.optim.state import CompressState, compress_states
 
 #: How long ``compress_auto`` keeps a choice: it re-decides every this many steps by default,
 #: and at once when the network moves by :data:`NETWORK_TOLERANCE` or more.
@@ -274,6 +269,26 @@ def compress_auto(
         axis_name, error_feedback, granularity, mean, seed, nonfinite, mask, min_size
     )
     candidates = _check_candidates(candidates, config.axes)
+    ratios = _check_ratio_search(ratio_search, candidates)
+    decide_every = _checks.static_int(decide_every, "decide_every", 1)
+    if network is not None and not isinstance(network, cost.Network):
+        raise TypeError(
+            f"network must be a jaxcomp.costmodel.cost.Network (e.g. jaxcomp.probe_network(mesh, axis)) or None, "
+            f"got {type(network).__name__}"
+        )
+    branches = _Branches.of(candidates, ratios)
+    keeps_residual = config.error_feedback and not all(m.sends_everything for m in branches.methods)
+    return feedback_transformation(
+        config,
+        branches.methods,
+        keeps_residual,
+        _aggregation(config, branches, ratio_search, decide_every),
+        init_auto=functools.partial(_init_auto, network, len(branches.methods), ratio_search),
+    )
+
+
+def _check_ratio_search(ratio_search, candidates) -> tuple[float, ...]:
+    """The candidate ratios of ``ratio_search`` (none without one), after checking it fits."""
     if ratio_search is not None and not isinstance(ratio_search, RatioSearch):
         raise TypeError(
             f"ratio_search must be a jaxcomp.RatioSearch or None, got {type(ratio_search).__name__}"
@@ -284,28 +299,27 @@ def compress_auto(
             f"ratio_search needs a candidate with a ratio (e.g. jaxcomp.TopK), got "
             f"{[m.describe() for m in candidates]}"
         )
-    decide_every = _checks.static_int(decide_every, "decide_every", 1)
-    if network is not None and not isinstance(network, cost.Network):
-        raise TypeError(
-            f"network must be a jaxcomp.costmodel.cost.Network (e.g. jaxcomp.probe_network(mesh, axis)) or None, "
-            f"got {type(network).__name__}"
-        )
-    branches = _Branches.of(candidates, ratios)
-    keeps_residual = config.error_feedback and not all(m.sends_everything for m in branches.methods)
+    return ratios
 
-    def init_auto():
-        start = np.full(2, np.nan) if network is None else np.array([network.alpha, network.beta])
-        return AutoState(
-            network=jnp.asarray(start, jnp.float32),
-            overhead=jnp.zeros(len(branches.methods), jnp.float32),
-            decided=jnp.full(2, jnp.nan, jnp.float32),
-            choice=jnp.zeros((), jnp.int32),
-            ratio=(
-                ratio_choice.ratio_init(len(ratios), ratio_search.explore_steps)
-                if ratio_search is not None
-                else None
-            ),
-        )
+
+def _init_auto(network, n_branches: int, ratio_search) -> AutoState:
+    """The :class:`AutoState` before the first step."""
+    start = np.full(2, np.nan) if network is None else np.array([network.alpha, network.beta])
+    return AutoState(
+        network=jnp.asarray(start, jnp.float32),
+        overhead=jnp.zeros(n_branches, jnp.float32),
+        decided=jnp.full(2, jnp.nan, jnp.float32),
+        choice=jnp.zeros((), jnp.int32),
+        ratio=(
+            ratio_choice.ratio_init(len(ratio_search.ratios), ratio_search.explore_steps)
+            if ratio_search is not None
+            else None
+        ),
+    )
+
+
+def _aggregation(config: FeedbackConfig, branches: _Branches, ratio_search, decide_every: int):
+    """``compress_auto``'s aggregation stage: decide, run the chosen branch, learn from its gain."""
 
     def aggregate(groups: Groups, state: CompressState):
         plan = _Plan(branches, ratio_search, decide_every, groups)
@@ -333,9 +347,7 @@ def compress_auto(
         )
         return result, lambda gain: plan.observe(auto, branch, gain, comm)
 
-    return feedback_transformation(
-        config, branches.methods, keeps_residual, aggregate, init_auto=init_auto
-    )
+    return aggregate
 
 
 def _check_candidates(candidates, axes) -> tuple[Method, ...]:
@@ -415,27 +427,7 @@ def compress_auto_shorthand(
         raise ValueError(
             "method 'auto' sizes top-k by ratio= (its cost model is per ratio); pass ratio= instead of k="
         )
-    if adaptive_ratio is None:
-        adaptive_ratio = False
-    if not isinstance(adaptive_ratio, (bool, np.bool_)):
-        raise TypeError(f"adaptive_ratio must be True or False, got {adaptive_ratio!r}")
-    search = None
-    if adaptive_ratio:
-        if ratio is not None:
-            raise ValueError(
-                "adaptive_ratio=True chooses the ratio from ratio_range=; remove ratio="
-            )
-        search = RatioSearch(
-            ratio_choice.DEFAULT_RATIO_RANGE if ratio_range is None else ratio_range,
-            DEFAULT_EXPLORE_STEPS if explore_steps is None else explore_steps,
-        )
-        ratio = search.ratios[0]
-    else:
-        for name, value in (("ratio_range", ratio_range), ("explore_steps", explore_steps)):
-            if value is not None:
-                raise ValueError(
-                    f"{name}= applies with adaptive_ratio=True only; remove it or set adaptive_ratio=True"
-                )
+    search, ratio = _ratio_search_of(ratio, adaptive_ratio, ratio_range, explore_steps)
     axes = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
     settings = {
         "ratio": ratio,
@@ -449,30 +441,70 @@ def compress_auto_shorthand(
             "method 'auto' runs zfp with algorithm='ring': the recursive-doubling total is typed "
             "varying and the branches must agree; remove algorithm="
         )
+    names = _candidate_names(candidates, settings, two_axes=len(axes) == 2)
+    built = [methods.parse(name, strict=False, **settings) for name in names]
+    _check_settings_used(settings, names, built)
+    return compress_auto(
+        built,
+        axis_name=axis_name,
+        ratio_search=search,
+        network=network,
+        decide_every=DEFAULT_DECIDE_EVERY if decide_every is None else decide_every,
+        **options,
+    )
+
+
+def _ratio_search_of(ratio, adaptive_ratio, ratio_range, explore_steps):
+    """``(RatioSearch or None, ratio)`` of the shorthand's ratio options, checked."""
+    if adaptive_ratio is None:
+        adaptive_ratio = False
+    if not isinstance(adaptive_ratio, (bool, np.bool_)):
+        raise TypeError(f"adaptive_ratio must be True or False, got {adaptive_ratio!r}")
+    if not adaptive_ratio:
+        for name, value in (("ratio_range", ratio_range), ("explore_steps", explore_steps)):
+            if value is not None:
+                raise ValueError(
+                    f"{name}= applies with adaptive_ratio=True only; remove it or set adaptive_ratio=True"
+                )
+        return None, ratio
+    if ratio is not None:
+        raise ValueError("adaptive_ratio=True chooses the ratio from ratio_range=; remove ratio=")
+    search = RatioSearch(
+        ratio_choice.DEFAULT_RATIO_RANGE if ratio_range is None else ratio_range,
+        DEFAULT_EXPLORE_STEPS if explore_steps is None else explore_steps,
+    )
+    return search, search.ratios[0]
+
+
+def _candidate_names(candidates, settings: dict, two_axes: bool) -> list[str]:
+    """The shorthand's candidate names: given, or :func:`jaxcomp.methods.candidates` of the settings."""
     if candidates is None:
         picked = methods.candidates(
-            ratio=ratio,
-            rate=rate,
-            bits=bits,
+            ratio=settings.get("ratio"),
+            rate=settings.get("rate"),
+            bits=settings.get("bits"),
             rank=settings.get("rank"),
-            hierarchical=len(axes) == 2,
+            hierarchical=two_axes,
         )
         if len(picked) == 1:
             raise ValueError(
                 "method 'auto' needs something to compress with: ratio= (top-k methods), "
                 "adaptive_ratio=True, rate= (zfp) or bits= (quantized)"
             )
-        names = [m.label for m in picked]
-    else:
-        if isinstance(candidates, str) or not all(isinstance(m, str) for m in candidates):
-            raise TypeError(f"candidates must be a sequence of method names, got {candidates!r}")
-        names = list(candidates)
-        if not names or len(set(names)) != len(names) or not set(names) <= set(methods.SHORTHAND):
-            raise ValueError(
-                f"candidates must be distinct method names from {tuple(methods.SHORTHAND)}, "
-                f"got {tuple(names)!r}"
-            )
-    built = [methods.parse(name, strict=False, **settings) for name in names]
+        return [m.label for m in picked]
+    if isinstance(candidates, str) or not all(isinstance(m, str) for m in candidates):
+        raise TypeError(f"candidates must be a sequence of method names, got {candidates!r}")
+    names = list(candidates)
+    if not names or len(set(names)) != len(names) or not set(names) <= set(methods.SHORTHAND):
+        raise ValueError(
+            f"candidates must be distinct method names from {tuple(methods.SHORTHAND)}, "
+            f"got {tuple(names)!r}"
+        )
+    return names
+
+
+def _check_settings_used(settings: dict, names, built) -> None:
+    """Refuses a setting that none of the candidates takes."""
     for option in settings:
         takes = [
             name
@@ -484,14 +516,6 @@ def compress_auto_shorthand(
                 f"{option}= goes with none of the candidates {tuple(names)!r}; remove it or add a "
                 "candidate that takes it"
             )
-    return compress_auto(
-        built,
-        axis_name=axis_name,
-        ratio_search=search,
-        network=network,
-        decide_every=DEFAULT_DECIDE_EVERY if decide_every is None else decide_every,
-        **options,
-    )
 
 
 def auto_branches(opt_state) -> list[list[Method]]:
@@ -551,61 +575,61 @@ def set_network(opt_state, network: cost.Network, overhead=None):
         raise ValueError("opt_state holds no compress_auto state to give a network to")
     values = np.array([network.alpha, network.beta], np.float32)
 
-    def overhead_of(state: CompressState):
-        auto = state.auto
-        if overhead is None:
-            return auto.overhead
-        current = _host(auto.overhead).astype(np.float64)
-        branches = state.methods
-        if callable(overhead):
-            seconds = [overhead(m) for m in branches]
-        elif isinstance(overhead, dict):
-            known = set(branches) | {m.label for m in branches}
-            unknown = [key for key in overhead if key not in known]
-            if unknown:
-                raise ValueError(
-                    f"overhead names {unknown}, which are not among the branches "
-                    f"{[m.describe() for m in branches]}"
-                )
-            seconds = [
-                overhead.get(m, overhead.get(m.label, current[b])) for b, m in enumerate(branches)
-            ]
-        else:
-            seconds = list(overhead)
-            if len(seconds) != len(branches):
-                raise ValueError(
-                    f"overhead has {len(seconds)} entries for {len(branches)} branches "
-                    f"{[m.describe() for m in branches]}"
-                )
-        seconds = np.asarray(seconds, np.float64)
-        if (
-            seconds.shape != (len(branches),)
-            or not np.all(np.isfinite(seconds))
-            or np.any(seconds < 0)
-        ):
-            raise ValueError(
-                f"overhead must give finite seconds >= 0 per branch, got {seconds.tolist()}"
-            )
-        return seconds.astype(np.float32)
-
-    def like(old, new):
-        # Keep the old leaf's placement, so a jitted step sees the same input and does not recompile.
-        if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer):
-            return jax.device_put(new, old.sharding)
-        return new
-
     def replace(node):
         if isinstance(node, CompressState) and node.auto is not None:
             auto = node.auto
             return node._replace(
                 auto=auto._replace(
-                    network=like(auto.network, values),
-                    overhead=like(auto.overhead, overhead_of(node)),
+                    network=_like(auto.network, values),
+                    overhead=_like(auto.overhead, _overhead_of(overhead, node)),
                 )
             )
         return node
 
     return jax.tree.map(replace, opt_state, is_leaf=lambda x: isinstance(x, CompressState))
+
+
+def _overhead_of(overhead, state: CompressState):
+    """The overhead seconds per branch of ``state`` that :func:`set_network` sets."""
+    auto = state.auto
+    if overhead is None:
+        return auto.overhead
+    current = _host(auto.overhead).astype(np.float64)
+    branches = state.methods
+    if callable(overhead):
+        seconds = [overhead(m) for m in branches]
+    elif isinstance(overhead, dict):
+        known = set(branches) | {m.label for m in branches}
+        unknown = [key for key in overhead if key not in known]
+        if unknown:
+            raise ValueError(
+                f"overhead names {unknown}, which are not among the branches "
+                f"{[m.describe() for m in branches]}"
+            )
+        seconds = [
+            overhead.get(m, overhead.get(m.label, current[b])) for b, m in enumerate(branches)
+        ]
+    else:
+        seconds = list(overhead)
+        if len(seconds) != len(branches):
+            raise ValueError(
+                f"overhead has {len(seconds)} entries for {len(branches)} branches "
+                f"{[m.describe() for m in branches]}"
+            )
+    seconds = np.asarray(seconds, np.float64)
+    if seconds.shape != (len(branches),) or not np.all(np.isfinite(seconds)) or np.any(seconds < 0):
+        raise ValueError(
+            f"overhead must give finite seconds >= 0 per branch, got {seconds.tolist()}"
+        )
+    return seconds.astype(np.float32)
+
+
+def _like(old, new):
+    """``new`` placed like ``old``."""
+    # Keep the old leaf's placement, so a jitted step sees the same input and does not recompile.
+    if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer):
+        return jax.device_put(new, old.sharding)
+    return new
 
 
 def _host(x) -> np.ndarray:

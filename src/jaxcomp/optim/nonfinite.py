@@ -3,35 +3,28 @@
 Every compressing transformation drops NaN and ±Inf gradient entries (never sent, never kept in
 the residual) and counts them in its ``nonfinite`` metric; its ``nonfinite=`` policy then decides
 the step: train on (``"zero"``), skip it everywhere (``"skip"``), or skip and raise on the host
-(``"raise"``). :func:`skip_nonfinite` extends a skip to the whole optax chain.
+(``"raise"``). :func:`skip_nonfinite` extends a skip to the whole optax chain; the guard itself
+is the update's first stage, :mod:`jaxcomp.optim.stages.guard`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import optax
 
-#: What :func:`compress` does with non-finite gradient entries (NaN, ±Inf), its ``nonfinite=``
-#: argument; the first is the default. In every policy such entries are never sent and never
-#: stored in the residual, and the ``nonfinite`` metric counts them.
-NONFINITE_POLICIES = ("zero", "skip", "raise")
+from jaxcomp.optim.stages.guard import NONFINITE_POLICIES, NonfinitePolicy
+from jaxcomp.optim.state import CompressState, compress_states
 
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class NonfinitePolicy:
-    """The ``nonfinite=`` policy of a :func:`compress`, kept in its state as static structure.
-
-    It holds no array (a pytree with no leaves), so it costs nothing in a step, a checkpoint or a
-    sharding, and host code (:func:`skip_nonfinite`, :func:`jaxcomp.data_parallel`) reads it
-    while tracing, without waiting for a device.
-    """
-
-    name: str  # one of NONFINITE_POLICIES
+__all__ = [
+    "NONFINITE_POLICIES",
+    "NonfinitePolicy",
+    "keep_if_skipped",
+    "skip_nonfinite",
+    "skipped_update",
+]
 
 
 def skipped_update(opt_state):
@@ -157,12 +150,8 @@ def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransforma
 
 
 def _states(opt_state):
-    from jaxcomp.optim.transform import compress_states  # transform imports this module
-
     return compress_states(opt_state)
 
 
 def _is_compress_state(node) -> bool:
-    from jaxcomp.optim.transform import CompressState
-
     return isinstance(node, CompressState)

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import methods
 from jaxcomp.costmodel.probe import best_seconds, codec_seconds
 from jaxcomp.methods import Dense, Method
-from jaxcomp.optim.transform import compress
+from jaxcomp.optim.compression import compress
 
 
 def update_seconds(method, params, *, repeats: int = 3, **options) -> float:

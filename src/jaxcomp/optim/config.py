@@ -1,0 +1,102 @@
+"""The arguments every error-feedback transformation shares, validated: :class:`FeedbackConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from jaxcomp.ops import _checks
+from jaxcomp.optim.stages import mask as mask_stage
+from jaxcomp.optim.stages.guard import NONFINITE_POLICIES
+
+#: How gradients are grouped before compression: the whole model as one vector, or leaf by leaf.
+GRANULARITIES = ("model", "leaf")
+
+
+@dataclasses.dataclass(frozen=True)
+class FeedbackConfig:
+    """The validated arguments every error-feedback transformation shares (see :func:`compress`)."""
+
+    axes: tuple[str, ...]
+    error_feedback: bool = True
+    granularity: str = "model"
+    mean: bool = True
+    seed: int = 0
+    nonfinite: str = "zero"
+    mask: Any = dataclasses.field(
+        default=None, compare=False
+    )  # None, a pytree of bools or a callable
+    min_size: int = 0
+    momentum: float | None = None  # DGC's momentum correction
+
+    @property
+    def axis_name(self):
+        """The axis, or the tuple of axes, the collectives reduce over."""
+        return self.axes[0] if len(self.axes) == 1 else self.axes
+
+    @classmethod
+    def check(
+        cls,
+        axis_name,
+        error_feedback,
+        granularity,
+        mean,
+        seed,
+        nonfinite,
+        mask=None,
+        min_size=0,
+        momentum=None,
+    ) -> FeedbackConfig:
+        """Validates the shared arguments, naming the one that is wrong."""
+        axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+        if (
+            not axes
+            or not all(isinstance(a, str) and a for a in axes)
+            or len(set(axes)) != len(axes)
+        ):
+            raise ValueError(
+                f"axis_name must be a mesh axis name or a tuple of distinct ones, got {axis_name!r}"
+            )
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be 'model' or 'leaf', got {granularity!r}")
+        for flag, name in ((error_feedback, "error_feedback"), (mean, "mean")):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        seed = _checks.static_int(
+            seed, "seed", 0, 2**32 - 1
+        )  # PRNGKey keeps 32 bits: 2**32 would be seed 0
+        if not isinstance(nonfinite, str) or nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"nonfinite must be one of {NONFINITE_POLICIES} (what to do with NaN/Inf gradient "
+                f"entries), got {nonfinite!r}"
+            )
+        min_size = _checks.static_int(min_size, "min_size", 0)
+        if momentum is not None:
+            if (
+                isinstance(momentum, bool)
+                or not isinstance(momentum, (int, float))
+                or not 0 <= momentum < 1
+            ):
+                raise ValueError(
+                    f"momentum_correction must be a momentum in [0, 1) (e.g. 0.9) or None, got "
+                    f"{momentum!r}"
+                )
+            momentum = float(momentum)
+        return cls(
+            axes=axes,
+            error_feedback=bool(error_feedback),
+            granularity=granularity,
+            mean=bool(mean),
+            seed=seed,
+            nonfinite=nonfinite,
+            mask=mask,
+            min_size=min_size,
+            momentum=momentum,
+        )
+
+    def compressed(self, tree) -> list[bool]:
+        """Per leaf of ``tree`` (params or gradients): whether ``mask`` and ``min_size`` let it be
+        compressed (:func:`jaxcomp.optim.stages.mask.compressed_leaves`)."""
+        return mask_stage.compressed_leaves(self.mask, self.min_size, tree)

@@ -1,0 +1,479 @@
+"""The error-feedback transformation around an aggregation: :func:`feedback_transformation`.
+
+:func:`jaxcomp.compress` and :func:`jaxcomp.compress_auto` build on it; they differ only in how
+they aggregate (one method, a warm-up switch, or a per-step choice). An update is a pipeline of
+the stages in :mod:`jaxcomp.optim.stages`, in this order:
+
+1. guard: non-finite gradient entries count as 0 and are counted (:mod:`.stages.guard`);
+2. warm-up: dense for the first steps (inside ``aggregate``, :mod:`.stages.warmup`);
+3. mask: the leaves left out are summed exactly (:mod:`.stages.mask`);
+4. momentum correction: ``u = m u + g`` (:mod:`.stages.momentum`);
+5. error feedback: ``g_e = u + residual`` (:mod:`.stages.error_feedback`);
+6. aggregation: the method's collective (:mod:`.stages.aggregation`);
+7. error feedback and momentum again: keep ``g_e - sent``, clear the sent velocity;
+8. metrics (:mod:`.stages.metrics`), and the guard's skip of the whole state.
+
+A method that loses nothing (:class:`jaxcomp.Dense`) takes a shorter route: it sums the leaves
+as they are and only looks for non-finite entries when the sum is not finite. Gradient
+accumulation is a wrapper around a whole transformation (:func:`jaxcomp.accumulate`), not a
+stage.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxcomp import methods
+from jaxcomp.methods import Method
+from jaxcomp.ops import _ffi
+from jaxcomp.optim import packing, sharding
+from jaxcomp.optim.config import FeedbackConfig
+from jaxcomp.optim.stages import error_feedback, guard, mask, metrics, momentum
+from jaxcomp.optim.stages.aggregation import Aggregation, Groups, init_method_state
+from jaxcomp.optim.stages.guard import NonfinitePolicy
+from jaxcomp.optim.state import Branches, CompressState, init_metrics
+
+
+class _Gradients(NamedTuple):
+    """What every stage of one update reads: the gradients and how they are laid out."""
+
+    leaves: list  # the gradients' leaves
+    layout: mask.Layout
+    groups: Groups  # the groups, their vectors not yet filled in
+    rows: list  # per group: values per device row when sharded, else None
+    shards: int | None  # sharded training: the devices sharing the shards, else None
+    comm_dtype: Any  # the dtype the collectives carry
+    scale: float  # 1 / devices for the mean, else 1
+
+
+class _Aggregated(NamedTuple):
+    """What the stages before the write-back produced."""
+
+    out: list  # the update's leaves, the plain ones written
+    result: Aggregation
+    auto_after: Callable | None  # gain -> new auto state, or None
+    feds: list  # per group: this device's error-fed vector (None on the dense route)
+    momenta: dict  # leaf -> its new velocity (momentum correction)
+    gain: Any  # f32[]
+    nonfinite: Any  # f32[]: summed over the devices
+    plain_bytes: Any  # bytes of the plain leaves' sum
+    plain_kept: int  # values of the plain leaves
+
+
+def feedback_transformation(
+    config: FeedbackConfig,
+    branches: tuple[Method, ...],
+    keeps_residual: bool,
+    aggregate: Callable,
+    init_auto: Callable | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """The error-feedback transformation around an aggregation step (what :func:`compress` and
+    :func:`jaxcomp.compress_auto` build on); its update runs the stages of this module's
+    docstring.
+
+    Args:
+      config: the shared arguments.
+      branches: the methods the state records (:attr:`CompressState.methods`).
+      keeps_residual: whether the state keeps a residual (error feedback that can lose anything).
+      aggregate: ``(groups, state) -> (Aggregation, auto_after)`` run inside the update, where
+        ``auto_after(gain)`` returns the new auto state (or is None).
+      init_auto: ``() -> auto state`` for the state's ``auto`` field, or None.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`CompressState`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxcomp
+      >>> tx = jaxcomp.compress(methods.Dense())  # built on this
+      >>> tx.init({"w": jnp.zeros(3)}).methods
+      (Dense(allreduce='ring'),)
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, Alg. 1 (error feedback).
+    """
+    c = config
+    uses_auto = init_auto is not None
+    policy = NonfinitePolicy(c.nonfinite)
+    branches = tuple(branches)
+    sends_everything = all(m.sends_everything for m in branches)
+    keeps_residual = keeps_residual and not sends_everything
+
+    def init_fn(params):
+        return _init_state(c, branches, params, keeps_residual, init_auto, policy)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        leaves, treedef = jax.tree.flatten(updates)
+        residuals, velocities = _state_leaves(c, treedef, state)
+        _check_state_is_ours(c, state, uses_auto, branches, policy)
+        lay = mask.layout(c, updates, sends_everything)
+        if not lay.floats:
+            return updates, state
+        mask.check_same_choice(lay, residuals if keeps_residual else velocities)
+        grads = _prepare(c, branches, leaves, lay)
+        if sends_everything and not uses_auto:
+            done = _sum_dense(c, grads, aggregate, state)
+        else:
+            done = _sum_error_fed(c, grads, aggregate, state, residuals, velocities, keeps_residual)
+        skipped = guard.skip_flag(c.nonfinite, done.nonfinite)
+        new_residuals, new_velocities = _write_back(
+            c, grads, done, skipped, residuals, velocities, keeps_residual
+        )
+        new_state = _next_state(c, grads, done, skipped, state, uses_auto)._replace(
+            residual=treedef.unflatten(new_residuals),
+            velocity=treedef.unflatten(new_velocities) if velocities is not None else None,
+        )
+        return treedef.unflatten(done.out), new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, _checked_update(update_fn))
+
+
+def _init_state(c: FeedbackConfig, branches, params, keeps_residual, init_auto, policy):
+    """The state before the first update: zero residual and velocity per compressed leaf."""
+    if sharding.active() is not None:
+        _check_scatters(branches)
+    leaves, treedef = jax.tree.flatten(params)
+    lay = mask.layout(c, params, all(m.sends_everything for m in branches))
+    compressed = lay.compressed
+
+    def per_compressed_leaf(keep):
+        return treedef.unflatten(
+            [
+                jnp.zeros(leaf.shape, jnp.float32)
+                if keep and i in compressed
+                else optax.MaskedNode()
+                for i, leaf in enumerate(leaves)
+            ]
+        )
+
+    shapes = [tuple(leaves[i].shape for i in positions) for positions, _ in lay.groups]
+    return CompressState(
+        residual=per_compressed_leaf(keeps_residual),
+        step=jnp.zeros((), jnp.int32),
+        key=jax.random.PRNGKey(c.seed),
+        metrics=init_metrics(),
+        auto=init_auto() if init_auto is not None else None,
+        policy=policy,
+        branches=Branches(branches),
+        velocity=per_compressed_leaf(True) if c.momentum is not None else None,
+        method_state=init_method_state(branches, shapes),
+    )
+
+
+def _state_leaves(c: FeedbackConfig, treedef, state: CompressState):
+    """The state's residual and velocity per leaf of the updates (None without momentum)."""
+    try:
+        residuals = treedef.flatten_up_to(state.residual)
+        velocities = treedef.flatten_up_to(state.velocity) if c.momentum is not None else None
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"updates do not have the structure of the params compress was initialized with: {e}"
+        ) from None
+    return residuals, velocities
+
+
+def _check_state_is_ours(c: FeedbackConfig, state, uses_auto, branches, policy):
+    """Refuses a state made by another transformation's init."""
+    if uses_auto != (state.auto is not None) or state.branches != Branches(branches):
+        raise ValueError(
+            f"state was not made by this transformation's init (it runs "
+            f"{[m.describe() for m in state.methods]}, this one {[m.describe() for m in branches]})"
+        )
+    if state.policy != policy:
+        raise ValueError(
+            f"state was made by a compress(nonfinite={state.policy.name!r}), not by this "
+            f"compress(nonfinite={c.nonfinite!r})'s init"
+        )
+
+
+def _prepare(c: FeedbackConfig, branches, leaves, lay: mask.Layout) -> _Gradients:
+    """The :class:`_Gradients` of these gradients, after checking where the update runs."""
+    axis_sizes = [_bound_axis_size(a) for a in c.axes]
+    n_devices = math.prod(axis_sizes)
+    shards = _shards(c, branches, n_devices)  # sharded training: N, else None
+    floats = [leaves[i] for i in lay.floats]
+    _check_local_gradients(c, floats)
+    comm_dtype = _comm_dtype(floats)
+    groups = Groups(
+        vectors=[],
+        names=[name for _, name in lay.groups],
+        sizes=[],
+        n_devices=n_devices,
+        inner_size=axis_sizes[-1] if len(axis_sizes) == 2 else None,
+        dtype_bytes=jnp.dtype(comm_dtype).itemsize,
+        shapes=[tuple(leaves[i].shape for i in positions) for positions, _ in lay.groups],
+        scatter=shards is not None,
+        values=[sum(leaves[i].size for i in positions) for positions, _ in lay.groups],
+    )
+    rows = [
+        packing.row(branches, [leaves[i] for i in positions], shards) for positions, _ in lay.groups
+    ]
+    scale = 1.0 / n_devices if c.mean else 1.0
+    return _Gradients(leaves, lay, groups, rows, shards, comm_dtype, scale)
+
+
+def _filled(groups: Groups, vectors) -> Groups:
+    return groups._replace(vectors=vectors, sizes=[v.shape[0] for v in vectors])
+
+
+def _sum_dense(c: FeedbackConfig, grads: _Gradients, aggregate, state) -> _Aggregated:
+    """The route of a method that loses nothing: nothing is kept, so the gradients are summed as
+    they are (leaf by leaf) and the guard looks at the sums (:func:`guard.guarded_totals`)."""
+    vectors = [
+        packing.pack([grads.leaves[i]], grads.shards, row).astype(grads.comm_dtype)
+        for i, row in zip(grads.layout.floats, grads.rows)
+    ]
+    groups = _filled(grads.groups, vectors)
+    result, auto_after = aggregate(groups, state)
+    totals, count = guard.guarded_totals(
+        result.totals,
+        vectors,
+        lambda zeroed: aggregate(groups._replace(vectors=zeroed), state)[0].totals,
+        c.axis_name,
+        sharded=grads.shards is not None,
+    )
+    result = result._replace(totals=totals)
+    gain = jnp.ones((), jnp.float32)  # everything is sent
+    return _Aggregated(
+        list(grads.leaves), result, auto_after, [None] * len(totals), {}, gain, count, 0.0, 0
+    )
+
+
+def _sum_error_fed(
+    c: FeedbackConfig, grads: _Gradients, aggregate, state, residuals, velocities, keeps_residual
+) -> _Aggregated:
+    """Stages 1 and 3 to 6 and the metrics' sums: guard, mask, momentum, error feedback,
+    aggregation."""
+    feds, plain_parts, counts, momenta = _error_fed(c, grads, residuals, velocities, keeps_residual)
+    out = list(grads.leaves)
+    plain_bytes, plain_kept = 0.0, 0
+    if plain_parts:
+        # The leaves mask= and min_size= leave out: summed as they are, in one all-reduce.
+        # Written before the skip flag is known, so a skipped step does not zero them (as of
+        # 0.1; jaxcomp.skip_nonfinite and data_parallel zero every update of a skipped step).
+        groups = grads.groups
+        plain_total, plain_bytes, plain_kept = mask.sum_plain(
+            plain_parts,
+            c.axis_name,
+            groups.n_devices,
+            groups.dtype_bytes,
+            grads.comm_dtype,
+            grads.shards,
+        )
+        packing.write(
+            out, grads.leaves, grads.layout.plain, plain_total, grads.scale, None, grads.shards
+        )
+    if feds:
+        vectors = [fed.astype(grads.comm_dtype) for fed in feds]
+        result, auto_after = aggregate(_filled(grads.groups, vectors), state)
+    else:  # every leaf is plain
+        result = Aggregation([], [], 0.0, 0, 0, False, True, state.method_state)
+        auto_after = None
+    gain, count = metrics.gain_and_nonfinite(result, feds, sum(counts), c.axis_name)
+    return _Aggregated(out, result, auto_after, feds, momenta, gain, count, plain_bytes, plain_kept)
+
+
+def _error_fed(c: FeedbackConfig, grads: _Gradients, residuals, velocities, keeps_residual):
+    """Stages 1, 4 and 5: per group the error-fed vector, the plain leaves' finite values, the
+    non-finite counts and the new velocities.
+
+    Non-finite entries (NaN, ±Inf) count as 0 before anything else sees them: never sent, never
+    stored in the residual, and the residual's own entry at that index is kept.
+    """
+    counts, momenta = [], {}
+
+    def finite_part(i):
+        values, count = guard.finite(grads.leaves[i])
+        counts.append(count)
+        return values
+
+    def fed_leaf(i):
+        g = finite_part(i)
+        if c.momentum is not None:  # DGC: u = m u + g accumulates into the residual
+            g = momenta[i] = momentum.accumulate(c.momentum, velocities[i], g)
+        return error_feedback.add_residual(g, residuals[i]) if keeps_residual else g
+
+    def fed_group(positions, row):
+        if grads.shards is not None or c.momentum is not None:
+            return packing.pack([fed_leaf(i) for i in positions], grads.shards, row)
+        # One pass on the CPU: the non-finite select, the residual's add and the join.
+        fed, count = error_feedback.fused(
+            [grads.leaves[i] for i in positions],
+            [residuals[i] for i in positions] if keeps_residual else None,
+        )
+        counts.append(count)
+        return fed
+
+    feds = [
+        fed_group(positions, row) for (positions, _), row in zip(grads.layout.groups, grads.rows)
+    ]
+    plain_parts = [finite_part(i) for i in grads.layout.plain]
+    return feds, plain_parts, counts, momenta
+
+
+def _write_back(
+    c: FeedbackConfig,
+    grads: _Gradients,
+    done: _Aggregated,
+    skipped,
+    residuals,
+    velocities,
+    keeps_residual,
+):
+    """Stages 5 and 4 after aggregation: the updates from the totals, the new residual
+    (``g_e - sent``) and velocity (cleared where sent); a skipped step keeps the old ones."""
+    result = done.result
+    new_residuals = list(residuals)
+    new_velocities = list(velocities) if velocities is not None else None
+    for (positions, _), row, fed, total, sent in zip(
+        grads.layout.groups, grads.rows, done.feds, result.totals, result.sents
+    ):
+        packing.write(done.out, grads.leaves, positions, total, grads.scale, skipped, grads.shards)
+        if result.sends_everything:
+            continue  # everything was sent: no residual
+        remaining = error_feedback.remaining(fed, sent, result.sparse)
+        if keeps_residual:
+            packing.keep(
+                new_residuals, residuals, grads.leaves, positions, remaining, skipped, grads.shards
+            )
+        if c.momentum is not None:
+            # DGC's momentum factor masking: what was sent leaves the momentum too.
+            velocity = packing.pack([done.momenta[i] for i in positions], grads.shards, row)
+            velocity = momentum.clear_sent(velocity, sent, result.sparse)
+            packing.keep(
+                new_velocities, velocities, grads.leaves, positions, velocity, skipped, grads.shards
+            )
+    return new_residuals, new_velocities
+
+
+def _next_state(c, grads: _Gradients, done: _Aggregated, skipped, state: CompressState, uses_auto):
+    """Stage 7 and the guard's skip: the metrics, and the step, auto and method states (a
+    skipped step leaves the state as it was; only the metrics report it)."""
+    result = done.result
+    total_size = sum(grads.leaves[i].size for i in grads.layout.floats)
+    step_metrics = metrics.step_metrics(
+        done.gain,
+        result.bytes_sent + done.plain_bytes,
+        result.kept + done.plain_kept,
+        result.method,
+        done.nonfinite,
+        total_size,
+    )
+    new_auto = done.auto_after(done.gain) if done.auto_after is not None else state.auto
+    return state._replace(
+        step=guard.hold(skipped, state.step, state.step + 1),
+        metrics=step_metrics,
+        auto=guard.hold(skipped, state.auto, new_auto) if uses_auto else None,
+        method_state=guard.hold(skipped, state.method_state, result.method_state),
+    )
+
+
+def _checked_update(update_fn):
+    """``update_fn`` behind the argument checks that must come before any of its work."""
+
+    def update(updates, state, params=None, **extra_args):
+        _check_updates_fit_state(updates, state)
+        return update_fn(updates, state, params, **extra_args)
+
+    return update
+
+
+def _check_updates_fit_state(updates, state):
+    """Gradients shaped like the params ``init`` saw, and at least one value to aggregate."""
+    if not isinstance(state, CompressState):
+        raise TypeError(
+            f"state must be the CompressState that compress's init returns, got {type(state).__name__}"
+        )
+    leaves, treedef = jax.tree.flatten_with_path(updates)
+    try:
+        residuals = treedef.flatten_up_to(state.residual)
+    except (ValueError, TypeError):
+        return  # update reports the structure mismatch itself
+    floats = [
+        (path, leaf, residual)
+        for (path, leaf), residual in zip(leaves, residuals)
+        if mask.is_float(leaf)
+    ]
+    for path, leaf, residual in floats:
+        if (
+            isinstance(residual, jax.Array | jax.ShapeDtypeStruct | np.ndarray)
+            and leaf.shape != residual.shape
+        ):
+            raise ValueError(
+                f"updates{jax.tree_util.keystr(path)} has shape {leaf.shape}, but compress was initialized with a "
+                f"param of shape {residual.shape} there: pass the gradients of the params given to init"
+            )
+    if floats and sum(leaf.size for _, leaf, _ in floats) == 0:
+        raise ValueError(
+            f"updates hold no values (every float leaf is empty: shapes "
+            f"{[leaf.shape for _, leaf, _ in floats]}): there is nothing to aggregate"
+        )
+
+
+def _bound_axis_size(axis_name) -> int:
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(
+            f"compress(axis_name={axis_name!r}): update must run inside jax.shard_map over a mesh with axis "
+            f"{axis_name!r} (or use jaxcomp.data_parallel); no such axis is bound here"
+        ) from None
+
+
+def _check_local_gradients(c: FeedbackConfig, leaves):
+    """Refuses gradients that were already all-reduced densely (the replicated-params trap)."""
+    # With check_vma=False nothing is typed varying, so there is nothing to check.
+    probe = jax.lax.pcast(jnp.zeros((), jnp.float32), c.axis_name, to="varying")
+    if not set(c.axes) <= _ffi.varying_axes(probe):
+        return
+    for leaf in leaves:
+        if not set(c.axes) <= _ffi.varying_axes(leaf):
+            raise ValueError(
+                f"compress got gradients that are replicated over {c.axis_name!r}: jax.grad of replicated "
+                "params inside shard_map already all-reduced them densely, before compression. Cast the "
+                f"params first: params = jax.lax.pcast(params, {c.axis_name!r}, to='varying') (or use "
+                "jaxcomp.data_parallel, which does this)."
+            )
+
+
+def _comm_dtype(leaves):
+    """The dtype the collectives carry: the gradients' own when they share a 16-bit float, else f32."""
+    dtypes = {jnp.dtype(leaf.dtype) for leaf in leaves}
+    if len(dtypes) == 1 and dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}:
+        return dtypes.pop()
+    return jnp.dtype(jnp.float32)
+
+
+def _shards(c: FeedbackConfig, branches, n_devices: int) -> int | None:
+    """With :func:`jaxcomp.optim.sharding.sharded_updates` in force, the shards per leaf (after checking
+    that they are the devices ``c.axes`` reduce over and that every method can reduce-scatter);
+    else None."""
+    active = sharding.active()
+    if active is None:
+        return None
+    if active.n_devices != n_devices:
+        raise ValueError(
+            f"the updates are sharded over {active.n_devices} devices, but compress(axis_name="
+            f"{c.axis_name!r}) reduces over {n_devices}: give compress the data axes data_parallel "
+            "splits the batch over"
+        )
+    _check_scatters(branches)
+    return n_devices
+
+
+def _check_scatters(branches):
+    """Raises a ValueError naming the first method without a reduce-scatter form."""
+    for method in branches:
+        if not method.scatters:
+            raise ValueError(
+                f"method {method.describe()} has no reduce-scatter form, so it cannot aggregate "
+                f"sharded gradients (data_parallel(shard=...)); methods that can: "
+                f"{', '.join(methods.scattering())}; or train with shard=None"
+            )

@@ -1,0 +1,264 @@
+"""Stage 6, aggregation: the method's collective over the groups of error-fed vectors.
+
+A group is the whole model (one vector) or one leaf (``granularity``); :class:`Groups` carries
+the vectors with what a method's static cost needs. :func:`run_branch` runs one of several
+methods (``lax.switch`` on a traced index: warm-up and :func:`jaxcomp.compress_auto`), each
+updating its own state (:attr:`jaxcomp.CompressState.method_state`, e.g. PowerSGD's Q).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+
+from jaxcomp.methods import Method
+
+
+class Groups(NamedTuple):
+    """What one update aggregates: the error-fed vectors of its groups (one for the model, one per
+    leaf), with what a method's static cost needs to know about them."""
+
+    vectors: list  # 1-D, in the dtype the collectives carry
+    names: list  # "the model" or "leaf i", for error messages
+    sizes: list  # values per vector
+    n_devices: int  # devices over all of the config's axes
+    inner_size: (
+        int | None
+    )  # devices of the last axis when there are two (hierarchical top-k's node)
+    dtype_bytes: int  # bytes per value on the wire
+    shapes: list | None = (
+        None  # per vector: the shapes of the leaves it is made of (stateful methods)
+    )
+    scatter: bool = (
+        False  # sharded training: vectors are shard-major and each device gets its row of the sum
+    )
+    values: list | None = None  # with scatter: the real values per vector (the rest is padding)
+
+
+def _shaped(method: Method, groups: Groups, i: int) -> dict:
+    """The ``shapes=`` keyword a stateful method's calls take for group ``i``."""
+    return {"shapes": groups.shapes[i]} if method.stateful else {}
+
+
+def static_cost(method: Method, groups: Groups) -> tuple[float, int, int]:
+    """(bytes one device sends, values kept, sequential message steps) of ``method`` over the groups.
+
+    Args:
+      method: a :mod:`jaxcomp.methods` object.
+      groups: the update's :class:`Groups`.
+
+    Returns:
+      ``(bytes, kept, steps)`` summed over the groups.
+
+    Example:
+      >>> from jaxcomp.methods import Dense
+      >>> static_cost(Dense(), Groups([None], ["the model"], [1000], 8, None, 4))
+      (7000.0, 1000, 14)
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, Table I.
+    """
+    sent, kept, steps = 0.0, 0, 0
+    for i, (n, name) in enumerate(
+        zip(groups.values if groups.scatter else groups.sizes, groups.names)
+    ):
+        shaped = _shaped(method, groups, i)
+        if groups.scatter:  # sharded training: the reduce-scatter form, on the real values
+            sent += method.reduce_scatter_bytes(n, groups.n_devices, dtype_bytes=groups.dtype_bytes)
+            steps += method.reduce_scatter_steps(groups.n_devices)
+        else:
+            sent += method.wire_bytes(
+                n,
+                groups.n_devices,
+                dtype_bytes=groups.dtype_bytes,
+                inner_size=groups.inner_size,
+                **shaped,
+            )
+            steps += method.message_steps(groups.n_devices, inner_size=groups.inner_size)
+        kept += _kept(method, n, name, shaped)
+    return sent, kept, steps
+
+
+def _kept(method: Method, n: int, name: str, shaped: dict) -> int:
+    try:
+        return method.kept(n, **shaped)
+    except ValueError as e:
+        raise ValueError(f"{e} (in {name})") from None
+
+
+def aggregate_groups(
+    method: Method, groups: Groups, axis_name, step, base_key, sparse: bool = False, states=None
+):
+    """Runs ``method`` on each group's vector: ``(totals, sents, states)``, one per group
+    (``sparse``: each ``sent`` is ``(indices, values)``). Group ``i`` draws its randomness from
+    ``fold_in(base_key, i)``.
+
+    Args:
+      method: a :mod:`jaxcomp.methods` object.
+      groups: the update's :class:`Groups` (inside ``shard_map``).
+      axis_name: the axis or axes to reduce over.
+      step: the training step, replicated.
+      base_key: this step's key, replicated.
+      sparse: ask for ``(indices, values)`` sents (methods with ``sparse``).
+      states: with a :attr:`~jaxcomp.methods.Method.stateful` method, its state per group (from
+        :func:`init_method_state`); None otherwise.
+
+    Returns:
+      ``(totals, sents, states)``: one total and sent per group, and the method's new states (the
+      ``states`` given, for a method without state).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> from jaxcomp.methods import Dense
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> def f(x):
+      ...     groups = Groups([x], ["the model"], [x.shape[0]], 2, None, 4)
+      ...     return aggregate_groups(Dense(), groups, "data", 0, jax.random.key(0))[0][0]
+      >>> jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P())(jnp.arange(4.0)).tolist()
+      [2.0, 4.0]
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, Alg. 1 (each worker's contribution and the aggregate).
+    """
+    totals, sents, new_states = [], [], []
+    for i, (vector, name) in enumerate(zip(groups.vectors, groups.names)):
+        key = jax.random.fold_in(base_key, i)
+        if groups.scatter:
+            _kept(method, groups.values[i], name, {})
+            total, sent = method.reduce_scatter(
+                vector, axis_name, step=step, key=key, size=groups.values[i], sparse=sparse
+            )
+            totals.append(total)
+            sents.append(sent)
+            continue
+        _kept(method, vector.shape[0], name, _shaped(method, groups, i))
+        total, sent, state = method.aggregate(
+            vector,
+            axis_name,
+            step=step,
+            key=key,
+            sparse=sparse,
+            state=states[i] if method.stateful else None,
+            **_shaped(method, groups, i),
+        )
+        new_states.append(state)
+        totals.append(total)
+        sents.append(sent)
+    return totals, sents, tuple(new_states) if method.stateful else states
+
+
+def init_method_state(methods_run: tuple[Method, ...], shapes: list) -> tuple:
+    """The methods' own state (:attr:`CompressState.method_state`): per method, a tuple with its
+    :meth:`~jaxcomp.methods.Method.init_state` per group of leaves (``shapes``: per group, the
+    shapes of its leaves), or None for a method without state.
+
+    Args:
+      methods_run: the transformation's methods (its branches).
+      shapes: per group, the tuple of its leaves' shapes.
+
+    Returns:
+      A tuple, one entry per method.
+
+    Example:
+      >>> from jaxcomp.methods import Dense, PowerSGD
+      >>> state = init_method_state((Dense(), PowerSGD(2)), [((32, 16), (16,))])
+      >>> state[0], [q.shape for q in state[1][0]]
+      (None, [(16, 2)])
+
+    References:
+      Vogels et al., "PowerSGD", NeurIPS 2019, Alg. 1 (the warm-started Q a step keeps).
+    """
+    out = []
+    for method in methods_run:
+        if not method.stateful:
+            out.append(None)
+            continue
+        group_states = []
+        for i, group in enumerate(shapes):
+            try:
+                group_states.append(method.init_state(group))
+            except ValueError as e:
+                raise ValueError(
+                    f"{method.describe()}: {e}" + (f" (in group {i})" if len(shapes) > 1 else "")
+                ) from None
+        out.append(tuple(group_states))
+    return tuple(out)
+
+
+def run_branch(
+    branches: tuple[Method, ...],
+    branch,
+    groups: Groups,
+    axis_name,
+    step,
+    key,
+    sparse: bool,
+    states: tuple,
+):
+    """Runs the method ``branches[branch]`` on the groups, ``branch`` static or traced
+    (``lax.switch``: every branch is compiled, one runs). Each branch updates its own entry of
+    ``states`` (:attr:`CompressState.method_state`) and passes the others through.
+
+    Args:
+      branches: the methods.
+      branch: a Python int, or an int32 scalar (replicated).
+      groups: the update's :class:`Groups`.
+      axis_name: the axis or axes to reduce over.
+      step: the training step.
+      key: this step's key.
+      sparse: ask for ``(indices, values)`` sents (only with a static ``branch``).
+      states: the methods' states, one entry per branch.
+
+    Returns:
+      ``(totals, sents, states)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> from jaxcomp.methods import Dense
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> def f(x):
+      ...     groups = Groups([x], ["the model"], [x.shape[0]], 2, None, 4)
+      ...     return run_branch((Dense(),), 0, groups, "data", 0, jax.random.key(0), False, (None,))[0][0]
+      >>> jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P())(jnp.arange(4.0)).tolist()
+      [2.0, 4.0]
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-D (one collective chosen per step).
+    """
+
+    def run(index):
+        def branch_fn(vectors, step, key, states):
+            totals, sents, own = aggregate_groups(
+                branches[index],
+                groups._replace(vectors=vectors),
+                axis_name,
+                step,
+                key,
+                sparse=sparse,
+                states=states[index],
+            )
+            return totals, sents, states[:index] + (own,) + states[index + 1 :]
+
+        return branch_fn
+
+    if isinstance(branch, int):
+        return run(branch)(groups.vectors, step, key, states)
+    return jax.lax.switch(
+        branch, [run(i) for i in range(len(branches))], groups.vectors, step, key, states
+    )
+
+
+class Aggregation(NamedTuple):
+    """What a transformation's aggregation step returns to :func:`jaxcomp.optim.feedback.feedback_transformation`."""
+
+    totals: list  # per group: the sum over the devices
+    sents: list  # per group: this device's contribution (dense, or (indices, values) with sparse)
+    bytes_sent: Any  # f32[] or float: bytes one device sent
+    kept: Any  # values whose content was sent
+    method: Any  # i32[] or int: index into the state's methods
+    sparse: bool  # sents are (indices, values) pairs
+    sends_everything: bool  # statically nothing lost: no residual, gain 1
+    method_state: Any = ()  # the methods' new states (CompressState.method_state)

@@ -1,0 +1,124 @@
+"""Stage 2, warm-up: aggregate densely for the first steps, then run the method.
+
+Both branches are compiled into one step; the step counter picks one (``lax.switch``), so the
+switch never recompiles. The ``method`` metric says which ran.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxcomp import methods
+from jaxcomp.methods import Method
+from jaxcomp.ops import _checks
+from jaxcomp.optim.stages.aggregation import Groups, static_cost
+
+#: The method of the warm-up steps.
+DENSE = methods.Dense()
+
+
+def warmup_length(method: Method, warmup_steps) -> int:
+    """The dense steps before ``method`` runs: ``warmup_steps``, at least the method's own
+    :attr:`~jaxcomp.methods.Method.dense_steps`, and 0 for a method that is dense already.
+
+    Args:
+      method: the :mod:`jaxcomp.methods` object.
+      warmup_steps: the ``warmup_steps=`` argument, an int >= 0.
+
+    Returns:
+      The number of warm-up steps.
+
+    Example:
+      >>> from jaxcomp.methods import Dense, TopK
+      >>> warmup_length(TopK(0.1), 5), warmup_length(Dense(), 5)
+      (5, 0)
+
+    References:
+      Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3 (warm-up training).
+    """
+    warmup = max(_checks.static_int(warmup_steps, "warmup_steps", 0), method.dense_steps)
+    if warmup and method.sends_everything:
+        warmup = 0  # dense already
+    return warmup
+
+
+def check_switchable(method: Method, warmup: int) -> None:
+    """Refuses a warm-up before a method whose total is not replicated (the switch needs one type).
+
+    Args:
+      method: the :mod:`jaxcomp.methods` object.
+      warmup: :func:`warmup_length`'s result.
+
+    Returns:
+      None; raises a ValueError naming ``warmup_steps``.
+
+    Example:
+      >>> from jaxcomp.methods import Zfp
+      >>> check_switchable(Zfp(8, algorithm="recursive_doubling"), 10)
+      Traceback (most recent call last):
+      ValueError: warmup_steps needs a method whose total comes out replicated, ...
+
+    References:
+      Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
+    """
+    if warmup and not method.replicated_total:
+        raise ValueError(
+            f"warmup_steps needs a method whose total comes out replicated, to switch from dense "
+            f"to it inside one compiled step; {method.describe()} does not (for Zfp: "
+            f"algorithm='ring')"
+        )
+
+
+def branches(method: Method, warmup: int) -> tuple[Method, ...]:
+    """The methods the state records: with a warm-up, dense first, then ``method``.
+
+    Args:
+      method: the :mod:`jaxcomp.methods` object.
+      warmup: :func:`warmup_length`'s result.
+
+    Returns:
+      ``(DENSE, method)`` or ``(method,)``.
+
+    Example:
+      >>> from jaxcomp.methods import TopK
+      >>> [m.describe() for m in branches(TopK(0.1), 3)]
+      ['dense', 'allgather_topk(0.1)']
+
+    References:
+      Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
+    """
+    return (DENSE, method) if warmup else (method,)
+
+
+def choose(runs: tuple[Method, ...], groups: Groups, step, warmup: int):
+    """The branch this step runs and its static cost: ``(branch, bytes one device sends, values
+    kept)``; a Python int and floats without a warm-up, traced scalars with one.
+
+    Args:
+      runs: :func:`branches`'s result.
+      groups: the update's :class:`~jaxcomp.optim.stages.aggregation.Groups`.
+      step: the state's step counter.
+      warmup: :func:`warmup_length`'s result.
+
+    Returns:
+      ``(branch, bytes_sent, kept)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp.methods import TopK
+      >>> groups = Groups([None], ["the model"], [1000], 8, None, 4)
+      >>> runs = branches(TopK(0.1), 3)
+      >>> [float(x) for x in choose(runs, groups, jnp.int32(5), 3)]
+      [1.0, 5600.0, 100.0]
+
+    References:
+      Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
+    """
+    if not warmup:
+        bytes_sent, kept, _ = static_cost(runs[0], groups)
+        return 0, bytes_sent, kept
+    branch = (step >= warmup).astype(jnp.int32)
+    costs = [static_cost(m, groups) for m in runs]
+    bytes_sent = jnp.asarray([cost[0] for cost in costs], jnp.float32)[branch]
+    kept = jnp.asarray([cost[1] for cost in costs], jnp.float32)[branch]
+    return branch, bytes_sent, kept

@@ -1,0 +1,135 @@
+"""The state of :func:`jaxcomp.compress` and :func:`jaxcomp.compress_auto`, and its metrics.
+
+:class:`CompressState` holds each stage's own state: the error-feedback residual, DGC's velocity,
+the methods' states, the step counter and PRNG key, ``compress_auto``'s choice, and the metrics
+of the last step; :func:`find_compress_state` finds it inside an optax chain's state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxcomp.methods import Method
+from jaxcomp.optim.stages.guard import NonfinitePolicy
+
+
+class CompressMetrics(NamedTuple):
+    """What the last :func:`compress` update measured (scalars, identical on every device).
+
+    ``gain`` is measured on what was aggregated: non-finite entries count as 0 there, and a sum
+    that overflowed makes it NaN or Inf rather than a plausible number.
+    """
+
+    gain: (
+        jax.Array
+    )  # f32[]: compression gain sum_d ||sent_d||^2 / sum_d ||g_e,d||^2 (1 when g_e = 0)
+    bytes_sent: jax.Array  # f32[]: bytes one device sends in this step's collectives
+    density: (
+        jax.Array
+    )  # f32[]: fraction of gradient entries whose values are sent (1 for dense/zfp/quantized)
+    method: (
+        jax.Array
+    )  # i32[]: the method that ran, an index into CompressState.methods (0 for compress)
+    nonfinite: jax.Array  # f32[]: non-finite (NaN, ±Inf) gradient entries this step, summed over the devices (exact below 2**24)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Branches:
+    """The methods a compress state can run, as static structure (no array): one for
+    :func:`compress`, one per branch for :func:`jaxcomp.compress_auto`. The ``method`` metric
+    indexes it; host code reads it without waiting for a device."""
+
+    methods: tuple[Method, ...]
+
+
+class CompressState(NamedTuple):
+    """State of :func:`compress` and :func:`jaxcomp.compress_auto`. ``residual`` differs per device;
+    the other fields are replicated."""
+
+    residual: Any  # like the gradients: f32 array of the leaf's shape per float leaf (error not yet sent), optax.MaskedNode() elsewhere
+    step: jax.Array  # i32[]: updates done so far; picks ar_topk's STAR leader, seeds the quantizer
+    key: jax.Array  # u32[2] (the default PRNG's raw key): step t draws from fold_in(key, t)
+    metrics: CompressMetrics
+    auto: Any = None  # jaxcomp.AutoState for compress_auto, else None
+    policy: NonfinitePolicy = NonfinitePolicy("zero")  # static: the nonfinite= policy (no array)
+    branches: Branches = Branches(())  # static: the methods the `method` metric indexes
+    velocity: Any = (
+        None  # with momentum_correction: like residual, DGC's momentum per device; else None
+    )
+    method_state: Any = ()  # per method of `methods`: its own state (PowerSGD's Q per group), or None
+
+    @property
+    def methods(self) -> tuple[Method, ...]:
+        """The methods this state runs; ``metrics.method`` is an index into them."""
+        return self.branches.methods
+
+
+def init_metrics() -> CompressMetrics:
+    """The metrics of a state no update has run on yet: all zero.
+
+    Returns:
+      A :class:`CompressMetrics` of zeros (``method`` int32, the rest float32).
+
+    Example:
+      >>> init_metrics().bytes_sent.tolist()
+      0.0
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §2-C3 (the compression gain).
+    """
+    zero = jnp.zeros((), jnp.float32)
+    return CompressMetrics(
+        gain=zero, bytes_sent=zero, density=zero, method=jnp.zeros((), jnp.int32), nonfinite=zero
+    )
+
+
+def find_compress_state(opt_state) -> CompressState | None:
+    """The first :class:`CompressState` inside an optimizer state (e.g. an ``optax.chain``'s), or None.
+
+    Args:
+      opt_state: any optax state pytree.
+
+    Returns:
+      The :class:`CompressState` found first in depth-first order, or ``None``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxcomp
+      >>> tx = optax.chain(jaxcomp.compress(jaxcomp.Dense()), optax.sgd(0.1))
+      >>> state = tx.init({"w": jnp.zeros(3)})
+      >>> jaxcomp.find_compress_state(state).step.tolist()
+      0
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493 (the state follows Alg. 1's per-worker residual).
+    """
+    found = compress_states(opt_state)
+    return found[0] if found else None
+
+
+def compress_states(opt_state) -> list[CompressState]:
+    """Every :class:`CompressState` inside an optimizer state, in depth-first order.
+
+    Args:
+      opt_state: any optax state pytree.
+
+    Returns:
+      A list of :class:`CompressState`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxcomp
+      >>> len(compress_states(jaxcomp.compress(jaxcomp.Dense()).init({"w": jnp.zeros(3)})))
+      1
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493 (Alg. 1's per-worker state).
+    """
+    return [
+        node
+        for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, CompressState))
+        if isinstance(node, CompressState)
+    ]
