@@ -26,7 +26,6 @@ from jaxcomp.costmodel.advise import (  # noqa: F401  (re-exported for the old p
     MAX_MEASURED_PARAMS,
     MAX_PARAMS,
     PLOT_FORMATS,
-    _check_positive,
     break_even_bandwidth,
     compressed_time,
     required_compression,

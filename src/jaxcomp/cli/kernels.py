@@ -218,7 +218,9 @@ def main(argv=None) -> int:
     if n < 1000:
         parser.error("--n must be at least 1000")
     if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1 (timed runs; the fastest counts), got {args.repeats}")
+        parser.error(
+            f"--repeats must be at least 1 (timed runs; the fastest counts), got {args.repeats}"
+        )
     print(
         f"jaxcomp {jaxcomp.__version__} kernels on a realistic {n:,}-value float32 gradient "
         f"({jax.devices()[0].platform}, {jax.devices()[0].device_kind})"

@@ -235,7 +235,9 @@ def _checked_args(parser, args):
     except ValueError:
         parser.error(f"--hosts must be integers separated by commas, got {args.hosts!r}")
     if any(h < 2 for h in hosts):  # one host sends nothing: there is no network to measure
-        parser.error(f"--hosts: every count must be at least 2 (hosts that talk), got {args.hosts!r}")
+        parser.error(
+            f"--hosts: every count must be at least 2 (hosts that talk), got {args.hosts!r}"
+        )
     rates, methods = _names(args.rates), _names(args.methods)
     try:
         for rate in rates:
