@@ -2,6 +2,7 @@
 
 import ast
 import dataclasses
+import functools
 import pathlib
 import subprocess
 import sys
@@ -463,3 +464,36 @@ def test_names_load_on_first_use():
     )
     with pytest.raises(AttributeError, match="no attribute"):
         _ = jaxcomp.nope
+
+
+def test_every_method_module_is_found_and_its_names_join_the_shorthand():
+    """Adding a method is one module (and its test): its class and names are found, not listed."""
+    assert set(methods._METHODS) == {
+        "Cast",
+        "Dense",
+        "PowerSGD",
+        "Quantized",
+        "RandomK",
+        "Sign",
+        "TopK",
+        "Zfp",
+    }
+    for name, build in methods.SHORTHAND.items():
+        cls = build.func if isinstance(build, functools.partial) else build
+        assert name in cls.shorthand and methods._METHODS[cls.__name__] is cls
+        assert getattr(methods, cls.__name__) is cls
+
+
+def test_a_method_name_claimed_twice_is_refused():
+    @dataclasses.dataclass(frozen=True)
+    class One(Method):
+        name = "one"
+        shorthand = {"same": {}}
+
+    @dataclasses.dataclass(frozen=True)
+    class Two(Method):
+        name = "two"
+        shorthand = {"same": {}}
+
+    with pytest.raises(ImportError, match="method name 'same' is claimed twice"):
+        methods._shorthand([One, Two])

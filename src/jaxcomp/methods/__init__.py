@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import pkgutil
 
 from jaxcomp.methods.base import Method, scattering  # noqa: F401  (public: jaxcomp.methods.scattering)
 from jaxcomp.methods.cast import Cast
@@ -33,30 +35,43 @@ from jaxcomp.methods.sign import Sign
 from jaxcomp.methods.topk import TopK
 from jaxcomp.methods.zfp import Zfp
 
-#: Method names for :func:`parse`: each builds a method from its options (``ratio=``, ``rate=``,
-#: ...). The ``*_ring`` names are the cost model's former names of the same methods.
-SHORTHAND = {
-    "dense": Dense,
-    "dense_ring": Dense,
-    "dense_tree": functools.partial(Dense, allreduce="tree"),
-    "allgather_topk": functools.partial(TopK, collective="allgather"),
-    "ar_topk": functools.partial(TopK, collective="ar"),
-    "ar_topk_ring": functools.partial(TopK, collective="ar"),
-    "ar_topk_tree": functools.partial(TopK, collective="ar", allreduce="tree"),
-    "hierarchical_topk": functools.partial(TopK, collective="hierarchical"),
-    "zfp": Zfp,
-    "zfp_ring": Zfp,
-    "zfp_recursive_doubling": functools.partial(Zfp, algorithm="recursive_doubling"),
-    "quantized": Quantized,
-    "randomk": RandomK,
-    "bf16": functools.partial(Cast, dtype="bfloat16"),
-    "fp16": functools.partial(Cast, dtype="float16"),
-    "powersgd": PowerSGD,
-    "sign": Sign,
-    "sign_allreduce": functools.partial(Sign, aggregation="allreduce"),
-    "sign_allreduce_tree": functools.partial(Sign, aggregation="allreduce", allreduce="tree"),
-    "sign_majority": functools.partial(Sign, aggregation="majority"),
-}
+
+def _discover() -> dict:
+    """Every :class:`Method` subclass defined in a module of this package, by module name order;
+    a new method is one new module (and its test), listed nowhere else."""
+    found = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda info: info.name):
+        if info.name == "base" or info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for obj in vars(module).values():
+            if (
+                isinstance(obj, type)
+                and issubclass(obj, Method)
+                and obj.__module__ == module.__name__
+            ):
+                found[obj.__name__] = obj
+    return found
+
+
+def _shorthand(classes) -> dict:
+    """The string names of ``classes`` (their ``shorthand``), refusing a name given twice."""
+    table = {}
+    for cls in classes:
+        for name, fixed in cls.shorthand.items():
+            if name in table:
+                raise ImportError(f"method name {name!r} is claimed twice ({cls.__name__})")
+            table[name] = functools.partial(cls, **fixed) if fixed else cls
+    return table
+
+
+_METHODS = _discover()
+globals().update({name: cls for name, cls in _METHODS.items() if name not in globals()})
+
+#: Method names for :func:`parse`, from every method's ``shorthand``: each builds a method from its
+#: options (``ratio=``, ``rate=``, ...). The ``*_ring`` names are the cost model's former names of
+#: the same methods.
+SHORTHAND = _shorthand(_METHODS.values())
 
 #: What each required option of the string form means, for error messages.
 _OPTION_HELP = {

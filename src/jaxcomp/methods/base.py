@@ -72,6 +72,10 @@ class Method:
       overhead is measured on the real update on one device
       (:func:`jaxcomp.optim.timing.update_seconds`); such a method adds its :meth:`local_work`
       timed on its own, which that update did not run.
+    * ``shorthand = {}``: the method's string names for :func:`jaxcomp.compress` and the command
+      lines, each with the options it fixes (``{"ar_topk": {"collective": "ar"}}``); a method
+      module in :mod:`jaxcomp.methods` is found and its names join
+      :data:`jaxcomp.methods.SHORTHAND` without being listed anywhere else.
     * :meth:`kept` (``n``), :attr:`setting` (None), :meth:`with_ratio` (None),
       :attr:`dense_steps` (0), :meth:`local_work` (None), :attr:`label` (``name``).
     * State across steps: :meth:`init_state` (the method then is :attr:`stateful`, and
@@ -112,6 +116,7 @@ class Method:
     sparse: ClassVar[bool] = False
     replicated_total: ClassVar[bool] = True
     codec_skipped_on_one_device: ClassVar[bool] = False
+    shorthand: ClassVar[dict[str, dict[str, Any]]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -125,6 +125,7 @@ class Cast(Method):
     allreduce: str = "ring"
 
     name = "cast"
+    shorthand = {"bf16": {"dtype": "bfloat16"}, "fp16": {"dtype": "float16"}}
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))

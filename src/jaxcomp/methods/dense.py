@@ -34,6 +34,7 @@ class Dense(Method):
     allreduce: str = "ring"
 
     name = "dense"
+    shorthand = {"dense": {}, "dense_ring": {}, "dense_tree": {"allreduce": "tree"}}
     sends_everything = True
 
     def __post_init__(self):

@@ -114,6 +114,7 @@ class PowerSGD(Method):
     allreduce: str = "ring"
 
     name = "powersgd"
+    shorthand = {"powersgd": {}}
 
     def __post_init__(self):
         object.__setattr__(self, "rank", _checks.static_int(self.rank, "rank", 1, 1 << 16))

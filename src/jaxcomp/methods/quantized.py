@@ -42,6 +42,7 @@ class Quantized(Method):
     allreduce: str = "ring"
 
     name = "quantized"
+    shorthand = {"quantized": {}}
     codec_skipped_on_one_device = True  # quantized_psum returns its input on one device
 
     def __post_init__(self):

@@ -70,6 +70,7 @@ class RandomK(Fraction, Method):
     allreduce: str = "ring"
 
     name = "randomk"
+    shorthand = {"randomk": {}}
     sparse = True
 
     def __post_init__(self):

@@ -62,6 +62,12 @@ class Sign(Method):
     allreduce: str = "ring"
 
     name = "sign"
+    shorthand = {
+        "sign": {},
+        "sign_allreduce": {"aggregation": "allreduce"},
+        "sign_allreduce_tree": {"aggregation": "allreduce", "allreduce": "tree"},
+        "sign_majority": {"aggregation": "majority"},
+    }
 
     def __post_init__(self):
         object.__setattr__(

@@ -63,6 +63,13 @@ class TopK(Fraction, Method):
     allreduce: str = "ring"
 
     sparse = True
+    shorthand = {
+        "allgather_topk": {"collective": "allgather"},
+        "ar_topk": {"collective": "ar"},
+        "ar_topk_ring": {"collective": "ar"},
+        "ar_topk_tree": {"collective": "ar", "allreduce": "tree"},
+        "hierarchical_topk": {"collective": "hierarchical"},
+    }
 
     def __post_init__(self):
         self.check_fraction()

@@ -37,6 +37,11 @@ class Zfp(Method):
     algorithm: str = "ring"
 
     name = "zfp"
+    shorthand = {
+        "zfp": {},
+        "zfp_ring": {},
+        "zfp_recursive_doubling": {"algorithm": "recursive_doubling"},
+    }
     codec_skipped_on_one_device = True  # the ring returns its input when there is no neighbour
 
     def __post_init__(self):
