@@ -35,7 +35,9 @@ with :mod:`jaxcomp.methods`:
 * :mod:`~jaxcomp.collectives.ring`: the ring all-reduce with a codec, shared by ZFP and bfloat16;
 * :mod:`~jaxcomp.collectives.quantized`: :func:`quantized_psum` (THC) and its codec;
 * :mod:`~jaxcomp.collectives.sign`: :func:`sign_allgather` (scaled signs, majority vote);
-* :mod:`~jaxcomp.collectives.sizes`: the message sizes the collectives and the byte model share.
+* :mod:`~jaxcomp.collectives.sizes`: the message sizes the collectives and the byte model share;
+* :mod:`~jaxcomp.collectives.small`: what is not a gradient: metrics, flags and the gather of
+  sharded params.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ _EXPORTS = {
 
 __getattr__, __dir__, _names = attach(
     __name__,
-    submodules=("dense", "topk", "zfp", "ring", "quantized", "sign", "sizes"),
+    submodules=("dense", "topk", "zfp", "ring", "quantized", "sign", "sizes", "small"),
     exports=_EXPORTS,
 )
 __all__ = ["BFLOAT16_ALGORITHMS", "LEADERS", "SELECTORS", "ZFP_ALGORITHMS", *_names]

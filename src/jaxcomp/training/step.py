@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp.collectives import small
 from jaxcomp.optim import sharding
 from jaxcomp.optim.nonfinite import keep_if_skipped, skipped_update
 from jaxcomp.optim.transform import compress_states, find_compress_state
@@ -119,9 +120,7 @@ def _forward_params(layout, stored, avals):
         shards = jax.tree.map(lambda s: s[0], stored)
         params = jax.tree.map(
             lambda s, a: sharding.unshard(
-                jax.lax.all_gather(
-                    s.astype(layout.gather_dtype or s.dtype), layout.axis_name, to="invarying"
-                ),
+                small.gather_shards(s.astype(layout.gather_dtype or s.dtype), layout.axis_name),
                 a.shape,
             ).astype(a.dtype),
             shards,
@@ -165,9 +164,7 @@ def _new_params(layout, shards, updates, skipped, params):
     if layout.shard == "optimizer":
         # Every device's updated shards, gathered back into the replicated params.
         return jax.tree.map(
-            lambda s, p: sharding.unshard(
-                jax.lax.all_gather(s, layout.axis_name, to="invarying"), p.shape
-            ),
+            lambda s, p: sharding.unshard(small.gather_shards(s, layout.axis_name), p.shape),
             new_params,
             params,
         )
@@ -176,9 +173,9 @@ def _new_params(layout, shards, updates, skipped, params):
 
 def _metrics(layout, loss, aux, new_opt_state, avals):
     """The step's replicated metrics: mean loss and aux, compression and gather bytes."""
-    metrics = {"loss": jax.lax.pmean(loss, layout.axis_name)}
+    metrics = {"loss": small.metric_mean(loss, layout.axis_name)}
     if aux is not None:
-        metrics["aux"] = jax.tree.map(lambda x: jax.lax.pmean(x, layout.axis_name), aux)
+        metrics["aux"] = jax.tree.map(lambda x: small.metric_mean(x, layout.axis_name), aux)
     compress_state = find_compress_state(new_opt_state)
     if compress_state is not None:
         metrics.update(compress_state.metrics._asdict())

@@ -24,6 +24,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp.collectives import small
 from jaxcomp.optim import sharding
 from jaxcomp.optim.transform import compress_states
 from jaxcomp.training import reprobe as reprobing
@@ -154,9 +155,7 @@ class DataParallel:
 
         def gather(stored):
             return jax.tree.map(
-                lambda s, a: sharding.unshard(
-                    jax.lax.all_gather(s[0], self.axis_name, to="invarying"), a.shape
-                ),
+                lambda s, a: sharding.unshard(small.gather_shards(s[0], self.axis_name), a.shape),
                 stored,
                 avals,
             )

@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxcomp.collectives import small
 from jaxcomp.costmodel import ratio_choice
 from jaxcomp.ops import flat
 
@@ -95,13 +96,13 @@ def guarded_totals(totals, vectors, resum, axis_name, sharded: bool):
     """
     finite_sum = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(t)) for t in totals])
     if sharded:
-        finite_sum = jax.lax.pmin(finite_sum.astype(jnp.int32), axis_name) > 0
+        finite_sum = small.all_true(finite_sum, axis_name)
 
     def cleaned(vectors):
         zeroed = [jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v)) for v in vectors]
         again = resum(zeroed)
         count = sum(flat.count_nonfinite(v) for v in vectors)
-        return again, jax.lax.psum(count, axis_name)
+        return again, small.metric_sum(count, axis_name)
 
     return jax.lax.cond(
         finite_sum, lambda v: (totals, jnp.zeros((), jnp.float32)), cleaned, vectors

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp import methods
+from jaxcomp import collectives, methods
 from jaxcomp.optim import packing
 
 #: The plain all-reduce of the leaves ``mask``/``min_size`` leave out, for its byte count.
@@ -193,9 +193,9 @@ def sum_plain(parts, axis_name, n_devices: int, dtype_bytes: int, comm_dtype, sh
     plain = packing.pack(parts, shards, packing.row((), parts, shards)).astype(comm_dtype)
     kept = sum(p.size for p in parts)
     if shards is None:
-        total = jax.lax.psum(plain, axis_name)
+        total, _ = collectives.psum(plain, axis_name)
         sent = _DENSE.wire_bytes(kept, n_devices, dtype_bytes=dtype_bytes)
     else:
-        total = jax.lax.psum_scatter(plain, axis_name, scatter_dimension=0, tiled=True)
+        total, _ = collectives.psum_scatter(plain, axis_name)
         sent = _DENSE.reduce_scatter_bytes(kept, n_devices, dtype_bytes=dtype_bytes)
     return total, sent, kept

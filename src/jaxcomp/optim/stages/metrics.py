@@ -6,9 +6,9 @@ compressing method pays one small collective for all of them.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
+from jaxcomp.collectives import small
 from jaxcomp.costmodel import ratio_choice
 from jaxcomp.optim.state import CompressMetrics
 
@@ -43,11 +43,11 @@ def gain_and_nonfinite(result, feds, count, axis_name):
       Tyagi & Swany, arXiv 2312.02493, §2-C3 (compression gain).
     """
     if result.sends_everything:
-        return jnp.ones((), jnp.float32), jax.lax.psum(count, axis_name)
+        return jnp.ones((), jnp.float32), small.metric_sum(count, axis_name)
     # sum_d ||sent_d||^2, sum_d ||g_e,d||^2 and the non-finite count: one psum of 3 scalars.
     sent_sq = sum(_square(sent[1] if result.sparse else sent) for sent in result.sents)
     fed_sq = sum(_square(fed) for fed in feds)
-    sent_sq, fed_sq, count = jax.lax.psum(jnp.stack([sent_sq, fed_sq, count]), axis_name)
+    sent_sq, fed_sq, count = small.metric_sum(jnp.stack([sent_sq, fed_sq, count]), axis_name)
     # 1 only when there was nothing to send; a sum that overflowed reports NaN or Inf.
     return ratio_choice.gain_from_energies(sent_sq, fed_sq), count
 
