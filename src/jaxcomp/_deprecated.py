@@ -9,8 +9,7 @@ The table below is the whole mapping; remove it (and this file) in jaxcomp 0.3.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
+import importlib.machinery
 import sys
 import warnings
 
@@ -121,7 +120,7 @@ def warn(old: str, new: str, stacklevel: int | None = None) -> None:
     )
 
 
-class _Alias(importlib.abc.Loader):
+class _Alias:  # a loader (duck-typed: importlib.abc would import importlib.resources, 17 ms)
     """Loads an old path as the module at its new path (the same object, not a copy)."""
 
     def __init__(self, new: str):
@@ -140,18 +139,20 @@ class _Alias(importlib.abc.Loader):
     def get_code(self, fullname):  # `python -m jaxcomp.launch` runs the new module's code
         new = RUN_AS_MAIN.get(fullname, self.new)
         warn(fullname, new)
+        import importlib.util
+
         return importlib.util.find_spec(new).loader.get_code(new)
 
     def is_package(self, fullname):
         return False
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:  # a meta path finder
     def find_spec(self, fullname, path=None, target=None):
         new = new_name(fullname) if fullname.startswith("jaxcomp.") else None
         if new is None:
             return None
-        return importlib.util.spec_from_loader(fullname, _Alias(new))
+        return importlib.machinery.ModuleSpec(fullname, _Alias(new))
 
 
 def install() -> None:
