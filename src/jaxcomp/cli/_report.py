@@ -12,7 +12,8 @@ import sys
 
 
 class _PlainBar:
-    """What :func:`progress_bar` gives without tqdm: plain iteration; descriptions to stderr if enabled."""
+    """What :func:`progress_bar` gives without tqdm: plain iteration; descriptions to stderr if
+    enabled."""
 
     def __init__(self, iterable, enabled):
         self._iterable = () if iterable is None else iterable

@@ -135,7 +135,8 @@ def _add_model_flags(parser):
 
 
 def _encode_decode(text, compressed, parser):
-    """``--encode-decode-ms``: one number for every method, or label=ms pairs; seconds per method."""
+    """``--encode-decode-ms``: one number for every method, or label=ms pairs; seconds per
+    method."""
     labels = {m.label: m for m in compressed}
     try:
         if "=" not in text:
@@ -149,7 +150,8 @@ def _encode_decode(text, compressed, parser):
             name = name.strip()
             if name not in labels:
                 parser.error(
-                    f"--encode-decode-ms names {name!r}, which is not among the methods {list(labels)}"
+                    f"--encode-decode-ms names {name!r}, which is not among the methods "
+                    f"{list(labels)}"
                 )
             table[labels[name]] = float(value) / 1e3
             if not table[labels[name]] >= 0:
@@ -249,9 +251,9 @@ def _check_work_flags(parser, args) -> None:
     """``--measure-codec``, ``--plot``, ``--target-efficiency`` and ``--inner-size``."""
     if args.measure_codec and args.params > MAX_MEASURED_PARAMS:
         parser.error(
-            f"--measure-codec times the codec on a gradient of --params float32 values in this machine's "
-            f"memory, at most {MAX_MEASURED_PARAMS:,}; got {args.params:g}. Pass --encode-decode-ms "
-            "instead (or measure a smaller model and scale the time by the size)"
+            "--measure-codec times the codec on a gradient of --params float32 values in this "
+            f"machine's memory, at most {MAX_MEASURED_PARAMS:,}; got {args.params:g}. Pass "
+            "--encode-decode-ms instead (or measure a smaller model and scale the time by the size)"
         )
     if args.plot is not None:
         problem = _report.unwritable_file(args.plot, PLOT_FORMATS)
@@ -291,7 +293,8 @@ def _chosen_methods(parser, args) -> list:
 
 
 def _measure_codecs(args, compressed, encode_decode) -> list[str]:
-    """``--measure-codec``: times each method's local work into ``encode_decode``; the labels timed."""
+    """``--measure-codec``: times each method's local work into ``encode_decode``; the labels
+    timed."""
     if not args.measure_codec:
         return []
     from jaxcomp.costmodel import probe  # jax and the kernels load only when a codec is timed
@@ -305,7 +308,8 @@ def _measure_codecs(args, compressed, encode_decode) -> list[str]:
 
 
 class _Model:
-    """The job of the flags in paper 002's model: the step time of dense or of a method at a network."""
+    """The job of the flags in paper 002's model: the step time of dense or of a method at a
+    network."""
 
     def __init__(self, args, network, encode_decode):
         self.args = args
@@ -351,15 +355,16 @@ def _print_setting(args, network, model) -> None:
     )
     buckets = max(math.ceil(model.nbytes / model.bucket), 1)
     how = (
-        f"overlapped with the backward pass in {buckets} buckets of {args.bucket_mb:g} MiB, γ={args.gamma:g}"
+        f"overlapped with the backward pass in {buckets} buckets of {args.bucket_mb:g} MiB, "
+        f"γ={args.gamma:g}"
         if model.overlap
         else "after the backward pass"
     )
     print(f"dense baseline: ring all-reduce {how}")
     if args.shard:
         print(
-            "sharded (--shard): each method reduce-scatters the gradient, then the params are all-gathered "
-            "densely; sharded dense sends what the all-reduce sends"
+            "sharded (--shard): each method reduce-scatters the gradient, then the params are "
+            "all-gathered densely; sharded dense sends what the all-reduce sends"
         )
     if args.workers == 1:
         print(
@@ -371,10 +376,7 @@ def _print_setting(args, network, model) -> None:
 
 def _print_table(args, network, model, dense_step, rows) -> None:
     """One line per method (dense first): what it sends, its times, speedup and scaling."""
-    header = (
-        f"{'method':<24}{'setting':<14}{'sent/worker':>12}{'comm':>11}{'enc+dec':>10}{'step T_obs':>12}"
-        f"{'speedup':>9}{'scaling':>14}"
-    )
+    header = f"{'method':<24}{'setting':<14}{'sent/worker':>12}{'comm':>11}{'enc+dec':>10}{'step T_obs':>12}{'speedup':>9}{'scaling':>14}"
     print(header)
     print("-" * len(header))
 
@@ -409,12 +411,13 @@ def _print_notes(measured, encode_decode, compressed) -> None:
         import jax
 
         print(
-            f"(encode/decode of {', '.join(measured)} measured on this machine's {jax.default_backend()}; "
-            "a training step's codec may run elsewhere)"
+            f"(encode/decode of {', '.join(measured)} measured on this machine's "
+            f"{jax.default_backend()}; a training step's codec may run elsewhere)"
         )
     if not any(encode_decode.values()) and compressed:
         print(
-            "(encode/decode time not included: pass --encode-decode-ms; these speedups are upper bounds)"
+            "(encode/decode time not included: pass --encode-decode-ms; these speedups are upper "
+            "bounds)"
         )
     print()
 
@@ -433,7 +436,8 @@ def _print_required_compression(args, network, model) -> None:
     target = f"{args.target_efficiency:.0%} of linear scaling"
     if needed is None:
         print(
-            f"Compression needed for {target}: unreachable (latency or the overlap slowdown bound the step)"
+            f"Compression needed for {target}: unreachable (latency or the overlap slowdown bound "
+            "the step)"
         )
     elif needed == 1.0:
         print(f"Compression needed for {target}: none, dense synchronous SGD already reaches it")

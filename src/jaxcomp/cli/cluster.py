@@ -1,4 +1,5 @@
-"""``jaxcomp cluster``: run a ``jax.distributed`` script on N emulated hosts with rate-limited links.
+"""``jaxcomp cluster``: run a ``jax.distributed`` script on N emulated hosts with rate-limited
+links.
 
     jaxcomp cluster --hosts 4 --rate 1gbit -- train.py --steps 10
 
@@ -91,8 +92,8 @@ def _run(cluster: Cluster, command, args) -> int:
         elapsed = time.monotonic() - start
         for host, (code, counts) in enumerate(zip(codes, cluster.counters())):
             print(
-                f"host {host} ({cluster.address(host)}): exit {code}, sent {counts['tx_bytes']:,} B, "
-                f"received {counts['rx_bytes']:,} B",
+                f"host {host} ({cluster.address(host)}): exit {code}, sent {counts['tx_bytes']:,} "
+                f"B, received {counts['rx_bytes']:,} B",
                 file=sys.stderr,
             )
         print(f"jaxcomp cluster: {elapsed:.1f} s", file=sys.stderr)
@@ -102,7 +103,8 @@ def _run(cluster: Cluster, command, args) -> int:
 def main(argv=None) -> int:
     """Runs ``jaxcomp cluster``; returns the first failing host's exit code, else 0.
 
-    ``jaxcomp cluster --hosts N [--rate R] [--devices-per-host D] [--timeout S] script.py [args...]``
+    ``jaxcomp cluster --hosts N [--rate R] [--devices-per-host D] [--timeout S] script.py
+    [args...]``
 
     Args:
       argv: the arguments after ``cluster`` (default ``sys.argv[1:]``); ``--help`` lists them.

@@ -30,7 +30,8 @@ N_DEVICES = 8
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One line of the demo's table: a method (or, for ``compress_auto``, its candidates) and options."""
+    """One line of the demo's table: a method (or, for ``compress_auto``, its candidates) and
+    options."""
 
     name: str
     method: Any  # a jaxcomp.methods object, or a tuple of them: compress_auto's candidates
@@ -366,7 +367,8 @@ def _parser(all_runs) -> argparse.ArgumentParser:
 
 
 def _checked_runs(parser, args) -> list[Run]:
-    """The runs the flags name, every flag checked before any training (bad ones exit via argparse)."""
+    """The runs the flags name, every flag checked before any training (bad ones exit via
+    argparse)."""
     if not 0.0 < args.density <= 1.0:  # before runs(), which builds the methods at this density
         parser.error(f"--density must be in (0, 1], got {args.density}")
     all_runs = runs(args.density)
@@ -405,7 +407,8 @@ def _checked_data(parser, args):
 
 
 def _train_all(args, selected, data) -> tuple[list[dict], float]:
-    """Trains every selected run on the virtual devices, one after the other; ``(results, start)``."""
+    """Trains every selected run on the virtual devices, one after the other;
+    ``(results, start)``."""
     devices = _use_virtual_cpu_devices()
     print(
         f"digits: {len(data[0])} train / {len(data[2])} test images, {N_DEVICES} CPU devices, "

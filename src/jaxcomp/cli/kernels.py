@@ -101,7 +101,8 @@ def measure(
       True
 
     References:
-      Agarwal et al., MLSys 2022, Table 2/3: encode-decode overhead decides whether compression pays.
+      Agarwal et al., MLSys 2022, Table 2/3: encode-decode overhead decides whether compression
+      pays.
     """
     device = device or jax.devices()[0]
     host = realistic_gradient(n)

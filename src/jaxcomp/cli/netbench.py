@@ -59,9 +59,9 @@ def table(rows) -> str:
       MLSys 2022 (measure the step, not the bytes); issue 13's set-up.
     """
     header = (
-        "model | hosts | rate | method | step s | compute s | sync s | predicted sync s | advise step s | "
-        "wire MB/step/host | bytes_sent MB | sync: dense / this | speedup vs pmean | ran | state MB/host | "
-        "peak RSS MB/host"
+        "model | hosts | rate | method | step s | compute s | sync s | predicted sync s | advise "
+        "step s | wire MB/step/host | bytes_sent MB | sync: dense / this | speedup vs pmean | ran "
+        "| state MB/host | peak RSS MB/host"
     ).split(" | ")
     dense_sync = {
         (r.get("model"), r["hosts"], r["rate"]): r["sync"]
@@ -133,13 +133,15 @@ def plot(rows, path) -> None:
             ]
             _plot_panel(ax, cell)
             ax.set_title(
-                f"{model + ', ' if model else ''}{n} emulated hosts (points: measured, dashed: cost model)"
+                f"{model + ', ' if model else ''}{n} emulated hosts (points: measured, dashed: "
+                "cost model)"
             )
     _report.save_figure(fig, path, dpi=120)
 
 
 def _plot_panel(ax, cell):
-    """One model's and host count's speedups against the rate: measured points, the cost model's dashes."""
+    """One model's and host count's speedups against the rate: measured points, the cost model's
+    dashes."""
     for method in dict.fromkeys(r["method"] for r in cell):
         if method == "pmean":
             continue
@@ -270,9 +272,11 @@ def _checked_args(parser, args):
 
 
 def main(argv=None) -> int:
-    """Runs ``jaxcomp netbench``: prints the table of every cell's rows, writes the plot and the JSON.
+    """Runs ``jaxcomp netbench``: prints the table of every cell's rows, writes the plot and the
+    JSON.
 
-    ``jaxcomp netbench [--hosts 2,4] [--rates ...] [--model resnet50,gpt2 | --params 25e6] [--plot out.png]``
+    ``jaxcomp netbench [--hosts 2,4] [--rates ...] [--model resnet50,gpt2 | --params 25e6] [--plot
+    out.png]``
 
     Args:
       argv: the arguments after ``netbench`` (default ``sys.argv[1:]``); ``--help`` lists them.

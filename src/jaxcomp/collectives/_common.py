@@ -15,8 +15,8 @@ def axis_size(axis_name, name="axis_name"):
         return jax.lax.axis_size(axis_name)
     except NameError:
         raise ValueError(
-            f"{name}={axis_name!r} is not an axis of the enclosing shard_map's mesh; call this inside "
-            "jax.shard_map and pass one of its mesh axis names"
+            f"{name}={axis_name!r} is not an axis of the enclosing shard_map's mesh; call this "
+            "inside jax.shard_map and pass one of its mesh axis names"
         ) from None
 
 

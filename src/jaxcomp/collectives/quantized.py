@@ -27,7 +27,8 @@ from jaxcomp.ops.hadamard import counter_signs, counter_uniform, hadamard_transf
 
 
 def pack_codes(codes, width: int):
-    """uint32 words holding ``32 // width`` codes of ``width`` bits each (the last word zero-padded).
+    """uint32 words holding ``32 // width`` codes of ``width`` bits each (the last word
+    zero-padded).
 
     Args:
       codes: a 1-D uint32 vector of codes below ``2**width``.
@@ -54,7 +55,8 @@ def pack_codes(codes, width: int):
 
 
 def unpack_codes(words, width: int, length: int):
-    """The first ``length`` codes of ``width`` bits held in ``words`` (the inverse of :func:`pack_codes`).
+    """The first ``length`` codes of ``width`` bits held in ``words`` (the inverse
+    of :func:`pack_codes`).
 
     Args:
       words: uint32 words from :func:`pack_codes` (or their sum over devices).
@@ -80,21 +82,23 @@ def unpack_codes(words, width: int, length: int):
 def quantized_sum(
     x, bits: int, key, hadamard: bool, n_devices: int, device, pmax, psum, scatter: bool = False
 ):
-    """THC's quantized sum of one device's vector, with the collectives passed in: ``(total, sent)``.
+    """THC's quantized sum of one device's vector, with the collectives passed in:
+    ``(total, sent)``.
 
     With ``scatter`` the sum ends as a reduce-scatter (sharded training): ``x`` holds ``n_devices``
-    rows of equal length (whole Hadamard blocks of :func:`jaxcomp.collectives.sizes.hadamard_block` of a
-    row), each row's codes are packed on their own, ``psum`` is a reduce-scatter of the
+    rows of equal length (whole Hadamard blocks of :func:`jaxcomp.collectives.sizes.hadamard_block`
+    of a row), each row's codes are packed on their own, ``psum`` is a reduce-scatter of the
     ``[n_devices, words]`` packed rows (``jax.lax.psum_scatter`` over the first axis), and
     ``total`` is row ``device`` of the sum, dequantized and rotated back with that row's signs.
 
     1. Optionally a randomized Hadamard transform (random signs from ``key``, then the
-       orthonormal Walsh-Hadamard transform in blocks of :func:`jaxcomp.collectives.sizes.hadamard_block`).
+       orthonormal Walsh-Hadamard transform in blocks
+       of :func:`jaxcomp.collectives.sizes.hadamard_block`).
     2. The range ``R = pmax(max |rotated|)``.
     3. Stochastic rounding onto ``2**bits`` levels over ``[-R, R]`` with noise from ``key``
        folded with ``device``.
-    4. Codes packed into fields of :func:`jaxcomp.collectives.sizes.code_width` bits, summed by ``psum``,
-       unpacked, dequantized and transformed back.
+    4. Codes packed into fields of :func:`jaxcomp.collectives.sizes.code_width` bits, summed by
+       ``psum``, unpacked, dequantized and transformed back.
 
     Args:
       x: a 1-D float vector.
@@ -187,7 +191,8 @@ def quantized_psum_local(x, bits, key, n_devices, hadamard=True):
 
     The transform, rounding, packing and back-transforms of one device out of ``n_devices``,
     with this device's range for the agreed one and its own packed words for their sum; what
-    :func:`jaxcomp.costmodel.probe.codec_seconds` times, since THC has no codec apart from its collective.
+    :func:`jaxcomp.costmodel.probe.codec_seconds` times, since THC has no codec apart from its
+    collective.
 
     Args:
       x: a 1-D float vector.
@@ -224,10 +229,11 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True, *, scatter=False):
     """THC homomorphic quantization: integer codes on a shared grid, summed by one integer psum.
 
     1. Optionally a randomized Hadamard transform (random signs, then the orthonormal Walsh-Hadamard
-       transform in blocks of up to :data:`jaxcomp.collectives.sizes.MAX_HADAMARD_BLOCK`; ``x`` is zero-padded to whole
-       blocks; :func:`jaxcomp.hadamard_transform`, a native kernel on CPU) spreads each vector's energy so
-       its range shrinks. The signs come from ``key`` (:func:`jaxcomp.ops.hadamard.counter_signs`; the codec is :mod:`jaxcomp.collectives.quantized`),
-       which must be the same on every device.
+       transform in blocks of up to :data:`jaxcomp.collectives.sizes.MAX_HADAMARD_BLOCK`; ``x`` is
+       zero-padded to whole blocks; :func:`jaxcomp.hadamard_transform`, a native kernel on CPU)
+       spreads each vector's energy so its range shrinks. The signs come from ``key``
+       (:func:`jaxcomp.ops.hadamard.counter_signs`; the codec
+       is :mod:`jaxcomp.collectives.quantized`), which must be the same on every device.
     2. The range ``R`` is agreed by all: :func:`jax.lax.pmax` of the local max magnitudes.
     3. Each value is stochastically rounded onto the ``2**bits`` levels spanning ``[-R, R]`` (noise
        from ``key`` folded with the axis index, :func:`jaxcomp.ops.hadamard.counter_uniform`, so
@@ -244,7 +250,8 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True, *, scatter=False):
 
     Args:
       x: this device's local 1-D float32, bfloat16 or float16 vector.
-      bits: static int in ``[1, jaxcomp.collectives.sizes.MAX_QUANTIZATION_BITS]``, the width of a code.
+      bits: static int in ``[1, jaxcomp.collectives.sizes.MAX_QUANTIZATION_BITS]``, the width of a
+        code.
       axis_name: the mesh axis to sum over.
       key: a ``jax.random`` key, the same on every device (traced; pass a new one each step).
       hadamard: static bool, whether to apply the randomized Hadamard transform.

@@ -130,7 +130,8 @@ def ring_allreduce(values, axis_name, n_devices, codec, *, own=1, scatter=False,
         message = encode(partial)  # the next hop's message; after the last hop, the owned chunk
         decoded = decode(message, chunk)
         errors.append(partial - decoded)
-    # errors[t] belongs to chunk (me + start - t) mod N, so chunk c's is errors[(me + start - c) mod N].
+    # errors[t] belongs to chunk (me + start - t) mod N, so chunk c's is errors[(me + start - c) mod
+    # N].
     lost = jnp.stack(errors)[(me + start - jnp.arange(n_devices)) % n_devices]
     sent = (chunks - lost).reshape(-1)[:n]
     if scatter:

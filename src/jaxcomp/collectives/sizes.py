@@ -2,8 +2,8 @@
 
 One definition of each size (values per ring chunk, per hierarchical shard, codes per packed word,
 ...), used both by the collectives that build the messages (:mod:`jaxcomp.collectives`,
-:mod:`jaxcomp.collectives.quantized`) and by the methods that count their bytes (:mod:`jaxcomp.methods`), so the two
-cannot drift apart. Plain Python: importing it loads no JAX.
+:mod:`jaxcomp.collectives.quantized`) and by the methods that count their bytes
+(:mod:`jaxcomp.methods`), so the two cannot drift apart. Plain Python: importing it loads no JAX.
 """
 
 from __future__ import annotations
@@ -227,8 +227,8 @@ def code_width(bits: int, n_devices: int) -> int:
     width = largest_sum.bit_length()
     if width > 32:
         raise ValueError(
-            f"bits={bits} with {n_devices} devices needs sums up to {largest_sum}, more than 32 bits hold; "
-            "lower bits"
+            f"bits={bits} with {n_devices} devices needs sums up to {largest_sum}, more than 32 "
+            "bits hold; lower bits"
         )
     return width
 

@@ -132,9 +132,9 @@ def _check_step_replicated(step, axis_name):
     axes = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
     if axes & _ffi.varying_axes(_check_step(step)):
         raise ValueError(
-            f"step must be the same on every device of {axis_name!r} (it picks the STAR leader, who must be "
-            "one device for all), got a step typed varying over it; pass the replicated training step (e.g. "
-            "in_specs=P() for it), not a per-device value"
+            f"step must be the same on every device of {axis_name!r} (it picks the STAR leader, "
+            "who must be one device for all), got a step typed varying over it; pass the "
+            "replicated training step (e.g. in_specs=P() for it), not a per-device value"
         )
 
 
@@ -182,7 +182,8 @@ def ar_topk(
       leader: ``"star"`` or ``"var"``.
       step: integer scalar, the training step (STAR only); pass it traced so every step reuses one
         compilation.
-      selector: ``"exact"`` (:func:`jaxcomp.topk`) or ``"threshold"`` (:func:`jaxcomp.threshold_topk`).
+      selector: ``"exact"`` (:func:`jaxcomp.topk`) or ``"threshold"``
+        (:func:`jaxcomp.threshold_topk`).
       sparse_sent: return ``sent`` as ``(indices, values)``, the pairs whose dense form it is
         (index ``>= n`` marks padding, value 0), so that error feedback can zero those entries in
         place instead of building and subtracting a dense vector: one pass less over the gradient.

@@ -15,7 +15,8 @@ from jaxcomp.ops.zfp import zfp_decode, zfp_encode
 
 
 def zfp_allreduce(x, rate, axis_name, algorithm="ring"):
-    """All-reduce with ZFP fixed-rate compression at the collective level, from point-to-point steps.
+    """All-reduce with ZFP fixed-rate compression at the collective level, from point-to-point
+    steps.
 
     ``"ring"``: the vector is zero-padded into ``N`` chunks of ``ceil(n/N)`` values. In ``N-1``
     reduce-scatter hops (:func:`jax.lax.ppermute` to the right neighbour) each device compresses the
@@ -134,7 +135,8 @@ def _zfp_recursive_doubling(values, rate, axis_name, n_devices):
 
 
 def zfp_reduce_scatter(x, rate, axis_name):
-    """The reduce-scatter phase of :func:`zfp_allreduce`'s ring: device ``d`` gets chunk ``d`` of the sum.
+    """The reduce-scatter phase of :func:`zfp_allreduce`'s ring: device ``d`` gets chunk ``d`` of
+    the sum.
 
     ``x`` (``N`` chunks of ``n / N`` values) goes round the ring in ``N - 1`` hops; each hop sends
     one chunk ZFP-coded at ``rate`` bits a value, the receiver decodes it and adds its own chunk.

@@ -12,9 +12,9 @@ pass (overlapping it slows both down, paper 002 §3.1), so
 
     T_obs ≈ T_comp + T_encode-decode + T_comm(compressed gradient).
 
-``T_comm`` comes from :func:`jaxcomp.costmodel.cost.predict`, jaxcomp's α-β model of each collective. From
-these the advisor prints each method's step time and speedup, the compression ratio an
-all-reduce-compatible compressor would need for near-linear scaling (paper 002 App. D: about 4x
+``T_comm`` comes from :func:`jaxcomp.costmodel.cost.predict`, jaxcomp's α-β model of each
+collective. From these the advisor prints each method's step time and speedup, the compression ratio
+an all-reduce-compatible compressor would need for near-linear scaling (paper 002 App. D: about 4x
 at 10 Gbit/s), and the bandwidth below which each method starts to pay.
 """
 

@@ -153,7 +153,8 @@ def _split_number(text, name):
 
 
 def parse_bandwidth(text: str | float, name: str = "bandwidth") -> float:
-    """Reads a bandwidth such as ``"10gbit"``, ``"25Gbps"``, ``"1.25GB/s"``; returns bytes per second.
+    """Reads a bandwidth such as ``"10gbit"``, ``"25Gbps"``, ``"1.25GB/s"``; returns bytes per
+    second.
 
     Bit units (``bit``, ``kbit``, ``mbit``, ``gbit``, ``tbit``, also written ``Gbps`` or
     ``gb/s``) are case-insensitive and decimal. Byte units must be written with a capital ``B``

@@ -2,11 +2,11 @@
 
 The fit uses the same model :mod:`jaxcomp.costmodel.cost` predicts with (a ring all-reduce costs
 ``2(N-1) α + 2(N-1)/N · M β``), so the Network :func:`probe_network` returns plugs straight into
-:func:`jaxcomp.costmodel.cost.predict` and :func:`jaxcomp.costmodel.cost.choose`. Paper 002 (App. C) measures α the
-same way: time a ring all-reduce of a tiny vector and divide by the number of steps.
+:func:`jaxcomp.costmodel.cost.predict` and :func:`jaxcomp.costmodel.cost.choose`. Paper 002 (App. C)
+measures α the same way: time a ring all-reduce of a tiny vector and divide by the number of steps.
 
-:func:`codec_seconds` times a method's codec; :func:`jaxcomp.optim.timing.overhead_seconds` times its
-whole update (what it adds to a step besides the network), asking the method object how.
+:func:`codec_seconds` times a method's codec; :func:`jaxcomp.optim.timing.overhead_seconds` times
+its whole update (what it adds to a step besides the network), asking the method object how.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ DEFAULT_REPEATS = 3
 #: Seconds :func:`probe_network` may take by default, compilation included.
 DEFAULT_BUDGET = 5.0
 
-#: Times :func:`probe_network` measures, each with 8 times larger sizes than the last, before giving up.
+#: Times :func:`probe_network` measures, each with 8 times larger sizes than the last, before giving
+#: up.
 _ATTEMPTS = 3
 
 _CACHE: dict = {}
@@ -47,9 +48,10 @@ def fit_alpha_beta(sizes, seconds, n_workers: int, method: Method = Dense()) -> 
     """Least-squares α and β from timings of one collective at several sizes.
 
     Solves ``seconds_i ≈ α · steps + β · volume_i`` with ``steps`` and ``volume_i`` from
-    :func:`jaxcomp.costmodel.cost.message_steps` and :func:`jaxcomp.costmodel.cost.volume_bytes`, weighting each
-    equation by ``1 / seconds_i`` so small (latency-bound) and large (bandwidth-bound) timings
-    count alike. A negative α (noise on a latency-free link) is clamped to 0 and β refitted.
+    :func:`jaxcomp.costmodel.cost.message_steps` and :func:`jaxcomp.costmodel.cost.volume_bytes`,
+    weighting each equation by ``1 / seconds_i`` so small (latency-bound) and large
+    (bandwidth-bound) timings count alike. A negative α (noise on a latency-free link) is clamped to
+    0 and β refitted.
 
     Args:
       sizes: bytes per device of each timed call (float32 gradients), at least two distinct.
@@ -77,11 +79,13 @@ def fit_alpha_beta(sizes, seconds, n_workers: int, method: Method = Dense()) -> 
     seconds = np.asarray(seconds, dtype=np.float64)
     if sizes.ndim != 1 or seconds.shape != sizes.shape:
         raise ValueError(
-            f"sizes and seconds must be 1-D of equal length, got shapes {sizes.shape} and {seconds.shape}"
+            f"sizes and seconds must be 1-D of equal length, got shapes {sizes.shape} and "
+            f"{seconds.shape}"
         )
     if len(np.unique(sizes)) < 2:
         raise ValueError(
-            f"sizes must hold at least two distinct sizes to separate α from β, got {sizes.tolist()}"
+            "sizes must hold at least two distinct sizes to separate α from β, got "
+            f"{sizes.tolist()}"
         )
     if not np.all(np.isfinite(seconds)) or np.any(seconds <= 0):
         raise ValueError(f"seconds must be positive and finite, got {seconds.tolist()}")
@@ -92,7 +96,8 @@ def fit_alpha_beta(sizes, seconds, n_workers: int, method: Method = Dense()) -> 
     method = methods.parse(method)
     if not method.sends_everything:
         raise ValueError(
-            f"method must be one that sends everything (a dense all-reduce), got {method.describe()}"
+            "method must be one that sends everything (a dense all-reduce), got "
+            f"{method.describe()}"
         )
     steps = float(cost.message_steps(method, n_workers))
     volumes = np.array([cost.volume_bytes(method, float(s), n_workers) for s in sizes])
@@ -106,8 +111,8 @@ def fit_alpha_beta(sizes, seconds, n_workers: int, method: Method = Dense()) -> 
         )
     if not beta > 0:
         raise ValueError(
-            "seconds do not grow with size, so the bandwidth cannot be estimated; time larger sizes "
-            f"(sizes={sizes.tolist()}, seconds={seconds.tolist()})"
+            "seconds do not grow with size, so the bandwidth cannot be estimated; time larger "
+            f"sizes (sizes={sizes.tolist()}, seconds={seconds.tolist()})"
         )
     return cost.Network(alpha=float(alpha), bandwidth=float(1.0 / beta))
 
@@ -191,7 +196,8 @@ def probe_network(
 
 
 def _check_probe(mesh, axis_name, sizes, repeats, budget):
-    """``(n_workers, sorted sizes)`` of :func:`probe_network`'s arguments, or a ValueError naming one."""
+    """``(n_workers, sorted sizes)`` of :func:`probe_network`'s arguments, or a ValueError naming
+    one."""
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if axis_name not in mesh.axis_names:
@@ -220,8 +226,8 @@ def _check_probe(mesh, axis_name, sizes, repeats, budget):
 
 
 def _time_sizes(mesh, axis_name, sizes, repeats, budget):
-    """``(timed sizes, seconds)``: the agreed (slowest process's) ``psum`` time of each size, smallest
-    first, stopping before a size that would not fit in what is left of ``budget``."""
+    """``(timed sizes, seconds)``: the agreed (slowest process's) ``psum`` time of each size,
+    smallest first, stopping before a size that would not fit in what is left of ``budget``."""
     start = time.perf_counter()
     timed, seconds = [], []
     for size in sizes:
@@ -382,7 +388,8 @@ def _bucket_free(network, sizes, seconds, n_workers):
 
 
 def clear_cache() -> None:
-    """Forgets every cached :func:`probe_network` and :func:`codec_seconds` result, so both measure again.
+    """Forgets every cached :func:`probe_network` and :func:`codec_seconds` result, so both measure
+    again.
 
     Returns:
       None.

@@ -204,7 +204,8 @@ class RatioState(NamedTuple):
     """State of the compression-ratio controller (paper 000 §3-E), as arrays.
 
     It lives inside :class:`jaxcomp.AutoState` of a ``compress_auto(..., ratio_search=...)``,
-    where :func:`ratio_observe` runs inside the compiled step. ``R`` is the number of candidate ratios, ``E`` the steps per candidate.
+    where :func:`ratio_observe` runs inside the compiled step. ``R`` is the number of candidate
+    ratios, ``E`` the steps per candidate.
     """
 
     index: jax.Array  # i32[]: the candidate ratio to run next
@@ -341,7 +342,8 @@ def ratio_observe(
     predicted_sync = jnp.asarray(predicted_sync, jnp.float32)
     n_candidates, steps = state.gain_sum.shape[0], state.recent.shape[0]
 
-    # Exploring: record the step at the current candidate; move on after E steps; decide after the last.
+    # Exploring: record the step at the current candidate; move on after E steps; decide after the
+    # last.
     here = jnp.arange(n_candidates) == state.index
     measured = jnp.isfinite(t_sync)
     recorded = state._replace(

@@ -173,8 +173,8 @@ def candidates(
       rank: PowerSGD's rank, or None to leave it out.
       hierarchical: also hierarchical top-k (needs two mesh axes; with ``ratio``).
       variants: also the cost model's variants (tree all-reduces, ZFP's recursive doubling),
-        random-k, the bfloat16 cast and the scaled signs (all-gathered and all-reduced, chunk ``sign`` or 1024):
-        what the advisor compares.
+        random-k, the bfloat16 cast and the scaled signs (all-gathered and all-reduced, chunk
+        ``sign`` or 1024): what the advisor compares.
       sign: values per scale of the scaled-sign methods (:class:`Sign`, all-gathered and
         all-reduced), or None to leave them out (``variants`` still adds them).
 

@@ -41,7 +41,8 @@ from typing import Any, ClassVar
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """Base class of a compression method (subclass it as a ``@dataclasses.dataclass(frozen=True)``).
+    """Base class of a compression method (subclass it as a
+    ``@dataclasses.dataclass(frozen=True)``).
 
     **Required** of every method:
 
@@ -157,8 +158,8 @@ class Method:
         """Raises a ValueError naming ``axis_name`` when the method cannot reduce over ``axes``."""
         if self.axes_needed is not None and len(axes) != self.axes_needed:
             how = (
-                "axis_name=(outer, inner), e.g. ('node', 'device'): the slow axis between nodes first, the "
-                "fast one inside a node"
+                "axis_name=(outer, inner), e.g. ('node', 'device'): the slow axis between nodes "
+                "first, the fast one inside a node"
                 if self.axes_needed == 2
                 else f"{self.axes_needed} axes in order"
             )
@@ -311,8 +312,8 @@ def _adapt_0_1_protocol(cls) -> None:
             shapes="", what=": a method without state returns state as given"
         )
         _warn(
-            f"{cls.__qualname__}.aggregate takes no state= and returns (total, sent), jaxcomp 0.1's "
-            f"protocol; write {how}"
+            f"{cls.__qualname__}.aggregate takes no state= and returns (total, sent), jaxcomp "
+            f"0.1's protocol; write {how}"
         )
     else:
         return
@@ -359,16 +360,18 @@ def scattering() -> list[str]:
 
 class Fraction:
     """Mixin of the methods that send a fraction of the values: ``ratio`` or ``k`` (fields of the
-    subclass), validated by :meth:`check_fraction`, with ``setting``, ``with_ratio`` and ``kept``."""
+    subclass), validated by :meth:`check_fraction`, with ``setting``, ``with_ratio`` and
+    ``kept``."""
 
     def check_fraction(self) -> None:
-        """Validates ``ratio``/``k`` (exactly one; ``ratio`` in ``(0, 1]``, ``k >= 1``), in place."""
+        """Validates ``ratio``/``k`` (exactly one; ``ratio`` in ``(0, 1]``, ``k >= 1``), in
+        place."""
         from jaxcomp.ops import _checks
 
         if (self.ratio is None) == (self.k is None):
             raise ValueError(
-                f"{type(self).__name__} needs exactly one of ratio= (fraction of entries sent, e.g. "
-                f"0.01) or k= (entries sent), got ratio={self.ratio!r}, k={self.k!r}"
+                f"{type(self).__name__} needs exactly one of ratio= (fraction of entries sent, "
+                f"e.g. 0.01) or k= (entries sent), got ratio={self.ratio!r}, k={self.k!r}"
             )
         if self.ratio is not None:
             object.__setattr__(self, "ratio", _checks.check_ratio(self.ratio))
@@ -391,7 +394,7 @@ class Fraction:
             return sizes.resolve_k(n, None, self.ratio)
         if self.k > n:
             raise ValueError(
-                f"k={self.k} exceeds the {n} gradient entries it is taken from; pass a smaller k or "
-                "ratio="
+                f"k={self.k} exceeds the {n} gradient entries it is taken from; pass a smaller k "
+                "or ratio="
             )
         return self.k

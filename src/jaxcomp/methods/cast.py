@@ -101,8 +101,8 @@ class Cast(Method):
     keeps all the ring lost.
 
     Args:
-      dtype: ``jnp.bfloat16`` / ``"bfloat16"`` or ``jnp.float16`` / ``"float16"`` (aliases ``"bf16"``,
-        ``"fp16"``).
+      dtype: ``jnp.bfloat16`` / ``"bfloat16"`` or ``jnp.float16`` / ``"float16"`` (aliases
+        ``"bf16"``, ``"fp16"``).
       scale: scale by a shared power of two before the cast; ``None`` (default) means yes for
         float16 and no for bfloat16.
       allreduce: how the cost model costs the all-reduce, ``"ring"`` (default) or ``"tree"``

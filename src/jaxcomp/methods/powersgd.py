@@ -1,4 +1,5 @@
-"""``PowerSGD``: rank-r approximation of each matrix-shaped gradient by one warm-started power iteration."""
+"""``PowerSGD``: rank-r approximation of each matrix-shaped gradient by one warm-started power
+iteration."""
 
 from __future__ import annotations
 
@@ -152,15 +153,16 @@ class PowerSGD(Method):
         ) and rows * cols >= self.min_compression_rate * self.rank * (rows + cols)
 
     def _shapes(self, n: int, shapes) -> tuple[tuple[int, ...], ...]:
-        """The leaves' shapes, checked against ``n``; without shapes (the cost model's question about
-        ``n`` values) one square matrix."""
+        """The leaves' shapes, checked against ``n``; without shapes (the cost model's question
+        about ``n`` values) one square matrix."""
         if shapes is None:
             side = max(1, math.isqrt(int(n)))
             return ((side, side), (int(n) - side * side,)) if n > side * side else ((side, side),)
         shapes = tuple(tuple(int(d) for d in shape) for shape in shapes)
         if sum(math.prod(s) for s in shapes) != n:
             raise ValueError(
-                f"shapes {shapes} hold {sum(math.prod(s) for s in shapes)} values, not the vector's {n}"
+                f"shapes {shapes} hold {sum(math.prod(s) for s in shapes)} values, not the "
+                f"vector's {n}"
             )
         return shapes
 
@@ -184,14 +186,15 @@ class PowerSGD(Method):
             views = [matrix_view(s) for s in shapes if matrix_view(s) is not None]
             if not views:
                 raise ValueError(
-                    f"PowerSGD compresses matrix-shaped leaves, and these gradients have none (shapes "
-                    f"{list(shapes)}): use another method, or jaxcomp.Dense"
+                    "PowerSGD compresses matrix-shaped leaves, and these gradients have none "
+                    f"(shapes {list(shapes)}): use another method, or jaxcomp.Dense"
                 )
             rows, cols = max(views, key=min)
             raise ValueError(
-                f"rank={self.rank} compresses none of the gradients' matrices (the largest, {rows}x{cols}, "
-                f"needs rank <= {min(rows, cols)} and rank * (rows + cols) * min_compression_rate="
-                f"{self.min_compression_rate:g} <= rows * cols): pass a smaller rank"
+                f"rank={self.rank} compresses none of the gradients' matrices (the largest, "
+                f"{rows}x{cols}, needs rank <= {min(rows, cols)} and rank * (rows + cols) * "
+                f"min_compression_rate={self.min_compression_rate:g} <= rows * cols): pass a "
+                "smaller rank"
             )
         # The same Q on every device: drawn from a fixed key, one per compressed leaf.
         keys = jax.random.split(jax.random.key(0), len(matrices))

@@ -64,7 +64,8 @@ class Quantized(Method):
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         """An all-reduce of the codes (``n``, padded to whole Hadamard blocks) packed into uint32
-        words of :func:`jaxcomp.collectives.sizes.codes_per_word` codes, plus one of the float32 range."""
+        words of :func:`jaxcomp.collectives.sizes.codes_per_word` codes, plus one of the float32
+        range."""
         n, dtype_bytes = _checks.check_message(n, dtype_bytes)
         N = _checks.check_devices(n_devices)
         if N == 1:

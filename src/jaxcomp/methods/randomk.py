@@ -1,4 +1,5 @@
-"""``RandomK``: random-k sparsification with a seed every device shares, summed by one all-reduce."""
+"""``RandomK``: random-k sparsification with a seed every device shares, summed by one
+all-reduce."""
 
 from __future__ import annotations
 
@@ -46,10 +47,10 @@ def shared_indices(key, n: int, k: int):
 
 @dataclasses.dataclass(frozen=True)
 class RandomK(Fraction, Method):
-    """Random-k: every device sends its values at the same ``k`` random indices, drawn from the step's
-    key, so one all-reduce of ``k`` values sums them and no index crosses the wire (all-reduce
-    compatible, like AR-Topk, with no leader and no selection). What was not sent stays in the
-    residual.
+    """Random-k: every device sends its values at the same ``k`` random indices, drawn from the
+    step's key, so one all-reduce of ``k`` values sums them and no index crosses the wire
+    (all-reduce compatible, like AR-Topk, with no leader and no selection). What was not sent stays
+    in the residual.
 
     Args:
       ratio: fraction of the values sent, in ``(0, 1]``: ``k = max(1, round(ratio * n))``.

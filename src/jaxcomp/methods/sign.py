@@ -13,15 +13,16 @@ from jaxcomp.ops import _checks
 #: How the signs are aggregated (see :class:`Sign`).
 AGGREGATIONS = ("allgather", "allreduce", "majority")
 
-#: Values per scale by default (:data:`jaxcomp.ops.sign.DEFAULT_CHUNK`; repeated here so that the cost
-#: model loads no JAX).
+#: Values per scale by default (:data:`jaxcomp.ops.sign.DEFAULT_CHUNK`; repeated here so that the
+#: cost model loads no JAX).
 DEFAULT_CHUNK = 1024
 
 
 @dataclasses.dataclass(frozen=True)
 class Sign(Method):
-    """Scaled signs: each device sends 1 bit a value (32 a uint32 word, :func:`jaxcomp.ops.sign.sign_pack`)
-    and one float32 scale, the mean ``|x|``, per ``chunk`` values, which decode to ``±scale``.
+    """Scaled signs: each device sends 1 bit a value (32 a uint32
+    word, :func:`jaxcomp.ops.sign.sign_pack`) and one float32 scale, the mean ``|x|``, per ``chunk``
+    values, which decode to ``±scale``.
 
     The decoded vector is what the device sent, so error feedback keeps ``x - decoded``
     (EF-SignSGD). The bit of ``x >= 0`` (``+0`` and ``-0`` included) is ``+``; NaN is ``-``.

@@ -91,9 +91,10 @@ class Zfp(Method):
         return sizes.reduce_scatter_steps(_checks.check_devices(n_devices))
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
-        """``"ring"``: ``2 (N-1)`` compressed chunks of ``ceil(n/N)`` values; ``"recursive_doubling"``:
-        the whole compressed vector once per round, ``log2 p`` rounds for ``p`` the largest power of
-        two ``<= N``, plus one when ``N`` is not a power of two (the busiest device)."""
+        """``"ring"``: ``2 (N-1)`` compressed chunks of ``ceil(n/N)`` values;
+        ``"recursive_doubling"``: the whole compressed vector once per round, ``log2 p`` rounds for
+        ``p`` the largest power of two ``<= N``, plus one when ``N`` is not a power of two (the
+        busiest device)."""
         n, dtype_bytes = _checks.check_message(n, dtype_bytes)
         N = _checks.check_devices(n_devices)
         if N == 1:

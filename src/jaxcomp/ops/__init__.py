@@ -1,7 +1,8 @@
 """Layer 1, the kernels: XLA FFI bindings of the native kernels, their pure-JAX references
 (:mod:`jaxcomp.ops.reference`) and portable XLA versions (:mod:`jaxcomp.ops.xla`).
 
-Imports nothing else of jaxcomp. The public functions are also ``jaxcomp.topk``, ``jaxcomp.zfp_encode``...
+Imports nothing else of jaxcomp. The public functions are also ``jaxcomp.topk``,
+``jaxcomp.zfp_encode``...
 """
 
 import pkgutil

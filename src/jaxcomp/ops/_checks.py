@@ -56,7 +56,8 @@ def float_array(x, name: str):
         )
     if n > MAX_ROW_LENGTH:
         raise ValueError(
-            f"{name}'s last dimension is {n}; jaxcomp indexes rows with int32, so at most {MAX_ROW_LENGTH}"
+            f"{name}'s last dimension is {n}; jaxcomp indexes rows with int32, so at most "
+            f"{MAX_ROW_LENGTH}"
         )
     return x
 
@@ -69,7 +70,8 @@ def static_int(value, name: str, lo: int, hi: int | None = None) -> int:
         value = operator.index(value)
     except TypeError:
         raise TypeError(
-            f"{name} must be a static Python integer (it fixes an output shape), got {type(value).__name__}"
+            f"{name} must be a static Python integer (it fixes an output shape), got "
+            f"{type(value).__name__}"
         ) from None
     if value < lo or (hi is not None and value > hi):
         bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
@@ -147,7 +149,8 @@ def check_flag(value, name: str) -> bool:
 
 
 def check_devices(n_devices, inner_size=None) -> int:
-    """``n_devices`` as an int >= 1 (and ``inner_size``, when given, dividing it), naming the argument.
+    """``n_devices`` as an int >= 1 (and ``inner_size``, when given, dividing it), naming the
+    argument.
 
     Example:
       >>> check_devices(8, 4)
@@ -248,6 +251,7 @@ def check_decode(words, n, rate, dtype):
     expected = row_words(n, rate)
     if words.ndim == 0 or words.shape[-1] != expected:
         raise ValueError(
-            f"words must have {expected} words in its last axis for n={n}, rate={rate}, got shape {words.shape}"
+            f"words must have {expected} words in its last axis for n={n}, rate={rate}, got shape "
+            f"{words.shape}"
         )
     return words, n, rate, dtype

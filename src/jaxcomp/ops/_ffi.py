@@ -51,8 +51,8 @@ class MissingCudaModuleError(RuntimeError):
 
 _INSTALL_CUDA = (
     "jaxcomp was built without its CUDA module, so its ops cannot run on a GPU. Rebuild it with "
-    "`pip install -Ccmake.define.JAXCOMP_CUDA=ON .` (CUDA 13 nvcc and jax[cuda13]; see docs/gpu.md), "
-    "or put the inputs on the CPU: jax.device_put(x, jax.devices('cpu')[0])."
+    "`pip install -Ccmake.define.JAXCOMP_CUDA=ON .` (CUDA 13 nvcc and jax[cuda13]; see "
+    "docs/gpu.md), or put the inputs on the CPU: jax.device_put(x, jax.devices('cpu')[0])."
 )
 
 # An identity on the operands of every jaxcomp op in builds without the CUDA module. Its lowering
@@ -92,7 +92,8 @@ def require_cuda_module(x):
 
 
 def varying_axes(x) -> frozenset:
-    """The mesh axes ``x`` is typed as varying over inside ``shard_map`` (empty without ``check_vma``)."""
+    """The mesh axes ``x`` is typed as varying over inside ``shard_map`` (empty without
+    ``check_vma``)."""
     aval = jax.typeof(x)
     vma = getattr(aval, "vma", None)  # the attribute's name before jax 0.10
     return frozenset(aval.mat.varying if vma is None else vma)
@@ -113,7 +114,8 @@ def like_varying(out, like):
 
 
 def like_varying_operands(outputs, operands):
-    """:func:`like_varying` for every output of an op, over the axes any of its operands varies over."""
+    """:func:`like_varying` for every output of an op, over the axes any of its operands varies
+    over."""
     axes = frozenset().union(*(varying_axes(x) for x in operands))
     manual = frozenset(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
 
@@ -172,23 +174,24 @@ def check_implementation(implementation):
     if isinstance(implementation, str) and implementation in IMPLEMENTATIONS:
         return implementation
     raise ValueError(
-        "implementation must be 'native', 'xla' or None (native where a native module serves the platform, "
-        f"else xla), got {implementation!r}"
+        "implementation must be 'native', 'xla' or None (native where a native module serves the "
+        f"platform, else xla), got {implementation!r}"
     )
 
 
 def _portable_message(platform):
     if platform == "cuda":
         how = (
-            "this jaxcomp was built without its CUDA module; for the native CUDA kernels rebuild it with "
-            "`pip install -Ccmake.define.JAXCOMP_CUDA=ON .` (CUDA 13 nvcc and jax[cuda13]; see docs/gpu.md)"
+            "this jaxcomp was built without its CUDA module; for the native CUDA kernels rebuild "
+            "it with `pip install -Ccmake.define.JAXCOMP_CUDA=ON .` (CUDA 13 nvcc and jax[cuda13]; "
+            "see docs/gpu.md)"
         )
     else:
         how = f"jaxcomp has native kernels for CPU and CUDA only, none for {platform!r}"
     return (
-        f"jaxcomp ops lowered for {platform!r} run their portable XLA implementation (jaxcomp.ops.xla: the same "
-        f"results as the native kernels, slower): {how}. Pass implementation='xla' to choose it explicitly "
-        "and silence this warning."
+        f"jaxcomp ops lowered for {platform!r} run their portable XLA implementation "
+        f"(jaxcomp.ops.xla: the same results as the native kernels, slower): {how}. Pass "
+        "implementation='xla' to choose it explicitly and silence this warning."
     )
 
 
@@ -261,10 +264,10 @@ def _not_differentiable(call, op):
         @op_call.defjvp
         def refuse(primals, tangents):
             raise TypeError(
-                f"{op} is not differentiable (its output selects or encodes values; neither its native kernel "
-                f"nor its XLA implementation defines a derivative). Its input carries a gradient here: wrap it "
-                f"in jax.lax.stop_gradient(x) if "
-                f"no gradient should flow through {op}, or differentiate the pure-JAX "
+                f"{op} is not differentiable (its output selects or encodes values; neither its "
+                "native kernel nor its XLA implementation defines a derivative). Its input carries "
+                "a gradient here: wrap it in jax.lax.stop_gradient(x) if no gradient should flow "
+                f"through {op}, or differentiate the pure-JAX "
                 f"jaxcomp.ops.reference.{op.split('.', 1)[1]} instead"
             )
 

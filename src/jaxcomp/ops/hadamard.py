@@ -1,7 +1,7 @@
 """The Walsh-Hadamard transform, and the cheap random streams of THC's quantizer.
 
-:func:`hadamard_transform` runs a native kernel on the CPU (``kernels/hadamard.h``: all log2(n) butterfly
-stages of a row in cache, about one pass over memory) and the same butterflies as XLA ops
+:func:`hadamard_transform` runs a native kernel on the CPU (``kernels/hadamard.h``: all log2(n)
+butterfly stages of a row in cache, about one pass over memory) and the same butterflies as XLA ops
 elsewhere (GPU, TPU); both compute the same floats in the same order, so they agree bit for bit.
 
 :func:`counter_uniform` and :func:`counter_signs` draw the quantizer's per-value randomness from a
@@ -33,7 +33,8 @@ def _check_rows(x, name="x"):
 
 
 def hadamard_reference(x):
-    """:func:`hadamard_transform` as XLA ops: log2(n) butterfly stages, in the native kernel's order.
+    """:func:`hadamard_transform` as XLA ops: log2(n) butterfly stages, in the native kernel's
+    order.
 
     Args:
       x: float array whose last axis has a power-of-two length.
@@ -70,8 +71,9 @@ def hadamard_transform(x, *, implementation=None):
     Args:
       x: float32, bfloat16 or float16 array; its last axis (the rows) has a power-of-two length.
         Leading axes are independent rows.
-      implementation: ``"native"`` (the CPU kernel; CPU only), ``"xla"`` (:func:`hadamard_reference`,
-        any platform, the same floats bit for bit) or ``None``: native on the CPU, xla elsewhere.
+      implementation: ``"native"`` (the CPU kernel; CPU only), ``"xla"``
+        (:func:`hadamard_reference`, any platform, the same floats bit for bit) or ``None``: native
+        on the CPU, xla elsewhere.
 
     Returns:
       float32 array of ``x``'s shape. Divide by ``sqrt(n)`` for the orthonormal transform.

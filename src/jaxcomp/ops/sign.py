@@ -2,7 +2,8 @@
 
 The op module of :class:`jaxcomp.methods.Sign`. The exact format (the zero convention, the
 order of the scale's sum) is in ``docs/kernels.md`` and ``kernels/sign.h``; the native kernels
-(CPU and CUDA) and the portable :mod:`jaxcomp.ops.xla` path give the same words and scales bit for bit.
+(CPU and CUDA) and the portable :mod:`jaxcomp.ops.xla` path give the same words and scales bit for
+bit.
 
 References:
   Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression Schemes",
@@ -94,9 +95,9 @@ def sign_pack(x, chunk=DEFAULT_CHUNK, *, implementation=None):
     Args:
       x: float32, bfloat16 or float16 array ``[..., n]``; leading axes are independent rows.
       chunk: static int ``>= 1``, values per scale.
-      implementation: ``"native"`` (the FFI kernel), ``"xla"`` (:mod:`jaxcomp.ops.xla`, any platform,
-        the same words and scales bit for bit) or ``None``: native where a native module serves
-        the platform, else xla with a warning.
+      implementation: ``"native"`` (the FFI kernel), ``"xla"`` (:mod:`jaxcomp.ops.xla`, any
+        platform, the same words and scales bit for bit) or ``None``: native where a native module
+        serves the platform, else xla with a warning.
 
     Returns:
       ``(words, scales)``: uint32 ``[..., ceil(n / 32)]`` and float32 ``[..., ceil(n / chunk)]``.
@@ -176,8 +177,8 @@ def sign_unpack(words, scales, n, chunk=DEFAULT_CHUNK, dtype=jnp.float32, *, imp
     expected = words.shape[:-1] + (-(-n // chunk),)
     if scales.shape != expected:
         raise ValueError(
-            f"scales must have shape {expected} (words' leading axes, then ceil(n / chunk) for n={n}, "
-            f"chunk={chunk}), got {scales.shape}"
+            f"scales must have shape {expected} (words' leading axes, then ceil(n / chunk) for "
+            f"n={n}, chunk={chunk}), got {scales.shape}"
         )
     call = _ffi.ffi_call(
         "jaxcomp_sign_unpack",

@@ -19,7 +19,8 @@ DEFAULT_ROUNDS = 16
 
 
 def _rows_call(target, x, result_shapes, **attrs):
-    """Calls ``target`` on ``x`` (any leading dims, passed in its own dtype) with int64 attributes."""
+    """Calls ``target`` on ``x`` (any leading dims, passed in its own dtype) with int64
+    attributes."""
     call = _ffi.ffi_call(target, result_shapes, vmap_method="broadcast_all")
     return call(x, **{name: np.int64(v) for name, v in attrs.items()})
 
@@ -64,9 +65,9 @@ def topk(x, k, *, implementation=None):
     Args:
       x: float32, bfloat16 or float16 array ``[..., n]``; leading axes are independent rows.
       k: static int, ``1 <= k <= n``.
-      implementation: ``"native"`` (the FFI kernel), ``"xla"`` (:mod:`jaxcomp.ops.xla`, any platform,
-        the same result bit for bit) or ``None``: native where a native module serves the platform,
-        else xla with a warning.
+      implementation: ``"native"`` (the FFI kernel), ``"xla"`` (:mod:`jaxcomp.ops.xla`, any
+        platform, the same result bit for bit) or ``None``: native where a native module serves the
+        platform, else xla with a warning.
 
     Returns:
       ``(values, indices)``, each ``[..., k]``: ``values`` keep sign and dtype, ``indices`` are

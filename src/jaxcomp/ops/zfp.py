@@ -47,8 +47,8 @@ def zfp_encode(x, rate, *, implementation=None):
     Args:
       x: float32, bfloat16 or float16 array ``[..., n]``; leading axes are independent rows.
       rate: static int in ``[1, 32]``, bits per value.
-      implementation: ``"native"`` (the FFI kernel), ``"xla"`` (:mod:`jaxcomp.ops.xla`, any platform,
-        the same words bit for bit) or ``None``: native where a native module serves the
+      implementation: ``"native"`` (the FFI kernel), ``"xla"`` (:mod:`jaxcomp.ops.xla`, any
+        platform, the same words bit for bit) or ``None``: native where a native module serves the
         platform, else xla with a warning.
 
     Returns:

@@ -174,7 +174,8 @@ def from_multisteps(multi_steps: optax.MultiSteps) -> optax.GradientTransformati
         or skip.__qualname__.split(".")[0] != "MultiSteps"
     ):
         raise ValueError(
-            "an optax.MultiSteps with should_skip_update_fn cannot be turned into jaxcomp.accumulate; "
-            "skip non-finite steps with jaxcomp.compress(..., nonfinite='skip') instead"
+            "an optax.MultiSteps with should_skip_update_fn cannot be turned into "
+            "jaxcomp.accumulate; skip non-finite steps with jaxcomp.compress(..., "
+            "nonfinite='skip') instead"
         )
     return accumulate(multi_steps.inner_opt, schedule, use_grad_mean=mean)

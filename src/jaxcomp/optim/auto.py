@@ -1,11 +1,13 @@
-"""``compress_auto``: error-feedback aggregation that picks the cheapest method as the network changes.
+"""``compress_auto``: error-feedback aggregation that picks the cheapest method as the network
+changes.
 
 It compiles one branch per candidate method (a ratio-tunable candidate once per candidate ratio
 when a :class:`RatioSearch` is given) and picks one per step with ``lax.switch`` on a traced
 index, so choices never recompile. Each branch's time is predicted with the α-β model
-(:func:`jaxcomp.costmodel.cost.sync_seconds`: message steps times α plus bytes times β, the same formula
-:func:`jaxcomp.costmodel.cost.choose` uses on the host) plus the branch's measured local work, on the
-network in its :class:`AutoState`.
+(:func:`jaxcomp.costmodel.cost.sync_seconds`: message steps times α plus bytes times β, the same
+formula
+:func:`jaxcomp.costmodel.cost.choose` uses on the host) plus the branch's measured local work, on
+the network in its :class:`AutoState`.
 """
 
 from __future__ import annotations
@@ -43,13 +45,13 @@ class RatioSearch:
     """Paper 000 §3-E's search for the compression ratio, for :func:`compress_auto`.
 
     Candidate ratios from ``ratio_range`` spaced by ``factor``
-    (:func:`jaxcomp.costmodel.ratio_choice.candidate_ratios`); an exploration runs each for ``explore_steps``
-    steps (highest density first) measuring the compression gain, then keeps the knee of
-    (local work, predicted communication, 1 / gain) (:func:`jaxcomp.costmodel.ratio_choice.knee`); a new
-    exploration starts when the mean gain of the last ``explore_steps`` steps moves by 10%, and
-    a moved network re-chooses from the stored measurements. Every candidate with a ratio
-    (:meth:`jaxcomp.methods.Method.with_ratio`) runs at the searched ratios; its own ratio is not
-    used.
+    (:func:`jaxcomp.costmodel.ratio_choice.candidate_ratios`); an exploration runs each for
+    ``explore_steps`` steps (highest density first) measuring the compression gain, then keeps the
+    knee of (local work, predicted communication, 1 / gain)
+    (:func:`jaxcomp.costmodel.ratio_choice.knee`); a new exploration starts when the mean gain of
+    the last ``explore_steps`` steps moves by 10%, and a moved network re-chooses from the stored
+    measurements. Every candidate with a ratio (:meth:`jaxcomp.methods.Method.with_ratio`) runs at
+    the searched ratios; its own ratio is not used.
 
     Args:
       ratio_range: ``(low, high)`` densities, default ``(0.001, 0.1)``.
@@ -140,12 +142,14 @@ class _Plan:
         self.tunable_branch[branches.table[self.tunable_rows].ravel()] = True
 
     def sync_per_ratio(self, comm):
-        """Predicted communication seconds of each candidate ratio by its cheapest tunable candidate."""
+        """Predicted communication seconds of each candidate ratio by its cheapest tunable
+        candidate."""
         comm = jnp.where(jnp.isfinite(comm), comm, 0.0)  # no network yet: time counts as flat
         return jnp.min(comm[self.b.table[self.tunable_rows, :]], axis=0)
 
     def decide(self, auto: AutoState, step):
-        """Re-decides when due; returns (new AutoState, branch to run, predicted comm seconds per branch)."""
+        """Re-decides when due; returns (new AutoState, branch to run, predicted comm seconds per
+        branch)."""
         known = jnp.all(jnp.isfinite(auto.network))
         moved = jnp.any(
             ratio_choice.moved(auto.decided, auto.network, NETWORK_TOLERANCE, jnp)
@@ -164,7 +168,8 @@ class _Plan:
                 due & moved, ratio_choice.ratio_redecide(ratio, self.sync_per_ratio(comm)), ratio
             )
             r = ratio.index
-            # While exploring, a tunable candidate competes at its lowest density: could it pay at all?
+            # While exploring, a tunable candidate competes at its lowest density: could it pay at
+            # all?
             r_judge = jnp.where(ratio.exploring, len(self.search.ratios) - 1, r)
         else:
             r = r_judge = 0
@@ -213,9 +218,9 @@ def compress_auto(
 
     One branch per candidate (per candidate and ratio with ``ratio_search``) is compiled once; a
     traced index picks one per step (``lax.switch``). The choice is the least predicted time,
-    :func:`jaxcomp.costmodel.cost.sync_seconds` of each branch's message steps and bytes on the network in
-    the state, plus its measured local work; it is re-made every ``decide_every`` steps and at
-    once when the network moves by :data:`NETWORK_TOLERANCE` (10%) or more. The network comes
+    :func:`jaxcomp.costmodel.cost.sync_seconds` of each branch's message steps and bytes on the
+    network in the state, plus its measured local work; it is re-made every ``decide_every`` steps
+    and at once when the network moves by :data:`NETWORK_TOLERANCE` (10%) or more. The network comes
     from ``network=``, :func:`set_network`, or :func:`jaxcomp.data_parallel`, whose ``init``
     probes the mesh (and ``reprobe`` measures it again); until one is known, the first candidate
     runs. All branches share one residual, which stays exact across switches: it always holds
@@ -273,8 +278,8 @@ def compress_auto(
     decide_every = _checks.static_int(decide_every, "decide_every", 1)
     if network is not None and not isinstance(network, cost.Network):
         raise TypeError(
-            f"network must be a jaxcomp.costmodel.cost.Network (e.g. jaxcomp.probe_network(mesh, axis)) or None, "
-            f"got {type(network).__name__}"
+            "network must be a jaxcomp.costmodel.cost.Network (e.g. jaxcomp.probe_network(mesh, "
+            f"axis)) or None, got {type(network).__name__}"
         )
     branches = _Branches.of(candidates, ratios)
     keeps_residual = config.error_feedback and not all(m.sends_everything for m in branches.methods)
@@ -367,8 +372,8 @@ def _check_candidates(candidates, axes) -> tuple[Method, ...]:
         m.check_axes(axes)
         if not m.replicated_total:
             raise ValueError(
-                f"candidate {m.describe()} returns a total typed varying, and compress_auto's branches "
-                f"must agree on replicated totals; leave it out (for Zfp: algorithm='ring')"
+                f"candidate {m.describe()} returns a total typed varying, and compress_auto's "
+                "branches must agree on replicated totals; leave it out (for Zfp: algorithm='ring')"
             )
     return candidates
 
@@ -425,7 +430,8 @@ def compress_auto_shorthand(
     """
     if k is not None:
         raise ValueError(
-            "method 'auto' sizes top-k by ratio= (its cost model is per ratio); pass ratio= instead of k="
+            "method 'auto' sizes top-k by ratio= (its cost model is per ratio); pass ratio= "
+            "instead of k="
         )
     search, ratio = _ratio_search_of(ratio, adaptive_ratio, ratio_range, explore_steps)
     axes = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
@@ -464,7 +470,8 @@ def _ratio_search_of(ratio, adaptive_ratio, ratio_range, explore_steps):
         for name, value in (("ratio_range", ratio_range), ("explore_steps", explore_steps)):
             if value is not None:
                 raise ValueError(
-                    f"{name}= applies with adaptive_ratio=True only; remove it or set adaptive_ratio=True"
+                    f"{name}= applies with adaptive_ratio=True only; remove it or set "
+                    "adaptive_ratio=True"
                 )
         return None, ratio
     if ratio is not None:
@@ -477,7 +484,8 @@ def _ratio_search_of(ratio, adaptive_ratio, ratio_range, explore_steps):
 
 
 def _candidate_names(candidates, settings: dict, two_axes: bool) -> list[str]:
-    """The shorthand's candidate names: given, or :func:`jaxcomp.methods.candidates` of the settings."""
+    """The shorthand's candidate names: given, or :func:`jaxcomp.methods.candidates` of the
+    settings."""
     if candidates is None:
         picked = methods.candidates(
             ratio=settings.get("ratio"),
@@ -535,7 +543,8 @@ def auto_branches(opt_state) -> list[list[Method]]:
       ['dense', 'allgather_topk(0.01)']
 
     References:
-      Tyagi & Swany, arXiv 2312.02493, §3-D and §3-E (the candidates flexible communication picks from).
+      Tyagi & Swany, arXiv 2312.02493, §3-D and §3-E (the candidates flexible communication picks
+      from).
     """
     return [list(state.methods) for state in compress_states(opt_state) if state.auto is not None]
 
@@ -549,7 +558,8 @@ def set_network(opt_state, network: cost.Network, overhead=None):
 
     Args:
       opt_state: an optimizer state holding one or more :class:`jaxcomp.CompressState`.
-      network: the :class:`jaxcomp.costmodel.cost.Network`, e.g. ``jaxcomp.probe_network(mesh, "data")``.
+      network: the :class:`jaxcomp.costmodel.cost.Network`, e.g.
+        ``jaxcomp.probe_network(mesh, "data")``.
       overhead: optional seconds of local work per branch: a sequence in :func:`auto_branches`
         order, a dict keyed by branch method or by label (``{"zfp": 0.01}``; missing branches keep
         theirs), or a function ``method -> seconds``. Kept as they are when None.

@@ -173,7 +173,8 @@ def compress(
     warmup = warmup_stage.warmup_length(method, warmup_steps)
     momentum_stage.check(method, config.momentum)
     warmup_stage.check_switchable(method, warmup)
-    # The methods the state records: with a warm-up, dense first (the `method` metric says which ran).
+    # The methods the state records: with a warm-up, dense first (the `method` metric says which
+    # ran).
     branches = warmup_stage.branches(method, warmup)
     keeps_residual = config.error_feedback and not method.sends_everything
     # A method that returns its (indices, values) has the residual taken off in place, never a

@@ -389,7 +389,8 @@ def _check_updates_fit_state(updates, state):
     """Gradients shaped like the params ``init`` saw, and at least one value to aggregate."""
     if not isinstance(state, CompressState):
         raise TypeError(
-            f"state must be the CompressState that compress's init returns, got {type(state).__name__}"
+            "state must be the CompressState that compress's init returns, got "
+            f"{type(state).__name__}"
         )
     leaves, treedef = jax.tree.flatten_with_path(updates)
     try:
@@ -407,8 +408,9 @@ def _check_updates_fit_state(updates, state):
             and leaf.shape != residual.shape
         ):
             raise ValueError(
-                f"updates{jax.tree_util.keystr(path)} has shape {leaf.shape}, but compress was initialized with a "
-                f"param of shape {residual.shape} there: pass the gradients of the params given to init"
+                f"updates{jax.tree_util.keystr(path)} has shape {leaf.shape}, but compress was "
+                f"initialized with a param of shape {residual.shape} there: pass the gradients of "
+                "the params given to init"
             )
     if floats and sum(leaf.size for _, leaf, _ in floats) == 0:
         raise ValueError(
@@ -422,8 +424,8 @@ def _bound_axis_size(axis_name) -> int:
         return jax.lax.axis_size(axis_name)
     except NameError:
         raise ValueError(
-            f"compress(axis_name={axis_name!r}): update must run inside jax.shard_map over a mesh with axis "
-            f"{axis_name!r} (or use jaxcomp.data_parallel); no such axis is bound here"
+            f"compress(axis_name={axis_name!r}): update must run inside jax.shard_map over a mesh "
+            f"with axis {axis_name!r} (or use jaxcomp.data_parallel); no such axis is bound here"
         ) from None
 
 
@@ -436,15 +438,16 @@ def _check_local_gradients(c: FeedbackConfig, leaves):
     for leaf in leaves:
         if not set(c.axes) <= _ffi.varying_axes(leaf):
             raise ValueError(
-                f"compress got gradients that are replicated over {c.axis_name!r}: jax.grad of replicated "
-                "params inside shard_map already all-reduced them densely, before compression. Cast the "
-                f"params first: params = jax.lax.pcast(params, {c.axis_name!r}, to='varying') (or use "
-                "jaxcomp.data_parallel, which does this)."
+                f"compress got gradients that are replicated over {c.axis_name!r}: jax.grad of "
+                "replicated params inside shard_map already all-reduced them densely, before "
+                "compression. Cast the params first: params = jax.lax.pcast(params, "
+                f"{c.axis_name!r}, to='varying') (or use jaxcomp.data_parallel, which does this)."
             )
 
 
 def _comm_dtype(leaves):
-    """The dtype the collectives carry: the gradients' own when they share a 16-bit float, else f32."""
+    """The dtype the collectives carry: the gradients' own when they share a 16-bit float, else
+    f32."""
     dtypes = {jnp.dtype(leaf.dtype) for leaf in leaves}
     if len(dtypes) == 1 and dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}:
         return dtypes.pop()
@@ -452,9 +455,9 @@ def _comm_dtype(leaves):
 
 
 def _shards(c: FeedbackConfig, branches, n_devices: int) -> int | None:
-    """With :func:`jaxcomp.optim.sharding.sharded_updates` in force, the shards per leaf (after checking
-    that they are the devices ``c.axes`` reduce over and that every method can reduce-scatter);
-    else None."""
+    """With :func:`jaxcomp.optim.sharding.sharded_updates` in force, the shards per leaf (after
+    checking that they are the devices ``c.axes`` reduce over and that every method can
+    reduce-scatter); else None."""
     active = sharding.active()
     if active is None:
         return None

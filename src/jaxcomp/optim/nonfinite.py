@@ -28,12 +28,13 @@ __all__ = [
 
 
 def skipped_update(opt_state):
-    """Whether the step that made ``opt_state`` was skipped by a ``compress(nonfinite="skip"|"raise")``.
+    """Whether the step that made ``opt_state`` was skipped by a
+    ``compress(nonfinite="skip"|"raise")``.
 
     Read it inside the step, after ``tx.update``: a traced boolean, identical on every device (it
     comes from the ``nonfinite`` metric, a sum over the devices), or ``None`` when no
-    :class:`jaxcomp.CompressState` in ``opt_state`` can skip (none, or all with ``nonfinite="zero"``),
-    so callers add no work then.
+    :class:`jaxcomp.CompressState` in ``opt_state`` can skip (none, or all with
+    ``nonfinite="zero"``), so callers add no work then.
 
     Args:
       opt_state: the optimizer state ``tx.update`` returned.
@@ -60,7 +61,8 @@ def skipped_update(opt_state):
 
 
 def keep_if_skipped(skipped, old_state, new_state):
-    """``new_state`` where the step ran, ``old_state`` where it was skipped; CompressStates stay new.
+    """``new_state`` where the step ran, ``old_state`` where it was skipped; CompressStates stay
+    new.
 
     A compress skips its own state (residual, step, ``compress_auto``'s choices) and reports the
     step in its metrics, so its new state is right either way.

@@ -74,7 +74,8 @@ def pack(parts, shards, row_length):
 
 
 def pieces(leaves, positions, vector, shards):
-    """``(i, flat piece)`` of ``vector`` for each leaf ``i`` at ``positions``: the inverse of :func:`pack`.
+    """``(i, flat piece)`` of ``vector`` for each leaf ``i`` at ``positions``: the inverse
+    of :func:`pack`.
 
     Args:
       leaves: the update's leaves.

@@ -1,4 +1,5 @@
-"""Sharded updates (ZeRO-style): the layout of a leaf's shards and the switch :func:`compress` reads.
+"""Sharded updates (ZeRO-style): the layout of a leaf's shards and the switch :func:`compress`
+reads.
 
 With ``jaxcomp.data_parallel(..., shard="optimizer" | "params")`` every device owns one ``1/N``
 shard of each parameter leaf: the leaf is flattened, zero-padded to ``N * m`` values with
@@ -125,7 +126,8 @@ def shard_length(size: int, n_devices: int) -> int:
 
 
 def shard_of(leaf, n_devices: int, index):
-    """Device ``index``'s shard of ``leaf``: ``shard_length`` values of its flattened, zero-padded form.
+    """Device ``index``'s shard of ``leaf``: ``shard_length`` values of its flattened, zero-padded
+    form.
 
     Args:
       leaf: an array (the whole leaf).

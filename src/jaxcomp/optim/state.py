@@ -89,7 +89,8 @@ def init_metrics() -> CompressMetrics:
 
 
 def find_compress_state(opt_state) -> CompressState | None:
-    """The first :class:`CompressState` inside an optimizer state (e.g. an ``optax.chain``'s), or None.
+    """The first :class:`CompressState` inside an optimizer state (e.g. an ``optax.chain``'s), or
+    None.
 
     Args:
       opt_state: any optax state pytree.

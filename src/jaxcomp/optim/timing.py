@@ -22,7 +22,8 @@ from jaxcomp.optim.compression import compress
 
 
 def update_seconds(method, params, *, repeats: int = 3, **options) -> float:
-    """Seconds ``jaxcomp.compress(method)``'s whole update spends on this process beyond a dense one.
+    """Seconds ``jaxcomp.compress(method)``'s whole update spends on this process beyond a dense
+    one.
 
     Every local device runs the update at once, inside ``shard_map`` over a mesh of this
     process's devices with extra axes of size 1 that ``compress`` reduces over (as many as the

@@ -15,12 +15,14 @@ import collections
 
 import jax
 
-#: Steps :attr:`DataParallel.step` lets run ahead of the host by default (see :func:`data_parallel`).
+#: Steps :attr:`DataParallel.step` lets run ahead of the host by default
+#: (see :func:`data_parallel`).
 DEFAULT_MAX_STEPS_IN_FLIGHT = 8
 
 
 class BoundedStep:
-    """A jitted step that blocks on step ``t - max_in_flight``'s output before dispatching step ``t``.
+    """A jitted step that blocks on step ``t - max_in_flight``'s output before dispatching step
+    ``t``.
 
     See the module's docstring for why. Every other attribute (``lower``, ``trace``, ...) is the
     jitted function's.

@@ -51,7 +51,8 @@ class Layout:
     # -- what tx sees: the whole params, or this device's shards of them -------------------------
 
     def shard_avals(self, avals):
-        """The avals of one device's shards of ``avals`` (1-D, :func:`jaxcomp.optim.sharding.shard_length`)."""
+        """The avals of one device's shards of ``avals``
+        (1-D, :func:`jaxcomp.optim.sharding.shard_length`)."""
         return jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(
                 (sharding.shard_length(math.prod(a.shape), self.n_devices),), a.dtype
@@ -122,17 +123,17 @@ class Layout:
             and counts != {self.n_devices}
         ):
             raise ValueError(
-                f"state.params are shards for {counts.pop()} devices, but this data_parallel shards over "
-                f"{self.n_devices}: a sharded state restores onto the same number of devices only. Its "
-                "error-feedback residuals are per device and cannot be re-split exactly; to move to another "
-                "mesh, gather the params with params(state) on the old one and init anew (the optimizer state "
-                "and residuals start over)"
+                f"state.params are shards for {counts.pop()} devices, but this data_parallel "
+                f"shards over {self.n_devices}: a sharded state restores onto the same number of "
+                "devices only. Its error-feedback residuals are per device and cannot be re-split "
+                "exactly; to move to another mesh, gather the params with params(state) on the old "
+                "one and init anew (the optimizer state and residuals start over)"
             )
         if all(len(a.shape) == 2 and a.shape[0] == self.n_devices for a in leaves):
             raise ValueError(
-                "these are sharded params (shard='params'): call init(params) or state_sharding(params) of "
-                "this data_parallel with the whole params first (e.g. before restoring a checkpoint), so that "
-                "it knows each leaf's shape"
+                "these are sharded params (shard='params'): call init(params) or "
+                "state_sharding(params) of this data_parallel with the whole params first (e.g. "
+                "before restoring a checkpoint), so that it knows each leaf's shape"
             )
 
     def remember_shapes(self, avals):
@@ -187,9 +188,10 @@ class Layout:
         )
         if not self._fits(state_def, mask, state.opt_state, expected):
             raise ValueError(
-                "state.opt_state does not fit state.params: it was made for other params (or by another tx, "
-                "or by a data_parallel with another shard= or mesh). Build the state with init(params) of this "
-                f"data_parallel, and keep params and opt_state together; expected opt_state of structure {state_def}"
+                "state.opt_state does not fit state.params: it was made for other params (or by "
+                "another tx, or by a data_parallel with another shard= or mesh). Build the state "
+                "with init(params) of this data_parallel, and keep params and opt_state together; "
+                f"expected opt_state of structure {state_def}"
             )
         return avals
 
@@ -209,7 +211,8 @@ class Layout:
     # -- the initial state ---------------------------------------------------------------------
 
     def initial_state(self, params):
-        """The initial :class:`TrainState` of replicated ``params`` (traced, e.g. under ``jax.jit``)."""
+        """The initial :class:`TrainState` of replicated ``params`` (traced, e.g. under
+        ``jax.jit``)."""
         avals = avals_of(params)
         state_def, mask = self.per_device_mask(avals)
         specs = self.state_specs(avals)

@@ -116,7 +116,8 @@ def _check_updates(layout, found, shard_avals):
 def _needs_compress(layout, found) -> ValueError:
     """The error for a sharded run whose ``tx`` does not begin with a compress on the data axes."""
     return ValueError(
-        f"with shard={layout.shard!r}, tx must begin with jaxcomp.compress (or compress_auto) on the data axes, "
-        f"e.g. optax.chain(jaxcomp.compress('dense', axis_name={layout.axis_name!r}), optax.adam(1e-3)): it hands "
-        f"the rest of the chain each device's shard of the aggregated gradient; {found}"
+        f"with shard={layout.shard!r}, tx must begin with jaxcomp.compress (or compress_auto) on "
+        "the data axes, e.g. optax.chain(jaxcomp.compress('dense', "
+        f"axis_name={layout.axis_name!r}), optax.adam(1e-3)): it hands the rest of the chain each "
+        f"device's shard of the aggregated gradient; {found}"
     )

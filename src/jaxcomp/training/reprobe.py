@@ -1,4 +1,5 @@
-"""Measuring the network again during training and handing it to ``compress_auto``: :func:`remeasure`.
+"""Measuring the network again during training and handing it to
+``compress_auto``: :func:`remeasure`.
 
 :meth:`jaxcomp.training.trainer.DataParallel.init` calls it when a :func:`jaxcomp.compress_auto`
 has no ``network=``; a training loop calls :meth:`~jaxcomp.training.trainer.DataParallel.reprobe`
@@ -39,7 +40,8 @@ def probe_axis(layout):
 
 
 def remeasure(layout, state, *, codec: bool = True, **probe_options):
-    """Measures the network (and each branch's local work) again and hands them to ``compress_auto``.
+    """Measures the network (and each branch's local work) again and hands them to
+    ``compress_auto``.
 
     Args:
       layout: the run's :class:`jaxcomp.training.layout.Layout`.

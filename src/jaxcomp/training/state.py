@@ -90,9 +90,10 @@ def check_params(params):
         dtype = jnp.result_type(leaf)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(
-                f"params{jax.tree_util.keystr(path)} has dtype {dtype}: data_parallel differentiates every leaf "
-                "of params, so each must be floating point. Keep integer or boolean state (counters, masks, "
-                "tables) out of params: close over it in loss_fn or pass it in the batch"
+                f"params{jax.tree_util.keystr(path)} has dtype {dtype}: data_parallel "
+                "differentiates every leaf of params, so each must be floating point. Keep integer "
+                "or boolean state (counters, masks, tables) out of params: close over it in "
+                "loss_fn or pass it in the batch"
             )
     if sum(math.prod(np.shape(leaf)) for _, leaf in leaves) == 0:
         raise ValueError(

@@ -1,4 +1,5 @@
-"""One step of :func:`jaxcomp.data_parallel` on every device: :func:`train_step`, a pipeline of stages.
+"""One step of :func:`jaxcomp.data_parallel` on every device: :func:`train_step`, a pipeline of
+stages.
 
 The step is one ``jax.shard_map`` over the data axes (``jax.jit`` around it is the caller's).
 Inside it, the replicated params are cast to *varying* before ``jax.grad``, so each device
@@ -106,7 +107,8 @@ def _check_batch(batch, n_devices, axis_name):
                 f"{n_devices} devices of {axis_name!r}, got shape {leaf.shape}"
             )
         if leaf.shape[0] == 0:
-            # An empty shard makes the mean loss NaN on every device: the step would train on nothing.
+            # An empty shard makes the mean loss NaN on every device: the step would train on
+            # nothing.
             raise ValueError(
                 f"batch is empty (a leaf of shape {leaf.shape}): every device needs at least "
                 "one example"

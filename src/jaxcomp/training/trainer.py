@@ -1,4 +1,5 @@
-"""Data-parallel training with a compressing optax chain: :func:`data_parallel` and :class:`DataParallel`.
+"""Data-parallel training with a compressing optax chain: :func:`data_parallel`
+and :class:`DataParallel`.
 
 The step is one ``jax.jit`` around one ``jax.shard_map`` over the data axis, in which each device
 differentiates its own batch shard and nothing is all-reduced until :func:`jaxcomp.compress` runs
@@ -74,7 +75,8 @@ class DataParallel:
         """The :class:`TrainState` of ``NamedSharding`` s that :meth:`init` lays the state out with.
 
         Args:
-          params: the whole params (arrays or ``jax.ShapeDtypeStruct``), also with ``shard="params"``.
+          params: the whole params (arrays or ``jax.ShapeDtypeStruct``), also with
+            ``shard="params"``.
 
         Returns:
           A :class:`TrainState` pytree of ``jax.sharding.NamedSharding``, e.g. for restoring a
@@ -118,7 +120,8 @@ class DataParallel:
         multi_process = jax.process_count() > 1
 
         def host_value(x):
-            # jit reads numpy as "the same on every process"; a process-local jax.Array would not be.
+            # jit reads numpy as "the same on every process"; a process-local jax.Array would not
+            # be.
             if multi_process and isinstance(x, jax.Array) and x.is_fully_addressable:
                 return np.asarray(x)
             if not multi_process and isinstance(x, jax.Array):
@@ -171,12 +174,13 @@ class DataParallel:
         )(state.params)
 
     def reprobe(self, state: TrainState, *, codec: bool = True, **probe_options) -> TrainState:
-        """Measures the network (and each branch's local work) again and hands them to ``compress_auto``.
+        """Measures the network (and each branch's local work) again and hands them to
+        ``compress_auto``.
 
-        :meth:`init` calls it when a :func:`jaxcomp.compress_auto` has no ``network=``. Call it from every
-        process, between steps, as often as the network may change (say every few hundred
-        steps); ``compress_auto`` re-decides at its next step when latency or bandwidth moved by 10% or
-        more. The first axis of ``axis_name`` with 2 or more devices is probed (the slow one
+        :meth:`init` calls it when a :func:`jaxcomp.compress_auto` has no ``network=``. Call it from
+        every process, between steps, as often as the network may change (say every few hundred
+        steps); ``compress_auto`` re-decides at its next step when latency or bandwidth moved by 10%
+        or more. The first axis of ``axis_name`` with 2 or more devices is probed (the slow one
         for ``("node", "device")``); with a single device :meth:`init` does not probe.
 
         Args:
@@ -238,11 +242,11 @@ class DataParallel:
             state = args[0] if args else None
             step = int(local_copy(state.step)) if isinstance(state, TrainState) else "?"
             raise FloatingPointError(
-                f"step {step}: the gradients held {count:.0f} non-finite entries (NaN or ±Inf), summed over the "
-                "devices, and tx's compress has nonfinite='raise'. The update was skipped on every device and "
-                "the state you passed to this step is intact. Find the cause (learning rate, loss scale, a bad "
-                "batch), or pass nonfinite='skip' (skip such steps) or 'zero' (drop those entries) to "
-                "jaxcomp.compress"
+                f"step {step}: the gradients held {count:.0f} non-finite entries (NaN or ±Inf), "
+                "summed over the devices, and tx's compress has nonfinite='raise'. The update was "
+                "skipped on every device and the state you passed to this step is intact. Find the "
+                "cause (learning rate, loss scale, a bad batch), or pass nonfinite='skip' (skip "
+                "such steps) or 'zero' (drop those entries) to jaxcomp.compress"
             )
 
 
@@ -276,7 +280,8 @@ def data_parallel(
         ``jax.distributed``).
       axis_name: the data axis, or a tuple of mesh axes (e.g. ``("node", "device")`` for
         ``"hierarchical_topk"``); the batch is split over all of them.
-      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (averaged over devices) goes to the metrics.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (averaged over devices) goes to the
+        metrics.
       max_steps_in_flight: how many dispatched steps may still be running when ``step`` returns
         (default 8): before dispatching step ``t``, ``step`` waits for step ``t - 8`` to finish.
         JAX dispatches asynchronously, and a loop that never reads a result on 8 virtual CPU
@@ -287,16 +292,16 @@ def data_parallel(
         ``None`` (default): params and optimizer state replicated, the gradient all-reduced.
         ``"optimizer"`` (ZeRO-1/2): ``compress`` ends with a reduce-scatter, so each device
         receives only its ``1/N`` shard of the aggregated gradient
-        (:func:`jaxcomp.optim.sharding.shard_of`: leaves flattened and split evenly), the rest of ``tx``
-        updates that shard with optimizer state of ``1/N`` the size, and the updated shards are
-        all-gathered into the replicated params. ``"params"`` (ZeRO-3 / FSDP): the params are
-        stored sharded too (``state.params``: each leaf's shards, ``[N, m]``; :meth:`DataParallel.params`
-        gathers them) and all-gathered leaf by leaf for each step's forward pass. The method must
-        have a reduce-scatter form (:attr:`jaxcomp.Method.scatters`: Dense, Cast, Zfp ring,
-        Quantized, TopK allgather/ar); the error-feedback residual stays per device and whole.
-        The rest of ``tx`` sees 1-D shards: elementwise optimizers (sgd, adam, adamw, lion, ...)
-        are exact; a transformation that reduces over a whole leaf or tree (e.g.
-        ``clip_by_global_norm``) would see one shard only.
+        (:func:`jaxcomp.optim.sharding.shard_of`: leaves flattened and split evenly), the rest of
+        ``tx`` updates that shard with optimizer state of ``1/N`` the size, and the updated shards
+        are all-gathered into the replicated params. ``"params"`` (ZeRO-3 / FSDP): the params are
+        stored sharded too (``state.params``: each leaf's shards,
+        ``[N, m]``; :meth:`DataParallel.params` gathers them) and all-gathered leaf by leaf for each
+        step's forward pass. The method must have a reduce-scatter form
+        (:attr:`jaxcomp.Method.scatters`: Dense, Cast, Zfp ring, Quantized, TopK allgather/ar); the
+        error-feedback residual stays per device and whole. The rest of ``tx`` sees 1-D shards:
+        elementwise optimizers (sgd, adam, adamw, lion, ...) are exact; a transformation that
+        reduces over a whole leaf or tree (e.g. ``clip_by_global_norm``) would see one shard only.
       gather_dtype: with ``shard="params"``, the dtype the params travel in when gathered for the
         forward pass, e.g. ``jnp.bfloat16`` (ZeRO++'s quantized weights: half the bytes; the
         forward and backward passes see the rounded params, the exact ones stay in the owner's
@@ -309,9 +314,9 @@ def data_parallel(
       ``compress``: a step its ``nonfinite="skip"`` skips keeps the params and the whole optimizer
       state, and with ``nonfinite="raise"`` ``step`` raises ``FloatingPointError``; each
       metric is this process's copy, so a loop can log it on every process) and
-      ``shard_batch(local_rows)`` for multi-process runs; with ``shard=``, ``metrics["gather_bytes"]``
-      is what one device sends in the step's all-gather of the params (``bytes_sent`` is the
-      gradient's reduce-scatter). ``batch`` is a pytree whose leading axis
+      ``shard_batch(local_rows)`` for multi-process runs; with ``shard=``,
+      ``metrics["gather_bytes"]`` is what one device sends in the step's all-gather of the params
+      (``bytes_sent`` is the gradient's reduce-scatter). ``batch`` is a pytree whose leading axis
       is the global batch. ``params(state)`` gives the whole params (gathered with
       ``shard="params"``), ``state_sharding(params)`` and ``state_shapes(params)`` the layout for
       restoring a checkpoint.

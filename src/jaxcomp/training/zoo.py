@@ -24,7 +24,8 @@ The parameters are real; the batches are random and small so that a CPU step sta
 GPT-2 reads ``seq_len`` tokens (default 64, not 1024) and ResNet-50 ``image_size`` square RGB
 images (default 64x64, not 224x224). Parameter shapes do not depend on either.
 
-flax is imported by :func:`build`, not by this module (``import jaxcomp.training.zoo`` loads no JAX).
+flax is imported by :func:`build`, not by this module (``import jaxcomp.training.zoo`` loads no
+JAX).
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ class Model:
     Attributes:
       name: the zoo name (one of :data:`NAMES`).
       description: one line saying what the model is and what a batch holds.
-      params: the trained parameters (flax's ``"params"`` collection, key 0); ``jax.ShapeDtypeStruct``
-        leaves when built with ``abstract=True``.
+      params: the trained parameters (flax's ``"params"`` collection, key 0);
+        ``jax.ShapeDtypeStruct`` leaves when built with ``abstract=True``.
       loss_fn: ``loss_fn(params, batch) -> scalar``: the module's forward pass and its loss.
       make_batch: ``make_batch(rng, batch_size) -> dict`` of numpy arrays, one host's batch
         (``rng`` a ``numpy.random.Generator``).
@@ -293,7 +294,8 @@ def _gpt2(*, seq_len, **_):
 
 
 def _resnet50_module():
-    """ResNet-50 v1.5 (torchvision's layout: stride on the 3x3 conv, convs without bias) in flax.linen."""
+    """ResNet-50 v1.5 (torchvision's layout: stride on the 3x3 conv, convs without bias) in
+    flax.linen."""
     import functools
 
     import flax.linen as nn

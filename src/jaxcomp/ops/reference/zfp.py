@@ -3,8 +3,9 @@
 Written for clarity, vectorized over blocks: every block of every row is one entry of a
 ``[blocks, 4]`` array, the bit-plane coder is a loop over the 32 planes carrying each block's
 state, and each block's bits are assembled into a ``[blocks, 128]`` array of 0/1 (the first
-``4 * rate`` are the block) that is finally packed into uint32 words. Floating-point values are handled as their integer bits:
-XLA on CPU flushes denormals, and the format is defined on the exact values.
+``4 * rate`` are the block) that is finally packed into uint32 words. Floating-point values are
+handled as their integer bits: XLA on CPU flushes denormals, and the format is defined on the exact
+values.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ _PLANE_STEPS = 9
 
 
 def _padded_block_index(n):
-    """Indices into a row of n values that make ``ceil(n / 4)`` blocks, padded like zfp's pad_block."""
+    """Indices into a row of n values that make ``ceil(n / 4)`` blocks, padded like zfp's
+    pad_block."""
     index = np.arange(-(-n // 4) * 4).reshape(-1, 4)
     valid = n - 4 * (index.shape[0] - 1)  # values in the last block
     last = index[-1].copy()
@@ -143,7 +145,8 @@ class _BitStreams:
 
     @staticmethod
     def write(stream, pos, bit, enabled):
-        """Puts ``bit`` at each block's ``pos`` where ``enabled``; returns the stream and new pos."""
+        """Puts ``bit`` at each block's ``pos`` where ``enabled``; returns the stream and new
+        pos."""
         blocks, length = stream.shape
         target = jnp.where(enabled, pos, length)  # out of range: dropped
         stream = stream.at[jnp.arange(blocks), target].set(bit.astype(stream.dtype), mode="drop")
@@ -264,7 +267,8 @@ def _decode_planes(stream, pos, bits):
 
 
 def _pack_words(bit_rows):
-    """[rows, bits] of 0/1 -> [rows, ceil(bits / 32)] uint32, bit j in word j // 32 at bit j % 32."""
+    """[rows, bits] of 0/1 -> [rows, ceil(bits / 32)] uint32, bit j in word j // 32 at bit j %
+    32."""
     rows, length = bit_rows.shape
     words = -(-length // 32)
     bit_rows = jnp.pad(bit_rows.astype(jnp.uint32), ((0, 0), (0, words * 32 - length)))
@@ -289,7 +293,8 @@ def _pad_blocks(array, blocks):
 
 @functools.partial(jax.jit, static_argnames="rate")
 def _split_blocks(x, rate):
-    """[..., n] floats -> ([bucket, 4] float bits, [bucket] exponent keys), padded with zero blocks."""
+    """[..., n] floats -> ([bucket, 4] float bits, [bucket] exponent keys), padded with zero
+    blocks."""
     n = x.shape[-1]
     values = _float_bits(x.reshape(-1, n))[:, _padded_block_index(n)]
     values = values.reshape(values.shape[0], -1, 4)
@@ -304,7 +309,8 @@ def _split_blocks(x, rate):
 
 @jax.jit
 def _encode_blocks(values, max_key, rate):
-    """Each block's bits (steps 1-7), ``[blocks, 128]`` of 0/1: the first ``4 * rate`` are the block."""
+    """Each block's bits (steps 1-7), ``[blocks, 128]`` of 0/1: the first ``4 * rate`` are the
+    block."""
     blocks = values.shape[0]
     block_bits = 4 * rate
     nonfinite, zero = max_key >= _NONFINITE_KEY, max_key == 0

@@ -38,7 +38,8 @@ def _histogram(bins, keys, weight, count):
 
 
 def _kth_bin(hist, need):
-    """Per row, the highest bin b with hist[b] + hist[b + 1] + ... >= need, and the count above b."""
+    """Per row, the highest bin b with hist[b] + hist[b + 1] + ... >= need, and the count above
+    b."""
     from_top = jnp.cumsum(hist[:, ::-1], axis=-1)  # [j]: bins count-1-j .. count-1
     reached = jnp.sum(
         from_top < need[:, None], axis=-1

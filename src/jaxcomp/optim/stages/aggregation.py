@@ -42,7 +42,8 @@ def _shaped(method: Method, groups: Groups, i: int) -> dict:
 
 
 def static_cost(method: Method, groups: Groups) -> tuple[float, int, int]:
-    """(bytes one device sends, values kept, sequential message steps) of ``method`` over the groups.
+    """(bytes one device sends, values kept, sequential message steps) of ``method`` over the
+    groups.
 
     Args:
       method: a :mod:`jaxcomp.methods` object.
@@ -252,7 +253,8 @@ def run_branch(
 
 
 class Aggregation(NamedTuple):
-    """What a transformation's aggregation step returns to :func:`jaxcomp.optim.feedback.feedback_transformation`."""
+    """What a transformation's aggregation step returns
+    to :func:`jaxcomp.optim.feedback.feedback_transformation`."""
 
     totals: list  # per group: the sum over the devices
     sents: list  # per group: this device's contribution (dense, or (indices, values) with sparse)

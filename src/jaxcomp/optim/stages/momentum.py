@@ -33,8 +33,9 @@ def check(method: Method, momentum: float | None) -> None:
     """
     if momentum is not None and not method.sparse:
         raise ValueError(
-            f"momentum_correction applies to the sparsifying methods (jaxcomp.TopK, jaxcomp.RandomK), "
-            f"whose sent entries it clears from the momentum; got {method.describe()}"
+            "momentum_correction applies to the sparsifying methods (jaxcomp.TopK, "
+            "jaxcomp.RandomK), whose sent entries it clears from the momentum; got "
+            f"{method.describe()}"
         )
 
 
