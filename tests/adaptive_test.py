@@ -1,4 +1,5 @@
-"""jaxcomp.costmodel.ratio_choice: candidate ratios, the knee, re-exploration, and the controller on a synthetic gradient stream."""
+"""jaxcomp.costmodel.ratio_choice: candidate ratios, the knee, re-exploration, and the controller on
+a synthetic gradient stream."""
 
 import jax
 import jax.numpy as jnp
@@ -185,7 +186,7 @@ def test_choose_picks_dense_for_the_in_memory_probe_and_compression_for_a_slow_o
     assert cost.choose(small_model, 8, SLOW, candidates=CANDIDATES, overhead=CODEC) != Dense()
 
 
-def test_auto_on_8_virtual_devices_picks_dense_from_the_live_probe_and_compression_on_a_slow_network():
+def test_auto_on_8_virtual_devices_picks_dense_from_the_live_probe_and_compression_on_a_slow_network():  # noqa: E501
     """The live probe of the in-memory mesh and the local work timed on all 8 devices at once (as a
     step runs it) favour dense; the same work on a 1 ms, 1 Gbit/s network favours compression."""
     need_devices(8)

@@ -1,4 +1,5 @@
-"""jaxcomp.costmodel.advise: paper 002's T_obs model against hand-computed values and the paper's own numbers, and the CLI."""
+"""jaxcomp.costmodel.advise: paper 002's T_obs model against hand-computed values and the paper's
+own numbers, and the CLI."""
 
 import math
 import subprocess
@@ -124,7 +125,8 @@ def test_required_compression_is_the_smallest_ratio_that_reaches_the_target(band
 def test_required_compression_none_needed_and_unreachable():
     fast = cost.Network.parse("1us", "400gbit")
     assert advise.required_compression(RESNET50_BYTES, 8, fast, RESNET50_BACKWARD) == 1.0
-    # A 10 ms latency makes a 64-worker ring slower than the backward pass, however small the message.
+    # A 10 ms latency makes a 64-worker ring slower than the backward pass, however small the
+    # message.
     slow = cost.Network.parse("10ms", "10gbit")
     assert advise.required_compression(RESNET50_BYTES, 64, slow, RESNET50_BACKWARD) is None
 

@@ -26,7 +26,8 @@ def _mesh():
 
 
 def _loss(w, batch):
-    """Each device's gradient is the mean of its rows of batch["g"]: a gradient stream we control."""
+    """Each device's gradient is the mean of its rows of batch["g"]: a gradient stream we
+    control."""
     return jnp.sum(w * jnp.mean(batch["g"], axis=0))
 
 
@@ -48,7 +49,8 @@ def _with_network(state, network, overhead=None):
 
 
 def _host_choice(state, n=N_PARAMS):
-    """The host's choice (jaxcomp.costmodel.cost.choose) among the state's branches, with its network and overheads."""
+    """The host's choice (jaxcomp.costmodel.cost.choose) among the state's branches, with its
+    network and overheads."""
     compress_state = find_compress_state(state.opt_state)
     alpha, beta = np.asarray(
         compress_state.auto.network, np.float64
@@ -88,7 +90,8 @@ def test_auto_picks_dense_in_memory_and_compression_when_the_probe_reports_a_slo
 
 
 def _break_even_bandwidth(alpha, overhead, n=N_PARAMS):
-    """Bandwidth at which dense and allgather_topk (ratio 0.01, `overhead` seconds) take equally long."""
+    """Bandwidth at which dense and allgather_topk (ratio 0.01, `overhead` seconds) take equally
+    long."""
     dense_bytes = Dense().wire_bytes(n, N_DEVICES)
     topk_bytes = TopK(0.01).wire_bytes(n, N_DEVICES)
     extra_steps = TopK(0.01).message_steps(N_DEVICES) - Dense().message_steps(N_DEVICES)
@@ -123,7 +126,8 @@ def test_auto_keeps_its_choice_for_decide_every_steps_unless_the_network_moves_b
     "candidates", [("dense", "allgather_topk", "ar_topk"), ("quantized", "dense")]
 )
 def test_error_feedback_stays_exact_across_switches(candidates):
-    """Whatever ran, the residual is what was not sent: sum of aggregates = sum of gradients - residuals.
+    """Whatever ran, the residual is what was not sent: sum of aggregates = sum of gradients -
+    residuals.
 
     (That identity needs an aggregate equal to the sum of what the devices sent, which ZFP's ring
     does not give: it re-compresses partial sums. Its residual is checked in transform_test.)"""
@@ -132,7 +136,8 @@ def test_error_feedback_stays_exact_across_switches(candidates):
     tx = compress("auto", candidates=candidates, mean=False, decide_every=1000, **options)
     dp = _trainer(tx)
     state = dp.init(jnp.zeros(N_PARAMS))
-    # Compression costs 10 ms to encode: dense wins on the fast network, compression on the slow one.
+    # Compression costs 10 ms to encode: dense wins on the fast network, compression on the slow
+    # one.
     expensive = {m: 1e-2 for m in candidates if m != "dense"}
     rng = np.random.default_rng(2)
     fed = np.zeros(N_PARAMS, np.float64)

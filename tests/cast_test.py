@@ -1,5 +1,6 @@
-"""Cast (jaxcomp.methods.cast): the gradient all-reduced in bfloat16 or float16, against a numpy reference;
-and the CPU's bfloat16 ring (jaxcomp.collectives.bfloat16_allreduce) against a numpy ring, bit for bit."""
+"""Cast (jaxcomp.methods.cast): the gradient all-reduced in bfloat16 or float16, against a numpy
+reference; and the CPU's bfloat16 ring (jaxcomp.collectives.bfloat16_allreduce) against a numpy
+ring, bit for bit."""
 
 import re
 
@@ -28,7 +29,8 @@ def _mesh():
 
 
 def _sgd_run(method, n=257):
-    """data_parallel with compress(method, mean=False) and sgd(1): params move by minus the aggregate."""
+    """data_parallel with compress(method, mean=False) and sgd(1): params move by minus the
+    aggregate."""
     tx = optax.chain(jaxcomp.compress(method, mean=False), optax.sgd(1.0))
     dp = jaxcomp.data_parallel(lambda w, b: jnp.sum(w * jnp.mean(b, axis=0)), tx, _mesh())
     return dp, dp.init(jnp.zeros(n))
@@ -140,7 +142,8 @@ HLO_BYTES = {"u16": 2, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "u32": 4, "s32":
 
 
 def _hlo_bytes(ops, n_devices):
-    """Bytes one device sends in the collectives ``ops`` of a compiled program (textbook ring costs)."""
+    """Bytes one device sends in the collectives ``ops`` of a compiled program (textbook ring
+    costs)."""
     N, total = n_devices, 0.0
     for dtype, dims, op in ops:
         nbytes = int(np.prod(dims)) * HLO_BYTES[dtype]
@@ -192,8 +195,9 @@ def test_bytes_on_the_wire_are_wire_bytes(method, n):
 @pytest.mark.parametrize("scatter", [False, True], ids=["aggregate", "reduce_scatter"])
 def test_compiled_cpu_bfloat16_moves_only_16_bit_words(scale, scatter):
     """Issue 22, item 5: XLA:CPU's collectives carry a bfloat16 all-reduce as float32. The CPU
-    program has no all-reduce or reduce-scatter of the vector (bf16 or f32): only collective-permutes
-    of u16 chunks and, for the all-reduce, one all-gather of them (plus the scale's scalar)."""
+    program has no all-reduce or reduce-scatter of the vector (bf16 or f32): only
+    collective-permutes of u16 chunks and, for the all-reduce, one all-gather of them (plus the
+    scale's scalar)."""
     n = 4096
     ops = _collectives(_compiled_aggregate(Cast("bfloat16", scale=scale), n, scatter=scatter))
     vector_ops = [op for op in ops if np.prod(op[1]) > 1]
@@ -378,8 +382,8 @@ def test_bfloat16_ring_matches_numpy_bit_for_bit(n_devices, n):
 
 @pytest.mark.parametrize("n_devices, row", [(2, 3), (3, 1), (8, 37)])
 def test_bfloat16_ring_reduce_scatter_is_the_all_reduce_split(n_devices, row):
-    """scatter=True (sharded training): the ring's reduce-scatter phase; device d's shard is row d of
-    the all-reduce bit for bit, rounded to bfloat16 as the all-reduce's owner rounds it, with the
+    """scatter=True (sharded training): the ring's reduce-scatter phase; device d's shard is row d
+    of the all-reduce bit for bit, rounded to bfloat16 as the all-reduce's owner rounds it, with the
     same sent."""
     X = _rows(n_devices, n_devices * row, seed=1)
     shards, sent = _run_ring(n_devices, X, scatter=True)
@@ -416,8 +420,9 @@ def test_bfloat16_psum_and_one_device():
 
 
 def test_bfloat16_training_trains():
-    """compress("bf16") in data_parallel on 8 devices (the CPU ring): a small regression's loss falls
-    by more than 10x in 30 adam steps, along dense's curve to 1%, and the replicas stay identical."""
+    """compress("bf16") in data_parallel on 8 devices (the CPU ring): a small regression's loss
+    falls by more than 10x in 30 adam steps, along dense's curve to 1%, and the replicas stay
+    identical."""
     rng = np.random.default_rng(4)
     w_true = rng.standard_normal((16, 4)).astype(np.float32)
 

@@ -1,5 +1,6 @@
-"""jaxcomp.distributed.cluster: an emulated 2-host cluster (network namespaces, tbf at 100 Mbit) trains like one
-process, the wire carries what bytes_sent says, and nothing is left behind. Needs root, as CI has."""
+"""jaxcomp.distributed.cluster: an emulated 2-host cluster (network namespaces, tbf at 100 Mbit)
+trains like one process, the wire carries what bytes_sent says, and nothing is left behind. Needs
+root, as CI has."""
 
 import os
 import subprocess

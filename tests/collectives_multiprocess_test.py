@@ -1,4 +1,5 @@
-"""Collectives on a mesh spanning two processes (jax.distributed, gloo) match the one-process run."""
+"""Collectives on a mesh spanning two processes (jax.distributed, gloo) match the one-process
+run."""
 
 import socket
 import subprocess

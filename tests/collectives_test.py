@@ -146,7 +146,8 @@ def mesh_2d(outer, inner):
 
 
 def sharded(mesh, fn, n_args=0, axes=AXIS):
-    """jit(shard_map(fn)) over rows of a [devices, n] array; returns every device's (total, sent)."""
+    """jit(shard_map(fn)) over rows of a [devices, n] array; returns every device's (total,
+    sent)."""
     spec = P(axes)
     mapped = jax.shard_map(
         fn, mesh=mesh, in_specs=(spec,) + (P(),) * n_args, out_specs=(spec, spec), check_vma=True
@@ -502,7 +503,8 @@ def test_quantized_psum_is_unbiased(hadamard, n_devices, n, bits):
     totals, per_device = quantized_means(mesh_1d(n_devices), X, bits, keys, hadamard)
     exact = X.astype(np.float64).sum(0)
     # Each code's error is below one grid step 2R/(2**bits - 1), zero-mean and independent across
-    # devices; an orthonormal transform keeps the variance. R is at most the largest norm (or entry).
+    # devices; an orthonormal transform keeps the variance. R is at most the largest norm (or
+    # entry).
     bound = np.max(np.linalg.norm(X, axis=1)) if hadamard else np.abs(X).max()
     step = 2 * bound / (2**bits - 1)
     sigma = np.sqrt(n_devices) * step / 2

@@ -1,4 +1,5 @@
-"""One process of tests/collectives_multiprocess_test.py: runs collectives on a mesh spanning processes.
+"""One process of tests/collectives_multiprocess_test.py: runs collectives on a mesh spanning
+processes.
 
     python tests/collectives_worker.py PROCESS_ID NUM_PROCESSES PORT OUTPUT.npz
 
@@ -68,8 +69,8 @@ def main():
     )
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     assert jax.process_count() == num_processes and len(devices) == num_processes * LOCAL_DEVICES, (
-        f"expected {num_processes} processes of {LOCAL_DEVICES} devices, got {jax.process_count()} and "
-        f"{len(devices)} devices"
+        f"expected {num_processes} processes of {LOCAL_DEVICES} devices, got {jax.process_count()} "
+        f"and {len(devices)} devices"
     )
     print(
         f"process {process_id}: {len(devices)} devices, {jax.process_count()} processes", flush=True

@@ -45,7 +45,8 @@ def _run(tx):
 
 
 def _flat(tree):
-    """The model vector in the params' flattening order (sorted dict keys), per device when stacked."""
+    """The model vector in the params' flattening order (sorted dict keys), per device when
+    stacked."""
     return np.concatenate(
         [
             np.asarray(tree[name], np.float64).reshape(
@@ -203,7 +204,8 @@ def test_mask_bad_arguments(option, match):
         jaxcomp.compress(TopK(0.1), **option).init(_zeros())
 
 
-# ---- DGC momentum correction -----------------------------------------------------------------------
+# ---- DGC momentum correction
+# -----------------------------------------------------------------------
 
 
 def test_momentum_correction_matches_numpy_reference():

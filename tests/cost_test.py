@@ -1,4 +1,5 @@
-"""jaxcomp.costmodel.cost: the α-β model against hand-computed costs, choose as the argmin, paper 000 Eqn (5a)-(5c)."""
+"""jaxcomp.costmodel.cost: the α-β model against hand-computed costs, choose as the argmin, paper
+000 Eqn (5a)-(5c)."""
 
 import itertools
 import math
@@ -278,7 +279,8 @@ def test_names_and_objects_cost_the_same():
 
 
 def test_sync_seconds_runs_on_numpy_and_inside_jit():
-    """The one formula of the α-β model, shared by the host's choose and compress_auto's in-step choice."""
+    """The one formula of the α-β model, shared by the host's choose and compress_auto's in-step
+    choice."""
     import jax
     import jax.numpy as jnp
 

@@ -2,8 +2,8 @@
 
 A build without ``_jaxcomp_cuda`` lowers jaxcomp ops for a GPU to their portable XLA implementation
 (with a warning naming the fix) by default, and refuses ``implementation="native"`` with
-:class:`jaxcomp.ops._ffi.MissingCudaModuleError` instead of failing later inside XLA or running on the
-host; a build with it must lower them to its custom calls. Lowering for CUDA needs
+:class:`jaxcomp.ops._ffi.MissingCudaModuleError` instead of failing later inside XLA or running on
+the host; a build with it must lower them to its custom calls. Lowering for CUDA needs
 no GPU (``jax.export`` cross-lowers), so both cases are checked on the CPU.
 """
 

@@ -1,5 +1,5 @@
-"""jaxcomp.ops.hadamard: the native Walsh-Hadamard kernel against its XLA path and the matrix, and the
-counter-hash random streams of the quantizer."""
+"""jaxcomp.ops.hadamard: the native Walsh-Hadamard kernel against its XLA path and the matrix, and
+the counter-hash random streams of the quantizer."""
 
 import jax
 import jax.numpy as jnp

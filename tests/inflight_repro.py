@@ -6,7 +6,8 @@ devices, dispatched ``--steps`` times without blocking. With jax/jaxlib 0.10.2 o
 after a few dozen queued steps XLA kills the process (SIGABRT) with::
 
     Termination timeout for `all reduce RendezvousKey{... num_local_participants=8 ...}` of 40
-    seconds exceeded ... Expected 8 threads to join the rendezvous, but only 7 of them arrived on time
+    seconds exceeded ... Expected 8 threads to join the rendezvous, but only 7 of them arrived on
+    time
 
 ``--block-every 1`` (read each step's loss) runs the same steps to the end; so does
 ``jaxcomp.data_parallel``, which waits for the step ``max_steps_in_flight`` back. Run::

@@ -42,7 +42,8 @@ MODULES = _modules()
 
 
 def _resolve(name: str) -> str:
-    """The module an imported dotted name lives in (``jaxcomp.ops.topk.topk`` -> ``jaxcomp.ops.topk``)."""
+    """The module an imported dotted name lives in (``jaxcomp.ops.topk.topk`` ->
+    ``jaxcomp.ops.topk``)."""
     while name not in MODULES and "." in name:
         name = name.rsplit(".", 1)[0]
     return name
@@ -92,7 +93,8 @@ def test_every_module_sits_in_a_layer():
 
 def test_layers_import_downward_only():
     upward = [
-        f"{module} ({jaxcomp.LAYERS[_layer(module)]}) imports {target} ({jaxcomp.LAYERS[_layer(target)]})"
+        f"{module} ({jaxcomp.LAYERS[_layer(module)]}) imports {target} "
+        f"({jaxcomp.LAYERS[_layer(target)]})"
         for module, targets in GRAPH.items()
         for target in targets
         if _layer(module) is not None

@@ -1,4 +1,5 @@
-"""jaxcomp.methods: one object per method, the string shorthand, and a method defined here, outside jaxcomp."""
+"""jaxcomp.methods: one object per method, the string shorthand, and a method defined here, outside
+jaxcomp."""
 
 import ast
 import dataclasses
@@ -278,7 +279,8 @@ def test_compress_auto_with_a_ratio_search_makes_one_branch_per_ratio():
     ]
 
 
-# --- the layers ------------------------------------------------------------------------------------
+# --- the layers
+# ------------------------------------------------------------------------------------
 
 # The names of the methods, as string literals: only the methods package (its SHORTHAND table) may
 # spell them.
@@ -328,7 +330,8 @@ def test_no_module_above_the_methods_names_a_method():
 
 
 def _is_module(package, name) -> bool:
-    """Whether ``package.name`` is a module of jaxcomp (``jaxcomp.ops._checks``, ``jaxcomp.cli._report``)."""
+    """Whether ``package.name`` is a module of jaxcomp (``jaxcomp.ops._checks``,
+    ``jaxcomp.cli._report``)."""
     base = PACKAGE.joinpath(*package.split(".")[1:], name)
     return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
 
@@ -418,7 +421,8 @@ def test_the_collective_finder_finds_them():
     ]
 
 
-# --- imports cost nothing until used ----------------------------------------------------------------
+# --- imports cost nothing until used
+# ----------------------------------------------------------------
 
 
 def _modules_after(code):

@@ -82,8 +82,8 @@ def test_several_hosts_number_their_processes_and_pass_the_interface():
     from jaxcomp.distributed.launch import process_env
 
     script = (
-        "import os, sys; e = os.environ; sys.exit(0 if (e['JAXCOMP_PROCESS_ID'], e['JAXCOMP_NUM_PROCESSES'], "
-        "e['JAXCOMP_COORDINATOR_ADDRESS'], e['JAXCOMP_INTERFACE']) in "
+        "import os, sys; e = os.environ; sys.exit(0 if (e['JAXCOMP_PROCESS_ID'], "
+        "e['JAXCOMP_NUM_PROCESSES'], e['JAXCOMP_COORDINATOR_ADDRESS'], e['JAXCOMP_INTERFACE']) in "
         "[('2', '4', '10.0.0.1:7733', 'lo'), ('3', '4', '10.0.0.1:7733', 'lo')] else 5)"
     )
     assert (

@@ -1,4 +1,5 @@
-"""Worker of multihost_test.py: a few data-parallel steps, run under jaxcomp.distributed.launch or alone.
+"""Worker of multihost_test.py: a few data-parallel steps, run under jaxcomp.distributed.launch or
+alone.
 
 Usage: python tests/multihost_worker.py OUT.npz. Under the launcher each process feeds its own
 rows of the global batch; process 0 writes the final params of every method to OUT.npz.

@@ -1,4 +1,5 @@
-"""jaxcomp netbench: one small cell end to end on an emulated cluster, the table, the plot, the CLI."""
+"""jaxcomp netbench: one small cell end to end on an emulated cluster, the table, the plot, the
+CLI."""
 
 import dataclasses
 import json

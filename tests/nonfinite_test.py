@@ -1,4 +1,5 @@
-"""compress(nonfinite=...): NaN/Inf gradient entries are never sent nor kept, for every method and policy.
+"""compress(nonfinite=...): NaN/Inf gradient entries are never sent nor kept, for every method and
+policy.
 
 Each test plants a NaN and a +Inf in device 3's gradient and a -Inf in device 5's (3 entries),
 through ``data_parallel`` with ``loss = sum(params * batch row)``, whose gradient is the row. The
@@ -98,7 +99,8 @@ def _residuals(state):
 
 
 def _strip_metrics(opt_state):
-    """The optimizer state without compress's metrics (which report the step, bad entries included)."""
+    """The optimizer state without compress's metrics (which report the step, bad entries
+    included)."""
     return jax.tree.map(
         lambda x: x._replace(metrics=None) if isinstance(x, jaxcomp.CompressState) else x,
         opt_state,
@@ -175,7 +177,8 @@ def test_raise_raises_at_that_step_and_keeps_the_state(method):
 
 
 def _local_run(tx, grads_per_device, mesh):
-    """One tx.update inside shard_map on given per-device gradients: (updates, state, adam count)."""
+    """One tx.update inside shard_map on given per-device gradients: (updates, state, adam
+    count)."""
     state = tx.init({"w": jnp.zeros(grads_per_device.shape[1:], jnp.float32)})
 
     def step(g):
@@ -229,7 +232,8 @@ def test_gain_is_measured_not_one_with_a_nan(method):
 
 @pytest.mark.parametrize("method", ["zfp", "quantized", "ar_topk"])
 def test_one_bad_entry_leaves_the_others_of_every_device_exact(method):
-    """zfp must not spread a NaN to its block, quantized must not turn it into -R, ar_topk must not hide it."""
+    """zfp must not spread a NaN to its block, quantized must not turn it into -R, ar_topk must not
+    hide it."""
     need_devices(N_DEVICES)
     mesh = Mesh(np.array(jax.devices()[:N_DEVICES]), ("data",))
     tx = optax.chain(jaxcomp.compress(method, **METHODS[method]), optax.sgd(1.0))

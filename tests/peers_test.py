@@ -1,9 +1,9 @@
 """benchmarks/peers.py: its flags, the DDP set-up of each torch row, the rows and the table.
 
 None of these needs PyTorch or root except the last two, which use the environment peers.py makes
-(``.venv-torch``): benchmarks/torch_zoo.py's models against jaxcomp.training.zoo's, and the torch worker on
-two processes over loopback. They are skipped, with the reason, where that environment is absent
-(CI never installs PyTorch).
+(``.venv-torch``): benchmarks/torch_zoo.py's models against jaxcomp.training.zoo's, and the torch
+worker on two processes over loopback. They are skipped, with the reason, where that environment is
+absent (CI never installs PyTorch).
 """
 
 import importlib.util
@@ -272,7 +272,8 @@ def test_torch_zoo_has_the_zoos_parameter_and_tensor_counts():
         "for name, widths in json.loads(sys.argv[1]).items():\n"
         "    with torch.device('meta'):\n"
         "        model = torch_zoo.build(name, mlp_widths=widths)[0]\n"
-        "    counts[name] = [sum(p.numel() for p in model.parameters()), len(list(model.parameters()))]\n"
+        "    counts[name] = [sum(p.numel() for p in model.parameters()), "
+        "len(list(model.parameters()))]\n"
         "print(json.dumps(counts))"
     )
     widths = {name: peers.torch_widths(name) for name in zoo.NAMES}

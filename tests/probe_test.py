@@ -1,4 +1,5 @@
-"""jaxcomp.costmodel.probe: the α-β fit against a synthetic timing model, and the live probe on CPU devices."""
+"""jaxcomp.costmodel.probe: the α-β fit against a synthetic timing model, and the live probe on CPU
+devices."""
 
 import importlib
 import socket
@@ -14,7 +15,8 @@ from jax.sharding import Mesh
 
 from jaxcomp.costmodel import cost
 
-# The module, even once the package exports the function `jaxcomp.costmodel.probe` under the same name.
+# The module, even once the package exports the function `jaxcomp.costmodel.probe` under the same
+# name.
 probe = importlib.import_module("jaxcomp.costmodel.probe")
 
 SIZES = (2**10, 2**13, 2**16, 2**19, 2**22)

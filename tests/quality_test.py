@@ -83,7 +83,8 @@ def test_adam_frozen_variance_is_adam_until_the_freeze_then_linear_in_the_gradie
         update, state = frozen.update(grads[step], state)
         expected, adam_state = adam.update(grads[step], adam_state)
         np.testing.assert_allclose(update, expected, rtol=1e-6, atol=1e-9)
-    # After the freeze: v and its bias correction stay; the update is lr * m_hat / sqrt(v_hat), m as Adam's.
+    # After the freeze: v and its bias correction stay; the update is lr * m_hat / sqrt(v_hat), m as
+    # Adam's.
     nu = state.nu
     np.testing.assert_array_equal(nu, adam_state[0].nu)
     mu = np.asarray(state.mu, np.float64)
@@ -95,7 +96,8 @@ def test_adam_frozen_variance_is_adam_until_the_freeze_then_linear_in_the_gradie
             -schedule(step) * (mu / (1 - 0.9 ** (step + 1))) / (np.sqrt(nu / (1 - 0.999**4)) + 1e-8)
         )
         np.testing.assert_allclose(update, expected, rtol=1e-4, atol=1e-8)
-    # Linear: 3 steps of g, or 3g at once, move the params as far in total (Adam would move the burst less).
+    # Linear: 3 steps of g, or 3g at once, move the params as far in total (Adam would move the
+    # burst less).
     one = jnp.ones(5)
     totals = []
     for burst in ([one, one, one] + [0 * one] * 150, [3 * one] + [0 * one] * 152):

@@ -1,4 +1,5 @@
-"""RandomK (jaxcomp.methods.randomk): a method from issue 15 landed as one file, against a numpy reference."""
+"""RandomK (jaxcomp.methods.randomk): a method from issue 15 landed as one file, against a numpy
+reference."""
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,8 @@ def test_shared_indices_are_distinct_in_range_and_deterministic(n, k):
 
 
 def test_shared_indices_pick_every_index_alike():
-    """Each index is drawn with probability k / n (n not a multiple of k: the rotation evens it out)."""
+    """Each index is drawn with probability k / n (n not a multiple of k: the rotation evens it
+    out)."""
     n, k, draws = 50, 7, 4000
     counts = np.zeros(n)
     sample = jax.jit(jax.vmap(lambda key: shared_indices(key, n, k)))(
@@ -43,8 +45,9 @@ def test_shared_indices_pick_every_index_alike():
 
 
 def test_aggregate_matches_numpy_and_error_feedback_is_exact():
-    """Every device sends its values at the shared indices; the sum equals numpy's; sum of aggregates
-    = sum of gradients - residuals over several steps; replicas agree; one compilation."""
+    """Every device sends its values at the shared indices; the sum equals numpy's; sum of
+    aggregates = sum of gradients - residuals over several steps; replicas agree; one
+    compilation."""
     n, steps = 1000, 3
     method = RandomK(0.05)
     tx = optax.chain(jaxcomp.compress(method, mean=False), optax.sgd(1.0))

@@ -47,7 +47,8 @@ def _tx(method="ar_topk", **options):
     return optax.chain(compress(method, **options), optax.sgd(0.1))
 
 
-# -- silent wrong results (item 4) -------------------------------------------------------------------
+# -- silent wrong results (item 4)
+# -------------------------------------------------------------------
 
 
 def test_ar_topk_refuses_a_step_that_differs_per_device():
@@ -95,7 +96,8 @@ def test_empty_batch_is_refused():
         dp.step(state, {})
 
 
-# -- clear errors (item 5) ---------------------------------------------------------------------------
+# -- clear errors (item 5)
+# ---------------------------------------------------------------------------
 
 
 def test_int_leaf_in_params_is_named():
@@ -187,7 +189,8 @@ def test_topk_names_x_for_non_arrays(x):
         jaxcomp.zfp_encode(x, 8)
 
 
-# -- steps in flight (item 6) ------------------------------------------------------------------------
+# -- steps in flight (item 6)
+# ------------------------------------------------------------------------
 
 
 def test_500_steps_without_blocking():

@@ -121,7 +121,8 @@ def test_exact_reduce_scatter_is_the_all_reduce_split(method):
 )
 def test_lossy_reduce_scatter_sums_what_each_device_sent(method):
     """ZFP's ring reduce-scatter and THC's integer-code reduce-scatter: each shard is the sum of
-    what the devices sent (so error feedback keeps exactly what was lost), close to the exact sum."""
+    what the devices sent (so error feedback keeps exactly what was lost), close to the exact
+    sum."""
     row = 1024 if isinstance(method, Quantized) else 300
     x = jnp.asarray(np.random.default_rng(2).normal(size=(N, N * row)), jnp.float32)
     total, _, shard, sent = _run_both(method, x, row)
@@ -466,7 +467,8 @@ def test_cost_model_and_advise_know_the_sharded_form(capsys):
         cost.volume_bytes("dense", nbytes, workers)
     )
     assert cost.message_steps("dense", workers, shard=True) == cost.message_steps("dense", workers)
-    # ZFP compresses only the gradient's half: its reduce-scatter, plus the params' dense all-gather.
+    # ZFP compresses only the gradient's half: its reduce-scatter, plus the params' dense
+    # all-gather.
     zfp = Zfp(8)
     n = int(nbytes // 4)
     assert cost.volume_bytes(zfp, nbytes, workers, shard=True) == pytest.approx(

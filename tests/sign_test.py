@@ -19,7 +19,8 @@ N_DEVICES = 8
 SMALLEST_NORMAL = np.float32(2.0**-126)
 
 
-# --- numpy reference -------------------------------------------------------------------------------
+# --- numpy reference
+# -------------------------------------------------------------------------------
 
 
 def ref_pack(x, chunk):
@@ -89,7 +90,8 @@ def rows(n, seed):
     return np.stack([gradient, ties, special]).astype(np.float32)
 
 
-# --- the kernels -------------------------------------------------------------------------------------
+# --- the kernels
+# -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -161,7 +163,8 @@ def test_bad_arguments_are_named(call, error, match):
         call()
 
 
-# --- the method -----------------------------------------------------------------------------------------
+# --- the method
+# -----------------------------------------------------------------------------------------
 
 
 def _mesh():
@@ -238,7 +241,8 @@ def test_wire_bytes_are_the_bytes_the_collectives_move(aggregation):
 
 @pytest.mark.parametrize("aggregation", ["allgather", "majority", "allreduce"])
 def test_error_feedback_is_exact_over_steps_with_one_compilation(aggregation):
-    """sum of aggregates = sum of gradients - residuals; bytes_sent = wire_bytes; no recompilation."""
+    """sum of aggregates = sum of gradients - residuals; bytes_sent = wire_bytes; no
+    recompilation."""
     n, steps = 600, 3
     method = Sign(128, aggregation=aggregation)
     tx = optax.chain(jaxcomp.compress(method, mean=False), optax.sgd(1.0))

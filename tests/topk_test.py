@@ -36,14 +36,16 @@ def planted(shape, k, dtype, seed=0):
     for row in rows:
         top = rng.choice(n, k, replace=False)
         if k < n:  # with k = n every entry is selected, whatever its magnitude
-            # Quarter steps up to 2 + 37/4 are exact in bfloat16 and float16: magnitudes stay distinct.
+            # Quarter steps up to 2 + 37/4 are exact in bfloat16 and float16: magnitudes stay
+            # distinct.
             row[top] = rng.choice([-1.0, 1.0], k) * (2.0 + 0.25 * rng.permutation(k))
         expected.append(np.sort(top))
     return jnp.asarray(rows.reshape(shape), dtype), np.stack(expected)
 
 
 def numpy_topk_indices(x, k):
-    """Sorted indices of the k largest |x| per row (float32), ties to the lower index, NaN largest."""
+    """Sorted indices of the k largest |x| per row (float32), ties to the lower index, NaN
+    largest."""
     keys = np.asarray(x, np.float32).reshape(-1, x.shape[-1]).view(np.uint32) & 0x7FFFFFFF
     order = np.argsort(0x7FFFFFFF - keys.astype(np.int64), axis=-1, kind="stable")
     return np.sort(order[:, :k], axis=-1)

@@ -41,7 +41,8 @@ def _planted_gradients(shapes, steps, seed):
 
 
 def _run_compress(tx, steps_of_leaves, dtype):
-    """Runs tx.update inside shard_map for each step; returns per-step (outputs, residuals) as numpy."""
+    """Runs tx.update inside shard_map for each step; returns per-step (outputs, residuals) as
+    numpy."""
     mesh = _mesh()
     shapes = [leaf.shape[1:] for leaf in steps_of_leaves[0]]
     state = tx.init([jax.ShapeDtypeStruct(s, dtype) for s in shapes])
@@ -72,7 +73,8 @@ def _run_compress(tx, steps_of_leaves, dtype):
 
 
 def _reference(steps_of_leaves, dtype, select, error_feedback, granularity, mean=True):
-    """numpy Alg. 1: g_e = g + r; sent = select(g_e per device); r = g_e - sent; out = sum(sent)/n."""
+    """numpy Alg. 1: g_e = g + r; sent = select(g_e per device); r = g_e - sent; out =
+    sum(sent)/n."""
     shapes = [leaf.shape[1:] for leaf in steps_of_leaves[0]]
     sizes = [int(np.prod(s)) for s in shapes]
     residual = np.zeros((N_DEVICES, sum(sizes)), np.float32)

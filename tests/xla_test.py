@@ -1,6 +1,6 @@
-"""The portable XLA implementation (jaxcomp.ops.xla, implementation="xla") against the native kernels,
-bit for bit: every op over the awkward inputs of the kernel tests, the collectives run on it,
-argument checks, differentiation, and the default's choice (with its warning) per platform."""
+"""The portable XLA implementation (jaxcomp.ops.xla, implementation="xla") against the native
+kernels, bit for bit: every op over the awkward inputs of the kernel tests, the collectives run on
+it, argument checks, differentiation, and the default's choice (with its warning) per platform."""
 
 import warnings
 

@@ -1,4 +1,5 @@
-"""jaxcomp.training.zoo: every model builds with the published shapes and counts, and its loss trains.
+"""jaxcomp.training.zoo: every model builds with the published shapes and counts, and its loss
+trains.
 
 The big models (GPT-2, ResNet-50) are checked abstractly (``jax.eval_shape``); the small ones run a
 real forward and backward pass.
