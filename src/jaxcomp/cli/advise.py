@@ -376,7 +376,10 @@ def _print_setting(args, network, model) -> None:
 
 def _print_table(args, network, model, dense_step, rows) -> None:
     """One line per method (dense first): what it sends, its times, speedup and scaling."""
-    header = f"{'method':<24}{'setting':<14}{'sent/worker':>12}{'comm':>11}{'enc+dec':>10}{'step T_obs':>12}{'speedup':>9}{'scaling':>14}"
+    header = (
+        f"{'method':<24}{'setting':<14}{'sent/worker':>12}{'comm':>11}{'enc+dec':>10}"
+        f"{'step T_obs':>12}{'speedup':>9}{'scaling':>14}"
+    )
     print(header)
     print("-" * len(header))
 

@@ -27,7 +27,8 @@ from jaxcomp.distributed.cluster import (
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxcomp cluster",
-        description="Run a jax.distributed script on N emulated hosts (network namespaces, tbf-limited links).",
+        description="Run a jax.distributed script on N emulated hosts (network namespaces, "
+        "tbf-limited links).",
     )
     parser.add_argument(
         "--hosts", type=int, default=2, help="emulated hosts, one process each (default 2)"

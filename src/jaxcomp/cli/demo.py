@@ -330,8 +330,9 @@ def main(argv=None) -> int:
 def _parser(all_runs) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxcomp demo",
-        description="Trains a small flax MLP on scikit-learn's digits, data-parallel on 8 CPU devices, once per "
-        "gradient compression method; prints a table and saves a loss-curve plot.",
+        description="Trains a small flax MLP on scikit-learn's digits, data-parallel on 8 CPU "
+        "devices, once per gradient compression method; prints a table and saves a loss-curve "
+        "plot.",
     )
     parser.add_argument(
         "--steps", type=int, default=500, help="training steps per method (default 500)"

@@ -174,7 +174,10 @@ def _plot_panel(ax, cell):
     ax.legend(fontsize=7)
 
 
-_DESCRIPTION = "The network benchmark: data-parallel training steps on an emulated cluster, per method and link rate."
+_DESCRIPTION = (
+    "The network benchmark: data-parallel training steps on an emulated cluster, per method and "
+    "link rate."
+)
 
 
 def _parser() -> argparse.ArgumentParser:

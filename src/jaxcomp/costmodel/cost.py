@@ -486,8 +486,8 @@ def available_methods(
 
     Example:
       >>> [m.label for m in available_methods(ratio=0.01)]  # doctest: +NORMALIZE_WHITESPACE
-      ['dense', 'dense_tree', 'allgather_topk', 'ar_topk', 'ar_topk_tree', 'randomk', 'bf16', 'sign',
-       'sign_allreduce']
+      ['dense', 'dense_tree', 'allgather_topk', 'ar_topk', 'ar_topk_tree', 'randomk', 'bf16',
+       'sign', 'sign_allreduce']
 
     References:
       Tyagi & Swany, arXiv 2312.02493, §3-D.
@@ -623,7 +623,8 @@ def predict_all(
 
     Example:
       >>> from jaxcomp.methods import Dense
-      >>> [round(t, 4) for t in predict_all(4e6, 4, Network.parse("1ms", "10gbit"), [Dense(), Dense("tree")])]
+      >>> [round(t, 4) for t in predict_all(4e6, 4, Network.parse("1ms", "10gbit"),
+      ...                                   [Dense(), Dense("tree")])]
       [0.0108, 0.0168]
 
     References:

@@ -329,7 +329,8 @@ def ratio_observe(
       >>> import jax.numpy as jnp
       >>> s = ratio_init(2, 1)
       >>> s = ratio_observe(s, 0.9, 0.0, jnp.nan, jnp.array([2.0, 1.0]))  # candidate 0 done
-      >>> s = ratio_observe(s, 0.9, 0.0, jnp.nan, jnp.array([2.0, 1.0]))  # candidate 1: same gain, faster
+      >>> # candidate 1: same gain, faster
+      >>> s = ratio_observe(s, 0.9, 0.0, jnp.nan, jnp.array([2.0, 1.0]))
       >>> int(s.index), bool(s.exploring)
       (1, False)
 

@@ -2,13 +2,17 @@
 
 ============================  ===================================================================
 :class:`Dense`                the plain all-reduce (:func:`jaxcomp.collectives.psum`)
-:class:`TopK`                 top-k sparsification: ``collective="allgather" | "ar" | "hierarchical"``
-:class:`Zfp`                  ZFP fixed-rate compression in a ring (or recursive-doubling) all-reduce
+:class:`TopK`                 top-k sparsification:
+                              ``collective="allgather" | "ar" | "hierarchical"``
+:class:`Zfp`                  ZFP fixed-rate compression in a ring (or recursive-doubling)
+                              all-reduce
 :class:`Quantized`            THC homomorphic quantization, one integer all-reduce
 :class:`RandomK`              random-k at indices every device draws from one seed, one all-reduce
 :class:`Cast`                 the gradient all-reduced in bfloat16 or float16
-:class:`PowerSGD`             rank-r factors of each matrix by a warm-started power iteration, two all-reduces
-:class:`Sign`                 1-bit signs and a scale per chunk (EF-SignSGD), or signSGD's majority vote
+:class:`PowerSGD`             rank-r factors of each matrix by a warm-started power iteration, two
+                              all-reduces
+:class:`Sign`                 1-bit signs and a scale per chunk (EF-SignSGD), or signSGD's majority
+                              vote
 ============================  ===================================================================
 
 Every method is a :class:`Method` (the protocol, in :mod:`jaxcomp.methods.base`); a method defined

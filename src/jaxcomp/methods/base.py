@@ -22,10 +22,11 @@ sharded training          :meth:`Method.reduce_scatter` (each device gets its sh
                           the method has this form
 ========================  ==========================================================================
 
-:func:`jaxcomp.compress`, :func:`jaxcomp.compress_auto`, :mod:`jaxcomp.costmodel.cost`, :mod:`jaxcomp.costmodel.probe`,
-``jaxcomp advise``, the demo and the benchmarks only ever call these; none of them knows a method
-by name. To add a method, subclass :class:`Method` in a file of its own (see ``docs/methods.md``);
-it then works everywhere, also when it is defined outside jaxcomp.
+:func:`jaxcomp.compress`, :func:`jaxcomp.compress_auto`, :mod:`jaxcomp.costmodel.cost`,
+:mod:`jaxcomp.costmodel.probe`, ``jaxcomp advise``, the demo and the benchmarks only ever call
+these; none of them knows a method by name. To add a method, subclass :class:`Method` in a file
+of its own (see ``docs/methods.md``); it then works everywhere, also when it is defined outside
+jaxcomp.
 
 This module loads no JAX: the cost model and the advisor's command line stay cheap to import.
 """

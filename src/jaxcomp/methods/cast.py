@@ -112,7 +112,8 @@ class Cast(Method):
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxcomp.methods import Cast
-      >>> Cast(jnp.bfloat16).describe(), Cast(jnp.bfloat16).wire_bytes(1000, 8)  # half of Dense's 7000
+      >>> # half of Dense's 7000
+      >>> Cast(jnp.bfloat16).describe(), Cast(jnp.bfloat16).wire_bytes(1000, 8)
       ('bf16', 3500.0)
 
     References:

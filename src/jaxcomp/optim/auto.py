@@ -263,8 +263,9 @@ def compress_auto(
     Example:
       >>> import jaxcomp
       >>> slow = jaxcomp.costmodel.cost.Network.parse("1ms", "100mbit")
-      >>> tx = jaxcomp.compress_auto([jaxcomp.Dense(), jaxcomp.TopK(0.01, collective="ar"), jaxcomp.Zfp(8)],
-      ...                            network=slow)
+      >>> tx = jaxcomp.compress_auto(
+      ...     [jaxcomp.Dense(), jaxcomp.TopK(0.01, collective="ar"), jaxcomp.Zfp(8)], network=slow
+      ... )
 
     References:
       Tyagi & Swany, arXiv 2312.02493, §3-D (choice of collective, Eqn 5a-5c) and §3-E (adaptive
@@ -538,7 +539,9 @@ def auto_branches(opt_state) -> list[list[Method]]:
 
     Example:
       >>> import jax.numpy as jnp, jaxcomp
-      >>> state = jaxcomp.compress_auto([jaxcomp.Dense(), jaxcomp.TopK(0.01)]).init({"w": jnp.zeros(3)})
+      >>> state = jaxcomp.compress_auto([jaxcomp.Dense(), jaxcomp.TopK(0.01)]).init(
+      ...     {"w": jnp.zeros(3)}
+      ... )
       >>> [m.describe() for m in jaxcomp.auto_branches(state)[0]]
       ['dense', 'allgather_topk(0.01)']
 
@@ -570,7 +573,9 @@ def set_network(opt_state, network: cost.Network, overhead=None):
     Example:
       >>> import jax.numpy as jnp, jaxcomp
       >>> tx = jaxcomp.compress_auto([jaxcomp.Dense(), jaxcomp.TopK(0.01)])
-      >>> state = jaxcomp.set_network(tx.init({"w": jnp.zeros(3)}), jaxcomp.costmodel.cost.Network.parse("1ms", "1gbit"))
+      >>> state = jaxcomp.set_network(
+      ...     tx.init({"w": jnp.zeros(3)}), jaxcomp.costmodel.cost.Network.parse("1ms", "1gbit")
+      ... )
       >>> [float(v) for v in state.auto.network]  # alpha seconds, beta seconds per byte
       [0.0010000000474974513, 7.999999773744548e-09]
 

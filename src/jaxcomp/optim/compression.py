@@ -4,7 +4,9 @@
 data axis, takes this device's local gradients and returns the aggregated (by default averaged)
 gradients, identical on every device, for the rest of the chain::
 
-    tx = optax.chain(jaxcomp.compress(jaxcomp.TopK(0.01, collective="ar"), axis_name="data"), optax.adam(1e-3))
+    tx = optax.chain(
+        jaxcomp.compress(jaxcomp.TopK(0.01, collective="ar"), axis_name="data"), optax.adam(1e-3)
+    )
 
 The method is a :mod:`jaxcomp.methods` object; this module knows none by name. The update is the
 pipeline of :func:`jaxcomp.optim.feedback.feedback_transformation`; what ``compress`` adds is its

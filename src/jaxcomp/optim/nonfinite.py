@@ -45,7 +45,8 @@ def skipped_update(opt_state):
     Example:
       >>> import jax.numpy as jnp, jaxcomp
       >>> state = jaxcomp.compress(jaxcomp.Dense(), nonfinite="skip").init({"w": jnp.zeros(3)})
-      >>> bool(jaxcomp.skipped_update(state)), jaxcomp.skipped_update(jaxcomp.compress(jaxcomp.Dense()).init({}))
+      >>> (bool(jaxcomp.skipped_update(state)),
+      ...  jaxcomp.skipped_update(jaxcomp.compress(jaxcomp.Dense()).init({})))
       (False, None)
 
     References:
@@ -77,7 +78,9 @@ def keep_if_skipped(skipped, old_state, new_state):
 
     Example:
       >>> import jax.numpy as jnp
-      >>> keep_if_skipped(jnp.bool_(True), {"count": jnp.int32(1)}, {"count": jnp.int32(2)})["count"].tolist()
+      >>> keep_if_skipped(
+      ...     jnp.bool_(True), {"count": jnp.int32(1)}, {"count": jnp.int32(2)}
+      ... )["count"].tolist()
       1
 
     References:
@@ -115,11 +118,14 @@ def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransforma
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
       >>> from jax.sharding import Mesh, PartitionSpec as P
       >>> mesh = Mesh(np.array(jax.devices()), ("data",))
-      >>> tx = jaxcomp.skip_nonfinite(optax.chain(jaxcomp.compress(jaxcomp.Dense(), nonfinite="skip"), optax.adam(0.1)))
+      >>> tx = jaxcomp.skip_nonfinite(
+      ...     optax.chain(jaxcomp.compress(jaxcomp.Dense(), nonfinite="skip"), optax.adam(0.1))
+      ... )
       >>> state = tx.init({"w": jnp.zeros(2)})
       >>> def step(g):
       ...     updates, new_state = tx.update({"w": g}, state)
-      ...     return updates["w"], new_state[1][0].count, jaxcomp.find_compress_state(new_state).metrics.nonfinite
+      ...     nonfinite = jaxcomp.find_compress_state(new_state).metrics.nonfinite
+      ...     return updates["w"], new_state[1][0].count, nonfinite
       >>> f = jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P())
       >>> g = jnp.ones(2 * jax.device_count()).at[0].set(jnp.nan)
       >>> updates, adam_count, nonfinite = f(g)

@@ -88,7 +88,8 @@ def pieces(leaves, positions, vector, shards):
 
     Example:
       >>> import jax.numpy as jnp
-      >>> [(i, p.tolist()) for i, p in pieces([jnp.zeros(1), jnp.zeros(2)], [0, 1], jnp.arange(3.0), None)]
+      >>> [(i, p.tolist())
+      ...  for i, p in pieces([jnp.zeros(1), jnp.zeros(2)], [0, 1], jnp.arange(3.0), None)]
       [(0, [0.0]), (1, [1.0, 2.0])]
 
     References:

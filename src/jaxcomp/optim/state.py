@@ -34,7 +34,9 @@ class CompressMetrics(NamedTuple):
     method: (
         jax.Array
     )  # i32[]: the method that ran, an index into CompressState.methods (0 for compress)
-    nonfinite: jax.Array  # f32[]: non-finite (NaN, ±Inf) gradient entries this step, summed over the devices (exact below 2**24)
+    # f32[]: non-finite (NaN, ±Inf) gradient entries this step, summed over the devices (exact
+    # below 2**24)
+    nonfinite: jax.Array
 
 
 @jax.tree_util.register_static
@@ -51,7 +53,9 @@ class CompressState(NamedTuple):
     """State of :func:`compress` and :func:`jaxcomp.compress_auto`. ``residual`` differs per device;
     the other fields are replicated."""
 
-    residual: Any  # like the gradients: f32 array of the leaf's shape per float leaf (error not yet sent), optax.MaskedNode() elsewhere
+    # like the gradients: f32 array of the leaf's shape per float leaf (error not yet sent),
+    # optax.MaskedNode() elsewhere
+    residual: Any
     step: jax.Array  # i32[]: updates done so far; picks ar_topk's STAR leader, seeds the quantizer
     key: jax.Array  # u32[2] (the default PRNG's raw key): step t draws from fold_in(key, t)
     metrics: CompressMetrics
@@ -61,7 +65,8 @@ class CompressState(NamedTuple):
     velocity: Any = (
         None  # with momentum_correction: like residual, DGC's momentum per device; else None
     )
-    method_state: Any = ()  # per method of `methods`: its own state (PowerSGD's Q per group), or None
+    # per method of `methods`: its own state (PowerSGD's Q per group), or None
+    method_state: Any = ()
 
     @property
     def methods(self) -> tuple[Method, ...]:

@@ -46,7 +46,8 @@ class Layout:
         self.axes = tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
         self.n_devices = math.prod(mesh.shape[a] for a in self.axes)
         self._masks = {}  # tree_key(avals) -> (state_def, mask)
-        self._shapes = {}  # shard="params": the structure and shard shapes of params -> their full avals
+        # shard="params": the structure and shard shapes of params -> their full avals
+        self._shapes = {}
 
     # -- what tx sees: the whole params, or this device's shards of them -------------------------
 

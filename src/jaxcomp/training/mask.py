@@ -37,7 +37,9 @@ def per_device_mask(layout, avals):
       >>> from jaxcomp.training.layout import Layout
       >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
       >>> tx = optax.chain(jaxcomp.compress("ar_topk", ratio=0.5), optax.sgd(0.1))
-      >>> _, mask = per_device_mask(Layout(tx, mesh, "data"), jax.ShapeDtypeStruct((3,), jnp.float32))
+      >>> _, mask = per_device_mask(
+      ...     Layout(tx, mesh, "data"), jax.ShapeDtypeStruct((3,), jnp.float32)
+      ... )
       >>> sum(mask)  # the residual
       1
 

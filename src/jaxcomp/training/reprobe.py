@@ -56,7 +56,9 @@ def remeasure(layout, state, *, codec: bool = True, **probe_options):
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
       >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-      >>> tx = optax.chain(jaxcomp.compress_auto([jaxcomp.Dense(), jaxcomp.TopK(0.01)]), optax.sgd(0.1))
+      >>> tx = optax.chain(
+      ...     jaxcomp.compress_auto([jaxcomp.Dense(), jaxcomp.TopK(0.01)]), optax.sgd(0.1)
+      ... )
       >>> dp = jaxcomp.data_parallel(lambda w, b: jnp.sum(w * b), tx, mesh)
       >>> state = remeasure(dp.layout, dp.init(jnp.zeros(4)), codec=False)
       >>> bool(jaxcomp.find_compress_state(state.opt_state).auto.network[1] > 0)

@@ -18,8 +18,12 @@ import numpy as np
 class TrainState(NamedTuple):
     """State of a :func:`data_parallel` run."""
 
-    params: Any  # the model's params, replicated over the mesh; with shard="params", each leaf's shards, [n_devices, m] sharded over the data axes
-    opt_state: Any  # tx's state: per-device leaves (residuals; with shard=, the optimizer's shards) are [n_devices, *shape] sharded over the data axis, the rest replicated
+    # the model's params, replicated over the mesh; with shard="params", each leaf's shards,
+    # [n_devices, m] sharded over the data axes
+    params: Any
+    # tx's state: per-device leaves (residuals; with shard=, the optimizer's shards) are
+    # [n_devices, *shape] sharded over the data axis, the rest replicated
+    opt_state: Any
     step: jax.Array  # i32[]: steps taken
 
 

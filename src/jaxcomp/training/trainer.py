@@ -197,7 +197,9 @@ class DataParallel:
         Example:
           >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
           >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-          >>> tx = optax.chain(jaxcomp.compress_auto([jaxcomp.Dense(), jaxcomp.TopK(0.01)]), optax.sgd(0.1))
+          >>> tx = optax.chain(
+          ...     jaxcomp.compress_auto([jaxcomp.Dense(), jaxcomp.TopK(0.01)]), optax.sgd(0.1)
+          ... )
           >>> dp = jaxcomp.data_parallel(lambda w, b: jnp.sum(w * b), tx, mesh)
           >>> state = dp.reprobe(dp.init(jnp.zeros(4)), codec=False)
           >>> bool(jaxcomp.find_compress_state(state.opt_state).auto.network[1] > 0)
@@ -329,15 +331,17 @@ def data_parallel(
       >>> loss = lambda w, batch: jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
       >>> dp = jaxcomp.data_parallel(loss, tx, mesh)
       >>> state = dp.init(jnp.zeros(3))
-      >>> batch = {"x": jnp.ones((8 * jax.device_count(), 3)), "y": jnp.ones(8 * jax.device_count())}
+      >>> batch = {"x": jnp.ones((8 * jax.device_count(), 3)),
+      ...          "y": jnp.ones(8 * jax.device_count())}
       >>> state, metrics = dp.step(state, batch)
       >>> float(metrics["loss"])
       1.0
 
       Sharded (each device updates and stores 1/N of the optimizer state):
 
-      >>> dp = jaxcomp.data_parallel(loss, optax.chain(jaxcomp.compress("bf16"), optax.adam(0.1)), mesh,
-      ...                            shard="optimizer")
+      >>> dp = jaxcomp.data_parallel(
+      ...     loss, optax.chain(jaxcomp.compress("bf16"), optax.adam(0.1)), mesh, shard="optimizer"
+      ... )
       >>> state, metrics = dp.step(dp.init(jnp.zeros(3)), batch)
       >>> state.opt_state[1][0].mu.shape == (jax.device_count(), -(-3 // jax.device_count()))
       True

@@ -10,15 +10,17 @@ emitted as a per-element branch tree, tens of times slower than a copy, while a 
 thousand small leaves spends its time in per-leaf overheads. So every speed benchmark
 (``benchmarks/`` and ``jaxcomp netbench --model``) runs the same zoo:
 
-==============  ===========  ======  ===================================================================
+==============  ===========  ======  ===============================================================
 name            params       leaves  what it is
-==============  ===========  ======  ===================================================================
+==============  ===========  ======  ===============================================================
 ``mlp4096``      25,185,290       8  Dense 1024-4096-4096-1024-10, tanh between, cross-entropy
-``mlp2041``      25,006,332      12  six square 2041-wide Dense layers (netbench's ``--params 25e6`` MLP)
-``gpt2``        124,439,808     148  GPT-2 small: 50257x768 tied embedding, 12 blocks, next-token loss
+``mlp2041``      25,006,332      12  six square 2041-wide Dense layers (netbench's ``--params 25e6``
+                                     MLP)
+``gpt2``        124,439,808     148  GPT-2 small: 50257x768 tied embedding, 12 blocks, next-token
+                                     loss
 ``resnet50``     25,557,032     161  ResNet-50 v1.5: HWIO conv kernels, BatchNorm, 1000 classes
 ``many_small``    1,102,666   1,030  256 residual blocks of LayerNorm + Dense 64x64
-==============  ===========  ======  ===================================================================
+==============  ===========  ======  ===============================================================
 
 The parameters are real; the batches are random and small so that a CPU step stays short:
 GPT-2 reads ``seq_len`` tokens (default 64, not 1024) and ResNet-50 ``image_size`` square RGB
@@ -203,7 +205,8 @@ def _mlp(widths):
 def _mlp4096(**_):
     module = _mlp((4096, 4096, 1024, 10))
     return _Recipe(
-        description="MLP 1024-4096-4096-1024-10, tanh between, softmax cross-entropy; batch: 1024 features, a label",
+        description="MLP 1024-4096-4096-1024-10, tanh between, softmax cross-entropy; batch: 1024 "
+        "features, a label",
         init=lambda key, b: module.init(key, b["x"]),
         loss=lambda v, b: _cross_entropy(module.apply(v, b["x"]), b["label"]),
         make_batch=lambda rng, n: _classes(rng, n, 1024, 10),
@@ -283,8 +286,8 @@ def _gpt2(*, seq_len, **_):
         return _cross_entropy(logits[:, :-1], batch["tokens"][:, 1:])  # the next token
 
     return _Recipe(
-        description=f"GPT-2 small: 50257x768 token and 1024x768 position embeddings, 12 blocks, tied head; "
-        f"batch: {seq_len}-token sequences, next-token loss",
+        description="GPT-2 small: 50257x768 token and 1024x768 position embeddings, 12 blocks, "
+        f"tied head; batch: {seq_len}-token sequences, next-token loss",
         init=lambda key, b: module.init(key, b["tokens"]),
         loss=loss,
         make_batch=lambda rng, n: {
@@ -375,8 +378,9 @@ def _many_small(**_):
 
     module = ManySmall()
     return _Recipe(
-        description=f"{_SMALL_BLOCKS} residual blocks of LayerNorm + Dense {_SMALL_WIDTH}x{_SMALL_WIDTH}, "
-        f"softmax cross-entropy; batch: {_SMALL_WIDTH} features, a label",
+        description=f"{_SMALL_BLOCKS} residual blocks of LayerNorm + Dense "
+        f"{_SMALL_WIDTH}x{_SMALL_WIDTH}, softmax cross-entropy; batch: {_SMALL_WIDTH} features, "
+        "a label",
         init=lambda key, b: module.init(key, b["x"]),
         loss=lambda v, b: _cross_entropy(module.apply(v, b["x"]), b["label"]),
         make_batch=lambda rng, n: _classes(rng, n, _SMALL_WIDTH, 10),

@@ -222,7 +222,8 @@ def run_branch(
       >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
       >>> def f(x):
       ...     groups = Groups([x], ["the model"], [x.shape[0]], 2, None, 4)
-      ...     return run_branch((Dense(),), 0, groups, "data", 0, jax.random.key(0), False, (None,))[0][0]
+      ...     key = jax.random.key(0)
+      ...     return run_branch((Dense(),), 0, groups, "data", 0, key, False, (None,))[0][0]
       >>> jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P())(jnp.arange(4.0)).tolist()
       [2.0, 4.0]
 
