@@ -80,13 +80,13 @@ def main():
         (("ar_topk", {"ratio": 0.1}), {"adaptive_ratio": True, "explore_steps": 10_000}),
     ]
     print(
-        f"# {platform.node()}: {os.cpu_count()} cores, jax {jax.__version__}, {args.devices} virtual CPU devices, "
-        f"n = {n:,}, median of {args.repeats} steps"
+        f"# {platform.node()}: {os.cpu_count()} cores, jax {jax.__version__}, {args.devices} "
+        f"virtual CPU devices, n = {n:,}, median of {args.repeats} steps"
     )
     if args.markdown:
         print(
-            "| auto options (network 1 ms, 100 Mbit/s) | branches | ran | fixed step | auto step | auto / fixed "
-            "| first step (compile): fixed / auto |"
+            "| auto options (network 1 ms, 100 Mbit/s) | branches | ran | fixed step | auto step | "
+            "auto / fixed | first step (compile): fixed / auto |"
         )
         print("|---|---:|---|---:|---:|---:|---:|")
     for (method, options), auto_options in configs:
@@ -96,13 +96,15 @@ def main():
         auto = measure(auto_tx, n, mesh, batch)
         if (auto[2], auto[3]) != (fixed[2], fixed[3]):
             raise SystemExit(
-                f"auto ran {auto[2]} at density {auto[3]}, not {fixed[2]}: the comparison is meaningless"
+                f"auto ran {auto[2]} at density {auto[3]}, not {fixed[2]}: the comparison is "
+                "meaningless"
             )
         label = ", ".join(f"{k}={v}" for k, v in auto_options.items())
         if args.markdown:
             print(
                 f"| {label} | {branches} | {method} ({auto[3]:.3g}) | {1e3 * fixed[1]:.1f} ms | "
-                f"{1e3 * auto[1]:.1f} ms | {auto[1] / fixed[1]:.2f} | {fixed[0]:.2f} s / {auto[0]:.2f} s |"
+                f"{1e3 * auto[1]:.1f} ms | {auto[1] / fixed[1]:.2f} | {fixed[0]:.2f} s / "
+                f"{auto[0]:.2f} s |"
             )
         else:
             print(label, branches, "fixed", fixed, "auto", auto)

@@ -1,4 +1,5 @@
-"""Collectives benchmark: time and bytes sent per device of every jaxcomp collective beside dense psum.
+"""Collectives benchmark: time and bytes sent per device of every jaxcomp collective beside dense
+psum.
 
     python benchmarks/collectives.py                     # n = 25M per device, 8 virtual CPU devices
     python benchmarks/collectives.py --size 1e6 --repeats 5 --markdown
@@ -18,7 +19,7 @@ import time
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=float, default=25e6, help="gradient length per device")
     parser.add_argument("--devices", type=int, default=8, help="virtual CPU devices")
     parser.add_argument("--ratios", default="0.01,0.001", help="comma-separated top-k densities")

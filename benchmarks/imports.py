@@ -91,8 +91,8 @@ def main():
     args = parser.parse_args()
     paths = args.path or [None]
     print(
-        f"# {platform.node()}: {os.cpu_count()} cores, Python {platform.python_version()}, median of "
-        f"{args.repeats} fresh interpreters"
+        f"# {platform.node()}: {os.cpu_count()} cores, Python {platform.python_version()}, median "
+        f"of {args.repeats} fresh interpreters"
     )
     print("| jaxcomp from | what | import time | loads JAX |")
     print("|---|---|---:|---|")
@@ -100,11 +100,12 @@ def main():
         for spellings in CASES:
             code, seconds, jax_loaded = _first_that_imports(spellings, path, args.repeats)
             print(
-                f"| {path or 'installed'} | `{code}` | {seconds:.3f} s | {'yes' if jax_loaded else 'no'} |"
+                f"| {path or 'installed'} | `{code}` | {seconds:.3f} s | "
+                f"{'yes' if jax_loaded else 'no'} |"
             )
         print(
-            f"| {path or 'installed'} | `python -m jaxcomp advise --help` (wall, interpreter included) | "
-            f"{help_seconds(path, args.repeats):.3f} s | |"
+            f"| {path or 'installed'} | `python -m jaxcomp advise --help` (wall, interpreter "
+            f"included) | {help_seconds(path, args.repeats):.3f} s | |"
         )
 
 

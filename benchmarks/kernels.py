@@ -117,8 +117,8 @@ def main():
 
     device = jax.devices(args.device)[0]
     print(
-        f"# jax {jax.__version__} on {device.platform} ({device.device_kind}); host {platform.node()}, "
-        f"{os.cpu_count()} cores"
+        f"# jax {jax.__version__} on {device.platform} ({device.device_kind}); host "
+        f"{platform.node()}, {os.cpu_count()} cores"
     )
     rows = []
     if args.portable:

@@ -110,7 +110,8 @@ def main(argv=None) -> int:
     local = {label: best[label] - best["dense"] for label in STEP_METHODS if label != "dense"}
     result = {"params": n_params, "steps": best, "local_work": local, "version": jaxcomp.__file__}
     print(
-        f"{n_params / 1e6:.1f}M params, {args.devices} in-process CPU devices, best of {args.repeats}:"
+        f"{n_params / 1e6:.1f}M params, {args.devices} in-process CPU devices, best of "
+        f"{args.repeats}:"
     )
     for label, seconds in best.items():
         print(f"  step {label:15s} {seconds * 1e3:8.1f} ms")

@@ -12,7 +12,8 @@ step could do with the gradient. The issue's targets: at most 4 passes for top-k
 and the casts (PowerSGD: beside its matmuls), at most 8 for ZFP and THC.
 
 Rounds interleave the methods (each call in a round: one warm-up, then the best of 2) and each
-figure is the best round, so that a busy machine skews every method alike. Results go to stdout as a table and to ``--json``.
+figure is the best round, so that a busy machine skews every method alike. Results go to stdout as a
+table and to ``--json``.
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ def gradients(model_name: str):
 
 
 def update_function(method: str, grads):
-    """A jitted ``(grads, state) -> (updates, state)`` of ``compress(method)`` on one device, and its
-    first state."""
+    """A jitted ``(grads, state) -> (updates, state)`` of ``compress(method)`` on one device, and
+    its first state."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
@@ -155,8 +156,8 @@ def table(rows) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     print(
-        f"# {platform.node()}: {platform.processor() or platform.machine()}, jax {jax.__version__}, "
-        f"{len(jax.devices())} device(s)",
+        f"# {platform.node()}: {platform.processor() or platform.machine()}, jax "
+        f"{jax.__version__}, {len(jax.devices())} device(s)",
         flush=True,
     )
     rows = []

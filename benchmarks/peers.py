@@ -1,30 +1,34 @@
-"""The peer, side by side: PyTorch DDP and its compression hooks beside jaxcomp on the same emulated cluster.
+"""The peer, side by side: PyTorch DDP and its compression hooks beside jaxcomp on the same emulated
+cluster.
 
-    sudo .venv/bin/python benchmarks/peers.py --json peers.json            # the issue's set-up (long)
+    # the issue's set-up (long)
+    sudo .venv/bin/python benchmarks/peers.py --json peers.json
     sudo .venv/bin/python benchmarks/peers.py --models mlp4096,resnet50,many_small --rates 1gbit
-    sudo .venv/bin/python benchmarks/peers.py --hosts 2 --rates 1gbit --models mlp2041 --params 2e5 \\
-        --steps 2 --warmup 1                                                # a smoke run, under a minute
+    # a smoke run, under a minute
+    sudo .venv/bin/python benchmarks/peers.py --hosts 2 --rates 1gbit --models mlp2041 \\
+        --params 2e5 --steps 2 --warmup 1
 
-For every model, host count and link rate it builds a :class:`jaxcomp.distributed.cluster.Cluster` (network
-namespaces behind ``tbf``-shaped veth links, one process per host, gloo over ``eth0``) twice, with the
-same rate: once for ``jaxcomp netbench``'s rows (:func:`jaxcomp.distributed.netbench.run_benchmark`: the plain
-``lax.pmean`` baseline and jaxcomp's methods) and once for PyTorch's: ``DistributedDataParallel`` with
-gloo's all-reduce (``ddp``), ``fp16_compress_hook``, ``bf16_compress_hook`` and ``powerSGD_hook`` (rank
-``--powersgd-rank``). The models are ``jaxcomp.training.zoo``'s, by name; ``benchmarks/torch_zoo.py`` builds
-the same layers in PyTorch (the same parameter and tensor counts), with the same loss and batches of
-the same shapes and rows per host. Both report the median step of the slowest host; the wire bytes
-come from each host's ``eth0`` counters.
+For every model, host count and link rate it builds a :class:`jaxcomp.distributed.cluster.Cluster`
+(network namespaces behind ``tbf``-shaped veth links, one process per host, gloo over ``eth0``)
+twice, with the same rate: once for ``jaxcomp netbench``'s rows
+(:func:`jaxcomp.distributed.netbench.run_benchmark`: the plain ``lax.pmean`` baseline and jaxcomp's
+methods) and once for PyTorch's: ``DistributedDataParallel`` with gloo's all-reduce (``ddp``),
+``fp16_compress_hook``, ``bf16_compress_hook`` and ``powerSGD_hook`` (rank ``--powersgd-rank``). The
+models are ``jaxcomp.training.zoo``'s, by name; ``benchmarks/torch_zoo.py`` builds the same layers
+in PyTorch (the same parameter and tensor counts), with the same loss and batches of the same shapes
+and rows per host. Both report the median step of the slowest host; the wire bytes come from each
+host's ``eth0`` counters.
 
-PyTorch lives in its own virtual environment (``--torch-venv``, default ``.venv-torch`` beside ``.venv``),
-created by this script on first use with ``pip install torch==2.13.0 numpy`` (on this project's machines pip
-finds a CPU build of it on disk, ~190 MB; elsewhere pip downloads PyPI's CUDA build, several GB, which
-runs on the CPU all the same: pass ``--torch-requirement`` to choose). It is never a dependency of
-jaxcomp or of its CI. The torch half of this file (``--torch-worker``) runs inside each emulated host
-under that environment's Python, and imports nothing from jaxcomp.
+PyTorch lives in its own virtual environment (``--torch-venv``, default ``.venv-torch`` beside
+``.venv``), created by this script on first use with ``pip install torch==2.13.0 numpy`` (on this
+project's machines pip finds a CPU build of it on disk, ~190 MB; elsewhere pip downloads PyPI's CUDA
+build, several GB, which runs on the CPU all the same: pass ``--torch-requirement`` to choose). It
+is never a dependency of jaxcomp or of its CI. The torch half of this file (``--torch-worker``) runs
+inside each emulated host under that environment's Python, and imports nothing from jaxcomp.
 
 Differences that remain, said in the output too: the jaxcomp rows come from netbench as it is, which
-trains with Adam(1e-4) (the torch rows use ``--torch-optimizer``, SGD by default, as the issue asks) and
-averages its wire bytes over the warm-up and the timed steps (the torch rows: timed steps only);
+trains with Adam(1e-4) (the torch rows use ``--torch-optimizer``, SGD by default, as the issue asks)
+and averages its wire bytes over the warm-up and the timed steps (the torch rows: timed steps only);
 netbench does not record CPU time. PowerSGD over gloo runs with every gradient in one DDP bucket
 (``bucket_cap_mb`` above the model's size; the worker checks that each step saw one bucket). DDP
 runs with ``broadcast_buffers=False``: ResNet-50's BatchNorm statistics are not trained, and
@@ -52,24 +56,33 @@ from itertools import pairwise
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TORCH_VENV = os.path.join(REPO, ".venv-torch")
-#: What pip installs into the torch environment when it is missing (a CPU build on this project's machines).
+#: What pip installs into the torch environment when it is missing (a CPU build on this project's
+#: machines).
 DEFAULT_TORCH_REQUIREMENT = "torch==2.13.0 numpy"  # PowerSGDState imports numpy
 
-#: The models, by their ``jaxcomp.training.zoo`` names (``jaxcomp netbench --model``); the torch worker builds the
-#: same layers, in the same order, with the same loss and random batches of the same shapes.
+#: The models, by their ``jaxcomp.training.zoo`` names (``jaxcomp netbench --model``); the torch
+#: worker builds the same layers, in the same order, with the same loss and random batches of the
+#: same shapes.
 MODELS = {
     "mlp4096": "MLP 1024-4096-4096-1024-10, tanh between, softmax cross-entropy over 10 classes",
-    "mlp2041": "six square 2041-wide Dense layers, tanh between, mean squared error (--params resizes it)",
+    "mlp2041": (
+        "six square 2041-wide Dense layers, tanh between, mean squared error (--params resizes it)"
+    ),
     "gpt2": "GPT-2 small (tied head), 64-token sequences, next-token cross-entropy",
-    "resnet50": "ResNet-50 v1.5 (torchvision's layout), BatchNorm in train mode, 64x64 images, 1000 classes",
-    "many_small": "256 residual blocks of LayerNorm + Dense 64x64, softmax cross-entropy over 10 classes",
+    "resnet50": (
+        "ResNet-50 v1.5 (torchvision's layout), BatchNorm in train mode, 64x64 images, 1000 classes"
+    ),
+    "many_small": (
+        "256 residual blocks of LayerNorm + Dense 64x64, softmax cross-entropy over 10 classes"
+    ),
 }
 MLP4096_WIDTHS = (1024, 4096, 4096, 1024, 10)
 SQUARE_LAYERS = 6  # mlp2041: netbench's own MLP (--params 25e6 --layers 6)
 MLP2041_PARAMS = SQUARE_LAYERS * 2041 * 2041  # netbench.width_for(this, 6) == 2041
 GPT2_SEQ_LEN, RESNET_IMAGE = 64, 64  # jaxcomp.training.zoo's defaults
 
-#: Torch rows: name -> (row label, DDP comm hook in torch.distributed.algorithms.ddp_comm_hooks or None).
+#: Torch rows: name -> (row label, DDP comm hook in torch.distributed.algorithms.ddp_comm_hooks or
+#: None).
 TORCH_METHODS = {
     "plain": ("ddp", None),
     "fp16": ("ddp+fp16_compress_hook", "default_hooks.fp16_compress_hook"),
@@ -116,7 +129,8 @@ def torch_widths(model: str, params: float | None = None) -> tuple[int, ...] | N
 
     Args:
       model: a name from :data:`MODELS`.
-      params: mlp2041's parameter count instead of its own (square layers, as netbench's ``--params``).
+      params: mlp2041's parameter count instead of its own (square layers, as netbench's
+        ``--params``).
 
     Returns:
       ``(in, hidden..., out)`` of consecutive ``nn.Linear`` layers, or None.
@@ -217,7 +231,8 @@ def ddp_options(method: str, n_params: int, *, rank: int = 4, start_iter: int = 
 
 
 def torch_warmup(method: str, warmup: int, start_iter: int) -> int:
-    """Untimed steps before ``method``'s timed ones: PowerSGD's plain steps and its first compressed one too.
+    """Untimed steps before ``method``'s timed ones: PowerSGD's plain steps and its first compressed
+    one too.
 
     Example:
       >>> torch_warmup("plain", 2, 2), torch_warmup("powersgd", 2, 2)
@@ -249,7 +264,8 @@ def add_cross_speedups(rows) -> list[dict]:
       rows: rows with ``model``, ``hosts``, ``rate``, ``framework``, ``method`` and ``step``.
 
     Returns:
-      The same rows (changed in place): ``vs_torch_ddp`` is None where the cell has no torch ``ddp`` row.
+      The same rows (changed in place): ``vs_torch_ddp`` is None where the cell has no torch ``ddp``
+      row.
     """
     plain = {
         (r["model"], r["hosts"], r["rate"]): r["step"]
@@ -266,9 +282,10 @@ def table(rows) -> str:
     """The markdown table of both frameworks' rows.
 
     Args:
-      rows: dicts with ``model``, ``params``, ``hosts``, ``rate``, ``framework``, ``method``, ``step``,
-        ``compute``, ``cpu`` (CPU s per step, None where unknown), ``wire_tx`` (bytes per step and host),
-        ``speedup`` (against the framework's own plain baseline) and ``vs_torch_ddp``.
+      rows: dicts with ``model``, ``params``, ``hosts``, ``rate``, ``framework``, ``method``,
+        ``step``, ``compute``, ``cpu`` (CPU s per step, None where unknown), ``wire_tx`` (bytes per
+        step and host), ``speedup`` (against the framework's own plain baseline) and
+        ``vs_torch_ddp``.
 
     Returns:
       A markdown table, one line per row.
@@ -279,16 +296,17 @@ def table(rows) -> str:
     """
     lines = [
         (
-            "| model | params | hosts | rate | framework | method | step s | compute s | CPU s/step | "
-            "wire MB/step/host | speed vs own plain | speed vs torch DDP |"
+            "| model | params | hosts | rate | framework | method | step s | compute s | CPU "
+            "s/step | wire MB/step/host | speed vs own plain | speed vs torch DDP |"
         ),
         "|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['hosts']} | {r['rate']} | {r['framework']} | "
-            f"{r['method']} | {_s(r['step'])} | {_s(r.get('compute'))} | {_s(r.get('cpu'))} | "
-            f"{_mb(r.get('wire_tx'))} | {_x(r.get('speedup'))} | {_x(r.get('vs_torch_ddp'))} |"
+            f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['hosts']} | {r['rate']} | "
+            f"{r['framework']} | {r['method']} | {_s(r['step'])} | {_s(r.get('compute'))} | "
+            f"{_s(r.get('cpu'))} | {_mb(r.get('wire_tx'))} | {_x(r.get('speedup'))} | "
+            f"{_x(r.get('vs_torch_ddp'))} |"
         )
     return "\n".join(lines)
 
@@ -314,7 +332,8 @@ def machine() -> dict:
 
 
 def header(config: Config, info: dict, argv) -> str:
-    """The lines printed above the table: the command, the machine, the set-up and what still differs."""
+    """The lines printed above the table: the command, the machine, the set-up and what still
+    differs."""
     torch_opt = f"{config.torch_optimizer.upper()}(lr={config.lr:g})"
     return "\n".join(
         [
@@ -324,14 +343,15 @@ def header(config: Config, info: dict, argv) -> str:
                 f"jax {info.get('jax', '-')}"
             ),
             (
-                f"set-up: one process per host, gloo on eth0, {config.batch} rows per host, {config.steps} timed steps "
-                f"after {config.warmup} warm-up (PowerSGD: after its start_powerSGD_iter={config.powersgd_start} "
-                f"plain steps too); step = median of the slowest host; wire = bytes sent by a host's eth0 per step"
+                f"set-up: one process per host, gloo on eth0, {config.batch} rows per host, "
+                f"{config.steps} timed steps after {config.warmup} warm-up (PowerSGD: after its "
+                f"start_powerSGD_iter={config.powersgd_start} plain steps too); step = median of "
+                "the slowest host; wire = bytes sent by a host's eth0 per step"
             ),
             (
-                f"optimizers: jaxcomp rows Adam(1e-4) (netbench), torch rows {torch_opt}; torch: 1 thread per host, "
-                "CPU s/step = process CPU time per timed step (host mean); netbench's wire bytes average warm-up and "
-                "timed steps"
+                f"optimizers: jaxcomp rows Adam(1e-4) (netbench), torch rows {torch_opt}; torch: 1 "
+                "thread per host, CPU s/step = process CPU time per timed step (host mean); "
+                "netbench's wire bytes average warm-up and timed steps"
             ),
         ]
     )
@@ -429,7 +449,8 @@ def _names(text: str, flag: str, allowed) -> tuple[str, ...]:
 
 
 def config_from_args(args) -> Config:
-    """A :class:`Config` from parsed arguments; raises ``ValueError`` naming the flag that is wrong."""
+    """A :class:`Config` from parsed arguments; raises ``ValueError`` naming the flag that is
+    wrong."""
     models = _names(args.models, "--models", MODELS)
     frameworks = _names(args.frameworks, "--frameworks", FRAMEWORKS)
     torch_methods = _names(args.torch_methods, "--torch-methods", TORCH_METHODS)
@@ -485,7 +506,8 @@ def config_from_args(args) -> Config:
 
 
 def check_rates_and_methods(config: Config) -> None:
-    """Checks the rates and jaxcomp methods against jaxcomp itself (``ValueError`` naming the flag)."""
+    """Checks the rates and jaxcomp methods against jaxcomp itself (``ValueError`` naming the
+    flag)."""
     from jaxcomp.distributed.cluster import parse_rate
 
     for rate in config.rates:
@@ -513,7 +535,8 @@ def torch_python(venv: str) -> str:
 
 
 def ensure_torch(config: Config, out=sys.stderr) -> str:
-    """Makes (or completes) the torch environment where needed; returns torch's version after checking gloo.
+    """Makes (or completes) the torch environment where needed; returns torch's version after
+    checking gloo.
 
     Args:
       config: where the environment lives, what pip installs there, and whether it may.
@@ -523,8 +546,8 @@ def ensure_torch(config: Config, out=sys.stderr) -> str:
       ``torch.__version__`` as the environment's Python reports it.
 
     Raises:
-      RuntimeError: torch there cannot import, lacks gloo or PowerSGD's numpy, and ``install`` is off
-        or pip failed.
+      RuntimeError: torch there cannot import, lacks gloo or PowerSGD's numpy, and ``install`` is
+        off or pip failed.
     """
     version, why = _check_torch(config.torch_venv)
     if version is not None:
@@ -557,7 +580,8 @@ def ensure_torch(config: Config, out=sys.stderr) -> str:
 
 
 def _check_torch(venv: str) -> tuple[str | None, str]:
-    """``(torch.__version__, "")`` if ``venv``'s torch imports with gloo and numpy, else ``(None, why)``."""
+    """``(torch.__version__, "")`` if ``venv``'s torch imports with gloo and numpy, else
+    ``(None, why)``."""
     python = torch_python(venv)
     if not os.path.exists(python):
         return None, f"{python} does not exist"
@@ -577,7 +601,8 @@ def _check_torch(venv: str) -> tuple[str | None, str]:
 
 
 def _join_process_group(timeout: float):
-    """Joins the job :meth:`jaxcomp.distributed.cluster.Cluster.start` described (its JAXCOMP_* variables) with gloo."""
+    """Joins the job :meth:`jaxcomp.distributed.cluster.Cluster.start` described (its JAXCOMP_*
+    variables) with gloo."""
     import datetime
 
     import torch.distributed as dist
@@ -598,8 +623,10 @@ def _join_process_group(timeout: float):
 
 
 def _build(spec):
-    """``(module, make_batch, loss_fn)`` of ``spec``'s model, the same initial params on every host and method."""
-    import torch_zoo  # beside this file: the worker runs it as a script, so its folder is on sys.path
+    """``(module, make_batch, loss_fn)`` of ``spec``'s model, the same initial params on every host
+    and method."""
+    # beside this file: the worker runs it as a script, so its folder is on sys.path
+    import torch_zoo
 
     return torch_zoo.build(spec["model"], mlp_widths=spec["widths"], seed=0)
 
@@ -618,7 +645,8 @@ def _tx_bytes(interface: str) -> int:
 
 
 def _timed_steps(model, loss_fn, optimizer, batches, warmup, steps, interface, on_timed_start=None):
-    """Runs ``warmup`` then ``steps`` training steps; the timed steps' wall times, CPU s/step, tx bytes/step."""
+    """Runs ``warmup`` then ``steps`` training steps; the timed steps' wall times, CPU s/step, tx
+    bytes/step."""
     times, loss = [], None
     for i in range(warmup + steps):
         if i == warmup:
@@ -643,7 +671,8 @@ def _timed_steps(model, loss_fn, optimizer, batches, warmup, steps, interface, o
 
 
 def _hooked(options, seen):
-    """The DDP comm hook and its state for ``options`` (:func:`ddp_options`), counting buckets into ``seen``."""
+    """The DDP comm hook and its state for ``options`` (:func:`ddp_options`), counting buckets into
+    ``seen``."""
     import importlib
 
     module, name = options["hook"].rsplit(".", 1)
@@ -678,7 +707,8 @@ def _run_torch_method(spec, method, position, batches, interface):
     ddp_kwargs = (
         {} if options["bucket_cap_mb"] is None else {"bucket_cap_mb": options["bucket_cap_mb"]}
     )
-    # No buffer broadcast: ResNet-50's BatchNorm statistics are not trained, and jaxcomp's rows drop them.
+    # No buffer broadcast: ResNet-50's BatchNorm statistics are not trained, and jaxcomp's rows drop
+    # them.
     model = DistributedDataParallel(module, broadcast_buffers=False, **ddp_kwargs)
     seen = []
     state = None
@@ -736,7 +766,8 @@ def _local_compute(spec, batches):
 
 
 def torch_worker(spec: dict) -> None:
-    """One host's half of the torch job: every method of ``spec`` in turn; writes ``<out>/torch-<rank>.json``."""
+    """One host's half of the torch job: every method of ``spec`` in turn; writes
+    ``<out>/torch-<rank>.json``."""
     import gc
 
     import torch
@@ -836,7 +867,8 @@ def torch_cell(config: Config, model: str, hosts: int, rate: str, out) -> list[d
 
 
 def torch_rows(results, model: str, hosts: int, rate: str) -> list[dict]:
-    """Rows from every host's result: the slowest host's median step, CPU and wire bytes averaged over hosts."""
+    """Rows from every host's result: the slowest host's median step, CPU and wire bytes averaged
+    over hosts."""
     rows = []
     for method in results[0]["methods"]:
         per_host = [r["methods"][method] for r in results]
@@ -879,7 +911,8 @@ def _log_tail(out) -> str:
 
 
 def netbench_options(model: str, params: float | None) -> dict:
-    """:func:`jaxcomp.distributed.netbench.run_benchmark`'s keyword arguments that make it train ``model``.
+    """:func:`jaxcomp.distributed.netbench.run_benchmark`'s keyword arguments that make it train
+    ``model``.
 
     Args:
       model: a name from :data:`MODELS`.
@@ -941,7 +974,8 @@ def jaxcomp_cell(config: Config, model: str, hosts: int, rate: str, log_path: st
 
 
 def run(config: Config, argv, out=sys.stdout) -> dict:
-    """Every cell, both frameworks; prints the header and table, writes ``--json``; returns the report."""
+    """Every cell, both frameworks; prints the header and table, writes ``--json``; returns the
+    report."""
     from jaxcomp.distributed.cluster import check_support
 
     check_support()
@@ -984,7 +1018,8 @@ def _save(config: Config, report: dict) -> None:
 
 
 def main(argv=None) -> int:
-    """``benchmarks/peers.py [--models ...] [--hosts 4] [--rates 1gbit,100mbit] [--json out.json]``."""
+    """``benchmarks/peers.py [--models ...] [--hosts 4] [--rates 1gbit,100mbit] [--json
+    out.json]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--torch-worker"]:
         torch_worker(json.loads(argv[1]))

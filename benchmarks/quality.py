@@ -1,21 +1,22 @@
-"""Training quality: a character-level transformer language model trained once per compression method.
+"""Training quality: a character-level transformer language model trained once per compression
+method.
 
-    python benchmarks/quality.py                       # every method, ~19 min on 2 cores (see BENCHMARKS.md)
+    python benchmarks/quality.py  # every method, ~19 min on 2 cores (see BENCHMARKS.md)
     python benchmarks/quality.py --methods dense,ar_topk(0.01) --steps 300
-    python benchmarks/quality.py --quick --out /tmp/q  # a tiny model for a few steps (the smoke test)
-    python benchmarks/quality.py --model large --methods dense,zfp(8)   # 2.45M params, 4-9 min a row
+    python benchmarks/quality.py --quick --out /tmp/q  # a tiny model for a few steps (smoke test)
+    python benchmarks/quality.py --model large --methods dense,zfp(8)  # 2.45M params, 4-9 min a row
 
-A small GPT-style model (flax nnx; pre-LayerNorm blocks of causal self-attention and a GELU MLP) learns
-to predict the next character of Python source: files of the standard library of the running
+A small GPT-style model (flax nnx; pre-LayerNorm blocks of causal self-attention and a GELU MLP)
+learns to predict the next character of Python source: files of the standard library of the running
 interpreter, read from its installation, so nothing is downloaded (``CORPUS`` names them; the JSON
 records each file's size). The concatenation is split 90/10 into a training and a held-out part.
 
 Every method trains data-parallel on 8 virtual CPU devices with ``jaxcomp.data_parallel`` and
-``optax.chain(jaxcomp.compress(method), optax.adam(warm-up + cosine schedule))``, from the same initial
-params, on the same batches, for the same number of steps. At the end each run is evaluated on the
-same held-out sequences. The script prints a Markdown table (final held-out loss, its ratio to dense's,
-bytes one device sends per step and their ratio to dense's) and writes ``quality.json`` and
-``quality.png`` (held-out and training loss curves) to ``--out``.
+``optax.chain(jaxcomp.compress(method), optax.adam(warm-up + cosine schedule))``, from the same
+initial params, on the same batches, for the same number of steps. At the end each run is evaluated
+on the same held-out sequences. The script prints a Markdown table (final held-out loss, its ratio
+to dense's, bytes one device sends per step and their ratio to dense's) and writes ``quality.json``
+and ``quality.png`` (held-out and training loss curves) to ``--out``.
 
 The methods are data (``rows()``): one line each. Methods that other branches add (PowerSGD, sign,
 a 16-bit cast) appear as soon as ``jaxcomp.methods`` has them.
@@ -34,7 +35,8 @@ from typing import Any
 
 N_DEVICES = 8
 
-#: The corpus: these files of the running interpreter's standard library, concatenated in this order.
+#: The corpus: these files of the running interpreter's standard library, concatenated in this
+#: order.
 CORPUS = (
     "argparse.py",
     "dataclasses.py",
@@ -141,7 +143,8 @@ def variants():
     settings of the methods that lose quality."""
     from jaxcomp import methods as m
 
-    # The sparsifiers with DGC's momentum correction and 100 dense steps first, behind two optimizers.
+    # The sparsifiers with DGC's momentum correction and 100 dense steps first, behind two
+    # optimizers.
     sparsifiers = (
         m.TopK(0.01),
         m.TopK(0.01, collective="ar"),
@@ -249,9 +252,9 @@ def adam_frozen_variance(learning_rate, freeze_after: int, b1=0.9, b2=0.999, eps
     investigation of whether Adam's per-coordinate normalization is what costs top-k its quality.
 
     Up to then it is Adam (bias-corrected ``m / (sqrt(v) + eps)``, the same state); afterwards ``v``
-    keeps its value and its bias correction stays at ``freeze_after``, so the update is linear in the
-    gradients: what error feedback delivers late, in bursts, moves the params as far in total as had
-    it come step by step. 1-bit Adam's variance freezing (Tang et al., ICML 2021) without its
+    keeps its value and its bias correction stays at ``freeze_after``, so the update is linear in
+    the gradients: what error feedback delivers late, in bursts, moves the params as far in total as
+    had it come step by step. 1-bit Adam's variance freezing (Tang et al., ICML 2021) without its
     compression. (Measured here, it does not help top-k: BENCHMARKS.md, "Training quality".)
 
     Example:
@@ -395,7 +398,8 @@ def make_model(config: Config, seed: int):
 
 
 def batches(tokens, config: Config, steps: int, seed: int):
-    """``steps`` batches of ``config.batch`` random windows of ``context + 1`` characters (same for every run)."""
+    """``steps`` batches of ``config.batch`` random windows of ``context + 1`` characters (same for
+    every run)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -490,8 +494,8 @@ def format_table(results) -> str:
         loss_ratio = f"{r['heldout_loss'] / dense['heldout_loss']:.4f}" if dense else "-"
         byte_ratio = f"{r['bytes_per_step'] / dense['bytes_per_step']:.4f}" if dense else "-"
         lines.append(
-            f"| {r['name']} | {r['heldout_loss']:.4f} | {loss_ratio} | {r['bytes_per_step']:,.0f} | "
-            f"{byte_ratio} |"
+            f"| {r['name']} | {r['heldout_loss']:.4f} | {loss_ratio} | {r['bytes_per_step']:,.0f} "
+            f"| {byte_ratio} |"
         )
     return "\n".join(lines)
 
@@ -539,14 +543,16 @@ def plot(results, path, title):
 
 
 def merge(paths, out):
-    """Joins several runs' ``quality.json`` (same config) into one table, JSON and plot in ``out``."""
+    """Joins several runs' ``quality.json`` (same config) into one table, JSON and plot in
+    ``out``."""
     by_name, first = {}, None
     for path in paths:
         with open(path) as f:
             data = json.load(f)
         if first is not None and data["config"] != first["config"]:
             raise SystemExit(
-                f"--merge: {path} has another config than {paths[0]}: {data['config']} vs {first['config']}"
+                f"--merge: {path} has another config than {paths[0]}: {data['config']} vs "
+                f"{first['config']}"
             )
         first = first or data
         by_name.update({r["name"]: r for r in data["results"]})
@@ -560,14 +566,14 @@ def merge(paths, out):
     plot(
         results,
         os.path.join(out, "quality.png"),
-        f"char-level transformer ({first['params'] / 1e6:.2f}M params) on stdlib source, 8 devices, "
-        f"{first['config']['steps']} steps",
+        f"char-level transformer ({first['params'] / 1e6:.2f}M params) on stdlib source, 8 "
+        f"devices, {first['config']['steps']} steps",
     )
     return 0
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--methods",
         help="comma-separated row names (default: every method; --list adds the variants)",
@@ -584,8 +590,8 @@ def main(argv=None):
         "--model",
         choices=sorted(MODELS),
         default="small",
-        help="small: 0.44M params, 32 sequences a step, the whole default run in ~19 min (default); "
-        "large: 2.45M params, 16 sequences a step, 4-9 min a row",
+        help="small: 0.44M params, 32 sequences a step, the whole default run in ~19 min "
+        "(default); large: 2.45M params, 16 sequences a step, 4-9 min a row",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -636,10 +642,11 @@ def main(argv=None):
     devices = jax.devices("cpu")[:N_DEVICES]
     n_params = count_params(config)
     header = (
-        f"{platform.node()}: {os.cpu_count()} cores, jax {jax.__version__}, Python {platform.python_version()}, "
-        f"{N_DEVICES} virtual CPU devices; corpus {sum(size for _, size in corpus[2]):,} bytes "
-        f"({len(corpus[0]):,} train / {len(corpus[1]):,} held-out characters) from {len(corpus[2])} "
-        f"stdlib files; model {n_params:,} params ({config.layers} layers, width {config.width}, context "
+        f"{platform.node()}: {os.cpu_count()} cores, jax {jax.__version__}, Python "
+        f"{platform.python_version()}, {N_DEVICES} virtual CPU devices; corpus "
+        f"{sum(size for _, size in corpus[2]):,} bytes ({len(corpus[0]):,} train / "
+        f"{len(corpus[1]):,} held-out characters) from {len(corpus[2])} stdlib files; model "
+        f"{n_params:,} params ({config.layers} layers, width {config.width}, context "
         f"{config.context}); {config.steps} steps of {config.batch} sequences, Adam peak lr "
         f"{config.learning_rate:g}"
     )
@@ -669,10 +676,12 @@ def main(argv=None):
     plot(
         results,
         os.path.join(args.out, "quality.png"),
-        f"char-level transformer ({n_params / 1e6:.2f}M params) on stdlib source, 8 devices, {config.steps} steps",
+        f"char-level transformer ({n_params / 1e6:.2f}M params) on stdlib source, 8 devices, "
+        f"{config.steps} steps",
     )
     print(
-        f"total {time.perf_counter() - started:.0f} s; wrote {args.out}/quality.json and quality.png",
+        f"total {time.perf_counter() - started:.0f} s; wrote {args.out}/quality.json and "
+        "quality.png",
         file=sys.stderr,
     )
     return 0

@@ -125,7 +125,8 @@ def _next_token_loss(logits, targets):
 
 
 class ManySmall(nn.Module):
-    """The zoo's ``many_small``: an embedding Linear, 256 residual LayerNorm + Linear blocks, a head."""
+    """The zoo's ``many_small``: an embedding Linear, 256 residual LayerNorm + Linear blocks, a
+    head."""
 
     def __init__(self):
         super().__init__()
@@ -169,7 +170,8 @@ class _GPT2Block(nn.Module):
 
 
 class GPT2(nn.Module):
-    """The zoo's ``gpt2``: GPT-2 small, pre-LayerNorm blocks, fused qkv, the head tied to the embedding."""
+    """The zoo's ``gpt2``: GPT-2 small, pre-LayerNorm blocks, fused qkv, the head tied to the
+    embedding."""
 
     def __init__(self):
         super().__init__()
@@ -213,7 +215,8 @@ class _Bottleneck(nn.Module):
 
 
 class ResNet50(nn.Module):
-    """The zoo's ``resnet50``: ResNet-50 v1.5, stride on the 3x3 convs, convs without bias, 1000 classes."""
+    """The zoo's ``resnet50``: ResNet-50 v1.5, stride on the 3x3 convs, convs without bias, 1000
+    classes."""
 
     def __init__(self):
         super().__init__()
