@@ -7,6 +7,7 @@ rendezvous (``jaxcomp.distributed.rendezvous``) is also tested on its own, with 
 """
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import time
 import pytest
 from helpers import subprocess_env
 
-from jaxcomp.distributed import launch, rendezvous
+from jaxcomp.distributed import failure, launch, rendezvous
 
 FAILURE_TIMEOUT = 10
 WORKER = os.path.join(os.path.dirname(__file__), "fault_worker.py")
@@ -36,7 +37,8 @@ def free_ports(count):
 
 def run_job(fault, faulty, at_step, start=(0, 1), wait=90, steps=200, wait_for=None):
     """Starts the processes in ``start`` of a 2-process job and waits for those in ``wait_for``
-    (default: all but ``faulty``); returns {id: (code, output), "rendezvous_port": port}, {id: seconds}."""
+    (default: all but ``faulty``); returns {id: (code, output), "rendezvous_port": port}, {id: seconds}
+    (the others are killed then, their output kept with code None)."""
     port, rendezvous_port = free_ports(2)
     coordinator = f"127.0.0.1:{port}"
     processes = {}
@@ -68,11 +70,20 @@ def run_job(fault, faulty, at_step, start=(0, 1), wait=90, steps=200, wait_for=N
             results[process_id] = (p.returncode, out + err)
             elapsed[process_id] = time.monotonic() - began
     finally:
-        for p in processes.values():
+        for process_id, p in processes.items():
             if p.poll() is None:
                 p.kill()
-                p.wait()
+            out, err = p.communicate()
+            results.setdefault(process_id, (None, out + err))
     return results, elapsed
+
+
+def seconds_to_raise(results, faulty, survivor):
+    """Seconds from the fault (the faulty process's ``stopping T``) to the survivor's ``raised``."""
+    stopped = re.search(r"^stopping ([\d.]+)$", results[faulty][1], re.M)
+    raised = re.search(r"^raised \w+ ([\d.]+)$", results[survivor][1], re.M)
+    assert stopped and raised, results
+    return float(raised.group(1)) - float(stopped.group(1))
 
 
 @pytest.mark.multiprocess
@@ -128,6 +139,70 @@ def test_stalled_peer_is_an_error_in_the_other(at_step):
     # Mid-run a collective times out after failure_timeout; before the first step gloo's own
     # connection set-up waits its fixed 30 s first.
     assert elapsed[0] < (FAILURE_TIMEOUT + 30 if at_step else 60), elapsed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("faulty", [1, 0])
+def test_sigstopped_peer_is_an_error_in_a_process_in_a_collective(faulty):
+    # SIGSTOP stops every thread of the peer (JAX's heartbeats, jaxcomp's pings): the survivor's
+    # collective times out (failure_timeout) and the exit names the peer. Before, JAX's
+    # coordination service declared the peer dead after the heartbeat timeout and aborted the
+    # survivor (SIGABRT, rc -6, "Terminating process because the JAX distributed service detected
+    # fatal errors") while it was still exiting.
+    results, elapsed = run_job("sigstop", faulty, at_step=5)
+    survivor = 1 - faulty
+    code, output = results[survivor]
+    assert "step 4" in output, output
+    assert code == 1, output  # a Python exception, not an abort (-6)
+    assert "Traceback" in output and "Gloo all-reduce failed" in output, output
+    assert f"process(es) {faulty} stopped responding (no sign of life for 1" in output, output
+    assert "Terminating process" not in output, output
+    assert seconds_to_raise(results, faulty, survivor) < FAILURE_TIMEOUT + 5, output
+    assert elapsed[survivor] < 60, elapsed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("faulty", [1, 0])
+def test_sigstopped_peer_is_a_python_exception_in_an_idle_process(faulty):
+    # The survivor runs Python code without a collective: the rendezvous server declares the
+    # silent peer stalled after failure_timeout, the on_failure hook runs, then PeerStalledError
+    # rises in the main thread. Before: SIGABRT after the heartbeat timeout, no exception.
+    results, elapsed = run_job("sigstop-idle", faulty, at_step=5)
+    survivor = 1 - faulty
+    code, output = results[survivor]
+    assert "idle" in output, output
+    assert code == 1, output
+    assert (
+        f"PeerStalledError: process {survivor} of 2: process(es) {faulty} stopped responding"
+        in output
+    ), output
+    hook = output.find(f"on_failure PeerStalledError [{faulty}]")
+    assert 0 <= hook < output.find("raised PeerStalledError"), output  # the hook ran first
+    assert "Terminating process" not in output, output
+    seconds = seconds_to_raise(results, faulty, survivor)
+    assert FAILURE_TIMEOUT - 1 < seconds < FAILURE_TIMEOUT + 5, (seconds, output)
+    assert elapsed[survivor] < 60, elapsed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("faulty", [1, 0])
+def test_peer_killed_right_after_initialize_is_a_python_exception(faulty):
+    # Killed before its first JAX op. Before: JAX's service declared the peer dead after the
+    # heartbeat timeout and aborted the survivor (rc -6, 11 to 13 s).
+    results, elapsed = run_job("kill-after-init", faulty, at_step=0)
+    survivor = 1 - faulty
+    code, output = results[survivor]
+    assert code == 1, output
+    assert "Traceback" in output, output
+    assert f"on_failure PeerLostError [{faulty}]" in output, output
+    # The survivor's first JAX op waits in the CPU backend's topology exchange (2 to 5 min): once
+    # PeerLostError is pending, JAX's distributed client is shut down to end that wait.
+    assert f"PeerLostError: process {survivor} of 2: process(es) {faulty} left the job" in output, (
+        output
+    )
+    assert "Terminating process" not in output and "F1" not in output, output
+    assert seconds_to_raise(results, faulty, survivor) < 15, output
+    assert elapsed[survivor] < 60, elapsed
 
 
 @pytest.mark.multiprocess
@@ -242,6 +317,7 @@ def test_initialize_sets_the_timeouts(monkeypatch):
     assert launch.initialize() == 1
     assert calls["check_in"]["address"] == "127.0.0.1:7734"  # the coordinator's port + 1
     assert calls["check_in"]["timeout"] == 12.5 and calls["check_in"]["jax_service"] is None
+    assert calls["check_in"]["stall_timeout"] == 12.5  # a peer silent this long is stalled
     assert calls["jax"]["heartbeat_timeout_seconds"] == 13
     assert calls["jax"]["initialization_timeout"] > 13  # the watchdog (13 s) ends the process first
     assert calls["jax"]["coordinator_bind_address"] is None
@@ -256,6 +332,7 @@ def test_process_0_hands_the_coordination_service_to_the_rendezvous_server(monke
     service = calls["check_in"]["jax_service"]
     assert service.bind_address == "[::]:7733" and service.num_processes == 2
     assert service.heartbeat_timeout == 13 and service.shutdown_timeout == 13
+    assert service.recoverable  # a dead or stalled task does not make the service abort the others
     # process 0's own service (jax.distributed.initialize always starts one) goes to an unused port
     assert calls["jax"]["coordinator_bind_address"] == "127.0.0.1:0"
 
@@ -299,7 +376,9 @@ def test_rendezvous_port_cannot_be_the_coordinators():
 # -- the rendezvous itself, with threads standing for processes ------------------------------------
 
 
-def check_in_all(ids, num_processes, timeout=5.0, address=None, on_loss=None):
+def check_in_all(
+    ids, num_processes, timeout=5.0, address=None, on_loss=None, stall_timeout=None, on_stall=None
+):
     """Runs rendezvous.check_in for every id in ``ids`` at once; returns ({id: membership or error}, seconds)."""
     address = address or f"127.0.0.1:{free_ports(1)[0]}"
     results, began = {}, time.monotonic()
@@ -312,6 +391,8 @@ def check_in_all(ids, num_processes, timeout=5.0, address=None, on_loss=None):
                 process_id,
                 timeout,
                 on_loss=on_loss and (lambda *a: on_loss(process_id, *a)),
+                stall_timeout=stall_timeout,
+                on_stall=on_stall and (lambda *a: on_stall(process_id, *a)),
             )
         except Exception as e:
             results[process_id] = e
@@ -432,3 +513,71 @@ def test_failure_timeout_from_the_environment_is_checked(monkeypatch):
     monkeypatch.setenv("JAXCOMP_FAILURE_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="JAXCOMP_FAILURE_TIMEOUT must be a number of seconds"):
         launch.initialize()
+
+
+def test_rendezvous_reports_a_process_that_stops_pinging():
+    heard = []
+    results, _ = check_in_all(
+        [0, 1, 2],
+        3,
+        stall_timeout=1.0,
+        on_stall=lambda me, stalled, message: heard.append((me, stalled, message)),
+    )
+    time.sleep(2.0)
+    assert results[0].stalled == () and results[1].stalled == ()  # pings keep them alive
+    results[2]._send = lambda data: True  # as if stopped: its pings no longer leave
+    began = time.monotonic()
+    while results[0].stalled != (2,) and time.monotonic() < began + 10:
+        time.sleep(0.05)
+    assert results[0].stalled == (2,) and time.monotonic() - began < 4
+    assert results[0].lost == ()  # still connected: stalled, not lost
+    assert any(
+        me == 1 and stalled == (2,) and "process(es) 2 stopped responding" in message
+        for me, stalled, message in heard
+    )
+    assert all(me != 2 for me, _, _ in heard)  # the stalled process is not told about itself
+    with pytest.raises(
+        rendezvous.PeerStalledError, match="process 0 of 3: process.es. 2 stopped responding"
+    ) as error:
+        results[0].raise_if_lost()
+    assert error.value.lost == (2,) and isinstance(error.value, rendezvous.PeerLostError)
+    for m in results.values():
+        m.close()
+
+
+@pytest.mark.parametrize("hook_fails", [False, True])
+def test_peer_failure_runs_the_hook_then_raises_in_the_main_thread_once(hook_fails):
+    calls = []
+
+    def on_failure(error):
+        calls.append((error, time.monotonic()))
+        if hook_fails:
+            raise OSError("disk full")
+
+    on_loss, on_stall = failure._raise_peer_lost_later(threading.Event(), 0.3, on_failure)
+    began = time.monotonic()
+    with pytest.raises(rendezvous.PeerStalledError, match="process.es. 1 stopped") as error:
+        on_stall((1,), "process 0 of 2: process(es) 1 stopped responding")
+        while time.monotonic() < began + 5:
+            time.sleep(0.01)
+    raised = time.monotonic()
+    assert error.value.lost == (1,) and 0.25 < raised - began < 3
+    assert len(calls) == 1 and isinstance(calls[0][0], rendezvous.PeerStalledError)
+    assert calls[0][1] < raised  # the hook ran before the exception
+    on_loss((1,), "process 0 of 2: process(es) 1 left the job")  # later failures: nothing more
+    time.sleep(0.6)
+    assert len(calls) == 1
+
+
+def test_peer_failure_on_the_way_out_raises_nothing():
+    exiting, calls = threading.Event(), []
+    on_loss, _ = failure._raise_peer_lost_later(exiting, 0.1, calls.append)
+    exiting.set()  # the process already ends on an exception of its own
+    on_loss((1,), "process 0 of 2: process(es) 1 left the job")
+    time.sleep(0.4)
+    assert calls == []
+
+
+def test_rendezvous_stall_timeout_is_checked():
+    with pytest.raises(ValueError, match="stall_timeout"):
+        rendezvous.check_in("127.0.0.1:7734", 2, 0, 1.0, stall_timeout=0)

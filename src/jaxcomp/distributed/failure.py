@@ -1,7 +1,8 @@
 """What a process of a launched job does when a peer fails (:func:`jaxcomp.distributed.launch.initialize`).
 
 A peer lost after the rendezvous makes :class:`jaxcomp.distributed.rendezvous.PeerLostError` rise
-in the main thread (:func:`_raise_peer_lost_later`); a peer that dies between the rendezvous and
+in the main thread, a stalled one :class:`jaxcomp.distributed.rendezvous.PeerStalledError`, after
+the user's ``on_failure`` hook (:func:`_raise_peer_lost_later`); a peer that dies between the rendezvous and
 JAX's own start-up ends the process with a message (:func:`_initialize_watchdog`) before JAX
 aborts it; an uncaught exception names the peers that do not check in and exits at once
 (:func:`_exit_promptly_on_failure`) instead of waiting in JAX's exit-time barrier.
@@ -15,36 +16,114 @@ import os
 import re
 import sys
 import threading
+import time
 
 from jaxcomp.distributed import rendezvous
 
 # Seconds between hearing that a peer was lost and raising PeerLostError in the main thread: time
 # for the collective that normally fails first to raise its own exception.
 _LOSS_GRACE_SECONDS = 2.0
+# Seconds after raising it, with the main thread still inside the same C call, before JAX's
+# distributed client is shut down to end that call (:func:`_unblock_main_thread`).
+_STUCK_SECONDS = 2.0
+_client_shut_down = []  # [True] once this process shut JAX's distributed client down
 
 
-def _raise_peer_lost_later(exiting: threading.Event, grace: float):
-    """An ``on_loss`` callback: after ``grace`` s, raise PeerLostError in the main thread, once."""
+def _raise_peer_lost_later(exiting: threading.Event, grace: float, on_failure=None):
+    """``(on_loss, on_stall)`` callbacks for :func:`~jaxcomp.distributed.rendezvous.check_in`.
+
+    The first failure heard (unless this process is already on its way out) runs
+    ``on_failure(error)`` in a helper thread, then, ``grace`` s after it was heard (or when the hook
+    returns, if later), raises ``error``'s class (PeerLostError or PeerStalledError) in the main
+    thread; later failures raise nothing more. A main thread stuck inside one C call gets it when
+    the call returns; :func:`_unblock_main_thread` makes the calls that wait on JAX's coordination
+    service return.
+    """
     fired = []
+    lock = threading.Lock()
 
-    def on_loss(lost, message):
-        if fired or exiting.is_set():
+    def fire(kind, lost, message, heard):
+        if on_failure is not None:
+            _run_hook(on_failure, kind(message, lost))
+        left = max(0.0, heard + grace - time.monotonic())
+        if exiting.wait(left) or not threading.main_thread().is_alive():
             return
-        fired.append(True)
+        print(
+            f"jaxcomp.distributed.launch: {message}; raising {kind.__name__} in the main thread",
+            file=sys.stderr,
+            flush=True,
+        )
+        where = _main_thread_position()
+        _raise_in_main_thread(kind, message, lost)
+        if not exiting.wait(_STUCK_SECONDS) and where and _main_thread_position() == where:
+            _unblock_main_thread(kind.__name__)
 
-        def fire():
-            if exiting.wait(grace) or not threading.main_thread().is_alive():
+    def deliver(kind, lost, message):
+        with lock:
+            if fired or exiting.is_set():
                 return
-            print(
-                f"jaxcomp.distributed.launch: {message}; raising PeerLostError in the main thread",
-                file=sys.stderr,
-                flush=True,
-            )
-            _raise_in_main_thread(rendezvous.PeerLostError, message, lost)
+            fired.append(True)
+        args = (kind, lost, message, time.monotonic())
+        threading.Thread(target=fire, args=args, name="jaxcomp-peer-lost", daemon=True).start()
 
-        threading.Thread(target=fire, name="jaxcomp-peer-lost", daemon=True).start()
+    return (
+        lambda lost, message: deliver(rendezvous.PeerLostError, lost, message),
+        lambda stalled, message: deliver(rendezvous.PeerStalledError, stalled, message),
+    )
 
-    return on_loss
+
+def _run_hook(on_failure, error) -> None:
+    """``on_failure(error)``; an exception of its own is printed, not raised."""
+    print(
+        f"jaxcomp.distributed.launch: {error}; running the on_failure hook",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        on_failure(error)
+    except BaseException as e:  # the hook's failure must not hide the peer's
+        print(
+            f"jaxcomp.distributed.launch: the on_failure hook raised {type(e).__name__}: {e}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _main_thread_position():
+    """``(frame, instruction)`` of the main thread's innermost Python frame, or None."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    return None if frame is None else (frame, frame.f_lasti)
+
+
+def _unblock_main_thread(name: str) -> None:
+    """Shuts JAX's distributed client down, so that a main thread blocked in one of its waits
+    returns with an error, and the pending exception ``name`` rises.
+
+    Such waits have long timeouts of their own: the CPU backend's topology exchange with every
+    process (2 to 5 min, at the first JAX op: a peer killed right after
+    ``jax.distributed.initialize``) and gloo's connection set-up (30 s, at the first collective).
+    With the coordination service recoverable, the shutdown does not wait for the lost peer.
+    """
+    try:
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        if client is None:
+            return
+        print(
+            f"jaxcomp.distributed.launch: the main thread is still blocked in a call; shutting down "
+            f"JAX's distributed client so that it returns and {name} rises",
+            file=sys.stderr,
+            flush=True,
+        )
+        _client_shut_down.append(True)
+        client.shutdown()
+    except Exception as e:  # the exception stays pending: it rises when the call returns
+        print(
+            f"jaxcomp.distributed.launch: shutting down JAX's distributed client failed: {e}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _raise_in_main_thread(kind, message, lost):
@@ -83,14 +162,15 @@ def _initialize_watchdog(joined, seconds, process_id, num_processes, coordinator
 
 
 def _exit_promptly_on_failure(
-    process_id: int, num_processes: int, exiting: threading.Event | None = None
+    process_id: int, num_processes: int, exiting: threading.Event | None = None, membership=None
 ) -> None:
     """On an uncaught exception: name the peers that do not check in, then exit(1) at once.
 
     JAX's exit handler (registered when jax was imported, so it runs after this one) shuts the
     distributed client down through a barrier every process must reach; with a peer dead or stuck
     it waits for the heartbeat timeout and then aborts, hiding the exit code. Handlers registered
-    after :func:`initialize` (e.g. a checkpoint manager's) still run before this one.
+    after :func:`initialize` (e.g. a checkpoint manager's) still run before this one. With
+    ``membership`` (the rendezvous's), the peers it heard were lost or stalled are named too.
     """
     failed = []
     previous_hook = sys.excepthook
@@ -111,6 +191,9 @@ def _exit_promptly_on_failure(
                 file=sys.stderr,
                 flush=True,
             )
+        known = _known_failure(membership)
+        if known and not isinstance(value, rendezvous.PeerLostError):
+            print(f"jaxcomp.distributed.launch: {known}", file=sys.stderr, flush=True)
 
     def exit_now():
         exiting.set()
@@ -123,6 +206,17 @@ def _exit_promptly_on_failure(
     atexit.register(exit_now)
 
 
+def _known_failure(membership) -> str | None:
+    """What the rendezvous heard about lost or stalled peers, as a message; None if nothing."""
+    if membership is None:
+        return None
+    try:
+        membership.raise_if_lost()
+    except rendezvous.PeerLostError as e:
+        return str(e)
+    return None
+
+
 _CHECK_IN_SECONDS = 5
 _check_ins = itertools.count()
 
@@ -133,7 +227,7 @@ def _missing_processes(process_id: int, num_processes: int) -> list[int]:
         from jax._src import distributed
 
         client = distributed.global_state.client
-        if client is None:
+        if client is None or _client_shut_down:
             return []
         # Every surviving process that fails reaches this barrier; a dead or stalled one does not.
         barrier = f"jaxcomp_failure_check_in_{next(_check_ins)}"

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from jaxcomp.distributed import rendezvous
 from jaxcomp.distributed._checks import port as _check_port
@@ -69,6 +70,7 @@ def initialize(
     *,
     failure_timeout: float | None = None,
     rendezvous_port: int | None = None,
+    on_failure: Callable[[rendezvous.PeerLostError], None] | None = None,
 ) -> int:
     """Joins the job :func:`launch` started (no-op when not launched); call before any JAX op.
 
@@ -88,8 +90,14 @@ def initialize(
       others at once by the rendezvous server; a process still running Python code 2 s later
       gets :class:`jaxcomp.distributed.rendezvous.PeerLostError` raised in its main thread (normally its
       next collective has raised already);
-    - ``heartbeat_timeout_seconds = failure_timeout``: a peer that stops heartbeating is declared
-      dead by the coordination service (the processes still alive then abort: JAX's own ending);
+    - every process pings the rendezvous server about every second from a helper thread; a
+      process silent for ``failure_timeout`` (stopped with SIGSTOP, frozen, cut off) is declared
+      stalled, and every other process still running Python code 2 s later gets
+      :class:`jaxcomp.distributed.rendezvous.PeerStalledError` (a ``PeerLostError``) naming it;
+    - the coordination service is *recoverable* (JAX's ``jax_enable_recoverability``, for the
+      service only): a peer that stops heartbeating (``heartbeat_timeout_seconds =
+      failure_timeout``) is declared dead but the others are not aborted for it (JAX's default
+      ending: SIGABRT, no Python exception);
     - ``--xla_cpu_collective_timeout_seconds = failure_timeout``: a collective a peer never joins
       (the peer stalled, or died without resetting the connection) fails instead of waiting 30 min.
 
@@ -111,6 +119,10 @@ def initialize(
       rendezvous_port: the rendezvous server's port on the coordinator's host; default: the
         launcher's ``--rendezvous-port`` (``JAXCOMP_RENDEZVOUS_PORT``), else the coordinator's
         port + 1.
+      on_failure: called once as ``on_failure(error)``, from a helper thread, when the rendezvous
+        hears that a peer was lost or stalled (``error``: the PeerLostError or PeerStalledError
+        about to be raised in the main thread, which waits for the hook): e.g. save a checkpoint.
+        Not called when this process is already exiting on an exception of its own.
 
     Returns:
       This process's id (0 when not launched).
@@ -146,13 +158,15 @@ def initialize(
     process_id = int(os.environ[_PROCESS_ID])
     num_processes = int(os.environ[_NUM_PROCESSES])
     exiting = threading.Event()  # set once this process is on its way out: no PeerLostError then
-    membership = _check_in(coordinator, rendezvous_port, failure_timeout, seconds, exiting)
+    membership = _check_in(
+        coordinator, rendezvous_port, failure_timeout, seconds, exiting, on_failure
+    )
     _join_jax(coordinator, membership, failure_timeout, seconds)
     # atexit runs last-registered first: on failure _exit_promptly_on_failure's handler exits
     # before the goodbye (the others must hear of the loss); on a normal exit the goodbye is said
     # before JAX's shutdown barrier.
     atexit.register(membership.leaving)
-    _exit_promptly_on_failure(process_id, num_processes, exiting)
+    _exit_promptly_on_failure(process_id, num_processes, exiting, membership)
     _memberships.append(membership)
     return process_id
 
@@ -190,9 +204,8 @@ def _configure_cpu(interface: str | None, seconds: int) -> None:
     jax.config.update("jax_num_cpu_devices", int(os.environ[_LOCAL_DEVICES]))
 
 
-def _check_in(coordinator, rendezvous_port, failure_timeout, seconds, exiting):
+def _check_in(coordinator, rendezvous_port, failure_timeout, seconds, exiting, on_failure=None):
     """The rendezvous (process 0 hands it JAX's coordination service): this process's membership."""
-    import jax
 
     process_id = int(os.environ[_PROCESS_ID])
     num_processes = int(os.environ[_NUM_PROCESSES])
@@ -202,7 +215,12 @@ def _check_in(coordinator, rendezvous_port, failure_timeout, seconds, exiting):
         num_processes,
         heartbeat_timeout=seconds,
         shutdown_timeout=seconds,
-        recoverable=bool(getattr(jax.config, "jax_enable_recoverability", False)),
+        # A task that stops heartbeating must not make the service abort the others: jaxcomp's
+        # rendezvous names it (PeerLostError, PeerStalledError) and the collectives time out.
+        recoverable=True,
+    )
+    on_loss, on_stall = _raise_peer_lost_later(
+        exiting, min(_LOSS_GRACE_SECONDS, seconds / 2), on_failure
     )
     return rendezvous.check_in(
         rendezvous.join_address(host, rendezvous_port),
@@ -210,7 +228,9 @@ def _check_in(coordinator, rendezvous_port, failure_timeout, seconds, exiting):
         process_id,
         failure_timeout,
         jax_service=service if process_id == 0 else None,
-        on_loss=_raise_peer_lost_later(exiting, min(_LOSS_GRACE_SECONDS, seconds / 2)),
+        on_loss=on_loss,
+        stall_timeout=failure_timeout,
+        on_stall=on_stall,
     )
 
 

@@ -14,6 +14,10 @@ start raises :class:`MissingProcessError` naming the ids that did not, within ``
 (:func:`jaxcomp.distributed.launch.initialize` does both.) The connections stay open for the whole job: when a
 process's connection drops without a clean goodbye (it was killed, or exited on an error), the
 server tells every other process at once (:attr:`Membership.lost`, and an ``on_loss`` callback).
+With ``stall_timeout``, every process also pings the server about every second from a helper
+thread; a process that sends nothing for ``stall_timeout`` seconds (stopped with SIGSTOP, frozen
+with the GIL held, its host cut off) is declared *stalled* and the others are told
+(:attr:`Membership.stalled`, an ``on_stall`` callback, :class:`PeerStalledError`).
 
 **The port.** ``address`` is ``"HOST:PORT"``; HOST is process 0's host (the JAX coordinator's),
 PORT any free port, by convention the coordinator's port + 1 (:func:`default_port`). The server
@@ -33,8 +37,9 @@ says whether the server hosts it); :func:`jaxcomp.distributed.launch.initialize`
 would wait for the server to exit as well).
 
 **Wire format.** Lines of ASCII: ``HELLO <protocol> <num_processes> <process_id>`` from each
-process; ``GO``, ``MISSING <ids>``, ``WAITING <ids>`` (the answer to ``STATUS``), ``LOST <ids>``
-or ``ERROR <text>`` from the server; ``BYE`` from a process leaving normally.
+process; ``GO``, ``MISSING <ids>``, ``WAITING <ids>`` (the answer to ``STATUS``), ``LOST <ids>``,
+``STALLED <id> <seconds>`` or ``ERROR <text>`` from the server; ``PING`` from a process, about
+every second, and ``BYE`` from a process leaving normally.
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ from jaxcomp.distributed.rendezvous_server import (  # noqa: F401  (the document
 LOG_VARIABLE = "JAXCOMP_RENDEZVOUS_LOG"
 # How long a process waits for the server's answer to STATUS once its own deadline has passed.
 _STATUS_SECONDS = 2.0
+# Seconds between a process's pings (at most a quarter of the stall timeout).
+_PING_SECONDS = 1.0
 
 
 class MissingProcessError(TimeoutError):
@@ -86,6 +93,15 @@ class PeerLostError(RuntimeError):
     def __init__(self, message: str, lost):
         super().__init__(message)
         self.lost = tuple(sorted(lost))
+
+
+class PeerStalledError(PeerLostError):
+    """A process of the job stopped responding: it sent nothing to the rendezvous server for the
+    stall timeout (stopped with SIGSTOP, frozen, or its host cut off), without leaving.
+
+    Attributes:
+      lost: the ids of the processes lost or stalled so far, sorted.
+    """
 
 
 def default_port(coordinator: str) -> int:
@@ -143,7 +159,17 @@ class Membership:
     """
 
     def __init__(
-        self, sock, reader, address, num_processes, process_id, hosts_jax_service, on_loss, server
+        self,
+        sock,
+        reader,
+        address,
+        num_processes,
+        process_id,
+        hosts_jax_service,
+        on_loss,
+        server,
+        stall_timeout=None,
+        on_stall=None,
     ):
         self.address = address
         self.num_processes = num_processes
@@ -153,13 +179,23 @@ class Membership:
         self._reader = reader
         self._on_loss = on_loss
         self._lost: set[int] = set()
+        self._stalled: dict[int, float] = {}  # id -> seconds of silence when declared stalled
+        self._on_stall = on_stall
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
         self._leaving = False
         self._server = server  # process 0: the server's Popen (kept so it is not reaped as garbage)
         self._watch = threading.Thread(
             target=self._watch_loop, name="jaxcomp-rendezvous-watch", daemon=True
         )
         self._watch.start()
+        if stall_timeout is not None:
+            threading.Thread(
+                target=self._ping_loop,
+                args=(min(_PING_SECONDS, stall_timeout / 4),),
+                name="jaxcomp-rendezvous-ping",
+                daemon=True,
+            ).start()
 
     @property
     def lost(self) -> tuple[int, ...]:
@@ -167,11 +203,24 @@ class Membership:
         with self._lock:
             return tuple(sorted(self._lost))
 
+    @property
+    def stalled(self) -> tuple[int, ...]:
+        """The ids of the processes declared stalled so far (sorted): silent, but still connected."""
+        with self._lock:
+            return tuple(sorted(self._stalled))
+
     def raise_if_lost(self) -> None:
-        """Raises :class:`PeerLostError` when a process was lost."""
-        lost = self.lost
+        """Raises :class:`PeerLostError` when a process was lost, else :class:`PeerStalledError`
+        when one stalled."""
+        lost, stalled = self.lost, self.stalled
         if lost:
             raise PeerLostError(_lost_message(lost, self.process_id, self.num_processes), lost)
+        if stalled:
+            with self._lock:
+                seconds = max(self._stalled.values())
+            raise PeerStalledError(
+                _stalled_message(stalled, seconds, self.process_id, self.num_processes), stalled
+            )
 
     def leaving(self) -> None:
         """Tells the server this process is leaving normally (its connection may close any moment).
@@ -182,10 +231,24 @@ class Membership:
             if self._leaving:
                 return
             self._leaving = True
+        self._send(b"BYE\n")
+
+    def _send(self, data) -> bool:
         try:
-            self._sock.sendall(b"BYE\n")
+            with self._send_lock:
+                self._sock.sendall(data)
+            return True
         except OSError:
-            pass
+            return False
+
+    def _ping_loop(self, interval):
+        while True:
+            time.sleep(interval)
+            with self._lock:
+                if self._leaving:
+                    return
+            if not self._send(b"PING\n"):
+                return
 
     def close(self) -> None:
         """Says goodbye and closes the connection. With a hosted JAX service, do it only after
@@ -217,6 +280,8 @@ class Membership:
             words = line.split()
             if words and words[0] == "LOST":
                 self._note_loss(_parse_ids(words[1:]), None)
+            elif len(words) == 3 and words[0] == "STALLED":
+                self._note_stall(int(words[1]), float(words[2]))
 
     def _note_loss(self, ids, why):
         with self._lock:
@@ -228,6 +293,24 @@ class Membership:
             if why:
                 message += f" ({why})"
             self._on_loss(lost, message)
+
+    def _note_stall(self, stalled_id, seconds):
+        with self._lock:
+            new = stalled_id not in self._stalled and stalled_id != self.process_id
+            self._stalled.setdefault(stalled_id, seconds)
+            stalled = tuple(sorted(self._stalled))
+        if new and self._on_stall is not None:
+            self._on_stall(
+                stalled, _stalled_message(stalled, seconds, self.process_id, self.num_processes)
+            )
+
+
+def _stalled_message(stalled, seconds, process_id, num_processes):
+    return (
+        f"process {process_id} of {num_processes}: process(es) {', '.join(map(str, stalled))} stopped "
+        f"responding (no sign of life for {seconds:.0f} s: stopped, e.g. SIGSTOP, frozen, or its host "
+        "is cut off)"
+    )
 
 
 def _lost_message(lost, process_id, num_processes):
@@ -245,6 +328,8 @@ def check_in(
     *,
     jax_service: JaxService | None = None,
     on_loss: Callable[[tuple, str], None] | None = None,
+    stall_timeout: float | None = None,
+    on_stall: Callable[[tuple, str], None] | None = None,
 ) -> Membership:
     """Waits until every process of the job has checked in; raises naming the ones that did not.
 
@@ -260,6 +345,11 @@ def check_in(
       jax_service: process 0 only: make the server host JAX's coordination service too.
       on_loss: called as ``on_loss(lost_ids, message)`` from a helper thread whenever processes
         leave the job without a goodbye after the rendezvous (the ids so far, sorted).
+      stall_timeout: seconds, ``> 0``: this process pings the server about every second, and
+        (process 0's server) a process silent this long is declared stalled. Give every process
+        the same value (a process that does not ping looks stalled). None: no stall detection.
+      on_stall: called as ``on_stall(stalled_ids, message)`` from a helper thread when a process
+        is declared stalled (the ids so far, sorted).
 
     Returns:
       A :class:`Membership` (keep it: its connection tells the server this process is alive).
@@ -283,11 +373,13 @@ def check_in(
     """
     host, port = split_address(address)
     _check_job(num_processes, process_id, timeout)
+    if stall_timeout is not None:
+        _checks.positive_seconds(stall_timeout, "stall_timeout")
     deadline = time.monotonic() + timeout
     server, hosts_service = None, False
     if process_id == 0:
         server, hosts_service = _start_server(
-            host, port, num_processes, timeout, jax_service, deadline
+            host, port, num_processes, timeout, jax_service, deadline, stall_timeout
         )
     sock = _connect(host, port, deadline, address, num_processes, process_id, timeout)
     try:
@@ -306,7 +398,16 @@ def check_in(
         ) from None
     if line == "GO":
         return Membership(
-            sock, reader, address, num_processes, process_id, hosts_service, on_loss, server
+            sock,
+            reader,
+            address,
+            num_processes,
+            process_id,
+            hosts_service,
+            on_loss,
+            server,
+            stall_timeout,
+            on_stall,
         )
     sock.close()
     words = (line or "").split(maxsplit=1)
@@ -370,7 +471,7 @@ _RUN_THIS_FILE = (
 )
 
 
-def _start_server(host, port, num_processes, timeout, jax_service, deadline):
+def _start_server(host, port, num_processes, timeout, jax_service, deadline, stall_timeout=None):
     """Starts the rendezvous server as a helper process; returns (Popen, hosts_jax_service)."""
     # The server's file run as a script, not ``-m``: importing the package would import JAX
     # (seconds); and through runpy, so that the file's folder does not go first on sys.path.
@@ -385,6 +486,8 @@ def _start_server(host, port, num_processes, timeout, jax_service, deadline):
         # the server's deadline is process 0's: it answers the processes still waiting at about then
         repr(max(0.1, deadline - time.monotonic())),
     ]
+    if stall_timeout is not None:
+        args += ["--stall-timeout", repr(float(stall_timeout))]
     if jax_service is not None:
         args += [
             "--jax-service",

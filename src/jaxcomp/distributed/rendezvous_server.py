@@ -1,11 +1,12 @@
 """The rendezvous server: the helper process that process 0 of a job starts (:mod:`.rendezvous`).
 
-    python jaxcomp/distributed/rendezvous_server.py serve HOST:PORT N TIMEOUT [--jax-service ...]
+    python jaxcomp/distributed/rendezvous_server.py serve HOST:PORT N TIMEOUT [--stall-timeout S] [--jax-service ...]
 
 It listens on ``HOST:PORT``, answers every process's ``HELLO`` with ``GO`` once all have checked
 in (or ``MISSING <ids>`` at the deadline), tells the others ``LOST <id>`` when a process leaves
-without a ``BYE``, and can host JAX's coordination service for the job's lifetime, so that it
-outlives process 0. The wire format is in :mod:`.rendezvous`'s docstring.
+without a ``BYE`` and ``STALLED <id> <seconds>`` when a process sent nothing (``PING`` lines
+included) for ``--stall-timeout`` seconds, and can host JAX's coordination service for the job's
+lifetime, so that it outlives process 0. The wire format is in :mod:`.rendezvous`'s docstring.
 
 This file is run as a script (process 0 starts it by path, not as ``-m``): it imports nothing
 from jaxcomp, so that the server starts without importing the package and JAX.
@@ -26,6 +27,8 @@ PROTOCOL = "jaxcomp-rendezvous-1"
 # How long the server lingers after a process was lost, for the others to leave (they normally
 # leave within seconds: their next collective fails).
 _LINGER_MARGIN_SECONDS = 10.0
+# How often the server looks for stalled processes (when it has a stall timeout).
+_STALL_CHECK_SECONDS = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +41,9 @@ class JaxService:
       num_processes: tasks in the job.
       heartbeat_timeout: seconds without a heartbeat after which a task is declared dead.
       shutdown_timeout: seconds the exit-time barrier waits.
-      recoverable: JAX's ``jax_enable_recoverability``.
+      recoverable: JAX's ``jax_enable_recoverability``. With it, the service does not abort
+        the other tasks when one stops heartbeating (their error poller would otherwise end them
+        with SIGABRT); :func:`jaxcomp.distributed.launch.initialize` sets it.
     """
 
     bind_address: str
@@ -82,6 +87,7 @@ def serve(
     timeout: float,
     jax_service: JaxService | None = None,
     ready: Callable[[str], None] | None = None,
+    stall_timeout: float | None = None,
 ) -> int:
     """Runs the rendezvous server until every process has left (what process 0's helper runs).
 
@@ -92,6 +98,9 @@ def serve(
       jax_service: also host JAX's coordination service for the job's lifetime.
       ready: called with ``"READY"`` once listening (``"READY jax-service"`` when hosting the
         service, ``"READY <why not>"`` when asked to and unable), or ``"FAILED <why>"``.
+      stall_timeout: seconds after which a process that sent nothing (every process's
+        :class:`~jaxcomp.distributed.rendezvous.Membership` pings about every second) is declared
+        stalled, and the others are told ``STALLED <id> <seconds>``; None: never.
 
     Returns:
       0 when every process checked in, 1 when some did not.
@@ -128,7 +137,7 @@ def serve(
             hosted = " " + " ".join(f"{type(e).__name__}: {e}".split())
     ready("READY" + hosted)
     try:
-        return _Server(listener, num_processes, timeout).run()
+        return _Server(listener, num_processes, timeout, stall_timeout).run()
     finally:
         listener.close()
         if service is not None:
@@ -158,7 +167,7 @@ def _listen(host, port, backlog):
 
 
 class _Server:
-    def __init__(self, listener, num_processes, timeout):
+    def __init__(self, listener, num_processes, timeout, stall_timeout=None):
         self.listener = listener
         self.num_processes = num_processes
         self.deadline = time.monotonic() + timeout
@@ -169,7 +178,13 @@ class _Server:
         self.members = {}  # process id -> socket
         self.ever = set()  # ids that checked in at some point
         self.started = False
-        self.give_up_at = None  # after a loss: stop waiting for the others to leave at this time
+        # After a loss, without a stall timeout: stop waiting for the others to leave at this time.
+        # With one, the server (and JAX's service) stays while any process still pings: a
+        # survivor on its way out must not lose the service (its JAX client would abort).
+        self.give_up_at = None
+        self.stall_timeout = stall_timeout
+        self.heard = {}  # process id -> when it last sent anything (monotonic)
+        self.stalled = set()  # ids declared stalled (told to the others once)
 
     def run(self):
         while True:
@@ -184,11 +199,14 @@ class _Server:
                     flush=True,
                 )
                 return 1
-            if self.started and not self.members:
+            if self.started and not set(self.members) - self.stalled:
                 return 0
             if self.give_up_at is not None and now >= self.give_up_at:
                 return 0
             wake = self.give_up_at if self.started else self.deadline
+            if self.started and self.stall_timeout is not None:
+                wake = min(wake or now + _STALL_CHECK_SECONDS, now + _STALL_CHECK_SECONDS)
+                self.check_stalls(now)
             for key, _ in self.selector.select(None if wake is None else max(0.0, wake - now)):
                 if key.fileobj is self.listener:
                     self.accept()
@@ -220,6 +238,8 @@ class _Server:
             self.drop(sock)
             return
         peer["buffer"] += chunk
+        if peer["id"] is not None:
+            self.heard[peer["id"]] = time.monotonic()
         while b"\n" in peer["buffer"]:
             line, peer["buffer"] = peer["buffer"].split(b"\n", 1)
             self.handle(sock, peer, line.decode("ascii", "replace").split())
@@ -262,13 +282,33 @@ class _Server:
                 self.ever.add(process_id)
                 if len(self.members) == self.num_processes:
                     self.started = True
+                    self.heard = dict.fromkeys(self.members, time.monotonic())
                     self.broadcast("GO\n")
         elif words[0] == "STATUS":
             self.send(
                 sock, "GO\n" if self.started else f"WAITING {','.join(map(str, self.missing()))}\n"
             )
+        elif words[0] == "PING":
+            pass  # a sign of life: read() noted the time
         elif words[0] == "BYE":
             peer["bye"] = True
+
+    def check_stalls(self, now):
+        """Tells the others about each process that sent nothing for ``stall_timeout`` s, once."""
+        for process_id, sock in list(self.members.items()):
+            silent = now - self.heard.get(process_id, now)
+            if process_id in self.stalled or self.peers[sock]["bye"] or silent < self.stall_timeout:
+                continue
+            self.stalled.add(process_id)
+            print(
+                f"jaxcomp.distributed.rendezvous: process {process_id} of {self.num_processes} sent nothing "
+                f"for {silent:.1f} s (stalled); telling the others",
+                file=sys.stderr,
+                flush=True,
+            )
+            for other, other_sock in list(self.members.items()):
+                if other != process_id:
+                    self.send(other_sock, f"STALLED {process_id} {silent:.1f}\n")
 
     def refuse(self, sock, why):
         self.send(sock, f"ERROR {why}\n")
@@ -301,13 +341,17 @@ class _Server:
             flush=True,
         )
         self.broadcast(f"LOST {process_id}\n")
-        if self.give_up_at is None:
+        if self.give_up_at is None and self.stall_timeout is None:
             self.give_up_at = time.monotonic() + self.linger
 
 
 def _main(argv=None) -> int:
-    """``python -m jaxcomp.distributed.rendezvous_server serve HOST:PORT N TIMEOUT [--jax-service BIND N HB SHUTDOWN RECOVERABLE]``."""
+    """``python -m jaxcomp.distributed.rendezvous_server serve HOST:PORT N TIMEOUT [--stall-timeout S] [--jax-service BIND N HB SHUTDOWN RECOVERABLE]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    stall_timeout = None
+    if len(argv) >= 6 and argv[4] == "--stall-timeout":
+        stall_timeout = float(argv[5])
+        del argv[4:6]
     if (
         len(argv) not in (4, 10)
         or argv[0] != "serve"
@@ -326,7 +370,7 @@ def _main(argv=None) -> int:
         os.dup2(devnull, 1)
         os.close(devnull)
 
-    return serve(argv[1], int(argv[2]), float(argv[3]), jax_service, ready)
+    return serve(argv[1], int(argv[2]), float(argv[3]), jax_service, ready, stall_timeout)
 
 
 if __name__ == "__main__":
