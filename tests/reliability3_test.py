@@ -85,3 +85,39 @@ def test_params_of_another_data_parallels_state_is_refused():
     # and its own state still works, in both layouts
     np.testing.assert_array_equal(plain.params(plain_state)["w"], PARAMS["w"])
     np.testing.assert_array_equal(sharded.params(sharded_state)["w"], PARAMS["w"])
+
+
+EMPTY_LEAF_METHODS = [
+    ("dense", {}),
+    ("ar_topk", {"ratio": 0.25}),
+    ("zfp", {"rate": 8}),
+    ("quantized", {"bits": 4}),
+    ("bf16", {}),
+    ("powersgd", {}),
+]
+
+
+# PowerSGD has no reduce-scatter form, so no shard= (refused with its own error elsewhere).
+EMPTY_LEAF_CASES = [
+    (method, options, shard)
+    for method, options in EMPTY_LEAF_METHODS
+    for shard in ([None] if method == "powersgd" else [None, "optimizer", "params"])
+]
+
+
+@pytest.mark.parametrize(
+    "method, options, shard", EMPTY_LEAF_CASES, ids=[f"{m}-{s}" for m, _, s in EMPTY_LEAF_CASES]
+)
+def test_a_leaf_without_values_just_works(method, options, shard):
+    """A zero-size leaf raised "n must be in [1, 2147483647], got 0" (dense, any shard=)."""
+
+    def loss(params, batch):
+        return _loss(params, batch) + jnp.sum(params["empty"])
+
+    tx = optax.chain(jaxcomp.compress(method, **options), optax.adam(0.1))
+    dp = jaxcomp.data_parallel(loss, tx, _mesh(), shard=shard)
+    state = dp.init({**PARAMS, "empty": jnp.zeros((0, 3), jnp.float32)})
+    state, metrics = dp.step(state, dp.shard_batch(_batch(16)))
+    params = dp.params(state)
+    assert params["empty"].shape == (0, 3)
+    assert np.isfinite(float(metrics["loss"])) and np.abs(np.asarray(params["w"])).sum() > 0

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from jaxcomp.collectives import small
 from jaxcomp.methods import Method
 
 
@@ -64,6 +65,8 @@ def static_cost(method: Method, groups: Groups) -> tuple[float, int, int]:
     for i, (n, name) in enumerate(
         zip(groups.values if groups.scatter else groups.sizes, groups.names)
     ):
+        if n == 0:  # a leaf without values sends nothing
+            continue
         shaped = _shaped(method, groups, i)
         if groups.scatter:  # sharded training: the reduce-scatter form, on the real values
             sent += method.reduce_scatter_bytes(n, groups.n_devices, dtype_bytes=groups.dtype_bytes)
@@ -126,6 +129,12 @@ def aggregate_groups(
     totals, sents, new_states = [], [], []
     for i, (vector, name) in enumerate(zip(groups.vectors, groups.names)):
         key = jax.random.fold_in(base_key, i)
+        if vector.size == 0:  # a leaf without values (shape (0, 3)): nothing to send or keep
+            # (a psum of nothing, typed replicated like every total; a row of nothing when sharded)
+            totals.append(vector if groups.scatter else small.metric_sum(vector, axis_name))
+            sents.append(vector)
+            new_states.append(states[i] if method.stateful else None)
+            continue
         if groups.scatter:
             _kept(method, groups.values[i], name, {})
             total, sent = method.reduce_scatter(
