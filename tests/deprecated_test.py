@@ -11,6 +11,7 @@ import subprocess
 import sys
 import warnings
 
+import jax.numpy as jnp
 import pytest
 from helpers import subprocess_env
 
@@ -34,8 +35,25 @@ def test_every_old_path_imports_the_new_module_with_a_warning(old):
     _forget(old)
     with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated.*import {new} instead"):
         module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
-    assert module.__name__ == new and module.__spec__.name == new  # the real module, untouched
+    real = importlib.import_module(new)
+    if hasattr(real, "__path__"):  # a package: a view of it (see _deprecated._PackageAlias)
+        public = [name for name in vars(real) if not name.startswith("_")]
+        assert public and all(getattr(module, name) is getattr(real, name) for name in public)
+    else:
+        assert module is real
+        assert module.__name__ == new and module.__spec__.name == new  # the real module, untouched
+
+
+def test_an_old_submodule_path_leaves_the_new_package_alone():
+    """Importing ``jaxcomp.reference.topk`` once made ``jaxcomp.ops.reference.topk`` (the function)
+    the submodule: the import system sets a package's attribute to each submodule it imports."""
+    _forget("jaxcomp.reference")
+    with pytest.warns(DeprecationWarning):
+        import jaxcomp.reference.topk  # noqa: F401
+    from jaxcomp.ops import reference
+
+    assert callable(reference.topk) and reference.topk.__name__ == "topk"
+    assert reference.topk(jnp.array([1.0, -2.0, 2.0, 0.5]), 2)[1].tolist() == [1, 2]
 
 
 def test_from_import_and_attribute_access_of_an_old_path():
@@ -55,8 +73,10 @@ def test_from_import_and_attribute_access_of_an_old_path():
 def test_a_module_below_an_old_package_path():
     _forget("jaxcomp.reference")
     with pytest.warns(DeprecationWarning, match="jaxcomp.reference"):
-        import jaxcomp.reference.topk as topk_module
-    assert topk_module is importlib.import_module("jaxcomp.ops.reference.topk")
+        import jaxcomp.reference.topk  # noqa: F401
+    assert sys.modules["jaxcomp.reference.topk"] is importlib.import_module(
+        "jaxcomp.ops.reference.topk"
+    )
     from jaxcomp.reference import topk  # the function, as before
 
     assert topk is importlib.import_module("jaxcomp.ops.reference").topk

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import sys
+import types
 import warnings
 
 #: Old module path -> new module path (issue 23: the layered package).
@@ -130,11 +131,14 @@ class _Alias:  # a loader (duck-typed: importlib.abc would import importlib.reso
     def create_module(self, spec):
         warn(spec.name, self.new)
         module = importlib.import_module(self.new)
+        if hasattr(module, "__path__"):  # a package: see _PackageAlias
+            return _PackageAlias(spec.name, module)
         self._spec = module.__spec__
         return module
 
     def exec_module(self, module):
-        module.__spec__ = self._spec  # the import system set the alias's spec; restore the real one
+        if not isinstance(module, _PackageAlias):
+            module.__spec__ = self._spec  # the import system set the alias's; restore the real one
 
     def get_code(self, fullname):  # `python -m jaxcomp.launch` runs the new module's code
         new = RUN_AS_MAIN.get(fullname, self.new)
@@ -145,6 +149,27 @@ class _Alias:  # a loader (duck-typed: importlib.abc would import importlib.reso
 
     def is_package(self, fullname):
         return False
+
+
+class _PackageAlias(types.ModuleType):
+    """An old package path (``jaxcomp.reference``): its names are the new package's.
+
+    Not the package itself: importing ``jaxcomp.reference.topk`` sets the attribute ``topk`` of its
+    parent to the submodule, which on the real package would hide the function ``topk`` that it
+    re-exports. Here that attribute is dropped, so both paths keep the function.
+    """
+
+    def __init__(self, name: str, package):
+        super().__init__(name, package.__doc__)
+        object.__setattr__(self, "_package", package)
+        object.__setattr__(self, "__path__", [])  # submodules come from the finder, by name
+
+    def __getattr__(self, name):
+        return getattr(self._package, name)
+
+    def __setattr__(self, name, value):
+        if not hasattr(self._package, name):
+            object.__setattr__(self, name, value)
 
 
 class _Finder:  # a meta path finder
