@@ -17,7 +17,8 @@ import time
 import pytest
 from helpers import subprocess_env
 
-from jaxcomp.distributed import failure, launch, rendezvous
+from jaxcomp.distributed import _failure as failure
+from jaxcomp.distributed import launch, rendezvous
 
 FAILURE_TIMEOUT = 10
 WORKER = os.path.join(os.path.dirname(__file__), "fault_worker.py")
@@ -285,7 +286,7 @@ def fake_job(monkeypatch, process_id, failure_timeout=12.5, **env_options):
     monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: calls.update(jax=kw))
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(jax.config, "update", lambda *a: None)
-    monkeypatch.setattr(launch, "_exit_promptly_on_failure", lambda *a: None)
+    monkeypatch.setattr(launch, "exit_promptly_on_failure", lambda *a: None)
     monkeypatch.setattr(launch.atexit, "register", lambda *a: None)
     monkeypatch.setattr(launch, "_memberships", [])
 
@@ -554,7 +555,7 @@ def test_peer_failure_runs_the_hook_then_raises_in_the_main_thread_once(hook_fai
         if hook_fails:
             raise OSError("disk full")
 
-    on_loss, on_stall = failure._raise_peer_lost_later(threading.Event(), 0.3, on_failure)
+    on_loss, on_stall = failure.raise_peer_lost_later(threading.Event(), 0.3, on_failure)
     began = time.monotonic()
     with pytest.raises(rendezvous.PeerStalledError, match="process.es. 1 stopped") as error:
         on_stall((1,), "process 0 of 2: process(es) 1 stopped responding")
@@ -571,7 +572,7 @@ def test_peer_failure_runs_the_hook_then_raises_in_the_main_thread_once(hook_fai
 
 def test_peer_failure_on_the_way_out_raises_nothing():
     exiting, calls = threading.Event(), []
-    on_loss, _ = failure._raise_peer_lost_later(exiting, 0.1, calls.append)
+    on_loss, _ = failure.raise_peer_lost_later(exiting, 0.1, calls.append)
     exiting.set()  # the process already ends on an exception of its own
     on_loss((1,), "process 0 of 2: process(es) 1 left the job")
     time.sleep(0.4)

@@ -11,7 +11,6 @@ __getattr__, __dir__, __all__ = attach(
         "launch",
         "rendezvous",
         "rendezvous_server",
-        "failure",
         "cluster",
         "netbench",
         "netbench_worker",

@@ -47,11 +47,11 @@ from jaxcomp.distributed import rendezvous
 from jaxcomp.distributed._checks import port as _check_port
 from jaxcomp.distributed._checks import positive_int as _positive_int
 from jaxcomp.distributed._checks import positive_seconds as _check_timeout
-from jaxcomp.distributed.failure import (
-    _LOSS_GRACE_SECONDS,
-    _exit_promptly_on_failure,
-    _initialize_watchdog,
-    _raise_peer_lost_later,
+from jaxcomp.distributed._failure import (
+    LOSS_GRACE_SECONDS,
+    exit_promptly_on_failure,
+    initialize_watchdog,
+    raise_peer_lost_later,
 )
 
 _COORDINATOR = "JAXCOMP_COORDINATOR_ADDRESS"
@@ -162,11 +162,11 @@ def initialize(
         coordinator, rendezvous_port, failure_timeout, seconds, exiting, on_failure
     )
     _join_jax(coordinator, membership, failure_timeout, seconds)
-    # atexit runs last-registered first: on failure _exit_promptly_on_failure's handler exits
+    # atexit runs last-registered first: on failure exit_promptly_on_failure's handler exits
     # before the goodbye (the others must hear of the loss); on a normal exit the goodbye is said
     # before JAX's shutdown barrier.
     atexit.register(membership.leaving)
-    _exit_promptly_on_failure(process_id, num_processes, exiting, membership)
+    exit_promptly_on_failure(process_id, num_processes, exiting, membership)
     _memberships.append(membership)
     return process_id
 
@@ -219,8 +219,8 @@ def _check_in(coordinator, rendezvous_port, failure_timeout, seconds, exiting, o
         # rendezvous names it (PeerLostError, PeerStalledError) and the collectives time out.
         recoverable=True,
     )
-    on_loss, on_stall = _raise_peer_lost_later(
-        exiting, min(_LOSS_GRACE_SECONDS, seconds / 2), on_failure
+    on_loss, on_stall = raise_peer_lost_later(
+        exiting, min(LOSS_GRACE_SECONDS, seconds / 2), on_failure
     )
     return rendezvous.check_in(
         rendezvous.join_address(host, rendezvous_port),
@@ -245,7 +245,7 @@ def _join_jax(coordinator, membership, failure_timeout, seconds) -> None:
     # expires; this watchdog ends the process first, with a message and exit code 1.
     joined = threading.Event()
     threading.Thread(
-        target=_initialize_watchdog,
+        target=initialize_watchdog,
         daemon=True,
         args=(joined, failure_timeout, process_id, num_processes, coordinator),
     ).start()

@@ -2,10 +2,10 @@
 
 A peer lost after the rendezvous makes :class:`jaxcomp.distributed.rendezvous.PeerLostError` rise
 in the main thread, a stalled one :class:`jaxcomp.distributed.rendezvous.PeerStalledError`, after
-the user's ``on_failure`` hook (:func:`_raise_peer_lost_later`); a peer that dies between the rendezvous and
-JAX's own start-up ends the process with a message (:func:`_initialize_watchdog`) before JAX
+the user's ``on_failure`` hook (:func:`raise_peer_lost_later`); a peer that dies between the rendezvous and
+JAX's own start-up ends the process with a message (:func:`initialize_watchdog`) before JAX
 aborts it; an uncaught exception names the peers that do not check in and exits at once
-(:func:`_exit_promptly_on_failure`) instead of waiting in JAX's exit-time barrier.
+(:func:`exit_promptly_on_failure`) instead of waiting in JAX's exit-time barrier.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from jaxcomp.distributed import rendezvous
 
 # Seconds between hearing that a peer was lost and raising PeerLostError in the main thread: time
 # for the collective that normally fails first to raise its own exception.
-_LOSS_GRACE_SECONDS = 2.0
+LOSS_GRACE_SECONDS = 2.0
 # Seconds after raising it, with the main thread still inside the same C call, before JAX's
 # distributed client is shut down to end that call (:func:`_unblock_main_thread`).
 _STUCK_SECONDS = 2.0
 _client_shut_down = []  # [True] once this process shut JAX's distributed client down
 
 
-def _raise_peer_lost_later(exiting: threading.Event, grace: float, on_failure=None):
+def raise_peer_lost_later(exiting: threading.Event, grace: float, on_failure=None):
     """``(on_loss, on_stall)`` callbacks for :func:`~jaxcomp.distributed.rendezvous.check_in`.
 
     The first failure heard (unless this process is already on its way out) runs
@@ -149,7 +149,7 @@ def _raise_in_main_thread(kind, message, lost):
     )
 
 
-def _initialize_watchdog(joined, seconds, process_id, num_processes, coordinator):
+def initialize_watchdog(joined, seconds, process_id, num_processes, coordinator):
     if not joined.wait(seconds):
         print(
             f"jaxcomp.distributed.launch: process {process_id} of {num_processes}: not every process of the job connected to "
@@ -161,7 +161,7 @@ def _initialize_watchdog(joined, seconds, process_id, num_processes, coordinator
         os._exit(1)
 
 
-def _exit_promptly_on_failure(
+def exit_promptly_on_failure(
     process_id: int, num_processes: int, exiting: threading.Event | None = None, membership=None
 ) -> None:
     """On an uncaught exception: name the peers that do not check in, then exit(1) at once.
