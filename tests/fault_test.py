@@ -3,7 +3,8 @@
 Each multi-process test starts 2 processes of one ``jax.distributed`` job (1 CPU device each)
 with ``failure_timeout`` of 10 s and reads the surviving process's exit code, output and run time.
 JAX's defaults would wait 100 to 300 s here and then abort the process (issue 14). The
-rendezvous (``jaxcomp.distributed.rendezvous``) is also tested on its own, with threads standing for processes.
+rendezvous (``jaxcomp.distributed.rendezvous``) is also tested on its own, with threads standing for
+processes.
 """
 
 import os
@@ -38,8 +39,8 @@ def free_ports(count):
 
 def run_job(fault, faulty, at_step, start=(0, 1), wait=90, steps=200, wait_for=None):
     """Starts the processes in ``start`` of a 2-process job and waits for those in ``wait_for``
-    (default: all but ``faulty``); returns {id: (code, output), "rendezvous_port": port}, {id: seconds}
-    (the others are killed then, their output kept with code None)."""
+    (default: all but ``faulty``); returns {id: (code, output), "rendezvous_port": port},
+    {id: seconds} (the others are killed then, their output kept with code None)."""
     port, rendezvous_port = free_ports(2)
     coordinator = f"127.0.0.1:{port}"
     processes = {}
@@ -213,7 +214,8 @@ def test_peer_that_never_starts_is_a_python_exception(missing):
     results, elapsed = run_job("none", missing, at_step=0, start=(survivor,))
     code, output = results[survivor]
     assert code == 1, output
-    # Raised in initialize, before JAX is, so the script could catch it (the worker does, and re-raises).
+    # Raised in initialize, before JAX is, so the script could catch it (the worker does, and
+    # re-raises).
     assert f"caught MissingProcessError, missing=[{missing}]" in output, output
     assert (
         "Traceback" in output and "jaxcomp.distributed.rendezvous.MissingProcessError" in output
@@ -248,7 +250,8 @@ def test_a_job_that_ends_normally_leaves_nothing_behind():
 
 
 def test_launcher_stops_at_the_first_failure_of_any_worker():
-    # Worker 1 fails at once while worker 0 would sleep 20 s: launch returns 1's code, not after 20 s.
+    # Worker 1 fails at once while worker 0 would sleep 20 s: launch returns 1's code, not
+    # after 20 s.
     began = time.monotonic()
     code = launch.launch(
         [
@@ -380,7 +383,8 @@ def test_rendezvous_port_cannot_be_the_coordinators():
 def check_in_all(
     ids, num_processes, timeout=5.0, address=None, on_loss=None, stall_timeout=None, on_stall=None
 ):
-    """Runs rendezvous.check_in for every id in ``ids`` at once; returns ({id: membership or error}, seconds)."""
+    """Runs rendezvous.check_in for every id in ``ids`` at once; returns ({id: membership or error},
+    seconds)."""
     address = address or f"127.0.0.1:{free_ports(1)[0]}"
     results, began = {}, time.monotonic()
 

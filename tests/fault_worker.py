@@ -1,15 +1,15 @@
 """Worker of fault_test.py: steps a 2-process psum until the fault FAULT (argv[1]) hits.
 
-Usage (under the environment ``jaxcomp.distributed.launch.process_env`` makes): python tests/fault_worker.py
-FAULT PROCESS STEP [STEPS], with FAULT one of ``kill`` (SIGKILL itself), ``kill-idle`` (SIGKILL
-itself while the others spend 30 s in Python code without a collective), ``stall`` (sleep for
-10 min: its threads keep running), ``sigstop`` (SIGSTOP itself: every thread stops),
-``sigstop-idle`` (SIGSTOP itself while the others spend 30 s in Python code),
+Usage (under the environment ``jaxcomp.distributed.launch.process_env`` makes): python
+tests/fault_worker.py FAULT PROCESS STEP [STEPS], with FAULT one of ``kill`` (SIGKILL itself),
+``kill-idle`` (SIGKILL itself while the others spend 30 s in Python code without a collective),
+``stall`` (sleep for 10 min: its threads keep running), ``sigstop`` (SIGSTOP itself: every thread
+stops), ``sigstop-idle`` (SIGSTOP itself while the others spend 30 s in Python code),
 ``kill-after-init`` (SIGKILL itself right after ``launch.initialize`` returns, before the first
-collective) or ``none``; process PROCESS does it before step STEP. Every process prints
-``step N`` as it goes, for STEPS steps (default 200), ``stopping T`` / ``raised NAME T`` with
-T its ``time.monotonic()`` (one clock for every process of the machine), and ``on_failure ...``
-from ``launch.initialize``'s hook.
+collective) or ``none``; process PROCESS does it before step STEP. Every process prints ``step N``
+as it goes, for STEPS steps (default 200), ``stopping T`` / ``raised NAME T`` with T its
+``time.monotonic()`` (one clock for every process of the machine), and ``on_failure ...`` from
+``launch.initialize``'s hook.
 """
 
 import os

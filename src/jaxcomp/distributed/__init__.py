@@ -1,6 +1,7 @@
 """Layer 7, many hosts: ``jax.distributed`` start-up with a rendezvous (:mod:`.launch`,
-:mod:`.rendezvous`, its server :mod:`.rendezvous_server`, what a peer's failure does: :mod:`.failure`), the emulated cluster (:mod:`.cluster`)
-and the network benchmark (:mod:`.netbench`, its worker :mod:`.netbench_worker`).
+:mod:`.rendezvous`, its server :mod:`.rendezvous_server`, what a peer's failure does:
+:mod:`.failure`), the emulated cluster (:mod:`.cluster`) and the network benchmark
+(:mod:`.netbench`, its worker :mod:`.netbench_worker`).
 """
 
 from jaxcomp._lazy import attach

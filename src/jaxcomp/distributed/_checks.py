@@ -1,4 +1,5 @@
-"""Argument checks shared by the launcher and the rendezvous: a ValueError that names the argument."""
+"""Argument checks shared by the launcher and the rendezvous: a ValueError that names the
+argument."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ def positive_int(value, name: str) -> int:
 
 
 def positive_seconds(value, name: str) -> float:
-    """``value`` as a float when it is a positive finite number, else a ValueError naming ``name``."""
+    """``value`` as a float when it is a positive finite number, else a ValueError naming
+    ``name``."""
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))

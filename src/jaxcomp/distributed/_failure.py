@@ -1,10 +1,11 @@
-"""What a process of a launched job does when a peer fails (:func:`jaxcomp.distributed.launch.initialize`).
+"""What a process of a launched job does when a peer fails
+(:func:`jaxcomp.distributed.launch.initialize`).
 
 A peer lost after the rendezvous makes :class:`jaxcomp.distributed.rendezvous.PeerLostError` rise
 in the main thread, a stalled one :class:`jaxcomp.distributed.rendezvous.PeerStalledError`, after
-the user's ``on_failure`` hook (:func:`raise_peer_lost_later`); a peer that dies between the rendezvous and
-JAX's own start-up ends the process with a message (:func:`initialize_watchdog`) before JAX
-aborts it; an uncaught exception names the peers that do not check in and exits at once
+the user's ``on_failure`` hook (:func:`raise_peer_lost_later`); a peer that dies between the
+rendezvous and JAX's own start-up ends the process with a message (:func:`initialize_watchdog`)
+before JAX aborts it; an uncaught exception names the peers that do not check in and exits at once
 (:func:`exit_promptly_on_failure`) instead of waiting in JAX's exit-time barrier.
 """
 
@@ -111,7 +112,7 @@ def _unblock_main_thread(name: str) -> None:
         if client is None:
             return
         print(
-            f"jaxcomp.distributed.launch: the main thread is still blocked in a call; shutting down "
+            "jaxcomp.distributed.launch: the main thread is still blocked in a call; shutting down "
             f"JAX's distributed client so that it returns and {name} rises",
             file=sys.stderr,
             flush=True,
@@ -152,9 +153,10 @@ def _raise_in_main_thread(kind, message, lost):
 def initialize_watchdog(joined, seconds, process_id, num_processes, coordinator):
     if not joined.wait(seconds):
         print(
-            f"jaxcomp.distributed.launch: process {process_id} of {num_processes}: not every process of the job connected to "
-            f"the coordinator at {coordinator} within {seconds:g} s (failure_timeout): a process was never "
-            "started, died while starting, or cannot reach the coordinator; exiting",
+            f"jaxcomp.distributed.launch: process {process_id} of {num_processes}: not every "
+            f"process of the job connected to the coordinator at {coordinator} within "
+            f"{seconds:g} s (failure_timeout): a process was never started, died while starting, "
+            "or cannot reach the coordinator; exiting",
             file=sys.stderr,
             flush=True,
         )
@@ -185,7 +187,8 @@ def exit_promptly_on_failure(
         missing = _missing_processes(process_id, num_processes)
         if missing:
             print(
-                f"jaxcomp.distributed.launch: process {process_id} of {num_processes} failed; process(es) "
+                f"jaxcomp.distributed.launch: process {process_id} of {num_processes} failed; "
+                "process(es) "
                 f"{', '.join(map(str, missing))} did not check in within {_CHECK_IN_SECONDS} s "
                 "(dead or stalled, unless still running without error)",
                 file=sys.stderr,

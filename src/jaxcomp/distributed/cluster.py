@@ -1,12 +1,14 @@
-"""An emulated cluster on one Linux machine: N hosts in network namespaces behind rate-limited links.
+"""An emulated cluster on one Linux machine: N hosts in network namespaces behind rate-limited
+links.
 
     jaxcomp cluster --hosts 4 --rate 1gbit -- train.py --steps 10
 
 builds four hosts, each a network namespace with one interface ``eth0`` (a veth) plugged into a
 bridge that lives in a namespace of its own, shapes both directions of every host link with
 ``tc qdisc ... tbf`` at ``rate``, and starts ``train.py`` once per host (``ip netns exec``) as
-the processes of one ``jax.distributed`` job. The script calls :func:`jaxcomp.distributed.launch.initialize`
-before any JAX op, exactly as under :mod:`jaxcomp.distributed.launch`; gloo is told to use ``eth0``.
+the processes of one ``jax.distributed`` job. The script calls
+:func:`jaxcomp.distributed.launch.initialize` before any JAX op, exactly as under
+:mod:`jaxcomp.distributed.launch`; gloo is told to use ``eth0``.
 
 Everything lives in namespaces this module creates; the root namespace's interfaces are never
 touched, and only a private /24 (default ``10.213.0.0/24``) is used, inside those namespaces.
@@ -81,7 +83,8 @@ def parse_rate(rate) -> float | None:
         match = _RATE.fullmatch(str(rate).lower())
         if not match:
             raise ValueError(
-                f"rate must look like '1gbit', '100mbit' or '250kbit' (bits per second), got {rate!r}"
+                "rate must look like '1gbit', '100mbit' or '250kbit' (bits per second), "
+                f"got {rate!r}"
             )
         value = _bits_per_second(float(match.group(1)), match.group(2))
     if not (value > 0 and value < float("inf")):
@@ -90,7 +93,8 @@ def parse_rate(rate) -> float | None:
 
 
 def _bits_per_second(number: float, prefix: str) -> float:
-    """``number`` with an SI ``prefix`` of bits per second, read by the cost model's parser (bytes)."""
+    """``number`` with an SI ``prefix`` of bits per second, read by the cost model's parser
+    (bytes)."""
     if not 0 < number < math.inf:  # parse_rate says why, in its own words
         return number
     try:
@@ -100,7 +104,8 @@ def _bits_per_second(number: float, prefix: str) -> float:
 
 
 def format_rate(bits_per_second: float | None) -> str:
-    """``1e9`` -> ``"1gbit"``; None -> ``"none"`` (the inverse of :func:`parse_rate` for round values).
+    """``1e9`` -> ``"1gbit"``; None -> ``"none"`` (the inverse of :func:`parse_rate` for round
+    values).
 
     Args:
       bits_per_second: a rate, or None for no limit.
@@ -257,12 +262,14 @@ class Cluster:
         self.close()
 
     def create(self) -> None:
-        """Builds the namespaces, bridge, links and qdiscs (everything made is undone on failure)."""
+        """Builds the namespaces, bridge, links and qdiscs (everything made is undone on
+        failure)."""
         check_support()
         if self.delay is not None:
             raise ClusterError(
-                f"delay={self.delay!r} needs the netem qdisc, which this kernel lacks or which cannot be "
-                "checked without creating a namespace; jaxcomp cluster emulates rate only (tbf)"
+                f"delay={self.delay!r} needs the netem qdisc, which this kernel lacks or which "
+                "cannot be checked without creating a namespace; jaxcomp cluster emulates rate "
+                "only (tbf)"
                 if not _has_netem()
                 else "delay is not supported by jaxcomp cluster yet; emulate rate only"
             )
@@ -307,7 +314,8 @@ class Cluster:
         self.namespaces.append(ns)
 
     def _shape(self, host: int) -> None:
-        """tbf on both directions of ``host``'s link: its eth0 (upload) and its bridge port (download)."""
+        """tbf on both directions of ``host``'s link: its eth0 (upload) and its bridge port
+        (download)."""
         for ns, dev in ((self.namespace(host), INTERFACE), (self.bridge_namespace, f"h{host}")):
             _run("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
             if self.rate is None:
@@ -342,7 +350,8 @@ class Cluster:
                 )
 
     def set_rate(self, rate) -> None:
-        """Changes every link's rate (both directions) while the cluster runs; None removes the limit."""
+        """Changes every link's rate (both directions) while the cluster runs; None removes the
+        limit."""
         self.rate = parse_rate(rate)
         for host in range(self.hosts):
             self._shape(host)
@@ -367,13 +376,15 @@ class Cluster:
         stderr=None,
         cwd=None,
     ) -> list[HostProcess]:
-        """Starts ``python *command`` once per host, as the processes of one ``jax.distributed`` job.
+        """Starts ``python *command`` once per host, as the processes of one ``jax.distributed``
+        job.
 
-        The processes find the job through :func:`jaxcomp.distributed.launch.initialize` (coordinator on host
-        0's address, gloo on ``eth0``).
+        The processes find the job through :func:`jaxcomp.distributed.launch.initialize`
+        (coordinator on host 0's address, gloo on ``eth0``).
 
         Args:
-          command: arguments after ``python``: a script and its arguments, or ``["-m", module, ...]``.
+          command: arguments after ``python``: a script and its arguments, or
+            ``["-m", module, ...]``.
           devices_per_host: CPU devices each process gets.
           port: the coordinator's port on host 0.
           env: extra environment variables for every process.
@@ -569,7 +580,8 @@ def cleanup() -> list[str]:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt():
-    """Within the block, SIGTERM raises ``KeyboardInterrupt``, so that ``with Cluster(...)`` tears down.
+    """Within the block, SIGTERM raises ``KeyboardInterrupt``, so that ``with Cluster(...)`` tears
+    down.
 
     (Python's default SIGTERM ends the process at once, leaving namespaces and host processes.)
 

@@ -1,4 +1,4 @@
-"""Multi-process runs under ``jax.distributed``: a launcher and its worker-side half.
+r"""Multi-process runs under ``jax.distributed``: a launcher and its worker-side half.
 
     python -m jaxcomp.distributed.launch -n 2 --devices-per-process 4 train.py --steps 10
 
@@ -11,15 +11,17 @@ between processes go through gloo (JAX's default).
 reachable address and a free port), the job's size and this host's process id, and the network
 interface gloo should use::
 
-    host0$ python -m jaxcomp.distributed.launch --coordinator 10.0.0.1:7733 --num-hosts 2 --host-id 0 --interface eth0 train.py
-    host1$ python -m jaxcomp.distributed.launch --coordinator 10.0.0.1:7733 --num-hosts 2 --host-id 1 --interface eth0 train.py
+    host0$ python -m jaxcomp.distributed.launch --coordinator 10.0.0.1:7733 --num-hosts 2 \
+               --host-id 0 --interface eth0 train.py
+    host1$ python -m jaxcomp.distributed.launch --coordinator 10.0.0.1:7733 --num-hosts 2 \
+               --host-id 1 --interface eth0 train.py
 
 Each host then starts ``-n`` processes (default 1) with ids ``host_id * n ... host_id * n + n - 1``.
-Host 0 also listens on the coordinator's port + 1 (jaxcomp's rendezvous, :mod:`jaxcomp.distributed.rendezvous`;
-``--rendezvous-port`` picks another, the same on every host): both ports must be reachable.
-Under SLURM or Open MPI, ``srun``/``mpirun`` can start the script directly: call
-``jax.distributed.initialize()`` with no arguments there (it reads the scheduler's environment),
-and :func:`use_gloo_interface` first if the hostname resolves to a loopback address.
+Host 0 also listens on the coordinator's port + 1 (jaxcomp's rendezvous,
+:mod:`jaxcomp.distributed.rendezvous`; ``--rendezvous-port`` picks another, the same on every host):
+both ports must be reachable. Under SLURM or Open MPI, ``srun``/``mpirun`` can start the script
+directly: call ``jax.distributed.initialize()`` with no arguments there (it reads the scheduler's
+environment), and :func:`use_gloo_interface` first if the hostname resolves to a loopback address.
 
 **Why the interface matters.** Gloo binds to the address the hostname resolves to. In containers
 and network namespaces that is often ``127.0.0.1``, and every process then fails at its first
@@ -75,21 +77,21 @@ def initialize(
     """Joins the job :func:`launch` started (no-op when not launched); call before any JAX op.
 
     Sets this process's CPU device count, checks in at jaxcomp's rendezvous
-    (:func:`jaxcomp.distributed.rendezvous.check_in`), then calls ``jax.distributed.initialize`` with the
-    coordinator, process count and id the launcher put in the environment, and with timeouts that
-    turn a dead, never-started or stalled peer into a Python exception within about
-    ``failure_timeout`` seconds on every surviving process (JAX's own defaults wait 100 to 300 s
-    and then abort the process with no exception):
+    (:func:`jaxcomp.distributed.rendezvous.check_in`), then calls ``jax.distributed.initialize``
+    with the coordinator, process count and id the launcher put in the environment, and with
+    timeouts that turn a dead, never-started or stalled peer into a Python exception within about
+    ``failure_timeout`` seconds on every surviving process (JAX's own defaults wait 100 to 300 s and
+    then abort the process with no exception):
 
     - the rendezvous: a process that never starts makes every other one raise
-      :class:`jaxcomp.distributed.rendezvous.MissingProcessError` (a ``TimeoutError``) naming it, after
-      ``failure_timeout``; JAX is not initialized then, so the exception can be caught;
+      :class:`jaxcomp.distributed.rendezvous.MissingProcessError` (a ``TimeoutError``) naming it,
+      after ``failure_timeout``; JAX is not initialized then, so the exception can be caught;
     - JAX's coordination service runs in the rendezvous server, a helper process of process 0,
       so that killing process 0 does not abort the others (JAX's error poller would);
     - a process that leaves without a goodbye (killed, or ended on an error) is reported to the
       others at once by the rendezvous server; a process still running Python code 2 s later
-      gets :class:`jaxcomp.distributed.rendezvous.PeerLostError` raised in its main thread (normally its
-      next collective has raised already);
+      gets :class:`jaxcomp.distributed.rendezvous.PeerLostError` raised in its main thread (normally
+      its next collective has raised already);
     - every process pings the rendezvous server about every second from a helper thread; a
       process silent for ``failure_timeout`` (stopped with SIGSTOP, frozen, cut off) is declared
       stalled, and every other process still running Python code 2 s later gets
@@ -172,7 +174,8 @@ def initialize(
 
 
 def _failure_timeout_from_env() -> float:
-    """``JAXCOMP_FAILURE_TIMEOUT`` (the launcher's ``--failure-timeout``), else the default, checked."""
+    """``JAXCOMP_FAILURE_TIMEOUT`` (the launcher's ``--failure-timeout``), else the default,
+    checked."""
     text = os.environ.get(_FAILURE_TIMEOUT, str(DEFAULT_FAILURE_TIMEOUT))
     try:
         failure_timeout = float(text)
@@ -182,7 +185,8 @@ def _failure_timeout_from_env() -> float:
 
 
 def _rendezvous_port_from_env(coordinator: str) -> int:
-    """``JAXCOMP_RENDEZVOUS_PORT`` (the launcher's ``--rendezvous-port``), else the coordinator's + 1."""
+    """``JAXCOMP_RENDEZVOUS_PORT`` (the launcher's ``--rendezvous-port``), else the
+    coordinator's + 1."""
     text = os.environ.get(_RENDEZVOUS_PORT)
     if not text:
         return rendezvous.default_port(coordinator)
@@ -192,7 +196,8 @@ def _rendezvous_port_from_env(coordinator: str) -> int:
 
 
 def _configure_cpu(interface: str | None, seconds: int) -> None:
-    """gloo's interface, the collectives' timeout and the CPU device count, before JAX's CPU client."""
+    """gloo's interface, the collectives' timeout and the CPU device count, before JAX's CPU
+    client."""
     import jax
 
     if interface is not None:
@@ -297,7 +302,8 @@ def use_gloo_interface(interface: str) -> None:
     if sys.platform == "linux" and not os.path.exists(f"/sys/class/net/{interface}"):
         present = sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []
         raise ValueError(
-            f"interface {interface!r} does not exist on this host (interfaces: {', '.join(present)})"
+            f"interface {interface!r} does not exist on this host "
+            f"(interfaces: {', '.join(present)})"
         )
     try:
         from jax._src import distributed, xla_bridge
@@ -478,8 +484,8 @@ def launch(
       interface: network interface gloo binds to on every process (e.g. ``"eth0"``).
       failure_timeout: seconds after which a dead, never-started or stalled process is an error
         in every other process (see :func:`initialize`); default 60.
-      rendezvous_port: port of jaxcomp's rendezvous server (:mod:`jaxcomp.distributed.rendezvous`) on the
-        coordinator's host; default: a second free port on one host, else the coordinator's
+      rendezvous_port: port of jaxcomp's rendezvous server (:mod:`jaxcomp.distributed.rendezvous`)
+        on the coordinator's host; default: a second free port on one host, else the coordinator's
         port + 1. Every host must use the same.
 
     Returns:
@@ -488,7 +494,9 @@ def launch(
 
     Example:
       >>> from jaxcomp.distributed.launch import launch
-      >>> launch(["-c", "from jaxcomp.distributed import launch; launch.initialize()"], num_processes=2)  # doctest: +SKIP
+      >>> launch(  # doctest: +SKIP
+      ...     ["-c", "from jaxcomp.distributed import launch; launch.initialize()"], num_processes=2
+      ... )
       0
 
     References:
@@ -598,8 +606,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """``python -m jaxcomp.distributed.launch -n N [--devices-per-process D] [--coordinator H:P --num-hosts M --host-id I]
-    [--interface IF] [--failure-timeout S] [--rendezvous-port P] script.py [args...]``."""
+    """``python -m jaxcomp.distributed.launch -n N [--devices-per-process D]
+    [--coordinator H:P --num-hosts M --host-id I] [--interface IF] [--failure-timeout S]
+    [--rendezvous-port P] script.py [args...]``."""
     parser = _parser()
     args = parser.parse_args(argv)
     if not args.command:

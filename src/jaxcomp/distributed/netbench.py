@@ -1,21 +1,22 @@
-"""The network benchmark: data-parallel training steps on an emulated cluster, per method and link rate.
+"""The network benchmark: data-parallel training steps on an emulated cluster, per method and link
+rate.
 
     jaxcomp netbench --hosts 2,4 --rates 10gbit,1gbit,100mbit,none --params 25e6 --plot netbench.png
     jaxcomp netbench --hosts 2 --rates 1gbit --model mlp4096,gpt2,resnet50,many_small
 
-For every model, number of hosts and link rate it builds a :class:`jaxcomp.distributed.cluster.Cluster` (one
-``jax.distributed`` process with one CPU device per host, gloo over ``tbf``-shaped veth links)
-and runs, in one job, a flax model trained by :func:`jaxcomp.data_parallel` with each method: a
-plain ``lax.pmean`` of the gradients (no jaxcomp, the baseline users compare with),
-``compress("dense")`` at both granularities, every compressed method and ``"auto"``. The model is
-a :mod:`jaxcomp.training.zoo` model named by ``--model`` (several: a cell each), or else an MLP of 6
-square dense layers of ``--params`` float32 parameters. Per method it reports the median step
-time after warm-up, the compute-only step (the same model's gradient and Adam update with no
-communication, run by every host at once, since the emulated hosts share this machine's cores),
-sync time = step - compute, the bytes the host's ``eth0`` really carried per step (the link's
-counters) beside jaxcomp's ``bytes_sent``, the cost model's predicted sync time on the network
-probed in the job, paper 002's prediction of the step (what ``jaxcomp advise`` says), the speedup
-against the plain ``pmean`` step, and what ``"auto"`` picked.
+For every model, number of hosts and link rate it builds a
+:class:`jaxcomp.distributed.cluster.Cluster` (one ``jax.distributed`` process with one CPU device
+per host, gloo over ``tbf``-shaped veth links) and runs, in one job, a flax model trained by
+:func:`jaxcomp.data_parallel` with each method: a plain ``lax.pmean`` of the gradients (no jaxcomp,
+the baseline users compare with), ``compress("dense")`` at both granularities, every compressed
+method and ``"auto"``. The model is a :mod:`jaxcomp.training.zoo` model named by ``--model``
+(several: a cell each), or else an MLP of 6 square dense layers of ``--params`` float32 parameters.
+Per method it reports the median step time after warm-up, the compute-only step (the same model's
+gradient and Adam update with no communication, run by every host at once, since the emulated hosts
+share this machine's cores), sync time = step - compute, the bytes the host's ``eth0`` really
+carried per step (the link's counters) beside jaxcomp's ``bytes_sent``, the cost model's predicted
+sync time on the network probed in the job, paper 002's prediction of the step (what
+``jaxcomp advise`` says), the speedup against the plain ``pmean`` step, and what ``"auto"`` picked.
 
 This module runs the benchmark (:func:`run_benchmark`: the clusters, one job per cell); the half
 that runs inside each emulated host is :mod:`jaxcomp.distributed.netbench_worker`, and the command
@@ -51,10 +52,12 @@ def _runs():
         f"{fixed[0].label}_leaf": (fixed[0], {"granularity": "leaf"}, None),
     }
     table.update({m.label: (m, {}, None) for m in fixed[1:]})
-    # float16 halves the wire over gloo as bfloat16 does (issue 22 compares both); not an auto candidate.
+    # float16 halves the wire over gloo as bfloat16 does (issue 22 compares both); not an auto
+    # candidate.
     table[Cast("float16").label] = (Cast("float16"), {}, None)
     table["auto"] = (fixed, {}, None)
-    # Sharded training (data_parallel(shard=...)): the gradient reduce-scattered, the params all-gathered.
+    # Sharded training (data_parallel(shard=...)): the gradient reduce-scattered, the params
+    # all-gathered.
     for method in (fixed[0], Zfp(8), Quantized(4), Cast("bfloat16")):
         for shard in ("optimizer", "params"):
             table[f"{method.label}@{shard}"] = (method, {}, shard)
@@ -90,7 +93,8 @@ class Spec:
 
 
 def width_for(params: float, layers: int) -> int:
-    """The hidden width of an MLP of ``layers`` square dense layers holding about ``params`` parameters.
+    """The hidden width of an MLP of ``layers`` square dense layers holding about ``params``
+    parameters.
 
     Args:
       params: the parameter count wanted.
@@ -126,7 +130,8 @@ def run_benchmark(
     on_cell=None,
     models=None,
 ) -> list[dict]:
-    """Runs every (model, hosts, rate) cell on an emulated cluster; returns one row per cell and method.
+    """Runs every (model, hosts, rate) cell on an emulated cluster; returns one row per cell and
+    method.
 
     Args:
       hosts: numbers of emulated hosts.
@@ -142,14 +147,16 @@ def run_benchmark(
         ``update`` and ``close``, as :func:`jaxcomp.cli._report.progress_bar` gives), or None.
       log: file the workers' output goes to (default: discarded unless a cell fails).
       on_cell: called with all rows so far after each cell (to save partial results).
-      models: :data:`jaxcomp.training.zoo.NAMES` to train, one cell per model, host count and rate; None
-        trains the MLP of ``params`` and ``layers``.
+      models: :data:`jaxcomp.training.zoo.NAMES` to train, one cell per model, host count and rate;
+        None trains the MLP of ``params`` and ``layers``.
 
     Returns:
       A list of dicts, one per (model, hosts, rate, method); ``"model"`` names the model.
 
     Example:
-      >>> rows = run_benchmark((2,), ("1gbit",), models=("resnet50",), methods=("ar_topk",))  # doctest: +SKIP
+      >>> rows = run_benchmark(  # doctest: +SKIP
+      ...     (2,), ("1gbit",), models=("resnet50",), methods=("ar_topk",)
+      ... )
 
     References:
       Agarwal et al., "On the Utility of Gradient Compression in Distributed Training Systems",
@@ -244,7 +251,8 @@ def _cell_rows(model, n_hosts, rate, methods, options, bar, timeout, log) -> lis
 
 
 def _run_cell(spec: Spec, n_hosts: int, timeout: float, log_path: str, cwd: str) -> dict:
-    """One job of ``spec`` on a fresh cluster of ``n_hosts``; the workers' results (host 0's JSON)."""
+    """One job of ``spec`` on a fresh cluster of ``n_hosts``; the workers' results (host 0's
+    JSON)."""
     from jaxcomp.distributed.cluster import Cluster, ClusterError, format_rate
 
     with open(log_path, "a") as out, Cluster(n_hosts, rate=spec.rate_bits) as cluster:

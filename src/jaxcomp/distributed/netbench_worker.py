@@ -104,7 +104,8 @@ class _ComputeTimer:
         jax.block_until_ready(loss)
 
     def measure(self, label):
-        """Median local step, timed after every host compiled and warmed up (they share the cores)."""
+        """Median local step, timed after every host compiled and warmed up (they share the
+        cores)."""
         from jax.experimental import multihost_utils
 
         for i in range(self._spec.warmup + 1):
@@ -177,7 +178,8 @@ def _median_step(job: _Job, run, state, extra_warmup):
 
 
 def _timed_run(job: _Job, label, position, step, state, compute_first):
-    """One method's steps, timed, with the link's counters around them: ``(state, metrics, entry)``."""
+    """One method's steps, timed, with the link's counters around them:
+    ``(state, metrics, entry)``."""
     from jax.experimental import multihost_utils
 
     from jaxcomp.distributed.cluster import INTERFACE, read_interface_counters
@@ -257,7 +259,8 @@ def _report(job: _Job, results, label, entry, compute_first) -> None:
     if jax.process_index() != 0:
         return
     print(
-        f"netbench: {job.n_hosts} hosts, {label}: step {entry['step']:.3f} s (compute {compute_first:.3f} s), "
+        f"netbench: {job.n_hosts} hosts, {label}: step {entry['step']:.3f} s "
+        f"(compute {compute_first:.3f} s), "
         f"wire {entry['wire_tx'] / 1e6:.1f} MB/step",
         file=sys.stderr,
         flush=True,
@@ -315,9 +318,10 @@ def run_job(spec: Spec) -> None:
 def _workload(spec: Spec, rng):
     """What the job trains: ``(params, loss_fn, local_batches, about)``.
 
-    ``spec.model`` names a :mod:`jaxcomp.training.zoo` model; None is the MLP of ``spec.layers`` square dense
-    layers of about ``spec.params`` parameters. ``local_batches`` are four of this host's batches of
-    ``spec.batch`` rows drawn from ``rng``; ``about`` is what the results record of the model.
+    ``spec.model`` names a :mod:`jaxcomp.training.zoo` model; None is the MLP of ``spec.layers``
+    square dense layers of about ``spec.params`` parameters. ``local_batches`` are four of this
+    host's batches of ``spec.batch`` rows drawn from ``rng``; ``about`` is what the results record
+    of the model.
     """
     import flax.linen as nn
     import jax
@@ -389,7 +393,8 @@ def _reset_peak_memory() -> None:
 
 
 def _peak_resident_bytes() -> int:
-    """This process's peak resident memory since :func:`_reset_peak_memory` (``VmHWM``), 0 where unknown."""
+    """This process's peak resident memory since :func:`_reset_peak_memory` (``VmHWM``), 0 where
+    unknown."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -401,11 +406,13 @@ def _peak_resident_bytes() -> int:
 
 
 def _predictions(ran, params, n_hosts, network, compute, mesh, shard=None):
-    """The cost model's sync time and paper 002's step time (``jaxcomp advise``) for the method that ran.
+    """The cost model's sync time and paper 002's step time (``jaxcomp advise``) for the method that
+    ran.
 
     Both include the method's local work, measured as ``compress_auto`` measures it
-    (:func:`jaxcomp.optim.timing.overhead_seconds`, every host at once). Sharded runs are costed as a
-    reduce-scatter plus the params' all-gather (``shard=True``; dense: the same bytes as its all-reduce).
+    (:func:`jaxcomp.optim.timing.overhead_seconds`, every host at once). Sharded runs are costed as
+    a reduce-scatter plus the params' all-gather (``shard=True``; dense: the same bytes as its
+    all-reduce).
     """
     import jax
 
@@ -437,7 +444,8 @@ def _predictions(ran, params, n_hosts, network, compute, mesh, shard=None):
 
 
 class _plain_pmean_step:
-    """The baseline without jaxcomp: ``jax.grad`` on varying params, ``lax.pmean`` of the gradients, Adam."""
+    """The baseline without jaxcomp: ``jax.grad`` on varying params, ``lax.pmean`` of the gradients,
+    Adam."""
 
     def __init__(self, loss_fn, mesh):
         import jax
@@ -468,7 +476,8 @@ class _plain_pmean_step:
 
 
 def main(argv=None) -> int:
-    """``python -m jaxcomp.distributed.netbench_worker SPEC``: one job, ``SPEC`` a :class:`Spec` as JSON."""
+    """``python -m jaxcomp.distributed.netbench_worker SPEC``: one job, ``SPEC`` a :class:`Spec`
+    as JSON."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:  # the form the launcher used before the worker had its own module
         argv = argv[1:]

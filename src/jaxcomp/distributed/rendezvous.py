@@ -1,4 +1,5 @@
-"""A rendezvous before ``jax.distributed``: every process checks in, or each one that did gets an error.
+"""A rendezvous before ``jax.distributed``: every process checks in, or each one that did gets an
+error.
 
 ``jax.distributed.initialize`` waits for a process that never starts for ``initialization_timeout``
 seconds and then aborts every other process from C++ (no Python exception, exit code -6).
@@ -11,12 +12,12 @@ start raises :class:`MissingProcessError` naming the ids that did not, within ``
     membership = check_in("10.0.0.1:7734", num_processes=2, process_id=pid, timeout=60)
     jax.distributed.initialize("10.0.0.1:7733", 2, pid)
 
-(:func:`jaxcomp.distributed.launch.initialize` does both.) The connections stay open for the whole job: when a
-process's connection drops without a clean goodbye (it was killed, or exited on an error), the
-server tells every other process at once (:attr:`Membership.lost`, and an ``on_loss`` callback).
-With ``stall_timeout``, every process also pings the server about every second from a helper
-thread; a process that sends nothing for ``stall_timeout`` seconds (stopped with SIGSTOP, frozen
-with the GIL held, its host cut off) is declared *stalled* and the others are told
+(:func:`jaxcomp.distributed.launch.initialize` does both.) The connections stay open for the whole
+job: when a process's connection drops without a clean goodbye (it was killed, or exited on an
+error), the server tells every other process at once (:attr:`Membership.lost`, and an ``on_loss``
+callback). With ``stall_timeout``, every process also pings the server about every second from a
+helper thread; a process that sends nothing for ``stall_timeout`` seconds (stopped with SIGSTOP,
+frozen with the GIL held, its host cut off) is declared *stalled* and the others are told
 (:attr:`Membership.stalled`, an ``on_stall`` callback, :class:`PeerStalledError`).
 
 **The port.** ``address`` is ``"HOST:PORT"``; HOST is process 0's host (the JAX coordinator's),
@@ -149,7 +150,8 @@ def join_address(host: str, port: int) -> str:
 
 
 class Membership:
-    """This process's place in the job, after :func:`check_in`: the connection to the server stays open.
+    """This process's place in the job, after :func:`check_in`: the connection to the server stays
+    open.
 
     Attributes:
       address: the rendezvous server's ``"HOST:PORT"``.
@@ -205,7 +207,8 @@ class Membership:
 
     @property
     def stalled(self) -> tuple[int, ...]:
-        """The ids of the processes declared stalled so far (sorted): silent, but still connected."""
+        """The ids of the processes declared stalled so far (sorted): silent, but still
+        connected."""
         with self._lock:
             return tuple(sorted(self._stalled))
 
@@ -307,16 +310,16 @@ class Membership:
 
 def _stalled_message(stalled, seconds, process_id, num_processes):
     return (
-        f"process {process_id} of {num_processes}: process(es) {', '.join(map(str, stalled))} stopped "
-        f"responding (no sign of life for {seconds:.0f} s: stopped, e.g. SIGSTOP, frozen, or its host "
-        "is cut off)"
+        f"process {process_id} of {num_processes}: process(es) {', '.join(map(str, stalled))} "
+        f"stopped responding (no sign of life for {seconds:.0f} s: stopped, e.g. SIGSTOP, frozen, "
+        "or its host is cut off)"
     )
 
 
 def _lost_message(lost, process_id, num_processes):
     return (
-        f"process {process_id} of {num_processes}: process(es) {', '.join(map(str, lost))} left the job "
-        "without a clean goodbye (killed, crashed, or exited on an error)"
+        f"process {process_id} of {num_processes}: process(es) {', '.join(map(str, lost))} left "
+        "the job without a clean goodbye (killed, crashed, or exited on an error)"
     )
 
 
@@ -392,7 +395,8 @@ def check_in(
     except OSError as e:
         sock.close()
         raise MissingProcessError(
-            f"process {process_id} of {num_processes}: lost the connection to the rendezvous server at {address} "
+            f"process {process_id} of {num_processes}: lost the connection to the rendezvous "
+            f"server at {address} "
             f"before every process checked in ({e}): process 0 died while starting",
             [0],
         ) from None
@@ -414,9 +418,10 @@ def check_in(
     if words and words[0] in ("MISSING", "WAITING"):
         missing = _parse_ids(words[1:])
         raise MissingProcessError(
-            f"process {process_id} of {num_processes}: process(es) {', '.join(map(str, missing))} did not check "
-            f"in at the rendezvous on {address} within {timeout:g} s: never started, died while starting, or "
-            "cannot reach process 0's host",
+            f"process {process_id} of {num_processes}: process(es) "
+            f"{', '.join(map(str, missing))} did not check in at the rendezvous on {address} "
+            f"within {timeout:g} s: never started, died while starting, or cannot reach process "
+            "0's host",
             missing,
         )
     if words and words[0] == "ERROR":
@@ -424,7 +429,8 @@ def check_in(
             f"the rendezvous server at {address} refused process {process_id}: {words[1]}"
         )
     raise MissingProcessError(
-        f"process {process_id} of {num_processes}: the rendezvous server at {address} (process 0) did not answer "
+        f"process {process_id} of {num_processes}: the rendezvous server at {address} "
+        "(process 0) did not answer "
         f"within {timeout:g} s: process 0 died while starting",
         [0],
     )
@@ -450,9 +456,9 @@ def _connect(host, port, deadline, address, num_processes, process_id, timeout):
         left = deadline - time.monotonic()
         if left <= 0:
             raise MissingProcessError(
-                f"process {process_id} of {num_processes}: process 0 did not open the rendezvous on {address} "
-                f"within {timeout:g} s ({error}): it never started, died while starting, or is not reachable "
-                "from this host",
+                f"process {process_id} of {num_processes}: process 0 did not open the rendezvous "
+                f"on {address} within {timeout:g} s ({error}): it never started, died while "
+                "starting, or is not reachable from this host",
                 [0],
             )
         try:
@@ -516,8 +522,10 @@ def _start_server(host, port, num_processes, timeout, jax_service, deadline, sta
         hosts_service = words[1:] == ["jax-service"]
         if jax_service is not None and not hosts_service:
             print(
-                f"jaxcomp.distributed.rendezvous: the rendezvous server cannot host JAX's coordination service "
-                f"({words[1] if len(words) > 1 else 'unknown reason'}); process 0 hosts it, as JAX does by default",
+                "jaxcomp.distributed.rendezvous: the rendezvous server cannot host JAX's "
+                "coordination service "
+                f"({words[1] if len(words) > 1 else 'unknown reason'}); process 0 hosts it, as JAX "
+                "does by default",
                 file=sys.stderr,
                 flush=True,
             )
@@ -528,7 +536,8 @@ def _start_server(host, port, num_processes, timeout, jax_service, deadline, sta
     why = words[1] if words and words[0] == "FAILED" else f"it exited with code {server.returncode}"
     raise OSError(
         f"process 0 cannot start the rendezvous server on {join_address(host, port)}: {why}. Pick "
-        "another port (jaxcomp.distributed.launch: --rendezvous-port, rendezvous_port=, or JAXCOMP_RENDEZVOUS_PORT)"
+        "another port (jaxcomp.distributed.launch: --rendezvous-port, rendezvous_port=, or "
+        "JAXCOMP_RENDEZVOUS_PORT)"
     )
 
 
@@ -544,7 +553,8 @@ class _LineReader:
         self.buffer = b""
 
     def readline(self, deadline):
-        """The next line without its newline; None at EOF or when ``deadline`` (monotonic) passes."""
+        """The next line without its newline; None at EOF or when ``deadline`` (monotonic)
+        passes."""
         while b"\n" not in self.buffer:
             if deadline is not None:
                 left = deadline - time.monotonic()

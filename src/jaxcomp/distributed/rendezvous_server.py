@@ -1,6 +1,7 @@
-"""The rendezvous server: the helper process that process 0 of a job starts (:mod:`.rendezvous`).
+r"""The rendezvous server: the helper process that process 0 of a job starts (:mod:`.rendezvous`).
 
-    python jaxcomp/distributed/rendezvous_server.py serve HOST:PORT N TIMEOUT [--stall-timeout S] [--jax-service ...]
+    python jaxcomp/distributed/rendezvous_server.py serve HOST:PORT N TIMEOUT \
+        [--stall-timeout S] [--jax-service ...]
 
 It listens on ``HOST:PORT``, answers every process's ``HELLO`` with ``GO`` once all have checked
 in (or ``MISSING <ids>`` at the deadline), tells the others ``LOST <id>`` when a process leaves
@@ -193,8 +194,9 @@ class _Server:
                 missing = self.missing()
                 self.broadcast(f"MISSING {','.join(map(str, missing))}\n")
                 print(
-                    f"jaxcomp.distributed.rendezvous: process(es) {', '.join(map(str, missing))} of {self.num_processes} did "
-                    "not check in in time",
+                    "jaxcomp.distributed.rendezvous: process(es) "
+                    f"{', '.join(map(str, missing))} of {self.num_processes} did not check in in "
+                    "time",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -214,7 +216,8 @@ class _Server:
                     self.read(key.fileobj)
 
     def missing(self):
-        """The processes that never checked in; else (all did, some left since) those not here now."""
+        """The processes that never checked in; else (all did, some left since) those not here
+        now."""
         never = [i for i in range(self.num_processes) if i not in self.ever]
         return never or [i for i in range(self.num_processes) if i not in self.members]
 
@@ -301,8 +304,8 @@ class _Server:
                 continue
             self.stalled.add(process_id)
             print(
-                f"jaxcomp.distributed.rendezvous: process {process_id} of {self.num_processes} sent nothing "
-                f"for {silent:.1f} s (stalled); telling the others",
+                f"jaxcomp.distributed.rendezvous: process {process_id} of {self.num_processes} "
+                f"sent nothing for {silent:.1f} s (stalled); telling the others",
                 file=sys.stderr,
                 flush=True,
             )
@@ -335,8 +338,8 @@ class _Server:
         if not self.started or peer["bye"] or quiet:
             return  # before the go-ahead a process that leaves is simply missing again
         print(
-            f"jaxcomp.distributed.rendezvous: process {process_id} of {self.num_processes} left without a goodbye; telling "
-            "the others",
+            f"jaxcomp.distributed.rendezvous: process {process_id} of {self.num_processes} left "
+            "without a goodbye; telling the others",
             file=sys.stderr,
             flush=True,
         )
@@ -346,7 +349,8 @@ class _Server:
 
 
 def _main(argv=None) -> int:
-    """``python -m jaxcomp.distributed.rendezvous_server serve HOST:PORT N TIMEOUT [--stall-timeout S] [--jax-service BIND N HB SHUTDOWN RECOVERABLE]``."""
+    """``python -m jaxcomp.distributed.rendezvous_server serve HOST:PORT N TIMEOUT
+    [--stall-timeout S] [--jax-service BIND N HB SHUTDOWN RECOVERABLE]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     stall_timeout = None
     if len(argv) >= 6 and argv[4] == "--stall-timeout":
