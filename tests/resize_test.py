@@ -241,3 +241,14 @@ def test_compress_auto_warns_to_reprobe():
     dp4 = jaxcomp.data_parallel(_loss_rows, tx, _mesh(4))
     with pytest.warns(UserWarning, match="from 8 to 4 devices.*reprobe"):
         dp4.resize(dp8.init(_params()))
+
+
+def test_gradient_accumulation_is_refused_clearly():
+    """optax.MultiSteps keeps each device's accumulated gradient: not a residual, not a shard."""
+    tx = optax.MultiSteps(
+        optax.chain(jaxcomp.compress("ar_topk", ratio=0.1), optax.adam(1e-2)), every_k_schedule=2
+    )
+    dp8 = jaxcomp.data_parallel(_loss_rows, tx, _mesh(N))
+    dp4 = jaxcomp.data_parallel(_loss_rows, tx, _mesh(4))
+    with pytest.raises(ValueError, match=r"saved on 8 devices.*runs on 4.*acc_grads.*on 8 devices"):
+        dp4.resize(dp8.init(_params()))

@@ -120,7 +120,8 @@ def saved_device_count(layout, avals, shapes) -> int:
       >>> tx = optax.chain(jaxcomp.compress("ar_topk", ratio=0.5), optax.sgd(0.1))
       >>> dp = jaxcomp.data_parallel(lambda w, b: jnp.sum(w * b), tx, mesh)
       >>> w = jax.ShapeDtypeStruct((3,), jnp.float32)
-      >>> saved_device_count(dp.layout, w, [(), (3,), (8, 3), (2,), (), (), (), (), ()])
+      >>> saved = saved_shapes(dp.layout, w, 8, placed=False)  # e.g. from orbax's metadata
+      >>> saved_device_count(dp.layout, w, [x.shape for x in jax.tree.leaves(saved)])
       8
 
     References:
@@ -215,7 +216,29 @@ def _roles(layout, opt_state, mask):
 
 def check_resizable(layout, state, n_from: int):
     """Refuses a state of ``n_from`` devices that :func:`resize_state` cannot carry over: per-device
-    leaves that are neither residuals nor optimizer shards, naming each."""
+    leaves that are neither residuals nor optimizer shards (e.g. a gradient accumulator), naming
+    each.
+
+    Args:
+      layout: this run's :class:`jaxcomp.training.layout.Layout`.
+      state: the :class:`TrainState` of ``n_from`` devices.
+      n_from: the devices it was made on (for the message).
+
+    Returns:
+      ``(avals, state_def, roles)``: the whole params' avals, the optimizer state's treedef and
+      each leaf's role (``"carry"``, ``"mass"`` or ``"shard"``); raises ``ValueError`` otherwise.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
+      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> tx = optax.chain(jaxcomp.compress("ar_topk", ratio=0.5), optax.sgd(0.1))
+      >>> dp = jaxcomp.data_parallel(lambda w, b: jnp.sum(w * b), tx, mesh)
+      >>> check_resizable(dp.layout, dp.init(jnp.ones(3)), 2)[2]
+      ['mass', 'carry', 'carry', 'carry', 'carry', 'carry', 'carry', 'carry']
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, Alg. 1 (per-worker residuals).
+    """
     avals = layout.whole_avals(state.params)
     state_def, mask = layout.per_device_mask(avals)
     roles = _roles(layout, state.opt_state, mask)
@@ -304,8 +327,29 @@ def resize_state(layout, state, *, mean: bool = True, n_from: int | None = None)
 
 
 def device_count_of(layout, state) -> int:
-    """The device count ``state`` was made on: the leading axis of its per-device leaves (this
-    run's count when it has none)."""
+    """The device count ``state`` was made on: the leading axis of its per-device leaves.
+
+    Args:
+      layout: this run's :class:`jaxcomp.training.layout.Layout`.
+      state: a :class:`TrainState` of this run's ``tx`` and ``shard=``, on any mesh.
+
+    Returns:
+      ``N`` (this run's count when no leaf is per device); raises ``ValueError`` when the
+      leaves disagree.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
+      >>> devices = np.array(jax.devices())
+      >>> tx = optax.chain(jaxcomp.compress("ar_topk", ratio=0.5), optax.sgd(0.1))
+      >>> loss = lambda w, b: jnp.sum(w * b)
+      >>> four = jaxcomp.data_parallel(loss, tx, jax.sharding.Mesh(devices[:4], ("data",)))
+      >>> two = jaxcomp.data_parallel(loss, tx, jax.sharding.Mesh(devices[:2], ("data",)))
+      >>> device_count_of(two.layout, four.init(jnp.ones(3)))
+      4
+
+    References:
+      Rajbhandari et al., ZeRO, SC 2020 (state partitioned over N data-parallel ranks).
+    """
     avals = layout.whole_avals(state.params)
     state_def, mask = layout.per_device_mask(avals)
     try:
