@@ -1,13 +1,23 @@
 """Layer 6, training: :func:`data_parallel` (the jitted, sharded step; :mod:`.trainer`, built from
-:mod:`.state`, :mod:`.layout`, :mod:`.mask`, :mod:`.step`, :mod:`.dispatch` and :mod:`.reprobe`)
-and the model zoo that the benchmarks train (:mod:`.zoo`).
+:mod:`.state`, :mod:`.layout`, :mod:`.mask`, :mod:`.step`, :mod:`.dispatch`, :mod:`.reprobe` and
+:mod:`.resize`) and the model zoo that the benchmarks train (:mod:`.zoo`).
 """
 
 from jaxcomp._lazy import attach
 
 __getattr__, __dir__, __all__ = attach(
     __name__,
-    submodules=("trainer", "state", "layout", "mask", "step", "dispatch", "reprobe", "zoo"),
+    submodules=(
+        "trainer",
+        "state",
+        "layout",
+        "mask",
+        "step",
+        "dispatch",
+        "reprobe",
+        "resize",
+        "zoo",
+    ),
     exports={
         "data_parallel": "jaxcomp.training.trainer",
         "DataParallel": "jaxcomp.training.trainer",

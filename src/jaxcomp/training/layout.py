@@ -26,6 +26,15 @@ from jaxcomp.optim.transform import CompressState
 from jaxcomp.training import mask as mask_lib
 from jaxcomp.training.state import TrainState, avals_of, check_params, tree_key
 
+_WAY_OUT = (
+    "its per-device leaves (error-feedback residuals; with shard=, the optimizer's and params' "
+    "shards) are laid out per device. Carry it over with dp.resize(state, params) (in memory), "
+    "or restore the checkpoint with dp.restore(path, params) (orbax; or restore onto "
+    "dp.state_shapes(params, n_devices=<saved count>) and call dp.resize): the residuals are "
+    "summed and spread over the new devices, the shards re-split exactly (docs/training.md, "
+    "'Resuming on another number of devices')"
+)
+
 
 class Layout:
     """The layout of one data_parallel run: ``tx``'s view of the params and the state's shardings.
@@ -125,10 +134,7 @@ class Layout:
         ):
             raise ValueError(
                 f"state.params are shards for {counts.pop()} devices, but this data_parallel "
-                f"shards over {self.n_devices}: a sharded state restores onto the same number of "
-                "devices only. Its error-feedback residuals are per device and cannot be re-split "
-                "exactly; to move to another mesh, gather the params with params(state) on the old "
-                "one and init anew (the optimizer state and residuals start over)"
+                f"shards over {self.n_devices}: {_WAY_OUT}"
             )
         if all(len(a.shape) == 2 and a.shape[0] == self.n_devices for a in leaves):
             raise ValueError(
@@ -188,6 +194,7 @@ class Layout:
             jax.eval_shape(self.tx_init, avals, self.shard_avals(avals) if self.shard else None)
         )
         if not self._fits(state_def, mask, state.opt_state, expected):
+            self._refuse_other_count(state)
             raise ValueError(
                 "state.opt_state does not fit state.params: it was made for other params (or by "
                 "another tx, or by a data_parallel with another shard= or mesh). Build the state "
@@ -195,6 +202,20 @@ class Layout:
                 f"expected opt_state of structure {state_def}"
             )
         return avals
+
+    def _refuse_other_count(self, state):
+        """A state of this ``tx`` made on another number of devices: says so, and the way out."""
+        from jaxcomp.training import resize
+
+        try:
+            count = resize.device_count_of(self, state)
+        except ValueError:
+            return
+        if count != self.n_devices:
+            raise ValueError(
+                f"this state was made on {count} devices, but this data_parallel runs on "
+                f"{self.n_devices}: {_WAY_OUT}"
+            )
 
     def _fits(self, state_def, mask, opt_state, expected) -> bool:
         """Whether ``opt_state`` has the structure and (stacked) shapes of ``expected``."""

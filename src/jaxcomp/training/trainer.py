@@ -29,6 +29,7 @@ from jaxcomp.collectives import small
 from jaxcomp.optim import sharding
 from jaxcomp.optim.transform import compress_states
 from jaxcomp.training import reprobe as reprobing
+from jaxcomp.training import resize as resizing
 from jaxcomp.training.dispatch import DEFAULT_MAX_STEPS_IN_FLIGHT, BoundedStep, local_copy
 from jaxcomp.training.layout import Layout
 from jaxcomp.training.state import TrainState, avals_of
@@ -86,22 +87,116 @@ class DataParallel:
         self.layout.remember_shapes(avals)
         return self.layout.state_sharding(avals)
 
-    def state_shapes(self, params):
+    def state_shapes(self, params, n_devices: int | None = None):
         """The :class:`TrainState` of ``jax.ShapeDtypeStruct`` (with shardings) that :meth:`init`
         returns for ``params``: the target for restoring a checkpoint (e.g. orbax's
         ``StandardCheckpointer().restore(path, dp.state_shapes(params))``).
 
         Args:
           params: the whole params (arrays or ``jax.ShapeDtypeStruct``).
+          n_devices: the devices the checkpoint was saved on, when not this run's: the shapes it
+            was saved with, placed on this mesh, to restore and hand to :meth:`resize`.
 
         Returns:
           A :class:`TrainState` of ``jax.ShapeDtypeStruct``.
         """
+        if n_devices is not None and int(n_devices) != self.n_devices:
+            avals = avals_of(params)
+            self.layout.remember_shapes(avals)
+            return resizing.saved_shapes(self.layout, avals, int(n_devices))
         shardings = self.state_sharding(params)
         shapes = jax.eval_shape(self.layout.initial_state, avals_of(params))
         return jax.tree.map(
             lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, shardings
         )
+
+    def resize(self, state: TrainState, params=None, *, mean: bool = True) -> TrainState:
+        """The state of a run of the same ``tx`` and ``shard=`` on another number of devices, as
+        the state of this one (docs/training.md, "Resuming on another number of devices").
+
+        Params, step counters, keys, PowerSGD's ``Q`` and the optimizer's replicated state are
+        kept; with ``shard=``, the optimizer's shards (and the params' shards) are gathered and
+        split again, exactly; each device's error-feedback residual (and DGC velocity) is summed
+        and spread evenly so that the next aggregate adds the same residual mass: every new device
+        holds ``sum_d r_d / N`` (``mean=True``) or ``sum_d r_d / N'`` (``mean=False``). On the same
+        number of devices the state comes back as it is. ``compress_auto``'s network was measured
+        on the old mesh: a warning says to :meth:`reprobe`.
+
+        Args:
+          state: the :class:`TrainState` of ``N`` devices, e.g. restored with
+            ``state_shapes(params, n_devices=N)`` (or the state itself, in one process).
+          params: the whole params or their shapes; needed with ``shard="params"`` unless
+            :meth:`state_shapes` was called with them.
+          mean: as the run's ``jaxcomp.compress(mean=...)`` (averaged or summed gradients).
+
+        Returns:
+          The :class:`TrainState` on this mesh.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
+          >>> devices = np.array(jax.devices())
+          >>> tx = optax.chain(jaxcomp.compress("ar_topk", ratio=0.5), optax.adam(0.1))
+          >>> loss = lambda w, b: jnp.sum(w * b)
+          >>> four = jaxcomp.data_parallel(loss, tx, jax.sharding.Mesh(devices[:4], ("data",)))
+          >>> two = jaxcomp.data_parallel(loss, tx, jax.sharding.Mesh(devices[:2], ("data",)))
+          >>> state = two.resize(four.init(jnp.ones(3)))
+          >>> state.opt_state[0].residual.shape
+          (2, 3)
+
+        References:
+          Tyagi & Swany, arXiv 2312.02493, Alg. 1 (per-worker residuals); Karimireddy et al.,
+          ICML 2019 (error feedback); Rajbhandari et al., ZeRO, SC 2020 (sharded state).
+        """
+        if params is not None:
+            avals = avals_of(params)
+            self.layout.remember_shapes(avals)
+            if self.shard == "params" and isinstance(state, TrainState):
+                counts = {np.shape(p)[0] for p in jax.tree.leaves(state.params) if np.ndim(p)}
+                for n in counts:
+                    resizing.saved_shapes(self.layout, avals, n, placed=False)
+        return resizing.resize_state(self.layout, state, mean=mean)
+
+    def restore(self, path, params, *, mean: bool = True) -> TrainState:
+        """Restores an orbax checkpoint of this run's ``tx`` and ``shard=``, saved on any number of
+        devices, onto this mesh (:meth:`resize` when the count differs).
+
+        Args:
+          path: the checkpoint directory (``ocp.StandardCheckpointer().save(path, state)``).
+          params: the whole params or their shapes.
+          mean: as the run's ``jaxcomp.compress(mean=...)``.
+
+        Returns:
+          The :class:`TrainState` on this mesh; ``ValueError`` (naming the shapes found) for a
+          checkpoint of another ``tx``, ``shard=`` or params, before orbax reads any array.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp, tempfile
+          >>> import orbax.checkpoint as ocp
+          >>> devices = np.array(jax.devices())
+          >>> tx = optax.chain(jaxcomp.compress("ar_topk", ratio=0.5), optax.adam(0.1))
+          >>> loss = lambda w, b: jnp.sum(w * b)
+          >>> four = jaxcomp.data_parallel(loss, tx, jax.sharding.Mesh(devices[:4], ("data",)))
+          >>> path = tempfile.mkdtemp() + "/ckpt"
+          >>> ckpt = ocp.StandardCheckpointer()
+          >>> ckpt.save(path, four.init(jnp.ones(3))); ckpt.wait_until_finished()
+          >>> two = jaxcomp.data_parallel(loss, tx, jax.sharding.Mesh(devices[:2], ("data",)))
+          >>> two.restore(path, jnp.ones(3)).opt_state[0].residual.shape
+          (2, 3)
+
+        References:
+          Rajbhandari et al., ZeRO, SC 2020 (sharded state); Tyagi & Swany, arXiv 2312.02493,
+          Alg. 1 (per-worker residuals).
+        """
+        import orbax.checkpoint as ocp
+
+        avals = avals_of(params)
+        checkpointer = ocp.StandardCheckpointer()
+        metadata = checkpointer.metadata(path)
+        tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
+        shapes = [m.shape for m in jax.tree.leaves(tree) if hasattr(m, "shape")]
+        n = resizing.saved_device_count(self.layout, avals, shapes)
+        state = checkpointer.restore(path, self.state_shapes(params, n_devices=n))
+        return self.resize(state, params, mean=mean)
 
     # -- the public entry points ---------------------------------------------------------------
 
