@@ -16,7 +16,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp.ops import _checks
+from jaxcomp.ops import _checks, flat
+from jaxcomp.optim.nonfinite import skipped_or_none
+from jaxcomp.optim.state import CompressState, compress_states
 
 
 def accumulate(
@@ -55,10 +57,10 @@ def accumulate(
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
     if callable(every_k):
-        schedule = every_k
+        schedule, static_k = _checked_schedule(every_k), None
     else:
-        every_k = _checks.static_int(every_k, "every_k", 1)
-        schedule = lambda step: every_k  # noqa: E731
+        static_k = _checks.static_int(every_k, "every_k", 1)
+        schedule = lambda step: static_k  # noqa: E731
     use_grad_mean = _checks.check_flag(use_grad_mean, "use_grad_mean")
     inner = optax.with_extra_args_support(tx)
 
@@ -72,14 +74,23 @@ def accumulate(
         )
 
     def update_fn(updates, state, params=None, **extra_args):
-        k = jnp.asarray(schedule(state.gradient_step), jnp.int32)
+        if static_k == 1:
+            return _every_step(inner, updates, state, params, extra_args)
+        k = _schedule_value(schedule, state.gradient_step)
+        policy = _policy(state.inner_opt_state)
+        clean, count = _guarded(updates, policy)
+        skipped = None if policy in (None, "zero") else count > 0
         n = state.mini_step
         acc = jax.tree.map(
             lambda g, a: (a + (g - a) / (n + 1) if use_grad_mean else a + g).astype(a.dtype),
-            updates,
+            clean,
             state.acc_grads,
         )
         emit = n == k - 1
+        if skipped is not None:
+            # The micro-step that brought non-finite values is dropped: no add, no count.
+            emit = jnp.logical_and(emit, jnp.logical_not(skipped))
+            acc = jax.tree.map(lambda old, new: jnp.where(skipped, old, new), state.acc_grads, acc)
 
         def run(acc, inner_state):
             grads = jax.tree.map(lambda a, g: a.astype(g.dtype), acc, updates)
@@ -93,18 +104,125 @@ def accumulate(
         new_updates, new_inner, new_acc = _cond_typed_alike(
             emit, run, wait, acc, state.inner_opt_state
         )
+        mini_step = jnp.where(emit, 0, n + 1)
+        if skipped is not None:
+            mini_step = jnp.where(skipped, n, mini_step)
         new_state = optax.MultiStepsState(
-            mini_step=jnp.where(emit, 0, n + 1).astype(jnp.int32),
+            mini_step=mini_step.astype(jnp.int32),
             gradient_step=jnp.where(emit, state.gradient_step + 1, state.gradient_step).astype(
                 jnp.int32
             ),
-            inner_opt_state=new_inner,
+            inner_opt_state=_counted(new_inner, count, emit),
             acc_grads=new_acc,
             skip_state=state.skip_state,
         )
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _checked_schedule(schedule: Callable) -> Callable:
+    """``schedule``, refused now (a ValueError naming ``every_k``) if its value at step 0 is not a
+    scalar >= 1."""
+    try:
+        value = schedule(jnp.zeros((), jnp.int32))
+    except jax.errors.ConcretizationTypeError:
+        return schedule
+    _check_schedule_value(value)
+    return schedule
+
+
+def _check_schedule_value(value):
+    """Refuses a schedule value that is not a scalar, or (when known while tracing) is < 1."""
+    if jnp.ndim(value) != 0:
+        raise ValueError(
+            f"every_k: the schedule must return a scalar number of micro-steps, got shape "
+            f"{jnp.shape(value)}"
+        )
+    try:
+        known = int(value)
+    except (jax.errors.ConcretizationTypeError, TypeError):
+        return
+    if known < 1:
+        raise ValueError(
+            f"every_k: the schedule returned {known} micro-steps; it must return an int >= 1 at "
+            "every gradient step (0 would accumulate forever and never update)"
+        )
+
+
+def _schedule_value(schedule, gradient_step):
+    """The schedule's micro-steps for this gradient step, as int32; a traced value below 1 (it
+    could not be refused earlier) counts as 1, so the step emits instead of stalling."""
+    value = schedule(gradient_step)
+    _check_schedule_value(value)
+    return jnp.maximum(jnp.asarray(value, jnp.int32), 1)
+
+
+def _every_step(inner, updates, state, params, extra_args):
+    """``every_k=1``: ``tx``'s update as it is (bit for bit: no accumulator arithmetic, no
+    ``lax.cond`` to change how XLA fuses the update into the params), in the MultiSteps state."""
+    new_updates, new_inner = inner.update(updates, state.inner_opt_state, params, **extra_args)
+    skipped = skipped_or_none(new_inner)
+    advance = 1 if skipped is None else jnp.where(skipped, 0, 1)
+    return new_updates, state._replace(
+        gradient_step=(state.gradient_step + advance).astype(jnp.int32), inner_opt_state=new_inner
+    )
+
+
+def _policy(inner_state) -> str | None:
+    """The non-finite policy the micro-steps follow: ``"skip"`` when any compress in ``tx`` skips
+    (``"skip"`` or ``"raise"``), ``"zero"`` when all zero, None without a compress."""
+    names = {s.policy.name for s in compress_states(inner_state)}
+    if not names:
+        return None
+    return "skip" if names - {"zero"} else "zero"
+
+
+def _guarded(updates, policy):
+    """``(updates, count)``: the micro-step's gradients with non-finite entries as 0, and how many
+    there were, summed over the devices (identical on each); as they are, and None, without a
+    compress (``policy`` None)."""
+    if policy is None:
+        return updates, None
+    leaves = [g for g in jax.tree.leaves(updates) if jnp.issubdtype(g.dtype, jnp.inexact)]
+    clean = jax.tree.map(
+        lambda g: (
+            jnp.where(jnp.isfinite(g), g, jnp.zeros_like(g))
+            if jnp.issubdtype(g.dtype, jnp.inexact)
+            else g
+        ),
+        updates,
+    )
+    count = sum((flat.count_nonfinite(g) for g in leaves), jnp.zeros((), jnp.float32))
+    axes = _count_axes(leaves)
+    return clean, jax.lax.psum(count, axes) if axes else count
+
+
+def _count_axes(leaves) -> tuple:
+    """The mesh axes to sum a count over: those the gradients vary over; with ``check_vma=False``
+    (nothing typed) every manual axis of the enclosing ``shard_map``; none outside one."""
+    axes = frozenset().union(*(_vma(g) for g in leaves))
+    manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+    if not axes and manual:
+        probe = jax.lax.pcast(jnp.zeros((), jnp.float32), manual, to="varying")
+        if not _vma(probe):
+            axes = frozenset(manual)
+    return tuple(sorted(axes))
+
+
+def _counted(inner_state, count, emit):
+    """``inner_state`` with each compress's ``nonfinite`` metric counting this micro-step's
+    non-finite entries (plus, when it emitted, what the compress itself counted)."""
+    if count is None:
+        return inner_state
+
+    def fix(node):
+        if not isinstance(node, CompressState):
+            return node
+        own = jnp.where(emit, node.metrics.nonfinite, jnp.zeros_like(node.metrics.nonfinite))
+        return node._replace(metrics=node.metrics._replace(nonfinite=own + count))
+
+    return jax.tree.map(fix, inner_state, is_leaf=lambda x: isinstance(x, CompressState))
 
 
 def _cond_typed_alike(emit, run, wait, *operands):
