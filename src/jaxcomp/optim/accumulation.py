@@ -4,7 +4,9 @@
 on the last one (``jnp.where``), so a ``jaxcomp.compress`` inside it would run its collectives on
 every micro-step. :func:`accumulate` keeps ``MultiSteps``'s state and arithmetic but runs the
 inner transformation under ``lax.cond``: micro-steps only add the local gradient to the
-accumulator (no communication), and the last one compresses and aggregates the mean once.
+accumulator (no communication but, with a ``compress`` inside, a one-scalar sum of the non-finite
+count), and the last one compresses and aggregates the mean once. A micro-step with NaN or ±Inf
+entries gets the ``compress``'s ``nonfinite=`` policy; the accumulator never holds them.
 :func:`jaxcomp.data_parallel` applies it to an ``optax.MultiSteps`` it is given.
 """
 
@@ -31,6 +33,22 @@ def accumulate(
     and ``tx`` (e.g. a chain starting with :func:`jaxcomp.compress`) communicates only on the
     step that emits. Every device must take the same branch, which holds since the step counters
     are replicated.
+
+    Non-finite gradients: when ``tx`` holds a :func:`jaxcomp.compress`, its ``nonfinite=`` policy
+    (read from its state, ``CompressState.policy``; no argument here) applies to the micro-step
+    that brings NaN or ±Inf entries, and the accumulator never holds one. ``"zero"``: those
+    entries enter the accumulator as 0. ``"skip"`` and ``"raise"``: the micro-step is dropped on
+    every device (no add, it does not count toward ``every_k``, every state stays as it was);
+    :func:`jaxcomp.data_parallel` then raises ``FloatingPointError`` under ``"raise"``, the state
+    passed in still clean. If several compresses disagree, one that skips wins. The count is
+    summed over the devices (one scalar all-reduce per micro-step, so that every device decides
+    alike) and is the compress's ``nonfinite`` metric of that micro-step. Without a compress the
+    gradients are added as they are (as ``optax.MultiSteps`` does).
+
+    ``every_k=1`` (an int) runs ``tx``'s update as it is, bit for bit, inside the MultiSteps
+    state. A schedule is evaluated at step 0 when built, and its value checked again while
+    tracing when it is known then; a value below 1 is refused there (a ``ValueError`` naming
+    ``every_k``), and a traced one counts as 1.
 
     Args:
       tx: the transformation to run on the accumulated gradients.
@@ -76,49 +94,52 @@ def accumulate(
     def update_fn(updates, state, params=None, **extra_args):
         if static_k == 1:
             return _every_step(inner, updates, state, params, extra_args)
-        k = _schedule_value(schedule, state.gradient_step)
-        policy = _policy(state.inner_opt_state)
-        clean, count = _guarded(updates, policy)
-        skipped = None if policy in (None, "zero") else count > 0
-        n = state.mini_step
-        acc = jax.tree.map(
-            lambda g, a: (a + (g - a) / (n + 1) if use_grad_mean else a + g).astype(a.dtype),
-            clean,
-            state.acc_grads,
-        )
-        emit = n == k - 1
-        if skipped is not None:
-            # The micro-step that brought non-finite values is dropped: no add, no count.
-            emit = jnp.logical_and(emit, jnp.logical_not(skipped))
-            acc = jax.tree.map(lambda old, new: jnp.where(skipped, old, new), state.acc_grads, acc)
-
-        def run(acc, inner_state):
-            grads = jax.tree.map(lambda a, g: a.astype(g.dtype), acc, updates)
-            new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
-            return new_updates, new_inner, jax.tree.map(jnp.zeros_like, acc)
-
-        def wait(acc, inner_state):
-            shapes = jax.eval_shape(lambda: run(acc, inner_state)[0])
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state, acc
-
-        new_updates, new_inner, new_acc = _cond_typed_alike(
-            emit, run, wait, acc, state.inner_opt_state
-        )
-        mini_step = jnp.where(emit, 0, n + 1)
-        if skipped is not None:
-            mini_step = jnp.where(skipped, n, mini_step)
-        new_state = optax.MultiStepsState(
-            mini_step=mini_step.astype(jnp.int32),
-            gradient_step=jnp.where(emit, state.gradient_step + 1, state.gradient_step).astype(
-                jnp.int32
-            ),
-            inner_opt_state=_counted(new_inner, count, emit),
-            acc_grads=new_acc,
-            skip_state=state.skip_state,
-        )
-        return new_updates, new_state
+        return _accumulated_step(inner, schedule, use_grad_mean, updates, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _accumulated_step(inner, schedule, use_grad_mean, updates, state, params, extra_args):
+    """One micro-step: add the (guarded) gradients; on the last, run ``tx`` on the mean."""
+    k = _schedule_value(schedule, state.gradient_step)
+    policy = _policy(state.inner_opt_state)
+    clean, count = _guarded(updates, policy)
+    skipped = None if policy in (None, "zero") else count > 0
+    n = state.mini_step
+    acc = jax.tree.map(
+        lambda g, a: (a + (g - a) / (n + 1) if use_grad_mean else a + g).astype(a.dtype),
+        clean,
+        state.acc_grads,
+    )
+    emit = n == k - 1
+    if skipped is not None:
+        # The micro-step that brought non-finite values is dropped: no add, no count.
+        emit = jnp.logical_and(emit, jnp.logical_not(skipped))
+        acc = jax.tree.map(lambda old, new: jnp.where(skipped, old, new), state.acc_grads, acc)
+
+    def run(acc, inner_state):
+        grads = jax.tree.map(lambda a, g: a.astype(g.dtype), acc, updates)
+        new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
+        return new_updates, new_inner, jax.tree.map(jnp.zeros_like, acc)
+
+    def wait(acc, inner_state):
+        shapes = jax.eval_shape(lambda: run(acc, inner_state)[0])
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state, acc
+
+    new_updates, new_inner, new_acc = _cond_typed_alike(emit, run, wait, acc, state.inner_opt_state)
+    mini_step = jnp.where(emit, 0, n + 1)
+    if skipped is not None:
+        mini_step = jnp.where(skipped, n, mini_step)
+    new_state = optax.MultiStepsState(
+        mini_step=mini_step.astype(jnp.int32),
+        gradient_step=jnp.where(emit, state.gradient_step + 1, state.gradient_step).astype(
+            jnp.int32
+        ),
+        inner_opt_state=_counted(new_inner, count, emit),
+        acc_grads=new_acc,
+        skip_state=state.skip_state,
+    )
+    return new_updates, new_state
 
 
 def _checked_schedule(schedule: Callable) -> Callable:
