@@ -317,4 +317,15 @@ def from_multisteps(multi_steps: optax.MultiSteps) -> optax.GradientTransformati
             "jaxcomp.accumulate; skip non-finite steps with jaxcomp.compress(..., "
             "nonfinite='skip') instead"
         )
-    return accumulate(multi_steps.inner_opt, schedule, use_grad_mean=mean)
+    return accumulate(multi_steps.inner_opt, _static_every_k(schedule), use_grad_mean=mean)
+
+
+def _static_every_k(schedule):
+    """The int that ``optax.MultiSteps(every_k_schedule=int)`` wraps in a lambda (so that
+    ``every_k=1`` is ``tx`` bit for bit), else ``schedule`` itself."""
+    if getattr(schedule, "__qualname__", "").startswith("MultiSteps.__init__"):
+        cells = [cell.cell_contents for cell in schedule.__closure__ or ()]
+        ints = [v for v in cells if isinstance(v, int) and not isinstance(v, bool)]
+        if len(ints) == 1:
+            return ints[0]
+    return schedule
