@@ -145,9 +145,11 @@ def test_a_bad_micro_step_gets_the_policy_and_training_goes_on(method, policy, p
     assert sum(moved) >= 2
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("policy", ["zero", "skip"])
-def test_accumulate_alone_in_a_shard_map_keeps_the_accumulator_finite(policy):
-    """Without data_parallel: accumulate itself drops ("skip") or zeroes the micro-step."""
+def test_accumulate_alone_in_a_shard_map_keeps_the_accumulator_finite(policy, check_vma):
+    """Without data_parallel: accumulate itself drops ("skip") or zeroes the micro-step, and
+    every device agrees (the count is summed over the devices, also untyped)."""
     mesh = _mesh()
     tx = _tx("dense", policy)
     state = tx.init({"w": jnp.zeros(4)})
@@ -157,7 +159,13 @@ def test_accumulate_alone_in_a_shard_map_keeps_the_accumulator_finite(policy):
         return new_state.mini_step, new_state.acc_grads["w"][None], new_state.inner_opt_state
 
     f = jax.jit(
-        jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P(), P("data"), P()))
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P("data"), P()),
+            out_specs=(P(), P("data"), P()),
+            check_vma=check_vma,
+        )
     )
     grads = np.ones((N_DEVICES, 4), np.float32)
     grads[2, 1] = np.nan
