@@ -4,7 +4,9 @@
 on the last one (``jnp.where``), so a ``jaxcomp.compress`` inside it would run its collectives on
 every micro-step. :func:`accumulate` keeps ``MultiSteps``'s state and arithmetic but runs the
 inner transformation under ``lax.cond``: micro-steps only add the local gradient to the
-accumulator (no communication), and the last one compresses and aggregates the mean once.
+accumulator (no communication but, with a ``compress`` inside, a one-scalar sum of the non-finite
+count), and the last one compresses and aggregates the mean once. A micro-step with NaN or ±Inf
+entries gets the ``compress``'s ``nonfinite=`` policy; the accumulator never holds them.
 :func:`jaxcomp.data_parallel` applies it to an ``optax.MultiSteps`` it is given.
 """
 
@@ -16,7 +18,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp.ops import _checks
+from jaxcomp.ops import _checks, flat
+from jaxcomp.optim.nonfinite import skipped_or_none
+from jaxcomp.optim.state import CompressState, compress_states
 
 
 def accumulate(
@@ -29,6 +33,22 @@ def accumulate(
     and ``tx`` (e.g. a chain starting with :func:`jaxcomp.compress`) communicates only on the
     step that emits. Every device must take the same branch, which holds since the step counters
     are replicated.
+
+    Non-finite gradients: when ``tx`` holds a :func:`jaxcomp.compress`, its ``nonfinite=`` policy
+    (read from its state, ``CompressState.policy``; no argument here) applies to the micro-step
+    that brings NaN or ±Inf entries, and the accumulator never holds one. ``"zero"``: those
+    entries enter the accumulator as 0. ``"skip"`` and ``"raise"``: the micro-step is dropped on
+    every device (no add, it does not count toward ``every_k``, every state stays as it was);
+    :func:`jaxcomp.data_parallel` then raises ``FloatingPointError`` under ``"raise"``, the state
+    passed in still clean. If several compresses disagree, one that skips wins. The count is
+    summed over the devices (one scalar all-reduce per micro-step, so that every device decides
+    alike) and is the compress's ``nonfinite`` metric of that micro-step. Without a compress the
+    gradients are added as they are (as ``optax.MultiSteps`` does).
+
+    ``every_k=1`` (an int) runs ``tx``'s update as it is, bit for bit, inside the MultiSteps
+    state. A schedule is evaluated at step 0 when built, and its value checked again while
+    tracing when it is known then; a value below 1 is refused there (a ``ValueError`` naming
+    ``every_k``), and a traced one counts as 1.
 
     Args:
       tx: the transformation to run on the accumulated gradients.
@@ -55,10 +75,10 @@ def accumulate(
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
     if callable(every_k):
-        schedule = every_k
+        schedule, static_k = _checked_schedule(every_k), None
     else:
-        every_k = _checks.static_int(every_k, "every_k", 1)
-        schedule = lambda step: every_k  # noqa: E731
+        static_k = _checks.static_int(every_k, "every_k", 1)
+        schedule = lambda step: static_k  # noqa: E731
     use_grad_mean = _checks.check_flag(use_grad_mean, "use_grad_mean")
     inner = optax.with_extra_args_support(tx)
 
@@ -72,39 +92,158 @@ def accumulate(
         )
 
     def update_fn(updates, state, params=None, **extra_args):
-        k = jnp.asarray(schedule(state.gradient_step), jnp.int32)
-        n = state.mini_step
-        acc = jax.tree.map(
-            lambda g, a: (a + (g - a) / (n + 1) if use_grad_mean else a + g).astype(a.dtype),
-            updates,
-            state.acc_grads,
-        )
-        emit = n == k - 1
-
-        def run(acc, inner_state):
-            grads = jax.tree.map(lambda a, g: a.astype(g.dtype), acc, updates)
-            new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
-            return new_updates, new_inner, jax.tree.map(jnp.zeros_like, acc)
-
-        def wait(acc, inner_state):
-            shapes = jax.eval_shape(lambda: run(acc, inner_state)[0])
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state, acc
-
-        new_updates, new_inner, new_acc = _cond_typed_alike(
-            emit, run, wait, acc, state.inner_opt_state
-        )
-        new_state = optax.MultiStepsState(
-            mini_step=jnp.where(emit, 0, n + 1).astype(jnp.int32),
-            gradient_step=jnp.where(emit, state.gradient_step + 1, state.gradient_step).astype(
-                jnp.int32
-            ),
-            inner_opt_state=new_inner,
-            acc_grads=new_acc,
-            skip_state=state.skip_state,
-        )
-        return new_updates, new_state
+        if static_k == 1:
+            return _every_step(inner, updates, state, params, extra_args)
+        return _accumulated_step(inner, schedule, use_grad_mean, updates, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _accumulated_step(inner, schedule, use_grad_mean, updates, state, params, extra_args):
+    """One micro-step: add the (guarded) gradients; on the last, run ``tx`` on the mean."""
+    k = _schedule_value(schedule, state.gradient_step)
+    policy = _policy(state.inner_opt_state)
+    clean, count = _guarded(updates, policy)
+    skipped = None if policy in (None, "zero") else count > 0
+    n = state.mini_step
+    acc = jax.tree.map(
+        lambda g, a: (a + (g - a) / (n + 1) if use_grad_mean else a + g).astype(a.dtype),
+        clean,
+        state.acc_grads,
+    )
+    emit = n == k - 1
+    if skipped is not None:
+        # The micro-step that brought non-finite values is dropped: no add, no count.
+        emit = jnp.logical_and(emit, jnp.logical_not(skipped))
+        acc = jax.tree.map(lambda old, new: jnp.where(skipped, old, new), state.acc_grads, acc)
+
+    def run(acc, inner_state):
+        grads = jax.tree.map(lambda a, g: a.astype(g.dtype), acc, updates)
+        new_updates, new_inner = inner.update(grads, inner_state, params, **extra_args)
+        return new_updates, new_inner, jax.tree.map(jnp.zeros_like, acc)
+
+    def wait(acc, inner_state):
+        shapes = jax.eval_shape(lambda: run(acc, inner_state)[0])
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state, acc
+
+    new_updates, new_inner, new_acc = _cond_typed_alike(emit, run, wait, acc, state.inner_opt_state)
+    mini_step = jnp.where(emit, 0, n + 1)
+    if skipped is not None:
+        mini_step = jnp.where(skipped, n, mini_step)
+    new_state = optax.MultiStepsState(
+        mini_step=mini_step.astype(jnp.int32),
+        gradient_step=jnp.where(emit, state.gradient_step + 1, state.gradient_step).astype(
+            jnp.int32
+        ),
+        inner_opt_state=_counted(new_inner, count, emit),
+        acc_grads=new_acc,
+        skip_state=state.skip_state,
+    )
+    return new_updates, new_state
+
+
+def _checked_schedule(schedule: Callable) -> Callable:
+    """``schedule``, refused now (a ValueError naming ``every_k``) if its value at step 0 is not a
+    scalar >= 1."""
+    try:
+        value = schedule(jnp.zeros((), jnp.int32))
+    except jax.errors.ConcretizationTypeError:
+        return schedule
+    _check_schedule_value(value)
+    return schedule
+
+
+def _check_schedule_value(value):
+    """Refuses a schedule value that is not a scalar, or (when known while tracing) is < 1."""
+    if jnp.ndim(value) != 0:
+        raise ValueError(
+            f"every_k: the schedule must return a scalar number of micro-steps, got shape "
+            f"{jnp.shape(value)}"
+        )
+    try:
+        known = int(value)
+    except (jax.errors.ConcretizationTypeError, TypeError):
+        return
+    if known < 1:
+        raise ValueError(
+            f"every_k: the schedule returned {known} micro-steps; it must return an int >= 1 at "
+            "every gradient step (0 would accumulate forever and never update)"
+        )
+
+
+def _schedule_value(schedule, gradient_step):
+    """The schedule's micro-steps for this gradient step, as int32; a traced value below 1 (it
+    could not be refused earlier) counts as 1, so the step emits instead of stalling."""
+    value = schedule(gradient_step)
+    _check_schedule_value(value)
+    return jnp.maximum(jnp.asarray(value, jnp.int32), 1)
+
+
+def _every_step(inner, updates, state, params, extra_args):
+    """``every_k=1``: ``tx``'s update as it is (bit for bit: no accumulator arithmetic, no
+    ``lax.cond`` to change how XLA fuses the update into the params), in the MultiSteps state."""
+    new_updates, new_inner = inner.update(updates, state.inner_opt_state, params, **extra_args)
+    skipped = skipped_or_none(new_inner)
+    advance = 1 if skipped is None else jnp.where(skipped, 0, 1)
+    return new_updates, state._replace(
+        gradient_step=(state.gradient_step + advance).astype(jnp.int32), inner_opt_state=new_inner
+    )
+
+
+def _policy(inner_state) -> str | None:
+    """The non-finite policy the micro-steps follow: ``"skip"`` when any compress in ``tx`` skips
+    (``"skip"`` or ``"raise"``), ``"zero"`` when all zero, None without a compress."""
+    names = {s.policy.name for s in compress_states(inner_state)}
+    if not names:
+        return None
+    return "skip" if names - {"zero"} else "zero"
+
+
+def _guarded(updates, policy):
+    """``(updates, count)``: the micro-step's gradients with non-finite entries as 0, and how many
+    there were, summed over the devices (identical on each); as they are, and None, without a
+    compress (``policy`` None)."""
+    if policy is None:
+        return updates, None
+    leaves = [g for g in jax.tree.leaves(updates) if jnp.issubdtype(g.dtype, jnp.inexact)]
+    clean = jax.tree.map(
+        lambda g: (
+            jnp.where(jnp.isfinite(g), g, jnp.zeros_like(g))
+            if jnp.issubdtype(g.dtype, jnp.inexact)
+            else g
+        ),
+        updates,
+    )
+    count = sum((flat.count_nonfinite(g) for g in leaves), jnp.zeros((), jnp.float32))
+    axes = _count_axes(leaves)
+    return clean, jax.lax.psum(count, axes) if axes else count
+
+
+def _count_axes(leaves) -> tuple:
+    """The mesh axes to sum a count over: those the gradients vary over; with ``check_vma=False``
+    (nothing typed) every manual axis of the enclosing ``shard_map``; none outside one."""
+    axes = frozenset().union(*(_vma(g) for g in leaves))
+    manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+    if not axes and manual:
+        probe = jax.lax.pcast(jnp.zeros((), jnp.float32), manual, to="varying")
+        if not _vma(probe):
+            axes = frozenset(manual)
+    return tuple(sorted(axes))
+
+
+def _counted(inner_state, count, emit):
+    """``inner_state`` with each compress's ``nonfinite`` metric counting this micro-step's
+    non-finite entries (plus, when it emitted, what the compress itself counted)."""
+    if count is None:
+        return inner_state
+
+    def fix(node):
+        if not isinstance(node, CompressState):
+            return node
+        own = jnp.where(emit, node.metrics.nonfinite, jnp.zeros_like(node.metrics.nonfinite))
+        return node._replace(metrics=node.metrics._replace(nonfinite=own + count))
+
+    return jax.tree.map(fix, inner_state, is_leaf=lambda x: isinstance(x, CompressState))
 
 
 def _cond_typed_alike(emit, run, wait, *operands):
@@ -178,4 +317,15 @@ def from_multisteps(multi_steps: optax.MultiSteps) -> optax.GradientTransformati
             "jaxcomp.accumulate; skip non-finite steps with jaxcomp.compress(..., "
             "nonfinite='skip') instead"
         )
-    return accumulate(multi_steps.inner_opt, schedule, use_grad_mean=mean)
+    return accumulate(multi_steps.inner_opt, _static_every_k(schedule), use_grad_mean=mean)
+
+
+def _static_every_k(schedule):
+    """The int that ``optax.MultiSteps(every_k_schedule=int)`` wraps in a lambda (so that
+    ``every_k=1`` is ``tx`` bit for bit), else ``schedule`` itself."""
+    if getattr(schedule, "__qualname__", "").startswith("MultiSteps.__init__"):
+        cells = [cell.cell_contents for cell in schedule.__closure__ or ()]
+        ints = [v for v in cells if isinstance(v, int) and not isinstance(v, bool)]
+        if len(ints) == 1:
+            return ints[0]
+    return schedule

@@ -23,6 +23,7 @@ __all__ = [
     "NonfinitePolicy",
     "keep_if_skipped",
     "skip_nonfinite",
+    "skipped_or_none",
     "skipped_update",
 ]
 
@@ -32,15 +33,21 @@ def skipped_update(opt_state):
     ``compress(nonfinite="skip"|"raise")``.
 
     Read it inside the step, after ``tx.update``: a traced boolean, identical on every device (it
-    comes from the ``nonfinite`` metric, a sum over the devices), or ``None`` when no
-    :class:`jaxcomp.CompressState` in ``opt_state`` can skip (none, or all with
-    ``nonfinite="zero"``), so callers add no work then.
+    comes from the ``nonfinite`` metric, a sum over the devices), or ``None`` when every
+    :class:`jaxcomp.CompressState` in ``opt_state`` has ``nonfinite="zero"`` (such a step is never
+    skipped), so callers add no work then. Under :func:`jaxcomp.accumulate` it says whether this
+    micro-step was dropped.
 
     Args:
-      opt_state: the optimizer state ``tx.update`` returned.
+      opt_state: the optimizer state ``tx.update`` returned; it must hold a compress state.
 
     Returns:
       A boolean scalar (traced inside a step), or None.
+
+    Raises:
+      TypeError: ``opt_state`` is None.
+      ValueError: ``opt_state`` holds no :class:`jaxcomp.CompressState` (``tx`` has no
+        :func:`jaxcomp.compress`, or this is not its state), so nothing could say.
 
     Example:
       >>> import jax.numpy as jnp, jaxcomp
@@ -52,6 +59,39 @@ def skipped_update(opt_state):
     References:
       optax ``apply_if_finite`` (skips a step on non-finite updates); Micikevicius et al.,
       "Mixed Precision Training", ICLR 2018, §3.2 (a step with Inf/NaN gradients is skipped).
+    """
+    if opt_state is None:
+        raise TypeError(
+            "skipped_update(opt_state): opt_state is None; pass the optimizer state that "
+            "tx.update returned"
+        )
+    if not _states(opt_state):
+        raise ValueError(
+            "skipped_update(opt_state): opt_state holds no jaxcomp.CompressState (got "
+            f"{type(opt_state).__name__}); pass the state of a tx that holds jaxcomp.compress"
+        )
+    return skipped_or_none(opt_state)
+
+
+def skipped_or_none(opt_state):
+    """:func:`skipped_update` for any optimizer state: None also when it holds no compress state.
+
+    :func:`skip_nonfinite`, :func:`jaxcomp.accumulate` and :func:`jaxcomp.data_parallel` use it on
+    any ``tx``; :func:`skipped_update` refuses a state it cannot read.
+
+    Args:
+      opt_state: any optax state pytree.
+
+    Returns:
+      A boolean scalar, or None (no compress state can skip).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> skipped_or_none(optax.sgd(0.1).init({"w": jnp.zeros(3)})) is None
+      True
+
+    References:
+      optax ``apply_if_finite``; Micikevicius et al., ICLR 2018, §3.2.
     """
     flags = [
         state.metrics.nonfinite > 0 for state in _states(opt_state) if state.policy.name != "zero"
@@ -141,7 +181,7 @@ def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransforma
 
     def update(updates, state, params=None, **extra_args):
         new_updates, new_state = inner.update(updates, state, params, **extra_args)
-        skipped = skipped_update(new_state)
+        skipped = skipped_or_none(new_state)
         if skipped is None:
             return new_updates, new_state
         new_updates = jax.tree.map(

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp.collectives import small
 from jaxcomp.optim import sharding
-from jaxcomp.optim.nonfinite import keep_if_skipped, skipped_update
+from jaxcomp.optim.nonfinite import keep_if_skipped, skipped_or_none
 from jaxcomp.optim.transform import compress_states, find_compress_state
 from jaxcomp.training.state import TrainState
 
@@ -148,7 +148,7 @@ def _update(layout, grads, opt_state, shards):
     ``compress(nonfinite="skip"/"raise")`` may skip the step."""
     # Sharded: tx gets the whole local gradient and updates this device's shards.
     updates, new_opt_state = layout.tx_update(grads, opt_state, shards)
-    skipped = skipped_update(new_opt_state)
+    skipped = skipped_or_none(new_opt_state)
     if skipped is not None:
         # compress(nonfinite="skip"/"raise") skipped its part; the rest of the chain keeps
         # its state too, and the params stay bit for bit (p + 0 would turn -0.0 into +0.0).
