@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxcomp.collectives import small
 from jaxcomp.ops import _checks, flat
 from jaxcomp.optim.nonfinite import skipped_or_none
 from jaxcomp.optim.state import CompressState, compress_states
@@ -216,7 +217,7 @@ def _guarded(updates, policy):
     )
     count = sum((flat.count_nonfinite(g) for g in leaves), jnp.zeros((), jnp.float32))
     axes = _count_axes(leaves)
-    return clean, jax.lax.psum(count, axes) if axes else count
+    return clean, small.metric_sum(count, axes) if axes else count
 
 
 def _count_axes(leaves) -> tuple:
