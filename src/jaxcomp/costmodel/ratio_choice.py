@@ -89,7 +89,8 @@ def compression_gain(compressed, error_fed):
         values = [jnp.asarray(x, jnp.float32) for x in jax.tree.leaves(tree)]
         plain = sum(jnp.sum(jnp.square(x)) for x in values)
         scaled = sum(scaled_energy(x) for x in values)
-        return plain, jnp.where(plain <= PLAIN_ENERGY_LIMIT, 0.0, scaled)
+        fits = plain <= PLAIN_ENERGY_LIMIT
+        return jnp.where(fits, plain, 0.0), jnp.where(fits, 0.0, scaled)
 
     (kept, kept_scaled), (total, total_scaled) = energies(compressed), energies(error_fed)
     return gain_from_energies(kept, total, kept_scaled, total_scaled)
