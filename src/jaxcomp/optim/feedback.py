@@ -258,7 +258,8 @@ def _sum_error_fed(
     aggregation, and the guard on what came out (totals that overflowed count as 0)."""
     feds, plain_parts, counts, momenta = _error_fed(c, grads, residuals, velocities, keeps_residual)
     out = list(grads.leaves)
-    plain_bytes, plain_kept, overflowed = 0.0, 0, jnp.zeros((), jnp.float32)
+    plain_bytes, plain_kept = 0.0, 0
+    copies = guard.total_copies(c.axis_name, grads.shards is not None)
     if plain_parts:
         # The leaves mask= and min_size= leave out: summed as they are, in one all-reduce.
         # Written before the skip flag is known, so a skipped step does not zero them (as of
@@ -272,7 +273,8 @@ def _sum_error_fed(
             grads.comm_dtype,
             grads.shards,
         )
-        (plain_total,), overflowed = guard.finite_totals([plain_total])
+        (plain_total,), overflowed = guard.finite_totals([plain_total])  # (a few small leaves)
+        counts.append(overflowed / copies)  # each device counts a replicated entry
         packing.write(
             out, grads.leaves, grads.layout.plain, plain_total, grads.scale, None, grads.shards
         )
@@ -282,21 +284,18 @@ def _sum_error_fed(
     else:  # every leaf is plain
         result = Aggregation([], [], 0.0, 0, 0, False, True, state.method_state)
         auto_after = None
-    totals, total_count = guard.finite_totals(result.totals)
-    result = result._replace(totals=totals)
-    remainings = _remainings(feds, result) if keeps_residual else [None] * len(feds)
+    sharded = grads.shards is not None
     gain, count = metrics.gain_and_nonfinite(
         result,
         feds,
         sum(counts),
         c.axis_name,
-        [r for r in remainings if r is not None],  # counted before "zero" drops their NaN/Inf
-        overflowed + total_count,
-        guard.total_copies(c.axis_name, grads.shards is not None),
+        lambda: guard.count_totals(result.totals, c.axis_name, sharded),
+        grads.comm_dtype,
     )
-    if c.nonfinite == "zero":  # the device's own values overflowed: dropped from the residual
-        remainings = [r if r is None else guard.dropped(r) for r in remainings]
-    # (the other policies skip such a step and keep the old residual)
+    if c.nonfinite == "zero":  # an overflowed total counts as 0 (skip/raise zero the update)
+        result = result._replace(totals=[guard.dropped(t) for t in result.totals])
+    remainings = _remainings(feds, result) if keeps_residual else [None] * len(feds)
     return _Aggregated(
         out, result, auto_after, feds, remainings, momenta, gain, count, plain_bytes, plain_kept
     )
@@ -304,11 +303,13 @@ def _sum_error_fed(
 
 def _remainings(feds, result: Aggregation):
     """Per group, what this device did not send (``g_e - sent``, the next residual), or None when
-    everything was sent."""
+    everything was sent; its non-finite entries (the device's own values overflowed, counted in
+    the metric) are dropped, so the residual stays finite under every policy."""
     if result.sends_everything:
         return [None] * len(feds)
     return [
-        error_feedback.remaining(fed, sent, result.sparse) for fed, sent in zip(feds, result.sents)
+        guard.dropped(error_feedback.remaining(fed, sent, result.sparse))
+        for fed, sent in zip(feds, result.sents)
     ]
 
 

@@ -167,6 +167,35 @@ def finite_totals(totals):
     return [dropped(t) for t in totals], count
 
 
+def count_totals(totals, axis_name, sharded: bool):
+    """The non-finite entries of the totals, agreed over the devices: replicated totals are the
+    same on every device, so its own count is everyone's; sharded rows are summed (a psum of one
+    scalar).
+
+    Args:
+      totals: per group, the sum over the devices (replicated, or this device's row).
+      axis_name: the axis or axes summed over.
+      sharded: the totals are reduce-scattered rows.
+
+    Returns:
+      A float32 scalar, identical on every device.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> f = jax.shard_map(lambda t: count_totals([t], "data", True), mesh=mesh,
+      ...                   in_specs=P("data"), out_specs=P())
+      >>> float(f(jnp.array([1.0, jnp.inf, jnp.nan, 2.0])))
+      2.0
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018, §3.2.
+    """
+    count = finite_totals(totals)[1]
+    return small.metric_sum(count, axis_name) if sharded else count
+
+
 def total_copies(axis_name, sharded: bool) -> int:
     """How many devices hold each entry of a total: all of them (replicated), or 1 (sharded rows).
 

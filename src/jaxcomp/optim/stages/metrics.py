@@ -15,29 +15,29 @@ import jax.numpy as jnp
 
 from jaxcomp.collectives import small
 from jaxcomp.costmodel import ratio_choice
-from jaxcomp.ops import flat
 from jaxcomp.optim.state import CompressMetrics
 
 
-def gain_and_nonfinite(result, feds, count, axis_name, remainings=(), overflowed=0.0, copies=1):
+def gain_and_nonfinite(result, feds, count, axis_name, check_totals=None, comm_dtype=jnp.float32):
     """The compression gain ``sum_d ||sent_d||^2 / sum_d ||g_e,d||^2`` and the non-finite count,
     both summed over the devices.
 
     The count adds up the non-finite gradient entries (``count``), the non-finite entries of each
-    device's next residual ``g_e - sent`` (its own values overflowed: ``g + residual``, a 16-bit
-    cast, a codec), and the non-finite total entries (``overflowed``: the sum over the devices
-    overflowed; each counted once, although ``copies`` devices hold it).
+    device's error-fed vector and of what it sent (its own values overflowed: ``g + residual``, a
+    16-bit cast, a codec), and the non-finite total entries (the sum over the devices overflowed,
+    each counted once). The energies bound the totals (``|total_i| <= N sqrt(sum_d
+    ||sent_d||^2)``), so the totals are only read (``check_totals``) on the rare step whose
+    summed energy could reach ``comm_dtype``'s largest value; every device takes the same branch
+    (it is decided on the summed energies).
 
     Args:
       result: the step's :class:`~jaxcomp.optim.stages.aggregation.Aggregation`.
       feds: per group, this device's error-fed vector.
       count: this device's non-finite gradient entries.
       axis_name: the axis or axes to sum over.
-      remainings: per group, this device's ``g_e - sent`` (empty: none kept).
-      overflowed: this device's count of non-finite total entries
-        (:func:`~jaxcomp.optim.stages.guard.finite_totals`).
-      copies: the devices holding each total entry
-        (:func:`~jaxcomp.optim.stages.guard.total_copies`).
+      check_totals: ``() -> count`` of the non-finite total entries, already agreed over the
+        devices, or None (nothing to check).
+      comm_dtype: the dtype the totals are in.
 
     Returns:
       ``(gain, count)``: float32 scalars, identical on every device; the gain is 1 when nothing
@@ -59,52 +59,73 @@ def gain_and_nonfinite(result, feds, count, axis_name, remainings=(), overflowed
       Tyagi & Swany, arXiv 2312.02493, §2-C3 (compression gain); Micikevicius et al., "Mixed
       Precision Training", ICLR 2018, §3.2 (overflow).
     """
-    counts = jnp.stack([jnp.asarray(count, jnp.float32), jnp.asarray(overflowed, jnp.float32)])
+    count = jnp.asarray(count, jnp.float32)
     if result.sends_everything:
-        counts = small.metric_sum(counts, axis_name)
-        return jnp.ones((), jnp.float32), _count(counts[0], counts[1], copies)
+        summed = small.metric_sum(count, axis_name)
+        checked = check_totals() if check_totals is not None else 0.0
+        return jnp.ones((), jnp.float32), summed + checked
     sents = [sent[1] if result.sparse else sent for sent in result.sents]
-    # The energies (plain and scaled), this device's non-finite residual entries and the two
-    # counts: one psum of 7 scalars.
-    summed = small.metric_sum(
-        jnp.concatenate([_energies(sents, feds, list(remainings)), counts]), axis_name
-    )
+    # The energies (plain and scaled), this device's own non-finite entries and the gradients'
+    # count: one psum of 6 scalars.
+    summed = small.metric_sum(jnp.concatenate([_energies(sents, feds), count[None]]), axis_name)
     kept, total, kept_scaled, total_scaled = summed[0], summed[1], summed[2], summed[3]
     gain = ratio_choice.gain_from_energies(kept, total, kept_scaled, total_scaled)
-    return gain, _count(summed[4] + summed[5], summed[6], copies)
+    count = jnp.round(summed[4] + summed[5])
+    if check_totals is None:
+        return gain, count
+    # Every |total_i| <= N max_d ||sent_d|| <= N sqrt(kept): at most a quarter of the largest
+    # value while kept <= (largest / 4N)**2 (any finite kept for float32 and bfloat16).
+    largest = float(jnp.finfo(comm_dtype).max)
+    limit = min((largest / (4.0 * jax.lax.axis_size(axis_name))) ** 2, _F32_MAX)
+    safe = jnp.isfinite(kept) & (kept <= limit) & (kept_scaled == 0) & (summed[4] == 0)
+    overflowed = jax.lax.cond(safe, lambda: jnp.zeros((), jnp.float32), check_totals)
+    return gain, count + overflowed
 
 
-def _count(count, overflowed, copies):
-    return count + jnp.round(overflowed / copies)
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
-def _energies(sents, feds, remainings):
-    """``[sent, fed, sent scaled, fed scaled, non-finite residual entries]`` of this device.
+def _energies(sents, feds):
+    """``[sent, fed, sent scaled, fed scaled, non-finite entries of sent and fed]`` of this
+    device, in one pass over each vector (a variadic reduce).
 
-    The plain energies bound every value (``|x| <= sqrt(energy)``), so while they are at most
-    :data:`~jaxcomp.costmodel.ratio_choice.PLAIN_ENERGY_LIMIT` no ``g_e - sent`` can be
-    non-finite and nothing more is read; otherwise (rare) the energies are summed scaled, over
-    the finite entries, and the residual's non-finite entries counted.
+    A device whose plain energies exceed
+    :data:`~jaxcomp.costmodel.ratio_choice.PLAIN_ENERGY_LIMIT` (or are not finite) reports the
+    scaled ones instead, over the finite entries.
     """
-    plain = jnp.stack([_total(_square(x) for x in sents), _total(_square(x) for x in feds)])
+    parts = [_one_pass(x) for x in sents], [_one_pass(x) for x in feds]
+    (sent, sent_scaled, sent_bad), (fed, fed_scaled, fed_bad) = (
+        [_total(p[i] for p in group) for i in range(3)] for group in parts
+    )
+    fits = (sent <= ratio_choice.PLAIN_ENERGY_LIMIT) & (fed <= ratio_choice.PLAIN_ENERGY_LIMIT)
+    zero = jnp.zeros((), jnp.float32)
+    return jnp.stack(
+        [
+            jnp.where(fits, sent, zero),
+            jnp.where(fits, fed, zero),
+            jnp.where(fits, zero, sent_scaled),
+            jnp.where(fits, zero, fed_scaled),
+            sent_bad + fed_bad,
+        ]
+    )
 
-    def small_values(operands):
-        return jnp.concatenate([plain, jnp.zeros(3, jnp.float32)])
 
-    def large_values(operands):
-        sents, feds, remainings = operands
-        return jnp.stack(
-            [
-                jnp.zeros((), jnp.float32),
-                jnp.zeros((), jnp.float32),
-                _total(ratio_choice.scaled_energy(x) for x in sents),
-                _total(ratio_choice.scaled_energy(x) for x in feds),
-                _total(flat.count_nonfinite(r) for r in remainings),
-            ]
-        )
-
-    fits = jnp.all(plain <= ratio_choice.PLAIN_ENERGY_LIMIT)  # False for NaN too
-    return jax.lax.cond(fits, small_values, large_values, (sents, feds, remainings))
+def _one_pass(values):
+    """``(sum x^2, sum over finite x of (x * ENERGY_SCALE)^2, non-finite entries)``."""
+    x = values.astype(jnp.float32)
+    finite = jnp.isfinite(x)
+    operands = (
+        jnp.square(x),
+        jnp.where(finite, jnp.square(x * ratio_choice.ENERGY_SCALE), 0.0),
+        jnp.where(finite, 0.0, 1.0),
+    )
+    zero = jnp.zeros((), jnp.float32)
+    return jax.lax.reduce(
+        operands,
+        (zero, zero, zero),
+        lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2]),
+        tuple(range(x.ndim)),
+    )
 
 
 def _total(scalars):
@@ -139,7 +160,3 @@ def step_metrics(gain, bytes_sent, kept, method, nonfinite, total_size: int) -> 
         method=jnp.asarray(method, jnp.int32),
         nonfinite=nonfinite,
     )
-
-
-def _square(values):
-    return jnp.sum(jnp.square(values.astype(jnp.float32)))
