@@ -204,3 +204,22 @@ def test_finite_totals_counts_and_zeroes():
     assert float(guard.agreed_count(jnp.float32(2), jnp.float32(24), 8)) == 5
     new = guard.finite_or_old({"q": jnp.array([1.0, 2.0])}, {"q": jnp.array([jnp.inf, 3.0])})
     assert new["q"].tolist() == [1.0, 3.0]
+
+
+@pytest.mark.parametrize("policy", ["zero", "skip"])
+def test_a_plain_leaf_whose_sum_overflows(policy):
+    """min_size= leaves "b" out of the compression: its exact sum overflows, and is guarded too."""
+    need_devices(N_DEVICES)
+    mesh = Mesh(np.array(jax.devices()[:N_DEVICES]), ("data",))
+    tx = optax.chain(
+        jaxcomp.compress("ar_topk", ratio=0.25, min_size=10, nonfinite=policy), optax.adam(0.1)
+    )
+    dp = jaxcomp.data_parallel(_loss, tx, mesh)
+    state, _ = dp.step(dp.init(_params()), _batch(0))
+    batch = _batch(1)
+    batch["b"][:, 3] = HUGE
+    after, metrics = dp.step(state, batch)
+    assert float(metrics["nonfinite"]) == 1  # once, though every device holds that total
+    assert _all_finite(after.params) and _all_finite(after.opt_state)
+    if policy == "skip":
+        assert_trees_equal(_host(after.params), _host(state.params))

@@ -63,7 +63,7 @@ def gain_and_nonfinite(result, feds, count, axis_name, check_totals=None, comm_d
     if result.sends_everything:
         summed = small.metric_sum(count, axis_name)
         checked = check_totals() if check_totals is not None else 0.0
-        return jnp.ones((), jnp.float32), summed + checked
+        return jnp.ones((), jnp.float32), jnp.round(summed) + checked
     sents = [sent[1] if result.sparse else sent for sent in result.sents]
     # The energies (plain and scaled), this device's own non-finite entries and the gradients'
     # count: one psum of 6 scalars.
