@@ -85,6 +85,30 @@ def test_guard_guarded_totals_against_numpy(plant, sharded):
     assert float(count) == (2 if plant else 0)
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_guard_guarded_totals_counts_a_sum_that_overflowed_once(sharded):
+    x = np.ones((N_DEVICES, 1, 16), np.float32)
+    x[:, 0, 2] = 3e38  # finite on every device, the sum is not
+    x[5, 0, 7] = np.nan
+
+    def step(v):
+        v = v[0]
+        if sharded:
+            resum = lambda vs: [  # noqa: E731
+                jax.lax.psum_scatter(u, "data", scatter_dimension=0, tiled=True) for u in vs
+            ]
+        else:
+            resum = lambda vs: [jax.lax.psum(u, "data") for u in vs]  # noqa: E731
+        totals, count = guard.guarded_totals(resum([v]), [v], resum, "data", sharded)
+        return totals[0], count
+
+    total, count = _on_devices(step, x, out_specs=(P("data") if sharded else P(), P()))
+    want = np.full(16, 8.0, np.float32)
+    want[2], want[7] = 0.0, 7.0
+    np.testing.assert_array_equal(np.asarray(total), want)
+    assert float(count) == 2  # the NaN, and the overflowed entry once (not once per device)
+
+
 def test_guard_skip_flag_and_hold():
     assert guard.skip_flag("zero", jnp.float32(3)) is None
     for policy in ("skip", "raise"):

@@ -13,8 +13,11 @@ the stages in :mod:`jaxcomp.optim.stages`, in this order:
 7. error feedback and momentum again: keep ``g_e - sent``, clear the sent velocity;
 8. metrics (:mod:`.stages.metrics`), and the guard's skip of the whole state.
 
-A method that loses nothing (:class:`jaxcomp.Dense`) takes a shorter route: it sums the leaves
-as they are and only looks for non-finite entries when the sum is not finite. Gradient
+The guard looks at the result too: a total that is not finite although every device's entries
+were (the sum overflowed) and a next residual that is not (a device's own values overflowed)
+count in the ``nonfinite`` metric and the policy, as 0 under ``"zero"``. A method that loses
+nothing (:class:`jaxcomp.Dense`) takes a shorter route: it sums the leaves as they are and only
+looks for non-finite entries when the sum is not finite. Gradient
 accumulation is a wrapper around a whole transformation (:func:`jaxcomp.accumulate`), not a
 stage.
 """
@@ -60,6 +63,7 @@ class _Aggregated(NamedTuple):
     result: Aggregation
     auto_after: Callable | None  # gain -> new auto state, or None
     feds: list  # per group: this device's error-fed vector (None on the dense route)
+    remainings: list  # per group: g_e - sent, the next residual (None when everything is sent)
     momenta: dict  # leaf -> its new velocity (momentum correction)
     gain: Any  # f32[]
     nonfinite: Any  # f32[]: summed over the devices
@@ -241,8 +245,9 @@ def _sum_dense(c: FeedbackConfig, grads: _Gradients, aggregate, state) -> _Aggre
     )
     result = result._replace(totals=totals)
     gain = jnp.ones((), jnp.float32)  # everything is sent
+    nothing = [None] * len(totals)
     return _Aggregated(
-        list(grads.leaves), result, auto_after, [None] * len(totals), {}, gain, count, 0.0, 0
+        list(grads.leaves), result, auto_after, nothing, nothing, {}, gain, count, 0.0, 0
     )
 
 
@@ -250,10 +255,11 @@ def _sum_error_fed(
     c: FeedbackConfig, grads: _Gradients, aggregate, state, residuals, velocities, keeps_residual
 ) -> _Aggregated:
     """Stages 1 and 3 to 6 and the metrics' sums: guard, mask, momentum, error feedback,
-    aggregation."""
+    aggregation, and the guard on what came out (totals that overflowed count as 0)."""
     feds, plain_parts, counts, momenta = _error_fed(c, grads, residuals, velocities, keeps_residual)
     out = list(grads.leaves)
     plain_bytes, plain_kept = 0.0, 0
+    copies = guard.total_copies(c.axis_name, grads.shards is not None)
     if plain_parts:
         # The leaves mask= and min_size= leave out: summed as they are, in one all-reduce.
         # Written before the skip flag is known, so a skipped step does not zero them (as of
@@ -267,6 +273,8 @@ def _sum_error_fed(
             grads.comm_dtype,
             grads.shards,
         )
+        (plain_total,), overflowed = guard.finite_totals([plain_total])  # (a few small leaves)
+        counts.append(overflowed / copies)  # each device counts a replicated entry
         packing.write(
             out, grads.leaves, grads.layout.plain, plain_total, grads.scale, None, grads.shards
         )
@@ -276,8 +284,33 @@ def _sum_error_fed(
     else:  # every leaf is plain
         result = Aggregation([], [], 0.0, 0, 0, False, True, state.method_state)
         auto_after = None
-    gain, count = metrics.gain_and_nonfinite(result, feds, sum(counts), c.axis_name)
-    return _Aggregated(out, result, auto_after, feds, momenta, gain, count, plain_bytes, plain_kept)
+    sharded = grads.shards is not None
+    gain, count = metrics.gain_and_nonfinite(
+        result,
+        feds,
+        sum(counts),
+        c.axis_name,
+        lambda: guard.count_totals(result.totals, c.axis_name, sharded),
+        grads.comm_dtype,
+    )
+    if c.nonfinite == "zero":  # an overflowed total counts as 0 (skip/raise zero the update)
+        result = result._replace(totals=[guard.dropped(t) for t in result.totals])
+    remainings = _remainings(feds, result) if keeps_residual else [None] * len(feds)
+    return _Aggregated(
+        out, result, auto_after, feds, remainings, momenta, gain, count, plain_bytes, plain_kept
+    )
+
+
+def _remainings(feds, result: Aggregation):
+    """Per group, what this device did not send (``g_e - sent``, the next residual), or None when
+    everything was sent; its non-finite entries (the device's own values overflowed, counted in
+    the metric) are dropped, so the residual stays finite under every policy."""
+    if result.sends_everything:
+        return [None] * len(feds)
+    return [
+        guard.dropped(error_feedback.remaining(fed, sent, result.sparse))
+        for fed, sent in zip(feds, result.sents)
+    ]
 
 
 def _error_fed(c: FeedbackConfig, grads: _Gradients, residuals, velocities, keeps_residual):
@@ -332,13 +365,12 @@ def _write_back(
     result = done.result
     new_residuals = list(residuals)
     new_velocities = list(velocities) if velocities is not None else None
-    for (positions, _), row, fed, total, sent in zip(
-        grads.layout.groups, grads.rows, done.feds, result.totals, result.sents
+    for (positions, _), row, remaining, total, sent in zip(
+        grads.layout.groups, grads.rows, done.remainings, result.totals, result.sents
     ):
         packing.write(done.out, grads.leaves, positions, total, grads.scale, skipped, grads.shards)
         if result.sends_everything:
             continue  # everything was sent: no residual
-        remaining = error_feedback.remaining(fed, sent, result.sparse)
         if keeps_residual:
             packing.keep(
                 new_residuals, residuals, grads.leaves, positions, remaining, skipped, grads.shards
@@ -347,6 +379,8 @@ def _write_back(
             # DGC's momentum factor masking: what was sent leaves the momentum too.
             velocity = packing.pack([done.momenta[i] for i in positions], grads.shards, row)
             velocity = momentum.clear_sent(velocity, sent, result.sparse)
+            if c.nonfinite == "zero":  # m u + g overflowed: dropped, like the residual
+                velocity = guard.dropped(velocity)
             packing.keep(
                 new_velocities, velocities, grads.leaves, positions, velocity, skipped, grads.shards
             )
@@ -367,11 +401,14 @@ def _next_state(c, grads: _Gradients, done: _Aggregated, skipped, state: Compres
         total_size,
     )
     new_auto = done.auto_after(done.gain) if done.auto_after is not None else state.auto
+    method_state = result.method_state
+    if c.nonfinite == "zero":  # overflowed (PowerSGD's Q): the last finite value
+        method_state = guard.finite_or_old(state.method_state, method_state)
     return state._replace(
         step=guard.hold(skipped, state.step, state.step + 1),
         metrics=step_metrics,
         auto=guard.hold(skipped, state.auto, new_auto) if uses_auto else None,
-        method_state=guard.hold(skipped, state.method_state, result.method_state),
+        method_state=guard.hold(skipped, state.method_state, method_state),
     )
 
 

@@ -3,6 +3,12 @@
 Such entries are never sent and never stored in the residual (NaN - NaN would stay NaN forever);
 the ``nonfinite=`` policy (:data:`NONFINITE_POLICIES`) then trains on, or skips the step on
 every device, keeping the transformation's state as it was.
+
+The guard looks again after aggregation, for values that *became* non-finite from finite ones:
+an entry of the sum over the devices that overflowed (:func:`finite_totals`), and an entry of a
+device's next residual ``g_e - sent`` (``g + residual`` that overflowed, or a 16-bit cast or a
+codec that did). Those count in the same metric and policy; under ``"zero"`` they count as 0 in
+the update and are dropped from the residual (:func:`dropped`), so no state turns non-finite.
 """
 
 from __future__ import annotations
@@ -65,8 +71,10 @@ def guarded_totals(totals, vectors, resum, axis_name, sharded: bool):
     A NaN or Inf on any device reaches the sum, so a finite sum proves every entry was finite,
     for one pass over the total instead of a select and a count over every gradient. Only a step
     whose sum is not finite (rare) sums again with those entries zeroed and counts them; every
-    device takes the same branch (the sum is replicated; sharded, each device sees its shards
-    only, so one all-reduce of a flag makes them agree).
+    device takes the same branch (the sum is replicated: every device computes the same total,
+    bit for bit; sharded, each device sees its shards only, so one all-reduce of a flag makes
+    them agree). An entry that is still not finite in the second sum overflowed although every
+    device's entry was finite: it counts as 0 too, and once in the count (:func:`finite_totals`).
 
     Args:
       totals: per vector, the sum over the devices (replicated, or this device's row).
@@ -99,14 +107,164 @@ def guarded_totals(totals, vectors, resum, axis_name, sharded: bool):
         finite_sum = small.all_true(finite_sum, axis_name)
 
     def cleaned(vectors):
-        zeroed = [jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v)) for v in vectors]
-        again = resum(zeroed)
+        zeroed = [dropped(v) for v in vectors]
+        again, overflowed = finite_totals(resum(zeroed))
         count = sum(flat.count_nonfinite(v) for v in vectors)
-        return again, small.metric_sum(count, axis_name)
+        counts = small.metric_sum(jnp.stack([count, overflowed]), axis_name)
+        return again, agreed_count(counts[0], counts[1], total_copies(axis_name, sharded))
 
     return jax.lax.cond(
         finite_sum, lambda v: (totals, jnp.zeros((), jnp.float32)), cleaned, vectors
     )
+
+
+def dropped(x):
+    """``x`` with its non-finite entries as 0 (same dtype).
+
+    Args:
+      x: an array.
+
+    Returns:
+      ``where(isfinite(x), x, 0)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> dropped(jnp.array([1.0, jnp.inf, jnp.nan])).tolist()
+      [1.0, 0.0, 0.0]
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018, §3.2 (non-finite values).
+    """
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x))
+
+
+def finite_totals(totals):
+    """The totals with their non-finite entries as 0, and how many there were on this device.
+
+    Every device's entries were finite by then (:func:`finite`), so a non-finite total is a sum
+    over the devices that overflowed (``8 * 3e38`` in float32, or ``8 * 1e4`` in float16), or
+    a device's own value that did (a cast, a codec). Such an entry counts as 0, like a
+    non-finite gradient entry. Replicated totals are the same on every device, so the count is
+    too; :func:`agreed_count` turns its sum over the devices back into it.
+
+    Args:
+      totals: per group, the sum over the devices (replicated, or this device's row).
+
+    Returns:
+      ``(totals, count)``: the totals with non-finite entries as 0, and a float32 count.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> totals, count = finite_totals([jnp.array([1.0, jnp.inf]), jnp.array([jnp.nan])])
+      >>> [t.tolist() for t in totals], float(count)
+      ([[1.0, 0.0], [0.0]], 2.0)
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018, §3.2 (a step whose gradients
+      overflowed).
+    """
+    count = sum((flat.count_nonfinite(t) for t in totals), jnp.zeros((), jnp.float32))
+    return [dropped(t) for t in totals], count
+
+
+def count_totals(totals, axis_name, sharded: bool):
+    """The non-finite entries of the totals, agreed over the devices: replicated totals are the
+    same on every device, so its own count is everyone's; sharded rows are summed (a psum of one
+    scalar).
+
+    Args:
+      totals: per group, the sum over the devices (replicated, or this device's row).
+      axis_name: the axis or axes summed over.
+      sharded: the totals are reduce-scattered rows.
+
+    Returns:
+      A float32 scalar, identical on every device.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> f = jax.shard_map(lambda t: count_totals([t], "data", True), mesh=mesh,
+      ...                   in_specs=P("data"), out_specs=P())
+      >>> float(f(jnp.array([1.0, jnp.inf, jnp.nan, 2.0])))
+      2.0
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018, §3.2.
+    """
+    count = finite_totals(totals)[1]
+    return small.metric_sum(count, axis_name) if sharded else count
+
+
+def total_copies(axis_name, sharded: bool) -> int:
+    """How many devices hold each entry of a total: all of them (replicated), or 1 (sharded rows).
+
+    Args:
+      axis_name: the axis or axes summed over (inside ``shard_map``).
+      sharded: the totals are reduce-scattered rows.
+
+    Returns:
+      An int.
+
+    Example:
+      >>> total_copies("data", True)
+      1
+
+    References:
+      Rajbhandari et al., "ZeRO", SC 2020 (reduce-scattered gradients).
+    """
+    return 1 if sharded else jax.lax.axis_size(axis_name)
+
+
+def agreed_count(count, overflowed, copies: int):
+    """The non-finite count of a step: the gradients' entries plus the totals' (summed over the
+    devices, each total entry held by ``copies`` of them, so it counts once).
+
+    Args:
+      count: non-finite gradient (and residual) entries, summed over the devices.
+      overflowed: non-finite total entries, summed over the devices.
+      copies: :func:`total_copies`.
+
+    Returns:
+      A float32 scalar, identical on every device (it comes from sums over them).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> float(agreed_count(jnp.float32(3), jnp.float32(16), 8))
+      5.0
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018, §3.2.
+    """
+    return count + jnp.round(overflowed / copies)
+
+
+def finite_or_old(old, new):
+    """``new`` with its non-finite float entries taken from ``old`` (pytrees of one structure): a
+    method's state (PowerSGD's Q) that overflowed keeps its last finite value.
+
+    Args:
+      old: the state before the step (finite).
+      new: the state after it.
+
+    Returns:
+      The state to keep.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> finite_or_old(jnp.array([1.0, 2.0]), jnp.array([5.0, jnp.nan])).tolist()
+      [5.0, 2.0]
+
+    References:
+      Vogels et al., "PowerSGD", NeurIPS 2019, Alg. 1 (the warm-started Q a step keeps).
+    """
+
+    def pick(o, n):
+        if not jnp.issubdtype(jnp.result_type(n), jnp.inexact):
+            return n
+        return jnp.where(jnp.isfinite(n), n, o)
+
+    return jax.tree.map(pick, old, new)
 
 
 def skip_flag(policy: str, count):

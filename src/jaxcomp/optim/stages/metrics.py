@@ -1,11 +1,16 @@
 """Stage 7, the metrics: compression gain, bytes, density, the method that ran, non-finite count.
 
-The gain's two sums and the non-finite count travel in one psum of three scalars, so a
-compressing method pays one small collective for all of them.
+The gain's sums and the non-finite counts travel in one psum of a few scalars, so a compressing
+method pays one small collective for all of them (a method that sends everything: a psum of two).
+The energies never overflow: a device whose sum of squares would exceed
+:data:`~jaxcomp.costmodel.ratio_choice.PLAIN_ENERGY_LIMIT` (a gradient of ``1e20``, or a value
+that overflowed) sums them scaled instead, and only then looks for non-finite entries of its
+next residual; the others pay nothing for it.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jaxcomp.collectives import small
@@ -13,19 +18,30 @@ from jaxcomp.costmodel import ratio_choice
 from jaxcomp.optim.state import CompressMetrics
 
 
-def gain_and_nonfinite(result, feds, count, axis_name):
+def gain_and_nonfinite(result, feds, count, axis_name, check_totals=None, comm_dtype=jnp.float32):
     """The compression gain ``sum_d ||sent_d||^2 / sum_d ||g_e,d||^2`` and the non-finite count,
     both summed over the devices.
+
+    The count adds up the non-finite gradient entries (``count``), the non-finite entries of each
+    device's error-fed vector and of what it sent (its own values overflowed: ``g + residual``, a
+    16-bit cast, a codec), and the non-finite total entries (the sum over the devices overflowed,
+    each counted once). The energies bound the totals (``|total_i| <= N sqrt(sum_d
+    ||sent_d||^2)``), so the totals are only read (``check_totals``) on the rare step whose
+    summed energy could reach ``comm_dtype``'s largest value; every device takes the same branch
+    (it is decided on the summed energies).
 
     Args:
       result: the step's :class:`~jaxcomp.optim.stages.aggregation.Aggregation`.
       feds: per group, this device's error-fed vector.
-      count: this device's non-finite entries.
+      count: this device's non-finite gradient entries.
       axis_name: the axis or axes to sum over.
+      check_totals: ``() -> count`` of the non-finite total entries, already agreed over the
+        devices, or None (nothing to check).
+      comm_dtype: the dtype the totals are in.
 
     Returns:
       ``(gain, count)``: float32 scalars, identical on every device; the gain is 1 when nothing
-      can be lost, NaN or Inf when a sum overflowed.
+      can be lost, and finite for every finite gradient (non-finite entries count as 0 in it).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -40,16 +56,80 @@ def gain_and_nonfinite(result, feds, count, axis_name):
       (0.5, 0.0)
 
     References:
-      Tyagi & Swany, arXiv 2312.02493, §2-C3 (compression gain).
+      Tyagi & Swany, arXiv 2312.02493, §2-C3 (compression gain); Micikevicius et al., "Mixed
+      Precision Training", ICLR 2018, §3.2 (overflow).
     """
+    count = jnp.asarray(count, jnp.float32)
     if result.sends_everything:
-        return jnp.ones((), jnp.float32), small.metric_sum(count, axis_name)
-    # sum_d ||sent_d||^2, sum_d ||g_e,d||^2 and the non-finite count: one psum of 3 scalars.
-    sent_sq = sum(_square(sent[1] if result.sparse else sent) for sent in result.sents)
-    fed_sq = sum(_square(fed) for fed in feds)
-    sent_sq, fed_sq, count = small.metric_sum(jnp.stack([sent_sq, fed_sq, count]), axis_name)
-    # 1 only when there was nothing to send; a sum that overflowed reports NaN or Inf.
-    return ratio_choice.gain_from_energies(sent_sq, fed_sq), count
+        summed = small.metric_sum(count, axis_name)
+        checked = check_totals() if check_totals is not None else 0.0
+        return jnp.ones((), jnp.float32), jnp.round(summed) + checked
+    sents = [sent[1] if result.sparse else sent for sent in result.sents]
+    # The energies (plain and scaled), this device's own non-finite entries and the gradients'
+    # count: one psum of 6 scalars.
+    summed = small.metric_sum(jnp.concatenate([_energies(sents, feds), count[None]]), axis_name)
+    kept, total, kept_scaled, total_scaled = summed[0], summed[1], summed[2], summed[3]
+    gain = ratio_choice.gain_from_energies(kept, total, kept_scaled, total_scaled)
+    count = jnp.round(summed[4] + summed[5])
+    if check_totals is None:
+        return gain, count
+    # Every |total_i| <= N max_d ||sent_d|| <= N sqrt(kept): at most a quarter of the largest
+    # value while kept <= (largest / 4N)**2 (any finite kept for float32 and bfloat16).
+    largest = float(jnp.finfo(comm_dtype).max)
+    limit = min((largest / (4.0 * jax.lax.axis_size(axis_name))) ** 2, _F32_MAX)
+    safe = jnp.isfinite(kept) & (kept <= limit) & (kept_scaled == 0) & (summed[4] == 0)
+    overflowed = jax.lax.cond(safe, lambda: jnp.zeros((), jnp.float32), check_totals)
+    return gain, count + overflowed
+
+
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
+
+
+def _energies(sents, feds):
+    """``[sent, fed, sent scaled, fed scaled, non-finite entries of sent and fed]`` of this
+    device, in one pass over each vector (a variadic reduce).
+
+    A device whose plain energies exceed
+    :data:`~jaxcomp.costmodel.ratio_choice.PLAIN_ENERGY_LIMIT` (or are not finite) reports the
+    scaled ones instead, over the finite entries.
+    """
+    parts = [_one_pass(x) for x in sents], [_one_pass(x) for x in feds]
+    (sent, sent_scaled, sent_bad), (fed, fed_scaled, fed_bad) = (
+        [_total(p[i] for p in group) for i in range(3)] for group in parts
+    )
+    fits = (sent <= ratio_choice.PLAIN_ENERGY_LIMIT) & (fed <= ratio_choice.PLAIN_ENERGY_LIMIT)
+    zero = jnp.zeros((), jnp.float32)
+    return jnp.stack(
+        [
+            jnp.where(fits, sent, zero),
+            jnp.where(fits, fed, zero),
+            jnp.where(fits, zero, sent_scaled),
+            jnp.where(fits, zero, fed_scaled),
+            sent_bad + fed_bad,
+        ]
+    )
+
+
+def _one_pass(values):
+    """``(sum x^2, sum over finite x of (x * ENERGY_SCALE)^2, non-finite entries)``."""
+    x = values.astype(jnp.float32)
+    finite = jnp.isfinite(x)
+    operands = (
+        jnp.square(x),
+        jnp.where(finite, jnp.square(x * ratio_choice.ENERGY_SCALE), 0.0),
+        jnp.where(finite, 0.0, 1.0),
+    )
+    zero = jnp.zeros((), jnp.float32)
+    return jax.lax.reduce(
+        operands,
+        (zero, zero, zero),
+        lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2]),
+        tuple(range(x.ndim)),
+    )
+
+
+def _total(scalars):
+    return sum(scalars, jnp.zeros((), jnp.float32))
 
 
 def step_metrics(gain, bytes_sent, kept, method, nonfinite, total_size: int) -> CompressMetrics:
@@ -80,7 +160,3 @@ def step_metrics(gain, bytes_sent, kept, method, nonfinite, total_size: int) -> 
         method=jnp.asarray(method, jnp.int32),
         nonfinite=nonfinite,
     )
-
-
-def _square(values):
-    return jnp.sum(jnp.square(values.astype(jnp.float32)))
