@@ -20,22 +20,22 @@ from jaxcomp.optim.stages.guard import NonfinitePolicy
 class CompressMetrics(NamedTuple):
     """What the last :func:`compress` update measured (scalars, identical on every device).
 
-    ``gain`` is measured on what was aggregated: non-finite entries count as 0 there, and a sum
-    that overflowed makes it NaN or Inf rather than a plausible number.
+    ``gain`` is measured on what was aggregated: non-finite entries count as 0 there, and it
+    stays finite for huge finite gradients (a device whose sum of squares would exceed 2**100
+    sums it with its values scaled by 2**-80).
     """
 
-    gain: (
-        jax.Array
-    )  # f32[]: compression gain sum_d ||sent_d||^2 / sum_d ||g_e,d||^2 (1 when g_e = 0)
-    bytes_sent: jax.Array  # f32[]: bytes one device sends in this step's collectives
-    density: (
-        jax.Array
-    )  # f32[]: fraction of gradient entries whose values are sent (1 for dense/zfp/quantized)
-    method: (
-        jax.Array
-    )  # i32[]: the method that ran, an index into CompressState.methods (0 for compress)
-    # f32[]: non-finite (NaN, ±Inf) gradient entries this step, summed over the devices (exact
-    # below 2**24)
+    # f32[]: compression gain sum_d ||sent_d||^2 / sum_d ||g_e,d||^2 (1 when g_e = 0)
+    gain: jax.Array
+    # f32[]: bytes one device sends in this step's collectives
+    bytes_sent: jax.Array
+    # f32[]: fraction of gradient entries whose values are sent (1 for dense/zfp/quantized)
+    density: jax.Array
+    # i32[]: the method that ran, an index into CompressState.methods (0 for compress)
+    method: jax.Array
+    # f32[]: non-finite (NaN, ±Inf) entries this step, summed over the devices (exact below
+    # 2**24): in a device's gradient or error-fed values, and entries of the sum over the
+    # devices that overflowed although every device's was finite (each counted once)
     nonfinite: jax.Array
 
 

@@ -339,9 +339,10 @@ class DataParallel:
             state = args[0] if args else None
             step = int(local_copy(state.step)) if isinstance(state, TrainState) else "?"
             raise FloatingPointError(
-                f"step {step}: the gradients held {count:.0f} non-finite entries (NaN or ±Inf), "
-                "summed over the devices, and tx's compress has nonfinite='raise'. The update was "
-                "skipped on every device and the state you passed to this step is intact. Find the "
+                f"step {step}: the gradients held {count:.0f} non-finite entries (NaN or ±Inf; "
+                "in the gradients or in their sum over the devices), and tx's compress has "
+                "nonfinite='raise'. The update was skipped on every device and the state you "
+                "passed to this step is intact. Find the "
                 "cause (learning rate, loss scale, a bad batch), or pass nonfinite='skip' (skip "
                 "such steps) or 'zero' (drop those entries) to jaxcomp.compress"
             )
