@@ -95,14 +95,18 @@ def test_bfloat16_step_is_the_ring_bit_for_bit(scale):
 
 
 def test_unscaled_float16_overflows_where_the_scaled_one_does_not():
-    """The reason for the scale: 8 devices of 3e4 overflow float16's 65504 unscaled."""
+    """The reason for the scale: 8 devices of 3e4 overflow float16's 65504 unscaled. The overflow
+    is caught (issue 24: an overflowed sum counts as non-finite, and ``"zero"`` drops it), so
+    unscaled the step is lost; scaled it goes through."""
     batch = np.full((N_DEVICES, 16), 3e4, np.float32)
-    totals = {}
+    totals, nonfinite = {}, {}
     for scale in (False, True):
         dp, state = _sgd_run(Cast("float16", scale=scale), 16)
-        state, _ = dp.step(state, batch)
+        state, metrics = dp.step(state, batch)
         totals[scale] = -np.asarray(state.params)
-    assert np.isinf(totals[False]).all()
+        nonfinite[scale] = float(metrics["nonfinite"])
+    assert nonfinite[False] == 16 and (totals[False] == 0).all()  # every entry overflowed
+    assert nonfinite[True] == 0
     np.testing.assert_allclose(totals[True], 2.4e5, rtol=2**-10)
 
 
@@ -447,3 +451,18 @@ def test_bfloat16_training_trains():
         assert all(np.array_equal(shards[0], s) for s in shards[1:])
     assert final["bf16"][-1] < 0.1 * final["bf16"][0]
     np.testing.assert_allclose(final["bf16"], final["dense"], rtol=0.01)
+
+
+def test_unscaled_float16_sum_that_overflows_is_skipped_under_skip():
+    """The guard checks sums against float16's 65504 when the cast is unscaled
+    (Method.wire_dtype), not against the gradients' float32: "skip" keeps the params."""
+    tx = optax.chain(
+        jaxcomp.compress(Cast("float16", scale=False), mean=False, nonfinite="skip"),
+        optax.sgd(1.0),
+    )
+    dp = jaxcomp.data_parallel(lambda w, b: jnp.sum(w * jnp.mean(b, axis=0)), tx, _mesh())
+    state, metrics = dp.step(dp.init(jnp.ones(16)), np.full((N_DEVICES, 16), 3e4, np.float32))
+    assert float(metrics["nonfinite"]) == 16
+    np.testing.assert_array_equal(np.asarray(state.params), np.ones(16, np.float32))
+    assert Cast("float16", scale=False).wire_dtype == "float16"
+    assert Cast("float16").wire_dtype is None and Cast("bfloat16").wire_dtype is None

@@ -74,6 +74,9 @@ class Method:
       overhead is measured on the real update on one device
       (:func:`jaxcomp.optim.timing.update_seconds`); such a method adds its :meth:`local_work`
       timed on its own, which that update did not run.
+    * :attr:`wire_dtype` (None): the float dtype the devices' values are summed in on the wire,
+      when it is narrower than the gradient's and nothing scales them into its range (an
+      unscaled float16 cast): the overflow guard then checks the sums against its largest value.
     * ``shorthand = {}``: the method's string names for :func:`jaxcomp.compress` and the command
       lines, each with the options it fixes (``{"ar_topk": {"collective": "ar"}}``); a method
       module in :mod:`jaxcomp.methods` is found and its names join
@@ -125,6 +128,11 @@ class Method:
         _adapt_0_1_protocol(cls)
 
     # ---- identity -------------------------------------------------------------------------------
+
+    @property
+    def wire_dtype(self) -> str | None:
+        """The narrower float dtype the sums travel in, unscaled, or None (see the class doc)."""
+        return None
 
     @property
     def label(self) -> str:

@@ -140,6 +140,11 @@ class Cast(Method):
         return self.dtype == "float16" if self.scale is None else self.scale
 
     @property
+    def wire_dtype(self) -> str | None:
+        """float16 unscaled: its sums can overflow (65504) where float32's would not."""
+        return None if self.scaled or self.dtype == "bfloat16" else self.dtype
+
+    @property
     def label(self):
         variant = "" if self.allreduce == "ring" else f"_{self.allreduce}"
         return f"{NARROW_TYPES[self.dtype][0]}{variant}"

@@ -291,7 +291,7 @@ def _sum_error_fed(
         sum(counts),
         c.axis_name,
         lambda: guard.count_totals(result.totals, c.axis_name, sharded),
-        grads.comm_dtype,
+        _narrowest(grads.comm_dtype, state.methods),
     )
     if c.nonfinite == "zero":  # an overflowed total counts as 0 (skip/raise zero the update)
         result = result._replace(totals=[guard.dropped(t) for t in result.totals])
@@ -480,6 +480,13 @@ def _check_local_gradients(c: FeedbackConfig, leaves):
                 "compression. Cast the params first: params = jax.lax.pcast(params, "
                 f"{c.axis_name!r}, to='varying') (or use jaxcomp.data_parallel, which does this)."
             )
+
+
+def _narrowest(comm_dtype, methods):
+    """The dtype whose largest value bounds the sums: the collectives' dtype, or a narrower one
+    that a method sums in on the wire (:attr:`jaxcomp.methods.Method.wire_dtype`)."""
+    dtypes = [jnp.dtype(comm_dtype)] + [jnp.dtype(m.wire_dtype) for m in methods if m.wire_dtype]
+    return min(dtypes, key=lambda d: float(jnp.finfo(d).max))
 
 
 def _comm_dtype(leaves):
