@@ -112,9 +112,20 @@ def _reference(method, policy, position):
     return params, _host(state.params), _strip_metrics(_host(state.opt_state))
 
 
-@pytest.mark.parametrize("position", list(BAD))
-@pytest.mark.parametrize("policy", ["zero", "skip", "raise"])
-@pytest.mark.parametrize("method", list(METHODS))
+# Every method and policy with the bad micro-step first (the case that stalled training for
+# good); the last micro-step (which the rollback always handled) with dense only, to keep CI short.
+BAD_CASES = [
+    (method, policy, position)
+    for method in METHODS
+    for policy in ("zero", "skip", "raise")
+    for position in BAD
+    if position == "first" or method == "dense"
+]
+
+
+@pytest.mark.parametrize(
+    "method, policy, position", BAD_CASES, ids=["-".join(case) for case in BAD_CASES]
+)
 def test_a_bad_micro_step_gets_the_policy_and_training_goes_on(method, policy, position):
     bad_at = BAD[position]
     batches = [_batch(s) for s in range(CLEAN_STEPS)]
