@@ -141,7 +141,9 @@ def test_skip_keeps_every_state_when_the_sum_overflows(method):
     assert_trees_equal(_host(resumed.params), _host(direct.params))
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+# "raise" is "skip" on the devices (tested for every method above) plus data_parallel's host
+# check, which no method changes: four methods of different kinds, to keep CI short.
+@pytest.mark.parametrize("method", ["dense", "ar_topk", "quantized", "fp16"])
 def test_raise_raises_when_the_sum_overflows(method):
     dp = _dp(method, "raise", _optimizer(method))
     state, _ = dp.step(dp.init(_params()), _batch(0))
