@@ -55,6 +55,7 @@ class Layout:
         self.axes = tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
         self.n_devices = math.prod(mesh.shape[a] for a in self.axes)
         self._masks = {}  # tree_key(avals) -> (state_def, mask)
+        self._expected = {}  # tree_key(avals) -> the leaves of tx.init's state
         # shard="params": the structure and shard shapes of params -> their full avals
         self._shapes = {}
 
@@ -190,9 +191,7 @@ class Layout:
             )
         avals = self.whole_avals(state.params)
         state_def, mask = self.per_device_mask(avals)
-        expected = jax.tree.leaves(
-            jax.eval_shape(self.tx_init, avals, self.shard_avals(avals) if self.shard else None)
-        )
+        expected = self._expected_opt_state(avals)
         if not self._fits(state_def, mask, state.opt_state, expected):
             self._refuse_other_count(state)
             raise ValueError(
@@ -216,6 +215,15 @@ class Layout:
                 f"this state was made on {count} devices, but this data_parallel runs on "
                 f"{self.n_devices}: {_WAY_OUT}"
             )
+
+    def _expected_opt_state(self, avals) -> list:
+        """The leaves of ``tx.init``'s state for these params, traced once per params' shapes
+        (``dp.params(state)`` checks the state on every call, outside any jit)."""
+        key = tree_key(avals)
+        if key not in self._expected:
+            shards = self.shard_avals(avals) if self.shard else None
+            self._expected[key] = jax.tree.leaves(jax.eval_shape(self.tx_init, avals, shards))
+        return self._expected[key]
 
     def _fits(self, state_def, mask, opt_state, expected) -> bool:
         """Whether ``opt_state`` has the structure and (stacked) shapes of ``expected``."""
