@@ -177,9 +177,28 @@ def variants():
             optimizer="adam(b1=0,frozen=100,lr=2e-4)",
         )
     )
+    # jaxcomp.adam (1-bit Adam's recipe, issue 25): the momentum compressed with error feedback,
+    # the variance frozen after 100 dense steps.
+    onebit = [
+        Row(f"{method.describe()} jaxcomp.adam", method, optimizer="jaxcomp.adam")
+        for method in (
+            m.Dense(),
+            m.TopK(0.01),
+            m.TopK(0.01, collective="ar"),
+            m.TopK(0.001),
+            m.TopK(0.001, collective="ar"),
+            m.RandomK(0.01),
+            m.Sign(),
+            m.PowerSGD(4),
+            m.Quantized(4),
+            m.Zfp(8),
+            m.Cast("bfloat16"),
+        )
+    ]
     return (
         recipe
         + fixed
+        + onebit
         + [
             Row("ar_topk(0.01)", m.TopK(0.01, collective="ar")),
             Row("ar_topk(0.001)", m.TopK(0.001, collective="ar")),
@@ -335,6 +354,32 @@ def optimizer(name: str, config: "Config"):
     )
 
 
+def transformation(row: Row, config: Config):
+    """The row's whole optimizer: ``compress`` chained with :func:`optimizer`'s, or, for
+    ``optimizer="jaxcomp.adam"`` (``"jaxcomp.adam(warmup=50,lr=4e-3)"``), :func:`jaxcomp.adam`
+    with the row's method and options, on the same schedule."""
+    import optax
+
+    import jaxcomp
+
+    kind, _, rest = row.optimizer.partition("(")
+    if kind != "jaxcomp.adam":
+        return optax.chain(
+            jaxcomp.compress(row.method, **row.options), optimizer(row.optimizer, config)
+        )
+    options = {
+        key.strip(): float(value)
+        for key, value in (item.split("=") for item in rest.rstrip(")").split(",") if item.strip())
+    }
+    peak = options.pop("lr", config.learning_rate)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, peak, config.warmup, config.steps, end_value=0.1 * peak
+    )
+    if "warmup" in options:
+        options["warmup_steps"] = int(options.pop("warmup"))
+    return jaxcomp.adam(schedule, row.method, **options, **row.options)
+
+
 def load_corpus():
     """``(train, heldout, files)``: uint8 token arrays and ``[(path, bytes)]`` of the files read."""
     import numpy as np
@@ -427,7 +472,7 @@ def train(row: Row, config: Config, corpus, devices, seed=0, progress=True):
         logits = nnx.merge(graphdef, params)(tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-    tx = optax.chain(jaxcomp.compress(row.method, **row.options), optimizer(row.optimizer, config))
+    tx = transformation(row, config)
     dp = jaxcomp.data_parallel(loss_fn, tx, mesh, **row.parallel)
     evaluate = (
         jax.jit(lambda state, batch: loss_fn(dp.params(state), batch))

@@ -25,6 +25,12 @@ __getattr__, __dir__, __all__ = attach(
         "packing",
         "stages",
         "state",
+        "optimizers",
     ),
-    exports={"compress": "jaxcomp.optim.compression", "compress_auto": "jaxcomp.optim.auto"},
+    exports={
+        "compress": "jaxcomp.optim.compression",
+        "compress_auto": "jaxcomp.optim.auto",
+        "adam": "jaxcomp.optim.optimizers",
+        "adamw": "jaxcomp.optim.optimizers",
+    },
 )

@@ -1,0 +1,251 @@
+"""Optimizers that know they are compressed: :func:`adam` and :func:`adamw`, after 1-bit Adam.
+
+``optax.chain(jaxcomp.compress(m), optax.adam(lr))`` compresses the *gradient* and hands what
+arrives to an Adam that does not know: Adam's momentum sees each burst that error feedback
+delivers once and decays it, and its variance is estimated on those bursts, so most methods lose
+quality (BENCHMARKS.md, "Training quality"). 1-bit Adam (Tang et al., ICML 2021) moves the
+compression to where it does no harm:
+
+1. **Warm-up** (the first ``warmup_steps`` steps): plain Adam on the densely averaged gradient;
+   its variance ``v`` learns the scale of every coordinate.
+2. **Compression stage**: ``v`` is frozen, so the update ``m / (sqrt(v) + eps)`` is *linear* in
+   the momentum. Each device updates its own copy of the momentum from its local gradient,
+   ``m_i = b1 m + (1 - b1) g_i``, and the devices average ``m_i`` through ``method``, with error
+   feedback: what a step does not send is added to the next step's ``m_i``. The averaged ``m``
+   is every device's momentum for the next step. Because the update is linear in ``m`` and error
+   feedback delivers everything eventually, every coordinate moves as far in total as it would
+   under Adam with the same frozen variance, whatever the method drops on a given step.
+
+What jaxcomp changes against the paper and DeepSpeed's ``OnebitAdam``:
+
+* any jaxcomp method compresses the momentum (the paper: 1-bit signs with a scale), through
+  :func:`jaxcomp.compress`, so bytes, metrics, non-finite handling and the guardrails are the
+  same as ``compress``'s;
+* Adam's bias correction is kept (``optax.adam``'s), so the warm-up is exactly ``optax.adam``
+  on the mean gradient (tested); the variance's correction freezes with it.
+
+Use it in place of ``optax.chain(jaxcomp.compress(...), optax.adam(...))`` as the whole
+optimizer of :func:`jaxcomp.data_parallel`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxcomp import methods
+from jaxcomp.ops import _checks
+from jaxcomp.optim import sharding
+from jaxcomp.optim.compression import compress
+from jaxcomp.optim.state import CompressState
+
+#: The default warm-up: dense Adam steps before the variance freezes.
+DEFAULT_WARMUP_STEPS = 100
+
+
+class CompressedAdamState(NamedTuple):
+    """The state of :func:`adam` / :func:`adamw`: Adam's moments and the compression's state."""
+
+    count: jax.Array  # i32[]: optimizer steps taken (the schedule's argument)
+    mu: Any  # the averaged momentum, identical on every device (float32)
+    nu: Any  # the variance, frozen after the warm-up (float32)
+    compress: CompressState  # the momentum's compression: residual, step, metrics
+
+
+def adam(
+    learning_rate,
+    method=None,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    warmup_steps: int = DEFAULT_WARMUP_STEPS,
+    axis_name="data",
+    **compress_options,
+) -> optax.GradientTransformationExtraArgs:
+    """Adam whose momentum crosses the devices compressed, with error feedback (1-bit Adam).
+
+    The first ``warmup_steps`` steps are ``optax.adam`` on the dense mean gradient. Then the
+    variance freezes and each device sends its momentum ``b1 m + (1 - b1) g_i`` through
+    ``method`` with error feedback; the averaged momentum drives an update that is linear in it,
+    so nothing a method drops is lost, only delayed (module docstring). Call ``update`` inside
+    ``jax.shard_map`` with this device's gradients, as :func:`jaxcomp.compress`'s; it is the
+    whole optimizer (do not chain another Adam after it): :func:`jaxcomp.data_parallel` takes it
+    as ``tx``.
+
+    Args:
+      learning_rate: a float or an optax schedule of the step count.
+      method: any method :func:`jaxcomp.compress` takes (an object or a shorthand name, with its
+        options in ``compress_options``); default None: :class:`jaxcomp.Sign`, 1-bit Adam's own
+        (signs with a scale per block).
+      b1: the momentum's decay (default 0.9; must be in (0, 1)).
+      b2: the variance's decay during the warm-up (default 0.999).
+      eps: added to ``sqrt(v)`` (default 1e-8).
+      weight_decay: decoupled weight decay (AdamW's), times the learning rate (default 0).
+      warmup_steps: dense Adam steps before the variance freezes (default 100; at least 1).
+      axis_name: the mesh axis (or axes) the devices average over.
+      **compress_options: :func:`jaxcomp.compress`'s other options (``ratio=``, ``mask=``,
+        ``nonfinite=``, ``granularity=``, ...); not ``momentum_correction`` or
+        ``warmup_steps``, which this optimizer owns.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`CompressedAdamState` (with the :class:`CompressState` inside, so
+      :func:`jaxcomp.data_parallel` reports its metrics).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
+      >>> from jax.sharding import Mesh
+      >>> mesh = Mesh(np.array(jax.devices()), ("data",))
+      >>> tx = jaxcomp.adam(0.1, "ar_topk", ratio=0.5, warmup_steps=2)
+      >>> loss = lambda w, batch: jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+      >>> dp = jaxcomp.data_parallel(loss, tx, mesh)
+      >>> batch = {"x": jnp.ones((8 * jax.device_count(), 3)),
+      ...          "y": jnp.ones(8 * jax.device_count())}
+      >>> state = dp.init(jnp.zeros(3))
+      >>> for _ in range(20):
+      ...     state, metrics = dp.step(state, batch)
+      >>> float(metrics["loss"]) < 0.1
+      True
+
+    References:
+      Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
+      Convergence Speed", ICML 2021 (arXiv 2102.02888), Alg. 1; Loshchilov & Hutter,
+      "Decoupled Weight Decay Regularization", ICLR 2019.
+    """
+    hyper = _check(method, b1, b2, eps, weight_decay, warmup_steps, compress_options)
+    method = methods.Sign() if method is None else method
+    inner = compress(method, axis_name=axis_name, warmup_steps=hyper["warmup"], **compress_options)
+    schedule = learning_rate if callable(learning_rate) else (lambda count: learning_rate)
+
+    def init_fn(params):
+        _refuse_sharded()
+        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        return CompressedAdamState(jnp.zeros([], jnp.int32), zeros, zeros, inner.init(params))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        _refuse_sharded()
+        dense = _dense_step(state.compress.step, hyper)
+        local = jax.tree.map(
+            lambda m, g: jnp.where(dense, g, b1 * m + (1 - b1) * g), state.mu, updates
+        )
+        averaged, compressed = inner.update(local, state.compress)
+        stepped = compressed.step != state.compress.step  # False: compress skipped the step
+        mu, nu = _moments(state, averaged, dense, hyper)
+        count = optax.safe_int32_increment(state.count)
+        out = _direction(mu, nu, count, state.compress.step + 1, hyper)
+        out = _decayed(out, params, weight_decay)
+        lr = schedule(state.count)
+        out = jax.tree.map(
+            lambda u, p: jnp.where(stepped, -lr * u, 0).astype(p.dtype), out, updates
+        )
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(stepped, a, b), new, old)  # noqa: E731
+        new_state = CompressedAdamState(
+            jnp.where(stepped, count, state.count),
+            keep(mu, state.mu),
+            keep(nu, state.nu),
+            compressed,
+        )
+        return out, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def adamw(learning_rate, method=None, *, weight_decay: float = 1e-4, **options):
+    """:func:`adam` with decoupled weight decay (AdamW), default 1e-4 as ``optax.adamw``'s.
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      method: any method :func:`jaxcomp.compress` takes (default None: :class:`jaxcomp.Sign`).
+      weight_decay: decoupled weight decay, times the learning rate (default 1e-4).
+      **options: :func:`adam`'s other keywords.
+
+    Returns:
+      :func:`adam`'s transformation.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxcomp
+      >>> tx = jaxcomp.adamw(1e-3, "ar_topk", ratio=0.01)
+      >>> tx.init({"w": jnp.zeros(4)}).mu["w"].dtype
+      dtype('float32')
+
+    References:
+      Tang et al., ICML 2021 (1-bit Adam); Loshchilov & Hutter, ICLR 2019 (AdamW).
+    """
+    return adam(learning_rate, method, weight_decay=weight_decay, **options)
+
+
+def _check(method, b1, b2, eps, weight_decay, warmup_steps, compress_options) -> dict:
+    """The hyper-parameters, checked, as a dict; raises naming the argument."""
+    if isinstance(method, str) and method == "auto":
+        raise ValueError(
+            "method 'auto' cannot run jaxcomp.adam's dense warm-up (compress_auto picks dense "
+            "itself, step by step); pass one method, or use optax.chain(jaxcomp.compress('auto'), "
+            "optax.adam(lr))"
+        )
+    for name in ("momentum_correction", "warmup_steps"):
+        if name in compress_options:
+            raise ValueError(f"{name}= is the optimizer's own; adam() does not pass it to compress")
+    for value, name, low, high in ((b1, "b1", 0, 1), (b2, "b2", 0, 1)):
+        if not (isinstance(value, (int, float)) and low < value < high):
+            raise ValueError(f"{name} must be a number in ({low}, {high}), got {value!r}")
+    for value, name in ((eps, "eps"), (weight_decay, "weight_decay")):
+        if not (isinstance(value, (int, float)) and value >= 0):
+            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    warmup = _checks.static_int(warmup_steps, "warmup_steps", 1)
+    return {"b1": b1, "b2": b2, "eps": eps, "warmup": warmup}
+
+
+def _refuse_sharded():
+    """Refuses ZeRO-style sharded updates: every device needs the whole momentum."""
+    if sharding.active() is not None:
+        raise ValueError(
+            "jaxcomp.adam keeps the whole momentum on every device (each device compresses its "
+            "own b1 m + (1 - b1) g), so it cannot update 1/N shards: use data_parallel(..., "
+            "shard=None), or optax.chain(jaxcomp.compress(...), optax.adam(...)) to shard"
+        )
+
+
+def _dense_step(step, hyper):
+    """Whether this step sends the dense gradient (warm-up) and updates the variance."""
+    return step < hyper["warmup"]
+
+
+def _moments(state: CompressedAdamState, averaged, dense, hyper):
+    """The new momentum and variance: Adam's on a dense step, the averaged momentum otherwise."""
+    b1, b2 = hyper["b1"], hyper["b2"]
+    mu = jax.tree.map(
+        lambda m, a: jnp.where(dense, b1 * m + (1 - b1) * a, a).astype(jnp.float32),
+        state.mu,
+        averaged,
+    )
+    nu = jax.tree.map(
+        lambda v, a: jnp.where(dense, b2 * v + (1 - b2) * jnp.square(a), v).astype(jnp.float32),
+        state.nu,
+        averaged,
+    )
+    return mu, nu
+
+
+def _direction(mu, nu, count, step, hyper):
+    """Adam's bias-corrected direction ``m_hat / (sqrt(v_hat) + eps)``; the variance's
+    correction counts only the steps that updated it."""
+    b1, b2 = hyper["b1"], hyper["b2"]
+    variance_steps = jnp.minimum(step, hyper["warmup"]).astype(jnp.float32)
+    m_scale = 1 / (1 - b1 ** count.astype(jnp.float32))
+    v_scale = 1 / (1 - b2**variance_steps)
+    return jax.tree.map(lambda m, v: m * m_scale / (jnp.sqrt(v * v_scale) + hyper["eps"]), mu, nu)
+
+
+def _decayed(direction, params, weight_decay):
+    """AdamW's decoupled weight decay added to the direction (needs ``params``)."""
+    if not weight_decay:
+        return direction
+    if params is None:
+        raise ValueError("weight_decay needs the params: call update(grads, state, params)")
+    return jax.tree.map(lambda d, p: d + weight_decay * p, direction, params)
