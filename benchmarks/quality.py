@@ -195,6 +195,24 @@ def variants():
             m.Cast("bfloat16"),
         )
     ]
+    # With the variance refreshed on one dense step in 50 (2% of dense's bytes on top).
+    onebit += [
+        Row(
+            f"{method.describe()} jaxcomp.adam refresh50",
+            method,
+            optimizer="jaxcomp.adam(refresh=50)",
+        )
+        for method in (
+            m.Dense(),
+            m.Sign(),
+            m.Quantized(4),
+            m.TopK(0.01),
+            m.TopK(0.01, collective="ar"),
+            m.PowerSGD(4),
+            m.RandomK(0.01),
+            m.Zfp(8),
+        )
+    ]
     return (
         recipe
         + fixed
@@ -377,6 +395,8 @@ def transformation(row: Row, config: Config):
     )
     if "warmup" in options:
         options["warmup_steps"] = int(options.pop("warmup"))
+    if "refresh" in options:
+        options["refresh_every"] = int(options.pop("refresh"))
     return jaxcomp.adam(schedule, row.method, **options, **row.options)
 
 

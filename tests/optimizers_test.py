@@ -48,7 +48,7 @@ def _grads(steps, devices, n, seed=0):
     )
 
 
-def _reference(grads, warmup, select, weight_decay=0.0, params=None):
+def _reference(grads, warmup, select, weight_decay=0.0, params=None, refresh=None):
     """numpy 1-bit Adam: dense Adam for ``warmup`` steps, then each device sends
     ``select(b1 m + (1-b1) g_i + residual_i)`` (what it keeps), the mean of what was sent is the
     momentum, and the variance (and its bias correction) stays frozen."""
@@ -62,13 +62,19 @@ def _reference(grads, warmup, select, weight_decay=0.0, params=None):
         if t < warmup:
             mean = g.mean(0)
             m, v = B1 * m + (1 - B1) * mean, B2 * v + (1 - B2) * mean**2
+        elif refresh and (t - warmup) % refresh == refresh - 1:
+            mean, decay = g.mean(0), B2**refresh
+            m, v = B1 * m + (1 - B1) * mean, decay * v + (1 - decay) * mean**2
         else:
             fed = B1 * m + (1 - B1) * g + residual
             sent = np.stack([select(row) for row in fed])
             residual = fed - sent
             m = sent.mean(0)
         m_hat = m / (1 - B1 ** (t + 1))
-        v_hat = v / (1 - B2 ** min(t + 1, warmup))
+        stands_for = min(t + 1, warmup) + (refresh or 0) * (
+            max(t + 1 - warmup, 0) // (refresh or 1)
+        )
+        v_hat = v / (1 - B2**stands_for)
         outs.append(-LR * (m_hat / (np.sqrt(v_hat) + EPS) + weight_decay * p))
     return np.stack(outs), m, v
 
@@ -94,6 +100,32 @@ def test_topk_against_numpy_reference(devices):
     np.testing.assert_allclose(np.asarray(mu), m, rtol=2e-4, atol=1e-6)
     np.testing.assert_allclose(np.asarray(nu), v, rtol=2e-4, atol=1e-9)
     assert int(count) == 7
+
+
+def test_variance_refresh_against_numpy_reference():
+    need_devices(3)
+    grads = _grads(10, 3, 20, seed=4)
+    tx = jaxcomp.adam(LR, jaxcomp.TopK(0.25), warmup_steps=2, refresh_every=3)
+    outs, mu, nu, count = _run(tx, jnp.asarray(grads))
+    want, m, v = _reference(grads, 2, _topk(5), refresh=3)
+    np.testing.assert_allclose(np.asarray(outs), want, rtol=2e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(nu), v, rtol=2e-4, atol=1e-9)
+    assert int(count) == 10
+
+
+def test_a_refresh_step_reports_dense_bytes():
+    need_devices(8)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    loss = lambda w, batch: jnp.sum((batch @ w) ** 2)  # noqa: E731
+    tx = jaxcomp.adam(0.01, "ar_topk", ratio=0.1, warmup_steps=2, refresh_every=2)
+    dp = jaxcomp.data_parallel(loss, tx, mesh)
+    state, sent = dp.init(jnp.ones(40)), []
+    for _ in range(6):
+        state, metrics = dp.step(state, jnp.ones((8, 40)))
+        sent.append(float(metrics["bytes_sent"]))
+    dense, compressed = sent[0], sent[2]
+    assert compressed < dense / 4
+    assert sent == [dense, dense, compressed, dense, compressed, dense]
 
 
 def test_warmup_is_optax_adam_and_dense_freezes_the_variance():
@@ -166,6 +198,7 @@ def test_a_skipped_step_keeps_the_moments():
         ({"warmup_steps": 0}, "warmup_steps"),
         ({"momentum_correction": 0.9}, "momentum_correction= is the optimizer's own"),
         ({"ratio": 2.0}, "ratio"),
+        ({"refresh_every": 0}, "refresh_every"),
         ({"method": "auto"}, "method 'auto' cannot run jaxcomp.adam's dense warm-up"),
     ],
 )

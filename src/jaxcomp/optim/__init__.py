@@ -26,6 +26,7 @@ __getattr__, __dir__, __all__ = attach(
         "stages",
         "state",
         "optimizers",
+        "vma",
     ),
     exports={
         "compress": "jaxcomp.optim.compression",

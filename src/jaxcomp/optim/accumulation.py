@@ -20,6 +20,7 @@ import optax
 
 from jaxcomp.collectives import small
 from jaxcomp.ops import _checks, flat
+from jaxcomp.optim import vma
 from jaxcomp.optim.nonfinite import skipped_or_none
 from jaxcomp.optim.state import CompressState, compress_states
 
@@ -127,7 +128,9 @@ def _accumulated_step(inner, schedule, use_grad_mean, updates, state, params, ex
         shapes = jax.eval_shape(lambda: run(acc, inner_state)[0])
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state, acc
 
-    new_updates, new_inner, new_acc = _cond_typed_alike(emit, run, wait, acc, state.inner_opt_state)
+    new_updates, new_inner, new_acc = vma.cond_typed_alike(
+        emit, run, wait, acc, state.inner_opt_state
+    )
     mini_step = jnp.where(emit, 0, n + 1)
     if skipped is not None:
         mini_step = jnp.where(skipped, n, mini_step)
@@ -223,11 +226,11 @@ def _guarded(updates, policy):
 def _count_axes(leaves) -> tuple:
     """The mesh axes to sum a count over: those the gradients vary over; with ``check_vma=False``
     (nothing typed) every manual axis of the enclosing ``shard_map``; none outside one."""
-    axes = frozenset().union(*(_vma(g) for g in leaves))
+    axes = frozenset().union(*(vma.varying_axes(g) for g in leaves))
     manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
     if not axes and manual:
         probe = jax.lax.pcast(jnp.zeros((), jnp.float32), manual, to="varying")
-        if not _vma(probe):
+        if not vma.varying_axes(probe):
             axes = frozenset(manual)
     return tuple(sorted(axes))
 
@@ -245,42 +248,6 @@ def _counted(inner_state, count, emit):
         return node._replace(metrics=node.metrics._replace(nonfinite=own + count))
 
     return jax.tree.map(fix, inner_state, is_leaf=lambda x: isinstance(x, CompressState))
-
-
-def _cond_typed_alike(emit, run, wait, *operands):
-    """``lax.cond(emit, run, wait, *operands)`` with both branches' outputs typed alike.
-
-    Inside shard_map both branches must type every output alike: a state leaf that the update
-    makes per-device (varying) is cast so in the branch that passes it through.
-    """
-    axes = [_vma(x) for x in jax.tree.leaves(jax.eval_shape(run, *operands))]
-    axes = [a | _vma(x) for a, x in zip(axes, jax.tree.leaves(jax.eval_shape(wait, *operands)))]
-
-    def typed(branch):
-        def fn(*args):
-            out = branch(*args)
-            leaves, treedef = jax.tree.flatten(out)
-            return treedef.unflatten([_cast(x, a) for x, a in zip(leaves, axes)])
-
-        return fn
-
-    return jax.lax.cond(emit, typed(run), typed(wait), *operands)
-
-
-def _vma(x) -> frozenset:
-    """The axes an array or abstract value is typed varying over inside shard_map."""
-    manual = getattr(x, "manual_axis_type", None)
-    if manual is not None:
-        return frozenset(manual.varying)
-    from jaxcomp.ops import _ffi
-
-    return _ffi.varying_axes(x)
-
-
-def _cast(x, axes: frozenset):
-    """``x`` typed varying over ``axes`` (it already varies over a subset of them)."""
-    missing = tuple(sorted(axes - _vma(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def from_multisteps(multi_steps: optax.MultiSteps) -> optax.GradientTransformationExtraArgs:

@@ -38,7 +38,7 @@ import optax
 
 from jaxcomp import methods
 from jaxcomp.ops import _checks
-from jaxcomp.optim import sharding
+from jaxcomp.optim import sharding, vma
 from jaxcomp.optim.compression import compress
 from jaxcomp.optim.state import CompressState
 
@@ -64,6 +64,7 @@ def adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     warmup_steps: int = DEFAULT_WARMUP_STEPS,
+    refresh_every: int | None = None,
     axis_name="data",
     **compress_options,
 ) -> optax.GradientTransformationExtraArgs:
@@ -87,6 +88,10 @@ def adam(
       eps: added to ``sqrt(v)`` (default 1e-8).
       weight_decay: decoupled weight decay (AdamW's), times the learning rate (default 0).
       warmup_steps: dense Adam steps before the variance freezes (default 100; at least 1).
+      refresh_every: after the warm-up, every this many steps one step sends the dense
+        gradient instead and refreshes the variance, ``v = b2^K v + (1 - b2^K) g^2`` with ``K =
+        refresh_every`` (the one gradient stands for the ``K`` steps since the last; the momentum
+        takes Adam's step). Costs one dense step in ``K``. Default None: frozen for good.
       axis_name: the mesh axis (or axes) the devices average over.
       **compress_options: :func:`jaxcomp.compress`'s other options (``ratio=``, ``mask=``,
         ``nonfinite=``, ``granularity=``, ...); not ``momentum_correction`` or
@@ -118,8 +123,12 @@ def adam(
       "Decoupled Weight Decay Regularization", ICLR 2019.
     """
     hyper = _check(method, b1, b2, eps, weight_decay, warmup_steps, compress_options)
+    hyper["refresh"] = _check_refresh(refresh_every)
     method = methods.Sign() if method is None else method
     inner = compress(method, axis_name=axis_name, warmup_steps=hyper["warmup"], **compress_options)
+    exact = compress(
+        methods.Dense(), axis_name=axis_name, nonfinite=compress_options.get("nonfinite", "zero")
+    )
     schedule = learning_rate if callable(learning_rate) else (lambda count: learning_rate)
 
     def init_fn(params):
@@ -130,15 +139,12 @@ def adam(
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
         _refuse_sharded()
-        dense = _dense_step(state.compress.step, hyper)
-        local = jax.tree.map(
-            lambda m, g: jnp.where(dense, g, b1 * m + (1 - b1) * g), state.mu, updates
-        )
-        averaged, compressed = inner.update(local, state.compress)
-        stepped = compressed.step != state.compress.step  # False: compress skipped the step
-        mu, nu = _moments(state, averaged, dense, hyper)
+        refresh = _refresh_step(state.count, hyper)
+        averaged, compressed, stepped = _mean(exact, inner, refresh, updates, state, hyper)
+        dense = (state.compress.step < hyper["warmup"]) | refresh
+        mu, nu = _moments(state, averaged, dense, refresh, hyper)
         count = optax.safe_int32_increment(state.count)
-        out = _direction(mu, nu, count, state.compress.step + 1, hyper)
+        out = _direction(mu, nu, count, hyper)
         out = _decayed(out, params, weight_decay)
         lr = schedule(state.count)
         out = jax.tree.map(
@@ -211,32 +217,86 @@ def _refuse_sharded():
         )
 
 
-def _dense_step(step, hyper):
-    """Whether this step sends the dense gradient (warm-up) and updates the variance."""
-    return step < hyper["warmup"]
+def _check_refresh(refresh_every):
+    """``refresh_every``, checked: None or an int >= 1."""
+    if refresh_every is None:
+        return None
+    return _checks.static_int(refresh_every, "refresh_every", 1)
 
 
-def _moments(state: CompressedAdamState, averaged, dense, hyper):
-    """The new momentum and variance: Adam's on a dense step, the averaged momentum otherwise."""
+def _refresh_step(count, hyper):
+    """Whether optimizer step ``count`` (0-based) is a variance refresh: the last of every
+    ``refresh_every`` steps after the warm-up."""
+    refresh, warmup = hyper["refresh"], hyper["warmup"]
+    if refresh is None:
+        return jnp.bool_(False)
+    return (count >= warmup) & ((count - warmup) % refresh == refresh - 1)
+
+
+def _mean(exact, inner, refresh, grads, state: CompressedAdamState, hyper):
+    """The averaged gradient or momentum of this step: the compressed one, or on a variance
+    refresh the exact mean (one ``lax.cond``; none without ``refresh_every``)."""
+    compressed = lambda: _compressed_mean(inner, grads, state, hyper)  # noqa: E731
+    if hyper["refresh"] is None:
+        return compressed()
+    return vma.cond_typed_alike(
+        refresh, lambda: _exact_mean(exact, grads, state.compress), compressed
+    )
+
+
+def _compressed_mean(inner, grads, state: CompressedAdamState, hyper):
+    """``(averaged, compress state, stepped)``: the gradient during the warm-up, afterwards the
+    momentum ``b1 m + (1 - b1) g``, averaged through the method with error feedback."""
+    b1, warm = hyper["b1"], state.compress.step < hyper["warmup"]
+    local = jax.tree.map(lambda m, g: jnp.where(warm, g, b1 * m + (1 - b1) * g), state.mu, grads)
+    averaged, compressed = inner.update(local, state.compress)
+    averaged = jax.tree.map(lambda a: a.astype(jnp.float32), averaged)
+    return averaged, compressed, compressed.step != state.compress.step
+
+
+def _exact_mean(exact, grads, compressed: CompressState):
+    """``(averaged, compress state, stepped)`` of a variance refresh: the dense mean gradient;
+    the method's state (residual, step) stays, its metrics report the dense step."""
+    averaged, dense_state = exact.update(grads, exact.init(grads))
+    averaged = jax.tree.map(lambda a: a.astype(jnp.float32), averaged)
+    return averaged, compressed._replace(metrics=dense_state.metrics), dense_state.step > 0
+
+
+def _moments(state: CompressedAdamState, averaged, dense, refresh, hyper):
+    """The new momentum and variance: Adam's on a dense step (with a refresh's variance weight),
+    the averaged momentum otherwise."""
     b1, b2 = hyper["b1"], hyper["b2"]
+    b2_refresh = b2 ** (hyper["refresh"] or 1)  # Python floats: 1 - b2 as optax computes it
     mu = jax.tree.map(
         lambda m, a: jnp.where(dense, b1 * m + (1 - b1) * a, a).astype(jnp.float32),
         state.mu,
         averaged,
     )
-    nu = jax.tree.map(
-        lambda v, a: jnp.where(dense, b2 * v + (1 - b2) * jnp.square(a), v).astype(jnp.float32),
-        state.nu,
-        averaged,
-    )
+
+    def variance(v, a):
+        adam = b2 * v + (1 - b2) * jnp.square(a)
+        refreshed = b2_refresh * v + (1 - b2_refresh) * jnp.square(a)
+        return jnp.where(dense, jnp.where(refresh, refreshed, adam), v).astype(jnp.float32)
+
+    nu = jax.tree.map(variance, state.nu, averaged)
     return mu, nu
 
 
-def _direction(mu, nu, count, step, hyper):
+def _variance_steps(count, hyper):
+    """The steps the variance stands for after ``count`` optimizer steps: the warm-up's, and
+    ``refresh_every`` for each refresh since."""
+    warmup, refresh = hyper["warmup"], hyper["refresh"]
+    done = jnp.minimum(count, warmup)
+    if refresh is not None:
+        done = done + refresh * (jnp.maximum(count - warmup, 0) // refresh)
+    return done
+
+
+def _direction(mu, nu, count, hyper):
     """Adam's bias-corrected direction ``m_hat / (sqrt(v_hat) + eps)``; the variance's
-    correction counts only the steps that updated it."""
+    correction counts only the steps it stands for."""
     b1, b2 = hyper["b1"], hyper["b2"]
-    variance_steps = jnp.minimum(step, hyper["warmup"]).astype(jnp.float32)
+    variance_steps = _variance_steps(count, hyper).astype(jnp.float32)
     m_scale = 1 / (1 - b1 ** count.astype(jnp.float32))
     v_scale = 1 / (1 - b2**variance_steps)
     return jax.tree.map(lambda m, v: m * m_scale / (jnp.sqrt(v * v_scale) + hyper["eps"]), mu, nu)
