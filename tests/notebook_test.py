@@ -64,7 +64,7 @@ def test_demo_command_prints_table_and_saves_plot(tmp_path, capsys):
     assert "| dense | dense (1) |" in table and "| ar_topk | ar_topk (0.00999) |" in table
     # ar_topk at 1% sends a small fraction of dense's bytes; the table shows the ratio.
     ar_line = next(line for line in table.splitlines() if line.startswith("| ar_topk |"))
-    assert float(ar_line.split("|")[6]) < 0.1
+    assert float(ar_line.split("|")[7]) < 0.1
     # On the simulated slow link auto compresses, exploring from the highest candidate density.
     assert (
         "| auto_adaptive_100mbit | allgather_topk (0.1) |" in table
@@ -72,6 +72,11 @@ def test_demo_command_prints_table_and_saves_plot(tmp_path, capsys):
     )
     with open(tmp_path / "loss_curves.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # The verdict table is printed last and saved next to the plot.
+    with open(tmp_path / "verdict.md") as f:
+        assert f.read().strip() in table
+    with open(tmp_path / "verdict.csv") as f:
+        assert f.readline().startswith("run,ran,density,accuracy,accuracy_vs_dense,")
 
 
 def test_demo_rejects_unknown_methods():

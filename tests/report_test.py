@@ -63,3 +63,31 @@ def test_save_figure_writes_the_image(tmp_path):
     axes.plot([1, 2], [3, 4])
     _report.save_figure(figure, str(tmp_path / "p.png"), dpi=50)
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_distinct_styles_differ_in_colour_style_and_marker():
+    styles = _report.distinct_styles(9)
+    for key in ("color", "linestyle", "marker"):
+        assert all(a[key] != b[key] for a, b in zip(styles, styles[1:])), key
+    assert len({s["color"] for s in styles}) == 9  # the panels of the demo have at most 6 lines
+    assert "black" not in {s["color"] for s in styles}  # black is the reference's
+
+
+def test_log_ticks_are_plain_numbers_at_1_2_5(tmp_path):
+    figure, axes = _report.pyplot().subplots()
+    axes.plot([0, 1], [0.07, 3.0])
+    axes.set_yscale("log")
+    _report.log_ticks_1_2_5(axes.yaxis)
+    figure.canvas.draw()
+    low, high = axes.get_ylim()
+    labels = [
+        t.get_text() for t, v in zip(axes.get_yticklabels(), axes.get_yticks()) if low <= v <= high
+    ]
+    assert labels == ["0.1", "0.2", "0.5", "1", "2"]
+    _report.pyplot().close(figure)
+
+
+def test_csv_quotes_cells_with_commas(tmp_path):
+    path = tmp_path / "t.csv"
+    _report.write_csv(path, ["run", "note"], [["a", "x, y"], ["b", 1.5]])
+    assert path.read_text().splitlines() == ["run,note", 'a,"x, y"', "b,1.5"]

@@ -175,6 +175,86 @@ def save_figure(figure, path, dpi) -> None:
     Example:
       >>> save_figure(pyplot().figure(), "plot.png", dpi=120)  # doctest: +SKIP
     """
-    figure.tight_layout()
+    if figure.get_layout_engine() is None:  # a constrained layout lays itself out
+        figure.tight_layout()
     figure.savefig(path, dpi=dpi)
     pyplot().close(figure)
+
+
+#: Line styles that stay apart in print and in grey scale; with :data:`_COLORS`, no two of the
+#: first ``len(_COLORS)`` lines of a panel look alike.
+_LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
+#: matplotlib's colour-blind-friendly "tab10" without its grey (black is the reference line).
+_COLORS = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#bcbd22",
+    "#17becf",
+)
+
+
+def distinct_styles(n) -> list[dict]:
+    """Keyword arguments for ``Axes.plot`` that give ``n`` lines distinct colours and line styles.
+
+    Args:
+      n: the number of lines in one panel.
+
+    Returns:
+      ``n`` dicts with ``color``, ``linestyle`` and ``marker``: line ``i`` takes colour ``i``,
+      line style ``i`` and marker ``i`` (each cycling), so neighbours differ in all three.
+
+    Example:
+      >>> [style["linestyle"] for style in distinct_styles(3)]
+      ['-', '--', '-.']
+    """
+    return [
+        {
+            "color": _COLORS[i % len(_COLORS)],
+            "linestyle": _LINESTYLES[i % len(_LINESTYLES)],
+            "marker": _MARKERS[i % len(_MARKERS)],
+        }
+        for i in range(n)
+    ]
+
+
+def log_ticks_1_2_5(axis) -> None:
+    """Labels a log-scale axis at 1, 2 and 5 times the powers of ten, in plain numbers (``0.2``,
+    ``1``, ``50``; no ``2×10⁻¹``), without minor labels.
+
+    Args:
+      axis: a matplotlib ``Axis`` on a log scale (``ax.yaxis``).
+
+    Example:
+      >>> figure, axes = pyplot().subplots()  # doctest: +SKIP
+      >>> axes.set_yscale("log"); log_ticks_1_2_5(axes.yaxis)  # doctest: +SKIP
+    """
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:.3g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def write_csv(path, header, rows) -> None:
+    """Writes a table as CSV (RFC 4180 quoting), one row per line after the header.
+
+    Args:
+      path: the file.
+      header: the column titles.
+      rows: lists of cells (numbers or strings), one list per row.
+
+    Example:
+      >>> write_csv("table.csv", ["a", "b"], [[1, "x, y"]])  # doctest: +SKIP
+    """
+    import csv
+
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(rows)

@@ -2,11 +2,55 @@
 
 Trains an MLP on scikit-learn's bundled digits (8x8 images, 10 classes; ships with scikit-learn,
 no download) on 8 virtual CPU devices, with the same initial params, batches and step count for
-every method, then prints final eval loss and accuracy, bytes sent per step (and the ratio to
-dense), mean step time, and saves a loss-curve plot.
+every method, then prints a verdict table (final eval accuracy and its gap to dense, eval loss,
+bytes sent per step and the ratio to dense, mean step time, "within 1 pt of dense?", and the
+setting or trade-off of the row) and saves, in ``--out``, the table as ``verdict.md`` and
+``verdict.csv`` and the eval curves as ``loss_curves.png``: one column per family of methods
+(top-k; quantizers and casts; random-k, sign and low rank; auto), eval loss above eval accuracy,
+dense drawn in every panel as the reference.
 
-    jaxcomp demo                       # all methods, about a minute on 2 cores
+    jaxcomp demo                       # all methods, about a minute and a half on 2 cores
     python -m jaxcomp demo --steps 600 --methods dense,ar_topk,ar_topk_noef
+
+**A row's verdict.** "yes" when its final eval accuracy is at most 1 point below dense's, "no"
+otherwise, "diverged" when an eval loss was non-finite or above twice the loss at step 0 (chance
+level, ln 10, for this model). The last column says what the row sends and what it trades. The
+test set has 359 images: 1 point is 3.6 images, about what another ``--seed`` moves. At the
+defaults (seeds 0, 1, 2; dense 98.05%, 97.21%, 95.82%) no row diverges; the rows more than a point
+below dense are the ones without error feedback, ``randomk`` at 1% (below), and, at some seeds
+only, ``ar_topk`` (-1.67, -0.28, +0.56 points: one leader's indices serve every device, for a
+quarter of all-gather top-k's bytes) and ``sign`` (-0.28, -3.62, -1.39).
+
+**Random-k and the optimizer's momentum** (the rows ``randomk``, ``randomk_10x``). With error
+feedback, random-k sends each entry about once every ``1 / density`` steps (100 at 1%), with all
+that entry's gradient since: every entry arrives as a stale burst. Stale updates already act as
+momentum (Mitliagkas et al. 2016, "Asynchrony begets momentum"); SGD's momentum 0.9 on top of them
+makes training oscillate and blow up. Measured here (500 steps, lr 0.05, seed 0; dense 98.05%):
+random-k with error feedback and SGD with momentum 0.9 diverged at 1%, 5% and 10% density (eval
+loss 1.3e7 at 1%, accuracy 11-18%); DGC's momentum correction (``momentum_correction=0.9``, then
+SGD without momentum) diverged at 1% too. What trains is the same method followed by the same
+optimizer **without momentum**: SGD at ``lr / (1 - 0.9)``, the step momentum SGD takes in a
+steady state (with ``--optimizer adam``: Adam with ``b1=0``). So the random-k rows run that
+pairing, and it is the documented trade-off of the row, in its ``note``:
+
+* ``randomk`` (random-k at ``--density``, 1%): stable, but random entries carry less than the
+  largest: 93.6%, 93.9%, 94.2% at seeds 0, 1, 2 against dense's 98.05%, 97.21%, 95.82% (1.7 to 4.5
+  points below; it sends 0.01 of dense's bytes);
+* ``randomk_10x`` (10 times ``--density``, 10%): 98.05%, 97.21%, 96.10% at the same seeds, as good
+  as dense, for 0.10 of dense's bytes (all-gather top-k at 1% sends 0.08 here);
+* ``randomk_noef`` (1%, no error feedback, the default optimizer: no bursts, so momentum is
+  harmless): stable and slow, 77-79%, since 99% of every gradient is dropped.
+
+The step ``lr / (1 - 0.9)`` is momentum SGD's, not one tuned for random-k: at 1% and seed 0, SGD
+without momentum at lr 0.05, 0.1, 0.2, 0.5 ended at 94.43%, 96.94%, 96.94%, 93.59%; keeping the
+momentum and dividing lr by 10 instead (0.005) ended at 62%. With Adam (lr 2e-3, 1%) the same holds:
+Adam with its momentum 90.0%, with ``b1=0`` 96.9%, dense 97.5%.
+
+The other error-feedback rows keep the optimizer users write (and DGC's setting), SGD with
+momentum, although the same pairing measured better for some of them (seeds 0, 1, 2, points
+against dense): ``ar_topk`` +0.00, +0.00, +1.12 (with momentum -1.67, -0.28, +0.56), ``sign``
++0.00, -0.28, +0.56 (with momentum -0.28, -3.62, -1.39), ``allgather_topk`` +0.00, +0.28, +0.84
+(with momentum -0.56, +0.28, +1.11).
 """
 
 from __future__ import annotations
@@ -28,57 +72,133 @@ from jaxcomp.methods import Dense
 N_DEVICES = 8
 
 
+#: The momentum of ``--optimizer momentum`` (SGD).
+MOMENTUM = 0.9
+
+#: The families of methods, one column of panels each in the plot, in the table's order.
+TOPK, CODECS, SPARSE_AND_LOW_RANK, AUTO = (
+    "top-k",
+    "quantizers & casts",
+    "random-k, sign & low rank",
+    "auto",
+)
+FAMILIES = (TOPK, CODECS, SPARSE_AND_LOW_RANK, AUTO)
+
+#: A row is "within" when its final eval accuracy is at most this many points below dense's.
+WITHIN_POINTS = 1.0
+#: A row has diverged when an eval loss is above this multiple of the loss at step 0 (or is not
+#: finite).
+EXPLODED = 2.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One line of the demo's table: a method (or, for ``compress_auto``, its candidates) and
-    options."""
+    options, its family (the plot's panel), its optimizer pairing and what the row trades."""
 
     name: str
     method: Any  # a jaxcomp.methods object, or a tuple of them: compress_auto's candidates
     options: dict = dataclasses.field(default_factory=dict)
     axis_name: str | tuple = "data"
+    family: str = ""  # one of FAMILIES; "" for dense, drawn in every panel
+    momentum_free: bool = False  # the optimizer after compress runs without momentum
+    note: str = ""  # its documented setting or trade-off, in the verdict table
 
 
 #: The run every other is compared with: the dense all-reduce.
 DENSE = Dense().label
 
+_NO_MOMENTUM = "optimizer without momentum"
+
 
 def runs(density: float) -> dict[str, Run]:
-    """The demo's runs by name, top-k ones at ``density`` (fraction of entries sent)."""
-    from jaxcomp.methods import Cast, PowerSGD, Quantized, RandomK, Sign, TopK, Zfp, candidates
+    """The demo's runs by name, top-k and random-k ones at ``density`` (fraction of entries sent),
+    family by family, each with a note on what it sends and trades."""
+    from jaxcomp.methods import Cast, PowerSGD, Quantized, Sign, TopK, Zfp
+
+    share = f"{100 * density:.3g}%"
+    table = [Run(DENSE, Dense(), note="the reference: every value, all-reduced")]
+    for method, note in (
+        (TopK(density), f"each device's top {share}, values and indices all-gathered"),
+        (TopK(density, collective="ar"), f"one leader's top-{share} indices serve all devices"),
+        (TopK(density, collective="hierarchical"), "top-k of each shard in a node, then across"),
+    ):
+        axis_name = ("node", "device") if method.axes_needed == 2 else "data"
+        table.append(Run(method.label, method, {}, axis_name, TOPK, note=note))
+        if axis_name == "data":  # top-k without error feedback too
+            noef = {"error_feedback": False}
+            note = "no error feedback: what is not sent is lost"
+            table.append(Run(f"{method.label}_noef", method, noef, family=TOPK, note=note))
+    for method, note in (
+        (Zfp(8), "8 bits a value (ZFP fixed rate)"),
+        (Quantized(4), "4-bit codes on a shared grid (THC)"),
+        (Cast("bfloat16"), "16 bits a value"),
+    ):
+        table.append(Run(method.label, method, family=CODECS, note=note))
+    table += _randomk_runs(density)
+    for method, note in (
+        (Sign(), "1 bit a value and a scale a chunk"),
+        (PowerSGD(4), "rank-4 factors"),
+    ):
+        table.append(Run(method.label, method, family=SPARSE_AND_LOW_RANK, note=note))
+    table += _auto_runs(density)
+    return {run.name: run for run in table}
+
+
+def _randomk_runs(density: float) -> list[Run]:
+    """Random-k with error feedback and the optimizer without momentum (the module docstring says
+    why), at ``density`` and at 10 times it; and without error feedback."""
+    from jaxcomp.methods import RandomK
+
+    method, wider = RandomK(density), RandomK(min(1.0, 10 * density))
+    family = SPARSE_AND_LOW_RANK
+    return [
+        Run(
+            method.label,
+            method,
+            family=family,
+            momentum_free=True,
+            note=f"{_NO_MOMENTUM}; random entries carry less than the top ones",
+        ),
+        Run(
+            f"{method.label}_10x",
+            wider,
+            family=family,
+            momentum_free=True,
+            note=f"{_NO_MOMENTUM}; 10x the density and the bytes",
+        ),
+        Run(
+            f"{method.label}_noef",
+            method,
+            {"error_feedback": False},
+            family=family,
+            note=f"no error feedback: {100 * (1 - density):.3g}% of each gradient dropped",
+        ),
+    ]
+
+
+def _auto_runs(density: float) -> list[Run]:
+    """``compress_auto`` on the probed devices, and on a simulated slow link."""
+    from jaxcomp.methods import candidates
     from jaxcomp.optim.auto import RatioSearch
 
-    fixed = [
-        Dense(),
-        TopK(density),
-        TopK(density, collective="ar"),
-        TopK(density, collective="hierarchical"),
-        Zfp(8),
-        Quantized(4),
-        RandomK(density),
-        Cast("bfloat16"),
-        Sign(),
-        PowerSGD(4),
-    ]
-    table = []
-    for method in fixed:
-        axis_name = ("node", "device") if method.axes_needed == 2 else "data"
-        table.append(Run(method.label, method, {}, axis_name))
-        if (
-            method.with_ratio(density) is not None and axis_name == "data"
-        ):  # top-k without error feedback too
-            table.append(Run(f"{method.label}_noef", method, {"error_feedback": False}))
-    table += [
-        # Chooses from the probed network: on 8 in-memory devices that is dense.
-        Run("auto", candidates(ratio=density, rate=8)),
+    return [
+        # Chooses from the probed network (here 8 in-memory devices) and the cost model.
+        Run(
+            "auto",
+            candidates(ratio=density, rate=8),
+            family=AUTO,
+            note="the cost model's choice for the probed devices",
+        ),
         # The same choice on a simulated slow link, with the ratio chosen as well (paper 000 §3-E).
         Run(
             "auto_adaptive_100mbit",
             candidates(ratio=density),
             {"ratio_search": RatioSearch(), "network": "1ms/100mbit"},
+            family=AUTO,
+            note="the same on a 1 ms, 100 Mbit/s link; density searched",
         ),
     ]
-    return {run.name: run for run in table}
 
 
 def _use_virtual_cpu_devices():
@@ -130,14 +250,20 @@ def make_model(seed=0, hidden=128):
     )
 
 
-def make_optimizer(name: str, learning_rate: float):
-    """The optimizer after ``compress`` in the chain: ``"adam"`` or ``"momentum"`` (SGD, 0.9)."""
+def make_optimizer(name: str, learning_rate: float, momentum_free: bool = False):
+    """The optimizer after ``compress`` in the chain: ``"adam"`` or ``"momentum"`` (SGD, 0.9).
+
+    ``momentum_free`` gives the same optimizer without momentum, for error feedback that delivers
+    in bursts (random-k): SGD at ``learning_rate / (1 - 0.9)``, the step of momentum SGD in a
+    steady state, or Adam with ``b1=0``."""
     import optax
 
     if name == "adam":
-        return optax.adam(learning_rate)
+        return optax.adam(learning_rate, b1=0.0) if momentum_free else optax.adam(learning_rate)
     if name == "momentum":
-        return optax.sgd(learning_rate, momentum=0.9)
+        if momentum_free:
+            return optax.sgd(learning_rate / (1 - MOMENTUM))
+        return optax.sgd(learning_rate, momentum=MOMENTUM)
     raise ValueError(f"optimizer must be 'adam' or 'momentum', got {name!r}")
 
 
@@ -196,19 +322,22 @@ def _setup(run: Run, devices, learning_rate, optimizer, seed):
         if isinstance(run.method, tuple)
         else compress(run.method, axis_name=run.axis_name, **options)
     )
-    tx = optax.chain(aggregate, make_optimizer(optimizer, learning_rate))
+    tx = optax.chain(aggregate, make_optimizer(optimizer, learning_rate, run.momentum_free))
     dp = data_parallel(loss_fn, tx, mesh, axis_name=run.axis_name, has_aux=True)
     return dp, dp.init(params), jax.jit(loss_fn)
 
 
 def _steps(dp, state, evaluate, data, batches, bar):
-    """The training loop: ``(state, last metrics, (losses, eval curve, mean step seconds))``."""
+    """The training loop: ``(state, last metrics, (losses, eval curve, mean step seconds))``; the
+    eval curve holds ``(step, eval loss, eval accuracy)`` from step 0 (the initial params) on."""
     import jax
 
     x_train, y_train, x_test, y_test = data
+    test = {"x": x_test, "y": y_test}
     steps = len(batches)
     eval_every = max(1, steps // 20)
-    losses, eval_curve, metrics = [], [], None
+    losses, metrics = [], None
+    eval_curve = [(0, *map(float, evaluate(state.params, test)))]
     start = None
     for step in bar:
         if step == 1:  # step 0 compiles; time the rest
@@ -219,7 +348,7 @@ def _steps(dp, state, evaluate, data, batches, bar):
         # Reading the loss waits for the step: the progress bar and the step time stay honest.
         losses.append(float(metrics["loss"]))
         if (step + 1) % eval_every == 0 or step + 1 == steps:
-            eval_curve.append((step + 1, evaluate(state.params, {"x": x_test, "y": y_test})[0]))
+            eval_curve.append((step + 1, *map(float, evaluate(state.params, test))))
     jax.block_until_ready(state)
     step_time = (
         (time.perf_counter() - start) / max(1, steps - 1) if start is not None else float("nan")
@@ -235,8 +364,11 @@ def _results(run: Run, state, metrics, evaluate, data, curves) -> dict:
     eval_loss, eval_accuracy = evaluate(state.params, {"x": data[2], "y": data[3]})
     return {
         "name": run.name,
+        "family": run.family,
+        "note": run.note,
         "train_loss": np.asarray(losses),
-        "eval_curve": [(s, float(v)) for s, v in eval_curve],
+        "eval_curve": [(step, loss) for step, loss, _ in eval_curve],
+        "accuracy_curve": [(step, accuracy) for step, _, accuracy in eval_curve],
         "eval_loss": float(eval_loss),
         "eval_accuracy": float(eval_accuracy),
         "bytes_sent": float(metrics["bytes_sent"]),
@@ -247,57 +379,110 @@ def _results(run: Run, state, metrics, evaluate, data, curves) -> dict:
     }
 
 
-def format_table(results) -> str:
-    """The results as a Markdown table (bytes relative to the dense run when there is one)."""
+def diverged(result) -> bool:
+    """Whether a run diverged: an eval loss not finite or above :data:`EXPLODED` times the loss of
+    the initial params (step 0 of its eval curve)."""
+    losses = [loss for _, loss in result["eval_curve"]] + [result["eval_loss"]]
+    start = result["eval_curve"][0][1]
+    return not all(math.isfinite(loss) for loss in losses) or max(losses) > EXPLODED * start
+
+
+def verdicts(results) -> list[dict]:
+    """One record per run, the numbers of the verdict table: ``run``, ``ran``, ``density``,
+    ``accuracy`` and ``accuracy_vs_dense`` (points), ``eval_loss``, ``bytes``,
+    ``bytes_vs_dense``, ``step_ms``, ``within`` ("yes", "no", "diverged", or "-" without a dense
+    run) and ``note``."""
     dense = next((r for r in results if r["name"] == DENSE), None)
-    header = [
-        "run",
-        "last step ran (density)",
-        "eval loss",
-        "eval accuracy",
-        "bytes sent / step / device",
-        "vs dense",
-        "mean step time",
-    ]
-    rows = []
+    records = []
     for r in results:
-        ratio = (
-            f"{r['bytes_sent'] / dense['bytes_sent']:.4f}" if dense and dense["bytes_sent"] else "-"
+        gap = 100 * (r["eval_accuracy"] - dense["eval_accuracy"]) if dense else float("nan")
+        if diverged(r):
+            within = "diverged"
+        elif dense is None:
+            within = "-"
+        else:  # accuracies are counts over the same test set: the tolerance absorbs rounding
+            within = "yes" if gap >= -WITHIN_POINTS - 1e-6 else "no"
+        records.append(
+            {
+                "run": r["name"],
+                "ran": r["method"],
+                "density": r["density"],
+                "accuracy": 100 * r["eval_accuracy"],
+                "accuracy_vs_dense": gap,
+                "eval_loss": r["eval_loss"],
+                "bytes": r["bytes_sent"],
+                "bytes_vs_dense": r["bytes_sent"] / dense["bytes_sent"]
+                if dense and dense["bytes_sent"]
+                else float("nan"),
+                "step_ms": 1e3 * r["step_time"],
+                "within": within,
+                "note": r.get("note", ""),
+            }
         )
+    return records
+
+
+#: The verdict table's columns (Markdown), one per field of a :func:`verdicts` record.
+TABLE_HEADER = (
+    "run",
+    "ran (density)",
+    "eval accuracy",
+    "vs dense (pt)",
+    "eval loss",
+    "bytes / step / device",
+    "vs dense",
+    "step time",
+    "within 1 pt of dense?",
+    "setting / trade-off",
+)
+
+
+def format_table(results) -> str:
+    """The verdict table in Markdown: accuracy and its gap to dense, eval loss, bytes and their
+    ratio to dense, step time, the verdict and the row's documented setting or trade-off."""
+    rows = []
+    for v in verdicts(results):
         rows.append(
             [
-                r["name"],
-                f"{r['method']} ({r['density']:.3g})",
-                f"{r['eval_loss']:.4f}",
-                f"{100 * r['eval_accuracy']:.2f}%",
-                f"{r['bytes_sent']:,.0f}",
-                ratio,
-                f"{1e3 * r['step_time']:.2f} ms",
+                v["run"],
+                f"{v['ran']} ({v['density']:.3g})",
+                f"{v['accuracy']:.2f}%",
+                "-" if math.isnan(v["accuracy_vs_dense"]) else f"{v['accuracy_vs_dense']:+.2f}",
+                f"{v['eval_loss']:.4g}",
+                f"{v['bytes']:,.0f}",
+                "-" if math.isnan(v["bytes_vs_dense"]) else f"{v['bytes_vs_dense']:.4f}",
+                f"{v['step_ms']:.2f} ms",
+                v["within"],
+                v["note"],
             ]
         )
-    return _report.format_table(header, rows, align="llrrrrr")
+    return _report.format_table(TABLE_HEADER, rows, align="llrrrrrrll")
+
+
+def save_tables(results, folder) -> list[str]:
+    """Writes the verdict table to ``folder`` as ``verdict.md`` and ``verdict.csv`` (the CSV with
+    the unformatted numbers of :func:`verdicts`); returns the two paths."""
+    records = verdicts(results)
+    md, csv = os.path.join(folder, "verdict.md"), os.path.join(folder, "verdict.csv")
+    with open(md, "w") as f:
+        f.write(format_table(results) + "\n")
+    _report.write_csv(csv, list(records[0]), [list(v.values()) for v in records])
+    return [md, csv]
+
+
+def figure(results):
+    """The eval curves as a matplotlib figure: one column per family (:data:`FAMILIES` present in
+    ``results``), eval loss above eval accuracy, dense in every panel, each legend below its
+    column; returns it."""
+    from jaxcomp.cli import _demo_plot
+
+    verdict = {v["run"]: v["within"] for v in verdicts(results)}
+    return _demo_plot.figure(results, FAMILIES, DENSE, verdict, WITHIN_POINTS)
 
 
 def plot(results, path):
-    """Saves training loss (smoothed) and eval loss curves of every run to ``path`` (PNG)."""
-    fig, (ax_train, ax_eval) = _report.pyplot().subplots(1, 2, figsize=(12, 4.5))
-    for r in results:
-        loss = r["train_loss"]
-        window = max(1, len(loss) // 25)
-        smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
-        # Dense is the reference: drawn on top, black and dashed, so curves that match it show.
-        style = {"color": "black", "linestyle": "--", "zorder": 3} if r["name"] == DENSE else {}
-        ax_train.plot(np.arange(window, len(loss) + 1), smooth, label=r["name"], **style)
-        steps, values = zip(*r["eval_curve"])
-        ax_eval.plot(steps, values, marker=".", label=r["name"], **style)
-    for ax, title in ((ax_train, "training loss (moving average)"), (ax_eval, "eval loss")):
-        ax.set_xlabel("step")
-        ax.set_yscale("log")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    ax_eval.legend(fontsize=8)
-    fig.suptitle("jaxcomp demo: digits MLP, 8 data-parallel CPU devices")
-    _report.save_figure(fig, path, dpi=110)
+    """Saves :func:`figure` of ``results`` to ``path`` (PNG)."""
+    _report.save_figure(figure(results), path, dpi=110)
 
 
 def main(argv=None) -> int:
@@ -360,9 +545,13 @@ def _parser(all_runs) -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--out", default="jaxcomp-demo", help="folder for the plot (default ./jaxcomp-demo)"
+        "--out",
+        default="jaxcomp-demo",
+        help="folder for the plot and the verdict table (default ./jaxcomp-demo)",
     )
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument(
+        "--no-plot", action="store_true", help="write nothing to --out (no PNG, no table files)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
@@ -442,7 +631,8 @@ def _report_results(args, results, started) -> None:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "loss_curves.png")
         plot(results, path)
-        print(f"\nloss curves: {path}")
+        md, csv = save_tables(results, args.out)
+        print(f"\nverdict table: {md}, {csv}\neval curves: {path}")
     print(f"total time: {time.perf_counter() - started:.1f} s", file=sys.stderr)
 
 
