@@ -24,6 +24,7 @@ from jaxcomp.methods import Method
 from jaxcomp.optim.auto import compress_auto_shorthand
 from jaxcomp.optim.config import FeedbackConfig
 from jaxcomp.optim.feedback import feedback_transformation
+from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.stages import momentum as momentum_stage
 from jaxcomp.optim.stages import warmup as warmup_stage
 from jaxcomp.optim.stages.aggregation import Aggregation, Groups, run_branch
@@ -43,6 +44,7 @@ def compress(
     mask=None,
     min_size=0,
     momentum_correction=None,
+    guardrail=True,
     **shorthand,
 ) -> optax.GradientTransformationExtraArgs:
     """Aggregates gradients across a mesh axis with a compressing method and error feedback.
@@ -157,6 +159,7 @@ def compress(
             nonfinite=nonfinite,
             mask=mask,
             min_size=min_size,
+            guardrail=guardrail,
             **shorthand,
         )
     config = FeedbackConfig.check(
@@ -169,6 +172,7 @@ def compress(
         mask,
         min_size,
         momentum_correction,
+        guardrail,
     )
     method = _parse_method(method, shorthand)
     method.check_axes(config.axes)
@@ -178,20 +182,33 @@ def compress(
     # The methods the state records: with a warm-up, dense first (the `method` metric says which
     # ran).
     branches = warmup_stage.branches(method, warmup)
+    # The guardrail's dense fallback reuses the warm-up's switch (dense last: the method keeps
+    # index 0 of the `method` metric).
+    falls_back = config.guardrail is not None and divergence.can_fall_back(method)
+    if falls_back and warmup_stage.DENSE not in branches:
+        branches = branches + (warmup_stage.DENSE,)
     keeps_residual = config.error_feedback and not method.sends_everything
     # A method that returns its (indices, values) has the residual taken off in place, never a
-    # dense `sent` built and subtracted (not across a warm-up switch: both branches send dense).
-    sparse = method.sparse and not warmup
-    aggregate = _aggregation(config, method, branches, warmup, sparse)
-    return feedback_transformation(config, branches, keeps_residual, aggregate)
+    # dense `sent` built and subtracted (not across a switch: both branches send dense).
+    sparse = method.sparse and len(branches) == 1
+    aggregate = _aggregation(config, method, branches, warmup, sparse, falls_back)
+    return feedback_transformation(
+        config, branches, keeps_residual, aggregate, falls_back=falls_back
+    )
 
 
-def _aggregation(config: FeedbackConfig, method: Method, branches, warmup: int, sparse: bool):
-    """``compress``'s aggregation stage: the warm-up's branch, then the method over the groups."""
+def _aggregation(
+    config: FeedbackConfig, method: Method, branches, warmup: int, sparse: bool, falls_back: bool
+):
+    """``compress``'s aggregation stage: the warm-up's branch (or the guardrail's fallback), then
+    the method over the groups."""
 
     def aggregate(groups: Groups, state: CompressState):
         key = jax.random.fold_in(state.key, state.step)
-        branch, bytes_sent, kept = warmup_stage.choose(branches, groups, state.step, warmup)
+        fallback = divergence.falling_back(state.divergence) if falls_back else None
+        branch, bytes_sent, kept = warmup_stage.choose(
+            branches, groups, state.step, warmup, fallback
+        )
         totals, sents, method_state = run_branch(
             branches, branch, groups, config.axis_name, state.step, key, sparse, state.method_state
         )
