@@ -81,6 +81,22 @@ def compress(
       then raises ``FloatingPointError`` at that step (it reads the metric after every step, so
       steps no longer run ahead of the host). In your own step, check the metric yourself.
 
+    **Guardrails** (``guardrail=``, on by default). Compression must not make training diverge
+    silently. Each step measures the gradients' energy ``G`` (one more scalar in the psum of the
+    ``gain`` sums: no collective is added, no host sync) against a running mean of it, and the
+    error-fed energy against error feedback's bound; when the gradient norm exceeds ``factor``
+    times its running RMS (after ``burn_in`` steps), the residual grows past ``factor`` times the
+    bound, or either energy overflows, that step sends no update, the residual (and
+    ``momentum_correction``'s velocity) is cleared, and the next ``window`` steps aggregate
+    densely (the warm-up's switch; a trigger soon after a window doubles the next one), then the
+    method runs again. The ``fallback`` metric is 1 on those steps and ``fallbacks`` counts the
+    triggers; the host logs each one (logger ``"jaxcomp"``, and a ``RuntimeWarning`` once). A
+    method whose total is not replicated (``Zfp(algorithm="recursive_doubling")``) cannot switch:
+    the guardrail only clears its residual and rests for the window. :class:`jaxcomp.Dense`
+    has nothing to fall back from: its step is the same with or without it. The cost: one
+    reduction over the gradients a step and, for top-k and random-k, the residual updated from a
+    dense ``sent`` instead of in place; see :mod:`jaxcomp.optim.stages.divergence`.
+
     **The string shorthand.** ``compress("ar_topk", ratio=0.01)`` is
     ``compress(TopK(0.01, collective="ar"))``: a name from :data:`jaxcomp.methods.SHORTHAND` with
     the method's options as keywords. ``compress("auto", ...)`` is
@@ -112,6 +128,9 @@ def compress(
         :class:`jaxcomp.RandomK`: each device accumulates its velocity ``u = m u + g`` (not ``g``)
         and clears it where sent; follow it with an optimizer without momentum
         (``optax.sgd(lr)`` or ``optax.adam(lr, b1=0)``). Default None.
+      guardrail: True (default: ``jaxcomp.Guardrail()``, factor 5, window 50, burn-in 20,
+        decay 0.98), a :class:`jaxcomp.Guardrail` with other settings, or False to turn it off;
+        see "Guardrails" above.
       **shorthand: with a method name only: its options (``ratio=``, ``k=``, ``rate=``,
         ``bits=``, ``leader=``, ``selector=``, ``algorithm=``, ``hadamard=``), or with
         ``"auto"`` :func:`jaxcomp.compress_auto`'s.

@@ -124,16 +124,16 @@ def feedback_transformation(
         del params, extra_args
         leaves, treedef = jax.tree.flatten(updates)
         residuals, velocities = _state_leaves(c, treedef, state)
-        _check_state_is_ours(c, state, uses_auto, branches, policy)
         lay = mask.layout(c, updates, sends_everything)
-        if not lay.floats:
-            return updates, state
-        mask.check_same_choice(lay, residuals if keeps_residual else velocities)
-        if guards(lay) != (state.divergence is not None):
+        if lay.floats and guards(lay) != (state.divergence is not None):
             raise ValueError(
                 f"state was made by a compress(guardrail={not guards(lay)}), not by this "
                 f"compress(guardrail={guards(lay)})'s init"
             )
+        _check_state_is_ours(c, state, uses_auto, branches, policy)
+        if not lay.floats:
+            return updates, state
+        mask.check_same_choice(lay, residuals if keeps_residual else velocities)
         grads = _prepare(c, branches, leaves, lay)
         if sends_everything and not uses_auto:
             done = _sum_dense(c, grads, aggregate, state)
@@ -464,6 +464,7 @@ def _trigger(c: FeedbackConfig, done: _Aggregated, skipped, state, branches, fal
         done.energies.gradient,
         guarded.mean,
         divergence.window_length(c.guardrail, guarded)[0],
+        c.axis_name,
         "/".join(lossy),
         falls_back,
     )

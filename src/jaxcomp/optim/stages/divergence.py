@@ -323,7 +323,7 @@ def advance(guardrail: Guardrail, state: GuardrailState, gradient, trigger) -> G
     )
 
 
-def report(trigger, step, gradient, mean, window, description: str, fallback: bool):
+def report(trigger, step, gradient, mean, window, axis_name, description: str, fallback: bool):
     """Tells the host about a trigger, from inside the compiled step: a callback in the taken
     branch of a ``lax.cond`` only, so a step that does not trigger never waits for the host.
 
@@ -333,6 +333,7 @@ def report(trigger, step, gradient, mean, window, description: str, fallback: bo
       gradient: ``G`` of the step.
       mean: the running mean before it.
       window: the window's length (:func:`window_length`).
+      axis_name: the axis or axes of the devices (inside ``shard_map``): the first one tells.
       description: the method's name.
       fallback: whether it falls back to dense (else the residual is only cleared).
 
@@ -340,29 +341,34 @@ def report(trigger, step, gradient, mean, window, description: str, fallback: bo
       None.
 
     Example:
-      >>> report(jnp.bool_(False), 0, 1.0, 1.0, 50, "randomk(0.01)", True)
+      >>> import numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> def quiet(step):
+      ...     report(jnp.bool_(False), step, 1.0, 1.0, 50, "data", "randomk(0.01)", True)
+      ...     return step
+      >>> int(jax.shard_map(quiet, mesh=mesh, in_specs=P(), out_specs=P())(jnp.int32(3)))
+      3
 
     References:
       Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
     """
 
-    def tell(step, gradient, mean, window):
-        _tell(int(step), float(gradient), float(mean), int(window), description, fallback)
+    def tell(device, step, gradient, mean, window):
+        if int(device) == 0:  # every device calls; the first one tells
+            _tell(int(step), float(gradient), float(mean), int(window), description, fallback)
 
     def call(*operands):
         jax.debug.callback(tell, *operands)
 
-    jax.lax.cond(trigger, call, lambda *_: None, step, gradient, mean, window)
+    device = jax.lax.axis_index(axis_name)
+    jax.lax.cond(trigger, call, lambda *_: None, device, step, gradient, mean, window)
 
 
-_TOLD: set = set()  # (description, step) already logged by this process (every device calls)
 _WARNED: list = []  # whether this process has warned once
 
 
 def _tell(step: int, gradient: float, mean: float, window: int, description: str, fallback: bool):
-    if (description, step) in _TOLD:
-        return
-    _TOLD.add((description, step))
     what = (
         f"it aggregates densely for {window} steps"
         if fallback
