@@ -95,7 +95,8 @@ def compress(
     the guardrail only clears its residual and rests for the window. :class:`jaxcomp.Dense`
     has nothing to fall back from: its step is the same with or without it. The cost: one
     reduction over the gradients a step and, for top-k and random-k, the residual updated from a
-    dense ``sent`` instead of in place; see :mod:`jaxcomp.optim.stages.divergence`.
+    dense ``sent`` instead of in place; on CPU top-k's step takes 1.3-2x as long, ZFP's and THC's
+    a few percent longer (:mod:`jaxcomp.optim.stages.divergence`, docs/training.md).
 
     **The string shorthand.** ``compress("ar_topk", ratio=0.01)`` is
     ``compress(TopK(0.01, collective="ar"))``: a name from :data:`jaxcomp.methods.SHORTHAND` with
