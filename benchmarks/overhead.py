@@ -1,6 +1,7 @@
 """Where a compressed step spends its time besides the wire: the local work of each method.
 
     python benchmarks/overhead.py [--devices 4] [--params 25e6] [--repeats 5] [--json out.json]
+                                  [--guardrail-off]
 
 In one process with ``--devices`` CPU devices the "network" is memory, so a ``data_parallel``
 step's time is the model's compute, a cheap in-memory exchange, and each method's own passes over
@@ -9,7 +10,8 @@ every step on top of the wire. Every method's local work is its step minus the d
 ``compress`` step; the dense step itself is compared with a plain ``lax.pmean`` step of the same
 model (no jaxcomp). Each figure is the best of ``--repeats`` rounds, the methods interleaved in
 every round. It imports whichever jaxcomp is on the path, so running it from two checkouts
-compares two versions (BENCHMARKS.md).
+compares two versions (BENCHMARKS.md). ``--guardrail-off`` adds each method once more with
+``compress(guardrail=False)`` (the ``... noguard`` rows): the guardrail's cost, side by side.
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ def main(argv=None) -> int:
     parser.add_argument("--params", type=float, default=25e6)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--guardrail-off",
+        action="store_true",
+        help="also time every method with compress(guardrail=False) (rows '<method> noguard')",
+    )
     args = parser.parse_args(argv)
     jax.config.update("jax_num_cpu_devices", args.devices)
     width = round((args.params / 6) ** 0.5)
@@ -90,7 +97,11 @@ def main(argv=None) -> int:
         loss.block_until_ready()
 
     runners["pmean"] = run_plain
-    for label, (method, options) in STEP_METHODS.items():
+    setups = dict(STEP_METHODS)
+    if args.guardrail_off:
+        for label, (method, options) in STEP_METHODS.items():
+            setups[f"{label} noguard"] = (method, {**options, "guardrail": False})
+    for label, (method, options) in setups.items():
         dp = jaxcomp.data_parallel(
             loss_fn, optax.chain(jaxcomp.compress(method, **options), adam), mesh
         )
@@ -107,16 +118,16 @@ def main(argv=None) -> int:
             start = time.perf_counter()
             run()
             best[label] = min(best[label], time.perf_counter() - start)
-    local = {label: best[label] - best["dense"] for label in STEP_METHODS if label != "dense"}
+    local = {label: best[label] - best["dense"] for label in setups if label != "dense"}
     result = {"params": n_params, "steps": best, "local_work": local, "version": jaxcomp.__file__}
     print(
         f"{n_params / 1e6:.1f}M params, {args.devices} in-process CPU devices, best of "
         f"{args.repeats}:"
     )
     for label, seconds in best.items():
-        print(f"  step {label:15s} {seconds * 1e3:8.1f} ms")
+        print(f"  step {label:23s} {seconds * 1e3:8.1f} ms")
     for label, seconds in local.items():
-        print(f"  local work {label:10s} {seconds * 1e3:8.1f} ms")
+        print(f"  local work {label:18s} {seconds * 1e3:8.1f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

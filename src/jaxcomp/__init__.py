@@ -66,6 +66,7 @@ _EXPORTS = {
     "NonfinitePolicy": "jaxcomp.optim.nonfinite",
     "skip_nonfinite": "jaxcomp.optim.nonfinite",
     "skipped_update": "jaxcomp.optim.nonfinite",
+    "Guardrail": "jaxcomp.optim.stages.divergence",
     # training and measuring
     "accumulate": "jaxcomp.optim.accumulation",
     "DataParallel": "jaxcomp.training.trainer",

@@ -26,6 +26,7 @@ from jaxcomp.methods import Method
 from jaxcomp.ops import _checks
 from jaxcomp.optim.config import FeedbackConfig
 from jaxcomp.optim.feedback import feedback_transformation
+from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.stages.aggregation import Aggregation, Groups, run_branch, static_cost
 from jaxcomp.optim.state import CompressState, compress_states
 
@@ -213,6 +214,7 @@ def compress_auto(
     nonfinite="zero",
     mask=None,
     min_size=0,
+    guardrail=True,
 ):
     """Aggregates gradients like :func:`jaxcomp.compress`, choosing the cheapest of ``candidates``.
 
@@ -255,6 +257,9 @@ def compress_auto(
       nonfinite: as for :func:`jaxcomp.compress`.
       mask: as for :func:`jaxcomp.compress`.
       min_size: as for :func:`jaxcomp.compress`.
+      guardrail: as for :func:`jaxcomp.compress`: a diverging step falls back to the
+        :class:`jaxcomp.Dense` candidate for the window (without one among the candidates the
+        residual is only cleared).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`jaxcomp.CompressState`
@@ -272,7 +277,15 @@ def compress_auto(
       compression ratio).
     """
     config = FeedbackConfig.check(
-        axis_name, error_feedback, granularity, mean, seed, nonfinite, mask, min_size
+        axis_name,
+        error_feedback,
+        granularity,
+        mean,
+        seed,
+        nonfinite,
+        mask,
+        min_size,
+        guardrail=guardrail,
     )
     candidates = _check_candidates(candidates, config.axes)
     ratios = _check_ratio_search(ratio_search, candidates)
@@ -284,12 +297,16 @@ def compress_auto(
         )
     branches = _Branches.of(candidates, ratios)
     keeps_residual = config.error_feedback and not all(m.sends_everything for m in branches.methods)
+    # The guardrail's fallback: the dense candidate's branch, if there is one.
+    dense = [i for i, m in enumerate(branches.methods) if isinstance(m, methods.Dense)]
+    fallback_branch = dense[0] if dense and config.guardrail is not None else None
     return feedback_transformation(
         config,
         branches.methods,
         keeps_residual,
-        _aggregation(config, branches, ratio_search, decide_every),
+        _aggregation(config, branches, ratio_search, decide_every, fallback_branch),
         init_auto=functools.partial(_init_auto, network, len(branches.methods), ratio_search),
+        falls_back=fallback_branch is not None,
     )
 
 
@@ -324,12 +341,17 @@ def _init_auto(network, n_branches: int, ratio_search) -> AutoState:
     )
 
 
-def _aggregation(config: FeedbackConfig, branches: _Branches, ratio_search, decide_every: int):
-    """``compress_auto``'s aggregation stage: decide, run the chosen branch, learn from its gain."""
+def _aggregation(
+    config: FeedbackConfig, branches: _Branches, ratio_search, decide_every: int, fallback_branch
+):
+    """``compress_auto``'s aggregation stage: decide, run the chosen branch (the dense one during
+    the guardrail's fallback), learn from its gain."""
 
     def aggregate(groups: Groups, state: CompressState):
         plan = _Plan(branches, ratio_search, decide_every, groups)
         auto, branch, comm = plan.decide(state.auto, state.step)
+        if fallback_branch is not None and state.divergence is not None:
+            branch = jnp.where(divergence.falling_back(state.divergence), fallback_branch, branch)
 
         totals, sents, method_state = run_branch(
             branches.methods,

@@ -24,6 +24,7 @@ from jaxcomp.methods import Method
 from jaxcomp.optim.auto import compress_auto_shorthand
 from jaxcomp.optim.config import FeedbackConfig
 from jaxcomp.optim.feedback import feedback_transformation
+from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.stages import momentum as momentum_stage
 from jaxcomp.optim.stages import warmup as warmup_stage
 from jaxcomp.optim.stages.aggregation import Aggregation, Groups, run_branch
@@ -43,6 +44,7 @@ def compress(
     mask=None,
     min_size=0,
     momentum_correction=None,
+    guardrail=True,
     **shorthand,
 ) -> optax.GradientTransformationExtraArgs:
     """Aggregates gradients across a mesh axis with a compressing method and error feedback.
@@ -79,6 +81,23 @@ def compress(
       then raises ``FloatingPointError`` at that step (it reads the metric after every step, so
       steps no longer run ahead of the host). In your own step, check the metric yourself.
 
+    **Guardrails** (``guardrail=``, on by default). Compression must not make training diverge
+    silently. Each step measures the gradients' energy ``G`` (one more scalar in the psum of the
+    ``gain`` sums: no collective is added, no host sync) against a running mean of it, and the
+    error-fed energy against error feedback's bound; when the gradient norm exceeds ``factor``
+    times its running RMS (after ``burn_in`` steps), the residual grows past ``factor`` times the
+    bound, or either energy overflows, that step sends no update, the residual (and
+    ``momentum_correction``'s velocity) is cleared, and the next ``window`` steps aggregate
+    densely (the warm-up's switch; a trigger soon after a window doubles the next one), then the
+    method runs again. The ``fallback`` metric is 1 on those steps and ``fallbacks`` counts the
+    triggers; the host logs each one (logger ``"jaxcomp"``, and a ``RuntimeWarning`` once). A
+    method whose total is not replicated (``Zfp(algorithm="recursive_doubling")``) cannot switch:
+    the guardrail only clears its residual and rests for the window. :class:`jaxcomp.Dense`
+    has nothing to fall back from: its step is the same with or without it. The cost: one
+    reduction over the gradients a step and, for top-k and random-k, the residual updated from a
+    dense ``sent`` instead of in place; on CPU top-k's step takes 1.3-2x as long, ZFP's and THC's
+    a few percent longer (:mod:`jaxcomp.optim.stages.divergence`, docs/training.md).
+
     **The string shorthand.** ``compress("ar_topk", ratio=0.01)`` is
     ``compress(TopK(0.01, collective="ar"))``: a name from :data:`jaxcomp.methods.SHORTHAND` with
     the method's options as keywords. ``compress("auto", ...)`` is
@@ -110,6 +129,9 @@ def compress(
         :class:`jaxcomp.RandomK`: each device accumulates its velocity ``u = m u + g`` (not ``g``)
         and clears it where sent; follow it with an optimizer without momentum
         (``optax.sgd(lr)`` or ``optax.adam(lr, b1=0)``). Default None.
+      guardrail: True (default: ``jaxcomp.Guardrail()``, factor 5, window 50, burn-in 20,
+        decay 0.98), a :class:`jaxcomp.Guardrail` with other settings, or False to turn it off;
+        see "Guardrails" above.
       **shorthand: with a method name only: its options (``ratio=``, ``k=``, ``rate=``,
         ``bits=``, ``leader=``, ``selector=``, ``algorithm=``, ``hadamard=``), or with
         ``"auto"`` :func:`jaxcomp.compress_auto`'s.
@@ -157,6 +179,7 @@ def compress(
             nonfinite=nonfinite,
             mask=mask,
             min_size=min_size,
+            guardrail=guardrail,
             **shorthand,
         )
     config = FeedbackConfig.check(
@@ -169,6 +192,7 @@ def compress(
         mask,
         min_size,
         momentum_correction,
+        guardrail,
     )
     method = _parse_method(method, shorthand)
     method.check_axes(config.axes)
@@ -178,20 +202,33 @@ def compress(
     # The methods the state records: with a warm-up, dense first (the `method` metric says which
     # ran).
     branches = warmup_stage.branches(method, warmup)
+    # The guardrail's dense fallback reuses the warm-up's switch (dense last: the method keeps
+    # index 0 of the `method` metric).
+    falls_back = config.guardrail is not None and divergence.can_fall_back(method)
+    if falls_back and warmup_stage.DENSE not in branches:
+        branches = branches + (warmup_stage.DENSE,)
     keeps_residual = config.error_feedback and not method.sends_everything
     # A method that returns its (indices, values) has the residual taken off in place, never a
-    # dense `sent` built and subtracted (not across a warm-up switch: both branches send dense).
-    sparse = method.sparse and not warmup
-    aggregate = _aggregation(config, method, branches, warmup, sparse)
-    return feedback_transformation(config, branches, keeps_residual, aggregate)
+    # dense `sent` built and subtracted (not across a switch: both branches send dense).
+    sparse = method.sparse and len(branches) == 1
+    aggregate = _aggregation(config, method, branches, warmup, sparse, falls_back)
+    return feedback_transformation(
+        config, branches, keeps_residual, aggregate, falls_back=falls_back
+    )
 
 
-def _aggregation(config: FeedbackConfig, method: Method, branches, warmup: int, sparse: bool):
-    """``compress``'s aggregation stage: the warm-up's branch, then the method over the groups."""
+def _aggregation(
+    config: FeedbackConfig, method: Method, branches, warmup: int, sparse: bool, falls_back: bool
+):
+    """``compress``'s aggregation stage: the warm-up's branch (or the guardrail's fallback), then
+    the method over the groups."""
 
     def aggregate(groups: Groups, state: CompressState):
         key = jax.random.fold_in(state.key, state.step)
-        branch, bytes_sent, kept = warmup_stage.choose(branches, groups, state.step, warmup)
+        fallback = divergence.falling_back(state.divergence) if falls_back else None
+        branch, bytes_sent, kept = warmup_stage.choose(
+            branches, groups, state.step, warmup, fallback
+        )
         totals, sents, method_state = run_branch(
             branches, branch, groups, config.axis_name, state.step, key, sparse, state.method_state
         )

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from jaxcomp.ops import _checks
+from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.stages import mask as mask_stage
 from jaxcomp.optim.stages.guard import NONFINITE_POLICIES
 
@@ -30,6 +31,7 @@ class FeedbackConfig:
     )  # None, a pytree of bools or a callable
     min_size: int = 0
     momentum: float | None = None  # DGC's momentum correction
+    guardrail: divergence.Guardrail | None = None  # the divergence guardrail, None when off
 
     @property
     def axis_name(self):
@@ -48,6 +50,7 @@ class FeedbackConfig:
         mask=None,
         min_size=0,
         momentum=None,
+        guardrail=None,
     ) -> FeedbackConfig:
         """Validates the shared arguments, naming the one that is wrong."""
         axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
@@ -94,6 +97,7 @@ class FeedbackConfig:
             mask=mask,
             min_size=min_size,
             momentum=momentum,
+            guardrail=divergence.check(guardrail),
         )
 
     def compressed(self, tree) -> list[bool]:

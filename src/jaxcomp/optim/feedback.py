@@ -38,7 +38,7 @@ from jaxcomp.methods import Method
 from jaxcomp.ops import _ffi
 from jaxcomp.optim import packing, sharding
 from jaxcomp.optim.config import FeedbackConfig
-from jaxcomp.optim.stages import error_feedback, guard, mask, metrics, momentum
+from jaxcomp.optim.stages import divergence, error_feedback, guard, mask, metrics, momentum
 from jaxcomp.optim.stages.aggregation import Aggregation, Groups, init_method_state
 from jaxcomp.optim.stages.guard import NonfinitePolicy
 from jaxcomp.optim.state import Branches, CompressState, init_metrics
@@ -69,6 +69,7 @@ class _Aggregated(NamedTuple):
     nonfinite: Any  # f32[]: summed over the devices
     plain_bytes: Any  # bytes of the plain leaves' sum
     plain_kept: int  # values of the plain leaves
+    energies: Any = None  # metrics.Energies summed over the devices (with a guardrail)
 
 
 def feedback_transformation(
@@ -77,6 +78,7 @@ def feedback_transformation(
     keeps_residual: bool,
     aggregate: Callable,
     init_auto: Callable | None = None,
+    falls_back: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """The error-feedback transformation around an aggregation step (what :func:`compress` and
     :func:`jaxcomp.compress_auto` build on); its update runs the stages of this module's
@@ -89,6 +91,9 @@ def feedback_transformation(
       aggregate: ``(groups, state) -> (Aggregation, auto_after)`` run inside the update, where
         ``auto_after(gain)`` returns the new auto state (or is None).
       init_auto: ``() -> auto state`` for the state's ``auto`` field, or None.
+      falls_back: with ``config.guardrail``, whether ``aggregate`` runs dense while the state's
+        :attr:`~jaxcomp.CompressState.divergence` says so (else the guardrail only clears the
+        residual); for the host's message.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`CompressState`.
@@ -112,12 +117,20 @@ def feedback_transformation(
     def init_fn(params):
         return _init_state(c, branches, params, keeps_residual, init_auto, policy)
 
+    def guards(lay: mask.Layout) -> bool:  # the guardrail runs: something is compressed
+        return c.guardrail is not None and not sends_everything and bool(lay.groups)
+
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         leaves, treedef = jax.tree.flatten(updates)
         residuals, velocities = _state_leaves(c, treedef, state)
-        _check_state_is_ours(c, state, uses_auto, branches, policy)
         lay = mask.layout(c, updates, sends_everything)
+        if lay.floats and guards(lay) != (state.divergence is not None):
+            raise ValueError(
+                f"state was made by a compress(guardrail={not guards(lay)}), not by this "
+                f"compress(guardrail={guards(lay)})'s init"
+            )
+        _check_state_is_ours(c, state, uses_auto, branches, policy)
         if not lay.floats:
             return updates, state
         mask.check_same_choice(lay, residuals if keeps_residual else velocities)
@@ -125,12 +138,15 @@ def feedback_transformation(
         if sends_everything and not uses_auto:
             done = _sum_dense(c, grads, aggregate, state)
         else:
-            done = _sum_error_fed(c, grads, aggregate, state, residuals, velocities, keeps_residual)
+            done = _sum_error_fed(
+                c, grads, aggregate, state, residuals, velocities, keeps_residual, guards(lay)
+            )
         skipped = guard.skip_flag(c.nonfinite, done.nonfinite)
+        trigger = _trigger(c, done, skipped, state, branches, falls_back) if guards(lay) else None
         new_residuals, new_velocities = _write_back(
-            c, grads, done, skipped, residuals, velocities, keeps_residual
+            c, grads, done, skipped, residuals, velocities, keeps_residual, trigger
         )
-        new_state = _next_state(c, grads, done, skipped, state, uses_auto)._replace(
+        new_state = _next_state(c, grads, done, skipped, state, uses_auto, trigger)._replace(
             residual=treedef.unflatten(new_residuals),
             velocity=treedef.unflatten(new_velocities) if velocities is not None else None,
         )
@@ -168,6 +184,9 @@ def _init_state(c: FeedbackConfig, branches, params, keeps_residual, init_auto, 
         branches=Branches(branches),
         velocity=per_compressed_leaf(True) if c.momentum is not None else None,
         method_state=init_method_state(branches, shapes),
+        divergence=divergence.init()
+        if c.guardrail is not None and not all(m.sends_everything for m in branches) and shapes
+        else None,
     )
 
 
@@ -252,11 +271,24 @@ def _sum_dense(c: FeedbackConfig, grads: _Gradients, aggregate, state) -> _Aggre
 
 
 def _sum_error_fed(
-    c: FeedbackConfig, grads: _Gradients, aggregate, state, residuals, velocities, keeps_residual
+    c: FeedbackConfig,
+    grads: _Gradients,
+    aggregate,
+    state,
+    residuals,
+    velocities,
+    keeps_residual,
+    guarding=False,
 ) -> _Aggregated:
     """Stages 1 and 3 to 6 and the metrics' sums: guard, mask, momentum, error feedback,
-    aggregation, and the guard on what came out (totals that overflowed count as 0)."""
+    aggregation, and the guard on what came out (totals that overflowed count as 0); with
+    ``guarding``, the gradients' energy for the guardrail rides in the metrics' psum."""
     feds, plain_parts, counts, momenta = _error_fed(c, grads, residuals, velocities, keeps_residual)
+    gradient = (
+        sum(divergence.energy(grads.leaves[i]) for i in sorted(grads.layout.compressed))
+        if guarding
+        else None
+    )
     out = list(grads.leaves)
     plain_bytes, plain_kept = 0.0, 0
     copies = guard.total_copies(c.axis_name, grads.shards is not None)
@@ -285,19 +317,30 @@ def _sum_error_fed(
         result = Aggregation([], [], 0.0, 0, 0, False, True, state.method_state)
         auto_after = None
     sharded = grads.shards is not None
-    gain, count = metrics.gain_and_nonfinite(
+    gain, count, energies = metrics.summed_metrics(
         result,
         feds,
         sum(counts),
         c.axis_name,
         lambda: guard.count_totals(result.totals, c.axis_name, sharded),
         _narrowest(grads.comm_dtype, state.methods),
+        gradient,
     )
     if c.nonfinite == "zero":  # an overflowed total counts as 0 (skip/raise zero the update)
         result = result._replace(totals=[guard.dropped(t) for t in result.totals])
     remainings = _remainings(feds, result) if keeps_residual else [None] * len(feds)
     return _Aggregated(
-        out, result, auto_after, feds, remainings, momenta, gain, count, plain_bytes, plain_kept
+        out,
+        result,
+        auto_after,
+        feds,
+        remainings,
+        momenta,
+        gain,
+        count,
+        plain_bytes,
+        plain_kept,
+        energies,
     )
 
 
@@ -359,19 +402,23 @@ def _write_back(
     residuals,
     velocities,
     keeps_residual,
+    trigger=None,
 ):
     """Stages 5 and 4 after aggregation: the updates from the totals, the new residual
-    (``g_e - sent``) and velocity (cleared where sent); a skipped step keeps the old ones."""
+    (``g_e - sent``) and velocity (cleared where sent); a skipped step keeps the old ones, a step
+    that triggers the guardrail sends no update and clears them."""
     result = done.result
+    silenced = _either(skipped, trigger)
     new_residuals = list(residuals)
     new_velocities = list(velocities) if velocities is not None else None
     for (positions, _), row, remaining, total, sent in zip(
         grads.layout.groups, grads.rows, done.remainings, result.totals, result.sents
     ):
-        packing.write(done.out, grads.leaves, positions, total, grads.scale, skipped, grads.shards)
+        packing.write(done.out, grads.leaves, positions, total, grads.scale, silenced, grads.shards)
         if result.sends_everything:
             continue  # everything was sent: no residual
         if keeps_residual:
+            remaining = _cleared(trigger, remaining)
             packing.keep(
                 new_residuals, residuals, grads.leaves, positions, remaining, skipped, grads.shards
             )
@@ -381,16 +428,61 @@ def _write_back(
             velocity = momentum.clear_sent(velocity, sent, result.sparse)
             if c.nonfinite == "zero":  # m u + g overflowed: dropped, like the residual
                 velocity = guard.dropped(velocity)
+            velocity = _cleared(trigger, velocity)
             packing.keep(
                 new_velocities, velocities, grads.leaves, positions, velocity, skipped, grads.shards
             )
     return new_residuals, new_velocities
 
 
-def _next_state(c, grads: _Gradients, done: _Aggregated, skipped, state: CompressState, uses_auto):
-    """Stage 7 and the guard's skip: the metrics, and the step, auto and method states (a
-    skipped step leaves the state as it was; only the metrics report it)."""
+def _either(a, b):
+    """``a | b`` of two flags that may be None (never set)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return a | b
+
+
+def _cleared(trigger, vector):
+    """``vector``, or zeros on a step that triggered the guardrail (a select that fuses into the
+    vector's own update)."""
+    return vector if trigger is None else jnp.where(trigger, jnp.zeros_like(vector), vector)
+
+
+def _trigger(c: FeedbackConfig, done: _Aggregated, skipped, state, branches, falls_back):
+    """Whether this step triggers the guardrail (:mod:`.stages.divergence`): never on a skipped
+    step; the host hears of it from the triggered branch only."""
+    guarded = state.divergence
+    trigger = divergence.triggered(
+        c.guardrail, guarded, done.energies.gradient, done.energies.fed, done.gain
+    )
+    if skipped is not None:
+        trigger = trigger & ~skipped
+    lossy = [m.describe() for m in branches if not m.sends_everything]
+    divergence.report(
+        trigger,
+        state.step,
+        done.energies.gradient,
+        guarded.mean,
+        divergence.window_length(c.guardrail, guarded)[0],
+        c.axis_name,
+        "/".join(lossy),
+        falls_back,
+    )
+    return trigger
+
+
+def _next_state(
+    c, grads: _Gradients, done: _Aggregated, skipped, state: CompressState, uses_auto, trigger=None
+):
+    """Stage 7 and the guard's skip: the metrics, and the step, auto, method and guardrail
+    states (a skipped step leaves the state as it was; only the metrics report it)."""
     result = done.result
+    guarded, fallback, fallbacks = state.divergence, 0.0, 0.0
+    if trigger is not None:
+        advanced = divergence.advance(c.guardrail, guarded, done.energies.gradient, trigger)
+        fallback = trigger | divergence.falling_back(guarded)
+        guarded = guard.hold(skipped, guarded, advanced)
+        fallbacks = guarded.fallbacks
     total_size = sum(grads.leaves[i].size for i in grads.layout.floats)
     step_metrics = metrics.step_metrics(
         done.gain,
@@ -399,6 +491,8 @@ def _next_state(c, grads: _Gradients, done: _Aggregated, skipped, state: Compres
         result.method,
         done.nonfinite,
         total_size,
+        fallback,
+        fallbacks,
     )
     new_auto = done.auto_after(done.gain) if done.auto_after is not None else state.auto
     method_state = result.method_state
@@ -409,6 +503,7 @@ def _next_state(c, grads: _Gradients, done: _Aggregated, skipped, state: Compres
         metrics=step_metrics,
         auto=guard.hold(skipped, state.auto, new_auto) if uses_auto else None,
         method_state=guard.hold(skipped, state.method_state, method_state),
+        divergence=guarded,
     )
 
 

@@ -37,6 +37,10 @@ class CompressMetrics(NamedTuple):
     # 2**24): in a device's gradient or error-fed values, and entries of the sum over the
     # devices that overflowed although every device's was finite (each counted once)
     nonfinite: jax.Array
+    # f32[]: 1 on a step the guardrail triggered or that ran its dense fallback, else 0
+    fallback: jax.Array
+    # f32[]: the guardrail's triggers so far (jaxcomp.Guardrail; 0 when it is off)
+    fallbacks: jax.Array
 
 
 @jax.tree_util.register_static
@@ -67,6 +71,8 @@ class CompressState(NamedTuple):
     )
     # per method of `methods`: its own state (PowerSGD's Q per group), or None
     method_state: Any = ()
+    # with a guardrail (jaxcomp.Guardrail): its GuardrailState (replicated scalars); else None
+    divergence: Any = None
 
     @property
     def methods(self) -> tuple[Method, ...]:
@@ -89,7 +95,13 @@ def init_metrics() -> CompressMetrics:
     """
     zero = jnp.zeros((), jnp.float32)
     return CompressMetrics(
-        gain=zero, bytes_sent=zero, density=zero, method=jnp.zeros((), jnp.int32), nonfinite=zero
+        gain=zero,
+        bytes_sent=zero,
+        density=zero,
+        method=jnp.zeros((), jnp.int32),
+        nonfinite=zero,
+        fallback=zero,
+        fallbacks=zero,
     )
 
 

@@ -8,6 +8,8 @@
 5. :mod:`.error_feedback`: ``g_e = g + residual`` before, ``residual = g_e - sent`` after.
 6. :mod:`.aggregation`: the method's collective over the groups of error-fed vectors.
 7. :mod:`.metrics`: compression gain, bytes, density, method, non-finite count.
+8. :mod:`.divergence`: the guardrail: a diverging step clears the residual and falls back to
+   dense for a window (the warm-up's switch).
 
 :func:`jaxcomp.optim.feedback.feedback_transformation` composes them; gradient accumulation
 (:func:`jaxcomp.accumulate`) wraps a whole transformation instead. :mod:`jaxcomp.optim.packing`
@@ -26,5 +28,6 @@ __getattr__, __dir__, __all__ = attach(
         "error_feedback",
         "aggregation",
         "metrics",
+        "divergence",
     ),
 )

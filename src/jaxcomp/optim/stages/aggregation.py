@@ -14,6 +14,7 @@ import jax
 
 from jaxcomp.collectives import small
 from jaxcomp.methods import Method
+from jaxcomp.ops import _ffi
 
 
 class Groups(NamedTuple):
@@ -251,6 +252,9 @@ def run_branch(
                 sparse=sparse,
                 states=states[index],
             )
+            # Typed per device like the vectors: a method whose `sent` comes out typed replicated
+            # (an FFI result: Sign's majority vote) must still match dense's in lax.switch.
+            sents = _ffi.like_varying_operands(sents, vectors)
             return totals, sents, states[:index] + (own,) + states[index + 1 :]
 
         return branch_fn

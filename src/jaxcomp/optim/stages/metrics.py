@@ -10,6 +10,8 @@ next residual; the others pay nothing for it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -59,27 +61,81 @@ def gain_and_nonfinite(result, feds, count, axis_name, check_totals=None, comm_d
       Tyagi & Swany, arXiv 2312.02493, §2-C3 (compression gain); Micikevicius et al., "Mixed
       Precision Training", ICLR 2018, §3.2 (overflow).
     """
+    gain, count, _ = summed_metrics(result, feds, count, axis_name, check_totals, comm_dtype)
+    return gain, count
+
+
+class Energies(NamedTuple):
+    """The energies the guardrail reads (:mod:`.divergence`), summed over the devices."""
+
+    gradient: jax.Array  # f32[]: sum_d ||g_d||^2 (the finite entries), 0 when not asked for
+    fed: jax.Array  # f32[]: sum_d ||g_e,d||^2; inf when a device's exceeded the plain limit
+
+
+def summed_metrics(
+    result, feds, count, axis_name, check_totals=None, comm_dtype=jnp.float32, gradient=None
+):
+    """:func:`gain_and_nonfinite`, with the energies the guardrail needs: ``gradient`` (this
+    device's gradient energy) rides in the same psum, one scalar more.
+
+    Args:
+      result: the step's :class:`~jaxcomp.optim.stages.aggregation.Aggregation`.
+      feds: per group, this device's error-fed vector.
+      count: this device's non-finite gradient entries.
+      axis_name: the axis or axes to sum over.
+      check_totals: as for :func:`gain_and_nonfinite`.
+      comm_dtype: the dtype the totals are in.
+      gradient: this device's gradient energy (float32 scalar), or None (not summed).
+
+    Returns:
+      ``(gain, count, energies)``: :func:`gain_and_nonfinite`'s two and an :class:`Energies`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> from jaxcomp.optim.stages.aggregation import Aggregation
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> def f(x):
+      ...     result = Aggregation([x], [x * jnp.array([1.0, 0.0])], 0.0, 1, 0, False, False)
+      ...     _, _, e = summed_metrics(result, [x], jnp.float32(0), "data", gradient=x.sum())
+      ...     return e.gradient, e.fed
+      >>> [float(e) for e in jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P())(
+      ...     jnp.ones(4))]
+      [4.0, 4.0]
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §2-C3; Karimireddy et al., "Error Feedback Fixes
+      SignSGD", ICML 2019 (the residual's bound).
+    """
     count = jnp.asarray(count, jnp.float32)
     if result.sends_everything:
         summed = small.metric_sum(count, axis_name)
         checked = check_totals() if check_totals is not None else 0.0
-        return jnp.ones((), jnp.float32), jnp.round(summed) + checked
+        zero = jnp.zeros((), jnp.float32)
+        return jnp.ones((), jnp.float32), jnp.round(summed) + checked, Energies(zero, zero)
     sents = [sent[1] if result.sparse else sent for sent in result.sents]
     # The energies (plain and scaled), this device's own non-finite entries and the gradients'
-    # count: one psum of 6 scalars.
-    summed = small.metric_sum(jnp.concatenate([_energies(sents, feds), count[None]]), axis_name)
+    # count (and the gradient's energy): one psum of 6 (7) scalars.
+    parts = [_energies(sents, feds), count[None]]
+    if gradient is not None:
+        parts.append(jnp.asarray(gradient, jnp.float32)[None])
+    summed = small.metric_sum(jnp.concatenate(parts), axis_name)
     kept, total, kept_scaled, total_scaled = summed[0], summed[1], summed[2], summed[3]
     gain = ratio_choice.gain_from_energies(kept, total, kept_scaled, total_scaled)
     count = jnp.round(summed[4] + summed[5])
+    energies = Energies(
+        summed[6] if gradient is not None else jnp.zeros((), jnp.float32),
+        jnp.where(total_scaled > 0, jnp.inf, total).astype(jnp.float32),
+    )
     if check_totals is None:
-        return gain, count
+        return gain, count, energies
     # Every |total_i| <= N max_d ||sent_d|| <= N sqrt(kept): at most a quarter of the largest
     # value while kept <= (largest / 4N)**2 (any finite kept for float32 and bfloat16).
     largest = float(jnp.finfo(comm_dtype).max)
     limit = min((largest / (4.0 * jax.lax.axis_size(axis_name))) ** 2, _F32_MAX)
     safe = jnp.isfinite(kept) & (kept <= limit) & (kept_scaled == 0) & (summed[4] == 0)
     overflowed = jax.lax.cond(safe, lambda: jnp.zeros((), jnp.float32), check_totals)
-    return gain, count + overflowed
+    return gain, count + overflowed, energies
 
 
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
@@ -132,7 +188,9 @@ def _total(scalars):
     return sum(scalars, jnp.zeros((), jnp.float32))
 
 
-def step_metrics(gain, bytes_sent, kept, method, nonfinite, total_size: int) -> CompressMetrics:
+def step_metrics(
+    gain, bytes_sent, kept, method, nonfinite, total_size: int, fallback=0.0, fallbacks=0.0
+) -> CompressMetrics:
     """The :class:`~jaxcomp.CompressMetrics` of a step.
 
     Args:
@@ -142,6 +200,8 @@ def step_metrics(gain, bytes_sent, kept, method, nonfinite, total_size: int) -> 
       method: index of the method that ran.
       nonfinite: non-finite entries, summed over the devices.
       total_size: float values in the gradients.
+      fallback: 1 on a step the guardrail triggered or fell back on, else 0.
+      fallbacks: the guardrail's triggers so far.
 
     Returns:
       A :class:`~jaxcomp.CompressMetrics` (``density = kept / total_size``).
@@ -159,4 +219,6 @@ def step_metrics(gain, bytes_sent, kept, method, nonfinite, total_size: int) -> 
         density=jnp.asarray(kept / total_size, jnp.float32),
         method=jnp.asarray(method, jnp.int32),
         nonfinite=nonfinite,
+        fallback=jnp.asarray(fallback, jnp.float32),
+        fallbacks=jnp.asarray(fallbacks, jnp.float32),
     )

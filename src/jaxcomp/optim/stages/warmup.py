@@ -90,15 +90,17 @@ def branches(method: Method, warmup: int) -> tuple[Method, ...]:
     return (DENSE, method) if warmup else (method,)
 
 
-def choose(runs: tuple[Method, ...], groups: Groups, step, warmup: int):
+def choose(runs: tuple[Method, ...], groups: Groups, step, warmup: int, fallback=None):
     """The branch this step runs and its static cost: ``(branch, bytes one device sends, values
-    kept)``; a Python int and floats without a warm-up, traced scalars with one.
+    kept)``; a Python int and floats without a warm-up or a guardrail, traced scalars with one.
 
     Args:
       runs: :func:`branches`'s result.
       groups: the update's :class:`~jaxcomp.optim.stages.aggregation.Groups`.
       step: the state's step counter.
       warmup: :func:`warmup_length`'s result.
+      fallback: the guardrail's flag (:func:`jaxcomp.optim.stages.divergence.falling_back`):
+        when true, the step runs ``DENSE`` (which ``runs`` then holds); None without one.
 
     Returns:
       ``(branch, bytes_sent, kept)``.
@@ -114,10 +116,12 @@ def choose(runs: tuple[Method, ...], groups: Groups, step, warmup: int):
     References:
       Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
     """
-    if not warmup:
+    if not warmup and fallback is None:
         bytes_sent, kept, _ = static_cost(runs[0], groups)
         return 0, bytes_sent, kept
-    branch = (step >= warmup).astype(jnp.int32)
+    branch = (step >= warmup).astype(jnp.int32) if warmup else jnp.zeros((), jnp.int32)
+    if fallback is not None:
+        branch = jnp.where(fallback, runs.index(DENSE), branch).astype(jnp.int32)
     costs = [static_cost(m, groups) for m in runs]
     bytes_sent = jnp.asarray([cost[0] for cost in costs], jnp.float32)[branch]
     kept = jnp.asarray([cost[1] for cost in costs], jnp.float32)[branch]

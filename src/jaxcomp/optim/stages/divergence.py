@@ -1,0 +1,387 @@
+"""The guardrail stage: training that diverges because of compression falls back to dense.
+
+Each step it looks at two energies that every device already agrees on, summed over the devices
+by the psum of the metrics stage (:mod:`.metrics`; one more scalar in it, no new collective):
+
+* ``G = sum_d ||g_d||^2``, the gradients' energy (their finite entries, before the residual);
+* ``F = sum_d ||g_e,d||^2``, the error-fed energy (gradient plus residual), with the step's
+  compression gain ``gain = sum_d ||sent_d||^2 / F``.
+
+It triggers, once ``burn_in`` steps have been seen, when
+
+* **(a) the gradient norm blows up:** ``G > factor**2 * mean``, where ``mean`` is a running mean
+  of ``G`` (the average of the burn-in steps, then an exponential moving average with
+  ``decay``). The average follows a sample at most :data:`FOLLOW` times its value, so a
+  divergence that grows by a few percent a step (random-k diverging under SGD momentum grows
+  the gradient norm by about 8% a step) outruns it and is caught, where a plain average would
+  keep pace with it forever; a single sample never moves it more than ``(1 - decay) * 3``.
+* **(b) the residual grows without bound:** ``F * gain**2 > (2 * factor)**2 * mean``. Error
+  feedback with a compressor that keeps a fraction ``gain`` of the energy keeps a residual of at
+  most about ``2 / gain`` gradient norms; ``factor`` times that bound is not a healthy residual.
+  A residual that is merely large (0.1% top-k keeps hundreds of gradient norms) does not trigger.
+* **(c) a statistic that is not finite:** ``G`` or ``F`` overflowed float32 (a gradient norm
+  above ``1.8e19``, or a device's energy above ``2**100``). Non-finite *entries* do not trigger by
+  themselves: the non-finite guard (:mod:`.guard`) already counts them as 0 and never stores them,
+  and the ``nonfinite=`` policy decides their step.
+
+**Response.** The triggering step sends no update (its gradients are the outlier) and clears the
+residual and DGC's velocity on every device; the next ``window`` steps aggregate with the dense
+branch (the warm-up's switch, :mod:`.warmup`), which keeps no residual, then the method runs
+again from a zero residual. A method that cannot switch to dense inside a compiled step (its
+total is not replicated: ``Zfp(algorithm="recursive_doubling")``; ``compress_auto`` without a
+dense candidate) only clears the residual and velocity; the next ``window`` steps are a cool-down
+in which the guardrail does not trigger again. The ``fallback`` metric is 1 on the steps that
+triggered or ran the fallback, ``fallbacks`` counts the triggers; the host is told through a
+``jax.debug.callback`` that sits in the triggered branch only (a ``logging`` warning from
+logger ``"jaxcomp"`` per trigger, and a ``RuntimeWarning`` once per process).
+
+**Cost.** A step with the guardrail pays one extra reduction over its gradients (``G``), one more
+scalar in the metrics psum, a few scalar operations, and the residual's and velocity's clearing
+(a select fused into their update). No host sync: the decision is a traced flag. With a sparse
+method (top-k, random-k) the residual is updated from a dense ``sent`` instead of in place (as
+during a warm-up), because both branches of the switch must return the same types. Measured on
+CPU (docs/training.md, "Guardrails"): dense unchanged, ZFP and THC a few percent, top-k 1.3-2x
+its step; ``guardrail=False`` where that matters more than the safety net.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcomp.methods import Method
+from jaxcomp.ops import _checks
+
+#: How far one step's gradient energy can pull the running mean: a sample counts as at most this
+#: many times the mean (``G`` above it counts as ``FOLLOW * mean``).
+FOLLOW = 2.0
+
+#: A window doubles for each trigger in a row, at most this many times (``window * 32``).
+MAX_DOUBLINGS = 5
+
+_LOG = logging.getLogger("jaxcomp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Guardrail:
+    """When :func:`jaxcomp.compress` falls back to dense because training diverges.
+
+    See :mod:`jaxcomp.optim.stages.divergence` for what is measured and what it costs.
+
+    Args:
+      factor: trigger when the gradient norm exceeds ``factor`` times its running RMS (default
+        10, ``> 1``); the residual's bound scales with it too.
+      window: dense steps after a trigger before the method runs again (default 50, ``>= 1``).
+      burn_in: steps seen before the first check (default 20, ``>= 1``); their mean starts the
+        running mean.
+      decay: the running mean's decay per step (default 0.99, in ``(0, 1)``).
+
+    Example:
+      >>> Guardrail(factor=5.0).window
+      50
+
+    References:
+      Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3 (dense warm-up); Karimireddy et
+      al., "Error Feedback Fixes SignSGD", ICML 2019, Thm. II (the residual's bound).
+    """
+
+    factor: float = 5.0
+    window: int = 50
+    burn_in: int = 20
+    decay: float = 0.98
+
+    def __post_init__(self):
+        for name in ("factor", "decay"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
+                raise TypeError(f"Guardrail {name} must be a number, got {value!r}")
+        if not 1.0 < self.factor < 1e9:
+            raise ValueError(f"Guardrail factor must be in (1, 1e9), got {self.factor!r}")
+        if not 0.0 < self.decay < 1.0:
+            raise ValueError(f"Guardrail decay must be in (0, 1), got {self.decay!r}")
+        object.__setattr__(self, "factor", float(self.factor))
+        object.__setattr__(self, "decay", float(self.decay))
+        object.__setattr__(self, "window", _checks.static_int(self.window, "window", 1))
+        object.__setattr__(self, "burn_in", _checks.static_int(self.burn_in, "burn_in", 1))
+
+
+class GuardrailState(NamedTuple):
+    """The guardrail's state in :attr:`jaxcomp.CompressState.divergence` (replicated)."""
+
+    mean: jax.Array  # f32[]: running mean of the gradients' energy G (0 before the first step)
+    seen: jax.Array  # i32[]: steps whose G went into the mean
+    left: jax.Array  # i32[]: fallback (or cool-down) steps left; 0 when the method runs
+    fallbacks: jax.Array  # i32[]: triggers so far
+    streak: jax.Array  # i32[]: triggers in a row (each doubles the window)
+    calm: jax.Array  # i32[]: steps the method ran since the last window ended
+
+
+def check(guardrail) -> Guardrail | None:
+    """The ``guardrail=`` argument as a :class:`Guardrail`, or None when it is off.
+
+    Args:
+      guardrail: True (the defaults), False or None (off), or a :class:`Guardrail`.
+
+    Returns:
+      A :class:`Guardrail` or None; raises a TypeError naming ``guardrail`` otherwise.
+
+    Example:
+      >>> check(True) == Guardrail(), check(False)
+      (True, None)
+
+    References:
+      Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
+    """
+    if guardrail is True or isinstance(guardrail, np.bool_) and guardrail:
+        return Guardrail()
+    if guardrail is None or guardrail is False or isinstance(guardrail, np.bool_):
+        return None
+    if not isinstance(guardrail, Guardrail):
+        raise TypeError(
+            f"guardrail must be True, False or a jaxcomp.Guardrail(factor=, window=, burn_in=, "
+            f"decay=), got {guardrail!r}"
+        )
+    return guardrail
+
+
+def can_fall_back(method: Method) -> bool:
+    """Whether a fallback can switch ``method`` to dense inside one compiled step.
+
+    Args:
+      method: the :mod:`jaxcomp.methods` object.
+
+    Returns:
+      True when its total comes out replicated and it loses something (dense has nothing to
+      fall back from).
+
+    Example:
+      >>> from jaxcomp.methods import TopK, Zfp
+      >>> can_fall_back(TopK(0.1)), can_fall_back(Zfp(8, algorithm="recursive_doubling"))
+      (True, False)
+
+    References:
+      Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
+    """
+    return method.replicated_total and not method.sends_everything
+
+
+def init() -> GuardrailState:
+    """The guardrail's state before the first step.
+
+    Returns:
+      A :class:`GuardrailState` of zeros.
+
+    Example:
+      >>> int(init().fallbacks)
+      0
+
+    References:
+      Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
+    """
+    zero = jnp.zeros((), jnp.int32)
+    return GuardrailState(jnp.zeros((), jnp.float32), zero, zero, zero, zero, zero)
+
+
+def falling_back(state: GuardrailState | None):
+    """Whether this step runs the dense fallback (a replicated boolean), or None without a
+    guardrail.
+
+    Args:
+      state: the :class:`GuardrailState`, or None.
+
+    Returns:
+      ``state.left > 0`` or None.
+
+    Example:
+      >>> bool(falling_back(init()._replace(left=jnp.int32(3))))
+      True
+
+    References:
+      Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
+    """
+    return None if state is None else state.left > 0
+
+
+def energy(values):
+    """This device's energy ``sum x^2`` of a gradient leaf's finite entries (float32).
+
+    Args:
+      values: a float array (its non-finite entries count as 0).
+
+    Returns:
+      A float32 scalar.
+
+    Example:
+      >>> float(energy(jnp.array([3.0, jnp.nan, 4.0])))
+      25.0
+
+    References:
+      Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019 (the gradient norm).
+    """
+    x = values.astype(jnp.float32)
+    return jnp.sum(jnp.where(jnp.isfinite(x), jnp.square(x), 0.0))
+
+
+def triggered(guardrail: Guardrail, state: GuardrailState, gradient, fed, gain):
+    """Whether this step triggers the fallback (a replicated boolean).
+
+    Args:
+      guardrail: the :class:`Guardrail`.
+      state: the state before the step.
+      gradient: ``G``, the gradients' energy summed over the devices.
+      fed: ``F``, the error-fed energy summed over the devices (inf when it overflowed).
+      gain: the step's compression gain.
+
+    Returns:
+      A boolean scalar: (a), (b) or (c) of the module docstring, after the burn-in and outside a
+      fallback window.
+
+    Example:
+      >>> state = init()._replace(mean=jnp.float32(1.0), seen=jnp.int32(50))
+      >>> g = Guardrail()
+      >>> bool(triggered(g, state, 24.0, 1.0, 1.0)), bool(triggered(g, state, 26.0, 1.0, 1.0))
+      (False, True)
+
+    References:
+      Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019, Thm. II (the residual's
+      bound ``2 / gain``).
+    """
+    limit = guardrail.factor**2 * state.mean
+    blown_up = ~(gradient <= limit)  # NaN and inf too
+    runaway = ~(fed * jnp.square(gain) <= 4.0 * limit)
+    ready = (state.seen >= guardrail.burn_in) & (state.left == 0)
+    return ready & (blown_up | runaway)
+
+
+def window_length(guardrail: Guardrail, state: GuardrailState):
+    """The length of the window a trigger now starts: ``window``, doubled for each trigger in a
+    row (one that comes less than ``4 * window`` method steps after the last window ended), at
+    most :data:`MAX_DOUBLINGS` times; and the new streak.
+
+    Args:
+      guardrail: the :class:`Guardrail`.
+      state: the state before the step.
+
+    Returns:
+      ``(length, streak)``: int32 scalars.
+
+    Example:
+      >>> state = init()._replace(fallbacks=jnp.int32(1), streak=jnp.int32(1))
+      >>> [int(x) for x in window_length(Guardrail(window=10), state)]
+      [20, 2]
+
+    References:
+      Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
+    """
+    again = (state.fallbacks > 0) & (state.calm < 4 * guardrail.window)
+    streak = jnp.where(again, state.streak + 1, 1).astype(jnp.int32)
+    doublings = jnp.minimum(streak - 1, MAX_DOUBLINGS)
+    return (guardrail.window * jnp.left_shift(1, doublings)).astype(jnp.int32), streak
+
+
+def advance(guardrail: Guardrail, state: GuardrailState, gradient, trigger) -> GuardrailState:
+    """The state after a step: the running mean takes ``G`` in (not a triggering step's; during a
+    window it may only come down, as the model recovers), the window counts down or starts.
+
+    Args:
+      guardrail: the :class:`Guardrail`.
+      state: the state before the step.
+      gradient: ``G`` of the step.
+      trigger: :func:`triggered`'s result.
+
+    Returns:
+      The new :class:`GuardrailState`.
+
+    Example:
+      >>> state = advance(Guardrail(), init(), jnp.float32(4.0), jnp.bool_(False))
+      >>> float(state.mean), int(state.seen)
+      (4.0, 1)
+
+    References:
+      Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
+    """
+    seen = state.seen.astype(jnp.float32)
+    finite = jnp.isfinite(gradient)
+    sample = jnp.where(finite, gradient, state.mean)
+    averaged = state.mean + (sample - state.mean) / (seen + 1.0)  # the burn-in: a plain mean
+    ceiling = jnp.where(state.left > 0, 1.0, FOLLOW) * state.mean
+    smoothed = guardrail.decay * state.mean + (1.0 - guardrail.decay) * jnp.minimum(sample, ceiling)
+    mean = jnp.where(state.seen < guardrail.burn_in, averaged, smoothed)
+    take = ~trigger & finite
+    length, streak = window_length(guardrail, state)
+    return GuardrailState(
+        mean=jnp.where(take, mean, state.mean).astype(jnp.float32),
+        seen=state.seen + take.astype(jnp.int32),
+        left=jnp.where(trigger, length, jnp.maximum(state.left - 1, 0)).astype(jnp.int32),
+        fallbacks=state.fallbacks + trigger.astype(jnp.int32),
+        streak=jnp.where(trigger, streak, state.streak).astype(jnp.int32),
+        calm=jnp.where(trigger | (state.left > 0), 0, state.calm + 1).astype(jnp.int32),
+    )
+
+
+def report(trigger, step, gradient, mean, window, axis_name, description: str, fallback: bool):
+    """Tells the host about a trigger, from inside the compiled step: a callback in the taken
+    branch of a ``lax.cond`` only, so a step that does not trigger never waits for the host.
+
+    Args:
+      trigger: the replicated flag.
+      step: the step counter.
+      gradient: ``G`` of the step.
+      mean: the running mean before it.
+      window: the window's length (:func:`window_length`).
+      axis_name: the axis or axes of the devices (inside ``shard_map``): the first one tells.
+      description: the method's name.
+      fallback: whether it falls back to dense (else the residual is only cleared).
+
+    Returns:
+      None.
+
+    Example:
+      >>> import numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> def quiet(step):
+      ...     report(jnp.bool_(False), step, 1.0, 1.0, 50, "data", "randomk(0.01)", True)
+      ...     return step
+      >>> int(jax.shard_map(quiet, mesh=mesh, in_specs=P(), out_specs=P())(jnp.int32(3)))
+      3
+
+    References:
+      Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
+    """
+
+    def tell(device, step, gradient, mean, window):
+        if int(device) == 0:  # every device calls; the first one tells
+            _tell(int(step), float(gradient), float(mean), int(window), description, fallback)
+
+    def call(*operands):
+        jax.debug.callback(tell, *operands)
+
+    device = jax.lax.axis_index(axis_name)
+    jax.lax.cond(trigger, call, lambda *_: None, device, step, gradient, mean, window)
+
+
+_WARNED: list = []  # whether this process has warned once
+
+
+def _tell(step: int, gradient: float, mean: float, window: int, description: str, fallback: bool):
+    what = (
+        f"it aggregates densely for {window} steps"
+        if fallback
+        else f"the guardrail rests for {window} steps"
+    )
+    message = (
+        f"jaxcomp.compress({description}): training diverges at step {step} (gradient norm "
+        f"{np.sqrt(gradient):.3g}, running RMS {np.sqrt(mean):.3g}); the residual is cleared and "
+        f"{what} before the method runs again (see the 'fallbacks' metric)"
+    )
+    _LOG.warning(message)
+    if not _WARNED:
+        _WARNED.append(True)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)

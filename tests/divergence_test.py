@@ -1,0 +1,291 @@
+"""The guardrail (jaxcomp.Guardrail, :mod:`jaxcomp.optim.stages.divergence`): a diverging
+compressed run is caught and falls back to dense; a healthy one is left bit for bit as it was.
+
+The detector's statistics are checked against a numpy reference; the forced divergence is random-k
+1% with error feedback under SGD momentum 0.9 on a small least-squares problem, where dense
+converges and random-k diverges today; the spike is a batch whose targets are 1000x larger.
+"""
+
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import need_devices
+from jax.sharding import Mesh
+
+import jaxcomp
+from jaxcomp.optim.stages import divergence
+
+DIM, ROWS, BATCH = 200, 512, 64
+GUARD = jaxcomp.Guardrail(window=20)  # the default, with a window short enough for 120 steps
+
+
+def _problem():
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(ROWS, DIM)).astype(np.float32)
+    y = a @ rng.normal(size=DIM).astype(np.float32) + 0.1 * rng.normal(size=ROWS).astype(np.float32)
+    picks = [rng.integers(0, ROWS, BATCH) for _ in range(200)]
+    return [{"x": a[i], "y": y[i]} for i in picks]
+
+
+BATCHES = _problem()
+
+
+def _loss(params, batch):
+    return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+
+def _mesh(n):
+    need_devices(n)
+    return Mesh(np.array(jax.devices()[:n]), ("data",))
+
+
+def _train(compress_tx, lr, steps, n_devices=8, spike_at=None, momentum=0.9):
+    """Trains with data_parallel; returns (per-step metrics as numpy, residual after each step,
+    params before and after each step)."""
+    tx = optax.chain(compress_tx, optax.sgd(lr, momentum=momentum))
+    dp = jaxcomp.data_parallel(_loss, tx, _mesh(n_devices))
+    state = dp.init({"w": jnp.zeros(DIM)})
+    out, residuals, params = [], [], [np.asarray(state.params["w"])]
+    for t in range(steps):
+        batch = BATCHES[t]
+        if t == spike_at:
+            batch = {"x": batch["x"], "y": batch["y"] * 1000.0}
+        state, metrics = dp.step(state, batch)
+        out.append(metrics)
+        residuals.append(jaxcomp.find_compress_state(state.opt_state).residual["w"])
+        params.append(state.params["w"])
+    jax.effects_barrier()
+    metrics = {k: np.array([float(m[k]) for m in out]) for k in ("loss", "fallback", "bytes_sent")}
+    metrics["fallbacks"] = np.array([float(m["fallbacks"]) for m in out])
+    return metrics, [np.asarray(r) for r in residuals], [np.asarray(p) for p in params]
+
+
+# ---- the detector against numpy ----------------------------------------------------------------
+
+
+def _numpy_guardrail(g, gradients, feds, gains):
+    """The detector of divergence.py's docstring, in numpy: triggers and the final state."""
+    mean, seen, left, fallbacks, streak, calm = 0.0, 0, 0, 0, 0, 0
+    triggers = []
+    for energy, fed, gain in zip(gradients, feds, gains):
+        limit = g.factor**2 * mean
+        bad = not energy <= limit or not fed * gain**2 <= 4 * limit
+        trigger = seen >= g.burn_in and left == 0 and bad
+        triggers.append(trigger)
+        if not trigger and np.isfinite(energy):
+            if seen < g.burn_in:
+                new = mean + (energy - mean) / (seen + 1)
+            else:
+                ceiling = (1.0 if left > 0 else divergence.FOLLOW) * mean
+                new = g.decay * mean + (1 - g.decay) * min(energy, ceiling)
+            mean, seen = new, seen + 1
+        if trigger:
+            streak = streak + 1 if fallbacks > 0 and calm < 4 * g.window else 1
+            left = g.window * 2 ** min(streak - 1, divergence.MAX_DOUBLINGS)
+            fallbacks += 1
+            calm = 0
+        else:
+            calm = 0 if left > 0 else calm + 1
+            left = max(left - 1, 0)
+    return triggers, (mean, seen, left, fallbacks, streak, calm)
+
+
+def test_detector_statistics_match_numpy():
+    g = jaxcomp.Guardrail(factor=3.0, window=4, burn_in=5, decay=0.9)
+    rng = np.random.default_rng(1)
+    gradients = rng.uniform(1.0, 2.0, 80).astype(np.float32)
+    gradients[20:30] *= np.float32(1.3) ** np.arange(10)  # a slow blow-up the mean cannot follow
+    gradients[50] = 500.0  # a spike
+    gradients[60] = np.inf  # an energy that overflowed
+    gradients[64:68] = 30.0  # a spike twice in a row: the window doubles
+    feds = gradients * rng.uniform(1.0, 50.0, 80).astype(np.float32)
+    feds[40] = 1e6  # a residual far beyond error feedback's bound (gain 0.5)
+    gains = np.full(80, 0.5, np.float32)
+
+    @jax.jit
+    def run(gradients, feds, gains):
+        def step(state, x):
+            trigger = divergence.triggered(g, state, *x)
+            return divergence.advance(g, state, x[0], trigger), trigger
+
+        return jax.lax.scan(step, divergence.init(), (gradients, feds, gains))
+
+    state, triggers = run(gradients, feds, gains)
+    want_triggers, want_state = _numpy_guardrail(g, gradients, feds, gains)
+    np.testing.assert_array_equal(np.asarray(triggers), want_triggers)
+    assert sum(want_triggers) >= 4 and want_triggers[40] and want_triggers[50]
+    np.testing.assert_allclose(float(state.mean), want_state[0], rtol=1e-5)
+    assert [int(x) for x in state[1:]] == list(want_state[1:])
+
+
+# ---- forced divergence --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def randomk_runs():
+    """Random-k 1% at lr 0.01: dense converges there, random-k diverges (today's behaviour with
+    the guardrail off)."""
+    return {
+        "dense": _train(jaxcomp.compress("dense"), 0.01, 120),
+        "off": _train(jaxcomp.compress("randomk", ratio=0.01, guardrail=False), 0.01, 120),
+        "on": _train(jaxcomp.compress("randomk", ratio=0.01, guardrail=GUARD), 0.01, 120),
+    }
+
+
+def test_randomk_diverges_without_the_guardrail_and_not_with_it(randomk_runs):
+    dense, off, on = (randomk_runs[k][0] for k in ("dense", "off", "on"))
+    first = dense["loss"][0]
+    assert dense["loss"][-1] < 0.01 * first and dense["fallbacks"][-1] == 0
+    assert off["loss"][-1] > 100 * first and off["fallbacks"][-1] == 0  # diverges today
+    assert on["fallbacks"][-1] >= 1
+    assert on["loss"].max() < 0.2 * off["loss"].max() and on["loss"][-1] < off["loss"][-1] / 10
+
+
+def test_fallback_window_is_dense_and_the_residual_is_cleared(randomk_runs):
+    metrics, residuals, params = randomk_runs["on"]
+    dense = randomk_runs["dense"][0]["bytes_sent"][0]
+    trigger = int(np.argmax(metrics["fallbacks"] > 0))
+    window = GUARD.window
+    assert np.all(metrics["fallback"][trigger : trigger + window + 1] == 1)
+    # The triggering step sends nothing dense yet (it ran the method) and applies no update...
+    assert metrics["bytes_sent"][trigger] < dense
+    np.testing.assert_array_equal(residuals[trigger], 0.0)
+    # ... the window's steps are dense, and keep no residual.
+    np.testing.assert_array_equal(metrics["bytes_sent"][trigger + 1 : trigger + window + 1], dense)
+    for r in residuals[trigger : trigger + window + 1]:
+        assert np.abs(r).max() == 0.0
+    # Then the method runs again.
+    assert metrics["bytes_sent"][trigger + window + 1] < dense
+    assert metrics["fallback"][trigger + window + 1] == 0
+
+
+def test_one_device_mesh_catches_the_divergence():
+    metrics, _, _ = _train(jaxcomp.compress("randomk", ratio=0.01), 0.01, 120, n_devices=1)
+    assert metrics["fallbacks"][-1] >= 1 and metrics["loss"].max() < 1e6
+
+
+# ---- an injected spike, the healthy run, the off switch -----------------------------------------
+
+
+@pytest.mark.parametrize("n_devices", [1, 8])
+def test_spike_is_caught_and_healthy_steps_are_unchanged(n_devices, caplog):
+    """top-k 10% at a stable learning rate: nothing triggers and the run is bit for bit the one
+    without the guardrail; one batch with 1000x targets triggers at that step, whose update is
+    dropped."""
+    build = lambda on: jaxcomp.compress("ar_topk", ratio=0.1, guardrail=on)  # noqa: E731
+    plain, _, plain_params = _train(build(False), 0.005, 40, n_devices)
+    healthy, _, healthy_params = _train(build(True), 0.005, 40, n_devices)
+    assert healthy["fallbacks"][-1] == 0 and healthy["fallback"].max() == 0
+    np.testing.assert_array_equal(healthy_params[-1], plain_params[-1])
+    np.testing.assert_array_equal(healthy["loss"], plain["loss"])
+    with caplog.at_level(logging.WARNING, logger="jaxcomp"):
+        spiked, residuals, params = _train(build(True), 0.005, 40, n_devices, spike_at=30)
+    assert spiked["fallbacks"][-1] == 1 and spiked["fallback"][30] == 1
+    assert spiked["fallback"][29] == 0
+    np.testing.assert_allclose(
+        params[31] - params[30], 0.9 * (params[30] - params[29]), rtol=1e-4, atol=1e-7
+    )
+    np.testing.assert_array_equal(residuals[30], 0.0)
+    told = [r.getMessage() for r in caplog.records if "diverges at step 30" in r.getMessage()]
+    assert len(told) == 1 and "ar_topk(0.1)" in told[0]
+
+
+def test_off_switch_keeps_no_state_and_never_falls_back():
+    tx = jaxcomp.compress("randomk", ratio=0.01, guardrail=False)
+    state = tx.init({"w": jnp.zeros(DIM)})
+    assert state.divergence is None and [m.describe() for m in state.methods] == ["randomk(0.01)"]
+    on = jaxcomp.compress("randomk", ratio=0.01).init({"w": jnp.zeros(DIM)})
+    assert on.divergence is not None
+    assert [m.describe() for m in on.methods] == ["randomk(0.01)", "dense"]
+    with pytest.raises(ValueError, match="guardrail=False"):
+        _train_one_step(jaxcomp.compress("randomk", ratio=0.01), state)
+
+
+def _train_one_step(tx, state):
+    mesh = _mesh(8)
+    f = jax.shard_map(
+        lambda g: tx.update({"w": g}, state)[0]["w"],
+        mesh=mesh,
+        in_specs=jax.sharding.PartitionSpec("data"),
+        out_specs=jax.sharding.PartitionSpec(),
+    )
+    return f(jnp.ones(DIM * 8))
+
+
+def test_dense_and_a_method_that_cannot_switch():
+    """Dense has nothing to fall back from: no state, the same compiled step. A transformation
+    that cannot switch to dense (ZFP with recursive doubling, a total typed varying; compress_auto
+    without a dense candidate) only clears its residual on a spike."""
+    for on in (True, False):
+        state = jaxcomp.compress("dense", guardrail=on).init({"w": jnp.zeros(3)})
+        assert state.divergence is None and len(state.methods) == 1
+    assert not divergence.can_fall_back(jaxcomp.Zfp(8, algorithm="recursive_doubling"))
+    slow = jaxcomp.costmodel.cost.Network.parse("1ms", "10mbit")
+    tx = jaxcomp.compress_auto([jaxcomp.TopK(0.1, collective="ar")], network=slow)
+    metrics, residuals, _ = _train(tx, 0.005, 36, spike_at=30, momentum=0.0)
+    assert metrics["fallbacks"][-1] == 1 and metrics["fallback"][30] == 1
+    np.testing.assert_array_equal(residuals[30], 0.0)
+    assert np.all(metrics["bytes_sent"] == metrics["bytes_sent"][0])  # never dense
+    assert np.abs(residuals[31]).max() > 0  # the method runs on, with error feedback
+
+
+def test_compress_auto_falls_back_to_its_dense_candidate():
+    slow = jaxcomp.costmodel.cost.Network.parse("1ms", "10mbit")
+    tx = jaxcomp.compress_auto(
+        [jaxcomp.Dense(), jaxcomp.RandomK(0.01)], network=slow, decide_every=1000
+    )
+    metrics, _, _ = _train(tx, 0.01, 120)
+    dense = jaxcomp.Dense().wire_bytes(DIM, 8)
+    trigger = int(np.argmax(metrics["fallbacks"] > 0))
+    assert metrics["fallbacks"][-1] >= 1 and metrics["bytes_sent"][0] < dense
+    np.testing.assert_array_equal(metrics["bytes_sent"][trigger + 1 : trigger + 11], dense)
+
+
+def test_compiled_step_keeps_the_dense_all_reduce_in_the_fallback_branch():
+    """Dense compiles to the same step with the guardrail on or off; a compressing method's step
+    holds the fallback's dense all-reduce in a branch of its conditional, never in ENTRY."""
+
+    def compiled(tx):
+        dp = jaxcomp.data_parallel(_loss, optax.chain(tx, optax.sgd(0.01)), _mesh(8))
+        state = dp.init({"w": jnp.zeros(DIM)})
+        return dp.step.lower(state, BATCHES[0]).compile().as_text()
+
+    def whole_gradient_sums(text):
+        return [
+            line
+            for line in text.splitlines()
+            if (match := re.search(r"=\s*(.*?)\s+all-reduce(?:-start)?\(", line))
+            and f"f32[{DIM}]" in match.group(1)
+        ]
+
+    dense_on, dense_off = (
+        compiled(jaxcomp.compress("dense", guardrail=on)) for on in (True, False)
+    )
+    assert whole_gradient_sums(dense_on) != []
+    unlabelled = [re.sub(r", metadata=\{[^}]*\}", "", text) for text in (dense_on, dense_off)]
+    assert unlabelled[0] == unlabelled[1]
+    topk = compiled(jaxcomp.compress("ar_topk", ratio=0.01))
+    entry = topk[topk.index("ENTRY") :]
+    assert whole_gradient_sums(topk) and not whole_gradient_sums(entry[: entry.index("\n}\n")])
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: jaxcomp.Guardrail(factor=1.0), "factor must be in"),
+        (lambda: jaxcomp.Guardrail(factor="big"), "factor must be a number"),
+        (lambda: jaxcomp.Guardrail(window=0), "window must be"),
+        (lambda: jaxcomp.Guardrail(burn_in=2.5), "burn_in must be"),
+        (lambda: jaxcomp.Guardrail(decay=1.0), "decay must be in"),
+        (lambda: jaxcomp.compress("ar_topk", ratio=0.1, guardrail="on"), "guardrail must be"),
+        (lambda: jaxcomp.compress_auto([jaxcomp.Dense()], guardrail=3), "guardrail must be"),
+    ],
+)
+def test_bad_arguments_raise_naming_them(build, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        build()
