@@ -21,7 +21,9 @@ import jaxcomp
 from jaxcomp.optim.stages import divergence
 
 DIM, ROWS, BATCH = 200, 512, 64
-GUARD = jaxcomp.Guardrail(window=20)  # the default, with a window short enough for 120 steps
+# The default, with a window short enough for 120 steps, falling back to dense (random-k's default
+# only clears the residual: tested below).
+GUARD = jaxcomp.Guardrail(window=20, dense_fallback=True)
 
 
 def _problem():
@@ -201,7 +203,12 @@ def test_off_switch_keeps_no_state_and_never_falls_back():
     assert state.divergence is None and [m.describe() for m in state.methods] == ["randomk(0.01)"]
     on = jaxcomp.compress("randomk", ratio=0.01).init({"w": jnp.zeros(DIM)})
     assert on.divergence is not None
+    # A sparse method keeps its in-place residual route: no dense branch unless asked for.
+    assert [m.describe() for m in on.methods] == ["randomk(0.01)"]
+    on = jaxcomp.compress("randomk", ratio=0.01, guardrail=GUARD).init({"w": jnp.zeros(DIM)})
     assert [m.describe() for m in on.methods] == ["randomk(0.01)", "dense"]
+    on = jaxcomp.compress("quantized", bits=4).init({"w": jnp.zeros(DIM)})
+    assert [m.describe() for m in on.methods] == ["quantized(4)", "dense"]
     with pytest.raises(ValueError, match="guardrail=False"):
         _train_one_step(jaxcomp.compress("randomk", ratio=0.01), state)
 
@@ -269,9 +276,11 @@ def test_compiled_step_keeps_the_dense_all_reduce_in_the_fallback_branch():
     assert whole_gradient_sums(dense_on) != []
     unlabelled = [re.sub(r", metadata=\{[^}]*\}", "", text) for text in (dense_on, dense_off)]
     assert unlabelled[0] == unlabelled[1]
-    topk = compiled(jaxcomp.compress("ar_topk", ratio=0.01))
+    topk = compiled(jaxcomp.compress("ar_topk", ratio=0.01, guardrail=GUARD))
     entry = topk[topk.index("ENTRY") :]
     assert whole_gradient_sums(topk) and not whole_gradient_sums(entry[: entry.index("\n}\n")])
+    # By default a sparse method clears its residual instead: no dense all-reduce at all.
+    assert not whole_gradient_sums(compiled(jaxcomp.compress("ar_topk", ratio=0.01)))
 
 
 @pytest.mark.parametrize(
@@ -282,6 +291,7 @@ def test_compiled_step_keeps_the_dense_all_reduce_in_the_fallback_branch():
         (lambda: jaxcomp.Guardrail(window=0), "window must be"),
         (lambda: jaxcomp.Guardrail(burn_in=2.5), "burn_in must be"),
         (lambda: jaxcomp.Guardrail(decay=1.0), "decay must be in"),
+        (lambda: jaxcomp.Guardrail(dense_fallback="yes"), "dense_fallback must be"),
         (lambda: jaxcomp.compress("ar_topk", ratio=0.1, guardrail="on"), "guardrail must be"),
         (lambda: jaxcomp.compress_auto([jaxcomp.Dense()], guardrail=3), "guardrail must be"),
     ],

@@ -204,7 +204,7 @@ def compress(
     branches = warmup_stage.branches(method, warmup)
     # The guardrail's dense fallback reuses the warm-up's switch (dense last: the method keeps
     # index 0 of the `method` metric).
-    falls_back = config.guardrail is not None and divergence.can_fall_back(method)
+    falls_back = config.guardrail is not None and divergence.can_fall_back(method, config.guardrail)
     if falls_back and warmup_stage.DENSE not in branches:
         branches = branches + (warmup_stage.DENSE,)
     keeps_residual = config.error_feedback and not method.sends_everything

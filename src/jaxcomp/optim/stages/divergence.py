@@ -76,11 +76,16 @@ class Guardrail:
 
     Args:
       factor: trigger when the gradient norm exceeds ``factor`` times its running RMS (default
-        10, ``> 1``); the residual's bound scales with it too.
+        5, ``> 1``); the residual's bound scales with it too.
       window: dense steps after a trigger before the method runs again (default 50, ``>= 1``).
       burn_in: steps seen before the first check (default 20, ``>= 1``); their mean starts the
         running mean.
-      decay: the running mean's decay per step (default 0.99, in ``(0, 1)``).
+      decay: the running mean's decay per step (default 0.98, in ``(0, 1)``).
+      dense_fallback: whether a trigger switches to dense for the window (True) or only clears
+        the residual and pauses the detector (False). Default None: dense, except for the
+        sparse methods (:class:`jaxcomp.TopK`, :class:`jaxcomp.RandomK`), whose residual is
+        updated in place at the sent indices; a dense branch beside them needs a dense ``sent``
+        instead, which made their CPU step 1.3-2x slower (BENCHMARKS.md, "Guardrail").
 
     Example:
       >>> Guardrail(factor=5.0).window
@@ -95,8 +100,13 @@ class Guardrail:
     window: int = 50
     burn_in: int = 20
     decay: float = 0.98
+    dense_fallback: bool | None = None
 
     def __post_init__(self):
+        if self.dense_fallback not in (None, True, False):
+            raise TypeError(
+                f"Guardrail dense_fallback must be None, True or False, got {self.dense_fallback!r}"
+            )
         for name in ("factor", "decay"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
@@ -150,25 +160,30 @@ def check(guardrail) -> Guardrail | None:
     return guardrail
 
 
-def can_fall_back(method: Method) -> bool:
-    """Whether a fallback can switch ``method`` to dense inside one compiled step.
+def can_fall_back(method: Method, guardrail: Guardrail | None = None) -> bool:
+    """Whether a fallback switches ``method`` to dense inside one compiled step.
 
     Args:
       method: the :mod:`jaxcomp.methods` object.
+      guardrail: the :class:`Guardrail` (its ``dense_fallback``), or None for the defaults.
 
     Returns:
-      True when its total comes out replicated and it loses something (dense has nothing to
-      fall back from).
+      True when its total comes out replicated, it loses something (dense has nothing to fall
+      back from), and ``dense_fallback`` is True, or None and the method is not sparse.
 
     Example:
-      >>> from jaxcomp.methods import TopK, Zfp
-      >>> can_fall_back(TopK(0.1)), can_fall_back(Zfp(8, algorithm="recursive_doubling"))
+      >>> from jaxcomp.methods import Quantized, TopK, Zfp
+      >>> can_fall_back(Quantized(4)), can_fall_back(Zfp(8, algorithm="recursive_doubling"))
       (True, False)
+      >>> can_fall_back(TopK(0.1)), can_fall_back(TopK(0.1), Guardrail(dense_fallback=True))
+      (False, True)
 
     References:
       Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
     """
-    return method.replicated_total and not method.sends_everything
+    chosen = None if guardrail is None else guardrail.dense_fallback
+    wanted = not method.sparse if chosen is None else chosen
+    return wanted and method.replicated_total and not method.sends_everything
 
 
 def init() -> GuardrailState:
