@@ -249,7 +249,9 @@ def _assert_no_outer_collective_outside_sync(run, state, batch, mesh):
     computations = dict(re.findall(r"^(?:ENTRY )?%?(\S+) [^\n]*\{\n(.*?)\n\}", hlo, re.M | re.S))
     entry = re.search(r"^ENTRY %?(\S+)", hlo, re.M).group(1)
     worker_of = {d.id: w for w, row in enumerate(mesh.devices) for d in row}
-    collective = re.compile(r"(all-reduce|all-gather|collective-permute|reduce-scatter|all-to-all)")
+    collective = re.compile(
+        r" (all-reduce|all-gather|collective-permute|reduce-scatter|all-to-all)(-start)?\("
+    )
 
     def spans_workers(line):
         groups = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
@@ -265,7 +267,7 @@ def _assert_no_outer_collective_outside_sync(run, state, batch, mesh):
             continue
         seen.add(name)
         for line in computations[name].splitlines():
-            if collective.search(line.split("=", 1)[-1].split("(")[0]):
+            if collective.search(line):
                 assert not spans_workers(line), f"outer-axis collective outside the sync: {line}"
                 inner_seen += 1
             todo += re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line)
