@@ -162,13 +162,19 @@ def test_sync_every_step_is_data_parallel():
     assert all(bool(m["synced"]) for m in metrics)
 
 
-@pytest.mark.parametrize(
-    "method", [jaxcomp.TopK(0.5, collective="ar"), jaxcomp.Quantized(8)], ids=str
-)
+@pytest.mark.parametrize("method", ["ar_topk", "quantized", "zfp", "auto"])
 def test_compressed_exchange_conserves_error_feedback(method):
-    """TopK and 8-bit quantized pseudo-gradients, outer SGD lr 1 (global <- global - mean
-    sent): at each sync, mean over workers of (delta + old residual - new residual) is exactly
-    what moved the global params, and the workers restart from them."""
+    """TopK, 8-bit quantized, 8-bit zfp and compress_auto pseudo-gradients, outer SGD lr 1
+    (global <- global - mean sent): at each sync, mean over workers of (delta + old residual -
+    new residual) is exactly what moved the global params, and the workers restart from them."""
+    method = {
+        "ar_topk": jaxcomp.TopK(0.5, collective="ar"),
+        "quantized": jaxcomp.Quantized(8),
+        "zfp": jaxcomp.Zfp(8),
+        "auto": jaxcomp.compress(
+            "auto", ratio=0.5, axis_name="workers", network=jaxcomp.Network(1e-2, 1e7)
+        ),
+    }[method]
     workers, lr = 4, 0.1
     run = jaxcomp.diloco(
         _loss, optax.sgd(lr), optax.sgd(1.0), mesh=_mesh(workers), sync_every=2, compress=method

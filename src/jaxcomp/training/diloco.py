@@ -60,6 +60,8 @@ class _Plan:
         try:
             self.masks = [run.compress_layout.per_device_mask(g) for g in self.group_avals]
         except (ValueError, NameError) as error:
+            if isinstance(error, ValueError) and "differ per device" not in str(error):
+                raise
             raise ValueError(
                 f"compress must aggregate the pseudo-gradients over outer_axis="
                 f"{run.outer_axis!r} and return the same average on every worker, e.g. "
@@ -391,7 +393,9 @@ def diloco(
       compress: how the pseudo-gradients travel: None (dense, exact), a
         :class:`jaxcomp.Method` (``jaxcomp.TopK(0.1)``), a shorthand name (``"ar_topk"``,
         ``"int8"``, ``"auto"`` ...; built as ``jaxcomp.compress(name, axis_name=outer_axis)``,
-        error feedback on), or an already-built ``jaxcomp.compress(..., axis_name=outer_axis)``.
+        error feedback on), or an already-built ``jaxcomp.compress(..., axis_name=outer_axis)``
+        (needed for options: ``jaxcomp.compress("auto", ratio=0.01, axis_name="workers",
+        network=jaxcomp.Network(...))``; diloco does not probe the network for ``auto``).
       outer_axis: the slow mesh axis the workers lie on.
       inner_axis: the fast mesh axis each worker's inner steps are data-parallel over, or None.
       fragments: F, fragments of the params synced on a staggered schedule (1 <= F <= H, and at
