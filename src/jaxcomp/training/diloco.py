@@ -60,7 +60,8 @@ class _Plan:
         try:
             self.masks = [run.compress_layout.per_device_mask(g) for g in self.group_avals]
         except (ValueError, NameError) as error:
-            if isinstance(error, ValueError) and "differ per device" not in str(error):
+            axis_error = ("differ per device", "no such axis")
+            if isinstance(error, ValueError) and not any(m in str(error) for m in axis_error):
                 raise
             raise ValueError(
                 f"compress must aggregate the pseudo-gradients over outer_axis="
