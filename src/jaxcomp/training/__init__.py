@@ -1,6 +1,7 @@
 """Layer 6, training: :func:`data_parallel` (the jitted, sharded step; :mod:`.trainer`, built from
 :mod:`.state`, :mod:`.layout`, :mod:`.mask`, :mod:`.step`, :mod:`.dispatch`, :mod:`.reprobe` and
-:mod:`.resize`) and the model zoo that the benchmarks train (:mod:`.zoo`).
+:mod:`.resize`), DiLoCo's outer loop (:func:`diloco`: :mod:`.diloco` and :mod:`.outer`) and the
+model zoo that the benchmarks train (:mod:`.zoo`).
 """
 
 from jaxcomp._lazy import attach
@@ -9,6 +10,8 @@ __getattr__, __dir__, __all__ = attach(
     __name__,
     submodules=(
         "trainer",
+        "diloco",
+        "outer",
         "state",
         "layout",
         "mask",
@@ -22,5 +25,8 @@ __getattr__, __dir__, __all__ = attach(
         "data_parallel": "jaxcomp.training.trainer",
         "DataParallel": "jaxcomp.training.trainer",
         "TrainState": "jaxcomp.training.trainer",
+        "diloco": "jaxcomp.training.diloco",
+        "DiLoCo": "jaxcomp.training.diloco",
+        "DiLoCoState": "jaxcomp.training.diloco",
     },
 )

@@ -1,0 +1,359 @@
+"""The pieces of :func:`jaxcomp.diloco`'s step: its state, the fragment schedule, and one step on
+every device (:func:`diloco_step`).
+
+One step is one ``jax.shard_map`` over the whole mesh (``jax.jit`` around it is the caller's).
+Each worker (a position on the outer axis) takes one inner step on its own batch shard with its
+own params and inner optimizer state; with an inner axis, the gradient is averaged over it by a
+dense :func:`jaxcomp.compress` at the head of the inner chain. Then, fragment by fragment, two
+``lax.cond`` s keyed on the traced step counter: the *exchange* (the pseudo-gradient through the
+outer ``compress``, the only collective over the outer axis) and the *application* (the outer
+optimizer on the global params, and the workers' restart from them). A step whose counter
+schedules neither runs neither branch: it sends no byte over the outer axis. On a step without a
+sync the conditional's other branch only passes its operands through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp.collectives import dense, small
+from jaxcomp.ops._ffi import varying_axes
+from jaxcomp.optim.transform import find_compress_state
+
+
+class DiLoCoState(NamedTuple):
+    """State of a :func:`jaxcomp.diloco` run: one pytree, checkpointed as a whole."""
+
+    # the params of the last outer step (replicated): what params(state) returns
+    global_params: Any
+    # each worker's params: every leaf [n_workers, *shape], sharded over the outer axis
+    local_params: Any
+    # inner_tx's state per worker: every leaf [n_workers, ...], sharded over the outer axis
+    inner_state: Any
+    # per fragment: outer_tx's state of the fragment's leaves (a list), replicated
+    outer_state: tuple
+    # per fragment: the outer compress's state; its per-worker leaves (the error-feedback
+    # residual) [n_workers, ...] sharded over the outer axis, the rest replicated
+    compress_state: tuple
+    # per fragment, with delay > 0: the aggregated pseudo-gradient (a list of f32 leaves,
+    # replicated) waiting to be applied; () with delay = 0
+    pending: tuple
+    step: jax.Array  # i32[]: inner steps taken; the fragment schedule is a function of it
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """When each fragment is exchanged and applied (static; the step counter is traced).
+
+    Fragment ``f`` is exchanged after inner step ``c`` (counting from 1) when ``c >= offset_f``
+    and ``(c - offset_f) % sync_every == 0``, with ``offset_f = ((f + 1) * sync_every) //
+    fragments``: each fragment every ``sync_every`` steps, the fragments staggered evenly, the
+    last one on multiples of ``sync_every``. Its result is applied ``delay`` steps later.
+
+    Attributes:
+      sync_every: H, inner steps between two exchanges of a fragment.
+      fragments: F, how many fragments.
+      delay: tau, inner steps between a fragment's exchange and its application.
+      groups: per fragment, the indices of its leaves in ``jax.tree.leaves(params)``.
+    """
+
+    sync_every: int
+    fragments: int
+    delay: int
+    groups: tuple
+
+    def offset(self, fragment: int) -> int:
+        """The first inner step (from 1) after which ``fragment`` is exchanged."""
+        return ((fragment + 1) * self.sync_every) // self.fragments
+
+    def exchanges(self, count, fragment: int):
+        """Whether ``fragment`` is exchanged after inner step ``count`` (traced bool)."""
+        return self._due(count, self.offset(fragment))
+
+    def applies(self, count, fragment: int):
+        """Whether ``fragment``'s exchanged result is applied after inner step ``count``."""
+        return self._due(count, self.offset(fragment) + self.delay)
+
+    def _due(self, count, first):
+        return (count >= first) & ((count - first) % self.sync_every == 0)
+
+
+def strided_groups(n_leaves: int, fragments: int) -> tuple:
+    """The leaves of each fragment, strided: leaf ``i`` goes to fragment ``i % fragments``.
+
+    Streaming DiLoCo found strided fragments (every F-th layer) slightly better than contiguous
+    blocks of layers; leaves in ``jax.tree.leaves`` order stand in for layers.
+
+    Args:
+      n_leaves: how many leaves the params have.
+      fragments: how many fragments, ``1 <= fragments <= n_leaves``.
+
+    Returns:
+      A tuple of ``fragments`` tuples of leaf indices.
+
+    Example:
+      >>> strided_groups(5, 2)
+      ((0, 2, 4), (1, 3))
+
+    References:
+      Douillard et al., "Streaming DiLoCo with overlapping communication" (arXiv 2501.18512),
+      §2.2 (fragment patterns: strided vs sequential).
+    """
+    return tuple(tuple(range(f, n_leaves, fragments)) for f in range(fragments))
+
+
+def diloco_step(run, plan, state: DiLoCoState, batch):
+    """One inner step on every worker, then each fragment's scheduled exchange and application.
+
+    Args:
+      run: the :class:`jaxcomp.training.diloco.DiLoCo` (``inner_tx``, ``outer_tx``,
+        ``compress_tx``, axes and mesh).
+      plan: the run's plan for these params (``run.plan(avals)``: schedule, specs, the compress
+        state's per-worker leaves).
+      state: the :class:`DiLoCoState`.
+      batch: a pytree whose leading axis is the global batch, split over the outer (and inner)
+        axes.
+
+    Returns:
+      ``(state, metrics)`` (see :func:`jaxcomp.diloco`).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
+      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("workers",))
+      >>> run = jaxcomp.diloco(lambda w, b: jnp.mean((b - w) ** 2), optax.sgd(0.5),
+      ...                      mesh=mesh, sync_every=2)
+      >>> state = run.init(jnp.zeros(()))
+      >>> plan = run.plan(jax.ShapeDtypeStruct((), jnp.float32))
+      >>> step = jax.jit(lambda s, b: diloco_step(run, plan, s, b))
+      >>> state, metrics = step(state, jnp.ones(2))
+      >>> float(metrics["loss"]), bool(metrics["synced"])
+      (1.0, False)
+
+    References:
+      Douillard et al., "DiLoCo" (arXiv 2311.08105), Alg. 1; Douillard et al., "Streaming
+      DiLoCo" (arXiv 2501.18512), fragments and delayed application.
+    """
+    batch_specs = jax.tree.map(lambda _: P(run.data_axes), batch)
+
+    def local_step(state: DiLoCoState, batch):
+        local = jax.tree.map(lambda x: x[0], state.local_params)
+        inner_state = jax.tree.map(lambda x: x[0], state.inner_state)
+        loss, aux, grads = _local_gradients(run, local, batch)
+        updates, inner_state = run.inner_tx.update(grads, inner_state, local)
+        local = optax.apply_updates(local, updates)
+        count = state.step + 1
+        new_state, sent, synced = _outer_rounds(run, plan, count, state, local)
+        new_state = new_state._replace(inner_state=jax.tree.map(lambda x: x[None], inner_state))
+        return new_state, _metrics(run, loss, aux, sent, synced)
+
+    return jax.shard_map(
+        local_step,
+        mesh=run.mesh,
+        in_specs=(plan.specs, batch_specs),
+        out_specs=(plan.specs, run.metric_specs()),
+    )(state, batch)
+
+
+def _outer_rounds(run, plan, count, state: DiLoCoState, local):
+    """``(state, bytes_sent, synced)``: every fragment's round after inner step ``count``
+    (``state.inner_state`` is left for the caller)."""
+    global_leaves, treedef = jax.tree.flatten(state.global_params)
+    local_leaves = jax.tree.leaves(local)
+    outer, compressed, pending, sent, synced = [], [], [], [], []
+    for f, group in enumerate(plan.schedule.groups):
+        fragment = _Fragment(
+            [global_leaves[i] for i in group],
+            [local_leaves[i] for i in group],
+            state.outer_state[f],
+            plan.compress_rows(state.compress_state[f], f, take=True),
+            state.pending[f] if plan.schedule.delay else None,
+        )
+        fragment, bytes_sent, exchanged = _fragment_round(run, plan.schedule, f, count, fragment)
+        for i, g, lo in zip(group, fragment.global_leaves, fragment.local_leaves):
+            global_leaves[i], local_leaves[i] = g, lo
+        outer.append(fragment.outer_state)
+        compressed.append(plan.compress_rows(fragment.compress_state, f, take=False))
+        pending.append(fragment.pending)
+        sent.append(bytes_sent)
+        synced.append(exchanged)
+    new_state = DiLoCoState(
+        global_params=treedef.unflatten(global_leaves),
+        local_params=jax.tree.map(lambda x: x[None], treedef.unflatten(local_leaves)),
+        inner_state=state.inner_state,
+        outer_state=tuple(outer),
+        compress_state=tuple(compressed),
+        pending=tuple(pending) if plan.schedule.delay else (),
+        step=count,
+    )
+    return new_state, sent, synced
+
+
+def inner_mean(axis_name, size: int) -> optax.GradientTransformation:
+    """The gradients averaged over a worker's fast axis (a dense all-reduce), as a stateless
+    optax transformation: the head of a two-level run's inner chain.
+
+    Args:
+      axis_name: the inner mesh axis.
+      size: its number of devices.
+
+    Returns:
+      An ``optax.GradientTransformation``; its ``update`` runs inside ``shard_map``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> tx = inner_mean("data", 2)
+      >>> f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
+      ...                   in_specs=P("data"), out_specs=P())
+      >>> f(jnp.arange(4.0)).tolist()
+      [1.0, 2.0]
+
+    References:
+      Douillard et al., "DiLoCo" (arXiv 2311.08105), §2 (each worker is itself data-parallel).
+    """
+
+    def update(grads, state, params=None):
+        del params
+        mean = jax.tree.map(
+            lambda g: (dense.psum(g.reshape(-1), axis_name)[0] / size).reshape(g.shape), grads
+        )
+        return mean, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+class _Fragment(NamedTuple):
+    """One fragment's share of the state, inside the step (this device's rows)."""
+
+    global_leaves: list
+    local_leaves: list
+    outer_state: Any
+    compress_state: Any
+    pending: Any  # the aggregated pseudo-gradient waiting (delay > 0), else None
+
+
+def _local_gradients(run, local, batch):
+    """``(loss, aux, grads)`` of this device's batch shard; with an inner axis the params are
+    typed varying over it first, so that ``jax.grad`` sums nothing (the inner compress does)."""
+    if run.inner_axis is not None:
+        local = jax.lax.pcast(local, run.inner_axis, to="varying")
+    if run.has_aux:
+        (loss, aux), grads = jax.value_and_grad(run.loss_fn, has_aux=True)(local, batch)
+        return loss, aux, grads
+    loss, grads = jax.value_and_grad(run.loss_fn)(local, batch)
+    return loss, None, grads
+
+
+def _fragment_round(run, schedule, f: int, count, fragment: _Fragment):
+    """``(fragment, bytes_sent, exchanged)``: fragment ``f``'s exchange and application, each a
+    ``lax.cond`` on the step counter (with ``delay = 0`` one cond does both)."""
+    exchanged = schedule.exchanges(count, f)
+    zero = jnp.zeros((), jnp.float32)
+
+    def exchange(global_leaves, local_leaves, compress_state):
+        delta = [g - lo for g, lo in zip(global_leaves, local_leaves)]
+        aggregated, compress_state = run.compress_tx.update(delta, compress_state, global_leaves)
+        aggregated = [a.astype(g.dtype) for a, g in zip(aggregated, global_leaves)]
+        return aggregated, compress_state, _bytes_sent(compress_state)
+
+    if not schedule.delay:
+
+        def sync(operands):
+            global_leaves, local_leaves, outer_state, compress_state = operands
+            aggregated, compress_state, bytes_sent = exchange(
+                global_leaves, local_leaves, compress_state
+            )
+            global_leaves, outer_state = _outer_update(run, aggregated, outer_state, global_leaves)
+            local_leaves = [_like(g, lo) for g, lo in zip(global_leaves, local_leaves)]
+            return (global_leaves, local_leaves, outer_state, compress_state), bytes_sent
+
+        operands = (
+            fragment.global_leaves,
+            fragment.local_leaves,
+            fragment.outer_state,
+            fragment.compress_state,
+        )
+        (g, lo, outer_state, compress_state), bytes_sent = jax.lax.cond(
+            exchanged, sync, lambda ops: (ops, zero), operands
+        )
+        return _Fragment(g, lo, outer_state, compress_state, None), bytes_sent, exchanged
+
+    def start(operands):
+        pending, compress_state = operands
+        aggregated, compress_state, bytes_sent = exchange(
+            fragment.global_leaves, fragment.local_leaves, compress_state
+        )
+        return (aggregated, compress_state), bytes_sent
+
+    (pending, compress_state), bytes_sent = jax.lax.cond(
+        exchanged, start, lambda ops: (ops, zero), (fragment.pending, fragment.compress_state)
+    )
+    g, lo, outer_state = jax.lax.cond(
+        schedule.applies(count, f),
+        lambda ops: _apply_late(run, pending, *ops),
+        lambda ops: ops,
+        (fragment.global_leaves, fragment.local_leaves, fragment.outer_state),
+    )
+    return _Fragment(g, lo, outer_state, compress_state, pending), bytes_sent, exchanged
+
+
+def _apply_late(run, pending, global_leaves, local_leaves, outer_state):
+    """The delayed application: the outer step on the global fragment with the aggregated
+    pseudo-gradient exchanged ``delay`` steps ago, then each worker's fragment mixed with it,
+    ``alpha * local + (1 - alpha) * global`` (Streaming DiLoCo's merge)."""
+    global_leaves, outer_state = _outer_update(run, pending, outer_state, global_leaves)
+    alpha = run.mixing
+    local_leaves = [
+        _like((alpha * lo + (1 - alpha) * g).astype(lo.dtype), lo)
+        for g, lo in zip(global_leaves, local_leaves)
+    ]
+    return global_leaves, local_leaves, outer_state
+
+
+def _outer_update(run, aggregated, outer_state, global_leaves):
+    """``outer_tx`` on the global leaves of a fragment, with the averaged pseudo-gradient."""
+    aggregated = [a.astype(g.dtype) for a, g in zip(aggregated, global_leaves)]
+    updates, outer_state = run.outer_tx.update(aggregated, outer_state, global_leaves)
+    return list(optax.apply_updates(global_leaves, updates)), outer_state
+
+
+def _like(value, target):
+    """``value`` typed varying over the axes ``target`` varies over (a worker's params)."""
+    missing = tuple(sorted(varying_axes(target) - varying_axes(value)))
+    return jax.lax.pcast(value, missing, to="varying") if missing else value
+
+
+def _bytes_sent(compress_state):
+    """Bytes one device sent in the outer compress's exchange (its own metric)."""
+    found = find_compress_state(compress_state)
+    return jnp.float32(found.metrics.bytes_sent) if found is not None else jnp.float32(0)
+
+
+def _metrics(run, loss, aux, sent, synced):
+    """The step's metrics: the loss (over all devices, or per worker), the outer bytes, synced."""
+    if run.worker_metrics:
+        # Per worker: averaged over the inner axis only; nothing crosses the outer axis.
+        def reduce(x):
+            x = small.metric_mean(x, run.inner_axis) if run.inner_axis else x
+            return jnp.asarray(x)[None]
+    else:
+
+        def reduce(x):
+            return small.metric_mean(x, run.data_axes)
+
+    metrics = {
+        "loss": reduce(loss),
+        "bytes_sent": sum(sent[1:], sent[0]),
+        "synced": jnp.any(jnp.stack(synced)),
+    }
+    if aux is not None:
+        metrics["aux"] = jax.tree.map(reduce, aux)
+    return metrics
