@@ -177,41 +177,26 @@ def variants():
             optimizer="adam(b1=0,frozen=100,lr=2e-4)",
         )
     )
-    # jaxcomp.adam (1-bit Adam's recipe, issue 25): the momentum compressed with error feedback,
-    # the variance frozen after 100 dense steps.
-    onebit = [
-        Row(f"{method.describe()} jaxcomp.adam", method, optimizer="jaxcomp.adam")
-        for method in (
-            m.Dense(),
-            m.TopK(0.01),
-            m.TopK(0.01, collective="ar"),
-            m.TopK(0.001),
-            m.TopK(0.001, collective="ar"),
-            m.RandomK(0.01),
-            m.Sign(),
-            m.PowerSGD(4),
-            m.Quantized(4),
-            m.Zfp(8),
-            m.Cast("bfloat16"),
-        )
-    ]
-    # With the variance refreshed on one dense step in 50 (2% of dense's bytes on top).
+    # jaxcomp.adam (issue 25): the momentum compressed with error feedback after 100 dense Adam
+    # steps; "frozen" keeps the variance frozen for good (1-bit Adam's), the default refreshes it
+    # on one dense step in 50.
+    compressed = (
+        m.Dense(),
+        m.TopK(0.01),
+        m.TopK(0.01, collective="ar"),
+        m.TopK(0.001),
+        m.TopK(0.001, collective="ar"),
+        m.RandomK(0.01),
+        m.Sign(),
+        m.PowerSGD(4),
+        m.Quantized(4),
+        m.Zfp(8),
+        m.Cast("bfloat16"),
+    )
+    onebit = [Row(f"{x.describe()} jaxcomp.adam", x, optimizer="jaxcomp.adam") for x in compressed]
     onebit += [
-        Row(
-            f"{method.describe()} jaxcomp.adam refresh50",
-            method,
-            optimizer="jaxcomp.adam(refresh=50)",
-        )
-        for method in (
-            m.Dense(),
-            m.Sign(),
-            m.Quantized(4),
-            m.TopK(0.01),
-            m.TopK(0.01, collective="ar"),
-            m.PowerSGD(4),
-            m.RandomK(0.01),
-            m.Zfp(8),
-        )
+        Row(f"{x.describe()} jaxcomp.adam frozen", x, optimizer="jaxcomp.adam(refresh=0)")
+        for x in compressed
     ]
     return (
         recipe
@@ -395,8 +380,8 @@ def transformation(row: Row, config: Config):
     )
     if "warmup" in options:
         options["warmup_steps"] = int(options.pop("warmup"))
-    if "refresh" in options:
-        options["refresh_every"] = int(options.pop("refresh"))
+    if "refresh" in options:  # refresh=0: the variance frozen for good (1-bit Adam's)
+        options["refresh_every"] = int(options.pop("refresh")) or None
     return jaxcomp.adam(schedule, row.method, **options, **row.options)
 
 
