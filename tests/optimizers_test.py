@@ -170,7 +170,8 @@ def test_trains_with_data_parallel_and_reports_metrics():
     state = dp.init(jnp.zeros(16))
     for _ in range(60):
         state, metrics = dp.step(state, batch)
-    assert float(metrics["loss"]) < 0.05 * float(loss(jnp.zeros(16), batch))
+    # 60 steps: the warm-up, 54 compressed steps and one variance refresh (step 54).
+    assert float(metrics["loss"]) < 0.1 * float(loss(jnp.zeros(16), batch))
     # The metrics are the momentum's compression: AR-Topk's bytes, not dense's.
     assert float(metrics["bytes_sent"]) < 16 * 4 * 2
 
