@@ -58,6 +58,15 @@ def test_guard_finite_against_numpy(shape, dtype):
     assert float(count) == bad.sum()
 
 
+def _resum(sharded):
+    """Sums vectors over "data": whole, or scattered (each device its shard of the sum)."""
+    if sharded:
+        return lambda vs: [
+            jax.lax.psum_scatter(u, "data", scatter_dimension=0, tiled=True) for u in vs
+        ]
+    return lambda vs: [jax.lax.psum(u, "data") for u in vs]
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 @pytest.mark.parametrize("plant", [False, True])
 def test_guard_guarded_totals_against_numpy(plant, sharded):
@@ -69,12 +78,7 @@ def test_guard_guarded_totals_against_numpy(plant, sharded):
 
     def step(v):
         v = v[0]
-        if sharded:
-            resum = lambda vs: [  # noqa: E731
-                jax.lax.psum_scatter(u, "data", scatter_dimension=0, tiled=True) for u in vs
-            ]
-        else:
-            resum = lambda vs: [jax.lax.psum(u, "data") for u in vs]  # noqa: E731
+        resum = _resum(sharded)
         totals, count = guard.guarded_totals(resum([v]), [v], resum, "data", sharded)
         return totals[0], count
 
@@ -93,12 +97,7 @@ def test_guard_guarded_totals_counts_a_sum_that_overflowed_once(sharded):
 
     def step(v):
         v = v[0]
-        if sharded:
-            resum = lambda vs: [  # noqa: E731
-                jax.lax.psum_scatter(u, "data", scatter_dimension=0, tiled=True) for u in vs
-            ]
-        else:
-            resum = lambda vs: [jax.lax.psum(u, "data") for u in vs]  # noqa: E731
+        resum = _resum(sharded)
         totals, count = guard.guarded_totals(resum([v]), [v], resum, "data", sharded)
         return totals[0], count
 

@@ -23,8 +23,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.collectives import dense, small
-from jaxcomp.ops._ffi import varying_axes
 from jaxcomp.optim.transform import find_compress_state
+from jaxcomp.optim.vma import cast_varying, varying_axes
 
 
 class DiLoCoState(NamedTuple):
@@ -327,8 +327,7 @@ def _outer_update(run, aggregated, outer_state, global_leaves):
 
 def _like(value, target):
     """``value`` typed varying over the axes ``target`` varies over (a worker's params)."""
-    missing = tuple(sorted(varying_axes(target) - varying_axes(value)))
-    return jax.lax.pcast(value, missing, to="varying") if missing else value
+    return cast_varying(value, varying_axes(target))
 
 
 def _bytes_sent(compress_state):
