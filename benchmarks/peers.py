@@ -118,6 +118,7 @@ class Config:
     install: bool = True
     json: str | None = None
     log: str | None = None
+    allocator: str = "tuned"  # both frameworks' hosts: jaxcomp.ops.allocator.environment's name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,7 +347,8 @@ def header(config: Config, info: dict, argv) -> str:
                 f"set-up: one process per host, gloo on eth0, {config.batch} rows per host, "
                 f"{config.steps} timed steps after {config.warmup} warm-up (PowerSGD: after its "
                 f"start_powerSGD_iter={config.powersgd_start} plain steps too); step = median of "
-                "the slowest host; wire = bytes sent by a host's eth0 per step"
+                "the slowest host; wire = bytes sent by a host's eth0 per step; both frameworks' "
+                f"hosts' malloc: {config.allocator}"
             ),
             (
                 f"optimizers: jaxcomp rows Adam(1e-4) (netbench), torch rows {torch_opt}; torch: 1 "
@@ -425,6 +427,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-install", action="store_true", help="fail instead of creating --torch-venv"
     )
+    p.add_argument(
+        "--allocator",
+        choices=("tuned", "glibc"),
+        default="tuned",
+        help="both frameworks' hosts' malloc: 'tuned' keeps buffers over 32 MB on the heap "
+        "(jaxcomp.tune_host_allocator), 'glibc' its defaults (default tuned)",
+    )
     p.add_argument("--json", default=None, help="write the header, machine and rows as JSON here")
     p.add_argument("--log", default=None, help="append the host processes' output here")
     return p
@@ -502,6 +511,7 @@ def config_from_args(args) -> Config:
         install=not args.no_install,
         json=args.json,
         log=args.log,
+        allocator=args.allocator,
     )
 
 
@@ -818,6 +828,7 @@ _EXEC = "import os, sys; os.execv(sys.argv[1], sys.argv[1:])"
 def torch_cell(config: Config, model: str, hosts: int, rate: str, out) -> list[dict]:
     """The torch rows of one (model, hosts, rate) cell, from one job on a fresh emulated cluster."""
     from jaxcomp.distributed.cluster import Cluster, ClusterError, format_rate, parse_rate
+    from jaxcomp.ops import allocator
 
     rate_bits = parse_rate(rate)
     with tempfile.TemporaryDirectory() as tmp:
@@ -847,7 +858,7 @@ def torch_cell(config: Config, model: str, hosts: int, rate: str, out) -> list[d
             codes = cluster.run(
                 command,
                 timeout=config.timeout,
-                env={"OMP_NUM_THREADS": "1"},
+                env={"OMP_NUM_THREADS": "1", **allocator.environment(config.allocator)},
                 stdout=out,
                 stderr=out,
                 cwd=tmp,
@@ -945,6 +956,7 @@ def jaxcomp_cell(config: Config, model: str, hosts: int, rate: str, log_path: st
         timeout=config.timeout,
         progress=None,
         log=log_path,
+        allocator=config.allocator,
         **netbench_options(model, config.params),
     )
     keep = (

@@ -1,5 +1,6 @@
 // XLA FFI adapter of the CPU packing kernel (kernels/pack.h): validate, then run on XLA's
 // intra-op thread pool.
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -12,6 +13,9 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+// The PackStats values the stats result holds, in their declaration order.
+constexpr int64_t kStats = 5;
 
 // Operands: the gradients of `parts` leaves, then (with `residual` = 1) their residuals, each
 // float32 of any shape (the residual shaped like its gradient).
@@ -42,9 +46,12 @@ ffi::ErrorOr<std::vector<jaxcomp::PackPart>> DecodeParts(const ffi::RemainingArg
   return out;
 }
 
-ffi::Error Pack(ffi::ThreadPool pool, ffi::RemainingArgs args, int64_t residual, ffi::ResultBuffer<ffi::F32> out,
-                ffi::ResultBuffer<ffi::F32> nonfinite) {
+ffi::Error Pack(ffi::ThreadPool pool, ffi::RemainingArgs args, int64_t residual, float energy_scale,
+                ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> stats) {
   if (ffi::Error e = jaxcomp_ffi::CheckRange(residual, 0, 1, "residual"); e.failure()) return e;
+  if (!std::isfinite(energy_scale) || !(energy_scale > 0)) {
+    return ffi::Error::InvalidArgument("energy_scale must be finite and > 0, got " + std::to_string(energy_scale));
+  }
   auto parts = DecodeParts(args, residual);
   if (parts.has_error()) return parts.error();
   int64_t n = 0;
@@ -53,10 +60,17 @@ ffi::Error Pack(ffi::ThreadPool pool, ffi::RemainingArgs args, int64_t residual,
     return ffi::Error::InvalidArgument("out (the result) must be 1-D with the " + std::to_string(n) +
                                        " values of the gradients, got " + std::to_string(out->element_count()));
   }
-  if (nonfinite->element_count() != 1) return ffi::Error::InvalidArgument("nonfinite (the result) must be a scalar");
+  if (stats->element_count() != kStats) {
+    return ffi::Error::InvalidArgument("stats (the result) must hold " + std::to_string(kStats) + " values");
+  }
   const auto& p = parts.value();
-  return jaxcomp_ffi::ToError(jaxcomp::pack_error_fed(p.data(), static_cast<int64_t>(p.size()), out->typed_data(),
-                                                      nonfinite->typed_data(), jaxcomp_ffi::PoolParallel(pool)));
+  jaxcomp::PackStats s;
+  ffi::Error e = jaxcomp_ffi::ToError(jaxcomp::pack_error_fed(p.data(), static_cast<int64_t>(p.size()), energy_scale,
+                                                              out->typed_data(), &s, jaxcomp_ffi::PoolParallel(pool)));
+  if (e.failure()) return e;
+  const double values[kStats] = {s.nonfinite, s.gradient, s.fed, s.fed_scaled, s.fed_nonfinite};
+  for (int64_t i = 0; i < kStats; ++i) stats->typed_data()[i] = static_cast<float>(values[i]);
+  return e;
 }
 
 }  // namespace
@@ -66,5 +80,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompPackCpu, Pack,
                                   .Ctx<ffi::ThreadPool>()          // pool: XLA's intra-op threads
                                   .RemainingArgs()                 // the gradients, then their residuals
                                   .Attr<int64_t>("residual")       // 1: residuals follow the gradients
+                                  .Attr<float>("energy_scale")     // PackStats::fed_scaled's factor
                                   .Ret<ffi::Buffer<ffi::F32>>()    // out: the flat error-fed vector
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // nonfinite: non-finite gradient values
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // stats: kernels/pack.h's PackStats, in order

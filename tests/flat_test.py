@@ -154,15 +154,38 @@ def test_pack_error_fed_native_matches_xla_bit_for_bit(shapes, with_residual):
         if with_residual
         else None
     )
-    vector, count = jax.jit(flat.pack_error_fed)(grads, residuals)
-    expected, expected_count = flat.pack_error_fed_xla(grads, residuals)
-    np.testing.assert_array_equal(np.asarray(vector), np.asarray(expected))
+    packed = jax.jit(flat.pack_error_fed, static_argnums=2)(grads, residuals, 2.0**-80)
+    expected = flat.pack_error_fed_xla(grads, residuals, 2.0**-80)
+    np.testing.assert_array_equal(np.asarray(packed.vector), np.asarray(expected.vector))
     assert (
-        float(count)
-        == float(expected_count)
+        float(packed.nonfinite)
+        == float(expected.nonfinite)
         == sum(int((~np.isfinite(np.asarray(g))).sum()) for g in grads)
     )
-    assert np.isfinite(np.asarray(vector)).all()
+    assert np.isfinite(np.asarray(packed.vector)).all()
+    # The sums: the kernel's (float lanes per 64K values, then double) within 1e-5 of float64's;
+    # XLA's float32 reduce is further off (7e-5 seen), so the two agree to 1e-4.
+    clean = [np.where(np.isfinite(g), g, 0.0).astype(np.float64) for g in map(np.asarray, grads)]
+    exact_gradient = sum(np.sum(c * c) for c in clean)
+    vector = np.asarray(packed.vector, np.float64)
+    np.testing.assert_allclose(float(packed.gradient), exact_gradient, rtol=1e-5)
+    np.testing.assert_allclose(float(packed.fed[0]), np.sum(vector * vector), rtol=1e-5)
+    np.testing.assert_allclose(float(expected.gradient), exact_gradient, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(packed.fed), np.asarray(expected.fed), rtol=1e-4)
+
+
+def test_pack_error_fed_energies_of_an_overflowing_sum():
+    """g + r that overflows: the vector's energy is infinite, its scaled energy skips the value,
+    and the value is counted; the gradient's energy is the finite g's."""
+    big = np.float32(3e38)
+    grads, residuals = [jnp.array([big, 1.0, jnp.nan])], [jnp.array([big, 2.0, 0.0])]
+    for pack in (jax.jit(flat.pack_error_fed, static_argnums=2), flat.pack_error_fed_xla):
+        packed = pack(grads, residuals, 0.5)
+        assert np.isinf(np.asarray(packed.vector)[0])
+        assert float(packed.nonfinite) == 1.0
+        assert np.isinf(float(packed.gradient))  # big**2 overflows float32 too
+        fed = np.asarray(packed.fed)
+        assert np.isinf(fed[0]) and fed[1] == pytest.approx(9.0 * 0.25) and fed[2] == 1.0
 
 
 def test_pack_error_fed_runs_the_native_kernel_on_cpu_and_xla_for_16_bit():
@@ -170,7 +193,8 @@ def test_pack_error_fed_runs_the_native_kernel_on_cpu_and_xla_for_16_bit():
     assert "jaxcomp_pack" in jax.jit(flat.pack_error_fed).lower(grads).as_text()
     half = [g.astype(jnp.bfloat16) for g in grads]
     assert "jaxcomp_pack" not in jax.jit(flat.pack_error_fed).lower(half).as_text()
-    np.testing.assert_array_equal(np.asarray(flat.pack_error_fed(half)[0]), np.ones(19, np.float32))
+    vector = flat.pack_error_fed(half).vector
+    np.testing.assert_array_equal(np.asarray(vector), np.ones(19, np.float32))
 
 
 def test_pack_error_fed_refuses_bad_input():
@@ -178,6 +202,8 @@ def test_pack_error_fed_refuses_bad_input():
         flat.pack_error_fed([])
     with pytest.raises(ValueError, match="residuals must be shaped like grads"):
         flat.pack_error_fed([jnp.ones(3)], [jnp.ones(4)])
+    with pytest.raises(ValueError, match="energy_scale must be finite and > 0"):
+        flat.pack_error_fed([jnp.ones(3)], energy_scale=0.0)
 
 
 @pytest.mark.parametrize("method,options", METHODS[:4], ids=[m for m, _ in METHODS[:4]])

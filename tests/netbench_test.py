@@ -103,6 +103,7 @@ def test_plot_writes_a_png(tmp_path, models):
         (["--params", "10"], "--params"),
         (["--steps", "0"], "--steps"),
         (["--plot", "/nonexistent/x.png"], "folder"),
+        (["--allocator", "jemalloc"], "--allocator"),
         (["--model", "resnet18"], "--model must be among mlp4096,"),
         (["--model", "gpt2,nope"], "--model"),
         (["--model", ","], "--model"),
@@ -116,6 +117,11 @@ def test_cli_checks_its_flags_before_running(argv, match, capsys):
         netbench_cli.main(argv)
     assert exit_info.value.code == 2
     assert match in capsys.readouterr().err
+
+
+def test_a_bad_allocator_is_refused_before_any_cluster():
+    with pytest.raises(ValueError, match="allocator must be one of"):
+        netbench.run_benchmark((2,), ("1gbit",), allocator="jemalloc")
 
 
 @pytest.mark.multiprocess
@@ -159,6 +165,7 @@ def test_one_small_cell_on_two_emulated_hosts(tmp_path):
     # Sharded: the params and Adam's state are halves on 2 hosts (dense keeps no residual).
     assert by["dense@params"]["state_bytes"] < 0.6 * by["dense"]["state_bytes"]
     assert all(r["peak_rss"] > 0 for r in rows)  # each method's own peak (VmHWM reset before it)
+    assert all(r["allocator"] == "tuned" for r in rows)  # the hosts started with its variables
     # bytes_sent counts the reduce-scatter and the params' all-gather: what the link carried.
     assert by["quantized@optimizer"]["bytes_sent"] > by["quantized"]["bytes_sent"]
     for r in rows:

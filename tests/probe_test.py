@@ -325,9 +325,11 @@ def test_update_seconds_sees_a_slow_packing(monkeypatch):
     params = {"w": np.zeros((64, 64), np.float32), "b": np.zeros(64, np.float32)}
     fast = timing.update_seconds(methods.parse("sign"), params, repeats=2)
 
-    def slow_pack(grads, residuals=None):
-        out = flat.pack_error_fed_xla(grads, residuals)
-        return jax.pure_callback(lambda v, c: (time_module.sleep(0.05), (v, c))[1], out, *out)
+    def slow_pack(grads, residuals=None, energy_scale=1.0):
+        out = flat.pack_error_fed_xla(grads, residuals, energy_scale)
+        return flat.Packed(
+            *jax.pure_callback(lambda *v: (time_module.sleep(0.05), v)[1], tuple(out), *out)
+        )
 
     monkeypatch.setattr(flat, "pack_error_fed", slow_pack)
     assert timing.update_seconds(methods.parse("sign"), params, repeats=2) > fast + 0.04

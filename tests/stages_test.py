@@ -10,7 +10,9 @@ from helpers import need_devices
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp.costmodel import ratio_choice
 from jaxcomp.methods import Dense, PowerSGD, RandomK, TopK, Zfp
+from jaxcomp.ops import flat
 from jaxcomp.optim import packing, sharding
 from jaxcomp.optim.config import FeedbackConfig
 from jaxcomp.optim.stages import aggregation, error_feedback, guard, mask, metrics, momentum, warmup
@@ -268,15 +270,26 @@ def test_error_feedback_fused_against_numpy(dtype, with_residual):
     grads = [_with_nonfinite(s, dtype, seed=i) for i, s in enumerate(SHAPES)]
     rng = np.random.default_rng(4)
     residuals = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in SHAPES]
-    fed, count = error_feedback.fused(grads, residuals if with_residual else None)
-    parts, bad = [], 0
+    packed = error_feedback.fused(grads, residuals if with_residual else None)
+    fed, count = packed.vector, packed.nonfinite
+    parts, bad, energy = [], 0, 0.0
     for g, r in zip(grads, residuals):
         g = np.asarray(g, np.float32)
         bad += (~np.isfinite(g)).sum()
         g = np.where(np.isfinite(g), g, 0.0)
+        energy += float(np.sum(np.square(g, dtype=np.float64)))
         parts.append((g + np.asarray(r) if with_residual else g).reshape(-1))
-    np.testing.assert_allclose(np.asarray(fed), np.concatenate(parts), rtol=1e-6)
+    want = np.concatenate(parts)
+    np.testing.assert_allclose(np.asarray(fed), want, rtol=1e-6)
     assert float(count) == bad
+    # The energies the metrics and the guardrail read, from the same pass.
+    np.testing.assert_allclose(float(packed.gradient), energy, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(packed.fed),
+        np.asarray(flat.energies(jnp.asarray(want), ratio_choice.ENERGY_SCALE)),
+        rtol=1e-5,
+    )
+    assert float(packed.fed[0]) == pytest.approx(np.sum(np.square(want, dtype=np.float64)), 1e-5)
     # The unfused stages give the same vector.
     unfused = [
         error_feedback.add_residual(guard.finite(g)[0], r) if with_residual else guard.finite(g)[0]

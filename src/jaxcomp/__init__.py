@@ -76,6 +76,7 @@ _EXPORTS = {
     "DiLoCoState": "jaxcomp.training.diloco",
     "diloco": "jaxcomp.training.diloco",
     "sharded_updates": "jaxcomp.optim.sharding",
+    "tune_host_allocator": "jaxcomp.ops.allocator",
     "probe_network": "jaxcomp.costmodel.probe",
     "Network": "jaxcomp.costmodel.cost",
 }

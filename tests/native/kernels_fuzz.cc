@@ -531,10 +531,12 @@ void FuzzPack(std::mt19937_64& rng, uint64_t case_seed) {
   const std::string where = " (parts=" + std::to_string(num_parts) + ", n=" + std::to_string(n) +
                             (with_residual ? ", residual" : "") + ")";
   std::vector<float> out(n, -12345.0f);
-  float nonfinite = -1.0f;
-  if (!jaxcomp::pack_error_fed(parts.data(), num_parts, out.data(), &nonfinite, parallel).ok())
+  const float scale = rng() % 2 == 0 ? 1.0f : std::ldexp(1.0f, -80);
+  jaxcomp::PackStats stats;
+  if (!jaxcomp::pack_error_fed(parts.data(), num_parts, scale, out.data(), &stats, parallel).ok())
     Fail("pack_error_fed returned an error" + where, case_seed);
-  int64_t pos = 0, bad = 0;
+  int64_t pos = 0, bad = 0, fed_bad = 0;
+  double gradient = 0, fed = 0, fed_scaled = 0, magnitude = 0;
   for (int64_t i = 0; i < num_parts; ++i) {
     for (size_t j = 0; j < grads[i].size(); ++j, ++pos) {
       const float g = grads[i][j];
@@ -542,9 +544,26 @@ void FuzzPack(std::mt19937_64& rng, uint64_t case_seed) {
       const float clean = std::isfinite(g) ? g : 0.0f;
       const float want = with_residual ? clean + residuals[i][j] : clean;
       if (!SameBits(out[pos], want)) Fail("pack_error_fed at value " + std::to_string(pos) + where, case_seed);
+      gradient += double(clean) * clean;
+      fed += double(want) * want;
+      magnitude += double(want) * want + double(clean) * clean;
+      if (std::isfinite(want)) fed_scaled += double(want * scale) * double(want * scale);
+      fed_bad += !std::isfinite(want);
     }
   }
-  if (nonfinite != static_cast<float>(bad)) Fail("pack_error_fed's non-finite count" + where, case_seed);
+  if (stats.nonfinite != double(bad)) Fail("pack_error_fed's non-finite count" + where, case_seed);
+  if (stats.fed_nonfinite != double(fed_bad)) Fail("pack_error_fed's fed non-finite count" + where, case_seed);
+  // Float sums per lane: within a float's rounding of the sum of magnitudes (infinite: both).
+  // A float lane may overflow where the double sum does not: infinite is right once the sum of
+  // magnitudes nears float's largest value.
+  auto close = [&](double got, double want, double bound) {
+    if (std::isinf(got)) return !std::isfinite(want) || bound > 1e37;
+    return std::isfinite(want) && std::fabs(got - want) <= 1e-5 * bound + 1e-30;
+  };
+  if (!close(stats.gradient, gradient, magnitude)) Fail("pack_error_fed's gradient energy" + where, case_seed);
+  if (!close(stats.fed, fed, magnitude)) Fail("pack_error_fed's fed energy" + where, case_seed);
+  if (!close(stats.fed_scaled, fed_scaled, magnitude * double(scale) * scale))
+    Fail("pack_error_fed's scaled fed energy" + where, case_seed);
 }
 
 }  // namespace

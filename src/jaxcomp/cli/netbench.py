@@ -31,6 +31,7 @@ from jaxcomp.distributed.netbench import (
     run_benchmark,
 )
 from jaxcomp.methods import Dense
+from jaxcomp.ops.allocator import ALLOCATORS
 
 
 def _mb(value):
@@ -221,6 +222,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout", type=float, default=1800, help="seconds per cell (default 1800)"
     )
+    parser.add_argument(
+        "--allocator",
+        choices=ALLOCATORS,
+        default="tuned",
+        help="the hosts' malloc: 'tuned' keeps large buffers on the heap "
+        "(jaxcomp.tune_host_allocator), 'glibc' its defaults (fresh pages for every buffer over "
+        "32 MB, every step; default tuned)",
+    )
     parser.add_argument("--plot", default=None, help="write the speedup plot (PNG) here")
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
     parser.add_argument("--log", default=None, help="append the workers' output here")
@@ -328,6 +337,7 @@ def _run(args, hosts, rates, methods, models, cells) -> list[dict]:
             log=args.log,
             on_cell=save,
             models=models,
+            allocator=args.allocator,
         )
 
 

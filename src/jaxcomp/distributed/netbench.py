@@ -32,6 +32,7 @@ import os
 import tempfile
 
 from jaxcomp.methods import Cast, Dense, PowerSGD, Quantized, RandomK, Sign, TopK, Zfp
+from jaxcomp.ops import allocator as allocator_module
 
 
 def _runs():
@@ -129,6 +130,7 @@ def run_benchmark(
     log=None,
     on_cell=None,
     models=None,
+    allocator="tuned",
 ) -> list[dict]:
     """Runs every (model, hosts, rate) cell on an emulated cluster; returns one row per cell and
     method.
@@ -149,9 +151,16 @@ def run_benchmark(
       on_cell: called with all rows so far after each cell (to save partial results).
       models: :data:`jaxcomp.training.zoo.NAMES` to train, one cell per model, host count and rate;
         None trains the MLP of ``params`` and ``layers``.
+      allocator: ``"tuned"`` (default) starts every host with
+        :data:`jaxcomp.ops.allocator.ENVIRONMENT` (large buffers on the heap, what
+        :func:`jaxcomp.tune_host_allocator` does), ``"glibc"`` with glibc's defaults, under which
+        every buffer over 32 MB is fresh pages each step for every method, the plain ``pmean``
+        included (docs/performance.md).
 
     Returns:
-      A list of dicts, one per (model, hosts, rate, method); ``"model"`` names the model.
+      A list of dicts, one per (model, hosts, rate, method); ``"model"`` names the model and
+      ``"allocator"`` the allocator the hosts report they started with
+      (:func:`jaxcomp.ops.allocator.started_with`).
 
     Example:
       >>> rows = run_benchmark(  # doctest: +SKIP
@@ -165,6 +174,7 @@ def run_benchmark(
     from jaxcomp.distributed.cluster import check_support
 
     check_support()
+    env = allocator_module.environment(allocator)  # checks the name before any cluster is built
     methods, models = _checked_runs(methods, models)
     bar = _checked_bar(progress)
     cells = [(m, h, r) for m in models for h in hosts for r in rates]
@@ -172,7 +182,7 @@ def run_benchmark(
     rows = []
     try:
         for model, n_hosts, rate in cells:
-            rows += _cell_rows(model, n_hosts, rate, methods, options, bar, timeout, log)
+            rows += _cell_rows(model, n_hosts, rate, methods, options, bar, timeout, log, env)
             bar.update(1)
             if on_cell is not None:
                 on_cell(rows)
@@ -217,7 +227,7 @@ def _checked_bar(progress):
     return progress
 
 
-def _cell_rows(model, n_hosts, rate, methods, options, bar, timeout, log) -> list[dict]:
+def _cell_rows(model, n_hosts, rate, methods, options, bar, timeout, log, env) -> list[dict]:
     """One (model, hosts, rate) cell: its job on a fresh cluster, one row per method."""
     from jaxcomp.distributed.cluster import format_rate, parse_rate
 
@@ -231,7 +241,8 @@ def _cell_rows(model, n_hosts, rate, methods, options, bar, timeout, log) -> lis
             model=model,
             **options,
         )
-        result = _run_cell(spec, n_hosts, timeout, log or os.path.join(tmp, "workers.log"), tmp)
+        log_path = log or os.path.join(tmp, "workers.log")
+        result = _run_cell(spec, n_hosts, timeout, log_path, tmp, env)
     base = result["methods"]["pmean"]["step"]
     return [
         {
@@ -243,6 +254,7 @@ def _cell_rows(model, n_hosts, rate, methods, options, bar, timeout, log) -> lis
             "leaves": result.get("leaves"),
             "compute": result["compute"],
             "probe": result["probe"],
+            "allocator": result.get("allocator"),
             "speedup": base / entry["step"],
             **entry,
         }
@@ -250,9 +262,9 @@ def _cell_rows(model, n_hosts, rate, methods, options, bar, timeout, log) -> lis
     ]
 
 
-def _run_cell(spec: Spec, n_hosts: int, timeout: float, log_path: str, cwd: str) -> dict:
-    """One job of ``spec`` on a fresh cluster of ``n_hosts``; the workers' results (host 0's
-    JSON)."""
+def _run_cell(spec: Spec, n_hosts: int, timeout: float, log_path: str, cwd: str, env) -> dict:
+    """One job of ``spec`` on a fresh cluster of ``n_hosts``, its processes started with ``env``
+    added to their environment; the workers' results (host 0's JSON)."""
     from jaxcomp.distributed.cluster import Cluster, ClusterError, format_rate
 
     with open(log_path, "a") as out, Cluster(n_hosts, rate=spec.rate_bits) as cluster:
@@ -265,6 +277,7 @@ def _run_cell(spec: Spec, n_hosts: int, timeout: float, log_path: str, cwd: str)
                 json.dumps(dataclasses.asdict(spec)),
             ],
             timeout=timeout,
+            env=env,
             stdout=out,
             stderr=out,
             cwd=cwd,

@@ -20,6 +20,7 @@ import time
 
 from jaxcomp.distributed.netbench import METHODS, Spec, width_for
 from jaxcomp.methods import Dense
+from jaxcomp.ops import allocator
 
 
 @dataclasses.dataclass
@@ -132,6 +133,7 @@ def _probe(job: _Job, compute_first):
         "params": job.n_params,
         **job.about,
         "compute": compute_first,
+        "allocator": allocator.started_with(),
         "probe": None
         if network is None
         else {"alpha": network.alpha, "beta": network.beta, "seconds": probe_seconds},

@@ -25,6 +25,8 @@ would otherwise rebuild each leaf from its two halves in a fused 2-operand conca
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,22 +143,90 @@ def count_nonfinite(g):
     return jnp.sum(jnp.where(jnp.isfinite(g), 0.0, 1.0), dtype=jnp.float32)
 
 
-def pack_error_fed_xla(grads, residuals=None):
+class Packed(NamedTuple):
+    """What :func:`pack_error_fed` returns: the vector and what the same pass learned."""
+
+    vector: jax.Array  # float32 [sum of sizes]: the error-fed vector
+    nonfinite: jax.Array  # f32[]: non-finite gradient values (exact below 2**24)
+    gradient: jax.Array  # f32[]: sum of g**2 over the finite gradient values
+    fed: jax.Array  # f32[3]: :func:`energies` of the vector
+
+
+def energies(x, energy_scale=1.0):
+    """``[sum x**2, sum over finite x of (x * energy_scale)**2, non-finite x]`` in float32, in
+    one pass (a variadic reduce): the error-fed vector's part of the compression gain.
+
+    Args:
+      x: a float array.
+      energy_scale: the factor of the second sum (a sum of squares that does not overflow).
+
+    Returns:
+      A float32 ``[3]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> energies(jnp.array([3.0, 4.0, jnp.inf]), 0.5).tolist()
+      [inf, 6.25, 1.0]
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §2-C3 (compression gain).
+    """
+    x = x.astype(jnp.float32)
+    finite = jnp.isfinite(x)
+    operands = (
+        jnp.square(x),
+        jnp.where(finite, jnp.square(x * energy_scale), 0.0),
+        jnp.where(finite, 0.0, 1.0),
+    )
+    zero = jnp.zeros((), jnp.float32)
+    sums = jax.lax.reduce(
+        operands,
+        (zero, zero, zero),
+        lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2]),
+        tuple(range(x.ndim)),
+    )
+    return jnp.stack(sums)
+
+
+def finite_energy(g):
+    """``sum g**2`` over the finite values of ``g``, in float32.
+
+    Args:
+      g: a float array.
+
+    Returns:
+      A float32 scalar.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> float(finite_energy(jnp.array([3.0, jnp.nan, 4.0])))
+      25.0
+
+    References:
+      Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019 (the gradient norm).
+    """
+    x = g.astype(jnp.float32)
+    return jnp.sum(jnp.where(jnp.isfinite(x), jnp.square(x), 0.0))
+
+
+def pack_error_fed_xla(grads, residuals=None, energy_scale=1.0) -> Packed:
     """:func:`pack_error_fed` in XLA ops: what every platform but the CPU runs, and the reference
-    the CPU kernel is tested against bit for bit.
+    the CPU kernel is tested against (the vector and the count bit for bit, the sums to float
+    rounding).
 
     Args:
       grads: float arrays, any shapes.
       residuals: None, or float32 arrays shaped like ``grads``.
+      energy_scale: as for :func:`pack_error_fed`.
 
     Returns:
-      ``(vector, nonfinite)`` as :func:`pack_error_fed` returns them.
+      A :class:`Packed`, as :func:`pack_error_fed` returns it.
 
     Example:
       >>> import jax.numpy as jnp
-      >>> vector, bad = pack_error_fed_xla([jnp.array([2.0, -jnp.inf])])
-      >>> vector.tolist(), float(bad)
-      ([2.0, 0.0], 1.0)
+      >>> packed = pack_error_fed_xla([jnp.array([2.0, -jnp.inf])])
+      >>> packed.vector.tolist(), float(packed.nonfinite), float(packed.gradient)
+      ([2.0, 0.0], 1.0, 4.0)
 
     References:
       Tyagi & Swany, arXiv 2312.02493, Alg. 1 (error feedback, g_e = g + residual).
@@ -165,32 +235,43 @@ def pack_error_fed_xla(grads, residuals=None):
         finite_values(g) if residuals is None else finite_values(g) + r
         for g, r in zip(grads, residuals or grads)
     ]
-    return concat(fed), sum(count_nonfinite(g) for g in grads)
+    vector = concat(fed)
+    return Packed(
+        vector,
+        sum(count_nonfinite(g) for g in grads),
+        sum(finite_energy(g) for g in grads),
+        energies(vector, energy_scale),
+    )
 
 
-def pack_error_fed(grads, residuals=None):
-    """The flat error-fed vector of gradient leaves, and how many of their values were not finite.
+def pack_error_fed(grads, residuals=None, energy_scale=1.0) -> Packed:
+    """The flat error-fed vector of gradient leaves, and what one pass over them learns: how many
+    values were not finite, the gradient's energy and the vector's.
 
-    ``out = concat(where(isfinite(g_i), g_i, 0) + r_i)``: each leaf's non-finite values count as 0
-    (never sent, never kept in the residual), its residual is added, and the leaves are joined
+    ``vector = concat(where(isfinite(g_i), g_i, 0) + r_i)``: each leaf's non-finite values count as
+    0 (never sent, never kept in the residual), its residual is added, and the leaves are joined
     into one float32 vector. On the CPU this is one native pass (``kernels/pack.h``: read each
-    gradient and residual once, write the vector once); done by XLA it is a loop per leaf into a
-    temporary, then the concatenation (:func:`concat`), two to three passes over fresh memory.
+    gradient and residual once, write the vector once, and sum the energies in registers on the
+    way); done by XLA it is a loop per leaf into a temporary, then the concatenation
+    (:func:`concat`), two to three passes over fresh memory, and the energies one and a half more.
     Elsewhere (GPU, TPU) XLA's own fusion does it well and runs.
 
     Args:
       grads: float32 arrays, any shapes.
       residuals: None, or float32 arrays shaped like ``grads``.
+      energy_scale: the factor of the vector's scaled energy (``Packed.fed[1]``).
 
     Returns:
-      ``(vector, nonfinite)``: float32 ``[sum of sizes]`` and a float32 scalar (exact below 2**24).
+      A :class:`Packed`: the float32 ``[sum of sizes]`` vector, the non-finite count, ``sum g**2``
+      over the finite gradient values and :func:`energies` of the vector. The sums are taken in
+      64K-value pieces, so they match the XLA reference to float rounding, not bit for bit.
 
     Example:
       >>> import jax.numpy as jnp
-      >>> vector, bad = pack_error_fed([jnp.array([1.0, jnp.nan]), jnp.ones((2, 2))],
-      ...                              [jnp.array([0.5, 0.5]), jnp.zeros((2, 2))])
-      >>> vector.tolist(), float(bad)
-      ([1.5, 0.5, 1.0, 1.0, 1.0, 1.0], 1.0)
+      >>> packed = pack_error_fed([jnp.array([1.0, jnp.nan]), jnp.ones((2, 2))],
+      ...                         [jnp.array([0.5, 0.5]), jnp.zeros((2, 2))])
+      >>> packed.vector.tolist(), float(packed.nonfinite), float(packed.gradient)
+      ([1.5, 0.5, 1.0, 1.0, 1.0, 1.0], 1.0, 5.0)
 
     References:
       Tyagi & Swany, arXiv 2312.02493, Alg. 1 (error feedback, g_e = g + residual); Lin et al.,
@@ -206,23 +287,30 @@ def pack_error_fed(grads, residuals=None):
             f"residuals must be shaped like grads: {[r.shape for r in residuals]} vs "
             f"{[g.shape for g in grads]}"
         )
+    if not (np.isfinite(energy_scale) and energy_scale > 0):
+        raise ValueError(f"energy_scale must be finite and > 0, got {energy_scale!r}")
     if any(g.dtype != jnp.float32 for g in grads + (residuals or [])):  # the kernel reads float32
-        return pack_error_fed_xla(grads, residuals)
+        return pack_error_fed_xla(grads, residuals, energy_scale)
     n = sum(g.size for g in grads)
     call = _ffi.ffi_call(
         "jaxcomp_pack",
-        (jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32)),
+        (jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((5,), jnp.float32)),
         vmap_method="sequential",
     )
-    operands = grads + (residuals or [])
     has_residual = np.int64(residuals is not None)
 
     def native(*operands):
-        return tuple(call(*operands, residual=has_residual))
+        scale = np.float32(energy_scale)
+        vector, stats = call(*operands, residual=has_residual, energy_scale=scale)
+        return Packed(vector, stats[0], stats[1], stats[2:])
 
     def portable(*operands):
         return pack_error_fed_xla(
-            operands[: len(grads)], operands[len(grads) :] if residuals is not None else None
+            operands[: len(grads)],
+            operands[len(grads) :] if residuals is not None else None,
+            energy_scale,
         )
 
-    return tuple(jax.lax.platform_dependent(*operands, cpu=native, default=portable))
+    return Packed(
+        *jax.lax.platform_dependent(*grads, *(residuals or []), cpu=native, default=portable)
+    )

@@ -283,12 +283,10 @@ def _sum_error_fed(
     """Stages 1 and 3 to 6 and the metrics' sums: guard, mask, momentum, error feedback,
     aggregation, and the guard on what came out (totals that overflowed count as 0); with
     ``guarding``, the gradients' energy for the guardrail rides in the metrics' psum."""
-    feds, plain_parts, counts, momenta = _error_fed(c, grads, residuals, velocities, keeps_residual)
-    gradient = (
-        sum(divergence.energy(grads.leaves[i]) for i in sorted(grads.layout.compressed))
-        if guarding
-        else None
+    feds, plain_parts, counts, momenta, packs = _error_fed(
+        c, grads, residuals, velocities, keeps_residual
     )
+    gradient = _gradient_energy(grads, packs) if guarding else None
     out = list(grads.leaves)
     plain_bytes, plain_kept = 0.0, 0
     copies = guard.total_copies(c.axis_name, grads.shards is not None)
@@ -325,6 +323,7 @@ def _sum_error_fed(
         lambda: guard.count_totals(result.totals, c.axis_name, sharded),
         _narrowest(grads.comm_dtype, state.methods),
         gradient,
+        [None if p is None else p.fed for p in packs],
     )
     if c.nonfinite == "zero":  # an overflowed total counts as 0 (skip/raise zero the update)
         result = result._replace(totals=[guard.dropped(t) for t in result.totals])
@@ -344,6 +343,14 @@ def _sum_error_fed(
     )
 
 
+def _gradient_energy(grads: _Gradients, packs):
+    """This device's energy of the compressed leaves' finite gradient values (the guardrail's):
+    from the one-pass packing where every group had it, else summed here (one more read)."""
+    if packs and all(p is not None for p in packs):
+        return sum(p.gradient for p in packs)
+    return sum(divergence.energy(grads.leaves[i]) for i in sorted(grads.layout.compressed))
+
+
 def _remainings(feds, result: Aggregation):
     """Per group, what this device did not send (``g_e - sent``, the next residual), or None when
     everything was sent; its non-finite entries (the device's own values overflowed, counted in
@@ -358,7 +365,8 @@ def _remainings(feds, result: Aggregation):
 
 def _error_fed(c: FeedbackConfig, grads: _Gradients, residuals, velocities, keeps_residual):
     """Stages 1, 4 and 5: per group the error-fed vector, the plain leaves' finite values, the
-    non-finite counts and the new velocities.
+    non-finite counts, the new velocities and per group the :class:`~jaxcomp.ops.flat.Packed`
+    of the one-pass packing (None where the group was packed otherwise).
 
     Non-finite entries (NaN, ±Inf) count as 0 before anything else sees them: never sent, never
     stored in the residual, and the residual's own entry at that index is kept.
@@ -378,20 +386,24 @@ def _error_fed(c: FeedbackConfig, grads: _Gradients, residuals, velocities, keep
 
     def fed_group(positions, row):
         if grads.shards is not None or c.momentum is not None:
+            packs.append(None)
             return packing.pack([fed_leaf(i) for i in positions], grads.shards, row)
-        # One pass on the CPU: the non-finite select, the residual's add and the join.
-        fed, count = error_feedback.fused(
+        # One pass on the CPU: the non-finite select, the residual's add, the join and the
+        # energies the metrics and the guardrail read.
+        packed = error_feedback.fused(
             [grads.leaves[i] for i in positions],
             [residuals[i] for i in positions] if keeps_residual else None,
         )
-        counts.append(count)
-        return fed
+        counts.append(packed.nonfinite)
+        packs.append(packed)
+        return packed.vector
 
+    packs = []
     feds = [
         fed_group(positions, row) for (positions, _), row in zip(grads.layout.groups, grads.rows)
     ]
     plain_parts = [finite_part(i) for i in grads.layout.plain]
-    return feds, plain_parts, counts, momenta
+    return feds, plain_parts, counts, momenta, packs
 
 
 def _write_back(

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp.methods import Method
-from jaxcomp.ops import _checks
+from jaxcomp.ops import _checks, flat
 
 #: How far one step's gradient energy can pull the running mean: a sample counts as at most this
 #: many times the mean (``G`` above it counts as ``FOLLOW * mean``).
@@ -239,8 +239,7 @@ def energy(values):
     References:
       Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019 (the gradient norm).
     """
-    x = values.astype(jnp.float32)
-    return jnp.sum(jnp.where(jnp.isfinite(x), jnp.square(x), 0.0))
+    return flat.finite_energy(values)
 
 
 def triggered(guardrail: Guardrail, state: GuardrailState, gradient, fed, gain):

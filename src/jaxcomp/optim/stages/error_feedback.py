@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxcomp.costmodel import ratio_choice
 from jaxcomp.ops import flat
 
 
@@ -34,25 +35,27 @@ def add_residual(g, residual):
 
 def fused(grads, residuals):
     """A group's error-fed vector in one pass: each gradient's non-finite entries as 0, its
-    residual added, the leaves joined (:func:`jaxcomp.ops.flat.pack_error_fed`).
+    residual added, the leaves joined, and the energies the metrics and the guardrail read
+    (:func:`jaxcomp.ops.flat.pack_error_fed`).
 
     Args:
       grads: the group's gradient leaves.
       residuals: their residuals, or None without error feedback.
 
     Returns:
-      ``(vector, non-finite count)``.
+      A :class:`jaxcomp.ops.flat.Packed`: the vector, the non-finite count, the gradient's energy
+      and the vector's (scaled by :data:`~jaxcomp.costmodel.ratio_choice.ENERGY_SCALE`).
 
     Example:
       >>> import jax.numpy as jnp
-      >>> fed, count = fused([jnp.array([1.0, jnp.nan])], [jnp.array([0.5, 0.5])])
-      >>> fed.tolist(), float(count)
+      >>> packed = fused([jnp.array([1.0, jnp.nan])], [jnp.array([0.5, 0.5])])
+      >>> packed.vector.tolist(), float(packed.nonfinite)
       ([1.5, 0.5], 1.0)
 
     References:
       Tyagi & Swany, arXiv 2312.02493, Alg. 1 and §3-C3 (fused compression).
     """
-    return flat.pack_error_fed(grads, residuals)
+    return flat.pack_error_fed(grads, residuals, ratio_choice.ENERGY_SCALE)
 
 
 def remaining(fed, sent, sparse: bool):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxcomp.collectives import small
 from jaxcomp.costmodel import ratio_choice
+from jaxcomp.ops import flat
 from jaxcomp.optim.state import CompressMetrics
 
 
@@ -73,7 +74,14 @@ class Energies(NamedTuple):
 
 
 def summed_metrics(
-    result, feds, count, axis_name, check_totals=None, comm_dtype=jnp.float32, gradient=None
+    result,
+    feds,
+    count,
+    axis_name,
+    check_totals=None,
+    comm_dtype=jnp.float32,
+    gradient=None,
+    fed_energies=None,
 ):
     """:func:`gain_and_nonfinite`, with the energies the guardrail needs: ``gradient`` (this
     device's gradient energy) rides in the same psum, one scalar more.
@@ -86,6 +94,9 @@ def summed_metrics(
       check_totals: as for :func:`gain_and_nonfinite`.
       comm_dtype: the dtype the totals are in.
       gradient: this device's gradient energy (float32 scalar), or None (not summed).
+      fed_energies: per group, :func:`jaxcomp.ops.flat.energies` of its fed vector when the
+        packing already summed them (:func:`jaxcomp.ops.flat.pack_error_fed`), else None (then
+        they are summed here, one more read of the vector).
 
     Returns:
       ``(gain, count, energies)``: :func:`gain_and_nonfinite`'s two and an :class:`Energies`.
@@ -116,7 +127,7 @@ def summed_metrics(
     sents = [sent[1] if result.sparse else sent for sent in result.sents]
     # The energies (plain and scaled), this device's own non-finite entries and the gradients'
     # count (and the gradient's energy): one psum of 6 (7) scalars.
-    parts = [_energies(sents, feds), count[None]]
+    parts = [_energies(sents, feds, fed_energies), count[None]]
     if gradient is not None:
         parts.append(jnp.asarray(gradient, jnp.float32)[None])
     summed = small.metric_sum(jnp.concatenate(parts), axis_name)
@@ -141,7 +152,7 @@ def summed_metrics(
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
-def _energies(sents, feds):
+def _energies(sents, feds, fed_energies=None):
     """``[sent, fed, sent scaled, fed scaled, non-finite entries of sent and fed]`` of this
     device, in one pass over each vector (a variadic reduce).
 
@@ -149,7 +160,11 @@ def _energies(sents, feds):
     :data:`~jaxcomp.costmodel.ratio_choice.PLAIN_ENERGY_LIMIT` (or are not finite) reports the
     scaled ones instead, over the finite entries.
     """
-    parts = [_one_pass(x) for x in sents], [_one_pass(x) for x in feds]
+    known = fed_energies or [None] * len(feds)
+    parts = (
+        [_one_pass(x) for x in sents],
+        [_one_pass(x) if e is None else tuple(e) for x, e in zip(feds, known)],
+    )
     (sent, sent_scaled, sent_bad), (fed, fed_scaled, fed_bad) = (
         [_total(p[i] for p in group) for i in range(3)] for group in parts
     )
@@ -168,20 +183,7 @@ def _energies(sents, feds):
 
 def _one_pass(values):
     """``(sum x^2, sum over finite x of (x * ENERGY_SCALE)^2, non-finite entries)``."""
-    x = values.astype(jnp.float32)
-    finite = jnp.isfinite(x)
-    operands = (
-        jnp.square(x),
-        jnp.where(finite, jnp.square(x * ratio_choice.ENERGY_SCALE), 0.0),
-        jnp.where(finite, 0.0, 1.0),
-    )
-    zero = jnp.zeros((), jnp.float32)
-    return jax.lax.reduce(
-        operands,
-        (zero, zero, zero),
-        lambda a, b: (a[0] + b[0], a[1] + b[1], a[2] + b[2]),
-        tuple(range(x.ndim)),
-    )
+    return tuple(flat.energies(values, ratio_choice.ENERGY_SCALE))
 
 
 def _total(scalars):

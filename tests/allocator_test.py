@@ -1,0 +1,84 @@
+"""jaxcomp.tune_host_allocator: large blocks stay on the heap, in a process of its own (the
+setting is process-wide and permanent, so this test process keeps glibc's defaults)."""
+
+import subprocess
+import sys
+
+import pytest
+from helpers import subprocess_env
+
+from jaxcomp.ops import allocator
+
+# Allocates and frees a 64 MB block twice and reports glibc's mmapped bytes while it is held
+# (mallinfo2's hblkhd): above the 32 MB threshold glibc maps every such block, unless tuned.
+PROBE = """
+import ctypes, json, sys
+from jaxcomp.ops import allocator
+
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallinfo2.restype = Info
+tuned = allocator.tune_host_allocator() if sys.argv[1] == "tune" else None
+mapped = []
+for _ in range(2):
+    block = libc.malloc(64 << 20)
+    ctypes.memset(block, 1, 64 << 20)
+    mapped.append(libc.mallinfo2().hblkhd)
+    libc.free(block)
+print(json.dumps({"tuned": tuned, "mapped": mapped}))
+"""
+
+
+def _probe(mode, env=None):
+    import json
+
+    base = subprocess_env()
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode],
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",  # not the checkout: -c puts the working directory first on sys.path
+    )
+    return json.loads(out.stdout)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
+def test_large_blocks_stay_on_the_heap_once_tuned():
+    assert all(m >= 64 << 20 for m in _probe("default")["mapped"])  # glibc maps each one
+    # Tuned, the block is not mapped (what was mapped before, the interpreter's, stays).
+    tuned = _probe("tune")
+    assert tuned["tuned"] is True
+    assert all(m < 64 << 20 for m in tuned["mapped"])
+    # The environment variables do the same for a process about to start.
+    assert all(m < 64 << 20 for m in _probe("default", allocator.environment("tuned"))["mapped"])
+
+
+def test_environment_and_started_with_agree():
+    assert allocator.environment("glibc") == {}
+    tuned = allocator.environment("tuned")
+    assert tuned == allocator.ENVIRONMENT and tuned is not allocator.ENVIRONMENT
+    assert allocator.started_with(tuned) == "tuned"
+    assert allocator.started_with({"PATH": "/bin"}) == "glibc"
+    assert allocator.started_with({**tuned, "MALLOC_TOP_PAD_": "1"}) == "custom"
+    with pytest.raises(ValueError, match="allocator must be one of"):
+        allocator.environment("jemalloc")
+
+
+def test_without_mallopt_it_warns_and_changes_nothing(monkeypatch):
+    monkeypatch.setattr(allocator, "_mallopt", lambda: None)
+    with pytest.warns(RuntimeWarning, match="no mallopt"):
+        assert allocator.tune_host_allocator() is False
+
+
+def test_a_refused_setting_is_reported(monkeypatch):
+    monkeypatch.setattr(allocator, "_mallopt", lambda: lambda code, value: 0)
+    with pytest.warns(RuntimeWarning, match="mallopt refused M_MMAP_MAX"):
+        assert allocator.tune_host_allocator() is False
