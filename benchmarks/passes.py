@@ -11,6 +11,10 @@ error feedback, packing, selection, codecs and unpacking cost in units of the ch
 step could do with the gradient. The issue's targets: at most 4 passes for top-k, random-k, sign
 and the casts (PowerSGD: beside its matmuls), at most 8 for ZFP and THC.
 
+By default the process first calls :func:`jaxcomp.tune_host_allocator` (``--allocator glibc``
+keeps glibc's defaults, under which the update's 100 MB vectors are fresh pages every call and the
+copy's leaves under 32 MB are not: docs/performance.md).
+
 Rounds interleave the methods (each call in a round: one warm-up, then the best of 2) and each
 figure is the best round, so that a busy machine skews every method alike. Results go to stdout as a
 table and to ``--json``.
@@ -57,6 +61,14 @@ def parse_args(argv=None):
         "--repeats", type=int, default=5, help="rounds; the best counts (default 5)"
     )
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument(
+        "--allocator",
+        choices=("tuned", "glibc"),
+        default="tuned",
+        help="'tuned' calls jaxcomp.tune_host_allocator() first (large buffers on the heap), "
+        "'glibc' keeps its defaults: every buffer over 32 MB is fresh pages each call, which a "
+        "copy into leaves under 32 MB does not pay (default tuned)",
+    )
     args = parser.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.methods = [m for m in args.methods.split(",") if m]
@@ -106,7 +118,7 @@ def update_function(method: str, grads):
     return step, jax.jit(tx.init)(grads)
 
 
-def measure(model_name: str, methods, repeats: int) -> list[dict]:
+def measure(model_name: str, methods, repeats: int, allocator: str = "glibc") -> list[dict]:
     """One model's rows: per method the update's best time and its passes over the copy's."""
     from jaxcomp.costmodel.probe import best_seconds  # one warm-up call, then the best of the rest
 
@@ -132,6 +144,7 @@ def measure(model_name: str, methods, repeats: int) -> list[dict]:
             "copy_seconds": best["copy"],
             "passes": best[m] / best["copy"],
             "target": TARGETS.get(m, 4),
+            "allocator": allocator,
         }
         for m in methods
     ]
@@ -155,14 +168,18 @@ def table(rows) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.allocator == "tuned":
+        import jaxcomp
+
+        jaxcomp.tune_host_allocator()  # before the first buffer: the gradients, the states
     print(
         f"# {platform.node()}: {platform.processor() or platform.machine()}, jax "
-        f"{jax.__version__}, {len(jax.devices())} device(s)",
+        f"{jax.__version__}, {len(jax.devices())} device(s), allocator {args.allocator}",
         flush=True,
     )
     rows = []
     for model_name in args.models:
-        rows += measure(model_name, args.methods, args.repeats)
+        rows += measure(model_name, args.methods, args.repeats, args.allocator)
         print(f"# {model_name} done", flush=True)
     print(table(rows))
     if args.json:

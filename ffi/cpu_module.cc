@@ -6,6 +6,7 @@ NB_MODULE(_jaxcomp_cpu, m) {
   m.def("registrations", []() {
     return jaxcomp_ffi::Registrations(JaxcompTopkCpu, JaxcompFindThresholdCpu, JaxcompThresholdTopkCpu,
                                       JaxcompZfpEncodeCpu, JaxcompZfpDecodeCpu, JaxcompSignPackCpu,
-                                      JaxcompSignUnpackCpu, JaxcompHadamardCpu, JaxcompPackCpu);
+                                      JaxcompSignUnpackCpu, JaxcompHadamardCpu, JaxcompPackCpu,
+                                      JaxcompSignUnpackSumCpu, JaxcompEnergiesCpu);
   });
 }

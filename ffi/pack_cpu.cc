@@ -73,7 +73,29 @@ ffi::Error Pack(ffi::ThreadPool pool, ffi::RemainingArgs args, int64_t residual,
   return e;
 }
 
+ffi::Error Energies(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, float energy_scale,
+                    ffi::ResultBuffer<ffi::F32> stats) {
+  if (!std::isfinite(energy_scale) || !(energy_scale > 0)) {
+    return ffi::Error::InvalidArgument("energy_scale must be finite and > 0, got " + std::to_string(energy_scale));
+  }
+  if (stats->element_count() != 3) return ffi::Error::InvalidArgument("stats (the result) must hold 3 values");
+  jaxcomp::PackStats s;
+  ffi::Error e = jaxcomp_ffi::ToError(jaxcomp::vector_energies(
+      x.typed_data(), static_cast<int64_t>(x.element_count()), energy_scale, &s, jaxcomp_ffi::PoolParallel(pool)));
+  if (e.failure()) return e;
+  const double values[3] = {s.fed, s.fed_scaled, s.fed_nonfinite};
+  for (int i = 0; i < 3; ++i) stats->typed_data()[i] = static_cast<float>(values[i]);
+  return e;
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompEnergiesCpu, Energies,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()          // pool: XLA's intra-op threads
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // x: any shape
+                                  .Attr<float>("energy_scale")     // the scaled sum's factor
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // stats: sum x^2, scaled, non-finite
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompPackCpu, Pack,
                               ffi::Ffi::Bind()

@@ -12,7 +12,8 @@ inline nanobind::dict Registrations(XLA_FFI_Handler* topk, XLA_FFI_Handler* find
                                     XLA_FFI_Handler* threshold_topk, XLA_FFI_Handler* zfp_encode,
                                     XLA_FFI_Handler* zfp_decode, XLA_FFI_Handler* sign_pack,
                                     XLA_FFI_Handler* sign_unpack, XLA_FFI_Handler* hadamard = nullptr,
-                                    XLA_FFI_Handler* pack = nullptr) {
+                                    XLA_FFI_Handler* pack = nullptr, XLA_FFI_Handler* sign_unpack_sum = nullptr,
+                                    XLA_FFI_Handler* energies = nullptr) {
   auto capsule = [](XLA_FFI_Handler* fn) { return nanobind::capsule(reinterpret_cast<void*>(fn)); };
   nanobind::dict targets;
   targets["jaxcomp_topk"] = capsule(topk);
@@ -26,6 +27,10 @@ inline nanobind::dict Registrations(XLA_FFI_Handler* topk, XLA_FFI_Handler* find
   if (hadamard != nullptr) targets["jaxcomp_hadamard"] = capsule(hadamard);
   // CPU only: elsewhere the flat vector is XLA's (jaxcomp.flat.pack_error_fed's XLA path).
   if (pack != nullptr) targets["jaxcomp_pack"] = capsule(pack);
+  // CPU only: elsewhere the all-gathered signs are decoded and added row by row in XLA.
+  if (sign_unpack_sum != nullptr) targets["jaxcomp_sign_unpack_sum"] = capsule(sign_unpack_sum);
+  // CPU only: elsewhere XLA's variadic reduce (jaxcomp.ops.flat.energies' XLA path).
+  if (energies != nullptr) targets["jaxcomp_energies"] = capsule(energies);
   return targets;
 }
 

@@ -136,6 +136,35 @@ inline void PackSpan(const float* g, const float* r, float* o, int64_t count, fl
   }
 }
 
+// The fed sums of x[0, count) alone (no gradient, no output): vector_energies's loop.
+inline void EnergySpan(const float* x, int64_t count, float scale, Lanes& acc) {
+  const F4 zero = {0, 0, 0, 0}, one = {1, 1, 1, 1}, s4 = {scale, scale, scale, scale};
+  F4 fed = zero, scaled = zero, fed_bad = zero;
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {
+    F4 v;
+    std::memcpy(&v, x + j, sizeof v);
+    const I4 v_finite = Finite4(v);
+    const F4 vs = v * s4;
+    fed += v * v;
+    scaled += reinterpret_cast<F4>(reinterpret_cast<I4>(vs * vs) & v_finite);
+    fed_bad += reinterpret_cast<F4>(reinterpret_cast<I4>(one) & ~v_finite);
+  }
+  for (int l = 0; l < 4; ++l) {
+    acc.fed[l] += fed[l];
+    acc.scaled[l] += scaled[l];
+    acc.fed_bad[l] += fed_bad[l];
+  }
+  for (int l = 4; j < count; ++j, ++l) {
+    const float v = x[j];
+    const bool v_finite = Finite(v);
+    const float vs = v * scale;
+    acc.fed[l] += v * v;
+    acc.scaled[l] += v_finite ? vs * vs : 0.0f;
+    acc.fed_bad[l] += v_finite ? 0.0f : 1.0f;
+  }
+}
+
 // out[begin, end) of the flat vector, starting in part `part` at `offset` (its first value's
 // position in the flat vector); returns the task's statistics.
 inline PackStats PackRange(const PackPart* parts, int64_t num_parts, int64_t part, int64_t offset, int64_t begin,
@@ -185,6 +214,29 @@ inline Status pack_error_fed(const PackPart* parts, int64_t num_parts, float ene
       (offsets[mid] <= begin ? lo : hi) = mid;
     }
     per_task[t] = pack_detail::PackRange(parts, num_parts, lo, offsets[lo], begin, end, energy_scale, out);
+  });
+  *stats = PackStats();
+  for (const PackStats& s : per_task) *stats += s;
+  return Status();
+}
+
+// The energies of one float32 vector, as PackStats' fed fields: sum x^2 (infinite once a value
+// or the sum overflows), sum over the finite x of (x * energy_scale)^2, and the non-finite values.
+// One read, in vector registers, split into 64K-value tasks and added in task order (so the result
+// does not depend on the number of threads). What the metrics sum of each device's sent vector.
+inline Status vector_energies(const float* x, int64_t n, float energy_scale, PackStats* stats,
+                              const Parallel& parallel) {
+  if (n < 0) return Status::InvalidArgument("n must be >= 0, got " + std::to_string(n));
+  if (stats == nullptr) return Status::InvalidArgument("stats must not be null");
+  PackPart part{x, nullptr, n};
+  const int64_t tasks = n == 0 ? 0 : (n + pack_detail::kTaskValues - 1) / pack_detail::kTaskValues;
+  std::vector<PackStats> per_task(tasks);
+  parallel.run(tasks, [&](int64_t t) {
+    const int64_t begin = t * pack_detail::kTaskValues;
+    const int64_t end = begin + pack_detail::kTaskValues < n ? begin + pack_detail::kTaskValues : n;
+    pack_detail::Lanes acc;
+    pack_detail::EnergySpan(part.grad + begin, end - begin, energy_scale, acc);
+    per_task[t] = acc.Sum();
   });
   *stats = PackStats();
   for (const PackStats& s : per_task) *stats += s;

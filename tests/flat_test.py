@@ -174,6 +174,37 @@ def test_pack_error_fed_native_matches_xla_bit_for_bit(shapes, with_residual):
     np.testing.assert_allclose(np.asarray(packed.fed), np.asarray(expected.fed), rtol=1e-4)
 
 
+@pytest.mark.parametrize("n", [1, 5, 65_536 + 3, 300_001])
+def test_energies_native_matches_float64_and_xla(n):
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 3, n)).astype(np.float32)
+    if n >= 4:  # NaN, ±Inf and a value whose square overflows, across the tasks
+        x[[0, n // 3, n // 2, n - 1]] = [np.nan, np.inf, -np.inf, 1e38]
+    got = np.asarray(jax.jit(flat.energies, static_argnums=1)(jnp.asarray(x), 2.0**-80))
+    finite = x[np.isfinite(x)].astype(np.float64)
+    assert np.isfinite(got[0]) == np.isfinite(x).all()  # NaN or Inf with any special
+    scaled = finite * 2.0**-80
+    # Each (x * 2**-80)**2 is taken in float32, where it underflows for |x| < ~1e5: the XLA
+    # reference does the same, so compare the scaled sum with it.
+    want = np.asarray(flat.energies_xla(jnp.asarray(x), 2.0**-80))
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-4)
+    assert got[1] <= np.sum(scaled * scaled) * (1 + 1e-5)
+    assert got[2] == n - finite.size == want[2]
+    clean = np.where(np.isfinite(x) & (np.abs(x) < 1e30), x, 0.0).astype(np.float32)
+    plain = np.asarray(jax.jit(flat.energies)(jnp.asarray(clean)))
+    np.testing.assert_allclose(plain[0], np.sum(np.square(clean, dtype=np.float64)), rtol=1e-5)
+
+
+def test_energies_runs_the_native_kernel_on_cpu_float32_only():
+    x = jnp.ones(10)
+    assert "jaxcomp_energies" in jax.jit(flat.energies).lower(x).as_text()
+    half = x.astype(jnp.bfloat16)
+    assert "jaxcomp_energies" not in jax.jit(flat.energies).lower(half).as_text()
+    assert flat.energies(half).tolist() == [10.0, 10.0, 0.0]
+    with pytest.raises(ValueError, match="energy_scale must be finite and > 0"):
+        flat.energies(x, -1.0)
+
+
 def test_pack_error_fed_energies_of_an_overflowing_sum():
     """g + r that overflows: the vector's energy is infinite, its scaled energy skips the value,
     and the value is counted; the gradient's energy is the finite g's."""

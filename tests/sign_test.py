@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp.methods import Sign
-from jaxcomp.ops.sign import sign_pack, sign_unpack
+from jaxcomp.ops.sign import sign_pack, sign_unpack, sign_unpack_sum
 
 N_DEVICES = 8
 SMALLEST_NORMAL = np.float32(2.0**-126)
@@ -110,6 +110,42 @@ def test_pack_and_unpack_match_the_reference_bit_for_bit(n, chunk, implementatio
     np.testing.assert_array_equal(
         as_bits(decoded), as_bits(ref_unpack(want_words, want_scales, n, chunk))
     )
+
+
+@pytest.mark.parametrize("n, chunk, n_rows", [(1, 1, 1), (1003, 7, 3), (70_000, 1024, 8)])
+@pytest.mark.parametrize("implementation", ["native", "xla"])
+def test_unpack_sum_adds_the_rows_in_order_bit_for_bit(n, chunk, n_rows, implementation):
+    x = np.concatenate([rows(n, seed) for seed in range(3)])[:n_rows]
+    x[0, : min(n, 5)] = 0.0  # a zero scale decodes to -0.0 in some rows: 0 + -0 is +0
+    words, scales = ref_pack(x, chunk)
+    if n_rows > 1:
+        scales[1, 0] = 0.0
+    total = jax.jit(lambda w, s: sign_unpack_sum(w, s, n, chunk, implementation=implementation))(
+        words, scales
+    )
+    want = np.zeros(n, np.float32)  # the loop it stands for, row after row in float32
+    for decoded in ref_unpack(words, scales, n, chunk):
+        want = want + decoded
+    # Bit for bit (signed zeros included), except NaN's sign and payload: IEEE 754 leaves them
+    # open when both operands of an add are NaN, and the compiler may swap them.
+    total = np.asarray(total)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(total), nan)
+    np.testing.assert_array_equal(as_bits(total[~nan]), as_bits(want[~nan]))
+
+
+@pytest.mark.parametrize(
+    "words, scales, match",
+    [
+        ((1,), (1,), "2-D"),
+        ((0, 1), (0, 2), "2-D"),
+        ((2, 1), (2, 3), "scales"),
+        ((2, 2), (2, 2), "words"),
+    ],
+)
+def test_unpack_sum_refuses_bad_shapes(words, scales, match):
+    with pytest.raises(ValueError, match=match):
+        sign_unpack_sum(jnp.zeros(words, jnp.uint32), jnp.ones(scales), 20, 16)
 
 
 def test_native_and_xla_agree_on_16_bit_input_and_under_jit():

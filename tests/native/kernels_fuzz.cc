@@ -509,6 +509,17 @@ void FuzzSign(std::mt19937_64& rng, uint64_t case_seed) {
                case_seed);
       }
     }
+    // The rows' sum, row after row from 0 (NaN's sign and payload are IEEE's choice when both
+    // operands of an add are NaN: compared as NaN only).
+    std::vector<float> sum(n, -12345.0f);
+    if (!jaxcomp::sign_unpack_sum(words.data(), scales.data(), rows, n, chunk, sum.data(), parallel).ok())
+      Fail("sign_unpack_sum returned an error" + where, case_seed);
+    for (int64_t i = 0; i < n; ++i) {
+      float want = 0.0f;
+      for (int64_t r = 0; r < rows; ++r) want = want + decoded[r * n + i];
+      const bool same = std::isnan(want) ? std::isnan(sum[i]) : SameBits(sum[i], want);
+      if (!same) Fail("sign_unpack_sum" + where + " at value " + std::to_string(i), case_seed);
+    }
   }
 }
 
@@ -601,7 +612,7 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("kernels_fuzz: seed %llu, %.0f s: %lld top-k cases (topk, find_threshold, threshold_topk) and "
-              "%lld zfp cases (encode, decode, decode of random words), %lld sign cases (pack, unpack) and %lld "
+              "%lld zfp cases (encode, decode, decode of random words), %lld sign cases (pack, unpack, unpack_sum) and %lld "
               "pack_error_fed cases match the reference\n",
               static_cast<unsigned long long>(seed), seconds, static_cast<long long>(topk_cases),
               static_cast<long long>(zfp_cases), static_cast<long long>(sign_cases),

@@ -11,14 +11,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp.collectives._common import axis_size, local_vector
-from jaxcomp.ops.sign import check_chunk, sign_pack, sign_unpack
+from jaxcomp.ops.sign import check_chunk, sign_pack, sign_unpack, sign_unpack_sum
 
 
 def gathered_sign_sum(all_words, all_scales, n: int, chunk: int, majority: bool):
     """The aggregate of every device's packed signs and scales, as the all-gather delivers them.
 
-    Devices are added one after another in a loop, so the order is fixed and one decoded vector
-    is live at a time.
+    Devices are added one after another, so the order is fixed; the sum is one native pass on the
+    CPU (:func:`jaxcomp.ops.sign.sign_unpack_sum`), and no more than one decoded vector is live
+    at a time elsewhere.
 
     Args:
       all_words: uint32 ``[N, ceil(n / 32)]``, each device's packed signs.
@@ -42,13 +43,8 @@ def gathered_sign_sum(all_words, all_scales, n: int, chunk: int, majority: bool)
     References:
       Karimireddy et al., ICML 2019 (EF-SignSGD); Bernstein et al., ICLR 2019 (majority vote).
     """
-    devices = all_words.shape[0]
-    if not majority:
-
-        def add(d, total):
-            return total + sign_unpack(all_words[d], all_scales[d], n, chunk)
-
-        return jax.lax.fori_loop(0, devices, add, jnp.zeros(n, jnp.float32))
+    if not majority:  # one native pass on the CPU, the loop elsewhere
+        return sign_unpack_sum(all_words, all_scales, n, chunk)
 
     ones = jnp.ones(all_scales.shape[1:], jnp.float32)
 
@@ -57,7 +53,7 @@ def gathered_sign_sum(all_words, all_scales, n: int, chunk: int, majority: bool)
         return votes + sign_unpack(all_words[d], ones, n, chunk), scales + all_scales[d]
 
     votes, scales = jax.lax.fori_loop(
-        0, devices, vote, (jnp.zeros(n, jnp.float32), jnp.zeros_like(ones))
+        0, all_words.shape[0], vote, (jnp.zeros(n, jnp.float32), jnp.zeros_like(ones))
     )
     plus = jnp.repeat(scales, chunk, total_repeat_length=scales.shape[0] * chunk)[:n]
     return jnp.sign(votes) * plus

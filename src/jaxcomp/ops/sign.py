@@ -193,3 +193,64 @@ def sign_unpack(words, scales, n, chunk=DEFAULT_CHUNK, dtype=jnp.float32, *, imp
         implementation,
     )
     return decoded.astype(dtype)
+
+
+def sign_unpack_sum(words, scales, n, chunk=DEFAULT_CHUNK, *, implementation=None):
+    """The sum of the values several rows of signs stand for: row after row from 0, in float32
+    (bit for bit a loop of ``total = total + sign_unpack(words[r], scales[r])``), what an
+    all-gather of every device's signs adds up to.
+
+    On the CPU one native pass writes the sum (each chunk of every row added while it is in
+    cache); decoding each row and adding it wrote and read a vector per row. Elsewhere, and with
+    ``implementation="xla"``, it runs that loop (its reference).
+
+    Args:
+      words: uint32 ``[rows, ceil(n / 32)]``, ``rows >= 1``.
+      scales: float32 ``[rows, ceil(n / chunk)]``.
+      n: static int, values per row.
+      chunk: static int, the chunk the scales were made with.
+      implementation: ``"native"`` (the CPU kernel), ``"xla"`` or ``None`` (by platform).
+
+    Returns:
+      float32 ``[n]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxcomp.ops.sign import sign_unpack_sum
+      >>> words = jnp.array([[5], [1]], jnp.uint32)  # + - + and + - -
+      >>> sign_unpack_sum(words, jnp.array([[2.0], [1.0]]), n=3, chunk=3).tolist()
+      [3.0, -3.0, 1.0]
+
+    References:
+      Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression Schemes",
+      ICML 2019 (the sum of the devices' scaled signs).
+    """
+    n = _checks.static_int(n, "n", 1, _checks.MAX_ROW_LENGTH)
+    chunk = check_chunk(chunk)
+    words, scales = jnp.asarray(words), jnp.asarray(scales)
+    implementation = _ffi.check_implementation(implementation)
+    if words.ndim != 2 or words.shape[0] < 1:
+        raise ValueError(f"words must be 2-D [rows >= 1, ceil(n / 32)], got shape {words.shape}")
+    # sign_unpack checks the dtypes and the shapes against n and chunk, before anything runs.
+    jax.eval_shape(lambda w, s: sign_unpack(w, s, n, chunk, implementation="xla"), words, scales)
+
+    def portable(w, s):
+        def add(row, total):
+            return total + sign_unpack(w[row], s[row], n, chunk, implementation="xla")
+
+        return jax.lax.fori_loop(0, w.shape[0], add, jnp.zeros(n, jnp.float32))
+
+    call = _ffi.ffi_call(
+        "jaxcomp_sign_unpack_sum",
+        jax.ShapeDtypeStruct((n,), jnp.float32),
+        vmap_method="sequential",
+    )
+
+    def native(w, s):
+        return call(w, s, n=np.int64(n), chunk=np.int64(chunk))
+
+    if implementation == "native":
+        return native(words, scales)
+    if implementation == "xla":
+        return portable(words, scales)
+    return jax.lax.platform_dependent(words, scales, cpu=native, default=portable)

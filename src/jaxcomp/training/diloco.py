@@ -393,7 +393,7 @@ def diloco(
       sync_every: H, inner steps between two exchanges of a fragment (>= 1).
       compress: how the pseudo-gradients travel: None (dense, exact), a
         :class:`jaxcomp.Method` (``jaxcomp.TopK(0.1)``), a shorthand name (``"ar_topk"``,
-        ``"int8"``, ``"auto"`` ...; built as ``jaxcomp.compress(name, axis_name=outer_axis)``,
+        ``"quantized"``, ``"auto"`` ...; built as ``jaxcomp.compress(name, axis_name=outer_axis)``,
         error feedback on), or an already-built ``jaxcomp.compress(..., axis_name=outer_axis)``
         (needed for options: ``jaxcomp.compress("auto", ratio=0.01, axis_name="workers",
         network=jaxcomp.Network(...))``; diloco does not probe the network for ``auto``).
