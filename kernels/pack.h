@@ -84,14 +84,46 @@ inline I4 Finite4(F4 x) {
   return magnitude < 0x7f800000;  // below the exponent of Inf/NaN
 }
 
+// The error-fed vector's sums over vectors of four values (sum v^2, sum over finite v of
+// (v * scale)^2, non-finite v), and the same for one value at a time in a lane of Lanes.
+struct FedSums4 {
+  F4 fed = {0, 0, 0, 0}, scaled = {0, 0, 0, 0}, bad = {0, 0, 0, 0};
+
+  void Add(F4 v, F4 scale4) {
+    const F4 one = {1, 1, 1, 1};
+    const I4 finite = Finite4(v);
+    const F4 vs = v * scale4;
+    fed += v * v;
+    scaled += reinterpret_cast<F4>(reinterpret_cast<I4>(vs * vs) & finite);
+    bad += reinterpret_cast<F4>(reinterpret_cast<I4>(one) & ~finite);
+  }
+
+  void AddTo(Lanes& acc) const {
+    for (int l = 0; l < 4; ++l) {
+      acc.fed[l] += fed[l];
+      acc.scaled[l] += scaled[l];
+      acc.fed_bad[l] += bad[l];
+    }
+  }
+};
+
+inline void AddFed(float v, float scale, int l, Lanes& acc) {
+  const bool finite = Finite(v);
+  const float vs = v * scale;
+  acc.fed[l] += v * v;
+  acc.scaled[l] += finite ? vs * vs : 0.0f;
+  acc.fed_bad[l] += finite ? 0.0f : 1.0f;
+}
+
 // o[0, count) from g (and r); lane l of `acc` sums the values l, l + kLanes, ... of the span.
 // Four values at a time in vector registers: the loop is as fast as the memory, where the plain
 // loop (a select, an add and five sums per value, which the compiler does not vectorize on its
-// own) took 6 ns a value.
+// own) took 6 ns a value. The tail (at most 3 values) goes to lanes 4.. of `acc`.
 template <bool kResidual>
 inline void PackSpan(const float* g, const float* r, float* o, int64_t count, float scale, Lanes& acc) {
   const F4 zero = {0, 0, 0, 0}, one = {1, 1, 1, 1}, s4 = {scale, scale, scale, scale};
-  F4 bad = zero, gradient = zero, fed = zero, scaled = zero, fed_bad = zero;
+  F4 bad = zero, gradient = zero;
+  FedSums4 sums;
   int64_t j = 0;
   for (; j + 4 <= count; j += 4) {
     F4 x, v;
@@ -105,64 +137,39 @@ inline void PackSpan(const float* g, const float* r, float* o, int64_t count, fl
       v = clean + res;
     }
     std::memcpy(o + j, &v, sizeof v);
-    const I4 v_finite = Finite4(v);
-    const F4 vs = v * s4;
     bad += reinterpret_cast<F4>(reinterpret_cast<I4>(one) & ~finite);
     gradient += clean * clean;
-    fed += v * v;
-    scaled += reinterpret_cast<F4>(reinterpret_cast<I4>(vs * vs) & v_finite);
-    fed_bad += reinterpret_cast<F4>(reinterpret_cast<I4>(one) & ~v_finite);
+    sums.Add(v, s4);
   }
   for (int l = 0; l < 4; ++l) {
     acc.bad[l] += bad[l];
     acc.gradient[l] += gradient[l];
-    acc.fed[l] += fed[l];
-    acc.scaled[l] += scaled[l];
-    acc.fed_bad[l] += fed_bad[l];
   }
-  for (int l = 4; j < count; ++j, ++l) {  // the tail, in lanes 4.. of `acc`
+  sums.AddTo(acc);
+  for (int l = 4; j < count; ++j, ++l) {
     const float x = g[j];
     const bool finite = Finite(x);
     const float clean = finite ? x : 0.0f;
     const float v = kResidual ? clean + r[j] : clean;
     o[j] = v;
-    const bool v_finite = Finite(v);
-    const float vs = v * scale;
     acc.bad[l] += finite ? 0.0f : 1.0f;
     acc.gradient[l] += clean * clean;
-    acc.fed[l] += v * v;
-    acc.scaled[l] += v_finite ? vs * vs : 0.0f;
-    acc.fed_bad[l] += v_finite ? 0.0f : 1.0f;
+    AddFed(v, scale, l, acc);
   }
 }
 
 // The fed sums of x[0, count) alone (no gradient, no output): vector_energies's loop.
 inline void EnergySpan(const float* x, int64_t count, float scale, Lanes& acc) {
-  const F4 zero = {0, 0, 0, 0}, one = {1, 1, 1, 1}, s4 = {scale, scale, scale, scale};
-  F4 fed = zero, scaled = zero, fed_bad = zero;
+  const F4 s4 = {scale, scale, scale, scale};
+  FedSums4 sums;
   int64_t j = 0;
   for (; j + 4 <= count; j += 4) {
     F4 v;
     std::memcpy(&v, x + j, sizeof v);
-    const I4 v_finite = Finite4(v);
-    const F4 vs = v * s4;
-    fed += v * v;
-    scaled += reinterpret_cast<F4>(reinterpret_cast<I4>(vs * vs) & v_finite);
-    fed_bad += reinterpret_cast<F4>(reinterpret_cast<I4>(one) & ~v_finite);
+    sums.Add(v, s4);
   }
-  for (int l = 0; l < 4; ++l) {
-    acc.fed[l] += fed[l];
-    acc.scaled[l] += scaled[l];
-    acc.fed_bad[l] += fed_bad[l];
-  }
-  for (int l = 4; j < count; ++j, ++l) {
-    const float v = x[j];
-    const bool v_finite = Finite(v);
-    const float vs = v * scale;
-    acc.fed[l] += v * v;
-    acc.scaled[l] += v_finite ? vs * vs : 0.0f;
-    acc.fed_bad[l] += v_finite ? 0.0f : 1.0f;
-  }
+  sums.AddTo(acc);
+  for (int l = 4; j < count; ++j, ++l) AddFed(x[j], scale, l, acc);
 }
 
 // out[begin, end) of the flat vector, starting in part `part` at `offset` (its first value's

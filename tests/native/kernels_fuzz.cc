@@ -575,6 +575,13 @@ void FuzzPack(std::mt19937_64& rng, uint64_t case_seed) {
   if (!close(stats.fed, fed, magnitude)) Fail("pack_error_fed's fed energy" + where, case_seed);
   if (!close(stats.fed_scaled, fed_scaled, magnitude * double(scale) * scale))
     Fail("pack_error_fed's scaled fed energy" + where, case_seed);
+  // The same sums of the packed vector alone (what the metrics take of a sent vector).
+  jaxcomp::PackStats alone;
+  if (!jaxcomp::vector_energies(out.data(), n, scale, &alone, parallel).ok())
+    Fail("vector_energies returned an error" + where, case_seed);
+  if (alone.fed_nonfinite != double(fed_bad) || !close(alone.fed, fed, magnitude) ||
+      !close(alone.fed_scaled, fed_scaled, magnitude * double(scale) * scale))
+    Fail("vector_energies" + where, case_seed);
 }
 
 }  // namespace
@@ -613,7 +620,7 @@ int main(int argc, char** argv) {
   }
   std::printf("kernels_fuzz: seed %llu, %.0f s: %lld top-k cases (topk, find_threshold, threshold_topk) and "
               "%lld zfp cases (encode, decode, decode of random words), %lld sign cases (pack, unpack, unpack_sum) and %lld "
-              "pack_error_fed cases match the reference\n",
+              "pack_error_fed (and vector_energies) cases match the reference\n",
               static_cast<unsigned long long>(seed), seconds, static_cast<long long>(topk_cases),
               static_cast<long long>(zfp_cases), static_cast<long long>(sign_cases),
               static_cast<long long>(pack_cases));
