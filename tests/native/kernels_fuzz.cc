@@ -565,11 +565,12 @@ void FuzzPack(std::mt19937_64& rng, uint64_t case_seed) {
   if (stats.nonfinite != double(bad)) Fail("pack_error_fed's non-finite count" + where, case_seed);
   if (stats.fed_nonfinite != double(fed_bad)) Fail("pack_error_fed's fed non-finite count" + where, case_seed);
   // Float sums per lane: within a float's rounding of the sum of magnitudes (infinite: both).
-  // A float lane may overflow where the double sum does not: infinite is right once the sum of
-  // magnitudes nears float's largest value.
+  // The kernel sums blocks of 256 values a lane in float, then the blocks in double: at most 255
+  // float roundings, a relative error of 1.5e-5 (3e-5 allowed). A float block may overflow where
+  // the double sum does not: infinite is right once the sum of magnitudes nears float's largest.
   auto close = [&](double got, double want, double bound) {
     if (std::isinf(got)) return !std::isfinite(want) || bound > 1e37;
-    return std::isfinite(want) && std::fabs(got - want) <= 1e-5 * bound + 1e-30;
+    return std::isfinite(want) && std::fabs(got - want) <= 3e-5 * bound + 1e-30;
   };
   if (!close(stats.gradient, gradient, magnitude)) Fail("pack_error_fed's gradient energy" + where, case_seed);
   if (!close(stats.fed, fed, magnitude)) Fail("pack_error_fed's fed energy" + where, case_seed);
