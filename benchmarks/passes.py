@@ -11,9 +11,9 @@ error feedback, packing, selection, codecs and unpacking cost in units of the ch
 step could do with the gradient. The issue's targets: at most 4 passes for top-k, random-k, sign
 and the casts (PowerSGD: beside its matmuls), at most 8 for ZFP and THC.
 
-By default the process first calls :func:`jaxcomp.tune_host_allocator` (``--allocator glibc``
-keeps glibc's defaults, under which the update's 100 MB vectors are fresh pages every call and the
-copy's leaves under 32 MB are not: docs/performance.md).
+With ``--allocator tuned`` the process first calls :func:`jaxcomp.tune_host_allocator`; by
+default it keeps glibc's, under which the update's 100 MB vectors are fresh pages every call and
+the copy's leaves under 32 MB are not (docs/performance.md).
 
 Rounds interleave the methods (each call in a round: one warm-up, then the best of 2) and each
 figure is the best round, so that a busy machine skews every method alike. Results go to stdout as a
@@ -64,10 +64,10 @@ def parse_args(argv=None):
     parser.add_argument(
         "--allocator",
         choices=("tuned", "glibc"),
-        default="tuned",
-        help="'tuned' calls jaxcomp.tune_host_allocator() first (large buffers on the heap), "
-        "'glibc' keeps its defaults: every buffer over 32 MB is fresh pages each call, which a "
-        "copy into leaves under 32 MB does not pay (default tuned)",
+        default="glibc",
+        help="'glibc' keeps its defaults (the default): every buffer over 32 MB is fresh pages "
+        "each call, which a copy into leaves under 32 MB does not pay; 'tuned' calls "
+        "jaxcomp.tune_host_allocator() first (large buffers on the heap)",
     )
     args = parser.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]

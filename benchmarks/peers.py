@@ -118,7 +118,7 @@ class Config:
     install: bool = True
     json: str | None = None
     log: str | None = None
-    allocator: str = "tuned"  # both frameworks' hosts: jaxcomp.ops.allocator.environment's name
+    allocator: str = "glibc"  # both frameworks' hosts: jaxcomp.ops.allocator.environment's name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -430,9 +430,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--allocator",
         choices=("tuned", "glibc"),
-        default="tuned",
-        help="both frameworks' hosts' malloc: 'tuned' keeps buffers over 32 MB on the heap "
-        "(jaxcomp.tune_host_allocator), 'glibc' its defaults (default tuned)",
+        default="glibc",
+        help="both frameworks' hosts' malloc: 'glibc' its defaults (the default), 'tuned' keeps "
+        "buffers over 32 MB on the heap (jaxcomp.tune_host_allocator; each host keeps its peak "
+        "heap)",
     )
     p.add_argument("--json", default=None, help="write the header, machine and rows as JSON here")
     p.add_argument("--log", default=None, help="append the host processes' output here")

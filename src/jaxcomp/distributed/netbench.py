@@ -130,7 +130,7 @@ def run_benchmark(
     log=None,
     on_cell=None,
     models=None,
-    allocator="tuned",
+    allocator="glibc",
 ) -> list[dict]:
     """Runs every (model, hosts, rate) cell on an emulated cluster; returns one row per cell and
     method.
@@ -151,11 +151,11 @@ def run_benchmark(
       on_cell: called with all rows so far after each cell (to save partial results).
       models: :data:`jaxcomp.training.zoo.NAMES` to train, one cell per model, host count and rate;
         None trains the MLP of ``params`` and ``layers``.
-      allocator: ``"tuned"`` (default) starts every host with
-        :data:`jaxcomp.ops.allocator.ENVIRONMENT` (large buffers on the heap, what
-        :func:`jaxcomp.tune_host_allocator` does), ``"glibc"`` with glibc's defaults, under which
+      allocator: ``"glibc"`` (default) starts every host with glibc's defaults, under which
         every buffer over 32 MB is fresh pages each step for every method, the plain ``pmean``
-        included (docs/performance.md).
+        included; ``"tuned"`` with :data:`jaxcomp.ops.allocator.ENVIRONMENT` (large buffers on
+        the heap, what :func:`jaxcomp.tune_host_allocator` does: faster, but each host keeps its
+        peak heap across the methods it runs; docs/performance.md).
 
     Returns:
       A list of dicts, one per (model, hosts, rate, method); ``"model"`` names the model and

@@ -52,9 +52,11 @@ def tune_host_allocator() -> bool:
     Call it once, early (before the first step; buffers allocated before keep their pages). It
     helps every large-model job on XLA:CPU, compressed or not: the plain ``pmean`` step gains as
     much as the compressed ones. The price: the process keeps its peak heap, up to 2 GiB of freed
-    memory at the top, instead of returning it to the system. ``jaxcomp netbench`` and
-    ``benchmarks/peers.py`` start their hosts with :data:`ENVIRONMENT` (``--allocator glibc`` to
-    measure without).
+    memory at the top, instead of returning it to the system, and a process that allocates large
+    buffers of changing sizes can grow: a ``jaxcomp netbench`` host that trained resnet50 with
+    eight methods in a row reached 6.2 GB and was killed for memory (4 hosts on 24 GiB).
+    ``jaxcomp netbench``, ``benchmarks/peers.py`` and ``benchmarks/passes.py`` take
+    ``--allocator tuned`` to start their hosts with :data:`ENVIRONMENT`.
 
     Returns:
       True when glibc took the settings; False (with a ``RuntimeWarning``) where the C library has
