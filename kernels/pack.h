@@ -185,10 +185,9 @@ inline void EnergySpan(const float* x, int64_t count, float scale, Lanes& acc) {
 }
 
 // out[begin, end) of the flat vector, starting in part `part` at `offset` (its first value's
-// position in the flat vector); returns the task's statistics.
-inline PackStats PackRange(const PackPart* parts, int64_t num_parts, int64_t part, int64_t offset, int64_t begin,
-                           int64_t end, float scale, float* out) {
-  Lanes acc;
+// position in the flat vector), its sums added to `acc`.
+inline void PackRange(const PackPart* parts, int64_t num_parts, int64_t part, int64_t offset, int64_t begin,
+                      int64_t end, float scale, float* out, Lanes& acc) {
   for (int64_t pos = begin; pos < end && part < num_parts; ++part) {
     const PackPart& p = parts[part];
     const int64_t stop = offset + p.size < end ? offset + p.size : end;
@@ -201,7 +200,24 @@ inline PackStats PackRange(const PackPart* parts, int64_t num_parts, int64_t par
     pos = stop;
     offset += p.size;
   }
-  return acc.Sum();
+}
+
+// Runs span(begin, end, acc) over [0, n) in 64K-value tasks on `parallel` and adds the tasks'
+// sums in task order: the result does not depend on the number of threads.
+template <typename Span>
+inline PackStats SumTasks(int64_t n, const Parallel& parallel, const Span& span) {
+  const int64_t tasks = n == 0 ? 0 : (n + kTaskValues - 1) / kTaskValues;
+  std::vector<PackStats> per_task(tasks);
+  parallel.run(tasks, [&](int64_t t) {
+    const int64_t begin = t * kTaskValues;
+    const int64_t end = begin + kTaskValues < n ? begin + kTaskValues : n;
+    Lanes acc;
+    span(begin, end, acc);
+    per_task[t] = acc.Sum();
+  });
+  PackStats total;
+  for (const PackStats& s : per_task) total += s;
+  return total;
 }
 
 }  // namespace pack_detail
@@ -221,21 +237,15 @@ inline Status pack_error_fed(const PackPart* parts, int64_t num_parts, float ene
     offsets[i + 1] = offsets[i] + parts[i].size;
   }
   const int64_t n = offsets[num_parts];
-  const int64_t tasks = n == 0 ? 0 : (n + pack_detail::kTaskValues - 1) / pack_detail::kTaskValues;
-  std::vector<PackStats> per_task(tasks);
-  parallel.run(tasks, [&](int64_t t) {
-    const int64_t begin = t * pack_detail::kTaskValues;
-    const int64_t end = begin + pack_detail::kTaskValues < n ? begin + pack_detail::kTaskValues : n;
+  *stats = pack_detail::SumTasks(n, parallel, [&](int64_t begin, int64_t end, pack_detail::Lanes& acc) {
     // The part holding `begin`: the last offset <= begin among non-empty parts.
     int64_t lo = 0, hi = num_parts;  // offsets[lo] <= begin < offsets[hi]
     while (hi - lo > 1) {
       const int64_t mid = (lo + hi) / 2;
       (offsets[mid] <= begin ? lo : hi) = mid;
     }
-    per_task[t] = pack_detail::PackRange(parts, num_parts, lo, offsets[lo], begin, end, energy_scale, out);
+    pack_detail::PackRange(parts, num_parts, lo, offsets[lo], begin, end, energy_scale, out, acc);
   });
-  *stats = PackStats();
-  for (const PackStats& s : per_task) *stats += s;
   return Status();
 }
 
@@ -247,18 +257,9 @@ inline Status vector_energies(const float* x, int64_t n, float energy_scale, Pac
                               const Parallel& parallel) {
   if (n < 0) return Status::InvalidArgument("n must be >= 0, got " + std::to_string(n));
   if (stats == nullptr) return Status::InvalidArgument("stats must not be null");
-  PackPart part{x, nullptr, n};
-  const int64_t tasks = n == 0 ? 0 : (n + pack_detail::kTaskValues - 1) / pack_detail::kTaskValues;
-  std::vector<PackStats> per_task(tasks);
-  parallel.run(tasks, [&](int64_t t) {
-    const int64_t begin = t * pack_detail::kTaskValues;
-    const int64_t end = begin + pack_detail::kTaskValues < n ? begin + pack_detail::kTaskValues : n;
-    pack_detail::Lanes acc;
-    pack_detail::EnergySpan(part.grad + begin, end - begin, energy_scale, acc);
-    per_task[t] = acc.Sum();
+  *stats = pack_detail::SumTasks(n, parallel, [&](int64_t begin, int64_t end, pack_detail::Lanes& acc) {
+    pack_detail::EnergySpan(x + begin, end - begin, energy_scale, acc);
   });
-  *stats = PackStats();
-  for (const PackStats& s : per_task) *stats += s;
   return Status();
 }
 

@@ -152,6 +152,11 @@ class Packed(NamedTuple):
     fed: jax.Array  # f32[3]: :func:`energies` of the vector
 
 
+def _check_energy_scale(energy_scale):
+    if not (np.isfinite(energy_scale) and energy_scale > 0):
+        raise ValueError(f"energy_scale must be finite and > 0, got {energy_scale!r}")
+
+
 def energies_xla(x, energy_scale=1.0):
     """:func:`energies` in XLA ops (a variadic reduce): what every platform but the CPU runs, and
     the reference the CPU kernel is tested against (to float rounding).
@@ -214,8 +219,7 @@ def energies(x, energy_scale=1.0):
     """
     from jaxcomp.ops import _ffi
 
-    if not (np.isfinite(energy_scale) and energy_scale > 0):
-        raise ValueError(f"energy_scale must be finite and > 0, got {energy_scale!r}")
+    _check_energy_scale(energy_scale)
     if x.dtype != jnp.float32 or x.size == 0:
         return energies_xla(x, energy_scale)
     call = _ffi.ffi_call(
@@ -329,8 +333,7 @@ def pack_error_fed(grads, residuals=None, energy_scale=1.0) -> Packed:
             f"residuals must be shaped like grads: {[r.shape for r in residuals]} vs "
             f"{[g.shape for g in grads]}"
         )
-    if not (np.isfinite(energy_scale) and energy_scale > 0):
-        raise ValueError(f"energy_scale must be finite and > 0, got {energy_scale!r}")
+    _check_energy_scale(energy_scale)
     if any(g.dtype != jnp.float32 for g in grads + (residuals or [])):  # the kernel reads float32
         return pack_error_fed_xla(grads, residuals, energy_scale)
     n = sum(g.size for g in grads)

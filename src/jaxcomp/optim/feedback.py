@@ -35,7 +35,7 @@ import optax
 
 from jaxcomp import methods
 from jaxcomp.methods import Method
-from jaxcomp.ops import _ffi
+from jaxcomp.ops import _ffi, flat
 from jaxcomp.optim import packing, sharding
 from jaxcomp.optim.config import FeedbackConfig
 from jaxcomp.optim.stages import divergence, error_feedback, guard, mask, metrics, momentum
@@ -348,7 +348,7 @@ def _gradient_energy(grads: _Gradients, packs):
     from the one-pass packing where every group had it, else summed here (one more read)."""
     if packs and all(p is not None for p in packs):
         return sum(p.gradient for p in packs)
-    return sum(divergence.energy(grads.leaves[i]) for i in sorted(grads.layout.compressed))
+    return sum(flat.finite_energy(grads.leaves[i]) for i in sorted(grads.layout.compressed))
 
 
 def _remainings(feds, result: Aggregation):

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp.methods import Method
-from jaxcomp.ops import _checks, flat
+from jaxcomp.ops import _checks
 
 #: How far one step's gradient energy can pull the running mean: a sample counts as at most this
 #: many times the mean (``G`` above it counts as ``FOLLOW * mean``).
@@ -221,25 +221,6 @@ def falling_back(state: GuardrailState | None):
       Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
     """
     return None if state is None else state.left > 0
-
-
-def energy(values):
-    """This device's energy ``sum x^2`` of a gradient leaf's finite entries (float32).
-
-    Args:
-      values: a float array (its non-finite entries count as 0).
-
-    Returns:
-      A float32 scalar.
-
-    Example:
-      >>> float(energy(jnp.array([3.0, jnp.nan, 4.0])))
-      25.0
-
-    References:
-      Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019 (the gradient norm).
-    """
-    return flat.finite_energy(values)
 
 
 def triggered(guardrail: Guardrail, state: GuardrailState, gradient, fed, gain):
