@@ -1,163 +1,537 @@
-"""Time to quality: data-parallel training against DiLoCo (dense and compressed pseudo-gradients)
-on the character-level language model of ``benchmarks/quality.py``, in one process.
+"""Time to quality: data-parallel training against per-step compression and DiLoCo (dense and
+compressed pseudo-gradients) on the character-level language model of ``benchmarks/quality.py``,
+in one process or on an emulated cluster.
 
-    python benchmarks/time_to_quality.py                    # ~8 min on 2 cores, 300 steps
+    python benchmarks/time_to_quality.py                    # one process, 8 devices, ~15 min
     python benchmarks/time_to_quality.py --steps 100 --rows dp,diloco-h10
     python benchmarks/time_to_quality.py --quick            # a tiny model, a few steps (smoke test)
+    sudo python benchmarks/time_to_quality.py --hosts 4 --rates 1gbit,100mbit --model wide \\
+        --steps 150 --out results/ttq                       # the emulated cluster (root)
 
-Every row trains the same model from the same params on the same batches (``quality.batches``) on
-8 virtual CPU devices: ``dp`` is ``jaxcomp.data_parallel`` with a dense all-reduce and Adam (the
-warm-up + cosine schedule of quality.py); the ``diloco-*`` rows are ``jaxcomp.diloco`` with 8
-workers (one device each), the same Adam as inner optimizer (each worker on its 1/8 of every
-batch, so every row sees the same samples), the paper's outer Nesterov SGD (lr 0.7, momentum
-0.9), and ``H`` inner steps between exchanges; ``-int8`` sends the pseudo-gradients as 8-bit
-codes (``jaxcomp.Quantized(8)``, error feedback), ``-topk`` as top-10% (``jaxcomp.TopK(0.1)``,
-error feedback), ``-stream`` syncs 2 fragments staggered, applied 1 step late. The held-out loss
-is the global params' (DiLoCo's ``params(state)``).
+Every row trains the same model from the same params on the same batches (``quality.batches``):
 
-The table: held-out loss after the same number of samples (and its ratio to ``dp``'s), the bytes
-one device sent over the run (and ``dp``'s over them), and the wall-clock of the training steps
-(evaluation excluded). All devices are one process on one CPU: the wall-clock is compute, not a
-network; ``bytes`` is what a network would carry. The emulated-cluster version (real links at
-1 Gbit / 100 Mbit) is not here.
+* ``dp`` is ``jaxcomp.data_parallel`` with a dense all-reduce and Adam (the warm-up + cosine
+  schedule of quality.py); ``ar_topk`` and ``auto`` are the same with ``compress("ar_topk",
+  ratio=0.01)`` and ``compress("auto", ratio=0.01)`` (per-step compression);
+* the ``diloco-*`` rows are ``jaxcomp.diloco`` with one worker per device, the same Adam as inner
+  optimizer (each worker on its share of every batch, so every row sees the same samples), the
+  paper's outer Nesterov SGD (lr 0.7, momentum 0.9) or, for ``-avg``, plain averaging
+  (``optax.sgd(1.0)``), and ``H`` inner steps between exchanges; ``-int8`` sends the
+  pseudo-gradients as 8-bit codes (``jaxcomp.Quantized(8)``, error feedback), ``-topk`` as top-10%
+  (``jaxcomp.TopK(0.1)``, error feedback), ``-stream`` syncs 2 fragments staggered, applied 1 step
+  late.
+
+``dp`` runs first and sets the target: its held-out loss after ``--steps`` steps. Every other row
+trains until its held-out loss (evaluated every ``--eval-every`` steps) reaches the target, or for
+``--max-steps`` steps (default 3x ``--steps``; past ``--steps`` the learning rate stays at the
+schedule's end value). The clock leaves out the evaluations and the first compilation (one step
+run and dropped before it starts), and on a cluster host 0 evaluates and every host waits for its
+result. The table gives the wall-clock to the target (at the first evaluation at or below
+it), the speed-up over ``dp``'s, the held-out loss after ``--steps`` steps (the same samples as
+``dp``) and at the end, the bytes one device (host) sent to the target, and the seconds and CPU
+seconds per step.
+
+With ``--hosts N --rates R1,R2``, one job per rate runs every row on N emulated hosts (network
+namespaces, ``tc tbf`` links at the rate, one ``jax.distributed`` process with one CPU device per
+host, gloo; ``jaxcomp.distributed.cluster``); the hosts also count what their ``eth0`` really sent
+(``wire``). Without ``--hosts`` every device is a virtual device of one process: the wall-clock is
+compute, not a network. ``--plot`` draws held-out loss against wall-clock, one panel per rate.
 """
 
 import argparse
 import dataclasses
 import json
 import os
+import platform
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if "--worker" not in sys.argv:  # a cluster host gets its device count from the launcher
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import quality  # noqa: E402  (the model, corpus and batches)
 
+_DEFAULTS = dict(outer="nesterov")
 ROWS = {
-    "dp": None,
-    "diloco-h10": dict(sync_every=10),
-    "diloco-h10-int8": dict(sync_every=10, compress="int8"),
-    "diloco-h50": dict(sync_every=50),
-    "diloco-h50-int8": dict(sync_every=50, compress="int8"),
-    "diloco-h50-topk": dict(sync_every=50, compress="topk"),
-    "diloco-h50-stream": dict(sync_every=50, fragments=2, delay=1),
+    "dp": dict(kind="dp", method="dense"),
+    "ar_topk": dict(kind="dp", method="ar_topk"),
+    "auto": dict(kind="dp", method="auto"),
+    "diloco-h10": dict(kind="diloco", sync_every=10),
+    "diloco-h10-int8": dict(kind="diloco", sync_every=10, compress="int8"),
+    "diloco-h10-avg": dict(kind="diloco", sync_every=10, outer="avg"),
+    "diloco-h10-avg-int8": dict(kind="diloco", sync_every=10, compress="int8", outer="avg"),
+    "diloco-h50": dict(kind="diloco", sync_every=50),
+    "diloco-h50-int8": dict(kind="diloco", sync_every=50, compress="int8"),
+    "diloco-h50-avg": dict(kind="diloco", sync_every=50, outer="avg"),
+    "diloco-h50-avg-int8": dict(kind="diloco", sync_every=50, compress="int8", outer="avg"),
+    "diloco-h50-topk": dict(kind="diloco", sync_every=50, compress="topk"),
+    "diloco-h50-stream": dict(kind="diloco", sync_every=50, fragments=2, delay=1),
+    "diloco-h200-int8": dict(kind="diloco", sync_every=200, compress="int8"),
+    "diloco-h10-avg-stream-int8": dict(
+        kind="diloco", sync_every=10, compress="int8", outer="avg", fragments=2, delay=1
+    ),
 }
+ONE_PROCESS_ROWS = ("dp", "diloco-h10", "diloco-h10-int8", "diloco-h50", "diloco-h50-int8")
+CLUSTER_ROWS = (
+    "dp",
+    "ar_topk",
+    "auto",
+    "diloco-h10-avg-int8",
+    "diloco-h10-avg-stream-int8",
+    "diloco-h50-avg-int8",
+    "diloco-h50-int8",
+)
+
+#: ``--model``: quality.py's two, and "wide" (3.67M params, 16 sequences a step): a model whose
+#: gradient is large against its compute, so that the network matters on the emulated cluster.
+MODELS = dict(quality.MODELS, wide=quality.Config(layers=2, width=384, heads=6, batch=16))
 
 
-def _method(name):
+def _outer(name):
+    import optax
+
+    return {
+        "nesterov": optax.sgd(0.7, momentum=0.9, nesterov=True),  # the paper's
+        "avg": optax.sgd(1.0),  # plain parameter averaging (local SGD)
+    }[name]
+
+
+def row_options(name, quick=False):
+    """The row's settings; ``quick`` (the smoke test's few steps) exchanges every 2 steps."""
+    options = dict(_DEFAULTS, **ROWS[name])
+    if quick and options["kind"] == "diloco":
+        options.update(sync_every=2, fragments=1, delay=0)
+    return options
+
+
+def build(options, loss_fn, adam, devices):
+    """The row's training object (``data_parallel`` or ``diloco``) on ``devices``."""
+    import optax
+    from jax.sharding import Mesh
+
     import jaxcomp
 
-    return {None: None, "int8": jaxcomp.Quantized(8), "topk": jaxcomp.TopK(0.1)}[name]
+    options = dict(options)
+    if options.pop("kind") == "dp":
+        method = options["method"]
+        tx = jaxcomp.compress(method, **({} if method == "dense" else {"ratio": 0.01}))
+        return jaxcomp.data_parallel(loss_fn, optax.chain(tx, adam), Mesh(devices, ("data",)))
+    compress = {None: None, "int8": jaxcomp.Quantized(8), "topk": jaxcomp.TopK(0.1)}[
+        options.pop("compress", None)
+    ]
+    return jaxcomp.diloco(
+        loss_fn,
+        adam,
+        _outer(options.pop("outer")),
+        mesh=Mesh(devices, ("workers",)),
+        compress=compress,
+        **options,
+    )
 
 
-def train(name, config, corpus, seed=0):
-    """One row: ``{"name", "eval_curve", "heldout_loss", "bytes", "seconds"}``."""
+class _Clock:
+    """Wall-clock and CPU seconds of the training steps, with evaluations left out."""
+
+    def __init__(self):
+        self.seconds = self.cpu = 0.0
+
+    def start(self):
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+
+    def stop(self):
+        self.seconds += time.perf_counter() - self._wall
+        self.cpu += time.process_time() - self._cpu
+
+
+def _local(tree):
+    """This process's copy of replicated arrays, on its first local device."""
+    import jax
+    import numpy as np
+
+    device = jax.local_devices()[0]
+
+    def host(x):
+        return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
+
+    return jax.device_put(jax.tree.map(host, tree), device)
+
+
+def _held_out(evaluate, params, heldout):
+    """The held-out loss of ``params``, evaluated by process 0 and broadcast to every host: the
+    hosts agree on it, and leave together (the clock restarts on every host at once)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    mine = jax.process_index() == 0
+    loss = float(evaluate(_local(params), heldout)) if mine else 0.0
+    if jax.process_count() == 1:
+        return loss
+    return float(multihost_utils.broadcast_one_to_all(np.float32(loss)))
+
+
+def _wire():
+    """Bytes this host's ``eth0`` has sent (the emulated cluster), or None (one process)."""
+    if not os.path.exists("/sys/class/net/eth0") or "--worker" not in sys.argv:
+        return None
+    from jaxcomp.distributed.cluster import read_interface_counters
+
+    return read_interface_counters()[0]
+
+
+def _task(config, corpus, seed):
+    """The loss function, the initial params and the held-out batch of the model."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
     from flax import nnx
-    from jax.sharding import Mesh
-
-    import jaxcomp
 
     train_tokens, heldout_tokens, _ = corpus
     graphdef, params = nnx.split(quality.make_model(config, seed), nnx.Param)
+    params = jax.tree.map(np.asarray, params)  # host arrays: init places them on the mesh
 
     def loss_fn(params, batch):
         tokens = batch["tokens"].astype(jnp.int32)
         logits = nnx.merge(graphdef, params)(tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-    devices = np.array(jax.devices()[: quality.N_DEVICES])
-    adam = quality.optimizer("adam", config)
-    options = ROWS[name]
-    if options is None:
-        mesh = Mesh(devices, ("data",))
-        run = jaxcomp.data_parallel(loss_fn, optax.chain(jaxcomp.compress("dense"), adam), mesh)
-    else:
-        mesh = Mesh(devices, ("workers",))
-        options = dict(options, compress=_method(options.get("compress")))
-        run = jaxcomp.diloco(loss_fn, adam, mesh=mesh, **options)
-    evaluate = jax.jit(lambda params, batch: loss_fn(params, batch))
     eval_config = dataclasses.replace(config, batch=config.eval_sequences)
     heldout = {
         "tokens": heldout_tokens[quality.batches(heldout_tokens, eval_config, 1, seed + 1)[0]]
     }
-    windows = quality.batches(train_tokens, config, config.steps, seed)
-    eval_at = set(np.linspace(0, config.steps, config.eval_points + 1).astype(int)[1:].tolist())
+    return loss_fn, params, heldout
+
+
+def _prepare(name, config, corpus, *, quick, devices, seed):
+    """The row's run, its compiled step (one step run and dropped), the initial params and
+    held-out batch, its jitted loss, and this process's rows of each batch."""
+    import jax
+    import numpy as np
+
+    loss_fn, params, heldout = _task(config, corpus, seed)
+    options = row_options(name, quick)
+    devices = np.array(jax.devices()[: devices or None])
+    run = build(options, loss_fn, quality.optimizer("adam", config), devices)
+    rows = config.batch // jax.process_count()
+    mine = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
     state = run.init(params)
-    curve, sent, seconds = [(0, float(evaluate(run.params(state), heldout)))], [], 0.0
-    for step in range(config.steps):
-        started = time.perf_counter()
-        state, metrics = run.step(state, {"tokens": train_tokens[windows[step]]})
+    # Compile before the clock starts: one step on the first batch, result dropped (no donation).
+    first = quality.batches(corpus[0], config, 1, seed)[0][mine]
+    jax.block_until_ready(run.step(state, run.shard_batch({"tokens": corpus[0][first]})))
+    return run, state, options, (jax.jit(loss_fn), params, heldout), mine
+
+
+def train(
+    name,
+    config,
+    corpus,
+    *,
+    steps,
+    eval_every,
+    target=None,
+    quick=False,
+    devices=None,
+    seed=0,
+    log=None,
+):
+    """Trains one row for ``steps`` steps, or until an evaluation reaches ``target``.
+
+    Returns ``{"name", "curve", "steps", "options"}``; ``curve`` holds one point per evaluation:
+    ``{"step", "seconds", "cpu", "loss", "bytes", "wire"}`` (training time and bytes so far).
+    """
+    import jax
+    import numpy as np
+
+    run, state, options, (evaluate, params, heldout), mine = _prepare(
+        name, config, corpus, quick=quick, devices=devices, seed=seed
+    )
+    windows = quality.batches(corpus[0], config, steps, seed)
+    clock, sent, wire0 = _Clock(), [], _wire()
+    curve = [dict(step=0, seconds=0.0, cpu=0.0, loss=_held_out(evaluate, params, heldout))]
+    curve[0].update(bytes=0.0, wire=0 if wire0 is not None else None)
+    for step in range(steps):
+        clock.start()
+        batch = {"tokens": corpus[0][windows[step][mine]]}
+        state, metrics = run.step(state, run.shard_batch(batch))
         sent.append(metrics["bytes_sent"])
-        if step + 1 in eval_at:
-            jax.block_until_ready(state)
-            seconds += time.perf_counter() - started
-            curve.append((step + 1, float(evaluate(run.params(state), heldout))))
-        else:
-            seconds += time.perf_counter() - started
-    return {
-        "name": name,
-        "eval_curve": curve,
-        "heldout_loss": curve[-1][1],
-        "bytes": float(sum(float(b) for b in sent)),
-        "seconds": seconds,
-    }
+        if (step + 1) % eval_every and step + 1 < steps:
+            clock.stop()
+            continue
+        jax.block_until_ready(state)
+        clock.stop()
+        loss = _held_out(evaluate, run.params(state), heldout)
+        total = float(sum(float(np.asarray(b.addressable_data(0))) for b in sent))
+        wire = None if wire0 is None else _wire() - wire0
+        curve.append(dict(step=step + 1, seconds=clock.seconds, cpu=clock.cpu, loss=loss))
+        curve[-1].update(bytes=total, wire=wire)
+        if log:
+            log(f"{name}: step {step + 1}, held-out {loss:.4f}, {clock.seconds:.1f} s")
+        if target is not None and loss <= target:
+            break
+    return dict(name=name, curve=curve, steps=curve[-1]["step"], options=options)
 
 
-def format_table(results) -> str:
-    base = next((r for r in results if r["name"] == "dp"), results[0])
+def summarize(result, target, steps):
+    """The row's table figures: time to ``target`` (None if never reached), the loss after
+    ``steps`` steps (the last evaluation at or before it) and at the end, and per-step times."""
+    curve = result["curve"]
+    reached = next((p for p in curve[1:] if p["loss"] <= target), None)
+    at_steps = [p for p in curve if p["step"] <= steps][-1]
+    last = curve[-1]
+    return dict(
+        name=result["name"],
+        to_target=None if reached is None else reached["seconds"],
+        bytes_to_target=None if reached is None else reached["bytes"],
+        wire_to_target=None if reached is None else reached["wire"],
+        loss_at_steps=at_steps["loss"],
+        final_loss=last["loss"],
+        steps=last["step"],
+        step_seconds=last["seconds"] / last["step"],
+        step_cpu=last["cpu"] / last["step"],
+    )
+
+
+def run_rows(names, config, *, steps, max_steps, eval_every, quick=False, devices=None, log=None):
+    """Trains ``dp`` (the target) then every other row; returns the results in order."""
+    corpus = quality.load_corpus()
+    results, target = [], None
+    for name in names:
+        limit = steps if name == "dp" or target is None else max_steps
+        result = train(
+            name,
+            config,
+            corpus,
+            steps=limit,
+            eval_every=eval_every,
+            target=target,
+            quick=quick,
+            devices=devices,
+            log=log,
+        )
+        if name == "dp":
+            target = result["curve"][-1]["loss"]
+        results.append(result)
+    return results
+
+
+def _megabytes(value):
+    return "-" if value is None else f"{value / 1e6:.2f}"
+
+
+def format_table(results, steps) -> str:
+    """A Markdown table: one line per row, against ``dp`` (the first row)."""
+    base = results[0]
+    target = base["curve"][-1]["loss"]
+    rows = [summarize(r, target, steps) for r in results]
     lines = [
-        "| row | held-out loss | / dp | bytes per device | dp / row | train seconds |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"| row | time to dp's loss ({target:.4f}) | speed-up | loss after {steps} steps | "
+        "steps run | final loss | MB sent per host to target | wire MB | s / step | CPU s / step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in results:
-        ratio = base["bytes"] / r["bytes"] if r["bytes"] else float("inf")
+    for s in rows:
+        reached = s["to_target"] is not None
+        time_text = f"{s['to_target']:.1f} s" if reached else "not reached"
+        speed = f"{rows[0]['to_target'] / s['to_target']:.2f}x" if reached else "-"
         lines.append(
-            f"| {r['name']} | {r['heldout_loss']:.4f} | "
-            f"{r['heldout_loss'] / base['heldout_loss']:.3f} | {r['bytes'] / 1e6:.2f} MB | "
-            f"{ratio:.0f}x | {r['seconds']:.1f} |"
+            f"| {s['name']} | {time_text} | {speed} | {s['loss_at_steps']:.4f} | {s['steps']} | "
+            f"{s['final_loss']:.4f} | {_megabytes(s['bytes_to_target'])} | "
+            f"{_megabytes(s['wire_to_target'])} | {s['step_seconds']:.3f} | {s['step_cpu']:.3f} |"
         )
     return "\n".join(lines)
 
 
-def main(argv=None):
+def plot(panels, path, title):
+    """Held-out loss against training wall-clock: one panel per ``(label, results)``, one line
+    per row (distinct colours and styles, legend outside), ``dp``'s final loss dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels) + 3, 4.8), squeeze=False)
+    styles = ("-", "--", "-.", ":")
+    for ax, (label, results) in zip(axes[0], panels):
+        target = results[0]["curve"][-1]["loss"]
+        for i, r in enumerate(results):
+            seconds = [p["seconds"] for p in r["curve"][1:]]
+            losses = [p["loss"] for p in r["curve"][1:]]
+            style = dict(color="black", linewidth=2.5) if r["name"] == "dp" else {}
+            style.setdefault("color", plt.cm.tab10(i % 10))
+            ax.plot(seconds, losses, styles[i % 4], marker=".", label=r["name"], **style)
+        ax.axhline(target, color="grey", linestyle=":", linewidth=1, label="dp's final loss")
+        # dp's first evaluation sets the top: DiLoCo's global params sit at the initial loss
+        # until the first sync, and would squash the curves that matter.
+        first = results[0]["curve"][1]["loss"] if len(results[0]["curve"]) > 1 else None
+        if first is not None:
+            ax.set_ylim(top=target + 1.5 * (first - target) + 1e-3)
+        ax.set_xscale("log")
+        ax.set_xlabel("training wall-clock (s, log scale)")
+        ax.set_ylabel("held-out loss (nats / character)")
+        ax.set_title(label)
+        ax.grid(alpha=0.3, which="both")
+    axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _worker(args):
+    """One emulated host's part of a cluster job: every row; host 0 writes the results."""
+    from jaxcomp.distributed import launch
+
+    process = launch.initialize()  # before any JAX op
+
+    def log(line):
+        if process == 0:
+            print(line, file=sys.stderr, flush=True)
+
+    results = run_rows(_names(args), _config(args), log=log, **_lengths(args))
+    if process == 0:
+        with open(os.path.join(args.worker, "results.json"), "w") as f:
+            json.dump(results, f)
+
+
+def _cluster(args, argv):
+    """One job per rate on ``--hosts`` emulated hosts: ``[(rate, results), ...]``."""
+    from jaxcomp.distributed.cluster import Cluster, ClusterError, sigterm_as_interrupt
+
+    panels = []
+    drop = ("--hosts", "--rates", "--rows", "--plot", "--out", "--timeout")
+    forward = _drop_values(argv, drop)  # the hosts get the rest, and the rows by name
+    for rate in args.rates.split(","):
+        with tempfile.TemporaryDirectory() as tmp, sigterm_as_interrupt():
+            with Cluster(args.hosts, rate=rate) as cluster:
+                print(f"{args.hosts} hosts at {rate}", file=sys.stderr, flush=True)
+                command = [os.path.abspath(__file__), *forward, "--rows", ",".join(_names(args))]
+                codes = cluster.run([*command, "--worker", tmp], timeout=args.timeout)
+            if any(codes):
+                raise ClusterError(f"the {rate} job failed: host exit codes {codes}")
+            with open(os.path.join(tmp, "results.json")) as f:
+                panels.append((rate, json.load(f)))
+    return panels
+
+
+def _drop_values(argv, flags):
+    """``argv`` without the ``flags`` and their values (``--flag v`` or ``--flag=v``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not any(a.startswith(f + "=") for f in flags):
+            out.append(a)
+    return out
+
+
+def _names(args):
+    default = CLUSTER_ROWS if args.hosts else ONE_PROCESS_ROWS
+    names = [n.strip() for n in (args.rows or ",".join(default)).split(",") if n.strip()]
+    return ["dp"] + [n for n in names if n != "dp"]
+
+
+def _config(args):
+    config = quality.QUICK if args.quick else MODELS[args.model]
+    return dataclasses.replace(config, steps=_lengths(args)["steps"])
+
+
+def _lengths(args):
+    steps = args.steps or (6 if args.quick else 300)
+    return dict(
+        quick=args.quick,
+        steps=steps,
+        max_steps=args.max_steps or 3 * steps,
+        eval_every=args.eval_every or max(1, steps // 10),
+    )
+
+
+def _parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--rows", default=",".join(ROWS), help="comma-separated, of: " + ", ".join(ROWS)
-    )
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rows", help="comma-separated, of: " + ", ".join(ROWS))
+    parser.add_argument("--model", default="small", choices=sorted(MODELS))
+    parser.add_argument("--steps", type=int, help="dp's steps, the target (default 300)")
+    parser.add_argument("--max-steps", type=int, help="the other rows' cap (default 3x --steps)")
+    parser.add_argument("--eval-every", type=int, help="steps between evaluations (steps / 10)")
     parser.add_argument("--quick", action="store_true", help="a tiny model for a few steps")
-    parser.add_argument("--out", default=None, help="write time_to_quality.json here")
-    args = parser.parse_args(argv)
-    config = (
-        quality.QUICK if args.quick else dataclasses.replace(quality.Config(), steps=args.steps)
-    )
-    names = [n.strip() for n in args.rows.split(",") if n.strip()]
-    unknown = [n for n in names if n not in ROWS]
+    parser.add_argument("--devices", type=int, help="one process: use this many (default 8)")
+    parser.add_argument("--hosts", type=int, help="run on this many emulated hosts (root)")
+    parser.add_argument("--rates", default="1gbit,100mbit", help="link rates, one job each")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per cluster job")
+    parser.add_argument("--out", help="write time_to_quality.json (and .png) here")
+    parser.add_argument("--plot", help="write the plot here (default: in --out)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    return parser
+
+
+def _check(parser, args):
+    """Flag errors, before anything runs."""
+    unknown = [n for n in _names(args) if n not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
-    if args.quick:  # every row, with exchanges every 2 steps
-        for n in names:
-            if ROWS[n] is not None:
-                ROWS[n] = dict(ROWS[n], sync_every=2, fragments=1, delay=0)
-    corpus = quality.load_corpus()
-    results = []
-    for name in names:
-        results.append(train(name, config, corpus))
-        print(f"{name}: {results[-1]['heldout_loss']:.4f}", file=sys.stderr, flush=True)
-    print(
-        f"{config.steps} steps of {config.batch} sequences of {config.context} characters, "
-        f"{quality.N_DEVICES} devices\n"
+    for flag in ("steps", "max_steps", "eval_every", "hosts", "devices"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    lengths = _lengths(args)
+    if lengths["max_steps"] < lengths["steps"]:
+        parser.error(f"--max-steps ({lengths['max_steps']}) must be >= --steps")
+    warmup = _config(args).warmup
+    if lengths["steps"] <= warmup:
+        parser.error(f"--steps must be more than the learning rate's {warmup} warm-up steps")
+    if args.hosts and args.devices:
+        parser.error("--devices is for one process; a cluster has one device per host")
+    if args.devices and args.devices > quality.N_DEVICES:
+        parser.error(f"--devices must be <= {quality.N_DEVICES}, got {args.devices}")
+    if args.devices and _config(args).batch % args.devices:
+        parser.error(
+            f"--devices {args.devices} must divide the model's batch {_config(args).batch}"
+        )
+    if args.hosts and _config(args).batch % args.hosts:
+        parser.error(f"--hosts {args.hosts} must divide the model's batch {_config(args).batch}")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    if args.worker:
+        return _worker(args)
+    config, lengths = _config(args), _lengths(args)
+    steps = lengths["steps"]
+    if args.hosts:
+        panels = _cluster(args, argv)
+    else:
+        log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+        rows = run_rows(_names(args), config, devices=args.devices, log=log, **lengths)
+        panels = [("one process", rows)]
+    import jax
+
+    params = sum(x.size for x in jax.tree.leaves(_task(config, quality.load_corpus(), 0)[1]))
+    title = (
+        f"char-LM, {params / 1e6:.2f}M params, {config.batch} sequences of {config.context} "
+        f"characters a step, {args.hosts or args.devices or quality.N_DEVICES} "
+        + ("emulated hosts" if args.hosts else "devices in one process")
     )
-    print(format_table(results))
+    for label, results in panels:
+        print(f"\n{label}: {title}\n\n{format_table(results, steps)}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "time_to_quality.json"), "w") as f:
-            json.dump({"config": dataclasses.asdict(config), "results": results}, f, indent=1)
+            record = dict(command=["python", "benchmarks/time_to_quality.py", *argv])
+            record.update(
+                machine=f"{platform.node()}: {os.cpu_count()} cores, jax {jax.__version__}"
+            )
+            json.dump(
+                dict(record, config=dataclasses.asdict(config), title=title, panels=panels), f
+            )
+    plot_path = args.plot or (args.out and os.path.join(args.out, "time_to_quality.png"))
+    if plot_path:
+        plot(panels, plot_path, title)
 
 
 if __name__ == "__main__":

@@ -266,6 +266,28 @@ def test_launcher_stops_at_the_first_failure_of_any_worker():
     assert time.monotonic() - began < 10
 
 
+def test_processes_that_ignore_sigterm_share_one_grace_period(monkeypatch):
+    # JAX catches SIGTERM: the stopped processes are killed once the grace is over, all of them
+    # after one grace period, not one each.
+    monkeypatch.setattr(launch, "STOP_GRACE_SECONDS", 1.0)
+    stubborn = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    processes = [
+        subprocess.Popen([sys.executable, "-c", stubborn], stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    assert [p.stdout.readline() for p in processes] == ["ready\n"] * 3  # SIGTERM is ignored now
+    processes.append(subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"]))
+    began = time.monotonic()
+    codes, failed = launch.wait_all(processes)
+    assert failed == 3 and codes == [-9, -9, -9, 3]
+    assert time.monotonic() - began < 2.5  # one grace (1 s), not three
+    for p in processes[:3]:
+        p.stdout.close()
+
+
 @pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "10", True])
 def test_failure_timeout_must_be_positive_seconds(value):
     with pytest.raises(ValueError, match="failure_timeout"):

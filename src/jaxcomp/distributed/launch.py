@@ -386,6 +386,10 @@ def process_env(
     return env
 
 
+#: How long :func:`wait_all` lets the processes it stops exit on SIGTERM before it kills them.
+STOP_GRACE_SECONDS = 10.0
+
+
 def wait_all(processes, timeout: float | None = None, kill=None) -> tuple[list[int], int | None]:
     """Polls every process until all exit; the first failure (or the timeout) stops the others.
 
@@ -413,13 +417,16 @@ def wait_all(processes, timeout: float | None = None, kill=None) -> tuple[list[i
                 break
             time.sleep(0.05)
     finally:
-        # One process failing leaves the others waiting on collectives forever: stop them.
+        # One process failing leaves the others waiting on collectives forever: stop them. JAX
+        # catches SIGTERM (its preemption notifier), so whoever still runs STOP_GRACE_SECONDS
+        # later is killed; the grace is shared, not per process.
         for p in processes:
             if p.poll() is None:
                 kill(p, signal.SIGTERM)
+        grace = time.monotonic() + STOP_GRACE_SECONDS
         for p in processes:
             try:
-                p.wait(timeout=10)
+                p.wait(timeout=max(0.0, grace - time.monotonic()))
             except subprocess.TimeoutExpired:
                 kill(p, signal.SIGKILL)
                 p.wait()

@@ -1,0 +1,104 @@
+"""benchmarks/time_to_quality.py: the time-to-target arithmetic, its flags, and a quick job on two
+emulated hosts."""
+
+import json
+import os
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+
+import time_to_quality as ttq  # noqa: E402
+
+
+def _row(name, points):
+    """A result with ``points`` = [(step, seconds, loss)], 1 MB and 2 CPU seconds per step."""
+    curve = [dict(step=0, seconds=0.0, cpu=0.0, loss=5.0, bytes=0.0, wire=None)]
+    for step, seconds, loss in points:
+        curve.append(dict(step=step, seconds=seconds, cpu=2.0 * step, loss=loss, bytes=1e6 * step))
+        curve[-1]["wire"] = None
+    return dict(name=name, curve=curve, steps=curve[-1]["step"])
+
+
+DP = _row("dp", [(10, 20.0, 3.0), (20, 40.0, 2.0)])
+FAST = _row("fast", [(10, 2.0, 2.5), (20, 4.0, 2.1), (30, 6.0, 1.9)])
+NEVER = _row("never", [(10, 1.0, 2.9), (20, 2.0, 2.8), (60, 6.0, 2.7)])
+
+
+def test_time_to_target_is_the_first_evaluation_at_or_below_it():
+    fast = ttq.summarize(FAST, target=2.0, steps=20)
+    assert fast["to_target"] == 6.0 and fast["bytes_to_target"] == 30e6
+    assert fast["loss_at_steps"] == 2.1  # the same samples as dp's 20 steps
+    assert fast["final_loss"] == 1.9 and fast["steps"] == 30
+    assert fast["step_seconds"] == pytest.approx(0.2) and fast["step_cpu"] == pytest.approx(2.0)
+    never = ttq.summarize(NEVER, target=2.0, steps=20)
+    assert never["to_target"] is None and never["bytes_to_target"] is None
+    assert never["loss_at_steps"] == 2.8 and never["final_loss"] == 2.7
+
+
+def test_table_gives_the_speed_up_over_dp_and_says_not_reached():
+    table = ttq.format_table([DP, FAST, NEVER], steps=20)
+    lines = table.splitlines()
+    assert "time to dp's loss (2.0000)" in lines[0]
+    assert lines[2].startswith("| dp | 40.0 s | 1.00x | 2.0000 | 20 |")
+    assert lines[3].startswith("| fast | 6.0 s | 6.67x | 2.1000 | 30 | 1.9000 | 30.00 | - |")
+    assert lines[4].startswith("| never | not reached | - | 2.8000 | 60 | 2.7000 | - |")
+
+
+def test_plot_writes_a_png(tmp_path):
+    ttq.plot([("1gbit", [DP, FAST]), ("100mbit", [DP, FAST, NEVER])], tmp_path / "p.png", "t")
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_cluster_jobs_get_the_flags_but_not_the_drivers():
+    argv = ["--hosts", "4", "--rates=1gbit", "--steps", "5", "--out", "o", "--quick"]
+    assert ttq._drop_values(argv, ("--hosts", "--rates", "--out")) == ["--steps", "5", "--quick"]
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--rows", "dp,nope"], "unknown rows"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--steps", "40", "--max-steps", "30"], "--max-steps"),
+        (["--steps", "20"], "more than the learning rate's 25 warm-up steps"),
+        (["--hosts", "3"], "must divide the model's batch 32"),
+        (["--devices", "3"], "must divide the model's batch 32"),
+        (["--devices", "16"], "--devices must be <= 8"),
+        (["--hosts", "2", "--devices", "2"], "--devices is for one process"),
+    ],
+)
+def test_flags_are_checked_before_anything_runs(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        ttq.main(argv)
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_a_quick_job_on_two_emulated_hosts(tmp_path):
+    from helpers import subprocess_env
+
+    from jaxcomp.distributed import cluster
+
+    cluster.check_support()
+    os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]  # the hosts import this jaxcomp
+    argv = ["--quick", "--hosts", "2", "--rates", "100mbit", "--rows", "dp,diloco-h10-int8"]
+    ttq.main([*argv, "--out", str(tmp_path)])
+    with open(tmp_path / "time_to_quality.json") as f:
+        ((rate, (dp, diloco)),) = json.load(f)["panels"]
+    assert rate == "100mbit" and [dp["name"], diloco["name"]] == ["dp", "diloco-h10-int8"]
+    target = dp["curve"][-1]["loss"]
+    assert dp["steps"] == 6 and target < dp["curve"][0]["loss"]  # dp trained
+    # DiLoCo ran until it reached dp's loss or its cap, 3x dp's steps.
+    last = diloco["curve"][-1]
+    assert last["loss"] <= target or last["step"] == 18
+    for row in (dp, diloco):
+        for point in row["curve"][1:]:
+            assert point["seconds"] > 0 and point["cpu"] > 0
+            # The hosts' eth0 carried at least what jaxcomp counts (plus TCP/IP framing).
+            assert point["bytes"] <= point["wire"] <= 1.5 * point["bytes"] + 40_000 * point["step"]
+    # 8-bit pseudo-gradients every 2 steps against a dense all-reduce every step.
+    assert diloco["curve"][3]["bytes"] < dp["curve"][3]["bytes"] / 4
+    assert (tmp_path / "time_to_quality.png").stat().st_size > 10_000
