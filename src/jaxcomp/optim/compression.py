@@ -147,7 +147,7 @@ def compress(
       >>> def mean_grad(g):  # g: this device's gradient, varying over "data"
       ...     updates, _ = tx.update({"w": g}, tx.init({"w": g}))
       ...     return updates["w"]
-      >>> f = jax.shard_map(mean_grad, mesh=mesh, in_specs=P("data"), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(mean_grad, mesh=mesh, in_specs=P("data"), out_specs=P()))
       >>> f(jnp.ones(4 * jax.device_count())).shape
       (4,)
 
@@ -157,7 +157,8 @@ def compress(
       >>> def metrics(g):
       ...     _, state = tx.update({"w": g}, tx.init({"w": g}))
       ...     return state.metrics.nonfinite, jnp.isnan(state.residual["w"]).any()[None]
-      >>> f = jax.shard_map(metrics, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data")))
+      >>> sm = jax.shard_map(metrics, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data")))
+      >>> f = jax.jit(sm)
       >>> count, nan_kept = f(jnp.ones(4 * jax.device_count()).at[1].set(jnp.nan))
       >>> float(count), bool(nan_kept.any())
       (1.0, False)

@@ -166,7 +166,7 @@ def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransforma
       ...     updates, new_state = tx.update({"w": g}, state)
       ...     nonfinite = jaxcomp.find_compress_state(new_state).metrics.nonfinite
       ...     return updates["w"], new_state[1][0].count, nonfinite
-      >>> f = jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P())
+      >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P()))
       >>> g = jnp.ones(2 * jax.device_count()).at[0].set(jnp.nan)
       >>> updates, adam_count, nonfinite = f(g)
       >>> updates.tolist(), int(adam_count), float(nonfinite)

@@ -73,7 +73,7 @@ def sharded_updates(n_devices: int):
       >>> def f(g):
       ...     with sharded_updates(2):
       ...         return tx.update(g, state)[0]
-      >>> g = jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+      >>> g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
       >>> g(jnp.arange(6.0)).tolist()
       [1.5, 2.5, 3.5, 0.0]
 

@@ -54,7 +54,8 @@ def gain_and_nonfinite(result, feds, count, axis_name, check_totals=None, comm_d
       >>> def f(x):
       ...     result = Aggregation([x], [x * jnp.array([1.0, 0.0])], 0.0, 1, 0, False, False)
       ...     return gain_and_nonfinite(result, [x], jnp.float32(0), "data")
-      >>> gain, count = jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P())(jnp.ones(4))
+      >>> f = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P()))
+      >>> gain, count = f(jnp.ones(4))
       >>> float(gain), float(count)
       (0.5, 0.0)
 
@@ -110,8 +111,8 @@ def summed_metrics(
       ...     result = Aggregation([x], [x * jnp.array([1.0, 0.0])], 0.0, 1, 0, False, False)
       ...     _, _, e = summed_metrics(result, [x], jnp.float32(0), "data", gradient=x.sum())
       ...     return e.gradient, e.fed
-      >>> [float(e) for e in jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P())(
-      ...     jnp.ones(4))]
+      >>> f = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P()))
+      >>> [float(e) for e in f(jnp.ones(4))]
       [4.0, 4.0]
 
     References:
