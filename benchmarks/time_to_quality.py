@@ -345,7 +345,7 @@ def format_table(results, steps) -> str:
 
 def plot(panels, path, title):
     """Held-out loss against training wall-clock: one panel per ``(label, results)``, one line
-    per row (distinct colours and styles, legend outside), ``dp``'s final loss dashed."""
+    per row (distinct colours and styles, legend outside), ``dp``'s final loss dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -482,6 +482,14 @@ def _check(parser, args):
     warmup = _config(args).warmup
     if lengths["steps"] <= warmup:
         parser.error(f"--steps must be more than the learning rate's {warmup} warm-up steps")
+    if args.hosts:
+        from jaxcomp.distributed.cluster import parse_rate
+
+        for rate in args.rates.split(","):
+            try:
+                parse_rate(rate)
+            except ValueError as error:
+                parser.error(f"--rates: {error}")
     if args.hosts and args.devices:
         parser.error("--devices is for one process; a cluster has one device per host")
     if args.devices and args.devices > quality.N_DEVICES:

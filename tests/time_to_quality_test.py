@@ -68,6 +68,7 @@ def test_cluster_jobs_get_the_flags_but_not_the_drivers():
         (["--devices", "3"], "must divide the model's batch 32"),
         (["--devices", "16"], "--devices must be <= 8"),
         (["--hosts", "2", "--devices", "2"], "--devices is for one process"),
+        (["--hosts", "2", "--rates", "1gbit,fast"], "--rates: rate must look like '1gbit'"),
     ],
 )
 def test_flags_are_checked_before_anything_runs(argv, match, capsys):
