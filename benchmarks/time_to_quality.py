@@ -205,7 +205,7 @@ def _task(config, corpus, seed):
     return loss_fn, params, heldout
 
 
-def _prepare(name, config, corpus, *, quick, devices, seed):
+def _prepare(name, config, corpus, first, *, quick, devices, seed):
     """The row's run, its compiled step (one step run and dropped), the initial params and
     held-out batch, its jitted loss, and this process's rows of each batch."""
     import jax
@@ -219,8 +219,7 @@ def _prepare(name, config, corpus, *, quick, devices, seed):
     mine = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
     state = run.init(params)
     # Compile before the clock starts: one step on the first batch, result dropped (no donation).
-    first = quality.batches(corpus[0], config, 1, seed)[0][mine]
-    jax.block_until_ready(run.step(state, run.shard_batch({"tokens": corpus[0][first]})))
+    jax.block_until_ready(run.step(state, run.shard_batch({"tokens": corpus[0][first[mine]]})))
     return run, state, options, (jax.jit(loss_fn), params, heldout), mine
 
 
@@ -245,11 +244,11 @@ def train(
     import jax
     import numpy as np
 
-    run, state, options, (evaluate, params, heldout), mine = _prepare(
-        name, config, corpus, quick=quick, devices=devices, seed=seed
-    )
     windows = quality.batches(corpus[0], config, steps, seed)
-    clock, sent, wire0 = _Clock(), [], _wire()
+    run, state, options, (evaluate, params, heldout), mine = _prepare(
+        name, config, corpus, windows[0], quick=quick, devices=devices, seed=seed
+    )
+    clock, sent, total, wire0 = _Clock(), [], 0.0, _wire()
     curve = [dict(step=0, seconds=0.0, cpu=0.0, loss=_held_out(evaluate, params, heldout))]
     curve[0].update(bytes=0.0, wire=0 if wire0 is not None else None)
     for step in range(steps):
@@ -263,7 +262,8 @@ def train(
         jax.block_until_ready(state)
         clock.stop()
         loss = _held_out(evaluate, run.params(state), heldout)
-        total = float(sum(float(np.asarray(b.addressable_data(0))) for b in sent))
+        total += sum(float(np.asarray(b.addressable_data(0))) for b in sent)
+        sent.clear()  # read once each: the host reads them at evaluations only
         wire = None if wire0 is None else _wire() - wire0
         curve.append(dict(step=step + 1, seconds=clock.seconds, cpu=clock.cpu, loss=loss))
         curve[-1].update(bytes=total, wire=wire)
@@ -517,9 +517,7 @@ def main(argv=None):
         log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
         rows = run_rows(_names(args), config, devices=args.devices, log=log, **lengths)
         panels = [("one process", rows)]
-    import jax
-
-    params = sum(x.size for x in jax.tree.leaves(_task(config, quality.load_corpus(), 0)[1]))
+    params = quality.count_params(config)
     title = (
         f"char-LM, {params / 1e6:.2f}M params, {config.batch} sequences of {config.context} "
         f"characters a step, {args.hosts or args.devices or quality.N_DEVICES} "
@@ -530,6 +528,8 @@ def main(argv=None):
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "time_to_quality.json"), "w") as f:
+            import jax
+
             record = dict(command=["python", "benchmarks/time_to_quality.py", *argv])
             record.update(
                 machine=f"{platform.node()}: {os.cpu_count()} cores, jax {jax.__version__}"

@@ -94,3 +94,14 @@ def subprocess_env(**overrides):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_parent, TESTS_DIR, *inherited]))
     env.update(overrides)
     return env
+
+
+def cluster_hosts_import_this_jaxcomp(monkeypatch):
+    """For a test that starts an emulated cluster's hosts from this process (``Cluster``, the
+    netbench and benchmark drivers): checks that the cluster can be built (CI runs as root: a
+    missing capability is a failure, not a skip) and puts this jaxcomp on the hosts'
+    ``PYTHONPATH`` for the test's duration."""
+    from jaxcomp.distributed import cluster
+
+    cluster.check_support()
+    monkeypatch.setenv("PYTHONPATH", subprocess_env()["PYTHONPATH"])

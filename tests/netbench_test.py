@@ -3,7 +3,6 @@ CLI."""
 
 import dataclasses
 import json
-import os
 
 import numpy as np
 import pytest
@@ -125,13 +124,10 @@ def test_a_bad_allocator_is_refused_before_any_cluster():
 
 
 @pytest.mark.multiprocess
-def test_one_small_cell_on_two_emulated_hosts(tmp_path):
-    from helpers import subprocess_env
+def test_one_small_cell_on_two_emulated_hosts(tmp_path, monkeypatch):
+    from helpers import cluster_hosts_import_this_jaxcomp
 
-    from jaxcomp.distributed import cluster
-
-    cluster.check_support()
-    os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]  # the workers import this jaxcomp
+    cluster_hosts_import_this_jaxcomp(monkeypatch)
     out = tmp_path / "rows.json"
     code = netbench_cli.main(
         [
@@ -178,15 +174,12 @@ def test_one_small_cell_on_two_emulated_hosts(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_bytes_sent_is_what_the_links_carry_for_every_method(tmp_path):
+def test_bytes_sent_is_what_the_links_carry_for_every_method(tmp_path, monkeypatch):
     """Issue 22: bytes_sent must tell the truth on the CPU cluster (bf16 once claimed half of what
     gloo carried). Every method netbench runs, checked against the veth counters."""
-    from helpers import subprocess_env
+    from helpers import cluster_hosts_import_this_jaxcomp
 
-    from jaxcomp.distributed import cluster
-
-    cluster.check_support()
-    os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]  # the workers import this jaxcomp
+    cluster_hosts_import_this_jaxcomp(monkeypatch)
     out = tmp_path / "rows.json"
     methods = "allgather_topk,bf16,fp16,zfp,powersgd,sign,randomk"
     code = netbench_cli.main(

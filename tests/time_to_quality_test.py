@@ -78,13 +78,10 @@ def test_flags_are_checked_before_anything_runs(argv, match, capsys):
 
 
 @pytest.mark.multiprocess
-def test_a_quick_job_on_two_emulated_hosts(tmp_path):
-    from helpers import subprocess_env
+def test_a_quick_job_on_two_emulated_hosts(tmp_path, monkeypatch):
+    from helpers import cluster_hosts_import_this_jaxcomp
 
-    from jaxcomp.distributed import cluster
-
-    cluster.check_support()
-    os.environ["PYTHONPATH"] = subprocess_env()["PYTHONPATH"]  # the hosts import this jaxcomp
+    cluster_hosts_import_this_jaxcomp(monkeypatch)
     argv = ["--quick", "--hosts", "2", "--rates", "100mbit", "--rows", "dp,diloco-h10-int8"]
     ttq.main([*argv, "--out", str(tmp_path)])
     with open(tmp_path / "time_to_quality.json") as f:
