@@ -215,6 +215,7 @@ def compress_auto(
     mask=None,
     min_size=0,
     guardrail=True,
+    bucket_mb=None,
 ):
     """Aggregates gradients like :func:`jaxcomp.compress`, choosing the cheapest of ``candidates``.
 
@@ -260,6 +261,7 @@ def compress_auto(
       guardrail: as for :func:`jaxcomp.compress`: a diverging step falls back to the
         :class:`jaxcomp.Dense` candidate for the window (without one among the candidates the
         residual is only cleared).
+      bucket_mb: as for :func:`jaxcomp.compress`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`jaxcomp.CompressState`
@@ -286,6 +288,7 @@ def compress_auto(
         mask,
         min_size,
         guardrail=guardrail,
+        bucket_mb=bucket_mb,
     )
     candidates = _check_candidates(candidates, config.axes)
     ratios = _check_ratio_search(ratio_search, candidates)
@@ -353,7 +356,7 @@ def _aggregation(
         if fallback_branch is not None and state.divergence is not None:
             branch = jnp.where(divergence.falling_back(state.divergence), fallback_branch, branch)
 
-        totals, sents, method_state = run_branch(
+        totals, sents, method_state, vectors = run_branch(
             branches.methods,
             branch,
             groups,
@@ -372,6 +375,7 @@ def _aggregation(
             sparse=False,
             sends_everything=False,
             method_state=method_state,
+            vectors=vectors,
         )
         return result, lambda gain: plan.observe(auto, branch, gain, comm)
 

@@ -45,6 +45,7 @@ def compress(
     min_size=0,
     momentum_correction=None,
     guardrail=True,
+    bucket_mb=None,
     **shorthand,
 ) -> optax.GradientTransformationExtraArgs:
     """Aggregates gradients across a mesh axis with a compressing method and error feedback.
@@ -98,6 +99,15 @@ def compress(
     dense ``sent`` instead of in place; on CPU top-k's step takes 1.3-2x as long, ZFP's and THC's
     a few percent longer (:mod:`jaxcomp.optim.stages.divergence`, docs/training.md).
 
+    **Buckets** (``bucket_mb=``). XLA merges independent collectives into one (its collective
+    combiner), and a whole-model vector needs every gradient, so by default nothing is sent
+    before the backward pass ends. With ``bucket_mb`` the leaves are cut into buckets, the last
+    leaves first (the backward pass finishes them first), and each bucket's collectives depend on
+    the previous bucket's totals: they stay apart, run in order, and the XLA:CPU runtime runs
+    them beside the rest of the backward pass (docs/performance.md measures it). Dense and the
+    casts give bit-identical results with or without buckets; a compressing method compresses
+    each bucket on its own.
+
     **The string shorthand.** ``compress("ar_topk", ratio=0.01)`` is
     ``compress(TopK(0.01, collective="ar"))``: a name from :data:`jaxcomp.methods.SHORTHAND` with
     the method's options as keywords. ``compress("auto", ...)`` is
@@ -132,6 +142,13 @@ def compress(
       guardrail: True (default: ``jaxcomp.Guardrail()``, factor 5, window 50, burn-in 20,
         decay 0.98), a :class:`jaxcomp.Guardrail` with other settings, or False to turn it off;
         see "Guardrails" above.
+      bucket_mb: None (default): the gradient is aggregated as one message (or one per leaf,
+        which XLA merges into one), after the whole backward pass. A size in MiB (PyTorch DDP's
+        ``bucket_cap_mb`` is 25): the leaves are cut into buckets of about that size, the last
+        leaves first, and each bucket is aggregated after the previous one, so the first buckets
+        travel while the backward pass computes the others (see "Buckets" above). With
+        ``granularity="model"`` each bucket is compressed as one vector (top-k keeps
+        ``ratio`` of each bucket).
       **shorthand: with a method name only: its options (``ratio=``, ``k=``, ``rate=``,
         ``bits=``, ``leader=``, ``selector=``, ``algorithm=``, ``hadamard=``), or with
         ``"auto"`` :func:`jaxcomp.compress_auto`'s.
@@ -181,6 +198,7 @@ def compress(
             mask=mask,
             min_size=min_size,
             guardrail=guardrail,
+            bucket_mb=bucket_mb,
             **shorthand,
         )
     config = FeedbackConfig.check(
@@ -194,6 +212,7 @@ def compress(
         min_size,
         momentum_correction,
         guardrail,
+        bucket_mb,
     )
     method = _parse_method(method, shorthand)
     method.check_axes(config.axes)
@@ -230,11 +249,19 @@ def _aggregation(
         branch, bytes_sent, kept = warmup_stage.choose(
             branches, groups, state.step, warmup, fallback
         )
-        totals, sents, method_state = run_branch(
+        totals, sents, method_state, vectors = run_branch(
             branches, branch, groups, config.axis_name, state.step, key, sparse, state.method_state
         )
         return Aggregation(
-            totals, sents, bytes_sent, kept, branch, sparse, method.sends_everything, method_state
+            totals,
+            sents,
+            bytes_sent,
+            kept,
+            branch,
+            sparse,
+            method.sends_everything,
+            method_state,
+            vectors,
         ), None
 
     return aggregate

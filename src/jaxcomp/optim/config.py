@@ -16,6 +16,18 @@ from jaxcomp.optim.stages.guard import NONFINITE_POLICIES
 GRANULARITIES = ("model", "leaf")
 
 
+def _check_bucket_mb(bucket_mb) -> float | None:
+    """``bucket_mb`` as a float, or None; a ValueError naming it unless it is None or > 0."""
+    if bucket_mb is None:
+        return None
+    number = isinstance(bucket_mb, (int, float, np.number)) and not isinstance(bucket_mb, bool)
+    if not number or not np.isfinite(bucket_mb) or bucket_mb <= 0:
+        raise ValueError(
+            f"bucket_mb must be a size in MiB > 0 (e.g. 25) or None, got {bucket_mb!r}"
+        )
+    return float(bucket_mb)
+
+
 @dataclasses.dataclass(frozen=True)
 class FeedbackConfig:
     """The validated arguments every error-feedback transformation shares (see :func:`compress`)."""
@@ -32,6 +44,7 @@ class FeedbackConfig:
     min_size: int = 0
     momentum: float | None = None  # DGC's momentum correction
     guardrail: divergence.Guardrail | None = None  # the divergence guardrail, None when off
+    bucket_mb: float | None = None  # buckets overlapping the backward pass, None: one at the end
 
     @property
     def axis_name(self):
@@ -51,6 +64,7 @@ class FeedbackConfig:
         min_size=0,
         momentum=None,
         guardrail=None,
+        bucket_mb=None,
     ) -> FeedbackConfig:
         """Validates the shared arguments, naming the one that is wrong."""
         axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
@@ -98,6 +112,7 @@ class FeedbackConfig:
             min_size=min_size,
             momentum=momentum,
             guardrail=divergence.check(guardrail),
+            bucket_mb=_check_bucket_mb(bucket_mb),
         )
 
     def compressed(self, tree) -> list[bool]:

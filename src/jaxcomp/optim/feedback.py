@@ -36,7 +36,7 @@ import optax
 from jaxcomp import methods
 from jaxcomp.methods import Method
 from jaxcomp.ops import _ffi, flat
-from jaxcomp.optim import packing, sharding
+from jaxcomp.optim import packing, readiness, sharding
 from jaxcomp.optim.config import FeedbackConfig
 from jaxcomp.optim.stages import divergence, error_feedback, guard, mask, metrics, momentum
 from jaxcomp.optim.stages.aggregation import Aggregation, Groups, init_method_state
@@ -234,12 +234,23 @@ def _prepare(c: FeedbackConfig, branches, leaves, lay: mask.Layout) -> _Gradient
         shapes=[tuple(leaves[i].shape for i in positions) for positions, _ in lay.groups],
         scatter=shards is not None,
         values=[sum(leaves[i].size for i in positions) for positions, _ in lay.groups],
+        buckets=None
+        if lay.buckets is None
+        else readiness.bucket_ranks(
+            lay.buckets, [p for p, _ in lay.groups], _float_order(lay.floats)
+        ),
     )
     rows = [
         packing.row(branches, [leaves[i] for i in positions], shards) for positions, _ in lay.groups
     ]
     scale = 1.0 / n_devices if c.mean else 1.0
     return _Gradients(leaves, lay, groups, rows, shards, comm_dtype, scale)
+
+
+def _float_order(floats) -> tuple | None:
+    """The tree positions in :func:`jaxcomp.optim.readiness.ready_order` (None when unknown)."""
+    order = readiness.ready_order()
+    return None if order is None else tuple(i for i in order if i in set(floats))
 
 
 def _filled(groups: Groups, vectors) -> Groups:
@@ -250,14 +261,16 @@ def _sum_dense(c: FeedbackConfig, grads: _Gradients, aggregate, state) -> _Aggre
     """The route of a method that loses nothing: nothing is kept, so the gradients are summed as
     they are (leaf by leaf) and the guard looks at the sums (:func:`guard.guarded_totals`)."""
     vectors = [
-        packing.pack([grads.leaves[i]], grads.shards, row).astype(grads.comm_dtype)
-        for i, row in zip(grads.layout.floats, grads.rows)
+        packing.pack([grads.leaves[i] for i in positions], grads.shards, row).astype(
+            grads.comm_dtype
+        )
+        for (positions, _), row in zip(grads.layout.groups, grads.rows)
     ]
     groups = _filled(grads.groups, vectors)
     result, auto_after = aggregate(groups, state)
     totals, count = guard.guarded_totals(
         result.totals,
-        vectors,
+        _as_sent(vectors, result),
         lambda zeroed: aggregate(groups._replace(vectors=zeroed), state)[0].totals,
         c.axis_name,
         sharded=grads.shards is not None,
@@ -311,6 +324,7 @@ def _sum_error_fed(
     if feds:
         vectors = [fed.astype(grads.comm_dtype) for fed in feds]
         result, auto_after = aggregate(_filled(grads.groups, vectors), state)
+        feds = _as_sent(feds, result)
     else:  # every leaf is plain
         result = Aggregation([], [], 0.0, 0, 0, False, True, state.method_state)
         auto_after = None
@@ -341,6 +355,15 @@ def _sum_error_fed(
         plain_kept,
         energies,
     )
+
+
+def _as_sent(vectors, result: Aggregation) -> list:
+    """``vectors`` (per group), each replaced by the one the collectives read where that is the
+    same array made to wait for the bucket before (``bucket_mb=``): used after the aggregation
+    instead of the original, it needs no copy."""
+    if result.vectors is None:
+        return vectors
+    return [s if s.dtype == v.dtype else v for v, s in zip(vectors, result.vectors)]
 
 
 def _gradient_energy(grads: _Gradients, packs):

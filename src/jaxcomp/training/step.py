@@ -22,7 +22,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.collectives import small
-from jaxcomp.optim import sharding
+from jaxcomp.optim import readiness, sharding
 from jaxcomp.optim.nonfinite import keep_if_skipped, skipped_or_none
 from jaxcomp.optim.transform import compress_states, find_compress_state
 from jaxcomp.training.state import TrainState
@@ -76,7 +76,8 @@ def train_step(layout, loss_fn, has_aux, state, batch, on_nonfinite_policy=None)
         )
         params, shards = _forward_params(layout, state.params, avals)
         loss, aux, grads = _local_gradients(loss_fn, has_aux, params, batch, layout.axis_name)
-        updates, new_opt_state, skipped = _update(layout, grads, opt_state, shards)
+        order = _backward_order(loss_fn, has_aux, params, batch, layout.axis_name)
+        updates, new_opt_state, skipped = _update(layout, grads, opt_state, shards, order)
         if on_nonfinite_policy is not None:
             on_nonfinite_policy(
                 any(s.policy.name == "raise" for s in compress_states(new_opt_state))
@@ -143,11 +144,24 @@ def _local_gradients(loss_fn, has_aux, params, batch, axis_name):
     return loss, None, grads
 
 
-def _update(layout, grads, opt_state, shards):
-    """``(updates, new_opt_state, skipped)``: ``tx``'s update; ``skipped`` is None unless a
-    ``compress(nonfinite="skip"/"raise")`` may skip the step."""
+def _backward_order(loss_fn, has_aux, params, batch, axis_name):
+    """A function returning the order in which the backward pass finishes the gradient's leaves
+    (:func:`jaxcomp.optim.readiness.backward_order`): traced only if a ``compress(bucket_mb=)``
+    asks for it."""
+
+    def grads_only(params):
+        return _local_gradients(loss_fn, has_aux, params, batch, axis_name)[2]
+
+    return lambda: readiness.backward_order(grads_only, params)
+
+
+def _update(layout, grads, opt_state, shards, order=None):
+    """``(updates, new_opt_state, skipped)``: ``tx``'s update, with the gradients' ``order``
+    (for buckets) in force; ``skipped`` is None unless a ``compress(nonfinite="skip"/"raise")``
+    may skip the step."""
     # Sharded: tx gets the whole local gradient and updates this device's shards.
-    updates, new_opt_state = layout.tx_update(grads, opt_state, shards)
+    with readiness.gradients_ready_in(order):
+        updates, new_opt_state = layout.tx_update(grads, opt_state, shards)
     skipped = skipped_or_none(new_opt_state)
     if skipped is not None:
         # compress(nonfinite="skip"/"raise") skipped its part; the rest of the chain keeps

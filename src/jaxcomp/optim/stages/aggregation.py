@@ -8,9 +8,11 @@ updating its own state (:attr:`jaxcomp.CompressState.method_state`, e.g. PowerSG
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from jaxcomp.collectives import small
 from jaxcomp.methods import Method
@@ -36,6 +38,7 @@ class Groups(NamedTuple):
         False  # sharded training: vectors are shard-major and each device gets its row of the sum
     )
     values: list | None = None  # with scatter: the real values per vector (the rest is padding)
+    buckets: list | None = None  # per vector, its bucket (bucket_mb=): sent after the one before
 
 
 def _shaped(method: Method, groups: Groups, i: int) -> dict:
@@ -95,9 +98,10 @@ def _kept(method: Method, n: int, name: str, shaped: dict) -> int:
 def aggregate_groups(
     method: Method, groups: Groups, axis_name, step, base_key, sparse: bool = False, states=None
 ):
-    """Runs ``method`` on each group's vector: ``(totals, sents, states)``, one per group
+    """Runs ``method`` on each group's vector: ``(totals, sents, states, vectors)``, one per group
     (``sparse``: each ``sent`` is ``(indices, values)``). Group ``i`` draws its randomness from
-    ``fold_in(base_key, i)``.
+    ``fold_in(base_key, i)``; with ``groups.buckets`` each bucket waits for the one before
+    (:func:`after_previous_bucket`).
 
     Args:
       method: a :mod:`jaxcomp.methods` object.
@@ -110,8 +114,10 @@ def aggregate_groups(
         :func:`init_method_state`); None otherwise.
 
     Returns:
-      ``(totals, sents, states)``: one total and sent per group, and the method's new states (the
-      ``states`` given, for a method without state).
+      ``(totals, sents, states, vectors)``: one total and sent per group, the method's new states
+      (the ``states`` given, for a method without state), and the vectors as the collectives read
+      them (a bucket's made to wait for the bucket before): use these afterwards, not
+      ``groups.vectors``, or XLA keeps a copy of each.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -127,37 +133,101 @@ def aggregate_groups(
     References:
       Tyagi & Swany, arXiv 2312.02493, Alg. 1 (each worker's contribution and the aggregate).
     """
-    totals, sents, new_states = [], [], []
-    for i, (vector, name) in enumerate(zip(groups.vectors, groups.names)):
+    n = len(groups.vectors)
+    totals, sents, new_states, vectors = [None] * n, [None] * n, [None] * n, [None] * n
+    for i in sorted(range(n), key=lambda g: 0 if groups.buckets is None else groups.buckets[g]):
+        vector, name = groups.vectors[i], groups.names[i]
         key = jax.random.fold_in(base_key, i)
+        vectors[i] = vector = after_previous_bucket(vector, groups.buckets, i, totals)
         if vector.size == 0:  # a leaf without values (shape (0, 3)): nothing to send or keep
             # (a psum of nothing, typed replicated like every total; a row of nothing when sharded)
-            totals.append(vector if groups.scatter else small.metric_sum(vector, axis_name))
-            sents.append(vector)
-            new_states.append(states[i] if method.stateful else None)
-            continue
-        if groups.scatter:
+            totals[i] = vector if groups.scatter else small.metric_sum(vector, axis_name)
+            sents[i] = vector
+            new_states[i] = states[i] if method.stateful else None
+        elif groups.scatter:
             _kept(method, groups.values[i], name, {})
-            total, sent = method.reduce_scatter(
+            totals[i], sents[i] = method.reduce_scatter(
                 vector, axis_name, step=step, key=key, size=groups.values[i], sparse=sparse
             )
-            totals.append(total)
-            sents.append(sent)
-            continue
-        _kept(method, vector.shape[0], name, _shaped(method, groups, i))
-        total, sent, state = method.aggregate(
-            vector,
-            axis_name,
-            step=step,
-            key=key,
-            sparse=sparse,
-            state=states[i] if method.stateful else None,
-            **_shaped(method, groups, i),
-        )
-        new_states.append(state)
-        totals.append(total)
-        sents.append(sent)
-    return totals, sents, tuple(new_states) if method.stateful else states
+        else:
+            _kept(method, vector.shape[0], name, _shaped(method, groups, i))
+            totals[i], sents[i], new_states[i] = method.aggregate(
+                vector,
+                axis_name,
+                step=step,
+                key=key,
+                sparse=sparse,
+                state=states[i] if method.stateful else None,
+                **_shaped(method, groups, i),
+            )
+    return totals, sents, tuple(new_states) if method.stateful else states, vectors
+
+
+def after_previous_bucket(vector, buckets, i: int, totals: list):
+    """Group ``i``'s vector, made to wait for the totals of the bucket before its own (no wait
+    without buckets, or in the first bucket).
+
+    The dependency keeps each bucket's collectives apart and in order: XLA's collective combiner
+    merges collectives that do not depend on each other into one, which waits for the last
+    gradient of the backward pass. Chained, the first bucket (the last leaves, which the
+    backward pass finishes first) is sent while the backward pass goes on.
+
+    Args:
+      vector: group ``i``'s vector.
+      buckets: per group, its bucket (ascending), or None.
+      i: the group.
+      totals: the totals of groups ``0 .. i - 1``.
+
+    Returns:
+      ``vector``, behind an optimization barrier with the previous bucket's totals where there
+      is one.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> after_previous_bucket(jnp.ones(2), [0, 1], 1, [jnp.zeros(3)]).tolist()
+      [1.0, 1.0]
+
+    References:
+      Li et al., "PyTorch Distributed", VLDB 2020, §3.2.3 (buckets reduced in order, during the
+      backward pass).
+    """
+    if buckets is None or buckets[i] == 0:
+        return vector
+    previous = [t for t, b in zip(totals, buckets) if b == buckets[i] - 1 and t is not None]
+    return depends_on(vector, previous)
+
+
+def depends_on(vector, values):
+    """``vector``, bit for bit, made to depend on every array of ``values`` in a way no XLA pass
+    removes (XLA:CPU drops optimization barriers before its collective combiner runs).
+
+    One element of each value is read; a population count above 32 (never true, which XLA
+    cannot prove) would add it to ``vector[0]``; what is added is an exact 0, in place when
+    ``vector`` has no other use (else XLA copies it once).
+
+    Args:
+      vector: a 1-D array.
+      values: arrays ``vector`` must wait for.
+
+    Returns:
+      ``vector``'s values (``-0.0`` at index 0 may become ``+0.0``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> depends_on(jnp.arange(3.0), [jnp.ones(5)]).tolist()
+      [0.0, 1.0, 2.0]
+
+    References:
+      XLA ``CseBarrierExpander`` (removes optimization barriers) and ``AllReduceCombiner``.
+    """
+    if not values or vector.size == 0:
+        return vector
+    bits = [
+        jax.lax.bitcast_convert_type(v.ravel()[0].astype(jnp.float32), jnp.uint32) for v in values
+    ]
+    never = jax.lax.population_count(functools.reduce(jnp.bitwise_xor, bits)) > 32
+    zero = jnp.where(never, 1, 0).astype(vector.dtype)
+    return vector.at[0].add(zero)
 
 
 def init_method_state(methods_run: tuple[Method, ...], shapes: list) -> tuple:
@@ -223,7 +293,9 @@ def run_branch(
       states: the methods' states, one entry per branch.
 
     Returns:
-      ``(totals, sents, states)``.
+      ``(totals, sents, states, vectors)`` (as :func:`aggregate_groups`; under ``lax.switch``
+      buckets are not chained, a conditional waits for all its operands anyway, and ``vectors``
+      are ``groups.vectors``).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -243,7 +315,7 @@ def run_branch(
 
     def run(index):
         def branch_fn(vectors, step, key, states):
-            totals, sents, own = aggregate_groups(
+            totals, sents, own, _ = aggregate_groups(
                 branches[index],
                 groups._replace(vectors=vectors),
                 axis_name,
@@ -260,10 +332,16 @@ def run_branch(
         return branch_fn
 
     if isinstance(branch, int):
-        return run(branch)(groups.vectors, step, key, states)
-    return jax.lax.switch(
+        totals, sents, own, vectors = aggregate_groups(
+            branches[branch], groups, axis_name, step, key, sparse=sparse, states=states[branch]
+        )
+        sents = _ffi.like_varying_operands(sents, groups.vectors)
+        return totals, sents, states[:branch] + (own,) + states[branch + 1 :], vectors
+    groups = groups._replace(buckets=None)
+    totals, sents, states = jax.lax.switch(
         branch, [run(i) for i in range(len(branches))], groups.vectors, step, key, states
     )
+    return totals, sents, states, groups.vectors
 
 
 class Aggregation(NamedTuple):
@@ -278,3 +356,4 @@ class Aggregation(NamedTuple):
     sparse: bool  # sents are (indices, values) pairs
     sends_everything: bool  # statically nothing lost: no residual, gain 1
     method_state: Any = ()  # the methods' new states (CompressState.method_state)
+    vectors: list | None = None  # per group, the vector as sent (bucketed: chained), else None

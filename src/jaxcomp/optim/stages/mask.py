@@ -69,6 +69,7 @@ class Layout(NamedTuple):
     floats: list  # every float leaf
     groups: list  # [(positions, name)]: the compressed leaves, grouped by `granularity`
     plain: list  # float leaves mask= and min_size= leave out: one fused all-reduce
+    buckets: list | None = None  # per group, its bucket (bucket_mb=), in the order they are sent
 
     @property
     def compressed(self) -> set:
@@ -112,25 +113,80 @@ def layout(config, tree, sends_everything: bool) -> Layout:
       >>> from jaxcomp.optim.config import FeedbackConfig
       >>> config = FeedbackConfig.check("data", True, "model", True, 0, "zero", min_size=3)
       >>> layout(config, [jnp.zeros(2), jnp.zeros(8), jnp.zeros(9)], False)
-      Layout(floats=[0, 1, 2], groups=[([1, 2], 'the model')], plain=[0])
+      Layout(floats=[0, 1, 2], groups=[([1, 2], 'the model')], plain=[0], buckets=None)
+
+      With ``bucket_mb``, the last leaves first, in buckets of at most that many MiB:
+
+      >>> config = FeedbackConfig.check("data", True, "model", True, 0, "zero", bucket_mb=1e-4)
+      >>> layout(config, [jnp.zeros(8), jnp.zeros(8), jnp.zeros(32)], False).groups
+      [([2], 'bucket 0 (leaf 2)'), ([0, 1], 'bucket 1 (leaves 0-1)')]
 
     References:
       Tyagi & Swany, arXiv 2312.02493, §3-C3 (fused compression of the whole model).
     """
     leaves = jax.tree.leaves(tree)
     floats = [i for i, leaf in enumerate(leaves) if is_float(leaf)]
-    if sends_everything:
-        # A method that sends everything is elementwise: per leaf it is the same sum, with no copy
-        # into one vector, and a mask changes nothing.
-        return Layout(floats, [([i], f"leaf {i}") for i in floats], [])
-    chosen = config.compressed(tree)
+    # A method that sends everything is elementwise: per leaf it is the same sum, with no copy
+    # into one vector, and a mask changes nothing.
+    chosen = [True] * len(leaves) if sends_everything else config.compressed(tree)
     compressed = [i for i in floats if chosen[i]]
-    groups = (
-        [(compressed, "the model")]
-        if config.granularity == "model" and compressed
-        else [([i], f"leaf {i}") for i in compressed]
-    )
-    return Layout(floats, groups, [i for i in floats if not chosen[i]])
+    plain = [i for i in floats if not chosen[i]]
+    per_leaf = sends_everything or config.granularity == "leaf"
+    if config.bucket_mb is None:
+        groups = (
+            [([i], f"leaf {i}") for i in compressed]
+            if per_leaf or not compressed
+            else [(compressed, "the model")]
+        )
+        return Layout(floats, groups, plain)
+    buckets = bucketed(leaves, compressed, config.bucket_mb * 2**20)
+    if per_leaf:
+        groups = [([i], f"leaf {i}") for bucket in buckets for i in bucket]
+        return Layout(
+            floats, groups, plain, [b for b, bucket in enumerate(buckets) for _ in bucket]
+        )
+    groups = [(bucket, f"bucket {b} ({_leaf_names(bucket)})") for b, bucket in enumerate(buckets)]
+    return Layout(floats, groups, plain, list(range(len(buckets))))
+
+
+def bucketed(leaves, positions: list, bucket_bytes: float) -> list:
+    """``positions`` cut into buckets of at most ``bucket_bytes`` (a larger leaf is a bucket of
+    its own), the last leaves first: the order in which a backward pass finishes them.
+
+    Args:
+      leaves: the tree's leaves (their sizes and dtypes).
+      positions: the leaves to cut, in tree order.
+      bucket_bytes: the most bytes of gradient a bucket holds.
+
+    Returns:
+      A list of buckets, each a sorted list of positions, in the order they are sent.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> bucketed([jnp.zeros(4), jnp.zeros(4), jnp.zeros(16)], [0, 1, 2], 32)
+      [[2], [0, 1]]
+
+    References:
+      Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB
+      2020, §3.2.3 (gradient buckets in reverse order, ``bucket_cap_mb``).
+    """
+    buckets, size = [], 0
+    for i in reversed(positions):
+        nbytes = leaves[i].size * jnp.dtype(leaves[i].dtype).itemsize
+        if buckets and size + nbytes <= bucket_bytes:
+            buckets[-1].append(i)
+            size += nbytes
+        else:
+            buckets.append([i])
+            size = nbytes
+    return [sorted(bucket) for bucket in buckets]
+
+
+def _leaf_names(positions) -> str:
+    if len(positions) == 1:
+        return f"leaf {positions[0]}"
+    contiguous = positions == list(range(positions[0], positions[-1] + 1))
+    return f"leaves {positions[0]}-{positions[-1]}" if contiguous else f"leaves {positions}"
 
 
 def check_same_choice(lay: Layout, kept_per_leaf) -> None:
