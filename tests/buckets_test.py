@@ -183,3 +183,20 @@ def test_data_parallel_sends_by_the_backward_order():
     # The head's bucket waits for the forward pass and the head's backward dots only (by the
     # tree's order the embedding's bucket went first: [6, 7, 8] of 8).
     assert waits == sorted(waits) and waits[0] <= dots // 2 and waits[-1] == dots, waits
+
+
+def test_an_empty_leaf_in_a_bucket_is_passed_over():
+    # 1e-4 MiB = 104 bytes: buckets [b, c] (b has no values) and [a]; the second waits for
+    # the first's totals, the empty one among them.
+    params = {"a": jnp.ones((4, 8)), "b": jnp.zeros((0, 3)), "c": jnp.ones((8, 2))}
+
+    def loss(p, x):
+        return jnp.sum(jnp.tanh(x @ p["a"]) @ p["c"]) + jnp.sum(p["b"])
+
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    for method in ("dense", "ar_topk"):
+        options = {"ratio": 0.5} if method == "ar_topk" else {}
+        tx = optax.chain(jaxcomp.compress(method, bucket_mb=1e-4, **options), optax.sgd(0.1))
+        dp = jaxcomp.data_parallel(loss, tx, mesh)
+        state, _ = dp.step(dp.init(params), dp.shard_batch(np.ones((4, 4), np.float32)))
+        assert np.isfinite(np.asarray(state.params["a"])).all()

@@ -169,18 +169,19 @@ def after_previous_bucket(vector, buckets, i: int, totals: list):
 
     The dependency keeps each bucket's collectives apart and in order: XLA's collective combiner
     merges collectives that do not depend on each other into one, which waits for the last
-    gradient of the backward pass. Chained, the first bucket (the last leaves, which the
-    backward pass finishes first) is sent while the backward pass goes on.
+    gradient of the backward pass. Chained, the first bucket (the leaves the backward pass
+    finishes first) is sent while the backward pass goes on.
 
     Args:
       vector: group ``i``'s vector.
-      buckets: per group, its bucket (ascending), or None.
+      buckets: per group, the rank at which its bucket is sent (0 first), or None.
       i: the group.
-      totals: the totals of groups ``0 .. i - 1``.
+      totals: per group, its total, or None where it is not aggregated yet (every group of an
+        earlier bucket is).
 
     Returns:
-      ``vector``, behind an optimization barrier with the previous bucket's totals where there
-      is one.
+      ``vector``, made to depend on the totals of the bucket ranked just before its own
+      (:func:`depends_on`).
 
     Example:
       >>> import jax.numpy as jnp
@@ -220,6 +221,7 @@ def depends_on(vector, values):
     References:
       XLA ``CseBarrierExpander`` (removes optimization barriers) and ``AllReduceCombiner``.
     """
+    values = [v for v in values if v.size]
     if not values or vector.size == 0:
         return vector
     bits = [
