@@ -139,7 +139,8 @@ def test_the_first_bucket_does_not_wait_for_the_whole_backward_pass(method):
     assert dots >= 7 and min(waits) == dots
     waits, dots = _collective_dependencies(hlo[0.2])
     assert min(waits) < dots, waits
-    assert len([w for w in waits if w < dots]) >= 1
+    # The chain writes into each bucket's own buffer: XLA adds no copy for it.
+    assert hlo[0.2].count(" copy(") <= hlo[None].count(" copy(")
 
 
 def test_backward_order_puts_a_late_used_leaf_last():

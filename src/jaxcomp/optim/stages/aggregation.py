@@ -203,8 +203,10 @@ def depends_on(vector, values):
     removes (XLA:CPU drops optimization barriers before its collective combiner runs).
 
     One element of each value is read; a population count above 32 (never true, which XLA
-    cannot prove) would add it to ``vector[0]``; what is added is an exact 0, in place when
-    ``vector`` has no other use (else XLA copies it once).
+    cannot prove) gives the index and the amount of a scatter-add into ``vector``: at run time 0
+    added at index 0. A scatter at a traced index stays in place (XLA writes into ``vector``'s
+    buffer, no copy); a static ``.at[0].add`` becomes a fusion that also reads ``vector`` and
+    cannot share its buffer, which cost one copy per bucket.
 
     Args:
       vector: a 1-D array.
@@ -228,8 +230,8 @@ def depends_on(vector, values):
         jax.lax.bitcast_convert_type(v.ravel()[0].astype(jnp.float32), jnp.uint32) for v in values
     ]
     never = jax.lax.population_count(functools.reduce(jnp.bitwise_xor, bits)) > 32
-    zero = jnp.where(never, 1, 0).astype(vector.dtype)
-    return vector.at[0].add(zero)
+    zero = jnp.where(never, 1, 0)
+    return vector.at[zero].add(zero.astype(vector.dtype), mode="drop")
 
 
 def init_method_state(methods_run: tuple[Method, ...], shapes: list) -> tuple:
