@@ -16,7 +16,8 @@ Every row trains the same model from the same params on the same batches (``qual
 * the ``diloco-*`` rows are ``jaxcomp.diloco`` with one worker per device, the same Adam as inner
   optimizer (each worker on its share of every batch, so every row sees the same samples), the
   paper's outer Nesterov SGD (lr 0.7, momentum 0.9) or, for ``-avg``, plain averaging
-  (``optax.sgd(1.0)``), and ``H`` inner steps between exchanges; ``-int8`` sends the
+  (``optax.sgd(1.0)``), for ``-n3`` Nesterov SGD with lr 1.0 and momentum 0.3 (the best of a
+  screening at H = 50), and ``H`` inner steps between exchanges; ``-int8`` sends the
   pseudo-gradients as 8-bit codes (``jaxcomp.Quantized(8)``, error feedback), ``-topk`` as top-10%
   (``jaxcomp.TopK(0.1)``, error feedback), ``-stream`` syncs 2 fragments staggered, applied 1 step
   late.
@@ -66,6 +67,13 @@ ROWS = {
     "diloco-h50-int8": dict(kind="diloco", sync_every=50, compress="int8"),
     "diloco-h50-avg": dict(kind="diloco", sync_every=50, outer="avg"),
     "diloco-h50-avg-int8": dict(kind="diloco", sync_every=50, compress="int8", outer="avg"),
+    "diloco-h10-n3-int8": dict(
+        kind="diloco", sync_every=10, compress="int8", outer="nesterov-1-0.3"
+    ),
+    "diloco-h50-n3": dict(kind="diloco", sync_every=50, outer="nesterov-1-0.3"),
+    "diloco-h50-n3-int8": dict(
+        kind="diloco", sync_every=50, compress="int8", outer="nesterov-1-0.3"
+    ),
     "diloco-h50-topk": dict(kind="diloco", sync_every=50, compress="topk"),
     "diloco-h50-stream": dict(kind="diloco", sync_every=50, fragments=2, delay=1),
     "diloco-h200-int8": dict(kind="diloco", sync_every=200, compress="int8"),
@@ -95,6 +103,8 @@ def _outer(name):
     return {
         "nesterov": optax.sgd(0.7, momentum=0.9, nesterov=True),  # the paper's
         "avg": optax.sgd(1.0),  # plain parameter averaging (local SGD)
+        # the best of a screening at H = 50 over 1500 steps (BENCHMARKS.md, "DiLoCo in one process")
+        "nesterov-1-0.3": optax.sgd(1.0, momentum=0.3, nesterov=True),
     }[name]
 
 

@@ -69,7 +69,7 @@ class Layout(NamedTuple):
     floats: list  # every float leaf
     groups: list  # [(positions, name)]: the compressed leaves, grouped by `granularity`
     plain: list  # float leaves mask= and min_size= leave out: one fused all-reduce
-    buckets: list | None = None  # per group, its bucket (bucket_mb=), in the order they are sent
+    buckets: list | None = None  # per group, its bucket (bucket_mb=); bucket 0: the last leaves
 
     @property
     def compressed(self) -> set:
@@ -151,7 +151,8 @@ def layout(config, tree, sends_everything: bool) -> Layout:
 
 def bucketed(leaves, positions: list, bucket_bytes: float) -> list:
     """``positions`` cut into buckets of at most ``bucket_bytes`` (a larger leaf is a bucket of
-    its own), the last leaves first: the order in which a backward pass finishes them.
+    its own), the last leaves first: the order in which a backward pass of a model whose tree
+    follows its layers finishes them (:mod:`jaxcomp.optim.readiness` orders the sending).
 
     Args:
       leaves: the tree's leaves (their sizes and dtypes).
