@@ -237,7 +237,7 @@ def _prepare(c: FeedbackConfig, branches, leaves, lay: mask.Layout) -> _Gradient
         buckets=None
         if lay.buckets is None
         else readiness.bucket_ranks(
-            lay.buckets, [p for p, _ in lay.groups], _float_order(lay.floats)
+            lay.buckets, [p for p, _ in lay.groups], _ready_order(len(leaves))
         ),
     )
     rows = [
@@ -247,10 +247,11 @@ def _prepare(c: FeedbackConfig, branches, leaves, lay: mask.Layout) -> _Gradient
     return _Gradients(leaves, lay, groups, rows, shards, comm_dtype, scale)
 
 
-def _float_order(floats) -> tuple | None:
-    """The tree positions in :func:`jaxcomp.optim.readiness.ready_order` (None when unknown)."""
+def _ready_order(n_leaves: int) -> tuple | None:
+    """:func:`jaxcomp.optim.readiness.ready_order`, if it orders these updates' ``n_leaves``
+    leaves (an order read from another tree, e.g. before a wrapper reshaped it, is not used)."""
     order = readiness.ready_order()
-    return None if order is None else tuple(i for i in order if i in set(floats))
+    return order if order is not None and len(order) == n_leaves else None
 
 
 def _filled(groups: Groups, vectors) -> Groups:

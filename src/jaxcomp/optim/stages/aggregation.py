@@ -317,9 +317,9 @@ def run_branch(
       Tyagi & Swany, arXiv 2312.02493, §3-D (one collective chosen per step).
     """
 
-    def run(index):
+    def run(index, groups):
         def branch_fn(vectors, step, key, states):
-            totals, sents, own, _ = aggregate_groups(
+            totals, sents, own, sent_vectors = aggregate_groups(
                 branches[index],
                 groups._replace(vectors=vectors),
                 axis_name,
@@ -331,19 +331,20 @@ def run_branch(
             # Typed per device like the vectors: a method whose `sent` comes out typed replicated
             # (an FFI result: Sign's majority vote) must still match dense's in lax.switch.
             sents = _ffi.like_varying_operands(sents, vectors)
-            return totals, sents, states[:index] + (own,) + states[index + 1 :]
+            return totals, sents, states[:index] + (own,) + states[index + 1 :], sent_vectors
 
         return branch_fn
 
     if isinstance(branch, int):
-        totals, sents, own, vectors = aggregate_groups(
-            branches[branch], groups, axis_name, step, key, sparse=sparse, states=states[branch]
-        )
-        sents = _ffi.like_varying_operands(sents, groups.vectors)
-        return totals, sents, states[:branch] + (own,) + states[branch + 1 :], vectors
-    groups = groups._replace(buckets=None)
+        return run(branch, groups)(groups.vectors, step, key, states)
+    unchained = groups._replace(buckets=None)
     totals, sents, states = jax.lax.switch(
-        branch, [run(i) for i in range(len(branches))], groups.vectors, step, key, states
+        branch,
+        [lambda *a, i=i: run(i, unchained)(*a)[:3] for i in range(len(branches))],
+        groups.vectors,
+        step,
+        key,
+        states,
     )
     return totals, sents, states, groups.vectors
 
