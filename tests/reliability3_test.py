@@ -94,14 +94,19 @@ EMPTY_LEAF_METHODS = [
     ("quantized", {"bits": 4}),
     ("bf16", {}),
     ("powersgd", {}),
+    # per leaf, the empty leaf is a group of its own: its "sent" is a sparse pair of nothing
+    ("allgather_topk", {"ratio": 0.25, "granularity": "leaf"}),
 ]
 
 
-# PowerSGD has no reduce-scatter form, so no shard= (refused with its own error elsewhere).
+# PowerSGD has no reduce-scatter form, so no shard= (refused with its own error elsewhere); the
+# per-leaf case is a sparse path that shard= does not change.
 EMPTY_LEAF_CASES = [
     (method, options, shard)
     for method, options in EMPTY_LEAF_METHODS
-    for shard in ([None] if method == "powersgd" else [None, "optimizer", "params"])
+    for shard in (
+        [None] if method in ("powersgd", "allgather_topk") else [None, "optimizer", "params"]
+    )
 ]
 
 

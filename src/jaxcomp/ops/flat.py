@@ -334,9 +334,9 @@ def pack_error_fed(grads, residuals=None, energy_scale=1.0) -> Packed:
             f"{[g.shape for g in grads]}"
         )
     _check_energy_scale(energy_scale)
-    if any(g.dtype != jnp.float32 for g in grads + (residuals or [])):  # the kernel reads float32
-        return pack_error_fed_xla(grads, residuals, energy_scale)
     n = sum(g.size for g in grads)
+    if n == 0 or any(g.dtype != jnp.float32 for g in grads + (residuals or [])):
+        return pack_error_fed_xla(grads, residuals, energy_scale)  # the kernel reads float32
     call = _ffi.ffi_call(
         "jaxcomp_pack",
         (jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((5,), jnp.float32)),

@@ -142,7 +142,7 @@ def aggregate_groups(
         if vector.size == 0:  # a leaf without values (shape (0, 3)): nothing to send or keep
             # (a psum of nothing, typed replicated like every total; a row of nothing when sharded)
             totals[i] = vector if groups.scatter else small.metric_sum(vector, axis_name)
-            sents[i] = vector
+            sents[i] = (jnp.zeros((0,), jnp.int32), vector) if sparse else vector
             new_states[i] = states[i] if method.stateful else None
         elif groups.scatter:
             _kept(method, groups.values[i], name, {})
