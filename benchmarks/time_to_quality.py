@@ -20,7 +20,9 @@ Every row trains the same model from the same params on the same batches (``qual
   screening at H = 50), and ``H`` inner steps between exchanges; ``-int8`` sends the
   pseudo-gradients as 8-bit codes (``jaxcomp.Quantized(8)``, error feedback), ``-topk`` as top-10%
   (``jaxcomp.TopK(0.1)``, error feedback), ``-stream`` syncs 2 fragments staggered, applied 1 step
-  late.
+  late. A row name may add settings: ``@outer=nesterov:1.0:0.3`` (or ``sgd:1.3``, ``avg``...) sets a
+  DiLoCo row's outer optimizer and ``@lr=3e-3`` its (or dp's) Adam peak learning rate, so that one
+  job screens settings beside ``dp`` (``--rows dp,diloco-h50@outer=sgd:1.3,diloco-h50@lr=3e-3``).
 
 ``dp`` runs first and sets the target: its held-out loss after ``--steps`` steps. Every other row
 trains until its held-out loss (evaluated every ``--eval-every`` steps) reaches the target, or for
@@ -97,23 +99,78 @@ CLUSTER_ROWS = (
 MODELS = dict(quality.MODELS, wide=quality.Config(layers=2, width=384, heads=6, batch=16))
 
 
-def _outer(name):
+#: The outer optimizers by name; ``sgd:LR`` and ``nesterov:LR:MOMENTUM`` name any other.
+OUTERS = {
+    "nesterov": "nesterov:0.7:0.9",  # the paper's
+    "avg": "sgd:1.0",  # plain parameter averaging (local SGD)
+    # the best of a screening at H = 50 over 1500 steps (BENCHMARKS.md, "DiLoCo in one process")
+    "nesterov-1-0.3": "nesterov:1.0:0.3",
+}
+_OUTER_FORMS = "nesterov, avg, nesterov-1-0.3, sgd:LR or nesterov:LR:MOMENTUM"
+
+
+def _outer(spec):
+    """The outer optimizer of a name in :data:`OUTERS` or a ``sgd:LR`` / ``nesterov:LR:MOMENTUM``
+    spec; ValueError for anything else."""
     import optax
 
-    return {
-        "nesterov": optax.sgd(0.7, momentum=0.9, nesterov=True),  # the paper's
-        "avg": optax.sgd(1.0),  # plain parameter averaging (local SGD)
-        # the best of a screening at H = 50 over 1500 steps (BENCHMARKS.md, "DiLoCo in one process")
-        "nesterov-1-0.3": optax.sgd(1.0, momentum=0.3, nesterov=True),
-    }[name]
+    kind, *numbers = OUTERS.get(spec, spec).split(":")
+    try:
+        numbers = [float(x) for x in numbers]
+    except ValueError:
+        numbers = []
+    if kind == "sgd" and len(numbers) == 1 and numbers[0] > 0:
+        return optax.sgd(numbers[0])
+    if kind == "nesterov" and len(numbers) == 2 and numbers[0] > 0 and 0 <= numbers[1] < 1:
+        return optax.sgd(numbers[0], momentum=numbers[1], nesterov=True)
+    raise ValueError(f"outer optimizer {spec!r}: use {_OUTER_FORMS} (LR > 0, 0 <= MOMENTUM < 1)")
+
+
+def parse_row(name):
+    """A row name and its settings: ``diloco-h50@outer=nesterov:1.0:0.3@lr=3e-3`` is the row
+    ``diloco-h50`` with that outer optimizer (DiLoCo rows) and inner (or dp's) peak learning rate,
+    so that one job can screen settings beside ``dp``. Returns ``(row, {"outer": spec, "lr":
+    float})``, with only the settings given; ValueError naming the row for anything unknown."""
+    base, *parts = name.split("@")
+    if base not in ROWS:
+        raise ValueError(f"unknown row {base!r} in {name!r}; choose from {list(ROWS)}")
+    settings = {}
+    for part in parts:
+        key, _, value = part.partition("=")
+        if key == "outer" and ROWS[base]["kind"] == "diloco":
+            _outer(value)
+            settings["outer"] = value
+        elif key == "lr":
+            try:
+                settings["lr"] = float(value)
+            except ValueError:
+                settings["lr"] = 0.0
+            if not settings["lr"] > 0:
+                raise ValueError(f"row {name!r}: @lr= takes a learning rate > 0, got {value!r}")
+        else:
+            raise ValueError(
+                f"row {name!r}: @{part} is not a setting of it; a row takes @lr=PEAK"
+                + (" and @outer=SPEC" if ROWS[base]["kind"] == "diloco" else "")
+            )
+    return base, settings
 
 
 def row_options(name, quick=False):
-    """The row's settings; ``quick`` (the smoke test's few steps) exchanges every 2 steps."""
-    options = dict(_DEFAULTS, **ROWS[name])
+    """The row's settings (with its ``@outer=``); ``quick`` (the smoke test's few steps)
+    exchanges every 2 steps."""
+    base, settings = parse_row(name)
+    options = dict(_DEFAULTS, **ROWS[base])
+    if "outer" in settings:
+        options["outer"] = settings["outer"]
     if quick and options["kind"] == "diloco":
         options.update(sync_every=2, fragments=1, delay=0)
     return options
+
+
+def row_config(name, config):
+    """``config`` with the row's ``@lr=`` as its peak learning rate, if it has one."""
+    lr = parse_row(name)[1].get("lr")
+    return config if lr is None else dataclasses.replace(config, learning_rate=lr)
 
 
 def build(options, loss_fn, adam, devices):
@@ -222,7 +279,7 @@ def _prepare(name, config, corpus, first, *, quick, devices, seed):
     import numpy as np
 
     loss_fn, params, heldout = _task(config, corpus, seed)
-    options = row_options(name, quick)
+    options, config = row_options(name, quick), row_config(name, config)
     devices = np.array(jax.devices()[: devices or None])
     run = build(options, loss_fn, quality.optimizer("adam", config), devices)
     rows = config.batch // jax.process_count()
@@ -461,7 +518,13 @@ def _lengths(args):
 
 def _parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", help="comma-separated, of: " + ", ".join(ROWS))
+    parser.add_argument(
+        "--rows",
+        help="comma-separated, of: "
+        + ", ".join(ROWS)
+        + "; each may add @lr=PEAK (Adam's peak learning rate) and, for diloco rows, "
+        + f"@outer=SPEC ({_OUTER_FORMS})",
+    )
     parser.add_argument("--model", default="small", choices=sorted(MODELS))
     parser.add_argument("--steps", type=int, help="dp's steps, the target (default 300)")
     parser.add_argument("--max-steps", type=int, help="the other rows' cap (default 3x --steps)")
@@ -479,9 +542,11 @@ def _parser():
 
 def _check(parser, args):
     """Flag errors, before anything runs."""
-    unknown = [n for n in _names(args) if n not in ROWS]
-    if unknown:
-        parser.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    for name in _names(args):
+        try:
+            parse_row(name)
+        except ValueError as error:
+            parser.error(f"--rows: {error}")
     for flag in ("steps", "max_steps", "eval_every", "hosts", "devices"):
         value = getattr(args, flag)
         if value is not None and value < 1:

@@ -5,11 +5,13 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 
+import quality  # noqa: E402
 import time_to_quality as ttq  # noqa: E402
 
 
@@ -60,7 +62,10 @@ def test_cluster_jobs_get_the_flags_but_not_the_drivers():
 @pytest.mark.parametrize(
     "argv, match",
     [
-        (["--rows", "dp,nope"], "unknown rows"),
+        (["--rows", "dp,nope"], "unknown row 'nope'"),
+        (["--rows", "dp@outer=avg"], "@outer=avg is not a setting of it"),
+        (["--rows", "diloco-h50@outer=nesterov:1"], "outer optimizer 'nesterov:1'"),
+        (["--rows", "diloco-h50@lr=0"], "@lr= takes a learning rate > 0"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--steps", "40", "--max-steps", "30"], "--max-steps"),
         (["--steps", "20"], "more than the learning rate's 25 warm-up steps"),
@@ -77,16 +82,39 @@ def test_flags_are_checked_before_anything_runs(argv, match, capsys):
     assert match in capsys.readouterr().err
 
 
+def test_a_row_name_sets_the_outer_optimizer_and_the_learning_rate():
+    import optax
+
+    name = "diloco-h50-int8@outer=nesterov:1.0:0.3@lr=3e-3"
+    options = ttq.row_options(name)
+    assert options["outer"] == "nesterov:1.0:0.3" and options["sync_every"] == 50
+    assert ttq.row_config(name, quality.MODELS["small"]).learning_rate == 3e-3
+    assert ttq.row_config("dp", quality.MODELS["small"]) == quality.MODELS["small"]
+    # the spec's optimizer is optax's: the same updates over two steps
+    grads = np.array([1.0, -2.0], np.float32)
+    for spec, reference in [
+        ("nesterov:1.0:0.3", optax.sgd(1.0, momentum=0.3, nesterov=True)),
+        ("avg", optax.sgd(1.0)),
+        ("sgd:1.3", optax.sgd(1.3)),
+    ]:
+        ours, theirs = ttq._outer(spec), reference
+        a, b = ours.init(grads), theirs.init(grads)
+        for _ in range(2):
+            (u, a), (v, b) = ours.update(grads, a), theirs.update(grads, b)
+            np.testing.assert_array_equal(u, v)
+
+
 @pytest.mark.multiprocess
 def test_a_quick_job_on_two_emulated_hosts(tmp_path, monkeypatch):
     from helpers import cluster_hosts_import_this_jaxcomp
 
     cluster_hosts_import_this_jaxcomp(monkeypatch)
-    argv = ["--quick", "--hosts", "2", "--rates", "100mbit", "--rows", "dp,diloco-h10-int8"]
+    row = "diloco-h10-int8@outer=nesterov:1.0:0.3"  # a row with a setting, through the cluster
+    argv = ["--quick", "--hosts", "2", "--rates", "100mbit", "--rows", f"dp,{row}"]
     ttq.main([*argv, "--out", str(tmp_path)])
     with open(tmp_path / "time_to_quality.json") as f:
         ((rate, (dp, diloco)),) = json.load(f)["panels"]
-    assert rate == "100mbit" and [dp["name"], diloco["name"]] == ["dp", "diloco-h10-int8"]
+    assert rate == "100mbit" and [dp["name"], diloco["name"]] == ["dp", row]
     target = dp["curve"][-1]["loss"]
     assert dp["steps"] == 6 and target < dp["curve"][0]["loss"]  # dp trained
     # DiLoCo ran until it reached dp's loss or its cap, 3x dp's steps.
