@@ -102,7 +102,7 @@ def guarded_totals(totals, vectors, resum, axis_name, sharded: bool):
     References:
       Micikevicius et al., "Mixed Precision Training", ICLR 2018, §3.2.
     """
-    finite_sum = functools.reduce(jnp.logical_and, [all_finite(t) for t in totals])
+    finite_sum = functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(t)) for t in totals])
     if sharded:
         finite_sum = small.all_true(finite_sum, axis_name)
 
@@ -116,31 +116,6 @@ def guarded_totals(totals, vectors, resum, axis_name, sharded: bool):
     return jax.lax.cond(
         finite_sum, lambda v: (totals, jnp.zeros((), jnp.float32)), cleaned, vectors
     )
-
-
-def all_finite(x):
-    """Whether every entry of ``x`` is finite, in one read of it.
-
-    ``x * 0`` is 0 for a finite entry and NaN for NaN or ±Inf, so the sum is NaN exactly when
-    some entry is not finite: one fused reduction, 5x faster on XLA:CPU than
-    ``jnp.all(jnp.isfinite(x))``, which writes the booleans out before it reduces them (6.9 ms
-    against 37.8 ms for 38M float32 values on this project's machine).
-
-    Args:
-      x: a float array.
-
-    Returns:
-      A boolean scalar.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> bool(all_finite(jnp.array([3e38, 3e38]))), bool(all_finite(jnp.array([1.0, jnp.inf])))
-      (True, False)
-
-    References:
-      IEEE 754 (0 x Inf and 0 x NaN are NaN; NaN propagates through addition).
-    """
-    return jnp.isfinite(jnp.sum(x * jnp.zeros((), x.dtype), dtype=jnp.float32))
 
 
 def dropped(x):
