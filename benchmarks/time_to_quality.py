@@ -106,7 +106,7 @@ OUTERS = {
     # the best of a screening at H = 50 over 1500 steps (BENCHMARKS.md, "DiLoCo in one process")
     "nesterov-1-0.3": "nesterov:1.0:0.3",
 }
-_OUTER_FORMS = "nesterov, avg, nesterov-1-0.3, sgd:LR or nesterov:LR:MOMENTUM"
+_OUTER_FORMS = ", ".join(OUTERS) + ", sgd:LR or nesterov:LR:MOMENTUM"
 
 
 def _outer(spec):
@@ -126,6 +126,15 @@ def _outer(spec):
     raise ValueError(f"outer optimizer {spec!r}: use {_OUTER_FORMS} (LR > 0, 0 <= MOMENTUM < 1)")
 
 
+def _positive(text):
+    """``float(text)`` if it is a number > 0, else None."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
 def parse_row(name):
     """A row name and its settings: ``diloco-h50@outer=nesterov:1.0:0.3@lr=3e-3`` is the row
     ``diloco-h50`` with that outer optimizer (DiLoCo rows) and inner (or dp's) peak learning rate,
@@ -141,11 +150,8 @@ def parse_row(name):
             _outer(value)
             settings["outer"] = value
         elif key == "lr":
-            try:
-                settings["lr"] = float(value)
-            except ValueError:
-                settings["lr"] = 0.0
-            if not settings["lr"] > 0:
+            settings["lr"] = _positive(value)
+            if settings["lr"] is None:
                 raise ValueError(f"row {name!r}: @lr= takes a learning rate > 0, got {value!r}")
         else:
             raise ValueError(

@@ -100,7 +100,7 @@ EMPTY_LEAF_METHODS = [
 
 
 # PowerSGD has no reduce-scatter form, so no shard= (refused with its own error elsewhere); the
-# per-leaf case is a sparse path that shard= does not change.
+# per-leaf top-k case is the sparse path (unsharded; with shard= the sum is a reduce-scatter).
 EMPTY_LEAF_CASES = [
     (method, options, shard)
     for method, options in EMPTY_LEAF_METHODS
