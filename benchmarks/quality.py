@@ -135,7 +135,31 @@ def rows():
         table.append(Row("sign", m.Sign()))
     if hasattr(m, "Cast"):
         table.append(Row("cast(bfloat16)", m.Cast("bfloat16")))
-    return table
+    # compress("auto") on a 1 Gbit/s network; the other auto rows are variants.
+    return table + [row for row in auto_rows() if row.name == "auto@1gbit"]
+
+
+#: The ``auto-topk`` rows' settings: top-k at 1%, ZFP at rate 8 and THC 4 bits as candidates.
+AUTO_TOPK = {"ratio": 0.01, "rate": 8, "bits": 4}
+
+
+def auto_rows():
+    """``compress("auto")`` at its defaults (dense, the bfloat16 cast, ZFP 8) and ``auto-topk``
+    (``compress("auto", ratio=0.01, rate=8, bits=4)``): on the network ``data_parallel`` probes
+    (here, in-process devices: a fast one), and told a 1 Gbit/s or a 100 Mbit/s network with 1 ms
+    latency (``@1gbit``, ``@100mbit``), where the cost model prefers compressed candidates. Quality
+    depends on what it picks: the JSON's ``choices`` counts the steps each candidate ran."""
+    from jaxcomp.costmodel.cost import Network
+
+    return [
+        Row(f"{name}{f'@{rate}' if rate else ''}", "auto", {**settings, **network})
+        for name, settings in (("auto", {}), ("auto-topk", AUTO_TOPK))
+        for rate, network in (
+            ("1gbit", {"network": Network.parse("1ms", "1gbit")}),
+            ("100mbit", {"network": Network.parse("1ms", "100mbit")}),
+            ("", {}),
+        )
+    ]
 
 
 def variants():
@@ -199,7 +223,8 @@ def variants():
         for x in compressed
     ]
     return (
-        recipe
+        [row for row in auto_rows() if row.name != "auto@1gbit"]
+        + recipe
         + fixed
         + onebit
         + [
@@ -505,16 +530,24 @@ def train(row: Row, config: Config, corpus, devices, seed=0, progress=True):
         from tqdm.auto import tqdm
 
         steps = tqdm(steps, desc=f"{row.name:>24}", file=sys.stderr, mininterval=1.0)
+    sent, ran = [], []  # per step, read after the loop like the loss
     for step in steps:
         state, metrics = dp.step(state, {"tokens": train_tokens[windows[step]]})
         train_curve.append(metrics["loss"])  # read after the loop: steps run ahead of the host
+        sent.append(metrics["bytes_sent"] + metrics.get("gather_bytes", 0.0))
+        ran.append(metrics.get("method", -1))
         if step + 1 in eval_at:
             eval_curve.append((step + 1, float(evaluate(state, heldout))))
     train_curve = [float(v) for v in train_curve]
     return {
         "name": row.name,
-        "method": row.method.describe(),
-        "options": {**row.options, **row.parallel},
+        "method": row.method if isinstance(row.method, str) else row.method.describe(),
+        "options": {
+            key: value if isinstance(value, (bool, int, float, str)) else str(value)
+            for key, value in {**row.options, **row.parallel}.items()
+        },
+        "choices": choices(state, ran),
+        "mean_bytes_per_step": float(np.mean([float(v) for v in sent])),
         "optimizer": row.optimizer,
         "heldout_loss": eval_curve[-1][1],
         "train_loss": train_curve,
@@ -526,6 +559,20 @@ def train(row: Row, config: Config, corpus, devices, seed=0, progress=True):
     }
 
 
+def choices(state, ran) -> dict:
+    """``{candidate: steps it ran}`` of a ``compress("auto")`` run (empty for one method)."""
+    import jax
+
+    leaves = jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "methods"))
+    methods = next((x.methods for x in leaves if hasattr(x, "methods")), ())
+    counts = {}
+    for index in (int(v) for v in ran):
+        if index >= 0 and len(methods) > 1:
+            name = methods[index].describe()
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def count_params(config: Config) -> int:
     import jax
     from flax import nnx
@@ -534,20 +581,32 @@ def count_params(config: Config) -> int:
 
 
 def format_table(results) -> str:
-    """The results as a Markdown table, ratios to the dense run."""
+    """The results as a Markdown table, ratios to the dense run: the last step's bytes, and the mean
+    over the run (dense warm-up and refresh steps included); auto rows add what they ran."""
     dense = next((r for r in results if r["name"] == "dense"), None)
     lines = [
-        "| method | held-out loss | vs dense | bytes / step / device | vs dense |",
-        "|---|---:|---:|---:|---:|",
+        "| method | held-out loss | vs dense | bytes / step / device | vs dense "
+        "| mean bytes / step | vs dense |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def ratio(r, key):
+        return f"{mean_bytes(r, key) / mean_bytes(dense, key):.4f}" if dense else "-"
+
     for r in results:
         loss_ratio = f"{r['heldout_loss'] / dense['heldout_loss']:.4f}" if dense else "-"
-        byte_ratio = f"{r['bytes_per_step'] / dense['bytes_per_step']:.4f}" if dense else "-"
+        ran = ", ".join(f"{name} {n}" for name, n in r.get("choices", {}).items())
         lines.append(
-            f"| {r['name']} | {r['heldout_loss']:.4f} | {loss_ratio} | {r['bytes_per_step']:,.0f} "
-            f"| {byte_ratio} |"
+            f"| {r['name']}{f' (ran: {ran})' if ran else ''} | {r['heldout_loss']:.4f} "
+            f"| {loss_ratio} | {r['bytes_per_step']:,.0f} | {ratio(r, 'bytes_per_step')} "
+            f"| {mean_bytes(r, 'mean_bytes_per_step'):,.0f} | {ratio(r, 'mean_bytes_per_step')} |"
         )
     return "\n".join(lines)
+
+
+def mean_bytes(result, key) -> float:
+    """``result[key]``; results of older JSONs have no mean and give the last step's."""
+    return result.get(key, result["bytes_per_step"])
 
 
 def plot(results, path, title):

@@ -89,6 +89,22 @@ def test_auto_picks_dense_in_memory_and_compression_when_the_probe_reports_a_slo
     assert compiles[0] == first  # switching methods compiled nothing
 
 
+def test_auto_without_settings_chooses_among_the_methods_that_keep_quality():
+    """``compress("auto")``: dense, the bfloat16 cast and ZFP 8 (no top-k, which loses quality
+    with a plain optimizer); dense in memory, a compressed one on a slow network."""
+    dp = _trainer(compress("auto"))
+    state = dp.init(jnp.zeros(N_PARAMS))
+    branches = find_compress_state(state.opt_state).methods
+    assert [m.describe() for m in branches] == ["dense", "bf16", "zfp(8)"]
+    rng = np.random.default_rng(0)
+    state, metrics = dp.step(state, _gaussian(rng))
+    assert _method(state, metrics) == "dense" == _host_choice(state)
+    state = _with_network(state, SLOW)
+    for _ in range(2):
+        state, metrics = dp.step(state, _gaussian(rng))
+        assert _method(state, metrics) == _host_choice(state) in ("bf16", "zfp")
+
+
 def _break_even_bandwidth(alpha, overhead, n=N_PARAMS):
     """Bandwidth at which dense and allgather_topk (ratio 0.01, `overhead` seconds) take equally
     long."""
@@ -292,7 +308,7 @@ def test_set_network_checks_its_arguments():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(), ValueError, "something to compress with"),
+        (dict(leader="var"), ValueError, "leader= goes with none of the candidates"),
         (dict(k=10), ValueError, "ratio="),
         (dict(ratio=0.01, adaptive_ratio=True), ValueError, "remove ratio="),
         (dict(ratio=0.01, ratio_range=(0.01, 0.1)), ValueError, "adaptive_ratio=True only"),

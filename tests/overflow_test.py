@@ -208,6 +208,19 @@ def test_finite_totals_counts_and_zeroes():
     assert new["q"].tolist() == [1.0, 3.0]
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_all_finite_against_numpy(dtype):
+    # The largest finite values (whose plain sum overflows), zeros of both signs, tiny values.
+    big = float(jnp.finfo(dtype).max)
+    rng = np.random.default_rng(0)
+    for special in (None, np.nan, np.inf, -np.inf):
+        x = np.concatenate([rng.standard_normal(1000), [big, big, -big, 0.0, -0.0, 1e-30]])
+        if special is not None:
+            x[rng.integers(x.size)] = special
+        x = jnp.asarray(x, dtype)
+        assert bool(guard.all_finite(x)) == bool(np.isfinite(np.asarray(x, np.float32)).all())
+
+
 @pytest.mark.parametrize("policy", ["zero", "skip"])
 def test_a_plain_leaf_whose_sum_overflows(policy):
     """min_size= leaves "b" out of the compression: its exact sum overflows, and is guarded too."""

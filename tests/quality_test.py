@@ -29,7 +29,7 @@ def test_quick_run_writes_finite_losses_bytes_and_a_plot(tmp_path):
         tmp_path,
         "--quick",
         "--methods",
-        "dense,allgather_topk(0.01)",
+        "dense,allgather_topk(0.01),auto-topk@100mbit",
         "--out",
         str(tmp_path),
         "--no-progress",
@@ -37,20 +37,30 @@ def test_quick_run_writes_finite_losses_bytes_and_a_plot(tmp_path):
     assert result.returncode == 0, result.stderr
     with open(tmp_path / "quality.json") as f:
         data = json.load(f)
-    dense, topk = data["results"]
+    dense, topk, auto = data["results"]
     assert (dense["name"], topk["name"]) == ("dense", "allgather_topk(0.01)")
-    for r in (dense, topk):
+    for r in (dense, topk, auto):
         assert len(r["train_loss"]) == data["config"]["steps"]
         assert all(math.isfinite(v) for v in r["train_loss"])
         # Six steps from random init: near the uniform guess over 128 characters, and finite.
         assert math.isfinite(r["heldout_loss"]) and 0 < r["heldout_loss"] < math.log(128) + 1
         assert r["eval_curve"][-1] == [data["config"]["steps"], r["heldout_loss"]]
     assert 0 < topk["bytes_per_step"] < dense["bytes_per_step"]
+    # The mean over the run: dense sends the same every step; one method runs no choices.
+    assert dense["mean_bytes_per_step"] == dense["bytes_per_step"]
+    assert dense["choices"] == topk["choices"] == {}
+    # auto told a slow network: it counts the steps each candidate ran, every step once.
+    assert sum(auto["choices"].values()) == data["config"]["steps"]
+    assert set(auto["choices"]) <= {"dense", "allgather_topk(0.01)", "ar_topk(0.01)", "zfp(8)"} | {
+        "quantized(4)"
+    }
+    assert auto["options"]["network"] == "α=1 ms, bandwidth=100 Mbit/s"
     assert data["corpus"] and all(
         f["bytes"] > 0 and os.path.isfile(f["path"]) for f in data["corpus"]
     )
     assert (tmp_path / "quality.png").stat().st_size > 1000
     assert "| allgather_topk(0.01) |" in result.stdout
+    assert "| auto-topk@100mbit (ran: " in result.stdout
 
 
 def test_unknown_method_is_refused_naming_the_option(tmp_path):
@@ -162,8 +172,9 @@ def test_rows_have_unique_comma_free_names_and_known_optimizers():
     assert not [row.name for row in rows if "," in row.name]
     for row in rows:
         assert quality.transformation(row, quality.Config()).init is not None
-    # The default run is the issue's list: dense and 10 methods, each once.
-    assert [row.name for row in quality.rows()][0] == "dense" and len(quality.rows()) == 11
+    # The default run is the issues' list: dense, 10 methods and auto, each once.
+    names = [row.name for row in quality.rows()]
+    assert names[0] == "dense" and names[-1] == "auto@1gbit" and len(names) == 12
 
 
 def test_large_model_has_a_few_million_parameters():
