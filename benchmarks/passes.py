@@ -1,6 +1,7 @@
 """Each method's local work in passes over the gradient: its update's time over a plain copy's.
 
     python benchmarks/passes.py [--models mlp4096,mlp2041,gpt2,resnet50,many_small] [--repeats 5]
+    python benchmarks/passes.py --models gpt2 --methods ar_topk,ar_topk@b25  # with buckets beside
 
 For every model of the zoo (:mod:`jaxcomp.training.zoo`) and every method, one device runs the
 ``compress`` update alone (inside ``jax.shard_map``, as in training; on one device the
@@ -76,8 +77,10 @@ def parse_args(argv=None):
         if name not in zoo.NAMES:
             parser.error(f"--models: {name!r} is not a zoo model ({', '.join(zoo.NAMES)})")
     for name in args.methods:
-        if name not in METHODS:
-            parser.error(f"--methods: {name!r} is not one of {', '.join(METHODS)}")
+        try:
+            method_options(name)
+        except ValueError as error:
+            parser.error(f"--methods: {error}")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     return args
@@ -96,6 +99,21 @@ def gradients(model_name: str):
     )
 
 
+def method_options(method: str):
+    """``(name, compress options)`` of a ``--methods`` entry: a :data:`METHODS` key, optionally
+    with ``@bMB`` for ``compress(..., bucket_mb=MB)`` (``ar_topk@b25``)."""
+    base, _, bucket = method.partition("@b")
+    if base not in METHODS:
+        raise ValueError(f"{method!r} is not one of {', '.join(METHODS)} (optionally with @bMB)")
+    name, options = METHODS[base]
+    if not bucket:
+        return name, options
+    try:
+        return name, {**options, "bucket_mb": float(bucket)}
+    except ValueError:
+        raise ValueError(f"{method!r}: @b takes a number of megabytes, e.g. @b25") from None
+
+
 def update_function(method: str, grads):
     """A jitted ``(grads, state) -> (updates, state)`` of ``compress(method)`` on one device, and
     its first state."""
@@ -104,7 +122,7 @@ def update_function(method: str, grads):
 
     import jaxcomp
 
-    name, options = METHODS[method]
+    name, options = method_options(method)
     tx = jaxcomp.compress(name, **options)
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
 
@@ -143,7 +161,7 @@ def measure(model_name: str, methods, repeats: int, allocator: str = "glibc") ->
             "seconds": best[m],
             "copy_seconds": best["copy"],
             "passes": best[m] / best["copy"],
-            "target": TARGETS.get(m, 4),
+            "target": TARGETS.get(m.partition("@")[0], 4),
             "allocator": allocator,
         }
         for m in methods

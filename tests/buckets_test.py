@@ -208,3 +208,14 @@ def test_an_empty_leaf_in_a_bucket_is_passed_over():
         dp = jaxcomp.data_parallel(loss, tx, mesh)
         state, _ = dp.step(dp.init(params), dp.shard_batch(np.ones((4, 4), np.float32)))
         assert np.isfinite(np.asarray(state.params["a"])).all()
+
+
+@pytest.mark.parametrize("bucket_mb", [None, 0.2])
+def test_the_dense_step_copies_no_gradient(bucket_mb):
+    """The non-finite guard's second sum sits in a loop that runs once or never: a ``lax.cond``
+    there copied every total its finite branch passed through, a whole gradient per step."""
+    tx = optax.chain(jaxcomp.compress("dense", bucket_mb=bucket_mb), optax.adam(0.1))
+    dp, state, batch = _train(tx, 2, steps=1)
+    hlo = dp.step.lower(state, batch).compile().as_text()
+    copied = re.findall(r"= f32\[(\d+)(?:,(\d+))?\]\S* copy\(", hlo)
+    assert copied == [] and hlo.count(" while(") == 1, copied
