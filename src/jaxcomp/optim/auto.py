@@ -408,7 +408,6 @@ def _check_candidates(candidates, axes) -> tuple[Method, ...]:
     return candidates
 
 
-# The option names of compress("auto", ...) that set candidates' settings, and the auto-only ones.
 #: ``compress("auto")``'s candidates when no setting names any: the methods that keep
 #: ``optax.adam``'s held-out loss within 0.1% on the quality benchmark (BENCHMARKS.md, "Training
 #: quality": ZFP rate 8 0.9995x, the bfloat16 cast 1.0003x dense's). Top-k (``ratio=``), THC
@@ -417,6 +416,7 @@ QUALITY_SAFE = ("dense", "bf16", "zfp")
 #: ZFP's rate among :data:`QUALITY_SAFE`.
 QUALITY_SAFE_RATE = 8
 
+# The option names of compress("auto", ...) that set candidates' settings, and the auto-only ones.
 _SETTING_OPTIONS = ("ratio", "rate", "bits", "rank", "leader", "selector", "algorithm", "hadamard")
 
 
