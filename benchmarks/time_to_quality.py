@@ -11,8 +11,9 @@ in one process or on an emulated cluster.
 Every row trains the same model from the same params on the same batches (``quality.batches``):
 
 * ``dp`` is ``jaxcomp.data_parallel`` with a dense all-reduce and Adam (the warm-up + cosine
-  schedule of quality.py); ``ar_topk`` and ``auto`` are the same with ``compress("ar_topk",
-  ratio=0.01)`` and ``compress("auto", ratio=0.01)`` (per-step compression);
+  schedule of quality.py); ``ar_topk``, ``auto`` and ``auto-topk`` are the same with
+  ``compress("ar_topk", ratio=0.01)``, ``compress("auto")`` (dense, the bfloat16 cast or ZFP 8)
+  and ``compress("auto", ratio=0.01)`` (dense or top-k 1%): per-step compression;
 * the ``diloco-*`` rows are ``jaxcomp.diloco`` with one worker per device, the same Adam as inner
   optimizer (each worker on its share of every batch, so every row sees the same samples), the
   paper's outer Nesterov SGD (lr 0.7, momentum 0.9) or, for ``-avg``, plain averaging
@@ -59,8 +60,9 @@ import quality  # noqa: E402  (the model, corpus and batches)
 _DEFAULTS = dict(outer="nesterov")
 ROWS = {
     "dp": dict(kind="dp", method="dense"),
-    "ar_topk": dict(kind="dp", method="ar_topk"),
+    "ar_topk": dict(kind="dp", method="ar_topk", ratio=0.01),
     "auto": dict(kind="dp", method="auto"),
+    "auto-topk": dict(kind="dp", method="auto", ratio=0.01),
     "diloco-h10": dict(kind="diloco", sync_every=10),
     "diloco-h10-int8": dict(kind="diloco", sync_every=10, compress="int8"),
     "diloco-h10-avg": dict(kind="diloco", sync_every=10, outer="avg"),
@@ -188,8 +190,7 @@ def build(options, loss_fn, adam, devices):
 
     options = dict(options)
     if options.pop("kind") == "dp":
-        method = options["method"]
-        tx = jaxcomp.compress(method, **({} if method == "dense" else {"ratio": 0.01}))
+        tx = jaxcomp.compress(options.pop("method"), **options)
         return jaxcomp.data_parallel(loss_fn, optax.chain(tx, adam), Mesh(devices, ("data",)))
     compress = {None: None, "int8": jaxcomp.Quantized(8), "topk": jaxcomp.TopK(0.1)}[
         options.pop("compress", None)
