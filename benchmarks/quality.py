@@ -560,7 +560,8 @@ def train(row: Row, config: Config, corpus, devices, seed=0, progress=True):
 
 
 def choices(state, ran) -> dict:
-    """``{candidate: steps it ran}`` of a ``compress("auto")`` run (empty for one method)."""
+    """``{branch: steps it ran}`` where the state has branches: ``compress("auto")``'s
+    candidates, or a method and the guardrail's dense fallback; empty for one branch."""
     import jax
 
     leaves = jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "methods"))
