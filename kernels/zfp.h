@@ -16,6 +16,11 @@
 #include "kernels/status.h"
 #include "kernels/zfp_block.h"
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(JAXCOMP_ZFP_BASELINE_ONLY)
+#define JAXCOMP_ZFP_GROUPS 1
+#include "kernels/zfp_groups.h"
+#endif
+
 namespace jaxcomp {
 
 inline constexpr zfp::CodeTables kZfpCodeTables = zfp::make_code_tables();
@@ -65,6 +70,29 @@ inline void append(const zfp::BlockWriter64& block, int block_bits, zfp::BitWrit
   if (block_bits > 32) out.write(static_cast<uint32_t>(block.bits >> 32), block_bits - 32);
 }
 
+// Rates 3-16 on x86-64 CPUs with AVX2 take the group path (kernels/zfp_groups.h, 8 blocks at a
+// time), compiled here for AVX2 and chosen at run time, so a wheel built for any x86-64 uses it
+// where it can. Elsewhere, and at the other rates, the per-block path: without AVX2's per-lane
+// shifts the group path's vectors are emulated and slower than that. (Defining
+// JAXCOMP_ZFP_BASELINE_ONLY leaves the group path out; the sanitizer build tests the per-block
+// path that way.)
+#if defined(JAXCOMP_ZFP_GROUPS)
+__attribute__((target("avx2"))) inline void encode_groups(const float* row, int64_t n, int64_t first, int64_t stop,
+                                                           int rate, uint32_t* row_out) {
+  zfp::encode_group_range(row, n, first, stop, rate, row_out, kZfpCodeTables);
+}
+
+__attribute__((target("avx2"))) inline void decode_groups(const uint32_t* row_in, int64_t row_words, int64_t n,
+                                                           int64_t first, int64_t stop, int rate, float* row) {
+  zfp::decode_group_range(row_in, row_words, n, first, stop, rate, row, kZfpCodeTables);
+}
+
+inline bool use_groups(int rate) {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  return avx2 && zfp::has_group_path(rate);
+}
+#endif
+
 }  // namespace zfp_detail
 
 // Encodes `rows` rows of `n` floats (row-major) into `rows * zfp_num_words(n, rate)` words.
@@ -77,6 +105,14 @@ inline Status zfp_encode(const float* x, int64_t rows, int64_t n, int rate, uint
   const int64_t row_words = zfp_num_words(n, rate);
   const int block_bits = 4 * rate;
 
+#if defined(JAXCOMP_ZFP_GROUPS)
+  if (zfp_detail::use_groups(rate)) {
+    zfp_detail::for_each_group_range(rows, groups, parallel, [&](int64_t row, int64_t first, int64_t stop) {
+      zfp_detail::encode_groups(x + row * n, n, first, stop, rate, words + row * row_words);
+    });
+    return Status();
+  }
+#endif
   if (rate >= 3) {
     zfp_detail::for_each_group_range(rows, groups, parallel, [&](int64_t row, int64_t first, int64_t stop) {
       const float* values = x + row * n;
@@ -149,6 +185,14 @@ inline Status zfp_decode(const uint32_t* words, int64_t rows, int64_t n, int rat
   const int block_bits = 4 * rate;
   const int64_t header_bits = 32 * zfp::header_words(rate);
 
+#if defined(JAXCOMP_ZFP_GROUPS)
+  if (zfp_detail::use_groups(rate)) {
+    zfp_detail::for_each_group_range(rows, groups, parallel, [&](int64_t row, int64_t first, int64_t stop) {
+      zfp_detail::decode_groups(words + row * row_words, row_words, n, first, stop, rate, x + row * n);
+    });
+    return Status();
+  }
+#endif
   zfp_detail::for_each_group_range(rows, groups, parallel, [&](int64_t row, int64_t first, int64_t stop) {
     const uint32_t* row_in = words + row * row_words;
     float* values = x + row * n;

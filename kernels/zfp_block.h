@@ -198,6 +198,9 @@ struct BlockReader64 {
     if (shift) bits |= w2 << (64 - shift);
   }
 
+  // A block already in a register.
+  JAXCOMP_HD explicit BlockReader64(uint64_t block) : bits(block) {}
+
   JAXCOMP_HD uint32_t peek() const { return static_cast<uint32_t>(bits); }
   JAXCOMP_HD void consume(int count) { bits >>= count; }  // count <= 32
   JAXCOMP_HD void skip(int64_t) {}  // nothing follows within the block
@@ -234,6 +237,9 @@ struct CodeTables {
 JAXCOMP_HD inline uint32_t low_bits(uint32_t value, int count) {
   return count >= 32 ? value : value & ((1u << count) - 1u);
 }
+
+// Bits [0, count) of a 64-bit value, count in 0..63.
+JAXCOMP_HD inline uint64_t low_bits64(uint64_t value, int count) { return value & ((uint64_t{1} << count) - 1u); }
 
 // zfp's run-length code of the plane's bits above the n significant ones (no budget).
 JAXCOMP_HD constexpr void encode_plane_full(uint32_t plane, int n, uint32_t* code, int* length, int* next_n) {
@@ -439,14 +445,9 @@ JAXCOMP_HD inline int32_t from_negabinary(uint32_t u) {
 // ---------------------------------------------------------------------------------------------
 // Coefficients: steps 4-7 of docs/kernels.md. Writes/reads exactly `bits` bits.
 
+// Step 7 alone: the bit planes of the negabinary coefficients u[0..3].
 template <typename Tables, typename Writer>
-JAXCOMP_HD_INLINE void encode_coefficients(const uint32_t* value_bits, int emax, int bits, const Tables& tables,
-                                           Writer& out) {
-  int32_t q[4];
-  for (int i = 0; i < 4; ++i) q[i] = quantize(value_bits[i], emax);
-  forward_lift(q);
-  uint32_t u[4];
-  for (int i = 0; i < 4; ++i) u[i] = to_negabinary(q[i]);
+JAXCOMP_HD_INLINE void encode_planes(const uint32_t* u, int bits, const Tables& tables, Writer& out) {
   const uint32_t any = u[0] | u[1] | u[2] | u[3];
   if (any == 0) {
     out.pad(bits);
@@ -494,8 +495,20 @@ JAXCOMP_HD_INLINE void encode_coefficients(const uint32_t* value_bits, int emax,
   out.pad(bits);
 }
 
+template <typename Tables, typename Writer>
+JAXCOMP_HD_INLINE void encode_coefficients(const uint32_t* value_bits, int emax, int bits, const Tables& tables,
+                                           Writer& out) {
+  int32_t q[4];
+  for (int i = 0; i < 4; ++i) q[i] = quantize(value_bits[i], emax);
+  forward_lift(q);
+  uint32_t u[4];
+  for (int i = 0; i < 4; ++i) u[i] = to_negabinary(q[i]);
+  encode_planes(u, bits, tables, out);
+}
+
+// Step 7 alone: reads the bit planes into the negabinary coefficients u[0..3].
 template <typename Tables, typename Reader>
-JAXCOMP_HD_INLINE void decode_coefficients(Reader& in, int emax, int bits, const Tables& tables, float* values) {
+JAXCOMP_HD_INLINE void decode_planes(Reader& in, int bits, const Tables& tables, uint32_t* u) {
   // Four scalars rather than an array: the compiler keeps them in registers.
   uint32_t u0 = 0, u1 = 0, u2 = 0, u3 = 0;
   int n = 0, k = 31;
@@ -562,7 +575,17 @@ JAXCOMP_HD_INLINE void decode_coefficients(Reader& in, int emax, int bits, const
     k -= planes;
   }
   in.skip(bits);
-  int32_t q[4] = {from_negabinary(u0), from_negabinary(u1), from_negabinary(u2), from_negabinary(u3)};
+  u[0] = u0;
+  u[1] = u1;
+  u[2] = u2;
+  u[3] = u3;
+}
+
+template <typename Tables, typename Reader>
+JAXCOMP_HD_INLINE void decode_coefficients(Reader& in, int emax, int bits, const Tables& tables, float* values) {
+  uint32_t u[4];
+  decode_planes(in, bits, tables, u);
+  int32_t q[4] = {from_negabinary(u[0]), from_negabinary(u[1]), from_negabinary(u[2]), from_negabinary(u[3])};
   inverse_lift(q);
   if (emax >= kMinFastExponent) {
     // 2^(emax - 30) is a normal float and (float)q * 2^(emax - 30) is normal (or overflows to
