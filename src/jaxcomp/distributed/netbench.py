@@ -53,9 +53,11 @@ def _runs():
         f"{fixed[0].label}_leaf": (fixed[0], {"granularity": "leaf"}, None),
     }
     table.update({m.label: (m, {}, None) for m in fixed[1:]})
-    # DDP-style buckets of 25 MiB, sent while the backward pass runs (compress(bucket_mb=)).
+    # DDP-style buckets of 25 MiB, sent while the backward pass runs (compress(bucket_mb=)):
+    # dense's default; "dense_nobucket" is dense as one message after the backward pass.
     for method in fixed[:3]:
         table[f"{method.label}_bucket"] = (method, {"bucket_mb": 25}, None)
+    table[f"{fixed[0].label}_nobucket"] = (fixed[0], {"bucket_mb": None}, None)
     # float16 halves the wire over gloo as bfloat16 does (issue 22 compares both); not an auto
     # candidate.
     table[Cast("float16").label] = (Cast("float16"), {}, None)

@@ -24,7 +24,7 @@ from jaxcomp import methods
 from jaxcomp.costmodel import cost, ratio_choice
 from jaxcomp.methods import Method
 from jaxcomp.ops import _checks
-from jaxcomp.optim.config import FeedbackConfig
+from jaxcomp.optim.config import FeedbackConfig, default_buckets
 from jaxcomp.optim.feedback import feedback_transformation
 from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.stages.aggregation import Aggregation, Groups, run_branch, static_cost
@@ -215,7 +215,7 @@ def compress_auto(
     mask=None,
     min_size=0,
     guardrail=True,
-    bucket_mb=None,
+    bucket_mb="auto",
 ):
     """Aggregates gradients like :func:`jaxcomp.compress`, choosing the cheapest of ``candidates``.
 
@@ -264,7 +264,8 @@ def compress_auto(
       guardrail: as for :func:`jaxcomp.compress`: a diverging step falls back to the
         :class:`jaxcomp.Dense` candidate for the window (without one among the candidates the
         residual is only cleared).
-      bucket_mb: as for :func:`jaxcomp.compress`.
+      bucket_mb: as for :func:`jaxcomp.compress`; ``"auto"`` (the default) gives buckets only
+        when every candidate sends everything.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`jaxcomp.CompressState`
@@ -281,6 +282,9 @@ def compress_auto(
       Tyagi & Swany, arXiv 2312.02493, §3-D (choice of collective, Eqn 5a-5c) and §3-E (adaptive
       compression ratio).
     """
+    everything = isinstance(candidates, (list, tuple)) and all(
+        getattr(m, "sends_everything", False) for m in candidates
+    )
     config = FeedbackConfig.check(
         axis_name,
         error_feedback,
@@ -291,7 +295,7 @@ def compress_auto(
         mask,
         min_size,
         guardrail=guardrail,
-        bucket_mb=bucket_mb,
+        bucket_mb=default_buckets(bucket_mb, everything),
     )
     candidates = _check_candidates(candidates, config.axes)
     ratios = _check_ratio_search(ratio_search, candidates)

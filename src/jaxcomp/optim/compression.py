@@ -22,7 +22,7 @@ import optax
 from jaxcomp import methods
 from jaxcomp.methods import Method
 from jaxcomp.optim.auto import compress_auto_shorthand
-from jaxcomp.optim.config import FeedbackConfig
+from jaxcomp.optim.config import FeedbackConfig, default_buckets
 from jaxcomp.optim.feedback import feedback_transformation
 from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.stages import momentum as momentum_stage
@@ -45,7 +45,7 @@ def compress(
     min_size=0,
     momentum_correction=None,
     guardrail=True,
-    bucket_mb=None,
+    bucket_mb="auto",
     **shorthand,
 ) -> optax.GradientTransformationExtraArgs:
     """Aggregates gradients across a mesh axis with a compressing method and error feedback.
@@ -100,13 +100,13 @@ def compress(
     a few percent longer (:mod:`jaxcomp.optim.stages.divergence`, docs/training.md).
 
     **Buckets** (``bucket_mb=``). XLA merges independent collectives into one (its collective
-    combiner), and a whole-model vector needs every gradient, so by default nothing is sent
-    before the backward pass ends. With ``bucket_mb`` the leaves are cut into buckets, the last
-    leaves first (the backward pass finishes them first), and each bucket's collectives depend on
-    the previous bucket's totals: they stay apart, run in order, and the XLA:CPU runtime runs
-    them beside the rest of the backward pass (docs/performance.md measures it). Dense and the
-    casts give bit-identical results with or without buckets; a compressing method compresses
-    each bucket on its own.
+    combiner), and a whole-model vector needs every gradient, so without buckets nothing is sent
+    before the backward pass ends. With ``bucket_mb`` (by default for dense) the leaves are cut
+    into buckets, the last leaves first (the backward pass finishes them first), and each
+    bucket's collectives depend on the previous bucket's totals: they stay apart, run in order,
+    and the XLA:CPU runtime runs them beside the rest of the backward pass (docs/performance.md
+    measures it). Dense and the casts give bit-identical results with or without buckets; a
+    compressing method compresses each bucket on its own.
 
     **The string shorthand.** ``compress("ar_topk", ratio=0.01)`` is
     ``compress(TopK(0.01, collective="ar"))``: a name from :data:`jaxcomp.methods.SHORTHAND` with
@@ -142,8 +142,12 @@ def compress(
       guardrail: True (default: ``jaxcomp.Guardrail()``, factor 5, window 50, burn-in 20,
         decay 0.98), a :class:`jaxcomp.Guardrail` with other settings, or False to turn it off;
         see "Guardrails" above.
-      bucket_mb: None (default): the gradient is aggregated as one message (or one per leaf,
-        which XLA merges into one), after the whole backward pass. A size in MiB (PyTorch DDP's
+      bucket_mb: ``"auto"`` (default): buckets of 25 MiB
+        (:data:`jaxcomp.optim.config.DEFAULT_BUCKET_MB`) for a method that sends everything
+        (:class:`jaxcomp.Dense`: the same result, faster on the emulated cluster on every zoo
+        model measured, 2.1x on 1,030 small leaves), one message for the methods that compress.
+        None: the gradient is aggregated as one message (or one per leaf, which XLA merges into
+        one), after the whole backward pass. A size in MiB (PyTorch DDP's
         ``bucket_cap_mb`` is 25): the leaves are cut into buckets of about that size, the last
         leaves first, and each bucket is aggregated after the previous one, so the first buckets
         travel while the backward pass computes the others (see "Buckets" above). With
@@ -201,6 +205,7 @@ def compress(
             bucket_mb=bucket_mb,
             **shorthand,
         )
+    method = _parse_method(method, shorthand)
     config = FeedbackConfig.check(
         axis_name,
         error_feedback,
@@ -212,9 +217,8 @@ def compress(
         min_size,
         momentum_correction,
         guardrail,
-        bucket_mb,
+        default_buckets(bucket_mb, method.sends_everything),
     )
-    method = _parse_method(method, shorthand)
     method.check_axes(config.axes)
     warmup = warmup_stage.warmup_length(method, warmup_steps)
     momentum_stage.check(method, config.momentum)

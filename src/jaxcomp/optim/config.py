@@ -16,6 +16,21 @@ from jaxcomp.optim.stages.guard import NONFINITE_POLICIES
 GRANULARITIES = ("model", "leaf")
 
 
+#: ``bucket_mb="auto"`` (``compress``'s default): buckets of this many MiB (PyTorch DDP's
+#: ``bucket_cap_mb``) for a method that sends everything, whose result buckets do not change; one
+#: message for the methods that compress, where a bucket's own selection changes what is sent and
+#: the measured gain is mixed (BENCHMARKS.md, "Overlap with the backward pass").
+DEFAULT_BUCKET_MB = 25.0
+
+
+def default_buckets(bucket_mb, sends_everything: bool):
+    """``bucket_mb`` with ``"auto"`` resolved for a method: :data:`DEFAULT_BUCKET_MB` if it sends
+    everything, else None; anything else as given (checked by :meth:`FeedbackConfig.check`)."""
+    if isinstance(bucket_mb, str) and bucket_mb == "auto":
+        return DEFAULT_BUCKET_MB if sends_everything else None
+    return bucket_mb
+
+
 def _check_bucket_mb(bucket_mb) -> float | None:
     """``bucket_mb`` as a float, or None; a ValueError naming it unless it is None or > 0."""
     if bucket_mb is None:
@@ -23,7 +38,7 @@ def _check_bucket_mb(bucket_mb) -> float | None:
     number = isinstance(bucket_mb, (int, float, np.number)) and not isinstance(bucket_mb, bool)
     if not number or not np.isfinite(bucket_mb) or bucket_mb <= 0:
         raise ValueError(
-            f"bucket_mb must be a size in MiB > 0 (e.g. 25) or None, got {bucket_mb!r}"
+            f"bucket_mb must be a size in MiB > 0 (e.g. 25), 'auto' or None, got {bucket_mb!r}"
         )
     return float(bucket_mb)
 
