@@ -60,9 +60,9 @@ import quality  # noqa: E402  (the model, corpus and batches)
 _DEFAULTS = dict(outer="nesterov")
 ROWS = {
     "dp": dict(kind="dp", method="dense"),
-    "ar_topk": dict(kind="dp", method="ar_topk", ratio=0.01),
+    "ar_topk": dict(kind="dp", method="ar_topk", settings={"ratio": 0.01}),
     "auto": dict(kind="dp", method="auto"),
-    "auto-topk": dict(kind="dp", method="auto", ratio=0.01),
+    "auto-topk": dict(kind="dp", method="auto", settings={"ratio": 0.01}),
     "diloco-h10": dict(kind="diloco", sync_every=10),
     "diloco-h10-int8": dict(kind="diloco", sync_every=10, compress="int8"),
     "diloco-h10-avg": dict(kind="diloco", sync_every=10, outer="avg"),
@@ -190,7 +190,7 @@ def build(options, loss_fn, adam, devices):
 
     options = dict(options)
     if options.pop("kind") == "dp":
-        tx = jaxcomp.compress(options.pop("method"), **options)
+        tx = jaxcomp.compress(options["method"], **options.get("settings", {}))
         return jaxcomp.data_parallel(loss_fn, optax.chain(tx, adam), Mesh(devices, ("data",)))
     compress = {None: None, "int8": jaxcomp.Quantized(8), "topk": jaxcomp.TopK(0.1)}[
         options.pop("compress", None)

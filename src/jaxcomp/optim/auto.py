@@ -238,9 +238,9 @@ def compress_auto(
     ratio_range=..., explore_steps=..., network=..., decide_every=...)`` is the string shorthand:
     by default its candidates are :func:`jaxcomp.methods.candidates` of the given settings (dense,
     all-gather and AR top-k, hierarchical top-k on two axes, ZFP, THC), and with none of them
-    :data:`QUALITY_SAFE`: dense, the bfloat16 cast and ZFP rate 8, the methods that keep a plain
-    optimizer's quality (top-k picked on a slow link costs +29% held-out loss with ``optax.adam``
-    on the quality benchmark: BENCHMARKS.md).
+    :data:`jaxcomp.methods.QUALITY_SAFE`: dense, the bfloat16 cast and ZFP rate 8, the methods
+    that keep a plain optimizer's quality (top-k picked on a slow link costs +29% held-out loss
+    with ``optax.adam`` on the quality benchmark: BENCHMARKS.md).
 
     Args:
       candidates: the methods to choose among, in order (the first runs until a network is known):
@@ -412,14 +412,6 @@ def _check_candidates(candidates, axes) -> tuple[Method, ...]:
     return candidates
 
 
-#: ``compress("auto")``'s candidates when no setting names any: the methods that keep
-#: ``optax.adam``'s held-out loss within 0.1% on the quality benchmark (BENCHMARKS.md, "Training
-#: quality": ZFP rate 8 0.9995x, the bfloat16 cast 1.0003x dense's). Top-k (``ratio=``), THC
-#: (``bits=``) and PowerSGD (``rank=``) send less but lose quality with a plain optimizer.
-QUALITY_SAFE = ("dense", "bf16", "zfp")
-#: ZFP's rate among :data:`QUALITY_SAFE`.
-QUALITY_SAFE_RATE = 8
-
 # The option names of compress("auto", ...) that set candidates' settings, and the auto-only ones.
 _SETTING_OPTIONS = ("ratio", "rate", "bits", "rank", "leader", "selector", "algorithm", "hadamard")
 
@@ -443,8 +435,8 @@ def compress_auto_shorthand(
 
     Args:
       candidates: method names from :data:`jaxcomp.methods.SHORTHAND`, or None for
-        :func:`jaxcomp.methods.candidates` of the settings (:data:`QUALITY_SAFE` without
-        ``ratio``, ``rate``, ``bits``, ``rank`` or ``adaptive_ratio``).
+        :func:`jaxcomp.methods.candidates` of the settings (:data:`jaxcomp.methods.QUALITY_SAFE`
+        without ``ratio``, ``rate``, ``bits``, ``rank`` or ``adaptive_ratio``).
       ratio: density of the top-k candidates (not with ``adaptive_ratio``).
       k: refused: the cost model sizes top-k by ratio.
       rate: ZFP bits per value.
@@ -494,9 +486,11 @@ def compress_auto_shorthand(
         )
     if candidates is None and not {"ratio", "rate", "bits", "rank"} & set(settings):
         # Nothing asked for: the candidates that keep a plain optimizer's quality.
-        candidates, settings = QUALITY_SAFE, {**settings, "rate": QUALITY_SAFE_RATE}
-    names = _candidate_names(candidates, settings, two_axes=len(axes) == 2)
-    built = [methods.parse(name, strict=False, **settings) for name in names]
+        built = list(methods.QUALITY_SAFE)
+        names = [m.label for m in built]
+    else:
+        names = _candidate_names(candidates, settings, two_axes=len(axes) == 2)
+        built = [methods.parse(name, strict=False, **settings) for name in names]
     _check_settings_used(settings, names, built)
     return compress_auto(
         built,

@@ -24,8 +24,25 @@ DEFAULT_BUCKET_MB = 25.0
 
 
 def default_buckets(bucket_mb, sends_everything: bool):
-    """``bucket_mb`` with ``"auto"`` resolved for a method: :data:`DEFAULT_BUCKET_MB` if it sends
-    everything, else None; anything else as given (checked by :meth:`FeedbackConfig.check`)."""
+    """``bucket_mb`` with ``"auto"`` resolved for a method.
+
+    Args:
+      bucket_mb: ``compress``'s ``bucket_mb=``: ``"auto"``, a size in MiB or None.
+      sends_everything: the method's :attr:`jaxcomp.methods.Method.sends_everything`.
+
+    Returns:
+      :data:`DEFAULT_BUCKET_MB` for ``"auto"`` and a method that sends everything, None for
+      ``"auto"`` and any other method; anything else as given (:meth:`FeedbackConfig.check`
+      checks it).
+
+    Example:
+      >>> default_buckets("auto", True), default_buckets("auto", False), default_buckets(4, False)
+      (25.0, None, 4)
+
+    References:
+      Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
+      VLDB 2020 (gradient buckets, 25 MB by default).
+    """
     if isinstance(bucket_mb, str) and bucket_mb == "auto":
         return DEFAULT_BUCKET_MB if sends_everything else None
     return bucket_mb
