@@ -562,16 +562,15 @@ def train(row: Row, config: Config, corpus, devices, seed=0, progress=True):
 def choices(state, ran) -> dict:
     """``{branch: steps it ran}`` where the state has branches: ``compress("auto")``'s
     candidates, or a method and the guardrail's dense fallback; empty for one branch."""
-    import jax
+    import collections
 
-    leaves = jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "methods"))
-    methods = next((x.methods for x in leaves if hasattr(x, "methods")), ())
-    counts = {}
-    for index in (int(v) for v in ran):
-        if index >= 0 and len(methods) > 1:
-            name = methods[index].describe()
-            counts[name] = counts.get(name, 0) + 1
-    return counts
+    import jaxcomp
+
+    compress_state = jaxcomp.find_compress_state(state)
+    branches = compress_state.methods if compress_state is not None else ()
+    if len(branches) < 2:
+        return {}
+    return dict(collections.Counter(branches[int(v)].describe() for v in ran))
 
 
 def count_params(config: Config) -> int:
