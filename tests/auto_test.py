@@ -18,6 +18,7 @@ from jaxcomp.training.trainer import data_parallel
 N_DEVICES = 8
 N_PARAMS = 100_000
 SLOW = cost.Network.parse("1ms", "100mbit")
+QUIET_MEMORY = cost.Network.parse("20us", "8gbit")  # what the probe measures here when quiet
 
 
 def _mesh():
@@ -77,10 +78,17 @@ def test_auto_picks_dense_in_memory_and_compression_when_the_probe_reports_a_slo
     with count_compilations() as compiles:
         state, metrics = dp.step(state, _gaussian(rng))
         first = compiles[0]
+        # What the probe reports depends on the machine's load: under load its latency rises
+        # and the all-gather's fewer rounds can win. The step follows the host's cost model.
+        assert _method(state, metrics) == _host_choice(state)
+
+        # A quiet probe of these devices (20 us, ~1 GB/s; top-k's encode/decode ~2 ms): dense.
+        state = _with_network(state, QUIET_MEMORY, [0.0, 2e-3, 2e-3])
+        state, metrics = dp.step(state, _gaussian(rng))
         assert _method(state, metrics) == "dense" == _host_choice(state)
         assert float(metrics["density"]) == 1.0
 
-        state = _with_network(state, SLOW)  # keeps the measured overheads
+        state = _with_network(state, SLOW)  # keeps the overheads
         for _ in range(3):
             state, metrics = dp.step(state, _gaussian(rng))
             assert _method(state, metrics) == _host_choice(state)
@@ -97,6 +105,10 @@ def test_auto_without_settings_chooses_among_the_methods_that_keep_quality():
     branches = find_compress_state(state.opt_state).methods
     assert [m.describe() for m in branches] == ["dense", "bf16", "zfp(8)"]
     rng = np.random.default_rng(0)
+    state, metrics = dp.step(state, _gaussian(rng))
+    assert _method(state, metrics) == _host_choice(state)  # what the probe saw (load-dependent)
+    # A quiet probe of these devices; the cast and ZFP's local work as measured there.
+    state = _with_network(state, QUIET_MEMORY, [0.0, 2e-3, 6e-3])
     state, metrics = dp.step(state, _gaussian(rng))
     assert _method(state, metrics) == "dense" == _host_choice(state)
     state = _with_network(state, SLOW)
