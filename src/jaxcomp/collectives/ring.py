@@ -128,17 +128,26 @@ def ring_allreduce(values, axis_name, n_devices, codec, *, own=1, scatter=False,
             errors.append(jnp.zeros_like(partial))  # the owned chunk is kept as it is
             break
         message = encode(partial)  # the next hop's message; after the last hop, the owned chunk
-        decoded = decode(message, chunk)
-        errors.append(partial - decoded)
-    # errors[t] belongs to chunk (me + start - t) mod N, so chunk c's is errors[(me + start - c) mod
-    # N].
-    lost = jnp.stack(errors)[(me + start - jnp.arange(n_devices)) % n_devices]
-    sent = (chunks - lost).reshape(-1)[:n]
+        if hop < n_devices - 2 or scatter:
+            decoded = decode(message, chunk)
+            errors.append(partial - decoded)
     if scatter:
-        return (decoded if code_owned else partial), sent
+        return (decoded if code_owned else partial), _sent(chunks, errors, me + start, n)
     owned = jax.lax.all_gather(message, axis_name, to="invarying")
     if own % n_devices:
         # Row j of the gathered messages is chunk (j + own) mod N: reorder the messages (fewer
         # bytes than the decoded floats), not the decoded floats.
         owned = owned[(np.arange(n_devices) - own) % n_devices]
-    return decode(owned, chunk).reshape(-1)[:n], sent
+    total = decode(owned, chunk)
+    # The owned chunk's coding error: its row of the total is the same words decoded (the codec
+    # decodes each row alone), so it is not decoded a second time.
+    errors.append(partial - total[(me + own) % n_devices])
+    return total.reshape(-1)[:n], _sent(chunks, errors, me + start, n)
+
+
+def _sent(chunks, errors, first, n):
+    """The chunks less this device's coding errors: ``errors[t]`` belongs to chunk
+    ``(first - t) mod N``, so chunk ``c``'s is ``errors[(first - c) mod N]``."""
+    n_devices = chunks.shape[0]
+    lost = jnp.stack(errors)[(first - jnp.arange(n_devices)) % n_devices]
+    return (chunks - lost).reshape(-1)[:n]
