@@ -7,6 +7,7 @@ NB_MODULE(_jaxcomp_cpu, m) {
     return jaxcomp_ffi::Registrations(JaxcompTopkCpu, JaxcompFindThresholdCpu, JaxcompThresholdTopkCpu,
                                       JaxcompZfpEncodeCpu, JaxcompZfpDecodeCpu, JaxcompSignPackCpu,
                                       JaxcompSignUnpackCpu, JaxcompHadamardCpu, JaxcompPackCpu,
-                                      JaxcompSignUnpackSumCpu, JaxcompEnergiesCpu);
+                                      JaxcompSignUnpackSumCpu, JaxcompEnergiesCpu,
+                                      JaxcompScatterLeavesCpu);
   });
 }

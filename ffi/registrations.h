@@ -13,7 +13,8 @@ inline nanobind::dict Registrations(XLA_FFI_Handler* topk, XLA_FFI_Handler* find
                                     XLA_FFI_Handler* zfp_decode, XLA_FFI_Handler* sign_pack,
                                     XLA_FFI_Handler* sign_unpack, XLA_FFI_Handler* hadamard = nullptr,
                                     XLA_FFI_Handler* pack = nullptr, XLA_FFI_Handler* sign_unpack_sum = nullptr,
-                                    XLA_FFI_Handler* energies = nullptr) {
+                                    XLA_FFI_Handler* energies = nullptr,
+                                    XLA_FFI_Handler* scatter_leaves = nullptr) {
   auto capsule = [](XLA_FFI_Handler* fn) { return nanobind::capsule(reinterpret_cast<void*>(fn)); };
   nanobind::dict targets;
   targets["jaxcomp_topk"] = capsule(topk);
@@ -31,6 +32,8 @@ inline nanobind::dict Registrations(XLA_FFI_Handler* topk, XLA_FFI_Handler* find
   if (sign_unpack_sum != nullptr) targets["jaxcomp_sign_unpack_sum"] = capsule(sign_unpack_sum);
   // CPU only: elsewhere XLA's variadic reduce (jaxcomp.ops.flat.energies' XLA path).
   if (energies != nullptr) targets["jaxcomp_energies"] = capsule(energies);
+  // CPU only: elsewhere XLA zeroes a dense vector, scatters into it and slices the leaves out.
+  if (scatter_leaves != nullptr) targets["jaxcomp_scatter_leaves"] = capsule(scatter_leaves);
   return targets;
 }
 

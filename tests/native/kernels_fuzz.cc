@@ -11,11 +11,15 @@
 //   * sign_pack, sign_unpack: signs bit by bit, scales by the halving tree over a zero-padded
 //     buffer (the definition, not the kernel's lanes and bit-reversed walk), bit for bit;
 //   * pack_error_fed: random leaf counts and sizes (empty leaves too), with and without residuals,
-//     against the definition value by value (non-finite gradient values as 0, then + residual).
+//     against the definition value by value (non-finite gradient values as 0, then + residual);
+//   * scatter_leaves: random leaves, rows of distinct indices (some out of range), added or set,
+//     dropped, scaled, silenced, against a dense vector built row by row, bit for bit (its tasks
+//     split vectors of 64 values and up here, so that short vectors exercise the split).
 //
 // Usage: kernels_fuzz [SECONDS] [SEED]   (default 30 s, seed 1; JAXCOMP_FUZZ_SECONDS also sets
 // the time). Prints the number of cases per kernel; exits 1 at the first mismatch, naming it.
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -28,7 +32,9 @@
 #include <thread>
 #include <vector>
 
+#define JAXCOMP_SCATTER_TASK_VALUES 64
 #include "kernels/pack.h"
+#include "kernels/scatter.h"
 #include "kernels/sign.h"
 #include "kernels/topk.h"
 #include "kernels/zfp.h"
@@ -585,6 +591,63 @@ void FuzzPack(std::mt19937_64& rng, uint64_t case_seed) {
     Fail("vector_energies" + where, case_seed);
 }
 
+
+void FuzzScatter(std::mt19937_64& rng, uint64_t case_seed) {
+  const int64_t num_leaves = 1 + rng() % 12;
+  const Parallel parallel = Threads(1 + rng() % 8);
+  std::vector<std::vector<float>> leaves(num_leaves);
+  std::vector<jaxcomp::ScatterLeaf> views(num_leaves);
+  int64_t n = 0;
+  for (int64_t l = 0; l < num_leaves; ++l) {
+    leaves[l].assign(rng() % 5 == 0 ? 0 : DrawLength(rng) / 4 + 1, -12345.0f);  // empty leaves too
+    views[l] = {leaves[l].data(), static_cast<int64_t>(leaves[l].size())};
+    n += static_cast<int64_t>(leaves[l].size());
+  }
+  jaxcomp::ScatterOptions o;
+  o.add = rng() % 4 != 0;
+  o.drop = rng() % 2 == 0;
+  o.silenced = rng() % 8 == 0;
+  const float scales[] = {1.0f, 0.25f, 1.0f / 3.0f, 0.125f};
+  o.scale = scales[rng() % 4];
+  const int64_t rows = o.add ? 1 + rng() % 5 : 1;
+  const int64_t per_row = std::min<int64_t>(n + 4, rng() % 200);
+  // Each row: distinct indices in [-2, n + 2) (outside [0, n): dropped), ordinary and awkward values.
+  std::vector<int32_t> indices(rows * per_row);
+  std::vector<float> values(rows * per_row);
+  const std::vector<float> pool = {1.0f, -2.5f, 3.0f};
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<int32_t> all(n + 4);
+    for (int64_t i = 0; i < n + 4; ++i) all[i] = static_cast<int32_t>(i - 2);
+    std::shuffle(all.begin(), all.end(), rng);
+    for (int64_t j = 0; j < per_row; ++j) {
+      indices[r * per_row + j] = all[j];
+      values[r * per_row + j] = Draw(rng, pool, static_cast<int>(rng() % 4));
+    }
+  }
+  const std::string where = " (leaves=" + std::to_string(num_leaves) + ", n=" + std::to_string(n) +
+                            ", rows=" + std::to_string(rows) + ", pairs=" + std::to_string(per_row) +
+                            (o.add ? ", add" : ", set") + (o.drop ? ", drop" : "") +
+                            (o.silenced ? ", silenced" : "") + ")";
+  const jaxcomp::ScatterRows sparse{indices.data(), values.data(), rows, per_row};
+  if (!jaxcomp::scatter_leaves(sparse, views.data(), num_leaves, o, parallel).ok())
+    Fail("scatter_leaves returned an error" + where, case_seed);
+  // The definition: a dense vector, the rows in order, then every entry finished.
+  std::vector<float> want(n, 0.0f);
+  if (!o.silenced) {
+    for (int64_t e = 0; e < rows * per_row; ++e) {
+      const int64_t i = indices[e];
+      if (i >= 0 && i < n) want[i] = o.add ? want[i] + values[e] : values[e];
+    }
+    for (float& w : want) w = (o.drop && !std::isfinite(w) ? 0.0f : w) * o.scale;
+  }
+  int64_t pos = 0;
+  for (int64_t l = 0; l < num_leaves; ++l) {
+    for (size_t j = 0; j < leaves[l].size(); ++j, ++pos) {
+      if (!SameValue(leaves[l][j], want[pos])) Fail("scatter_leaves at value " + std::to_string(pos) + where, case_seed);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -598,32 +661,35 @@ int main(int argc, char** argv) {
   }
   std::mt19937_64 seeds(seed);
   const auto stop = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  int64_t topk_cases = 0, zfp_cases = 0, sign_cases = 0, pack_cases = 0;
+  int64_t topk_cases = 0, zfp_cases = 0, sign_cases = 0, pack_cases = 0, scatter_cases = 0;
   // Alternate the kernels until the time is spent. Each case draws from its own seed (printed on
   // failure); the sequence of case seeds, and so a whole run, is fixed by SEED.
   while (std::chrono::steady_clock::now() < stop) {
     const uint64_t case_seed = seeds();
     std::mt19937_64 rng(case_seed);
-    const int64_t cases = topk_cases + zfp_cases + sign_cases + pack_cases;
-    if (cases % 4 == 0) {
+    const int64_t cases = topk_cases + zfp_cases + sign_cases + pack_cases + scatter_cases;
+    if (cases % 5 == 0) {
       FuzzTopK(rng, case_seed);
       ++topk_cases;
-    } else if (cases % 4 == 1) {
+    } else if (cases % 5 == 1) {
       FuzzZfp(rng, case_seed);
       ++zfp_cases;
-    } else if (cases % 4 == 2) {
+    } else if (cases % 5 == 2) {
       FuzzSign(rng, case_seed);
       ++sign_cases;
-    } else {
+    } else if (cases % 5 == 3) {
       FuzzPack(rng, case_seed);
       ++pack_cases;
+    } else {
+      FuzzScatter(rng, case_seed);
+      ++scatter_cases;
     }
   }
   std::printf("kernels_fuzz: seed %llu, %.0f s: %lld top-k cases (topk, find_threshold, threshold_topk) and "
               "%lld zfp cases (encode, decode, decode of random words), %lld sign cases (pack, unpack, unpack_sum) and %lld "
-              "pack_error_fed (and vector_energies) cases match the reference\n",
+              "pack_error_fed (and vector_energies) cases and %lld scatter_leaves cases match the reference\n",
               static_cast<unsigned long long>(seed), seconds, static_cast<long long>(topk_cases),
               static_cast<long long>(zfp_cases), static_cast<long long>(sign_cases),
-              static_cast<long long>(pack_cases));
+              static_cast<long long>(pack_cases), static_cast<long long>(scatter_cases));
   return 0;
 }

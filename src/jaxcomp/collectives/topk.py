@@ -10,6 +10,7 @@ from jaxcomp.collectives import LEADERS, SELECTORS, sizes
 from jaxcomp.collectives._common import axis_size, check_rows, local_vector
 from jaxcomp.ops import _checks, _ffi
 from jaxcomp.ops._checks import check_choice
+from jaxcomp.ops.scatter import SparseTotal
 from jaxcomp.ops.topk import threshold_topk, topk
 
 
@@ -58,12 +59,19 @@ def _dense(n, indices, values, dtype):
     )
 
 
+def _no_sparse_scatter(sparse_total):
+    if sparse_total:
+        raise ValueError("sparse_total=True applies to the replicated total, not to scatter=True")
+
+
 def _sent(n, indices, values, dtype, sparse):
     """A top-k collective's ``sent``: dense, or the ``(indices, values)`` pairs with ``sparse``."""
     return (indices, values.astype(dtype)) if sparse else _dense(n, indices, values, dtype)
 
 
-def allgather_topk(x, k, axis_name, selector="exact", *, sparse_sent=False, scatter=False):
+def allgather_topk(
+    x, k, axis_name, selector="exact", *, sparse_sent=False, scatter=False, sparse_total=False
+):
     """Top-k sparsification aggregated by all-gathering ``(values, indices)``.
 
     Each device selects its ``k`` largest-magnitude entries, every device gathers all ``N k`` pairs
@@ -80,6 +88,10 @@ def allgather_topk(x, k, axis_name, selector="exact", *, sparse_sent=False, scat
         place instead of building and subtracting a dense vector: one pass less over the gradient.
       scatter: sharded training: ``x`` is ``N`` rows of equal length and ``total`` is only this
         device's row of the sum (the gathered pairs that fall in it, added in the same order).
+      sparse_total: return ``total`` as a :class:`jaxcomp.ops.scatter.SparseTotal` of the
+        gathered pairs, never built as a dense vector here
+        (:func:`jaxcomp.ops.scatter.scatter_leaves` writes it into the update's leaves). Not
+        with ``scatter``.
 
     Returns:
       ``(total, sent)``: the sum of every device's selected entries (dtype of ``x``), and this
@@ -108,13 +120,15 @@ def allgather_topk(x, k, axis_name, selector="exact", *, sparse_sent=False, scat
     all_values = jax.lax.all_gather(values, axis_name, to="invarying")
     all_indices = jax.lax.all_gather(indices, axis_name, to="invarying")
     if scatter:
+        _no_sparse_scatter(sparse_total)
         n_devices = check_rows(n, axis_name)
         total = _scatter_own_row(
             n, n_devices, jax.lax.axis_index(axis_name), all_indices, all_values
-        )
+        ).astype(x.dtype)
     else:
-        total = _scatter_rows(n, all_indices, all_values)
-    return total.astype(x.dtype), _sent(n, indices, values, x.dtype, sparse_sent)
+        total = SparseTotal(all_indices, all_values, n, dtype=x.dtype)
+        total = total if sparse_total else total.dense()
+    return total, _sent(n, indices, values, x.dtype, sparse_sent)
 
 
 def _check_step(step):
@@ -162,6 +176,7 @@ def ar_topk(
     *,
     sparse_sent=False,
     scatter=False,
+    sparse_total=False,
     _broadcast="psum",
 ):
     """AR-Topk: one leader's top-k indices for everyone, then one all-reduce of ``k`` values.
@@ -189,6 +204,8 @@ def ar_topk(
         place instead of building and subtracting a dense vector: one pass less over the gradient.
       scatter: sharded training: ``x`` is ``N`` rows of equal length and ``total`` is only this
         device's row of the sum (the summed values whose indices fall in it).
+      sparse_total: return ``total`` as a :class:`jaxcomp.ops.scatter.SparseTotal` (the shared
+        indices and the summed values), never built as a dense vector here. Not with ``scatter``.
 
     Returns:
       ``(total, sent)``: the sum over devices of their values at the leader's indices (zeros
@@ -240,6 +257,7 @@ def ar_topk(
     values = x[shared]
     summed = jax.lax.psum(values, axis_name)
     if scatter:
+        _no_sparse_scatter(sparse_total)
         row = n // check_rows(n, axis_name)
         total = (
             jnp.zeros(row, x.dtype)
@@ -247,7 +265,8 @@ def ar_topk(
             .set(summed.astype(x.dtype), mode="drop")
         )
     else:
-        total = _dense(n, shared, summed, x.dtype)
+        total = SparseTotal(shared, summed, n, add=False, dtype=x.dtype)
+        total = total if sparse_total else total.dense()
     return total, _sent(n, shared, values, x.dtype, sparse_sent)
 
 

@@ -87,14 +87,16 @@ class RandomK(Fraction, Method):
         import jax.numpy as jnp
 
         from jaxcomp import collectives
+        from jaxcomp.ops.scatter import SparseTotal
 
         n = x.shape[0]
         indices = shared_indices(key, n, self.kept(n))
         values = x[indices]
         summed, _ = collectives.psum(values, axis_name)
-        total = jnp.zeros(n, x.dtype).at[indices].set(summed, unique_indices=True)
-        if sparse:
+        total = SparseTotal(indices, summed, n, add=False, dtype=x.dtype)
+        if sparse:  # the pairs: error feedback and the update take them as they are
             return total, (indices, values), state
+        total = total.dense()
         return total, jnp.zeros_like(x).at[indices].set(values, unique_indices=True), state
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):

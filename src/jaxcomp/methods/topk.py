@@ -99,7 +99,7 @@ class TopK(Fraction, Method):
         k = self.kept(x.shape[0])
         if self.collective == "allgather":
             total, sent = collectives.allgather_topk(
-                x, k, axis_name, selector=self.selector, sparse_sent=sparse
+                x, k, axis_name, selector=self.selector, sparse_sent=sparse, sparse_total=sparse
             )
         elif self.collective == "ar":
             total, sent = collectives.ar_topk(
@@ -110,6 +110,7 @@ class TopK(Fraction, Method):
                 step=step,
                 selector=self.selector,
                 sparse_sent=sparse,
+                sparse_total=sparse,
             )
         else:
             outer, inner = axis_name

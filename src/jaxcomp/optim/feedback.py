@@ -35,7 +35,7 @@ import optax
 
 from jaxcomp import methods
 from jaxcomp.methods import Method
-from jaxcomp.ops import _ffi, flat
+from jaxcomp.ops import _ffi, flat, scatter
 from jaxcomp.optim import packing, readiness, sharding
 from jaxcomp.optim.config import FeedbackConfig
 from jaxcomp.optim.stages import divergence, error_feedback, guard, mask, metrics, momentum
@@ -335,13 +335,13 @@ def _sum_error_fed(
         feds,
         sum(counts),
         c.axis_name,
-        lambda: guard.count_totals(result.totals, c.axis_name, sharded),
+        lambda: guard.count_totals(_dense(result.totals), c.axis_name, sharded),
         _narrowest(grads.comm_dtype, state.methods),
         gradient,
         [None if p is None else p.fed for p in packs],
     )
     if c.nonfinite == "zero":  # an overflowed total counts as 0 (skip/raise zero the update)
-        result = result._replace(totals=[guard.dropped(t) for t in result.totals])
+        result = result._replace(totals=[_dropped(t) for t in result.totals])
     remainings = _remainings(feds, result) if keeps_residual else [None] * len(feds)
     return _Aggregated(
         out,
@@ -356,6 +356,17 @@ def _sum_error_fed(
         plain_kept,
         energies,
     )
+
+
+def _dense(totals) -> list:
+    """The totals as dense vectors (a sparse total built only where something reads every
+    entry: the rare step whose energies allow an overflow)."""
+    return [t.dense() if isinstance(t, scatter.SparseTotal) else t for t in totals]
+
+
+def _dropped(total):
+    """The total with its non-finite entries as 0 (a sparse total drops them as it is written)."""
+    return total.dropped() if isinstance(total, scatter.SparseTotal) else guard.dropped(total)
 
 
 def _as_sent(vectors, result: Aggregation) -> list:

@@ -13,7 +13,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.ops import flat
+from jaxcomp.ops import flat, scatter
 from jaxcomp.optim import sharding
 
 
@@ -110,7 +110,8 @@ def write(out, leaves, positions, total, scale, skipped, shards=None):
       out: the update's leaves, written in place at ``positions``.
       leaves: the gradients' leaves (shapes and dtypes).
       positions: the group's leaf positions.
-      total: the group's aggregate.
+      total: the group's aggregate: a dense vector, or a :class:`jaxcomp.ops.scatter.SparseTotal`
+        (written into the leaves by :func:`jaxcomp.ops.scatter.scatter_leaves`, without sharding).
       scale: ``1 / devices`` for the mean, else 1.
       skipped: the step's skip flag, or None.
       shards: the devices sharing the shards, or None.
@@ -128,6 +129,13 @@ def write(out, leaves, positions, total, scale, skipped, shards=None):
     References:
       Tyagi & Swany, arXiv 2312.02493, Alg. 1 (the averaged aggregate).
     """
+    if isinstance(total, scatter.SparseTotal):  # top-k, random-k: the pairs, into the leaves
+        if shards is not None:
+            raise ValueError("a sparse total is replicated; sharded updates take dense rows")
+        shapes = [leaves[i].shape for i in positions]
+        for i, update in zip(positions, scatter.scatter_leaves(total, shapes, scale, skipped)):
+            out[i] = update.astype(leaves[i].dtype)
+        return
     offset = 0
     for i in positions:
         size, shape = leaves[i].size, leaves[i].shape

@@ -195,7 +195,7 @@ def after_previous_bucket(vector, buckets, i: int, totals: list):
     if buckets is None or buckets[i] == 0:
         return vector
     previous = [t for t, b in zip(totals, buckets) if b == buckets[i] - 1 and t is not None]
-    return depends_on(vector, previous)
+    return depends_on(vector, jax.tree.leaves(previous))  # a sparse total: its pairs
 
 
 def depends_on(vector, values):
