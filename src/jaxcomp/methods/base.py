@@ -65,7 +65,9 @@ class Method:
       codec).
     * ``sparse = False``: :meth:`aggregate` can return ``sent`` as ``(indices, values)`` pairs
       when asked (``sparse=True``), so error feedback takes them off in place instead of
-      subtracting a dense vector.
+      subtracting a dense vector. Asked so, it may also return ``total`` as a
+      :class:`jaxcomp.ops.scatter.SparseTotal` (the summed pairs), which the update writes
+      straight into the leaves (top-k and random-k do).
     * ``replicated_total = True``: ``total`` comes out typed replicated (invariant) inside
       ``shard_map``; :func:`jaxcomp.compress_auto` needs this of every candidate, since its
       branches must agree.
@@ -191,7 +193,8 @@ class Method:
           axis_name: the mesh axis, or the tuple of axes, to sum over.
           step: the training step (an int32 scalar, replicated).
           key: a ``jax.random`` key for this step and vector, replicated.
-          sparse: with :attr:`sparse`, return ``sent`` as ``(indices, values)``.
+          sparse: with :attr:`sparse`, return ``sent`` as ``(indices, values)`` (and ``total``
+            as a dense vector or a :class:`jaxcomp.ops.scatter.SparseTotal`).
           state: with :attr:`stateful`, the method's state from :meth:`init_state` for these
             leaves (or from the previous step); None otherwise. A stateful method also takes
             ``shapes=``, the shapes of the leaves ``x`` is made of.
