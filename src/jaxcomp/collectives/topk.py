@@ -20,19 +20,13 @@ def _select(x, k, selector):
     return (topk if selector == "exact" else threshold_topk)(x, k)
 
 
-def _scatter_rows(n, indices, values, *, in_range=False):
-    """Float32 sum of the sparse rows ``(indices[r], values[r])`` into a dense vector of ``n``.
-
-    Each row's indices are distinct, so every scatter is free of collisions, and rows are added in
-    a fixed order: the sum is deterministic (no atomics) and identical wherever the rows are.
-    ``in_range``: indices ``>= n`` are dropped (they may repeat: :func:`_localize`'s marker).
-    """
+def _scatter_rows_in_range(n, indices, values):
+    """Float32 sum of the sparse rows ``(indices[r], values[r])`` into a dense vector of ``n``, in
+    row order (as :meth:`SparseTotal.dense`), where indices ``>= n`` are dropped and may repeat
+    (:func:`_localize`'s marker), so no scatter may assume them distinct."""
 
     def add_row(row, total):
-        update = values[row].astype(jnp.float32)
-        if in_range:
-            return total.at[indices[row]].add(update, mode="drop")
-        return total.at[indices[row]].add(update, unique_indices=True)
+        return total.at[indices[row]].add(values[row].astype(jnp.float32), mode="drop")
 
     return jax.lax.fori_loop(
         0, indices.shape[0], add_row, _ffi.like_varying(jnp.zeros(n, jnp.float32), indices)
@@ -47,16 +41,15 @@ def _localize(indices, row, me):
 
 
 def _scatter_own_row(n, n_devices, me, all_indices, all_values):
-    """:func:`_scatter_rows` of the gathered pairs, keeping only this device's row of ``n / N``
-    values (sharded training): the same additions in the same order, on fewer entries."""
+    """The gathered pairs summed as the replicated total sums them, keeping only this device's
+    row of ``n / N`` values (sharded training): the same additions in the same order, on fewer
+    entries."""
     row = n // n_devices
-    return _scatter_rows(row, _localize(all_indices, row, me), all_values, in_range=True)
+    return _scatter_rows_in_range(row, _localize(all_indices, row, me), all_values)
 
 
 def _dense(n, indices, values, dtype):
-    return (
-        jnp.zeros(n, dtype).at[indices].set(values.astype(dtype), unique_indices=True, mode="drop")
-    )
+    return SparseTotal(indices, values, n, add=False, dtype=dtype).dense()
 
 
 def _no_sparse_scatter(sparse_total):
@@ -340,7 +333,8 @@ def hierarchical_topk(x, k, inner_axis, outer_axis, selector="exact", *, sparse_
     values, indices = (
         a.transpose(1, 0, 2).reshape(outer, inner * k_shard) for a in (values, indices)
     )
-    total = _scatter_rows(inner * shard, indices, values)[:n].astype(x.dtype)
+    total = SparseTotal(indices, values, inner * shard, dtype=jnp.float32).dense()
+    total = total[:n].astype(x.dtype)
     node_set = indices[jax.lax.axis_index(outer_axis)]
     if sparse_sent:
         # Padding entries (index >= n) carry 0; scatters of them are dropped.
