@@ -51,14 +51,16 @@ class SparseTotal:
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        n, add, dtype, drop = aux
-        return cls(*children, n, add=add, dtype=dtype, drop=drop)
+        # No conversion: JAX may unflatten with placeholders in place of the arrays.
+        total = object.__new__(cls)
+        total.indices, total.values = children
+        total.n, total.add, total.dtype, total.drop = aux
+        return total
 
     def dropped(self) -> SparseTotal:
         """The same total with its non-finite sums as 0."""
-        return SparseTotal(
-            self.indices, self.values, self.n, add=self.add, dtype=self.dtype, drop=True
-        )
+        aux = (self.n, self.add, self.dtype, True)
+        return self.tree_unflatten(aux, (self.indices, self.values))
 
     def dense(self):
         """The total as a dense ``[n]`` vector of :attr:`dtype`, in XLA ops."""
