@@ -125,7 +125,31 @@ def scatter_leaves_xla(total: SparseTotal, shapes, scale=1.0, silenced=None):
       Tyagi & Swany, arXiv 2312.02493, Alg. 1 (the averaged aggregate).
     """
     _check(total, shapes, scale)
-    dense, out, offset = total.dense(), [], 0
+    return split_scaled(total.dense(), shapes, scale, silenced)
+
+
+def split_scaled(dense, shapes, scale=1.0, silenced=None):
+    """A dense total's leaves of ``shapes``, in order, each in float32 times ``scale`` (zeros when
+    ``silenced``): how the update is read out of any dense total.
+
+    Args:
+      dense: a 1-D array of at least the shapes' total size.
+      shapes: the leaves' shapes, in order.
+      scale: every entry's factor (``1 / devices`` for the mean).
+      silenced: None, or a bool scalar: True makes every leaf 0.
+
+    Returns:
+      A list of float32 arrays of ``shapes``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> [x.tolist() for x in split_scaled(jnp.array([2.0, 4.0, 6.0]), [(1,), (2,)], 0.5)]
+      [[1.0], [2.0, 3.0]]
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, Alg. 1 (the averaged aggregate).
+    """
+    out, offset = [], 0
     for shape in shapes:
         size = int(np.prod(shape))
         update = dense[offset : offset + size].reshape(shape).astype(jnp.float32) * scale

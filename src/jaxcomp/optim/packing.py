@@ -132,23 +132,17 @@ def write(out, leaves, positions, total, scale, skipped, shards=None):
     if isinstance(total, scatter.SparseTotal):  # top-k, random-k: the pairs, into the leaves
         if shards is not None:
             raise ValueError("a sparse total is replicated; sharded updates take dense rows")
-        shapes = [leaves[i].shape for i in positions]
-        for i, update in zip(positions, scatter.scatter_leaves(total, shapes, scale, skipped)):
-            out[i] = update.astype(leaves[i].dtype)
-        return
-    offset = 0
-    for i in positions:
-        size, shape = leaves[i].size, leaves[i].shape
-        if shards is not None:
-            size, shape = (
-                sharding.shard_length(size, shards),
-                (sharding.shard_length(size, shards),),
-            )
-        update = total[offset : offset + size].reshape(shape).astype(jnp.float32) * scale
-        if skipped is not None:
-            update = jnp.where(skipped, 0.0, update)
+        updates = scatter.scatter_leaves(
+            total, [leaves[i].shape for i in positions], scale, skipped
+        )
+    else:
+        shapes = [
+            leaves[i].shape if shards is None else (sharding.shard_length(leaves[i].size, shards),)
+            for i in positions
+        ]
+        updates = scatter.split_scaled(total, shapes, scale, skipped)
+    for i, update in zip(positions, updates):
         out[i] = update.astype(leaves[i].dtype)
-        offset += size
 
 
 def keep(new, old, leaves, positions, vector, skipped, shards=None):
