@@ -72,8 +72,10 @@ def test_a_worker_dying_between_syncs_is_an_error_in_the_other_within_60_s(
     assert killed == -9, text[-3000:]
     assert code == 1, text[-3000:]  # a Python exception the script can catch, not an abort
     assert "Traceback" in text and "process(es) 1" in text, text[-3000:]
-    stopped = float(re.search(r"^stopping ([\d.]+)$", text, re.M).group(1))
-    raised = float(re.search(r"^raised \w+ ([\d.]+)$", text, re.M).group(1))
+    stopping = re.search(r"^stopping ([\d.]+)$", text, re.M)
+    raising = re.search(r"^raised \w+ ([\d.]+)$", text, re.M)
+    assert stopping and raising, text[-3000:]  # the log, where a line is missing
+    stopped, raised = float(stopping.group(1)), float(raising.group(1))
     assert raised - stopped < 60, (raised - stopped, text[-3000:])
     # The first sync ran (steps 0-3); the peer died before step 6, so the next sync (after step
     # 7) never completed.
