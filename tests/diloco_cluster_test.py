@@ -23,22 +23,32 @@ def job_env(**extra):
 
 
 @pytest.mark.multiprocess
-def test_two_hosts_train_like_one_process(tmp_path):
-    need_devices(2)
+@pytest.mark.parametrize("zero", [False, True], ids=["one-device-hosts", "zero-2x2"])
+def test_two_hosts_train_like_one_process(tmp_path, zero):
+    """One worker per host; with ``zero`` each host has 2 devices, the inner axis (its Adam
+    state split over them, shard="optimizer"), and only the sync crosses the emulated link."""
+    need_devices(4 if zero else 2)
     cluster.check_support()  # CI runs as root: a missing capability is a failure here, not a skip
     with open(tmp_path / "log", "w") as log, Cluster(2, rate="100mbit") as c:
         codes = c.run(
-            [diloco_worker.__file__, str(tmp_path), "train"],
+            [diloco_worker.__file__, str(tmp_path), "train"] + (["zero"] if zero else []),
+            devices_per_host=2 if zero else 1,
             timeout=240,
             env=job_env(),
             stdout=log,
             stderr=log,
             cwd="/",
         )
-    assert codes == [0, 0], (tmp_path / "log").read_text()[-3000:]
+    log = (tmp_path / "log").read_text()
+    assert codes == [0, 0], log[-3000:]
+    mesh = "mesh workers=2 data=2" if zero else "mesh workers=2"
+    assert log.count(mesh + "\n") == 2, log[-3000:]
     import jax
 
-    want = diloco_worker.reference(jax.devices()[:2])
+    if zero:
+        want = diloco_worker.reference(jax.devices()[:4], workers=2)
+    else:
+        want = diloco_worker.reference(jax.devices()[:2])
     hosts = [np.load(tmp_path / f"host{i}.npz") for i in range(2)]
     for name, value in want.items():
         np.testing.assert_array_equal(hosts[0][name], hosts[1][name], err_msg=name)

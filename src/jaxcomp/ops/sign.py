@@ -238,7 +238,8 @@ def sign_unpack_sum(words, scales, n, chunk=DEFAULT_CHUNK, *, implementation=Non
         def add(row, total):
             return total + sign_unpack(w[row], s[row], n, chunk, implementation="xla")
 
-        return jax.lax.fori_loop(0, w.shape[0], add, jnp.zeros(n, jnp.float32))
+        zeros = _ffi.like_varying_operands(jnp.zeros(n, jnp.float32), (w, s))
+        return jax.lax.fori_loop(0, w.shape[0], add, zeros)
 
     call = _ffi.ffi_call(
         "jaxcomp_sign_unpack_sum",

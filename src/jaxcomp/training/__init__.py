@@ -1,7 +1,7 @@
 """Layer 6, training: :func:`data_parallel` (the jitted, sharded step; :mod:`.trainer`, built from
 :mod:`.state`, :mod:`.layout`, :mod:`.mask`, :mod:`.step`, :mod:`.dispatch`, :mod:`.reprobe` and
-:mod:`.resize`), DiLoCo's outer loop (:func:`diloco`: :mod:`.diloco` and :mod:`.outer`) and the
-model zoo that the benchmarks train (:mod:`.zoo`).
+:mod:`.resize`), DiLoCo's outer loop (:func:`diloco`: :mod:`.diloco`, :mod:`.inner` and
+:mod:`.outer`) and the model zoo that the benchmarks train (:mod:`.zoo`).
 """
 
 from jaxcomp._lazy import attach
@@ -11,6 +11,7 @@ __getattr__, __dir__, __all__ = attach(
     submodules=(
         "trainer",
         "diloco",
+        "inner",
         "outer",
         "state",
         "layout",

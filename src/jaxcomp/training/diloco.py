@@ -25,14 +25,9 @@ from jaxcomp.methods import Dense, Method
 from jaxcomp.optim.compression import compress as make_compress
 from jaxcomp.optim.transform import compress_states
 from jaxcomp.training.dispatch import DEFAULT_MAX_STEPS_IN_FLIGHT, BoundedStep
+from jaxcomp.training.inner import DILOCO_SHARD_MODES, EXCHANGE_MODES, Inner
 from jaxcomp.training.layout import Layout
-from jaxcomp.training.outer import (
-    DiLoCoState,
-    Schedule,
-    diloco_step,
-    inner_mean,
-    strided_groups,
-)
+from jaxcomp.training.outer import DiLoCoState, Schedule, diloco_step, strided_groups
 from jaxcomp.training.state import avals_of, check_params, tree_key
 
 __all__ = ["DEFAULT_MIXING", "DiLoCo", "DiLoCoState", "diloco"]
@@ -53,12 +48,14 @@ class _Plan:
                 f"fragments={run.fragments} is more than the {len(leaves)} leaves of params: "
                 "a fragment is a group of whole leaves; pass fragments <= the number of leaves"
             )
-        _refuse_inner_compress(run.user_inner_tx, avals)
+        _refuse_inner_compress(run.inner.user_tx, avals)
         groups = strided_groups(len(leaves), run.fragments)
         self.schedule = Schedule(run.sync_every, run.fragments, run.delay, groups)
         self.group_avals = [[leaves[i] for i in group] for group in groups]
+        # What the outer compress sees: the fragment's leaves, or this device's blocks of them.
+        self.block_avals = [run.inner.block_avals(g) for g in self.group_avals]
         try:
-            self.masks = [run.compress_layout.per_device_mask(g) for g in self.group_avals]
+            self.masks = [run.compress_layout.per_device_mask(b) for b in self.block_avals]
         except (ValueError, NameError) as error:
             axis_error = ("differ per device", "no such axis")
             if isinstance(error, ValueError) and not any(m in str(error) for m in axis_error):
@@ -69,22 +66,22 @@ class _Plan:
                 f"jaxcomp.compress('ar_topk', ratio=0.1, axis_name={run.outer_axis!r}) "
                 f"(or pass the method alone: diloco builds the compress); {error}"
             ) from None
+        self.splits = run.inner.splits
         self.specs = self._specs(run, avals)
 
     def _specs(self, run, avals):
         """The :class:`DiLoCoState` of ``PartitionSpec`` s."""
         worker = P(run.outer_axis)
-        inner_avals = jax.eval_shape(run.inner_tx.init, avals)
         return DiLoCoState(
             global_params=jax.tree.map(lambda _: P(), avals),
             local_params=jax.tree.map(lambda _: worker, avals),
-            inner_state=jax.tree.map(lambda _: worker, inner_avals),
+            inner_state=jax.tree.map(lambda _: run.inner.spec, run.inner.state_avals(avals)),
             outer_state=tuple(
                 jax.tree.map(lambda _: P(), jax.eval_shape(run.outer_tx.init, g))
                 for g in self.group_avals
             ),
             compress_state=tuple(
-                state_def.unflatten([worker if m else P() for m in mask])
+                state_def.unflatten([run.inner.exchange_spec(m) for m in mask])
                 for state_def, mask in self.masks
             ),
             pending=tuple(jax.tree.map(lambda _: P(), g) for g in self.group_avals)
@@ -98,8 +95,9 @@ class _Plan:
         stacked back into a row of ``[n_workers, ...]``."""
         state_def, mask = self.masks[fragment]
         leaves = state_def.flatten_up_to(compress_state)
+        stacked = [m or self.splits for m in mask]  # a split exchange stacks every leaf
         return state_def.unflatten(
-            [(x[0] if take else x[None]) if m else x for x, m in zip(leaves, mask)]
+            [(x[0] if take else x[None]) if r else x for x, r in zip(leaves, stacked)]
         )
 
 
@@ -107,21 +105,15 @@ class DiLoCo:
     """The object :func:`diloco` returns: ``init``, ``step``, ``shard_batch``, ``params``,
     ``state_shapes`` and ``restore``."""
 
-    def __init__(self, loss_fn, inner_tx, outer_tx, compress_tx, mesh, axes, schedule, options):
+    def __init__(self, loss_fn, inner, outer_tx, compress_tx, mesh, schedule, options):
         self.loss_fn = loss_fn
-        self.user_inner_tx = inner_tx
+        self.inner = inner
         self.outer_tx = outer_tx
         self.compress_tx = compress_tx
         self.mesh = mesh
-        self.outer_axis, self.inner_axis = axes
+        self.outer_axis, self.inner_axis = inner.outer_axis, inner.inner_axis
         self.sync_every, self.fragments, self.delay = schedule
         self.mixing, self.has_aux, self.worker_metrics, max_steps_in_flight = options
-        if self.inner_axis is not None:
-            # The inner gradients are averaged over the fast axis first, densely.
-            inner_tx = optax.chain(
-                inner_mean(self.inner_axis, mesh.shape[self.inner_axis]), inner_tx
-            )
-        self.inner_tx = inner_tx
         self.compress_layout = Layout(compress_tx, mesh, self.outer_axis)
         self.n_workers = mesh.shape[self.outer_axis]
         self.data_axes = (
@@ -278,12 +270,25 @@ class DiLoCo:
         return DiLoCoState(
             global_params=params,
             local_params=jax.tree.map(per_worker, params),
-            inner_state=jax.tree.map(per_worker, self.inner_tx.init(params)),
+            inner_state=self.inner.initial_state(params),
             outer_state=tuple(self.outer_tx.init(g) for g in groups),
-            compress_state=tuple(self.compress_layout.initial_state(g).opt_state for g in groups),
+            compress_state=tuple(self._initial_compress(plan, f, g) for f, g in enumerate(groups)),
             pending=tuple([jnp.zeros_like(x) for x in g] for g in groups) if self.delay else (),
             step=jnp.zeros((), jnp.int32),
         )
+
+    def _initial_compress(self, plan, fragment: int, leaves):
+        """Fragment ``fragment``'s initial outer compress state: of its leaves, or (split
+        exchange) of one device's blocks, its per-device leaves laid out for every device."""
+        if not self.inner.splits:
+            return self.compress_layout.initial_state(leaves).opt_state
+        blocks = [jnp.zeros(a.shape, a.dtype) for a in plan.block_avals[fragment]]
+        state = self.compress_layout.initial_state(blocks).opt_state
+        state_def, mask = plan.masks[fragment]
+        rows = [
+            self.inner.exchange_rows(x, m) for x, m in zip(state_def.flatten_up_to(state), mask)
+        ]
+        return state_def.unflatten(rows)
 
     def _step(self, state: DiLoCoState, batch):
         _check_batch(batch, self)
@@ -336,6 +341,7 @@ def diloco(
     has_aux: bool = False,
     worker_metrics: bool = False,
     shard: str | None = None,
+    exchange: str | None = None,
     max_steps_in_flight: int | None = DEFAULT_MAX_STEPS_IN_FLIGHT,
 ) -> DiLoCo:
     """DiLoCo: workers train alone for ``sync_every`` steps, then exchange compressed
@@ -372,10 +378,13 @@ def diloco(
     **Two-level mesh** (``inner_axis``): a worker is the row of devices at one position of
     ``outer_axis``; they split the worker's batch block and average their gradients over
     ``inner_axis`` every inner step (a dense all-reduce through :mod:`jaxcomp.collectives`, at the
-    head of the inner chain: :func:`jaxcomp.training.outer.inner_mean`). Every device of a worker
-    runs the outer exchange with the same device of the other workers, each over the whole
-    fragment (``bytes_sent`` is per device, and each device of the row sends it; a
-    reduce-scatter over the inner axis first would cut that by the inner size: not built yet).
+    head of the inner chain: :func:`jaxcomp.training.inner.inner_mean`); with
+    ``shard="optimizer"`` a reduce-scatter, each device updating its shards, and an all-gather of
+    the params instead (ZeRO stage 1 over the row). The outer exchange is split over the row
+    (``exchange="split"``): device ``i`` of every worker sends the ``i``-th block of each leaf
+    to device ``i`` of the other workers, and the row all-gathers the averaged blocks, so the
+    slow axis carries each value once per worker, not once per device (``bytes_sent`` is per
+    device: the block's bytes).
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``), on one
@@ -409,8 +418,17 @@ def diloco(
       has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` goes to the metrics like the loss.
       worker_metrics: report ``loss`` (and ``aux``) per worker, ``[n_workers]``, instead of the
         mean over all devices; then nothing crosses ``outer_axis`` outside a sync.
-      shard: not supported (None only): ZeRO sharding over the inner axis does not compose with
-        per-worker params yet.
+      shard: None, or ``"optimizer"`` (needs ``inner_axis``): ZeRO stage 1 over each worker's
+        row, every device keeps the inner optimizer state of its ``1/n`` shard of each leaf
+        (:mod:`jaxcomp.training.inner`); the worker's params stay whole on every device, as the
+        outer exchange reads them. ``"params"`` is refused.
+      exchange: how a two-level mesh's row sends the pseudo-gradient over ``outer_axis``:
+        ``"split"`` (the default with ``inner_axis``): each device of the row sends only its
+        ``1/n`` block of every leaf (along the leaf's longest axis, so a matrix stays a matrix)
+        through ``compress`` with its own error-feedback residual, and the row all-gathers the
+        averaged blocks: ``n`` times fewer bytes per device over the slow axis (a hierarchical
+        all-reduce). ``"whole"``: every device sends all of it (the row's devices repeat the
+        same exchange). Without ``inner_axis``: None or ``"whole"``.
       max_steps_in_flight: as :func:`jaxcomp.data_parallel`'s.
 
     Returns:
@@ -445,12 +463,6 @@ def diloco(
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    if shard is not None:
-        raise ValueError(
-            f"shard={shard!r} is not supported by diloco: each worker keeps its own params and "
-            "optimizer state, replicated over inner_axis (ZeRO over the inner axis is not built "
-            "yet); pass shard=None"
-        )
     inner_tx = optax.adamw(4e-4, weight_decay=0.1) if inner_tx is None else inner_tx
     if isinstance(inner_tx, optax.MultiSteps):
         inner_tx = inner_tx.gradient_transformation()
@@ -459,13 +471,19 @@ def diloco(
         if not isinstance(value, optax.GradientTransformation):
             raise TypeError(f"{name} must be an optax GradientTransformation, got {value!r}")
     mesh = _check_mesh(mesh, outer_axis, inner_axis)
+    inner = Inner(
+        inner_tx,
+        mesh,
+        outer_axis,
+        inner_axis,
+        _check_shard(shard, inner_axis),
+        _check_exchange(exchange, inner_axis),
+    )
     schedule = _check_schedule(sync_every, fragments, delay)
     mixing = _check_mixing(mixing, delay)
     compress_tx = _outer_compress(compress, outer_axis)
     options = (mixing, bool(has_aux), bool(worker_metrics), _check_in_flight(max_steps_in_flight))
-    return DiLoCo(
-        loss_fn, inner_tx, outer_tx, compress_tx, mesh, (outer_axis, inner_axis), schedule, options
-    )
+    return DiLoCo(loss_fn, inner, outer_tx, compress_tx, mesh, schedule, options)
 
 
 def _check_mesh(mesh, outer_axis, inner_axis):
@@ -488,6 +506,39 @@ def _check_mesh(mesh, outer_axis, inner_axis):
         # The step places everything itself; Explicit axes would type every value inside it.
         mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
     return mesh
+
+
+def _check_shard(shard, inner_axis):
+    """``shard`` checked: None, or "optimizer" on a two-level mesh."""
+    if shard == "params":
+        raise ValueError(
+            "shard='params' is not supported by diloco: the outer exchange reads each worker's "
+            "whole params (global minus local) on every device of its row, so they stay whole; "
+            "shard='optimizer' splits the inner optimizer state over inner_axis"
+        )
+    if shard not in DILOCO_SHARD_MODES:
+        raise ValueError(f"shard must be one of {DILOCO_SHARD_MODES}, got {shard!r}")
+    if shard is not None and inner_axis is None:
+        raise ValueError(
+            f"shard={shard!r} splits each worker's inner optimizer state over its inner_axis: "
+            "pass inner_axis= (a two-level mesh, e.g. Mesh(devices.reshape(4, 2), "
+            "('workers', 'data')) with inner_axis='data'), or shard=None"
+        )
+    return shard
+
+
+def _check_exchange(exchange, inner_axis):
+    """``exchange`` checked; None is "split" on a two-level mesh, else "whole"."""
+    if exchange is None:
+        return "whole" if inner_axis is None else "split"
+    if exchange not in EXCHANGE_MODES:
+        raise ValueError(f"exchange must be one of {EXCHANGE_MODES} or None, got {exchange!r}")
+    if exchange == "split" and inner_axis is None:
+        raise ValueError(
+            "exchange='split' splits the outer exchange over the devices of a worker's row: "
+            "pass inner_axis= (a two-level mesh), or exchange=None"
+        )
+    return exchange
 
 
 def _positive_int(value, name, minimum):

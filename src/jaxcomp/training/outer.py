@@ -3,8 +3,9 @@ every device (:func:`diloco_step`).
 
 One step is one ``jax.shard_map`` over the whole mesh (``jax.jit`` around it is the caller's).
 Each worker (a position on the outer axis) takes one inner step on its own batch shard with its
-own params and inner optimizer state; with an inner axis, the gradient is averaged over it by a
-dense :func:`jaxcomp.compress` at the head of the inner chain. Then, fragment by fragment, two
+own params and inner optimizer state; with an inner axis, the gradient is averaged over it
+(:mod:`.inner`: an all-reduce, or with ``shard="optimizer"`` a reduce-scatter to the shards' owners
+and an all-gather of the updated params). Then, fragment by fragment, two
 ``lax.cond`` s keyed on the traced step counter: the *exchange* (the pseudo-gradient through the
 outer ``compress``, the only collective over the outer axis) and the *application* (the outer
 optimizer on the global params, and the workers' restart from them). A step whose counter
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp.collectives import dense, small
+from jaxcomp.collectives import small
 from jaxcomp.optim.transform import find_compress_state
 from jaxcomp.optim.vma import cast_varying, varying_axes
 
@@ -34,12 +35,15 @@ class DiLoCoState(NamedTuple):
     global_params: Any
     # each worker's params: every leaf [n_workers, *shape], sharded over the outer axis
     local_params: Any
-    # inner_tx's state per worker: every leaf [n_workers, ...], sharded over the outer axis
+    # inner_tx's state per worker: every leaf [n_workers, ...], sharded over the outer axis; with
+    # shard="optimizer", per device of its shards: [n_workers * n_inner, ...] over both axes
     inner_state: Any
     # per fragment: outer_tx's state of the fragment's leaves (a list), replicated
     outer_state: tuple
     # per fragment: the outer compress's state; its per-worker leaves (the error-feedback
-    # residual) [n_workers, ...] sharded over the outer axis, the rest replicated
+    # residual) [n_workers, ...] sharded over the outer axis, the rest replicated; with a split
+    # exchange every leaf has a row per device (of its blocks): [n_workers * n_inner, ...] over
+    # both axes, or [n_inner, ...] over the inner axis for the leaves the workers share
     compress_state: tuple
     # per fragment, with delay > 0: the aggregated pseudo-gradient (a list of f32 leaves,
     # replicated) waiting to be applied; () with delay = 0
@@ -146,8 +150,7 @@ def diloco_step(run, plan, state: DiLoCoState, batch):
         local = jax.tree.map(lambda x: x[0], state.local_params)
         inner_state = jax.tree.map(lambda x: x[0], state.inner_state)
         loss, aux, grads = _local_gradients(run, local, batch)
-        updates, inner_state = run.inner_tx.update(grads, inner_state, local)
-        local = optax.apply_updates(local, updates)
+        local, inner_state = run.inner.step(local, grads, inner_state)
         count = state.step + 1
         new_state, sent, synced = _outer_rounds(run, plan, count, state, local)
         new_state = new_state._replace(inner_state=jax.tree.map(lambda x: x[None], inner_state))
@@ -195,41 +198,6 @@ def _outer_rounds(run, plan, count, state: DiLoCoState, local):
     return new_state, sent, synced
 
 
-def inner_mean(axis_name, size: int) -> optax.GradientTransformation:
-    """The gradients averaged over a worker's fast axis (a dense all-reduce), as a stateless
-    optax transformation: the head of a two-level run's inner chain.
-
-    Args:
-      axis_name: the inner mesh axis.
-      size: its number of devices.
-
-    Returns:
-      An ``optax.GradientTransformation``; its ``update`` runs inside ``shard_map``.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, numpy as np
-      >>> from jax.sharding import PartitionSpec as P
-      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
-      >>> tx = inner_mean("data", 2)
-      >>> f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
-      ...                   in_specs=P("data"), out_specs=P())
-      >>> f(jnp.arange(4.0)).tolist()
-      [1.0, 2.0]
-
-    References:
-      Douillard et al., "DiLoCo" (arXiv 2311.08105), §2 (each worker is itself data-parallel).
-    """
-
-    def update(grads, state, params=None):
-        del params
-        mean = jax.tree.map(
-            lambda g: (dense.psum(g.reshape(-1), axis_name)[0] / size).reshape(g.shape), grads
-        )
-        return mean, state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
-
-
 class _Fragment(NamedTuple):
     """One fragment's share of the state, inside the step (this device's rows)."""
 
@@ -259,10 +227,15 @@ def _fragment_round(run, schedule, f: int, count, fragment: _Fragment):
     zero = jnp.zeros((), jnp.float32)
 
     def exchange(global_leaves, local_leaves, compress_state):
-        delta = [g - lo for g, lo in zip(global_leaves, local_leaves)]
-        aggregated, compress_state = run.compress_tx.update(delta, compress_state, global_leaves)
-        aggregated = [a.astype(g.dtype) for a, g in zip(aggregated, global_leaves)]
-        return aggregated, compress_state, _bytes_sent(compress_state)
+        # Split over the inner axis, each device sends its block; the row gathers the average.
+        inner = run.inner
+        delta = [inner.block(g - lo) for g, lo in zip(global_leaves, local_leaves)]
+        blocks = [inner.block(g) for g in global_leaves]
+        aggregated, compress_state = run.compress_tx.update(delta, compress_state, blocks)
+        aggregated = [
+            inner.whole(a.astype(g.dtype), g.shape) for a, g in zip(aggregated, global_leaves)
+        ]
+        return aggregated, compress_state, inner.row_bytes(_bytes_sent(compress_state))
 
     if not schedule.delay:
 
@@ -281,7 +254,7 @@ def _fragment_round(run, schedule, f: int, count, fragment: _Fragment):
             fragment.outer_state,
             fragment.compress_state,
         )
-        (g, lo, outer_state, compress_state), bytes_sent = jax.lax.cond(
+        (g, lo, outer_state, compress_state), bytes_sent = run.inner.cond(
             exchanged, sync, lambda ops: (ops, zero), operands
         )
         return _Fragment(g, lo, outer_state, compress_state, None), bytes_sent, exchanged
@@ -293,7 +266,7 @@ def _fragment_round(run, schedule, f: int, count, fragment: _Fragment):
         )
         return (aggregated, compress_state), bytes_sent
 
-    (pending, compress_state), bytes_sent = jax.lax.cond(
+    (pending, compress_state), bytes_sent = run.inner.cond(
         exchanged, start, lambda ops: (ops, zero), (fragment.pending, fragment.compress_state)
     )
     g, lo, outer_state = jax.lax.cond(

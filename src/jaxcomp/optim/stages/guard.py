@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxcomp.collectives import small
 from jaxcomp.costmodel import ratio_choice
 from jaxcomp.ops import flat
+from jaxcomp.optim.vma import cast_varying, varying_axes
 
 #: What :func:`compress` does with non-finite gradient entries (NaN, ±Inf), its ``nonfinite=``
 #: argument; the first is the default. In every policy such entries are never sent and never
@@ -112,12 +113,16 @@ def guarded_totals(totals, vectors, resum, axis_name, sharded: bool):
         count = sum(flat.count_nonfinite(v) for v in vectors)
         counts = small.metric_sum(jnp.stack([count, overflowed]), axis_name)
         count = agreed_count(counts[0], counts[1], total_copies(axis_name, sharded))
-        return list(again), count.astype(jnp.float32), jnp.zeros((), bool)
+        return list(again), typed(count.astype(jnp.float32)), typed(jnp.zeros((), bool))
 
+    # The scalars of the carry vary over what the sums still vary over: nothing, or the other
+    # axes of a 2-D mesh when the gradients are summed over one (diloco's split exchange).
+    extra = varying_axes(finite_sum)
+    typed = lambda x: cast_varying(x, extra)  # noqa: E731
     # A loop that runs once when a sum is not finite and else never: a lax.cond would copy every
     # total that its finite branch passes through (a whole gradient); a loop's carry stays in
     # place (docs/performance.md, "A dense step beside a plain pmean on GPT-2").
-    start = (list(totals), jnp.zeros((), jnp.float32), jnp.logical_not(finite_sum))
+    start = (list(totals), typed(jnp.zeros((), jnp.float32)), jnp.logical_not(finite_sum))
     again, count, _ = jax.lax.while_loop(lambda carry: carry[2], cleaned, start)
     return again, count
 

@@ -19,6 +19,7 @@ from jaxcomp.collectives import small
 from jaxcomp.costmodel import ratio_choice
 from jaxcomp.ops import flat
 from jaxcomp.optim.state import CompressMetrics
+from jaxcomp.optim.vma import cond_typed_alike
 
 
 def gain_and_nonfinite(result, feds, count, axis_name, check_totals=None, comm_dtype=jnp.float32):
@@ -146,7 +147,8 @@ def summed_metrics(
     largest = float(jnp.finfo(comm_dtype).max)
     limit = min((largest / (4.0 * jax.lax.axis_size(axis_name))) ** 2, _F32_MAX)
     safe = jnp.isfinite(kept) & (kept <= limit) & (kept_scaled == 0) & (summed[4] == 0)
-    overflowed = jax.lax.cond(safe, lambda: jnp.zeros((), jnp.float32), check_totals)
+    # Typed alike: on a 2-D mesh summed over one axis the count varies over the other.
+    overflowed = cond_typed_alike(safe, lambda: jnp.zeros((), jnp.float32), check_totals)
     return gain, count + overflowed, energies
 
 
