@@ -7,6 +7,8 @@ in one process or on an emulated cluster.
     python benchmarks/time_to_quality.py --quick            # a tiny model, a few steps (smoke test)
     sudo python benchmarks/time_to_quality.py --hosts 4 --rates 1gbit,100mbit --model wide \\
         --steps 150 --out results/ttq                       # the emulated cluster (root)
+    sudo python benchmarks/time_to_quality.py --hosts 2 --inner 2 --rates 100mbit --model wide \\
+        --rows dp,diloco-h10-avg-int8,diloco-h10-avg-int8@exchange=whole   # hosts of 2 devices
 
 Every row trains the same model from the same params on the same batches (``quality.batches``):
 
@@ -40,6 +42,12 @@ namespaces, ``tc tbf`` links at the rate, one ``jax.distributed`` process with o
 host, gloo; ``jaxcomp.distributed.cluster``); the hosts also count what their ``eth0`` really sent
 (``wire``). Without ``--hosts`` every device is a virtual device of one process: the wall-clock is
 compute, not a network. ``--plot`` draws held-out loss against wall-clock, one panel per rate.
+
+With ``--inner N`` every DiLoCo worker is a row of N devices (on a cluster: each host gets N
+devices and is one worker): a two-level mesh whose inner axis averages the inner gradients, and
+whose outer exchange each device of the row shares (``exchange="split"``, or ``@exchange=whole``
+in a row's name: every device sends the whole pseudo-gradient). ``dp`` stays data-parallel over
+all the devices. The bytes columns are then per device (the wire column per host).
 """
 
 import argparse
@@ -151,6 +159,10 @@ def parse_row(name):
         if key == "outer" and ROWS[base]["kind"] == "diloco":
             _outer(value)
             settings["outer"] = value
+        elif key == "exchange" and ROWS[base]["kind"] == "diloco":
+            if value not in ("split", "whole"):
+                raise ValueError(f"row {name!r}: @exchange= takes split or whole, got {value!r}")
+            settings["exchange"] = value
         elif key == "lr":
             settings["lr"] = _positive(value)
             if settings["lr"] is None:
@@ -158,7 +170,11 @@ def parse_row(name):
         else:
             raise ValueError(
                 f"row {name!r}: @{part} is not a setting of it; a row takes @lr=PEAK"
-                + (" and @outer=SPEC" if ROWS[base]["kind"] == "diloco" else "")
+                + (
+                    " and @outer=SPEC, @exchange=split|whole"
+                    if ROWS[base]["kind"] == "diloco"
+                    else ""
+                )
             )
     return base, settings
 
@@ -168,8 +184,9 @@ def row_options(name, quick=False):
     exchanges every 2 steps."""
     base, settings = parse_row(name)
     options = dict(_DEFAULTS, **ROWS[base])
-    if "outer" in settings:
-        options["outer"] = settings["outer"]
+    for key in ("outer", "exchange"):
+        if key in settings:
+            options[key] = settings[key]
     if quick and options["kind"] == "diloco":
         options.update(sync_every=2, fragments=1, delay=0)
     return options
@@ -181,8 +198,11 @@ def row_config(name, config):
     return config if lr is None else dataclasses.replace(config, learning_rate=lr)
 
 
-def build(options, loss_fn, adam, devices):
-    """The row's training object (``data_parallel`` or ``diloco``) on ``devices``."""
+def build(options, loss_fn, adam, devices, inner=1):
+    """The row's training object (``data_parallel`` or ``diloco``) on ``devices``: ``dp`` rows
+    data-parallel over all of them, DiLoCo rows one worker per device or, with ``inner > 1``,
+    per row of ``inner`` devices (a two-level mesh, the exchange split over the row unless the
+    row says ``@exchange=whole``)."""
     import optax
     from jax.sharding import Mesh
 
@@ -195,13 +215,13 @@ def build(options, loss_fn, adam, devices):
     compress = {None: None, "int8": jaxcomp.Quantized(8), "topk": jaxcomp.TopK(0.1)}[
         options.pop("compress", None)
     ]
+    if inner > 1:
+        mesh = Mesh(devices.reshape(-1, inner), ("workers", "data"))
+        options.update(inner_axis="data")
+    else:
+        mesh = Mesh(devices, ("workers",))
     return jaxcomp.diloco(
-        loss_fn,
-        adam,
-        _outer(options.pop("outer")),
-        mesh=Mesh(devices, ("workers",)),
-        compress=compress,
-        **options,
+        loss_fn, adam, _outer(options.pop("outer")), mesh=mesh, compress=compress, **options
     )
 
 
@@ -279,7 +299,7 @@ def _task(config, corpus, seed):
     return loss_fn, params, heldout
 
 
-def _prepare(name, config, corpus, first, *, quick, devices, seed):
+def _prepare(name, config, corpus, first, *, quick, devices, inner, seed):
     """The row's run, its compiled step (one step run and dropped), the initial params and
     held-out batch, its jitted loss, and this process's rows of each batch."""
     import jax
@@ -287,8 +307,10 @@ def _prepare(name, config, corpus, first, *, quick, devices, seed):
 
     loss_fn, params, heldout = _task(config, corpus, seed)
     options, config = row_options(name, quick), row_config(name, config)
-    devices = np.array(jax.devices()[: devices or None])
-    run = build(options, loss_fn, quality.optimizer("adam", config), devices)
+    # Each process's devices together (a DiLoCo worker's row is one host's devices).
+    ordered = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    devices = np.array(ordered[: devices or None])
+    run = build(options, loss_fn, quality.optimizer("adam", config), devices, inner)
     rows = config.batch // jax.process_count()
     mine = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
     state = run.init(params)
@@ -307,6 +329,7 @@ def train(
     target=None,
     quick=False,
     devices=None,
+    inner=1,
     seed=0,
     log=None,
 ):
@@ -320,7 +343,7 @@ def train(
 
     windows = quality.batches(corpus[0], config, steps, seed)
     run, state, options, (evaluate, params, heldout), mine = _prepare(
-        name, config, corpus, windows[0], quick=quick, devices=devices, seed=seed
+        name, config, corpus, windows[0], quick=quick, devices=devices, inner=inner, seed=seed
     )
     clock, sent, total, wire0 = _Clock(), [], 0.0, _wire()
     curve = [dict(step=0, seconds=0.0, cpu=0.0, loss=_held_out(evaluate, params, heldout))]
@@ -368,7 +391,9 @@ def summarize(result, target, steps):
     )
 
 
-def run_rows(names, config, *, steps, max_steps, eval_every, quick=False, devices=None, log=None):
+def run_rows(
+    names, config, *, steps, max_steps, eval_every, quick=False, devices=None, inner=1, log=None
+):
     """Trains ``dp`` (the target) then every other row; returns the results in order."""
     corpus = quality.load_corpus()
     results, target = [], None
@@ -383,6 +408,7 @@ def run_rows(names, config, *, steps, max_steps, eval_every, quick=False, device
             target=target,
             quick=quick,
             devices=devices,
+            inner=inner,
             log=log,
         )
         if name == "dp":
@@ -395,14 +421,16 @@ def _megabytes(value):
     return "-" if value is None else f"{value / 1e6:.2f}"
 
 
-def format_table(results, steps) -> str:
-    """A Markdown table: one line per row, against ``dp`` (the first row)."""
+def format_table(results, steps, per="host") -> str:
+    """A Markdown table: one line per row, against ``dp`` (the first row); ``per`` names what
+    the bytes column counts (a host, or a device when hosts have several)."""
     base = results[0]
     target = base["curve"][-1]["loss"]
     rows = [summarize(r, target, steps) for r in results]
     lines = [
         f"| row | time to dp's loss ({target:.4f}) | speed-up | loss after {steps} steps | "
-        "steps run | final loss | MB sent per host to target | wire MB | s / step | CPU s / step |",
+        f"steps run | final loss | MB sent per {per} to target | wire MB per host | s / step | "
+        "CPU s / step |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in rows:
@@ -463,7 +491,9 @@ def _worker(args):
         if process == 0:
             print(line, file=sys.stderr, flush=True)
 
-    results = run_rows(_names(args), _config(args), log=log, **_lengths(args))
+    results = run_rows(
+        _names(args), _config(args), inner=args.inner or 1, log=log, **_lengths(args)
+    )
     if process == 0:
         with open(os.path.join(args.worker, "results.json"), "w") as f:
             json.dump(results, f)
@@ -481,7 +511,11 @@ def _cluster(args, argv):
             with Cluster(args.hosts, rate=rate) as cluster:
                 print(f"{args.hosts} hosts at {rate}", file=sys.stderr, flush=True)
                 command = [os.path.abspath(__file__), *forward, "--rows", ",".join(_names(args))]
-                codes = cluster.run([*command, "--worker", tmp], timeout=args.timeout)
+                codes = cluster.run(
+                    [*command, "--worker", tmp],
+                    devices_per_host=args.inner or 1,
+                    timeout=args.timeout,
+                )
             if any(codes):
                 raise ClusterError(f"the {rate} job failed: host exit codes {codes}")
             with open(os.path.join(tmp, "results.json")) as f:
@@ -539,6 +573,13 @@ def _parser():
     parser.add_argument("--quick", action="store_true", help="a tiny model for a few steps")
     parser.add_argument("--devices", type=int, help="one process: use this many (default 8)")
     parser.add_argument("--hosts", type=int, help="run on this many emulated hosts (root)")
+    parser.add_argument(
+        "--inner",
+        type=int,
+        help="DiLoCo rows: a worker is a row of this many devices (a two-level mesh, inner_axis; "
+        "the exchange split over the row unless a row says @exchange=whole); on a cluster each "
+        "host gets this many devices, one worker per host (default 1)",
+    )
     parser.add_argument("--rates", default="1gbit,100mbit", help="link rates, one job each")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per cluster job")
     parser.add_argument("--out", help="write time_to_quality.json (and .png) here")
@@ -554,7 +595,7 @@ def _check(parser, args):
             parse_row(name)
         except ValueError as error:
             parser.error(f"--rows: {error}")
-    for flag in ("steps", "max_steps", "eval_every", "hosts", "devices"):
+    for flag in ("steps", "max_steps", "eval_every", "hosts", "devices", "inner"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -573,15 +614,21 @@ def _check(parser, args):
             except ValueError as error:
                 parser.error(f"--rates: {error}")
     if args.hosts and args.devices:
-        parser.error("--devices is for one process; a cluster has one device per host")
+        parser.error("--devices is for one process; on a cluster use --inner (devices per host)")
     if args.devices and args.devices > quality.N_DEVICES:
         parser.error(f"--devices must be <= {quality.N_DEVICES}, got {args.devices}")
     if args.devices and _config(args).batch % args.devices:
         parser.error(
             f"--devices {args.devices} must divide the model's batch {_config(args).batch}"
         )
-    if args.hosts and _config(args).batch % args.hosts:
-        parser.error(f"--hosts {args.hosts} must divide the model's batch {_config(args).batch}")
+    inner = args.inner or 1
+    if args.hosts and _config(args).batch % (args.hosts * inner):
+        parser.error(
+            f"--hosts {args.hosts} x --inner {inner} devices must divide the model's batch "
+            f"{_config(args).batch}"
+        )
+    if not args.hosts and (args.devices or quality.N_DEVICES) % inner:
+        parser.error(f"--inner {inner} must divide the {args.devices or quality.N_DEVICES} devices")
 
 
 def main(argv=None):
@@ -597,16 +644,20 @@ def main(argv=None):
         panels = _cluster(args, argv)
     else:
         log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-        rows = run_rows(_names(args), config, devices=args.devices, log=log, **lengths)
+        rows = run_rows(
+            _names(args), config, devices=args.devices, inner=args.inner or 1, log=log, **lengths
+        )
         panels = [("one process", rows)]
     params = quality.count_params(config)
     title = (
         f"char-LM, {params / 1e6:.2f}M params, {config.batch} sequences of {config.context} "
         f"characters a step, {args.hosts or args.devices or quality.N_DEVICES} "
         + ("emulated hosts" if args.hosts else "devices in one process")
+        + (f", DiLoCo workers of {args.inner} devices" if (args.inner or 1) > 1 else "")
     )
     for label, results in panels:
-        print(f"\n{label}: {title}\n\n{format_table(results, steps)}")
+        per = "device" if (args.inner or 1) > 1 else "host"
+        print(f"\n{label}: {title}\n\n{format_table(results, steps, per)}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "time_to_quality.json"), "w") as f:

@@ -73,6 +73,9 @@ def test_cluster_jobs_get_the_flags_but_not_the_drivers():
         (["--devices", "3"], "must divide the model's batch 32"),
         (["--devices", "16"], "--devices must be <= 8"),
         (["--hosts", "2", "--devices", "2"], "--devices is for one process"),
+        (["--hosts", "2", "--inner", "3"], "--hosts 2 x --inner 3 devices must divide"),
+        (["--inner", "3"], "--inner 3 must divide the 8 devices"),
+        (["--rows", "diloco-h10@exchange=half"], "@exchange= takes split or whole"),
         (["--hosts", "2", "--rates", "1gbit,fast"], "--rates: rate must look like '1gbit'"),
     ],
 )
@@ -105,15 +108,20 @@ def test_a_row_name_sets_the_outer_optimizer_and_the_learning_rate():
 
 
 @pytest.mark.multiprocess
-def test_a_quick_job_on_two_emulated_hosts(tmp_path, monkeypatch):
+@pytest.mark.parametrize("inner", [1, 2], ids=["one-device-hosts", "two-device-hosts"])
+def test_a_quick_job_on_two_emulated_hosts(tmp_path, monkeypatch, inner):
+    """With --inner 2 each host has 2 devices and is a DiLoCo worker of 2 (a two-level mesh,
+    the exchange split over them); dp is data-parallel over the 4 devices."""
     from helpers import cluster_hosts_import_this_jaxcomp
 
     cluster_hosts_import_this_jaxcomp(monkeypatch)
     row = "diloco-h10-int8@outer=nesterov:1.0:0.3"  # a row with a setting, through the cluster
     argv = ["--quick", "--hosts", "2", "--rates", "100mbit", "--rows", f"dp,{row}"]
-    ttq.main([*argv, "--out", str(tmp_path)])
+    ttq.main([*argv, "--inner", str(inner), "--out", str(tmp_path)])
     with open(tmp_path / "time_to_quality.json") as f:
-        ((rate, (dp, diloco)),) = json.load(f)["panels"]
+        record = json.load(f)
+    ((rate, (dp, diloco)),) = record["panels"]
+    assert ("workers of 2 devices" in record["title"]) == (inner == 2)
     assert rate == "100mbit" and [dp["name"], diloco["name"]] == ["dp", row]
     target = dp["curve"][-1]["loss"]
     assert dp["steps"] == 6 and target < dp["curve"][0]["loss"]  # dp trained
@@ -123,8 +131,10 @@ def test_a_quick_job_on_two_emulated_hosts(tmp_path, monkeypatch):
     for row in (dp, diloco):
         for point in row["curve"][1:]:
             assert point["seconds"] > 0 and point["cpu"] > 0
-            # The hosts' eth0 carried at least what jaxcomp counts (plus TCP/IP framing).
-            assert point["bytes"] <= point["wire"] <= 1.5 * point["bytes"] + 40_000 * point["step"]
+            # The hosts' eth0 carried at least what jaxcomp counts per device (plus TCP/IP
+            # framing), and at most what the host's devices count.
+            bound = inner * 1.5 * point["bytes"] + 40_000 * point["step"]
+            assert point["bytes"] <= point["wire"] <= bound
     # 8-bit pseudo-gradients every 2 steps against a dense all-reduce every step.
     assert diloco["curve"][3]["bytes"] < dp["curve"][3]["bytes"] / 4
     assert (tmp_path / "time_to_quality.png").stat().st_size > 10_000
