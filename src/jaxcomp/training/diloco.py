@@ -171,8 +171,9 @@ class DiLoCo:
         ):
             raise ValueError(
                 "state does not fit this diloco run: it was made by another inner_tx, outer_tx, "
-                "compress, fragments, delay or mesh (or for other params). Build it with "
-                "init(params) of this run, or restore a checkpoint with restore(path, params)"
+                "compress, fragments, delay, shard, exchange or mesh (or for other params). Build "
+                "it with init(params) of this run, or restore a checkpoint with "
+                "restore(path, params)"
             )
         return avals
 
