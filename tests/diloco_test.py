@@ -207,19 +207,24 @@ def test_compressed_exchange_conserves_error_feedback(method):
         assert any(np.abs(np.asarray(r)).max() > 0 for r in residual_new)  # it did compress
 
 
-def test_streaming_fragments_with_delay_match_reference():
+@pytest.mark.parametrize("inner", [None, 2], ids=["workers", "split-over-2"])
+def test_streaming_fragments_with_delay_match_reference(inner):
     """Three leaves in two strided fragments, H = 4 (fragment 0 after steps 2, 6, ...; fragment
-    1 after 4, 8, ...), each applied one step late with the 0.5 mix; 4 workers, 10 steps."""
+    1 after 4, 8, ...), each applied one step late with the 0.5 mix; 4 workers, 10 steps; on a
+    4x2 mesh too, each fragment's exchange split over the row (ZeRO inside)."""
     inner_tx = optax.adam(0.05)
     outer_tx = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    two_level = dict(inner_axis="data", shard="optimizer") if inner else {}
     run = jaxcomp.diloco(
-        _loss, inner_tx, outer_tx, mesh=_mesh(4), sync_every=4, fragments=2, delay=1
-    )
+        _loss, inner_tx, outer_tx, mesh=_mesh(4, inner), sync_every=4, fragments=2, delay=1,
+        **two_level,
+    )  # fmt: skip
     batches = _batches(10)
     state, metrics = _run(run, batches)
     reference = reference_diloco(
-        inner_tx, outer_tx, _params(), batches, 4, 4, fragments=2, delay=1, mixing=0.5
-    )
+        inner_tx, outer_tx, _params(), batches, 4, 4, fragments=2, delay=1, mixing=0.5,
+        inner=inner or 1,
+    )  # fmt: skip
     _assert_matches(state, reference)
     assert [t + 1 for t, m in enumerate(metrics) if m["synced"]] == [2, 4, 6, 8, 10]
     # Each exchange moves one fragment: ("b", "w") then ("c",), in leaf order b, c, w.
@@ -443,6 +448,48 @@ def test_checkpoint_resumes_bit_identically(tmp_path, shard):
     uninterrupted, _ = _run(run, batches[3:], state)
     resumed, _ = _run(run, batches[3:], restored)
     assert_trees_equal(resumed, uninterrupted)
+
+
+TWO_LEVEL_METHODS = {
+    "ar_topk": jaxcomp.TopK(0.5, collective="ar"),
+    "allgather_topk": jaxcomp.TopK(0.5),
+    "randomk": jaxcomp.RandomK(0.5),
+    "quantized": jaxcomp.Quantized(8),
+    "zfp": jaxcomp.Zfp(8),
+    "sign": jaxcomp.Sign(),
+    "powersgd": jaxcomp.PowerSGD(1, min_compression_rate=1),
+    "fp16": "fp16",
+    "bf16": "bf16",
+    "auto": "auto",
+}
+
+
+@pytest.mark.parametrize("method", sorted(TWO_LEVEL_METHODS))
+def test_every_method_on_the_two_level_mesh_resumes_bit_identically(tmp_path, method):
+    """Every method as the outer compressor on a 2x2 mesh (split exchange, ZeRO inside): it
+    syncs, sends bytes, and a checkpoint taken between syncs resumes bit for bit."""
+    import orbax.checkpoint as ocp
+
+    compress = TWO_LEVEL_METHODS[method]
+    if compress == "auto":
+        network = jaxcomp.Network(1e-2, 1e7)
+        compress = jaxcomp.compress("auto", ratio=0.5, axis_name="workers", network=network)
+    run = jaxcomp.diloco(
+        _loss, optax.adam(0.05), mesh=_mesh(2, 2), sync_every=2, compress=compress,
+        inner_axis="data", shard="optimizer",
+    )  # fmt: skip
+    batches = _batches(4)
+    state, _ = _run(run, batches[:1])
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", state)
+    checkpointer.wait_until_finished()
+    restored = run.restore(tmp_path / "ckpt", _params())
+    uninterrupted, metrics = _run(run, batches[1:], state)
+    resumed, _ = _run(run, batches[1:], restored)
+    assert_trees_equal(resumed, uninterrupted)
+    assert [bool(m["synced"]) for m in metrics] == [True, False, True]
+    assert float(metrics[0]["bytes_sent"]) > 0
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(uninterrupted))
 
 
 def test_gradient_accumulation_inside_inner_steps():
