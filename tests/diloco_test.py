@@ -162,6 +162,30 @@ def test_sync_every_step_is_data_parallel():
     assert all(bool(m["synced"]) for m in metrics)
 
 
+def _syncs(run, batches):
+    """``(state before, state after, batch)`` of every second step of ``run`` (H = 2): the
+    syncs, each checked to have sent bytes."""
+    state = run.init(_params())
+    for t, batch in enumerate(batches):
+        before = state
+        state, metrics = run.step(state, batch)
+        if t % 2:
+            assert bool(metrics["synced"]) and float(metrics["bytes_sent"]) > 0
+            yield before, state, batch
+
+
+def _sgd_pseudo_gradients(before, batch, name, workers, lr):
+    """Each worker's pseudo-gradient of leaf ``name`` after one inner SGD step from ``before``,
+    by hand (global minus the worker's params after the step on its block of ``batch``)."""
+    deltas = []
+    for w in range(workers):
+        w_params = jax.tree.map(lambda x: x[w], before.local_params)
+        block = jax.tree.map(lambda x: np.split(np.asarray(x), workers)[w], batch)
+        local = w_params[name] - lr * jax.grad(_loss)(w_params, block)[name]
+        deltas.append(before.global_params[name] - local)
+    return deltas
+
+
 @pytest.mark.parametrize("method", ["ar_topk", "quantized", "zfp", "auto"])
 def test_compressed_exchange_conserves_error_feedback(method):
     """TopK, 8-bit quantized, 8-bit zfp and compress_auto pseudo-gradients, outer SGD lr 1
@@ -179,26 +203,14 @@ def test_compressed_exchange_conserves_error_feedback(method):
     run = jaxcomp.diloco(
         _loss, optax.sgd(lr), optax.sgd(1.0), mesh=_mesh(workers), sync_every=2, compress=method
     )
-    batches = _batches(4)
-    state = run.init(_params())
-    for t, batch in enumerate(batches):
-        before = state
-        state, metrics = run.step(state, batch)
-        if t % 2 == 0:
-            continue
-        assert bool(metrics["synced"]) and float(metrics["bytes_sent"]) > 0
+    for before, state, batch in _syncs(run, _batches(4)):
         # Each worker's params after its inner step, by hand (SGD): the pseudo-gradient.
         residual_old = jaxcomp.find_compress_state(before.compress_state[0]).residual
         residual_new = jaxcomp.find_compress_state(state.compress_state[0]).residual
         for i, name in enumerate(sorted(_params())):
             moved = np.asarray(before.global_params[name]) - np.asarray(state.global_params[name])
-            sent = []
-            for w in range(workers):
-                w_params = jax.tree.map(lambda x: x[w], before.local_params)
-                block = jax.tree.map(lambda x: np.split(np.asarray(x), workers)[w], batch)
-                local = w_params[name] - lr * jax.grad(_loss)(w_params, block)[name]
-                delta = before.global_params[name] - local
-                sent.append(delta + residual_old[i][w] - residual_new[i][w])
+            deltas = _sgd_pseudo_gradients(before, batch, name, workers, lr)
+            sent = [d + residual_old[i][w] - residual_new[i][w] for w, d in enumerate(deltas)]
             np.testing.assert_allclose(np.mean(sent, axis=0), moved, rtol=1e-4, atol=2e-6)
             for w in range(workers):
                 np.testing.assert_array_equal(
@@ -314,25 +326,13 @@ def test_split_exchange_sends_each_device_its_block(method):
     workers, inner, lr = 4, 2, 0.1
     kwargs = dict(mesh=_mesh(workers, inner), sync_every=2, compress=method, inner_axis="data")
     run = jaxcomp.diloco(_loss, optax.sgd(lr), optax.sgd(1.0), shard="optimizer", **kwargs)
-    batches = _batches(4)
-    state = run.init(_params())
     residual = lambda s: jaxcomp.find_compress_state(s.compress_state[0]).residual  # noqa: E731
-    assert residual(state)[2].shape == (workers * inner, 2, 2)  # "w", 3 x 2: blocks of 2 rows
-    for t, batch in enumerate(batches):
-        before = state
-        state, metrics = run.step(state, batch)
-        if t % 2 == 0:
-            continue
-        assert bool(metrics["synced"]) and float(metrics["bytes_sent"]) > 0
+    assert residual(run.init(_params()))[2].shape == (workers * inner, 2, 2)  # "w": 2-row blocks
+    for before, state, batch in _syncs(run, _batches(4)):
         old, new = residual(before), residual(state)
         for k, name in enumerate(sorted(_params())):
             moved = np.asarray(before.global_params[name]) - np.asarray(state.global_params[name])
-            deltas = []
-            for w in range(workers):
-                w_params = jax.tree.map(lambda x: x[w], before.local_params)
-                block = jax.tree.map(lambda x: np.split(np.asarray(x), workers)[w], batch)
-                local = w_params[name] - lr * jax.grad(_loss)(w_params, block)[name]
-                deltas.append(before.global_params[name] - local)
+            deltas = _sgd_pseudo_gradients(before, batch, name, workers, lr)
             for i in range(inner):
                 sent = [
                     _np_block(d, inner, i) + old[k][w * inner + i] - new[k][w * inner + i]
