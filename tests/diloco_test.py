@@ -492,6 +492,36 @@ def test_every_method_on_the_two_level_mesh_resumes_bit_identically(tmp_path, me
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(uninterrupted))
 
 
+@pytest.mark.parametrize("inner", [None, 2], ids=["workers", "split-over-2"])
+def test_a_diverging_exchange_is_told_to_the_host_once(inner, caplog):
+    """The outer compress's guardrail: a batch with 1000x targets makes one sync's
+    pseudo-gradient an outlier; the guardrail triggers there and the host logs it once, from
+    the finished step's state (no host callback in the step), on a 1-D mesh and on a split
+    exchange whose guardrail state is laid out a row per device."""
+    import logging
+
+    guard = jaxcomp.Guardrail(burn_in=3, window=2)
+    method = jaxcomp.compress(jaxcomp.TopK(0.5), axis_name="workers", guardrail=guard)
+    two_level = dict(inner_axis="data", shard="optimizer") if inner else {}
+    run = jaxcomp.diloco(
+        _loss, optax.sgd(0.05), optax.sgd(1.0), mesh=_mesh(2, inner), sync_every=1,
+        compress=method, **two_level,
+    )  # fmt: skip
+    assert not run.step.trace(run.init(_params()), _batches(1)[0]).jaxpr.effects
+    batches = _batches(16)
+    batches[6] = {"x": batches[6]["x"], "y": batches[6]["y"] * 1000.0}
+    with caplog.at_level(logging.WARNING, logger="jaxcomp"):
+        state, _ = _run(run, batches)  # 9 steps after the spike: the bound retires it
+    told = [
+        r.getMessage() for r in caplog.records if "training diverges at step 6" in r.getMessage()
+    ]
+    assert len(told) == 1 and "topk(0.5)" in told[0], told
+    assert (
+        int(np.ravel(jaxcomp.find_compress_state(state.compress_state[0]).divergence.fallbacks)[0])
+        == 1
+    )
+
+
 def test_gradient_accumulation_inside_inner_steps():
     """optax.MultiSteps(sgd, 2) as inner_tx: each worker updates every 2nd micro-step; H = 4
     micro-steps; matches the reference running the same MultiSteps per worker."""

@@ -197,6 +197,31 @@ def test_spike_is_caught_and_healthy_steps_are_unchanged(n_devices, caplog):
     assert len(told) == 1 and "ar_topk(0.1)" in told[0]
 
 
+@pytest.mark.parametrize("callback", [False, True])
+def test_the_step_keeps_jits_fast_dispatch_and_the_host_still_hears_once(callback, caplog):
+    """By default (Guardrail(callback=False)) the guarded data_parallel step holds no host
+    callback, so jit dispatches it on its fast C++ path (a callback costs ~15 us per array
+    argument on every call); data_parallel tells the host of a trigger from the finished
+    step's state instead. With callback=True the step tells the host itself, with the gradient
+    norm. Either way a spike is told exactly once."""
+    guard = jaxcomp.Guardrail(callback=callback)
+    dp = jaxcomp.data_parallel(
+        _loss, optax.chain(jaxcomp.compress("ar_topk", ratio=0.1, guardrail=guard),
+                           optax.sgd(0.005, momentum=0.9)), _mesh(2),
+    )  # fmt: skip
+    state = dp.init({"w": jnp.zeros(DIM)})
+    effects = dp.step.trace(state, BATCHES[0]).jaxpr.effects
+    assert bool(effects) == callback, effects
+    with caplog.at_level(logging.WARNING, logger="jaxcomp"):
+        spiked, _, _ = _train(
+            jaxcomp.compress("ar_topk", ratio=0.1, guardrail=guard), 0.005, 40, 2, spike_at=30
+        )  # 9 steps after the spike: the 8-step bound retires it before the loop ends
+    assert spiked["fallbacks"][-1] == 1
+    told = [r.getMessage() for r in caplog.records if "diverges at step 30" in r.getMessage()]
+    assert len(told) == 1, told
+    assert ("gradient norm" in told[0]) == callback and "running RMS" in told[0]
+
+
 def test_off_switch_keeps_no_state_and_never_falls_back():
     tx = jaxcomp.compress("randomk", ratio=0.01, guardrail=False)
     state = tx.init({"w": jnp.zeros(DIM)})

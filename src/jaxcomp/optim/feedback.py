@@ -181,7 +181,7 @@ def _init_state(c: FeedbackConfig, branches, params, keeps_residual, init_auto, 
         metrics=init_metrics(),
         auto=init_auto() if init_auto is not None else None,
         policy=policy,
-        branches=Branches(branches),
+        branches=_branches(c, branches),
         velocity=per_compressed_leaf(True) if c.momentum is not None else None,
         method_state=init_method_state(branches, shapes),
         divergence=divergence.init()
@@ -202,9 +202,14 @@ def _state_leaves(c: FeedbackConfig, treedef, state: CompressState):
     return residuals, velocities
 
 
+def _branches(c: FeedbackConfig, branches) -> Branches:
+    """The state's static record of its methods (and whether its guardrail tells the host)."""
+    return Branches(tuple(branches), c.guardrail is not None and c.guardrail.callback)
+
+
 def _check_state_is_ours(c: FeedbackConfig, state, uses_auto, branches, policy):
     """Refuses a state made by another transformation's init."""
-    if uses_auto != (state.auto is not None) or state.branches != Branches(branches):
+    if uses_auto != (state.auto is not None) or state.branches != _branches(c, branches):
         raise ValueError(
             f"state was not made by this transformation's init (it runs "
             f"{[m.describe() for m in state.methods]}, this one {[m.describe() for m in branches]})"
@@ -497,13 +502,15 @@ def _cleared(trigger, vector):
 
 def _trigger(c: FeedbackConfig, done: _Aggregated, skipped, state, branches, falls_back):
     """Whether this step triggers the guardrail (:mod:`.stages.divergence`): never on a skipped
-    step; the host hears of it from the triggered branch only."""
+    step; with ``Guardrail(callback=True)`` the host hears of it from the triggered branch."""
     guarded = state.divergence
     trigger = divergence.triggered(
         c.guardrail, guarded, done.energies.gradient, done.energies.fed, done.gain
     )
     if skipped is not None:
         trigger = trigger & ~skipped
+    if not c.guardrail.callback:
+        return trigger  # the host hears of it from the state (divergence.tell_trigger)
     lossy = [m.describe() for m in branches if not m.sends_everything]
     divergence.report(
         trigger,

@@ -48,9 +48,11 @@ class CompressMetrics(NamedTuple):
 class Branches:
     """The methods a compress state can run, as static structure (no array): one for
     :func:`compress`, one per branch for :func:`jaxcomp.compress_auto`. The ``method`` metric
-    indexes it; host code reads it without waiting for a device."""
+    indexes it; host code reads it without waiting for a device. ``tells``: the guardrail tells
+    the host from inside the step (``Guardrail(callback=True)``), so host code need not."""
 
     methods: tuple[Method, ...]
+    tells: bool = False
 
 
 class CompressState(NamedTuple):

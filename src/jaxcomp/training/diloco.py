@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp.methods import Dense, Method
 from jaxcomp.optim.compression import compress as make_compress
-from jaxcomp.optim.transform import compress_states
+from jaxcomp.optim.stages import divergence
+from jaxcomp.optim.transform import compress_states, find_compress_state
 from jaxcomp.training.dispatch import DEFAULT_MAX_STEPS_IN_FLIGHT, BoundedStep
 from jaxcomp.training.inner import DILOCO_SHARD_MODES, EXCHANGE_MODES, Inner
 from jaxcomp.training.layout import Layout
@@ -121,7 +122,9 @@ class DiLoCo:
         )
         self._plans = {}
         self._shapes = {}
-        self.step = BoundedStep(jax.jit(self._step), max_steps_in_flight)
+        self.step = BoundedStep(
+            jax.jit(self._step), max_steps_in_flight, watch=(_trigger_probes, _tell_triggers)
+        )
 
     # -- layout --------------------------------------------------------------------------------
 
@@ -301,6 +304,20 @@ class DiLoCo:
         loss = P(self.outer_axis) if self.worker_metrics else P()
         specs = {"loss": loss, "bytes_sent": P(), "synced": P()}
         return {**specs, "aux": loss} if self.has_aux else specs
+
+
+def _trigger_probes(args, out):
+    """The outer compress's guardrail scalars of a dispatched step, per fragment."""
+    if not args or not isinstance(args[0], DiLoCoState):
+        return None
+    pairs = zip(args[0].compress_state, out[0].compress_state)
+    probes = [divergence.trigger_probe(*map(find_compress_state, pair)) for pair in pairs]
+    return probes if any(p is not None for p in probes) else None
+
+
+def _tell_triggers(probes):
+    for probe in probes:
+        divergence.tell_trigger(probe)
 
 
 def _refuse_inner_compress(inner_tx, avals):

@@ -33,24 +33,40 @@ class BoundedStep:
     waits for nothing.
     """
 
-    def __init__(self, jitted, max_in_flight, check=None):
+    def __init__(self, jitted, max_in_flight, check=None, watch=None):
         self._jitted = jitted
         self._max_in_flight = max_in_flight
         self._in_flight = collections.deque()
         self._check = check  # check(args, metrics): raises on a step the host must not go past
+        # watch = (probe, tell): probe(args, out) takes a few scalars of a step as it is
+        # dispatched, tell(probe) reads them once the step has run (the guardrail's triggers).
+        self._watch = watch
 
     def __call__(self, *args, **kwargs):
         out = self._jitted(*args, **kwargs)
-        if self._max_in_flight is not None:
+        probe = self._watch[0](args, out) if self._watch else None
+        if self._max_in_flight is not None or probe is not None:
             # One scalar per step: the new step counter, ready when the whole step has run.
-            self._in_flight.append(out[0].step)
-            while len(self._in_flight) > self._max_in_flight:
-                self._in_flight.popleft().block_until_ready()
+            self._in_flight.append((out[0].step, probe))
+            self._retire()
         state, metrics = out
         metrics = jax.tree.map(local_copy, metrics)
         if self._check is not None:
             self._check(args, metrics)
         return state, metrics
+
+    def _retire(self):
+        """Forgets the steps that have run (and tells their probes), waiting for the oldest
+        while more than ``max_in_flight`` are queued."""
+        while self._in_flight:
+            token, probe = self._in_flight[0]
+            over = self._max_in_flight is not None and len(self._in_flight) > self._max_in_flight
+            if not over and not token.is_ready():
+                return
+            self._in_flight.popleft()
+            token.block_until_ready()
+            if probe is not None:
+                self._watch[1](probe)
 
     def __getattr__(self, name):
         return getattr(self._jitted, name)

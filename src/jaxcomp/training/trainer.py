@@ -27,7 +27,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp.collectives import small
 from jaxcomp.optim import sharding
-from jaxcomp.optim.transform import compress_states
+from jaxcomp.optim.stages import divergence
+from jaxcomp.optim.transform import compress_states, find_compress_state
 from jaxcomp.training import reprobe as reprobing
 from jaxcomp.training import resize as resizing
 from jaxcomp.training.dispatch import DEFAULT_MAX_STEPS_IN_FLIGHT, BoundedStep, local_copy
@@ -61,7 +62,12 @@ class DataParallel:
         self.max_steps_in_flight = max_steps_in_flight
         # Set while tracing the step: tx holds a compress(nonfinite="raise").
         self._raises_on_nonfinite = False
-        self.step = BoundedStep(jax.jit(self._step), max_steps_in_flight, self._check_nonfinite)
+        self.step = BoundedStep(
+            jax.jit(self._step),
+            max_steps_in_flight,
+            self._check_nonfinite,
+            (_trigger_probe, divergence.tell_trigger),
+        )
 
     tx = property(lambda self: self.layout.tx, doc="The optax transformation.")
     mesh = property(lambda self: self.layout.mesh, doc="The mesh (with Auto axes).")
@@ -346,6 +352,14 @@ class DataParallel:
                 "cause (learning rate, loss scale, a bad batch), or pass nonfinite='skip' (skip "
                 "such steps) or 'zero' (drop those entries) to jaxcomp.compress"
             )
+
+
+def _trigger_probe(args, out):
+    """The guardrail's scalars of a dispatched step (:func:`.divergence.trigger_probe`)."""
+    if not args or not isinstance(args[0], TrainState):
+        return None
+    before, after = (find_compress_state(s.opt_state) for s in (args[0], out[0]))
+    return divergence.trigger_probe(before, after)
 
 
 def data_parallel(

@@ -31,9 +31,11 @@ again from a zero residual. A method that cannot switch to dense inside a compil
 total is not replicated: ``Zfp(algorithm="recursive_doubling")``; ``compress_auto`` without a
 dense candidate) only clears the residual and velocity; the next ``window`` steps are a cool-down
 in which the guardrail does not trigger again. The ``fallback`` metric is 1 on the steps that
-triggered or ran the fallback, ``fallbacks`` counts the triggers; the host is told through a
-``jax.debug.callback`` that sits in the triggered branch only (a ``logging`` warning from
-logger ``"jaxcomp"`` per trigger, and a ``RuntimeWarning`` once per process).
+triggered or ran the fallback, ``fallbacks`` counts the triggers. The host is told (a
+``logging`` warning from logger ``"jaxcomp"`` per trigger, and a ``RuntimeWarning`` once per
+process) by :func:`jaxcomp.data_parallel`, from the finished step's state
+(:func:`tell_trigger`), or with ``Guardrail(callback=True)`` by a ``jax.debug.callback`` in the
+triggered branch (which takes every call of the step off jit's fast dispatch path).
 
 **Cost.** A step with the guardrail pays one extra reduction over its gradients (``G``), one more
 scalar in the metrics psum, a few scalar operations, and the residual's and velocity's clearing
@@ -86,6 +88,13 @@ class Guardrail:
         sparse methods (:class:`jaxcomp.TopK`, :class:`jaxcomp.RandomK`), whose residual is
         updated in place at the sent indices; a dense branch beside them needs a dense ``sent``
         instead, which made their CPU step 1.3-2x slower (BENCHMARKS.md, "Guardrail").
+      callback: whether the compiled step itself tells the host of a trigger (a
+        ``jax.debug.callback`` in the triggered branch; default False). A host callback
+        anywhere in a jitted function takes every call of it off jit's fast C++ dispatch, onto
+        Python's, which costs ~15 us per array argument on every step (60 ms a step for a model
+        of 1,000 leaves with Adam). Without it :func:`jaxcomp.data_parallel` tells the host
+        from the finished steps' states (:func:`tell_trigger`); in a loop of your own, read the
+        ``fallbacks`` metric, or pass ``callback=True``.
 
     Example:
       >>> Guardrail(factor=5.0).window
@@ -101,8 +110,11 @@ class Guardrail:
     burn_in: int = 20
     decay: float = 0.98
     dense_fallback: bool | None = None
+    callback: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.callback, bool):
+            raise TypeError(f"Guardrail callback must be True or False, got {self.callback!r}")
         if self.dense_fallback not in (None, True, False):
             raise TypeError(
                 f"Guardrail dense_fallback must be None, True or False, got {self.dense_fallback!r}"
@@ -365,15 +377,79 @@ def report(trigger, step, gradient, mean, window, axis_name, description: str, f
 _WARNED: list = []  # whether this process has warned once
 
 
-def _tell(step: int, gradient: float, mean: float, window: int, description: str, fallback: bool):
+def trigger_probe(before, after):
+    """What :func:`tell_trigger` needs to know whether a step triggered the guardrail, taken
+    from its compress states as it is dispatched: a few scalars computed with the step, kept
+    while it is in flight instead of the whole state. None without a guardrail.
+
+    With ``Guardrail(callback=False)`` (the default) nothing in the compiled step tells the host
+    (a host callback would take every call off jit's fast dispatch);
+    :func:`jaxcomp.data_parallel` calls this and :func:`tell_trigger` around every step instead.
+
+    Args:
+      before: the step's input :class:`jaxcomp.CompressState` (or None).
+      after: its output :class:`jaxcomp.CompressState`.
+
+    Returns:
+      ``(scalars, description, falls_back)``, or None.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxcomp
+      >>> state = jaxcomp.compress("randomk", ratio=0.5).init(jnp.zeros(4))
+      >>> tell_trigger(trigger_probe(state, state))  # no new trigger: says nothing
+
+    References:
+      Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
+    """
+    guarded = None if after is None else after.divergence
+    if guarded is None or before is None or before.divergence is None or after.branches.tells:
+        return None  # no guardrail, or it tells the host itself
+    names = [m.describe() for m in after.methods]
+    lossy = "/".join(n for n in names if n != "dense")
+    scalars = (before.step, before.divergence.fallbacks, guarded.fallbacks, guarded.mean)
+    return (*scalars, guarded.left), lossy, "dense" in names
+
+
+def tell_trigger(probe) -> None:
+    """Logs a trigger, as ``Guardrail(callback=True)`` would from inside the step (less the
+    gradient norm), from a :func:`trigger_probe` of a step that has run: a warning from logger
+    ``"jaxcomp"``, and a ``RuntimeWarning`` once per process.
+
+    Args:
+      probe: :func:`trigger_probe`'s result, or None (nothing to tell).
+
+    Returns:
+      None.
+
+    Example:
+      >>> tell_trigger(None)
+
+    References:
+      Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
+    """
+    if probe is None:
+        return
+    (step, before, after, mean, left), description, fallback = probe
+    if int(_host(after)) > int(_host(before)):
+        _tell(int(_host(step)), None, float(_host(mean)), int(_host(left)), description, fallback)
+
+
+def _host(x):
+    """This process's copy of a replicated scalar (a global array may span other processes; a
+    state laid out a row per device holds one copy per row)."""
+    return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x).reshape(-1)[0]
+
+
+def _tell(step: int, gradient, mean: float, window: int, description: str, fallback: bool):
     what = (
         f"it aggregates densely for {window} steps"
         if fallback
         else f"the guardrail rests for {window} steps"
     )
     message = (
-        f"jaxcomp.compress({description}): training diverges at step {step} (gradient norm "
-        f"{np.sqrt(gradient):.3g}, running RMS {np.sqrt(mean):.3g}); the residual is cleared and "
+        f"jaxcomp.compress({description}): training diverges at step {step} ("
+        + (f"gradient norm {np.sqrt(gradient):.3g}, " if gradient is not None else "")
+        + f"running RMS {np.sqrt(mean):.3g}); the residual is cleared and "
         f"{what} before the method runs again (see the 'fallbacks' metric)"
     )
     _LOG.warning(message)
