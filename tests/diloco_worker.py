@@ -101,8 +101,10 @@ def run(out_dir, mode, process_id, worker_metrics=False, zero=False):
                 print(f"stopping {time.monotonic():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             mine = jax.tree.map(lambda x: x[process_id * ROWS : (process_id + 1) * ROWS], batch)
-            state, _ = dl.step(state, dl.shard_batch(mine))
-            jax.block_until_ready(state)
+            # Dispatch is asynchronous: a failed step raises when its state is waited for, so
+            # keep the last finished state until the new one is ready.
+            new_state, _ = dl.step(state, dl.shard_batch(mine))
+            state = jax.block_until_ready(new_state)
             print(f"step {step}", flush=True)
             if (step + 1) % SYNC_EVERY == 0:
                 save("synced", held_params(state))

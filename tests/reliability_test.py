@@ -233,7 +233,7 @@ def test_step_waits_for_the_step_max_steps_in_flight_back():
         # When step t returns, step t - 2 has finished.
         if len(states) > 2:
             assert states[-3].step.is_ready()
-    assert len(dp.step._in_flight) == 2
+    assert len(dp.step._in_flight) <= 2  # steps that have run are retired early
     assert (
         DEFAULT_MAX_STEPS_IN_FLIGHT
         == dp.__class__(_loss, _tx(), dp.mesh, "data", False).max_steps_in_flight

@@ -91,7 +91,9 @@ def compress(
     ``momentum_correction``'s velocity) is cleared, and the next ``window`` steps aggregate
     densely (the warm-up's switch; a trigger soon after a window doubles the next one), then the
     method runs again. The ``fallback`` metric is 1 on those steps and ``fallbacks`` counts the
-    triggers; the host logs each one (logger ``"jaxcomp"``, and a ``RuntimeWarning`` once). A
+    triggers; :func:`jaxcomp.data_parallel` and :func:`jaxcomp.diloco` log each one once the
+    step has run (logger ``"jaxcomp"``, and a ``RuntimeWarning`` once; in a loop of your own,
+    read ``fallbacks`` or pass ``Guardrail(callback=True)``, which costs jit's fast dispatch). A
     method whose total is not replicated (``Zfp(algorithm="recursive_doubling")``) cannot switch:
     the guardrail only clears its residual and rests for the window. :class:`jaxcomp.Dense`
     has nothing to fall back from: its step is the same with or without it. The cost: one
