@@ -197,29 +197,33 @@ def test_spike_is_caught_and_healthy_steps_are_unchanged(n_devices, caplog):
     assert len(told) == 1 and "ar_topk(0.1)" in told[0]
 
 
-@pytest.mark.parametrize("callback", [False, True])
-def test_the_step_keeps_jits_fast_dispatch_and_the_host_still_hears_once(callback, caplog):
+@pytest.mark.parametrize("callback, warmup", [(False, 0), (False, 2), (True, 2)])
+def test_the_step_keeps_jits_fast_dispatch_and_the_host_still_hears_once(callback, warmup, caplog):
     """By default (Guardrail(callback=False)) the guarded data_parallel step holds no host
     callback, so jit dispatches it on its fast C++ path (a callback costs ~15 us per array
     argument on every call); data_parallel tells the host of a trigger from the finished
     step's state instead. With callback=True the step tells the host itself, with the gradient
-    norm. Either way a spike is told exactly once."""
+    norm. Either way a spike is told exactly once, and as what happens: top-k does not fall
+    back to dense, even where a warm-up gives its state a dense branch (jaxcomp.adam's)."""
     guard = jaxcomp.Guardrail(callback=callback)
+    build = lambda: jaxcomp.compress(  # noqa: E731
+        "ar_topk", ratio=0.1, guardrail=guard, warmup_steps=warmup
+    )
     dp = jaxcomp.data_parallel(
-        _loss, optax.chain(jaxcomp.compress("ar_topk", ratio=0.1, guardrail=guard),
-                           optax.sgd(0.005, momentum=0.9)), _mesh(2),
-    )  # fmt: skip
+        _loss, optax.chain(build(), optax.sgd(0.005, momentum=0.9)), _mesh(2)
+    )
     state = dp.init({"w": jnp.zeros(DIM)})
     effects = dp.step.trace(state, BATCHES[0]).jaxpr.effects
     assert bool(effects) == callback, effects
     with caplog.at_level(logging.WARNING, logger="jaxcomp"):
         spiked, _, _ = _train(
-            jaxcomp.compress("ar_topk", ratio=0.1, guardrail=guard), 0.005, 40, 2, spike_at=30
+            build(), 0.005, 40, 2, spike_at=30
         )  # 9 steps after the spike: the 8-step bound retires it before the loop ends
-    assert spiked["fallbacks"][-1] == 1
+    assert spiked["fallbacks"][-1] == 1 and spiked["fallback"][30] == 1
     told = [r.getMessage() for r in caplog.records if "diverges at step 30" in r.getMessage()]
     assert len(told) == 1, told
     assert ("gradient norm" in told[0]) == callback and "running RMS" in told[0]
+    assert "the guardrail rests for 50 steps" in told[0] and "densely" not in told[0], told[0]
 
 
 def test_off_switch_keeps_no_state_and_never_falls_back():
@@ -266,12 +270,15 @@ def test_dense_and_a_method_that_cannot_switch():
     assert np.abs(residuals[31]).max() > 0  # the method runs on, with error feedback
 
 
-def test_compress_auto_falls_back_to_its_dense_candidate():
+def test_compress_auto_falls_back_to_its_dense_candidate(caplog):
     slow = jaxcomp.costmodel.cost.Network.parse("1ms", "10mbit")
     tx = jaxcomp.compress_auto(
         [jaxcomp.Dense(), jaxcomp.RandomK(0.01)], network=slow, decide_every=1000
     )
-    metrics, _, _ = _train(tx, 0.01, 120)
+    with caplog.at_level(logging.WARNING, logger="jaxcomp"):
+        metrics, _, _ = _train(tx, 0.01, 120)
+    told = [r.getMessage() for r in caplog.records if "diverges at step" in r.getMessage()]
+    assert told and all("it aggregates densely for" in m for m in told), told
     dense = jaxcomp.Dense().wire_bytes(DIM, 8)
     trigger = int(np.argmax(metrics["fallbacks"] > 0))
     assert metrics["fallbacks"][-1] >= 1 and metrics["bytes_sent"][0] < dense

@@ -115,7 +115,7 @@ def feedback_transformation(
     keeps_residual = keeps_residual and not sends_everything
 
     def init_fn(params):
-        return _init_state(c, branches, params, keeps_residual, init_auto, policy)
+        return _init_state(c, branches, params, keeps_residual, init_auto, policy, falls_back)
 
     def guards(lay: mask.Layout) -> bool:  # the guardrail runs: something is compressed
         return c.guardrail is not None and not sends_everything and bool(lay.groups)
@@ -130,7 +130,7 @@ def feedback_transformation(
                 f"state was made by a compress(guardrail={not guards(lay)}), not by this "
                 f"compress(guardrail={guards(lay)})'s init"
             )
-        _check_state_is_ours(c, state, uses_auto, branches, policy)
+        _check_state_is_ours(c, state, uses_auto, _branches(c, branches, falls_back), policy)
         if not lay.floats:
             return updates, state
         mask.check_same_choice(lay, residuals if keeps_residual else velocities)
@@ -155,7 +155,9 @@ def feedback_transformation(
     return optax.GradientTransformationExtraArgs(init_fn, _checked_update(update_fn))
 
 
-def _init_state(c: FeedbackConfig, branches, params, keeps_residual, init_auto, policy):
+def _init_state(
+    c: FeedbackConfig, branches, params, keeps_residual, init_auto, policy, falls_back=False
+):
     """The state before the first update: zero residual and velocity per compressed leaf."""
     if sharding.active() is not None:
         _check_scatters(branches)
@@ -181,7 +183,7 @@ def _init_state(c: FeedbackConfig, branches, params, keeps_residual, init_auto, 
         metrics=init_metrics(),
         auto=init_auto() if init_auto is not None else None,
         policy=policy,
-        branches=_branches(c, branches),
+        branches=_branches(c, branches, falls_back),
         velocity=per_compressed_leaf(True) if c.momentum is not None else None,
         method_state=init_method_state(branches, shapes),
         divergence=divergence.init()
@@ -202,17 +204,20 @@ def _state_leaves(c: FeedbackConfig, treedef, state: CompressState):
     return residuals, velocities
 
 
-def _branches(c: FeedbackConfig, branches) -> Branches:
-    """The state's static record of its methods (and whether its guardrail tells the host)."""
-    return Branches(tuple(branches), c.guardrail is not None and c.guardrail.callback)
+def _branches(c: FeedbackConfig, branches, falls_back: bool) -> Branches:
+    """The state's static record of its methods, whether its guardrail tells the host and
+    whether it falls back to dense."""
+    guarded = c.guardrail is not None
+    return Branches(tuple(branches), guarded and c.guardrail.callback, guarded and falls_back)
 
 
-def _check_state_is_ours(c: FeedbackConfig, state, uses_auto, branches, policy):
+def _check_state_is_ours(c: FeedbackConfig, state, uses_auto, branches: Branches, policy):
     """Refuses a state made by another transformation's init."""
-    if uses_auto != (state.auto is not None) or state.branches != _branches(c, branches):
+    if uses_auto != (state.auto is not None) or state.branches != branches:
+        ours = [m.describe() for m in branches.methods]
         raise ValueError(
             f"state was not made by this transformation's init (it runs "
-            f"{[m.describe() for m in state.methods]}, this one {[m.describe() for m in branches]})"
+            f"{[m.describe() for m in state.methods]}, this one {ours})"
         )
     if state.policy != policy:
         raise ValueError(

@@ -49,10 +49,13 @@ class Branches:
     """The methods a compress state can run, as static structure (no array): one for
     :func:`compress`, one per branch for :func:`jaxcomp.compress_auto`. The ``method`` metric
     indexes it; host code reads it without waiting for a device. ``tells``: the guardrail tells
-    the host from inside the step (``Guardrail(callback=True)``), so host code need not."""
+    the host from inside the step (``Guardrail(callback=True)``), so host code need not;
+    ``falls_back``: a trigger switches to dense for the window (else it clears the residual and
+    rests), which is what the host says of a trigger."""
 
     methods: tuple[Method, ...]
     tells: bool = False
+    falls_back: bool = False
 
 
 class CompressState(NamedTuple):

@@ -405,10 +405,8 @@ def trigger_probe(before, after):
     if guarded is None or before is None or before.divergence is None or after.branches.tells:
         return None  # no guardrail, or it tells the host itself
     lossy = "/".join(m.describe() for m in after.methods if not m.sends_everything)
-    # A guarded state's method that sends everything is the dense fallback.
-    falls_back = any(m.sends_everything for m in after.methods)
     scalars = (before.step, before.divergence.fallbacks, guarded.fallbacks, guarded.mean)
-    return (*scalars, guarded.left), lossy, falls_back
+    return (*scalars, guarded.left), lossy, after.branches.falls_back
 
 
 def tell_trigger(probe) -> None:
