@@ -145,9 +145,29 @@ def shard_of(leaf, n_devices: int, index):
     References:
       Rajbhandari et al., ZeRO, SC 2020.
     """
+    return jax.lax.dynamic_index_in_dim(all_shards(leaf, n_devices), index, keepdims=False)
+
+
+def all_shards(leaf, n_devices: int):
+    """Every device's shard of ``leaf`` at once: its flattened, zero-padded form as ``[n_devices,
+    shard_length]``, row ``i`` device ``i``'s (:func:`shard_of`).
+
+    Args:
+      leaf: an array (the whole leaf).
+      n_devices: the shards.
+
+    Returns:
+      A ``[n_devices, shard_length(leaf.size, n_devices)]`` array.
+
+    Example:
+      >>> all_shards(jnp.arange(5.0), 2).tolist()
+      [[0.0, 1.0, 2.0], [3.0, 4.0, 0.0]]
+
+    References:
+      Rajbhandari et al., ZeRO, SC 2020.
+    """
     m = shard_length(leaf.size, n_devices)
-    flat = jnp.pad(leaf.ravel(), (0, n_devices * m - leaf.size))
-    return jax.lax.dynamic_slice_in_dim(flat, index * m, m)
+    return jnp.pad(leaf.ravel(), (0, n_devices * m - leaf.size)).reshape(n_devices, m)
 
 
 def unshard(shards, shape):

@@ -87,7 +87,7 @@ class Inner:
             return jax.tree.map(
                 lambda x: jnp.broadcast_to(x, (self.n_workers, *jnp.shape(x))), state
             )
-        shards = jax.tree.map(self._all_shards, params)  # leaves [n_inner, m]
+        shards = jax.tree.map(lambda p: sharding.all_shards(p, self.n_inner), params)
         rows = [self.tx.init(jax.tree.map(lambda s: s[i], shards)) for i in range(self.n_inner)]
         # Worker-major: row w * n_inner + i is device i of worker w.
         return jax.tree.map(lambda *xs: jnp.concatenate([jnp.stack(xs)] * self.n_workers), *rows)
@@ -182,14 +182,9 @@ class Inner:
             avals,
         )
 
-    def _all_shards(self, leaf):
-        """``[n_inner, m]``: row ``i`` is device ``i``'s shard of ``leaf``."""
-        m = sharding.shard_length(leaf.size, self.n_inner)
-        return jnp.pad(leaf.ravel(), (0, self.n_inner * m - leaf.size)).reshape(self.n_inner, m)
-
     def _mean_shard(self, grad):
         """This device's shard of the row's mean gradient (a reduce-scatter over the row)."""
-        flat = self._all_shards(grad).reshape(-1)
+        flat = sharding.all_shards(grad, self.n_inner).reshape(-1)
         return dense.psum_scatter(flat, self.inner_axis)[0] / self.n_inner
 
 
