@@ -212,6 +212,7 @@ def variants():
         m.TopK(0.001, collective="ar"),
         m.RandomK(0.01),
         m.Sign(),
+        m.Sign(aggregation="ring"),
         m.PowerSGD(4),
         m.Quantized(4),
         m.Zfp(8),
@@ -221,6 +222,13 @@ def variants():
     onebit += [
         Row(f"{x.describe()} jaxcomp.adam frozen", x, optimizer="jaxcomp.adam(refresh=0)")
         for x in compressed
+    ]
+    # A shorter warm-up and rarer refreshes: fewer dense steps, so fewer bytes over the run.
+    onebit += [
+        Row(
+            f"{x.describe()} jaxcomp.adam short", x, optimizer="jaxcomp.adam(warmup=25,refresh=100)"
+        )
+        for x in (m.Sign(), m.Sign(aggregation="ring"))
     ]
     return (
         [row for row in auto_rows() if row.name != "auto@1gbit"]

@@ -205,6 +205,7 @@ def test_main_prints_every_method_and_the_summaries(capsys):
         "quantized",
         "sign",
         "sign_allreduce",
+        "sign_ring",
     ):
         assert method in out
     assert "hierarchical_topk" not in out  # needs --inner-size

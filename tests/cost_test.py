@@ -244,6 +244,7 @@ def test_available_methods():
         "bf16",
         "sign",
         "sign_allreduce",
+        "sign_ring",
     ]
     labels = [m.label for m in cost.available_methods(ratio=0.1, rate=8, bits=4, inner_size=2)]
     assert labels == [
@@ -260,6 +261,7 @@ def test_available_methods():
         "bf16",
         "sign",
         "sign_allreduce",
+        "sign_ring",
     ]
 
 

@@ -88,7 +88,7 @@ def _aggregate(tx, g, steps=1):
         (lambda: Quantized(4, hadamard="yes"), "hadamard must be True or False"),
         (lambda: Dense(allreduce="star"), "allreduce must be one of"),
         (lambda: Sign(0), "chunk must be"),
-        (lambda: Sign(aggregation="ring"), "aggregation must be one of"),
+        (lambda: Sign(aggregation="tree"), "aggregation must be one of"),
         (lambda: Sign(allreduce="tree"), "costs aggregation='allreduce' only"),
     ],
 )

@@ -97,12 +97,15 @@ def _run_both(method, x, row):
         TopK(0.1),
         TopK(k=7, collective="ar"),
         TopK(0.05, selector="threshold"),
+        Sign(16, aggregation="ring"),
     ],
-    ids=["dense", "bf16", "fp16", "allgather_topk", "ar_topk", "mstopk"],
+    ids=["dense", "bf16", "fp16", "allgather_topk", "ar_topk", "mstopk", "sign_ring"],
 )
 def test_exact_reduce_scatter_is_the_all_reduce_split(method):
     """Dense, Cast and TopK reduce-scatter the very sum their all-reduce computes: device d's
-    shard is row d of it bit for bit (Dense: to XLA's summation order), with the same sent."""
+    shard is row d of it bit for bit (Dense: to XLA's summation order), with the same sent. The
+    ring of signs codes the same chunks in the same order either way, so its shard is its
+    all-reduce's row bit for bit too."""
     row = 37
     x = jnp.asarray(np.random.default_rng(1).normal(size=(N, N * row)), jnp.float32)
     total, sent, shard, sent_rs = _run_both(method, x, row)
@@ -141,8 +144,9 @@ def test_lossy_reduce_scatter_sums_what_each_device_sent(method):
         (Zfp(8), 1003),
         (Quantized(4), 1003),
         (TopK(0.01), 1003),
+        (Sign(64, aggregation="ring"), 1003),
     ],
-    ids=["dense", "fp16", "zfp", "thc", "topk"],
+    ids=["dense", "fp16", "zfp", "thc", "topk", "sign_ring"],
 )
 def test_reduce_scatter_bytes_are_what_the_collectives_move(method, n):
     row = method.shard_row(-(-n // N), N)
@@ -502,3 +506,19 @@ def test_cost_model_and_advise_know_the_sharded_form(capsys):
     assert "sharded (--shard)" in out and "zfp" in out and "quantized" in out
     for name in ("sign", "powersgd", "randomk", "hierarchical"):
         assert f"\n{name}" not in out
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "params"])
+def test_the_ring_of_signs_trains_sharded(shard):
+    """The ring of signs codes other chunks in the sharded layout than in the replicated one, so
+    the two runs differ by the signs' error; sharded, it trains as the replicated run does, and
+    the params stay identical on every device."""
+    _, _, ref_losses, _ = _train(Sign(aggregation="ring"), None, steps=12)
+    dp, state, losses, metrics = _train(Sign(aggregation="ring"), shard, steps=12)
+    assert losses[-1] < 0.7 * losses[0] and ref_losses[-1] < 0.7 * ref_losses[0]
+    assert losses[-1] < 1.2 * ref_losses[-1]
+    for leaf in jax.tree.leaves(dp.params(state)):
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        assert all(np.array_equal(shards[0], s) for s in shards[1:])
+    n_params = sum(leaf.size for leaf in jax.tree.leaves(_params()))
+    assert 0 < float(metrics["bytes_sent"]) < Sign().wire_bytes(n_params, N) / 2  # half a ring

@@ -220,7 +220,37 @@ def _aggregate(method, x):
     )(x)
 
 
-@pytest.mark.parametrize("aggregation", ["allgather", "majority", "allreduce"])
+def ref_ring(x, chunk):
+    """The ring of signs (jaxcomp.collectives.sign_ring), device by device in numpy: ``(total,
+    sent)``. Device d starts with chunk d - 1 and sends to d + 1; it owns chunk d at the end."""
+    n_devices, n = x.shape
+    c = -(-n // n_devices)
+    rows = np.zeros((n_devices, n_devices * c), np.float32)
+    rows[:, :n] = x
+    rows = rows.reshape(n_devices, n_devices, c)  # [device, chunk, value]
+
+    def code(values):
+        words, scales = ref_pack(values, chunk)
+        return ref_unpack(words, scales, c, chunk)
+
+    lost = np.zeros_like(rows)
+    held = [(d - 1) % n_devices for d in range(n_devices)]  # the chunk each device codes next
+    partial = np.stack([rows[d, held[d]] for d in range(n_devices)])
+    for _ in range(n_devices):
+        decoded = np.stack([code(p) for p in partial])
+        for d in range(n_devices):
+            lost[d, held[d]] = partial[d] - decoded[d]
+        if held == list(range(n_devices)):  # each device coded the chunk it owns
+            break
+        decoded = np.roll(decoded, 1, axis=0)  # device d receives device d - 1's message
+        held = [(h - 1) % n_devices for h in held]
+        partial = np.stack([decoded[d] + rows[d, held[d]] for d in range(n_devices)])
+    total = decoded.reshape(-1)[:n]
+    sent = (rows - lost).reshape(n_devices, -1)[:, :n]
+    return total, sent
+
+
+@pytest.mark.parametrize("aggregation", ["allgather", "majority", "allreduce", "ring"])
 def test_aggregate_matches_numpy_and_is_identical_on_every_device(aggregation):
     n, chunk = 1003, 64
     method = Sign(chunk, aggregation=aggregation)
@@ -245,12 +275,17 @@ def test_aggregate_matches_numpy_and_is_identical_on_every_device(aggregation):
         want = votes.astype(np.float32) * np.repeat(summed, chunk)[:n]
         np.testing.assert_array_equal(total[0], want)
         np.testing.assert_array_equal(sent, np.broadcast_to(want / N_DEVICES, sent.shape))
+    elif aggregation == "ring":  # the partial sums coded hop by hop, bit for bit
+        want_total, want_sent = ref_ring(x, chunk)
+        np.testing.assert_array_equal(total[0], want_total)
+        np.testing.assert_allclose(sent, want_sent, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(sent.sum(0), total[0], rtol=1e-5, atol=1e-5)
     else:
         np.testing.assert_array_equal(sent, decoded)
         np.testing.assert_allclose(total[0], decoded.sum(0), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("aggregation", ["allgather", "allreduce"])
+@pytest.mark.parametrize("aggregation", ["allgather", "allreduce", "ring"])
 def test_wire_bytes_are_the_bytes_the_collectives_move(aggregation):
     n = 1003
     method = Sign(100, aggregation=aggregation)
@@ -264,8 +299,9 @@ def test_wire_bytes_are_the_bytes_the_collectives_move(aggregation):
             )
         ).trace(jnp.zeros(n * N_DEVICES, dtype))
         uniform, p2p = _collective_bytes(traced.jaxpr.jaxpr, {"data": N_DEVICES})
-        assert not p2p
-        assert uniform == pytest.approx(
+        assert bool(p2p) == (aggregation == "ring")  # the ring's hops are point to point
+        assert len(set(p2p.values())) <= 1  # every device sends as much
+        assert uniform + max(p2p.values(), default=0) == pytest.approx(
             method.wire_bytes(n, N_DEVICES, dtype_bytes=jnp.dtype(dtype).itemsize)
         )
     # The packed all-gather's bytes against the dense all-reduce: N - 1 copies of ~n/8 bytes against
@@ -273,9 +309,14 @@ def test_wire_bytes_are_the_bytes_the_collectives_move(aggregation):
     assert Sign().wire_bytes(1 << 20, 8) < jaxcomp.Dense().wire_bytes(1 << 20, 8) / 7.5
     assert Sign().wire_bytes(1 << 20, 256) > Sign(aggregation="allreduce").wire_bytes(1 << 20, 256)
     assert Sign().message_steps(8) == 3 and Sign(aggregation="allreduce").message_steps(8) == 14
+    # The ring's bytes do not grow with the devices: 2 (N-1)/N of one device's signs.
+    ring = Sign(aggregation="ring")
+    assert ring.wire_bytes(1 << 20, 8) == pytest.approx(Sign().wire_bytes(1 << 20, 8) / 4, 0.01)
+    assert ring.wire_bytes(1 << 20, 64) < 2 * Sign().wire_bytes(1 << 20, 2)
+    assert ring.message_steps(8) == 14
 
 
-@pytest.mark.parametrize("aggregation", ["allgather", "majority", "allreduce"])
+@pytest.mark.parametrize("aggregation", ["allgather", "majority", "allreduce", "ring"])
 def test_error_feedback_is_exact_over_steps_with_one_compilation(aggregation):
     """sum of aggregates = sum of gradients - residuals; bytes_sent = wire_bytes; no
     recompilation."""
@@ -306,7 +347,7 @@ def test_compress_auto_takes_the_packed_signs_on_a_slow_network():
     replicated, as the branches need."""
     n = 1000
     candidates = jaxcomp.methods.candidates(sign=64)
-    assert [m.describe() for m in candidates] == ["dense", "sign", "sign_allreduce"]
+    assert [m.describe() for m in candidates] == ["dense", "sign", "sign_allreduce", "sign_ring"]
     tx = jaxcomp.compress_auto(
         candidates, network=jaxcomp.costmodel.cost.Network.parse("1ms", "1gbit")
     )

@@ -266,6 +266,7 @@ EVERY_METHOD = [
     ("ar_topk", {"ratio": 0.1}),
     ("randomk", {"ratio": 0.1}),
     ("sign", {}),
+    ("sign_ring", {}),
     ("bf16", {}),
     ("fp16", {}),
     ("powersgd", {"rank": 2}),

@@ -32,9 +32,11 @@ with :mod:`jaxcomp.methods`:
 * :mod:`~jaxcomp.collectives.topk`: :func:`allgather_topk`, :func:`ar_topk`,
   :func:`hierarchical_topk`;
 * :mod:`~jaxcomp.collectives.zfp`: :func:`zfp_allreduce`, :func:`zfp_reduce_scatter`;
-* :mod:`~jaxcomp.collectives.ring`: the ring all-reduce with a codec, shared by ZFP and bfloat16;
+* :mod:`~jaxcomp.collectives.ring`: the ring all-reduce with a codec, shared by ZFP, bfloat16
+  and signs;
 * :mod:`~jaxcomp.collectives.quantized`: :func:`quantized_psum` (THC) and its codec;
-* :mod:`~jaxcomp.collectives.sign`: :func:`sign_allgather` (scaled signs, majority vote);
+* :mod:`~jaxcomp.collectives.sign`: :func:`sign_allgather` (scaled signs, majority vote) and
+  :func:`sign_ring` (the ring whose messages are signs) with :func:`sign_reduce_scatter`;
 * :mod:`~jaxcomp.collectives.sizes`: the message sizes the collectives and the byte model share;
 * :mod:`~jaxcomp.collectives.small`: what is not a gradient: metrics, flags and the gather of
   sharded params.
@@ -68,6 +70,8 @@ _EXPORTS = {
     "zfp_reduce_scatter": "jaxcomp.collectives.zfp",
     "quantized_psum": "jaxcomp.collectives.quantized",
     "sign_allgather": "jaxcomp.collectives.sign",
+    "sign_ring": "jaxcomp.collectives.sign",
+    "sign_reduce_scatter": "jaxcomp.collectives.sign",
 }
 
 __getattr__, __dir__, _names = attach(

@@ -487,7 +487,7 @@ def available_methods(
     Example:
       >>> [m.label for m in available_methods(ratio=0.01)]  # doctest: +NORMALIZE_WHITESPACE
       ['dense', 'dense_tree', 'allgather_topk', 'ar_topk', 'ar_topk_tree', 'randomk', 'bf16',
-       'sign', 'sign_allreduce']
+       'sign', 'sign_allreduce', 'sign_ring']
 
     References:
       Tyagi & Swany, arXiv 2312.02493, §3-D.

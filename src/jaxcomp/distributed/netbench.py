@@ -61,6 +61,9 @@ def _runs():
     # float16 halves the wire over gloo as bfloat16 does (issue 22 compares both); not an auto
     # candidate.
     table[Cast("float16").label] = (Cast("float16"), {}, None)
+    # 1-bit Adam's compressed all-reduce: the ring whose messages are signs (2/N of the
+    # all-gather's bytes, 2 (N-1) steps).
+    table[Sign(aggregation="ring").label] = (Sign(aggregation="ring"), {}, None)
     table["auto"] = (fixed, {}, None)
     # Sharded training (data_parallel(shard=...)): the gradient reduce-scattered, the params
     # all-gathered.

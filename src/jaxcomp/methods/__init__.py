@@ -177,10 +177,10 @@ def candidates(
       rank: PowerSGD's rank, or None to leave it out.
       hierarchical: also hierarchical top-k (needs two mesh axes; with ``ratio``).
       variants: also the cost model's variants (tree all-reduces, ZFP's recursive doubling),
-        random-k, the bfloat16 cast and the scaled signs (all-gathered and all-reduced, chunk
-        ``sign`` or 1024): what the advisor compares.
-      sign: values per scale of the scaled-sign methods (:class:`Sign`, all-gathered and
-        all-reduced), or None to leave them out (``variants`` still adds them).
+        random-k, the bfloat16 cast and the scaled signs (all-gathered, all-reduced and in a
+        ring, chunk ``sign`` or 1024): what the advisor compares.
+      sign: values per scale of the scaled-sign methods (:class:`Sign`, all-gathered,
+        all-reduced and in a ring), or None to leave them out (``variants`` still adds them).
 
     Returns:
       A tuple of methods.
@@ -207,7 +207,7 @@ def candidates(
     out += [Cast("bfloat16")] if variants else []
     if sign is not None or variants:
         chunk = {} if sign is None else {"chunk": sign}
-        out += [Sign(**chunk), Sign(**chunk, aggregation="allreduce")]
+        out += [Sign(**chunk, aggregation=how) for how in ("allgather", "allreduce", "ring")]
     return tuple(out)
 
 

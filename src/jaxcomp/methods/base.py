@@ -367,6 +367,7 @@ def scattering() -> list[str]:
         "Zfp (algorithm='ring')",
         "Quantized",
         "TopK (collective='allgather' or 'ar')",
+        "Sign (aggregation='ring')",
     ]
 
 
