@@ -147,7 +147,12 @@ def ring_allreduce(values, axis_name, n_devices, codec, *, own=1, scatter=False,
 
 def _sent(chunks, errors, first, n):
     """The chunks less this device's coding errors: ``errors[t]`` belongs to chunk
-    ``(first - t) mod N``, so chunk ``c``'s is ``errors[(first - c) mod N]``."""
+    ``(first - t) mod N``. Each chunk is written once, in place, where it belongs (stacking the
+    errors and permuting them took two more passes over the vector)."""
     n_devices = chunks.shape[0]
-    lost = jnp.stack(errors)[(first - jnp.arange(n_devices)) % n_devices]
-    return (chunks - lost).reshape(-1)[:n]
+    sent = chunks
+    for t, error in enumerate(errors):
+        row = (first - t) % n_devices
+        lost = jax.lax.dynamic_index_in_dim(chunks, row, keepdims=False) - error
+        sent = jax.lax.dynamic_update_index_in_dim(sent, lost, row, 0)
+    return sent.reshape(-1)[:n]
