@@ -16,6 +16,10 @@ Every row trains the same model from the same params on the same batches (``qual
   schedule of quality.py); ``ar_topk``, ``auto`` and ``auto-topk`` are the same with
   ``compress("ar_topk", ratio=0.01)``, ``compress("auto")`` (dense, the bfloat16 cast or ZFP 8)
   and ``compress("auto", ratio=0.01)`` (dense or top-k 1%): per-step compression;
+* ``adam-sign`` and ``adam-sign_ring`` are ``jaxcomp.adam`` (the same schedule) with 25 dense
+  warm-up steps and a dense variance refresh every 100, its momentum sent as scaled signs,
+  all-gathered or in a ring (``Sign(aggregation="ring")``): per-step compression that keeps
+  Adam's quality;
 * the ``diloco-*`` rows are ``jaxcomp.diloco`` with one worker per device, the same Adam as inner
   optimizer (each worker on its share of every batch, so every row sees the same samples), the
   paper's outer Nesterov SGD (lr 0.7, momentum 0.9) or, for ``-avg``, plain averaging
@@ -66,11 +70,16 @@ if "--worker" not in sys.argv:  # a cluster host gets its device count from the 
 import quality  # noqa: E402  (the model, corpus and batches)
 
 _DEFAULTS = dict(outer="nesterov")
+_SHORT = "warmup=25,refresh=100"
 ROWS = {
     "dp": dict(kind="dp", method="dense"),
     "ar_topk": dict(kind="dp", method="ar_topk", settings={"ratio": 0.01}),
     "auto": dict(kind="dp", method="auto"),
     "auto-topk": dict(kind="dp", method="auto", settings={"ratio": 0.01}),
+    # jaxcomp.adam (1-bit Adam's recipe) with a short warm-up: 25 dense steps, a dense variance
+    # refresh every 100; the momentum as signs, all-gathered or in a ring.
+    "adam-sign": dict(kind="onebit", method="sign", optimizer=f"jaxcomp.adam({_SHORT})"),
+    "adam-sign_ring": dict(kind="onebit", method="sign_ring", optimizer=f"jaxcomp.adam({_SHORT})"),
     "diloco-h10": dict(kind="diloco", sync_every=10),
     "diloco-h10-int8": dict(kind="diloco", sync_every=10, compress="int8"),
     "diloco-h10-avg": dict(kind="diloco", sync_every=10, outer="avg"),
@@ -209,7 +218,10 @@ def build(options, loss_fn, adam, devices, inner=1):
     import jaxcomp
 
     options = dict(options)
-    if options.pop("kind") == "dp":
+    kind = options.pop("kind")
+    if kind == "onebit":  # ``adam`` is the whole jaxcomp.adam (_prepare)
+        return jaxcomp.data_parallel(loss_fn, adam, Mesh(devices, ("data",)))
+    if kind == "dp":
         tx = jaxcomp.compress(options["method"], **options.get("settings", {}))
         return jaxcomp.data_parallel(loss_fn, optax.chain(tx, adam), Mesh(devices, ("data",)))
     compress = {None: None, "int8": jaxcomp.Quantized(8), "topk": jaxcomp.TopK(0.1)}[
@@ -310,7 +322,12 @@ def _prepare(name, config, corpus, first, *, quick, devices, inner, seed):
     # Each process's devices together (a DiLoCo worker's row is one host's devices).
     ordered = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     devices = np.array(ordered[: devices or None])
-    run = build(options, loss_fn, quality.optimizer("adam", config), devices, inner)
+    if options["kind"] == "onebit":
+        row = quality.Row(name, options["method"], {}, optimizer=options["optimizer"])
+        tx = quality.transformation(row, config)
+    else:
+        tx = quality.optimizer("adam", config)
+    run = build(options, loss_fn, tx, devices, inner)
     rows = config.batch // jax.process_count()
     mine = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
     state = run.init(params)

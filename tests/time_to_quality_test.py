@@ -138,3 +138,22 @@ def test_a_quick_job_on_two_emulated_hosts(tmp_path, monkeypatch, inner):
     # 8-bit pseudo-gradients every 2 steps against a dense all-reduce every step.
     assert diloco["curve"][3]["bytes"] < dp["curve"][3]["bytes"] / 4
     assert (tmp_path / "time_to_quality.png").stat().st_size > 10_000
+
+
+def test_the_onebit_rows_run_jaxcomp_adam_with_a_short_warm_up(tmp_path):
+    """``adam-sign`` / ``adam-sign_ring``: jaxcomp.adam (25 dense steps, a refresh every 100)
+    with the momentum as signs, all-gathered or in a ring, through the job's own path."""
+    import jax.numpy as jnp
+
+    import jaxcomp
+
+    options = ttq.row_options("adam-sign_ring")
+    row = quality.Row("adam-sign_ring", options["method"], {}, optimizer=options["optimizer"])
+    state = quality.transformation(row, quality.MODELS["small"]).init({"w": jnp.zeros(4)})
+    assert state.compress.methods == (jaxcomp.Dense(), jaxcomp.Sign(aggregation="ring"))
+    ttq.main(["--quick", "--rows", "dp,adam-sign_ring", "--out", str(tmp_path)])
+    with open(tmp_path / "time_to_quality.json") as f:
+        ((_, (dp, onebit)),) = json.load(f)["panels"]
+    assert onebit["name"] == "adam-sign_ring" and onebit["curve"][-1]["step"] >= 6
+    # The 6 quick steps are all warm-up: dense Adam on the mean gradient, dp's run exactly.
+    assert onebit["curve"][-1]["loss"] == pytest.approx(dp["curve"][-1]["loss"], rel=1e-5)
