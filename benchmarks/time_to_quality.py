@@ -207,6 +207,15 @@ def row_config(name, config):
     return config if lr is None else dataclasses.replace(config, learning_rate=lr)
 
 
+def row_tx(name, options, config):
+    """The row's optimizer: quality.py's Adam (its schedule), or for an ``adam-*`` row the whole
+    ``jaxcomp.adam`` with the row's method and settings on the same schedule."""
+    if options["kind"] != "onebit":
+        return quality.optimizer("adam", config)
+    row = quality.Row(name, options["method"], {}, optimizer=options["optimizer"])
+    return quality.transformation(row, config)
+
+
 def build(options, loss_fn, adam, devices, inner=1):
     """The row's training object (``data_parallel`` or ``diloco``) on ``devices``: ``dp`` rows
     data-parallel over all of them, DiLoCo rows one worker per device or, with ``inner > 1``,
@@ -322,12 +331,7 @@ def _prepare(name, config, corpus, first, *, quick, devices, inner, seed):
     # Each process's devices together (a DiLoCo worker's row is one host's devices).
     ordered = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     devices = np.array(ordered[: devices or None])
-    if options["kind"] == "onebit":
-        row = quality.Row(name, options["method"], {}, optimizer=options["optimizer"])
-        tx = quality.transformation(row, config)
-    else:
-        tx = quality.optimizer("adam", config)
-    run = build(options, loss_fn, tx, devices, inner)
+    run = build(options, loss_fn, row_tx(name, options, config), devices, inner)
     rows = config.batch // jax.process_count()
     mine = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
     state = run.init(params)
