@@ -80,6 +80,24 @@ def run_job(fault, faulty, at_step, start=(0, 1), wait=90, steps=200, wait_for=N
     return results, elapsed
 
 
+def run_jobs(*jobs):
+    """Runs several :func:`run_job` calls at once (each a dict of its arguments), in threads: the
+    jobs mostly wait on timeouts, so a pair of them takes the time of the longer one. Returns
+    their ``(results, elapsed)`` in order; each job's times count from its own start."""
+    out = [None] * len(jobs)
+
+    def run(i):
+        out[i] = run_job(**jobs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(o is not None for o in out), "a job's thread raised (see its traceback above)"
+    return out
+
+
 def seconds_to_raise(results, faulty, survivor):
     """Seconds from the fault (the faulty process's ``stopping T``) to the survivor's ``raised``."""
     stopped = re.search(r"^stopping ([\d.]+)$", results[faulty][1], re.M)
@@ -89,143 +107,133 @@ def seconds_to_raise(results, faulty, survivor):
 
 
 @pytest.mark.multiprocess
-def test_killed_peer_is_an_error_in_the_other():
-    results, elapsed = run_job("kill", 1, at_step=3)
-    code, output = results[0]
-    assert "step 2" in output, output  # the job ran before the fault
-    assert code == 1, output  # a Python exception, not an abort (-6) nor a hang
-    assert "Traceback" in output
-    assert "process(es) 1 did not check in" in output, output
-    assert elapsed[0] < 45, elapsed
-
-
-@pytest.mark.multiprocess
-def test_killed_coordinator_is_an_error_in_the_other():
+def test_killed_peer_or_coordinator_is_an_error_in_the_other():
     # JAX's coordination service runs in process 0's rendezvous server, not in process 0: losing
     # process 0 no longer aborts process 1 ("Terminating process because the JAX distributed
-    # service detected fatal errors", SIGABRT, before this change).
-    results, elapsed = run_job("kill", 0, at_step=3)
-    code, output = results[1]
-    assert "step 2" in output, output
-    assert code == 1, output
-    assert "Traceback" in output
-    assert "process(es) 0 did not check in" in output, output
-    assert "Terminating process" not in output, output
-    assert elapsed[1] < 30, elapsed
+    # service detected fatal errors", SIGABRT, before this change). Both jobs run at once.
+    jobs = run_jobs(*(dict(fault="kill", faulty=faulty, at_step=3) for faulty in (1, 0)))
+    for faulty, (results, elapsed) in zip((1, 0), jobs):
+        survivor = 1 - faulty
+        code, output = results[survivor]
+        assert "step 2" in output, output  # the job ran before the fault
+        assert code == 1, output  # a Python exception, not an abort (-6) nor a hang
+        assert "Traceback" in output
+        assert f"process(es) {faulty} did not check in" in output, output
+        assert "Terminating process" not in output, output
+        assert elapsed[survivor] < (45 if faulty else 30), elapsed
+
+
+def each_faulty(fault, at_step, faulties=(1, 0)):
+    """Runs the job with each process of ``faulties`` as the faulty one, at once; yields
+    ``faulty, survivor, (code, output), results, elapsed`` per job."""
+    jobs = run_jobs(*(dict(fault=fault, faulty=f, at_step=at_step) for f in faulties))
+    for faulty, (results, elapsed) in zip(faulties, jobs):
+        survivor = 1 - faulty
+        yield faulty, survivor, results[survivor], results, elapsed
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("faulty", [0, 1])
-def test_killed_peer_is_an_error_in_an_idle_process(faulty):
+def test_killed_peer_is_an_error_in_an_idle_process():
     # The survivor spends 30 s in Python code without a collective when its peer dies: the
     # rendezvous server reports the loss and PeerLostError is raised in its main thread.
-    results, elapsed = run_job("kill-idle", faulty, at_step=3)
-    survivor = 1 - faulty
-    code, output = results[survivor]
-    assert "idle" in output, output
-    assert code == 1, output
-    assert f"PeerLostError: process {survivor} of 2: process(es) {faulty} left the job" in output, (
-        output
-    )
-    assert "Terminating process" not in output, output
-    assert elapsed[survivor] < 25, elapsed  # well before the 30 s idle ends
+    for faulty, survivor, (code, output), _, elapsed in each_faulty("kill-idle", 3):
+        assert "idle" in output, output
+        assert code == 1, output
+        assert (
+            f"PeerLostError: process {survivor} of 2: process(es) {faulty} left the job" in output
+        ), output
+        assert "Terminating process" not in output, output
+        assert elapsed[survivor] < 25, elapsed  # well before the 30 s idle ends
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("at_step", [3, 0], ids=["mid-run", "before-first-step"])
-def test_stalled_peer_is_an_error_in_the_other(at_step):
-    results, elapsed = run_job("stall", 1, at_step=at_step)
-    code, output = results[0]
-    assert code == 1, output
-    assert "process(es) 1 did not check in" in output, output
+def test_stalled_peer_is_an_error_in_the_other():
     # Mid-run a collective times out after failure_timeout; before the first step gloo's own
-    # connection set-up waits its fixed 30 s first.
-    assert elapsed[0] < (FAILURE_TIMEOUT + 30 if at_step else 60), elapsed
+    # connection set-up waits its fixed 30 s first. Both jobs run at once.
+    at_steps = (3, 0)
+    jobs = run_jobs(*(dict(fault="stall", faulty=1, at_step=a) for a in at_steps))
+    for at_step, (results, elapsed) in zip(at_steps, jobs):
+        code, output = results[0]
+        assert code == 1, output
+        assert "process(es) 1 did not check in" in output, output
+        assert elapsed[0] < (FAILURE_TIMEOUT + 30 if at_step else 60), elapsed
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("faulty", [1, 0])
-def test_sigstopped_peer_is_an_error_in_a_process_in_a_collective(faulty):
+def test_sigstopped_peer_is_an_error_in_a_process_in_a_collective():
     # SIGSTOP stops every thread of the peer (JAX's heartbeats, jaxcomp's pings): the survivor's
     # collective times out (failure_timeout) and the exit names the peer. Before, JAX's
     # coordination service declared the peer dead after the heartbeat timeout and aborted the
     # survivor (SIGABRT, rc -6, "Terminating process because the JAX distributed service detected
     # fatal errors") while it was still exiting.
-    results, elapsed = run_job("sigstop", faulty, at_step=5)
-    survivor = 1 - faulty
-    code, output = results[survivor]
-    assert "step 4" in output, output
-    assert code == 1, output  # a Python exception, not an abort (-6)
-    assert "Traceback" in output and "Gloo all-reduce failed" in output, output
-    assert f"process(es) {faulty} stopped responding (no sign of life for 1" in output, output
-    assert "Terminating process" not in output, output
-    assert seconds_to_raise(results, faulty, survivor) < FAILURE_TIMEOUT + 5, output
-    assert elapsed[survivor] < 60, elapsed
+    for faulty, survivor, (code, output), results, elapsed in each_faulty("sigstop", 5):
+        assert "step 4" in output, output
+        assert code == 1, output  # a Python exception, not an abort (-6)
+        assert "Traceback" in output and "Gloo all-reduce failed" in output, output
+        assert f"process(es) {faulty} stopped responding (no sign of life for 1" in output, output
+        assert "Terminating process" not in output, output
+        assert seconds_to_raise(results, faulty, survivor) < FAILURE_TIMEOUT + 5, output
+        assert elapsed[survivor] < 60, elapsed
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("faulty", [1, 0])
-def test_sigstopped_peer_is_a_python_exception_in_an_idle_process(faulty):
+def test_sigstopped_peer_is_a_python_exception_in_an_idle_process():
     # The survivor runs Python code without a collective: the rendezvous server declares the
     # silent peer stalled after failure_timeout, the on_failure hook runs, then PeerStalledError
     # rises in the main thread. Before: SIGABRT after the heartbeat timeout, no exception.
-    results, elapsed = run_job("sigstop-idle", faulty, at_step=5)
-    survivor = 1 - faulty
-    code, output = results[survivor]
-    assert "idle" in output, output
-    assert code == 1, output
-    assert (
-        f"PeerStalledError: process {survivor} of 2: process(es) {faulty} stopped responding"
-        in output
-    ), output
-    hook = output.find(f"on_failure PeerStalledError [{faulty}]")
-    assert 0 <= hook < output.find("raised PeerStalledError"), output  # the hook ran first
-    assert "Terminating process" not in output, output
-    seconds = seconds_to_raise(results, faulty, survivor)
-    assert FAILURE_TIMEOUT - 1 < seconds < FAILURE_TIMEOUT + 5, (seconds, output)
-    assert elapsed[survivor] < 60, elapsed
+    for faulty, survivor, (code, output), results, elapsed in each_faulty("sigstop-idle", 5):
+        assert "idle" in output, output
+        assert code == 1, output
+        assert (
+            f"PeerStalledError: process {survivor} of 2: process(es) {faulty} stopped responding"
+            in output
+        ), output
+        hook = output.find(f"on_failure PeerStalledError [{faulty}]")
+        assert 0 <= hook < output.find("raised PeerStalledError"), output  # the hook ran first
+        assert "Terminating process" not in output, output
+        seconds = seconds_to_raise(results, faulty, survivor)
+        assert FAILURE_TIMEOUT - 1 < seconds < FAILURE_TIMEOUT + 5, (seconds, output)
+        assert elapsed[survivor] < 60, elapsed
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("faulty", [1, 0])
-def test_peer_killed_right_after_initialize_is_a_python_exception(faulty):
+def test_peer_killed_right_after_initialize_is_a_python_exception():
     # Killed before its first JAX op. Before: JAX's service declared the peer dead after the
     # heartbeat timeout and aborted the survivor (rc -6, 11 to 13 s).
-    results, elapsed = run_job("kill-after-init", faulty, at_step=0)
-    survivor = 1 - faulty
-    code, output = results[survivor]
-    assert code == 1, output
-    assert "Traceback" in output, output
-    assert f"on_failure PeerLostError [{faulty}]" in output, output
-    # The survivor's first JAX op waits in the CPU backend's topology exchange (2 to 5 min): once
-    # PeerLostError is pending, JAX's distributed client is shut down to end that wait.
-    assert f"PeerLostError: process {survivor} of 2: process(es) {faulty} left the job" in output, (
-        output
-    )
-    assert "Terminating process" not in output and "F1" not in output, output
-    assert seconds_to_raise(results, faulty, survivor) < 15, output
-    assert elapsed[survivor] < 60, elapsed
+    for faulty, survivor, (code, output), results, elapsed in each_faulty("kill-after-init", 0):
+        assert code == 1, output
+        assert "Traceback" in output, output
+        assert f"on_failure PeerLostError [{faulty}]" in output, output
+        # The survivor's first JAX op waits in the CPU backend's topology exchange (2 to 5 min):
+        # once PeerLostError is pending, JAX's distributed client is shut down to end that wait.
+        assert (
+            f"PeerLostError: process {survivor} of 2: process(es) {faulty} left the job" in output
+        ), output
+        assert "Terminating process" not in output and "F1" not in output, output
+        assert seconds_to_raise(results, faulty, survivor) < 15, output
+        assert elapsed[survivor] < 60, elapsed
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("missing", [1, 0], ids=["peer", "coordinator"])
-def test_peer_that_never_starts_is_a_python_exception(missing):
-    survivor = 1 - missing
-    results, elapsed = run_job("none", missing, at_step=0, start=(survivor,))
-    code, output = results[survivor]
-    assert code == 1, output
-    # Raised in initialize, before JAX is, so the script could catch it (the worker does, and
-    # re-raises).
-    assert f"caught MissingProcessError, missing=[{missing}]" in output, output
-    assert (
-        "Traceback" in output and "jaxcomp.distributed.rendezvous.MissingProcessError" in output
-    ), output
-    if missing:
-        assert "process(es) 1 did not check in at the rendezvous" in output, output
-    else:
-        assert "process 0 did not open the rendezvous" in output, output
-    assert "Terminating process" not in output and "F1" not in output, output  # no C++ fatal error
-    assert FAILURE_TIMEOUT - 1 < elapsed[survivor] < FAILURE_TIMEOUT + 15, elapsed
+def test_peer_that_never_starts_is_a_python_exception():
+    # Process 1 (the peer), then process 0 (the coordinator) never starts; both jobs at once.
+    jobs = run_jobs(*(dict(fault="none", faulty=m, at_step=0, start=(1 - m,)) for m in (1, 0)))
+    for missing, (results, elapsed) in zip((1, 0), jobs):
+        survivor = 1 - missing
+        code, output = results[survivor]
+        assert code == 1, output
+        # Raised in initialize, before JAX is, so the script could catch it (the worker does,
+        # and re-raises).
+        assert f"caught MissingProcessError, missing=[{missing}]" in output, output
+        assert (
+            "Traceback" in output and "jaxcomp.distributed.rendezvous.MissingProcessError" in output
+        ), output
+        if missing:
+            assert "process(es) 1 did not check in at the rendezvous" in output, output
+        else:
+            assert "process 0 did not open the rendezvous" in output, output
+        assert "Terminating process" not in output and "F1" not in output, output  # no C++ abort
+        assert FAILURE_TIMEOUT - 1 < elapsed[survivor] < FAILURE_TIMEOUT + 15, elapsed
 
 
 @pytest.mark.multiprocess

@@ -56,9 +56,12 @@ def both(op, *args, **kwargs):
 @pytest.mark.parametrize("n", LENGTHS)
 def test_topk_family_identical(n):
     x = rows(n, n)
-    for k in sorted({1, max(1, n // 3), n}):
+    middle = max(1, n // 3)
+    for k in sorted({1, middle, n}):
         assert_same(*both(jaxcomp.topk, x, k))
-        for rounds in (1, 5, 16, 23, 31):
+        # Each rounds value is a compile of both paths (the cost of this test): the coarse
+        # digit's end (16) and one inside it (5) on the middle k only.
+        for rounds in (1, 5, 16, 23, 31) if k == middle else (1, 23, 31):
             assert_same(*both(jaxcomp.find_threshold, x, k, rounds))
             assert_same(*both(jaxcomp.threshold_topk, x, k, rounds))
 

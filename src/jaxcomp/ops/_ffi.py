@@ -237,7 +237,9 @@ def dispatch(op, operands, native, portable, implementation, *, native_cuda=None
             return native(*operands)
         return jax.lax.platform_dependent(*operands, cuda=native_cuda, default=native)
     if implementation == "xla":
-        return portable(*operands)
+        # One jit: called eagerly (a notebook, a test), the cast around the portable op would
+        # otherwise compile and run on its own; under a caller's jit it is inlined.
+        return jax.jit(portable)(*operands)
 
     def fallback(*args):
         return portable(*(_portable_fallback_p.bind(a) for a in args))

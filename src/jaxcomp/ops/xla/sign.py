@@ -10,6 +10,9 @@ neither reassociates nor reorders.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -39,6 +42,7 @@ def _pad_last(x, length, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
+@functools.partial(jax.jit, static_argnames=("chunk",))
 def sign_pack(x, chunk):
     """:func:`jaxcomp.ops.sign.sign_pack` as XLA operations.
 
@@ -87,6 +91,7 @@ def sign_pack(x, chunk):
     return words, scales
 
 
+@functools.partial(jax.jit, static_argnames=("n", "chunk"))
 def sign_unpack(words, scales, n, chunk):
     """:func:`jaxcomp.ops.sign.sign_unpack` as XLA operations: ``+scale`` where the bit is 1,
     ``-scale`` where it is 0.

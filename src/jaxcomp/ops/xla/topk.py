@@ -12,6 +12,8 @@ word, prefix sums over the words only, and a binary search per output slot.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -131,6 +133,7 @@ def _select(x, keys, k, lo, hi):
     return jnp.take_along_axis(x, indices, axis=-1), indices
 
 
+@functools.partial(jax.jit, static_argnames=("k", "rounds"))
 def find_threshold(x, k, rounds):
     """:func:`jaxcomp.find_threshold` in plain XLA operations, bit-identical to the native kernel.
 
@@ -159,6 +162,7 @@ def find_threshold(x, k, rounds):
     return threshold.reshape(x.shape[:-1]), count.reshape(x.shape[:-1])
 
 
+@functools.partial(jax.jit, static_argnames=("k", "rounds"))
 def threshold_topk(x, k, rounds):
     """:func:`jaxcomp.threshold_topk` in plain XLA operations, bit-identical to the native kernel.
 
@@ -185,6 +189,7 @@ def threshold_topk(x, k, rounds):
     return values.reshape(x.shape[:-1] + (k,)), indices.reshape(x.shape[:-1] + (k,))
 
 
+@functools.partial(jax.jit, static_argnames=("k",))
 def topk(x, k):
     """:func:`jaxcomp.topk` in plain XLA operations: threshold top-k with all 31 rounds, exact.
 

@@ -15,6 +15,8 @@ and the format is defined on exact values.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -277,6 +279,7 @@ def _unpack(body, blocks, block_bits, rate):
     return [jnp.stack(o, axis=-1).reshape(rows, groups * _GROUP_BLOCKS)[:, :blocks] for o in out]
 
 
+@functools.partial(jax.jit, static_argnames=("rate",))
 def zfp_encode(x, rate):
     """:func:`jaxcomp.zfp_encode` in plain XLA operations, word for word the native kernel's.
 
@@ -369,6 +372,7 @@ def _decode_planes(window, start, budget, planes):
     return u
 
 
+@functools.partial(jax.jit, static_argnames=("n", "rate"))
 def zfp_decode(words, n, rate):
     """:func:`jaxcomp.zfp_decode` in plain XLA operations, bit-identical to the native kernel.
 
