@@ -8,7 +8,7 @@ it; every later step only runs. In a notebook, each change of method, model or m
 step again. For each zoo model and method this prints the seconds of ``init`` plus the first step,
 split into the trace (``jax.jit(...).trace``), the compile and the run, and one later step for
 scale. It imports whichever jaxcomp is on the path, so running it from two checkouts compares two
-versions (BENCHMARKS.md, "First step").
+versions (BENCHMARKS.md, "The first step").
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def _time_first_step(jaxcomp, model, method, mesh, batch):
     dp = jaxcomp.data_parallel(model.loss_fn, tx, mesh, shard=shard)
     state = jax.block_until_ready(dp.init(model.params))
     init = time.perf_counter() - start
-    start = time.perf_counter()
     batch = dp.shard_batch(batch)
+    start = time.perf_counter()
     traced = dp.step.trace(state, batch)
     trace = time.perf_counter() - start
     start = time.perf_counter()

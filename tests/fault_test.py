@@ -106,30 +106,31 @@ def seconds_to_raise(results, faulty, survivor):
     return float(raised.group(1)) - float(stopped.group(1))
 
 
+def each_faulty(fault, at_step, faulties=(1, 0), survivor_only=False):
+    """Runs the job with each process of ``faulties`` as the faulty one, at once (with
+    ``survivor_only``, the faulty process is never started); yields ``faulty, survivor,
+    (code, output), results, elapsed`` per job."""
+    starts = [(1 - f,) if survivor_only else (0, 1) for f in faulties]
+    jobs = run_jobs(
+        *(dict(fault=fault, faulty=f, at_step=at_step, start=st) for f, st in zip(faulties, starts))
+    )
+    for faulty, (results, elapsed) in zip(faulties, jobs):
+        survivor = 1 - faulty
+        yield faulty, survivor, results[survivor], results, elapsed
+
+
 @pytest.mark.multiprocess
 def test_killed_peer_or_coordinator_is_an_error_in_the_other():
     # JAX's coordination service runs in process 0's rendezvous server, not in process 0: losing
     # process 0 no longer aborts process 1 ("Terminating process because the JAX distributed
     # service detected fatal errors", SIGABRT, before this change). Both jobs run at once.
-    jobs = run_jobs(*(dict(fault="kill", faulty=faulty, at_step=3) for faulty in (1, 0)))
-    for faulty, (results, elapsed) in zip((1, 0), jobs):
-        survivor = 1 - faulty
-        code, output = results[survivor]
+    for faulty, survivor, (code, output), _, elapsed in each_faulty("kill", 3):
         assert "step 2" in output, output  # the job ran before the fault
         assert code == 1, output  # a Python exception, not an abort (-6) nor a hang
         assert "Traceback" in output
         assert f"process(es) {faulty} did not check in" in output, output
         assert "Terminating process" not in output, output
         assert elapsed[survivor] < (45 if faulty else 30), elapsed
-
-
-def each_faulty(fault, at_step, faulties=(1, 0)):
-    """Runs the job with each process of ``faulties`` as the faulty one, at once; yields
-    ``faulty, survivor, (code, output), results, elapsed`` per job."""
-    jobs = run_jobs(*(dict(fault=fault, faulty=f, at_step=at_step) for f in faulties))
-    for faulty, (results, elapsed) in zip(faulties, jobs):
-        survivor = 1 - faulty
-        yield faulty, survivor, results[survivor], results, elapsed
 
 
 @pytest.mark.multiprocess
@@ -217,10 +218,7 @@ def test_peer_killed_right_after_initialize_is_a_python_exception():
 @pytest.mark.multiprocess
 def test_peer_that_never_starts_is_a_python_exception():
     # Process 1 (the peer), then process 0 (the coordinator) never starts; both jobs at once.
-    jobs = run_jobs(*(dict(fault="none", faulty=m, at_step=0, start=(1 - m,)) for m in (1, 0)))
-    for missing, (results, elapsed) in zip((1, 0), jobs):
-        survivor = 1 - missing
-        code, output = results[survivor]
+    for missing, survivor, (code, output), _, elapsed in each_faulty("none", 0, survivor_only=True):
         assert code == 1, output
         # Raised in initialize, before JAX is, so the script could catch it (the worker does,
         # and re-raises).
