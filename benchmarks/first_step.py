@@ -26,7 +26,7 @@ def _parse(argv):
     )
     parser.add_argument(
         "--methods",
-        default="dense,ar_topk,zfp,quantized,sign_ring,powersgd",
+        default="pmean,dense,ar_topk,zfp,quantized,sign_ring,powersgd",
         help="labels of jaxcomp.distributed.netbench.METHODS (netbench's --methods)",
     )
     parser.add_argument("--devices", type=int, default=4, help="in-process CPU devices (default 4)")
@@ -37,31 +37,46 @@ def _parse(argv):
 def _time_first_step(jaxcomp, model, method, mesh, batch):
     """Seconds of init, the first step's trace, compile and run, and a second step."""
     import jax
-    import optax
 
-    from jaxcomp.distributed.netbench import METHODS
-
-    compressor, options, shard = METHODS[method]
-    tx = optax.chain(jaxcomp.compress(compressor, **options), optax.adam(1e-3))
     start = time.perf_counter()
-    dp = jaxcomp.data_parallel(model.loss_fn, tx, mesh, shard=shard)
-    state = jax.block_until_ready(dp.init(model.params))
+    jitted, state, batch = _build(jaxcomp, model, method, mesh, batch)
+    state = jax.block_until_ready(state)
     init = time.perf_counter() - start
-    batch = dp.shard_batch(batch)
     start = time.perf_counter()
-    traced = dp.step.trace(state, batch)
+    traced = jitted.trace(*state, batch)
     trace = time.perf_counter() - start
     start = time.perf_counter()
     compiled = traced.lower().compile()
     compile_s = time.perf_counter() - start
     start = time.perf_counter()
-    state, metrics = compiled(state, batch)
-    jax.block_until_ready(metrics)
+    jax.block_until_ready(compiled(*state, batch))
     run = time.perf_counter() - start
     start = time.perf_counter()
-    jax.block_until_ready(compiled(state, batch))
+    jax.block_until_ready(compiled(*state, batch))
     later = time.perf_counter() - start
     return {"init": init, "trace": trace, "compile": compile_s, "run": run, "later": later}
+
+
+def _build(jaxcomp, model, method, mesh, batch):
+    """``(jitted step, its state arguments, the placed batch)``: ``pmean`` is netbench's baseline
+    without jaxcomp (``lax.pmean`` of the gradients, Adam), any other label a data_parallel step
+    of ``compress`` with Adam."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxcomp.distributed import netbench_worker
+    from jaxcomp.distributed.netbench import METHODS
+
+    if method == "pmean":
+        plain = netbench_worker._plain_pmean_step(model.loss_fn, mesh)
+        placed = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        return plain._step, plain.init(model.params), placed
+    compressor, options, shard = METHODS[method]
+    tx = optax.chain(jaxcomp.compress(compressor, **options), optax.adam(1e-3))
+    dp = jaxcomp.data_parallel(model.loss_fn, tx, mesh, shard=shard)
+    return dp.step, (dp.init(model.params),), dp.shard_batch(batch)
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,7 @@ from jaxcomp.ops import _ffi
 
 LENGTHS = (1, 3, 4, 5, 127, 1000, 8193)
 RATES = (1, 2, 3, 5, 8, 16, 31, 32)
+ROUNDS = (1, 5, 16, 23, 31)  # find_threshold's rounds
 
 
 def bits(tree):
@@ -57,11 +58,13 @@ def both(op, *args, **kwargs):
 def test_topk_family_identical(n):
     x = rows(n, n)
     middle = max(1, n // 3)
-    for k in sorted({1, middle, n}):
+    for j, k in enumerate(sorted({1, middle, n})):
         assert_same(*both(jaxcomp.topk, x, k))
-        # Each rounds value is a compile of both paths (the cost of this test): the coarse
-        # digit's end (16) and one inside it (5) on the middle k only.
-        for rounds in (1, 5, 16, 23, 31) if k == middle else (1, 23, 31):
+        # Each rounds value is a compile of both paths (the cost of this test): two per k, cycling
+        # with the length and the k, so every value meets every kind of k (1, a third, all).
+        # 16 ends the coarse digit, 5 is inside it.
+        start = LENGTHS.index(n) + j
+        for rounds in (ROUNDS[start % 5], ROUNDS[(start + 2) % 5]):
             assert_same(*both(jaxcomp.find_threshold, x, k, rounds))
             assert_same(*both(jaxcomp.threshold_topk, x, k, rounds))
 

@@ -62,7 +62,8 @@ class Method:
     * ``axes_needed = None``: mesh axes the method reduces over, in order (``None``: any number,
       reduced over all of them; ``2``: exactly ``(outer, inner)``, as hierarchical top-k needs).
     * ``sends_everything = False``: the method loses nothing (no residual to keep, gain 1, no
-      codec).
+      codec) and sums elementwise: the total of two vectors end to end is their totals end to
+      end (a step with a non-finite sum sums again as one vector).
     * ``sparse = False``: :meth:`aggregate` can return ``sent`` as ``(indices, values)`` pairs
       when asked (``sparse=True``), so error feedback takes them off in place instead of
       subtracting a dense vector. Asked so, it may also return ``total`` as a

@@ -39,7 +39,12 @@ from jaxcomp.ops import _ffi, flat, scatter
 from jaxcomp.optim import packing, readiness, sharding
 from jaxcomp.optim.config import FeedbackConfig
 from jaxcomp.optim.stages import divergence, error_feedback, guard, mask, metrics, momentum
-from jaxcomp.optim.stages.aggregation import Aggregation, Groups, init_method_state
+from jaxcomp.optim.stages.aggregation import (
+    Aggregation,
+    Groups,
+    as_one_group,
+    init_method_state,
+)
 from jaxcomp.optim.stages.guard import NonfinitePolicy
 from jaxcomp.optim.state import Branches, CompressState, init_metrics
 
@@ -281,8 +286,7 @@ def _sum_dense(c: FeedbackConfig, grads: _Gradients, aggregate, state) -> _Aggre
     result, auto_after = aggregate(groups, state)
     totals, count = guard.guarded_totals(
         result.totals,
-        _as_sent(vectors, result),
-        lambda zeroed: aggregate(groups._replace(vectors=zeroed), state)[0].totals,
+        lambda: _sum_as_one(aggregate, groups, _as_sent(vectors, result), state),
         c.axis_name,
         sharded=grads.shards is not None,
     )
@@ -292,6 +296,15 @@ def _sum_dense(c: FeedbackConfig, grads: _Gradients, aggregate, state) -> _Aggre
     return _Aggregated(
         list(grads.leaves), result, auto_after, nothing, nothing, {}, gain, count, 0.0, 0
     )
+
+
+def _sum_as_one(aggregate, groups: Groups, vectors, state):
+    """``(vector, resum, split)`` of :func:`guard.guarded_totals`: ``vectors`` (one per group)
+    end to end, summed as one group (one collective however many leaves: a method that sends
+    everything sums elementwise), and its total split back into one per group."""
+    one, split = as_one_group(groups, vectors)
+    resum = lambda vector: aggregate(one._replace(vectors=[vector]), state)[0].totals[0]  # noqa: E731
+    return one.vectors[0], resum, split
 
 
 def _sum_error_fed(

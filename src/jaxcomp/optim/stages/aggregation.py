@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxcomp.collectives import small
 from jaxcomp.methods import Method
@@ -86,6 +87,53 @@ def static_cost(method: Method, groups: Groups) -> tuple[float, int, int]:
             steps += method.message_steps(groups.n_devices, inner_size=groups.inner_size)
         kept += _kept(method, n, name, shaped)
     return sent, kept, steps
+
+
+def as_one_group(groups: Groups, vectors: list) -> tuple[Groups, Any]:
+    """``vectors`` (one per group of ``groups``) as one group, and the function that splits its
+    total back into one per group: for a method whose sum is elementwise (one that sends
+    everything), the total of the concatenation is the concatenation of the totals.
+
+    One collective instead of one per group: the guard's second sum
+    (:func:`jaxcomp.optim.stages.guard.guarded_totals`) of a model of 1,000 leaves compiles as
+    one all-reduce, not 1,000 more. Sharded (``groups.scatter``), each vector is ``N`` rows
+    (shard-major) and so is the concatenation: row ``d`` is every group's row ``d`` in turn.
+
+    Args:
+      groups: the update's :class:`Groups`.
+      vectors: per group, a 1-D vector of that group's length.
+
+    Returns:
+      ``(one, split)``: a :class:`Groups` of one vector, unbucketed, and ``split(total)``, the
+      list of per-group totals (or rows) of its total.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> groups = Groups([None, None], ["leaf 0", "leaf 1"], [2, 1], 8, None, 4)
+      >>> one, split = as_one_group(groups, [jnp.ones(2), jnp.zeros(1)])
+      >>> one.vectors[0].tolist(), [t.tolist() for t in split(one.vectors[0] * 8)]
+      ([1.0, 1.0, 0.0], [[8.0, 8.0], [0.0]])
+
+    References:
+      Sergeev & Del Balso, "Horovod", arXiv 1802.05799, §4 (tensor fusion: many small
+      all-reduces as one).
+    """
+    rows = groups.n_devices if groups.scatter else 1
+    widths = [v.shape[0] // rows for v in vectors]
+    flat_vector = jnp.concatenate([v.reshape(rows, -1) for v in vectors], axis=1).reshape(-1)
+    one = groups._replace(
+        vectors=[flat_vector],
+        names=["the model"],
+        sizes=[flat_vector.shape[0]],
+        shapes=None if groups.shapes is None else [sum(groups.shapes, ())],
+        values=None if groups.values is None else [sum(groups.values)],
+        buckets=None,
+    )
+
+    def split(total):
+        return jnp.split(total, np.cumsum(widths)[:-1].tolist())
+
+    return one, split
 
 
 def _kept(method: Method, n: int, name: str, shaped: dict) -> int:

@@ -65,7 +65,7 @@ def finite(g):
     return flat.finite_values(g), count
 
 
-def guarded_totals(totals, vectors, resum, axis_name, sharded: bool):
+def guarded_totals(totals, flat_sum, axis_name, sharded: bool):
     """The totals of a method that sends everything, summed again without the non-finite entries
     when a total is not finite; with the non-finite count summed over the devices.
 
@@ -76,11 +76,14 @@ def guarded_totals(totals, vectors, resum, axis_name, sharded: bool):
     bit for bit; sharded, each device sees its shards only, so one all-reduce of a flag makes
     them agree). An entry that is still not finite in the second sum overflowed although every
     device's entry was finite: it counts as 0 too, and once in the count (:func:`finite_totals`).
+    The second sum runs on the vectors end to end, one collective however many there are
+    (a model of 1,000 leaves compiled 2.4x longer than a plain pmean with one sum per leaf).
 
     Args:
       totals: per vector, the sum over the devices (replicated, or this device's row).
-      vectors: the vectors that were summed (this device's).
-      resum: ``vectors -> totals``, the same sum again.
+      flat_sum: ``() -> (vector, resum, split)``: the vectors that were summed (this device's)
+        end to end, ``resum(vector)``, the same sum of such a vector, and ``split(total)``, its
+        total back as one per vector. Called in the second sum's branch only.
       axis_name: the axis or axes summed over.
       sharded: the totals are reduce-scattered rows.
 
@@ -92,8 +95,9 @@ def guarded_totals(totals, vectors, resum, axis_name, sharded: bool):
       >>> from jax.sharding import Mesh, PartitionSpec as P
       >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
       >>> def f(v):
-      ...     resum = lambda vs: [jax.lax.psum(x, "data") for x in vs]
-      ...     totals, count = guarded_totals(resum([v]), [v], resum, "data", False)
+      ...     resum = lambda x: jax.lax.psum(x, "data")
+      ...     totals, count = guarded_totals([resum(v)], lambda: (v, resum, lambda t: [t]),
+      ...                                    "data", False)
       ...     return totals[0], count
       >>> total, count = jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P())(
       ...     jnp.array([1.0, jnp.nan, 2.0, 3.0]))
@@ -103,17 +107,16 @@ def guarded_totals(totals, vectors, resum, axis_name, sharded: bool):
     References:
       Micikevicius et al., "Mixed Precision Training", ICLR 2018, §3.2.
     """
-    finite_sum = functools.reduce(jnp.logical_and, [all_finite(t) for t in totals])
+    finite_sum = all_finite_many(totals)
     if sharded:
         finite_sum = small.all_true(finite_sum, axis_name)
 
     def cleaned(_):
-        zeroed = [dropped(v) for v in vectors]
-        again, overflowed = finite_totals(resum(zeroed))
-        count = sum(flat.count_nonfinite(v) for v in vectors)
-        counts = small.metric_sum(jnp.stack([count, overflowed]), axis_name)
+        vector, resum, split = flat_sum()
+        (again,), overflowed = finite_totals([resum(dropped(vector))])
+        counts = small.metric_sum(jnp.stack([flat.count_nonfinite(vector), overflowed]), axis_name)
         count = agreed_count(counts[0], counts[1], total_copies(axis_name, sharded))
-        return list(again), typed(count.astype(jnp.float32)), typed(jnp.zeros((), bool))
+        return split(again), typed(count.astype(jnp.float32)), typed(jnp.zeros((), bool))
 
     # The scalars of the carry vary over what the sums still vary over: nothing, or the other
     # axes of a 2-D mesh when the gradients are summed over one (diloco's split exchange).
@@ -125,6 +128,42 @@ def guarded_totals(totals, vectors, resum, axis_name, sharded: bool):
     start = (list(totals), typed(jnp.zeros((), jnp.float32)), jnp.logical_not(finite_sum))
     again, count, _ = jax.lax.while_loop(lambda carry: carry[2], cleaned, start)
     return again, count
+
+
+#: Arrays up to this many values are checked together by :func:`all_finite_many`.
+SMALL_VALUES = 1 << 16
+
+
+def all_finite_many(arrays):
+    """Whether every entry of every array is finite: the small arrays (up to
+    :data:`SMALL_VALUES` values) in one reduction over them end to end, each larger one in its
+    own (:func:`all_finite`).
+
+    XLA:CPU compiles each reduction on its own: a check per leaf of a model of 1,000 small
+    leaves took 27 s to compile, one over the leaves end to end well under a second. A large
+    leaf keeps its own reduction, which reads it where it lies.
+
+    Args:
+      arrays: a non-empty list of float arrays.
+
+    Returns:
+      A boolean scalar.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> bool(all_finite_many([jnp.ones(3), jnp.zeros(2)]))
+      True
+      >>> bool(all_finite_many([jnp.ones(3), jnp.array([jnp.nan])]))
+      False
+
+    References:
+      IEEE 754 (NaN propagates through addition); docs/performance.md, "The first step".
+    """
+    small_ones = [a.reshape(-1) for a in arrays if a.size <= SMALL_VALUES]
+    checks = [all_finite(a) for a in arrays if a.size > SMALL_VALUES]
+    if small_ones:
+        checks.append(all_finite(jnp.concatenate(small_ones)))
+    return functools.reduce(jnp.logical_and, checks)
 
 
 def all_finite(x):
