@@ -2,7 +2,7 @@
 # Native hardening: builds tests/native/kernels_fuzz.cc (kernels/ only, no XLA) with AddressSanitizer
 # and UndefinedBehaviorSanitizer and runs it: random sizes, k, rates, chunks and bit patterns (NaN,
 # Inf, denormals, -0, ties) against the test's reference, random words through the zfp and sign
-# decoders, and the packing and scatter_leaves kernels against their definitions.
+# decoders, and the packing, scatter_leaves and split_leaves kernels against their definitions.
 #
 #   bash ci/sanitize.sh            # 30 s, seed 1 (what CI runs)
 #   bash ci/sanitize.sh 600 7      # longer, another seed (JAXCOMP_FUZZ_SECONDS works too)

@@ -8,6 +8,6 @@ NB_MODULE(_jaxcomp_cpu, m) {
                                       JaxcompZfpEncodeCpu, JaxcompZfpDecodeCpu, JaxcompSignPackCpu,
                                       JaxcompSignUnpackCpu, JaxcompHadamardCpu, JaxcompPackCpu,
                                       JaxcompSignUnpackSumCpu, JaxcompEnergiesCpu,
-                                      JaxcompScatterLeavesCpu);
+                                      JaxcompScatterLeavesCpu, JaxcompSplitLeavesCpu);
   });
 }

@@ -14,7 +14,8 @@ inline nanobind::dict Registrations(XLA_FFI_Handler* topk, XLA_FFI_Handler* find
                                     XLA_FFI_Handler* sign_unpack, XLA_FFI_Handler* hadamard = nullptr,
                                     XLA_FFI_Handler* pack = nullptr, XLA_FFI_Handler* sign_unpack_sum = nullptr,
                                     XLA_FFI_Handler* energies = nullptr,
-                                    XLA_FFI_Handler* scatter_leaves = nullptr) {
+                                    XLA_FFI_Handler* scatter_leaves = nullptr,
+                                    XLA_FFI_Handler* split_leaves = nullptr) {
   auto capsule = [](XLA_FFI_Handler* fn) { return nanobind::capsule(reinterpret_cast<void*>(fn)); };
   nanobind::dict targets;
   targets["jaxcomp_topk"] = capsule(topk);
@@ -34,6 +35,8 @@ inline nanobind::dict Registrations(XLA_FFI_Handler* topk, XLA_FFI_Handler* find
   if (energies != nullptr) targets["jaxcomp_energies"] = capsule(energies);
   // CPU only: elsewhere XLA zeroes a dense vector, scatters into it and slices the leaves out.
   if (scatter_leaves != nullptr) targets["jaxcomp_scatter_leaves"] = capsule(scatter_leaves);
+  // CPU only: elsewhere XLA slices each leaf out of the dense vector (fused into its consumers).
+  if (split_leaves != nullptr) targets["jaxcomp_split_leaves"] = capsule(split_leaves);
   return targets;
 }
 

@@ -1,5 +1,5 @@
-// XLA FFI adapter of the CPU kernel that scatters a sparse aggregate into the update's leaves
-// (kernels/scatter.h): validate, then run on XLA's intra-op thread pool.
+// XLA FFI adapters of the CPU kernels that write an aggregate into the update's leaves, sparse or
+// dense (kernels/scatter.h): validate, then run on XLA's intra-op thread pool.
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -53,7 +53,27 @@ ffi::Error ScatterLeaves(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indices, ff
                                                       jaxcomp_ffi::PoolParallel(pool)));
 }
 
+ffi::Error SplitLeaves(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> dense, ffi::Buffer<ffi::S32> silenced,
+                       float scale, ffi::RemainingRets rets) {
+  if (dense.dimensions().size() != 1) return ffi::Error::InvalidArgument("dense must be 1-D");
+  if (silenced.element_count() != 1) return ffi::Error::InvalidArgument("silenced must be a scalar");
+  auto leaves = DecodeLeaves(rets);
+  if (leaves.has_error()) return leaves.error();
+  const auto& l = leaves.value();
+  return jaxcomp_ffi::ToError(jaxcomp::split_leaves(dense.typed_data(), static_cast<int64_t>(dense.element_count()),
+                                                    l.data(), static_cast<int64_t>(l.size()), scale,
+                                                    silenced.typed_data()[0] != 0, jaxcomp_ffi::PoolParallel(pool)));
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompSplitLeavesCpu, SplitLeaves,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()          // pool: XLA's intra-op threads
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // dense: 1-D, the leaves end to end
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // silenced: a scalar, nonzero: all 0
+                                  .Attr<float>("scale")            // every value's factor
+                                  .RemainingRets());               // the leaves, float32, any shapes
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompScatterLeavesCpu, ScatterLeaves,
                               ffi::Ffi::Bind()

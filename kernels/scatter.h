@@ -7,10 +7,17 @@
 //   each entry written, once:         out[i] = (drop and out[i] not finite ? 0 : out[i]) * scale
 //   silenced:                          every leaf stays 0
 //
-// where out is the leaves' values laid end to end (n of them). Done by XLA this was a 100 MB
-// zeroed vector, a scatter into it, and a copy of each leaf's slice out of it: two passes over
-// fresh memory where one write of the leaves is needed (docs/performance.md). The sum runs in row
-// order in float32, so it is bit for bit what XLA's row-by-row scatter-add gives; the entries are
+// where out is the leaves' values laid end to end (n of them). split_leaves is the dense form:
+//
+//   every leaf's values = dense[its offset ...] * scale       (silenced: 0)
+//
+// one read of each value and one write into its leaf, where XLA slices each leaf out of the
+// vector: a distinct kernel per leaf (its offset is a constant of the fused loop), which XLA:CPU
+// compiles one by one, 10 ms each; a model of 1,000 leaves paid 20-60 s of compile for them.
+//
+// Done by XLA, the sparse form was a 100 MB zeroed vector, a scatter into it, and a copy of each
+// leaf's slice out of it: two passes over fresh memory where one write of the leaves is needed
+// (docs/performance.md). The sum runs in row order in float32, so it is bit for bit what XLA's row-by-row scatter-add gives; the entries are
 // split among the tasks by index, so each entry is owned by one task and the order stays. No XLA
 // headers; the adapter is ffi/scatter_cpu.cc.
 #pragma once
@@ -89,6 +96,20 @@ class Layout {
   std::vector<int64_t> starts_;
 };
 
+// Fails on a negative count or size, or on a missing pointer.
+inline Status CheckLeaves(const ScatterLeaf* leaves, int64_t num_leaves) {
+  if (num_leaves < 0 || (num_leaves > 0 && leaves == nullptr)) {
+    return Status::InvalidArgument("leaves must be a list of >= 0 leaves");
+  }
+  for (int64_t l = 0; l < num_leaves; ++l) {
+    if (leaves[l].size < 0 || (leaves[l].size > 0 && leaves[l].data == nullptr)) {
+      return Status::InvalidArgument("leaf " + std::to_string(l) + " has size " + std::to_string(leaves[l].size) +
+                                     (leaves[l].data == nullptr ? " and no data" : ""));
+    }
+  }
+  return Status();
+}
+
 inline float Finish(float t, const ScatterOptions& o) {
   if (o.drop && !(std::fabs(t) <= std::numeric_limits<float>::max())) t = 0.0f;
   return t * o.scale;
@@ -134,15 +155,7 @@ inline Status scatter_leaves(const ScatterRows& rows, const ScatterLeaf* leaves,
   if (rows.rows * rows.per_row > 0 && (rows.indices == nullptr || rows.values == nullptr)) {
     return Status::InvalidArgument("indices and values must not be null");
   }
-  if (num_leaves < 0 || (num_leaves > 0 && leaves == nullptr)) {
-    return Status::InvalidArgument("leaves must be a list of >= 0 leaves");
-  }
-  for (int64_t l = 0; l < num_leaves; ++l) {
-    if (leaves[l].size < 0 || (leaves[l].size > 0 && leaves[l].data == nullptr)) {
-      return Status::InvalidArgument("leaf " + std::to_string(l) + " has size " + std::to_string(leaves[l].size) +
-                                     (leaves[l].data == nullptr ? " and no data" : ""));
-    }
-  }
+  if (Status s = scatter_detail::CheckLeaves(leaves, num_leaves); !s.ok()) return s;
   if (!std::isfinite(options.scale) || !(options.scale > 0)) {
     return Status::InvalidArgument("scale must be finite and > 0, got " + std::to_string(options.scale));
   }
@@ -155,6 +168,42 @@ inline Status scatter_leaves(const ScatterRows& rows, const ScatterLeaf* leaves,
     int64_t begin, end;
     split_range(n, tasks, t, 16, &begin, &end);
     scatter_detail::ScatterRange(rows, layout, options, begin, end);
+  });
+  return Status();
+}
+
+// The leaves of the update from a dense aggregate of at least their total size (the header's
+// split_leaves formula). Fails, writing nothing, on a negative size, on missing pointers, on a
+// vector shorter than the leaves, or on a scale that is not finite and > 0.
+inline Status split_leaves(const float* dense, int64_t n, const ScatterLeaf* leaves, int64_t num_leaves,
+                           float scale, bool silenced, const Parallel& parallel) {
+  if (Status s = scatter_detail::CheckLeaves(leaves, num_leaves); !s.ok()) return s;
+  const scatter_detail::Layout layout(leaves, num_leaves);
+  const int64_t total = layout.size();
+  if (n < total || (total > 0 && dense == nullptr)) {
+    return Status::InvalidArgument("dense must hold at least the leaves' " + std::to_string(total) +
+                                   " values, got " + std::to_string(n));
+  }
+  if (!std::isfinite(scale) || !(scale > 0)) {
+    return Status::InvalidArgument("scale must be finite and > 0, got " + std::to_string(scale));
+  }
+  if (total == 0) return Status();
+  const int64_t tasks =
+      std::max<int64_t>(1, std::min<int64_t>(parallel.concurrency, total / scatter_detail::kTaskValues));
+  parallel.run(tasks, [&](int64_t t) {
+    int64_t begin, end;
+    split_range(total, tasks, t, 16, &begin, &end);
+    const float* from = dense + begin;
+    layout.each_part(begin, end, [&](float* p, int64_t count) {
+      if (silenced) {
+        std::memset(p, 0, sizeof(float) * count);
+      } else if (scale == 1.0f) {  // the values as they are, NaN payloads included
+        std::memcpy(p, from, sizeof(float) * count);
+      } else {
+        for (int64_t j = 0; j < count; ++j) p[j] = from[j] * scale;
+      }
+      from += count;
+    });
   });
   return Status();
 }

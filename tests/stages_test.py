@@ -61,12 +61,10 @@ def test_guard_finite_against_numpy(shape, dtype):
 
 
 def _resum(sharded):
-    """Sums vectors over "data": whole, or scattered (each device its shard of the sum)."""
+    """Sums a vector over "data": whole, or scattered (each device its shard of the sum)."""
     if sharded:
-        return lambda vs: [
-            jax.lax.psum_scatter(u, "data", scatter_dimension=0, tiled=True) for u in vs
-        ]
-    return lambda vs: [jax.lax.psum(u, "data") for u in vs]
+        return lambda u: jax.lax.psum_scatter(u, "data", scatter_dimension=0, tiled=True)
+    return lambda u: jax.lax.psum(u, "data")
 
 
 @pytest.mark.parametrize("sharded", [False, True])
@@ -81,7 +79,8 @@ def test_guard_guarded_totals_against_numpy(plant, sharded):
     def step(v):
         v = v[0]
         resum = _resum(sharded)
-        totals, count = guard.guarded_totals(resum([v]), [v], resum, "data", sharded)
+        flat_sum = lambda: (v, resum, lambda total: [total])  # noqa: E731
+        totals, count = guard.guarded_totals([resum(v)], flat_sum, "data", sharded)
         return totals[0], count
 
     out_specs = (P("data") if sharded else P(), P())
@@ -100,7 +99,8 @@ def test_guard_guarded_totals_counts_a_sum_that_overflowed_once(sharded):
     def step(v):
         v = v[0]
         resum = _resum(sharded)
-        totals, count = guard.guarded_totals(resum([v]), [v], resum, "data", sharded)
+        flat_sum = lambda: (v, resum, lambda total: [total])  # noqa: E731
+        totals, count = guard.guarded_totals([resum(v)], flat_sum, "data", sharded)
         return totals[0], count
 
     total, count = _on_devices(step, x, out_specs=(P("data") if sharded else P(), P()))

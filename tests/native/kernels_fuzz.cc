@@ -13,7 +13,7 @@
 //   * pack_error_fed: random leaf counts and sizes (empty leaves too), with and without residuals,
 //     against the definition value by value (non-finite gradient values as 0, then + residual);
 //   * scatter_leaves: random leaves, rows of distinct indices (some out of range), added or set,
-//     dropped, scaled, silenced, against a dense vector built row by row, bit for bit (its tasks
+//     dropped, scaled, silenced (then split_leaves, its dense form, into the same leaves), against a dense vector built row by row, bit for bit (its tasks
 //     split vectors of 64 values and up here, so that short vectors exercise the split).
 //
 // Usage: kernels_fuzz [SECONDS] [SEED]   (default 30 s, seed 1; JAXCOMP_FUZZ_SECONDS also sets
@@ -646,6 +646,22 @@ void FuzzScatter(std::mt19937_64& rng, uint64_t case_seed) {
       if (!SameValue(leaves[l][j], want[pos])) Fail("scatter_leaves at value " + std::to_string(pos) + where, case_seed);
     }
   }
+  // split_leaves, the dense form, into the same leaves: a vector of n values and some padding.
+  std::vector<float> dense(n + rng() % 3);
+  for (float& d : dense) d = Draw(rng, pool, static_cast<int>(rng() % 4));
+  if (!jaxcomp::split_leaves(dense.data(), static_cast<int64_t>(dense.size()), views.data(), num_leaves, o.scale,
+                             o.silenced, parallel)
+           .ok())
+    Fail("split_leaves returned an error" + where, case_seed);
+  pos = 0;
+  for (int64_t l = 0; l < num_leaves; ++l) {
+    for (size_t j = 0; j < leaves[l].size(); ++j, ++pos) {
+      const float expect = o.silenced ? 0.0f : dense[pos] * o.scale;
+      if (!SameValue(leaves[l][j], expect)) Fail("split_leaves at value " + std::to_string(pos) + where, case_seed);
+    }
+  }
+  if (n > 0 && jaxcomp::split_leaves(dense.data(), n - 1, views.data(), num_leaves, 1.0f, false, parallel).ok())
+    Fail("split_leaves took a vector shorter than its leaves" + where, case_seed);
 }
 
 }  // namespace
@@ -687,7 +703,7 @@ int main(int argc, char** argv) {
   }
   std::printf("kernels_fuzz: seed %llu, %.0f s: %lld top-k cases (topk, find_threshold, threshold_topk) and "
               "%lld zfp cases (encode, decode, decode of random words), %lld sign cases (pack, unpack, unpack_sum) and %lld "
-              "pack_error_fed (and vector_energies) cases and %lld scatter_leaves cases match the reference\n",
+              "pack_error_fed (and vector_energies) cases and %lld scatter_leaves (and split_leaves) cases match the reference\n",
               static_cast<unsigned long long>(seed), seconds, static_cast<long long>(topk_cases),
               static_cast<long long>(zfp_cases), static_cast<long long>(sign_cases),
               static_cast<long long>(pack_cases), static_cast<long long>(scatter_cases));

@@ -125,17 +125,33 @@ def scatter_leaves_xla(total: SparseTotal, shapes, scale=1.0, silenced=None):
       Tyagi & Swany, arXiv 2312.02493, Alg. 1 (the averaged aggregate).
     """
     _check(total, shapes, scale)
-    return split_scaled(total.dense(), shapes, scale, silenced)
+    return split_scaled_xla(total.dense(), shapes, scale, silenced)
+
+
+#: :func:`split_scaled` writes leaves of up to this many values with its native kernel.
+SPLIT_SMALL_VALUES = 1 << 16
+#: ... in runs of at least this many consecutive such leaves (a run is one kernel call).
+SPLIT_MIN_RUN = 8
 
 
 def split_scaled(dense, shapes, scale=1.0, silenced=None):
     """A dense total's leaves of ``shapes``, in order, each in float32 times ``scale`` (zeros when
     ``silenced``): how the update is read out of any dense total.
 
+    Sliced by XLA, each leaf's slice is fused into its consumers with its offset as a constant, so
+    no two leaves share a compiled loop: XLA:CPU compiles each on its own (about 10 ms), and a
+    model of 1,000 small leaves spent 20 to 60 s of its first step on them (BENCHMARKS.md, "The
+    first step"). So on the CPU (a float32 total), runs of at least :data:`SPLIT_MIN_RUN` leaves
+    of at most :data:`SPLIT_SMALL_VALUES` values each are written by one native pass
+    (``kernels/scatter.h``, ``split_leaves``), bit for bit :func:`split_scaled_xla`. A large leaf
+    stays an XLA slice: fused into its consumers it costs no pass over memory, where the kernel
+    would write it out (an MLP of 25M values in 12 leaves stepped 10-35% slower so). Elsewhere, and
+    for other dtypes, :func:`split_scaled_xla` runs.
+
     Args:
       dense: a 1-D array of at least the shapes' total size.
       shapes: the leaves' shapes, in order.
-      scale: every entry's factor (``1 / devices`` for the mean).
+      scale: a Python number > 0, every entry's factor (``1 / devices`` for the mean).
       silenced: None, or a bool scalar: True makes every leaf 0.
 
     Returns:
@@ -145,6 +161,90 @@ def split_scaled(dense, shapes, scale=1.0, silenced=None):
       >>> import jax.numpy as jnp
       >>> [x.tolist() for x in split_scaled(jnp.array([2.0, 4.0, 6.0]), [(1,), (2,)], 0.5)]
       [[1.0], [2.0, 3.0]]
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, Alg. 1 (the averaged aggregate).
+    """
+    from jaxcomp.ops import _ffi
+
+    shapes = [tuple(s) for s in shapes]
+    _check_dense(dense, shapes, scale)
+    if _ffi.check_implementation(None) == "xla" or dense.dtype != jnp.float32:
+        return split_scaled_xla(dense, shapes, scale, silenced)
+    sizes = [int(np.prod(s)) for s in shapes]
+    offsets = np.cumsum([0] + sizes).tolist()
+    out = []
+    for first, stop, native in _split_runs(sizes):
+        part = dense if first == 0 else dense[offsets[first] : offsets[stop]]
+        split = _split_native if native else split_scaled_xla
+        out += split(part, shapes[first:stop], scale, silenced)
+    return out
+
+
+def _split_runs(sizes) -> list[tuple[int, int, bool]]:
+    """``(first, stop, native)``: the leaves cut into runs, each split natively or by XLA."""
+    small = [n <= SPLIT_SMALL_VALUES for n in sizes]
+    runs, first = [], 0
+    for i in range(1, len(sizes) + 1):
+        if i == len(sizes) or small[i] != small[first]:
+            runs.append((first, i, small[first] and i - first >= SPLIT_MIN_RUN))
+            first = i
+    merged = []  # neighbouring XLA runs as one
+    for run in runs:
+        if merged and not run[2] and not merged[-1][2]:
+            merged[-1] = (merged[-1][0], run[1], False)
+        else:
+            merged.append(run)
+    return merged
+
+
+def _split_native(dense, shapes, scale, silenced):
+    """:func:`split_scaled` by the native kernel on the CPU (XLA's slices elsewhere)."""
+    from jaxcomp.ops import _ffi
+
+    call = _ffi.ffi_call(
+        "jaxcomp_split_leaves",
+        [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes],
+        vmap_method="sequential",
+    )
+    flag = jnp.zeros((), jnp.int32) if silenced is None else jnp.asarray(silenced, jnp.int32)
+
+    def native(dense, flag):
+        return call(dense, flag, scale=np.float32(scale))
+
+    def portable(dense, flag):
+        return split_scaled_xla(dense, shapes, scale, None if silenced is None else flag != 0)
+
+    return list(jax.lax.platform_dependent(dense, flag, cpu=native, default=portable))
+
+
+def _check_dense(dense, shapes, scale):
+    size = sum(int(np.prod(s)) for s in shapes)
+    if dense.ndim != 1 or dense.shape[0] < size:
+        raise ValueError(
+            f"dense must be 1-D with at least the shapes' {size} values, got shape {dense.shape}"
+        )
+    if not isinstance(scale, (int, float)) or not np.isfinite(scale) or not scale > 0:
+        raise ValueError(f"scale must be a finite Python number > 0, got {scale!r}")
+
+
+def split_scaled_xla(dense, shapes, scale=1.0, silenced=None):
+    """:func:`split_scaled` in XLA ops (every platform but the CPU, and the kernel's reference):
+    each leaf's slice, in float32, times ``scale``.
+
+    Args:
+      dense: a 1-D array of at least the shapes' total size.
+      shapes: the leaves' shapes, in order.
+      scale: every entry's factor.
+      silenced: None, or a bool scalar: True makes every leaf 0.
+
+    Returns:
+      A list of float32 arrays of ``shapes``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> [x.tolist() for x in split_scaled_xla(jnp.array([2.0, 4.0, 6.0]), [(2,), (1,)], 2.0)]
+      [[4.0, 8.0], [12.0]]
 
     References:
       Tyagi & Swany, arXiv 2312.02493, Alg. 1 (the averaged aggregate).
