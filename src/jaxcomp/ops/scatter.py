@@ -96,8 +96,7 @@ def _check(total, shapes, scale):
         raise ValueError(
             f"shapes must hold the total's {total.n} values, got {sum(sizes)} in {list(shapes)}"
         )
-    if not isinstance(scale, (int, float)) or not np.isfinite(scale) or not scale > 0:
-        raise ValueError(f"scale must be a finite Python number > 0, got {scale!r}")
+    _check_scale(scale)
     if not total.add and total.indices.shape[0] != 1:
         raise ValueError(f"add=False takes one row, got {total.indices.shape[0]}")
 
@@ -224,6 +223,10 @@ def _check_dense(dense, shapes, scale):
         raise ValueError(
             f"dense must be 1-D with at least the shapes' {size} values, got shape {dense.shape}"
         )
+    _check_scale(scale)
+
+
+def _check_scale(scale):
     if not isinstance(scale, (int, float)) or not np.isfinite(scale) or not scale > 0:
         raise ValueError(f"scale must be a finite Python number > 0, got {scale!r}")
 
