@@ -81,6 +81,38 @@ def test_initial_state_matches_the_specs_shapes():
     assert layout.whole_avals(state.params) == avals_of(PARAMS)
 
 
+TXS = {
+    "ar_topk + adam": lambda: optax.chain(compress("ar_topk", ratio=0.5), optax.adam(0.1)),
+    "powersgd": lambda: optax.chain(compress("powersgd", rank=2), optax.sgd(0.1)),
+    "zfp": lambda: optax.chain(compress("zfp", rate=8), optax.sgd(0.1)),
+    "topk + momentum": lambda: optax.chain(
+        compress("allgather_topk", ratio=0.5, momentum_correction=0.9), optax.sgd(0.1)
+    ),
+    "sign_ring": lambda: optax.chain(compress("sign_ring"), optax.adam(0.1)),
+    "dense": lambda: optax.chain(compress("dense"), optax.adamw(0.1)),
+}
+
+
+@pytest.mark.parametrize("n_devices", [1, 2, 3, 8])
+@pytest.mark.parametrize("name", TXS)
+def test_unsharded_initial_state_is_the_mapped_one(name, n_devices):
+    """Unsharded, the initial state is made outside shard_map (its boundary of one operand per
+    leaf costs XLA's partitioner time quadratic in the leaves): the same values, shapes and
+    shardings as the shard_map's rows."""
+    need_devices(n_devices)
+    mesh = Mesh(np.array(jax.devices()[:n_devices]), ("data",))
+    layout = Layout(TXS[name](), mesh, "data")
+    params = {"w": jnp.arange(15.0).reshape(5, 3), "b": jnp.ones(3), "m": jnp.ones((16, 12))}
+    sharding = layout.state_sharding(avals_of(params))
+    made = jax.jit(layout.initial_state, out_shardings=sharding)(params)
+    mapped = jax.jit(layout.mapped_initial_state, out_shardings=sharding)(params)
+    assert jax.tree.structure(made) == jax.tree.structure(mapped)
+    for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(mapped)):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any(m for m in layout.per_device_mask(avals_of(params))[1]) == (name != "dense")
+
+
 def test_unknown_shards_are_refused_with_a_way_out():
     layout = _layout(optax.chain(compress("dense"), optax.sgd(0.1)), shard="params")
     with pytest.raises(ValueError, match="init\\(params\\) or state_sharding"):

@@ -203,6 +203,69 @@ def test_default_picks_native_on_cpu_and_xla_with_one_warning_elsewhere():
             _exported_text(lambda v: jaxcomp.topk(v, 3, implementation="native"), "cuda", x)
 
 
+def _has_platform_index(fn, *args):
+    return "platform_index" in str(jax.make_jaxpr(fn)(*args))
+
+
+def test_a_known_platform_traces_its_branch_only():
+    """Inside lowering_platform, an op traces the one branch of that platform (no portable graph
+    for platforms the code will never be lowered for); outside, every branch."""
+    x = jnp.ones((2, 64), jnp.float32)
+    assert _has_platform_index(lambda v: jaxcomp.topk(v, 3), x)
+    with _ffi.lowering_platform("cpu"):
+        assert not _has_platform_index(lambda v: jaxcomp.topk(v, 3), x)
+        text = jax.jit(lambda v: jaxcomp.topk(v, 3)).trace(x).lower().as_text()
+    assert "jaxcomp_topk" in text
+    with _ffi.lowering_platform("tpu"), pytest.warns(UserWarning, match="portable XLA"):
+        _ffi._warned_platforms.discard("tpu")
+        text = (
+            jax.jit(lambda v: jaxcomp.topk(v, 3))
+            .trace(x)
+            .lower(lowering_platforms=("tpu",))
+            .as_text()
+        )
+    assert "jaxcomp_topk" not in text
+    np.testing.assert_array_equal(  # the same values either way
+        jaxcomp.topk(x * jnp.arange(64.0), 3)[0],
+        _in_lowering_platform("cpu", lambda: jaxcomp.topk(x * jnp.arange(64.0), 3))[0],
+    )
+    with pytest.raises(ValueError, match="platform must be one of"):
+        with _ffi.lowering_platform("gpu"):
+            pass
+
+
+def _in_lowering_platform(platform, fn):
+    with _ffi.lowering_platform(platform):
+        return fn()
+
+
+def test_platform_of_devices():
+    assert _ffi.platform_of(jax.devices()) == "cpu"
+    assert _ffi.platform_of([]) is None
+
+
+def test_data_parallel_traces_the_meshs_platform_only():
+    """data_parallel knows its mesh's platform: its step traces no portable branch (on a model of
+    1,000 leaves that was half of the trace; docs/performance.md)."""
+    import optax
+
+    need_devices(2)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    params = {"w": jnp.ones((64, 8)), "b": jnp.zeros(8)}
+
+    def loss(p, batch):
+        return jnp.mean((batch @ p["w"] + p["b"]) ** 2)
+
+    for method, options in (("ar_topk", {"ratio": 0.1}), ("zfp", {"rate": 8}), ("sign", {})):
+        tx = optax.chain(jaxcomp.compress(method, **options), optax.sgd(0.1))
+        dp = jaxcomp.data_parallel(loss, tx, mesh)
+        state = dp.init(params)
+        batch = dp.shard_batch(jnp.ones((4, 64)))
+        jaxpr = str(dp.step.trace(state, batch).jaxpr)
+        assert "platform_index" not in jaxpr, method
+        assert "jaxcomp_" in jaxpr, method  # the native kernels are there
+
+
 COLLECTIVES = {
     "allgather_topk": lambda v: collectives.allgather_topk(v, k=41, axis_name="data"),
     "allgather_threshold": lambda v: collectives.allgather_topk(

@@ -10,6 +10,7 @@ from jaxcomp.collectives import BFLOAT16_ALGORITHMS
 from jaxcomp.collectives._common import axis_size, check_rows, local_vector
 from jaxcomp.collectives.ring import BFLOAT16_BITS, ring_allreduce
 from jaxcomp.ops._checks import check_choice
+from jaxcomp.ops._ffi import platform_dependent
 
 
 def psum(x, axis_name):
@@ -116,7 +117,8 @@ def bfloat16_allreduce(x, axis_name, *, scatter=False, algorithm="auto"):
     :func:`jax.lax.all_gather` forwards those bits; every device decodes the same bits. It is
     :func:`zfp_allreduce`'s ring with bfloat16 rounding as the codec. Elsewhere (NCCL, TPU
     collectives reduce bfloat16 natively) it is one :func:`jax.lax.psum` of ``x`` cast to
-    bfloat16. :func:`jax.lax.platform_dependent` picks when the step is lowered.
+    bfloat16. :func:`jax.lax.platform_dependent` picks when the step is lowered
+    (:func:`jaxcomp.ops._ffi.platform_dependent`).
 
     ``sent``, the ring: ``x`` less every rounding this device made (each chunk is rounded once by
     each device), so the ``sent`` of all devices add up to ``total`` (up to float32 rounding) and
@@ -177,4 +179,4 @@ def bfloat16_allreduce(x, axis_name, *, scatter=False, algorithm="auto"):
         return by_psum(x)
     if algorithm == "ring":
         return by_ring(x)
-    return jax.lax.platform_dependent(x, cpu=by_ring, default=by_psum)
+    return platform_dependent(x, cpu=by_ring, default=by_psum)

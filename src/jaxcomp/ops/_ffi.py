@@ -12,6 +12,7 @@ for, else xla with one warning per platform that says how to get the native kern
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import warnings
 
 import jax
@@ -179,6 +180,93 @@ def check_implementation(implementation):
     )
 
 
+_lowering_platform = contextvars.ContextVar("jaxcomp_lowering_platform", default=None)
+
+
+@contextlib.contextmanager
+def lowering_platform(platform):
+    """Tells the ops traced inside the block which platform they will be lowered for, so that
+    :func:`platform_dependent` traces only that platform's branch.
+
+    ``jax.lax.platform_dependent`` traces every branch, since JAX learns the platform only when it
+    lowers: each op on the CPU traced its portable XLA graph too, which on a model of 1,000 leaves
+    was about half of the time to trace a step (docs/performance.md). ``data_parallel`` knows its
+    mesh's platform and says so here around its traces. ``None`` (the default) traces every
+    branch. Functions already traced and cached by ``jax.jit`` keep what they were traced with.
+
+    Args:
+      platform: ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``, or ``None``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> with lowering_platform("cpu"):
+      ...     platform_dependent(jnp.ones(2), cpu=lambda x: x + 1, default=lambda x: x - 1)
+      Array([2., 2.], dtype=float32)
+    """
+    if platform is not None and platform not in _PLATFORMS:
+        raise ValueError(f"platform must be one of {_PLATFORMS} or None, got {platform!r}")
+    token = _lowering_platform.set(platform)
+    try:
+        yield
+    finally:
+        _lowering_platform.reset(token)
+
+
+_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+def platform_of(devices):
+    """The platform name :func:`lowering_platform` takes for code that runs on ``devices``
+    (``"cpu"``, ``"tpu"``, ``"cuda"`` or ``"rocm"``), or ``None`` where it cannot tell (devices of
+    several platforms, or a GPU whose runtime says neither CUDA nor ROCm).
+
+    Args:
+      devices: ``jax.Device`` s, e.g. ``mesh.devices.flat``.
+
+    Returns:
+      A platform name, or ``None``.
+
+    Example:
+      >>> import jax
+      >>> platform_of(jax.devices())
+      'cpu'
+    """
+    names = set()
+    for device in devices:
+        name = device.platform
+        if name == "gpu":
+            version = str(getattr(device.client, "platform_version", "")).lower()
+            name = "cuda" if "cuda" in version else "rocm" if "rocm" in version else None
+        names.add(name)
+    if len(names) != 1:
+        return None
+    (name,) = names
+    return name if name in _PLATFORMS else None
+
+
+def platform_dependent(*operands, default, **branches):
+    """``jax.lax.platform_dependent(*operands, default=default, **branches)``, or, inside
+    :func:`lowering_platform`, the one branch of that platform called directly.
+
+    Args:
+      *operands: the arrays every branch takes.
+      default: the branch of the platforms ``branches`` does not name.
+      **branches: a branch per platform name (``cpu=``, ``cuda=``, ...).
+
+    Returns:
+      What the branch returns.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> platform_dependent(jnp.ones(2), cpu=lambda x: x + 1, default=lambda x: x - 1)
+      Array([2., 2.], dtype=float32)
+    """
+    platform = _lowering_platform.get()
+    if platform is not None:
+        return branches.get(platform, default)(*operands)
+    return jax.lax.platform_dependent(*operands, default=default, **branches)
+
+
 def _portable_message(platform):
     if platform == "cuda":
         how = (
@@ -235,7 +323,7 @@ def dispatch(op, operands, native, portable, implementation, *, native_cuda=None
     if implementation == "native":
         if native_cuda is None:
             return native(*operands)
-        return jax.lax.platform_dependent(*operands, cuda=native_cuda, default=native)
+        return platform_dependent(*operands, cuda=native_cuda, default=native)
     if implementation == "xla":
         # One jit: called eagerly (a notebook, a test), the cast around the portable op would
         # otherwise compile and run on its own; under a caller's jit it is inlined.
@@ -245,7 +333,7 @@ def dispatch(op, operands, native, portable, implementation, *, native_cuda=None
         return portable(*(_portable_fallback_p.bind(a) for a in args))
 
     natives = {"cpu": native, **({"cuda": native_cuda or native} if HAS_CUDA else {})}
-    return jax.lax.platform_dependent(*operands, **natives, default=fallback)
+    return platform_dependent(*operands, **natives, default=fallback)
 
 
 def _not_differentiable(call, op):

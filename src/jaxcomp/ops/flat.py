@@ -229,9 +229,7 @@ def energies(x, energy_scale=1.0):
     def native(v):
         return call(v, energy_scale=np.float32(energy_scale))
 
-    return jax.lax.platform_dependent(
-        x, cpu=native, default=lambda v: energies_xla(v, energy_scale)
-    )
+    return _ffi.platform_dependent(x, cpu=native, default=lambda v: energies_xla(v, energy_scale))
 
 
 def finite_energy(g):
@@ -357,5 +355,5 @@ def pack_error_fed(grads, residuals=None, energy_scale=1.0) -> Packed:
         )
 
     return Packed(
-        *jax.lax.platform_dependent(*grads, *(residuals or []), cpu=native, default=portable)
+        *_ffi.platform_dependent(*grads, *(residuals or []), cpu=native, default=portable)
     )

@@ -106,7 +106,7 @@ def _transform(x, implementation):
     if implementation == "native":
         return native(x)
     # The XLA path is the designed one off the CPU (the same butterflies): no warning.
-    return jax.lax.platform_dependent(x, cpu=native, default=hadamard_reference)
+    return _ffi.platform_dependent(x, cpu=native, default=hadamard_reference)
 
 
 def _transform_forward(x, implementation):

@@ -214,7 +214,7 @@ def _split_native(dense, shapes, scale, silenced):
     def portable(dense, flag):
         return split_scaled_xla(dense, shapes, scale, None if silenced is None else flag != 0)
 
-    return list(jax.lax.platform_dependent(dense, flag, cpu=native, default=portable))
+    return list(_ffi.platform_dependent(dense, flag, cpu=native, default=portable))
 
 
 def _check_dense(dense, shapes, scale):
@@ -318,5 +318,5 @@ def scatter_leaves(total: SparseTotal, shapes, scale=1.0, silenced=None):
         return scatter_leaves_xla(again, shapes, scale, None if silenced is None else flag != 0)
 
     return list(
-        jax.lax.platform_dependent(total.indices, total.values, flag, cpu=native, default=portable)
+        _ffi.platform_dependent(total.indices, total.values, flag, cpu=native, default=portable)
     )

@@ -254,4 +254,4 @@ def sign_unpack_sum(words, scales, n, chunk=DEFAULT_CHUNK, *, implementation=Non
         return native(words, scales)
     if implementation == "xla":
         return portable(words, scales)
-    return jax.lax.platform_dependent(words, scales, cpu=native, default=portable)
+    return _ffi.platform_dependent(words, scales, cpu=native, default=portable)

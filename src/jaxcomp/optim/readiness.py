@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 
 import jax
 
@@ -83,10 +82,8 @@ def gradients_ready_in(order):
     """Within this context, ``compress(bucket_mb=)`` sends its buckets in ``order``.
 
     Args:
-      order: leaf positions of the gradients, the first finished first (:func:`backward_order`),
-        a function of no arguments that returns them (called once, when a ``compress`` with
-        buckets first asks: tracing the backward pass again costs time), or None for the default
-        (the last leaves first).
+      order: leaf positions of the gradients, the first finished first (:func:`backward_order`,
+        :func:`finish_order`), or None for the default (the last leaves first).
 
     Returns:
       A context manager.
@@ -99,9 +96,7 @@ def gradients_ready_in(order):
     References:
       Li et al., "PyTorch Distributed", VLDB 2020, §3.2.3.
     """
-    if order is not None and not callable(order):
-        order = tuple(order)
-    token = _ORDER.set(functools.cache(order) if callable(order) else order)
+    token = _ORDER.set(None if order is None else tuple(order))
     try:
         yield
     finally:
@@ -121,8 +116,7 @@ def ready_order() -> tuple | None:
     References:
       Li et al., "PyTorch Distributed", VLDB 2020, §3.2.3.
     """
-    order = _ORDER.get()
-    return tuple(order()) if callable(order) else order
+    return _ORDER.get()
 
 
 def bucket_ranks(buckets: list, groups: list, order) -> list:

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.collectives import sizes
-from jaxcomp.ops._ffi import varying_axes
+from jaxcomp.ops._ffi import lowering_platform, platform_of, varying_axes
 from jaxcomp.optim import sharding
 from jaxcomp.optim.transform import CompressState
 from jaxcomp.training import mask as mask_lib
@@ -54,6 +54,8 @@ class Layout:
         self.gather_dtype = gather_dtype
         self.axes = tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
         self.n_devices = math.prod(mesh.shape[a] for a in self.axes)
+        # tx is traced for the mesh's platform only (jaxcomp.ops._ffi.lowering_platform).
+        self.platform = platform_of(mesh.devices.flat)
         self._masks = {}  # tree_key(avals) -> (state_def, mask)
         self._expected = {}  # tree_key(avals) -> the leaves of tx.init's state
         # shard="params": the structure and shard shapes of params -> their full avals
@@ -75,24 +77,25 @@ class Layout:
         """``tx.init`` as this run lays it out: of the params, or (sharded) of this device's shards,
         with every compress state still made from the whole params (error feedback keeps the
         residual of the whole local gradient)."""
-        if self.shard is None:
-            return self.tx.init(params)
-        with sharding.sharded_updates(
-            self.n_devices
-        ):  # a compress without a reduce-scatter form says so
-            whole = self.tx.init(params)
-            of_shards = self.tx.init(shards)
+        with lowering_platform(self.platform):
+            if self.shard is None:
+                return self.tx.init(params)
+            with sharding.sharded_updates(self.n_devices):  # refused without a reduce-scatter form
+                whole = self.tx.init(params)
+                of_shards = self.tx.init(shards)
         is_compress = lambda x: isinstance(x, CompressState)  # noqa: E731
         return jax.tree.map(
             lambda w, s: w if is_compress(w) else s, whole, of_shards, is_leaf=is_compress
         )
 
     def tx_update(self, grads, opt_state, params):
-        """``tx.update``; sharded, inside :func:`jaxcomp.optim.sharding.sharded_updates`."""
-        if self.shard is None:
-            return self.tx.update(grads, opt_state, params)
-        with sharding.sharded_updates(self.n_devices):
-            return self.tx.update(grads, opt_state, params)
+        """``tx.update``; sharded, inside :func:`jaxcomp.optim.sharding.sharded_updates`. Traced
+        for the mesh's platform only (:func:`jaxcomp.ops._ffi.lowering_platform`)."""
+        with lowering_platform(self.platform):
+            if self.shard is None:
+                return self.tx.update(grads, opt_state, params)
+            with sharding.sharded_updates(self.n_devices):
+                return self.tx.update(grads, opt_state, params)
 
     def my_shards(self, params):
         """This device's shard of each leaf of the whole ``params`` (inside ``shard_map``)."""
@@ -242,7 +245,29 @@ class Layout:
 
     def initial_state(self, params):
         """The initial :class:`TrainState` of replicated ``params`` (traced, e.g. under
-        ``jax.jit``)."""
+        ``jax.jit``).
+
+        Unsharded, ``tx.init`` runs once outside ``shard_map`` (it names no mesh axis:
+        :meth:`_expected_opt_state` traces it there too) and each per-device leaf is its
+        broadcast to ``[N, ...]``, the rows :meth:`mapped_initial_state` makes. XLA's partitioner
+        takes time quadratic in the operands of a ``shard_map`` (one per leaf), which on a model
+        of 1,000 leaves made this compile take 20 s (docs/performance.md).
+        """
+        if self.shard is not None:
+            return self.mapped_initial_state(params)
+        state_def, mask = self.per_device_mask(avals_of(params))
+        leaves = jax.tree.leaves(self.tx_init(params))
+        leaves = [
+            jnp.broadcast_to(leaf, (self.n_devices, *jnp.shape(leaf))) if per_device else leaf
+            for leaf, per_device in zip(leaves, mask)
+        ]
+        return TrainState(
+            params=params, opt_state=state_def.unflatten(leaves), step=jnp.zeros((), jnp.int32)
+        )
+
+    def mapped_initial_state(self, params):
+        """:meth:`initial_state` made inside ``shard_map``, each device its row (sharded runs
+        need it: each device inits its own shards)."""
         avals = avals_of(params)
         state_def, mask = self.per_device_mask(avals)
         specs = self.state_specs(avals)
