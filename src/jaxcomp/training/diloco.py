@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.methods import Dense, Method
+from jaxcomp.ops._ffi import lowering_platform
 from jaxcomp.optim.compression import compress as make_compress
 from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.transform import compress_states, find_compress_state
@@ -297,7 +298,8 @@ class DiLoCo:
     def _step(self, state: DiLoCoState, batch):
         _check_batch(batch, self)
         plan = self.plan(self.check_state(state))
-        return diloco_step(self, plan, state, batch)
+        with lowering_platform(self.compress_layout.platform):  # trace the mesh's branches only
+            return diloco_step(self, plan, state, batch)
 
     def metric_specs(self):
         """The metrics' ``PartitionSpec`` s: per worker with ``worker_metrics``, else replicated."""
