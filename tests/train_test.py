@@ -300,3 +300,31 @@ def test_every_method_trains_on_1_2_3_and_8_devices(method, options, n_devices):
         state, metrics = dp.step(state, batch)
         losses.append(float(metrics["loss"]))
     assert np.isfinite(losses).all() and losses[-1] < 0.7 * losses[0], (method, n_devices, losses)
+
+
+def test_a_step_of_many_leaves_says_its_compile_can_take_minutes(monkeypatch, caplog):
+    """XLA's partitioner takes time quadratic in the leaves the step's shard_map carries (about a
+    minute for 4,000): the trace says so once, above ``MANY_LEAVES`` and not below."""
+    import logging
+
+    from jaxcomp.training import trainer
+
+    need_devices(2)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+    dp = data_parallel(
+        lambda p, x: jnp.mean((x @ p["w"] + p["b"]) ** 2),
+        optax.chain(compress("dense"), optax.adam(0.1)),
+        mesh,
+    )
+    state = dp.init(params)
+    batch = dp.shard_batch(jnp.ones((2, 4)))
+    n_leaves = len(jax.tree.leaves(state))
+    with caplog.at_level(logging.WARNING, logger="jaxcomp"):
+        dp.step.trace(state, batch)
+        assert "compiling a step" not in caplog.text  # well below the default
+        monkeypatch.setattr(trainer, "MANY_LEAVES", n_leaves)
+        jax.clear_caches()
+        dp.step.trace(state, batch)
+    assert f"compiling a step whose state has {n_leaves} leaves" in caplog.text
+    assert "docs/performance.md" in caplog.text

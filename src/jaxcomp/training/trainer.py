@@ -16,6 +16,7 @@ its collective. This module is the entry point; the pieces live beside it, one c
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import jax
@@ -37,6 +38,14 @@ from jaxcomp.training.state import TrainState, avals_of
 from jaxcomp.training.step import train_step
 
 __all__ = ["DEFAULT_MAX_STEPS_IN_FLIGHT", "DataParallel", "TrainState", "data_parallel"]
+
+#: A step whose state has at least this many leaves says, when it is traced, that its compile can
+#: take minutes: XLA's partitioner takes time quadratic in the operands of the step's
+#: ``shard_map``, one per leaf (docs/performance.md, "The first step of a model of 1,000 small
+#: leaves").
+MANY_LEAVES = 2000
+
+_LOG = logging.getLogger("jaxcomp")
 
 
 class DataParallel:
@@ -329,6 +338,7 @@ class DataParallel:
     # -- the step ------------------------------------------------------------------------------
 
     def _step(self, state: TrainState, batch):
+        _tell_of_a_long_compile(len(jax.tree.leaves(state)))
         return train_step(
             self.layout, self.loss_fn, self.has_aux, state, batch, self._note_nonfinite_policy
         )
@@ -360,6 +370,19 @@ def _trigger_probe(args, out):
         return None
     before, after = (find_compress_state(s.opt_state) for s in (args[0], out[0]))
     return divergence.trigger_probe(before, after)
+
+
+def _tell_of_a_long_compile(n_leaves: int):
+    """Logs (once per trace) that a step of ``n_leaves`` state leaves can compile for minutes."""
+    if n_leaves >= MANY_LEAVES:
+        _LOG.warning(
+            "data_parallel: compiling a step whose state has %d leaves. XLA's partitioner takes "
+            "time quadratic in the leaves a shard_map carries (about a minute for 4,000 on 2 CPU "
+            "cores, and as long for a plain pmean step); fewer, larger leaves (layers stacked with "
+            "nn.scan or along a leading axis) compile much faster. docs/performance.md, 'The first "
+            "step of a model of 1,000 small leaves'.",
+            n_leaves,
+        )
 
 
 def data_parallel(
