@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp.collectives import small
 from jaxcomp.optim.transform import find_compress_state
 from jaxcomp.optim.vma import cast_varying, varying_axes
+from jaxcomp.training import boundary
 
 
 class DiLoCoState(NamedTuple):
@@ -156,11 +157,12 @@ def diloco_step(run, plan, state: DiLoCoState, batch):
         new_state = new_state._replace(inner_state=jax.tree.map(lambda x: x[None], inner_state))
         return new_state, _metrics(run, loss, aux, sent, synced)
 
-    return jax.shard_map(
+    return boundary.packed_shard_map(
         local_step,
         mesh=run.mesh,
         in_specs=(plan.specs, batch_specs),
         out_specs=(plan.specs, run.metric_specs()),
+        in_avals=state,
     )(state, batch)
 
 

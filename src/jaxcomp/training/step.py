@@ -25,6 +25,7 @@ from jaxcomp.collectives import small
 from jaxcomp.optim import readiness, sharding
 from jaxcomp.optim.nonfinite import keep_if_skipped, skipped_or_none
 from jaxcomp.optim.transform import compress_states, find_compress_state
+from jaxcomp.training import boundary
 from jaxcomp.training.state import TrainState
 
 
@@ -93,8 +94,12 @@ def train_step(layout, loss_fn, has_aux, state, batch, on_nonfinite_policy=None)
         metrics = _metrics(layout, loss, aux, new_opt_state, avals)
         return TrainState(params=new_params, opt_state=new_opt_state, step=state.step + 1), metrics
 
-    return jax.shard_map(
-        local_step, mesh=layout.mesh, in_specs=(specs, batch_specs), out_specs=(specs, P())
+    return boundary.packed_shard_map(
+        local_step,
+        mesh=layout.mesh,
+        in_specs=(specs, batch_specs),
+        out_specs=(specs, P()),
+        in_avals=state,
     )(state, batch)
 
 
