@@ -114,7 +114,7 @@ def _train(monkeypatch, min_leaves, n_devices, method, options, shard=None, step
     for _ in range(steps):
         state, metrics = dp.step(state, batch)
         history.append(metrics)
-    return state, history, operands
+    return (state, history, dp.params(state)), operands
 
 
 @pytest.mark.parametrize(
@@ -135,17 +135,19 @@ def test_a_packed_step_is_the_unpacked_step(monkeypatch, method, options, n_devi
     need_devices(n_devices)
     packed = _train(monkeypatch, 1, n_devices, method, options)
     loose = _train(monkeypatch, 10**9, n_devices, method, options)
-    assert_trees_equal(packed[:2], loose[:2])
-    assert packed[2] < loose[2], (packed[2], loose[2])
+    assert_trees_equal(packed[0], loose[0])
+    assert packed[1] < loose[1], (packed[1], loose[1])
 
 
 @pytest.mark.parametrize("shard", ["optimizer", "params"])
 def test_a_packed_sharded_step_is_the_unpacked_step(monkeypatch, shard):
+    """Sharded, ``init`` (``Layout.mapped_initial_state``) and ``params()`` (a gather of each
+    leaf's shards) cross their ``shard_map`` packed too."""
     need_devices(3)
     packed = _train(monkeypatch, 1, 3, "ar_topk", {"ratio": 0.1}, shard=shard)
     loose = _train(monkeypatch, 10**9, 3, "ar_topk", {"ratio": 0.1}, shard=shard)
-    assert_trees_equal(packed[:2], loose[:2])
-    assert packed[2] < loose[2], (packed[2], loose[2])
+    assert_trees_equal(packed[0], loose[0])
+    assert packed[1] < loose[1], (packed[1], loose[1])
 
 
 def test_a_model_of_many_leaves_crosses_in_a_few_arrays():
@@ -188,3 +190,15 @@ def test_a_packed_diloco_step_is_the_unpacked_step(monkeypatch, workers, inner):
             history.append(metrics)
         runs.append((state, history))
     assert_trees_equal(*runs)
+
+
+@pytest.mark.parametrize("shard", [None, "optimizer", "params"])
+def test_state_avals_are_the_initial_states(shard):
+    need_devices(3)
+    params, loss_fn, _ = _model(12)
+    mesh = Mesh(np.array(jax.devices()[:3]), ("data",))
+    tx = optax.chain(jaxcomp.compress("ar_topk", ratio=0.1), optax.adam(3e-2))
+    dp = jaxcomp.data_parallel(loss_fn, tx, mesh, shard=shard)
+    want = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), dp.init(params))
+    avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    assert dp.layout.state_avals(avals) == want

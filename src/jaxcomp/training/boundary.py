@@ -16,7 +16,8 @@ leaves is not packed at all, so the step of an ordinary model is unchanged. Once
 has inlined the ``shard_map``, XLA folds each slice of a packed array back into the leaf it came
 from: the compiled step of a model of 1,030 small leaves has the same concatenates and copies
 packed as not, and runs as fast. :func:`jaxcomp.data_parallel`'s and :func:`jaxcomp.diloco`'s
-steps cross their ``shard_map`` with :func:`packed_shard_map`.
+steps, a sharded run's initial state and ``params()`` of ``shard="params"`` cross their
+``shard_map`` with :func:`packed_shard_map`.
 """
 
 from __future__ import annotations
@@ -163,20 +164,21 @@ def _group_key(leaf, spec, max_values):
     return None
 
 
-def packed_shard_map(fn, *, mesh, in_specs, out_specs, in_avals):
-    """``jax.shard_map(fn, ...)`` whose pytree argument and result of the same structure cross the
+def packed_shard_map(fn, *, mesh, in_specs, out_specs, in_avals, out_avals=None):
+    """``jax.shard_map(fn, ...)`` whose first argument and first result, two pytrees, cross the
     boundary packed (:class:`Packing`).
 
-    ``fn(tree, *rest) -> (tree', *outs)``: the first argument and the first result share one
-    pytree structure, shapes and specs (a training state in, the next state out); ``rest`` and
-    ``outs`` cross as they are.
+    ``fn(tree, *rest) -> (tree', *outs)``; ``rest`` and ``outs`` cross as they are. A training
+    step takes a state and returns the next one of the same shapes (``out_avals`` defaults to
+    ``in_avals``); an initial state or a gather returns another tree.
 
     Args:
       fn: the per-device function.
       mesh: the mesh.
       in_specs: ``(tree_specs, *rest_specs)``.
-      out_specs: ``(tree_specs, *outs_specs)``; its first entry must equal ``in_specs[0]``.
-      in_avals: the tree's leaves (arrays or avals) as the caller passes them.
+      out_specs: ``(tree_specs', *outs_specs)``.
+      in_avals: the first argument's leaves (arrays or avals) as the caller passes them.
+      out_avals: the first result's leaves as the caller gets them (default ``in_avals``).
 
     Returns:
       A function of ``(tree, *rest)`` with ``fn``'s results.
@@ -197,24 +199,30 @@ def packed_shard_map(fn, *, mesh, in_specs, out_specs, in_avals):
       docs/performance.md, "The first step of a model of 1,000 small leaves" (the partitioner's
       time, measured).
     """
-    tree_specs, *rest_specs = in_specs
-    leaf_specs, treedef = jax.tree.flatten(tree_specs, is_leaf=lambda s: isinstance(s, P))
-    packing = Packing.plan(jax.tree.leaves(in_avals), leaf_specs)
+    tree_in, *rest_specs = in_specs
+    tree_out, *outs_specs = out_specs
+    packing_in, def_in = _plan(tree_in, in_avals)
+    packing_out, def_out = _plan(tree_out, in_avals if out_avals is None else out_avals)
 
     def local(packed, *rest):
-        tree = jax.tree.unflatten(treedef, packing.unpack(packed))
-        new_tree, *outs = fn(tree, *rest)
-        return (packing.pack(treedef.flatten_up_to(new_tree)), *outs)
+        new_tree, *outs = fn(jax.tree.unflatten(def_in, packing_in.unpack(packed)), *rest)
+        return (packing_out.pack(def_out.flatten_up_to(new_tree)), *outs)
 
     mapped = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(packing.specs, *rest_specs),
-        out_specs=(packing.specs, *out_specs[1:]),
+        in_specs=(packing_in.specs, *rest_specs),
+        out_specs=(packing_out.specs, *outs_specs),
     )
 
     def run(tree, *rest):
-        packed, *outs = mapped(packing.pack(treedef.flatten_up_to(tree)), *rest)
-        return (jax.tree.unflatten(treedef, packing.unpack(packed)), *outs)
+        packed, *outs = mapped(packing_in.pack(def_in.flatten_up_to(tree)), *rest)
+        return (jax.tree.unflatten(def_out, packing_out.unpack(packed)), *outs)
 
     return run
+
+
+def _plan(tree_specs, avals):
+    """``(packing, treedef)`` of a pytree of ``PartitionSpec`` s and its leaves' avals."""
+    leaf_specs, treedef = jax.tree.flatten(tree_specs, is_leaf=lambda s: isinstance(s, P))
+    return Packing.plan(jax.tree.leaves(avals), leaf_specs), treedef

@@ -23,6 +23,7 @@ from jaxcomp.collectives import sizes
 from jaxcomp.ops._ffi import lowering_platform, platform_of, varying_axes
 from jaxcomp.optim import sharding
 from jaxcomp.optim.transform import CompressState
+from jaxcomp.training import boundary
 from jaxcomp.training import mask as mask_lib
 from jaxcomp.training.state import TrainState, avals_of, check_params, tree_key
 
@@ -290,4 +291,28 @@ class Layout:
                 params=stored, opt_state=state_def.unflatten(leaves), step=jnp.zeros((), jnp.int32)
             )
 
-        return jax.shard_map(local_init, mesh=self.mesh, in_specs=(P(),), out_specs=specs)(params)
+        (state,) = boundary.packed_shard_map(
+            lambda params: (local_init(params),),
+            mesh=self.mesh,
+            in_specs=(jax.tree.map(lambda _: P(), avals),),
+            out_specs=(specs,),
+            in_avals=avals,
+            out_avals=self.state_avals(avals),
+        )(params)
+        return state
+
+    def state_avals(self, avals) -> TrainState:
+        """The avals of the :class:`TrainState` of whole params ``avals`` as ``init`` returns it
+        (each per-device leaf, and ``shard="params"``'s params, stacked ``[N, ...]``)."""
+        state_def, mask = self.per_device_mask(avals)
+
+        def stacked(a):
+            return jax.ShapeDtypeStruct((self.n_devices, *a.shape), a.dtype)
+
+        opt = [stacked(e) if m else e for e, m in zip(self._expected_opt_state(avals), mask)]
+        params = jax.tree.map(stacked, self.shard_avals(avals)) if self.shard == "params" else avals
+        return TrainState(
+            params=params,
+            opt_state=state_def.unflatten(opt),
+            step=jax.ShapeDtypeStruct((), jnp.int32),
+        )

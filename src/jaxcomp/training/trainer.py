@@ -31,6 +31,7 @@ from jaxcomp.collectives import small
 from jaxcomp.optim import sharding
 from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.transform import compress_states, find_compress_state
+from jaxcomp.training import boundary
 from jaxcomp.training import reprobe as reprobing
 from jaxcomp.training import resize as resizing
 from jaxcomp.training.dispatch import DEFAULT_MAX_STEPS_IN_FLIGHT, BoundedStep, local_copy
@@ -274,15 +275,15 @@ class DataParallel:
                 avals,
             )
 
-        specs = jax.tree.map(lambda _: P(self.axis_name), avals)
-        return jax.jit(
-            jax.shard_map(
-                gather,
-                mesh=self.mesh,
-                in_specs=(specs,),
-                out_specs=jax.tree.map(lambda _: P(), avals),
-            )
-        )(state.params)
+        gathered = boundary.packed_shard_map(
+            lambda stored: (gather(stored),),
+            mesh=self.mesh,
+            in_specs=(jax.tree.map(lambda _: P(self.axis_name), avals),),
+            out_specs=(jax.tree.map(lambda _: P(), avals),),
+            in_avals=state.params,
+            out_avals=avals,
+        )
+        return jax.jit(gathered)(state.params)[0]
 
     def reprobe(self, state: TrainState, *, codec: bool = True, **probe_options) -> TrainState:
         """Measures the network (and each branch's local work) again and hands them to
