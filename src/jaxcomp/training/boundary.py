@@ -50,14 +50,14 @@ class _Group:
         """The leaves carry a leading per-device axis (a spec that splits axis 0)."""
         return self.spec != P()
 
-    def offsets(self, lead: int) -> list[tuple[int, int, tuple[int, ...]]]:
-        """``(start, stop, shape)`` of each leaf in the packed array, ``lead`` its leading size."""
-        out, start = [], 0
+    def pieces(self, lead: int) -> list[tuple[int, tuple[int, ...]]]:
+        """``(values, shape)`` of each leaf in the packed array (per row of a per-device group),
+        ``lead`` the array's leading size."""
+        out = []
         for shape in self.shapes:
             body = shape[1:] if self.per_device else shape
             size = int(np.prod(body, dtype=np.int64))
-            out.append((start, start + size, ((lead,) + body) if self.per_device else body))
-            start += size
+            out.append((size, ((lead,) + body) if self.per_device else body))
         return out
 
 
@@ -142,10 +142,10 @@ class Packing:
         """The leaves, in their order, from :meth:`pack`'s arrays."""
         leaves = [None] * self.n_leaves
         for group, array in zip(self.groups, packed):
-            offsets = group.offsets(array.shape[0])
-            sizes = [stop - start for start, stop, _ in offsets]
+            pieces = group.pieces(array.shape[0])
+            sizes = [size for size, _ in pieces]
             parts = jax.lax.split(array, sizes, axis=1 if group.per_device else 0)
-            for i, part, (_, _, shape) in zip(group.positions, parts, offsets):
+            for i, part, (_, shape) in zip(group.positions, parts, pieces):
                 leaves[i] = jax.lax.reshape(part, shape)
         for i, leaf in zip(self.loose, packed[len(self.groups) :]):
             leaves[i] = leaf
@@ -157,9 +157,8 @@ def _group_key(leaf, spec, max_values):
     size = int(np.prod(leaf.shape, dtype=np.int64))
     if size == 0 or size > max_values or jnp.issubdtype(leaf.dtype, jax.dtypes.extended):
         return None  # typed PRNG keys and the like travel as they are
-    if spec == P():
-        return (spec, np.dtype(leaf.dtype))
-    if len(spec) == 1 and spec[0] is not None and len(leaf.shape) >= 1:
+    # Replicated, or split along axis 0 only (a per-device leaf, which has that axis).
+    if spec == P() or (len(spec) == 1 and spec[0] is not None):
         return (spec, np.dtype(leaf.dtype))
     return None
 

@@ -194,9 +194,8 @@ class Layout:
                 f"state must be the TrainState that init returns, got {type(state).__name__}"
             )
         avals = self.whole_avals(state.params)
-        state_def, mask = self.per_device_mask(avals)
-        expected = self._expected_opt_state(avals)
-        if not self._fits(state_def, mask, state.opt_state, expected):
+        state_def, _ = self.per_device_mask(avals)
+        if not self._fits(state_def, state.opt_state, self.state_avals(avals).opt_state):
             self._refuse_other_count(state)
             raise ValueError(
                 "state.opt_state does not fit state.params: it was made for other params (or by "
@@ -229,18 +228,19 @@ class Layout:
             self._expected[key] = jax.tree.leaves(jax.eval_shape(self.tx_init, avals, shards))
         return self._expected[key]
 
-    def _fits(self, state_def, mask, opt_state, expected) -> bool:
-        """Whether ``opt_state`` has the structure and (stacked) shapes of ``expected``."""
+    @staticmethod
+    def _fits(state_def, opt_state, expected) -> bool:
+        """Whether ``opt_state`` has the structure and shapes of ``expected``
+        (:meth:`state_avals`'s)."""
         try:
             leaves = state_def.flatten_up_to(opt_state)
         except (ValueError, TypeError):
             return False
         # Both come from tx_init's structure: as many leaves, in the same order.
-        for leaf, want, per_device in zip(leaves, expected, mask):
-            shape = ((self.n_devices,) if per_device else ()) + tuple(want.shape)
-            if tuple(np.shape(leaf)) != shape:
-                return False
-        return True
+        return all(
+            tuple(np.shape(leaf)) == tuple(want.shape)
+            for leaf, want in zip(leaves, state_def.flatten_up_to(expected))
+        )
 
     # -- the initial state ---------------------------------------------------------------------
 
