@@ -1,6 +1,7 @@
 """Tests of jaxcomp.collectives: each collective against a numpy simulation of its algorithm."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -852,3 +853,49 @@ def test_sparse_sent_is_the_dense_sent_as_pairs(method):
     x = rng.standard_normal(8 * n).astype(np.float32)
     d_total, d_sent = f(x)
     assert not np.any(np.asarray(d_total)) and not np.any(np.asarray(d_sent))
+
+
+@pytest.mark.parametrize("n_devices", [1, 2, 3, 8])
+def test_gather_leaf_shards_joins_the_small_ones(n_devices):
+    """One all-gather for the small leaves of each dtype, a large leaf alone; the same result as
+    gathering each leaf."""
+    from jaxcomp.collectives import small
+
+    need_devices(n_devices)
+    mesh = Mesh(np.array(jax.devices()[:n_devices]), ("data",))
+    rng = np.random.default_rng(0)
+    shapes = [
+        (n_devices * 3,),
+        (n_devices, 5),
+        (n_devices * (small.JOINED_VALUES + 1),),
+        (n_devices,),
+    ]
+    leaves = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+    leaves.append(jnp.arange(n_devices * 2, dtype=jnp.bfloat16))
+
+    def both(*shards):
+        return small.gather_leaf_shards(list(shards), "data"), [
+            small.gather_shards(s, "data") for s in shards
+        ]
+
+    spec = (P("data"),) * len(leaves)
+    f = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=spec, out_specs=P()))
+    joined, apart = f(*leaves)
+    for a, b in zip(joined, apart):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    hlo = (
+        jax.jit(
+            jax.shard_map(
+                lambda *s: small.gather_leaf_shards(list(s), "data"),
+                mesh=mesh,
+                in_specs=spec,
+                out_specs=P(),
+            )
+        )
+        .lower(*leaves)
+        .compile()
+        .as_text()
+    )
+    if n_devices > 1:  # the three small f32 leaves, the large one, the bfloat16 one
+        assert len(re.findall(r" all-gather(?:-start)?\(", hlo)) == 3, hlo

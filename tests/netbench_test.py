@@ -86,6 +86,40 @@ def test_a_zoo_model_is_what_the_workers_train():
     ].shape == (3, 183)
 
 
+def test_the_flat_pmean_baseline_sums_one_vector():
+    """``pmean_flat``: the plain baseline's sum as one vector (XLA:CPU runs ``pmean``'s merged
+    all-reduce as one collective per leaf); the same training, one gradient array all-reduced."""
+    import re
+
+    import jax
+
+    rng = np.random.default_rng(0)
+    params = {f"w{i:02d}": rng.standard_normal((8, 8), dtype=np.float32) / 3 for i in range(40)}
+
+    def loss_fn(p, batch):
+        x = batch
+        for key in sorted(p):
+            x = jax.numpy.tanh(x @ p[key])
+        return jax.numpy.mean(x**2)
+
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    batch = jax.device_put(
+        rng.standard_normal((4, 8), dtype=np.float32),
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
+    )
+    steps = [netbench_worker._plain_pmean_step(loss_fn, mesh, flat=f) for f in (False, True)]
+    arrays = []
+    for step in steps:
+        hlo = step._step.lower(*step.init(params), batch).compile().as_text()
+        calls = re.findall(r" all-reduce(?:-start)?\(([^)]*)\)", hlo)
+        arrays.append(sum(len(re.findall(r"%[\w.\-]+", c)) for c in calls))
+    assert arrays[0] >= 40 and arrays[1] <= 2, arrays
+    assert netbench.METHODS["pmean_flat"] == (None, {"flat": True}, None)
+    (a, _), (b, _) = (s.step(s.init(params), batch) for s in steps)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("models", [(None,), ("gpt2", "many_small")])
 def test_plot_writes_a_png(tmp_path, models):
     path = tmp_path / "speedup.png"

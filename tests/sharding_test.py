@@ -298,7 +298,9 @@ def test_compiled_step_reduce_scatters_and_gathers(method, shard):
         op == scattered[1] and (scattered[0] is None or shape.startswith(scattered[0]))
         for shape, op in ops
     ), ops
-    assert any(op == "all-gather" for _, op in ops), ops
+    # The params' three leaves are small: one all-gather for them (not one per leaf).
+    gathers = [shape for shape, op in ops if op == "all-gather"]
+    assert len(gathers) == 1 or (method == "bf16" and len(gathers) == 2), ops
     for shape, op in ops:
         if op == "all-reduce" and shape.startswith(("f32", "bf16", "f16", "(")):
             sizes = [

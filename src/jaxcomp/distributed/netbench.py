@@ -49,6 +49,9 @@ def _runs():
     )
     table = {
         "pmean": (None, {}, None),
+        # The same sum as one vector (jax.flatten_util.ravel_pytree): XLA:CPU runs pmean's merged
+        # all-reduce as one collective per leaf, which a model of many leaves pays for.
+        "pmean_flat": (None, {"flat": True}, None),
         fixed[0].label: (fixed[0], {}, None),
         f"{fixed[0].label}_leaf": (fixed[0], {"granularity": "leaf"}, None),
     }

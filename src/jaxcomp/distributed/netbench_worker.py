@@ -149,7 +149,7 @@ def _build_step(job: _Job, method, options, shard):
     import jaxcomp
 
     if method is None:
-        step = _plain_pmean_step(job.loss_fn, job.mesh)
+        step = _plain_pmean_step(job.loss_fn, job.mesh, **options)
         return step, step.init(job.params), None
     aggregate = (
         jaxcomp.compress_auto(method, **options)
@@ -446,20 +446,27 @@ def _predictions(ran, params, n_hosts, network, compute, mesh, shard=None):
 
 
 class _plain_pmean_step:
-    """The baseline without jaxcomp: ``jax.grad`` on varying params, ``lax.pmean`` of the gradients,
-    Adam."""
+    """The baseline without jaxcomp: ``jax.grad`` on varying params, ``lax.pmean`` of the gradients
+    (with ``flat``, of one vector of them: ``ravel_pytree``), Adam."""
 
-    def __init__(self, loss_fn, mesh):
+    def __init__(self, loss_fn, mesh, flat=False):
         import jax
         import optax
+        from jax.flatten_util import ravel_pytree
         from jax.sharding import PartitionSpec as P
 
         self.tx = optax.adam(1e-4)
 
+        def mean(grads):
+            if not flat:
+                return jax.lax.pmean(grads, "data")
+            vector, unravel = ravel_pytree(grads)
+            return unravel(jax.lax.pmean(vector, "data"))
+
         def local(params, opt, batch):
             varying = jax.lax.pcast(params, "data", to="varying")
             loss, grads = jax.value_and_grad(loss_fn)(varying, batch)
-            grads = jax.lax.pmean(grads, "data")
+            grads = mean(grads)
             updates, opt = self.tx.update(grads, opt, params)
             return optax.apply_updates(params, updates), opt, jax.lax.pmean(loss, "data")
 

@@ -62,7 +62,9 @@ def compress(
     :func:`jaxcomp.data_parallel`. Leaves that are not floating point (ints, ``float0``) pass
     through untouched; bfloat16/float16 gradients travel in their own dtype when all leaves share
     it, and the residual is kept in float32. A method that loses nothing (:class:`jaxcomp.Dense`)
-    keeps no residual and sums leaf by leaf.
+    keeps no residual and sums each large leaf where it lies and the small ones (at most 65,536
+    values) as one vector: XLA:CPU runs a merged all-reduce as one collective per leaf, a network
+    round trip each over gloo (docs/performance.md, "One collective per leaf").
 
     **Non-finite gradients.** A NaN or ±Inf entry of a device's gradient is never sent and never
     stored in the residual, whatever the method: it counts as 0 (that index's residual is kept),
@@ -125,7 +127,7 @@ def compress(
       error_feedback: keep what was not sent and add it to the next gradient (default True).
       granularity: ``"model"`` flattens all float leaves into one vector and compresses it as a
         whole (fused top-k keeps more accuracy than layer-wise); ``"leaf"`` compresses each leaf on
-        its own (``k = round(ratio * leaf.size)`` each).
+        its own (``k = round(ratio * leaf.size)`` each; for dense, one all-reduce per leaf).
       mean: return the mean across devices (default) instead of the sum.
       seed: seed of the state's PRNG key (the quantizer's stochastic rounding).
       nonfinite: what a step with NaN or ±Inf gradient entries does: ``"zero"`` (default; train

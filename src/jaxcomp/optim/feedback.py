@@ -275,7 +275,8 @@ def _filled(groups: Groups, vectors) -> Groups:
 
 def _sum_dense(c: FeedbackConfig, grads: _Gradients, aggregate, state) -> _Aggregated:
     """The route of a method that loses nothing: nothing is kept, so the gradients are summed as
-    they are (leaf by leaf) and the guard looks at the sums (:func:`guard.guarded_totals`)."""
+    they are (each large leaf alone, the small ones as one vector: :func:`mask.summed_together`)
+    and the guard looks at the sums (:func:`guard.guarded_totals`)."""
     vectors = [
         packing.pack([grads.leaves[i] for i in positions], grads.shards, row).astype(
             grads.comm_dtype

@@ -31,7 +31,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxcomp.collectives import sizes
+from jaxcomp.collectives import sizes, small
 
 #: The ``shard=`` modes of :func:`jaxcomp.data_parallel`.
 SHARD_MODES = (None, "optimizer", "params")
@@ -189,6 +189,35 @@ def unshard(shards, shape):
       Rajbhandari et al., ZeRO, SC 2020 (the parameter all-gather).
     """
     return shards.reshape(-1)[: math.prod(shape)].reshape(shape)
+
+
+def gather_whole(shards, like, axis_name):
+    """The whole leaves from every device's shards: an all-gather over ``axis_name`` (the small
+    leaves joined into one, :func:`jaxcomp.collectives.small.gather_leaf_shards`), then
+    :func:`unshard`.
+
+    Args:
+      shards: a pytree of this device's 1-D shard of each leaf.
+      like: the whole leaves' pytree (arrays or avals: their shapes).
+      axis_name: the mesh axis the shards are spread over.
+
+    Returns:
+      The pytree of whole leaves, replicated, in the shards' dtypes.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> f = jax.jit(jax.shard_map(lambda s: gather_whole(s, {"w": jnp.zeros(3)}, "data"),
+      ...                           mesh=mesh, in_specs=P("data"), out_specs=P()))
+      >>> f({"w": jnp.array([1.0, 2.0, 3.0, 0.0])})["w"].tolist()
+      [1.0, 2.0, 3.0]
+
+    References:
+      Rajbhandari et al., ZeRO, SC 2020 (the parameter all-gather).
+    """
+    gathered = small.gather_leaf_shards(shards, axis_name)
+    return jax.tree.map(lambda g, a: unshard(g, a.shape), gathered, like)
 
 
 def shard_major(parts, n_devices: int, row: int):

@@ -33,6 +33,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
@@ -101,14 +102,9 @@ class Inner:
             return optax.apply_updates(local, updates), state
         me = jax.lax.axis_index(self.inner_axis)
         mine = jax.tree.map(lambda p: sharding.shard_of(p, self.n_inner, me), local)
-        updates, state = self.tx.update(jax.tree.map(self._mean_shard, grads), state, mine)
+        updates, state = self.tx.update(self._mean_shards(grads), state, mine)
         new = optax.apply_updates(mine, updates)
-        gathered = jax.tree.map(
-            lambda s, p: sharding.unshard(small.gather_shards(s, self.inner_axis), p.shape),
-            new,
-            local,
-        )
-        return gathered, state
+        return sharding.gather_whole(new, local, self.inner_axis), state
 
     # -- the outer exchange, split over the row (exchange="split") -----------------------------
 
@@ -133,16 +129,16 @@ class Inner:
         x = jnp.pad(x, [(0, self.n_inner * m - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
         return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(self.inner_axis) * m, m)
 
-    def whole(self, block, shape):
-        """The whole leaf of ``shape`` from every device's ``block`` (an all-gather over the
-        row; typed invariant over it)."""
+    def wholes(self, blocks: list, shapes: list) -> list:
+        """The whole leaves of ``shapes`` from every device's ``blocks`` (an all-gather over the
+        row, the small blocks in one: :func:`jaxcomp.collectives.small.gather_leaf_shards`;
+        typed invariant over it)."""
         if not self.splits:
-            return block
-        gathered = small.gather_shards(block, self.inner_axis)  # [n, m, *others]
-        x_shape = tuple(shape) or (1,)
-        axis = _longest_axis(x_shape)
-        x = gathered.reshape((-1,) + gathered.shape[2:])[: x_shape[axis]]
-        return jnp.moveaxis(x, 0, axis).reshape(shape)
+            return list(blocks)
+        return [
+            _from_blocks(gathered, shape)  # gathered: [n, m, *others]
+            for gathered, shape in zip(small.gather_leaf_shards(blocks, self.inner_axis), shapes)
+        ]
 
     def exchange_spec(self, per_worker: bool) -> P:
         """The ``PartitionSpec`` of an outer compress-state leaf: per worker (a residual) or
@@ -182,10 +178,20 @@ class Inner:
             avals,
         )
 
-    def _mean_shard(self, grad):
-        """This device's shard of the row's mean gradient (a reduce-scatter over the row)."""
-        flat = sharding.all_shards(grad, self.n_inner).reshape(-1)
-        return dense.psum_scatter(flat, self.inner_axis)[0] / self.n_inner
+    def _mean_shards(self, grads):
+        """This device's shard of the row's mean of each gradient leaf: a reduce-scatter over the
+        row, one for the small leaves of each dtype (XLA:CPU would run merged ones one per leaf:
+        :func:`jaxcomp.collectives.small.joined_groups`), one per large leaf."""
+        leaves, treedef = jax.tree.flatten(grads)
+        out = [None] * len(leaves)
+        for group in small.joined_groups(leaves):
+            parts = [leaves[i] for i in group]
+            lengths = [sharding.shard_length(p.size, self.n_inner) for p in parts]
+            vector = sharding.shard_major(parts, self.n_inner, sum(lengths))
+            row = dense.psum_scatter(vector, self.inner_axis)[0] / self.n_inner
+            for i, piece in zip(group, jnp.split(row, np.cumsum(lengths)[:-1].tolist())):
+                out[i] = piece
+        return treedef.unflatten(out)
 
 
 def _longest_axis(shape) -> int:
@@ -234,3 +240,12 @@ def inner_mean(axis_name, size: int) -> optax.GradientTransformation:
         return mean, state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def _from_blocks(gathered, shape):
+    """The leaf of ``shape`` from its ``n`` blocks ``[n, m, *others]`` (:meth:`Inner.block`'s
+    inverse: the padding dropped, the longest axis moved back)."""
+    x_shape = tuple(shape) or (1,)
+    axis = _longest_axis(x_shape)
+    x = gathered.reshape((-1,) + gathered.shape[2:])[: x_shape[axis]]
+    return jnp.moveaxis(x, 0, axis).reshape(shape)

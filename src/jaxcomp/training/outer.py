@@ -234,9 +234,10 @@ def _fragment_round(run, schedule, f: int, count, fragment: _Fragment):
         delta = [inner.block(g - lo) for g, lo in zip(global_leaves, local_leaves)]
         blocks = [inner.block(g) for g in global_leaves]
         aggregated, compress_state = run.compress_tx.update(delta, compress_state, blocks)
-        aggregated = [
-            inner.whole(a.astype(g.dtype), g.shape) for a, g in zip(aggregated, global_leaves)
-        ]
+        aggregated = inner.wholes(
+            [a.astype(g.dtype) for a, g in zip(aggregated, global_leaves)],
+            [g.shape for g in global_leaves],
+        )
         return aggregated, compress_state, inner.row_bytes(_bytes_sent(compress_state))
 
     if not schedule.delay:

@@ -127,15 +127,9 @@ def _forward_params(layout, stored, avals):
     if layout.shard == "params":
         # Each leaf is all-gathered (in gather_dtype, if given) for this step's forward pass.
         shards = jax.tree.map(lambda s: s[0], stored)
-        params = jax.tree.map(
-            lambda s, a: sharding.unshard(
-                small.gather_shards(s.astype(layout.gather_dtype or s.dtype), layout.axis_name),
-                a.shape,
-            ).astype(a.dtype),
-            shards,
-            avals,
-        )
-        return params, shards
+        cast = jax.tree.map(lambda s: s.astype(layout.gather_dtype or s.dtype), shards)
+        gathered = sharding.gather_whole(cast, avals, layout.axis_name)
+        return jax.tree.map(lambda p, a: p.astype(a.dtype), gathered, avals), shards
     return stored, layout.my_shards(stored) if layout.shard else stored
 
 
@@ -192,11 +186,7 @@ def _new_params(layout, shards, updates, skipped, params):
         return jax.tree.map(lambda s: s[None], new_params)
     if layout.shard == "optimizer":
         # Every device's updated shards, gathered back into the replicated params.
-        return jax.tree.map(
-            lambda s, p: sharding.unshard(small.gather_shards(s, layout.axis_name), p.shape),
-            new_params,
-            params,
-        )
+        return sharding.gather_whole(new_params, params, layout.axis_name)
     return new_params
 
 

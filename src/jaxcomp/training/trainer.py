@@ -27,7 +27,6 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp.collectives import small
 from jaxcomp.optim import sharding
 from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.transform import compress_states, find_compress_state
@@ -269,10 +268,8 @@ class DataParallel:
         avals = self.layout.whole_avals(state.params)
 
         def gather(stored):
-            return jax.tree.map(
-                lambda s, a: sharding.unshard(small.gather_shards(s[0], self.axis_name), a.shape),
-                stored,
-                avals,
+            return sharding.gather_whole(
+                jax.tree.map(lambda s: s[0], stored), avals, self.axis_name
             )
 
         gathered = boundary.packed_shard_map(
@@ -433,9 +430,10 @@ def data_parallel(
         ``tx`` updates that shard with optimizer state of ``1/N`` the size, and the updated shards
         are all-gathered into the replicated params. ``"params"`` (ZeRO-3 / FSDP): the params are
         stored sharded too (``state.params``: each leaf's shards,
-        ``[N, m]``; :meth:`DataParallel.params` gathers them) and all-gathered leaf by leaf for each
-        step's forward pass. The method must have a reduce-scatter form
-        (:attr:`jaxcomp.Method.scatters`: Dense, Cast, Zfp ring, Quantized, TopK allgather/ar); the
+        ``[N, m]``; :meth:`DataParallel.params` gathers them) and all-gathered for each step's
+        forward pass (the small leaves in one all-gather, each large one alone). The method must
+        have a reduce-scatter form (:attr:`jaxcomp.Method.scatters`: Dense, Cast, Zfp ring,
+        Quantized, TopK allgather/ar); the
         error-feedback residual stays per device and whole. The rest of ``tx`` sees 1-D shards:
         elementwise optimizers (sgd, adam, adamw, lion, ...) are exact; a transformation that
         reduces over a whole leaf or tree (e.g. ``clip_by_global_norm``) would see one shard only.

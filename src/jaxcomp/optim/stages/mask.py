@@ -103,7 +103,8 @@ def layout(config, tree, sends_everything: bool) -> Layout:
     Args:
       config: the :class:`jaxcomp.optim.config.FeedbackConfig` (``granularity``, ``mask``).
       tree: the params or gradients.
-      sends_everything: every method loses nothing, so every float leaf is its own group.
+      sends_everything: every method loses nothing: every float leaf is summed, the small ones
+        together and the large ones each alone (:func:`summed_together`).
 
     Returns:
       A :class:`Layout`.
@@ -126,27 +127,72 @@ def layout(config, tree, sends_everything: bool) -> Layout:
     """
     leaves = jax.tree.leaves(tree)
     floats = [i for i, leaf in enumerate(leaves) if is_float(leaf)]
-    # A method that sends everything is elementwise: per leaf it is the same sum, with no copy
-    # into one vector, and a mask changes nothing.
+    # A method that sends everything is elementwise: a mask changes nothing.
     chosen = [True] * len(leaves) if sends_everything else config.compressed(tree)
     compressed = [i for i in floats if chosen[i]]
     plain = [i for i in floats if not chosen[i]]
-    per_leaf = sends_everything or config.granularity == "leaf"
+    whole = config.granularity != "leaf" and not sends_everything
     if config.bucket_mb is None:
-        groups = (
-            [([i], f"leaf {i}") for i in compressed]
-            if per_leaf or not compressed
-            else [(compressed, "the model")]
-        )
-        return Layout(floats, groups, plain)
-    buckets = bucketed(leaves, compressed, config.bucket_mb * 2**20)
-    if per_leaf:
-        groups = [([i], f"leaf {i}") for bucket in buckets for i in bucket]
-        return Layout(
-            floats, groups, plain, [b for b, bucket in enumerate(buckets) for _ in bucket]
-        )
-    groups = [(bucket, f"bucket {b} ({_leaf_names(bucket)})") for b, bucket in enumerate(buckets)]
-    return Layout(floats, groups, plain, list(range(len(buckets))))
+        groups = [(g, None) for g in _split(config, leaves, compressed, sends_everything)]
+    else:
+        buckets = bucketed(leaves, compressed, config.bucket_mb * 2**20)
+        groups = [
+            (g, b)
+            for b, bucket in enumerate(buckets)
+            for g in _split(config, leaves, bucket, sends_everything)
+        ]
+    return Layout(
+        floats,
+        [(g, _group_name(g, b, whole)) for g, b in groups],
+        plain,
+        None if config.bucket_mb is None else [b for _, b in groups],
+    )
+
+
+def _split(config, leaves, positions: list, sends_everything: bool) -> list:
+    """The groups of ``positions`` (the compressed leaves of one bucket or of the model): one per
+    leaf (``granularity="leaf"``), small leaves together for a method that sends everything
+    (:func:`summed_together`), else one."""
+    if config.granularity == "leaf":
+        return [[i] for i in positions]
+    if sends_everything:
+        return summed_together(leaves, positions)
+    return [positions] if positions else []
+
+
+def _group_name(group: list, bucket: int | None, whole: bool) -> str:
+    """A group's name in messages: ``the model``, ``bucket 1 (leaves 0-4)``, ``leaf 3``."""
+    if whole and bucket is None:
+        return "the model"
+    if whole or (len(group) > 1 and bucket is not None):
+        return f"bucket {bucket} ({_leaf_names(group)})"
+    return _leaf_names(group)
+
+
+def summed_together(leaves, positions: list) -> list:
+    """The groups of a method that sends everything: the leaves at ``positions`` of at most
+    :data:`jaxcomp.collectives.small.JOINED_VALUES` values of each dtype joined into one vector
+    (one collective, not one per leaf: XLA:CPU runs a merged all-reduce as one per leaf), each
+    larger leaf alone (summed where it lies, no copy).
+
+    Args:
+      leaves: the tree's leaves (their sizes and dtypes).
+      positions: the leaves to group, in order.
+
+    Returns:
+      A list of groups, each a sorted list of positions, ordered by their first position.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> summed_together([jnp.zeros(3), jnp.zeros(70000), jnp.zeros(2)], [0, 1, 2])
+      [[0, 2], [1]]
+
+    References:
+      Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB
+      2020, §3.2.3 (a bucket is one flat buffer, one all-reduce).
+    """
+    groups = collectives.small.joined_groups([leaves[i] for i in positions])
+    return [[positions[j] for j in group] for group in groups]
 
 
 def bucketed(leaves, positions: list, bucket_bytes: float) -> list:
