@@ -86,6 +86,57 @@ def test_a_zoo_model_is_what_the_workers_train():
     ].shape == (3, 183)
 
 
+class _TimedOutCluster:
+    """A cluster whose job wrote ``written`` (host 0's results so far) and then timed out."""
+
+    written = None
+
+    def __init__(self, n_hosts, rate=None):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def run(self, argv, timeout, env, stdout, stderr, cwd):
+        spec = json.loads(argv[-1])
+        if self.written is not None:
+            with open(spec["out"], "w") as f:
+                json.dump(self.written, f)
+        stdout.write("the workers' last words\n")
+        return [124, 124]
+
+
+def test_a_job_that_times_out_keeps_the_rows_it_measured(monkeypatch, capsys, tmp_path):
+    from jaxcomp.distributed import cluster
+
+    monkeypatch.setattr(cluster, "Cluster", _TimedOutCluster)
+    entry = {"step": 0.5, "times": [0.5], "sync": 0.4}
+    _TimedOutCluster.written = {
+        "params": 10,
+        "compute": 0.1,
+        "probe": None,
+        "methods": {"pmean": entry, "dense": {**entry, "step": 0.25}},
+    }
+    out = tmp_path / "result.json"
+    spec = netbench.Spec(10, ("pmean", "dense", "zfp"), 1, 0, 2, 2, str(out), None)
+    run = dict(n_hosts=2, timeout=1, log_path=str(tmp_path / "log"), cwd=str(tmp_path), env={})
+    result = netbench._run_cell(spec, **run)
+    assert list(result["methods"]) == ["pmean", "dense"]
+    assert result["incomplete"] == "exit codes [124, 124]"
+    err = capsys.readouterr().err
+    assert "failed (exit codes [124, 124])" in err and "kept the rows measured before" in err
+    assert "the workers' last words" in err
+    # Nothing measured (or not even the baseline): the failure is raised.
+    for written in (None, {**_TimedOutCluster.written, "methods": {"dense": entry}}):
+        _TimedOutCluster.written = written
+        out.unlink(missing_ok=True)
+        with pytest.raises(cluster.ClusterError, match="the workers' last words"):
+            netbench._run_cell(spec, **run)
+
+
 def test_the_flat_pmean_baseline_sums_one_vector():
     """``pmean_flat``: the plain baseline's sum as one vector (XLA:CPU runs ``pmean``'s merged
     all-reduce as one collective per leaf); the same training, one gradient array all-reduced."""

@@ -29,6 +29,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import tempfile
 
 from jaxcomp.methods import Cast, Dense, PowerSGD, Quantized, RandomK, Sign, TopK, Zfp
@@ -267,6 +268,7 @@ def _cell_rows(model, n_hosts, rate, methods, options, bar, timeout, log, env) -
             "probe": result["probe"],
             "allocator": result.get("allocator"),
             "speedup": base / entry["step"],
+            **({"incomplete": result["incomplete"]} if "incomplete" in result else {}),
             **entry,
         }
         for label, entry in result["methods"].items()
@@ -293,13 +295,30 @@ def _run_cell(spec: Spec, n_hosts: int, timeout: float, log_path: str, cwd: str,
             stderr=out,
             cwd=cwd,
         )
-    if any(codes) or not os.path.exists(spec.out):
+    measured = _measured(spec.out)
+    if any(codes) or measured is None:
         with open(log_path) as f:
             tail = f.read()[-3000:]
         what = f"{spec.model} " if spec.model else ""
-        raise ClusterError(
+        failure = (
             f"the {n_hosts}-host {what}job at {format_rate(spec.rate_bits)} failed (exit codes "
             f"{codes}); the workers' output ends with:\n{tail}"
         )
-    with open(spec.out) as f:
-        return json.load(f)
+        if measured is None or "pmean" not in measured["methods"]:
+            raise ClusterError(failure)
+        # Host 0 wrote the results after every method: keep the rows it measured.
+        kept = ", ".join(measured["methods"])
+        print(
+            f"jaxcomp netbench: {failure}\nkept the rows measured before: {kept}", file=sys.stderr
+        )
+        measured["incomplete"] = f"exit codes {codes}"
+    return measured
+
+
+def _measured(path):
+    """The results host 0 wrote (after every method), or None when it wrote none."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
