@@ -8,7 +8,9 @@ For every model, number of hosts and link rate it builds a
 :class:`jaxcomp.distributed.cluster.Cluster` (one ``jax.distributed`` process with one CPU device
 per host, gloo over ``tbf``-shaped veth links) and runs, in one job, a flax model trained by
 :func:`jaxcomp.data_parallel` with each method: a plain ``lax.pmean`` of the gradients (no jaxcomp,
-the baseline users compare with), ``compress("dense")`` at both granularities, every compressed
+the baseline users compare with), the same of one vector of them (``pmean_flat``: XLA:CPU runs a
+``pmean`` of many leaves as one collective per leaf), ``compress("dense")`` at both
+granularities, every compressed
 method and ``"auto"``. The model is a :mod:`jaxcomp.training.zoo` model named by ``--model``
 (several: a cell each), or else an MLP of 6 square dense layers of ``--params`` float32 parameters.
 Per method it reports the median step time after warm-up, the compute-only step (the same model's
