@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import all_reduced_arrays
 
 import jaxcomp
 from jaxcomp.collectives import small
@@ -245,12 +246,6 @@ def _many_leaves_loss(params, x):
     return jnp.mean(x**2)
 
 
-def _all_reduced_arrays(hlo: str) -> int:
-    """How many arrays the compiled step's all-reduces carry (XLA:CPU runs one collective each)."""
-    calls = re.findall(r" all-reduce(?:-start)?\(([^)]*)\)", hlo)
-    return sum(len(re.findall(r"%[\w.\-]+", operands)) for operands in calls)
-
-
 @pytest.mark.parametrize("granularity", ["model", "leaf"])
 def test_dense_sums_many_small_leaves_as_one_vector(granularity):
     """XLA merges per-leaf all-reduces into one instruction, but XLA:CPU runs that as one
@@ -261,7 +256,7 @@ def test_dense_sums_many_small_leaves_as_one_vector(granularity):
     dp = jaxcomp.data_parallel(_many_leaves_loss, tx, mesh)
     state = dp.init(_many_leaves())
     batch = dp.shard_batch(np.ones((4, 8), np.float32))
-    arrays = _all_reduced_arrays(dp.step.lower(state, batch).compile().as_text())
+    arrays = all_reduced_arrays(dp.step.lower(state, batch).compile().as_text())
     assert (arrays <= 4) if granularity == "model" else (arrays >= 48), arrays
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 
 import jax
 import numpy as np
@@ -43,6 +44,13 @@ def count_compilations():
         finally:
             logger.removeHandler(handler)
             logger.setLevel(old_level)
+
+
+def all_reduced_arrays(hlo: str) -> int:
+    """How many arrays a compiled program's all-reduces carry, from its HLO text (XLA:CPU runs a
+    tuple all-reduce as one collective per operand, so this counts collectives)."""
+    calls = re.findall(r" all-reduce(?:-start)?\(([^)]*)\)", hlo)
+    return sum(len(re.findall(r"%[\w.\-]+", call)) for call in calls)
 
 
 def assert_trees_equal(a, b):

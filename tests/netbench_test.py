@@ -140,9 +140,8 @@ def test_a_job_that_times_out_keeps_the_rows_it_measured(monkeypatch, capsys, tm
 def test_the_flat_pmean_baseline_sums_one_vector():
     """``pmean_flat``: the plain baseline's sum as one vector (XLA:CPU runs ``pmean``'s merged
     all-reduce as one collective per leaf); the same training, one gradient array all-reduced."""
-    import re
-
     import jax
+    from helpers import all_reduced_arrays
 
     rng = np.random.default_rng(0)
     params = {f"w{i:02d}": rng.standard_normal((8, 8), dtype=np.float32) / 3 for i in range(40)}
@@ -159,11 +158,10 @@ def test_the_flat_pmean_baseline_sums_one_vector():
         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
     )
     steps = [netbench_worker._plain_pmean_step(loss_fn, mesh, flat=f) for f in (False, True)]
-    arrays = []
-    for step in steps:
-        hlo = step._step.lower(*step.init(params), batch).compile().as_text()
-        calls = re.findall(r" all-reduce(?:-start)?\(([^)]*)\)", hlo)
-        arrays.append(sum(len(re.findall(r"%[\w.\-]+", c)) for c in calls))
+    arrays = [
+        all_reduced_arrays(step._step.lower(*step.init(params), batch).compile().as_text())
+        for step in steps
+    ]
     assert arrays[0] >= 40 and arrays[1] <= 2, arrays
     assert netbench.METHODS["pmean_flat"] == (None, {"flat": True}, None)
     (a, _), (b, _) = (s.step(s.init(params), batch) for s in steps)

@@ -9,16 +9,16 @@ For every model, number of hosts and link rate it builds a
 per host, gloo over ``tbf``-shaped veth links) and runs, in one job, a flax model trained by
 :func:`jaxcomp.data_parallel` with each method: a plain ``lax.pmean`` of the gradients (no jaxcomp,
 the baseline users compare with), the same of one vector of them (``pmean_flat``: XLA:CPU runs a
-``pmean`` of many leaves as one collective per leaf), ``compress("dense")`` at both
-granularities, every compressed
-method and ``"auto"``. The model is a :mod:`jaxcomp.training.zoo` model named by ``--model``
-(several: a cell each), or else an MLP of 6 square dense layers of ``--params`` float32 parameters.
-Per method it reports the median step time after warm-up, the compute-only step (the same model's
-gradient and Adam update with no communication, run by every host at once, since the emulated hosts
-share this machine's cores), sync time = step - compute, the bytes the host's ``eth0`` really
-carried per step (the link's counters) beside jaxcomp's ``bytes_sent``, the cost model's predicted
-sync time on the network probed in the job, paper 002's prediction of the step (what
-``jaxcomp advise`` says), the speedup against the plain ``pmean`` step, and what ``"auto"`` picked.
+``pmean`` of many leaves as one collective per leaf), ``compress("dense")`` at both granularities,
+every compressed method and ``"auto"``. The model is a :mod:`jaxcomp.training.zoo` model named by
+``--model`` (several: a cell each), or else an MLP of 6 square dense layers of ``--params`` float32
+parameters. Per method it reports the median step time after warm-up, the compute-only step (the
+same model's gradient and Adam update with no communication, run by every host at once, since the
+emulated hosts share this machine's cores), sync time = step - compute, the bytes the host's
+``eth0`` really carried per step (the link's counters) beside jaxcomp's ``bytes_sent``, the cost
+model's predicted sync time on the network probed in the job, paper 002's prediction of the step
+(what ``jaxcomp advise`` says), the speedup against the plain ``pmean`` step, and what ``"auto"``
+picked.
 
 This module runs the benchmark (:func:`run_benchmark`: the clusters, one job per cell); the half
 that runs inside each emulated host is :mod:`jaxcomp.distributed.netbench_worker`, and the command

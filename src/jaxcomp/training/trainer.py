@@ -433,10 +433,10 @@ def data_parallel(
         ``[N, m]``; :meth:`DataParallel.params` gathers them) and all-gathered for each step's
         forward pass (the small leaves in one all-gather, each large one alone). The method must
         have a reduce-scatter form (:attr:`jaxcomp.Method.scatters`: Dense, Cast, Zfp ring,
-        Quantized, TopK allgather/ar); the
-        error-feedback residual stays per device and whole. The rest of ``tx`` sees 1-D shards:
-        elementwise optimizers (sgd, adam, adamw, lion, ...) are exact; a transformation that
-        reduces over a whole leaf or tree (e.g. ``clip_by_global_norm``) would see one shard only.
+        Quantized, TopK allgather/ar); the error-feedback residual stays per device and whole.
+        The rest of ``tx`` sees 1-D shards: elementwise optimizers (sgd, adam, adamw, lion, ...)
+        are exact; a transformation that reduces over a whole leaf or tree (e.g.
+        ``clip_by_global_norm``) would see one shard only.
       gather_dtype: with ``shard="params"``, the dtype the params travel in when gathered for the
         forward pass, e.g. ``jnp.bfloat16`` (ZeRO++'s quantized weights: half the bytes; the
         forward and backward passes see the rounded params, the exact ones stay in the owner's
