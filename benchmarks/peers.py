@@ -966,6 +966,7 @@ def jaxcomp_cell(config: Config, model: str, hosts: int, rate: str, log_path: st
         "sync",
         "wire_tx",
         "speedup",
+        "speedup_plain",
         "bytes_sent",
         "ran",
         "times",

@@ -109,6 +109,37 @@ class _TimedOutCluster:
         return [124, 124]
 
 
+class _Bar:
+    def set_description(self, text):
+        self.text = text
+
+
+@pytest.mark.parametrize(
+    "steps, plain",
+    [
+        ({"pmean": 2.0, "pmean_flat": 0.5, "ar_topk": 0.25}, 0.5),  # many small leaves
+        ({"pmean": 2.0, "pmean_flat": 6.0, "ar_topk": 0.25}, 2.0),  # ravel_pytree's slow concat
+        ({"pmean": 2.0, "ar_topk": 0.25}, 2.0),  # pmean_flat not asked for
+    ],
+)
+def test_speedups_against_pmean_and_the_faster_plain_step(monkeypatch, steps, plain):
+    """Neither plain step is fast on every model under XLA:CPU: each row is also compared with the
+    faster of the two, and the table shows both."""
+    measured = {name: {"step": step, "sync": step / 2} for name, step in steps.items()}
+    result = {"params": 10, "compute": 0.1, "probe": None, "methods": measured}
+    monkeypatch.setattr(netbench, "_run_cell", lambda *args: result)
+    options = dict(params=10, steps=1, warmup=0, batch=2, layers=2)
+    rows = netbench._cell_rows(None, 2, "1gbit", tuple(steps), options, _Bar(), 1, None, {})
+    by = {r["method"]: r for r in rows}
+    assert by["ar_topk"]["speedup"] == pytest.approx(2.0 / 0.25)
+    assert by["ar_topk"]["speedup_plain"] == pytest.approx(plain / 0.25)
+    assert by["pmean"]["speedup_plain"] == pytest.approx(plain / 2.0)
+    for r in rows:
+        r.update(predicted_sync=None, wire_tx=1e6, ran=r["method"])
+    line = [x for x in netbench_cli.table(rows).splitlines() if "| ar_topk |" in x][0]
+    assert f"| {2.0 / 0.25:.2f}x | {plain / 0.25:.2f}x |" in line
+
+
 def test_a_job_that_times_out_keeps_the_rows_it_measured(monkeypatch, capsys, tmp_path):
     from jaxcomp.distributed import cluster
 

@@ -49,7 +49,9 @@ def table(rows) -> str:
       rows: the rows :func:`run_benchmark` returns.
 
     Returns:
-      A markdown table, one line per row; rows without a ``"model"`` (older results) show ``-``.
+      A markdown table, one line per row; rows without a ``"model"`` or a ``"speedup_plain"``
+      (older results) show ``-`` there. "speedup vs faster plain" is against the faster of
+      ``pmean`` and ``pmean_flat`` in the row's job (each is slow on some models under XLA:CPU).
 
     Example:
       >>> table([]).splitlines()[0].split(" | ")[:4]
@@ -61,8 +63,8 @@ def table(rows) -> str:
     """
     header = (
         "model | hosts | rate | method | step s | compute s | sync s | predicted sync s | advise "
-        "step s | wire MB/step/host | bytes_sent MB | sync: dense / this | speedup vs pmean | ran "
-        "| state MB/host | peak RSS MB/host"
+        "step s | wire MB/step/host | bytes_sent MB | sync: dense / this | speedup vs pmean | "
+        "speedup vs faster plain | ran | state MB/host | peak RSS MB/host"
     ).split(" | ")
     dense_sync = {
         (r.get("model"), r["hosts"], r["rate"]): r["sync"]
@@ -70,7 +72,7 @@ def table(rows) -> str:
         if r["method"] == Dense().label
     }
     return _report.format_table(
-        header, [_table_cells(r, dense_sync) for r in rows], align="lrllrrrrrrrrrlrr"
+        header, [_table_cells(r, dense_sync) for r in rows], align="lrllrrrrrrrrrrlrr"
     )
 
 
@@ -92,6 +94,7 @@ def _table_cells(r, dense_sync) -> list[str]:
         _mb(r.get("bytes_sent")),
         ratio,
         f"{r['speedup']:.2f}x",
+        "-" if r.get("speedup_plain") is None else f"{r['speedup_plain']:.2f}x",
         r["ran"],
         _mb(r.get("state_bytes")),
         _mb(r.get("peak_rss")),
