@@ -82,3 +82,58 @@ def test_a_refused_setting_is_reported(monkeypatch):
     monkeypatch.setattr(allocator, "_mallopt", lambda: lambda code, value: 0)
     with pytest.warns(RuntimeWarning, match="mallopt refused M_MMAP_MAX"):
         assert allocator.tune_host_allocator() is False
+
+
+# Holds 256 MB in 8 MB blocks with a small block above them, frees the large ones (the small one
+# keeps the heap's top, so glibc cannot trim it) and reports the resident memory at each stage.
+HELD = """
+import ctypes, json, sys
+from jaxcomp.ops import allocator
+
+def resident_mb():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) // 1024 for l in f if l.startswith("VmRSS:"))
+
+if sys.argv[1] == "tune":
+    allocator.tune_host_allocator()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+blocks = [libc.malloc(8 << 20) for _ in range(32)]
+for block in blocks:
+    ctypes.memset(block, 1, 8 << 20)
+pin = libc.malloc(1024)
+held = resident_mb()
+for block in blocks:
+    libc.free(block)
+freed = resident_mb()
+released = allocator.release_host_memory()
+print(json.dumps({"held": held, "freed": freed, "released": released, "after": resident_mb()}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_release_host_memory_returns_what_the_tuned_heap_keeps():
+    import json
+
+    run = subprocess.run(
+        [sys.executable, "-c", HELD, "tune"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+    )
+    mb = json.loads(run.stdout)
+    assert mb["freed"] > mb["held"] - 32, mb  # tuned: the freed 256 MB stay resident
+    assert mb["released"] is True
+    assert mb["after"] < mb["freed"] - 200, mb  # and the call gives them back
+
+
+def test_release_host_memory_without_malloc_trim_changes_nothing(monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(allocator, "_malloc_trim", lambda: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert allocator.release_host_memory() is False

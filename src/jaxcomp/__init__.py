@@ -77,6 +77,7 @@ _EXPORTS = {
     "diloco": "jaxcomp.training.diloco",
     "sharded_updates": "jaxcomp.optim.sharding",
     "tune_host_allocator": "jaxcomp.ops.allocator",
+    "release_host_memory": "jaxcomp.ops.allocator",
     "probe_network": "jaxcomp.costmodel.probe",
     "Network": "jaxcomp.costmodel.cost",
 }

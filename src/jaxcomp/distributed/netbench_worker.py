@@ -320,9 +320,12 @@ def run_job(spec: Spec) -> None:
         entry = _run_method(job, label, position, network, compute_first)
         results["methods"][label] = entry
         _report(job, results, label, entry, compute_first)
-        # Free this method's state and executables before the next (25M params: ~1 GB each).
+        # Free this method's state and executables before the next (25M params: ~1 GB each), and
+        # give the freed heap back: glibc (and the tuned allocator above all) keeps it, and a
+        # host running method after method grew until the kernel killed it for memory.
         jax.clear_caches()
         gc.collect()
+        allocator.release_host_memory()
     _finish(results, compute_first, timer.measure("compute again"))
     if jax.process_index() == 0:
         with open(spec.out, "w") as f:

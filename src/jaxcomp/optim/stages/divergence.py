@@ -391,7 +391,12 @@ def trigger_probe(before, after):
       after: its output :class:`jaxcomp.CompressState`.
 
     Returns:
-      ``(scalars, description, falls_back)``, or None.
+      None, or ``(scalars, description, falls_back)``: ``scalars`` is ``(step, fallbacks
+      before, fallbacks after, the running mean square, steps the response lasts)`` as device
+      arrays (read only by :func:`tell_trigger`, after the step), ``description`` the lossy
+      methods' names joined by ``/`` (what the warning names), ``falls_back`` whether the
+      response aggregates densely (else the guardrail only rests; the residual is cleared
+      either way).
 
     Example:
       >>> import jax.numpy as jnp, jaxcomp
