@@ -34,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 
 from jaxcomp.costmodel.cost import parse_bandwidth
@@ -492,14 +493,18 @@ class Cluster:
         ]
 
 
-def read_interface_counters(interface: str = INTERFACE) -> tuple[int, int]:
+def read_interface_counters(interface: str = INTERFACE, *, settle: float = 0.0) -> tuple[int, int]:
     """``(tx_bytes, rx_bytes)`` of ``interface`` in this process's network namespace (Linux sysfs).
 
     A process inside an emulated host reads its own link this way, e.g. around the steps of one
-    method.
+    method. A collective can finish on this host while its own last sends still wait in the
+    link's ``tbf`` queue (an all-gather is done once the peers' data arrived): read with
+    ``settle`` after the steps, so that the bytes sent have stopped moving and count them.
 
     Args:
       interface: the interface's name (default ``eth0``, an emulated host's link).
+      settle: seconds to wait at most for two reads 20 ms apart to agree on the bytes sent
+        (default 0: one read). The bytes received are the peers' sends and may still move.
 
     Returns:
       Bytes sent and received since the interface came up, link-layer headers included.
@@ -507,10 +512,28 @@ def read_interface_counters(interface: str = INTERFACE) -> tuple[int, int]:
     Example:
       >>> read_interface_counters("lo")[0] >= 0
       True
+      >>> tx, rx = read_interface_counters("lo", settle=0.5)
 
     References:
       Linux ``/sys/class/net/<interface>/statistics`` (what ``ip -s link`` prints).
     """
+    counters = _interface_counters(interface)
+    deadline = time.monotonic() + settle
+    while time.monotonic() < deadline:
+        time.sleep(_SETTLE_POLL)
+        again = _interface_counters(interface)
+        settled = again[0] == counters[0]
+        counters = again
+        if settled:
+            break
+    return counters
+
+
+#: Seconds between two reads of :func:`read_interface_counters` with ``settle``.
+_SETTLE_POLL = 0.02
+
+
+def _interface_counters(interface: str) -> tuple[int, int]:
     base = f"/sys/class/net/{interface}/statistics"
     try:
         with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:

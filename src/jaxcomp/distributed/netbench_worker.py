@@ -175,6 +175,10 @@ def _build_step(job: _Job, method, options, shard):
     return dp, state, time.perf_counter() - init_start
 
 
+#: Seconds a host waits at most for its link's counters to stop moving around a method's steps.
+_SETTLE = 2.0
+
+
 def _median_step(job: _Job, run, state, extra_warmup):
     """Runs warm-up then timed steps; ``(state, median seconds, every timed step's seconds)``."""
     import jax
@@ -208,9 +212,10 @@ def _timed_run(job: _Job, label, position, step, state, compute_first):
     multihost_utils.sync_global_devices(label)
     # The first method also pays for gloo's connections and TCP's ramp-up: two more warm-up steps.
     extra = 2 if position == 0 else 0
-    before = read_interface_counters(INTERFACE)
+    # Settled: the previous sends (the sync's, the last step's) have left the tbf queue.
+    before = read_interface_counters(INTERFACE, settle=_SETTLE)
     state, median, times = _median_step(job, run, state, extra)
-    after = read_interface_counters(INTERFACE)
+    after = read_interface_counters(INTERFACE, settle=_SETTLE)
     steps_counted = job.spec.warmup + extra + job.spec.steps
     entry = {
         "step": median,
