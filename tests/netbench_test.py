@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from jaxcomp.cli import _report
 from jaxcomp.cli import netbench as netbench_cli
 from jaxcomp.distributed import netbench, netbench_worker
 
@@ -109,11 +110,6 @@ class _TimedOutCluster:
         return [124, 124]
 
 
-class _Bar:
-    def set_description(self, text):
-        self.text = text
-
-
 @pytest.mark.parametrize(
     "steps, plain",
     [
@@ -129,7 +125,8 @@ def test_speedups_against_pmean_and_the_faster_plain_step(monkeypatch, steps, pl
     result = {"params": 10, "compute": 0.1, "probe": None, "methods": measured}
     monkeypatch.setattr(netbench, "_run_cell", lambda *args: result)
     options = dict(params=10, steps=1, warmup=0, batch=2, layers=2)
-    rows = netbench._cell_rows(None, 2, "1gbit", tuple(steps), options, _Bar(), 1, None, {})
+    bar = _report.progress_bar(total=1, enabled=False)
+    rows = netbench._cell_rows(None, 2, "1gbit", tuple(steps), options, bar, 1, None, {})
     by = {r["method"]: r for r in rows}
     assert by["ar_topk"]["speedup"] == pytest.approx(2.0 / 0.25)
     assert by["ar_topk"]["speedup_plain"] == pytest.approx(plain / 0.25)

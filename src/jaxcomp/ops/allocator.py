@@ -167,8 +167,8 @@ def release_host_memory() -> bool:
       has no ``malloc_trim`` (not glibc: nothing changes, and no warning).
 
     Example:
-      >>> import gc, jax, jaxcomp
-      >>> jax.clear_caches(); _ = gc.collect()
+      >>> import jaxcomp
+      >>> # after `del state; jax.clear_caches(); gc.collect()` of a finished run:
       >>> jaxcomp.release_host_memory() in (True, False)
       True
 
