@@ -246,3 +246,93 @@ def test_powersgd_is_a_compress_auto_candidate():
 def test_bad_arguments_are_named(build, match):
     with pytest.raises((ValueError, TypeError), match=match):
         build()
+
+
+# Leaves in the order of a model that interleaves matrices and small leaves: a run of two
+# leaves sent as they are, a leaf without values, a matrix left dense by its size.
+PIECE_SHAPES = ((5,), (2, 3), (24, 16), (0, 4), (16,), (30, 20), (3, 4))
+
+
+def test_pieces_are_the_joined_vectors_bit_for_bit():
+    """aggregate(pieces=True) returns the same total and sent, cut as piece_sizes says: each
+    compressed matrix, and each run of leaves sent as they are."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxcomp.ops.pieces import Pieces
+
+    method = PowerSGD(2)
+    assert method.piece_sizes(PIECE_SHAPES) == [11, 384, 16, 600, 12]
+    n = sum(int(np.prod(s)) for s in PIECE_SHAPES)
+    state = method.init_state(PIECE_SHAPES)
+
+    def f(v):
+        run = lambda pieces: method.aggregate(  # noqa: E731
+            v,
+            "data",
+            step=0,
+            key=jax.random.key(0),
+            state=state,
+            shapes=PIECE_SHAPES,
+            pieces=pieces,
+        )
+        (total, sent, q), (t, s, q2) = run(False), run(True)
+        assert isinstance(t, Pieces) and isinstance(s, Pieces)
+        assert t.sizes == s.sizes == method.piece_sizes(PIECE_SHAPES)
+        return total, sent, t.joined(), s.joined(), q, q2
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(n * N_DEVICES), jnp.float32)
+    total, sent, total2, sent2, q, q2 = jax.jit(
+        jax.shard_map(
+            f,
+            mesh=_mesh(),
+            in_specs=P("data"),
+            out_specs=(P(), P("data"), P(), P("data"), P(), P()),
+        )
+    )(x)
+    for a, b in ((total, total2), (sent, sent2), (q, q2)):
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+@pytest.mark.parametrize("warmup", [0, 1], ids=["guardrail's switch", "warm-up and guardrail"])
+@pytest.mark.parametrize("guardrail", [True, False])
+def test_updates_in_pieces_are_the_joined_updates_bit_for_bit(monkeypatch, warmup, guardrail):
+    """compress's update with the totals in pieces (default) equals the joined vectors' update,
+    with and without the dense branch of a lax.switch (the guardrail's fallback, the warm-up)."""
+
+    def three_steps():
+        tx = optax.chain(
+            jaxcomp.compress(PowerSGD(2), warmup_steps=warmup, guardrail=guardrail),
+            optax.sgd(0.5),
+        )
+        dp = jaxcomp.data_parallel(_loss, tx, _mesh())
+        state = dp.init({name: jnp.zeros(shape) for name, shape in SHAPES.items()})
+        rng = np.random.default_rng(4)
+        for _ in range(3):
+            state, _ = dp.step(state, _batch(rng))
+        cs = jaxcomp.find_compress_state(state.opt_state)
+        exact = (state.params, cs.residual, cs.method_state, cs.step)
+        return jax.tree.map(np.asarray, exact), jax.tree.map(np.asarray, cs.metrics)
+
+    in_pieces, metrics = three_steps()
+    monkeypatch.setattr(PowerSGD, "pieces", False)
+    joined, joined_metrics = three_steps()
+    for a, b in zip(jax.tree.leaves(in_pieces), jax.tree.leaves(joined)):
+        np.testing.assert_array_equal(a, b)
+    # The gain's energies are summed part by part: the same to float32 rounding.
+    for a, b in zip(jax.tree.leaves(metrics), jax.tree.leaves(joined_metrics)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("pieces", [True, False], ids=["in pieces", "joined (the check sees it)"])
+def test_the_update_joins_no_vector_of_the_gradients_size(monkeypatch, pieces):
+    """No concatenate in the compiled update writes as many values as the gradients hold: the
+    totals and contributions go to the leaves in pieces (the error-fed vector is one native
+    pass). Joined, as before, the update writes two such vectors."""
+    from flat_test import MLP8_SHAPES, _compiled_update
+
+    monkeypatch.setattr(PowerSGD, "pieces", pieces)
+    hlo = _compiled_update("powersgd", {"rank": 2}, MLP8_SHAPES)
+    n = sum(int(np.prod(s)) for s in MLP8_SHAPES)
+    joined = [line for line in hlo.splitlines() if f"f32[{n}]{{0}} concatenate(" in line]
+    assert len(joined) == (0 if pieces else 2), f"{len(joined)} concatenates of the gradient"

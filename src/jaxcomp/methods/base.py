@@ -69,6 +69,11 @@ class Method:
       subtracting a dense vector. Asked so, it may also return ``total`` as a
       :class:`jaxcomp.ops.scatter.SparseTotal` (the summed pairs), which the update writes
       straight into the leaves (top-k and random-k do).
+    * ``pieces = False``: :meth:`aggregate` takes ``pieces=True`` (passed only to such a method),
+      and then may return ``total`` and ``sent`` as :class:`jaxcomp.ops.pieces.Pieces`, never
+      joined into one vector, cut as its ``piece_sizes(shapes)`` says (each part whole leaves of
+      ``shapes=``): each part becomes its leaves' updates and residuals without a pass that
+      joins and one that splits (PowerSGD's ``P Q^T`` per matrix does).
     * ``replicated_total = True``: ``total`` comes out typed replicated (invariant) inside
       ``shard_map``; :func:`jaxcomp.compress_auto` needs this of every candidate, since its
       branches must agree.
@@ -122,6 +127,7 @@ class Method:
     axes_needed: ClassVar[int | None] = None
     sends_everything: ClassVar[bool] = False
     sparse: ClassVar[bool] = False
+    pieces: ClassVar[bool] = False
     replicated_total: ClassVar[bool] = True
     codec_skipped_on_one_device: ClassVar[bool] = False
     shorthand: ClassVar[dict[str, dict[str, Any]]] = {}

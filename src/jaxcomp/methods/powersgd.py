@@ -121,6 +121,7 @@ class PowerSGD(Method):
 
     name = "powersgd"
     shorthand = {"powersgd": {}}
+    pieces = True  # totals and contributions made per matrix: handed over per leaf
 
     def __post_init__(self):
         object.__setattr__(self, "rank", _checks.static_int(self.rank, "rank", 1, 1 << 16))
@@ -208,14 +209,16 @@ class PowerSGD(Method):
             for key, (_, cols) in zip(keys, matrices)
         )
 
-    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None, shapes=None):
+    def aggregate(
+        self, x, axis_name, *, step, key, sparse=False, state=None, shapes=None, pieces=False
+    ):
         """The two all-reduces of one power iteration, warm-started from ``state`` (one ``Q`` per
         compressed leaf, from :meth:`init_state` for these ``shapes`` or the previous step):
-        ``(total, sent, new_state)``, the new state being this step's summed ``Q``."""
-        import jax.numpy as jnp
-
-        from jaxcomp import collectives
+        ``(total, sent, new_state)``, the new state being this step's summed ``Q``. With
+        ``pieces``, ``total`` and ``sent`` are :class:`jaxcomp.ops.pieces.Pieces` cut as
+        :meth:`piece_sizes` says, never joined into a vector."""
         from jaxcomp.ops import flat
+        from jaxcomp.ops.pieces import Pieces
 
         if state is None:
             raise ValueError(
@@ -223,50 +226,76 @@ class PowerSGD(Method):
                 "state the previous step returned), as jaxcomp.compress does"
             )
         shapes = self._shapes(x.shape[0], shapes)
-        pieces, offset = [], 0
-        for shape in shapes:
-            size = math.prod(shape)
-            pieces.append(x[offset : offset + size].astype(jnp.float32))
-            offset += size
-        compressed = [i for i, s in enumerate(shapes) if self.compresses(s)]
-        dense = [i for i, s in enumerate(shapes) if not self.compresses(s)]
-        mats = {i: pieces[i].reshape(matrix_view(shapes[i])) for i in compressed}
-        qs = dict(zip(compressed, state))
+        totals, sents, q_total = self._power_iteration(x, shapes, state, axis_name)
+        totals = [t.astype(x.dtype) for t in totals]
+        sents = [s.astype(x.dtype) for s in sents]
+        if pieces:
+            return Pieces(totals), Pieces(sents), q_total
+        return flat.concat(totals), flat.concat(sents), q_total
 
-        # All-reduce 1: every P, and the leaves sent as they are.
-        ps = [mats[i] @ qs[i] for i in compressed]
-        first, _ = collectives.psum(
-            jnp.concatenate([p.ravel() for p in ps] + [pieces[i] for i in dense]), axis_name
-        )
-        p_hat, offset = {}, 0
-        for i, p in zip(compressed, ps):
-            p_hat[i] = orthogonalize(first[offset : offset + p.size].reshape(p.shape))
-            offset += p.size
-        dense_total = {}
-        for i in dense:
-            dense_total[i] = first[offset : offset + pieces[i].size]
-            offset += pieces[i].size
-        # All-reduce 2: every Q = M^T P.
-        local_q = {i: mats[i].T @ p_hat[i] for i in compressed}
-        second, _ = collectives.psum(
-            jnp.concatenate([local_q[i].ravel() for i in compressed]), axis_name
-        )
-        q_total, offset = {}, 0
-        for i in compressed:
-            q_total[i] = second[offset : offset + local_q[i].size].reshape(local_q[i].shape)
-            offset += local_q[i].size
+    def piece_sizes(self, shapes) -> list[int]:
+        """The parts :meth:`aggregate` returns with ``pieces=True``, in values: each compressed
+        matrix, and each run of consecutive leaves sent as they are.
 
-        totals, sents = [], []
-        for i, piece in enumerate(pieces):
-            if i in dense_total:
-                totals.append(dense_total[i])
-                sents.append(piece)
+        Args:
+          shapes: the leaves' shapes, in order.
+
+        Returns:
+          Values per part, in order (they add up to the leaves').
+
+        Example:
+          >>> PowerSGD(rank=1).piece_sizes([(3,), (4,), (8, 8), (2,)])
+          [7, 64, 2]
+        """
+        return [sum(math.prod(shapes[i]) for i in run) for _, run in self._runs(shapes)]
+
+    def _runs(self, shapes):
+        """``(compressed, leaf indices)`` per part: one compressed leaf, or a run of consecutive
+        leaves sent as they are."""
+        runs = []
+        for i, shape in enumerate(shapes):
+            compressed = self.compresses(shape)
+            if compressed or not runs or runs[-1][0]:
+                runs.append((compressed, [i]))
             else:
-                totals.append((p_hat[i] @ q_total[i].T).ravel())
-                sents.append((p_hat[i] @ local_q[i].T).ravel())
-        total = flat.concat(totals).astype(x.dtype)
-        sent = flat.concat(sents).astype(x.dtype)
-        return total, sent, tuple(q_total[i] for i in compressed)
+                runs[-1][1].append(i)
+        return runs
+
+    def _power_iteration(self, x, shapes, state, axis_name):
+        """Per part (:meth:`piece_sizes`) its total and this device's contribution (flat,
+        float32), and the new ``Q`` s: one warm-started power iteration over the compressed
+        leaves, the other leaves summed as they are in the first all-reduce."""
+        import jax.numpy as jnp
+
+        from jaxcomp import collectives
+
+        runs = self._runs(shapes)
+        parts = _cut(x.astype(jnp.float32), self.piece_sizes(shapes))
+        mats = [p.reshape(matrix_view(shapes[r[0]])) for (c, r), p in zip(runs, parts) if c]
+        plain = [p for (c, _), p in zip(runs, parts) if not c]
+        # All-reduce 1: every P = M Q, and the leaves sent as they are.
+        ps = [m @ q for m, q in zip(mats, state)]
+        first, _ = collectives.psum(jnp.concatenate([p.ravel() for p in ps] + plain), axis_name)
+        summed = _cut(first, [p.size for p in ps] + [p.size for p in plain])
+        p_hat = [orthogonalize(t.reshape(p.shape)) for t, p in zip(summed, ps)]
+        # All-reduce 2: every Q = M^T P.
+        local_q = [m.T @ p for m, p in zip(mats, p_hat)]
+        second, _ = collectives.psum(jnp.concatenate([q.ravel() for q in local_q]), axis_name)
+        q_total = [
+            t.reshape(q.shape) for t, q in zip(_cut(second, [q.size for q in local_q]), local_q)
+        ]
+        products = iter(zip(p_hat, q_total, local_q))
+        plain_totals = iter(summed[len(ps) :])
+        totals, sents = [], []
+        for (compressed, _), part in zip(runs, parts):
+            if compressed:
+                p, q, mine = next(products)
+                totals.append((p @ q.T).ravel())
+                sents.append((p @ mine.T).ravel())
+            else:
+                totals.append(next(plain_totals))
+                sents.append(part)
+        return totals, sents, tuple(q_total)
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None, shapes=None):
         """Two all-reduces of float32: every ``P`` (``rows x r``) with the leaves sent as they are,
@@ -297,3 +326,12 @@ class PowerSGD(Method):
             return (p @ (m.T @ p).T).ravel()
 
         return codec
+
+
+def _cut(vector, sizes):
+    """``vector``'s consecutive slices of ``sizes`` values."""
+    out, offset = [], 0
+    for size in sizes:
+        out.append(vector[offset : offset + size])
+        offset += size
+    return out

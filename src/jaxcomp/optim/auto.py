@@ -372,6 +372,7 @@ def _aggregation(
             jax.random.fold_in(state.key, state.step),
             False,
             state.method_state,
+            pieces=True,
         )
         result = Aggregation(
             totals,

@@ -258,7 +258,15 @@ def _aggregation(
             branches, groups, state.step, warmup, fallback
         )
         totals, sents, method_state, vectors = run_branch(
-            branches, branch, groups, config.axis_name, state.step, key, sparse, state.method_state
+            branches,
+            branch,
+            groups,
+            config.axis_name,
+            state.step,
+            key,
+            sparse,
+            state.method_state,
+            pieces=True,
         )
         return Aggregation(
             totals,

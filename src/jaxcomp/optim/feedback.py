@@ -35,7 +35,7 @@ import optax
 
 from jaxcomp import methods
 from jaxcomp.methods import Method
-from jaxcomp.ops import _ffi, flat, scatter
+from jaxcomp.ops import _ffi, flat, pieces, scatter
 from jaxcomp.optim import packing, readiness, sharding
 from jaxcomp.optim.config import FeedbackConfig
 from jaxcomp.optim.stages import divergence, error_feedback, guard, mask, metrics, momentum
@@ -383,14 +383,18 @@ def _sum_error_fed(
 
 
 def _dense(totals) -> list:
-    """The totals as dense vectors (a sparse total built only where something reads every
-    entry: the rare step whose energies allow an overflow)."""
-    return [t.dense() if isinstance(t, scatter.SparseTotal) else t for t in totals]
+    """The totals as dense vectors, each part of :class:`~jaxcomp.ops.pieces.Pieces` on its own
+    (a sparse total built only where something reads every entry: the rare step whose energies
+    allow an overflow)."""
+    parts = [p for t in totals for p in (t.parts if isinstance(t, pieces.Pieces) else [t])]
+    return [t.dense() if isinstance(t, scatter.SparseTotal) else t for t in parts]
 
 
 def _dropped(total):
     """The total with its non-finite entries as 0 (a sparse total drops them as it is written)."""
-    return total.dropped() if isinstance(total, scatter.SparseTotal) else guard.dropped(total)
+    if isinstance(total, scatter.SparseTotal):
+        return total.dropped()
+    return pieces.each(guard.dropped, total)
 
 
 def _as_sent(vectors, result: Aggregation) -> list:
@@ -417,7 +421,7 @@ def _remainings(feds, result: Aggregation):
     if result.sends_everything:
         return [None] * len(feds)
     return [
-        guard.dropped(error_feedback.remaining(fed, sent, result.sparse))
+        pieces.each(guard.dropped, error_feedback.remaining(fed, sent, result.sparse))
         for fed, sent in zip(feds, result.sents)
     ]
 
@@ -516,7 +520,9 @@ def _either(a, b):
 def _cleared(trigger, vector):
     """``vector``, or zeros on a step that triggered the guardrail (a select that fuses into the
     vector's own update)."""
-    return vector if trigger is None else jnp.where(trigger, jnp.zeros_like(vector), vector)
+    if trigger is None:
+        return vector
+    return pieces.each(lambda v: jnp.where(trigger, jnp.zeros_like(v), v), vector)
 
 
 def _trigger(c: FeedbackConfig, done: _Aggregated, skipped, state, branches, falls_back):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp.ops import flat, scatter
+from jaxcomp.ops.pieces import Pieces
 from jaxcomp.optim import sharding
 
 
@@ -80,7 +81,8 @@ def pieces(leaves, positions, vector, shards):
     Args:
       leaves: the update's leaves.
       positions: the group's leaf positions.
-      vector: the group's per-device vector.
+      vector: the group's per-device vector, or :class:`jaxcomp.ops.pieces.Pieces` of it
+        (each part whole leaves; not sharded).
       shards: the devices sharing the shards, or None.
 
     Returns:
@@ -96,6 +98,12 @@ def pieces(leaves, positions, vector, shards):
       Tyagi & Swany, arXiv 2312.02493, Alg. 1 (each leaf's residual).
     """
     sizes = [leaves[i].size for i in positions]
+    if isinstance(vector, Pieces):  # each part whole leaves: cut each on its own
+        return [
+            piece
+            for part, at in _parts(vector, leaves, positions)
+            for piece in pieces(leaves, at, part, None)
+        ]
     if shards is not None:
         return zip(positions, sharding.from_shard_major(vector, sizes, shards))
     if vector.dtype == jnp.float32:  # one native pass on the CPU: no compiled loop per leaf
@@ -112,8 +120,9 @@ def write(out, leaves, positions, total, scale, skipped, shards=None):
       out: the update's leaves, written in place at ``positions``.
       leaves: the gradients' leaves (shapes and dtypes).
       positions: the group's leaf positions.
-      total: the group's aggregate: a dense vector, or a :class:`jaxcomp.ops.scatter.SparseTotal`
-        (written into the leaves by :func:`jaxcomp.ops.scatter.scatter_leaves`, without sharding).
+      total: the group's aggregate: a dense vector, a :class:`jaxcomp.ops.scatter.SparseTotal`
+        (written into the leaves by :func:`jaxcomp.ops.scatter.scatter_leaves`, without
+        sharding), or :class:`jaxcomp.ops.pieces.Pieces` (each part split on its own).
       scale: ``1 / devices`` for the mean, else 1.
       skipped: the step's skip flag, or None.
       shards: the devices sharing the shards, or None.
@@ -137,6 +146,10 @@ def write(out, leaves, positions, total, scale, skipped, shards=None):
         updates = scatter.scatter_leaves(
             total, [leaves[i].shape for i in positions], scale, skipped
         )
+    elif isinstance(total, Pieces):  # PowerSGD: each part into its own leaves
+        for part, at in _parts(total, leaves, positions):
+            write(out, leaves, at, part, scale, skipped)
+        return
     else:
         shapes = [
             leaves[i].shape if shards is None else (sharding.shard_length(leaves[i].size, shards),)
@@ -176,3 +189,24 @@ def keep(new, old, leaves, positions, vector, skipped, shards=None):
     for i, piece in pieces(leaves, positions, vector, shards):
         piece = piece.reshape(leaves[i].shape)
         new[i] = piece if skipped is None else jnp.where(skipped, old[i], piece)
+
+
+def _parts(vector: Pieces, leaves, positions):
+    """``(part, its leaf positions)`` of :class:`~jaxcomp.ops.pieces.Pieces` whose parts each
+    hold whole leaves of ``positions``, in order."""
+    out, at = [], 0
+    for part in vector.parts:
+        n, first = 0, at
+        # (a leaf without values goes with the part before it, or with the first)
+        while at < len(positions) and (n < part.size or leaves[positions[at]].size == 0):
+            n += leaves[positions[at]].size
+            at += 1
+        if n != part.size:
+            raise ValueError(
+                f"a part of {part.size} values does not hold whole leaves (sizes "
+                f"{[leaves[i].size for i in positions]})"
+            )
+        out.append((part, positions[first:at]))
+    if at != len(positions):
+        raise ValueError(f"the parts hold {at} of the group's {len(positions)} leaves")
+    return out

@@ -18,6 +18,8 @@ import numpy as np
 from jaxcomp.collectives import small
 from jaxcomp.methods import Method
 from jaxcomp.ops import _ffi, scatter
+from jaxcomp.ops import pieces as pieces_ops
+from jaxcomp.ops.pieces import Pieces
 
 
 class Groups(NamedTuple):
@@ -146,7 +148,14 @@ def _kept(method: Method, n: int, name: str, shaped: dict) -> int:
 
 
 def aggregate_groups(
-    method: Method, groups: Groups, axis_name, step, base_key, sparse: bool = False, states=None
+    method: Method,
+    groups: Groups,
+    axis_name,
+    step,
+    base_key,
+    sparse: bool = False,
+    states=None,
+    pieces: bool = False,
 ):
     """Runs ``method`` on each group's vector: ``(totals, sents, states, vectors)``, one per group
     (``sparse``: each ``sent`` is ``(indices, values)``). Group ``i`` draws its randomness from
@@ -162,6 +171,8 @@ def aggregate_groups(
       sparse: ask for ``(indices, values)`` sents (methods with ``sparse``).
       states: with a :attr:`~jaxcomp.methods.Method.stateful` method, its state per group (from
         :func:`init_method_state`); None otherwise.
+      pieces: a method with :attr:`~jaxcomp.methods.Method.pieces` may return a group's total
+        and sent as :class:`jaxcomp.ops.pieces.Pieces` (not when sharded).
 
     Returns:
       ``(totals, sents, states, vectors)``: one total and sent per group, the method's new states
@@ -209,6 +220,7 @@ def aggregate_groups(
                 sparse=sparse,
                 state=states[i] if method.stateful else None,
                 **_shaped(method, groups, i),
+                **({"pieces": True} if pieces and method.pieces else {}),
             )
     return totals, sents, tuple(new_states) if method.stateful else states, vectors
 
@@ -331,6 +343,7 @@ def run_branch(
     key,
     sparse: bool,
     states: tuple,
+    pieces: bool = False,
 ):
     """Runs the method ``branches[branch]`` on the groups, ``branch`` static or traced
     (``lax.switch``: every branch is compiled, one runs). Each branch updates its own entry of
@@ -345,6 +358,8 @@ def run_branch(
       key: this step's key.
       sparse: ask for ``(indices, values)`` sents (only with a static ``branch``).
       states: the methods' states, one entry per branch.
+      pieces: as for :func:`aggregate_groups`; under ``lax.switch`` the other branches' totals
+        and sents are then cut into the same parts.
 
     Returns:
       ``(totals, sents, states, vectors)`` (as :func:`aggregate_groups`; under ``lax.switch``
@@ -366,6 +381,8 @@ def run_branch(
     References:
       Tyagi & Swany, arXiv 2312.02493, §3-D (one collective chosen per step).
     """
+    switched = not isinstance(branch, int)
+    leafwise = switched and pieces and not groups.scatter and any(m.pieces for m in branches)
 
     def run(index, groups):
         def branch_fn(vectors, step, key, states):
@@ -377,7 +394,10 @@ def run_branch(
                 key,
                 sparse=sparse,
                 states=states[index],
+                pieces=pieces,
             )
+            if leafwise:  # every branch returns the same structure
+                totals, sents = (_alike(branches, v, groups.shapes) for v in (totals, sents))
             # Typed per device like the vectors: a method whose `sent` comes out typed replicated
             # (an FFI result: Sign's majority vote) must still match dense's in lax.switch.
             sents = _ffi.like_varying_operands(sents, vectors)
@@ -397,6 +417,21 @@ def run_branch(
         states,
     )
     return totals, sents, states, groups.vectors
+
+
+def _alike(branches, vectors: list, shapes: list) -> list:
+    """Per group its vector cut as the branches with :attr:`~jaxcomp.methods.Method.pieces`
+    cut theirs (``piece_sizes``), so that every branch of a ``lax.switch`` returns the same
+    structure; joined where they cut it differently."""
+    out = []
+    for vector, group in zip(vectors, shapes):
+        cuts = {tuple(m.piece_sizes(group)) for m in branches if m.pieces}
+        if len(cuts) == 1 and vector.size:
+            (sizes,) = cuts
+            out.append(vector if isinstance(vector, Pieces) else Pieces.split(vector, sizes))
+        else:
+            out.append(pieces_ops.joined(vector))
+    return out
 
 
 class Aggregation(NamedTuple):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxcomp.costmodel import ratio_choice
 from jaxcomp.ops import flat
+from jaxcomp.ops.pieces import Pieces
 
 
 def add_residual(g, residual):
@@ -63,7 +64,8 @@ def remaining(fed, sent, sparse: bool):
 
     Args:
       fed: a group's error-fed vector (float32).
-      sent: this device's contribution: dense, or ``(indices, values)``.
+      sent: this device's contribution: dense, :class:`jaxcomp.ops.pieces.Pieces` of it (the
+        residual then comes back as the same parts, never joined), or ``(indices, values)``.
       sparse: ``sent`` is ``(indices, values)``.
 
     Returns:
@@ -82,4 +84,7 @@ def remaining(fed, sent, sparse: bool):
         indices, values = sent
         # fed[i] + (-v) is fed[i] - v exactly: the same residual as fed - dense(sent).
         return fed.at[indices].add(-values.astype(jnp.float32), mode="drop", unique_indices=True)
+    if isinstance(sent, Pieces):
+        fed = Pieces.split(fed, sent.sizes)
+        return Pieces([f - s.astype(jnp.float32) for f, s in zip(fed.parts, sent.parts)])
     return fed - sent.astype(jnp.float32)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jaxcomp.collectives import small
 from jaxcomp.costmodel import ratio_choice
-from jaxcomp.ops import flat
+from jaxcomp.ops import pieces
 from jaxcomp.optim.state import CompressMetrics
 from jaxcomp.optim.vma import cond_typed_alike
 
@@ -186,7 +186,7 @@ def _energies(sents, feds, fed_energies=None):
 
 def _one_pass(values):
     """``(sum x^2, sum over finite x of (x * ENERGY_SCALE)^2, non-finite entries)``."""
-    return tuple(flat.energies(values, ratio_choice.ENERGY_SCALE))
+    return tuple(pieces.energies(values, ratio_choice.ENERGY_SCALE))
 
 
 def _total(scalars):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxcomp.methods import Method
+from jaxcomp.ops import pieces
 
 
 def check(method: Method, momentum: float | None) -> None:
@@ -83,4 +84,4 @@ def clear_sent(u, sent, sparse: bool):
     if sparse:
         indices, _ = sent
         return u.at[indices].set(0.0, mode="drop", unique_indices=True)
-    return jnp.where(sent != 0, 0.0, u)
+    return jnp.where(pieces.joined(sent) != 0, 0.0, u)
