@@ -1,10 +1,10 @@
-"""A 1-D vector held as its consecutive pieces, one per leaf, never joined.
+"""A 1-D vector held as its consecutive parts, never joined.
 
 A method whose total or contribution is made leaf by leaf (PowerSGD's ``P Q^T`` per matrix)
-would otherwise join the pieces into one vector (a pass that writes the whole gradient), and the
-update would split that vector into its leaves again (another). Handed over as :class:`Pieces`,
-each piece goes where it belongs in one fused loop: the scaled update of its leaf, or its leaf's
-residual.
+would otherwise join the parts into one vector (a pass that writes the whole gradient), and the
+update would split that vector into its leaves again (another). Handed over as :class:`Pieces`
+whose parts each hold whole leaves, each part goes where it belongs: the scaled updates of its
+leaves, or their residuals (:mod:`jaxcomp.optim.packing`).
 """
 
 from __future__ import annotations
