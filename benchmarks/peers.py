@@ -27,7 +27,8 @@ is never a dependency of jaxcomp or of its CI. The torch half of this file (``--
 inside each emulated host under that environment's Python, and imports nothing from jaxcomp.
 
 Differences that remain, said in the output too: the jaxcomp rows come from netbench as it is, which
-trains with Adam(1e-4) (the torch rows use ``--torch-optimizer``, SGD by default, as the issue asks)
+trains with Adam(1e-4) by default (``--jax-optimizer sgd``: SGD(1e-4), the optimizer work of the
+torch rows' default; the torch rows use ``--torch-optimizer``, SGD by default, as the issue asks)
 and averages its wire bytes over the warm-up and the timed steps (the torch rows: timed steps only);
 netbench does not record CPU time. PowerSGD over gloo runs with every gradient in one DDP bucket
 (``bucket_cap_mb`` above the model's size; the worker checks that each step saw one bucket). DDP
@@ -111,6 +112,7 @@ class Config:
     powersgd_rank: int = 4
     powersgd_start: int = 2
     torch_optimizer: str = "sgd"
+    jax_optimizer: str = "adam"  # netbench's --optimizer
     lr: float = 1e-3
     timeout: float = 1800
     torch_venv: str = DEFAULT_TORCH_VENV
@@ -332,6 +334,10 @@ def machine() -> dict:
     }
 
 
+#: How the header names the jaxcomp rows' optimizer (netbench's, learning rate 1e-4).
+_JAX_OPTIMIZERS = {"adam": "Adam(1e-4)", "sgd": "SGD(1e-4)"}
+
+
 def header(config: Config, info: dict, argv) -> str:
     """The lines printed above the table: the command, the machine, the set-up and what still
     differs."""
@@ -351,7 +357,8 @@ def header(config: Config, info: dict, argv) -> str:
                 f"hosts' malloc: {config.allocator}"
             ),
             (
-                f"optimizers: jaxcomp rows Adam(1e-4) (netbench), torch rows {torch_opt}; torch: 1 "
+                f"optimizers: jaxcomp rows {_JAX_OPTIMIZERS[config.jax_optimizer]} (netbench), "
+                f"torch rows {torch_opt}; torch: 1 "
                 "thread per host, CPU s/step = process CPU time per timed step (host mean); "
                 "netbench's wire bytes average warm-up and timed steps"
             ),
@@ -407,6 +414,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--torch-optimizer", default="sgd", choices=("sgd", "adam"), help="torch rows' optimizer"
+    )
+    p.add_argument(
+        "--jax-optimizer",
+        default="adam",
+        choices=("adam", "sgd"),
+        help="jaxcomp rows' optimizer, lr 1e-4 (netbench's --optimizer; default adam; sgd does "
+        "the torch rows' default optimizer work)",
     )
     p.add_argument(
         "--lr", type=float, default=1e-3, help="torch rows' learning rate (default 1e-3)"
@@ -505,6 +519,7 @@ def config_from_args(args) -> Config:
         powersgd_rank=args.powersgd_rank,
         powersgd_start=args.powersgd_start,
         torch_optimizer=args.torch_optimizer,
+        jax_optimizer=args.jax_optimizer,
         lr=args.lr,
         timeout=args.timeout,
         torch_venv=os.path.abspath(args.torch_venv),
@@ -958,6 +973,7 @@ def jaxcomp_cell(config: Config, model: str, hosts: int, rate: str, log_path: st
         progress=None,
         log=log_path,
         allocator=config.allocator,
+        optimizer=config.jax_optimizer,
         **netbench_options(model, config.params),
     )
     keep = (

@@ -214,6 +214,7 @@ def test_plot_writes_a_png(tmp_path, models):
         (["--steps", "0"], "--steps"),
         (["--plot", "/nonexistent/x.png"], "folder"),
         (["--allocator", "jemalloc"], "--allocator"),
+        (["--optimizer", "lamb"], "--optimizer"),
         (["--model", "resnet18"], "--model must be among mlp4096,"),
         (["--model", "gpt2,nope"], "--model"),
         (["--model", ","], "--model"),
@@ -234,6 +235,30 @@ def test_a_bad_allocator_is_refused_before_any_cluster():
         netbench.run_benchmark((2,), ("1gbit",), allocator="jemalloc")
 
 
+def test_a_bad_optimizer_is_refused_before_any_cluster():
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        netbench.run_benchmark((2,), ("1gbit",), optimizer="lamb")
+
+
+def test_the_workers_optimizers_are_adam_and_plain_sgd():
+    """--optimizer sgd runs the step optax.sgd(1e-4) does (plain SGD, the torch rows' default);
+    adam, optax.adam(1e-4)'s."""
+    import jax.numpy as jnp
+    import optax
+
+    from jaxcomp.distributed.netbench_worker import optimizer
+
+    g = jnp.array([2.0, -4.0])
+    for name, reference in (("sgd", optax.sgd(1e-4)), ("adam", optax.adam(1e-4))):
+        tx = optimizer(name)
+        got = tx.update(g, tx.init(g))[0]
+        assert jnp.array_equal(got, reference.update(g, reference.init(g))[0])
+    sgd = optimizer("sgd")
+    assert sgd.update(g, sgd.init(g))[0].tolist() == pytest.approx([-2e-4, 4e-4])
+    with pytest.raises(ValueError, match="optimizer must be 'adam' or 'sgd'"):
+        optimizer("lamb")
+
+
 # One job on one cluster (a cluster and its JAX start cost about 20 s): the sharded modes, the
 # allocator and the plot, and every method's bytes against the veth counters.
 SHARDED = ["dense", "ar_topk", "quantized", "dense@params", "quantized@optimizer"]
@@ -249,7 +274,7 @@ def test_one_small_cell_on_two_emulated_hosts(tmp_path, monkeypatch):
     cluster_hosts_import_this_jaxcomp(monkeypatch)
     out = tmp_path / "rows.json"
     argv = ["--hosts", "2", "--rates", "100mbit", "--params", "2e5", "--steps", "2"]
-    argv += ["--methods", ",".join(SHARDED + EVERY), "--allocator", "tuned"]
+    argv += ["--methods", ",".join(SHARDED + EVERY), "--allocator", "tuned", "--optimizer", "sgd"]
     code = netbench_cli.main([*argv, "--json", str(out), "--plot", str(tmp_path / "p.png")])
     assert code == 0
     rows = json.loads(out.read_text())
@@ -259,6 +284,7 @@ def test_one_small_cell_on_two_emulated_hosts(tmp_path, monkeypatch):
     assert by["dense@params"]["state_bytes"] < 0.6 * by["dense"]["state_bytes"]
     assert all(r["peak_rss"] > 0 for r in rows)  # each method's own peak (VmHWM reset before it)
     assert all(r["allocator"] == "tuned" for r in rows)  # --allocator reached the hosts
+    assert all(r["optimizer"] == "sgd" for r in rows)  # so did --optimizer
     # bytes_sent counts the reduce-scatter and the params' all-gather: what the link carried.
     assert by["quantized@optimizer"]["bytes_sent"] > by["quantized"]["bytes_sent"]
     for r in rows:

@@ -243,6 +243,22 @@ def test_header_names_the_command_machine_and_optimizers():
     assert "command: benchmarks/peers.py --rates 1gbit" in text
     assert f"{info['nproc']} cores" in text and "torch 2.13.0+cpu" in text
     assert "Adam(1e-4)" in text and "SGD(lr=0.001)" in text
+    text = peers.header(_config("--jax-optimizer", "sgd"), info, ["benchmarks/peers.py"])
+    assert "jaxcomp rows SGD(1e-4)" in text
+
+
+def test_the_jax_optimizer_reaches_netbench(monkeypatch):
+    """--jax-optimizer is netbench's --optimizer: every jaxcomp row of the cell runs with it."""
+    seen = {}
+
+    def fake_run(**kwargs):
+        seen.update(kwargs)
+        return []
+
+    monkeypatch.setattr(netbench, "run_benchmark", fake_run)
+    peers.jaxcomp_cell(_config("--jax-optimizer", "sgd"), "mlp4096", 4, "1gbit", "log")
+    assert seen["optimizer"] == "sgd"
+    assert _config().jax_optimizer == "adam"
 
 
 def test_missing_torch_environment_is_an_error_when_install_is_off(tmp_path):

@@ -28,6 +28,7 @@ from jaxcomp.distributed.netbench import (
     DEFAULT_PARAMS,
     DEFAULT_RATES,
     METHODS,
+    OPTIMIZERS,
     run_benchmark,
 )
 from jaxcomp.methods import Dense
@@ -234,6 +235,13 @@ def _parser() -> argparse.ArgumentParser:
         "compressed steps up to 2x faster, but each host keeps its peak heap: resnet50 on 4 "
         "hosts ran out of 24 GiB)",
     )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adam",
+        help="what every step applies after the mean, learning rate 1e-4 (default adam; sgd is "
+        "what benchmarks/peers.py's torch rows run by default)",
+    )
     parser.add_argument("--plot", default=None, help="write the speedup plot (PNG) here")
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
     parser.add_argument("--log", default=None, help="append the workers' output here")
@@ -342,6 +350,7 @@ def _run(args, hosts, rates, methods, models, cells) -> list[dict]:
             on_cell=save,
             models=models,
             allocator=args.allocator,
+            optimizer=args.optimizer,
         )
 
 

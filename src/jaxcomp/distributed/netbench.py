@@ -91,6 +91,10 @@ DEFAULT_HOSTS = (2, 4)
 DEFAULT_PARAMS = 25e6
 DEFAULT_LAYERS = 6
 DEFAULT_BATCH = 4  # rows per host: little compute, as in the issue's set-up
+#: The optimizers every step of a job can use after the gradients' mean (learning rate 1e-4):
+#: ``"adam"`` (the default) or ``"sgd"`` (plain SGD, what ``benchmarks/peers.py``'s torch rows
+#: run by default: the same per-step optimizer work on both sides).
+OPTIMIZERS = ("adam", "sgd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +110,7 @@ class Spec:
     out: str
     rate_bits: float | None  # the link rate (None: no limit), recorded with the results
     model: str | None = None  # a jaxcomp.training.zoo name; None: the MLP of `params` and `layers`
+    optimizer: str = "adam"  # one of OPTIMIZERS, after the mean in every step
 
 
 def width_for(params: float, layers: int) -> int:
@@ -146,6 +151,7 @@ def run_benchmark(
     on_cell=None,
     models=None,
     allocator="glibc",
+    optimizer="adam",
 ) -> list[dict]:
     """Runs every (model, hosts, rate) cell on an emulated cluster; returns one row per cell and
     method.
@@ -171,11 +177,13 @@ def run_benchmark(
         included; ``"tuned"`` with :data:`jaxcomp.ops.allocator.ENVIRONMENT` (large buffers on
         the heap, what :func:`jaxcomp.tune_host_allocator` does: faster, but each host keeps its
         peak heap across the methods it runs; docs/performance.md).
+      optimizer: what every step applies after the mean, one of :data:`OPTIMIZERS`: ``"adam"``
+        (default) or ``"sgd"`` (learning rate 1e-4 either way); the compute-only step too.
 
     Returns:
-      A list of dicts, one per (model, hosts, rate, method); ``"model"`` names the model and
+      A list of dicts, one per (model, hosts, rate, method); ``"model"`` names the model,
       ``"allocator"`` the allocator the hosts report they started with
-      (:func:`jaxcomp.ops.allocator.started_with`).
+      (:func:`jaxcomp.ops.allocator.started_with`) and ``"optimizer"`` the optimizer.
 
     Example:
       >>> rows = run_benchmark(  # doctest: +SKIP
@@ -190,10 +198,19 @@ def run_benchmark(
 
     check_support()
     env = allocator_module.environment(allocator)  # checks the name before any cluster is built
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     methods, models = _checked_runs(methods, models)
     bar = _checked_bar(progress)
     cells = [(m, h, r) for m in models for h in hosts for r in rates]
-    options = dict(params=float(params), steps=steps, warmup=warmup, batch=batch, layers=layers)
+    options = dict(
+        params=float(params),
+        steps=steps,
+        warmup=warmup,
+        batch=batch,
+        layers=layers,
+        optimizer=optimizer,
+    )
     rows = []
     try:
         for model, n_hosts, rate in cells:
@@ -271,6 +288,7 @@ def _cell_rows(model, n_hosts, rate, methods, options, bar, timeout, log, env) -
             "compute": result["compute"],
             "probe": result["probe"],
             "allocator": result.get("allocator"),
+            "optimizer": result.get("optimizer"),
             "speedup": base / entry["step"],
             "speedup_plain": plain / entry["step"],
             **({"incomplete": result["incomplete"]} if "incomplete" in result else {}),

@@ -74,14 +74,14 @@ def _start_job(spec: Spec) -> _Job:
 
 
 class _ComputeTimer:
-    """The compute-only step: the same gradient and Adam update on the local device, no
+    """The compute-only step: the same gradient and optimizer update on the local device, no
     communication, all hosts at once (they share the machine's cores as in the real steps)."""
 
     def __init__(self, job: _Job):
         import jax
         import optax
 
-        adam = optax.adam(1e-4)
+        adam = optimizer(job.spec.optimizer)
         self._device = jax.local_devices()[0]
         self._batches = job.local_batches
         self._spec = job.spec
@@ -146,6 +146,7 @@ def _probe(job: _Job, compute_first):
         **job.about,
         "compute": compute_first,
         "allocator": allocator.started_with(),
+        "optimizer": job.spec.optimizer,
         "probe": None
         if network is None
         else {"alpha": network.alpha, "beta": network.beta, "seconds": probe_seconds},
@@ -161,14 +162,14 @@ def _build_step(job: _Job, method, options, shard):
     import jaxcomp
 
     if method is None:
-        step = _plain_pmean_step(job.loss_fn, job.mesh, **options)
+        step = _plain_pmean_step(job.loss_fn, job.mesh, optimizer(job.spec.optimizer), **options)
         return step, step.init(job.params), None
     aggregate = (
         jaxcomp.compress_auto(method, **options)
         if isinstance(method, tuple)
         else jaxcomp.compress(method, **options)
     )
-    tx = optax.chain(aggregate, optax.adam(1e-4))
+    tx = optax.chain(aggregate, optimizer(job.spec.optimizer))
     dp = jaxcomp.data_parallel(job.loss_fn, tx, job.mesh, shard=shard)
     init_start = time.perf_counter()
     state = dp.init(job.params)
@@ -465,17 +466,46 @@ def _predictions(ran, params, n_hosts, network, compute, mesh, shard=None):
     }
 
 
+def optimizer(name: str):
+    """The optax optimizer a job's steps apply after the mean: :data:`netbench.OPTIMIZERS`'s
+    ``"adam"`` or ``"sgd"``, learning rate 1e-4.
+
+    Args:
+      name: ``"adam"`` or ``"sgd"``.
+
+    Returns:
+      An ``optax.GradientTransformation``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> tx = optimizer("sgd")
+      >>> [round(x, 6) for x in tx.update(jnp.ones(2), tx.init(jnp.ones(2)))[0].tolist()]
+      [-0.0001, -0.0001]
+
+    References:
+      Kingma & Ba, "Adam", ICLR 2015; the issue's set-up (plain SGD).
+    """
+    import optax
+
+    if name == "adam":
+        return optax.adam(1e-4)
+    if name == "sgd":
+        return optax.sgd(1e-4)
+    raise ValueError(f"optimizer must be 'adam' or 'sgd', got {name!r}")
+
+
 class _plain_pmean_step:
     """The baseline without jaxcomp: ``jax.grad`` on varying params, ``lax.pmean`` of the gradients
-    (with ``flat``, of one vector of them: ``ravel_pytree``), Adam."""
+    (with ``flat``, of one vector of them: ``ravel_pytree``), then ``tx`` (the job's optimizer;
+    default Adam)."""
 
-    def __init__(self, loss_fn, mesh, flat=False):
+    def __init__(self, loss_fn, mesh, tx=None, flat=False):
         import jax
         import optax
         from jax.flatten_util import ravel_pytree
         from jax.sharding import PartitionSpec as P
 
-        self.tx = optax.adam(1e-4)
+        self.tx = optimizer("adam") if tx is None else tx
 
         def mean(grads):
             if not flat:
