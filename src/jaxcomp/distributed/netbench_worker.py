@@ -81,18 +81,18 @@ class _ComputeTimer:
         import jax
         import optax
 
-        adam = optimizer(job.spec.optimizer)
+        tx = optimizer(job.spec.optimizer)
         self._device = jax.local_devices()[0]
         self._batches = job.local_batches
         self._spec = job.spec
         self._params = job.params
-        self._adam = adam
+        self._tx = tx
 
         @jax.jit
         def local_step(state, batch):
             p, opt = state
             loss, grads = jax.value_and_grad(job.loss_fn)(p, batch)
-            updates, opt = adam.update(grads, opt, p)
+            updates, opt = tx.update(grads, opt, p)
             return (optax.apply_updates(p, updates), opt), loss
 
         self._step = local_step
@@ -112,7 +112,7 @@ class _ComputeTimer:
         import jax
 
         local_params = jax.device_put(self._params, self._device)
-        self._state = (local_params, self._adam.init(local_params))
+        self._state = (local_params, self._tx.init(local_params))
         try:
             return self._timed(label)
         finally:
