@@ -270,19 +270,19 @@ class PowerSGD(Method):
         from jaxcomp import collectives
 
         runs = self._runs(shapes)
-        parts = _cut(x.astype(jnp.float32), self.piece_sizes(shapes))
+        parts = _parts(x.astype(jnp.float32), self.piece_sizes(shapes))
         mats = [p.reshape(matrix_view(shapes[r[0]])) for (c, r), p in zip(runs, parts) if c]
         plain = [p for (c, _), p in zip(runs, parts) if not c]
         # All-reduce 1: every P = M Q, and the leaves sent as they are.
         ps = [m @ q for m, q in zip(mats, state)]
         first, _ = collectives.psum(jnp.concatenate([p.ravel() for p in ps] + plain), axis_name)
-        summed = _cut(first, [p.size for p in ps] + [p.size for p in plain])
+        summed = _parts(first, [p.size for p in ps] + [p.size for p in plain])
         p_hat = [orthogonalize(t.reshape(p.shape)) for t, p in zip(summed, ps)]
         # All-reduce 2: every Q = M^T P.
         local_q = [m.T @ p for m, p in zip(mats, p_hat)]
         second, _ = collectives.psum(jnp.concatenate([q.ravel() for q in local_q]), axis_name)
         q_total = [
-            t.reshape(q.shape) for t, q in zip(_cut(second, [q.size for q in local_q]), local_q)
+            t.reshape(q.shape) for t, q in zip(_parts(second, [q.size for q in local_q]), local_q)
         ]
         products = iter(zip(p_hat, q_total, local_q))
         plain_totals = iter(summed[len(ps) :])
@@ -328,10 +328,8 @@ class PowerSGD(Method):
         return codec
 
 
-def _cut(vector, sizes):
+def _parts(vector, sizes):
     """``vector``'s consecutive slices of ``sizes`` values."""
-    out, offset = [], 0
-    for size in sizes:
-        out.append(vector[offset : offset + size])
-        offset += size
-    return out
+    from jaxcomp.ops.pieces import Pieces
+
+    return Pieces.split(vector, sizes).parts
