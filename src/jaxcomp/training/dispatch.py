@@ -24,8 +24,10 @@ class BoundedStep:
     """A jitted step that blocks on step ``t - max_in_flight``'s output before dispatching step
     ``t``.
 
-    See the module's docstring for why. Every other attribute (``lower``, ``trace``, ...) is the
-    jitted function's.
+    See the module's docstring for why. The jitted step returns ``(state, metrics)``, or
+    ``(state, metrics, watch)`` whose ``watch[0]`` is the new step counter (what the bound waits
+    on) and whose rest the ``watch`` probe reads; the call returns ``(state, metrics)``. Every
+    other attribute (``lower``, ``trace``, ...) is the jitted function's.
 
     The metrics come back as this process's copy of each (replicated) value, an array on one
     local device: ``float(metrics["loss"])`` works on every process of a multi-process job,
@@ -37,7 +39,7 @@ class BoundedStep:
         self._jitted = jitted
         self._max_in_flight = max_in_flight
         self._in_flight = collections.deque()
-        self._check = check  # check(args, metrics): raises on a step the host must not go past
+        self._check = check  # check(state, metrics): raises on a step the host must not go past
         # watch = (probe, tell): probe(args, out) takes a few scalars of a step as it is
         # dispatched, tell(probe) reads them once the step has run (the guardrail's triggers).
         self._watch = watch
@@ -46,13 +48,16 @@ class BoundedStep:
         out = self._jitted(*args, **kwargs)
         probe = self._watch[0](args, out) if self._watch else None
         if self._max_in_flight is not None or probe is not None:
-            # One scalar per step: the new step counter, ready when the whole step has run.
-            self._in_flight.append((out[0].step, probe))
+            # One scalar per step, ready when the whole step has run: the new step counter (a
+            # copy of its own in a third output, ``(counter, ...)``, where the step donates its
+            # input state, as the next step would delete the state's own).
+            token = out[2][0] if len(out) > 2 else out[0].step
+            self._in_flight.append((token, probe))
             self._retire()
-        state, metrics = out
+        state, metrics = out[:2]
         metrics = jax.tree.map(local_copy, metrics)
         if self._check is not None:
-            self._check(args, metrics)
+            self._check(state, metrics)
         return state, metrics
 
     def _retire(self):

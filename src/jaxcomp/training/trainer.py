@@ -65,18 +65,22 @@ class DataParallel:
         max_steps_in_flight=DEFAULT_MAX_STEPS_IN_FLIGHT,
         shard=None,
         gather_dtype=None,
+        donate=False,
     ):
         self.loss_fn = loss_fn
         self.has_aux = has_aux
         self.layout = Layout(tx, mesh, axis_name, shard, gather_dtype)
         self.max_steps_in_flight = max_steps_in_flight
-        # Set while tracing the step: tx holds a compress(nonfinite="raise").
+        self.donate = donate
+        # Set while tracing the step: tx holds a compress(nonfinite="raise"); the guardrail's
+        # static part of a trigger probe (what its warning names).
         self._raises_on_nonfinite = False
+        self._probe_names = None
         self.step = BoundedStep(
-            jax.jit(self._step),
+            jax.jit(self._step, donate_argnums=(0,) if donate else ()),
             max_steps_in_flight,
             self._check_nonfinite,
-            (_trigger_probe, divergence.tell_trigger),
+            (self._trigger_probe, divergence.tell_trigger),
         )
 
     tx = property(lambda self: self.layout.tx, doc="The optax transformation.")
@@ -337,38 +341,53 @@ class DataParallel:
     # -- the step ------------------------------------------------------------------------------
 
     def _step(self, state: TrainState, batch):
+        """``(state, metrics, watch)``: :func:`train_step`'s two, and what the host reads of the
+        step once it has run (:class:`BoundedStep`): the new step counter and the guardrail's
+        trigger scalars, outputs of their own, so that nothing the host reads late is a leaf of
+        a state the next step may donate."""
         _tell_of_a_long_compile(len(jax.tree.leaves(state)))
-        return train_step(
+        new_state, metrics = train_step(
             self.layout, self.loss_fn, self.has_aux, state, batch, self._note_nonfinite_policy
         )
+        probe = divergence.trigger_probe(
+            find_compress_state(state.opt_state), find_compress_state(new_state.opt_state)
+        )
+        self._probe_names = None if probe is None else probe[1:]
+        return new_state, metrics, (new_state.step, None if probe is None else probe[0])
+
+    def _trigger_probe(self, args, out):
+        """The guardrail's probe of a dispatched step (:func:`.divergence.trigger_probe`), from
+        the step's own outputs."""
+        scalars = out[2][1]
+        return None if scalars is None else (scalars, *self._probe_names)
 
     def _note_nonfinite_policy(self, raises: bool):
         self._raises_on_nonfinite = raises
 
-    def _check_nonfinite(self, args, metrics):
-        """``compress(nonfinite="raise")``: a step whose gradients held NaN or Inf raises here."""
+    def _check_nonfinite(self, state, metrics):
+        """``compress(nonfinite="raise")``: a step whose gradients held NaN or Inf raises here,
+        with the state the step returned (params and optimizer state unchanged) as the error's
+        ``state``."""
         if not self._raises_on_nonfinite:
             return
         count = float(metrics["nonfinite"])  # waits for this step: "raise" runs one step at a time
         if count:
-            state = args[0] if args else None
-            step = int(local_copy(state.step)) if isinstance(state, TrainState) else "?"
-            raise FloatingPointError(
-                f"step {step}: the gradients held {count:.0f} non-finite entries (NaN or ±Inf; "
-                "in the gradients or in their sum over the devices), and tx's compress has "
-                "nonfinite='raise'. The update was skipped on every device and the state you "
-                "passed to this step is intact. Find the "
-                "cause (learning rate, loss scale, a bad batch), or pass nonfinite='skip' (skip "
-                "such steps) or 'zero' (drop those entries) to jaxcomp.compress"
+            intact = (
+                "the state you passed was donated: the error's `state` holds the same params "
+                "and optimizer state"
+                if self.donate
+                else "the state you passed to this step is intact"
             )
-
-
-def _trigger_probe(args, out):
-    """The guardrail's scalars of a dispatched step (:func:`.divergence.trigger_probe`)."""
-    if not args or not isinstance(args[0], TrainState):
-        return None
-    before, after = (find_compress_state(s.opt_state) for s in (args[0], out[0]))
-    return divergence.trigger_probe(before, after)
+            error = FloatingPointError(
+                f"step {int(local_copy(state.step)) - 1}: the gradients held {count:.0f} "
+                "non-finite entries (NaN or ±Inf; in the gradients or in their sum over the "
+                f"devices), and tx's compress has nonfinite='raise'. The update was skipped on "
+                f"every device and {intact}. Find the cause (learning rate, loss scale, a bad "
+                "batch), or pass nonfinite='skip' (skip such steps) or 'zero' (drop those "
+                "entries) to jaxcomp.compress"
+            )
+            error.state = state
+            raise error
 
 
 def _tell_of_a_long_compile(n_leaves: int):
@@ -394,6 +413,7 @@ def data_parallel(
     max_steps_in_flight: int | None = DEFAULT_MAX_STEPS_IN_FLIGHT,
     shard: str | None = None,
     gather_dtype=None,
+    donate: bool = False,
 ) -> DataParallel:
     """A data-parallel training step around a compressing optax chain.
 
@@ -441,6 +461,14 @@ def data_parallel(
         forward pass, e.g. ``jnp.bfloat16`` (ZeRO++'s quantized weights: half the bytes; the
         forward and backward passes see the rounded params, the exact ones stay in the owner's
         shard, so updates accumulate exactly). ``None``: the params' own dtype.
+      donate: ``step`` donates its input state to XLA, which then writes the new params,
+        optimizer state and residuals over the old ones instead of beside them: the step's peak
+        memory drops by about the state's size (params, moments and error-feedback residuals:
+        2-4x the params; BENCHMARKS.md, "Donating the state"). The state passed to ``step`` is
+        deleted (``jax.Array.is_deleted()``); keep using the one it returns, as in
+        ``state, metrics = dp.step(state, batch)``. Default False: the input stays intact, so
+        that a step that fails (a lost peer, ``nonfinite="raise"``) leaves the last good state
+        to save (docs/training.md, "When a process dies").
 
     Returns:
       A :class:`DataParallel` with ``init(params) -> TrainState``, ``step(state, batch) ->
@@ -497,6 +525,8 @@ def data_parallel(
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     axis_name = _data_axes(mesh, axis_name)
     max_steps_in_flight = _check_max_steps_in_flight(max_steps_in_flight)
+    if not isinstance(donate, bool):
+        raise TypeError(f"donate must be True or False, got {donate!r}")
     return DataParallel(
         loss_fn,
         tx,
@@ -506,6 +536,7 @@ def data_parallel(
         max_steps_in_flight,
         shard,
         gather_dtype,
+        donate,
     )
 
 
