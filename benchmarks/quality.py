@@ -252,6 +252,9 @@ def variants():
                 {"granularity": "leaf", "error_feedback": False},
             ),
             Row("zfp(8)_noef", m.Zfp(8), {"error_feedback": False}),
+            # What the guardrail changes where it triggers on a run that does not diverge (the
+            # large model's cast, 2026-11-27).
+            Row("cast(bfloat16) noguard", m.Cast("bfloat16"), {"guardrail": False}),
             Row("zfp(8) leaf", m.Zfp(8), {"granularity": "leaf"}),
             # A dense warm-up (DGC's, PyTorch's start_powerSGD_iter): 100 of the 500 steps dense.
             Row("allgather_topk(0.01) warmup100", m.TopK(0.01), {"warmup_steps": 100}),

@@ -163,3 +163,14 @@ def test_donate_must_be_a_bool():
     tx = optax.chain(jaxcomp.compress("dense"), optax.sgd(0.1))
     with pytest.raises(TypeError, match="donate must be True or False"):
         jaxcomp.data_parallel(_loss, tx, _mesh(1), donate="yes")
+
+
+def test_the_params_given_to_init_survive_a_donated_step():
+    """init copies the params into the state, so donating the state leaves the caller's own."""
+    params = _params()
+    tx = optax.chain(jaxcomp.compress("ar_topk", ratio=0.1), optax.adam(0.01))
+    for n in (1, 2):
+        dp = jaxcomp.data_parallel(_loss, tx, _mesh(n), donate=True)
+        state, _ = dp.step(dp.init(params), _batch(0, n))
+        jax.block_until_ready(state)
+        assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(params))

@@ -197,6 +197,33 @@ def test_the_flat_pmean_baseline_sums_one_vector():
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
 
 
+def test_the_plain_step_donates_its_state_and_keeps_the_callers_params():
+    """``--donate``: the plain baseline writes its new params and Adam state over the old ones
+    (the state it was given is deleted), trains as without, and leaves the job's params alone
+    (init copies them)."""
+    import jax
+
+    rng = np.random.default_rng(1)
+    params = {"w": jax.numpy.asarray(rng.standard_normal((8, 8), dtype=np.float32))}
+    loss_fn = lambda p, x: jax.numpy.mean(jax.numpy.tanh(x @ p["w"]) ** 2)  # noqa: E731
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    batch = jax.device_put(
+        rng.standard_normal((4, 8), dtype=np.float32),
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
+    )
+    finals = []
+    for donate in (False, True):
+        step = netbench_worker._plain_pmean_step(loss_fn, mesh, donate=donate)
+        state = step.init(params)
+        for _ in range(3):
+            before = state
+            state, _ = step.step(state, batch)
+            assert before[0]["w"].is_deleted() == donate
+        finals.append(np.asarray(state[0]["w"]))
+    assert not params["w"].is_deleted()
+    np.testing.assert_array_equal(finals[0], finals[1])
+
+
 @pytest.mark.parametrize("models", [(None,), ("gpt2", "many_small")])
 def test_plot_writes_a_png(tmp_path, models):
     path = tmp_path / "speedup.png"
@@ -235,6 +262,11 @@ def test_a_bad_allocator_is_refused_before_any_cluster():
         netbench.run_benchmark((2,), ("1gbit",), allocator="jemalloc")
 
 
+def test_a_bad_donate_is_refused_before_any_cluster():
+    with pytest.raises(TypeError, match="donate must be True or False"):
+        netbench.run_benchmark((2,), ("1gbit",), donate="yes")
+
+
 def test_a_bad_optimizer_is_refused_before_any_cluster():
     with pytest.raises(ValueError, match="optimizer must be one of"):
         netbench.run_benchmark((2,), ("1gbit",), optimizer="lamb")
@@ -268,13 +300,15 @@ EVERY = ["allgather_topk", "bf16", "fp16", "zfp", "powersgd", "sign", "sign_ring
 @pytest.mark.multiprocess
 def test_one_small_cell_on_two_emulated_hosts(tmp_path, monkeypatch):
     """Issue 22: bytes_sent must tell the truth on the CPU cluster (bf16 once claimed half of what
-    gloo carried). Every method netbench runs, checked against the veth counters."""
+    gloo carried). Every method netbench runs, checked against the veth counters, each step
+    donating its state (--donate)."""
     from helpers import cluster_hosts_import_this_jaxcomp
 
     cluster_hosts_import_this_jaxcomp(monkeypatch)
     out = tmp_path / "rows.json"
     argv = ["--hosts", "2", "--rates", "100mbit", "--params", "2e5", "--steps", "2"]
     argv += ["--methods", ",".join(SHARDED + EVERY), "--allocator", "tuned", "--optimizer", "sgd"]
+    argv += ["--donate"]
     code = netbench_cli.main([*argv, "--json", str(out), "--plot", str(tmp_path / "p.png")])
     assert code == 0
     rows = json.loads(out.read_text())
@@ -285,6 +319,7 @@ def test_one_small_cell_on_two_emulated_hosts(tmp_path, monkeypatch):
     assert all(r["peak_rss"] > 0 for r in rows)  # each method's own peak (VmHWM reset before it)
     assert all(r["allocator"] == "tuned" for r in rows)  # --allocator reached the hosts
     assert all(r["optimizer"] == "sgd" for r in rows)  # so did --optimizer
+    assert all(r["donate"] for r in rows)  # and --donate: every step wrote over its state
     # bytes_sent counts the reduce-scatter and the params' all-gather: what the link carried.
     assert by["quantized@optimizer"]["bytes_sent"] > by["quantized"]["bytes_sent"]
     for r in rows:

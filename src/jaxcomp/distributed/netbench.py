@@ -111,6 +111,7 @@ class Spec:
     rate_bits: float | None  # the link rate (None: no limit), recorded with the results
     model: str | None = None  # a jaxcomp.training.zoo name; None: the MLP of `params` and `layers`
     optimizer: str = "adam"  # one of OPTIMIZERS, after the mean in every step
+    donate: bool = False  # every step donates its input state (data_parallel(donate=True))
 
 
 def width_for(params: float, layers: int) -> int:
@@ -152,6 +153,7 @@ def run_benchmark(
     models=None,
     allocator="glibc",
     optimizer="adam",
+    donate=False,
 ) -> list[dict]:
     """Runs every (model, hosts, rate) cell on an emulated cluster; returns one row per cell and
     method.
@@ -179,11 +181,15 @@ def run_benchmark(
         peak heap across the methods it runs; docs/performance.md).
       optimizer: what every step applies after the mean, one of :data:`OPTIMIZERS`: ``"adam"``
         (default) or ``"sgd"`` (learning rate 1e-4 either way); the compute-only step too.
+      donate: every step (each method's, the plain ``pmean``'s and the compute-only one)
+        donates its input state, so that it writes the new state over the old (one state's
+        memory less per host; :func:`jaxcomp.data_parallel`'s ``donate``).
 
     Returns:
       A list of dicts, one per (model, hosts, rate, method); ``"model"`` names the model,
       ``"allocator"`` the allocator the hosts report they started with
-      (:func:`jaxcomp.ops.allocator.started_with`) and ``"optimizer"`` the optimizer.
+      (:func:`jaxcomp.ops.allocator.started_with`), ``"optimizer"`` the optimizer and
+      ``"donate"`` whether the steps donated their state.
 
     Example:
       >>> rows = run_benchmark(  # doctest: +SKIP
@@ -200,6 +206,8 @@ def run_benchmark(
     env = allocator_module.environment(allocator)  # checks the name before any cluster is built
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if not isinstance(donate, bool):
+        raise TypeError(f"donate must be True or False, got {donate!r}")
     methods, models = _checked_runs(methods, models)
     bar = _checked_bar(progress)
     cells = [(m, h, r) for m in models for h in hosts for r in rates]
@@ -210,6 +218,7 @@ def run_benchmark(
         batch=batch,
         layers=layers,
         optimizer=optimizer,
+        donate=donate,
     )
     rows = []
     try:
@@ -289,6 +298,7 @@ def _cell_rows(model, n_hosts, rate, methods, options, bar, timeout, log, env) -
             "probe": result["probe"],
             "allocator": result.get("allocator"),
             "optimizer": result.get("optimizer"),
+            "donate": result.get("donate", False),
             "speedup": base / entry["step"],
             "speedup_plain": plain / entry["step"],
             **({"incomplete": result["incomplete"]} if "incomplete" in result else {}),

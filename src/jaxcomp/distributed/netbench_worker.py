@@ -88,14 +88,13 @@ class _ComputeTimer:
         self._params = job.params
         self._tx = tx
 
-        @jax.jit
         def local_step(state, batch):
             p, opt = state
             loss, grads = jax.value_and_grad(job.loss_fn)(p, batch)
             updates, opt = tx.update(grads, opt, p)
             return (optax.apply_updates(p, updates), opt), loss
 
-        self._step = local_step
+        self._step = jax.jit(local_step, donate_argnums=(0,) if job.spec.donate else ())
         self._state = None  # made by each measure() and dropped after it
 
     def _run(self, i):
@@ -110,8 +109,11 @@ class _ComputeTimer:
         cores). Its params and Adam state live only while it runs, so that the methods' peak
         memory does not count them (GPT-2: 1.5 GB a host)."""
         import jax
+        import jax.numpy as jnp
 
-        local_params = jax.device_put(self._params, self._device)
+        # A copy: device_put of arrays already on the device gives them back, and a donating
+        # step would delete the job's own params.
+        local_params = jax.tree.map(jnp.copy, jax.device_put(self._params, self._device))
         self._state = (local_params, self._tx.init(local_params))
         try:
             return self._timed(label)
@@ -147,6 +149,7 @@ def _probe(job: _Job, compute_first):
         "compute": compute_first,
         "allocator": allocator.started_with(),
         "optimizer": job.spec.optimizer,
+        "donate": job.spec.donate,
         "probe": None
         if network is None
         else {"alpha": network.alpha, "beta": network.beta, "seconds": probe_seconds},
@@ -162,7 +165,8 @@ def _build_step(job: _Job, method, options, shard):
     import jaxcomp
 
     if method is None:
-        step = _plain_pmean_step(job.loss_fn, job.mesh, optimizer(job.spec.optimizer), **options)
+        tx = optimizer(job.spec.optimizer)
+        step = _plain_pmean_step(job.loss_fn, job.mesh, tx, donate=job.spec.donate, **options)
         return step, step.init(job.params), None
     aggregate = (
         jaxcomp.compress_auto(method, **options)
@@ -170,7 +174,7 @@ def _build_step(job: _Job, method, options, shard):
         else jaxcomp.compress(method, **options)
     )
     tx = optax.chain(aggregate, optimizer(job.spec.optimizer))
-    dp = jaxcomp.data_parallel(job.loss_fn, tx, job.mesh, shard=shard)
+    dp = jaxcomp.data_parallel(job.loss_fn, tx, job.mesh, shard=shard, donate=job.spec.donate)
     init_start = time.perf_counter()
     state = dp.init(job.params)
     return dp, state, time.perf_counter() - init_start
@@ -497,9 +501,10 @@ def optimizer(name: str):
 class _plain_pmean_step:
     """The baseline without jaxcomp: ``jax.grad`` on varying params, ``lax.pmean`` of the gradients
     (with ``flat``, of one vector of them: ``ravel_pytree``), then ``tx`` (the job's optimizer;
-    default Adam)."""
+    default Adam); with ``donate``, the step writes the new params and optimizer state over the
+    old ones."""
 
-    def __init__(self, loss_fn, mesh, tx=None, flat=False):
+    def __init__(self, loss_fn, mesh, tx=None, flat=False, donate=False):
         import jax
         import optax
         from jax.flatten_util import ravel_pytree
@@ -523,10 +528,17 @@ class _plain_pmean_step:
         self._step = jax.jit(
             jax.shard_map(
                 local, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P())
-            )
+            ),
+            donate_argnums=(0, 1) if donate else (),
         )
+        self._donate = donate
 
     def init(self, params):
+        import jax
+        import jax.numpy as jnp
+
+        if self._donate:  # the step would delete the caller's params
+            params = jax.tree.map(jnp.copy, params)
         return params, self.tx.init(params)
 
     def step(self, state, batch):
