@@ -226,6 +226,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout", type=float, default=1800, help="seconds per cell (default 1800)"
     )
+    _add_host_options(parser)
+    parser.add_argument("--plot", default=None, help="write the speedup plot (PNG) here")
+    parser.add_argument("--json", default=None, help="write the rows as JSON here")
+    parser.add_argument("--log", default=None, help="append the workers' output here")
+    return parser
+
+
+def _add_host_options(parser):
+    """What every host's steps run with: the allocator, the optimizer, donation."""
     parser.add_argument(
         "--allocator",
         choices=ALLOCATORS,
@@ -248,10 +257,6 @@ def _parser() -> argparse.ArgumentParser:
         help="every step donates its input state (data_parallel(donate=True)): one state's "
         "memory less per host (GPT-2's PowerSGD row on 4 hosts ran out of 24 GiB without it)",
     )
-    parser.add_argument("--plot", default=None, help="write the speedup plot (PNG) here")
-    parser.add_argument("--json", default=None, help="write the rows as JSON here")
-    parser.add_argument("--log", default=None, help="append the workers' output here")
-    return parser
 
 
 def _names(text):
