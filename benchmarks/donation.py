@@ -1,11 +1,13 @@
 """What ``data_parallel(donate=True)`` saves: the step's memory with and without donating the state.
 
     python benchmarks/donation.py [--models mlp4096,mlp2041,resnet50,gpt2,many_small]
-        [--methods dense,ar_topk,powersgd] [--steps 3] [--json out.json]
+        [--methods dense,ar_topk,powersgd] [--steps 3] [--diloco] [--json out.json]
 
 For every zoo model (:mod:`jaxcomp.training.zoo`) and method, a fresh process trains
 ``optax.chain(jaxcomp.compress(method), optax.adam(1e-4))`` through ``jaxcomp.data_parallel`` on
-one CPU device, once without donation and once with, and reports
+one CPU device, once without donation and once with (with ``--diloco``: ``jaxcomp.diloco``, one
+worker, the default inner AdamW and outer Nesterov, ``method`` compressing the pseudo-gradient
+every 50 steps), and reports
 
 - the compiled step's own accounting (``compiled.memory_analysis()``): the bytes of its
   arguments (the state and the batch), its outputs, the outputs written over donated arguments
@@ -29,7 +31,13 @@ import platform
 import subprocess
 import sys
 
-METHODS = {"dense": {}, "ar_topk": {"ratio": 0.01}, "powersgd": {"rank": 4}, "zfp": {"rate": 8}}
+METHODS = {
+    "dense": {},
+    "ar_topk": {"ratio": 0.01},
+    "powersgd": {"rank": 4},
+    "zfp": {"rate": 8},
+    "quantized": {"bits": 8},
+}
 _MB = 1e6
 
 
@@ -44,20 +52,35 @@ def _reset_high_water() -> None:
         refs.write("5")
 
 
-def measure_one(model_name: str, method: str, donate: bool, steps: int) -> dict:
-    """One configuration, in this process: the compiled step's memory and the steps' peak RSS."""
+def _trainer(model, method: str, donate: bool, diloco: bool):
     import jax
     import numpy as np
     import optax
     from jax.sharding import Mesh
 
     import jaxcomp
+
+    compress = jaxcomp.compress(method, **METHODS[method])
+    if diloco:
+        mesh = Mesh(np.array(jax.devices()[:1]), ("workers",))
+        compress = jaxcomp.compress(method, axis_name="workers", **METHODS[method])
+        return jaxcomp.diloco(
+            model.loss_fn, mesh=mesh, sync_every=50, compress=compress, donate=donate
+        )
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    tx = optax.chain(compress, optax.adam(1e-4))
+    return jaxcomp.data_parallel(model.loss_fn, tx, mesh, donate=donate)
+
+
+def measure_one(model_name: str, method: str, donate: bool, steps: int, diloco=False) -> dict:
+    """One configuration, in this process: the compiled step's memory and the steps' peak RSS."""
+    import jax
+    import numpy as np
+
     from jaxcomp.training import zoo
 
     model = zoo.build(model_name)
-    tx = optax.chain(jaxcomp.compress(method, **METHODS[method]), optax.adam(1e-4))
-    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    dp = jaxcomp.data_parallel(model.loss_fn, tx, mesh, donate=donate)
+    dp = _trainer(model, method, donate, diloco)
     state = dp.init(model.params)
     rng = np.random.default_rng(0)
     batches = [model.make_batch(rng, 2) for _ in range(steps + 1)]
@@ -71,7 +94,7 @@ def measure_one(model_name: str, method: str, donate: bool, steps: int) -> dict:
     mb = lambda n: round(n / _MB, 1)  # noqa: E731
     return dict(
         model=model_name,
-        method=method,
+        method=("diloco " if diloco else "") + method,
         donate=donate,
         state_mb=mb(sum(x.nbytes for x in jax.tree.leaves(state))),
         arguments_mb=mb(stats.argument_size_in_bytes),
@@ -88,9 +111,9 @@ def measure_one(model_name: str, method: str, donate: bool, steps: int) -> dict:
     )
 
 
-def _in_a_process(model: str, method: str, donate: bool, steps: int) -> dict:
+def _in_a_process(model: str, method: str, donate: bool, steps: int, diloco: bool) -> dict:
     command = [sys.executable, __file__, "--one", f"{model},{method},{int(donate)}"]
-    command += ["--steps", str(steps)]
+    command += ["--steps", str(steps)] + (["--diloco"] if diloco else [])
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{model} {method} donate={donate} failed:\n{done.stderr[-3000:]}")
@@ -121,6 +144,7 @@ def parse_args(argv=None):
     parser.add_argument("--models", default="mlp4096,mlp2041,resnet50,gpt2,many_small")
     parser.add_argument("--methods", default="dense,ar_topk,powersgd")
     parser.add_argument("--steps", type=int, default=3, help="steps after the first (default 3)")
+    parser.add_argument("--diloco", action="store_true", help="jaxcomp.diloco's step instead")
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # MODEL,METHOD,DONATE
     args = parser.parse_args(argv)
@@ -141,7 +165,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.one:
         model, method, donate = args.one.split(",")
-        print(json.dumps(measure_one(model, method, donate == "1", args.steps)))
+        print(json.dumps(measure_one(model, method, donate == "1", args.steps, args.diloco)))
         return
     rows = []
     total = len(args.models) * len(args.methods) * 2
@@ -149,7 +173,7 @@ def main(argv=None) -> None:
         for method in args.methods:
             for donate in (False, True):
                 print(f"[{len(rows) + 1}/{total}] {model} {method} donate={donate}", flush=True)
-                rows.append(_in_a_process(model, method, donate, args.steps))
+                rows.append(_in_a_process(model, method, donate, args.steps, args.diloco))
     print(_table(rows))
     if args.json:
         meta = dict(machine=platform.node(), cpus=os.cpu_count(), python=platform.python_version())

@@ -496,8 +496,10 @@ def test_every_method_on_the_two_level_mesh_resumes_bit_identically(tmp_path, me
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(uninterrupted))
 
 
-@pytest.mark.parametrize("inner", [None, 2], ids=["workers", "split-over-2"])
-def test_a_diverging_exchange_is_told_to_the_host_once(inner, caplog):
+@pytest.mark.parametrize(
+    "inner, donate", [(None, False), (2, False), (None, True)], ids=["workers", "split", "donated"]
+)
+def test_a_diverging_exchange_is_told_to_the_host_once(inner, donate, caplog):
     """The outer compress's guardrail: a batch with 1000x targets makes one sync's
     pseudo-gradient an outlier; the guardrail triggers there and the host logs it once, from
     the finished step's state (no host callback in the step), on a 1-D mesh and on a split
@@ -509,7 +511,7 @@ def test_a_diverging_exchange_is_told_to_the_host_once(inner, caplog):
     two_level = dict(inner_axis="data", shard="optimizer") if inner else {}
     run = jaxcomp.diloco(
         _loss, optax.sgd(0.05), optax.sgd(1.0), mesh=_mesh(2, inner), sync_every=1,
-        compress=method, **two_level,
+        compress=method, donate=donate, **two_level,
     )  # fmt: skip
     assert not run.step.trace(run.init(_params()), _batches(1)[0]).jaxpr.effects
     batches = _batches(16)
@@ -524,6 +526,32 @@ def test_a_diverging_exchange_is_told_to_the_host_once(inner, caplog):
         int(np.ravel(jaxcomp.find_compress_state(state.compress_state[0]).divergence.fallbacks)[0])
         == 1
     )
+
+
+@pytest.mark.parametrize("inner", [None, 2], ids=["workers", "split-over-2"])
+def test_a_donated_run_is_the_undonated_one_bit_for_bit(inner):
+    """donate=True: each step writes over its input state (deleted), and the run is the same,
+    with int8 pseudo-gradients, 2 fragments and a delay, on a 1-D mesh and a split exchange
+    with ZeRO over the row; the params given to init survive."""
+    two_level = dict(inner_axis="data", shard="optimizer") if inner else {}
+    finals = []
+    params = _params()
+    for donate in (False, True):
+        run = jaxcomp.diloco(
+            _loss, optax.adam(0.05), mesh=_mesh(2, inner), sync_every=2,
+            compress=jaxcomp.Quantized(8), fragments=2, delay=1, donate=donate, **two_level,
+        )  # fmt: skip
+        state = run.init(params)
+        for batch in _batches(5):
+            before = state
+            state, _ = run.step(state, batch)
+            deleted = [x.is_deleted() for x in jax.tree.leaves(before) if x.size > 1]
+            assert all(deleted) if donate else not any(deleted)
+        finals.append(jax.tree.map(np.asarray, state))
+    assert_trees_equal(finals[1], finals[0])
+    assert not any(x.is_deleted() for x in jax.tree.leaves(params))
+    with pytest.raises(TypeError, match="donate must be True or False"):
+        jaxcomp.diloco(_loss, mesh=_mesh(2), donate=1)
 
 
 def test_gradient_accumulation_inside_inner_steps():

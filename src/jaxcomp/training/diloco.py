@@ -115,7 +115,8 @@ class DiLoCo:
         self.mesh = mesh
         self.outer_axis, self.inner_axis = inner.outer_axis, inner.inner_axis
         self.sync_every, self.fragments, self.delay = schedule
-        self.mixing, self.has_aux, self.worker_metrics, max_steps_in_flight = options
+        self.mixing, self.has_aux, self.worker_metrics, max_steps_in_flight, donate = options
+        self.donate = donate
         self.compress_layout = Layout(compress_tx, mesh, self.outer_axis)
         self.n_workers = mesh.shape[self.outer_axis]
         self.data_axes = (
@@ -123,8 +124,11 @@ class DiLoCo:
         )
         self._plans = {}
         self._shapes = {}
+        self._probe_names = []  # set while tracing: what each fragment's trigger warning names
         self.step = BoundedStep(
-            jax.jit(self._step), max_steps_in_flight, watch=(_trigger_probes, _tell_triggers)
+            jax.jit(self._step, donate_argnums=(0,) if donate else ()),
+            max_steps_in_flight,
+            watch=(self._trigger_probes, _tell_triggers),
         )
 
     # -- layout --------------------------------------------------------------------------------
@@ -296,25 +300,31 @@ class DiLoCo:
         return state_def.unflatten(rows)
 
     def _step(self, state: DiLoCoState, batch):
+        """``(state, metrics, watch)``: the step, and the new step counter and each fragment's
+        guardrail scalars as outputs of their own (what the host reads after dispatch must not
+        be a leaf of a state the next step may donate; :class:`BoundedStep`)."""
         _check_batch(batch, self)
         plan = self.plan(self.check_state(state))
         with lowering_platform(self.compress_layout.platform):  # trace the mesh's branches only
-            return diloco_step(self, plan, state, batch)
+            new_state, metrics = diloco_step(self, plan, state, batch)
+        pairs = zip(state.compress_state, new_state.compress_state)
+        probes = [divergence.trigger_probe(*map(find_compress_state, pair)) for pair in pairs]
+        self._probe_names = [None if p is None else p[1:] for p in probes]
+        return new_state, metrics, (new_state.step, [None if p is None else p[0] for p in probes])
+
+    def _trigger_probes(self, args, out):
+        """The outer compress's guardrail probes of a dispatched step, per fragment."""
+        probes = [
+            None if scalars is None else (scalars, *names)
+            for scalars, names in zip(out[2][1], self._probe_names)
+        ]
+        return probes if any(p is not None for p in probes) else None
 
     def metric_specs(self):
         """The metrics' ``PartitionSpec`` s: per worker with ``worker_metrics``, else replicated."""
         loss = P(self.outer_axis) if self.worker_metrics else P()
         specs = {"loss": loss, "bytes_sent": P(), "synced": P()}
         return {**specs, "aux": loss} if self.has_aux else specs
-
-
-def _trigger_probes(args, out):
-    """The outer compress's guardrail scalars of a dispatched step, per fragment."""
-    if not args or not isinstance(args[0], DiLoCoState):
-        return None
-    pairs = zip(args[0].compress_state, out[0].compress_state)
-    probes = [divergence.trigger_probe(*map(find_compress_state, pair)) for pair in pairs]
-    return probes if any(p is not None for p in probes) else None
 
 
 def _tell_triggers(probes):
@@ -363,6 +373,7 @@ def diloco(
     shard: str | None = None,
     exchange: str | None = None,
     max_steps_in_flight: int | None = DEFAULT_MAX_STEPS_IN_FLIGHT,
+    donate: bool = False,
 ) -> DiLoCo:
     """DiLoCo: workers train alone for ``sync_every`` steps, then exchange compressed
     pseudo-gradients over the slow axis and take one outer step.
@@ -450,6 +461,10 @@ def diloco(
         all-reduce). ``"whole"``: every device sends all of it (the row's devices repeat the
         same exchange). Without ``inner_axis``: None or ``"whole"``.
       max_steps_in_flight: as :func:`jaxcomp.data_parallel`'s.
+      donate: as :func:`jaxcomp.data_parallel`'s: ``step`` writes the new state (every worker's
+        params and inner optimizer state, the global params, the outer states and residuals)
+        over its input, which is deleted. Default False: a step that fails on a lost worker
+        leaves its input, the last sync's global params, intact (docs/training.md, section 7).
 
     Returns:
       A :class:`DiLoCo`: ``init(params) -> DiLoCoState``, ``step(state, batch) -> (state,
@@ -502,7 +517,10 @@ def diloco(
     schedule = _check_schedule(sync_every, fragments, delay)
     mixing = _check_mixing(mixing, delay)
     compress_tx = _outer_compress(compress, outer_axis)
-    options = (mixing, bool(has_aux), bool(worker_metrics), _check_in_flight(max_steps_in_flight))
+    if not isinstance(donate, bool):
+        raise TypeError(f"donate must be True or False, got {donate!r}")
+    in_flight = _check_in_flight(max_steps_in_flight)
+    options = (mixing, bool(has_aux), bool(worker_metrics), in_flight, donate)
     return DiLoCo(loss_fn, inner, outer_tx, compress_tx, mesh, schedule, options)
 
 
