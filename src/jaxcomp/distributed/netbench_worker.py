@@ -111,9 +111,11 @@ class _ComputeTimer:
         import jax
         import jax.numpy as jnp
 
-        # A copy: device_put of arrays already on the device gives them back, and a donating
-        # step would delete the job's own params.
-        local_params = jax.tree.map(jnp.copy, jax.device_put(self._params, self._device))
+        local_params = jax.device_put(self._params, self._device)
+        if self._spec.donate:
+            # device_put of arrays already on the device gives them back, and the donating step
+            # would delete the job's own params.
+            local_params = jax.tree.map(jnp.copy, local_params)
         self._state = (local_params, self._tx.init(local_params))
         try:
             return self._timed(label)
