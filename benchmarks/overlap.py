@@ -8,7 +8,8 @@ Run on emulated hosts (as root)::
 ``--case independent`` (default) times, median of 5 after one untimed call: a chain of matmuls
 (``compute``), a ``psum`` of ``--floats`` values (``comm``), both in one program with no
 dependency between them (``both``: the larger of the two if they overlap), and the ``psum`` made
-to wait for the compute (``serial``: their sum).
+to wait for the compute (``serial``: their sum), and the ``psum`` inside a ``lax.cond`` beside the
+compute (``both_in_cond``, as DiLoCo's delayed exchanges run).
 
 ``--case backward`` times the gradient of an MLP of ``--layers`` square layers of ``--width``:
 alone (``compute``), its weights' ``psum`` alone (``comm``), the gradient then one ``psum`` per
@@ -74,7 +75,21 @@ def _independent(mesh, args):
         serial=_median_seconds(
             jit(lambda x, v: (compute(x), jax.lax.psum(v + compute(x)[0, 0], "d")), 2), x, v
         ),
+        # The psum inside a lax.cond taken on every call (as DiLoCo's exchanges are): does the
+        # conditional run beside the compute too?
+        both_in_cond=_median_seconds(jit(lambda x, v: (compute(x), _in_cond(v)), 2), x, v),
     )
+
+
+def _in_cond(v):
+    """``psum(v)`` inside a ``lax.cond`` whose (replicated) predicate is always true."""
+    import jax
+
+    def summed(v):
+        return jax.lax.pcast(jax.lax.psum(v, "d"), "d", to="varying")
+
+    taken = jax.lax.psum(1, "d") > 0
+    return jax.lax.cond(taken, summed, lambda v: v, v)
 
 
 def _backward(mesh, args):

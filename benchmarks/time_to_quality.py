@@ -27,9 +27,10 @@ Every row trains the same model from the same params on the same batches (``qual
   screening at H = 50), and ``H`` inner steps between exchanges; ``-int8`` sends the
   pseudo-gradients as 8-bit codes (``jaxcomp.Quantized(8)``, error feedback), ``-topk`` as top-10%
   (``jaxcomp.TopK(0.1)``, error feedback), ``-stream`` syncs 2 fragments staggered, applied 1 step
-  late. A row name may add settings: ``@outer=nesterov:1.0:0.3`` (or ``sgd:1.3``, ``avg``...) sets a
-  DiLoCo row's outer optimizer and ``@lr=3e-3`` its (or dp's) Adam peak learning rate, so that one
-  job screens settings beside ``dp`` (``--rows dp,diloco-h50@outer=sgd:1.3,diloco-h50@lr=3e-3``).
+  late (``-stream4``: 4 fragments). A row name may add settings: ``@outer=nesterov:1.0:0.3`` (or
+  ``sgd:1.3``, ``avg``...) sets a DiLoCo row's outer optimizer and ``@lr=3e-3`` its (or dp's)
+  Adam peak learning rate, so that one job screens settings beside ``dp``
+  (``--rows dp,diloco-h50@outer=sgd:1.3,diloco-h50@lr=3e-3``).
 
 ``dp`` runs first and sets the target: its held-out loss after ``--steps`` steps. Every other row
 trains until its held-out loss (evaluated every ``--eval-every`` steps) reaches the target, or for
@@ -100,6 +101,13 @@ ROWS = {
     "diloco-h200-int8": dict(kind="diloco", sync_every=200, compress="int8"),
     "diloco-h10-avg-stream-int8": dict(
         kind="diloco", sync_every=10, compress="int8", outer="avg", fragments=2, delay=1
+    ),
+    # 4 fragments: each exchange a quarter of the model, small enough to hide behind one step.
+    "diloco-h10-avg-stream4-int8": dict(
+        kind="diloco", sync_every=10, compress="int8", outer="avg", fragments=4, delay=1
+    ),
+    "diloco-h50-avg-stream4-int8": dict(
+        kind="diloco", sync_every=50, compress="int8", outer="avg", fragments=4, delay=1
     ),
 }
 ONE_PROCESS_ROWS = ("dp", "diloco-h10", "diloco-h10-int8", "diloco-h50", "diloco-h50-int8")

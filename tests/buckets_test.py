@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import all_reduced_arrays
+from helpers import EntryGraph, all_reduced_arrays
 
 import jaxcomp
 from jaxcomp.collectives import small
@@ -101,39 +101,10 @@ def test_topk_buckets_of_one_leaf_match_leaf_granularity(n_devices):
 def _collective_dependencies(hlo: str):
     """Per gradient-sized collective of the compiled entry computation: how many of the step's
     dots it waits for (transitively), and how many dots there are."""
-    entry = hlo[hlo.index("\nENTRY") :]
-    operands, kinds, order = {}, {}, []
-    for line in entry.splitlines()[1:]:
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = \S+ ([a-z][a-z\-]*)\((.*)$", line)
-        if m is None:
-            m = re.match(r"\s*(?:ROOT )?%(\S+) = \(.*?\) ([a-z][a-z\-]*)\((.*)$", line)
-        if m is None:
-            continue
-        name, kind, rest = m.groups()
-        operands[name] = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
-        kinds[name] = kind
-        order.append(name)
-    seen = {}
-
-    def ancestors(name):
-        if name not in seen:
-            seen[name] = set()
-            found = set()
-            for o in operands.get(name, []):
-                found |= {o} | ancestors(o)
-            seen[name] = found
-        return seen[name]
-
-    dots = [n for n in order if kinds[n] == "dot" or n in _dot_fusions(hlo, entry)]
-    collectives = [n for n in order if kinds[n] == "all-reduce"]
-    return [len([d for d in dots if d in ancestors(c)]) for c in collectives], len(dots)
-
-
-def _dot_fusions(hlo: str, entry: str) -> set:
-    """The entry's fusions that run a dot (XLA:CPU's library fusions run reductions too)."""
-    bodies = dict(re.findall(r"\n%(\S+) [^\n]*\{\n(.*?)\n\}", hlo, re.S))
-    calls = re.findall(r"%(\S+) = [^\n]* fusion\([^\n]*calls=%([\w.\-]+)", entry)
-    return {name for name, body in calls if " dot(" in bodies.get(body, "")}
+    graph = EntryGraph(hlo)
+    dots = graph.dots()
+    collectives = [n for n in graph.order if graph.kinds[n] == "all-reduce"]
+    return [len(dots & graph.ancestors(c)) for c in collectives], len(dots)
 
 
 @pytest.mark.parametrize("method", ["dense", "ar_topk"])

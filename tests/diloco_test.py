@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_equal, count_compilations, need_devices
+from helpers import EntryGraph, assert_trees_equal, count_compilations, need_devices
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -238,10 +238,40 @@ def test_streaming_fragments_with_delay_match_reference(inner):
         inner=inner or 1,
     )  # fmt: skip
     _assert_matches(state, reference)
-    assert [t + 1 for t, m in enumerate(metrics) if m["synced"]] == [2, 4, 6, 8, 10]
+    # An exchange due after step c runs (and is reported) in step c + 1, before its gradient:
+    # the one due after step 10 would run in step 11.
+    assert [t + 1 for t, m in enumerate(metrics) if m["synced"]] == [3, 5, 7, 9]
     # Each exchange moves one fragment: ("b", "w") then ("c",), in leaf order b, c, w.
     sent = [float(m["bytes_sent"]) for m in metrics if m["synced"]]
     assert sent[0] > sent[1] > 0 and sent[0] == sent[2]
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+@pytest.mark.parametrize("inner", [None, 2], ids=["workers", "split-over-2"])
+def test_a_delayed_exchange_does_not_wait_for_the_gradient(delay, inner):
+    """Streaming DiLoCo's overlap, read from the compiled step: with a delay, each fragment's
+    exchange (a conditional holding the outer compress's collectives) depends on none of the
+    step's dots, so XLA's runtime can run it beside the forward and backward passes; without
+    one it waits for them (it sends the params the inner step just made)."""
+    two_level = dict(inner_axis="data", shard="optimizer") if inner else {}
+    run = jaxcomp.diloco(
+        _loss, optax.adam(0.05), mesh=_mesh(4, inner), sync_every=4, fragments=2, delay=delay,
+        compress=jaxcomp.Quantized(8), **two_level,
+    )  # fmt: skip
+    state = run.init(_params())
+    graph = EntryGraph(run.step.lower(state, _batches(1)[0]).compile().as_text())
+    collective = re.compile(
+        r" (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+    )
+    exchanges = [
+        name
+        for name in graph.order
+        if graph.kinds[name] == "conditional" and collective.search(graph.calls(name))
+    ]
+    assert len(exchanges) == 2, exchanges  # one per fragment
+    dots = graph.dots()
+    assert dots
+    assert [bool(dots & graph.ancestors(name)) for name in exchanges] == [delay == 0] * 2
 
 
 def test_two_level_mesh_matches_reference():
@@ -506,7 +536,7 @@ def test_a_diverging_exchange_is_told_to_the_host_once(inner, donate, caplog):
     exchange whose guardrail state is laid out a row per device."""
     import logging
 
-    guard = jaxcomp.Guardrail(burn_in=3, window=2)
+    guard = jaxcomp.Guardrail(burn_in=3, window=2, patience=1)  # at the spike itself
     method = jaxcomp.compress(jaxcomp.TopK(0.5), axis_name="workers", guardrail=guard)
     two_level = dict(inner_axis="data", shard="optimizer") if inner else {}
     run = jaxcomp.diloco(

@@ -72,12 +72,15 @@ def _train(compress_tx, lr, steps, n_devices=8, spike_at=None, momentum=0.9):
 
 def _numpy_guardrail(g, gradients, feds, gains):
     """The detector of divergence.py's docstring, in numpy: triggers and the final state."""
-    mean, seen, left, fallbacks, streak, calm = 0.0, 0, 0, 0, 0, 0
+    mean, seen, left, fallbacks, streak, calm, suspect = 0.0, 0, 0, 0, 0, 0, 0
     triggers = []
     for energy, fed, gain in zip(gradients, feds, gains):
         limit = g.factor**2 * mean
         bad = not energy <= limit or not fed * gain**2 <= 4 * limit
-        trigger = seen >= g.burn_in and left == 0 and bad
+        bad = seen >= g.burn_in and left == 0 and bad
+        overflowed = not (np.isfinite(energy) and np.isfinite(fed))
+        trigger = bad and (suspect + 1 >= g.patience or overflowed)
+        suspect = suspect + 1 if bad and not trigger else 0
         triggers.append(trigger)
         if not trigger and np.isfinite(energy):
             if seen < g.burn_in:
@@ -94,14 +97,15 @@ def _numpy_guardrail(g, gradients, feds, gains):
         else:
             calm = 0 if left > 0 else calm + 1
             left = max(left - 1, 0)
-    return triggers, (mean, seen, left, fallbacks, streak, calm)
+    return triggers, (mean, seen, left, fallbacks, streak, calm, suspect)
 
 
-def test_detector_statistics_match_numpy():
-    g = jaxcomp.Guardrail(factor=3.0, window=4, burn_in=5, decay=0.9)
+@pytest.mark.parametrize("patience", [1, 2, 3])
+def test_detector_statistics_match_numpy(patience):
+    g = jaxcomp.Guardrail(factor=3.0, window=4, burn_in=5, decay=0.9, patience=patience)
     rng = np.random.default_rng(1)
     gradients = rng.uniform(1.0, 2.0, 80).astype(np.float32)
-    gradients[20:30] *= np.float32(1.3) ** np.arange(10)  # a slow blow-up the mean cannot follow
+    gradients[20:32] *= np.float32(1.5) ** np.arange(12)  # a slow blow-up the mean cannot follow
     gradients[50] = 500.0  # a spike
     gradients[60] = np.inf  # an energy that overflowed
     gradients[64:68] = 30.0  # a spike twice in a row: the window doubles
@@ -113,14 +117,22 @@ def test_detector_statistics_match_numpy():
     def run(gradients, feds, gains):
         def step(state, x):
             trigger = divergence.triggered(g, state, *x)
-            return divergence.advance(g, state, x[0], trigger), trigger
+            return divergence.advance(g, state, trigger, *x), trigger
 
         return jax.lax.scan(step, divergence.init(), (gradients, feds, gains))
 
     state, triggers = run(gradients, feds, gains)
     want_triggers, want_state = _numpy_guardrail(g, gradients, feds, gains)
     np.testing.assert_array_equal(np.asarray(triggers), want_triggers)
-    assert sum(want_triggers) >= 4 and want_triggers[40] and want_triggers[50]
+    # The blow-up (20-31) is caught whatever the patience. One step of a runaway residual (40) or
+    # of a spike (50) triggers only without patience; with it, an overflowed statistic (60)
+    # triggers at once and, once its window of 4 has passed, 3 suspect steps in a row (65-67) at
+    # the patience-th.
+    assert any(want_triggers[20:32]) and want_triggers[40] == (patience == 1)
+    if patience == 1:
+        assert sum(want_triggers) >= 4
+    else:
+        assert not want_triggers[50] and want_triggers[60] and want_triggers[64 + patience]
     np.testing.assert_allclose(float(state.mean), want_state[0], rtol=1e-5)
     assert [int(x) for x in state[1:]] == list(want_state[1:])
 
@@ -174,27 +186,76 @@ def test_one_device_mesh_catches_the_divergence():
 # ---- an injected spike, the healthy run, the off switch -----------------------------------------
 
 
-@pytest.mark.parametrize("n_devices", [1, 8])
-def test_spike_is_caught_and_healthy_steps_are_unchanged(n_devices, caplog):
+@pytest.mark.parametrize("n_devices, patience", [(1, 2), (8, 2), (8, 1)])
+def test_spike_is_caught_and_healthy_steps_are_unchanged(n_devices, patience, caplog):
     """top-k 10% at a stable learning rate: nothing triggers and the run is bit for bit the one
-    without the guardrail; one batch with 1000x targets triggers at that step, whose update is
-    dropped."""
+    without the guardrail. One batch with 1000x targets (step 30) triggers: with patience 1 at
+    that step, whose update is dropped; with the default patience 2 at the next, because the
+    spike persists (SGD's momentum carries the jump into the next gradient, and top-k's residual
+    holds 90% of the spike), and the next step's update is dropped."""
+    guard = jaxcomp.Guardrail(patience=patience)
     build = lambda on: jaxcomp.compress("ar_topk", ratio=0.1, guardrail=on)  # noqa: E731
     plain, _, plain_params = _train(build(False), 0.005, 40, n_devices)
-    healthy, _, healthy_params = _train(build(True), 0.005, 40, n_devices)
+    healthy, _, healthy_params = _train(build(guard), 0.005, 40, n_devices)
     assert healthy["fallbacks"][-1] == 0 and healthy["fallback"].max() == 0
     np.testing.assert_array_equal(healthy_params[-1], plain_params[-1])
     np.testing.assert_array_equal(healthy["loss"], plain["loss"])
     with caplog.at_level(logging.WARNING, logger="jaxcomp"):
-        spiked, residuals, params = _train(build(True), 0.005, 40, n_devices, spike_at=30)
-    assert spiked["fallbacks"][-1] == 1 and spiked["fallback"][30] == 1
-    assert spiked["fallback"][29] == 0
+        spiked, residuals, params = _train(build(guard), 0.005, 40, n_devices, spike_at=30)
+    at = 29 + patience
+    assert spiked["fallbacks"][-1] == 1 and spiked["fallback"][at] == 1
+    assert spiked["fallback"][at - 1] == 0
     np.testing.assert_allclose(
-        params[31] - params[30], 0.9 * (params[30] - params[29]), rtol=1e-4, atol=1e-7
+        params[at + 1] - params[at], 0.9 * (params[at] - params[at - 1]), rtol=1e-4, atol=1e-7
     )
-    np.testing.assert_array_equal(residuals[30], 0.0)
-    told = [r.getMessage() for r in caplog.records if "diverges at step 30" in r.getMessage()]
+    np.testing.assert_array_equal(residuals[at], 0.0)
+    told = [r.getMessage() for r in caplog.records if f"diverges at step {at}" in r.getMessage()]
     assert len(told) == 1 and "ar_topk(0.1)" in told[0]
+
+
+@pytest.mark.parametrize("spiked_steps", [1, 2])
+def test_one_outlier_step_is_trained_on_as_without_the_guardrail(spiked_steps):
+    """The default patience (2): a bf16 cast under Adam, one batch with 1000x targets. Adam's
+    step stays bounded and the cast's residual holds only rounding, so the next step is healthy:
+    nothing triggers, and the run is bit for bit the unguarded run on the same data (dense
+    training takes that step too). Two such batches in a row trigger at the second, whose update
+    is dropped."""
+    runs = [
+        _train_adam(jaxcomp.compress("bf16", guardrail=on), spike_at=30, spiked_steps=spiked_steps)
+        for on in (False, True)
+    ]
+    (plain, _, plain_params), (guarded, residuals, params) = runs
+    if spiked_steps == 1:
+        assert guarded["fallbacks"][-1] == 0 and guarded["fallback"].max() == 0
+        np.testing.assert_array_equal(params[-1], plain_params[-1])
+        # Not vacuous: without patience the same step triggers.
+        strict = jaxcomp.compress("bf16", guardrail=jaxcomp.Guardrail(patience=1))
+        assert _train_adam(strict, spike_at=30, spiked_steps=1)[0]["fallback"][30] == 1
+        return
+    assert guarded["fallback"][30] == 0 and guarded["fallback"][31] == 1
+    assert guarded["fallbacks"][-1] == 1
+    np.testing.assert_array_equal(params[31], plain_params[31])  # the suspect step trained on
+    np.testing.assert_array_equal(residuals[31], 0.0)
+    # The dropped update: Adam moves on its first moment alone (the update it got was zero).
+    assert not np.array_equal(params[32], plain_params[32])
+
+
+def _train_adam(compress_tx, spike_at, spiked_steps, steps=36):
+    """_train with Adam after compress and ``spiked_steps`` batches of 1000x targets."""
+    tx = optax.chain(compress_tx, optax.adam(0.01))
+    dp = jaxcomp.data_parallel(_loss, tx, _mesh(8))
+    state = dp.init({"w": jnp.zeros(DIM)})
+    out, residuals, params = [], [], [np.asarray(state.params["w"])]
+    for t in range(steps):
+        batch = BATCHES[t]
+        if spike_at <= t < spike_at + spiked_steps:
+            batch = {"x": batch["x"], "y": batch["y"] * 1000.0}
+        state, metrics = dp.step(state, batch)
+        out.append(metrics)
+        residuals.append(np.asarray(jaxcomp.find_compress_state(state.opt_state).residual["w"]))
+        params.append(np.asarray(state.params["w"]))
+    metrics = {k: np.array([float(m[k]) for m in out]) for k in ("loss", "fallback", "fallbacks")}
+    return metrics, residuals, params
 
 
 @pytest.mark.parametrize("callback, warmup", [(False, 0), (False, 2), (True, 2)])
@@ -219,8 +280,10 @@ def test_the_step_keeps_jits_fast_dispatch_and_the_host_still_hears_once(callbac
         spiked, _, _ = _train(
             build(), 0.005, 40, 2, spike_at=30
         )  # 9 steps after the spike: the 8-step bound retires it before the loop ends
-    assert spiked["fallbacks"][-1] == 1 and spiked["fallback"][30] == 1
-    told = [r.getMessage() for r in caplog.records if "diverges at step 30" in r.getMessage()]
+    # The default patience: the spike at 30 persists (momentum, top-k's residual) and triggers
+    # at 31.
+    assert spiked["fallbacks"][-1] == 1 and spiked["fallback"][31] == 1
+    told = [r.getMessage() for r in caplog.records if "diverges at step 31" in r.getMessage()]
     assert len(told) == 1, told
     assert ("gradient norm" in told[0]) == callback and "running RMS" in told[0]
     assert "the guardrail rests for 50 steps" in told[0] and "densely" not in told[0], told[0]
@@ -264,10 +327,11 @@ def test_dense_and_a_method_that_cannot_switch():
     slow = jaxcomp.costmodel.cost.Network.parse("1ms", "10mbit")
     tx = jaxcomp.compress_auto([jaxcomp.TopK(0.1, collective="ar")], network=slow)
     metrics, residuals, _ = _train(tx, 0.005, 36, spike_at=30, momentum=0.0)
-    assert metrics["fallbacks"][-1] == 1 and metrics["fallback"][30] == 1
-    np.testing.assert_array_equal(residuals[30], 0.0)
+    # The spike at 30 stays in the residual: the second suspect step in a row triggers.
+    assert metrics["fallbacks"][-1] == 1 and metrics["fallback"][31] == 1
+    np.testing.assert_array_equal(residuals[31], 0.0)
     assert np.all(metrics["bytes_sent"] == metrics["bytes_sent"][0])  # never dense
-    assert np.abs(residuals[31]).max() > 0  # the method runs on, with error feedback
+    assert np.abs(residuals[32]).max() > 0  # the method runs on, with error feedback
 
 
 def test_compress_auto_falls_back_to_its_dense_candidate(caplog):

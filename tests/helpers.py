@@ -113,3 +113,72 @@ def cluster_hosts_import_this_jaxcomp(monkeypatch):
 
     cluster.check_support()
     monkeypatch.setenv("PYTHONPATH", subprocess_env()["PYTHONPATH"])
+
+
+class EntryGraph:
+    """The data dependencies of a compiled module's ENTRY computation (``compile().as_text()``):
+    each instruction's kind, operands and transitive ancestors, and the computations it calls.
+
+    Example: ``EntryGraph(hlo).ancestors("all-reduce.3") & EntryGraph(hlo).dots()``, the dots
+    that all-reduce waits for.
+    """
+
+    def __init__(self, hlo: str):
+        self.hlo = hlo
+        self.entry = hlo[hlo.index("\nENTRY") :]
+        self.operands, self.kinds, self.order, self.lines = {}, {}, [], {}
+        for line in self.entry.splitlines()[1:]:
+            m = re.match(r"\s*(?:ROOT )?%(\S+) = \S+ ([a-z][a-z\-]*)\((.*)$", line)
+            if m is None:
+                m = re.match(r"\s*(?:ROOT )?%(\S+) = \(.*?\) ([a-z][a-z\-]*)\((.*)$", line)
+            if m is None:
+                continue
+            name, kind, rest = m.groups()
+            self.operands[name] = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+            self.kinds[name] = kind
+            self.order.append(name)
+            self.lines[name] = line
+        self.bodies = dict(re.findall(r"\n%(\S+) [^\n]*\{\n(.*?)\n\}", hlo, re.S))
+        self._seen = {}
+
+    def ancestors(self, name: str) -> set:
+        """Every instruction ``name`` depends on, transitively."""
+        if name not in self._seen:
+            self._seen[name] = set()
+            found = set()
+            for o in self.operands.get(name, []):
+                found |= {o} | self.ancestors(o)
+            self._seen[name] = found
+        return self._seen[name]
+
+    def dots(self) -> set:
+        """The entry's dots and the fusions that run one (XLA:CPU's library fusions)."""
+        fused = {
+            name
+            for name in self.order
+            if self.kinds[name] == "fusion" and " dot(" in self.calls(name, transitive=False)
+        }
+        return fused | {n for n in self.order if self.kinds[n] == "dot"}
+
+    def calls(self, name: str, transitive: bool = True) -> str:
+        """The text of the computations instruction ``name`` calls (fusions, branches, bodies),
+        with theirs when ``transitive``."""
+        todo = self._called(self.lines[name])
+        seen, text = set(), []
+        while todo:
+            computation = todo.pop()
+            if computation in seen or computation not in self.bodies:
+                continue
+            seen.add(computation)
+            body = self.bodies[computation]
+            text.append(body)
+            if transitive:
+                todo.extend(self._called(body))
+        return "\n".join(text)
+
+    @staticmethod
+    def _called(text: str) -> list:
+        names = re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", text)
+        for group in re.findall(r"branch_computations=\{([^}]*)\}", text):
+            names += re.findall(r"%([\w.\-]+)", group)
+        return names

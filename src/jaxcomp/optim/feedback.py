@@ -529,9 +529,7 @@ def _trigger(c: FeedbackConfig, done: _Aggregated, skipped, state, branches, fal
     """Whether this step triggers the guardrail (:mod:`.stages.divergence`): never on a skipped
     step; with ``Guardrail(callback=True)`` the host hears of it from the triggered branch."""
     guarded = state.divergence
-    trigger = divergence.triggered(
-        c.guardrail, guarded, done.energies.gradient, done.energies.fed, done.gain
-    )
+    trigger = divergence.triggered(c.guardrail, guarded, *done.energies, done.gain)
     if skipped is not None:
         trigger = trigger & ~skipped
     if not c.guardrail.callback:
@@ -558,7 +556,7 @@ def _next_state(
     result = done.result
     guarded, fallback, fallbacks = state.divergence, 0.0, 0.0
     if trigger is not None:
-        advanced = divergence.advance(c.guardrail, guarded, done.energies.gradient, trigger)
+        advanced = divergence.advance(c.guardrail, guarded, trigger, *done.energies, done.gain)
         fallback = trigger | divergence.falling_back(guarded)
         guarded = guard.hold(skipped, guarded, advanced)
         fallbacks = guarded.fallbacks

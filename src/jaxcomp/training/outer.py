@@ -11,6 +11,13 @@ outer ``compress``, the only collective over the outer axis) and the *applicatio
 optimizer on the global params, and the workers' restart from them). A step whose counter
 schedules neither runs neither branch: it sends no byte over the outer axis. On a step without a
 sync the conditional's other branch only passes its operands through.
+
+With a delay (Streaming DiLoCo's tau >= 1) an exchange due after inner step ``c`` runs in the
+compiled step of ``c + 1``, from that step's input, *before* its gradient: the same values (its
+fragment is applied no earlier than after step ``c + 1``), but in a program where the exchange's
+collectives depend on nothing the forward and backward passes compute, so XLA's runtime runs
+them beside the inner step instead of after it (docs/training.md, section 7). Its bytes and the
+``synced`` metric are reported by the step that runs it.
 """
 
 from __future__ import annotations
@@ -150,10 +157,13 @@ def diloco_step(run, plan, state: DiLoCoState, batch):
     def local_step(state: DiLoCoState, batch):
         local = jax.tree.map(lambda x: x[0], state.local_params)
         inner_state = jax.tree.map(lambda x: x[0], state.inner_state)
+        # With a delay, the exchanges due after the previous step start here, from this step's
+        # input: nothing in them waits for the gradient below, so XLA runs them beside it.
+        started = _started_exchanges(run, plan, state, local) if plan.schedule.delay else None
         loss, aux, grads = _local_gradients(run, local, batch)
         local, inner_state = run.inner.step(local, grads, inner_state)
         count = state.step + 1
-        new_state, sent, synced = _outer_rounds(run, plan, count, state, local)
+        new_state, sent, synced = _outer_rounds(run, plan, count, state, local, started)
         new_state = new_state._replace(inner_state=jax.tree.map(lambda x: x[None], inner_state))
         return new_state, _metrics(run, loss, aux, sent, synced)
 
@@ -166,21 +176,57 @@ def diloco_step(run, plan, state: DiLoCoState, batch):
     )(state, batch)
 
 
-def _outer_rounds(run, plan, count, state: DiLoCoState, local):
+def _started_exchanges(run, plan, state: DiLoCoState, local):
+    """With ``delay > 0``: per fragment, ``(pending, compress_state, bytes_sent, exchanged)``
+    after the exchange that is due after inner step ``state.step``, run from the step's input
+    state (the worker's params as that step left them), before this step's gradient.
+
+    The values are those an exchange right after that step would produce (the fragment's
+    application is at least one step later, and no other fragment's application touches its
+    leaves); only the compiled program it runs in is the next step's, where its collectives
+    depend on nothing the forward and backward passes compute.
+    """
+    global_leaves = jax.tree.leaves(state.global_params)
+    local_leaves = jax.tree.leaves(local)
+    started = []
+    for f, group in enumerate(plan.schedule.groups):
+        compress_state = plan.compress_rows(state.compress_state[f], f, take=True)
+
+        def start(operands, group=group):
+            _, compress_state = operands
+            aggregated, compress_state, bytes_sent = _exchange(
+                run,
+                [global_leaves[i] for i in group],
+                [local_leaves[i] for i in group],
+                compress_state,
+            )
+            return (aggregated, compress_state), bytes_sent
+
+        exchanged = plan.schedule.exchanges(state.step, f)
+        operands = (state.pending[f], compress_state)
+        skip = lambda ops: (ops, jnp.zeros((), jnp.float32))  # noqa: E731
+        (pending, compress_state), bytes_sent = run.inner.cond(exchanged, start, skip, operands)
+        started.append((pending, compress_state, bytes_sent, exchanged))
+    return started
+
+
+def _outer_rounds(run, plan, count, state: DiLoCoState, local, started=None):
     """``(state, bytes_sent, synced)``: every fragment's round after inner step ``count``
-    (``state.inner_state`` is left for the caller)."""
+    (``state.inner_state`` is left for the caller); with a delay, ``started`` holds the
+    exchanges :func:`_started_exchanges` ran."""
     global_leaves, treedef = jax.tree.flatten(state.global_params)
     local_leaves = jax.tree.leaves(local)
     outer, compressed, pending, sent, synced = [], [], [], [], []
     for f, group in enumerate(plan.schedule.groups):
-        fragment = _Fragment(
-            [global_leaves[i] for i in group],
-            [local_leaves[i] for i in group],
-            state.outer_state[f],
-            plan.compress_rows(state.compress_state[f], f, take=True),
-            state.pending[f] if plan.schedule.delay else None,
-        )
-        fragment, bytes_sent, exchanged = _fragment_round(run, plan.schedule, f, count, fragment)
+        leaves = ([global_leaves[i] for i in group], [local_leaves[i] for i in group])
+        if started is None:
+            compress_state = plan.compress_rows(state.compress_state[f], f, take=True)
+            fragment = _Fragment(*leaves, state.outer_state[f], compress_state, None)
+            fragment, bytes_sent, exchanged = _sync_round(run, plan.schedule, f, count, fragment)
+        else:
+            pending_f, compress_state, bytes_sent, exchanged = started[f]
+            fragment = _Fragment(*leaves, state.outer_state[f], compress_state, pending_f)
+            fragment = _late_application(run, plan.schedule, f, count, fragment)
         for i, g, lo in zip(group, fragment.global_leaves, fragment.local_leaves):
             global_leaves[i], local_leaves[i] = g, lo
         outer.append(fragment.outer_state)
@@ -222,63 +268,57 @@ def _local_gradients(run, local, batch):
     return loss, None, grads
 
 
-def _fragment_round(run, schedule, f: int, count, fragment: _Fragment):
-    """``(fragment, bytes_sent, exchanged)``: fragment ``f``'s exchange and application, each a
-    ``lax.cond`` on the step counter (with ``delay = 0`` one cond does both)."""
-    exchanged = schedule.exchanges(count, f)
-    zero = jnp.zeros((), jnp.float32)
-
-    def exchange(global_leaves, local_leaves, compress_state):
-        # Split over the inner axis, each device sends its block; the row gathers the average.
-        inner = run.inner
-        delta = [inner.block(g - lo) for g, lo in zip(global_leaves, local_leaves)]
-        blocks = [inner.block(g) for g in global_leaves]
-        aggregated, compress_state = run.compress_tx.update(delta, compress_state, blocks)
-        aggregated = inner.wholes(
-            [a.astype(g.dtype) for a, g in zip(aggregated, global_leaves)],
-            [g.shape for g in global_leaves],
-        )
-        return aggregated, compress_state, inner.row_bytes(_bytes_sent(compress_state))
-
-    if not schedule.delay:
-
-        def sync(operands):
-            global_leaves, local_leaves, outer_state, compress_state = operands
-            aggregated, compress_state, bytes_sent = exchange(
-                global_leaves, local_leaves, compress_state
-            )
-            global_leaves, outer_state = _outer_update(run, aggregated, outer_state, global_leaves)
-            local_leaves = [_like(g, lo) for g, lo in zip(global_leaves, local_leaves)]
-            return (global_leaves, local_leaves, outer_state, compress_state), bytes_sent
-
-        operands = (
-            fragment.global_leaves,
-            fragment.local_leaves,
-            fragment.outer_state,
-            fragment.compress_state,
-        )
-        (g, lo, outer_state, compress_state), bytes_sent = run.inner.cond(
-            exchanged, sync, lambda ops: (ops, zero), operands
-        )
-        return _Fragment(g, lo, outer_state, compress_state, None), bytes_sent, exchanged
-
-    def start(operands):
-        pending, compress_state = operands
-        aggregated, compress_state, bytes_sent = exchange(
-            fragment.global_leaves, fragment.local_leaves, compress_state
-        )
-        return (aggregated, compress_state), bytes_sent
-
-    (pending, compress_state), bytes_sent = run.inner.cond(
-        exchanged, start, lambda ops: (ops, zero), (fragment.pending, fragment.compress_state)
+def _exchange(run, global_leaves, local_leaves, compress_state):
+    """``(aggregated, compress_state, bytes_sent)``: a fragment's pseudo-gradient (global minus
+    local) through the outer ``compress``; split over the inner axis, each device sends its
+    block and the row gathers the average."""
+    inner = run.inner
+    delta = [inner.block(g - lo) for g, lo in zip(global_leaves, local_leaves)]
+    blocks = [inner.block(g) for g in global_leaves]
+    aggregated, compress_state = run.compress_tx.update(delta, compress_state, blocks)
+    aggregated = inner.wholes(
+        [a.astype(g.dtype) for a, g in zip(aggregated, global_leaves)],
+        [g.shape for g in global_leaves],
     )
+    return aggregated, compress_state, inner.row_bytes(_bytes_sent(compress_state))
+
+
+def _sync_round(run, schedule, f: int, count, fragment: _Fragment):
+    """``(fragment, bytes_sent, exchanged)`` with ``delay = 0``: fragment ``f``'s exchange and
+    application together, one ``lax.cond`` on the step counter, after the inner step."""
+    exchanged = schedule.exchanges(count, f)
+
+    def sync(operands):
+        global_leaves, local_leaves, outer_state, compress_state = operands
+        aggregated, compress_state, bytes_sent = _exchange(
+            run, global_leaves, local_leaves, compress_state
+        )
+        global_leaves, outer_state = _outer_update(run, aggregated, outer_state, global_leaves)
+        local_leaves = [_like(g, lo) for g, lo in zip(global_leaves, local_leaves)]
+        return (global_leaves, local_leaves, outer_state, compress_state), bytes_sent
+
+    operands = (
+        fragment.global_leaves,
+        fragment.local_leaves,
+        fragment.outer_state,
+        fragment.compress_state,
+    )
+    (g, lo, outer_state, compress_state), bytes_sent = run.inner.cond(
+        exchanged, sync, lambda ops: (ops, jnp.zeros((), jnp.float32)), operands
+    )
+    return _Fragment(g, lo, outer_state, compress_state, None), bytes_sent, exchanged
+
+
+def _late_application(run, schedule, f: int, count, fragment: _Fragment) -> _Fragment:
+    """Fragment ``f``'s delayed application after inner step ``count`` (a ``lax.cond``), from
+    its pending aggregate."""
     g, lo, outer_state = jax.lax.cond(
         schedule.applies(count, f),
-        lambda ops: _apply_late(run, pending, *ops),
+        lambda ops: _apply_late(run, fragment.pending, *ops),
         lambda ops: ops,
         (fragment.global_leaves, fragment.local_leaves, fragment.outer_state),
     )
-    return _Fragment(g, lo, outer_state, compress_state, pending), bytes_sent, exchanged
+    return fragment._replace(global_leaves=g, local_leaves=lo, outer_state=outer_state)
 
 
 def _apply_late(run, pending, global_leaves, local_leaves, outer_state):

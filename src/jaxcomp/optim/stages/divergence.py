@@ -7,7 +7,8 @@ by the psum of the metrics stage (:mod:`.metrics`; one more scalar in it, no new
 * ``F = sum_d ||g_e,d||^2``, the error-fed energy (gradient plus residual), with the step's
   compression gain ``gain = sum_d ||sent_d||^2 / F``.
 
-It triggers, once ``burn_in`` steps have been seen, when
+A step is *suspect*, once ``burn_in`` steps have been seen, when (a) or (b) holds, and the
+guardrail triggers when ``patience`` steps in a row are suspect (default 2), or at once on (c):
 
 * **(a) the gradient norm blows up:** ``G > factor**2 * mean``, where ``mean`` is a running mean
   of ``G`` (the average of the burn-in steps, then an exponential moving average with
@@ -23,6 +24,14 @@ It triggers, once ``burn_in`` steps have been seen, when
   above ``1.8e19``, or a device's energy above ``2**100``). Non-finite *entries* do not trigger by
   themselves: the non-finite guard (:mod:`.guard`) already counts them as 0 and never stores them,
   and the ``nonfinite=`` policy decides their step.
+
+**Why two steps in a row.** A divergence that compression causes grows from step to step (the
+residual and the gradient feed each other); one outlier batch does not, and dense training would
+take that step too. On the 2.45M-parameter char-LM of ``benchmarks/quality.py``, healthy runs
+have single steps whose ``G`` is 66 times its running mean (one device's batch), with the next
+step back at the mean: with ``patience=1`` those triggered 50 dense steps that changed the run
+(BENCHMARKS.md, "The guardrail's patience"). ``patience=1`` is the stricter setting: it drops
+the update of the first suspect step, an outlier batch's included.
 
 **Response.** The triggering step sends no update (its gradients are the outlier) and clears the
 residual and DGC's velocity on every device; the next ``window`` steps aggregate with the dense
@@ -82,6 +91,9 @@ class Guardrail:
       window: dense steps after a trigger before the method runs again (default 50, ``>= 1``).
       burn_in: steps seen before the first check (default 20, ``>= 1``); their mean starts the
         running mean.
+      patience: suspect steps in a row that trigger (default 2, ``>= 1``): a single outlier
+        step (one batch whose gradient is far above the running RMS) is trained on as dense
+        would; a non-finite statistic triggers at once.
       decay: the running mean's decay per step (default 0.98, in ``(0, 1)``).
       dense_fallback: whether a trigger switches to dense for the window (True) or only clears
         the residual and pauses the detector (False). Default None: dense, except for the
@@ -109,6 +121,7 @@ class Guardrail:
     window: int = 50
     burn_in: int = 20
     decay: float = 0.98
+    patience: int = 2
     dense_fallback: bool | None = None
     callback: bool = False
 
@@ -131,6 +144,7 @@ class Guardrail:
         object.__setattr__(self, "decay", float(self.decay))
         object.__setattr__(self, "window", _checks.static_int(self.window, "window", 1))
         object.__setattr__(self, "burn_in", _checks.static_int(self.burn_in, "burn_in", 1))
+        object.__setattr__(self, "patience", _checks.static_int(self.patience, "patience", 1))
 
 
 class GuardrailState(NamedTuple):
@@ -142,6 +156,7 @@ class GuardrailState(NamedTuple):
     fallbacks: jax.Array  # i32[]: triggers so far
     streak: jax.Array  # i32[]: triggers in a row (each doubles the window)
     calm: jax.Array  # i32[]: steps the method ran since the last window ended
+    suspect: jax.Array  # i32[]: suspect steps in a row that have not triggered (yet)
 
 
 def check(guardrail) -> Guardrail | None:
@@ -212,7 +227,7 @@ def init() -> GuardrailState:
       Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
     """
     zero = jnp.zeros((), jnp.int32)
-    return GuardrailState(jnp.zeros((), jnp.float32), zero, zero, zero, zero, zero)
+    return GuardrailState(jnp.zeros((), jnp.float32), zero, zero, zero, zero, zero, zero)
 
 
 def falling_back(state: GuardrailState | None):
@@ -235,8 +250,9 @@ def falling_back(state: GuardrailState | None):
     return None if state is None else state.left > 0
 
 
-def triggered(guardrail: Guardrail, state: GuardrailState, gradient, fed, gain):
-    """Whether this step triggers the fallback (a replicated boolean).
+def suspect(guardrail: Guardrail, state: GuardrailState, gradient, fed, gain):
+    """Whether this step is suspect: (a) or (b) of the module docstring (or (c)), after the
+    burn-in and outside a fallback window (a replicated boolean).
 
     Args:
       guardrail: the :class:`Guardrail`.
@@ -246,13 +262,12 @@ def triggered(guardrail: Guardrail, state: GuardrailState, gradient, fed, gain):
       gain: the step's compression gain.
 
     Returns:
-      A boolean scalar: (a), (b) or (c) of the module docstring, after the burn-in and outside a
-      fallback window.
+      A boolean scalar.
 
     Example:
       >>> state = init()._replace(mean=jnp.float32(1.0), seen=jnp.int32(50))
       >>> g = Guardrail()
-      >>> bool(triggered(g, state, 24.0, 1.0, 1.0)), bool(triggered(g, state, 26.0, 1.0, 1.0))
+      >>> bool(suspect(g, state, 24.0, 1.0, 1.0)), bool(suspect(g, state, 26.0, 1.0, 1.0))
       (False, True)
 
     References:
@@ -264,6 +279,38 @@ def triggered(guardrail: Guardrail, state: GuardrailState, gradient, fed, gain):
     runaway = ~(fed * jnp.square(gain) <= 4.0 * limit)
     ready = (state.seen >= guardrail.burn_in) & (state.left == 0)
     return ready & (blown_up | runaway)
+
+
+def triggered(guardrail: Guardrail, state: GuardrailState, gradient, fed, gain):
+    """Whether this step triggers the fallback (a replicated boolean): the ``patience``-th
+    :func:`suspect` step in a row, or a suspect step whose ``G`` or ``F`` is not finite.
+
+    Args:
+      guardrail: the :class:`Guardrail`.
+      state: the state before the step.
+      gradient: ``G``, the gradients' energy summed over the devices.
+      fed: ``F``, the error-fed energy summed over the devices (inf when it overflowed).
+      gain: the step's compression gain.
+
+    Returns:
+      A boolean scalar.
+
+    Example:
+      >>> state = init()._replace(mean=jnp.float32(1.0), seen=jnp.int32(50))
+      >>> g = Guardrail()  # patience 2
+      >>> bool(triggered(g, state, 26.0, 1.0, 1.0))  # the first suspect step
+      False
+      >>> bool(triggered(g, state._replace(suspect=jnp.int32(1)), 26.0, 1.0, 1.0))
+      True
+      >>> bool(triggered(g, state, jnp.inf, 1.0, 1.0))  # (c): at once
+      True
+
+    References:
+      Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019, Thm. II.
+    """
+    overflowed = ~jnp.isfinite(gradient) | ~jnp.isfinite(fed)
+    persists = state.suspect + 1 >= guardrail.patience
+    return suspect(guardrail, state, gradient, fed, gain) & (persists | overflowed)
 
 
 def window_length(guardrail: Guardrail, state: GuardrailState):
@@ -292,27 +339,33 @@ def window_length(guardrail: Guardrail, state: GuardrailState):
     return (guardrail.window * jnp.left_shift(1, doublings)).astype(jnp.int32), streak
 
 
-def advance(guardrail: Guardrail, state: GuardrailState, gradient, trigger) -> GuardrailState:
+def advance(
+    guardrail: Guardrail, state: GuardrailState, trigger, gradient, fed, gain
+) -> GuardrailState:
     """The state after a step: the running mean takes ``G`` in (not a triggering step's; during a
-    window it may only come down, as the model recovers), the window counts down or starts.
+    window it may only come down, as the model recovers), the window counts down or starts, the
+    suspect steps in a row are counted (and start again from 0 on a trigger).
 
     Args:
       guardrail: the :class:`Guardrail`.
       state: the state before the step.
-      gradient: ``G`` of the step.
       trigger: :func:`triggered`'s result.
+      gradient: ``G`` of the step.
+      fed: ``F`` of the step.
+      gain: the step's compression gain.
 
     Returns:
       The new :class:`GuardrailState`.
 
     Example:
-      >>> state = advance(Guardrail(), init(), jnp.float32(4.0), jnp.bool_(False))
+      >>> state = advance(Guardrail(), init(), jnp.bool_(False), jnp.float32(4.0), 4.0, 1.0)
       >>> float(state.mean), int(state.seen)
       (4.0, 1)
 
     References:
       Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
     """
+    suspicious = suspect(guardrail, state, gradient, fed, gain)
     seen = state.seen.astype(jnp.float32)
     finite = jnp.isfinite(gradient)
     sample = jnp.where(finite, gradient, state.mean)
@@ -329,6 +382,7 @@ def advance(guardrail: Guardrail, state: GuardrailState, gradient, trigger) -> G
         fallbacks=state.fallbacks + trigger.astype(jnp.int32),
         streak=jnp.where(trigger, streak, state.streak).astype(jnp.int32),
         calm=jnp.where(trigger | (state.left > 0), 0, state.calm + 1).astype(jnp.int32),
+        suspect=jnp.where(suspicious & ~trigger, state.suspect + 1, 0).astype(jnp.int32),
     )
 
 
