@@ -286,11 +286,7 @@ def triggered(guardrail: Guardrail, state: GuardrailState, gradient, fed, gain):
     :func:`suspect` step in a row, or a suspect step whose ``G`` or ``F`` is not finite.
 
     Args:
-      guardrail: the :class:`Guardrail`.
-      state: the state before the step.
-      gradient: ``G``, the gradients' energy summed over the devices.
-      fed: ``F``, the error-fed energy summed over the devices (inf when it overflowed).
-      gain: the step's compression gain.
+      guardrail, state, gradient, fed, gain: as for :func:`suspect`.
 
     Returns:
       A boolean scalar.
