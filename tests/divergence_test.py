@@ -386,6 +386,8 @@ def test_compiled_step_keeps_the_dense_all_reduce_in_the_fallback_branch():
         (lambda: jaxcomp.Guardrail(factor="big"), "factor must be a number"),
         (lambda: jaxcomp.Guardrail(window=0), "window must be"),
         (lambda: jaxcomp.Guardrail(burn_in=2.5), "burn_in must be"),
+        (lambda: jaxcomp.Guardrail(patience=0), "patience must be"),
+        (lambda: jaxcomp.Guardrail(patience=1.5), "patience must be"),
         (lambda: jaxcomp.Guardrail(decay=1.0), "decay must be in"),
         (lambda: jaxcomp.Guardrail(dense_fallback="yes"), "dense_fallback must be"),
         (lambda: jaxcomp.compress("ar_topk", ratio=0.1, guardrail="on"), "guardrail must be"),

@@ -28,7 +28,7 @@ guardrail triggers when ``patience`` steps in a row are suspect (default 2), or 
 **Why two steps in a row.** A divergence that compression causes grows from step to step (the
 residual and the gradient feed each other); one outlier batch does not, and dense training would
 take that step too. On the 2.45M-parameter char-LM of ``benchmarks/quality.py``, healthy runs
-have single steps whose ``G`` is 66 times its running mean (one device's batch), with the next
+have single steps whose ``G`` is 66 times its running mean (an outlier batch), with the next
 step back at the mean: with ``patience=1`` those triggered 50 dense steps that changed the run
 (BENCHMARKS.md, "The guardrail's patience"). ``patience=1`` is the stricter setting: it drops
 the update of the first suspect step, an outlier batch's included.
@@ -91,9 +91,6 @@ class Guardrail:
       window: dense steps after a trigger before the method runs again (default 50, ``>= 1``).
       burn_in: steps seen before the first check (default 20, ``>= 1``); their mean starts the
         running mean.
-      patience: suspect steps in a row that trigger (default 2, ``>= 1``): a single outlier
-        step (one batch whose gradient is far above the running RMS) is trained on as dense
-        would; a non-finite statistic triggers at once.
       decay: the running mean's decay per step (default 0.98, in ``(0, 1)``).
       dense_fallback: whether a trigger switches to dense for the window (True) or only clears
         the residual and pauses the detector (False). Default None: dense, except for the
@@ -107,6 +104,9 @@ class Guardrail:
         of 1,000 leaves with Adam). Without it :func:`jaxcomp.data_parallel` tells the host
         from the finished steps' states (:func:`tell_trigger`); in a loop of your own, read the
         ``fallbacks`` metric, or pass ``callback=True``.
+      patience: suspect steps in a row that trigger (default 2, ``>= 1``): a single outlier
+        step (one batch whose gradient is far above the running RMS) is trained on as dense
+        would; a non-finite statistic triggers at once.
 
     Example:
       >>> Guardrail(factor=5.0).window
@@ -121,9 +121,9 @@ class Guardrail:
     window: int = 50
     burn_in: int = 20
     decay: float = 0.98
-    patience: int = 2
     dense_fallback: bool | None = None
     callback: bool = False
+    patience: int = 2  # last: a positional Guardrail(...) of before keeps its meaning
 
     def __post_init__(self):
         if not isinstance(self.callback, bool):
