@@ -46,16 +46,20 @@ def _mesh(n):
     return Mesh(np.array(jax.devices()[:n]), ("data",))
 
 
-def _train(compress_tx, lr, steps, n_devices=8, spike_at=None, momentum=0.9):
-    """Trains with data_parallel; returns (per-step metrics as numpy, residual after each step,
-    params before and after each step)."""
-    tx = optax.chain(compress_tx, optax.sgd(lr, momentum=momentum))
+def _train(
+    compress_tx, lr, steps, n_devices=8, spike_at=None, momentum=0.9, spiked_steps=1, adam=False
+):
+    """Trains with data_parallel (SGD after compress, or Adam); ``spiked_steps`` batches from
+    ``spike_at`` on have 1000x targets. Returns (per-step metrics as numpy, residual after each
+    step, params before and after each step)."""
+    optimizer = optax.adam(lr) if adam else optax.sgd(lr, momentum=momentum)
+    tx = optax.chain(compress_tx, optimizer)
     dp = jaxcomp.data_parallel(_loss, tx, _mesh(n_devices))
     state = dp.init({"w": jnp.zeros(DIM)})
     out, residuals, params = [], [], [np.asarray(state.params["w"])]
     for t in range(steps):
         batch = BATCHES[t]
-        if t == spike_at:
+        if spike_at is not None and spike_at <= t < spike_at + spiked_steps:
             batch = {"x": batch["x"], "y": batch["y"] * 1000.0}
         state, metrics = dp.step(state, batch)
         out.append(metrics)
@@ -213,6 +217,10 @@ def test_spike_is_caught_and_healthy_steps_are_unchanged(n_devices, patience, ca
     assert len(told) == 1 and "ar_topk(0.1)" in told[0]
 
 
+def _train_adam(compress_tx, spiked_steps):
+    return _train(compress_tx, 0.01, 36, spike_at=30, spiked_steps=spiked_steps, adam=True)
+
+
 @pytest.mark.parametrize("spiked_steps", [1, 2])
 def test_one_outlier_step_is_trained_on_as_without_the_guardrail(spiked_steps):
     """The default patience (2): a bf16 cast under Adam, one batch with 1000x targets. Adam's
@@ -221,8 +229,7 @@ def test_one_outlier_step_is_trained_on_as_without_the_guardrail(spiked_steps):
     training takes that step too). Two such batches in a row trigger at the second, whose update
     is dropped."""
     runs = [
-        _train_adam(jaxcomp.compress("bf16", guardrail=on), spike_at=30, spiked_steps=spiked_steps)
-        for on in (False, True)
+        _train_adam(jaxcomp.compress("bf16", guardrail=on), spiked_steps) for on in (False, True)
     ]
     (plain, _, plain_params), (guarded, residuals, params) = runs
     if spiked_steps == 1:
@@ -230,7 +237,7 @@ def test_one_outlier_step_is_trained_on_as_without_the_guardrail(spiked_steps):
         np.testing.assert_array_equal(params[-1], plain_params[-1])
         # Not vacuous: without patience the same step triggers.
         strict = jaxcomp.compress("bf16", guardrail=jaxcomp.Guardrail(patience=1))
-        assert _train_adam(strict, spike_at=30, spiked_steps=1)[0]["fallback"][30] == 1
+        assert _train_adam(strict, 1)[0]["fallback"][30] == 1
         return
     assert guarded["fallback"][30] == 0 and guarded["fallback"][31] == 1
     assert guarded["fallbacks"][-1] == 1
@@ -238,24 +245,6 @@ def test_one_outlier_step_is_trained_on_as_without_the_guardrail(spiked_steps):
     np.testing.assert_array_equal(residuals[31], 0.0)
     # The dropped update: Adam moves on its first moment alone (the update it got was zero).
     assert not np.array_equal(params[32], plain_params[32])
-
-
-def _train_adam(compress_tx, spike_at, spiked_steps, steps=36):
-    """_train with Adam after compress and ``spiked_steps`` batches of 1000x targets."""
-    tx = optax.chain(compress_tx, optax.adam(0.01))
-    dp = jaxcomp.data_parallel(_loss, tx, _mesh(8))
-    state = dp.init({"w": jnp.zeros(DIM)})
-    out, residuals, params = [], [], [np.asarray(state.params["w"])]
-    for t in range(steps):
-        batch = BATCHES[t]
-        if spike_at <= t < spike_at + spiked_steps:
-            batch = {"x": batch["x"], "y": batch["y"] * 1000.0}
-        state, metrics = dp.step(state, batch)
-        out.append(metrics)
-        residuals.append(np.asarray(jaxcomp.find_compress_state(state.opt_state).residual["w"]))
-        params.append(np.asarray(state.params["w"]))
-    metrics = {k: np.array([float(m[k]) for m in out]) for k in ("loss", "fallback", "fallbacks")}
-    return metrics, residuals, params
 
 
 @pytest.mark.parametrize("callback, warmup", [(False, 0), (False, 2), (True, 2)])

@@ -204,8 +204,7 @@ def _started_exchanges(run, plan, state: DiLoCoState, local):
 
         exchanged = plan.schedule.exchanges(state.step, f)
         operands = (state.pending[f], compress_state)
-        skip = lambda ops: (ops, jnp.zeros((), jnp.float32))  # noqa: E731
-        (pending, compress_state), bytes_sent = run.inner.cond(exchanged, start, skip, operands)
+        (pending, compress_state), bytes_sent = run.inner.cond(exchanged, start, _unsent, operands)
         started.append((pending, compress_state, bytes_sent, exchanged))
     return started
 
@@ -304,9 +303,14 @@ def _sync_round(run, schedule, f: int, count, fragment: _Fragment):
         fragment.compress_state,
     )
     (g, lo, outer_state, compress_state), bytes_sent = run.inner.cond(
-        exchanged, sync, lambda ops: (ops, jnp.zeros((), jnp.float32)), operands
+        exchanged, sync, _unsent, operands
     )
     return _Fragment(g, lo, outer_state, compress_state, None), bytes_sent, exchanged
+
+
+def _unsent(operands):
+    """The branch of a step without an exchange: the operands as they were, 0 bytes sent."""
+    return operands, jnp.zeros((), jnp.float32)
 
 
 def _late_application(run, schedule, f: int, count, fragment: _Fragment) -> _Fragment:
