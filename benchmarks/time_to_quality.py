@@ -28,8 +28,9 @@ Every row trains the same model from the same params on the same batches (``qual
   pseudo-gradients as 8-bit codes (``jaxcomp.Quantized(8)``, error feedback), ``-topk`` as top-10%
   (``jaxcomp.TopK(0.1)``, error feedback), ``-stream`` syncs 2 fragments staggered, applied 1 step
   late (``-stream4``: 4 fragments). A row name may add settings: ``@outer=nesterov:1.0:0.3`` (or
-  ``sgd:1.3``, ``avg``...) sets a DiLoCo row's outer optimizer and ``@lr=3e-3`` its (or dp's)
-  Adam peak learning rate, so that one job screens settings beside ``dp``
+  ``sgd:1.3``, ``avg``...) sets a DiLoCo row's outer optimizer, ``@codec=int4`` its
+  pseudo-gradients' codec (:data:`CODECS`) and ``@lr=3e-3`` its (or dp's) Adam peak learning
+  rate, so that one job screens settings beside ``dp``
   (``--rows dp,diloco-h50@outer=sgd:1.3,diloco-h50@lr=3e-3``).
 
 ``dp`` runs first and sets the target: its held-out loss after ``--steps`` steps. Every other row
@@ -121,6 +122,28 @@ CLUSTER_ROWS = (
     "diloco-h50-int8",
 )
 
+#: The pseudo-gradients' codecs of DiLoCo rows (``-int8``, ``-topk``, or ``@codec=NAME``), all
+#: with error feedback: THC's 8 bits after a random Hadamard rotation; the same 8 bits without
+#: the rotation (``int8flat``: no transform before and after, on a grid as wide as the raw
+#: values); THC's 4 bits (Streaming DiLoCo's width); top-10%.
+CODECS = ("none", "int8", "int8flat", "int4", "topk")
+
+
+def codec(name):
+    """The ``jaxcomp`` method of a name in :data:`CODECS` (None: dense pseudo-gradients)."""
+    import jaxcomp
+
+    if name not in CODECS:
+        raise ValueError(f"codec {name!r}: choose from {', '.join(CODECS)}")
+    return {
+        "none": None,
+        "int8": jaxcomp.Quantized(8),
+        "int8flat": jaxcomp.Quantized(8, hadamard=False),
+        "int4": jaxcomp.Quantized(4),
+        "topk": jaxcomp.TopK(0.1),
+    }[name]
+
+
 #: ``--model``: quality.py's two, and "wide" (3.67M params, 16 sequences a step): a model whose
 #: gradient is large against its compute, so that the network matters on the emulated cluster.
 MODELS = dict(quality.MODELS, wide=quality.Config(layers=2, width=384, heads=6, batch=16))
@@ -165,8 +188,10 @@ def _positive(text):
 def parse_row(name):
     """A row name and its settings: ``diloco-h50@outer=nesterov:1.0:0.3@lr=3e-3`` is the row
     ``diloco-h50`` with that outer optimizer (DiLoCo rows) and inner (or dp's) peak learning rate,
-    so that one job can screen settings beside ``dp``. Returns ``(row, {"outer": spec, "lr":
-    float})``, with only the settings given; ValueError naming the row for anything unknown."""
+    so that one job can screen settings beside ``dp``; DiLoCo rows also take ``@exchange=`` and
+    ``@codec=`` (a name in :data:`CODECS`, for the row's pseudo-gradients). Returns ``(row,
+    {"outer": spec, "lr": float, ...})``, with only the settings given; ValueError naming the row
+    for anything unknown."""
     base, *parts = name.split("@")
     if base not in ROWS:
         raise ValueError(f"unknown row {base!r} in {name!r}; choose from {list(ROWS)}")
@@ -180,6 +205,10 @@ def parse_row(name):
             if value not in ("split", "whole"):
                 raise ValueError(f"row {name!r}: @exchange= takes split or whole, got {value!r}")
             settings["exchange"] = value
+        elif key == "codec" and ROWS[base]["kind"] == "diloco":
+            if value not in CODECS:
+                raise ValueError(f"row {name!r}: @codec= takes {', '.join(CODECS)}, got {value!r}")
+            settings["codec"] = value
         elif key == "lr":
             settings["lr"] = _positive(value)
             if settings["lr"] is None:
@@ -188,7 +217,7 @@ def parse_row(name):
             raise ValueError(
                 f"row {name!r}: @{part} is not a setting of it; a row takes @lr=PEAK"
                 + (
-                    " and @outer=SPEC, @exchange=split|whole"
+                    ", @outer=SPEC, @exchange=split|whole and @codec=NAME"
                     if ROWS[base]["kind"] == "diloco"
                     else ""
                 )
@@ -204,6 +233,8 @@ def row_options(name, quick=False):
     for key in ("outer", "exchange"):
         if key in settings:
             options[key] = settings[key]
+    if "codec" in settings:
+        options["compress"] = settings["codec"]
     if quick and options["kind"] == "diloco":
         options.update(sync_every=2, fragments=1, delay=0)
     return options
@@ -241,9 +272,7 @@ def build(options, loss_fn, adam, devices, inner=1):
     if kind == "dp":
         tx = jaxcomp.compress(options["method"], **options.get("settings", {}))
         return jaxcomp.data_parallel(loss_fn, optax.chain(tx, adam), Mesh(devices, ("data",)))
-    compress = {None: None, "int8": jaxcomp.Quantized(8), "topk": jaxcomp.TopK(0.1)}[
-        options.pop("compress", None)
-    ]
+    compress = codec(options.pop("compress", None) or "none")
     if inner > 1:
         mesh = Mesh(devices.reshape(-1, inner), ("workers", "data"))
         options.update(inner_axis="data")

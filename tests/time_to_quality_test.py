@@ -76,6 +76,8 @@ def test_cluster_jobs_get_the_flags_but_not_the_drivers():
         (["--hosts", "2", "--inner", "3"], "--hosts 2 x --inner 3 devices must divide"),
         (["--inner", "3"], "--inner 3 must divide the 8 devices"),
         (["--rows", "diloco-h10@exchange=half"], "@exchange= takes split or whole"),
+        (["--rows", "diloco-h10@codec=int3"], "@codec= takes none, int8, int8flat, int4, topk"),
+        (["--rows", "dp@codec=int8"], "@codec=int8 is not a setting of it"),
         (["--hosts", "2", "--rates", "1gbit,fast"], "--rates: rate must look like '1gbit'"),
     ],
 )
@@ -105,6 +107,17 @@ def test_a_row_name_sets_the_outer_optimizer_and_the_learning_rate():
         for _ in range(2):
             (u, a), (v, b) = ours.update(grads, a), theirs.update(grads, b)
             np.testing.assert_array_equal(u, v)
+
+
+def test_a_row_name_sets_the_codec_of_the_pseudo_gradients():
+    import jaxcomp
+
+    assert ttq.row_options("diloco-h50-avg-stream4-int8")["compress"] == "int8"
+    options = ttq.row_options("diloco-h50-avg-stream4-int8@codec=int8flat")
+    assert options["compress"] == "int8flat" and options["fragments"] == 4
+    assert ttq.codec(options["compress"]) == jaxcomp.Quantized(8, hadamard=False)
+    assert ttq.row_options("diloco-h10-int8@codec=none")["compress"] == "none"
+    assert ttq.codec("none") is None and ttq.codec("int8") == jaxcomp.Quantized(8)
 
 
 @pytest.mark.multiprocess
