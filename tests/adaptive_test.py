@@ -193,11 +193,11 @@ def test_auto_on_8_virtual_devices_picks_dense_from_the_live_probe_and_compressi
     mesh = jax.sharding.Mesh(jax.devices()[:8], ("data",))
     n_values = 100_000
     # One probe's medians on a machine whose 2 cores another test worker (or a benchmark) shares
-    # fell to 2.0e8 bytes/s once in CI; the best of three probes is the memory's.
-    in_memory = max(
-        (probe.probe_network(mesh, "data", cache=False) for _ in range(3)),
-        key=lambda network: network.bandwidth,
-    )
+    # fell to 2.0e8 bytes/s once in CI: up to three probes, the first that sees memory counts.
+    for _ in range(3):
+        in_memory = probe.probe_network(mesh, "data", cache=False)
+        if in_memory.bandwidth > 3e8:
+            break
     assert in_memory.bandwidth > 3e8  # bytes/s: memory, not a slow link
     codec = {
         m: probe.codec_seconds(m, n_values, mesh=mesh, axis_name="data") for m in CANDIDATES[1:]
