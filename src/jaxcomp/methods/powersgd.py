@@ -90,8 +90,9 @@ class PowerSGD(Method):
     **Quality: not within 3% of dense Adam** at rank 4 on ``benchmarks/quality.py``'s small
     transformer (width 128): +9.1% (500 steps) and +5.0% (1500) with ``compress`` +
     ``optax.adam``, the best pairing found (:func:`jaxcomp.adam`: +9.3% and +9.0%); a higher rank
-    sends more. On its large model (width 256, 2.45M params) rank 4 is within 3%: +2.2% at 500
-    steps, at 27x fewer bytes than dense (BENCHMARKS.md, "Compressed optimizers").
+    sends more. On its large model (width 256, 2.45M params, 500 steps, 27x fewer bytes than
+    dense) rank 4 is +2.2% against dense at the small model's learning rate, but +12.5% when
+    both run at the large model's tuned rate (BENCHMARKS.md, "Compressed optimizers").
 
     Args:
       rank: the approximation's rank ``r``, an integer >= 1 (PyTorch's

@@ -29,8 +29,8 @@ class Sign(Method):
 
     **Quality: pair it with** :func:`jaxcomp.adam` (1-bit Adam: the signs of the momentum, not
     of the gradient): on ``benchmarks/quality.py``'s transformer it ends +0.7% above dense
-    Adam's held-out loss (500 steps; +1.9% at 1500 with the variance frozen; +0.7% on the
-    2.45M-parameter model), where
+    Adam's held-out loss (500 steps; +1.9% at 1500 with the variance frozen; +0.3% on the
+    2.45M-parameter model, both at that model's tuned learning rate), where
     ``compress`` + ``optax.adam`` ends +34% (+19% at 1500) (BENCHMARKS.md, "Compressed
     optimizers"). The bit of ``x >= 0`` (``+0`` and ``-0`` included) is ``+``; NaN is ``-``.
 
