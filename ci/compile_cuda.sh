@@ -6,7 +6,9 @@
 # Installs CUDA 13's nvcc, runtime headers/static cudart and CCCL (CUB) from PyPI into VENV, then
 # configures and builds ONLY the _jaxcomp_cuda target, into build/ci-cuda: the module never lands
 # in the source tree, so the default (CPU) install and the test suite are unchanged. Any compile
-# error or nvcc warning fails the script.
+# error or nvcc warning fails the script. Then the adapters' scratch helper (ffi/cuda_common.h)
+# runs against a stand-in of XLA's FFI allocator that keeps XLA's alignment rule
+# (tests/native/cuda_scratch_test.cc): plain C++, no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Absolute: CMake runs its compiler checks in other directories.
@@ -37,3 +39,8 @@ rm -rf "$BUILD"
 "$VENV/bin/cmake" --build "$BUILD" --target _jaxcomp_cuda
 ls -l "$BUILD"/_jaxcomp_cuda*.so
 echo "CUDA module compiled (sm_80, sm_90, compute_90 PTX)"
+
+XLA_INCLUDE="$("$PY" -c 'import jax.ffi; print(jax.ffi.include_dir())')"
+"${CXX:-g++}" -std=c++17 -O1 -g -Wall -Wextra -fsanitize=address,undefined -fno-sanitize-recover=all \
+  -I. -isystem "$XLA_INCLUDE" tests/native/cuda_scratch_test.cc -o "$BUILD/cuda_scratch_test"
+"$BUILD/cuda_scratch_test"

@@ -86,14 +86,17 @@ def test_cuda_top_k_reads_16_bit_input_as_is(target, dtype, monkeypatch):
 
 @pytest.mark.parametrize("transform", ["jit", "vmap", "shard_map"])
 def test_gpu_guard_is_invisible_on_cpu(transform):
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 6)), jnp.float32)
+    # On the CPU's devices explicitly: on a GPU machine the default device is a GPU.
+    cpus = jax.devices("cpu")
+    x = jax.device_put(np.random.default_rng(0).standard_normal((8, 6)).astype(np.float32), cpus[0])
     if transform == "jit":
         y = jax.jit(_ffi.require_cuda_module)(x)
     elif transform == "vmap":
         y = jax.vmap(_ffi.require_cuda_module, in_axes=1, out_axes=1)(x)
     else:
-        mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+        mesh = jax.sharding.Mesh(np.array(cpus[:2]), ("data",))
         spec = jax.sharding.PartitionSpec("data")
+        x = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
         y = jax.jit(
             jax.shard_map(_ffi.require_cuda_module, mesh=mesh, in_specs=spec, out_specs=spec)
         )(x)

@@ -13,11 +13,14 @@ module. Run on a GPU machine with ``pytest -m gpu tests/gpu_test.py`` (see docs/
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxcomp
 from jaxcomp import collectives
 from jaxcomp.ops import _ffi
+from jaxcomp.optim.transform import compress
+from jaxcomp.training.trainer import data_parallel
 
 pytestmark = pytest.mark.gpu
 
@@ -225,3 +228,72 @@ def test_collectives_on_gpu_arrays_match_cpu():
     }
     for fn in calls.values():
         _assert_same(run(CPU, fn), run(GPU, fn))
+
+
+# Every method at a setting that trains a small MLP in a few steps (train_test.py's list), and
+# jaxcomp.adam's recipe.
+EVERY_METHOD = [
+    ("dense", {}),
+    ("allgather_topk", {"ratio": 0.1}),
+    ("ar_topk", {"ratio": 0.1}),
+    ("randomk", {"ratio": 0.1}),
+    ("sign", {}),
+    ("bf16", {}),
+    ("fp16", {}),
+    ("powersgd", {"rank": 2}),
+    ("zfp", {"rate": 8}),
+    ("quantized", {"bits": 4}),
+]
+
+
+def _train_on(device, tx, steps):
+    """(params, losses) after ``steps`` of data_parallel on a 1-device mesh of ``device``."""
+    rng = np.random.default_rng(0)
+    params = {
+        "w1": np.asarray(rng.standard_normal((16, 32)) * 0.1, np.float32),
+        "b": np.zeros(32, np.float32),
+        "w2": np.asarray(rng.standard_normal((32, 4)) * 0.1, np.float32),
+    }
+    x = rng.standard_normal((24, 16)).astype(np.float32)
+
+    def loss_fn(p, batch):
+        return jnp.mean((jnp.tanh(batch["x"] @ p["w1"] + p["b"]) @ p["w2"] - batch["y"]) ** 2)
+
+    mesh = jax.sharding.Mesh(np.array([device]), ("data",))
+    dp = data_parallel(loss_fn, tx, mesh)
+    state = dp.init(jax.device_put(params, device))
+    batch = dp.shard_batch({"x": x, "y": x[:, :4] * 0.5})
+    losses = []
+    for _ in range(steps):
+        state, metrics = dp.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return jax.tree.map(np.asarray, state.params), losses
+
+
+@pytest.mark.parametrize("method, options", EVERY_METHOD, ids=[m for m, _ in EVERY_METHOD])
+def test_every_method_trains_on_one_gpu_like_on_the_cpu(method, options):
+    # The first thing a GPU user tries: one GPU, any method. Its steps must train and follow the
+    # CPU's: the kernels are bit for bit the CPU's, the rest is XLA arithmetic, which may round
+    # differently (fusions, FMA) by a few ulps a step (bf16's rounding of the gradient turns one
+    # into 1e-4 on the third loss). float32 matmuls at full precision: the GPU's default would use
+    # TF32.
+    tx = optax.chain(compress(method, **options), optax.adam(3e-2))
+    with jax.default_matmul_precision("highest"):
+        cpu_params, cpu_losses = _train_on(CPU, tx, 20)
+        gpu_params, gpu_losses = _train_on(GPU, tx, 20)
+    assert np.isfinite(gpu_losses).all() and gpu_losses[-1] < 0.7 * gpu_losses[0], gpu_losses
+    np.testing.assert_allclose(gpu_losses[:3], cpu_losses[:3], rtol=1e-3)
+    np.testing.assert_allclose(gpu_losses[-1], cpu_losses[-1], rtol=0.05)
+    for name in cpu_params:
+        scale = np.abs(cpu_params[name]).max()
+        assert np.abs(gpu_params[name] - cpu_params[name]).max() <= 0.05 * scale, name
+
+
+def test_jaxcomp_adam_with_signs_trains_on_one_gpu_like_on_the_cpu():
+    tx = jaxcomp.adam(3e-2, "sign", warmup_steps=5)
+    with jax.default_matmul_precision("highest"):
+        cpu_params, cpu_losses = _train_on(CPU, tx, 20)
+        gpu_params, gpu_losses = _train_on(GPU, tx, 20)
+    assert np.isfinite(gpu_losses).all() and gpu_losses[-1] < 0.7 * gpu_losses[0], gpu_losses
+    np.testing.assert_allclose(gpu_losses[:3], cpu_losses[:3], rtol=1e-3)
+    np.testing.assert_allclose(gpu_losses[-1], cpu_losses[-1], rtol=0.05)

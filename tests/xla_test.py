@@ -239,6 +239,30 @@ def _in_lowering_platform(platform, fn):
         return fn()
 
 
+def test_an_eager_call_takes_the_branch_of_its_arrays_platform(monkeypatch):
+    """Called eagerly, jax.lax.platform_dependent takes the *default* backend's branch whatever the
+    arrays' devices: on an H200 (jax 0.11.2) a CPU array got the CUDA branch, whose bfloat16 custom
+    call then ran on the CPU and failed. An eager call now takes its arrays' platform."""
+    x = jax.device_put(jnp.ones(3), jax.devices("cpu")[0])
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager call went through jax.lax.platform_dependent")
+
+    monkeypatch.setattr(jax.lax, "platform_dependent", refuse)
+    branches = {"cpu": lambda v: v + 1, "cuda": lambda v: v * 0, "default": lambda v: v - 1}
+    np.testing.assert_array_equal(_ffi.platform_dependent(x, **branches), [2.0, 2.0, 2.0])
+    np.testing.assert_array_equal(
+        jaxcomp.topk(jnp.asarray([1.0, -3.0, 2.0], jnp.bfloat16), 2)[1], [1, 2]
+    )
+    # Traced (a tracer has no devices) and host values: the platform is left to XLA's lowering.
+    assert _ffi._platform_of_arrays((np.ones(3),)) is None
+    seen = []
+    jax.make_jaxpr(lambda v: seen.append(_ffi._platform_of_arrays((v,))) or v)(x)
+    assert seen == [None]
+    monkeypatch.undo()
+    assert _has_platform_index(lambda v: _ffi.platform_dependent(v, **branches), x)
+
+
 def test_platform_of_devices():
     assert _ffi.platform_of(jax.devices()) == "cpu"
     assert _ffi.platform_of([]) is None

@@ -262,10 +262,25 @@ def platform_dependent(*operands, default, **branches):
       >>> platform_dependent(jnp.ones(2), cpu=lambda x: x + 1, default=lambda x: x - 1)
       Array([2., 2.], dtype=float32)
     """
-    platform = _lowering_platform.get()
+    platform = _lowering_platform.get() or _platform_of_arrays(operands)
     if platform is not None:
         return branches.get(platform, default)(*operands)
     return jax.lax.platform_dependent(*operands, default=default, **branches)
+
+
+def _platform_of_arrays(operands):
+    """The platform of concrete arrays (an eager call), or ``None`` (tracers, host values).
+
+    Called eagerly, ``jax.lax.platform_dependent`` picks the branch of the *default* backend, not
+    of the arrays' devices: on a GPU machine a CPU array got the CUDA branch and its custom call
+    ran on the CPU with the wrong operand types (seen on an H200, jax 0.11.2).
+    """
+    devices = set()
+    for x in operands:
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return None
+        devices |= x.devices()
+    return platform_of(devices)
 
 
 def _portable_message(platform):
