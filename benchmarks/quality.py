@@ -29,71 +29,26 @@ import math
 import os
 import platform
 import sys
-import sysconfig
 import time
 from typing import Any
 
 N_DEVICES = 8
 
-#: The corpus: these files of the running interpreter's standard library, concatenated in this
-#: order.
-CORPUS = (
-    "argparse.py",
-    "dataclasses.py",
-    "functools.py",
-    "inspect.py",
-    "pathlib.py",
-    "typing.py",
-    "subprocess.py",
-    "threading.py",
-    "tarfile.py",
-    "collections/__init__.py",
-    "enum.py",
-    "ast.py",
-    "difflib.py",
-    "shutil.py",
-    "zipfile.py",
-    "configparser.py",
-    "logging/__init__.py",
-    "statistics.py",
+# The model, its corpus, batches and learning-rate schedule live in the package (``jaxcomp netbench
+# --to-loss`` trains the same model); their names stay importable from here.
+from jaxcomp.training.charlm import (  # noqa: E402
+    CORPUS,  # noqa: F401
+    MODELS,
+    QUICK,
+    VOCAB,  # noqa: F401
+    Config,
+    batches,
+    count_params,
+    load_corpus,
+    make_model,  # noqa: F401
+    schedule,
+    task,
 )
-
-#: Characters are bytes folded into 7-bit ASCII (the few non-ASCII bytes become 0).
-VOCAB = 128
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Model and training sizes."""
-
-    layers: int = 2
-    width: int = 128
-    heads: int = 4
-    context: int = 64
-    batch: int = 32  # sequences per step, over all devices
-    steps: int = 500
-    learning_rate: float = 4e-3  # the best of 2e-3, 4e-3 and 8e-3 for dense (BENCHMARKS.md)
-    warmup: int = 25
-    eval_sequences: int = 256
-    eval_points: int = 10
-
-
-QUICK = Config(
-    layers=1,
-    width=16,
-    heads=2,
-    context=8,
-    batch=16,
-    steps=6,
-    warmup=1,
-    eval_sequences=16,
-    eval_points=2,
-)
-
-#: ``--model``: "small" (0.44M params) is the default, the one whose full run fits the 20 minutes;
-#: "large" is the few-million-parameter model (2.45M), with half the sequences per step so a row
-#: takes 4-9 minutes on 2 cores (the 11 default rows would take about an hour).
-MODELS = {"small": Config(), "large": Config(layers=3, width=256, batch=16)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,18 +331,13 @@ def optimizer(name: str, config: "Config"):
     except ValueError:
         raise ValueError(f"optimizer {name!r}: options are key=number, comma-separated") from None
 
-    def schedule(peak):
-        return optax.warmup_cosine_decay_schedule(
-            0.0, peak, config.warmup, config.steps, end_value=0.1 * peak
-        )
-
     if kind == "adam" and set(options) <= {"b1", "frozen", "lr"}:
         b1, peak = options.get("b1", 0.9), options.get("lr", config.learning_rate)
         if "frozen" in options:
-            return adam_frozen_variance(schedule(peak), int(options["frozen"]), b1=b1)
-        return optax.adam(schedule(peak), b1=b1)
+            return adam_frozen_variance(schedule(config, peak), int(options["frozen"]), b1=b1)
+        return optax.adam(schedule(config, peak), b1=b1)
     if kind == "sgd" and set(options) <= {"lr", "momentum"} and "lr" in options:
-        return optax.sgd(schedule(options["lr"]), momentum=options.get("momentum") or None)
+        return optax.sgd(schedule(config, options["lr"]), momentum=options.get("momentum") or None)
     raise ValueError(
         f"unknown optimizer {name!r}: adam, adam(b1=..,frozen=..,lr=..) or sgd(lr=..,momentum=..)"
     )
@@ -411,108 +361,24 @@ def transformation(row: Row, config: Config):
         for key, value in (item.split("=") for item in rest.rstrip(")").split(",") if item.strip())
     }
     peak = options.pop("lr", config.learning_rate)
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, peak, config.warmup, config.steps, end_value=0.1 * peak
-    )
     if "warmup" in options:
         options["warmup_steps"] = int(options.pop("warmup"))
     if "refresh" in options:  # refresh=0: the variance frozen for good (1-bit Adam's)
         options["refresh_every"] = int(options.pop("refresh")) or None
-    return jaxcomp.adam(schedule, row.method, **options, **row.options)
-
-
-def load_corpus():
-    """``(train, heldout, files)``: uint8 token arrays and ``[(path, bytes)]`` of the files read."""
-    import numpy as np
-
-    root = sysconfig.get_paths()["stdlib"]
-    parts, files = [], []
-    for name in CORPUS:
-        path = os.path.join(root, name)
-        with open(path, "rb") as f:
-            data = f.read()
-        parts.append(data)
-        files.append((path, len(data)))
-    tokens = np.frombuffer(b"".join(parts), np.uint8).copy()
-    tokens[tokens >= VOCAB] = 0
-    split = int(0.9 * len(tokens))
-    return tokens[:split], tokens[split:], files
-
-
-def make_model(config: Config, seed: int):
-    """The transformer as a flax nnx module: ``model(tokens[B, T]) -> logits[B, T, VOCAB]``."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    class Block(nnx.Module):
-        def __init__(self, rngs):
-            self.attention_norm = nnx.LayerNorm(config.width, rngs=rngs)
-            self.attention = nnx.MultiHeadAttention(
-                num_heads=config.heads, in_features=config.width, decode=False, rngs=rngs
-            )
-            self.mlp_norm = nnx.LayerNorm(config.width, rngs=rngs)
-            self.up = nnx.Linear(config.width, 4 * config.width, rngs=rngs)
-            self.down = nnx.Linear(4 * config.width, config.width, rngs=rngs)
-
-        def __call__(self, x, mask):
-            x = x + self.attention(self.attention_norm(x), mask=mask)
-            return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
-
-    class Model(nnx.Module):
-        def __init__(self, rngs):
-            self.embed = nnx.Embed(VOCAB, config.width, rngs=rngs)
-            self.position = nnx.Param(
-                0.02 * jax.random.normal(rngs.params(), (config.context, config.width))
-            )
-            self.blocks = (
-                nnx.List([Block(rngs) for _ in range(config.layers)])
-                if hasattr(nnx, "List")
-                else [Block(rngs) for _ in range(config.layers)]
-            )
-            self.norm = nnx.LayerNorm(config.width, rngs=rngs)
-            self.head = nnx.Linear(config.width, VOCAB, rngs=rngs)
-
-        def __call__(self, tokens):
-            x = self.embed(tokens) + self.position[None, : tokens.shape[1]]
-            mask = nnx.make_causal_mask(jnp.ones(tokens.shape, jnp.int32))
-            for block in self.blocks:
-                x = block(x, mask)
-            return self.head(self.norm(x))
-
-    return Model(nnx.Rngs(seed))
-
-
-def batches(tokens, config: Config, steps: int, seed: int):
-    """``steps`` batches of ``config.batch`` random windows of ``context + 1`` characters (same for
-    every run)."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    starts = rng.integers(0, len(tokens) - config.context - 1, size=(steps, config.batch))
-    return starts[..., None] + np.arange(config.context + 1)
+    return jaxcomp.adam(schedule(config, peak), row.method, **options, **row.options)
 
 
 def train(row: Row, config: Config, corpus, devices, seed=0, progress=True):
     """Trains one row; returns its results (curves, final held-out loss, bytes, wall time)."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    import optax
-    from flax import nnx
     from jax.sharding import Mesh
 
     import jaxcomp
 
-    train_tokens, heldout_tokens, _ = corpus
+    train_tokens = corpus[0]
     mesh = Mesh(np.array(devices), ("data",))
-    graphdef, params = nnx.split(make_model(config, seed), nnx.Param)
-
-    def loss_fn(params, batch):
-        tokens = batch["tokens"].astype(jnp.int32)
-        logits = nnx.merge(graphdef, params)(tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
+    loss_fn, params, heldout = task(config, corpus, seed)
     tx = transformation(row, config)
     dp = jaxcomp.data_parallel(loss_fn, tx, mesh, **row.parallel)
     evaluate = (
@@ -520,16 +386,6 @@ def train(row: Row, config: Config, corpus, devices, seed=0, progress=True):
         if row.parallel.get("shard") == "params"
         else jax.jit(lambda state, batch: loss_fn(state.params, batch))
     )
-    heldout = {
-        "tokens": heldout_tokens[
-            batches(
-                heldout_tokens,
-                dataclasses.replace(config, batch=config.eval_sequences),
-                1,
-                seed + 1,
-            )[0]
-        ]
-    }
     windows = batches(train_tokens, config, config.steps, seed)
     eval_at = set(np.linspace(0, config.steps, config.eval_points + 1).astype(int)[1:].tolist())
 
@@ -582,13 +438,6 @@ def choices(state, ran) -> dict:
     if len(branches) < 2:
         return {}
     return dict(collections.Counter(branches[int(v)].describe() for v in ran))
-
-
-def count_params(config: Config) -> int:
-    import jax
-    from flax import nnx
-
-    return sum(x.size for x in jax.tree.leaves(nnx.state(make_model(config, 0), nnx.Param)))
 
 
 def format_table(results) -> str:

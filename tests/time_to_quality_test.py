@@ -1,18 +1,19 @@
-"""benchmarks/time_to_quality.py: the time-to-target arithmetic, its flags, and a quick job on two
-emulated hosts."""
+"""Time to quality (``jaxcomp netbench --to-loss``, ``benchmarks/time_to_quality.py``): the
+time-to-target arithmetic, its flags, its rows, and a quick job on two emulated hosts."""
 
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-sys.path.insert(0, BENCHMARKS)
+from jaxcomp.cli import to_loss as cli
+from jaxcomp.training import charlm
+from jaxcomp.training import to_loss as ttq
 
-import quality  # noqa: E402
-import time_to_quality as ttq  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _row(name, points):
@@ -41,7 +42,7 @@ def test_time_to_target_is_the_first_evaluation_at_or_below_it():
 
 
 def test_table_gives_the_speed_up_over_dp_and_says_not_reached():
-    table = ttq.format_table([DP, FAST, NEVER], steps=20)
+    table = cli.format_table([DP, FAST, NEVER], steps=20)
     lines = table.splitlines()
     assert "time to dp's loss (2.0000)" in lines[0]
     assert lines[2].startswith("| dp | 40.0 s | 1.00x | 2.0000 | 20 |")
@@ -50,13 +51,13 @@ def test_table_gives_the_speed_up_over_dp_and_says_not_reached():
 
 
 def test_plot_writes_a_png(tmp_path):
-    ttq.plot([("1gbit", [DP, FAST]), ("100mbit", [DP, FAST, NEVER])], tmp_path / "p.png", "t")
+    cli.plot([("1gbit", [DP, FAST]), ("100mbit", [DP, FAST, NEVER])], tmp_path / "p.png", "t")
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
 
 def test_cluster_jobs_get_the_flags_but_not_the_drivers():
     argv = ["--hosts", "4", "--rates=1gbit", "--steps", "5", "--out", "o", "--quick"]
-    assert ttq._drop_values(argv, ("--hosts", "--rates", "--out")) == ["--steps", "5", "--quick"]
+    assert cli._drop_values(argv, ("--hosts", "--rates", "--out")) == ["--steps", "5", "--quick"]
 
 
 @pytest.mark.parametrize(
@@ -83,7 +84,7 @@ def test_cluster_jobs_get_the_flags_but_not_the_drivers():
 )
 def test_flags_are_checked_before_anything_runs(argv, match, capsys):
     with pytest.raises(SystemExit):
-        ttq.main(argv)
+        cli.main(argv)
     assert match in capsys.readouterr().err
 
 
@@ -91,10 +92,10 @@ def test_a_row_name_sets_the_outer_optimizer_and_the_learning_rate():
     import optax
 
     name = "diloco-h50-int8@outer=nesterov:1.0:0.3@lr=3e-3"
-    options = ttq.row_options(name)
+    options = ttq._row_options(name)
     assert options["outer"] == "nesterov:1.0:0.3" and options["sync_every"] == 50
-    assert ttq.row_config(name, quality.MODELS["small"]).learning_rate == 3e-3
-    assert ttq.row_config("dp", quality.MODELS["small"]) == quality.MODELS["small"]
+    assert ttq._row_config(name, charlm.MODELS["small"]).learning_rate == 3e-3
+    assert ttq._row_config("dp", charlm.MODELS["small"]) == charlm.MODELS["small"]
     # the spec's optimizer is optax's: the same updates over two steps
     grads = np.array([1.0, -2.0], np.float32)
     for spec, reference in [
@@ -112,11 +113,11 @@ def test_a_row_name_sets_the_outer_optimizer_and_the_learning_rate():
 def test_a_row_name_sets_the_codec_of_the_pseudo_gradients():
     import jaxcomp
 
-    assert ttq.row_options("diloco-h50-avg-stream4-int8")["compress"] == "int8"
-    options = ttq.row_options("diloco-h50-avg-stream4-int8@codec=int8flat")
+    assert ttq._row_options("diloco-h50-avg-stream4-int8")["compress"] == "int8"
+    options = ttq._row_options("diloco-h50-avg-stream4-int8@codec=int8flat")
     assert options["compress"] == "int8flat" and options["fragments"] == 4
     assert ttq.codec(options["compress"]) == jaxcomp.Quantized(8, hadamard=False)
-    assert ttq.row_options("diloco-h10-int8@codec=none")["compress"] == "none"
+    assert ttq._row_options("diloco-h10-int8@codec=none")["compress"] == "none"
     assert ttq.codec("none") is None and ttq.codec("int8") == jaxcomp.Quantized(8)
 
 
@@ -130,7 +131,7 @@ def test_a_quick_job_on_two_emulated_hosts(tmp_path, monkeypatch, inner):
     cluster_hosts_import_this_jaxcomp(monkeypatch)
     row = "diloco-h10-int8@outer=nesterov:1.0:0.3"  # a row with a setting, through the cluster
     argv = ["--quick", "--hosts", "2", "--rates", "100mbit", "--rows", f"dp,{row}"]
-    ttq.main([*argv, "--inner", str(inner), "--out", str(tmp_path)])
+    cli.main([*argv, "--inner", str(inner), "--out", str(tmp_path)])
     with open(tmp_path / "time_to_quality.json") as f:
         record = json.load(f)
     ((rate, (dp, diloco)),) = record["panels"]
@@ -165,9 +166,9 @@ def test_the_onebit_rows_run_jaxcomp_adam_with_a_short_warm_up(name, aggregation
 
     import jaxcomp
 
-    options = ttq.row_options(name)
-    tx = ttq.row_tx(name, options, quality.MODELS["small"])
-    run = ttq.build(
+    options = ttq._row_options(name)
+    tx = ttq._row_tx(name, options, charlm.MODELS["small"])
+    run = ttq._build(
         options, lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2), tx, np.array(jax.devices())
     )
     state = run.init(jnp.zeros(3))
@@ -179,6 +180,45 @@ def test_the_onebit_rows_run_jaxcomp_adam_with_a_short_warm_up(name, aggregation
     for _ in range(30):  # past the 25 warm-up steps
         state, metrics = run.step(state, batch)
         losses.append(float(metrics["loss"]))
-    # quality.py's schedule warms the learning rate up over these first steps: a slow start
+    # charlm.schedule warms the learning rate up over these first steps: a slow start
     assert losses[-1] < 0.95 * losses[0] and losses[-1] < losses[24]  # the signed steps train
     assert int(jaxcomp.find_compress_state(state.opt_state).step) == 30
+
+
+def test_jaxcomp_netbench_to_loss_runs_a_quick_job_in_one_process(tmp_path):
+    """The installed command: a tiny model, dp then DiLoCo on 2 virtual devices; the table, the
+    JSON (with the command that made it) and the plot."""
+    from helpers import subprocess_env
+
+    argv = ["--to-loss", "--quick", "--devices", "2", "--rows", "dp,diloco-h10-int8"]
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxcomp", "netbench", *argv, "--out", str(tmp_path)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| dp | " in done.stdout and "| diloco-h10-int8 | " in done.stdout
+    with open(tmp_path / "time_to_quality.json") as f:
+        record = json.load(f)
+    assert record["command"][:3] == ["jaxcomp", "netbench", "--to-loss"]
+    ((label, (dp, diloco)),) = record["panels"]
+    assert label == "one process" and dp["steps"] == 6 and diloco["name"] == "diloco-h10-int8"
+    assert (tmp_path / "time_to_quality.png").stat().st_size > 10_000
+
+
+def test_the_benchmark_script_and_netbench_name_the_same_command():
+    from helpers import subprocess_env
+
+    def run(*argv):
+        done = subprocess.run(
+            [sys.executable, *argv], env=subprocess_env(), capture_output=True, text=True, cwd=ROOT
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    script = run(os.path.join("benchmarks", "time_to_quality.py"), "--help")
+    assert "jaxcomp netbench --to-loss" in script and "--max-steps" in script
+    assert "--to-loss" in run("-m", "jaxcomp", "netbench", "--help")

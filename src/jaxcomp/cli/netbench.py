@@ -190,6 +190,13 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="jaxcomp netbench", description=_DESCRIPTION)
     parser.add_argument(
+        "--to-loss",
+        action="store_true",
+        help="time to quality instead: train the char-LM per row (data-parallel, compressed, "
+        "DiLoCo) until dense's held-out loss, in one process or on emulated hosts; `jaxcomp "
+        "netbench --to-loss --help` lists its options",
+    )
+    parser.add_argument(
         "--hosts",
         default=",".join(map(str, DEFAULT_HOSTS)),
         help="emulated host counts (default 2,4)",
@@ -311,7 +318,7 @@ def main(argv=None) -> int:
     JSON.
 
     ``jaxcomp netbench [--hosts 2,4] [--rates ...] [--model resnet50,gpt2 | --params 25e6] [--plot
-    out.png]``
+    out.png]``; ``jaxcomp netbench --to-loss ...`` runs :func:`jaxcomp.cli.to_loss.main` instead.
 
     Args:
       argv: the arguments after ``netbench`` (default ``sys.argv[1:]``); ``--help`` lists them.
@@ -321,6 +328,10 @@ def main(argv=None) -> int:
       status 2, as argparse does).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--to-loss" in argv:
+        from jaxcomp.cli import to_loss
+
+        return to_loss.main([a for a in argv if a != "--to-loss"])
     parser = _parser()
     args = parser.parse_args(argv)
     hosts, rates, methods, models = _checked_args(parser, args)
