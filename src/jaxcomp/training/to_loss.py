@@ -95,7 +95,14 @@ CLUSTER_ROWS = (
 #: with error feedback: THC's 8 bits after a random Hadamard rotation; the same 8 bits without
 #: the rotation (``int8flat``: no transform before and after, on a grid as wide as the raw
 #: values); THC's 4 bits (Streaming DiLoCo's width); top-10%.
-CODECS = ("none", "int8", "int8flat", "int4", "topk")
+_CODECS = {
+    "none": lambda methods: None,
+    "int8": lambda methods: methods.Quantized(8),
+    "int8flat": lambda methods: methods.Quantized(8, hadamard=False),
+    "int4": lambda methods: methods.Quantized(4),
+    "topk": lambda methods: methods.TopK(0.1),
+}
+CODECS = tuple(_CODECS)
 
 
 def codec(name):
@@ -118,17 +125,11 @@ def codec(name):
       Li et al., "THC" (NSDI 2024): 8 and 4 bits after a Hadamard rotation; Liu et al.,
       "Streaming DiLoCo" (arXiv 2501.18512): outer gradients in 4 bits.
     """
-    from jaxcomp.methods import Quantized, TopK
+    from jaxcomp import methods
 
     if name not in CODECS:
         raise ValueError(f"codec {name!r}: choose from {', '.join(CODECS)}")
-    return {
-        "none": None,
-        "int8": Quantized(8),
-        "int8flat": Quantized(8, hadamard=False),
-        "int4": Quantized(4),
-        "topk": TopK(0.1),
-    }[name]
+    return _CODECS[name](methods)
 
 
 #: The outer optimizers by name; ``sgd:LR`` and ``nesterov:LR:MOMENTUM`` name any other.
