@@ -24,7 +24,8 @@ inline constexpr size_t kXlaScratchAlignment = 16;
 // handler returns; the work it enqueued on XLA's stream is ordered before any later reuse of that
 // memory).
 inline ffi::ErrorOr<void*> AllocateScratch(ffi::ScratchAllocator& scratch, size_t bytes) {
-  std::optional<void*> memory = scratch.Allocate(bytes + kScratchAlignment - 1, kXlaScratchAlignment);
+  std::optional<void*> memory =
+      scratch.Allocate(bytes + kScratchAlignment - 1, kXlaScratchAlignment);
   if (!memory.has_value() || *memory == nullptr) {
     return ffi::Unexpected<ffi::Error>(ffi::Error(
         ffi::ErrorCode::kResourceExhausted,

@@ -136,6 +136,8 @@ int main() {
             "error message: " + memory.error().message());
     }
   }
-  if (failures == 0) std::printf("cuda_scratch_test: AllocateScratch keeps XLA's alignment rule: OK\n");
+  if (failures == 0) {
+    std::printf("cuda_scratch_test: AllocateScratch keeps XLA's alignment rule: OK\n");
+  }
   return failures == 0 ? 0 : 1;
 }
