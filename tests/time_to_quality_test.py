@@ -79,6 +79,7 @@ def test_cluster_jobs_get_the_flags_but_not_the_drivers():
         (["--rows", "diloco-h10@exchange=half"], "@exchange= takes split or whole"),
         (["--rows", "diloco-h10@codec=int3"], "@codec= takes none, int8, int8flat, int4, topk"),
         (["--rows", "dp@codec=int8"], "@codec=int8 is not a setting of it"),
+        (["--rows", "diloco-h10@metrics=sum"], "@metrics= takes mean or worker"),
         (["--hosts", "2", "--rates", "1gbit,fast"], "--rates: rate must look like '1gbit'"),
     ],
 )
@@ -108,6 +109,23 @@ def test_a_row_name_sets_the_outer_optimizer_and_the_learning_rate():
         for _ in range(2):
             (u, a), (v, b) = ours.update(grads, a), theirs.update(grads, b)
             np.testing.assert_array_equal(u, v)
+
+
+def test_a_row_name_asks_for_the_loss_per_worker():
+    """``@metrics=worker``: diloco(worker_metrics=True), no collective over the workers between
+    syncs; a quick row trains with it."""
+    assert "worker_metrics" not in ttq._row_options("diloco-h10-int8")
+    assert ttq._row_options("diloco-h10-int8@metrics=worker")["worker_metrics"] is True
+    result = ttq.train(
+        "diloco-h10-int8@metrics=worker",
+        charlm.QUICK,
+        charlm.load_corpus(),
+        steps=4,
+        eval_every=2,
+        quick=True,
+        devices=2,
+    )
+    assert [p["step"] for p in result["curve"]] == [0, 2, 4] and result["curve"][-1]["bytes"] > 0
 
 
 def test_a_row_name_sets_the_codec_of_the_pseudo_gradients():

@@ -88,6 +88,7 @@ def plot(panels, path, title):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels) + 3, 4.8), squeeze=False)
     styles = ("-", "--", "-.", ":")
@@ -106,6 +107,11 @@ def plot(panels, path, title):
         if first is not None:
             ax.set_ylim(top=target + 1.5 * (first - target) + 1e-3)
         ax.set_xscale("log")
+        # Plain seconds at 1, 2 and 5 of each decade: the default minor labels (2x10^1, 3x10^1...)
+        # run into each other.
+        ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_xlabel("training wall-clock (s, log scale)")
         ax.set_ylabel("held-out loss (nats / character)")
         ax.set_title(label)

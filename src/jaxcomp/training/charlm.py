@@ -21,6 +21,12 @@ name       params      sequences x characters     what it is for
 ``large``  2.45M       16 x 64                    a few million parameters
 ``wide``   3.67M       16 x 64                    a gradient large against its compute, so that the
                                                   network matters on an emulated cluster
+``small-   0.44M       8 x 32                     the small model with 1/8 of its characters a step:
+8x32``                                            little compute per host (2 sequences each on 4
+                                                  hosts), so that the network is nearly all of a
+                                                  data-parallel step
+``wide-    3.67M       8 x 32                     the same for the wide model
+8x32``
 =========  ==========  =========================  ==================================================
 
 flax is imported by the functions that build the model, not by this module (``import
@@ -104,6 +110,8 @@ MODELS = {
     "small": Config(),
     "large": Config(layers=3, width=256, batch=16),
     "wide": Config(layers=2, width=384, heads=6, batch=16),
+    "small-8x32": Config(context=32, batch=8),
+    "wide-8x32": Config(layers=2, width=384, heads=6, context=32, batch=8),
 }
 
 

@@ -22,7 +22,8 @@ batches:
 
 A row name may add settings (:func:`parse_row`): ``@outer=`` a DiLoCo row's outer optimizer,
 ``@codec=`` its pseudo-gradients' codec (:data:`CODECS`), ``@exchange=`` how a two-level row
-shares the exchange, ``@lr=`` the row's (or dp's) peak learning rate.
+shares the exchange, ``@metrics=worker`` no loss mean over the slow axis between syncs, ``@lr=``
+the row's (or dp's) peak learning rate.
 
 ``dp`` runs first and sets the target. The clock leaves out the evaluations and the first
 compilation; in a multi-process job process 0 evaluates and every process waits for its result.
@@ -173,15 +174,18 @@ def parse_row(name):
 
     ``diloco-h50@outer=nesterov:1.0:0.3@lr=3e-3`` is the row ``diloco-h50`` with that outer
     optimizer (DiLoCo rows) and inner (or dp's) peak learning rate, so that one job can screen
-    settings beside ``dp``. DiLoCo rows also take ``@exchange=split|whole`` and ``@codec=`` (a
-    name in :data:`CODECS`, for the row's pseudo-gradients).
+    settings beside ``dp``. DiLoCo rows also take ``@exchange=split|whole``, ``@codec=`` (a
+    name in :data:`CODECS`, for the row's pseudo-gradients) and ``@metrics=worker``
+    (``diloco(worker_metrics=True)``: the training loss per worker, so that no step but a sync
+    sends anything over the slow axis; the default ``mean`` averages it over every device each
+    step).
 
     Args:
       name: a name of :data:`ROWS`, each setting added as ``@key=value``.
 
     Returns:
       ``(row, settings)``: the name in :data:`ROWS` and a dict of the settings given
-      (``"outer"``, ``"exchange"``, ``"codec"``, ``"lr"``).
+      (``"outer"``, ``"exchange"``, ``"codec"``, ``"metrics"``, ``"lr"``).
 
     Raises:
       ValueError: naming the row, for an unknown row, setting or value.
@@ -206,6 +210,10 @@ def parse_row(name):
             if value not in ("split", "whole"):
                 raise ValueError(f"row {name!r}: @exchange= takes split or whole, got {value!r}")
             settings["exchange"] = value
+        elif key == "metrics" and ROWS[base]["kind"] == "diloco":
+            if value not in ("mean", "worker"):
+                raise ValueError(f"row {name!r}: @metrics= takes mean or worker, got {value!r}")
+            settings["metrics"] = value
         elif key == "codec" and ROWS[base]["kind"] == "diloco":
             if value not in CODECS:
                 raise ValueError(f"row {name!r}: @codec= takes {', '.join(CODECS)}, got {value!r}")
@@ -218,7 +226,7 @@ def parse_row(name):
             raise ValueError(
                 f"row {name!r}: @{part} is not a setting of it; a row takes @lr=PEAK"
                 + (
-                    ", @outer=SPEC, @exchange=split|whole and @codec=NAME"
+                    ", @outer=SPEC, @exchange=split|whole, @codec=NAME and @metrics=mean|worker"
                     if ROWS[base]["kind"] == "diloco"
                     else ""
                 )
@@ -236,6 +244,8 @@ def _row_options(name, quick=False):
             options[key] = settings[key]
     if "codec" in settings:
         options["compress"] = settings["codec"]
+    if settings.get("metrics") == "worker":  # no loss mean over the slow axis between syncs
+        options["worker_metrics"] = True
     if quick and options["kind"] == "diloco":
         options.update(sync_every=2, fragments=1, delay=0)
     return options
