@@ -14,20 +14,19 @@ folded into 7-bit ASCII.
 ``benchmarks/quality.py`` and ``benchmarks/time_to_quality.py`` train it. Its sizes
 (:data:`MODELS`):
 
-=========  ==========  =========================  ==================================================
-name       params      sequences x characters     what it is for
-=========  ==========  =========================  ==================================================
-``small``  0.44M       32 x 64 a step             the quality benchmark's default
-``large``  2.45M       16 x 64                    a few million parameters
-``wide``   3.67M       16 x 64                    a gradient large against its compute, so that the
-                                                  network matters on an emulated cluster
-``small-   0.44M       8 x 32                     the small model with 1/8 of its characters a step:
-8x32``                                            little compute per host (2 sequences each on 4
-                                                  hosts), so that the network is nearly all of a
-                                                  data-parallel step
-``wide-    3.67M       8 x 32                     the same for the wide model
-8x32``
-=========  ==========  =========================  ==================================================
+==============  ======  =========  ============================================================
+name            params  sequences  what it is for
+                        x chars
+==============  ======  =========  ============================================================
+``small``       0.44M   32 x 64    the quality benchmark's default
+``large``       2.45M   16 x 64    a few million parameters
+``wide``        3.67M   16 x 64    a gradient large against its compute, so that the network
+                                   matters on an emulated cluster
+``small-8x32``  0.44M   8 x 32     the small model with 1/8 of its characters a step: little
+                                   compute per host (2 sequences each on 4 hosts), so that the
+                                   network is nearly all of a data-parallel step
+``wide-8x32``   3.67M   8 x 32     the same for the wide model
+==============  ======  =========  ============================================================
 
 flax is imported by the functions that build the model, not by this module (``import
 jaxcomp.training.charlm`` loads no JAX).
