@@ -42,7 +42,9 @@ def test_two_hosts_train_like_one_process(tmp_path, zero):
     log = (tmp_path / "log").read_text()
     assert codes == [0, 0], log[-3000:]
     mesh = "mesh workers=2 data=2" if zero else "mesh workers=2"
-    assert log.count(mesh + "\n") == 2, log[-3000:]
+    # Both hosts write to one file: their lines can interleave ("mesh workers=2mesh workers=2\n"
+    # was seen in CI), so count the text, not whole lines.
+    assert log.count(mesh) == 2 and (zero or "data=" not in log), log[-3000:]
     import jax
 
     if zero:
