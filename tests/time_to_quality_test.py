@@ -80,6 +80,7 @@ def test_cluster_jobs_get_the_flags_but_not_the_drivers():
         (["--rows", "diloco-h10@codec=int3"], "@codec= takes none, int8, int8flat, int4, topk"),
         (["--rows", "dp@codec=int8"], "@codec=int8 is not a setting of it"),
         (["--rows", "diloco-h10@metrics=sum"], "@metrics= takes mean or worker"),
+        (["--plot", "/nonexistent/p.png"], "--plot '/nonexistent/p.png': the folder /nonexistent"),
         (["--hosts", "2", "--rates", "1gbit,fast"], "--rates: rate must look like '1gbit'"),
     ],
 )

@@ -36,6 +36,7 @@ import platform
 import sys
 import tempfile
 
+from jaxcomp.cli import _report
 from jaxcomp.training import charlm
 from jaxcomp.training.to_loss import (
     CLUSTER_ROWS,
@@ -84,22 +85,17 @@ def format_table(results, steps, per="host") -> str:
 def plot(panels, path, title):
     """Held-out loss against training wall-clock: one panel per ``(label, results)``, one line
     per row (distinct colours and styles, legend outside), ``dp``'s final loss dotted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib import ticker
-
+    plt = _report.pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels) + 3, 4.8), squeeze=False)
-    styles = ("-", "--", "-.", ":")
     for ax, (label, results) in zip(axes[0], panels):
         target = results[0]["curve"][-1]["loss"]
-        for i, r in enumerate(results):
+        styles = _report.distinct_styles(len(results))
+        for r, style in zip(results, styles):
             seconds = [p["seconds"] for p in r["curve"][1:]]
             losses = [p["loss"] for p in r["curve"][1:]]
-            style = dict(color="black", linewidth=2.5) if r["name"] == "dp" else {}
-            style.setdefault("color", plt.cm.tab10(i % 10))
-            ax.plot(seconds, losses, styles[i % 4], marker=".", label=r["name"], **style)
+            if r["name"] == "dp":  # the reference
+                style = dict(style, color="black", linestyle="-", linewidth=2.5)
+            ax.plot(seconds, losses, markersize=4, label=r["name"], **style)
         ax.axhline(target, color="grey", linestyle=":", linewidth=1, label="dp's final loss")
         # dp's first evaluation sets the top: DiLoCo's global params sit at the initial loss
         # until the first sync, and would squash the curves that matter.
@@ -107,20 +103,14 @@ def plot(panels, path, title):
         if first is not None:
             ax.set_ylim(top=target + 1.5 * (first - target) + 1e-3)
         ax.set_xscale("log")
-        # Plain seconds at 1, 2 and 5 of each decade: the default minor labels (2x10^1, 3x10^1...)
-        # run into each other.
-        ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-        ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
-        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+        _report.log_ticks_1_2_5(ax.xaxis)  # the default minor labels run into each other
         ax.set_xlabel("training wall-clock (s, log scale)")
         ax.set_ylabel("held-out loss (nats / character)")
         ax.set_title(label)
         ax.grid(alpha=0.3, which="both")
     axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _report.save_figure(fig, path, dpi=100)
 
 
 def _wire():
@@ -250,6 +240,13 @@ def _check(parser, args):
 
     if importlib.util.find_spec("flax") is None:
         parser.error('the char-LM needs flax: pip install "jaxcomp[demo]"')
+    # Paths before a run of minutes to hours, not after it.
+    problem = args.plot and _report.unwritable_file(args.plot)
+    if problem:
+        parser.error(f"--plot {args.plot!r}: {problem}")
+    problem = args.out and not args.worker and _report.unwritable_folder(args.out)
+    if problem:
+        parser.error(f"--out {args.out!r}: {problem}")
     for name in _names(args):
         try:
             parse_row(name)
