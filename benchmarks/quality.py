@@ -215,6 +215,9 @@ def variants():
             Row("allgather_topk(0.01) warmup100", m.TopK(0.01), {"warmup_steps": 100}),
             Row("ar_topk(0.01) warmup100", m.TopK(0.01, collective="ar"), {"warmup_steps": 100}),
             Row("powersgd(4) warmup100", m.PowerSGD(4), {"warmup_steps": 100}),
+            # Does a higher rank buy PowerSGD's quality back, and at how many bytes (issue 25)?
+            Row("powersgd(8)", m.PowerSGD(8)),
+            Row("powersgd(16)", m.PowerSGD(16)),
             Row("sign warmup100", m.Sign(), {"warmup_steps": 100}),
             # Sharded training (issue 11): ZeRO-3 with the params gathered in bfloat16 (ZeRO++'s
             # qwZ), and the compressed reduce-scatters.

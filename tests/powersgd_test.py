@@ -198,6 +198,29 @@ def test_orthogonalize_and_matrix_view():
     )
 
 
+@pytest.mark.parametrize(
+    "shape, view",
+    [
+        ((24, 16), (24, 16)),  # Dense: (in, out)
+        ((3, 3, 64, 64), (576, 64)),  # convolution, HWIO: (h * w * in, out)
+        ((7, 7, 3, 64), (147, 64)),  # ResNet's stem
+        ((1, 1, 2048, 512), (2048, 512)),  # a 1x1 convolution
+        ((128, 4, 32), (128, 128)),  # attention's query/key/value: (in, heads * head_dim)
+        ((4, 32, 128), (128, 128)),  # attention's output: (heads * head_dim, out)
+        ((768, 12, 64), (768, 768)),  # GPT-2's
+        ((3, 3, 1, 256), (9, 256)),  # depthwise: both splits are the same matrix
+    ],
+)
+def test_matrix_view_is_the_layers_inputs_by_outputs(shape, view):
+    """The most square split: flax's kernels' inputs x outputs, whichever axes hold them (the
+    attention kernels' heads on either side), so their low-rank structure is what is
+    approximated; viewed as (prod(shape[:-1]), shape[-1]), (128, 4, 32) was a 512 x 32 matrix
+    that mixes inputs with heads."""
+    assert matrix_view(shape) == view
+    rows, cols = view
+    assert rows * cols == np.prod(shape)
+
+
 def test_cost_model_and_candidates():
     m = PowerSGD(4)
     assert m.message_steps(8) == 28 and PowerSGD(4, allreduce="tree").message_steps(8) == 12

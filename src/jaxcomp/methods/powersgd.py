@@ -13,9 +13,18 @@ from jaxcomp.ops import _checks
 
 
 def matrix_view(shape: tuple[int, ...]) -> tuple[int, int] | None:
-    """The 2-D view PowerSGD takes of a leaf: ``(prod(shape[:-1]), shape[-1])``, or None for a
-    scalar or a vector. The last axis is a layer's outputs in flax (``Dense`` kernels are
-    ``(in, out)``, convolutions ``(h, w, in, out)``), so a kernel is viewed as inputs x outputs.
+    """The 2-D view PowerSGD takes of a leaf: ``(prod(shape[:k]), prod(shape[k:]))`` for the split
+    ``k`` whose matrix is the most square (the largest smaller side; on a tie the later split),
+    or None for a scalar or a vector.
+
+    A layer's gradient is ``inputs^T @ output grads`` summed over the batch, so its low-rank
+    structure lives in the inputs x outputs view. flax puts the inputs first and the outputs
+    last, but not always on one axis each: a ``Dense`` kernel is ``(in, out)`` and a convolution
+    ``(h, w, in, out)`` (both: ``(rows, last)``), while attention's query, key and value kernels
+    are ``(in, heads, head_dim)`` and its output kernel ``(heads, head_dim, out)``. The most
+    square split finds each of these (``(in, heads * head_dim)``, ``(heads * head_dim, out)``,
+    ``(h * w * in, out)``), and it is also the view whose rank-``r`` factors,
+    ``r (rows + cols)`` values, are smallest. A reshape of a contiguous array costs nothing.
 
     Args:
       shape: the leaf's shape.
@@ -24,8 +33,8 @@ def matrix_view(shape: tuple[int, ...]) -> tuple[int, int] | None:
       ``(rows, cols)`` or None.
 
     Example:
-      >>> matrix_view((3, 3, 16, 32)), matrix_view((10,))
-      ((144, 32), None)
+      >>> matrix_view((3, 3, 16, 32)), matrix_view((128, 4, 32)), matrix_view((10,))
+      ((144, 32), (128, 128), None)
 
     References:
       Vogels et al., NeurIPS 2019, §3 (tensors reshaped to matrices).
@@ -33,7 +42,8 @@ def matrix_view(shape: tuple[int, ...]) -> tuple[int, int] | None:
     shape = tuple(int(d) for d in shape)
     if len(shape) < 2:
         return None
-    return math.prod(shape[:-1]), shape[-1]
+    splits = [(math.prod(shape[:k]), math.prod(shape[k:])) for k in range(1, len(shape))]
+    return max(reversed(splits), key=min)
 
 
 def orthogonalize(p, eps: float = 1e-8):
