@@ -97,12 +97,16 @@ class PowerSGD(Method):
     Leaves are told apart by their shapes, so use ``granularity="model"`` (the default), which
     also fuses every leaf's ``P`` into one all-reduce and every ``Q`` into another.
 
-    **Quality: not within 3% of dense Adam** at rank 4 on ``benchmarks/quality.py``'s small
-    transformer (width 128): +9.1% (500 steps) and +5.0% (1500) with ``compress`` +
-    ``optax.adam``, the best pairing found (:func:`jaxcomp.adam`: +9.3% and +9.0%); a higher rank
-    sends more. On its large model (width 256, 2.45M params, 500 steps, 27x fewer bytes than
-    dense) rank 4 is +2.2% against dense at the small model's learning rate, but +12.5% when
-    both run at the large model's tuned rate (BENCHMARKS.md, "Compressed optimizers").
+    **Quality: not within 3% of dense Adam at 10x fewer bytes** on ``benchmarks/quality.py``'s
+    transformers (``compress`` + ``optax.adam``, the best pairing found; :func:`jaxcomp.adam` gains
+    nothing), 500 steps, against dense at the same tuned learning rate (BENCHMARKS.md, "PowerSGD's
+    view of a leaf"):
+
+    - small model (width 128): rank 4 +8.3% at 17.5x fewer bytes, rank 8 +4.1% at 9.5x, rank 16
+      **+1.4%** at 4.9x; at 1500 steps rank 4 was +5.0% (measured before :func:`matrix_view`
+      found the attention kernels' inputs x outputs, which took 0.6% off at 500 steps);
+    - large model (width 256, 2.45M params): rank 4 +9.0% at 35x fewer bytes, rank 8 +3.9% at
+      19x.
 
     Args:
       rank: the approximation's rank ``r``, an integer >= 1 (PyTorch's
