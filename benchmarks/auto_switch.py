@@ -13,13 +13,8 @@ import argparse
 import os
 import sys
 
-import jax
-import numpy as np
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import passes  # noqa: E402  (the zoo's gradients)
+import passes  # noqa: E402  (the zoo's gradients, the one-device update)
 
 import jaxcomp  # noqa: E402
 from jaxcomp.costmodel.probe import best_seconds  # noqa: E402
@@ -53,15 +48,7 @@ def transformations():
 
 def update_call(tx, grads):
     """A no-argument call of ``tx``'s jitted update on one device, and the branch it ran."""
-    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-
-    def update(g, state):
-        return tx.update(jax.lax.pcast(g, "data", to="varying"), state)
-
-    step = jax.jit(
-        jax.shard_map(update, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False)
-    )
-    state = jax.jit(tx.init)(grads)
+    step, state = passes.transformation_update(tx, grads)
     ran = int(step(grads, state)[1].metrics.method)
     return (lambda: step(grads, state)), ran
 

@@ -117,13 +117,18 @@ def method_options(method: str):
 def update_function(method: str, grads):
     """A jitted ``(grads, state) -> (updates, state)`` of ``compress(method)`` on one device, and
     its first state."""
-    from jax.sharding import Mesh
-    from jax.sharding import PartitionSpec as P
-
     import jaxcomp
 
     name, options = method_options(method)
-    tx = jaxcomp.compress(name, **options)
+    return transformation_update(jaxcomp.compress(name, **options), grads)
+
+
+def transformation_update(tx, grads):
+    """A jitted ``(grads, state) -> (updates, state)`` of the transformation ``tx`` (axis
+    ``"data"``) on one device, and its first state."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
 
     def update(g, state):
