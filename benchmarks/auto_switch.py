@@ -1,4 +1,5 @@
-"""What compress_auto's per-step switch costs beside the fixed method it runs (issue 22, item 6).
+"""What compress_auto's per-step switch costs beside the fixed method it runs (issue 22, item 6),
+and the same update with the branch compiled as a static choice (what data_parallel runs).
 
     python benchmarks/auto_switch.py --model mlp4096 --repeats 3
 
@@ -46,9 +47,10 @@ def transformations():
     }
 
 
-def update_call(tx, grads):
-    """A no-argument call of ``tx``'s jitted update on one device, and the branch it ran."""
-    step, state = passes.transformation_update(tx, grads)
+def update_call(tx, grads, branch=None):
+    """A no-argument call of ``tx``'s jitted update on one device, and the branch it ran
+    (``branch``: compiled as a static choice, as data_parallel's steps are)."""
+    step, state = passes.transformation_update(tx, grads, branch)
     ran = int(step(grads, state)[1].metrics.method)
     return (lambda: step(grads, state)), ran
 
@@ -57,6 +59,10 @@ def main(argv=None):
     args = parse_args(argv)
     grads = passes.gradients(args.model)
     calls = {label: update_call(tx, grads) for label, tx in transformations().items()}
+    # data_parallel's step: the branch the device chose, compiled as a static choice.
+    for label, tx in transformations().items():
+        if label.startswith("compress_auto"):
+            calls[f"{label}, branch picked on the host"] = update_call(tx, grads, 0)
     best = dict.fromkeys(calls, float("inf"))
     for _ in range(args.repeats):
         for label, (call, _) in calls.items():

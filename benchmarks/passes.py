@@ -123,17 +123,22 @@ def update_function(method: str, grads):
     return transformation_update(jaxcomp.compress(name, **options), grads)
 
 
-def transformation_update(tx, grads):
+def transformation_update(tx, grads, branch=None):
     """A jitted ``(grads, state) -> (updates, state)`` of the transformation ``tx`` (axis
-    ``"data"``) on one device, and its first state."""
+    ``"data"``) on one device, and its first state; ``branch``: the compress state's branch,
+    compiled as a static choice (jaxcomp.optim.pinning, what data_parallel's steps do), or None
+    (the device chooses)."""
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
+
+    from jaxcomp.optim import pinning
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
 
     def update(g, state):
         g = jax.lax.pcast(g, "data", to="varying")  # this device's own gradient, as in training
-        return tx.update(g, state)
+        with pinning.pinned(branch):
+            return tx.update(g, state)
 
     step = jax.jit(
         jax.shard_map(update, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False)

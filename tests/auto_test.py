@@ -13,6 +13,7 @@ from jaxcomp.costmodel import cost, ratio_choice
 from jaxcomp.methods import Dense, TopK
 from jaxcomp.optim.auto import set_network
 from jaxcomp.optim.transform import compress, find_compress_state
+from jaxcomp.training.branches import REPORT_DELAY
 from jaxcomp.training.trainer import data_parallel
 
 N_DEVICES = 8
@@ -33,7 +34,9 @@ def _loss(w, batch):
 
 
 def _trainer(tx, lr=1.0):
-    return data_parallel(_loss, optax.chain(tx, optax.sgd(lr)), _mesh())
+    """These tests check each step's choice in that step: the branch is picked on the device
+    (the default picks it on the host a step later: pinning_test.py)."""
+    return data_parallel(_loss, optax.chain(tx, optax.sgd(lr)), _mesh(), host_branches=False)
 
 
 def _gaussian(rng, n=N_PARAMS):
@@ -271,11 +274,14 @@ def test_auto_on_two_axes_includes_hierarchical_topk_and_matches_the_cost_model(
     candidates = ("dense", "allgather_topk", "ar_topk", "hierarchical_topk")
     (branches,) = jaxcomp.auto_branches(state.opt_state)
     assert [m.label for m in branches] == list(candidates)
-    state, metrics = dp.step(state, _gaussian(np.random.default_rng(5)))
-    assert (
-        _method(state, metrics)
-        == cost.choose(4 * N_PARAMS, N_DEVICES, slow, candidates=branches, inner_size=4).label
-    )
+    want = cost.choose(4 * N_PARAMS, N_DEVICES, slow, candidates=branches, inner_size=4).label
+    rng = np.random.default_rng(5)
+    state, metrics = dp.step(state, _gaussian(rng))
+    assert branches[int(find_compress_state(state.opt_state).auto.choice)].label == want
+    # The host runs the choice from the call it reaches (jaxcomp.training.branches).
+    for _ in range(REPORT_DELAY):
+        state, metrics = dp.step(state, _gaussian(rng))
+    assert _method(state, metrics) == want
 
 
 def test_state_round_trips_and_branches_are_listed():

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 import jaxcomp
 from jaxcomp.optim.stages import divergence
+from jaxcomp.training.branches import REPORT_DELAY
 
 DIM, ROWS, BATCH = 200, 512, 64
 # The default, with a window short enough for 120 steps, falling back to dense (random-k's default
@@ -47,14 +48,22 @@ def _mesh(n):
 
 
 def _train(
-    compress_tx, lr, steps, n_devices=8, spike_at=None, momentum=0.9, spiked_steps=1, adam=False
+    compress_tx,
+    lr,
+    steps,
+    n_devices=8,
+    spike_at=None,
+    momentum=0.9,
+    spiked_steps=1,
+    adam=False,
+    host_branches=True,
 ):
     """Trains with data_parallel (SGD after compress, or Adam); ``spiked_steps`` batches from
     ``spike_at`` on have 1000x targets. Returns (per-step metrics as numpy, residual after each
     step, params before and after each step)."""
     optimizer = optax.adam(lr) if adam else optax.sgd(lr, momentum=momentum)
     tx = optax.chain(compress_tx, optimizer)
-    dp = jaxcomp.data_parallel(_loss, tx, _mesh(n_devices))
+    dp = jaxcomp.data_parallel(_loss, tx, _mesh(n_devices), host_branches=host_branches)
     state = dp.init({"w": jnp.zeros(DIM)})
     out, residuals, params = [], [], [np.asarray(state.params["w"])]
     for t in range(steps):
@@ -152,6 +161,9 @@ def randomk_runs():
         "dense": _train(jaxcomp.compress("dense"), 0.01, 120),
         "off": _train(jaxcomp.compress("randomk", ratio=0.01, guardrail=False), 0.01, 120),
         "on": _train(jaxcomp.compress("randomk", ratio=0.01, guardrail=GUARD), 0.01, 120),
+        "on, device": _train(
+            jaxcomp.compress("randomk", ratio=0.01, guardrail=GUARD), 0.01, 120, host_branches=False
+        ),
     }
 
 
@@ -164,21 +176,26 @@ def test_randomk_diverges_without_the_guardrail_and_not_with_it(randomk_runs):
     assert on["loss"].max() < 0.2 * off["loss"].max() and on["loss"][-1] < off["loss"][-1] / 10
 
 
-def test_fallback_window_is_dense_and_the_residual_is_cleared(randomk_runs):
-    metrics, residuals, params = randomk_runs["on"]
+@pytest.mark.parametrize("run, late", [("on", 1), ("on, device", 0)])
+def test_fallback_window_is_dense_and_the_residual_is_cleared(randomk_runs, run, late):
+    """With the branch picked on the host (the default for a sparse method,
+    jaxcomp.training.branches), the dense steps start ``late`` = 1 step after the device asked
+    for them, and last as long."""
+    metrics, residuals, params = randomk_runs[run]
     dense = randomk_runs["dense"][0]["bytes_sent"][0]
     trigger = int(np.argmax(metrics["fallbacks"] > 0))
     window = GUARD.window
     assert np.all(metrics["fallback"][trigger : trigger + window + 1] == 1)
     # The triggering step sends nothing dense yet (it ran the method) and applies no update...
-    assert metrics["bytes_sent"][trigger] < dense
+    assert np.all(metrics["bytes_sent"][trigger : trigger + late + 1] < dense)
     np.testing.assert_array_equal(residuals[trigger], 0.0)
     # ... the window's steps are dense, and keep no residual.
-    np.testing.assert_array_equal(metrics["bytes_sent"][trigger + 1 : trigger + window + 1], dense)
-    for r in residuals[trigger : trigger + window + 1]:
+    dense_steps = slice(trigger + late + 1, trigger + late + window + 1)
+    np.testing.assert_array_equal(metrics["bytes_sent"][dense_steps], dense)
+    for r in residuals[dense_steps]:
         assert np.abs(r).max() == 0.0
     # Then the method runs again.
-    assert metrics["bytes_sent"][trigger + window + 1] < dense
+    assert metrics["bytes_sent"][trigger + late + window + 1] < dense
     assert metrics["fallback"][trigger + window + 1] == 0
 
 
@@ -334,16 +351,23 @@ def test_compress_auto_falls_back_to_its_dense_candidate(caplog):
     assert told and all("it aggregates densely for" in m for m in told), told
     dense = jaxcomp.Dense().wire_bytes(DIM, 8)
     trigger = int(np.argmax(metrics["fallbacks"] > 0))
-    assert metrics["fallbacks"][-1] >= 1 and metrics["bytes_sent"][0] < dense
-    np.testing.assert_array_equal(metrics["bytes_sent"][trigger + 1 : trigger + 11], dense)
+    # Picked on the host, random-k runs from the call the device's choice reaches (the third),
+    # and the window starts a step late (jaxcomp.training.branches).
+    late = REPORT_DELAY - 1
+    assert metrics["fallbacks"][-1] >= 1 and metrics["bytes_sent"][late + 1] < dense
+    np.testing.assert_array_equal(
+        metrics["bytes_sent"][trigger + late + 1 : trigger + late + 11], dense
+    )
 
 
 def test_compiled_step_keeps_the_dense_all_reduce_in_the_fallback_branch():
     """Dense compiles to the same step with the guardrail on or off; a compressing method's step
-    holds the fallback's dense all-reduce in a branch of its conditional, never in ENTRY."""
+    chosen on the device holds the fallback's dense all-reduce in a branch of its conditional,
+    never in ENTRY (picked on the host, the fallback is a step of its own: pinning_test.py)."""
 
     def compiled(tx):
-        dp = jaxcomp.data_parallel(_loss, optax.chain(tx, optax.sgd(0.01)), _mesh(8))
+        tx = optax.chain(tx, optax.sgd(0.01))
+        dp = jaxcomp.data_parallel(_loss, tx, _mesh(8), host_branches=False)
         state = dp.init({"w": jnp.zeros(DIM)})
         return dp.step.lower(state, BATCHES[0]).compile().as_text()
 

@@ -23,7 +23,8 @@ from jaxcomp.training.trainer import data_parallel  # noqa: E402
 
 STEPS = 3
 GLOBAL_BATCH = 32
-# "auto" on a given slow network: every process must take the same lax.switch branch.
+# "auto" on a given slow network: every process must run the same branch (each process picks
+# it on the host from the same report, jaxcomp.training.branches).
 # label: (method, its options, data_parallel's shard=); the sharded runs reduce-scatter the
 # gradient and all-gather the params across the two processes.
 METHODS = {

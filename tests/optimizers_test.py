@@ -113,19 +113,23 @@ def test_variance_refresh_against_numpy_reference():
     assert int(count) == 10
 
 
-def test_a_refresh_step_reports_dense_bytes():
+@pytest.mark.parametrize("host_branches", [False, True])
+def test_a_refresh_step_reports_dense_bytes(host_branches):
+    """Refreshes at steps 3 and 5; with the branch picked on the host, the warm-up's dense
+    steps last one step longer (jaxcomp.training.branches)."""
     need_devices(8)
     mesh = Mesh(np.array(jax.devices()), ("data",))
     loss = lambda w, batch: jnp.sum((batch @ w) ** 2)  # noqa: E731
     tx = jaxcomp.adam(0.01, "ar_topk", ratio=0.1, warmup_steps=2, refresh_every=2)
-    dp = jaxcomp.data_parallel(loss, tx, mesh)
+    dp = jaxcomp.data_parallel(loss, tx, mesh, host_branches=host_branches)
     state, sent = dp.init(jnp.ones(40)), []
     for _ in range(6):
         state, metrics = dp.step(state, jnp.ones((8, 40)))
         sent.append(float(metrics["bytes_sent"]))
-    dense, compressed = sent[0], sent[2]
+    dense, compressed = sent[0], sent[4]
     assert compressed < dense / 4
-    assert sent == [dense, dense, compressed, dense, compressed, dense]
+    late = dense if host_branches else compressed
+    assert sent == [dense, dense, late, dense, compressed, dense]
 
 
 def test_warmup_is_optax_adam_and_dense_freezes_the_variance():

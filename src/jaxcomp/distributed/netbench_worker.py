@@ -208,6 +208,7 @@ def _timed_run(job: _Job, label, position, step, state, compute_first):
     from jax.experimental import multihost_utils
 
     from jaxcomp.distributed.cluster import INTERFACE, read_interface_counters
+    from jaxcomp.training.branches import REPORT_DELAY, pinnable
 
     metrics_box = {}
 
@@ -219,6 +220,10 @@ def _timed_run(job: _Job, label, position, step, state, compute_first):
     multihost_utils.sync_global_devices(label)
     # The first method also pays for gloo's connections and TCP's ramp-up: two more warm-up steps.
     extra = 2 if position == 0 else 0
+    # A choice of several branches reaches the host REPORT_DELAY calls after the device made it
+    # (jaxcomp.training.branches), and the chosen branch's step compiles then: untimed too.
+    opt_state = getattr(state, "opt_state", None)
+    extra += REPORT_DELAY if opt_state is not None and pinnable(opt_state) else 0
     # Settled: the previous sends (the sync's, the last step's) have left the tbf queue.
     before = read_interface_counters(INTERFACE, settle=_SETTLE)
     state, median, times = _median_step(job, run, state, extra)

@@ -7,7 +7,9 @@ index, so choices never recompile. Each branch's time is predicted with the α-�
 (:func:`jaxcomp.costmodel.cost.sync_seconds`: message steps times α plus bytes times β, the same
 formula
 :func:`jaxcomp.costmodel.cost.choose` uses on the host) plus the branch's measured local work, on
-the network in its :class:`AutoState`.
+the network in its :class:`AutoState`. :func:`jaxcomp.data_parallel` compiles one step per branch
+instead and dispatches the chosen one (:mod:`jaxcomp.optim.pinning`): under ``lax.switch`` a
+sparse candidate loses its in-place residual.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from jaxcomp import methods
 from jaxcomp.costmodel import cost, ratio_choice
 from jaxcomp.methods import Method
 from jaxcomp.ops import _checks
+from jaxcomp.optim import pinning
 from jaxcomp.optim.config import FeedbackConfig, default_buckets
 from jaxcomp.optim.feedback import feedback_transformation
 from jaxcomp.optim.stages import divergence
@@ -220,7 +223,9 @@ def compress_auto(
     """Aggregates gradients like :func:`jaxcomp.compress`, choosing the cheapest of ``candidates``.
 
     One branch per candidate (per candidate and ratio with ``ratio_search``) is compiled once; a
-    traced index picks one per step (``lax.switch``). The choice is the least predicted time,
+    traced index picks one per step (``lax.switch``); :func:`jaxcomp.data_parallel` compiles a
+    step per branch and runs the choice from the second step after it was made
+    (``host_branches=``). The choice is the least predicted time,
     :func:`jaxcomp.costmodel.cost.sync_seconds` of each branch's message steps and bytes on the
     network in the state, plus its measured local work; it is re-made every ``decide_every`` steps
     and at once when the network moves by :data:`NETWORK_TOLERANCE` (10%) or more. The network comes
@@ -362,7 +367,10 @@ def _aggregation(
         auto, branch, comm = plan.decide(state.auto, state.step)
         if fallback_branch is not None and state.divergence is not None:
             branch = jnp.where(divergence.falling_back(state.divergence), fallback_branch, branch)
-
+        # A step compiled for one branch (data_parallel's, pinning) runs it as compress of that
+        # one method would: a sparse method with its in-place residual, no lax.switch.
+        branch = pinning.static_choice(state.branches, branch)
+        sparse = isinstance(branch, int) and branches.methods[branch].sparse
         totals, sents, method_state, vectors = run_branch(
             branches.methods,
             branch,
@@ -370,7 +378,7 @@ def _aggregation(
             config.axis_name,
             state.step,
             jax.random.fold_in(state.key, state.step),
-            False,
+            sparse,
             state.method_state,
             pieces=True,
         )
@@ -380,7 +388,7 @@ def _aggregation(
             jnp.asarray(plan.bytes)[branch],
             jnp.asarray(plan.kept)[branch],
             branch,
-            sparse=False,
+            sparse=sparse,
             sends_everything=False,
             method_state=method_state,
             vectors=vectors,

@@ -21,13 +21,14 @@ import optax
 
 from jaxcomp import methods
 from jaxcomp.methods import Method
+from jaxcomp.optim import pinning
 from jaxcomp.optim.auto import compress_auto_shorthand
 from jaxcomp.optim.config import FeedbackConfig, default_buckets
 from jaxcomp.optim.feedback import feedback_transformation
 from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.stages import momentum as momentum_stage
 from jaxcomp.optim.stages import warmup as warmup_stage
-from jaxcomp.optim.stages.aggregation import Aggregation, Groups, run_branch
+from jaxcomp.optim.stages.aggregation import Aggregation, Groups, run_branch, static_cost
 from jaxcomp.optim.state import CompressState
 
 
@@ -241,7 +242,7 @@ def compress(
     sparse = method.sparse and len(branches) == 1
     aggregate = _aggregation(config, method, branches, warmup, sparse, falls_back)
     return feedback_transformation(
-        config, branches, keeps_residual, aggregate, falls_back=falls_back
+        config, branches, keeps_residual, aggregate, falls_back=falls_back, warmup=warmup
     )
 
 
@@ -257,6 +258,12 @@ def _aggregation(
         branch, bytes_sent, kept = warmup_stage.choose(
             branches, groups, state.step, warmup, fallback
         )
+        # A step compiled for one branch (data_parallel's, pinning) runs it as compress of that
+        # one method would: a sparse method with its in-place residual.
+        pinned = pinning.static_choice(state.branches, None)
+        if pinned is not None:
+            branch, (bytes_sent, kept, _) = pinned, static_cost(branches[pinned], groups)
+        runs_sparse = sparse if pinned is None else branches[pinned].sparse
         totals, sents, method_state, vectors = run_branch(
             branches,
             branch,
@@ -264,7 +271,7 @@ def _aggregation(
             config.axis_name,
             state.step,
             key,
-            sparse,
+            runs_sparse,
             state.method_state,
             pieces=True,
         )
@@ -274,7 +281,7 @@ def _aggregation(
             bytes_sent,
             kept,
             branch,
-            sparse,
+            runs_sparse,
             method.sends_everything,
             method_state,
             vectors,

@@ -84,6 +84,7 @@ def feedback_transformation(
     aggregate: Callable,
     init_auto: Callable | None = None,
     falls_back: bool = False,
+    warmup: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """The error-feedback transformation around an aggregation step (what :func:`compress` and
     :func:`jaxcomp.compress_auto` build on); its update runs the stages of this module's
@@ -99,6 +100,7 @@ def feedback_transformation(
       falls_back: with ``config.guardrail``, whether ``aggregate`` runs dense while the state's
         :attr:`~jaxcomp.CompressState.divergence` says so (else the guardrail only clears the
         residual); for the host's message.
+      warmup: the dense steps before the method runs (:func:`jaxcomp.optim.pinning.next_branch`).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`CompressState`.
@@ -118,9 +120,10 @@ def feedback_transformation(
     branches = tuple(branches)
     sends_everything = all(m.sends_everything for m in branches)
     keeps_residual = keeps_residual and not sends_everything
+    record = _branches(c, branches, falls_back, warmup)  # the state's static part
 
     def init_fn(params):
-        return _init_state(c, branches, params, keeps_residual, init_auto, policy, falls_back)
+        return _init_state(c, record, params, keeps_residual, init_auto, policy)
 
     def guards(lay: mask.Layout) -> bool:  # the guardrail runs: something is compressed
         return c.guardrail is not None and not sends_everything and bool(lay.groups)
@@ -135,7 +138,7 @@ def feedback_transformation(
                 f"state was made by a compress(guardrail={not guards(lay)}), not by this "
                 f"compress(guardrail={guards(lay)})'s init"
             )
-        _check_state_is_ours(c, state, uses_auto, _branches(c, branches, falls_back), policy)
+        _check_state_is_ours(c, state, uses_auto, record, policy)
         if not lay.floats:
             return updates, state
         mask.check_same_choice(lay, residuals if keeps_residual else velocities)
@@ -160,10 +163,9 @@ def feedback_transformation(
     return optax.GradientTransformationExtraArgs(init_fn, _checked_update(update_fn))
 
 
-def _init_state(
-    c: FeedbackConfig, branches, params, keeps_residual, init_auto, policy, falls_back=False
-):
+def _init_state(c: FeedbackConfig, record: Branches, params, keeps_residual, init_auto, policy):
     """The state before the first update: zero residual and velocity per compressed leaf."""
+    branches = record.methods
     if sharding.active() is not None:
         _check_scatters(branches)
     leaves, treedef = jax.tree.flatten(params)
@@ -188,7 +190,7 @@ def _init_state(
         metrics=init_metrics(),
         auto=init_auto() if init_auto is not None else None,
         policy=policy,
-        branches=_branches(c, branches, falls_back),
+        branches=record,
         velocity=per_compressed_leaf(True) if c.momentum is not None else None,
         method_state=init_method_state(branches, shapes),
         divergence=divergence.init()
@@ -209,11 +211,11 @@ def _state_leaves(c: FeedbackConfig, treedef, state: CompressState):
     return residuals, velocities
 
 
-def _branches(c: FeedbackConfig, branches, falls_back: bool) -> Branches:
-    """The state's static record of its methods, whether its guardrail tells the host and
-    whether it falls back to dense."""
-    guarded = c.guardrail is not None
-    return Branches(tuple(branches), guarded and c.guardrail.callback, guarded and falls_back)
+def _branches(c: FeedbackConfig, branches, falls_back: bool, warmup: int) -> Branches:
+    """The state's static record: its methods, whether its guardrail tells the host, whether it
+    falls back to dense, its warm-up."""
+    on = c.guardrail is not None
+    return Branches(tuple(branches), on and c.guardrail.callback, on and falls_back, warmup)
 
 
 def _check_state_is_ours(c: FeedbackConfig, state, uses_auto, branches: Branches, policy):

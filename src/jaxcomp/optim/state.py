@@ -51,11 +51,13 @@ class Branches:
     indexes it; host code reads it without waiting for a device. ``tells``: the guardrail tells
     the host from inside the step (``Guardrail(callback=True)``), so host code need not;
     ``falls_back``: a trigger switches to dense for the window (else it clears the residual and
-    rests), which is what the host says of a trigger."""
+    rests), which is what the host says of a trigger; ``warmup``: the dense steps before the
+    method runs (:func:`jaxcomp.optim.pinning.next_branch` reads it)."""
 
     methods: tuple[Method, ...]
     tells: bool = False
     falls_back: bool = False
+    warmup: int = 0
 
 
 class CompressState(NamedTuple):

@@ -1,7 +1,9 @@
 """Stage 2, warm-up: aggregate densely for the first steps, then run the method.
 
 Both branches are compiled into one step; the step counter picks one (``lax.switch``), so the
-switch never recompiles. The ``method`` metric says which ran.
+switch never recompiles. :func:`jaxcomp.data_parallel` compiles a step per branch instead, for a
+sparse method (:mod:`jaxcomp.optim.pinning`), and runs the method from one step after the
+warm-up. The ``method`` metric says which ran.
 """
 
 from __future__ import annotations
