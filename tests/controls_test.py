@@ -39,8 +39,8 @@ def _zeros():
     return {name: jnp.zeros(shape) for name, shape in SHAPES.items()}
 
 
-def _run(tx):
-    dp = jaxcomp.data_parallel(_loss, tx, _mesh())
+def _run(tx, **options):
+    dp = jaxcomp.data_parallel(_loss, tx, _mesh(), **options)
     return dp, dp.init(_zeros())
 
 
@@ -61,13 +61,18 @@ def _flat(tree):
 # ---- warm-up ---------------------------------------------------------------------------------
 
 
-def test_warmup_runs_dense_then_the_method_with_error_feedback_exact_across_the_switch():
+@pytest.mark.parametrize("host_branches", [False, True])
+def test_warmup_runs_dense_then_the_method_with_error_feedback_exact_across_the_switch(
+    host_branches,
+):
     """Steps 0-1 are the exact dense sum (nothing kept), step 2 on runs top-k; sum of aggregates =
-    sum of gradients - residuals throughout; one compilation."""
+    sum of gradients - residuals throughout; one compilation. With the branch picked on the host
+    (jaxcomp.training.branches) step 2 is dense too, and each branch compiles once."""
     tx = optax.chain(
         jaxcomp.compress(TopK(k=10, collective="ar"), mean=False, warmup_steps=2), optax.sgd(1.0)
     )
-    dp, state = _run(tx)
+    dp, state = _run(tx, host_branches=host_branches)
+    dense_steps = 3 if host_branches else 2
     assert [m.label for m in jaxcomp.find_compress_state(state.opt_state).methods] == [
         "dense",
         "ar_topk",
@@ -82,7 +87,7 @@ def test_warmup_runs_dense_then_the_method_with_error_feedback_exact_across_the_
             ran.append(int(metrics["method"]))
             fed += _flat(batch).sum(axis=0)
             residual = _flat(jaxcomp.find_compress_state(state.opt_state).residual)
-            if step < 2:
+            if step < dense_steps:
                 np.testing.assert_allclose(
                     before - _flat(state.params), _flat(batch).sum(axis=0), rtol=1e-6, atol=1e-5
                 )
@@ -92,7 +97,12 @@ def test_warmup_runs_dense_then_the_method_with_error_feedback_exact_across_the_
             np.testing.assert_allclose(
                 -_flat(state.params), fed - residual.sum(axis=0), rtol=1e-5, atol=1e-4
             )
-    assert ran == [0, 0, 1, 1] and compiles[0] == 1
+    assert ran == [0] * dense_steps + [1] * (4 - dense_steps)
+    if host_branches:  # one step per branch, each compiled once
+        steps = dp.step._jitted._jitted
+        assert sorted(steps) == [0, 1] and all(f._cache_size() == 1 for f in steps.values())
+    else:
+        assert compiles[0] == 1
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ A compress state with more than one branch (a warm-up, the guardrail's dense fal
 ``lax.switch`` over a traced index. Every branch must then return dense totals and sents, so a
 sparse method loses its fast path: its residual is no longer updated in place and its sum is no
 longer a :class:`jaxcomp.ops.scatter.SparseTotal`. On one CPU device that costs 1.6-1.8x the
-fixed method's update (mlp4096, BENCHMARKS.md "auto's switch").
+fixed method's update (mlp4096, BENCHMARKS.md "`auto` with its branch picked on the host").
 
 Traced inside :func:`pinned`, the aggregation runs the given branch as a static choice, exactly as
 a ``compress`` of that one method would. The step still computes the branch the device would
@@ -114,6 +114,29 @@ def static_choice(record, wanted):
     return branch
 
 
+def can_pin(state) -> bool:
+    """Whether :func:`next_branch` tells ``state``'s next branch: several branches, a sparse one
+    among them, and no :class:`jaxcomp.RatioSearch`. Static: reads no array.
+
+    Args:
+      state: a :class:`jaxcomp.CompressState`.
+
+    Returns:
+      True or False.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxcomp
+      >>> can_pin(jaxcomp.compress("ar_topk", ratio=0.1, warmup_steps=3).init(jnp.zeros(4)))
+      True
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-D.
+    """
+    runs = state.branches.methods
+    searching = state.auto is not None and state.auto.ratio is not None
+    return len(runs) >= 2 and any(m.sparse for m in runs) and not searching
+
+
 def next_branch(state):
     """The branch the device will choose for the next update of ``state``, as far as the state
     says: the warm-up's step count, the guardrail's fallback window, ``compress_auto``'s last
@@ -139,10 +162,9 @@ def next_branch(state):
       Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3 (warm-up); Tyagi & Swany, arXiv
       2312.02493, §3-D (the choice of collective).
     """
-    runs = state.branches.methods
-    searching = state.auto is not None and state.auto.ratio is not None
-    if len(runs) < 2 or not any(m.sparse for m in runs) or searching:
+    if not can_pin(state):
         return None
+    runs = state.branches.methods
     if state.auto is not None:
         branch = state.auto.choice
     else:

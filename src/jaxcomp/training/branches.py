@@ -3,14 +3,15 @@ compress and dispatches the one the device asked for (:mod:`jaxcomp.optim.pinnin
 
 A compress state with several branches (a warm-up, the guardrail's dense fallback,
 ``compress_auto``'s candidates) would otherwise choose on the device, with ``lax.switch``, and a
-sparse method under a switch loses its in-place residual: 1.6-1.8x its update on mlp4096
-(BENCHMARKS.md, "auto's switch"). Here each step reports the branch its state asks for next
-(:func:`jaxcomp.optim.pinning.next_branch`); the host reads that report ``delay`` calls later,
-once the step has run, so nothing waits for it, and every process reads the same report at the
-same call, so all of them run the same program. A branch therefore starts ``delay`` steps after
-the device asked for it: the warm-up lasts that much longer, the guardrail's dense window starts
-that much later (the trigger step itself clears the residual), and ``compress_auto``'s new choice
-runs that much later. Every branch keeps the state exact.
+sparse method under a switch loses its in-place residual: 1.6-1.9x its update on mlp4096
+(BENCHMARKS.md, "`auto` with its branch picked on the host"). Here each step reports the branch
+its state asks for next (:func:`jaxcomp.optim.pinning.next_branch`); the host reads that report
+``delay`` calls later, once the step has run, so nothing waits for it, and every process reads
+the same report at the same call, so all of them run the same program. A branch therefore starts
+``delay - 1`` steps after the device asked for it (one, with :data:`REPORT_DELAY`): the warm-up
+lasts that much longer, the guardrail's dense window starts that much later (the trigger step
+itself clears the residual), and ``compress_auto``'s new choice runs that much later. Every
+branch keeps the state exact.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import collections
 
 import jax
 
-from jaxcomp.optim.pinning import next_branch
+from jaxcomp.optim.pinning import can_pin, next_branch
 from jaxcomp.optim.state import compress_states
 from jaxcomp.training.dispatch import local_copy
 
@@ -114,7 +115,7 @@ def pinnable(opt_state) -> bool:
       Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3 (warm-up).
     """
     states = compress_states(opt_state)
-    return len(states) == 1 and next_branch(states[0]) is not None
+    return len(states) == 1 and can_pin(states[0])
 
 
 def pinned_record(opt_state):

@@ -487,7 +487,7 @@ def data_parallel(
         dense fallback, ``compress_auto``'s candidates) and a sparse one among them picks the
         branch of a step. True (default): on the host, from the branch the state asked for two
         steps before, with one compiled step per branch (:mod:`jaxcomp.training.branches`): a
-        sparse method keeps its in-place residual, 1.6-1.8x faster than under ``lax.switch``,
+        sparse method keeps its in-place residual, 1.6-1.9x faster than under ``lax.switch``,
         and a branch starts one step after the device asked for it (the warm-up lasts a step
         longer, the guardrail's dense window starts a step later). False: on the device, in
         the step that asks, with every branch compiled into one step.
