@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 import jaxcomp
 from jaxcomp.costmodel import cost, ratio_choice
 from jaxcomp.methods import Dense, TopK
-from jaxcomp.optim.auto import set_network
+from jaxcomp.optim.auto_state import set_network
 from jaxcomp.optim.transform import compress, find_compress_state
 from jaxcomp.training.branches import REPORT_DELAY
 from jaxcomp.training.trainer import data_parallel

@@ -20,6 +20,7 @@ from jax.sharding import Mesh  # noqa: E402
 from jaxcomp.costmodel.cost import Network  # noqa: E402
 from jaxcomp.optim.transform import compress, find_compress_state  # noqa: E402
 from jaxcomp.training.trainer import data_parallel  # noqa: E402
+from jaxcomp.training.trial import Trial  # noqa: E402
 
 STEPS = 3
 GLOBAL_BATCH = 32
@@ -66,13 +67,11 @@ def run():
     }
     out = {}
     for method, (name, options, shard) in METHODS.items():
-        dp = data_parallel(
-            loss_fn, optax.chain(compress(name, **options), optax.adam(1e-2)), mesh, shard=shard
-        )
-        state = dp.init(params)
-        for batch in global_batches():
-            local = {name: value[lo : lo + rows] for name, value in batch.items()}
-            state, metrics = dp.step(state, dp.shard_batch(local))
+        tx = optax.chain(compress(name, **options), optax.adam(1e-2))
+        # No trial of auto's candidates here: its timings differ between one process and two,
+        # and so may the branch it keeps (_check_trial_agrees runs one).
+        dp = data_parallel(loss_fn, tx, mesh, shard=shard, auto_trial=None)
+        state, metrics = _train(dp, dp.init(params), lo, rows)
         # Metrics are this process's copies: a training loop logs them on every process.
         out[f"{method}/loss"] = np.float32(float(metrics["loss"]))
         for name, value in dp.params(state).items():
@@ -91,10 +90,41 @@ def run():
                     np.asarray(auto.overhead.addressable_data(0)),
                 ]
             )
-            everywhere = np.asarray(multihost_utils.process_allgather(measured))
-            if not (everywhere == everywhere[:1]).all():
-                raise SystemExit(f"processes measured different networks: {everywhere}")
+            _same_everywhere(measured, "processes measured different networks")
+            # Within 20x: the three candidates' predictions here span 9x (3 ms to 28 ms).
+            wide = data_parallel(loss_fn, tx, mesh, auto_trial=Trial(within=20.0))
+            _check_trial_agrees(wide, params, lo, rows)
     return out
+
+
+def _train(dp, state, lo, rows, repeat=1):
+    for batch in list(global_batches()) * repeat:
+        local = {name: value[lo : lo + rows] for name, value in batch.items()}
+        state, metrics = dp.step(state, dp.shard_batch(local))
+    return state, metrics
+
+
+def _same_everywhere(values, message):
+    everywhere = np.asarray(multihost_utils.process_allgather(np.asarray(values)))
+    if not (everywhere == everywhere[:1]).all():
+        raise SystemExit(f"{message}: {everywhere}")
+
+
+def _check_trial_agrees(dp, params, lo, rows):
+    """auto's trial (jaxcomp.training.trial) in two processes: each process times the same
+    branches, and all of them keep the slowest process's medians and the same branch."""
+    state, _ = _train(dp, dp.init(params), lo, rows, repeat=5)
+    auto = find_compress_state(state.opt_state)
+    if (
+        dp.step.in_trial
+        or not np.isfinite(np.asarray(auto.auto.measured.addressable_data(0))).any()
+    ):
+        raise SystemExit("auto's trial did not finish in 15 steps")
+    seen = [auto.auto.measured, auto.auto.choice, auto.metrics.method]
+    _same_everywhere(
+        np.concatenate([np.ravel(np.asarray(x.addressable_data(0))) for x in seen]),
+        "processes ended auto's trial differently",
+    )
 
 
 if __name__ == "__main__":

@@ -125,9 +125,15 @@ def test_pinned_rejects_what_is_not_a_branch():
         _update(tx, _mesh(1), 5)(grads, tx.init(grads))
 
 
-def _train(tx, mesh, batches, pinned=True, max_in_flight=8):
+def _train(tx, mesh, batches, pinned=True, max_in_flight=8, auto_trial=None):
+    # No trial of compress_auto's candidates (tests/trial_test.py): the branches here are the
+    # reports'.
     dp = jaxcomp.data_parallel(
-        _loss, optax.chain(tx, optax.sgd(0.02)), mesh, max_steps_in_flight=max_in_flight
+        _loss,
+        optax.chain(tx, optax.sgd(0.02)),
+        mesh,
+        max_steps_in_flight=max_in_flight,
+        auto_trial=auto_trial,
     )
     state = dp.init({"w": jnp.zeros(DIM)})
     step = dp.step if pinned else dp._jit_step(None)

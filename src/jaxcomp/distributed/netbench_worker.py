@@ -186,20 +186,28 @@ def _build_step(job: _Job, method, options, shard):
 _SETTLE = 2.0
 
 
-def _median_step(job: _Job, run, state, extra_warmup):
-    """Runs warm-up then timed steps; ``(state, median seconds, every timed step's seconds)``."""
+def _median_step(job: _Job, run, state, extra_warmup, busy, mark):
+    """Runs warm-up then timed steps: ``(state, median seconds, every timed step's seconds, the
+    link's counters before the first timed step)``. A call while ``busy()`` (``compress_auto``'s
+    trial of its candidates) is untimed too; ``mark()`` reads the counters as the timed steps
+    start."""
     import jax
 
-    times = []
+    times, before = [], None
     warmup = job.spec.warmup + extra_warmup
-    for i in range(warmup + job.spec.steps):
-        batch = job.global_batch(i)
+    calls = 0
+    while len(times) < job.spec.steps:
+        timed = calls >= warmup and not busy()
+        if timed and before is None:
+            before = mark()
+        batch = job.global_batch(calls)
         start = time.perf_counter()
         state, loss = run(state, batch)
         jax.block_until_ready(loss)
-        if i >= warmup:
+        calls += 1
+        if timed:
             times.append(time.perf_counter() - start)
-    return state, statistics.median(times), times
+    return state, statistics.median(times), times, before
 
 
 def _timed_run(job: _Job, label, position, step, state, compute_first):
@@ -224,17 +232,26 @@ def _timed_run(job: _Job, label, position, step, state, compute_first):
     # (jaxcomp.training.branches), and the chosen branch's step compiles then: untimed too.
     opt_state = getattr(state, "opt_state", None)
     extra += REPORT_DELAY if opt_state is not None and pinnable(opt_state) else 0
-    # Settled: the previous sends (the sync's, the last step's) have left the tbf queue.
-    before = read_interface_counters(INTERFACE, settle=_SETTLE)
-    state, median, times = _median_step(job, run, state, extra)
+
+    def mark():
+        # Settled: the warm-up's last sends have left the tbf queue. Then every host starts its
+        # timed steps together (a settle takes each host its own time).
+        counters = read_interface_counters(INTERFACE, settle=_SETTLE)
+        multihost_utils.sync_global_devices(f"{label}/timed")
+        return counters
+
+    # compress_auto's trial of its leading candidates (jaxcomp.training.trial) is untimed too,
+    # and its steps (other methods, dense at first) are not counted in the wire's bytes.
+    state, median, times, before = _median_step(
+        job, run, state, extra, lambda: getattr(step.step, "in_trial", False), mark
+    )
     after = read_interface_counters(INTERFACE, settle=_SETTLE)
-    steps_counted = job.spec.warmup + extra + job.spec.steps
     entry = {
         "step": median,
         "times": times,
         "sync": median - compute_first,
-        "wire_tx": (after[0] - before[0]) / steps_counted,
-        "wire_rx": (after[1] - before[1]) / steps_counted,
+        "wire_tx": (after[0] - before[0]) / len(times),
+        "wire_rx": (after[1] - before[1]) / len(times),
         # This device's share of the training state (params + optimizer state, the
         # error-feedback residual included), from the arrays' shardings, and the process's
         # peak resident memory from this method's init to its last step.
@@ -258,13 +275,20 @@ def _what_ran(job: _Job, label, method, state, metrics, init_seconds):
         for k, v in metrics.items()
         if k in ("bytes_sent", "density", "gain", "method", "gather_bytes")
     }
-    ran = jaxcomp.find_compress_state(state.opt_state).methods[int(host.get("method", 0))]
-    return ran, {
+    compress = jaxcomp.find_compress_state(state.opt_state)
+    ran = compress.methods[int(host.get("method", 0))]
+    about = {
         "init": init_seconds,
         # Sharded: the gradient's reduce-scatter plus the params' all-gather.
         "bytes_sent": host.get("bytes_sent", 0.0) + host.get("gather_bytes", 0.0),
         "ran": ran.label,
     }
+    if compress.auto is not None:  # the whole steps auto's trial measured, per candidate
+        measured = np.asarray(compress.auto.measured.addressable_data(0), np.float64)
+        about["trial"] = {
+            m.describe(): float(s) for m, s in zip(compress.methods, measured) if np.isfinite(s)
+        }
+    return ran, about
 
 
 def _run_method(job: _Job, label, position, network, compute_first) -> dict:

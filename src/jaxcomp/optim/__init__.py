@@ -3,9 +3,9 @@ choice (:mod:`.auto`), the non-finite policy, accumulation and sharded (ZeRO-sty
 
 Bottom up: :mod:`.sharding` and :mod:`.packing` (the vectors), :mod:`.stages` (one module per
 stage of an update), :mod:`.state` (:class:`CompressState`), :mod:`.config`, :mod:`.nonfinite`,
-:mod:`.feedback` (the pipeline), :mod:`.auto`, :mod:`.compression` (:func:`compress`), and
-:mod:`.transform`, which re-exports the names of 0.1. Imports the layers below; nothing of
-training, the tools or the command line.
+:mod:`.feedback` (the pipeline), :mod:`.auto_state` and :mod:`.auto`, :mod:`.compression`
+(:func:`compress`), and :mod:`.transform`, which re-exports the names of 0.1. Imports the layers
+below; nothing of training, the tools or the command line.
 """
 
 from jaxcomp._lazy import attach
@@ -15,6 +15,7 @@ __getattr__, __dir__, __all__ = attach(
     submodules=(
         "transform",
         "auto",
+        "auto_state",
         "nonfinite",
         "accumulation",
         "sharding",

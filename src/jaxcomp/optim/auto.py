@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +26,12 @@ from jaxcomp.costmodel import cost, ratio_choice
 from jaxcomp.methods import Method
 from jaxcomp.ops import _checks
 from jaxcomp.optim import pinning
+from jaxcomp.optim.auto_state import AutoState, calibrated, init_auto
 from jaxcomp.optim.config import FeedbackConfig, default_buckets
 from jaxcomp.optim.feedback import feedback_transformation
 from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.stages.aggregation import Aggregation, Groups, run_branch, static_cost
-from jaxcomp.optim.state import CompressState, compress_states
+from jaxcomp.optim.state import CompressState
 
 #: How long ``compress_auto`` keeps a choice: it re-decides every this many steps by default,
 #: and at once when the network moves by :data:`NETWORK_TOLERANCE` or more.
@@ -91,22 +91,6 @@ class RatioSearch:
         return ratio_choice.candidate_ratios(self.ratio_range, self.factor)
 
 
-class AutoState(NamedTuple):
-    """What :func:`compress_auto` decides with; replicated. ``B`` branches, compiled once each
-    (:attr:`jaxcomp.CompressState.methods` lists them). Set the network with :func:`set_network`
-    (``jaxcomp.data_parallel`` probes it for you)."""
-
-    network: (
-        jax.Array
-    )  # f32[2]: (alpha seconds, beta seconds per byte) of the latest probe; NaN until one is set
-    overhead: jax.Array  # f32[B]: each branch's local work in seconds (0 until measured)
-    decided: (
-        jax.Array
-    )  # f32[2]: the network the current choice was made with (NaN before the first choice)
-    choice: jax.Array  # i32[]: the chosen candidate, an index into the candidates
-    ratio: Any  # ratio_choice.RatioState with a RatioSearch, else None
-
-
 @dataclasses.dataclass(frozen=True)
 class _Branches:
     """The branches of a candidate list: one per candidate, or per (candidate, ratio)."""
@@ -164,7 +148,8 @@ class _Plan:
         comm = cost.sync_seconds(
             jnp.asarray(self.steps), jnp.asarray(self.bytes), decided[0], decided[1]
         )
-        predicted = comm + auto.overhead
+        # Whole steps a trial measured (data_parallel's) stand in for their predictions.
+        predicted = calibrated(comm + auto.overhead, auto.measured)
         ratio = auto.ratio
         if self.search is not None:
             # A moved network re-chooses the ratio from the last exploration, without exploring.
@@ -189,7 +174,8 @@ class _Plan:
             ]
             row = jnp.where(jnp.asarray(self.b.tunable)[choice], best, choice)
         branch = table[row, r]
-        return auto._replace(decided=decided, choice=choice, ratio=ratio), branch, comm
+        auto = auto._replace(decided=decided, choice=choice, ratio=ratio, comm=comm)
+        return auto, branch, comm
 
     def observe(self, auto: AutoState, branch, gain, comm) -> AutoState:
         """Feeds a tunable branch's gain to the ratio controller."""
@@ -320,7 +306,7 @@ def compress_auto(
         branches.methods,
         keeps_residual,
         _aggregation(config, branches, ratio_search, decide_every, fallback_branch),
-        init_auto=functools.partial(_init_auto, network, len(branches.methods), ratio_search),
+        init_auto=functools.partial(init_auto, network, len(branches.methods), ratio_search),
         falls_back=fallback_branch is not None,
     )
 
@@ -338,22 +324,6 @@ def _check_ratio_search(ratio_search, candidates) -> tuple[float, ...]:
             f"{[m.describe() for m in candidates]}"
         )
     return ratios
-
-
-def _init_auto(network, n_branches: int, ratio_search) -> AutoState:
-    """The :class:`AutoState` before the first step."""
-    start = np.full(2, np.nan) if network is None else np.array([network.alpha, network.beta])
-    return AutoState(
-        network=jnp.asarray(start, jnp.float32),
-        overhead=jnp.zeros(n_branches, jnp.float32),
-        decided=jnp.full(2, jnp.nan, jnp.float32),
-        choice=jnp.zeros((), jnp.int32),
-        ratio=(
-            ratio_choice.ratio_init(len(ratio_search.ratios), ratio_search.explore_steps)
-            if ratio_search is not None
-            else None
-        ),
-    )
 
 
 def _aggregation(
@@ -570,130 +540,3 @@ def _check_settings_used(settings: dict, names, built) -> None:
                 f"{option}= goes with none of the candidates {tuple(names)!r}; remove it or add a "
                 "candidate that takes it"
             )
-
-
-def auto_branches(opt_state) -> list[list[Method]]:
-    """The branches of each :func:`compress_auto` state in ``opt_state``, in branch order.
-
-    Args:
-      opt_state: an optimizer state holding one or more :class:`jaxcomp.CompressState`.
-
-    Returns:
-      One list of methods per ``compress_auto`` state, in depth-first order; the order
-      :func:`set_network`'s ``overhead`` sequence uses.
-
-    Example:
-      >>> import jax.numpy as jnp, jaxcomp
-      >>> state = jaxcomp.compress_auto([jaxcomp.Dense(), jaxcomp.TopK(0.01)]).init(
-      ...     {"w": jnp.zeros(3)}
-      ... )
-      >>> [m.describe() for m in jaxcomp.auto_branches(state)[0]]
-      ['dense', 'allgather_topk(0.01)']
-
-    References:
-      Tyagi & Swany, arXiv 2312.02493, §3-D and §3-E (the candidates flexible communication picks
-      from).
-    """
-    return [list(state.methods) for state in compress_states(opt_state) if state.auto is not None]
-
-
-def set_network(opt_state, network: cost.Network, overhead=None):
-    """Gives every :func:`compress_auto` state in ``opt_state`` a newly measured network.
-
-    It re-decides in its next step when latency or bandwidth moved by 10% or more
-    (:data:`NETWORK_TOLERANCE`), otherwise at its next regular decision. Call it on the host
-    between steps (:meth:`jaxcomp.DataParallel.reprobe` does, after probing).
-
-    Args:
-      opt_state: an optimizer state holding one or more :class:`jaxcomp.CompressState`.
-      network: the :class:`jaxcomp.costmodel.cost.Network`, e.g.
-        ``jaxcomp.probe_network(mesh, "data")``.
-      overhead: optional seconds of local work per branch: a sequence in :func:`auto_branches`
-        order, a dict keyed by branch method or by label (``{"zfp": 0.01}``; missing branches keep
-        theirs), or a function ``method -> seconds``. Kept as they are when None.
-
-    Returns:
-      ``opt_state`` with the network (and overhead) replaced; everything else is untouched.
-
-    Example:
-      >>> import jax.numpy as jnp, jaxcomp
-      >>> tx = jaxcomp.compress_auto([jaxcomp.Dense(), jaxcomp.TopK(0.01)])
-      >>> state = jaxcomp.set_network(
-      ...     tx.init({"w": jnp.zeros(3)}), jaxcomp.costmodel.cost.Network.parse("1ms", "1gbit")
-      ... )
-      >>> [float(v) for v in state.auto.network]  # alpha seconds, beta seconds per byte
-      [0.0010000000474974513, 7.999999773744548e-09]
-
-    References:
-      Tyagi & Swany, arXiv 2312.02493, §3-E (re-decide when α or β changes).
-    """
-    if not isinstance(network, cost.Network):
-        raise TypeError(
-            f"network must be a jaxcomp.costmodel.cost.Network, got {type(network).__name__}"
-        )
-    if not any(state.auto is not None for state in compress_states(opt_state)):
-        raise ValueError("opt_state holds no compress_auto state to give a network to")
-    values = np.array([network.alpha, network.beta], np.float32)
-
-    def replace(node):
-        if isinstance(node, CompressState) and node.auto is not None:
-            auto = node.auto
-            return node._replace(
-                auto=auto._replace(
-                    network=_like(auto.network, values),
-                    overhead=_like(auto.overhead, _overhead_of(overhead, node)),
-                )
-            )
-        return node
-
-    return jax.tree.map(replace, opt_state, is_leaf=lambda x: isinstance(x, CompressState))
-
-
-def _overhead_of(overhead, state: CompressState):
-    """The overhead seconds per branch of ``state`` that :func:`set_network` sets."""
-    auto = state.auto
-    if overhead is None:
-        return auto.overhead
-    current = _host(auto.overhead).astype(np.float64)
-    branches = state.methods
-    if callable(overhead):
-        seconds = [overhead(m) for m in branches]
-    elif isinstance(overhead, dict):
-        known = set(branches) | {m.label for m in branches}
-        unknown = [key for key in overhead if key not in known]
-        if unknown:
-            raise ValueError(
-                f"overhead names {unknown}, which are not among the branches "
-                f"{[m.describe() for m in branches]}"
-            )
-        seconds = [
-            overhead.get(m, overhead.get(m.label, current[b])) for b, m in enumerate(branches)
-        ]
-    else:
-        seconds = list(overhead)
-        if len(seconds) != len(branches):
-            raise ValueError(
-                f"overhead has {len(seconds)} entries for {len(branches)} branches "
-                f"{[m.describe() for m in branches]}"
-            )
-    seconds = np.asarray(seconds, np.float64)
-    if seconds.shape != (len(branches),) or not np.all(np.isfinite(seconds)) or np.any(seconds < 0):
-        raise ValueError(
-            f"overhead must give finite seconds >= 0 per branch, got {seconds.tolist()}"
-        )
-    return seconds.astype(np.float32)
-
-
-def _like(old, new):
-    """``new`` placed like ``old``."""
-    # Keep the old leaf's placement, so a jitted step sees the same input and does not recompile.
-    if isinstance(old, jax.Array) and not isinstance(old, jax.core.Tracer):
-        return jax.device_put(new, old.sharding)
-    return new
-
-
-def _host(x) -> np.ndarray:
-    """A replicated array's value on the host (also when it spans processes)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        x = x.addressable_shards[0].data
-    return np.asarray(x)

@@ -1,7 +1,8 @@
 """Layer 6, training: :func:`data_parallel` (the jitted, sharded step; :mod:`.trainer`, built from
-:mod:`.state`, :mod:`.layout`, :mod:`.mask`, :mod:`.step`, :mod:`.dispatch`, :mod:`.reprobe` and
-:mod:`.resize`), DiLoCo's outer loop (:func:`diloco`: :mod:`.diloco`, :mod:`.inner` and
-:mod:`.outer`) and the model zoo that the benchmarks train (:mod:`.zoo`).
+:mod:`.state`, :mod:`.layout`, :mod:`.mask`, :mod:`.step`, :mod:`.dispatch`, :mod:`.branches`,
+:mod:`.trial` (``compress_auto``'s candidates timed), :mod:`.reprobe` and :mod:`.resize`),
+DiLoCo's outer loop (:func:`diloco`: :mod:`.diloco`, :mod:`.inner` and :mod:`.outer`) and the
+model zoo that the benchmarks train (:mod:`.zoo`).
 """
 
 from jaxcomp._lazy import attach
@@ -18,6 +19,8 @@ __getattr__, __dir__, __all__ = attach(
         "mask",
         "step",
         "dispatch",
+        "branches",
+        "trial",
         "reprobe",
         "resize",
         "zoo",
@@ -29,5 +32,6 @@ __getattr__, __dir__, __all__ = attach(
         "diloco": "jaxcomp.training.diloco",
         "DiLoCo": "jaxcomp.training.diloco",
         "DiLoCoState": "jaxcomp.training.diloco",
+        "Trial": "jaxcomp.training.trial",
     },
 )

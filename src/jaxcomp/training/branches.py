@@ -52,8 +52,13 @@ class PinnedSteps:
         self._make = make
         self._delay = delay
         self._jitted = {}
+        self._ran = set()  # branches whose step has been dispatched (so compiled)
+        self.restart()
+
+    def restart(self):
+        """Forgets the reports: the next call reads its branch from its input state."""
         self._reports = collections.deque()
-        self._pin = _UNKNOWN if delay is not None else None
+        self._pin = _UNKNOWN if self._delay is not None else None
 
     @property
     def branch(self):
@@ -62,10 +67,20 @@ class PinnedSteps:
 
     def __call__(self, state, *args, **kwargs):
         branch = self._next(state)
-        out = self._step(branch)(state, *args, **kwargs)
+        out = self.run(branch, state, *args, **kwargs)
         if branch is not None:
             self._reports.append(out[2][2])
         return out
+
+    def run(self, branch, state, *args, **kwargs):
+        """Runs ``branch``'s step (None: the device chooses), whatever the reports say."""
+        out = self._step(branch)(state, *args, **kwargs)
+        self._ran.add(branch)
+        return out
+
+    def compiled(self, branch) -> bool:
+        """Whether ``branch``'s step has run already (so its next call does not compile)."""
+        return branch in self._ran
 
     def lower(self, state, *args, **kwargs):
         return self._step(self._peek(state)).lower(state, *args, **kwargs)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp.costmodel.probe import agree_across_processes, probe_network
-from jaxcomp.optim.auto import auto_branches, set_network
+from jaxcomp.optim.auto_state import auto_branches, set_network
 from jaxcomp.optim.timing import overhead_seconds
 
 

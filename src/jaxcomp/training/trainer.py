@@ -13,6 +13,7 @@ its collective. This module is the entry point; the pieces live beside it, one c
 - :mod:`.boundary`: many small state leaves cross the step's ``shard_map`` as a few arrays;
 - :mod:`.dispatch`: how many steps may run ahead of the host;
 - :mod:`.branches`: one compiled step per branch of the compress state, picked on the host;
+- :mod:`.trial`: timing ``compress_auto``'s leading candidates' whole steps;
 - :mod:`.reprobe`: measuring the network again for ``compress_auto``.
 """
 
@@ -40,6 +41,10 @@ from jaxcomp.training.dispatch import DEFAULT_MAX_STEPS_IN_FLIGHT, BoundedStep, 
 from jaxcomp.training.layout import Layout
 from jaxcomp.training.state import TrainState, avals_of
 from jaxcomp.training.step import train_step
+from jaxcomp.training.trial import Trial, TrialSteps
+
+#: ``data_parallel``'s default trial of ``compress_auto``'s leading candidates.
+DEFAULT_TRIAL = Trial()
 
 __all__ = ["DEFAULT_MAX_STEPS_IN_FLIGHT", "DataParallel", "TrainState", "data_parallel"]
 
@@ -70,6 +75,7 @@ class DataParallel:
         gather_dtype=None,
         donate=False,
         host_branches=True,
+        auto_trial=DEFAULT_TRIAL,
     ):
         self.loss_fn = loss_fn
         self.has_aux = has_aux
@@ -80,8 +86,12 @@ class DataParallel:
         # static part of a trigger probe (what its warning names).
         self._raises_on_nonfinite = False
         self._probe_names = None
-        self.step = BoundedStep(
+        self._trial_steps = TrialSteps(
             PinnedSteps(self._jit_step, REPORT_DELAY if host_branches else None),
+            auto_trial if host_branches else None,
+        )
+        self.step = BoundedStep(
+            self._trial_steps,
             max_steps_in_flight,
             self._check_nonfinite,
             (self._trigger_probe, divergence.tell_trigger),
@@ -326,7 +336,9 @@ class DataParallel:
           Tyagi & Swany, arXiv 2312.02493, §3-E (re-measure α and β, re-decide); Agarwal et al.,
           MLSys 2022, §3.1 (encode/decode time in the step).
         """
-        return reprobing.remeasure(self.layout, state, codec=codec, **probe_options)
+        state = reprobing.remeasure(self.layout, state, codec=codec, **probe_options)
+        self._trial_steps.restart()  # the measured steps were cleared: time them again
+        return state
 
     def shard_batch(self, batch):
         """Builds the global batch from this process's rows (all rows when there is one process).
@@ -428,6 +440,7 @@ def data_parallel(
     gather_dtype=None,
     donate: bool = False,
     host_branches: bool = True,
+    auto_trial: Trial | None = DEFAULT_TRIAL,
 ) -> DataParallel:
     """A data-parallel training step around a compressing optax chain.
 
@@ -491,6 +504,14 @@ def data_parallel(
         and a branch starts one step after the device asked for it (the warm-up lasts a step
         longer, the guardrail's dense window starts a step later). False: on the device, in
         the step that asks, with every branch compiled into one step.
+      auto_trial: with ``host_branches`` and a ``compress_auto`` in ``tx``, how its leading
+        candidates' whole steps are timed once the network is known (:mod:`.trial`): after the
+        first step, the ``Trial().candidates`` (3) branches predicted fastest take turns for
+        ``Trial().steps`` (3) timed steps each, waited for (after an untimed one where a
+        branch's step compiles), and ``compress_auto`` runs the fastest measured from then on, until
+        :meth:`DataParallel.reprobe` measures the network again (which times them again).
+        Predictions alone rest on local-work timings that a shared machine makes noisy
+        (BENCHMARKS.md, "`auto` with its candidates' steps measured"). None: no trial.
 
     Returns:
       A :class:`DataParallel` with ``init(params) -> TrainState``, ``step(state, batch) ->
@@ -550,6 +571,11 @@ def data_parallel(
     for name, value in (("donate", donate), ("host_branches", host_branches)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
+    if auto_trial is not None and not isinstance(auto_trial, Trial):
+        raise TypeError(
+            "auto_trial must be a jaxcomp.training.trial.Trial (e.g. Trial(candidates=2)) or "
+            f"None, got {type(auto_trial).__name__}"
+        )
     return DataParallel(
         loss_fn,
         tx,
@@ -561,6 +587,7 @@ def data_parallel(
         gather_dtype,
         donate,
         host_branches,
+        auto_trial,
     )
 
 
