@@ -269,7 +269,14 @@ def test_auto_on_two_axes_includes_hierarchical_topk_and_matches_the_cost_model(
     mesh = Mesh(np.array(jax.devices()[:N_DEVICES]).reshape(2, 4), ("node", "device"))
     slow = cost.Network.parse("1ms", "1gbit")
     tx = compress("auto", ratio=0.01, axis_name=("node", "device"), network=slow)
-    dp = data_parallel(_loss, optax.chain(tx, optax.sgd(1.0)), mesh, axis_name=("node", "device"))
+    # The cost model's choice, not a trial's (tests/trial_test.py): no trial.
+    dp = data_parallel(
+        _loss,
+        optax.chain(tx, optax.sgd(1.0)),
+        mesh,
+        axis_name=("node", "device"),
+        auto_trial=None,
+    )
     state = dp.init(jnp.zeros(N_PARAMS))
     candidates = ("dense", "allgather_topk", "ar_topk", "hierarchical_topk")
     (branches,) = jaxcomp.auto_branches(state.opt_state)

@@ -286,7 +286,7 @@ def _what_ran(job: _Job, label, method, state, metrics, init_seconds):
     if compress.auto is not None:  # the whole steps auto's trial measured, per candidate
         measured = np.asarray(compress.auto.measured.addressable_data(0), np.float64)
         about["trial"] = {
-            m.describe(): float(s) for m, s in zip(compress.methods, measured) if np.isfinite(s)
+            m.describe(): float(s) for m, s in zip(compress.methods, measured) if s > 0
         }
     return ran, about
 

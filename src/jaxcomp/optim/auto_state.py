@@ -39,7 +39,7 @@ class AutoState(NamedTuple):
     ratio: Any  # ratio_choice.RatioState with a RatioSearch, else None
     # f32[B]: each branch's predicted communication seconds at the last decision (NaN before)
     comm: Any = None
-    # f32[B]: each branch's whole step in seconds, as a trial measured it (NaN: not measured)
+    # f32[B]: each branch's whole step in seconds, as a trial measured it (0: not measured)
     measured: Any = None
 
 
@@ -56,7 +56,7 @@ def init_auto(network, n_branches: int, ratio_search) -> AutoState:
 
     Example:
       >>> init_auto(None, 3, None).measured.tolist()
-      [nan, nan, nan]
+      [0.0, 0.0, 0.0]
 
     References:
       Tyagi & Swany, arXiv 2312.02493, §3-D.
@@ -73,7 +73,7 @@ def init_auto(network, n_branches: int, ratio_search) -> AutoState:
             else None
         ),
         comm=jnp.full(n_branches, jnp.nan, jnp.float32),
-        measured=jnp.full(n_branches, jnp.nan, jnp.float32),
+        measured=jnp.zeros(n_branches, jnp.float32),
     )
 
 
@@ -90,20 +90,20 @@ def calibrated(predicted, measured):
 
     Args:
       predicted: f32[B] predicted seconds (communication plus local work), numpy or jax.
-      measured: f32[B] measured whole-step seconds, NaN where not measured.
+      measured: f32[B] measured whole-step seconds, 0 where not measured.
 
     Returns:
       f32[B], ``predicted`` where nothing is measured.
 
     Example:
-      >>> calibrated(np.array([1.0, 2.0, 5.0]), np.array([4.0, 3.5, np.nan])).tolist()
+      >>> calibrated(np.array([1.0, 2.0, 5.0]), np.array([4.0, 3.5, 0.0])).tolist()
       [2.5, 2.0, 5.0]
 
     References:
       Agarwal et al., MLSys 2022, §3.1 (a method pays off only if the whole step is faster).
     """
     xp = jnp if isinstance(predicted, jax.Array) or isinstance(measured, jax.Array) else np
-    known = xp.isfinite(measured) & xp.isfinite(predicted)
+    known = (measured > 0) & xp.isfinite(measured) & xp.isfinite(predicted)
     base = xp.min(xp.where(known, measured - predicted, xp.inf))
     return xp.where(known, measured - base, predicted)
 
@@ -180,7 +180,7 @@ def set_network(opt_state, network: cost.Network, overhead=None):
                 auto=auto._replace(
                     network=_like(auto.network, values),
                     overhead=_like(auto.overhead, _overhead_of(overhead, node)),
-                    measured=_like(auto.measured, np.full(len(node.methods), np.nan, np.float32)),
+                    measured=_like(auto.measured, np.zeros(len(node.methods), np.float32)),
                 )
             )
         return node
@@ -230,8 +230,9 @@ def _like(old, new):
         return new
     if old.is_fully_addressable:
         return jax.device_put(new, old.sharding)
-    # Across processes device_put checks that every process passes the same value, and NaN (not
-    # measured) equals nothing: a constant of the program, the same on every process, instead.
+    # Across processes device_put checks that every process passes the same value, and NaN (a
+    # network not known yet) equals nothing: a constant of the program, the same on every
+    # process, instead.
     value = np.asarray(new, old.dtype)
     return jax.jit(lambda: jnp.asarray(value), out_shardings=old.sharding)()
 
@@ -269,7 +270,7 @@ def predicted_seconds(auto: AutoState) -> np.ndarray:
 
 
 def set_measured(opt_state, seconds):
-    """Gives every :func:`compress_auto` state in ``opt_state`` whole steps measured on the
+    """Gives the :func:`compress_auto` state in ``opt_state`` whole steps measured on the
     cluster, and chooses now the branch with the least :func:`calibrated` time.
 
     Call it on the host between steps, after at least one step (which made the predictions).
@@ -324,8 +325,8 @@ def set_measured(opt_state, seconds):
 
 
 def _measured_vector(seconds, n: int) -> np.ndarray:
-    """``{branch: seconds}`` as f32[n], NaN where not measured, after checking it."""
-    measured = np.full(n, np.nan, np.float32)
+    """``{branch: seconds}`` as f32[n], 0 where not measured, after checking it."""
+    measured = np.zeros(n, np.float32)
     for branch, value in dict(seconds).items():
         if isinstance(branch, bool) or not (
             isinstance(branch, (int, np.integer)) and 0 <= branch < n

@@ -120,7 +120,7 @@ def wants_trial(opt_state) -> bool:
     if auto is None:
         return False
     network, measured = (np.asarray(local_copy(x)) for x in (auto.network, auto.measured))
-    return bool(np.all(np.isfinite(network)) and not np.any(np.isfinite(measured)))
+    return bool(np.all(np.isfinite(network)) and not np.any(measured > 0))
 
 
 class TrialSteps:
