@@ -63,7 +63,11 @@ def _train(
     step, params before and after each step)."""
     optimizer = optax.adam(lr) if adam else optax.sgd(lr, momentum=momentum)
     tx = optax.chain(compress_tx, optimizer)
-    dp = jaxcomp.data_parallel(_loss, tx, _mesh(n_devices), host_branches=host_branches)
+    # No trial of compress_auto's candidates (tests/trial_test.py): on this small model it may
+    # keep dense, and these tests force a method to diverge.
+    dp = jaxcomp.data_parallel(
+        _loss, tx, _mesh(n_devices), host_branches=host_branches, auto_trial=None
+    )
     state = dp.init({"w": jnp.zeros(DIM)})
     out, residuals, params = [], [], [np.asarray(state.params["w"])]
     for t in range(steps):
@@ -383,7 +387,12 @@ def test_compiled_step_keeps_the_dense_all_reduce_in_the_fallback_branch():
         compiled(jaxcomp.compress("dense", guardrail=on)) for on in (True, False)
     )
     assert whole_gradient_sums(dense_on) != []
-    unlabelled = [re.sub(r", metadata=\{[^}]*\}", "", text) for text in (dense_on, dense_off)]
+    # Without op metadata and the stack-frame tables (a step read from the persistent compilation
+    # cache, tests/conftest.py, keeps those of the compile that wrote it).
+    unlabelled = [
+        re.sub(r", metadata=\{[^}]*\}", "", text.split("\nFileNames")[0])
+        for text in (dense_on, dense_off)
+    ]
     assert unlabelled[0] == unlabelled[1]
     topk = compiled(jaxcomp.compress("ar_topk", ratio=0.01, guardrail=GUARD))
     entry = topk[topk.index("ENTRY") :]

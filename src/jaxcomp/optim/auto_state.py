@@ -230,9 +230,8 @@ def _like(old, new):
         return new
     if old.is_fully_addressable:
         return jax.device_put(new, old.sharding)
-    # Across processes device_put checks that every process passes the same value, and NaN (a
-    # network not known yet) equals nothing: a constant of the program, the same on every
-    # process, instead.
+    # Across processes device_put checks that every process passes the same value, and NaN
+    # equals nothing: a constant of the program, the same on every process, instead.
     value = np.asarray(new, old.dtype)
     return jax.jit(lambda: jnp.asarray(value), out_shardings=old.sharding)()
 
