@@ -71,9 +71,9 @@ def test_auto_picks_dense_in_memory_and_compression_when_the_probe_reports_a_slo
     auto = find_compress_state(state.opt_state).auto
     alpha, beta = np.asarray(auto.network, np.float64)
     probed = cost.Network(alpha, 1.0 / beta)
-    assert (
-        probed.bandwidth > 3e8
-    )  # bytes/s: memory (a loaded 2-core machine moves ~1e9 here), not a slow link
+    # Memory, not a slow link: a quiet 2-core machine moves ~1e9 bytes/s here, a loaded one
+    # (CI runs two test workers and the sanitizer beside them) 2.6e8; SLOW is 1.25e7.
+    assert probed.bandwidth > 10 * SLOW.bandwidth
     assert np.all(
         np.asarray(auto.overhead)[1:] > 0
     )  # the top-k branches' measured encode/decode time
