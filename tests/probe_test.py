@@ -294,7 +294,7 @@ def test_overhead_times_the_real_update_for_every_method(monkeypatch, method, ad
     from jaxcomp import methods
     from jaxcomp.optim import timing
 
-    monkeypatch.setattr(timing, "update_seconds", lambda m, params, repeats=3: 1.0)
+    monkeypatch.setattr(timing._UpdateTimer, "seconds", lambda self, m: 1.0)
     monkeypatch.setattr(timing, "codec_seconds", lambda m, n, **kw: 0.25)
     options = (
         {"ratio": 0.01}
@@ -333,3 +333,34 @@ def test_update_seconds_sees_a_slow_packing(monkeypatch):
 
     monkeypatch.setattr(flat, "pack_error_fed", slow_pack)
     assert timing.update_seconds(methods.parse("sign"), params, repeats=2) > fast + 0.04
+
+
+def test_overheads_of_several_methods_share_one_dense_timing_and_one_gradient(monkeypatch):
+    """compress_auto's init times every candidate: the dense update each one is measured against
+    is timed once, and the gradient drawn once, not once per candidate."""
+    from jaxcomp import methods
+    from jaxcomp.optim import timing
+
+    candidates = [
+        methods.parse("dense"),
+        methods.parse("randomk", ratio=0.01),
+        methods.parse("sign"),
+    ]
+    params = {"w": np.zeros((64, 64), np.float32)}
+    draws = []
+    real_rng = np.random.default_rng
+    monkeypatch.setattr(timing.np.random, "default_rng", lambda *a: draws.append(a) or real_rng(*a))
+    real = timing.overhead_seconds_each(candidates, params, repeats=1)
+    assert real[0] == 0.0 and all(s >= 0 for s in real)
+    assert len(draws) == 1  # one gradient for both timed methods
+
+    timed = []
+    seconds_of = {"dense": 0.5, "randomk(0.01)": 0.75, "sign": 2.0}
+
+    def fake_time(self, method, n_axes):
+        timed.append(method.describe())
+        return seconds_of[method.describe()]
+
+    monkeypatch.setattr(timing._UpdateTimer, "_time", fake_time)
+    assert timing.overhead_seconds_each(candidates, params) == [0.0, 0.25, 1.5]
+    assert timed == ["dense", "randomk(0.01)", "sign"]  # dense timed once, for both

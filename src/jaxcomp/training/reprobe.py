@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxcomp.costmodel.probe import agree_across_processes, probe_network
 from jaxcomp.optim.auto_state import auto_branches, set_network
-from jaxcomp.optim.timing import overhead_seconds
+from jaxcomp.optim.timing import overhead_seconds_each
 
 
 def probe_axis(layout):
@@ -95,7 +95,7 @@ def _agreed_overheads(layout, state, branches, axis):
         if jnp.issubdtype(a.dtype, jnp.floating)
     ]
     unique = list(dict.fromkeys(m for group in branches for m in group))
-    seconds = [overhead_seconds(m, shapes, mesh=layout.mesh, axis_name=axis) for m in unique]
+    seconds = overhead_seconds_each(unique, shapes, mesh=layout.mesh, axis_name=axis)
     # Every process must take the same branch: all of them use the slowest one's times.
     agreed = dict(zip(unique, (float(s) for s in agree_across_processes(np.array(seconds)))))
     return agreed.__getitem__
