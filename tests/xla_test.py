@@ -2,6 +2,7 @@
 kernels, bit for bit: every op over the awkward inputs of the kernel tests, the collectives run on
 it, argument checks, differentiation, and the default's choice (with its warning) per platform."""
 
+import importlib
 import warnings
 
 import jax
@@ -14,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 import jaxcomp
 from jaxcomp import collectives
 from jaxcomp.ops import _ffi
+
+xla_topk = importlib.import_module("jaxcomp.ops.xla.topk")  # the module, not its topk function
 
 LENGTHS = (1, 3, 4, 5, 127, 1000, 8193)
 RATES = (1, 2, 3, 5, 8, 16, 31, 32)
@@ -85,9 +88,24 @@ def test_many_short_rows_and_a_long_row():
     x = np.random.default_rng(3).choice([-2.0, -1.0, 0.0, 1.0, 0.5], (5000, 7)).astype(np.float32)
     assert_same(*both(jaxcomp.topk, x, 3))
     assert_same(*both(jaxcomp.find_threshold, x, 3, 9))
-    long_row = rows(65_537, 4)[0]  # past 2**16: every radix digit of the keys is in play
-    assert_same(*both(jaxcomp.topk, long_row, 3_300))
-    assert_same(*both(jaxcomp.threshold_topk, long_row, 650))
+    # Past SORT_BELOW (2**17): the histograms' path, every radix digit of the keys in play.
+    long_row = rows(xla_topk.SORT_BELOW + 1, 4)[0]
+    assert_same(*both(jaxcomp.topk, long_row, 6_600))
+    assert_same(*both(jaxcomp.threshold_topk, long_row, 1_300))
+    assert_same(*both(jaxcomp.find_threshold, long_row, 1_300, 23))
+
+
+@pytest.mark.parametrize("n, rows_", [(7, 50), (1000, 3), (65_537, 1)])
+def test_short_rows_sort_where_long_rows_use_histograms_and_find_the_same_bracket(n, rows_):
+    """Rows shorter than SORT_BELOW find their k-th key by a sort (5,000 rows of 7 took 22 s
+    with the histograms' 2**16 bins a row); both ways give the same bracket for every rounds."""
+    x = np.concatenate([rows(n, n + s) for s in range(-(-rows_ // 3))])[:rows_]
+    keys = xla_topk._keys(jnp.asarray(x))
+    for k in sorted({1, max(1, n // 3), n}):
+        for rounds in ROUNDS:
+            by_sort = xla_topk._bracket(keys, k, rounds, by="sort")
+            by_histogram = xla_topk._bracket(keys, k, rounds, by="histogram")
+            assert_same(by_sort, by_histogram)
 
 
 @pytest.mark.parametrize("rate", RATES)
