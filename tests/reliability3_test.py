@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import need_devices
+from helpers import count_compilations, need_devices
 from jax.sharding import Mesh
 
 import jaxcomp
@@ -65,6 +65,19 @@ def test_params_of_none_is_a_type_error(shard):
     dp = jaxcomp.data_parallel(_loss, _tx(), _mesh(), shard=shard)
     with pytest.raises(TypeError, match="state must be the TrainState that init returns"):
         dp.params(None)
+
+
+def test_params_of_a_sharded_state_compiles_its_gather_once():
+    """``dp.params`` gathered the shards with a jit of a new function at every call: an eval loop
+    of a ``shard="params"`` run compiled the gather at every evaluation."""
+    dp = jaxcomp.data_parallel(_loss, _tx(), _mesh(), shard="params")
+    state = dp.init(PARAMS)
+    first = dp.params(state)
+    state, _ = dp.step(state, dp.shard_batch(_batch(16)))
+    with count_compilations() as compiles:
+        second = dp.params(state)
+    assert compiles[0] == 0
+    assert not np.array_equal(first["w"], second["w"])  # the gather of the new state's shards
 
 
 def test_params_of_another_data_parallels_state_is_refused():

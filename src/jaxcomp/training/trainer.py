@@ -86,6 +86,7 @@ class DataParallel:
         # static part of a trigger probe (what its warning names).
         self._raises_on_nonfinite = False
         self._probe_names = None
+        self._gather_params = {}  # the stored params' structure and shapes -> jitted gather
         self._trial_steps = TrialSteps(
             PinnedSteps(self._jit_step, REPORT_DELAY if host_branches else None),
             auto_trial if host_branches else None,
@@ -283,7 +284,17 @@ class DataParallel:
         self.layout.check_state(state)
         if self.shard != "params":
             return state.params
-        avals = self.layout.whole_avals(state.params)
+        key = (
+            jax.tree.structure(state.params),
+            tuple((x.shape, x.dtype) for x in jax.tree.leaves(state.params)),
+        )
+        if key not in self._gather_params:  # one compile, not one per call (an eval loop)
+            self._gather_params[key] = self._params_gather(state.params)
+        return self._gather_params[key](state.params)[0]
+
+    def _params_gather(self, stored_params):
+        """A jitted function: the stored params' shards -> ``(whole params,)``."""
+        avals = self.layout.whole_avals(stored_params)
 
         def gather(stored):
             return sharding.gather_whole(
@@ -295,10 +306,10 @@ class DataParallel:
             mesh=self.mesh,
             in_specs=(jax.tree.map(lambda _: P(self.axis_name), avals),),
             out_specs=(jax.tree.map(lambda _: P(), avals),),
-            in_avals=state.params,
+            in_avals=stored_params,
             out_avals=avals,
         )
-        return jax.jit(gathered)(state.params)[0]
+        return jax.jit(gathered)
 
     def reprobe(self, state: TrainState, *, codec: bool = True, **probe_options) -> TrainState:
         """Measures the network (and each branch's local work) again and hands them to
