@@ -3,7 +3,7 @@
 // kernels/topk.h, kernels/zfp.h and kernels/sign.h, bit for bit: the inputs of tests/gpu_test.py (every length
 // around a zfp block, a warp of blocks and a top-k tile; rows of gradients, ties and special
 // values; every rate; the rounds around each radix digit), rows in several chunks of the radix
-// select's scratch (5000 x 7), a long row, and random words through the decoder. The top-k
+// select's scratch (1250 x 7), a long row, and random words through the decoder. The top-k
 // kernels also take bfloat16 and float16 input directly: those runs are compared with the float32
 // path (the CPU kernel and the CUDA kernels' float32 instance) on the upcast, bit for bit
 // (indices, thresholds, counts; values are the input's own bits, whose upcast is the float32
@@ -163,6 +163,12 @@ struct CpuSelection {
 
 // Returns how the rows were filtered; `cpu_out`, when given, receives the CPU kernel's selection
 // (the reference Select16 compares the 16-bit instances with).
+// Rows per chunk of the radix select's scratch in the emulation build (kernels/topk.cu's
+// kMaxRowsPerChunk under JAXCOMP_CUDA_HOST_EMULATION; 4096 on a GPU): kChunkRows + 226 rows go
+// through two chunks.
+constexpr int64_t kChunkRows = 1024;
+constexpr int64_t kTwoChunks = kChunkRows + 226;
+
 Filtering Select(const Rows& x, int64_t rows, int64_t n, int64_t k, int rounds,
                  size_t budget = jaxcomp::cuda::kTileHistogramBudget,
                  size_t candidate_budget = jaxcomp::cuda::kCandidateBudget, CpuSelection* cpu_out = nullptr) {
@@ -442,11 +448,11 @@ int main(int argc, char** argv) {
       }
     }
   });
-  Section("many short rows in two chunks of scratch (5000 x 7)", [&] {
-    const Rows x = Row(5000 * 7, 3, 1);
-    Select(x, 5000, 7, 3, 31);
-    Threshold(x, 5000, 7, 3, 9);
-    Select(x, 5000, 7, 3, 16);
+  Section("many short rows in two chunks of scratch (1250 x 7)", [&] {
+    const Rows x = Row(kTwoChunks * 7, 3, 1);
+    Select(x, kTwoChunks, 7, 3, 31);
+    Threshold(x, kTwoChunks, 7, 3, 9);
+    Select(x, kTwoChunks, 7, 3, 16);
   });
   Section("a long row (2^20 values, k = 2^13)", [&] {
     const int64_t n = int64_t{1} << 20;
@@ -503,8 +509,9 @@ int main(int argc, char** argv) {
       Expect(Select(zeros, 2, 200, k, 31).filtered == 2, "signed zeros: both rows should filter");
     }
     // Many rows in two chunks, 3 slots a row: rows of ties mostly overflow, the others filter.
-    const Rows short_rows = Row(5000 * 7, 24, 1);
-    const Filtering chunks = Select(short_rows, 5000, 7, 2, 31, kTileHistogramBudget, 4096 * 8 * 3);
+    const Rows short_rows = Row(kTwoChunks * 7, 24, 1);
+    const Filtering chunks =
+        Select(short_rows, kTwoChunks, 7, 2, 31, kTileHistogramBudget, kChunkRows * 8 * 3);
     Expect(chunks.filtered >= 1 && chunks.overflowed >= 1, "two chunks, 3 slots: both kinds of row");
   });
   for (Element type : {Element::kBF16, Element::kF16}) {
@@ -528,13 +535,13 @@ int main(int argc, char** argv) {
         }
       }
     });
-    Section((name + ": rows in two chunks (5000 x 7), scratch budgets, candidates").c_str(), [&] {
+    Section((name + ": rows in two chunks (1250 x 7), scratch budgets, candidates").c_str(), [&] {
       using jaxcomp::cuda::kTileHistogramBudget;
-      const Bits short_rows = Row16(type, 5000 * 7, 3, 1);
-      Select16(type, short_rows, 5000, 7, 3, 31);
-      Threshold16(type, short_rows, 5000, 7, 3, 9);
-      Select16(type, short_rows, 5000, 7, 3, 16);
-      Select16(type, short_rows, 5000, 7, 2, 31, kTileHistogramBudget, 4096 * 8 * 3);  // 3 slots a row
+      const Bits short_rows = Row16(type, kTwoChunks * 7, 3, 1);
+      Select16(type, short_rows, kTwoChunks, 7, 3, 31);
+      Threshold16(type, short_rows, kTwoChunks, 7, 3, 9);
+      Select16(type, short_rows, kTwoChunks, 7, 3, 16);
+      Select16(type, short_rows, kTwoChunks, 7, 2, 31, kTileHistogramBudget, kChunkRows * 8 * 3);  // 3 slots a row
       const int64_t n = 5 * 8192 + 3;  // odd: rows after the first start unaligned (scalar loads)
       const Bits spread = Row16(type, 3 * n, 21, 0);
       for (int rounds : {16, 23, 31}) {
