@@ -141,9 +141,10 @@ def overhead_seconds(
     References:
       Agarwal et al., MLSys 2022, §3.1 and App. C.
     """
-    return overhead_seconds_each([method], params, mesh=mesh, axis_name=axis_name, repeats=repeats)[
-        0
-    ]
+    (seconds,) = overhead_seconds_each(
+        [method], params, mesh=mesh, axis_name=axis_name, repeats=repeats
+    )
+    return seconds
 
 
 def overhead_seconds_each(
