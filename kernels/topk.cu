@@ -63,18 +63,11 @@ static_assert(kItemsPerThread % 8 == 0, "whole tiles are read in 16-byte vectors
 constexpr int kSelectThreads = 256;
 constexpr int kBinsPerThread = kBins / kSelectThreads;
 static_assert(kBins % kSelectThreads == 0, "bins must split evenly over the select block");
-// Rows are processed in chunks to bound scratch: per-row histograms (8 KiB a row), at most 4096
-// rows and 2^28 values at a time, and per-tile histograms (up to 8 KiB per 32 KiB tile) within
-// the caller's budget (kTileHistogramBudget): fewer rows per chunk, and a row too long for it
-// alone counts its tiles in one more pass instead of keeping their histograms.
-#ifdef JAXCOMP_CUDA_HOST_EMULATION
-// ci/cuda_host.sh runs every thread of a launch as a fiber on the host: a smaller chunk takes its
-// multi-chunk cases through two chunks with a quarter of the rows (tests/native/cuda_host_test.cc
-// uses the same value). The chunking code is the same; only this constant differs.
-constexpr int64_t kMaxRowsPerChunk = 1024;
-#else
-constexpr int64_t kMaxRowsPerChunk = 4096;
-#endif
+// Rows are processed in chunks to bound scratch: per-row histograms (8 KiB a row), at most
+// kMaxRowsPerChunk rows (kernels/topk_cuda.h) and 2^28 values at a time, and per-tile histograms
+// (up to 8 KiB per 32 KiB tile) within the caller's budget (kTileHistogramBudget): fewer rows per
+// chunk, and a row too long for it alone counts its tiles in one more pass instead of keeping
+// their histograms.
 constexpr int64_t kMaxValuesPerChunk = int64_t{1} << 28;
 constexpr size_t kScratchAlign = 256;
 

@@ -28,6 +28,16 @@ constexpr size_t kTileHistogramBudget = size_t{256} << 20;
 // rows. Tests pass less to force rows whose candidates do not fit (they read their values again).
 constexpr size_t kCandidateBudget = size_t{256} << 20;
 
+// Rows of a chunk of the radix select's scratch, at most. The host emulation of the kernels
+// (ci/cuda_host.sh, JAXCOMP_CUDA_HOST_EMULATION) runs every thread of a launch as a fiber: its
+// smaller chunks take the multi-chunk cases through two chunks with a quarter of the rows. The
+// chunking code is the same; only this constant differs.
+#ifdef JAXCOMP_CUDA_HOST_EMULATION
+constexpr int64_t kMaxRowsPerChunk = 1024;
+#else
+constexpr int64_t kMaxRowsPerChunk = 4096;
+#endif
+
 // Device scratch needed by select_topk for `rows` rows of `n` values of any element type (given
 // the same budgets):
 // about 8 KiB a row, up to 4096 rows, plus the per-tile histograms and candidate buffers.

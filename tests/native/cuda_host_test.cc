@@ -161,14 +161,13 @@ struct CpuSelection {
   std::vector<int32_t> indices;
 };
 
-// Returns how the rows were filtered; `cpu_out`, when given, receives the CPU kernel's selection
-// (the reference Select16 compares the 16-bit instances with).
-// Rows per chunk of the radix select's scratch in the emulation build (kernels/topk.cu's
-// kMaxRowsPerChunk under JAXCOMP_CUDA_HOST_EMULATION; 4096 on a GPU): kChunkRows + 226 rows go
-// through two chunks.
-constexpr int64_t kChunkRows = 1024;
+// Rows per chunk of the radix select's scratch (1024 in this emulation build, 4096 on a GPU):
+// kTwoChunks rows go through two chunks.
+constexpr int64_t kChunkRows = jaxcomp::cuda::kMaxRowsPerChunk;
 constexpr int64_t kTwoChunks = kChunkRows + 226;
 
+// Returns how the rows were filtered; `cpu_out`, when given, receives the CPU kernel's selection
+// (the reference Select16 compares the 16-bit instances with).
 Filtering Select(const Rows& x, int64_t rows, int64_t n, int64_t k, int rounds,
                  size_t budget = jaxcomp::cuda::kTileHistogramBudget,
                  size_t candidate_budget = jaxcomp::cuda::kCandidateBudget, CpuSelection* cpu_out = nullptr) {

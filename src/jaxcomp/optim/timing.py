@@ -66,7 +66,7 @@ class _UpdateTimer:
             raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
         self._params = params
         self._repeats = repeats
-        self._grads = {}  # number of local axes -> (axes, mesh, gradient on it)
+        self._grads = {}  # number of local axes -> (axes, mesh, its replicated sharding, gradient)
         self._dense = {}  # number of local axes -> seconds of Dense()'s update
 
     def seconds(self, method: Method) -> float:
@@ -90,12 +90,11 @@ class _UpdateTimer:
                 ),
                 self._params,
             )
-            self._grads[n_axes] = axes, mesh, grads
+            self._grads[n_axes] = axes, mesh, replicated, grads
         return self._grads[n_axes]
 
     def _time(self, method: Method, n_axes: int) -> float:
-        axes, mesh, grads = self._gradient(n_axes)
-        replicated = NamedSharding(mesh, P())
+        axes, mesh, replicated, grads = self._gradient(n_axes)
         tx = compress(method, axis_name=axes if len(axes) > 1 else axes[0])
         state = jax.device_put(tx.init(grads), replicated)
 
