@@ -21,6 +21,7 @@ import time
 from jaxcomp.distributed.netbench import METHODS, Spec, width_for
 from jaxcomp.methods import Dense
 from jaxcomp.ops import allocator
+from jaxcomp.optim import host as host_values
 
 
 @dataclasses.dataclass
@@ -271,7 +272,7 @@ def _what_ran(job: _Job, label, method, state, metrics, init_seconds):
         ran = Dense()
         return ran, {"bytes_sent": ran.wire_bytes(job.n_params, job.n_hosts), "ran": label}
     host = {
-        k: float(np.asarray(v.addressable_data(0)))
+        k: float(host_values.scalar(v))
         for k, v in metrics.items()
         if k in ("bytes_sent", "density", "gain", "method", "gather_bytes")
     }
@@ -284,7 +285,7 @@ def _what_ran(job: _Job, label, method, state, metrics, init_seconds):
         "ran": ran.label,
     }
     if compress.auto is not None:  # the whole steps auto's trial measured, per candidate
-        measured = np.asarray(compress.auto.measured.addressable_data(0), np.float64)
+        measured = host_values.value(compress.auto.measured).astype(np.float64)
         about["trial"] = {
             m.describe(): float(s) for m, s in zip(compress.methods, measured) if s > 0
         }

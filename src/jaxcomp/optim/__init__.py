@@ -28,6 +28,7 @@ __getattr__, __dir__, __all__ = attach(
         "state",
         "optimizers",
         "vma",
+        "host",
     ),
     exports={
         "compress": "jaxcomp.optim.compression",

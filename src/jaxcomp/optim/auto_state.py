@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxcomp.costmodel import cost, ratio_choice
 from jaxcomp.methods import Method
+from jaxcomp.optim import host
 from jaxcomp.optim.state import CompressState, compress_states
 
 
@@ -193,7 +194,7 @@ def _overhead_of(overhead, state: CompressState):
     auto = state.auto
     if overhead is None:
         return auto.overhead
-    current = _host(auto.overhead).astype(np.float64)
+    current = host.value(auto.overhead).astype(np.float64)
     branches = state.methods
     if callable(overhead):
         seconds = [overhead(m) for m in branches]
@@ -236,13 +237,6 @@ def _like(old, new):
     return jax.jit(lambda: jnp.asarray(value), out_shardings=old.sharding)()
 
 
-def _host(x) -> np.ndarray:
-    """A replicated array's value on the host (also when it spans processes)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        x = x.addressable_shards[0].data
-    return np.asarray(x)
-
-
 def predicted_seconds(auto: AutoState) -> np.ndarray:
     """Each branch's seconds as the last decision saw them: predicted communication plus local
     work, :func:`calibrated` by the measured steps. Read on the host.
@@ -263,7 +257,7 @@ def predicted_seconds(auto: AutoState) -> np.ndarray:
       Tyagi & Swany, arXiv 2312.02493, §3-D (Eqn 5a-5c).
     """
     comm, overhead, measured = (
-        _host(x).astype(np.float64) for x in (auto.comm, auto.overhead, auto.measured)
+        host.value(x).astype(np.float64) for x in (auto.comm, auto.overhead, auto.measured)
     )
     return calibrated(comm + overhead, measured)
 

@@ -20,9 +20,9 @@ import collections
 
 import jax
 
+from jaxcomp.optim.host import local_copy
 from jaxcomp.optim.pinning import can_pin, next_branch
 from jaxcomp.optim.state import compress_states
-from jaxcomp.training.dispatch import local_copy
 
 #: Calls between a step's report and the call that runs the branch it asked for: the host waits
 #: for the step before last (one step in flight beside the one being dispatched), so the branch

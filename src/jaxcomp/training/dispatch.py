@@ -15,6 +15,8 @@ import collections
 
 import jax
 
+from jaxcomp.optim.host import local_copy
+
 #: Steps :attr:`DataParallel.step` lets run ahead of the host by default
 #: (see :func:`data_parallel`).
 DEFAULT_MAX_STEPS_IN_FLIGHT = 8
@@ -75,25 +77,3 @@ class BoundedStep:
 
     def __getattr__(self, name):
         return getattr(self._jitted, name)
-
-
-def local_copy(x):
-    """This process's copy of a replicated global array (``x`` itself when it is all local).
-
-    Args:
-      x: anything; a ``jax.Array`` that spans devices of other processes is replaced.
-
-    Returns:
-      ``x.addressable_data(0)`` for such an array, else ``x``.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> local_copy(jnp.ones(2)).tolist()
-      [1.0, 1.0]
-
-    References:
-      Tyagi & Swany, arXiv 2312.02493, Alg. 1 (every worker holds the same replicated values).
-    """
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return x.addressable_data(0)
-    return x

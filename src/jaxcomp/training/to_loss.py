@@ -318,14 +318,10 @@ class _Clock:
 def _local(tree):
     """This process's copy of replicated arrays, on its first local device."""
     import jax
-    import numpy as np
 
-    device = jax.local_devices()[0]
+    from jaxcomp.optim import host
 
-    def host(x):
-        return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
-
-    return jax.device_put(jax.tree.map(host, tree), device)
+    return jax.device_put(jax.tree.map(host.value, tree), jax.local_devices()[0])
 
 
 def _held_out(evaluate, params, heldout):
@@ -415,7 +411,8 @@ def train(
       Distributed Training Systems" (MLSys 2022): compression judged end to end.
     """
     import jax
-    import numpy as np
+
+    from jaxcomp.optim import host
 
     windows = charlm.batches(corpus[0], config, steps, seed)
     run, state, options, (evaluate, params, heldout), mine = _prepare(
@@ -435,7 +432,7 @@ def train(
         jax.block_until_ready(state)
         clock.stop()
         loss = _held_out(evaluate, run.params(state), heldout)
-        total += sum(float(np.asarray(b.addressable_data(0))) for b in sent)
+        total += sum(float(host.scalar(b)) for b in sent)
         sent.clear()  # read once each: the host reads them at evaluations only
         wired = None if wire0 is None else wire() - wire0
         curve.append(dict(step=step + 1, seconds=clock.seconds, cpu=clock.cpu, loss=loss))

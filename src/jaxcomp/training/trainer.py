@@ -31,13 +31,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.optim import pinning, sharding
+from jaxcomp.optim.host import local_copy
 from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.transform import compress_states, find_compress_state
 from jaxcomp.training import boundary
 from jaxcomp.training import reprobe as reprobing
 from jaxcomp.training import resize as resizing
 from jaxcomp.training.branches import REPORT_DELAY, PinnedSteps, pinned_record, pinned_report
-from jaxcomp.training.dispatch import DEFAULT_MAX_STEPS_IN_FLIGHT, BoundedStep, local_copy
+from jaxcomp.training.dispatch import DEFAULT_MAX_STEPS_IN_FLIGHT, BoundedStep
 from jaxcomp.training.layout import Layout
 from jaxcomp.training.state import TrainState, avals_of
 from jaxcomp.training.step import train_step

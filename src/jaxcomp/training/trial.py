@@ -33,9 +33,9 @@ import numpy as np
 
 from jaxcomp.costmodel.probe import agree_across_processes
 from jaxcomp.optim.auto_state import predicted_seconds, set_measured
+from jaxcomp.optim.host import local_copy
 from jaxcomp.optim.state import compress_states
 from jaxcomp.training.branches import pinnable
-from jaxcomp.training.dispatch import local_copy
 
 _LOG = logging.getLogger("jaxcomp")
 

@@ -68,6 +68,7 @@ import numpy as np
 
 from jaxcomp.methods import Method
 from jaxcomp.ops import _checks
+from jaxcomp.optim import host
 
 #: How far one step's gradient energy can pull the running mean: a sample counts as at most this
 #: many times the mean (``G`` above it counts as ``FOLLOW * mean``).
@@ -484,14 +485,15 @@ def tell_trigger(probe) -> None:
     if probe is None:
         return
     (step, before, after, mean, left), description, fallback = probe
-    if int(_host(after)) > int(_host(before)):
-        _tell(int(_host(step)), None, float(_host(mean)), int(_host(left)), description, fallback)
-
-
-def _host(x):
-    """This process's copy of a replicated scalar (a global array may span other processes; a
-    state laid out a row per device holds one copy per row)."""
-    return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x).reshape(-1)[0]
+    if int(host.scalar(after)) > int(host.scalar(before)):
+        _tell(
+            int(host.scalar(step)),
+            None,
+            float(host.scalar(mean)),
+            int(host.scalar(left)),
+            description,
+            fallback,
+        )
 
 
 def _tell(step: int, gradient, mean: float, window: int, description: str, fallback: bool):
