@@ -327,3 +327,13 @@ def test_one_small_cell_on_two_emulated_hosts(tmp_path, monkeypatch):
         assert r["bytes_sent"] <= r["wire_tx"] <= 1.15 * r["bytes_sent"] + 20_000, r
         assert r["step"] > 0 and r["compute"] > 0 and r["predicted_sync"] > 0
     assert (tmp_path / "p.png").exists()
+
+
+def test_every_fixed_method_but_powersgd_has_a_bucketed_row():
+    """``<label>_bucket`` is the fixed method with DDP's 25 MiB buckets, for the casts and codecs
+    too (BENCHMARKS.md, "The codecs in buckets"); ``auto`` chooses among the one-message rows."""
+    fixed, _, _ = netbench.METHODS["auto"]
+    for method in [m for m in fixed if m.label != "powersgd"] + [netbench.METHODS["fp16"][0]]:
+        assert netbench.METHODS[f"{method.label}_bucket"] == (method, {"bucket_mb": 25}, None)
+    assert fixed[-1].label == "powersgd" and "powersgd_bucket" not in netbench.METHODS
+    assert netbench.METHODS["dense_nobucket"][1] == {"bucket_mb": None}

@@ -62,7 +62,8 @@ def _runs():
     table.update({m.label: (m, {}, None) for m in fixed[1:]})
     # DDP-style buckets of 25 MiB, sent while the backward pass runs (compress(bucket_mb=)):
     # dense's default; "dense_nobucket" is dense as one message after the backward pass.
-    for method in fixed[:3]:
+    # Every fixed method but PowerSGD (which works matrix by matrix), and float16.
+    for method in [m for m in fixed if not isinstance(m, PowerSGD)] + [Cast("float16")]:
         table[f"{method.label}_bucket"] = (method, {"bucket_mb": 25}, None)
     table[f"{fixed[0].label}_nobucket"] = (fixed[0], {"bucket_mb": None}, None)
     # float16 halves the wire over gloo as bfloat16 does (issue 22 compares both); not an auto
