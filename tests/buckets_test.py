@@ -234,7 +234,9 @@ def test_dense_sums_many_small_leaves_as_one_vector(granularity):
 @pytest.mark.parametrize("n_devices", [1, 2, 3, 8])
 def test_dense_of_small_leaves_joined_matches_per_leaf(n_devices):
     """The same sums; XLA fuses the work around a joined vector otherwise, so the last bit of an
-    update may round another way (1e-6 relative after three Adam steps)."""
+    update may round another way. After three Adam steps on 3 devices (numpy 2.4, optax 0.2.8)
+    one parameter of 0.000277 differed by 1.04e-7, 3.8e-4 relative. Adam moves each parameter by
+    up to the learning rate a step, so ``atol`` is 1e-4 of the learning rate."""
     mesh = jax.make_mesh((n_devices,), ("data",), devices=jax.devices()[:n_devices])
     rng = np.random.default_rng(2)
     batches = [rng.standard_normal((2 * n_devices, 8), dtype=np.float32) for _ in range(3)]
@@ -247,4 +249,4 @@ def test_dense_of_small_leaves_joined_matches_per_leaf(n_devices):
             state, _ = dp.step(state, dp.shard_batch(batch))
         params.append(jax.tree.leaves(state.params))
     for a, b in zip(*params):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4 * 1e-2)
