@@ -40,7 +40,7 @@ constexpr int64_t kMaxRowsPerChunk = 4096;
 
 // Device scratch needed by select_topk for `rows` rows of `n` values of any element type (given
 // the same budgets):
-// about 8 KiB a row, up to 4096 rows, plus the per-tile histograms and candidate buffers.
+// about 8 KiB a row, up to kMaxRowsPerChunk rows, plus the per-tile histograms and candidate buffers.
 size_t select_scratch_bytes(int64_t rows, int64_t n, int rounds, size_t tile_histogram_budget = kTileHistogramBudget,
                             size_t candidate_budget = kCandidateBudget);
 

@@ -50,8 +50,9 @@ def value(x) -> np.ndarray:
 
 
 def scalar(x):
-    """A replicated scalar's value on this host: the first element of :func:`value` (a state laid
-    out a row per device holds one copy per row).
+    """A replicated scalar's value on this host: the first element of this process's first shard
+    (a state laid out a row per device holds one copy per row). Reads one shard, never gathers the
+    rest: the guardrail's probe calls it every step.
 
     Args:
       x: a ``jax.Array`` (a scalar, or one copy of it per device), a numpy array or a number.
@@ -67,4 +68,4 @@ def scalar(x):
     References:
       Tyagi & Swany, arXiv 2312.02493, Alg. 1 (every worker holds the same replicated values).
     """
-    return value(x).reshape(-1)[0]
+    return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x).reshape(-1)[0]
