@@ -18,7 +18,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import passes  # noqa: E402  (the zoo's gradients, the one-device update)
 
 import jaxcomp  # noqa: E402
-from jaxcomp.costmodel.probe import best_seconds  # noqa: E402
 from jaxcomp.methods import Cast, Dense, PowerSGD, Quantized, RandomK, Sign, TopK, Zfp  # noqa: E402
 
 
@@ -63,10 +62,7 @@ def main(argv=None):
     for label, tx in transformations().items():
         if label.startswith("compress_auto"):
             calls[f"{label}, branch picked on the host"] = update_call(tx, grads, 0)
-    best = dict.fromkeys(calls, float("inf"))
-    for _ in range(args.repeats):
-        for label, (call, _) in calls.items():
-            best[label] = min(best[label], best_seconds(call, 2))
+    best = passes.best_of_rounds({label: call for label, (call, _) in calls.items()}, args.repeats)
     fixed = best["compress(randomk)"]
     print(f"{args.model}, one CPU device, best of {args.repeats} rounds")
     print("| update | ms | vs compress(randomk) | branch that ran |")

@@ -148,18 +148,13 @@ def transformation_update(tx, grads, branch=None):
 
 def measure(model_name: str, methods, repeats: int, allocator: str = "glibc") -> list[dict]:
     """One model's rows: per method the update's best time and its passes over the copy's."""
-    from jaxcomp.costmodel.probe import best_seconds  # one warm-up call, then the best of the rest
-
     grads = gradients(model_name)
     copy = jax.jit(lambda g: jax.tree.map(lambda x: x * 2, g))
     runs = {"copy": lambda: copy(grads)}
     for method in methods:
         step, state = update_function(method, grads)
         runs[method] = lambda step=step, state=state: step(grads, state)
-    best = {name: float("inf") for name in runs}
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            best[name] = min(best[name], best_seconds(fn, 2))
+    best = best_of_rounds(runs, repeats)
     n = sum(x.size for x in jax.tree.leaves(grads))
     leaves = len(jax.tree.leaves(grads))
     return [
@@ -176,6 +171,19 @@ def measure(model_name: str, methods, repeats: int, allocator: str = "glibc") ->
         }
         for m in methods
     ]
+
+
+def best_of_rounds(runs: dict, repeats: int) -> dict:
+    """``{name: seconds}``: the best of ``repeats`` rounds that call each of ``runs`` (no-argument
+    functions) in turn, each call a warm-up and the best of 2, so that a busy machine skews every
+    run alike."""
+    from jaxcomp.costmodel.probe import best_seconds  # one warm-up call, then the best of the rest
+
+    best = {name: float("inf") for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            best[name] = min(best[name], best_seconds(fn, 2))
+    return best
 
 
 def table(rows) -> str:

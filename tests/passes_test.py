@@ -55,3 +55,37 @@ def test_the_timed_update_is_compress_on_one_device(method):
         np.testing.assert_allclose(u[sent], np.asarray(g)[sent], rtol=1e-6)
         assert sent.all() if method.startswith("dense") else 0 < sent.sum() < u.size or name == "b"
     assert jax.tree.structure(updates) == jax.tree.structure(grads)
+
+
+def test_best_of_rounds_keeps_each_runs_fastest_call():
+    """Every run is called in every round (a warm-up and two timed calls each), and its figure is
+    the fastest timed call."""
+    calls = {"a": 0, "b": 0}
+
+    def run(name):
+        def call():
+            calls[name] += 1
+
+        return call
+
+    best = passes.best_of_rounds({"a": run("a"), "b": run("b")}, 3)
+    assert calls == {"a": 9, "b": 9}
+    assert set(best) == {"a", "b"} and all(0 <= s < 0.1 for s in best.values())
+
+
+def test_powersgd_batches_one_at_a_time_is_a_group_per_matrix():
+    """benchmarks/powersgd_batches.py's "one at a time" puts each matrix in a group of its own
+    (the update before the grouping), and gives the grouping back after."""
+    from jaxcomp.methods import powersgd
+
+    path = os.path.join(os.path.dirname(SCRIPT), "powersgd_batches.py")
+    spec = importlib.util.spec_from_file_location("benchmarks_powersgd_batches", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    views = [(64, 64), (8, 8), (64, 64)]
+    with script.mode("one at a time"):
+        assert powersgd.batches(views) == [(0,), (1,), (2,)]
+    with script.mode("batched"):
+        assert powersgd.batches(views) == [(0, 2), (1,)]
+    assert powersgd.batches(views) == [(0, 2), (1,)]
+    assert script.parse_args(["--models", "many_small"]).models == ["many_small"]

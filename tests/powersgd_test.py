@@ -29,17 +29,17 @@ def _loss(params, batch):
     return sum(jnp.sum(params[name] * jnp.mean(batch[name], axis=0)) for name in params)
 
 
-def _batch(rng):
+def _batch(rng, shapes=SHAPES):
     return {
         name: rng.standard_normal((N_DEVICES, *shape)).astype(np.float32)
-        for name, shape in SHAPES.items()
+        for name, shape in shapes.items()
     }
 
 
-def _run(method, **options):
+def _run(method, shapes=SHAPES, **options):
     tx = optax.chain(jaxcomp.compress(method, mean=False, **options), optax.sgd(1.0))
     dp = jaxcomp.data_parallel(_loss, tx, _mesh())
-    return dp, dp.init({name: jnp.zeros(shape) for name, shape in SHAPES.items()})
+    return dp, dp.init({name: jnp.zeros(shape) for name, shape in shapes.items()})
 
 
 def _gram_schmidt(p, eps=1e-8):
@@ -51,50 +51,47 @@ def _gram_schmidt(p, eps=1e-8):
     return p
 
 
-def _reference_step(fed, qs, rank):
+def _reference_step(fed, qs, rank, shapes=SHAPES):
     """numpy, float64: one PowerSGD step of the error-fed gradients ``fed[name][device]``.
     Returns (total per leaf, residual per leaf and device, new Q per compressed leaf)."""
     method = PowerSGD(rank)
     total, residual, new_q = {}, {}, {}
     # In the params' flattening order (a dict's sorted keys), as the method's state is.
-    compressed = [name for name in sorted(SHAPES) if method.compresses(SHAPES[name])]
-    for name in SHAPES:
+    compressed = [name for name in sorted(shapes) if method.compresses(shapes[name])]
+    for name in shapes:
         g = fed[name].astype(np.float64)
         if name not in compressed:
             total[name], residual[name] = g.sum(axis=0), np.zeros_like(g)
             continue
-        rows, cols = matrix_view(SHAPES[name])
+        rows, cols = matrix_view(shapes[name])
         m = g.reshape(N_DEVICES, rows, cols)
         q = np.asarray(qs[compressed.index(name)], np.float64)
         p_hat = _gram_schmidt(sum(m[d] @ q for d in range(N_DEVICES)))
         local_q = [m[d].T @ p_hat for d in range(N_DEVICES)]
         new_q[name] = sum(local_q)
-        total[name] = (p_hat @ new_q[name].T).reshape(SHAPES[name])
+        total[name] = (p_hat @ new_q[name].T).reshape(shapes[name])
         residual[name] = np.stack(
-            [(m[d] - p_hat @ local_q[d].T).reshape(SHAPES[name]) for d in range(N_DEVICES)]
+            [(m[d] - p_hat @ local_q[d].T).reshape(shapes[name]) for d in range(N_DEVICES)]
         )
     return total, residual, [new_q[name] for name in compressed]
 
 
-def test_steps_match_numpy_reference_with_warm_start_and_error_feedback():
-    """Two steps: updates, residuals and the warm-started Q equal the float64 reference to float32
-    rounding; the bytes and density metrics are PowerSGD's own counts."""
-    rank = 2
-    method = PowerSGD(rank)
-    assert [method.compresses(s) for s in SHAPES.values()] == [True, False, True, False]
-    dp, state = _run(method)
+def _check_steps_against_reference(method, shapes, steps=2):
+    """``steps`` steps of ``method`` (``mean=False``, SGD lr 1): updates, residuals and the
+    warm-started Q equal the float64 reference to float32 rounding. Returns the last metrics."""
+    dp, state = _run(method, shapes)
     rng = np.random.default_rng(0)
-    residual = {name: np.zeros((N_DEVICES, *shape)) for name, shape in SHAPES.items()}
-    for _ in range(2):
-        batch = _batch(rng)
+    residual = {name: np.zeros((N_DEVICES, *shape)) for name, shape in shapes.items()}
+    for _ in range(steps):
+        batch = _batch(rng, shapes)
         cs = jaxcomp.find_compress_state(state.opt_state)
         qs = cs.method_state[0][0]
         params_before = {k: np.asarray(v, np.float64) for k, v in state.params.items()}
-        fed = {name: batch[name] + residual[name] for name in SHAPES}
-        total, residual, new_q = _reference_step(fed, qs, rank)
+        fed = {name: batch[name] + residual[name] for name in shapes}
+        total, residual, new_q = _reference_step(fed, qs, method.rank, shapes)
         state, metrics = dp.step(state, batch)
         cs = jaxcomp.find_compress_state(state.opt_state)
-        for name in SHAPES:
+        for name in shapes:
             np.testing.assert_allclose(
                 params_before[name] - np.asarray(state.params[name]),
                 total[name],
@@ -106,6 +103,16 @@ def test_steps_match_numpy_reference_with_warm_start_and_error_feedback():
             )
         for got, want in zip(cs.method_state[0][0], new_q):
             np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4)
+    return metrics
+
+
+def test_steps_match_numpy_reference_with_warm_start_and_error_feedback():
+    """Two steps: updates, residuals and the warm-started Q equal the float64 reference to float32
+    rounding; the bytes and density metrics are PowerSGD's own counts."""
+    rank = 2
+    method = PowerSGD(rank)
+    assert [method.compresses(s) for s in SHAPES.values()] == [True, False, True, False]
+    metrics = _check_steps_against_reference(method, SHAPES)
     shapes = tuple(SHAPES[name] for name in sorted(SHAPES))
     n = sum(int(np.prod(s)) for s in shapes)
     assert float(metrics["bytes_sent"]) == pytest.approx(
@@ -114,6 +121,47 @@ def test_steps_match_numpy_reference_with_warm_start_and_error_feedback():
     assert float(metrics["density"]) == pytest.approx(method.kept(n, shapes=shapes) / n)
     # 24x16 and 30x20 at rank 2, the bias and the small matrix as they are.
     assert method.kept(n, shapes=shapes) == 2 * (24 + 16) + 2 * (30 + 20) + 16 + 12
+
+
+# Views repeated among leaves sent as they are: three 24x16 matrices (one a 6x4x16 kernel, whose
+# most square view is 24x16), two 30x20, and one 16x40 alone.
+REPEATED = {
+    "a": (24, 16),
+    "b": (16,),
+    "c": (6, 4, 16),
+    "d": (30, 20),
+    "e": (24, 16),
+    "f": (16, 40),
+    "g": (30, 20),
+    "h": (3,),
+}
+
+
+@pytest.mark.parametrize("stack_max", [0, 1 << 18], ids=["products apart", "products stacked"])
+def test_matrices_of_one_view_together_match_the_reference(monkeypatch, stack_max):
+    """Matrices of one view are orthogonalized together, and multiplied in batched products when
+    small (STACK_MAX_VALUES): either way each matrix's update, residual and Q are its own, as the
+    per-matrix float64 reference computes them."""
+    from jaxcomp.methods import powersgd
+
+    monkeypatch.setattr(powersgd, "STACK_MAX_VALUES", stack_max)
+    method = PowerSGD(2)
+    views = [matrix_view(REPEATED[k]) for k in sorted(REPEATED) if method.compresses(REPEATED[k])]
+    assert powersgd.batches(views) == [(0, 1, 3), (2, 5), (4,)]
+    _check_steps_against_reference(method, REPEATED, steps=3)
+
+
+def test_matrices_of_one_view_compile_to_batched_products():
+    """32 small matrices of one view compile to a handful of batched products, not four per
+    matrix (and their Gram-Schmidt to one batched pass): the compiled update's dots do not grow
+    with the number of matrices."""
+    from flat_test import _compiled_update
+
+    def dots(n_matrices):
+        hlo = _compiled_update("powersgd", {"rank": 2}, [(16, 16), (16,)] * n_matrices)
+        return sum(" dot(" in line for line in hlo.splitlines())
+
+    assert dots(32) == dots(2) <= 8
 
 
 def test_bytes_on_the_wire_are_wire_bytes():
