@@ -42,6 +42,7 @@ def compress(
     seed=0,
     nonfinite="zero",
     warmup_steps=0,
+    warmup_method=None,
     mask=None,
     min_size=0,
     momentum_correction=None,
@@ -136,6 +137,10 @@ def compress(
         ``data_parallel`` raises ``FloatingPointError``); see "Non-finite gradients" above.
       warmup_steps: aggregate densely for the first this many steps, then run ``method`` (default
         0; one compiled step, switched by the step counter).
+      warmup_method: what the warm-up steps send: None (default) for :class:`jaxcomp.Dense`, or a
+        method that sends every value and keeps a plain optimizer's quality, e.g.
+        ``jaxcomp.Zfp(8)`` (4x fewer bytes on those steps; its coding errors are fed back as the
+        method's are). Needs ``warmup_steps``; a method that sends everything has no warm-up.
       mask: which float leaves are compressed: a pytree of bools like the params, or a callable
         ``params -> pytree``; the others are summed exactly in one fused all-reduce (default None:
         all of them).
@@ -197,6 +202,7 @@ def compress(
     if method == "auto":  # the shorthand of the automatic choice
         return _compress_auto(
             warmup_steps=warmup_steps,
+            warmup_method=warmup_method,
             momentum_correction=momentum_correction,
             axis_name=axis_name,
             error_feedback=error_feedback,
@@ -226,11 +232,12 @@ def compress(
     )
     method.check_axes(config.axes)
     warmup = warmup_stage.warmup_length(method, warmup_steps)
+    warmup_method = warmup_stage.check_warmup_method(warmup_method, warmup_steps)
     momentum_stage.check(method, config.momentum)
     warmup_stage.check_switchable(method, warmup)
-    # The methods the state records: with a warm-up, dense first (the `method` metric says which
-    # ran).
-    branches = warmup_stage.branches(method, warmup)
+    # The methods the state records: with a warm-up, its method first (the `method` metric says
+    # which ran).
+    branches = warmup_stage.branches(method, warmup, warmup_method)
     # The guardrail's dense fallback reuses the warm-up's switch (dense last: the method keeps
     # index 0 of the `method` metric).
     falls_back = config.guardrail is not None and divergence.can_fall_back(method, config.guardrail)
@@ -290,10 +297,11 @@ def _aggregation(
     return aggregate
 
 
-def _compress_auto(*, warmup_steps, momentum_correction, **arguments):
+def _compress_auto(*, warmup_steps, warmup_method, momentum_correction, **arguments):
     """``compress("auto", ...)``: refuses the single-method options, then hands over."""
     for value, name in (
         (warmup_steps, "warmup_steps"),
+        (warmup_method, "warmup_method"),
         (momentum_correction, "momentum_correction"),
     ):
         if value:

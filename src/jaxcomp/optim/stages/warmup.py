@@ -1,4 +1,5 @@
-"""Stage 2, warm-up: aggregate densely for the first steps, then run the method.
+"""Stage 2, warm-up: aggregate densely (or with a method that sends every value) for the first
+steps, then run the method.
 
 Both branches are compiled into one step; the step counter picks one (``lax.switch``), so the
 switch never recompiles. :func:`jaxcomp.data_parallel` compiles a step per branch instead, for a
@@ -71,15 +72,62 @@ def check_switchable(method: Method, warmup: int) -> None:
         )
 
 
-def branches(method: Method, warmup: int) -> tuple[Method, ...]:
-    """The methods the state records: with a warm-up, dense first, then ``method``.
+def check_warmup_method(warmup_method, warmup_steps) -> Method:
+    """The method of the warm-up steps: ``warmup_method`` parsed and checked, :data:`DENSE` for
+    None.
+
+    A warm-up is there so that the optimizer starts from what a dense run sees (Adam's variance,
+    DGC's first steps), so its method must send every value (not a sparsifier), come out
+    replicated (one ``lax.switch`` holds both branches), keep no state of its own and need no
+    warm-up itself: a cast (:class:`jaxcomp.Cast`), :class:`jaxcomp.Zfp` (ring) or
+    :class:`jaxcomp.Quantized`, which send 2-8x fewer bytes than dense on those steps.
+
+    Args:
+      warmup_method: None, a :mod:`jaxcomp.methods` object or a shorthand name.
+      warmup_steps: the ``warmup_steps=`` argument (refused if 0: there is nothing to warm up).
+        A method that sends everything has no warm-up (:func:`warmup_length`), and
+        :func:`branches` then leaves the warm-up's method out.
+
+    Returns:
+      The method.
+
+    Example:
+      >>> from jaxcomp.methods import TopK, Zfp
+      >>> check_warmup_method(Zfp(8), 10).describe()
+      'zfp(8)'
+      >>> check_warmup_method(TopK(0.1), 10)
+      Traceback (most recent call last):
+      ValueError: warmup_method must send every value (a cast, zfp or quantized), ...
+
+    References:
+      Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3 (warm-up training); Tang et al.,
+      "1-bit Adam", ICML 2021, §4 (the warm-up that estimates Adam's variance).
+    """
+    if warmup_method is None:
+        return DENSE
+    method = methods.parse(warmup_method)
+    if not warmup_steps:
+        raise ValueError(f"warmup_method={method.describe()} needs warmup_steps > 0")
+    if method.sparse or method.stateful or method.dense_steps or not method.replicated_total:
+        raise ValueError(
+            "warmup_method must send every value (a cast, zfp or quantized), keep no state of "
+            "its own and come out replicated (for Zfp: algorithm='ring'), got "
+            f"{method.describe()}"
+        )
+    return method
+
+
+def branches(method: Method, warmup: int, warmup_method: Method = DENSE) -> tuple[Method, ...]:
+    """The methods the state records: with a warm-up, its method (dense by default) first, then
+    ``method``.
 
     Args:
       method: the :mod:`jaxcomp.methods` object.
       warmup: :func:`warmup_length`'s result.
+      warmup_method: the warm-up's method (:func:`check_warmup_method`).
 
     Returns:
-      ``(DENSE, method)`` or ``(method,)``.
+      ``(warmup_method, method)`` or ``(method,)``.
 
     Example:
       >>> from jaxcomp.methods import TopK
@@ -89,7 +137,7 @@ def branches(method: Method, warmup: int) -> tuple[Method, ...]:
     References:
       Lin et al., "Deep Gradient Compression", ICLR 2018, §3.3.
     """
-    return (DENSE, method) if warmup else (method,)
+    return (warmup_method, method) if warmup else (method,)
 
 
 def choose(runs: tuple[Method, ...], groups: Groups, step, warmup: int, fallback=None):
