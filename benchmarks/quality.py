@@ -203,14 +203,15 @@ def variants():
     ]
     # Half the warm-up: all-gather top-k 1% on 8 devices sends 1/12.5 of dense's bytes a step, so
     # 100 ZFP steps of 500 leave the run at 1/8.8; 50 bring it to 1/10.
-    recipe.append(
+    recipe += [
         Row(
-            "allgather_topk(0.01) dgc warmup50 adam-b1=0 zfp-warmup",
-            m.TopK(0.01),
+            f"{x.describe()} dgc warmup50 adam-b1=0 zfp-warmup",
+            x,
             {**dgc, "warmup_steps": 50, **zfp_warmup},
             optimizer="adam(b1=0)",
         )
-    )
+        for x in sparsifiers
+    ]
     return (
         [row for row in auto_rows() if row.name != "auto@1gbit"]
         + recipe
