@@ -44,7 +44,8 @@ class Sign(Method):
     all-gather 1.60x) and 8.2x at 100 Mbit (7.4x) (BENCHMARKS.md, "Signs in a ring").
     With ``jaxcomp.adam(..., warmup_method=jaxcomp.Zfp(8))`` (the warm-up and the variance
     refreshes sent as ZFP) the ring sends 12.6x fewer bytes than dense over a 500-step run at
-    +2.9%, and 19.7x at +1.0% over 1500 (BENCHMARKS.md, "The warm-up sent as ZFP").
+    +2.9%, and 19.7x at +1.0% over 1500; on the 2.45M-parameter model +1.1% and +0.1%
+    (BENCHMARKS.md, "The warm-up sent as ZFP").
 
     Args:
       chunk: values per scale, an integer ``>= 1`` (default 1024: the scales add 1/256 byte a

@@ -43,9 +43,10 @@ class TopK(Fraction, Method):
                     optax.adam(learning_rate, b1=0.0))
 
     With ``warmup_steps=50, warmup_method=jaxcomp.Zfp(8)`` the same recipe ends +2.1% at 10.3x
-    fewer bytes than dense over the whole 500-step run (+0.7% at 11.7x over 1500; +2.2% on the
-    2.45M-parameter model at its tuned learning rate), where the dense warm-up of 100 steps
-    leaves the run at 3.8x (BENCHMARKS.md, "The warm-up sent as ZFP").
+    fewer bytes than dense over the whole 500-step run (+0.7% at 11.7x over 1500; on the
+    2.45M-parameter model at its tuned learning rate +2.2%, but +5.1% over 1500), where the
+    dense warm-up of 100 steps leaves the run at 3.8x (BENCHMARKS.md, "The warm-up sent as
+    ZFP").
 
     :func:`jaxcomp.adam` halves the gap at its defaults (+11.5%; AR-Topk 1% +18%, 0.1% +24%);
     **AR-Topk and 0.1% are not within 3% of dense Adam with anything tried**, and on the larger
