@@ -134,9 +134,9 @@ def variants():
 
     dgc = {"momentum_correction": 0.9, "warmup_steps": 100}
 
-    def with_dgc(suffix, optimizer):
+    def with_dgc(suffix, optimizer, **options):
         return [
-            Row(f"{method.describe()} {suffix}", method, dgc, optimizer=optimizer)
+            Row(f"{method.describe()} {suffix}", method, {**dgc, **options}, optimizer=optimizer)
             for method in sparsifiers
         ]
 
@@ -192,26 +192,12 @@ def variants():
         Row(f"{x.describe()} jaxcomp.adam zfp-warmup", x, zfp_warmup, optimizer="jaxcomp.adam")
         for x in (m.Sign(), m.Sign(aggregation="ring"), m.TopK(0.01), m.PowerSGD(4))
     ]
-    recipe += [
-        Row(
-            f"{x.describe()} dgc warmup100 adam-b1=0 zfp-warmup",
-            x,
-            {**dgc, **zfp_warmup},
-            optimizer="adam(b1=0)",
-        )
-        for x in sparsifiers
-    ]
+    recipe += with_dgc("dgc warmup100 adam-b1=0 zfp-warmup", "adam(b1=0)", **zfp_warmup)
     # Half the warm-up: all-gather top-k 1% on 8 devices sends 1/12.5 of dense's bytes a step, so
     # 100 ZFP steps of 500 leave the run at 1/8.8; 50 bring it to 1/10.
-    recipe += [
-        Row(
-            f"{x.describe()} dgc warmup50 adam-b1=0 zfp-warmup",
-            x,
-            {**dgc, "warmup_steps": 50, **zfp_warmup},
-            optimizer="adam(b1=0)",
-        )
-        for x in sparsifiers
-    ]
+    recipe += with_dgc(
+        "dgc warmup50 adam-b1=0 zfp-warmup", "adam(b1=0)", warmup_steps=50, **zfp_warmup
+    )
     return (
         [row for row in auto_rows() if row.name != "auto@1gbit"]
         + recipe

@@ -148,12 +148,12 @@ def adam(
         **compress_options,
     )
     # A refresh starts from a fresh state each time, so a guardrail there could never learn a
-    # running statistic: none beside a warm-up method (Dense has nothing to fall back from).
+    # running statistic: none beside a warm-up method (Dense keeps compress's default).
     exact = compress(
         methods.Dense() if warmup_method is None else warmup_method,
         axis_name=axis_name,
         nonfinite=compress_options.get("nonfinite", "zero"),
-        **({} if warmup_method is None else {"guardrail": False}),
+        guardrail=warmup_method is None,
     )
     schedule = learning_rate if callable(learning_rate) else (lambda count: learning_rate)
 
