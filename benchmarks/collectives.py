@@ -32,6 +32,9 @@ def parse_args():
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser.add_argument(
+        "--only", default="", help="comma-separated words: run the rows whose label holds one"
+    )
     return parser.parse_args()
 
 
@@ -92,6 +95,12 @@ def configurations(n, n_devices):
                 f"ar_topk var r={ratio}",
                 dict(method="ar_topk", k=k, leader="var"),
                 lambda x, s, key, k=k: collectives.ar_topk(x, k, AXIS, "var"),
+                AXIS,
+            ),
+            (
+                f"ar_topk split r={ratio}",
+                dict(method="ar_topk", k=k, leader="split"),
+                lambda x, s, key, k=k: collectives.ar_topk(x, k, AXIS, "split"),
                 AXIS,
             ),
             (
@@ -161,7 +170,10 @@ def main():
         flush=True,
     )
     rows = []
+    words = [w for w in args.only.split(",") if w]
     for label, byte_params, fn, axes in configurations(n, n_devices):
+        if words and label != "psum" and not any(w in label for w in words):
+            continue
         mesh = meshes[axes]
         spec = P(axes)
         x = jax.jit(

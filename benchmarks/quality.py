@@ -198,6 +198,20 @@ def variants():
     recipe += with_dgc(
         "dgc warmup50 adam-b1=0 zfp-warmup", "adam(b1=0)", warmup_steps=50, **zfp_warmup
     )
+    # AR-Topk with every device leading k/N of the shared indices (SPLIT), at the recipe.
+    split = [m.TopK(r, collective="ar", leader="split") for r in (0.01, 0.001)]
+    recipe += [
+        Row(f"{x.describe()}{suffix}", x, options, optimizer=optimizer)
+        for x in split
+        for suffix, options, optimizer in (
+            ("", {}, "adam"),
+            (
+                " dgc warmup50 adam-b1=0 zfp-warmup",
+                {**dgc, "warmup_steps": 50, **zfp_warmup},
+                "adam(b1=0)",
+            ),
+        )
+    ]
     return (
         [row for row in auto_rows() if row.name != "auto@1gbit"]
         + recipe

@@ -47,6 +47,10 @@ def test_bytes_sent_matches_the_cost_of_each_step(n_devices, dtype_bytes):
     assert bytes_sent("ar_topk", n, N, k=k, algorithm="tree", leader="var", dtype_bytes=d) == (
         tree(4 * k) + tree(k * d) + (N - 1) * 4
     )
+    each = math.ceil(k / N)  # SPLIT: each device's indices all-gathered, then N * each values
+    assert bytes_sent("ar_topk", n, N, k=k, leader="split", dtype_bytes=d) == (
+        (N - 1) * each * 4 + ring(N * each * d)
+    )
     chunk_words = zfp_num_words(math.ceil(n / N), 8)
     assert bytes_sent("zfp_allreduce", n, N, rate=8) == 2 * (N - 1) * chunk_words * 4
     p = 2 ** int(math.log2(N))
@@ -216,12 +220,14 @@ def sim_allgather_topk(X, k, select):
 
 def sim_ar_topk(X, k, leader, step, select):
     Xf = X.astype(np.float32)
-    if leader == "star":
-        chief = step % len(Xf)
+    if leader == "split":  # every device's top ceil(k / N), each index once
+        each = min(-(-k // len(Xf)), Xf.shape[1])
+        idx = np.unique(np.concatenate([select(row, each) for row in Xf]))
+    elif leader == "star":
+        idx = select(Xf[step % len(Xf)], k)
     else:
         norms = [np.sum(np.square(row[select(row, k)])) for row in Xf]
-        chief = int(np.argmax(norms))
-    idx = select(Xf[chief], k)
+        idx = select(Xf[int(np.argmax(norms))], k)
     total, sent = np.zeros(Xf.shape[1], np.float32), np.zeros_like(Xf)
     total[idx] = wire_sum(Xf[:, idx])
     sent[:, idx] = Xf[:, idx]
@@ -361,6 +367,10 @@ def test_allgather_topk(dtype, n_devices, n, k, selector):
         (jnp.float16, 6, 7, 3, "var"),
         (jnp.float32, 1, 9, 4, "star"),
         (jnp.bfloat16, 1, 9, 4, "var"),
+        (jnp.float32, 8, 1003, 37, "split"),
+        (jnp.bfloat16, 6, 50, 50, "split"),
+        (jnp.float16, 3, 7, 3, "split"),
+        (jnp.float32, 1, 9, 4, "split"),
     ],
 )
 def test_ar_topk(dtype, n_devices, n, k, leader):
@@ -702,6 +712,7 @@ CASES = [
     ("allgather_topk", lambda x: collectives.allgather_topk(x, 7, AXIS), dict(k=7)),
     ("ar_topk", lambda x: collectives.ar_topk(x, 7, AXIS, "star"), dict(k=7)),
     ("ar_topk", lambda x: collectives.ar_topk(x, 7, AXIS, "var"), dict(k=7, leader="var")),
+    ("ar_topk", lambda x: collectives.ar_topk(x, 7, AXIS, "split"), dict(k=7, leader="split")),
     ("zfp_allreduce", lambda x: collectives.zfp_allreduce(x, 8, AXIS), dict(rate=8)),
     (
         "zfp_allreduce",
@@ -823,7 +834,9 @@ def test_bad_input(fn, error, message):
         trace(fn)
 
 
-@pytest.mark.parametrize("method", ["allgather_topk", "ar_topk", "hierarchical_topk"])
+@pytest.mark.parametrize(
+    "method", ["allgather_topk", "ar_topk", "ar_topk split", "hierarchical_topk"]
+)
 def test_sparse_sent_is_the_dense_sent_as_pairs(method):
     """sparse_sent=True gives the (indices, values) whose scatter is the dense sent, bit for bit,
     and the same total: what lets compress take the sent values off its residual in place."""
@@ -838,8 +851,9 @@ def test_sparse_sent_is_the_dense_sent_as_pairs(method):
         mesh, axes = mesh_1d(8), AXIS
 
         def run(x, sparse):
-            options = {"step": 3} if method == "ar_topk" else {}
-            return getattr(collectives, method)(x, k, AXIS, sparse_sent=sparse, **options)
+            name, *leader = method.split()
+            options = {"step": 3, "leader": (leader or ["star"])[0]} if name == "ar_topk" else {}
+            return getattr(collectives, name)(x, k, AXIS, sparse_sent=sparse, **options)
 
     def both(x):
         total, sent = run(x, False)

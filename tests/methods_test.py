@@ -97,6 +97,21 @@ def test_methods_validate_themselves_at_construction(build, match):
         build()
 
 
+def test_split_leader_costs_an_all_gather_of_indices_and_one_all_reduce():
+    """AR-Topk's SPLIT: ceil(k/N) int32 indices all-gathered ((N-1) of them a device), N of those
+    counts of values all-reduced; log2 N + 2(N-1) messages on a ring, against STAR's 4(N-1)."""
+    split, star = TopK(k=37, collective="ar", leader="split"), TopK(k=37, collective="ar")
+    each = 5  # ceil(37 / 8)
+    assert split.wire_bytes(1000, 8) == 7 * each * 4 + 2 * 7 / 8 * (8 * each * 4)
+    assert split.wire_bytes(1000, 8) < star.wire_bytes(1000, 8) and split.wire_bytes(1000, 1) == 0
+    assert split.message_steps(8) == 3 + 14 and star.message_steps(8) == 28
+    assert split.with_ratio(0.1) == TopK(0.1, collective="ar", leader="split")
+    # Its local work, for the cost model's timing: this device's top ceil(k/N) taken off.
+    x = np.arange(1000, dtype=np.float32)
+    left = np.asarray(split.local_work(1000, 8)(jnp.asarray(x)))
+    np.testing.assert_array_equal(left, np.where(x >= 1000 - each, 0, x))
+
+
 def test_methods_are_frozen_hashable_values():
     assert TopK(0.01, collective="ar") == TopK(ratio=0.01, collective="ar")
     assert len({Dense(), Dense(), TopK(0.01), TopK(0.01, collective="ar")}) == 3

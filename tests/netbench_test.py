@@ -135,6 +135,9 @@ def test_speedups_against_pmean_and_the_faster_plain_step(monkeypatch, steps, pl
         r.update(predicted_sync=None, wire_tx=1e6, ran=r["method"])
     line = [x for x in netbench_cli.table(rows).splitlines() if "| ar_topk |" in x][0]
     assert f"| {2.0 / 0.25:.2f}x | {plain / 0.25:.2f}x |" in line
+    by["ar_topk"]["cpu"] = 0.75  # CPU seconds a step, where the workers measured it
+    line = [x for x in netbench_cli.table(rows).splitlines() if "| ar_topk |" in x][0]
+    assert "| 0.250 | 0.750 | 0.100 |" in line  # step, CPU, compute
 
 
 def test_a_job_that_times_out_keeps_the_rows_it_measured(monkeypatch, capsys, tmp_path):
@@ -294,7 +297,17 @@ def test_the_workers_optimizers_are_adam_and_plain_sgd():
 # One job on one cluster (a cluster and its JAX start cost about 20 s): the sharded modes, the
 # allocator and the plot, and every method's bytes against the veth counters.
 SHARDED = ["dense", "ar_topk", "quantized", "dense@params", "quantized@optimizer"]
-EVERY = ["allgather_topk", "bf16", "fp16", "zfp", "powersgd", "sign", "sign_ring", "randomk"]
+EVERY = [
+    "allgather_topk",
+    "ar_topk_split",
+    "bf16",
+    "fp16",
+    "zfp",
+    "powersgd",
+    "sign",
+    "sign_ring",
+    "randomk",
+]
 
 
 @pytest.mark.multiprocess
@@ -326,6 +339,7 @@ def test_one_small_cell_on_two_emulated_hosts(tmp_path, monkeypatch):
         # The links carried what jaxcomp says it sends, plus TCP/IP framing (a few %).
         assert r["bytes_sent"] <= r["wire_tx"] <= 1.15 * r["bytes_sent"] + 20_000, r
         assert r["step"] > 0 and r["compute"] > 0 and r["predicted_sync"] > 0
+        assert 0 < r["cpu"] < 1e3  # host 0's CPU seconds a step, beside the wall clock
     assert (tmp_path / "p.png").exists()
 
 

@@ -96,10 +96,11 @@ def _run_both(method, x, row):
         Cast("float16"),
         TopK(0.1),
         TopK(k=7, collective="ar"),
+        TopK(k=7, collective="ar", leader="split"),
         TopK(0.05, selector="threshold"),
         Sign(16, aggregation="ring"),
     ],
-    ids=["dense", "bf16", "fp16", "allgather_topk", "ar_topk", "mstopk", "sign_ring"],
+    ids=["dense", "bf16", "fp16", "allgather_topk", "ar_topk", "ar_split", "mstopk", "sign_ring"],
 )
 def test_exact_reduce_scatter_is_the_all_reduce_split(method):
     """Dense, Cast and TopK reduce-scatter the very sum their all-reduce computes: device d's
@@ -144,9 +145,10 @@ def test_lossy_reduce_scatter_sums_what_each_device_sent(method):
         (Zfp(8), 1003),
         (Quantized(4), 1003),
         (TopK(0.01), 1003),
+        (TopK(0.05, collective="ar", leader="split"), 1003),
         (Sign(64, aggregation="ring"), 1003),
     ],
-    ids=["dense", "fp16", "zfp", "thc", "topk", "sign_ring"],
+    ids=["dense", "fp16", "zfp", "thc", "topk", "ar_split", "sign_ring"],
 )
 def test_reduce_scatter_bytes_are_what_the_collectives_move(method, n):
     row = method.shard_row(-(-n // N), N)

@@ -136,6 +136,18 @@ def _leader_topk(ratio):
     return select
 
 
+def _split_topk(ratio):
+    def select(g_e, step):
+        k = max(1, round(ratio * g_e.shape[1]))
+        each = min(-(-k // N_DEVICES), g_e.shape[1])  # SPLIT: every device's top ceil(k / N)
+        keep = np.unique(np.argsort(-np.abs(g_e), axis=1, kind="stable")[:, :each])
+        sent = np.zeros_like(g_e)
+        sent[:, keep] = g_e[:, keep]
+        return sent
+
+    return select
+
+
 SHAPES = {
     "one": [(1,)],
     "awkward": [(3, 5), (7,), (1,)],
@@ -146,6 +158,7 @@ SHAPES = {
 SELECTORS = {
     "allgather_topk": _own_topk(0.2),
     "ar_topk": _leader_topk(0.2),
+    "ar_topk split": _split_topk(0.2),
     "dense": lambda g_e, step: g_e,
 }
 
@@ -163,6 +176,8 @@ SELECTORS = {
         ("ar_topk", "model", "block", jnp.float32),
         ("ar_topk", "leaf", "awkward", jnp.bfloat16),
         ("ar_topk", "model", "one", jnp.bfloat16),
+        ("ar_topk split", "model", "awkward", jnp.float32),
+        ("ar_topk split", "leaf", "block", jnp.bfloat16),
         ("dense", "model", "awkward", jnp.bfloat16),
         ("dense", "leaf", "one", jnp.float32),
     ],
@@ -170,7 +185,8 @@ SELECTORS = {
 )
 def test_error_feedback_matches_reference(method, granularity, shapes, dtype):
     shapes, select = SHAPES[shapes], SELECTORS[method]
-    kwargs = {} if method == "dense" else {"ratio": 0.2}
+    method, *leader = method.split()
+    kwargs = {} if method == "dense" else {"ratio": 0.2, "leader": (leader or [None])[0]}
     grads = _planted_gradients(shapes, steps=3, seed=len(shapes))
     for error_feedback in (True, False):
         tx = compress(method, granularity=granularity, error_feedback=error_feedback, **kwargs)

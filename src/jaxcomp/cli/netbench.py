@@ -63,9 +63,10 @@ def table(rows) -> str:
       MLSys 2022 (measure the step, not the bytes); issue 13's set-up.
     """
     header = (
-        "model | hosts | rate | method | step s | compute s | sync s | predicted sync s | advise "
-        "step s | wire MB/step/host | bytes_sent MB | sync: dense / this | speedup vs pmean | "
-        "speedup vs faster plain | ran | state MB/host | peak RSS MB/host"
+        "model | hosts | rate | method | step s | CPU s/step | compute s | sync s | "
+        "predicted sync s | advise step s | wire MB/step/host | bytes_sent MB | "
+        "sync: dense / this | speedup vs pmean | speedup vs faster plain | ran | state MB/host | "
+        "peak RSS MB/host"
     ).split(" | ")
     dense_sync = {
         (r.get("model"), r["hosts"], r["rate"]): r["sync"]
@@ -73,7 +74,7 @@ def table(rows) -> str:
         if r["method"] == Dense().label
     }
     return _report.format_table(
-        header, [_table_cells(r, dense_sync) for r in rows], align="lrllrrrrrrrrrrlrr"
+        header, [_table_cells(r, dense_sync) for r in rows], align="lrllrrrrrrrrrrrlrr"
     )
 
 
@@ -87,6 +88,7 @@ def _table_cells(r, dense_sync) -> list[str]:
         r["rate"],
         r["method"],
         _s(r["step"]),
+        _s(r.get("cpu")),
         _s(r["compute"]),
         _s(r["sync"]),
         _s(r.get("predicted_sync")),

@@ -49,8 +49,9 @@ from jaxcomp._lazy import attach
 #: Top-k selectors: exact :func:`jaxcomp.topk` or MSTopK :func:`jaxcomp.threshold_topk`.
 SELECTORS = ("exact", "threshold")
 
-#: AR-Topk leader rules: round-robin by step (STAR) or largest local top-k norm (VAR).
-LEADERS = ("star", "var")
+#: AR-Topk leader rules: round-robin by step (STAR), largest local top-k norm (VAR), or every
+#: device picking ``k / N`` of the indices (SPLIT).
+LEADERS = ("star", "var", "split")
 
 #: Point-to-point algorithms of :func:`zfp_allreduce`.
 ZFP_ALGORITHMS = ("ring", "recursive_doubling")

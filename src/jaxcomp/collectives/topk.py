@@ -159,6 +159,42 @@ def _broadcast_indices(indices, is_leader, leader_index, axis_name, how):
     return jax.lax.all_gather(indices, axis_name, to="invarying")[leader_index]
 
 
+def split_indices(x, k, axis_name, selector="exact"):
+    """:func:`ar_topk`'s shared indices under SPLIT: every device's top ``ceil(k / N)``,
+    all-gathered and sorted, with each index that repeats marked ``n`` (padding, which every
+    scatter drops), so each index is sent and taken off the residual once.
+
+    Args:
+      x: this device's local 1-D vector of ``n`` values.
+      k: static int, the indices of the whole step, ``1 <= k <= n``.
+      axis_name: the mesh axis.
+      selector: ``"exact"`` or ``"threshold"``.
+
+    Returns:
+      ``N ceil(k / N)`` int32 indices, typed invariant: the gathered ones in increasing order,
+      each repeat replaced by ``n``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> f = jax.jit(jax.shard_map(lambda x: split_indices(x, 4, "data"), mesh=mesh,
+      ...                           in_specs=P("data"), out_specs=P()))
+      >>> f(jnp.array([9.0, 0, 0, 8, 9, 7, 0, 0])).tolist()  # picks [0, 3] and [0, 1]
+      [0, 4, 1, 3]
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §3-A (AR-Topk's shared indices; this leader rule is
+      jaxcomp's).
+    """
+    n = x.shape[0]
+    each = min(sizes.ceil_div(k, axis_size(axis_name)), n)
+    _, mine = _select(x, each, selector)
+    ordered = jnp.sort(jax.lax.all_gather(mine, axis_name, to="invarying").reshape(-1))
+    repeat = jnp.concatenate([jnp.zeros(1, bool), ordered[1:] == ordered[:-1]])
+    return jnp.where(repeat, jnp.int32(n), ordered)
+
+
 def ar_topk(
     x,
     k,
@@ -182,12 +218,16 @@ def ar_topk(
     * STAR: the leader is ``step mod N`` (round-robin). Only the leader runs the top-k kernel.
     * VAR: the leader is the device whose local top-k values have the largest squared norm, agreed
       by an all-gather of one float32 per device (ties: the lowest axis index).
+    * SPLIT (jaxcomp's, not the paper's): every device leads ``ceil(k / N)`` of the indices, its
+      own largest; they are all-gathered (:func:`split_indices`), so each device's largest values
+      are summed on every step, not on one step in ``N``. An index two devices picked is sent
+      once; its second slot is padding (index ``n``, value 0).
 
     Args:
       x: this device's local 1-D float32, bfloat16 or float16 vector of ``n`` values.
       k: static int, ``1 <= k <= n``.
       axis_name: the mesh axis to sum over.
-      leader: ``"star"`` or ``"var"``.
+      leader: ``"star"``, ``"var"`` or ``"split"``.
       step: integer scalar, the training step (STAR only); pass it traced so every step reuses one
         compilation.
       selector: ``"exact"`` (:func:`jaxcomp.topk`) or ``"threshold"``
@@ -239,15 +279,18 @@ def ar_topk(
             lambda v: _ffi.like_varying(jnp.zeros(k, jnp.int32), v),
             x,
         )
-    else:
+    elif leader == "var":
         values, indices = _select(x, k, selector)
         norms = jax.lax.all_gather(
             jnp.sum(jnp.square(values.astype(jnp.float32))), axis_name, to="invarying"
         )
         leader_index = jnp.argmax(norms)  # the first maximum: every device agrees
         is_leader = me == leader_index
-    shared = _broadcast_indices(indices, is_leader, leader_index, axis_name, _broadcast)
-    values = x[shared]
+    if leader == "split":
+        shared = split_indices(x, k, axis_name, selector)
+    else:
+        shared = _broadcast_indices(indices, is_leader, leader_index, axis_name, _broadcast)
+    values = x.at[shared].get(mode="fill", fill_value=0)
     summed = jax.lax.psum(values, axis_name)
     if scatter:
         _no_sparse_scatter(sparse_total)

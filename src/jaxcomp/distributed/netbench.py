@@ -72,6 +72,9 @@ def _runs():
     # 1-bit Adam's compressed all-reduce: the ring whose messages are signs (2/N of the
     # all-gather's bytes, 2 (N-1) steps).
     table[Sign(aggregation="ring").label] = (Sign(aggregation="ring"), {}, None)
+    # AR-Topk with every device picking k/N of the indices (SPLIT; not an auto candidate).
+    split = TopK(0.01, collective="ar", leader="split")
+    table[split.label] = (split, {}, None)
     table["auto"] = (fixed, {}, None)
     # Sharded training (data_parallel(shard=...)): the gradient reduce-scattered, the params
     # all-gathered.

@@ -189,12 +189,12 @@ _SETTLE = 2.0
 
 def _median_step(job: _Job, run, state, extra_warmup, busy, mark):
     """Runs warm-up then timed steps: ``(state, median seconds, every timed step's seconds, the
-    link's counters before the first timed step)``. A call while ``busy()`` (``compress_auto``'s
-    trial of its candidates) is untimed too; ``mark()`` reads the counters as the timed steps
-    start."""
+    median CPU seconds of this process per timed step, the link's counters before the first
+    timed step)``. A call while ``busy()`` (``compress_auto``'s trial of its candidates) is
+    untimed too; ``mark()`` reads the counters as the timed steps start."""
     import jax
 
-    times, before = [], None
+    times, cpu, before = [], [], None
     warmup = job.spec.warmup + extra_warmup
     calls = 0
     while len(times) < job.spec.steps:
@@ -202,13 +202,14 @@ def _median_step(job: _Job, run, state, extra_warmup, busy, mark):
         if timed and before is None:
             before = mark()
         batch = job.global_batch(calls)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         state, loss = run(state, batch)
         jax.block_until_ready(loss)
         calls += 1
         if timed:
             times.append(time.perf_counter() - start)
-    return state, statistics.median(times), times, before
+            cpu.append(time.process_time() - start_cpu)
+    return state, statistics.median(times), times, statistics.median(cpu), before
 
 
 def _timed_run(job: _Job, label, position, step, state, compute_first):
@@ -243,13 +244,16 @@ def _timed_run(job: _Job, label, position, step, state, compute_first):
 
     # compress_auto's trial of its leading candidates (jaxcomp.training.trial) is untimed too,
     # and its steps (other methods, dense at first) are not counted in the wire's bytes.
-    state, median, times, before = _median_step(
+    state, median, times, cpu, before = _median_step(
         job, run, state, extra, lambda: getattr(step.step, "in_trial", False), mark
     )
     after = read_interface_counters(INTERFACE, settle=_SETTLE)
     entry = {
         "step": median,
         "times": times,
+        # Host 0's CPU seconds a step (every thread of its process): the hosts share this
+        # machine's cores, so a method's CPU work shows here where the wall clock hides it.
+        "cpu": cpu,
         "sync": median - compute_first,
         "wire_tx": (after[0] - before[0]) / len(times),
         "wire_rx": (after[1] - before[1]) / len(times),

@@ -29,8 +29,9 @@ class TopK(Fraction, Method):
         :func:`jaxcomp.collectives.hierarchical_topk`).
       selector: ``"exact"`` (default, :func:`jaxcomp.topk`) or ``"threshold"`` (MSTopK,
         :func:`jaxcomp.threshold_topk`).
-      leader: ``collective="ar"`` only: ``"star"`` (round-robin by step, default) or ``"var"``
-        (the device with the largest local top-k norm).
+      leader: ``collective="ar"`` only: ``"star"`` (round-robin by step, default), ``"var"``
+        (the device with the largest local top-k norm) or ``"split"`` (every device picks
+        ``k / N`` of the indices, its own largest; :func:`jaxcomp.collectives.ar_topk`).
       allreduce: ``collective="ar"`` only: how the cost model costs its two all-reduces,
         ``"ring"`` (default) or ``"tree"``.
 
@@ -55,6 +56,12 @@ class TopK(Fraction, Method):
     quality" and "Compressed optimizers"; docs/training.md, "What the methods cost in model
     quality").
 
+    AR-Topk loses less with ``leader="split"`` (every device picks ``k / N`` of the indices on
+    every step): with the recipe and a 50-step ZFP warm-up at 1%, +10.0% (500 steps) and +6.6%
+    (1500) on the small model, against STAR's +18.3% and +15.7%; +3.6% on the larger model at
+    500 steps (STAR +15.7%), at 26x fewer bytes than dense over the run (BENCHMARKS.md,
+    "AR-Topk's SPLIT leader").
+
     Example:
       >>> from jaxcomp.methods import TopK
       >>> TopK(0.01, collective="ar").describe(), TopK(0.01).wire_bytes(1000, 8)
@@ -78,6 +85,8 @@ class TopK(Fraction, Method):
         "ar_topk": {"collective": "ar"},
         "ar_topk_ring": {"collective": "ar"},
         "ar_topk_tree": {"collective": "ar", "allreduce": "tree"},
+        "ar_topk_split": {"collective": "ar", "leader": "split"},
+        "ar_topk_split_tree": {"collective": "ar", "leader": "split", "allreduce": "tree"},
         "hierarchical_topk": {"collective": "hierarchical"},
     }
 
@@ -100,6 +109,13 @@ class TopK(Fraction, Method):
     @property
     def name(self):
         return f"{self.collective}_topk"
+
+    @property
+    def label(self):
+        """As :attr:`Method.label`, with SPLIT's leader named: ``"ar_topk_split"``, whose bytes
+        and quality differ from one leader's (STAR's and VAR's share ``"ar_topk"``)."""
+        name = f"{self.name}_split" if self.leader == "split" else self.name
+        return name if self.allreduce == "ring" else f"{name}_{self.allreduce}"
 
     def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
         from jaxcomp import collectives
@@ -172,6 +188,8 @@ class TopK(Fraction, Method):
         * ``"allgather"``: an all-gather of ``k`` values and ``k`` indices, ``(N-1) k (d+4)``.
         * ``"ar"``: an all-reduce of ``k`` leader-masked int32 indices, then one of ``k`` values,
           both costed as ``allreduce``; VAR adds the all-gather of one float32 norm per device.
+          SPLIT (``e = ceil(k/N)``): an all-gather of ``e`` int32 indices, ``(N-1) 4e``, then the
+          all-reduce of ``N e`` values.
         * ``"hierarchical"`` (``I = inner_size``, ``O = N / I``, ``s = ceil(n/I)``,
           ``k_s = ceil(k/I)``): ring reduce-scatter in the node ``(I-1) s d``, all-gather of
           ``k_s`` pairs across nodes ``(O-1) k_s (d+4)``, and of ``O k_s`` pairs in the node
@@ -186,6 +204,10 @@ class TopK(Fraction, Method):
         if self.collective == "ar":
             if N == 1:
                 return 0.0
+            if self.leader == "split":
+                each = sizes.ceil_div(k, N)
+                values = sizes.allreduce_bytes(N * each * dtype_bytes, N, self.allreduce)
+                return float((N - 1) * each * sizes.INDEX_BYTES) + values
             total = sizes.allreduce_bytes(
                 k * sizes.INDEX_BYTES, N, self.allreduce
             ) + sizes.allreduce_bytes(k * dtype_bytes, N, self.allreduce)
@@ -201,7 +223,8 @@ class TopK(Fraction, Method):
 
     def message_steps(self, n_devices, *, inner_size=None):
         """``"allgather"``: ``ceil(log2 N)`` (recursive doubling); ``"ar"``: two all-reduces
-        (``4(N-1)`` as rings, ``4 ceil(log2 N)`` as trees); ``"hierarchical"``:
+        (``4(N-1)`` as rings, ``4 ceil(log2 N)`` as trees), SPLIT one all-gather and one
+        all-reduce; ``"hierarchical"``:
         ``(I-1) + ceil(log2(N/I)) + ceil(log2 I)``."""
         N = _checks.check_devices(n_devices, inner_size)
         if N == 1:
@@ -209,7 +232,10 @@ class TopK(Fraction, Method):
         if self.collective == "allgather":
             return sizes.log2_steps(N)
         if self.collective == "ar":
-            return 2 * sizes.allreduce_steps(N, self.allreduce)
+            values = sizes.allreduce_steps(N, self.allreduce)
+            if self.leader == "split":
+                return sizes.log2_steps(N) + values
+            return 2 * values
         inner = self._inner(N, inner_size)
         return (inner - 1) + sizes.log2_steps(N // inner) + sizes.log2_steps(inner)
 
@@ -219,10 +245,22 @@ class TopK(Fraction, Method):
         return inner_size
 
     def local_work(self, n_values, n_devices):
+        import jax.numpy as jnp
+
         from jaxcomp.ops.topk import threshold_topk, topk
 
         k = self.kept(n_values)
         select = topk if self.selector == "exact" else threshold_topk
+        if self.leader == "split":
+            each = sizes.ceil_div(k, n_devices)
+
+            def split_codec(x):
+                # This device's k/N, then the sort of the N k/N gathered indices (this device's
+                # N times stand in for them) and the error feedback at every one.
+                shared = jnp.sort(jnp.tile(select(x, each)[1], n_devices))
+                return x.at[shared].set(0.0)
+
+            return split_codec
 
         def codec(x):
             values, indices = select(x, k)
