@@ -205,6 +205,36 @@ def test_the_onebit_rows_run_jaxcomp_adam_with_a_short_warm_up(name, aggregation
     assert int(jaxcomp.find_compress_state(state.opt_state).step) == 30
 
 
+@pytest.mark.parametrize("name, leader", [("ar_topk-dgc", "star"), ("ar_topk_split-dgc", "split")])
+def test_the_dgc_rows_run_ar_topk_with_the_recipe(name, leader):
+    """``ar_topk-dgc`` / ``ar_topk_split-dgc``: AR-Topk 1% with momentum correction, 50 warm-up
+    steps sent as ZFP 8 and Adam with b1 = 0, built as the job builds them; its steps train."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxcomp
+
+    options = ttq._row_options(name)
+    tx = ttq._row_tx(name, options, charlm.MODELS["small"])
+    # Adam's own momentum off (b1 = 0): a zero gradient after a step moves nothing.
+    _, adam_state = tx.update(jnp.ones(3), tx.init(jnp.zeros(3)))
+    assert not np.any(np.asarray(tx.update(jnp.zeros(3), adam_state)[0]))
+    run = ttq._build(
+        options, lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2), tx, np.array(jax.devices())
+    )
+    state = run.init(jnp.zeros(300))
+    compress = jaxcomp.find_compress_state(state.opt_state)
+    topk = jaxcomp.TopK(0.01, collective="ar", leader=leader)
+    assert compress.methods == (jaxcomp.Zfp(8), topk)
+    x = np.random.default_rng(0).normal(size=(8 * jax.device_count(), 300)).astype(np.float32)
+    batch = run.shard_batch({"x": x, "y": x @ np.linspace(-1, 1, 300).astype(np.float32)})
+    losses = []
+    for _ in range(55):  # past the 50 warm-up steps
+        state, metrics = run.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < 0.9 * losses[0] and int(metrics["method"]) == 1  # top-k's branch
+
+
 def test_jaxcomp_netbench_to_loss_runs_a_quick_job_in_one_process(tmp_path):
     """The installed command: a tiny model, dp then DiLoCo on 2 virtual devices; the table, the
     JSON (with the command that made it) and the plot."""

@@ -10,6 +10,9 @@ batches:
   schedule, :func:`charlm.schedule`); ``ar_topk``, ``auto`` and ``auto-topk`` are the same with
   ``compress("ar_topk", ratio=0.01)``, ``compress("auto")`` and ``compress("auto", ratio=0.01)``:
   per-step compression;
+* ``ar_topk-dgc`` and ``ar_topk_split-dgc`` are AR-Topk 1% (STAR's leader, SPLIT's) with the
+  recipe that keeps top-k near Adam's loss: DGC's momentum correction (0.9), a 50-step warm-up
+  sent as ZFP rate 8, and Adam without momentum (``b1=0``) after it;
 * ``adam-sign`` and ``adam-sign_ring`` are ``jaxcomp.adam`` (the same schedule) with 25 dense
   warm-up steps and a dense variance refresh every 100, its momentum sent as scaled signs,
   all-gathered or in a ring;
@@ -40,12 +43,17 @@ _DEFAULTS = dict(outer="nesterov")
 #: jaxcomp.adam's settings in the ``adam-*`` rows: a short warm-up (25 dense steps) and a dense
 #: variance refresh every 100.
 _SHORT = {"warmup_steps": 25, "refresh_every": 100}
+#: compress's settings in the ``*-dgc`` rows (the warm-up's method, ZFP 8, is added by _build).
+_DGC = {"momentum_correction": 0.9, "warmup_steps": 50}
 
 #: The rows by name: what each trains (see the module docstring).
 ROWS = {
     "dp": dict(kind="dp", method="dense"),
     "ar_topk": dict(kind="dp", method="ar_topk", settings={"ratio": 0.01}),
     "auto": dict(kind="dp", method="auto"),
+    # docs/training.md's recipe for top-k (and _build's ZFP warm-up), Adam's b1 = 0 after it.
+    "ar_topk-dgc": dict(kind="dgc", method="ar_topk", settings={"ratio": 0.01, **_DGC}),
+    "ar_topk_split-dgc": dict(kind="dgc", method="ar_topk_split", settings={"ratio": 0.01, **_DGC}),
     "auto-topk": dict(kind="dp", method="auto", settings={"ratio": 0.01}),
     # jaxcomp.adam (1-bit Adam's recipe) with a short warm-up: 25 dense steps, a dense variance
     # refresh every 100; the momentum as signs, all-gathered or in a ring.
@@ -266,6 +274,8 @@ def _row_tx(name, options, config):
     from jaxcomp.optim.optimizers import adam
 
     del name
+    if options["kind"] == "dgc":  # the momentum is corrected before top-k, on each device
+        return optax.adam(charlm.schedule(config), b1=0.0)
     if options["kind"] != "onebit":
         return optax.adam(charlm.schedule(config))
     return adam(charlm.schedule(config), options["method"], **options["adam"])
@@ -279,6 +289,7 @@ def _build(options, loss_fn, adam, devices, inner=1):
     import optax
     from jax.sharding import Mesh
 
+    from jaxcomp.methods import Zfp
     from jaxcomp.optim.compression import compress
     from jaxcomp.training.diloco import diloco
     from jaxcomp.training.trainer import data_parallel
@@ -287,8 +298,11 @@ def _build(options, loss_fn, adam, devices, inner=1):
     kind = options.pop("kind")
     if kind == "onebit":  # ``adam`` is the whole jaxcomp.adam (_prepare)
         return data_parallel(loss_fn, adam, Mesh(devices, ("data",)))
-    if kind == "dp":
-        tx = compress(options["method"], **options.get("settings", {}))
+    if kind in ("dp", "dgc"):
+        settings = dict(options.get("settings", {}))
+        if kind == "dgc":
+            settings["warmup_method"] = Zfp(8)
+        tx = compress(options["method"], **settings)
         return data_parallel(loss_fn, optax.chain(tx, adam), Mesh(devices, ("data",)))
     pseudo = codec(options.pop("compress", None) or "none")
     if inner > 1:
