@@ -237,6 +237,8 @@ def variants():
             # What the guardrail changes where it triggers on a run that does not diverge (the
             # large model's cast, 2026-11-27).
             Row("cast(bfloat16) noguard", m.Cast("bfloat16"), {"guardrail": False}),
+            # The other cast (issue 25's "the casts"): float16 behind a shared power-of-two scale.
+            Row("cast(float16)", m.Cast("float16")),
             Row("zfp(8) leaf", m.Zfp(8), {"granularity": "leaf"}),
             # A dense warm-up (DGC's, PyTorch's start_powerSGD_iter): 100 of the 500 steps dense.
             Row("allgather_topk(0.01) warmup100", m.TopK(0.01), {"warmup_steps": 100}),
