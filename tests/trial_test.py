@@ -267,6 +267,8 @@ def test_netbench_leaves_the_trial_untimed():
         marks.append(len(seen))
         return (10, 20)
 
-    _, _, times, before = netbench_worker._median_step(Job, run, None, 1, lambda: next(busy), mark)
-    assert seen == [0, 1, 2, 3, 4] and len(times) == 2
+    _, _, times, cpu, before = netbench_worker._median_step(
+        Job, run, None, 1, lambda: next(busy), mark
+    )
+    assert seen == [0, 1, 2, 3, 4] and len(times) == 2 and cpu >= 0  # CPU s of the timed steps
     assert marks == [3] and before == (10, 20)  # read once, before the first timed step
