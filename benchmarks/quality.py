@@ -134,10 +134,10 @@ def variants():
 
     dgc = {"momentum_correction": 0.9, "warmup_steps": 100}
 
-    def with_dgc(suffix, optimizer, **options):
+    def with_dgc(suffix, optimizer, methods=sparsifiers, **options):
         return [
             Row(f"{method.describe()} {suffix}", method, {**dgc, **options}, optimizer=optimizer)
-            for method in sparsifiers
+            for method in methods
         ]
 
     # The recipe that brings top-k within 3% (docs/training.md, "What the methods cost in model
@@ -195,23 +195,18 @@ def variants():
     recipe += with_dgc("dgc warmup100 adam-b1=0 zfp-warmup", "adam(b1=0)", **zfp_warmup)
     # Half the warm-up: all-gather top-k 1% on 8 devices sends 1/12.5 of dense's bytes a step, so
     # 100 ZFP steps of 500 leave the run at 1/8.8; 50 bring it to 1/10.
-    recipe += with_dgc(
-        "dgc warmup50 adam-b1=0 zfp-warmup", "adam(b1=0)", warmup_steps=50, **zfp_warmup
-    )
-    # AR-Topk with every device leading k/N of the shared indices (SPLIT), at the recipe.
+    # AR-Topk with every device leading k/N of the shared indices (SPLIT): alone, and at the
+    # recipe with the short ZFP warm-up.
     split = [m.TopK(r, collective="ar", leader="split") for r in (0.01, 0.001)]
-    recipe += [
-        Row(f"{x.describe()}{suffix}", x, options, optimizer=optimizer)
-        for x in split
-        for suffix, options, optimizer in (
-            ("", {}, "adam"),
-            (
-                " dgc warmup50 adam-b1=0 zfp-warmup",
-                {**dgc, "warmup_steps": 50, **zfp_warmup},
-                "adam(b1=0)",
-            ),
+    for methods in (sparsifiers, split):
+        recipe += with_dgc(
+            "dgc warmup50 adam-b1=0 zfp-warmup",
+            "adam(b1=0)",
+            methods,
+            warmup_steps=50,
+            **zfp_warmup,
         )
-    ]
+    recipe += [Row(x.describe(), x) for x in split]
     return (
         [row for row in auto_rows() if row.name != "auto@1gbit"]
         + recipe
