@@ -1,6 +1,6 @@
 """Cast (jaxcomp.methods.cast): the gradient all-reduced in bfloat16 or float16, against a numpy
-reference; and the CPU's bfloat16 ring (jaxcomp.collectives.bfloat16_allreduce) against a numpy
-ring, bit for bit."""
+reference; and the CPU's 16-bit ring (jaxcomp.collectives.narrow_allreduce, bfloat16 and float16)
+against a numpy ring, bit for bit."""
 
 import re
 
@@ -51,10 +51,11 @@ def _reference_scale(batch):
     "dtype, magnitude", [("float16", 1.0), ("float16", 3e4), ("float16", 1e-6)]
 )
 def test_aggregate_matches_numpy_and_error_feedback_keeps_the_rounding(dtype, magnitude):
-    """float16, one step: each device's error-feedback residual is exactly x - decode(encode(x))
-    (numpy), and the sum equals numpy's sum of the decoded values to float16's rounding of the
-    sum. At 3e4 (8 devices: the unscaled sum would overflow) and at 1e-6 (subnormal unscaled) it
-    stays exact to float16's 11 bits thanks to the power-of-two scale."""
+    """float16, one step: each device's error-feedback residual is exactly x less the ring's sent
+    (numpy's ring of float16 roundings), and the sum equals numpy's sum of the decoded values to
+    float16's rounding of the partial sums. At 3e4 (8 devices: the unscaled sum would overflow)
+    and at 1e-6 (subnormal unscaled) it stays exact to float16's 11 bits thanks to the
+    power-of-two scale."""
     n = 257
     method = Cast(dtype)
     dp, state = _sgd_run(method, n)
@@ -65,29 +66,32 @@ def test_aggregate_matches_numpy_and_error_feedback_keeps_the_rounding(dtype, ma
     scale = _reference_scale(batch)
     decoded = _reference_decode(batch, dtype, scale)
     residual = np.asarray(jaxcomp.find_compress_state(state.opt_state).residual)
-    np.testing.assert_array_equal(residual, batch - decoded)
+    _, sent, _ = ring_reference(batch * scale, _f16)
+    np.testing.assert_array_equal(residual, batch - sent / scale)
     total = -np.asarray(state.params)
     expected = decoded.astype(np.float64).sum(axis=0)
-    # The all-reduce adds in the narrow type: each of the N-1 adds rounds by at most eps/2 of a
-    # partial sum whose magnitude is at most sum |decoded|.
+    # The ring rounds each partial sum to the narrow type: each of its N roundings of a chunk is
+    # at most eps/2 of a partial sum whose magnitude is at most sum |decoded|.
     bound = N_DEVICES * 2.0**-11 * np.abs(decoded).sum(axis=0)
     assert np.all(np.isfinite(total))
     assert np.all(np.abs(total - expected) <= bound + 1e-30)
     assert float(metrics["bytes_sent"]) == method.wire_bytes(n, N_DEVICES)
 
 
-@pytest.mark.parametrize("scale", [None, True])
-def test_bfloat16_step_is_the_ring_bit_for_bit(scale):
-    """bfloat16 in a data_parallel step on the CPU: the update is the numpy ring's total and the
-    error-feedback residual is x - the ring's sent, bit for bit (with scale=True, of x times the
-    shared power of two, divided back)."""
+@pytest.mark.parametrize(
+    "dtype, scale", [("bfloat16", None), ("bfloat16", True), ("float16", None)]
+)
+def test_step_is_the_ring_bit_for_bit(dtype, scale):
+    """bfloat16 and float16 in a data_parallel step on the CPU: the update is the numpy ring's
+    total and the error-feedback residual is x - the ring's sent, bit for bit (scaled: of x times
+    the shared power of two, divided back; float16 is scaled by default)."""
     n = 257
-    method = Cast("bfloat16", scale=scale)
+    method = Cast(dtype, scale=scale)
     dp, state = _sgd_run(method, n)
     batch = (np.random.default_rng(0).standard_normal((N_DEVICES, n)) * 100).astype(np.float32)
     state, metrics = dp.step(state, batch)
-    s = _reference_scale(batch) if scale else np.float32(1.0)
-    total, sent, _ = ring_reference(batch * s)
+    s = _reference_scale(batch) if method.scaled else np.float32(1.0)
+    total, sent, _ = ring_reference(batch * s, _bf16 if dtype == "bfloat16" else _f16)
     np.testing.assert_array_equal(-np.asarray(state.params), total / s)
     residual = np.asarray(jaxcomp.find_compress_state(state.opt_state).residual)
     np.testing.assert_array_equal(residual, batch - sent / s)
@@ -105,9 +109,20 @@ def test_unscaled_float16_overflows_where_the_scaled_one_does_not():
         state, metrics = dp.step(state, batch)
         totals[scale] = -np.asarray(state.params)
         nonfinite[scale] = float(metrics["nonfinite"])
-    assert nonfinite[False] == 16 and (totals[False] == 0).all()  # every entry overflowed
+    # Every entry of the sum overflowed, and so did the partial sums the ring's devices rounded
+    # (each device's sent counts too).
+    assert nonfinite[False] == _overflowed(batch) and (totals[False] == 0).all()
     assert nonfinite[True] == 0
     np.testing.assert_allclose(totals[True], 2.4e5, rtol=2**-10)
+
+
+def _overflowed(batch):
+    """The non-finite count of an unscaled float16 step on ``batch``: the entries of numpy's ring
+    total and of every device's sent (a device whose partial sum overflowed sent inf)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        total, sent, _ = ring_reference(batch, _f16)
+    assert np.isinf(total).all()  # the sum itself overflowed everywhere
+    return int(np.sum(~np.isfinite(total)) + np.sum(~np.isfinite(sent)))
 
 
 def test_error_feedback_identity_replicas_and_one_compile():
@@ -188,22 +203,25 @@ def _compiled_aggregate(method, n, n_devices=N_DEVICES, scatter=False):
 )
 @pytest.mark.parametrize("n", [1003, 1000])
 def test_bytes_on_the_wire_are_wire_bytes(method, n):
-    """The collectives of the compiled CPU step move what wire_bytes says: bfloat16 as uint16 ring
-    hops and an all-gather of the owned chunks (2 bytes a value, padded to N chunks), float16 one
-    all-reduce of f16, and the scale's scalar all-reduce."""
+    """The collectives of the compiled CPU step move what wire_bytes says: both types as uint16
+    ring hops and an all-gather of the owned chunks (2 bytes a value, padded to N chunks), and the
+    scale's scalar all-reduce."""
     ops = _collectives(_compiled_aggregate(method, n))
     assert _hlo_bytes(ops, N_DEVICES) == pytest.approx(method.wire_bytes(n, N_DEVICES))
 
 
-@pytest.mark.parametrize("scale", [None, True])
+@pytest.mark.parametrize(
+    "dtype, scale", [("bfloat16", None), ("bfloat16", True), ("float16", None)]
+)
 @pytest.mark.parametrize("scatter", [False, True], ids=["aggregate", "reduce_scatter"])
-def test_compiled_cpu_bfloat16_moves_only_16_bit_words(scale, scatter):
-    """Issue 22, item 5: XLA:CPU's collectives carry a bfloat16 all-reduce as float32. The CPU
-    program has no all-reduce or reduce-scatter of the vector (bf16 or f32): only
-    collective-permutes of u16 chunks and, for the all-reduce, one all-gather of them (plus the
-    scale's scalar)."""
+def test_compiled_cpu_cast_moves_only_16_bit_words(dtype, scale, scatter):
+    """Issue 22, item 5: XLA:CPU's collectives carry a bfloat16 all-reduce as float32, and sum a
+    float16 one in software. The CPU program has no all-reduce or reduce-scatter of the vector
+    (bf16, f16 or f32): only collective-permutes of u16 chunks and, for the all-reduce, one
+    all-gather of them (plus the scale's scalar)."""
     n = 4096
-    ops = _collectives(_compiled_aggregate(Cast("bfloat16", scale=scale), n, scatter=scatter))
+    method = Cast(dtype, scale=scale)
+    ops = _collectives(_compiled_aggregate(method, n, scatter=scatter))
     vector_ops = [op for op in ops if np.prod(op[1]) > 1]
     assert vector_ops and all(dtype == "u16" for dtype, _, _ in vector_ops), ops
     assert {op for _, _, op in vector_ops} == (
@@ -211,21 +229,23 @@ def test_compiled_cpu_bfloat16_moves_only_16_bit_words(scale, scatter):
     ), ops
     assert sum(op == "collective-permute" for _, _, op in vector_ops) == N_DEVICES - 1
     assert [op for op in ops if op not in vector_ops] == (
-        [("f32", [], "all-reduce")] if scale else []
+        [("f32", [], "all-reduce")] if method.scaled else []
     )
     if scatter:
         assert _hlo_bytes(ops, N_DEVICES) == pytest.approx(
-            Cast("bfloat16", scale=scale).reduce_scatter_bytes(n, N_DEVICES)
+            method.reduce_scatter_bytes(n, N_DEVICES)
         )
 
 
-def test_other_platforms_keep_the_bfloat16_psum():
-    """NCCL and the TPU reduce bfloat16 natively: lowered for them, the step is one all-reduce of
-    bf16 and no ring (jax.lax.platform_dependent chooses when lowering)."""
+@pytest.mark.parametrize("dtype, hlo", [("bfloat16", "bf16"), ("float16", "f16")])
+def test_other_platforms_keep_the_psum(dtype, hlo):
+    """NCCL and the TPU reduce both 16-bit types natively: lowered for them, the step is one
+    all-reduce in the narrow type and no ring (jax.lax.platform_dependent chooses when
+    lowering)."""
     mesh = _mesh()
     f = jax.jit(
         jax.shard_map(
-            lambda v: Cast("bf16").aggregate(v, "data", step=0, key=None)[:2],
+            lambda v: Cast(dtype).aggregate(v, "data", step=0, key=None)[:2],
             mesh=mesh,
             in_specs=P("data"),
             out_specs=(P(), P("data")),
@@ -236,10 +256,19 @@ def test_other_platforms_keep_the_bfloat16_psum():
         text = traced.lower(lowering_platforms=(platform,)).as_text()
         assert "collective_permute" not in text and "all_gather" not in text
         assert re.search(
-            r"stablehlo.all_reduce.*\n(.*\n){0,4}.*\(tensor<1003xbf16>\) -> tensor<1003xbf16>", text
+            r"stablehlo.all_reduce.*\n(.*\n){0,4}.*\(tensor<1003x"
+            + hlo
+            + r">\) -> tensor<1003x"
+            + hlo
+            + ">",
+            text,
         )
     cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
-    assert "all_reduce" not in cpu and "collective_permute" in cpu
+    assert "collective_permute" in cpu
+    # The CPU's only all-reduce is the scale's scalar (float16 is scaled by default).
+    assert re.findall(r"stablehlo.all_reduce.*\n(?:.*\n){0,4}?.*-> tensor<(\w+)>", cpu) == (
+        ["f32"] if Cast(dtype).scaled else []
+    )
 
 
 def test_power_of_two_scale():
@@ -261,10 +290,10 @@ def test_wire_bytes_names_and_cost_model():
     assert (
         fp16.message_steps(8) == 2 * bf16.message_steps(8) == 28 and bf16.wire_bytes(1000, 1) == 0.0
     )
-    # bfloat16's ring sends 2 (N-1) chunks of ceil(n/N) values; float16's psum 2 (N-1)/N n values.
+    # The ring sends 2 (N-1) chunks of ceil(n/N) values (float16 also the scale's scalar).
     assert (
         bf16.wire_bytes(1003, 8) == 2 * 7 * 126 * 2
-        and fp16.wire_bytes(1003, 8) == 2 * 7 / 8 * 2006 + 7
+        and fp16.wire_bytes(1003, 8) == 2 * 7 * 126 * 2 + 7
     )
     assert Cast("bf16", allreduce="tree").wire_bytes(1000, 8) == 2 * 3 * 2000
     assert bf16.reduce_scatter_bytes(1000, 8) == 7 * 125 * 2 and bf16.reduce_scatter_steps(8) == 7
@@ -295,19 +324,27 @@ def test_bad_arguments_are_named(build, match):
 
 
 # ----------------------------------------------------------------------------------------------
-# The CPU's bfloat16 ring (jaxcomp.collectives.bfloat16_allreduce), against numpy.
+# The CPU's 16-bit ring (jaxcomp.collectives.narrow_allreduce), against numpy.
 
 
 def _bf16(v):
     return np.asarray(v, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def ring_reference(X):
-    """numpy: the bfloat16 ring over the rows of ``X`` ([N, n] float32), in the same order with the
-    same roundings. Device d starts with chunk d - 1; at each hop it sends its partial sum rounded
-    to bfloat16, the receiver adds its own chunk in float32; device d ends owning chunk d and
-    rounds it once more. Returns ``(total, sent [N, n], owned [N, chunk])``: every rounding a
-    device made is taken off its ``sent``."""
+def _f16(v):
+    return np.asarray(v, np.float32).astype(np.float16).astype(np.float32)
+
+
+#: The numpy rounding of each wire type.
+ROUNDINGS = {"bfloat16": _bf16, "float16": _f16}
+
+
+def ring_reference(X, rounding=_bf16):
+    """numpy: the 16-bit ring over the rows of ``X`` ([N, n] float32), in the same order with the
+    same roundings (``rounding``: :func:`_bf16` or :func:`_f16`). Device d starts with chunk d - 1;
+    at each hop it sends its partial sum rounded, the receiver adds its own chunk in float32;
+    device d ends owning chunk d and rounds it once more. Returns ``(total, sent [N, n], owned [N,
+    chunk])``: every rounding a device made is taken off its ``sent``."""
     X = np.asarray(X, np.float32)
     N, n = X.shape
     chunk = -(-n // N)
@@ -315,26 +352,34 @@ def ring_reference(X):
     sent = chunks.copy()
     partials = [chunks[d, (d - 1) % N] for d in range(N)]
     for hop in range(N - 1):
-        messages = [_bf16(p) for p in partials]
+        messages = [rounding(p) for p in partials]
         for d in range(N):
             sent[d, (d - 1 - hop) % N] -= partials[d] - messages[d]
         partials = [messages[(d - 1) % N] + chunks[d, (d - 2 - hop) % N] for d in range(N)]
-    owned = np.stack([_bf16(p) for p in partials])
+    owned = np.stack([rounding(p) for p in partials])
     for d in range(N):
         sent[d, d] -= partials[d] - owned[d]
     return owned.reshape(-1)[:n], sent.reshape(N, -1)[:, :n], owned
 
 
-def _run_ring(n_devices, X, scatter=False, algorithm="auto", axes=("data",)):
-    """Every device's (total, sent) of bfloat16_allreduce over the rows of ``X`` on the first
-    ``n_devices`` devices (over ``axes``, a mesh of that many devices in all)."""
+def _run_ring(n_devices, X, scatter=False, algorithm="auto", axes=("data",), dtype="bfloat16"):
+    """Every device's (total, sent) of narrow_allreduce in ``dtype`` over the rows of ``X`` on the
+    first ``n_devices`` devices (over ``axes``, a mesh of that many devices in all); bfloat16 by
+    its own name, bfloat16_allreduce."""
     need_devices(n_devices)
     shape = (n_devices,) if len(axes) == 1 else (2, n_devices // 2)
     mesh = Mesh(np.array(jax.devices()[:n_devices]).reshape(shape), axes)
     axis = axes[0] if len(axes) == 1 else axes
 
     def f(v):
-        total, sent = collectives.bfloat16_allreduce(v, axis, scatter=scatter, algorithm=algorithm)
+        if dtype == "bfloat16":
+            total, sent = collectives.bfloat16_allreduce(
+                v, axis, scatter=scatter, algorithm=algorithm
+            )
+        else:
+            total, sent = collectives.narrow_allreduce(
+                v, axis, dtype, scatter=scatter, algorithm=algorithm
+            )
         return total[None], sent[None]
 
     out = jax.jit(
@@ -350,6 +395,7 @@ def _rows(n_devices, n, seed=0):
     )
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize(
     "n_devices, n",
     [
@@ -366,61 +412,72 @@ def _rows(n_devices, n, seed=0):
         (8, 100_003),
     ],
 )
-def test_bfloat16_ring_matches_numpy_bit_for_bit(n_devices, n):
-    """The ring on 2, 3 and 8 devices, with fewer values than devices, sizes that are not a multiple
-    of N, and a large one: total and sent bit for bit as numpy's ring, the total identical on every
-    device, and the devices' sent add up to the total (every rounding is some device's, so error
-    feedback keeps all the ring lost)."""
+def test_ring_matches_numpy_bit_for_bit(n_devices, n, dtype):
+    """The ring on 2, 3 and 8 devices, in both types, with fewer values than devices, sizes that are
+    not a multiple of N, and a large one: total and sent bit for bit as numpy's ring, the total
+    identical on every device, and the devices' sent add up to the total (every rounding is some
+    device's, so error feedback keeps all the ring lost)."""
     X = _rows(n_devices, n)
-    totals, sent = _run_ring(n_devices, X)
-    total, expected_sent, _ = ring_reference(X)
+    totals, sent = _run_ring(n_devices, X, dtype=dtype)
+    total, expected_sent, _ = ring_reference(X, ROUNDINGS[dtype])
     np.testing.assert_array_equal(totals, np.broadcast_to(total, totals.shape))
     np.testing.assert_array_equal(sent, expected_sent)
     np.testing.assert_allclose(
         sent.astype(np.float64).sum(0), total, rtol=1e-6, atol=1e-6 * np.abs(X).sum(0).max()
     )
-    # Each of the N roundings of a chunk is half a bfloat16 ulp of a partial sum at most.
-    bound = n_devices * 2.0**-8 * np.abs(X.astype(np.float64)).sum(0)
+    # Each of the N roundings of a chunk is half an ulp of a partial sum at most (float16: plus
+    # half its smallest subnormal, 2**-25).
+    eps = 2.0**-8 if dtype == "bfloat16" else 2.0**-11
+    bound = n_devices * (eps * np.abs(X.astype(np.float64)).sum(0) + 2.0**-25)
     assert np.all(np.abs(total - X.astype(np.float64).sum(0)) <= bound)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("n_devices, row", [(2, 3), (3, 1), (8, 37)])
-def test_bfloat16_ring_reduce_scatter_is_the_all_reduce_split(n_devices, row):
+def test_ring_reduce_scatter_is_the_all_reduce_split(n_devices, row, dtype):
     """scatter=True (sharded training): the ring's reduce-scatter phase; device d's shard is row d
-    of the all-reduce bit for bit, rounded to bfloat16 as the all-reduce's owner rounds it, with the
-    same sent."""
+    of the all-reduce bit for bit, rounded as the all-reduce's owner rounds it, with the same
+    sent."""
     X = _rows(n_devices, n_devices * row, seed=1)
-    shards, sent = _run_ring(n_devices, X, scatter=True)
-    _, expected_sent, owned = ring_reference(X)
+    shards, sent = _run_ring(n_devices, X, scatter=True, dtype=dtype)
+    _, expected_sent, owned = ring_reference(X, ROUNDINGS[dtype])
     np.testing.assert_array_equal(shards, owned)
     np.testing.assert_array_equal(sent, expected_sent)
     with pytest.raises(ValueError, match="not 3 rows of equal length"):
         _run_ring(3, _rows(3, 10), scatter=True)
 
 
-def test_bfloat16_ring_over_two_mesh_axes():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_ring_over_two_mesh_axes(dtype):
     """A tuple of axes (a 2 x 4 mesh) rings over the devices in the axes' flattened order."""
     X = _rows(8, 203, seed=2)
-    totals, sent = _run_ring(8, X, axes=("node", "gpu"))
-    total, expected_sent, _ = ring_reference(X)
+    totals, sent = _run_ring(8, X, axes=("node", "gpu"), dtype=dtype)
+    total, expected_sent, _ = ring_reference(X, ROUNDINGS[dtype])
     np.testing.assert_array_equal(totals[0], total)
     np.testing.assert_array_equal(sent, expected_sent)
 
 
-def test_bfloat16_psum_and_one_device():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_psum_and_one_device(dtype):
     """algorithm="psum" (what GPU and TPU run) is the cast and one psum, sent the cast; with one
-    device nothing is sent and total = sent = x rounded to bfloat16, as Cast always did."""
+    device nothing is sent and total = sent = x rounded to the narrow type, as Cast always did."""
     X = np.random.default_rng(3).integers(-40, 41, (8, 11)).astype(np.float32)  # every sum exact
-    totals, sent = _run_ring(8, X, algorithm="psum")
+    totals, sent = _run_ring(8, X, algorithm="psum", dtype=dtype)
     np.testing.assert_array_equal(totals, np.broadcast_to(X.sum(0), totals.shape))
     np.testing.assert_array_equal(sent, X)
     X = _rows(1, 7)
     for algorithm in collectives.BFLOAT16_ALGORITHMS:
-        total, sent = _run_ring(1, X, algorithm=algorithm)
-        np.testing.assert_array_equal(total, _bf16(X))
-        np.testing.assert_array_equal(sent, _bf16(X))
+        total, sent = _run_ring(1, X, algorithm=algorithm, dtype=dtype)
+        np.testing.assert_array_equal(total, ROUNDINGS[dtype](X))
+        np.testing.assert_array_equal(sent, ROUNDINGS[dtype](X))
     with pytest.raises(ValueError, match="algorithm must be one of"):
-        _run_ring(2, _rows(2, 4), algorithm="tree")
+        _run_ring(2, _rows(2, 4), algorithm="tree", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype, match", [("int8", "dtype must be one of"), ("nope", "dtype must")])
+def test_narrow_allreduce_names_a_bad_dtype(dtype, match):
+    with pytest.raises(ValueError, match=match):
+        _run_ring(2, _rows(2, 4), dtype=dtype)
 
 
 def test_bfloat16_training_trains():
@@ -462,7 +519,7 @@ def test_unscaled_float16_sum_that_overflows_is_skipped_under_skip():
     )
     dp = jaxcomp.data_parallel(lambda w, b: jnp.sum(w * jnp.mean(b, axis=0)), tx, _mesh())
     state, metrics = dp.step(dp.init(jnp.ones(16)), np.full((N_DEVICES, 16), 3e4, np.float32))
-    assert float(metrics["nonfinite"]) == 16
+    assert float(metrics["nonfinite"]) == _overflowed(np.full((N_DEVICES, 16), 3e4, np.float32))
     np.testing.assert_array_equal(np.asarray(state.params), np.ones(16, np.float32))
     assert Cast("float16", scale=False).wire_dtype == "float16"
     assert Cast("float16").wire_dtype is None and Cast("bfloat16").wire_dtype is None

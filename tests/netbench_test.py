@@ -343,11 +343,20 @@ def test_one_small_cell_on_two_emulated_hosts(tmp_path, monkeypatch):
     assert (tmp_path / "p.png").exists()
 
 
-def test_every_fixed_method_but_powersgd_has_a_bucketed_row():
-    """``<label>_bucket`` is the fixed method with DDP's 25 MiB buckets, for the casts and codecs
-    too (BENCHMARKS.md, "The codecs in buckets"); ``auto`` chooses among the one-message rows."""
+def test_every_fixed_method_but_powersgd_has_a_row_with_buckets_and_one_without():
+    """Dense and the casts are bucketed by default, so their other row is ``<label>_nobucket``
+    (one message); every other fixed method but PowerSGD has ``<label>_bucket``, with DDP's 25
+    MiB buckets (BENCHMARKS.md, "The codecs in buckets")."""
     fixed, _, _ = netbench.METHODS["auto"]
     for method in [m for m in fixed if m.label != "powersgd"] + [netbench.METHODS["fp16"][0]]:
-        assert netbench.METHODS[f"{method.label}_bucket"] == (method, {"bucket_mb": 25}, None)
+        if method.label in ("dense", "bf16", "fp16"):
+            assert method.buckets_by_default and f"{method.label}_bucket" not in netbench.METHODS
+            assert netbench.METHODS[f"{method.label}_nobucket"] == (
+                method,
+                {"bucket_mb": None},
+                None,
+            )
+        else:
+            assert not method.buckets_by_default
+            assert netbench.METHODS[f"{method.label}_bucket"] == (method, {"bucket_mb": 25}, None)
     assert fixed[-1].label == "powersgd" and "powersgd_bucket" not in netbench.METHODS
-    assert netbench.METHODS["dense_nobucket"][1] == {"bucket_mb": None}

@@ -141,16 +141,17 @@ def test_lossy_reduce_scatter_sums_what_each_device_sent(method):
     "method, n",
     [
         (Dense(), 1003),
-        (Cast("float16"), 1003),
         (Zfp(8), 1003),
         (Quantized(4), 1003),
         (TopK(0.01), 1003),
         (TopK(0.05, collective="ar", leader="split"), 1003),
         (Sign(64, aggregation="ring"), 1003),
     ],
-    ids=["dense", "fp16", "zfp", "thc", "topk", "ar_split", "sign_ring"],
+    ids=["dense", "zfp", "thc", "topk", "ar_split", "sign_ring"],
 )
 def test_reduce_scatter_bytes_are_what_the_collectives_move(method, n):
+    """The casts' jaxpr holds both platforms' sums (the CPU's ring and the psum, chosen when
+    lowered): cast_test reads their reduce-scatter bytes off the compiled CPU program."""
     row = method.shard_row(-(-n // N), N)
     key = jax.random.key(0)
     traced = jax.jit(

@@ -28,7 +28,8 @@ One module per concept; this package re-exports their public functions (loaded o
 with :mod:`jaxcomp.methods`:
 
 * :mod:`~jaxcomp.collectives.dense`: :func:`psum`, :func:`psum_scatter`, :func:`pmax` (the
-  one exchange that is not a ``(total, sent)`` sum) and :func:`bfloat16_allreduce`;
+  one exchange that is not a ``(total, sent)`` sum) and :func:`narrow_allreduce` (bfloat16 or
+  float16, :func:`bfloat16_allreduce`);
 * :mod:`~jaxcomp.collectives.topk`: :func:`allgather_topk`, :func:`ar_topk`,
   :func:`hierarchical_topk`;
 * :mod:`~jaxcomp.collectives.zfp`: :func:`zfp_allreduce`, :func:`zfp_reduce_scatter`;
@@ -56,7 +57,8 @@ LEADERS = ("star", "var", "split")
 #: Point-to-point algorithms of :func:`zfp_allreduce`.
 ZFP_ALGORITHMS = ("ring", "recursive_doubling")
 
-#: Algorithms of :func:`bfloat16_allreduce`: by platform, or one of the two everywhere.
+#: Algorithms of :func:`narrow_allreduce` (and :func:`bfloat16_allreduce`): by platform, or one of
+#: the two everywhere.
 BFLOAT16_ALGORITHMS = ("auto", "ring", "psum")
 
 _EXPORTS = {
@@ -64,6 +66,7 @@ _EXPORTS = {
     "psum_scatter": "jaxcomp.collectives.dense",
     "pmax": "jaxcomp.collectives.dense",
     "bfloat16_allreduce": "jaxcomp.collectives.dense",
+    "narrow_allreduce": "jaxcomp.collectives.dense",
     "allgather_topk": "jaxcomp.collectives.topk",
     "ar_topk": "jaxcomp.collectives.topk",
     "hierarchical_topk": "jaxcomp.collectives.topk",

@@ -1,5 +1,5 @@
 """Dense sums: the plain all-reduce and reduce-scatter, the max of the devices' values, and the
-bfloat16 all-reduce that sends 2 bytes a value on every backend."""
+16-bit (bfloat16 or float16) all-reduce that sends 2 bytes a value on every backend."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ import jax.numpy as jnp
 
 from jaxcomp.collectives import BFLOAT16_ALGORITHMS
 from jaxcomp.collectives._common import axis_size, check_rows, local_vector
-from jaxcomp.collectives.ring import BFLOAT16_BITS, ring_allreduce
+from jaxcomp.collectives.ring import BFLOAT16_BITS, FLOAT16_BITS, ring_allreduce
 from jaxcomp.ops._checks import check_choice
 from jaxcomp.ops._ffi import platform_dependent
+
+#: The ring's codec per wire type (:func:`narrow_allreduce`).
+_CODECS = {"bfloat16": BFLOAT16_BITS, "float16": FLOAT16_BITS}
 
 
 def psum(x, axis_name):
@@ -105,40 +108,17 @@ def pmax(x, axis_name):
 
 
 def bfloat16_allreduce(x, axis_name, *, scatter=False, algorithm="auto"):
-    """All-reduce in bfloat16 that sends 2 bytes a value on every backend.
-
-    XLA:CPU's collectives (gloo on multi-process CPU jobs) carry a bfloat16 all-reduce as float32:
-    4 bytes a value on the wire, the dense amount. Moving 16-bit integers needs no arithmetic, so
-    on the CPU this sum is a ring built from :func:`jax.lax.ppermute` whose messages are the
-    bfloat16 values' bits typed uint16: the vector in ``N`` chunks of ``ceil(n/N)`` values, ``N-1``
-    reduce-scatter hops (each device sends its partial sum of one chunk, rounded to bfloat16, to
-    its right neighbour, which widens it to float32, adds its own chunk and rounds again for the
-    next hop), then device ``d``, owning chunk ``d`` fully reduced, rounds it once to bfloat16 and
-    :func:`jax.lax.all_gather` forwards those bits; every device decodes the same bits. It is
-    :func:`zfp_allreduce`'s ring with bfloat16 rounding as the codec. Elsewhere (NCCL, TPU
-    collectives reduce bfloat16 natively) it is one :func:`jax.lax.psum` of ``x`` cast to
-    bfloat16. :func:`jax.lax.platform_dependent` picks when the step is lowered
-    (:func:`jaxcomp.ops._ffi.platform_dependent`).
-
-    ``sent``, the ring: ``x`` less every rounding this device made (each chunk is rounded once by
-    each device), so the ``sent`` of all devices add up to ``total`` (up to float32 rounding) and
-    error feedback, ``x - sent``, keeps all the ring lost. The psum: ``x`` rounded to bfloat16 (the
-    rounding of the sum itself is fed back by none). With ``N = 1`` nothing is sent: ``total =
-    sent = x`` rounded to bfloat16.
+    """All-reduce in bfloat16 that sends 2 bytes a value on every backend:
+    :func:`narrow_allreduce` with ``dtype="bfloat16"``.
 
     Args:
       x: this device's local 1-D float32, bfloat16 or float16 vector of ``n`` values.
       axis_name: the mesh axis, or tuple of axes, to sum over.
-      scatter: sharded training: ``x`` is ``N`` rows of equal length and ``total`` is only this
-        device's row of the sum: the ring's reduce-scatter phase (device ``d``'s row, rounded to
-        bfloat16 once, the all-reduce's row bit for bit), or one
-        :func:`jax.lax.psum_scatter`.
-      algorithm: ``"auto"`` (the ring on the CPU, the psum elsewhere), ``"ring"`` or ``"psum"``
-        on every platform.
+      scatter: sharded training: ``total`` is only this device's row of the sum.
+      algorithm: ``"auto"`` (the ring on the CPU, the psum elsewhere), ``"ring"`` or ``"psum"``.
 
     Returns:
-      ``(total, sent)`` in ``x``'s dtype (the ring adds in float32); ``total`` is typed invariant
-      (replicated) under ``check_vma=True``; with ``scatter`` it is one row, typed varying.
+      ``(total, sent)`` in ``x``'s dtype, as :func:`narrow_allreduce`.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -151,10 +131,76 @@ def bfloat16_allreduce(x, axis_name, *, scatter=False, algorithm="auto"):
       [4.0, 2.0]
 
     References:
-      Kalamkar et al., "A Study of BFLOAT16 for Deep Learning Training", arXiv 1905.12322; the
-      ring of "GPU compression inside MPI_Allreduce with ZFP" (../shared/papers/004), §III-C.
+      Kalamkar et al., "A Study of BFLOAT16 for Deep Learning Training", arXiv 1905.12322.
+    """
+    return narrow_allreduce(x, axis_name, "bfloat16", scatter=scatter, algorithm=algorithm)
+
+
+def _dtype_name(dtype) -> str:
+    try:
+        return jnp.dtype(dtype).name
+    except TypeError:
+        raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {dtype!r}") from None
+
+
+def narrow_allreduce(x, axis_name, dtype, *, scatter=False, algorithm="auto"):
+    """All-reduce in a 16-bit float (bfloat16 or float16) that sends 2 bytes a value on every
+    backend, at the cost of the CPU's own arithmetic.
+
+    XLA's CPU collectives (gloo on multi-process CPU jobs) carry a bfloat16 all-reduce as float32,
+    4 bytes a value on the wire, the dense amount; a float16 one travels as 16 bits, but gloo sums
+    it value by value in software (measured on 4 emulated hosts: about 0.25 s more host CPU a step
+    for 25M values than this ring; BENCHMARKS.md, "float16 by the ring"). Moving 16-bit integers
+    needs no arithmetic, so on the CPU this sum is a ring built from :func:`jax.lax.ppermute`
+    whose messages are the 16-bit values' bits typed uint16 (:func:`jaxcomp.collectives.ring.
+    sixteen_bit_codec`): the vector in ``N`` chunks of ``ceil(n/N)`` values, ``N-1``
+    reduce-scatter hops (each device sends its partial sum of one chunk, rounded to ``dtype``, to
+    its right neighbour, which widens it to float32, adds its own chunk and rounds again for the
+    next hop), then device ``d``, owning chunk ``d`` fully reduced, rounds it once and
+    :func:`jax.lax.all_gather` forwards those bits; every device decodes the same bits. It is
+    :func:`zfp_allreduce`'s ring with the 16-bit rounding as the codec. Elsewhere (NCCL and the
+    TPU reduce both types natively) it is one :func:`jax.lax.psum` of ``x`` cast to ``dtype``.
+    :func:`jax.lax.platform_dependent` picks when the step is lowered
+    (:func:`jaxcomp.ops._ffi.platform_dependent`). float16's range ends at 65504: the caller
+    scales ``x`` so that the sum fits (:class:`jaxcomp.methods.Cast` does).
+
+    ``sent``, the ring: ``x`` less every rounding this device made (each chunk is rounded once by
+    each device), so the ``sent`` of all devices add up to ``total`` (up to float32 rounding) and
+    error feedback, ``x - sent``, keeps all the ring lost. The psum: ``x`` rounded to ``dtype``
+    (the rounding of the sum itself is fed back by none). With ``N = 1`` nothing is sent: ``total
+    = sent = x`` rounded to ``dtype``.
+
+    Args:
+      x: this device's local 1-D float32, bfloat16 or float16 vector of ``n`` values.
+      axis_name: the mesh axis, or tuple of axes, to sum over.
+      dtype: ``"bfloat16"`` or ``"float16"`` (or the jnp types), what crosses the wire.
+      scatter: sharded training: ``x`` is ``N`` rows of equal length and ``total`` is only this
+        device's row of the sum: the ring's reduce-scatter phase (device ``d``'s row, rounded
+        once, the all-reduce's row bit for bit), or one :func:`jax.lax.psum_scatter`.
+      algorithm: ``"auto"`` (the ring on the CPU, the psum elsewhere), ``"ring"`` or ``"psum"``
+        on every platform.
+
+    Returns:
+      ``(total, sent)`` in ``x``'s dtype (the ring adds in float32); ``total`` is typed invariant
+      (replicated) under ``check_vma=True``; with ``scatter`` it is one row, typed varying.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> from jaxcomp import collectives
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: collectives.narrow_allreduce(x, "data", "float16")[0],
+      ...     mesh=mesh, in_specs=P("data"), out_specs=P()))
+      >>> f(jnp.array([1.0, 2048.0, 3.0, 1.0])).tolist()  # 2049 rounds to 2048 in float16
+      [4.0, 2048.0]
+
+    References:
+      IEEE 754 binary16; Kalamkar et al., arXiv 1905.12322 (bfloat16); the ring of "GPU
+      compression inside MPI_Allreduce with ZFP" (../shared/papers/004), §III-C.
     """
     x = local_vector(x)
+    dtype = jnp.dtype(check_choice(_dtype_name(dtype), "dtype", tuple(_CODECS)))
     algorithm = check_choice(algorithm, "algorithm", BFLOAT16_ALGORITHMS)
     n_devices = check_rows(x.shape[0], axis_name) if scatter else axis_size(axis_name)
 
@@ -162,12 +208,17 @@ def bfloat16_allreduce(x, axis_name, *, scatter=False, algorithm="auto"):
         # Device d owns chunk d in both forms, and the reduce-scatter rounds it as the all-reduce
         # does: the sharded step's shard is the replicated step's row bit for bit.
         total, sent = ring_allreduce(
-            v.astype(jnp.float32), axis_name, n_devices, BFLOAT16_BITS, own=0, scatter=scatter
+            v.astype(jnp.float32),
+            axis_name,
+            n_devices,
+            _CODECS[dtype.name],
+            own=0,
+            scatter=scatter,
         )
         return total.astype(v.dtype), sent.astype(v.dtype)
 
     def by_psum(v):
-        narrow = v.astype(jnp.bfloat16)
+        narrow = v.astype(dtype)
         if scatter:
             total = jax.lax.psum_scatter(narrow, axis_name, scatter_dimension=0, tiled=True)
         else:

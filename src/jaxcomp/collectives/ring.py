@@ -1,10 +1,11 @@
-"""The ring all-reduce whose every message goes through a codec, shared by ZFP and bfloat16.
+"""The ring all-reduce whose every message goes through a codec, shared by ZFP and the 16-bit casts.
 
 :func:`ring_allreduce` is the algorithm of paper 004 §III-C: a reduce-scatter of ``N - 1`` hops to
 the right neighbour (:func:`jax.lax.ppermute`), each hop's message coded, then an all-gather that
 forwards the owners' coded chunks unchanged. A :class:`Codec` says what a message is:
-:func:`zfp_codec` (ZFP words, :func:`jaxcomp.collectives.zfp_allreduce`) or
-:data:`BFLOAT16_BITS` (bfloat16 bits typed uint16, :func:`jaxcomp.collectives.bfloat16_allreduce`).
+:func:`zfp_codec` (ZFP words, :func:`jaxcomp.collectives.zfp_allreduce`), or
+:data:`BFLOAT16_BITS` and :data:`FLOAT16_BITS` (16-bit floats' bits typed uint16,
+:func:`jaxcomp.collectives.narrow_allreduce`).
 """
 
 from __future__ import annotations
@@ -53,17 +54,43 @@ def zfp_codec(rate):
     )
 
 
-def _bfloat16_bits(values):
-    return jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
+def sixteen_bit_codec(dtype):
+    """The codec whose messages are ``dtype``'s 16 bits typed uint16: XLA:CPU's collectives carry a
+    bfloat16 payload as float32 (4 bytes a value), an integer one as it is, and gloo sums a float16
+    one in software; moving uint16 needs no arithmetic, and the ring adds in float32 in XLA.
+
+    Args:
+      dtype: ``jnp.bfloat16`` or ``jnp.float16``.
+
+    Returns:
+      A :class:`Codec`: ``encode`` rounds float32 to ``dtype`` and bitcasts, ``decode`` widens.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> codec = sixteen_bit_codec(jnp.float16)
+      >>> codec.encode(jnp.array([1.0, 2049.0])).dtype, codec.decode(codec.encode(
+      ...     jnp.array([1.0, 2049.0])), 2).tolist()  # 2049 rounds to 2048 in float16
+      (dtype('uint16'), [1.0, 2048.0])
+
+    References:
+      IEEE 754 binary16; Kalamkar et al., arXiv 1905.12322 (bfloat16).
+    """
+    dtype = jnp.dtype(dtype)
+
+    def encode(values):
+        return jax.lax.bitcast_convert_type(values.astype(dtype), jnp.uint16)
+
+    def decode(bits, length):
+        return jax.lax.bitcast_convert_type(bits, dtype).astype(jnp.float32)
+
+    return Codec(encode, decode)
 
 
-def _from_bfloat16_bits(bits, length):
-    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)
+#: bfloat16 values sent as their 16 bits (:func:`sixteen_bit_codec`).
+BFLOAT16_BITS = sixteen_bit_codec(jnp.bfloat16)
 
-
-#: bfloat16 values sent as their 16 bits, typed uint16: XLA:CPU's collectives carry a bfloat16
-#: payload as float32 (4 bytes a value), an integer one as it is.
-BFLOAT16_BITS = Codec(_bfloat16_bits, _from_bfloat16_bits)
+#: float16 values sent as their 16 bits (:func:`sixteen_bit_codec`).
+FLOAT16_BITS = sixteen_bit_codec(jnp.float16)
 
 
 def ring_allreduce(values, axis_name, n_devices, codec, *, own=1, scatter=False, code_owned=True):

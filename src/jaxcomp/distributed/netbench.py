@@ -60,12 +60,15 @@ def _runs():
         f"{fixed[0].label}_leaf": (fixed[0], {"granularity": "leaf"}, None),
     }
     table.update({m.label: (m, {}, None) for m in fixed[1:]})
-    # DDP-style buckets of 25 MiB, sent while the backward pass runs (compress(bucket_mb=)):
-    # dense's default; "dense_nobucket" is dense as one message after the backward pass.
-    # Every fixed method but PowerSGD (which works matrix by matrix), and float16.
+    # DDP-style buckets of 25 MiB, sent while the backward pass runs (compress(bucket_mb=)): the
+    # default of dense and the casts (Method.buckets_by_default), whose "_nobucket" rows send one
+    # message after the backward pass; a "_bucket" row for every other fixed method but PowerSGD
+    # (which works matrix by matrix).
     for method in [m for m in fixed if not isinstance(m, PowerSGD)] + [Cast("float16")]:
-        table[f"{method.label}_bucket"] = (method, {"bucket_mb": 25}, None)
-    table[f"{fixed[0].label}_nobucket"] = (fixed[0], {"bucket_mb": None}, None)
+        if method.buckets_by_default:
+            table[f"{method.label}_nobucket"] = (method, {"bucket_mb": None}, None)
+        else:
+            table[f"{method.label}_bucket"] = (method, {"bucket_mb": 25}, None)
     # float16 halves the wire over gloo as bfloat16 does (issue 22 compares both); not an auto
     # candidate.
     table[Cast("float16").label] = (Cast("float16"), {}, None)

@@ -64,6 +64,11 @@ class Method:
     * ``sends_everything = False``: the method loses nothing (no residual to keep, gain 1, no
       codec) and sums elementwise: the total of two vectors end to end is their totals end to
       end (a step with a non-finite sum sums again as one vector).
+    * ``buckets_by_default = False``: ``compress(bucket_mb="auto")`` (its default) cuts the
+      leaves into DDP's 25 MiB buckets, sent while the backward pass runs, for this method; set
+      where a bucket's result is the whole message's own values (up to the order of the sum's
+      roundings): dense and the casts. A method that selects or codes (top-k's ``ratio`` of each
+      bucket) keeps one message unless ``bucket_mb=`` asks.
     * ``sparse = False``: :meth:`aggregate` can return ``sent`` as ``(indices, values)`` pairs
       when asked (``sparse=True``), so error feedback takes them off in place instead of
       subtracting a dense vector. Asked so, it may also return ``total`` as a
@@ -126,6 +131,7 @@ class Method:
     name: ClassVar[str] = "method"
     axes_needed: ClassVar[int | None] = None
     sends_everything: ClassVar[bool] = False
+    buckets_by_default: ClassVar[bool] = False
     sparse: ClassVar[bool] = False
     pieces: ClassVar[bool] = False
     replicated_total: ClassVar[bool] = True

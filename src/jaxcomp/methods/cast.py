@@ -81,19 +81,20 @@ class Cast(Method):
     """The gradient crosses the wire in a 16-bit float, 2 bytes a value: what Horovod's fp16
     compression and PyTorch's ``fp16_compress_hook``/``bf16_compress_hook`` do.
 
-    float16 is one all-reduce (:func:`jaxcomp.collectives.psum`) of ``n`` float16 values.
-    float16's range ends at 65504: with ``scale`` every device first multiplies by one power of two
-    chosen from the largest ``|x|`` over all devices (one extra all-reduce of a scalar,
+    float16's range ends at 65504: with ``scale`` every device first multiplies by one power of
+    two chosen from the largest ``|x|`` over all devices (one extra all-reduce of a scalar,
     :func:`jaxcomp.collectives.pmax`), so the sum cannot overflow and small gradients keep their
     precision; bfloat16 has float32's range and needs none.
 
-    bfloat16 (:func:`jaxcomp.collectives.bfloat16_allreduce`): NCCL and the TPU reduce bfloat16
-    natively, so on GPU and TPU it is one psum in bfloat16. XLA's CPU collectives (gloo, multi-host
-    CPU clusters) carry a bfloat16 all-reduce as float32, 4 bytes a value (measured:
-    BENCHMARKS.md, "Sharded training at 1 Gbit"), so on the CPU the sum is a ring of
-    ``jax.lax.ppermute`` hops whose messages are the bfloat16 bits typed uint16: ``2 (N-1)``
-    chunks of ``ceil(n/N)`` values, 2 bytes each, what :meth:`wire_bytes` counts. Each hop's
-    receiver adds its own chunk in float32 and rounds the partial sum to bfloat16 for the next hop.
+    Both types are summed by :func:`jaxcomp.collectives.narrow_allreduce`. NCCL and the TPU reduce
+    them natively, so on GPU and TPU it is one psum in the narrow type. On the CPU (gloo,
+    multi-host CPU clusters) it is a ring of ``jax.lax.ppermute`` hops whose messages are the
+    16-bit values' bits typed uint16: ``2 (N-1)`` chunks of ``ceil(n/N)`` values, 2 bytes each,
+    what :meth:`wire_bytes` counts. Each hop's receiver adds its own chunk in float32 and rounds
+    the partial sum to the narrow type for the next hop. gloo carries a bfloat16 all-reduce as
+    float32, 4 bytes a value (BENCHMARKS.md, "Sharded training at 1 Gbit"), and sums a float16 one
+    in software, value by value (about 0.25 s more host CPU a step for 25M values than the ring;
+    BENCHMARKS.md, "float16 by the ring").
 
     With error feedback (the default of :func:`jaxcomp.compress`) what the cast rounded away is kept
     and sent later. The psum's own rounding (it adds in the narrow type) is not; the ring's is:
@@ -106,7 +107,7 @@ class Cast(Method):
       scale: scale by a shared power of two before the cast; ``None`` (default) means yes for
         float16 and no for bfloat16.
       allreduce: how the cost model costs the all-reduce, ``"ring"`` (default) or ``"tree"``
-        (a backend's tree all-reduce, NCCL's; bfloat16 on the CPU goes by the ring whatever this
+        (a backend's tree all-reduce, NCCL's; both types go by the ring on the CPU whatever this
         says).
 
     Example:
@@ -126,6 +127,9 @@ class Cast(Method):
     allreduce: str = "ring"
 
     name = "cast"
+    # Each value is rounded alone: in buckets only the ring's order of roundings changes, and the
+    # step was faster with them on every zoo model measured (BENCHMARKS.md, "float16 by the ring").
+    buckets_by_default = True
     shorthand = {"bf16": {"dtype": "bfloat16"}, "fp16": {"dtype": "float16"}}
 
     def __post_init__(self):
@@ -182,23 +186,18 @@ class Cast(Method):
 
     def _sum(self, x, axis_name, *, scatter):
         """``(total / s, sent / s)`` of the sum of ``x`` times the shared scale ``s`` in the narrow
-        type (``scatter``: this device's row of it), both in ``x``'s dtype. bfloat16 goes through
-        :func:`jaxcomp.collectives.bfloat16_allreduce`: a psum, or on the CPU the ring that really
-        sends 2 bytes a value."""
+        type (``scatter``: this device's row of it), both in ``x``'s dtype, by
+        :func:`jaxcomp.collectives.narrow_allreduce`: a psum, or on the CPU the ring that sends 2
+        bytes a value and adds in float32."""
         import jax.numpy as jnp
 
         from jaxcomp import collectives
 
         s = self._scale(x, axis_name)
-        if self.dtype == "bfloat16":
-            total, sent = collectives.bfloat16_allreduce(
-                x.astype(jnp.float32) * s, axis_name, scatter=scatter
-            )
-            return (total / s).astype(x.dtype), (sent / s).astype(x.dtype)
-        narrow = self.encode(x, s)  # float16 travels as 16 bits on every backend: one psum
-        total, _ = (collectives.psum_scatter if scatter else collectives.psum)(narrow, axis_name)
-        total = total.astype(jnp.float32) / s
-        return total.astype(x.dtype), (narrow.astype(jnp.float32) / s).astype(x.dtype)
+        total, sent = collectives.narrow_allreduce(
+            x.astype(jnp.float32) * s, axis_name, self.dtype, scatter=scatter
+        )
+        return (total / s).astype(x.dtype), (sent / s).astype(x.dtype)
 
     def reduce_scatter_bytes(self, n, n_devices, *, dtype_bytes=4):
         """A reduce-scatter of ``n`` 2-byte values (``n`` is ``N`` rows: bfloat16's ring sends
@@ -219,14 +218,13 @@ class Cast(Method):
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         """One all-reduce of ``n`` 2-byte values, plus the scale's all-reduce of one float32 when
-        :attr:`scaled`. As a ring: bfloat16 sends ``2 (N-1)`` chunks of ``ceil(n/N)`` values (the
-        CPU's ring of uint16 hops; a psum elsewhere, the same but for the padding), float16
-        ``2 (N-1)/N * 2n``."""
+        :attr:`scaled`. As a ring, ``2 (N-1)`` chunks of ``ceil(n/N)`` values (the CPU's ring of
+        uint16 hops; a psum elsewhere, the same but for the padding)."""
         n, _ = _checks.check_message(n, dtype_bytes)
         N = _checks.check_devices(n_devices)
         if N == 1:
             return 0.0
-        if self.dtype == "bfloat16" and self.allreduce == "ring":
+        if self.allreduce == "ring":
             values = float(2 * (N - 1) * sizes.ring_chunk(n, N) * 2)
         else:
             values = sizes.allreduce_bytes(2 * n, N, self.allreduce)

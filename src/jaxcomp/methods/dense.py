@@ -36,6 +36,7 @@ class Dense(Method):
     name = "dense"
     shorthand = {"dense": {}, "dense_ring": {}, "dense_tree": {"allreduce": "tree"}}
     sends_everything = True
+    buckets_by_default = True
 
     def __post_init__(self):
         _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)

@@ -256,7 +256,7 @@ def compress_auto(
         :class:`jaxcomp.Dense` candidate for the window (without one among the candidates the
         residual is only cleared).
       bucket_mb: as for :func:`jaxcomp.compress`; ``"auto"`` (the default) gives buckets only
-        when every candidate sends everything.
+        when every candidate is bucketed by default (dense and the casts).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`jaxcomp.CompressState`
@@ -274,7 +274,7 @@ def compress_auto(
       compression ratio).
     """
     everything = isinstance(candidates, (list, tuple)) and all(
-        getattr(m, "sends_everything", False) for m in candidates
+        getattr(m, "buckets_by_default", False) for m in candidates
     )
     config = FeedbackConfig.check(
         axis_name,

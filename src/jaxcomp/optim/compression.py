@@ -107,12 +107,15 @@ def compress(
 
     **Buckets** (``bucket_mb=``). XLA merges independent collectives into one (its collective
     combiner), and a whole-model vector needs every gradient, so without buckets nothing is sent
-    before the backward pass ends. With ``bucket_mb`` (by default for dense) the leaves are cut
+    before the backward pass ends. With ``bucket_mb`` (by default for dense and the casts) the
+    leaves are cut
     into buckets, the last leaves first (the backward pass finishes them first), and each
     bucket's collectives depend on the previous bucket's totals: they stay apart, run in order,
     and the XLA:CPU runtime runs them beside the rest of the backward pass (docs/performance.md
-    measures it). Dense and the casts give bit-identical results with or without buckets; a
-    compressing method compresses each bucket on its own.
+    measures it). Dense gives bit-identical results with or without buckets; the casts the same
+    values to the order of their roundings (on the CPU their ring's chunks follow the message's
+    length, and float16's shared scale is the bucket's); a method that selects or codes
+    compresses each bucket on its own.
 
     **The string shorthand.** ``compress("ar_topk", ratio=0.01)`` is
     ``compress(TopK(0.01, collective="ar"))``: a name from :data:`jaxcomp.methods.SHORTHAND` with
@@ -153,9 +156,11 @@ def compress(
         decay 0.98), a :class:`jaxcomp.Guardrail` with other settings, or False to turn it off;
         see "Guardrails" above.
       bucket_mb: ``"auto"`` (default): buckets of 25 MiB
-        (:data:`jaxcomp.optim.config.DEFAULT_BUCKET_MB`) for a method that sends everything
-        (:class:`jaxcomp.Dense`: the same result, faster on the emulated cluster on every zoo
-        model measured, 2.1x on 1,030 small leaves), one message for the methods that compress.
+        (:data:`jaxcomp.optim.config.DEFAULT_BUCKET_MB`) for a method bucketed by default
+        (:attr:`jaxcomp.Method.buckets_by_default`: :class:`jaxcomp.Dense`, the same result,
+        faster on the emulated cluster on every zoo model measured, 2.1x on 1,030 small leaves;
+        :class:`jaxcomp.Cast`, 1.04-1.23x faster on three zoo models at 1 Gbit), one message
+        for the methods that select or code.
         None: the gradient is aggregated as one message (or one per leaf, which XLA merges into
         one), after the whole backward pass. A size in MiB (PyTorch DDP's
         ``bucket_cap_mb`` is 25): the leaves are cut into buckets of about that size, the last
@@ -228,7 +233,7 @@ def compress(
         min_size,
         momentum_correction,
         guardrail,
-        default_buckets(bucket_mb, method.sends_everything),
+        default_buckets(bucket_mb, method.buckets_by_default),
     )
     method.check_axes(config.axes)
     warmup = warmup_stage.warmup_length(method, warmup_steps)

@@ -17,21 +17,22 @@ GRANULARITIES = ("model", "leaf")
 
 
 #: ``bucket_mb="auto"`` (``compress``'s default): buckets of this many MiB (PyTorch DDP's
-#: ``bucket_cap_mb``) for a method that sends everything, whose result buckets do not change; one
-#: message for the methods that compress, where a bucket's own selection changes what is sent and
+#: ``bucket_cap_mb``) for a method whose result buckets do not change but for the order of its
+#: roundings (:attr:`jaxcomp.methods.Method.buckets_by_default`: dense and the casts); one message
+#: for the methods that select or code, where a bucket's own selection changes what is sent and
 #: the measured gain is mixed (BENCHMARKS.md, "Overlap with the backward pass").
 DEFAULT_BUCKET_MB = 25.0
 
 
-def default_buckets(bucket_mb, sends_everything: bool):
+def default_buckets(bucket_mb, by_default: bool):
     """``bucket_mb`` with ``"auto"`` resolved for a method.
 
     Args:
       bucket_mb: ``compress``'s ``bucket_mb=``: ``"auto"``, a size in MiB or None.
-      sends_everything: the method's :attr:`jaxcomp.methods.Method.sends_everything`.
+      by_default: the method's :attr:`jaxcomp.methods.Method.buckets_by_default`.
 
     Returns:
-      :data:`DEFAULT_BUCKET_MB` for ``"auto"`` and a method that sends everything, None for
+      :data:`DEFAULT_BUCKET_MB` for ``"auto"`` and a method bucketed by default, None for
       ``"auto"`` and any other method; anything else as given (:meth:`FeedbackConfig.check`
       checks it).
 
@@ -44,7 +45,7 @@ def default_buckets(bucket_mb, sends_everything: bool):
       VLDB 2020 (gradient buckets, 25 MB by default).
     """
     if isinstance(bucket_mb, str) and bucket_mb == "auto":
-        return DEFAULT_BUCKET_MB if sends_everything else None
+        return DEFAULT_BUCKET_MB if by_default else None
     return bucket_mb
 
 
