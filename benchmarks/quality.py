@@ -234,6 +234,10 @@ def variants():
             Row("cast(bfloat16) noguard", m.Cast("bfloat16"), {"guardrail": False}),
             # The other cast (issue 25's "the casts"): float16 behind a shared power-of-two scale.
             Row("cast(float16)", m.Cast("float16")),
+            # The casts without error feedback, as PyTorch's fp16/bf16 hooks run (their residual
+            # is 100 MB of state on a 25M model, and updating it costs passes a step).
+            Row("cast(bfloat16)_noef", m.Cast("bfloat16"), {"error_feedback": False}),
+            Row("cast(float16)_noef", m.Cast("float16"), {"error_feedback": False}),
             Row("zfp(8) leaf", m.Zfp(8), {"granularity": "leaf"}),
             # A dense warm-up (DGC's, PyTorch's start_powerSGD_iter): 100 of the 500 steps dense.
             Row("allgather_topk(0.01) warmup100", m.TopK(0.01), {"warmup_steps": 100}),
