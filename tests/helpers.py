@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import re
+import sys
 
 import jax
 import numpy as np
@@ -84,6 +85,23 @@ def assert_checkpoint_resumes(dp, state, batches, path):
 
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+#: The checkout's benchmarks/ folder (scripts, not a package).
+BENCHMARKS_DIR = os.path.join(os.path.dirname(TESTS_DIR), "benchmarks")
+
+
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` imported as the module ``benchmarks_<name>``
+    (registered in ``sys.modules``, where dataclasses look their module up)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        f"benchmarks_{name}", os.path.join(BENCHMARKS_DIR, f"{name}.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def subprocess_env(**overrides):

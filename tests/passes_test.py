@@ -1,28 +1,12 @@
 """benchmarks/passes.py: its ``--methods`` entries (``@bMB`` buckets) and the update it times."""
 
-import importlib.util
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import load_benchmark
 
-SCRIPT = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "passes.py"
-)
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("benchmarks_passes", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-passes = _load()
+passes = load_benchmark("passes")
 
 
 def test_method_entries_take_a_bucket_size():
@@ -78,10 +62,7 @@ def test_powersgd_batches_one_at_a_time_is_a_group_per_matrix():
     (the update before the grouping), and gives the grouping back after."""
     from jaxcomp.methods import powersgd
 
-    path = os.path.join(os.path.dirname(SCRIPT), "powersgd_batches.py")
-    spec = importlib.util.spec_from_file_location("benchmarks_powersgd_batches", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("powersgd_batches")
     views = [(64, 64), (8, 8), (64, 64)]
     with script.mode("one at a time"):
         assert powersgd.batches(views) == [(0,), (1,), (2,)]

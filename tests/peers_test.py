@@ -6,14 +6,13 @@ worker on two processes over loopback. They are skipped, with the reason, where 
 absent (CI never installs PyTorch).
 """
 
-import importlib.util
 import json
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
+from helpers import load_benchmark
 
 from jaxcomp.distributed import netbench
 from jaxcomp.training import zoo
@@ -23,15 +22,7 @@ SCRIPT = os.path.join(
 )
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("benchmarks_peers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-peers = _load()
+peers = load_benchmark("peers")
 
 
 # -- models ---------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from helpers import subprocess_env
+from helpers import load_benchmark, subprocess_env
 
 SCRIPT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "quality.py"
@@ -70,12 +70,7 @@ def test_unknown_method_is_refused_naming_the_option(tmp_path):
 
 
 def _quality_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("quality", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("quality")
 
 
 def test_adam_frozen_variance_is_adam_until_the_freeze_then_linear_in_the_gradients():

@@ -1,7 +1,6 @@
 """benchmarks/split_repeats.py: SPLIT's repeated slots counted as the collective marks them, and
 the script end to end on quality.py's tiny model."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,7 +9,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import need_devices, subprocess_env
+from helpers import load_benchmark, need_devices, subprocess_env
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -20,10 +19,7 @@ SCRIPT = os.path.join(
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("split_repeats", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("split_repeats")
 
 
 def test_count_repeats_sees_the_collectives_padding():
