@@ -108,14 +108,13 @@ def compress(
     **Buckets** (``bucket_mb=``). XLA merges independent collectives into one (its collective
     combiner), and a whole-model vector needs every gradient, so without buckets nothing is sent
     before the backward pass ends. With ``bucket_mb`` (by default for dense and the casts) the
-    leaves are cut
-    into buckets, the last leaves first (the backward pass finishes them first), and each
-    bucket's collectives depend on the previous bucket's totals: they stay apart, run in order,
-    and the XLA:CPU runtime runs them beside the rest of the backward pass (docs/performance.md
-    measures it). Dense gives bit-identical results with or without buckets; the casts the same
-    values to the order of their roundings (on the CPU their ring's chunks follow the message's
-    length, and float16's shared scale is the bucket's); a method that selects or codes
-    compresses each bucket on its own.
+    leaves are cut into buckets, the last leaves first (the backward pass finishes them first),
+    and each bucket's collectives depend on the previous bucket's totals: they stay apart, run in
+    order, and the XLA:CPU runtime runs them beside the rest of the backward pass
+    (docs/performance.md measures it). Dense gives bit-identical results with or without
+    buckets; the casts the same values to the order of their roundings (on the CPU their ring's
+    chunks follow the message's length, and float16's shared scale is the bucket's); a method
+    that selects or codes compresses each bucket on its own.
 
     **The string shorthand.** ``compress("ar_topk", ratio=0.01)`` is
     ``compress(TopK(0.01, collective="ar"))``: a name from :data:`jaxcomp.methods.SHORTHAND` with
