@@ -200,7 +200,7 @@ def narrow_allreduce(x, axis_name, dtype, *, scatter=False, algorithm="auto"):
       compression inside MPI_Allreduce with ZFP" (../shared/papers/004), §III-C.
     """
     x = local_vector(x)
-    dtype = jnp.dtype(check_choice(_dtype_name(dtype), "dtype", tuple(_CODECS)))
+    name = check_choice(_dtype_name(dtype), "dtype", tuple(_CODECS))
     algorithm = check_choice(algorithm, "algorithm", BFLOAT16_ALGORITHMS)
     n_devices = check_rows(x.shape[0], axis_name) if scatter else axis_size(axis_name)
 
@@ -211,14 +211,14 @@ def narrow_allreduce(x, axis_name, dtype, *, scatter=False, algorithm="auto"):
             v.astype(jnp.float32),
             axis_name,
             n_devices,
-            _CODECS[dtype.name],
+            _CODECS[name],
             own=0,
             scatter=scatter,
         )
         return total.astype(v.dtype), sent.astype(v.dtype)
 
     def by_psum(v):
-        narrow = v.astype(dtype)
+        narrow = v.astype(jnp.dtype(name))
         if scatter:
             total = jax.lax.psum_scatter(narrow, axis_name, scatter_dimension=0, tiled=True)
         else:

@@ -64,14 +64,15 @@ def _runs():
     # default of dense and the casts (Method.buckets_by_default), whose "_nobucket" rows send one
     # message after the backward pass; a "_bucket" row for every other fixed method but PowerSGD
     # (which works matrix by matrix).
-    for method in [m for m in fixed if not isinstance(m, PowerSGD)] + [Cast("float16")]:
+    fp16 = Cast("float16")
+    for method in [m for m in fixed if not isinstance(m, PowerSGD)] + [fp16]:
         if method.buckets_by_default:
             table[f"{method.label}_nobucket"] = (method, {"bucket_mb": None}, None)
         else:
             table[f"{method.label}_bucket"] = (method, {"bucket_mb": 25}, None)
     # float16 halves the wire over gloo as bfloat16 does (issue 22 compares both); not an auto
     # candidate.
-    table[Cast("float16").label] = (Cast("float16"), {}, None)
+    table[fp16.label] = (fp16, {}, None)
     # 1-bit Adam's compressed all-reduce: the ring whose messages are signs (2/N of the
     # all-gather's bytes, 2 (N-1) steps).
     table[Sign(aggregation="ring").label] = (Sign(aggregation="ring"), {}, None)
