@@ -122,15 +122,14 @@ def variants():
     settings of the methods that lose quality."""
     from jaxcomp import methods as m
 
+    def star(ratio):
+        # AR-Topk with the paper's leader (STAR), its default until 2026-11-29: the rows measured
+        # before then under "ar_topk(...)" are these "ar_topk_star(...)" rows.
+        return m.TopK(ratio, collective="ar", leader="star")
+
     # The sparsifiers with DGC's momentum correction and 100 dense steps first, behind two
     # optimizers.
-    sparsifiers = (
-        m.TopK(0.01),
-        m.TopK(0.01, collective="ar"),
-        m.TopK(0.001),
-        m.TopK(0.001, collective="ar"),
-        m.RandomK(0.01),
-    )
+    sparsifiers = (m.TopK(0.01), star(0.01), m.TopK(0.001), star(0.001), m.RandomK(0.01))
 
     dgc = {"momentum_correction": 0.9, "warmup_steps": 100}
 
@@ -162,9 +161,9 @@ def variants():
     compressed = (
         m.Dense(),
         m.TopK(0.01),
-        m.TopK(0.01, collective="ar"),
+        star(0.01),
         m.TopK(0.001),
-        m.TopK(0.001, collective="ar"),
+        star(0.001),
         m.RandomK(0.01),
         m.Sign(),
         m.Sign(aggregation="ring"),
@@ -195,9 +194,10 @@ def variants():
     recipe += with_dgc("dgc warmup100 adam-b1=0 zfp-warmup", "adam(b1=0)", **zfp_warmup)
     # Half the warm-up: all-gather top-k 1% on 8 devices sends 1/12.5 of dense's bytes a step, so
     # 100 ZFP steps of 500 leave the run at 1/8.8; 50 bring it to 1/10.
-    # AR-Topk with every device leading k/N of the shared indices (SPLIT): alone, and at the
-    # recipe with the short ZFP warm-up.
-    split = [m.TopK(r, collective="ar", leader="split") for r in (0.01, 0.001)]
+    # AR-Topk with every device leading k/N of the shared indices (SPLIT, the default since
+    # 2026-11-29; its rows were "ar_topk_split(...)" before): alone, and at the recipe with the
+    # short ZFP warm-up.
+    split = [m.TopK(r, collective="ar") for r in (0.01, 0.001)]
     for methods in (sparsifiers, split):
         recipe += with_dgc(
             "dgc warmup50 adam-b1=0 zfp-warmup",
@@ -213,14 +213,15 @@ def variants():
         + fixed
         + onebit
         + [
-            Row("ar_topk(0.01)", m.TopK(0.01, collective="ar")),
-            Row("ar_topk(0.001)", m.TopK(0.001, collective="ar")),
+            Row("ar_topk_star(0.01)", star(0.01)),
+            Row("ar_topk_star(0.001)", star(0.001)),
+            Row("ar_topk_star(0.01)_noef", star(0.01), {"error_feedback": False}),
+            Row("ar_topk_star(0.001)_noef", star(0.001), {"error_feedback": False}),
             Row("ar_topk(0.01)_noef", m.TopK(0.01, collective="ar"), {"error_feedback": False}),
-            Row("ar_topk(0.001)_noef", m.TopK(0.001, collective="ar"), {"error_feedback": False}),
-            Row("ar_topk(0.01) var", m.TopK(0.01, collective="ar", leader="var")),
+            Row("ar_topk_var(0.01)", m.TopK(0.01, collective="ar", leader="var")),
             # About allgather_topk(0.01)'s bytes on 8 devices: AR-Topk's k is the whole step's, the
             # all-gather's k is each device's (up to 8k distinct values summed).
-            Row("ar_topk(0.04)", m.TopK(0.04, collective="ar")),
+            Row("ar_topk_star(0.04)", star(0.04)),
             Row("quantized(4) leaf", m.Quantized(4), {"granularity": "leaf"}),
             Row("quantized(4)_noef", m.Quantized(4), {"error_feedback": False}),
             Row(
@@ -235,13 +236,16 @@ def variants():
             # The other cast (issue 25's "the casts"): float16 behind a shared power-of-two scale.
             Row("cast(float16)", m.Cast("float16")),
             # The casts without error feedback, as PyTorch's fp16/bf16 hooks run (their residual
-            # is 100 MB of state on a 25M model, and updating it costs passes a step).
+            # is 100 MB of state on a 25M model, and updating it costs passes a step): their
+            # default since 2026-11-29, so "cast(...)" rows before then are these "_ef" rows.
             Row("cast(bfloat16)_noef", m.Cast("bfloat16"), {"error_feedback": False}),
             Row("cast(float16)_noef", m.Cast("float16"), {"error_feedback": False}),
+            Row("cast(bfloat16)_ef", m.Cast("bfloat16"), {"error_feedback": True}),
+            Row("cast(float16)_ef", m.Cast("float16"), {"error_feedback": True}),
             Row("zfp(8) leaf", m.Zfp(8), {"granularity": "leaf"}),
             # A dense warm-up (DGC's, PyTorch's start_powerSGD_iter): 100 of the 500 steps dense.
             Row("allgather_topk(0.01) warmup100", m.TopK(0.01), {"warmup_steps": 100}),
-            Row("ar_topk(0.01) warmup100", m.TopK(0.01, collective="ar"), {"warmup_steps": 100}),
+            Row("ar_topk_star(0.01) warmup100", star(0.01), {"warmup_steps": 100}),
             Row("powersgd(4) warmup100", m.PowerSGD(4), {"warmup_steps": 100}),
             # Does a higher rank buy PowerSGD's quality back, and at how many bytes (issue 25)?
             Row("powersgd(8)", m.PowerSGD(8)),

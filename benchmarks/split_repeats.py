@@ -1,7 +1,7 @@
 """How many of AR-Topk's SPLIT slots carry a repeated index, on the quality benchmark's char-LM.
 
-    python benchmarks/split_repeats.py --row "ar_topk_split(0.01)" --steps 500
-    python benchmarks/split_repeats.py --row "ar_topk_split(0.01) dgc warmup50 adam-b1=0 zfp-warmup"
+    python benchmarks/split_repeats.py --row "ar_topk(0.01)" --steps 500
+    python benchmarks/split_repeats.py --row "ar_topk(0.01) dgc warmup50 adam-b1=0 zfp-warmup"
 
 Under SPLIT (:func:`jaxcomp.collectives.topk.split_indices`) every device picks its own top
 ``ceil(k / N)`` and an index two devices picked is sent once: its second slot is padding, sent
@@ -85,15 +85,20 @@ def summarize(counts, slots):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--row", default="ar_topk_split(0.01)", help="a quality.py row name")
+    parser.add_argument("--row", default="ar_topk(0.01)", help="a quality.py row name")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--model", default="small", help="quality.py's --model")
     parser.add_argument("--quick", action="store_true", help="quality.py's tiny model (smoke test)")
     parser.add_argument("--json", help="write the summary here")
     args = parser.parse_args(argv)
-    if "split" not in args.row:
+    import quality
+
+    row = {r.name: r for r in quality.rows() + quality.variants()}.get(args.row)
+    method = getattr(row, "method", None)
+    if getattr(method, "collective", None) != "ar" or method.leader != "split":
         parser.error(
-            f"--row must be a SPLIT row of quality.py (its name has 'split'), got {args.row!r}"
+            f"--row must be a quality.py row of AR-Topk with SPLIT's leader (its default, e.g. "
+            f"'ar_topk(0.01)'), got {args.row!r}"
         )
 
     counts, slots = [], [0]
@@ -104,7 +109,6 @@ def main(argv=None):
             slots[0] = n_slots
 
     count_repeats(record)
-    import quality
 
     out = tempfile.mkdtemp(prefix="split_repeats_")
     quality.main(

@@ -29,9 +29,10 @@ def _mesh():
 
 
 def _sgd_run(method, n=257):
-    """data_parallel with compress(method, mean=False) and sgd(1): params move by minus the
-    aggregate."""
-    tx = optax.chain(jaxcomp.compress(method, mean=False), optax.sgd(1.0))
+    """data_parallel with compress(method, mean=False, error_feedback=True) and sgd(1): params
+    move by minus the aggregate. Error feedback is asked for, so that its residual can be read
+    (the casts' own default is without)."""
+    tx = optax.chain(jaxcomp.compress(method, mean=False, error_feedback=True), optax.sgd(1.0))
     dp = jaxcomp.data_parallel(lambda w, b: jnp.sum(w * jnp.mean(b, axis=0)), tx, _mesh())
     return dp, dp.init(jnp.zeros(n))
 
@@ -523,3 +524,28 @@ def test_unscaled_float16_sum_that_overflows_is_skipped_under_skip():
     np.testing.assert_array_equal(np.asarray(state.params), np.ones(16, np.float32))
     assert Cast("float16", scale=False).wire_dtype == "float16"
     assert Cast("float16").wire_dtype is None and Cast("bfloat16").wire_dtype is None
+
+
+def _residual_size(tx, n=64):
+    """The values of the residual a transformation's state holds, on the test's mesh."""
+    dp = jaxcomp.data_parallel(lambda w, b: jnp.sum(w * jnp.mean(b, axis=0)), tx, _mesh())
+    return int(
+        np.asarray(jaxcomp.find_compress_state(dp.init(jnp.zeros(n)).opt_state).residual).size
+    )
+
+
+def test_the_casts_run_without_error_feedback_by_default():
+    """``error_feedback="auto"``: no residual for the casts (``feeds_back_by_default``), one for
+    the other methods and for ``compress_auto`` when any candidate wants it; True or False as
+    given; anything else is refused by name."""
+    sgd = optax.sgd(1.0)
+    for method in (Cast("bfloat16"), Cast("float16"), "bf16", "fp16"):
+        assert _residual_size(optax.chain(jaxcomp.compress(method), sgd)) == 0
+        assert _residual_size(optax.chain(jaxcomp.compress(method, error_feedback=True), sgd)) > 0
+    assert _residual_size(optax.chain(jaxcomp.compress(jaxcomp.TopK(0.1)), sgd)) > 0
+    only_casts = jaxcomp.compress_auto([jaxcomp.Dense(), Cast("bfloat16")])
+    assert _residual_size(optax.chain(only_casts, sgd)) == 0
+    with_topk = jaxcomp.compress_auto([jaxcomp.Dense(), Cast("bfloat16"), jaxcomp.TopK(0.1)])
+    assert _residual_size(optax.chain(with_topk, sgd)) > 0
+    with pytest.raises(TypeError, match="error_feedback must be True, False or 'auto'"):
+        jaxcomp.compress(Cast(), error_feedback="yes")

@@ -27,9 +27,13 @@ HAND = [
     # log N α + (N-1) k (4 + 4) β
     ("allgather_topk", {"ratio": RATIO}, 8, 3e-3 + 7 * K * 8 / 1e9),
     # two ring all-reduces of k int32 / k float32: 4(N-1) α + 2 * 2 (N-1)/N 4k β
-    ("ar_topk_ring", {"ratio": RATIO}, 8, 28e-3 + 2 * (2 * 7 / 8 * 4 * K) / 1e9),
+    ("ar_topk_star", {"ratio": RATIO}, 8, 28e-3 + 2 * (2 * 7 / 8 * 4 * K) / 1e9),
     # two tree all-reduces: 4 log N α + 2 * 2 log N 4k β
-    ("ar_topk_tree", {"ratio": RATIO}, 8, 12e-3 + 2 * (6 * 4 * K) / 1e9),
+    ("ar_topk_star_tree", {"ratio": RATIO}, 8, 12e-3 + 2 * (6 * 4 * K) / 1e9),
+    # SPLIT (the default leader): an all-gather of k/N int32 indices, log N steps and (N-1) k/N 4
+    # bytes, then one all-reduce of N k/N values: 3 + 14 steps on a ring, 3 + 6 as a tree
+    ("ar_topk", {"ratio": RATIO}, 8, 17e-3 + (7 * (K // 8) * 4 + 2 * 7 / 8 * 4 * K) / 1e9),
+    ("ar_topk_tree", {"ratio": RATIO}, 8, 9e-3 + (7 * (K // 8) * 4 + 6 * 4 * K) / 1e9),
     # G = 4 per node, 2 nodes: steps (G-1) + log 2 + log 4 = 6; bytes (G-1) n/G 4 +
     # (O-1) k/G 8 + (G-1) O k/G 8
     (
@@ -143,7 +147,7 @@ def test_choose_adds_overhead_per_method():
 def test_choose_picks_dense_on_a_fast_network_and_compression_on_a_slow_one():
     """Communication alone always favours sending less; what keeps dense ahead on a fast link is
     the encode/decode time (paper 002 §3), here 2 ms for every compressed method."""
-    candidates = ["dense_ring", "dense_tree", "allgather_topk", "ar_topk_ring", "ar_topk_tree"]
+    candidates = ["dense_ring", "dense_tree", "allgather_topk", "ar_topk_star", "ar_topk_star_tree"]
     codec = {m: 2e-3 for m in candidates[2:]}
     fast = Network.parse("1us", "900GB/s")
     slow = Network.parse("1ms", "1gbit")
@@ -190,13 +194,13 @@ def test_choose_agrees_with_eqn_5a(n_workers):
     volume = 4 * K  # M c: bytes of the kept float32 values
     threshold = (log_n - (n - 1) / n) / (n - 1 - log_n) * volume
     below, above = _networks_around(threshold)
-    pair = ["ar_topk_ring", "ar_topk_tree"]
-    assert cost.choose(NBYTES, n, below, RATIO, pair) == "ar_topk_ring"
-    assert cost.choose(NBYTES, n, above, RATIO, pair) == "ar_topk_tree"
+    pair = ["ar_topk_star", "ar_topk_star_tree"]
+    assert cost.choose(NBYTES, n, below, RATIO, pair) == "ar_topk_star"
+    assert cost.choose(NBYTES, n, above, RATIO, pair) == "ar_topk_star_tree"
 
 
 @pytest.mark.parametrize("n_workers", [16, 32, 64])
-@pytest.mark.parametrize("ar_method", ["ar_topk_ring", "ar_topk_tree"])
+@pytest.mark.parametrize("ar_method", ["ar_topk_star", "ar_topk_star_tree"])
 def test_choose_agrees_with_eqn_5b_5c(n_workers, ar_method):
     """AR-Topk vs all-gather (Eqn 5b for ring, 5c for tree). The rule has the paper's form,
     α/β < (b_AG - b_AR)/(a_AR - a_AG) M c; the coefficients are jaxcomp's: the indices cost an
@@ -204,7 +208,7 @@ def test_choose_agrees_with_eqn_5b_5c(n_workers, ar_method):
     n, log_n = n_workers, math.log2(n_workers)
     volume = 4 * K
     allgather = (log_n, 2 * (n - 1))
-    if ar_method == "ar_topk_ring":
+    if ar_method == "ar_topk_star":
         ar = (4 * (n - 1), 4 * (n - 1) / n)
         closed_form = 2 * (n - 1) * (1 - 2 / n) / (4 * (n - 1) - log_n)  # 5b for jaxcomp
     else:
@@ -229,7 +233,7 @@ def test_three_way_choice_follows_the_pairwise_rules():
     n = 16
     for alpha, bandwidth in itertools.product(np.logspace(-6, -2, 9), np.logspace(7, 11, 9)):
         net = Network(alpha=float(alpha), bandwidth=float(bandwidth))
-        names = ["allgather_topk", "ar_topk_ring", "ar_topk_tree"]
+        names = ["allgather_topk", "ar_topk_star", "ar_topk_star_tree"]
         chosen = cost.choose(NBYTES, n, net, RATIO, names)
         for other in names:
             if other != chosen:

@@ -100,7 +100,8 @@ def test_methods_validate_themselves_at_construction(build, match):
 def test_split_leader_costs_an_all_gather_of_indices_and_one_all_reduce():
     """AR-Topk's SPLIT: ceil(k/N) int32 indices all-gathered ((N-1) of them a device), N of those
     counts of values all-reduced; log2 N + 2(N-1) messages on a ring, against STAR's 4(N-1)."""
-    split, star = TopK(k=37, collective="ar", leader="split"), TopK(k=37, collective="ar")
+    split, star = TopK(k=37, collective="ar"), TopK(k=37, collective="ar", leader="star")
+    assert split.leader == "split"  # the default since 2026-11-29
     each = 5  # ceil(37 / 8)
     assert split.wire_bytes(1000, 8) == 7 * each * 4 + 2 * 7 / 8 * (8 * each * 4)
     assert split.wire_bytes(1000, 8) < star.wire_bytes(1000, 8) and split.wire_bytes(1000, 1) == 0
@@ -125,9 +126,11 @@ def test_methods_are_frozen_hashable_values():
 def test_every_shorthand_name_builds_the_method_of_that_label(name):
     method = methods.parse(name, strict=False, ratio=0.01, rate=8, bits=4)
     assert isinstance(method, Method)
-    # A label names its method again (the *_ring names are the cost model's former aliases).
+    # A label names its method again (the *_ring names are the cost model's former aliases, the
+    # ar_topk_split names SPLIT's from before it was AR-Topk's default leader).
     assert methods.parse(method.label, strict=False, ratio=0.01, rate=8, bits=4) == method
-    assert method.label == name.removesuffix("_ring") or name.endswith("_ring")
+    former = {"ar_topk_split": "ar_topk", "ar_topk_split_tree": "ar_topk_tree"}
+    assert method.label == former.get(name, name.removesuffix("_ring")) or name.endswith("_ring")
 
 
 def test_parse_refuses_options_on_objects_and_unknown_names():

@@ -299,7 +299,7 @@ def test_the_workers_optimizers_are_adam_and_plain_sgd():
 SHARDED = ["dense", "ar_topk", "quantized", "dense@params", "quantized@optimizer"]
 EVERY = [
     "allgather_topk",
-    "ar_topk_split",
+    "ar_topk_star",
     "bf16",
     "fp16",
     "zfp",
@@ -360,3 +360,12 @@ def test_every_fixed_method_but_powersgd_has_a_row_with_buckets_and_one_without(
             assert not method.buckets_by_default
             assert netbench.METHODS[f"{method.label}_bucket"] == (method, {"bucket_mb": 25}, None)
     assert fixed[-1].label == "powersgd" and "powersgd_bucket" not in netbench.METHODS
+
+
+def test_the_casts_have_a_row_with_error_feedback():
+    """The casts run without error feedback by default (``Method.feeds_back_by_default``); their
+    ``<label>_ef`` rows put it back, for the side-by-side measurement in one job."""
+    for label in ("bf16", "fp16"):
+        method, options, shard = netbench.METHODS[label]
+        assert not method.feeds_back_by_default and options == {} and shard is None
+        assert netbench.METHODS[f"{label}_ef"] == (method, {"error_feedback": True}, None)

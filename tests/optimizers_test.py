@@ -122,9 +122,10 @@ def test_a_refresh_step_reports_dense_bytes(host_branches):
     loss = lambda w, batch: jnp.sum((batch @ w) ** 2)  # noqa: E731
     tx = jaxcomp.adam(0.01, "ar_topk", ratio=0.1, warmup_steps=2, refresh_every=2)
     dp = jaxcomp.data_parallel(loss, tx, mesh, host_branches=host_branches)
-    state, sent = dp.init(jnp.ones(40)), []
+    # 80 values: k = 8, one index a device under SPLIT (40 would round k/N = 0.5 up to 1).
+    state, sent = dp.init(jnp.ones(80)), []
     for _ in range(6):
-        state, metrics = dp.step(state, jnp.ones((8, 40)))
+        state, metrics = dp.step(state, jnp.ones((8, 80)))
         sent.append(float(metrics["bytes_sent"]))
     dense, compressed = sent[0], sent[4]
     assert compressed < dense / 4

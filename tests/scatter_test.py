@@ -280,7 +280,7 @@ def test_a_step_of_many_leaves_compiles_no_slice_per_leaf():
     need_devices(2)
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
     params = {f"w{i}": jnp.zeros(24) for i in range(40)}
-    tx = optax.chain(jaxcomp.compress("bf16"), optax.adam(1e-3))
+    tx = optax.chain(jaxcomp.compress("bf16", error_feedback=True), optax.adam(1e-3))
     dp = jaxcomp.data_parallel(_loss, tx, mesh)
     batch = {k: np.ones((2, 3, 24), np.float32) for k in params}
     hlo = dp.step.lower(dp.init(params), batch).compile().as_text()

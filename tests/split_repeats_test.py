@@ -69,12 +69,13 @@ def test_quick_run_counts_every_split_step(tmp_path):
     assert len(data["counts"]) == 4 and data["slots"] > 0
     assert all(0 <= c < data["slots"] for c in data["counts"])
     assert "| SPLIT steps |" in result.stdout
-    bad = subprocess.run(
-        [sys.executable, SCRIPT, "--row", "dense"],
-        env=subprocess_env(),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert bad.returncode == 2 and "--row must be a SPLIT row" in bad.stderr
+    for row in ("dense", "ar_topk_star(0.01)", "allgather_topk(0.01)"):  # not SPLIT's leader
+        bad = subprocess.run(
+            [sys.executable, SCRIPT, "--row", row],
+            env=subprocess_env(),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert bad.returncode == 2 and "with SPLIT's leader" in bad.stderr, bad.stderr[-2000:]

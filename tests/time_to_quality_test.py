@@ -205,9 +205,9 @@ def test_the_onebit_rows_run_jaxcomp_adam_with_a_short_warm_up(name, aggregation
     assert int(jaxcomp.find_compress_state(state.opt_state).step) == 30
 
 
-@pytest.mark.parametrize("name, leader", [("ar_topk-dgc", "star"), ("ar_topk_split-dgc", "split")])
+@pytest.mark.parametrize("name, leader", [("ar_topk-dgc", "split"), ("ar_topk_star-dgc", "star")])
 def test_the_dgc_rows_run_ar_topk_with_the_recipe(name, leader):
-    """``ar_topk-dgc`` / ``ar_topk_split-dgc``: AR-Topk 1% with momentum correction, 50 warm-up
+    """``ar_topk-dgc`` / ``ar_topk_star-dgc``: AR-Topk 1% with momentum correction, 50 warm-up
     steps sent as ZFP 8 and Adam with b1 = 0, built as the job builds them; its steps train."""
     import jax
     import jax.numpy as jnp

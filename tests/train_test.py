@@ -264,7 +264,7 @@ EVERY_METHOD = [
     ("dense", {}),
     ("allgather_topk", {"ratio": 0.1}),
     ("ar_topk", {"ratio": 0.1}),
-    ("ar_topk_split", {"ratio": 0.1}),
+    ("ar_topk_star", {"ratio": 0.1}),
     ("randomk", {"ratio": 0.1}),
     ("sign", {}),
     ("sign_ring", {}),

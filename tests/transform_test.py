@@ -157,8 +157,8 @@ SHAPES = {
 
 SELECTORS = {
     "allgather_topk": _own_topk(0.2),
-    "ar_topk": _leader_topk(0.2),
-    "ar_topk split": _split_topk(0.2),
+    "ar_topk": _split_topk(0.2),  # SPLIT, AR-Topk's default leader
+    "ar_topk star": _leader_topk(0.2),
     "dense": lambda g_e, step: g_e,
 }
 
@@ -176,8 +176,8 @@ SELECTORS = {
         ("ar_topk", "model", "block", jnp.float32),
         ("ar_topk", "leaf", "awkward", jnp.bfloat16),
         ("ar_topk", "model", "one", jnp.bfloat16),
-        ("ar_topk split", "model", "awkward", jnp.float32),
-        ("ar_topk split", "leaf", "block", jnp.bfloat16),
+        ("ar_topk star", "model", "awkward", jnp.float32),
+        ("ar_topk star", "leaf", "block", jnp.bfloat16),
         ("dense", "model", "awkward", jnp.bfloat16),
         ("dense", "leaf", "one", jnp.float32),
     ],

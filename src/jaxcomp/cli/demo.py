@@ -18,8 +18,10 @@ level, ln 10, for this model). The last column says what the row sends and what 
 test set has 359 images: 1 point is 3.6 images, about what another ``--seed`` moves. At the
 defaults (seeds 0, 1, 2; dense 98.05%, 97.21%, 95.82%) no row diverges; the rows more than a point
 below dense are the ones without error feedback, ``randomk`` at 1% (below), and, at some seeds
-only, ``ar_topk`` (-1.67, -0.28, +0.56 points: one leader's indices serve every device, for a
-quarter of all-gather top-k's bytes) and ``sign`` (-0.28, -3.62, -1.39).
+only, ``sign`` (-0.28, -3.62, -1.39 points). ``ar_topk`` runs AR-Topk's default leader, SPLIT
+(every device picks ``k / N`` of the shared indices): -0.56, -0.28, +1.67 points at 2,772 bytes a
+step, 1/66 of dense's; with the paper's STAR leader (one device's indices, round-robin; the
+default until 2026-11-29) it was -1.67, -0.28, +0.56.
 
 **Random-k and the optimizer's momentum** (the rows ``randomk``, ``randomk_10x``). With error
 feedback, random-k sends each entry about once every ``1 / density`` steps (100 at 1%), with all
@@ -48,9 +50,9 @@ Adam with its momentum 90.0%, with ``b1=0`` 96.9%, dense 97.5%.
 
 The other error-feedback rows keep the optimizer users write (and DGC's setting), SGD with
 momentum, although the same pairing measured better for some of them (seeds 0, 1, 2, points
-against dense): ``ar_topk`` +0.00, +0.00, +1.12 (with momentum -1.67, -0.28, +0.56), ``sign``
-+0.00, -0.28, +0.56 (with momentum -0.28, -3.62, -1.39), ``allgather_topk`` +0.00, +0.28, +0.84
-(with momentum -0.56, +0.28, +1.11).
+against dense): ``ar_topk`` with STAR +0.00, +0.00, +1.12 (with momentum -1.67, -0.28,
++0.56), ``sign`` +0.00, -0.28, +0.56 (with momentum -0.28, -3.62, -1.39), ``allgather_topk``
++0.00, +0.28, +0.84 (with momentum -0.56, +0.28, +1.11).
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def runs(density: float) -> dict[str, Run]:
     table = [Run(DENSE, Dense(), note="the reference: every value, all-reduced")]
     for method, note in (
         (TopK(density), f"each device's top {share}, values and indices all-gathered"),
-        (TopK(density, collective="ar"), f"one leader's top-{share} indices serve all devices"),
+        (TopK(density, collective="ar"), f"each device picks {share} / N of the shared indices"),
         (TopK(density, collective="hierarchical"), "top-k of each shard in a node, then across"),
     ):
         axis_name = ("node", "device") if method.axes_needed == 2 else "data"
@@ -132,7 +134,7 @@ def runs(density: float) -> dict[str, Run]:
     for method, note in (
         (Zfp(8), "8 bits a value (ZFP fixed rate)"),
         (Quantized(4), "4-bit codes on a shared grid (THC)"),
-        (Cast("bfloat16"), "16 bits a value"),
+        (Cast("bfloat16"), "16 bits a value, no error feedback (its default)"),
     ):
         table.append(Run(method.label, method, family=CODECS, note=note))
     table += _randomk_runs(density)

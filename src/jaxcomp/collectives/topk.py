@@ -227,7 +227,8 @@ def ar_topk(
       x: this device's local 1-D float32, bfloat16 or float16 vector of ``n`` values.
       k: static int, ``1 <= k <= n``.
       axis_name: the mesh axis to sum over.
-      leader: ``"star"``, ``"var"`` or ``"split"``.
+      leader: ``"star"`` (the paper's rule, the default of this collective), ``"var"`` or
+        ``"split"`` (the default of :class:`jaxcomp.TopK` with ``collective="ar"``).
       step: integer scalar, the training step (STAR only); pass it traced so every step reuses one
         compilation.
       selector: ``"exact"`` (:func:`jaxcomp.topk`) or ``"threshold"``

@@ -305,8 +305,9 @@ def message_steps(
     Each method counts its own (:meth:`jaxcomp.methods.Method.message_steps`): an all-reduce
     as a ring (``2(N-1)``) or a tree (``2 ceil(log2 N)``), an all-gather by recursive doubling
     (``ceil(log2 N)``), as in paper 000 Table I. Paper 000's Eqn (4a)/(4b) broadcast AR-Topk's
-    indices (``log N`` steps) where jaxcomp all-reduces them, since a ``shard_map`` program has
-    no broadcast primitive.
+    indices (``log N`` steps) where jaxcomp, with STAR's leader, all-reduces them, since a
+    ``shard_map`` program has no broadcast primitive; with SPLIT's (the default) every device's
+    share is all-gathered.
 
     Args:
       method: a :class:`jaxcomp.methods.Method` or a :data:`jaxcomp.methods.SHORTHAND` name.
@@ -321,7 +322,9 @@ def message_steps(
       The step count (0 when ``N == 1``).
 
     Example:
-      >>> message_steps("ar_topk", 8, ratio=0.01)
+      >>> message_steps("ar_topk", 8, ratio=0.01)  # SPLIT: all-gather 3, ring all-reduce 14
+      17
+      >>> message_steps("ar_topk_star", 8, ratio=0.01)  # two ring all-reduces
       28
 
     References:
@@ -427,9 +430,11 @@ def predict(
     * dense, ring: ``2(N-1) α + 2(N-1)/N · M β``; as a tree: ``2L α + 2L · M β``;
     * all-gather top-k: ``L α + 2(N-1) · M c β`` (values and int32 indices).
 
-    AR-Topk follows Eqn (4a)/(4b) with the indices' broadcast replaced by the all-reduce of
-    leader-masked indices jaxcomp runs: ``4(N-1) α + 4(N-1)/N · M c β`` (ring) and
-    ``4L α + 4L · M c β`` (tree).
+    AR-Topk with the paper's STAR leader (``"ar_topk_star"``) follows Eqn (4a)/(4b) with the
+    indices' broadcast replaced by the all-reduce of leader-masked indices jaxcomp runs:
+    ``4(N-1) α + 4(N-1)/N · M c β`` (ring) and ``4L α + 4L · M c β`` (tree). With SPLIT, its
+    default leader, the indices are all-gathered: ``(L + 2(N-1)) α + 3(N-1)/N · M c β`` (ring;
+    ``k`` a multiple of ``N``).
 
     Args:
       method: a :class:`jaxcomp.methods.Method` or a :data:`jaxcomp.methods.SHORTHAND` name.
@@ -537,8 +542,9 @@ def choose(
 ):
     """The candidate with the least predicted time (:func:`cheapest` of :func:`predict_all`).
 
-    Where only all-gather top-k and AR-Topk (ring and tree) compete, this is the closed form of
-    paper 000 Eqn (5a)-(5c): AR-Topk-ring beats the tree when
+    Where only all-gather top-k and AR-Topk with STAR's leader (``"ar_topk_star"`` and
+    ``"ar_topk_star_tree"``) compete, this is the closed form of paper 000 Eqn (5a)-(5c):
+    AR-Topk-ring beats the tree when
     ``α/β < (log N - (N-1)/N) / (N-1-log N) · M c`` and beats all-gather when
     ``α/β < (1 - 1/N - log N / (2(N-1))) · M c``; AR-Topk-tree beats all-gather when
     ``α/β < ((N-1)/log N - 3/2) · M c``.

@@ -73,12 +73,16 @@ def _runs():
     # float16 halves the wire over gloo as bfloat16 does (issue 22 compares both); not an auto
     # candidate.
     table[fp16.label] = (fp16, {}, None)
+    # The casts with error feedback: their default is without (Method.feeds_back_by_default).
+    for method in (Cast("bfloat16"), fp16):
+        table[f"{method.label}_ef"] = (method, {"error_feedback": True}, None)
     # 1-bit Adam's compressed all-reduce: the ring whose messages are signs (2/N of the
     # all-gather's bytes, 2 (N-1) steps).
     table[Sign(aggregation="ring").label] = (Sign(aggregation="ring"), {}, None)
-    # AR-Topk with every device picking k/N of the indices (SPLIT; not an auto candidate).
-    split = TopK(0.01, collective="ar", leader="split")
-    table[split.label] = (split, {}, None)
+    # AR-Topk with the paper's leader (STAR: one device's k indices, round-robin; the default is
+    # SPLIT, every device picking k/N of them). Not an auto candidate.
+    star = TopK(0.01, collective="ar", leader="star")
+    table[star.label] = (star, {}, None)
     table["auto"] = (fixed, {}, None)
     # Sharded training (data_parallel(shard=...)): the gradient reduce-scattered, the params
     # all-gathered.

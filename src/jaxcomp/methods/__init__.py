@@ -103,7 +103,7 @@ def parse(method, *, strict: bool = True, **options) -> Method:
     Example:
       >>> from jaxcomp import methods
       >>> methods.parse("ar_topk", ratio=0.01)
-      TopK(ratio=0.01, k=None, collective='ar', selector='exact', leader='star', allreduce='ring')
+      TopK(ratio=0.01, k=None, collective='ar', selector='exact', leader='split', allreduce='ring')
       >>> methods.parse(methods.Zfp(8)) == methods.Zfp(8)
       True
 

@@ -69,6 +69,10 @@ class Method:
       where a bucket's result is the whole message's own values (up to the order of the sum's
       roundings): dense and the casts. A method that selects or codes (top-k's ``ratio`` of each
       bucket) keeps one message unless ``bucket_mb=`` asks.
+    * ``feeds_back_by_default = True``: ``compress(error_feedback="auto")`` (its default) keeps
+      a residual for this method. False where what a step loses is only each value's rounding,
+      unbiased and small, and the residual costs a gradient's memory and its passes for no
+      measured quality: the casts, as PyTorch's fp16 and bf16 hooks run.
     * ``sparse = False``: :meth:`aggregate` can return ``sent`` as ``(indices, values)`` pairs
       when asked (``sparse=True``), so error feedback takes them off in place instead of
       subtracting a dense vector. Asked so, it may also return ``total`` as a
@@ -132,6 +136,7 @@ class Method:
     axes_needed: ClassVar[int | None] = None
     sends_everything: ClassVar[bool] = False
     buckets_by_default: ClassVar[bool] = False
+    feeds_back_by_default: ClassVar[bool] = True
     sparse: ClassVar[bool] = False
     pieces: ClassVar[bool] = False
     replicated_total: ClassVar[bool] = True

@@ -29,9 +29,10 @@ class TopK(Fraction, Method):
         :func:`jaxcomp.collectives.hierarchical_topk`).
       selector: ``"exact"`` (default, :func:`jaxcomp.topk`) or ``"threshold"`` (MSTopK,
         :func:`jaxcomp.threshold_topk`).
-      leader: ``collective="ar"`` only: ``"star"`` (round-robin by step, default), ``"var"``
-        (the device with the largest local top-k norm) or ``"split"`` (every device picks
-        ``k / N`` of the indices, its own largest; :func:`jaxcomp.collectives.ar_topk`).
+      leader: ``collective="ar"`` only: ``"split"`` (default: every device picks ``k / N`` of
+        the indices, its own largest), ``"star"`` (the paper's rule: one device's ``k``,
+        round-robin by step) or ``"var"`` (the device with the largest local top-k norm); see
+        :func:`jaxcomp.collectives.ar_topk`.
       allreduce: ``collective="ar"`` only: how the cost model costs its two all-reduces,
         ``"ring"`` (default) or ``"tree"``.
 
@@ -56,16 +57,20 @@ class TopK(Fraction, Method):
     quality" and "Compressed optimizers"; docs/training.md, "What the methods cost in model
     quality").
 
-    AR-Topk loses less with ``leader="split"`` (every device picks ``k / N`` of the indices on
-    every step): with the recipe and a 50-step ZFP warm-up at 1%, +10.0% (500 steps) and +6.6%
-    (1500) on the small model, against STAR's +18.3% and +15.7%; +3.6% on the larger model at
-    500 steps (STAR +15.7%), at 26x fewer bytes than dense over the run (BENCHMARKS.md,
-    "AR-Topk's SPLIT leader").
+    AR-Topk's default leader is SPLIT (every device picks ``k / N`` of the indices on every
+    step), not the paper's STAR: with the recipe and a 50-step ZFP warm-up at 1%, +10.0% (500
+    steps) and +6.6% (1500) on the small model, against STAR's +18.3% and +15.7%; +3.6% on the
+    larger model at 500 steps (STAR +15.7%), at 26x fewer bytes than dense over the run. On 4
+    emulated hosts at 100 Mbit it reached data parallelism's loss 3.31x sooner, STAR 2.97x; its
+    step is 0.96-1.29x STAR's at 1 Gbit (BENCHMARKS.md, "AR-Topk's SPLIT leader").
+    ``leader="star"`` (``"ar_topk_star"``) keeps the paper's rule.
 
     Example:
       >>> from jaxcomp.methods import TopK
       >>> TopK(0.01, collective="ar").describe(), TopK(0.01).wire_bytes(1000, 8)
       ('ar_topk(0.01)', 560.0)
+      >>> TopK(0.01, collective="ar", leader="star").label
+      'ar_topk_star'
 
     References:
       Tyagi & Swany, arXiv 2312.02493 (AR-Topk, STAR/VAR, Table I, Eqn 4a/4b); Shi et al.,
@@ -76,7 +81,7 @@ class TopK(Fraction, Method):
     k: int | None = None
     collective: str = "allgather"
     selector: str = "exact"
-    leader: str = "star"
+    leader: str = "split"
     allreduce: str = "ring"
 
     sparse = True
@@ -85,8 +90,12 @@ class TopK(Fraction, Method):
         "ar_topk": {"collective": "ar"},
         "ar_topk_ring": {"collective": "ar"},
         "ar_topk_tree": {"collective": "ar", "allreduce": "tree"},
+        # SPLIT's former names (the default leader since 2026-11-29).
         "ar_topk_split": {"collective": "ar", "leader": "split"},
         "ar_topk_split_tree": {"collective": "ar", "leader": "split", "allreduce": "tree"},
+        "ar_topk_star": {"collective": "ar", "leader": "star"},
+        "ar_topk_star_tree": {"collective": "ar", "leader": "star", "allreduce": "tree"},
+        "ar_topk_var": {"collective": "ar", "leader": "var"},
         "hierarchical_topk": {"collective": "hierarchical"},
     }
 
@@ -96,7 +105,7 @@ class TopK(Fraction, Method):
         _checks.check_choice(self.selector, "selector", SELECTORS)
         _checks.check_choice(self.leader, "leader", LEADERS)
         _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
-        for option, default in (("leader", "star"), ("allreduce", "ring")):
+        for option, default in (("leader", "split"), ("allreduce", "ring")):
             if getattr(self, option) != default and self.collective != "ar":
                 raise ValueError(
                     f"{option}= applies to collective='ar' only, not {self.collective!r}; remove it"
@@ -112,9 +121,9 @@ class TopK(Fraction, Method):
 
     @property
     def label(self):
-        """As :attr:`Method.label`, with SPLIT's leader named: ``"ar_topk_split"``, whose bytes
-        and quality differ from one leader's (STAR's and VAR's share ``"ar_topk"``)."""
-        name = f"{self.name}_split" if self.leader == "split" else self.name
+        """As :attr:`Method.label`, with a leader other than the default SPLIT named
+        (``"ar_topk_star"``, ``"ar_topk_var"``): their bytes and quality differ."""
+        name = self.name if self.leader == "split" else f"{self.name}_{self.leader}"
         return name if self.allreduce == "ring" else f"{name}_{self.allreduce}"
 
     def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):

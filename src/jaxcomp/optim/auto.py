@@ -27,7 +27,7 @@ from jaxcomp.methods import Method
 from jaxcomp.ops import _checks
 from jaxcomp.optim import pinning
 from jaxcomp.optim.auto_state import AutoState, calibrated, init_auto
-from jaxcomp.optim.config import FeedbackConfig, default_buckets
+from jaxcomp.optim.config import FeedbackConfig, default_buckets, default_feedback
 from jaxcomp.optim.feedback import feedback_transformation
 from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.stages.aggregation import Aggregation, Groups, run_branch, static_cost
@@ -196,7 +196,7 @@ def compress_auto(
     ratio_search: RatioSearch | None = None,
     network: cost.Network | None = None,
     decide_every: int = DEFAULT_DECIDE_EVERY,
-    error_feedback=True,
+    error_feedback="auto",
     granularity="model",
     mean=True,
     seed=0,
@@ -245,7 +245,8 @@ def compress_auto(
         when ``network`` is None.
       decide_every: steps between decisions (default :data:`DEFAULT_DECIDE_EVERY`, 100); a moved
         network re-decides at once.
-      error_feedback: as for :func:`jaxcomp.compress`.
+      error_feedback: as for :func:`jaxcomp.compress`; ``"auto"`` (the default) keeps a
+        residual when any candidate feeds back by default (every method but the casts).
       granularity: as for :func:`jaxcomp.compress`.
       mean: as for :func:`jaxcomp.compress`.
       seed: as for :func:`jaxcomp.compress`.
@@ -276,9 +277,10 @@ def compress_auto(
     everything = isinstance(candidates, (list, tuple)) and all(
         getattr(m, "buckets_by_default", False) for m in candidates
     )
+    listed = candidates if isinstance(candidates, (list, tuple)) else ()
     config = FeedbackConfig.check(
         axis_name,
-        error_feedback,
+        default_feedback(error_feedback, listed),
         granularity,
         mean,
         seed,

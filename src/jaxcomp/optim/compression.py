@@ -23,7 +23,7 @@ from jaxcomp import methods
 from jaxcomp.methods import Method
 from jaxcomp.optim import pinning
 from jaxcomp.optim.auto import compress_auto_shorthand
-from jaxcomp.optim.config import FeedbackConfig, default_buckets
+from jaxcomp.optim.config import FeedbackConfig, default_buckets, default_feedback
 from jaxcomp.optim.feedback import feedback_transformation
 from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.stages import momentum as momentum_stage
@@ -36,7 +36,7 @@ def compress(
     method,
     *,
     axis_name="data",
-    error_feedback=True,
+    error_feedback="auto",
     granularity="model",
     mean=True,
     seed=0,
@@ -128,7 +128,12 @@ def compress(
       axis_name: mesh axis the gradients are reduced over, or a tuple of axes (reduced over all).
         ``TopK(collective="hierarchical")`` needs ``(outer, inner)``: the slow axis (between
         nodes) first.
-      error_feedback: keep what was not sent and add it to the next gradient (default True).
+      error_feedback: keep what was not sent and add it to the next gradient: True, False, or
+        ``"auto"`` (the default): on for every method but the casts
+        (:attr:`jaxcomp.Method.feeds_back_by_default`), whose only loss is each value's
+        rounding; without it they keep a plain optimizer's loss on the quality benchmark and
+        save a gradient's memory and passes a step (BENCHMARKS.md, "The casts without error
+        feedback").
       granularity: ``"model"`` flattens all float leaves into one vector and compresses it as a
         whole (fused top-k keeps more accuracy than layer-wise); ``"leaf"`` compresses each leaf on
         its own (``k = round(ratio * leaf.size)`` each; for dense, one all-reduce per leaf).
@@ -223,7 +228,7 @@ def compress(
     method = _parse_method(method, shorthand)
     config = FeedbackConfig.check(
         axis_name,
-        error_feedback,
+        default_feedback(error_feedback, [m for m in (method, warmup_method) if m is not None]),
         granularity,
         mean,
         seed,

@@ -49,6 +49,38 @@ def default_buckets(bucket_mb, by_default: bool):
     return bucket_mb
 
 
+def default_feedback(error_feedback, methods):
+    """``error_feedback`` with ``"auto"`` resolved for the methods a transformation may run.
+
+    Args:
+      error_feedback: ``compress``'s ``error_feedback=``: ``"auto"``, True or False.
+      methods: the :class:`jaxcomp.methods.Method` objects (one, or ``compress_auto``'s
+        candidates).
+
+    Returns:
+      For ``"auto"``: True when any of ``methods`` that loses something (not
+      :attr:`~jaxcomp.methods.Method.sends_everything`, as dense does) feeds back by default
+      (:attr:`jaxcomp.methods.Method.feeds_back_by_default`; every method but the casts), False
+      otherwise; anything else as given (:meth:`FeedbackConfig.check` checks it).
+
+    Example:
+      >>> from jaxcomp.methods import Cast, Dense, TopK
+      >>> default_feedback("auto", [Dense(), Cast()]), default_feedback("auto", [TopK(0.01)])
+      (False, True)
+
+    References:
+      Seide et al., "1-Bit Stochastic Gradient Descent and its Application to Data-Parallel
+      Distributed Training of Speech DNNs", Interspeech 2014 (error feedback); Karimireddy et
+      al., "Error Feedback Fixes SignSGD and other Gradient Compression Schemes", ICML 2019.
+    """
+    if isinstance(error_feedback, str) and error_feedback == "auto":
+        return any(
+            getattr(m, "feeds_back_by_default", True) and not getattr(m, "sends_everything", False)
+            for m in methods
+        )
+    return error_feedback
+
+
 def _check_bucket_mb(bucket_mb) -> float | None:
     """``bucket_mb`` as a float, or None; a ValueError naming it unless it is None or > 0."""
     if bucket_mb is None:
@@ -111,9 +143,10 @@ class FeedbackConfig:
             )
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be 'model' or 'leaf', got {granularity!r}")
-        for flag, name in ((error_feedback, "error_feedback"), (mean, "mean")):
-            if not isinstance(flag, (bool, np.bool_)):
-                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        if not isinstance(error_feedback, (bool, np.bool_)):
+            raise TypeError(f"error_feedback must be True, False or 'auto', got {error_feedback!r}")
+        if not isinstance(mean, (bool, np.bool_)):
+            raise TypeError(f"mean must be True or False, got {mean!r}")
         seed = _checks.static_int(
             seed, "seed", 0, 2**32 - 1
         )  # PRNGKey keeps 32 bits: 2**32 would be seed 0

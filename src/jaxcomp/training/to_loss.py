@@ -10,9 +10,10 @@ batches:
   schedule, :func:`charlm.schedule`); ``ar_topk``, ``auto`` and ``auto-topk`` are the same with
   ``compress("ar_topk", ratio=0.01)``, ``compress("auto")`` and ``compress("auto", ratio=0.01)``:
   per-step compression;
-* ``ar_topk-dgc`` and ``ar_topk_split-dgc`` are AR-Topk 1% (STAR's leader, SPLIT's) with the
-  recipe that keeps top-k near Adam's loss: DGC's momentum correction (0.9), a 50-step warm-up
-  sent as ZFP rate 8, and Adam without momentum (``b1=0``) after it;
+* ``ar_topk-dgc`` and ``ar_topk_star-dgc`` are AR-Topk 1% (SPLIT's leader, the default, and
+  the paper's STAR; before 2026-11-29 ``ar_topk-dgc`` was STAR's and ``ar_topk_split-dgc``
+  SPLIT's) with the recipe that keeps top-k near Adam's loss: DGC's momentum correction (0.9),
+  a 50-step warm-up sent as ZFP rate 8, and Adam without momentum (``b1=0``) after it;
 * ``adam-sign`` and ``adam-sign_ring`` are ``jaxcomp.adam`` (the same schedule) with 25 dense
   warm-up steps and a dense variance refresh every 100, its momentum sent as scaled signs,
   all-gathered or in a ring;
@@ -53,7 +54,7 @@ ROWS = {
     "auto": dict(kind="dp", method="auto"),
     # docs/training.md's recipe for top-k (and _build's ZFP warm-up), Adam's b1 = 0 after it.
     "ar_topk-dgc": dict(kind="dgc", method="ar_topk", settings={"ratio": 0.01, **_DGC}),
-    "ar_topk_split-dgc": dict(kind="dgc", method="ar_topk_split", settings={"ratio": 0.01, **_DGC}),
+    "ar_topk_star-dgc": dict(kind="dgc", method="ar_topk_star", settings={"ratio": 0.01, **_DGC}),
     "auto-topk": dict(kind="dp", method="auto", settings={"ratio": 0.01}),
     # jaxcomp.adam (1-bit Adam's recipe) with a short warm-up: 25 dense steps, a dense variance
     # refresh every 100; the momentum as signs, all-gathered or in a ring.
