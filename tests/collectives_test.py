@@ -28,6 +28,8 @@ def bytes_sent(method, n, n_devices, *, dtype_bytes=4, inner_size=None, **option
     """The wire bytes of the method behind a collective, by the collective's name."""
     if method in ("psum", "ar_topk", "quantized_psum") and "algorithm" in options:
         options["allreduce"] = options.pop("algorithm")
+    if method == "ar_topk":  # the collective's own default leader, the paper's STAR (TopK: SPLIT)
+        options.setdefault("leader", "star")
     return methods.parse(_NAMES.get(method, method), **options).wire_bytes(
         n, n_devices, dtype_bytes=dtype_bytes, inner_size=inner_size
     )

@@ -169,7 +169,8 @@ def test_left_out_leaves_are_summed_exactly_in_one_fused_all_reduce(option):
         np.testing.assert_allclose(
             -np.asarray(state.params[name]), batch[name].sum(axis=0), rtol=1e-6, atol=1e-5
         )
-    assert np.count_nonzero(np.asarray(state.params["w"])) <= 5
+    # AR-Topk's SPLIT leader: every device picks ceil(5 / N) of the shared indices.
+    assert np.count_nonzero(np.asarray(state.params["w"])) <= N_DEVICES * -(-5 // N_DEVICES)
     assert float(metrics["density"]) == pytest.approx((5 + 17) / (16 * 12 + 17))
     dense = jaxcomp.Dense().wire_bytes(17, N_DEVICES)
     assert float(metrics["bytes_sent"]) == pytest.approx(
