@@ -54,7 +54,8 @@ class RandomK(Fraction, Method):
 
     **Quality: not within 3% of dense Adam** on ``benchmarks/quality.py``'s transformer: at 1%,
     +58% with ``compress`` + ``optax.adam`` and +27% with :func:`jaxcomp.adam` (the best found;
-    +29% at 1500 steps; +20.5% on the 2.45M-parameter model at its tuned learning rate). Random
+    +29% at 1500 steps; +20.5% on the 2.45M-parameter model at its tuned learning rate, +30% at
+    1500 steps). Random
     indices carry far less than the top ones; use it where its bytes matter more (BENCHMARKS.md,
     "Compressed optimizers").
 
