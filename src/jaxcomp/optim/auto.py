@@ -274,10 +274,9 @@ def compress_auto(
       Tyagi & Swany, arXiv 2312.02493, §3-D (choice of collective, Eqn 5a-5c) and §3-E (adaptive
       compression ratio).
     """
-    everything = isinstance(candidates, (list, tuple)) and all(
-        getattr(m, "buckets_by_default", False) for m in candidates
-    )
+    # The candidates' defaults (checked below, once the config gives the axes).
     listed = candidates if isinstance(candidates, (list, tuple)) else ()
+    everything = bool(listed) and all(getattr(m, "buckets_by_default", False) for m in listed)
     config = FeedbackConfig.check(
         axis_name,
         default_feedback(error_feedback, listed),

@@ -67,7 +67,7 @@ class CompressState(NamedTuple):
     # like the gradients: f32 array of the leaf's shape per float leaf (error not yet sent),
     # optax.MaskedNode() elsewhere
     residual: Any
-    step: jax.Array  # i32[]: updates done so far; picks ar_topk STAR's leader, seeds the quantizer
+    step: jax.Array  # i32[]: updates done so far; picks AR-Topk's STAR leader, seeds the quantizer
     key: jax.Array  # u32[2] (the default PRNG's raw key): step t draws from fold_in(key, t)
     metrics: CompressMetrics
     auto: Any = None  # jaxcomp.AutoState for compress_auto, else None
