@@ -107,6 +107,9 @@ def test_split_leader_costs_an_all_gather_of_indices_and_one_all_reduce():
     assert split.wire_bytes(1000, 8) < star.wire_bytes(1000, 8) and split.wire_bytes(1000, 1) == 0
     assert split.message_steps(8) == 3 + 14 and star.message_steps(8) == 28
     assert split.with_ratio(0.1) == TopK(0.1, collective="ar", leader="split")
+    # The density metric counts the N ceil(k/N) slots each device's values fill, STAR's k.
+    assert (split.kept_on(1000, 8), star.kept_on(1000, 8), split.kept_on(1000, 1)) == (40, 37, 37)
+    assert TopK(k=37).kept_on(1000, 8) == 37 and TopK(k=3, collective="ar").kept_on(4, 8) == 4
     # Its local work, for the cost model's timing: this device's top ceil(k/N) taken off.
     x = np.arange(1000, dtype=np.float32)
     left = np.asarray(split.local_work(1000, 8)(jnp.asarray(x)))

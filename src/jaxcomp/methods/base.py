@@ -198,8 +198,28 @@ class Method:
             )
 
     def kept(self, n: int) -> int:
-        """Values of an ``n``-vector whose content is sent (the ``density`` metric's numerator)."""
+        """Values of an ``n``-vector this method selects (a top-k's ``k``; ``n`` by default)."""
         return n
+
+    def kept_on(self, n: int, n_devices: int, **shaped) -> int:
+        """Values of each device's ``n``-vector whose content is sent on ``n_devices`` devices:
+        the ``density`` metric's numerator. :meth:`kept` unless the exchange sends more of each
+        vector than the method selects (AR-Topk's SPLIT: ``N ceil(k/N)`` slots).
+
+        Args:
+          n: the vector's length.
+          n_devices: devices in the reduction.
+          **shaped: the method's shape arguments (PowerSGD's ``shapes``), as for :meth:`kept`.
+
+        Returns:
+          An int in ``[0, n]``.
+
+        Example:
+          >>> from jaxcomp.methods import TopK
+          >>> TopK(0.01).kept_on(1000, 8), TopK(0.01, collective="ar").kept_on(1000, 8)
+          (10, 16)
+        """
+        return self.kept(n, **shaped)
 
     def aggregate(
         self, x, axis_name, *, step, key, sparse: bool = False, state: Any = None

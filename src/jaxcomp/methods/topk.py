@@ -152,6 +152,15 @@ class TopK(Fraction, Method):
             )
         return total, sent, state
 
+    def kept_on(self, n, n_devices, **shaped):
+        """As :meth:`Method.kept_on`: SPLIT sends each device's values at the ``N ceil(k/N)``
+        gathered indices (repeats sent as padding), every other exchange ``k`` of them."""
+        k = self.kept(n)
+        if self.collective != "ar" or self.leader != "split":
+            return k
+        N = _checks.check_devices(n_devices)
+        return min(N * min(sizes.ceil_div(k, N), n), n)
+
     @property
     def scatters(self):
         return self.collective != "hierarchical"

@@ -29,7 +29,8 @@ class CompressMetrics(NamedTuple):
     gain: jax.Array
     # f32[]: bytes one device sends in this step's collectives
     bytes_sent: jax.Array
-    # f32[]: fraction of gradient entries whose values are sent (1 for dense/zfp/quantized)
+    # f32[]: fraction of each device's gradient entries whose values are sent (1 for
+    # dense/zfp/quantized; AR-Topk's SPLIT counts its N ceil(k/N) slots: Method.kept_on)
     density: jax.Array
     # i32[]: the method that ran, an index into CompressState.methods (0 for compress)
     method: jax.Array

@@ -87,7 +87,7 @@ def static_cost(method: Method, groups: Groups) -> tuple[float, int, int]:
                 **shaped,
             )
             steps += method.message_steps(groups.n_devices, inner_size=groups.inner_size)
-        kept += _kept(method, n, name, shaped)
+        kept += _kept(method, n, name, shaped, groups.n_devices)
     return sent, kept, steps
 
 
@@ -140,9 +140,13 @@ def as_one_group(groups: Groups, vectors: list) -> tuple[Groups, Any]:
     return one, split
 
 
-def _kept(method: Method, n: int, name: str, shaped: dict) -> int:
+def _kept(method: Method, n: int, name: str, shaped: dict, n_devices: int | None = None) -> int:
+    """``method``'s kept values of group ``name`` (:meth:`~jaxcomp.methods.Method.kept_on` with
+    ``n_devices``), its errors naming the group."""
     try:
-        return method.kept(n, **shaped)
+        if n_devices is None:
+            return method.kept(n, **shaped)
+        return method.kept_on(n, n_devices, **shaped)
     except ValueError as e:
         raise ValueError(f"{e} (in {name})") from None
 
