@@ -915,3 +915,81 @@ def test_gather_leaf_shards_joins_the_small_ones(n_devices):
     )
     if n_devices > 1:  # the three small f32 leaves, the large one, the bfloat16 one
         assert len(re.findall(r" all-gather(?:-start)?\(", hlo)) == 3, hlo
+
+
+# ----------------------------------------------------------------------------------------------
+# One device: no collective carries the vector (XLA:CPU copies a vector through an all-reduce
+# over one device rather than removing it).
+
+_VECTOR_COLLECTIVE = re.compile(
+    r"= (\(?[^=]*?\)?) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)"
+    r"(?:-start)?\("
+)
+
+
+def _vector_collectives(hlo, n):
+    """The collectives of a compiled program whose operands hold ``n`` values or more."""
+    return [
+        line.strip()[:160]
+        for line in hlo.splitlines()
+        if (m := _VECTOR_COLLECTIVE.search(line))
+        and any(int(v) >= n for v in re.findall(r"\[(\d+)\]", m.group(1)))
+    ]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["dense", "allgather_topk", "ar_topk", "randomk", "sign", "bf16", "fp16", "zfp"]
+    + ["quantized", "powersgd"],
+)
+def test_one_device_moves_the_vector_through_no_collective(name):
+    """``compress`` of every method on a 1-device mesh: the same update as before (the method's
+    own rounding or selection, nothing summed), typed replicated, with no all-reduce over the one
+    device in the compiled step (it cost 2-3 copies' time a step)."""
+    need_devices(1)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    options = {"ratio": 0.05, "rate": 8, "bits": 8, "rank": 2}
+    tx = jaxcomp.compress(methods.parse(name, strict=False, **options), error_feedback=False)
+    g = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((64, 48)), jnp.float32)}
+    state = tx.init(g)
+
+    def update(g):
+        return tx.update(jax.tree.map(lambda v: jax.lax.pcast(v, "data", to="varying"), g), state)[
+            0
+        ]
+
+    f = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=P(), out_specs=P()))
+    assert _vector_collectives(f.lower(g).compile().as_text(), 64) == []
+    got = np.asarray(f(g)["w"])
+    sent = got != 0
+    assert sent.any()
+    if name in ("dense", "allgather_topk", "ar_topk", "randomk"):  # exact values where sent
+        np.testing.assert_array_equal(got[sent], np.asarray(g["w"])[sent])
+    if name in ("dense", "bf16", "fp16", "zfp", "quantized"):  # every value, up to its rounding
+        np.testing.assert_allclose(got, np.asarray(g["w"]), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("axes", [("data",), ("node", "data")])
+def test_one_device_total_retypes_without_a_collective(axes):
+    from jaxcomp.collectives._common import one_device_total, psum_or_retype
+
+    need_devices(2)
+    one = Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(axes)), axes)
+    x = jnp.arange(6.0)
+    for fn in (one_device_total, psum_or_retype):
+        f = jax.jit(
+            jax.shard_map(lambda v: fn(v * 2, axes), mesh=one, in_specs=P(axes), out_specs=P())
+        )
+        np.testing.assert_array_equal(np.asarray(f(x)), np.arange(6.0) * 2)
+        assert _vector_collectives(f.lower(x).compile().as_text(), 6) == []
+    two = Mesh(np.array(jax.devices()[:2]).reshape((1,) * (len(axes) - 1) + (2,)), axes)
+    f = jax.jit(
+        jax.shard_map(lambda v: psum_or_retype(v, axes), mesh=two, in_specs=P(axes), out_specs=P())
+    )
+    np.testing.assert_array_equal(np.asarray(f(x)), np.arange(3.0) + np.arange(3.0, 6.0))
+    with pytest.raises(ValueError, match="one device"):
+        jax.jit(
+            jax.shard_map(
+                lambda v: one_device_total(v, axes), mesh=two, in_specs=P(axes), out_specs=P()
+            )
+        )(x)

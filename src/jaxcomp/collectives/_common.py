@@ -4,6 +4,8 @@ collective validates its own arguments with these, so every error names the argu
 from __future__ import annotations
 
 import jax
+import jax.extend
+from jax.interpreters import mlir
 
 from jaxcomp.ops import _checks
 
@@ -32,9 +34,76 @@ def local_vector(x):
 
 def one_device_total(x, axis_name):
     """``x`` as the total of a sum over one device: the same values, typed replicated (invariant)
-    like every other total, so a step's updates agree on every device of a 1-device mesh too. The
-    psum over one device is an identity that XLA removes."""
+    like every other total, so a step's updates agree on every device of a 1-device mesh too.
+
+    XLA:CPU does not remove an all-reduce over one device (jax 0.10: it copies the vector through
+    the collective, 2-3 copies' time; BENCHMARKS.md, "One device: no all-reduce"), so where the
+    value's type can say so this only retypes ``x`` (:data:`_replicated_p`, lowered to nothing),
+    and falls back to :func:`jax.lax.psum` otherwise.
+
+    Args:
+      x: an array inside ``shard_map``.
+      axis_name: an axis, or a tuple of axes, of one device in all.
+
+    Returns:
+      ``x``, typed invariant along ``axis_name``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+      >>> f = jax.jit(jax.shard_map(lambda x: one_device_total(x, "data"), mesh=mesh,
+      ...                           in_specs=P("data"), out_specs=P()))
+      >>> f(jnp.arange(3.0)).tolist(), "all-reduce" in f.lower(jnp.arange(3.0)).as_text()
+      ([0.0, 1.0, 2.0], False)
+    """
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if axis_size(axes) != 1:
+        raise ValueError(f"one_device_total sums over one device; {axis_name!r} has more")
+    mat = getattr(jax.typeof(x), "mat", None)
+    if mat is None or not hasattr(mat, "varying"):  # another JAX's types: the psum is right
+        return jax.lax.psum(x, axis_name)
+    if not set(axes) & set(mat.varying):
+        return x  # already invariant along the axes
+    return _replicated_p.bind(x, axes=axes)
+
+
+def psum_or_retype(x, axis_name):
+    """:func:`jax.lax.psum`, or over one device in all :func:`one_device_total` (no collective).
+
+    Args:
+      x: an array inside ``shard_map``, varying along ``axis_name``.
+      axis_name: an axis or a tuple of axes.
+
+    Returns:
+      The sum over the axes, typed invariant along them.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> f = jax.jit(jax.shard_map(lambda x: psum_or_retype(x, "data"), mesh=mesh,
+      ...                           in_specs=P("data"), out_specs=P()))
+      >>> f(jnp.arange(4.0)).tolist()
+      [2.0, 4.0]
+    """
+    if axis_size(axis_name) == 1:
+        return one_device_total(x, axis_name)
     return jax.lax.psum(x, axis_name)
+
+
+def _replicated_abstract_eval(aval, *, axes):
+    varying = frozenset(a for a in aval.mat.varying if a not in axes)
+    return aval.update(manual_axis_type=aval.mat.update(varying=varying))
+
+
+#: ``x`` retyped invariant along ``axes``, each of one device: what a psum over them returns,
+#: with no collective (:func:`one_device_total`). No derivative rule (the update is not
+#: differentiated), as for the FFI kernels.
+_replicated_p = jax.extend.core.Primitive("jaxcomp_replicated_on_one_device")
+_replicated_p.def_impl(lambda x, *, axes: x)
+_replicated_p.def_abstract_eval(_replicated_abstract_eval)
+mlir.register_lowering(_replicated_p, lambda ctx, x, *, axes: [x])
 
 
 def check_rows(n, axis_name):

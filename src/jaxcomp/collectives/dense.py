@@ -7,7 +7,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp.collectives import BFLOAT16_ALGORITHMS
-from jaxcomp.collectives._common import axis_size, check_rows, local_vector
+from jaxcomp.collectives._common import (
+    axis_size,
+    check_rows,
+    local_vector,
+    one_device_total,
+    psum_or_retype,
+)
 from jaxcomp.collectives.ring import BFLOAT16_BITS, FLOAT16_BITS, ring_allreduce
 from jaxcomp.ops._checks import check_choice
 from jaxcomp.ops._ffi import platform_dependent
@@ -41,8 +47,7 @@ def psum(x, axis_name):
       The dense baseline of Tyagi & Swany, arXiv 2312.02493, Table I (ring and tree all-reduce).
     """
     x = local_vector(x)
-    axis_size(axis_name)
-    return jax.lax.psum(x, axis_name), x
+    return psum_or_retype(x, axis_name), x
 
 
 def psum_scatter(x, axis_name):
@@ -71,7 +76,8 @@ def psum_scatter(x, axis_name):
       Rajbhandari et al., ZeRO, SC 2020 (gradients reduce-scattered to their owners).
     """
     x = local_vector(x)
-    check_rows(x.shape[0], axis_name)
+    if check_rows(x.shape[0], axis_name) == 1:  # one device's row is all of x
+        return x, x
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True), x
 
 
@@ -219,7 +225,9 @@ def narrow_allreduce(x, axis_name, dtype, *, scatter=False, algorithm="auto"):
 
     def by_psum(v):
         narrow = v.astype(jnp.dtype(name))
-        if scatter:
+        if n_devices == 1:  # the cast alone, and no collective (XLA:CPU copies through one)
+            total = narrow if scatter else one_device_total(narrow, axis_name)
+        elif scatter:
             total = jax.lax.psum_scatter(narrow, axis_name, scatter_dimension=0, tiled=True)
         else:
             total = jax.lax.psum(narrow, axis_name)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp.collectives import LEADERS, SELECTORS, sizes
-from jaxcomp.collectives._common import axis_size, check_rows, local_vector
+from jaxcomp.collectives._common import axis_size, check_rows, local_vector, psum_or_retype
 from jaxcomp.ops import _checks, _ffi
 from jaxcomp.ops._checks import check_choice
 from jaxcomp.ops.scatter import SparseTotal
@@ -292,7 +292,7 @@ def ar_topk(
     else:
         shared = _broadcast_indices(indices, is_leader, leader_index, axis_name, _broadcast)
     values = x.at[shared].get(mode="fill", fill_value=0)
-    summed = jax.lax.psum(values, axis_name)
+    summed = psum_or_retype(values, axis_name)
     if scatter:
         _no_sparse_scatter(sparse_total)
         row = n // check_rows(n, axis_name)
