@@ -982,6 +982,14 @@ def test_one_device_total_retypes_without_a_collective(axes):
         )
         np.testing.assert_array_equal(np.asarray(f(x)), np.arange(6.0) * 2)
         assert _vector_collectives(f.lower(x).compile().as_text(), 6) == []
+    # Under vmap too (a batch of vectors per device), as the psum it replaces.
+    f = jax.jit(
+        jax.shard_map(
+            jax.vmap(lambda v: psum_or_retype(v, axes)), mesh=one, in_specs=P(axes), out_specs=P()
+        )
+    )
+    batch = jnp.arange(12.0).reshape(2, 6)
+    np.testing.assert_array_equal(np.asarray(f(batch)), np.asarray(batch))
     two = Mesh(np.array(jax.devices()[:2]).reshape((1,) * (len(axes) - 1) + (2,)), axes)
     f = jax.jit(
         jax.shard_map(lambda v: psum_or_retype(v, axes), mesh=two, in_specs=P(axes), out_specs=P())

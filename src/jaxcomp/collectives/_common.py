@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.extend
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
 from jaxcomp.ops import _checks
 
@@ -54,7 +54,8 @@ def one_device_total(x, axis_name):
       >>> mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
       >>> f = jax.jit(jax.shard_map(lambda x: one_device_total(x, "data"), mesh=mesh,
       ...                           in_specs=P("data"), out_specs=P()))
-      >>> f(jnp.arange(3.0)).tolist(), "all-reduce" in f.lower(jnp.arange(3.0)).as_text()
+      >>> hlo = f.lower(jnp.arange(3.0)).compile().as_text()
+      >>> f(jnp.arange(3.0)).tolist(), "all-reduce" in hlo
       ([0.0, 1.0, 2.0], False)
     """
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
@@ -97,13 +98,18 @@ def _replicated_abstract_eval(aval, *, axes):
     return aval.update(manual_axis_type=aval.mat.update(varying=varying))
 
 
+def _replicated_batched(args, dims, *, axes):
+    return _replicated_p.bind(args[0], axes=axes), dims[0]
+
+
 #: ``x`` retyped invariant along ``axes``, each of one device: what a psum over them returns,
-#: with no collective (:func:`one_device_total`). No derivative rule (the update is not
-#: differentiated), as for the FFI kernels.
+#: with no collective (:func:`one_device_total`). It batches under ``vmap``; it has no
+#: derivative rule (the update is not differentiated), as the FFI kernels have none.
 _replicated_p = jax.extend.core.Primitive("jaxcomp_replicated_on_one_device")
 _replicated_p.def_impl(lambda x, *, axes: x)
 _replicated_p.def_abstract_eval(_replicated_abstract_eval)
 mlir.register_lowering(_replicated_p, lambda ctx, x, *, axes: [x])
+batching.primitive_batchers[_replicated_p] = _replicated_batched
 
 
 def check_rows(n, axis_name):
