@@ -933,7 +933,10 @@ def _vector_collectives(hlo, n):
         line.strip()[:160]
         for line in hlo.splitlines()
         if (m := _VECTOR_COLLECTIVE.search(line))
-        and any(int(v) >= n for v in re.findall(r"\[(\d+)\]", m.group(1)))
+        and any(
+            math.prod(int(d) for d in dims.split(",")) >= n
+            for dims in re.findall(r"\[([\d,]+)\]", m.group(1))
+        )
     ]
 
 

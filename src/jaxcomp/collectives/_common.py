@@ -93,6 +93,31 @@ def psum_or_retype(x, axis_name):
     return jax.lax.psum(x, axis_name)
 
 
+def all_gather_or_retype(x, axis_name):
+    """:func:`jax.lax.all_gather` (``to="invarying"``, a new leading axis of the devices), or
+    over one device in all ``x[None]`` by :func:`one_device_total` (no collective).
+
+    Args:
+      x: an array inside ``shard_map``, varying along ``axis_name``.
+      axis_name: an axis or a tuple of axes.
+
+    Returns:
+      Every device's ``x``, stacked, typed invariant along the axes.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+      >>> f = jax.jit(jax.shard_map(lambda x: all_gather_or_retype(x, "data"), mesh=mesh,
+      ...                           in_specs=P("data"), out_specs=P()))
+      >>> f(jnp.arange(3.0)).tolist()
+      [[0.0, 1.0, 2.0]]
+    """
+    if axis_size(axis_name) == 1:
+        return one_device_total(x, axis_name)[None]
+    return jax.lax.all_gather(x, axis_name, to="invarying")
+
+
 def _replicated_abstract_eval(aval, *, axes):
     varying = frozenset(a for a in aval.mat.varying if a not in axes)
     return aval.update(manual_axis_type=aval.mat.update(varying=varying))

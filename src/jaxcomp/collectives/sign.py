@@ -97,9 +97,11 @@ def sign_allgather(x, chunk, axis_name, *, majority=False):
     """
     x = local_vector(x)
     chunk = check_chunk(chunk)
-    axis_size(axis_name)
     n = x.shape[0]
     words, scales = sign_pack(x, chunk)
+    if axis_size(axis_name) == 1:  # the sum (or vote) of one device is its own decoded signs
+        sent = sign_unpack(words, scales, n, chunk)
+        return one_device_total(sent, axis_name).astype(x.dtype), sent.astype(x.dtype)
     all_words = jax.lax.all_gather(words, axis_name, to="invarying")
     all_scales = jax.lax.all_gather(scales, axis_name, to="invarying")
     total = gathered_sign_sum(all_words, all_scales, n, chunk, majority)

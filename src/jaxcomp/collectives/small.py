@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.collectives._common import axis_size
+from jaxcomp.collectives._common import all_gather_or_retype, axis_size
 from jaxcomp.ops import flat
 
 #: Arrays of at most this many values that cross devices together are joined into one vector
@@ -198,5 +198,4 @@ def gather_shards(shard, axis_name):
     References:
       Rajbhandari et al., "ZeRO", SC 2020 (params gathered from their shards for the forward pass).
     """
-    axis_size(axis_name)
-    return jax.lax.all_gather(shard, axis_name, to="invarying")
+    return all_gather_or_retype(shard, axis_name)

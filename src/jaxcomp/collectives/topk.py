@@ -7,7 +7,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp.collectives import LEADERS, SELECTORS, sizes
-from jaxcomp.collectives._common import axis_size, check_rows, local_vector, psum_or_retype
+from jaxcomp.collectives._common import (
+    all_gather_or_retype,
+    axis_size,
+    check_rows,
+    local_vector,
+    psum_or_retype,
+)
 from jaxcomp.ops import _checks, _ffi
 from jaxcomp.ops._checks import check_choice
 from jaxcomp.ops.scatter import SparseTotal
@@ -110,8 +116,8 @@ def allgather_topk(
     selector = check_choice(selector, "selector", SELECTORS)
     axis_size(axis_name)
     values, indices = _select(x, k, selector)
-    all_values = jax.lax.all_gather(values, axis_name, to="invarying")
-    all_indices = jax.lax.all_gather(indices, axis_name, to="invarying")
+    all_values = all_gather_or_retype(values, axis_name)
+    all_indices = all_gather_or_retype(indices, axis_name)
     if scatter:
         _no_sparse_scatter(sparse_total)
         n_devices = check_rows(n, axis_name)
@@ -155,8 +161,8 @@ def _broadcast_indices(indices, is_leader, leader_index, axis_name, how):
     and it sends less once ``N > 2``: :func:`ar_topk` uses it.
     """
     if how == "psum":
-        return jax.lax.psum(jnp.where(is_leader, indices, 0), axis_name)
-    return jax.lax.all_gather(indices, axis_name, to="invarying")[leader_index]
+        return psum_or_retype(jnp.where(is_leader, indices, 0), axis_name)
+    return all_gather_or_retype(indices, axis_name)[leader_index]
 
 
 def split_indices(x, k, axis_name, selector="exact"):
@@ -190,7 +196,7 @@ def split_indices(x, k, axis_name, selector="exact"):
     n = x.shape[0]
     each = min(sizes.ceil_div(k, axis_size(axis_name)), n)
     _, mine = _select(x, each, selector)
-    ordered = jnp.sort(jax.lax.all_gather(mine, axis_name, to="invarying").reshape(-1))
+    ordered = jnp.sort(all_gather_or_retype(mine, axis_name).reshape(-1))
     repeat = jnp.concatenate([jnp.zeros(1, bool), ordered[1:] == ordered[:-1]])
     return jnp.where(repeat, jnp.int32(n), ordered)
 
@@ -370,8 +376,8 @@ def hierarchical_topk(x, k, inner_axis, outer_axis, selector="exact", *, sparse_
     node_shard = jax.lax.psum_scatter(padded, inner_axis, scatter_dimension=0, tiled=True)
     values, indices = _select(node_shard, k_shard, selector)
     indices = indices + jax.lax.axis_index(inner_axis) * shard
-    values, indices = (jax.lax.all_gather(a, outer_axis, to="invarying") for a in (values, indices))
-    values, indices = (jax.lax.all_gather(a, inner_axis, to="invarying") for a in (values, indices))
+    values, indices = (all_gather_or_retype(a, outer_axis) for a in (values, indices))
+    values, indices = (all_gather_or_retype(a, inner_axis) for a in (values, indices))
     # [inner, outer, k_shard] -> one row per node: a node's shards are disjoint, so its row has
     # distinct indices.
     values, indices = (
