@@ -82,11 +82,12 @@ def psum_or_retype(x, axis_name):
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
       >>> from jax.sharding import Mesh, PartitionSpec as P
-      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-      >>> f = jax.jit(jax.shard_map(lambda x: psum_or_retype(x, "data"), mesh=mesh,
-      ...                           in_specs=P("data"), out_specs=P()))
-      >>> f(jnp.arange(4.0)).tolist()
-      [2.0, 4.0]
+      >>> def summed(d):  # over the first d devices
+      ...     mesh = Mesh(np.array(jax.devices()[:d]), ("data",))
+      ...     total = lambda x: psum_or_retype(x, "data")
+      ...     return jax.shard_map(total, mesh=mesh, in_specs=P("data"), out_specs=P())
+      >>> summed(1)(jnp.arange(2.0)).tolist(), summed(2)(jnp.arange(2.0)).tolist()
+      ([0.0, 1.0], [1.0])
     """
     if axis_size(axis_name) == 1:
         return one_device_total(x, axis_name)
@@ -107,11 +108,11 @@ def all_gather_or_retype(x, axis_name):
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
       >>> from jax.sharding import Mesh, PartitionSpec as P
-      >>> mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-      >>> f = jax.jit(jax.shard_map(lambda x: all_gather_or_retype(x, "data"), mesh=mesh,
-      ...                           in_specs=P("data"), out_specs=P()))
-      >>> f(jnp.arange(3.0)).tolist()
-      [[0.0, 1.0, 2.0]]
+      >>> two = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> jax.shard_map(
+      ...     lambda x: all_gather_or_retype(x, "data"), mesh=two, in_specs=P("data"), out_specs=P()
+      ... )(jnp.arange(2.0)).tolist()  # one row per device
+      [[0.0], [1.0]]
     """
     if axis_size(axis_name) == 1:
         return one_device_total(x, axis_name)[None]
