@@ -389,3 +389,37 @@ def test_auto_on_one_device_runs_dense_without_probing():
     np.testing.assert_array_equal(np.asarray(state.params), -np.ones(100))
     with pytest.raises(ValueError, match="1 device"):
         dp.reprobe(state)
+
+
+@pytest.mark.parametrize("candidates", [None, (Dense(), TopK(0.05), jaxcomp.Zfp(8))])
+def test_auto_on_one_device_sums_each_leaf_as_it_is(candidates):
+    """One device sends nothing: ``compress_auto`` runs its dense candidate on each leaf as it is
+    (no error-fed vector packed, no collective), the residual stays zero, and a non-finite entry
+    is still dropped and counted."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    tx = compress("auto") if candidates is None else jaxcomp.compress_auto(candidates)
+    dp = data_parallel(_loss, optax.chain(tx, optax.sgd(1.0)), mesh)
+    state = dp.init(jnp.zeros(100))
+    g = np.arange(100, dtype=np.float32).reshape(1, 100) - 50
+    g[0, 7] = np.nan
+    for _ in range(2):
+        state, metrics = dp.step(state, {"g": g})
+        assert _method(state, metrics) == "dense" and float(metrics["nonfinite"]) == 1
+    want = -2 * np.where(np.isfinite(g[0]), g[0], 0)
+    np.testing.assert_array_equal(np.asarray(state.params), want)
+    assert not np.asarray(find_compress_state(state.opt_state).residual).any()
+
+    def update(w):
+        local = jax.lax.pcast(w, "data", to="varying")
+        return tx.update(local, tx.init(w))[0]
+
+    step = jax.jit(
+        jax.shard_map(
+            update,
+            mesh=mesh,
+            in_specs=jax.sharding.PartitionSpec(),
+            out_specs=jax.sharding.PartitionSpec(),
+        )
+    )
+    hlo = step.lower(jnp.ones(100)).compile().as_text()
+    assert "jaxcomp_pack" not in hlo and " all-reduce(" not in hlo.replace("f32[] all-reduce(", "")

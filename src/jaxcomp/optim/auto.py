@@ -309,6 +309,9 @@ def compress_auto(
         _aggregation(config, branches, ratio_search, decide_every, fallback_branch),
         init_auto=functools.partial(init_auto, network, len(branches.methods), ratio_search),
         falls_back=fallback_branch is not None,
+        # One device sends nothing: every candidate costs only its local work there, so the
+        # dense one runs, statically, with no error-fed packing (BENCHMARKS.md, "One device").
+        alone=dense[0] if dense else None,
     )
 
 

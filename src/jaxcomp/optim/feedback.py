@@ -36,7 +36,7 @@ import optax
 from jaxcomp import methods
 from jaxcomp.methods import Method
 from jaxcomp.ops import _ffi, flat, pieces, scatter
-from jaxcomp.optim import packing, readiness, sharding
+from jaxcomp.optim import packing, pinning, readiness, sharding, vma
 from jaxcomp.optim.config import FeedbackConfig
 from jaxcomp.optim.stages import divergence, error_feedback, guard, mask, metrics, momentum
 from jaxcomp.optim.stages.aggregation import (
@@ -85,6 +85,7 @@ def feedback_transformation(
     init_auto: Callable | None = None,
     falls_back: bool = False,
     warmup: int = 0,
+    alone: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The error-feedback transformation around an aggregation step (what :func:`compress` and
     :func:`jaxcomp.compress_auto` build on); its update runs the stages of this module's
@@ -101,6 +102,10 @@ def feedback_transformation(
         :attr:`~jaxcomp.CompressState.divergence` says so (else the guardrail only clears the
         residual); for the host's message.
       warmup: the dense steps before the method runs (:func:`jaxcomp.optim.pinning.next_branch`).
+      alone: a branch that sends everything, run on a mesh of one device instead of choosing
+        (``compress_auto``'s dense candidate; without momentum correction, not sharded): nothing
+        is sent there, so it takes the dense route, with no packing of error-fed vectors, and
+        the residual stays as it is. None: every mesh chooses.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`CompressState`.
@@ -143,6 +148,8 @@ def feedback_transformation(
             return updates, state
         mask.check_same_choice(lay, residuals if keeps_residual else velocities)
         grads = _prepare(c, branches, leaves, lay)
+        if _runs_alone(c, grads, alone, state):
+            return _update_alone(c, grads, aggregate, state, alone, treedef)
         if sends_everything and not uses_auto:
             done = _sum_dense(c, grads, aggregate, state)
         else:
@@ -299,6 +306,61 @@ def _sum_dense(c: FeedbackConfig, grads: _Gradients, aggregate, state) -> _Aggre
     return _Aggregated(
         list(grads.leaves), result, auto_after, nothing, nothing, {}, gain, count, 0.0, 0
     )
+
+
+def _runs_alone(c: FeedbackConfig, grads: _Gradients, alone: int | None, state) -> bool:
+    """Whether this update runs branch ``alone`` by the dense route: one device in all, not
+    sharded, no momentum correction (whose velocity the dense route would not send), and no
+    other branch pinned for this step (``data_parallel``'s trial times each candidate)."""
+    return (
+        alone is not None
+        and grads.groups.n_devices == 1
+        and grads.shards is None
+        and c.momentum is None
+        and pinning.pinned_branch(state.branches) in (None, alone)
+    )
+
+
+def _update_alone(c: FeedbackConfig, grads: _Gradients, aggregate, state, alone: int, treedef):
+    """The update on one device of a state whose branch ``alone`` sends everything: that branch,
+    static, on each leaf as it is (a flat view, no packing: the sum of one device is its own
+    vector, retyped), with the guard's non-finite handling. Nothing is sent, so no residual is
+    made and the one the state holds stays as it is; the guardrail has nothing compressed to
+    watch. The metrics report the branch, and the choosing state (``compress_auto``'s) learns
+    of its step as of any other."""
+    positions = [i for group, _ in grads.layout.groups for i in group]
+    leaves = [grads.leaves[i] for i in positions]
+    groups = grads.groups._replace(
+        vectors=[leaf.reshape(-1) for leaf in leaves],
+        names=[f"leaf {i}" for i in positions],
+        sizes=[leaf.size for leaf in leaves],
+        shapes=[(leaf.shape,) for leaf in leaves],
+        values=[leaf.size for leaf in leaves],
+        buckets=None,
+    )
+    with pinning.pinned(alone, state.branches):
+        result, auto_after = aggregate(groups, state)
+        totals, count = guard.guarded_totals(
+            result.totals,
+            lambda: _sum_as_one(aggregate, groups, groups.vectors, state),
+            c.axis_name,
+            sharded=False,
+        )
+    result = result._replace(totals=totals, sends_everything=True)
+    gain = jnp.ones((), jnp.float32)  # everything is "sent"
+    done = _Aggregated(list(grads.leaves), result, auto_after, [], [], {}, gain, count, 0.0, 0)
+    skipped = guard.skip_flag(c.nonfinite, count)
+    for i, leaf, total in zip(positions, leaves, totals):
+        update = total.reshape(leaf.shape) * grads.scale if grads.scale != 1 else total
+        if skipped is not None:
+            update = jnp.where(skipped, jnp.zeros_like(update), update)
+        done.out[i] = update.reshape(leaf.shape).astype(leaf.dtype)
+    new_state = _next_state(c, grads, done, skipped, state, state.auto is not None)
+    # The residual is kept as it was, typed per device as every other route leaves it (the
+    # state's layout reads its type from an update traced without a pinned branch).
+    axes = frozenset(c.axes)
+    residual = jax.tree.map(lambda r: vma.cast_varying(r, axes), state.residual)
+    return treedef.unflatten(done.out), new_state._replace(residual=residual)
 
 
 def _sum_as_one(aggregate, groups: Groups, vectors, state):
