@@ -391,6 +391,19 @@ def test_auto_on_one_device_runs_dense_without_probing():
         dp.reprobe(state)
 
 
+def test_auto_on_one_device_with_leaves_of_two_float_types():
+    """Mixed float types travel as float32 (the guard's second sum adds them end to end)."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    loss = lambda p, b: jnp.sum(p["a"] * b["g"][0, :3]) + jnp.sum(p["b"] * b["g"][0, 3:])  # noqa: E731
+    dp = data_parallel(loss, optax.chain(compress("auto"), optax.sgd(1.0)), mesh)
+    state = dp.init({"a": jnp.zeros(3), "b": jnp.zeros(2, jnp.bfloat16)})
+    g = np.array([[1.0, np.inf, 3.0, 4.0, 5.0]], np.float32)
+    state, metrics = dp.step(state, {"g": g})
+    assert float(metrics["nonfinite"]) == 1 and state.params["b"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(state.params["a"]), [-1.0, 0.0, -3.0])
+    np.testing.assert_array_equal(np.asarray(state.params["b"], np.float32), [-4.0, -5.0])
+
+
 @pytest.mark.parametrize("candidates", [None, (Dense(), TopK(0.05), jaxcomp.Zfp(8))])
 def test_auto_on_one_device_sums_each_leaf_as_it_is(candidates):
     """One device sends nothing: ``compress_auto`` runs its dense candidate on each leaf as it is

@@ -30,13 +30,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from jaxcomp import methods
 from jaxcomp.methods import Method
-from jaxcomp.ops import _ffi, flat, pieces, scatter
-from jaxcomp.optim import packing, pinning, readiness, sharding, vma
+from jaxcomp.ops import flat, pieces, scatter
+from jaxcomp.optim import _update_checks, packing, pinning, readiness, sharding, vma
 from jaxcomp.optim.config import FeedbackConfig
 from jaxcomp.optim.stages import divergence, error_feedback, guard, mask, metrics, momentum
 from jaxcomp.optim.stages.aggregation import (
@@ -112,7 +110,7 @@ def feedback_transformation(
 
     Example:
       >>> import jax.numpy as jnp, jaxcomp
-      >>> tx = jaxcomp.compress(methods.Dense())  # built on this
+      >>> tx = jaxcomp.compress(jaxcomp.Dense())  # built on this
       >>> tx.init({"w": jnp.zeros(3)}).methods
       (Dense(allreduce='ring'),)
 
@@ -167,14 +165,14 @@ def feedback_transformation(
         )
         return treedef.unflatten(done.out), new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, _checked_update(update_fn))
+    return optax.GradientTransformationExtraArgs(init_fn, _update_checks.checked_update(update_fn))
 
 
 def _init_state(c: FeedbackConfig, record: Branches, params, keeps_residual, init_auto, policy):
     """The state before the first update: zero residual and velocity per compressed leaf."""
     branches = record.methods
     if sharding.active() is not None:
-        _check_scatters(branches)
+        _update_checks.check_scatters(branches)
     leaves, treedef = jax.tree.flatten(params)
     lay = mask.layout(c, params, all(m.sends_everything for m in branches))
     compressed = lay.compressed
@@ -242,11 +240,11 @@ def _check_state_is_ours(c: FeedbackConfig, state, uses_auto, branches: Branches
 
 def _prepare(c: FeedbackConfig, branches, leaves, lay: mask.Layout) -> _Gradients:
     """The :class:`_Gradients` of these gradients, after checking where the update runs."""
-    axis_sizes = [_bound_axis_size(a) for a in c.axes]
+    axis_sizes = [_update_checks.bound_axis_size(a) for a in c.axes]
     n_devices = math.prod(axis_sizes)
-    shards = _shards(c, branches, n_devices)  # sharded training: N, else None
+    shards = _update_checks.shards(c, branches, n_devices)  # sharded training: N, else None
     floats = [leaves[i] for i in lay.floats]
-    _check_local_gradients(c, floats)
+    _update_checks.check_local_gradients(c, floats)
     comm_dtype = _comm_dtype(floats)
     groups = Groups(
         vectors=[],
@@ -331,7 +329,7 @@ def _update_alone(c: FeedbackConfig, grads: _Gradients, aggregate, state, alone:
     positions = [i for group, _ in grads.layout.groups for i in group]
     leaves = [grads.leaves[i] for i in positions]
     groups = grads.groups._replace(
-        vectors=[leaf.reshape(-1) for leaf in leaves],
+        vectors=[leaf.reshape(-1).astype(grads.comm_dtype) for leaf in leaves],
         names=[f"leaf {i}" for i in positions],
         sizes=[leaf.size for leaf in leaves],
         shapes=[(leaf.shape,) for leaf in leaves],
@@ -648,76 +646,6 @@ def _next_state(
     )
 
 
-def _checked_update(update_fn):
-    """``update_fn`` behind the argument checks that must come before any of its work."""
-
-    def update(updates, state, params=None, **extra_args):
-        _check_updates_fit_state(updates, state)
-        return update_fn(updates, state, params, **extra_args)
-
-    return update
-
-
-def _check_updates_fit_state(updates, state):
-    """Gradients shaped like the params ``init`` saw, and at least one value to aggregate."""
-    if not isinstance(state, CompressState):
-        raise TypeError(
-            "state must be the CompressState that compress's init returns, got "
-            f"{type(state).__name__}"
-        )
-    leaves, treedef = jax.tree.flatten_with_path(updates)
-    try:
-        residuals = treedef.flatten_up_to(state.residual)
-    except (ValueError, TypeError):
-        return  # update reports the structure mismatch itself
-    floats = [
-        (path, leaf, residual)
-        for (path, leaf), residual in zip(leaves, residuals)
-        if mask.is_float(leaf)
-    ]
-    for path, leaf, residual in floats:
-        if (
-            isinstance(residual, jax.Array | jax.ShapeDtypeStruct | np.ndarray)
-            and leaf.shape != residual.shape
-        ):
-            raise ValueError(
-                f"updates{jax.tree_util.keystr(path)} has shape {leaf.shape}, but compress was "
-                f"initialized with a param of shape {residual.shape} there: pass the gradients of "
-                "the params given to init"
-            )
-    if floats and sum(leaf.size for _, leaf, _ in floats) == 0:
-        raise ValueError(
-            f"updates hold no values (every float leaf is empty: shapes "
-            f"{[leaf.shape for _, leaf, _ in floats]}): there is nothing to aggregate"
-        )
-
-
-def _bound_axis_size(axis_name) -> int:
-    try:
-        return jax.lax.axis_size(axis_name)
-    except NameError:
-        raise ValueError(
-            f"compress(axis_name={axis_name!r}): update must run inside jax.shard_map over a mesh "
-            f"with axis {axis_name!r} (or use jaxcomp.data_parallel); no such axis is bound here"
-        ) from None
-
-
-def _check_local_gradients(c: FeedbackConfig, leaves):
-    """Refuses gradients that were already all-reduced densely (the replicated-params trap)."""
-    # With check_vma=False nothing is typed varying, so there is nothing to check.
-    probe = jax.lax.pcast(jnp.zeros((), jnp.float32), c.axis_name, to="varying")
-    if not set(c.axes) <= _ffi.varying_axes(probe):
-        return
-    for leaf in leaves:
-        if not set(c.axes) <= _ffi.varying_axes(leaf):
-            raise ValueError(
-                f"compress got gradients that are replicated over {c.axis_name!r}: jax.grad of "
-                "replicated params inside shard_map already all-reduced them densely, before "
-                "compression. Cast the params first: params = jax.lax.pcast(params, "
-                f"{c.axis_name!r}, to='varying') (or use jaxcomp.data_parallel, which does this)."
-            )
-
-
 def _narrowest(comm_dtype, methods):
     """The dtype whose largest value bounds the sums: the collectives' dtype, or a narrower one
     that a method sums in on the wire (:attr:`jaxcomp.methods.Method.wire_dtype`)."""
@@ -732,31 +660,3 @@ def _comm_dtype(leaves):
     if len(dtypes) == 1 and dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}:
         return dtypes.pop()
     return jnp.dtype(jnp.float32)
-
-
-def _shards(c: FeedbackConfig, branches, n_devices: int) -> int | None:
-    """With :func:`jaxcomp.optim.sharding.sharded_updates` in force, the shards per leaf (after
-    checking that they are the devices ``c.axes`` reduce over and that every method can
-    reduce-scatter); else None."""
-    active = sharding.active()
-    if active is None:
-        return None
-    if active.n_devices != n_devices:
-        raise ValueError(
-            f"the updates are sharded over {active.n_devices} devices, but compress(axis_name="
-            f"{c.axis_name!r}) reduces over {n_devices}: give compress the data axes data_parallel "
-            "splits the batch over"
-        )
-    _check_scatters(branches)
-    return n_devices
-
-
-def _check_scatters(branches):
-    """Raises a ValueError naming the first method without a reduce-scatter form."""
-    for method in branches:
-        if not method.scatters:
-            raise ValueError(
-                f"method {method.describe()} has no reduce-scatter form, so it cannot aggregate "
-                f"sharded gradients (data_parallel(shard=...)); methods that can: "
-                f"{', '.join(methods.scattering())}; or train with shard=None"
-            )
