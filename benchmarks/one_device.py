@@ -18,7 +18,6 @@ figure is the best round. Results go to stdout as a table and to ``--json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -115,16 +114,18 @@ def measure(model, methods, repeats: int, batch_size: int = 8) -> list[dict]:
 
 def table(rows) -> str:
     """The rows as a markdown table, one line per model and method."""
-    lines = [
-        "| model | params | method | step ms | plain step ms | vs plain |",
-        "|---|---:|---|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['method']} | "
-            f"{r['seconds'] * 1e3:.1f} | {r['plain_seconds'] * 1e3:.1f} | {r['vs_plain']:.2f}x |"
-        )
-    return "\n".join(lines)
+    return passes.markdown(
+        "model|params:|method|step ms:|plain step ms:|vs plain:",
+        rows,
+        lambda r: [
+            r["model"],
+            f"{r['params'] / 1e6:.1f}M",
+            r["method"],
+            f"{r['seconds'] * 1e3:.1f}",
+            f"{r['plain_seconds'] * 1e3:.1f}",
+            f"{r['vs_plain']:.2f}x",
+        ],
+    )
 
 
 def main(argv=None) -> int:
@@ -136,14 +137,12 @@ def main(argv=None) -> int:
         f"{jax.__version__}, one device of {len(jax.devices())}",
         flush=True,
     )
-    rows = []
-    for name in args.models:
-        rows += measure(zoo.build(name), args.methods, args.repeats, args.batch)
-        print(f"# {name} done", flush=True)
-    print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    passes.run_models(
+        args.models,
+        lambda name: measure(zoo.build(name), args.methods, args.repeats, args.batch),
+        table,
+        args.json,
+    )
     return 0
 
 

@@ -186,20 +186,47 @@ def best_of_rounds(runs: dict, repeats: int) -> dict:
     return best
 
 
+def markdown(columns: str, rows, cells) -> str:
+    """A markdown table: ``columns`` is its header row (``"name|ms:"``: a trailing ``:`` right
+    aligns), ``cells(row)`` each row's cells as strings."""
+    names = [c.rstrip(":") for c in columns.split("|")]
+    rule = ["---:" if c.endswith(":") else "---" for c in columns.split("|")]
+    lines = ["| " + " | ".join(names) + " |", "|" + "|".join(rule) + "|"]
+    lines += ["| " + " | ".join(cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 def table(rows) -> str:
     """The rows as a markdown table, one line per model and method."""
-    lines = [
-        "| model | params | leaves | method | update ms | copy ms | passes | target | within |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        within = "yes" if r["passes"] <= r["target"] else "**no**"
-        lines.append(
-            f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['leaves']} | {r['method']} | "
-            f"{r['seconds'] * 1e3:.1f} | {r['copy_seconds'] * 1e3:.1f} | {r['passes']:.1f} | "
-            f"<= {r['target']} | {within} |"
-        )
-    return "\n".join(lines)
+    return markdown(
+        "model|params:|leaves:|method|update ms:|copy ms:|passes:|target:|within",
+        rows,
+        lambda r: [
+            r["model"],
+            f"{r['params'] / 1e6:.1f}M",
+            str(r["leaves"]),
+            r["method"],
+            f"{r['seconds'] * 1e3:.1f}",
+            f"{r['copy_seconds'] * 1e3:.1f}",
+            f"{r['passes']:.1f}",
+            f"<= {r['target']}",
+            "yes" if r["passes"] <= r["target"] else "**no**",
+        ],
+    )
+
+
+def run_models(names, measure_one, table, json_path=None) -> list:
+    """Measures each model in turn (``measure_one(name) -> rows``), saying when each is done,
+    then prints ``table(rows)`` and writes the rows to ``json_path`` (if given)."""
+    rows = []
+    for name in names:
+        rows += measure_one(name)
+        print(f"# {name} done", flush=True)
+    print(table(rows))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -213,14 +240,12 @@ def main(argv=None) -> int:
         f"{jax.__version__}, {len(jax.devices())} device(s), allocator {args.allocator}",
         flush=True,
     )
-    rows = []
-    for model_name in args.models:
-        rows += measure(model_name, args.methods, args.repeats, args.allocator)
-        print(f"# {model_name} done", flush=True)
-    print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    run_models(
+        args.models,
+        lambda name: measure(name, args.methods, args.repeats, args.allocator),
+        table,
+        args.json,
+    )
     return 0
 
 
