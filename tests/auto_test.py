@@ -391,6 +391,29 @@ def test_auto_on_one_device_runs_dense_without_probing():
         dp.reprobe(state)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"min_size": 1000}, {"mask": {"big": True, "small": False}}],
+    ids=["min_size", "mask"],
+)
+def test_auto_on_one_device_sums_the_plain_leaves_too(options):
+    """Leaves left out of compression (``min_size=``, ``mask=``) are updated alike, non-finite
+    entries dropped and counted."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+
+    def loss(p, b):
+        return jnp.sum(p["big"] * b["g"][0, :3000]) + jnp.sum(p["small"] * b["g"][0, 3000:])
+
+    dp = data_parallel(loss, optax.chain(compress("auto", **options), optax.sgd(1.0)), mesh)
+    state = dp.init({"big": jnp.zeros(3000), "small": jnp.zeros(5)})
+    g = np.ones((1, 3005), np.float32)
+    g[0, 3001] = np.nan
+    state, metrics = dp.step(state, {"g": g})
+    assert float(metrics["nonfinite"]) == 1 and float(metrics["density"]) == 1.0
+    np.testing.assert_array_equal(np.asarray(state.params["small"]), [-1, 0, -1, -1, -1])
+    np.testing.assert_array_equal(np.asarray(state.params["big"]), -np.ones(3000))
+
+
 def test_auto_on_one_device_with_leaves_of_two_float_types():
     """Mixed float types travel as float32 (the guard's second sum adds them end to end)."""
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))

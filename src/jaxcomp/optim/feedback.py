@@ -326,7 +326,7 @@ def _update_alone(c: FeedbackConfig, grads: _Gradients, aggregate, state, alone:
     made and the one the state holds stays as it is; the guardrail has nothing compressed to
     watch. The metrics report the branch, and the choosing state (``compress_auto``'s) learns
     of its step as of any other."""
-    positions = [i for group, _ in grads.layout.groups for i in group]
+    positions = list(grads.layout.floats)  # the plain leaves (mask=, min_size=) too
     leaves = [grads.leaves[i] for i in positions]
     groups = grads.groups._replace(
         vectors=[leaf.reshape(-1).astype(grads.comm_dtype) for leaf in leaves],
