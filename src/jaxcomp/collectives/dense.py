@@ -11,7 +11,6 @@ from jaxcomp.collectives._common import (
     axis_size,
     check_rows,
     local_vector,
-    one_device_total,
     psum_or_retype,
 )
 from jaxcomp.collectives.ring import BFLOAT16_BITS, FLOAT16_BITS, ring_allreduce
@@ -224,13 +223,8 @@ def narrow_allreduce(x, axis_name, dtype, *, scatter=False, algorithm="auto"):
         return total.astype(v.dtype), sent.astype(v.dtype)
 
     def by_psum(v):
-        narrow = v.astype(jnp.dtype(name))
-        if n_devices == 1:  # the cast alone, and no collective (XLA:CPU copies through one)
-            total = narrow if scatter else one_device_total(narrow, axis_name)
-        elif scatter:
-            total = jax.lax.psum_scatter(narrow, axis_name, scatter_dimension=0, tiled=True)
-        else:
-            total = jax.lax.psum(narrow, axis_name)
+        # psum / psum_scatter: on one device the cast alone, with no collective.
+        total, narrow = (psum_scatter if scatter else psum)(v.astype(jnp.dtype(name)), axis_name)
         return total.astype(v.dtype), narrow.astype(v.dtype)
 
     # One device sends nothing: the psum of one is the cast alone.

@@ -159,7 +159,7 @@ class TopK(Fraction, Method):
         if self.collective != "ar" or self.leader != "split":
             return k
         N = _checks.check_devices(n_devices)
-        return min(N * min(sizes.ceil_div(k, N), n), n)
+        return min(N * sizes.ceil_div(k, N), n)
 
     @property
     def scatters(self):

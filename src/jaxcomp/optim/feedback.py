@@ -290,11 +290,16 @@ def _sum_dense(c: FeedbackConfig, grads: _Gradients, aggregate, state) -> _Aggre
         )
         for (positions, _), row in zip(grads.layout.groups, grads.rows)
     ]
-    groups = _filled(grads.groups, vectors)
+    return _sum_groups(c, grads, _filled(grads.groups, vectors), aggregate, state)
+
+
+def _sum_groups(c: FeedbackConfig, grads: _Gradients, groups: Groups, aggregate, state):
+    """The :class:`_Aggregated` of ``groups`` summed as they are, the guard looking at the sums
+    (:func:`guard.guarded_totals`): the dense route's sum, packed or leaf by leaf."""
     result, auto_after = aggregate(groups, state)
     totals, count = guard.guarded_totals(
         result.totals,
-        lambda: _sum_as_one(aggregate, groups, _as_sent(vectors, result), state),
+        lambda: _sum_as_one(aggregate, groups, _as_sent(groups.vectors, result), state),
         c.axis_name,
         sharded=grads.shards is not None,
     )
@@ -337,22 +342,14 @@ def _update_alone(c: FeedbackConfig, grads: _Gradients, aggregate, state, alone:
         buckets=None,
     )
     with pinning.pinned(alone, state.branches):
-        result, auto_after = aggregate(groups, state)
-        totals, count = guard.guarded_totals(
-            result.totals,
-            lambda: _sum_as_one(aggregate, groups, groups.vectors, state),
-            c.axis_name,
-            sharded=False,
-        )
-    result = result._replace(totals=totals, sends_everything=True)
-    gain = jnp.ones((), jnp.float32)  # everything is "sent"
-    done = _Aggregated(list(grads.leaves), result, auto_after, [], [], {}, gain, count, 0.0, 0)
-    skipped = guard.skip_flag(c.nonfinite, count)
-    for i, leaf, total in zip(positions, leaves, totals):
-        update = total.reshape(leaf.shape) * grads.scale if grads.scale != 1 else total
+        done = _sum_groups(c, grads, groups, aggregate, state)
+    done = done._replace(result=done.result._replace(sends_everything=True))
+    skipped = guard.skip_flag(c.nonfinite, done.nonfinite)
+    for i, leaf, total in zip(positions, leaves, done.result.totals):
+        update = total.reshape(leaf.shape)  # the mean over one device is the sum
         if skipped is not None:
             update = jnp.where(skipped, jnp.zeros_like(update), update)
-        done.out[i] = update.reshape(leaf.shape).astype(leaf.dtype)
+        done.out[i] = update.astype(leaf.dtype)
     new_state = _next_state(c, grads, done, skipped, state, state.auto is not None)
     # The residual is kept as it was, typed per device as every other route leaves it (the
     # state's layout reads its type from an update traced without a pinned branch).
