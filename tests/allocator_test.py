@@ -9,9 +9,9 @@ from helpers import subprocess_env
 
 from jaxcomp.ops import allocator
 
-# Allocates and frees a 64 MB block twice and reports glibc's mmapped bytes while it is held
-# (mallinfo2's hblkhd): above the 32 MB threshold glibc maps every such block, unless tuned.
-PROBE = """
+# What every probe below starts with: glibc's malloc, free and mallinfo2 (whose hblkhd counts
+# the bytes glibc holds mapped) through ctypes.
+MALLINFO = """
 import ctypes, json, sys
 from jaxcomp.ops import allocator
 
@@ -24,6 +24,13 @@ libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 libc.mallinfo2.restype = Info
+"""
+
+# Allocates and frees a 64 MB block twice and reports glibc's mmapped bytes while it is held:
+# above the 32 MB threshold glibc maps every such block, unless tuned.
+PROBE = (
+    MALLINFO
+    + """
 tuned = allocator.tune_host_allocator() if sys.argv[1] == "tune" else None
 mapped = []
 for _ in range(2):
@@ -33,6 +40,7 @@ for _ in range(2):
     libc.free(block)
 print(json.dumps({"tuned": tuned, "mapped": mapped}))
 """
+)
 
 
 def _probe(mode, env=None):
@@ -59,6 +67,78 @@ def test_large_blocks_stay_on_the_heap_once_tuned():
     assert all(m < 64 << 20 for m in tuned["mapped"])
     # The environment variables do the same for a process about to start.
     assert all(m < 64 << 20 for m in _probe("default", allocator.environment("tuned"))["mapped"])
+
+
+# The same from a thread started after the settings, as XLA:CPU's worker threads run each step:
+# 100 MB, above the 64 MB a thread arena's heap holds, which glibc maps whatever M_MMAP_MAX says
+# unless every thread is on the main heap (M_ARENA_MAX = 1). A thread that had its arena before
+# keeps it: what a call after JAX's backend started leaves (and warns of).
+THREAD = (
+    MALLINFO
+    + """
+import threading
+mapped, tuned, settings = [], threading.Event(), sys.argv[1]
+
+def allocate():
+    libc.free(libc.malloc(64))  # the thread's arena, if it had none yet
+    tuned.wait()
+    block = libc.malloc(100 << 20)
+    ctypes.memset(block, 1, 100 << 20)
+    mapped.append(libc.mallinfo2().hblkhd)
+    libc.free(block)
+
+worker = threading.Thread(target=allocate)
+if settings == "late":  # the thread has its arena before the settings
+    worker.start()
+if settings in ("early", "late"):
+    allocator.tune_host_allocator()
+tuned.set()
+if settings != "late":
+    worker.start()
+worker.join()
+print(json.dumps(mapped[0]))
+"""
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
+def test_a_worker_thread_started_after_tuning_keeps_large_blocks_on_the_heap():
+    def probe(settings, env=None):
+        run = subprocess.run(
+            [sys.executable, "-c", THREAD, settings],
+            env={**subprocess_env(), **(env or {})},
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd="/",
+        )
+        return int(run.stdout)
+
+    assert probe("default") >= 100 << 20  # glibc maps it
+    assert probe("early") < 100 << 20  # mapped (100 MB) without M_ARENA_MAX
+    assert probe("late") >= 100 << 20  # the thread's own arena still maps it
+    # Started with the environment, every thread is on the main heap from the first.
+    assert probe("default", allocator.environment("tuned")) < 100 << 20
+
+
+def test_tuning_after_the_backend_started_warns(monkeypatch):
+    monkeypatch.setattr(allocator, "_mallopt", lambda: lambda code, value: 1)  # changes nothing
+    monkeypatch.setattr(allocator, "_backend_started", lambda: True)
+    with pytest.warns(RuntimeWarning, match="before any JAX operation"):
+        assert allocator.tune_host_allocator() is True
+    monkeypatch.setattr(allocator, "_backend_started", lambda: False)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert allocator.tune_host_allocator() is True
+
+
+def test_backend_started_reads_jax():
+    import jax.numpy as jnp
+
+    jnp.zeros(1).block_until_ready()
+    assert allocator._backend_started() is True
 
 
 def test_environment_and_started_with_agree():

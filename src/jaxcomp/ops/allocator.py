@@ -7,6 +7,12 @@ model, the executable's temporaries) into new pages: a page fault and a zeroed p
 On this project's machine that made a 100 MB ``jnp.zeros`` take 24 ms instead of 3 ms, and every
 method's update, the plain copy included, 35-40% slower (docs/performance.md, "A second trap").
 
+jax 0.10 runs each step on XLA:CPU's worker threads, and glibc gives every thread an arena of
+its own (up to 8 per core), whose heaps hold at most 64 MB: a larger block there is mapped
+afresh whatever ``M_MMAP_MAX`` says. The settings therefore keep every thread on the one main
+heap (``M_ARENA_MAX = 1``), and they must be in force before JAX starts its backend: a thread
+keeps the arena it was given first.
+
 :func:`tune_host_allocator` tells glibc to serve large blocks from the heap and to keep freed
 memory for the next step; :data:`ENVIRONMENT` does the same for a process about to start (glibc
 reads it at start-up). jaxcomp never does this behind a user's back: the process keeps its peak
@@ -22,17 +28,20 @@ import os
 import warnings
 
 #: glibc's ``mallopt`` parameter numbers (``malloc.h``).
-_CODES = {"M_TRIM_THRESHOLD": -1, "M_TOP_PAD": -2, "M_MMAP_MAX": -4}
+_CODES = {"M_TRIM_THRESHOLD": -1, "M_TOP_PAD": -2, "M_MMAP_MAX": -4, "M_ARENA_MAX": -8}
 
 #: The settings, as ``mallopt`` takes them: no mmap for large blocks, free memory kept up to 2 GiB
-#: at the top of the heap, and the heap grown 1 GiB at a time.
-SETTINGS = {"M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 2**31 - 1, "M_TOP_PAD": 2**30}
+#: at the top of the heap, the heap grown 1 GiB at a time, and every thread on the main heap (a
+#: thread's own arena maps any block over 64 MB).
+SETTINGS = {"M_MMAP_MAX": 0, "M_TRIM_THRESHOLD": 2**31 - 1, "M_TOP_PAD": 2**30, "M_ARENA_MAX": 1}
 
-#: The same settings as glibc's environment variables, for a process about to start.
+#: The same settings as glibc's environment variables, for a process about to start (glibc names
+#: the arena's without the trailing underscore).
 ENVIRONMENT = {
     "MALLOC_MMAP_MAX_": "0",
     "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1),
     "MALLOC_TOP_PAD_": str(2**30),
+    "MALLOC_ARENA_MAX": "1",
 }
 
 
@@ -59,18 +68,24 @@ def _malloc_trim():
 def tune_host_allocator() -> bool:
     """Serves XLA:CPU's large buffers from the heap and keeps freed memory for reuse (glibc only).
 
-    Call it once, early (before the first step; buffers allocated before keep their pages). It
-    helps every large-model job on XLA:CPU, compressed or not: the plain ``pmean`` step gains as
-    much as the compressed ones. The price: the process keeps its peak heap, up to 2 GiB of freed
-    memory at the top, instead of returning it to the system, and a process that allocates large
-    buffers of changing sizes can grow: a ``jaxcomp netbench`` host that trained resnet50 with
-    eight methods in a row reached 6.2 GB and was killed for memory (4 hosts on 24 GiB).
+    Call it once, **before JAX's first operation** (right after ``import jax``, before
+    ``jax.devices()`` or any array): XLA:CPU runs each step on worker threads that JAX starts
+    with its backend, and a thread keeps the malloc arena it first got, so a later call leaves
+    those threads mapping every block over 64 MB afresh, and warns. Measured on one device, the
+    bf16 update of a 25M model of 2041-wide layers took 61 ms tuned early against 202 ms with
+    glibc's defaults, and 207 ms tuned after the first step (docs/performance.md). It helps every
+    large-model job on XLA:CPU, compressed or not. The price: the process keeps its peak heap,
+    up to 2 GiB of freed memory at the top, instead of returning it to the system, and a process
+    that allocates large buffers of changing sizes can grow: a ``jaxcomp netbench`` host that
+    trained resnet50 with eight methods in a row reached 6.2 GB and was killed for memory (4
+    hosts on 24 GiB).
     ``jaxcomp netbench``, ``benchmarks/peers.py`` and ``benchmarks/passes.py`` take
     ``--allocator tuned`` to start their hosts with :data:`ENVIRONMENT`.
 
     Returns:
-      True when glibc took the settings; False (with a ``RuntimeWarning``) where the C library has
-      no ``mallopt`` or refused one, and nothing changed.
+      True when glibc took the settings (with a ``RuntimeWarning`` when JAX's backend had
+      already started, which they then miss); False (with a ``RuntimeWarning``) where the C
+      library has no ``mallopt`` or refused one, and nothing changed.
 
     Example:
       >>> import jaxcomp
@@ -78,9 +93,9 @@ def tune_host_allocator() -> bool:
       True
 
     References:
-      glibc manual, "Malloc Tunable Parameters" (``M_MMAP_MAX``, ``M_TRIM_THRESHOLD``,
-      ``M_TOP_PAD``); docs/performance.md, "A second trap: every buffer over 32 MB is a fresh
-      mmap" (the measurements).
+      glibc manual, "Malloc Tunable Parameters" (``M_ARENA_MAX``, ``M_MMAP_MAX``,
+      ``M_TRIM_THRESHOLD``, ``M_TOP_PAD``); docs/performance.md, "A second trap: every buffer
+      over 32 MB is a fresh mmap" and "Worker threads" (the measurements).
     """
     mallopt = _mallopt()
     if mallopt is None:
@@ -100,7 +115,28 @@ def tune_host_allocator() -> bool:
             stacklevel=2,
         )
         return False
+    if _backend_started():
+        warnings.warn(
+            "jaxcomp.tune_host_allocator: called after JAX started its backend, so the worker "
+            "threads XLA:CPU runs each step on keep their own malloc arenas, where glibc maps "
+            "every block over 64 MB afresh: the steps stay as slow as untuned. Call it right "
+            "after `import jax`, before any JAX operation, or start the process with "
+            "jaxcomp.ops.allocator.ENVIRONMENT in its environment",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return True
+
+
+def _backend_started() -> bool:
+    """Whether JAX has started a backend (and with it XLA:CPU's worker threads); False where
+    this JAX cannot say."""
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):
+        return False
 
 
 def environment(allocator: str) -> dict[str, str]:
