@@ -216,3 +216,23 @@ def test_settled_counters_wait_for_the_queued_sends(monkeypatch):
     monkeypatch.setattr(cluster, "_interface_counters", lambda interface: next(moving))
     tx, _ = cluster.read_interface_counters("eth0", settle=0.05)
     assert 1 <= tx < 10_000
+
+
+@pytest.mark.multiprocess
+def test_the_cli_starts_every_host_with_the_allocator_asked_for(tmp_path, capsys):
+    from jaxcomp.cli import cluster as cli
+
+    # Each host exits 0 only if it started with the allocator named in its argument.
+    script = tmp_path / "check_allocator.py"
+    script.write_text(
+        "import sys\nfrom jaxcomp.ops import allocator\n"
+        "sys.exit(0 if allocator.started_with() == sys.argv[1] else 3)\n"
+    )
+    run = ["--hosts", "2", "--rate", "none", "--timeout", "120"]
+    assert cli.main([*run, "--allocator", "tuned", "--", str(script), "tuned"]) == 0
+    assert cli.main([*run, "--", str(script), "glibc"]) == 0  # glibc's, the default
+    assert cli.main([*run, "--", str(script), "tuned"]) == 3
+    assert our_namespaces() == []
+    with pytest.raises(SystemExit):
+        cli.main([*run, "--allocator", "jemalloc", "--", str(script)])
+    assert "invalid choice: 'jemalloc'" in capsys.readouterr().err
