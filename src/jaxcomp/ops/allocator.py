@@ -79,8 +79,9 @@ def tune_host_allocator() -> bool:
     that allocates large buffers of changing sizes can grow: a ``jaxcomp netbench`` host that
     trained resnet50 with eight methods in a row reached 6.2 GB and was killed for memory (4
     hosts on 24 GiB).
-    ``jaxcomp netbench``, ``benchmarks/peers.py`` and ``benchmarks/passes.py`` take
-    ``--allocator tuned`` to start their hosts with :data:`ENVIRONMENT`.
+    ``jaxcomp cluster``, ``python -m jaxcomp.distributed.launch``, ``jaxcomp netbench``,
+    ``benchmarks/peers.py`` and ``benchmarks/passes.py`` take ``--allocator tuned`` to start
+    their processes with :data:`ENVIRONMENT`.
 
     Returns:
       True when glibc took the settings (with a ``RuntimeWarning`` when JAX's backend had
