@@ -200,3 +200,17 @@ class EntryGraph:
         for group in re.findall(r"branch_computations=\{([^}]*)\}", text):
             names += re.findall(r"%([\w.\-]+)", group)
         return names
+
+
+def allocator_check_script(directory) -> str:
+    """A script, written into ``directory``, that exits 0 when its process started with the
+    allocator its first argument names (``jaxcomp.ops.allocator.started_with``), else 3: what
+    the launchers' ``--allocator`` tests run in every process."""
+    import pathlib
+
+    script = pathlib.Path(directory) / "check_allocator.py"
+    script.write_text(
+        "import sys\nfrom jaxcomp.ops import allocator\n"
+        "sys.exit(0 if allocator.started_with() == sys.argv[1] else 3)\n"
+    )
+    return str(script)

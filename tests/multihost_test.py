@@ -5,7 +5,7 @@ import os
 import multihost_worker
 import numpy as np
 import pytest
-from helpers import need_devices, subprocess_env
+from helpers import allocator_check_script, need_devices, subprocess_env
 
 from jaxcomp.distributed.launch import launch
 
@@ -50,16 +50,11 @@ def test_launcher_reports_the_first_failure():
 def test_launcher_starts_the_processes_with_the_allocator_asked_for(tmp_path):
     from jaxcomp.distributed.launch import main
 
-    # Each process exits 0 only if it started with the allocator named in its argument.
-    script = tmp_path / "check_allocator.py"
-    script.write_text(
-        "import sys\nfrom jaxcomp.ops import allocator\n"
-        "sys.exit(0 if allocator.started_with() == sys.argv[1] else 3)\n"
-    )
-    assert launch([str(script), "tuned"], num_processes=2, allocator="tuned") == 0
-    assert launch([str(script), "tuned"], num_processes=1) == 3  # glibc's, the default
-    assert launch([str(script), "glibc"], num_processes=1) == 0
-    assert main(["-n", "1", "--allocator", "tuned", str(script), "tuned"]) == 0
+    script = allocator_check_script(tmp_path)  # exits 0 if started with its argument's
+    assert launch([script, "tuned"], num_processes=2, allocator="tuned") == 0
+    assert launch([script, "tuned"], num_processes=1) == 3  # glibc's, the default
+    assert launch([script, "glibc"], num_processes=1) == 0
+    assert main(["-n", "1", "--allocator", "tuned", script, "tuned"]) == 0
     with pytest.raises(ValueError, match="allocator must be one of"):
         launch(["x.py"], num_processes=1, allocator="jemalloc")
 
