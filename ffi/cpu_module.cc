@@ -8,6 +8,7 @@ NB_MODULE(_jaxcomp_cpu, m) {
                                       JaxcompZfpEncodeCpu, JaxcompZfpDecodeCpu, JaxcompSignPackCpu,
                                       JaxcompSignUnpackCpu, JaxcompHadamardCpu, JaxcompPackCpu,
                                       JaxcompSignUnpackSumCpu, JaxcompEnergiesCpu,
-                                      JaxcompScatterLeavesCpu, JaxcompSplitLeavesCpu);
+                                      JaxcompScatterLeavesCpu, JaxcompSplitLeavesCpu,
+                                      JaxcompMergeIndicesCpu);
   });
 }

@@ -15,7 +15,8 @@ inline nanobind::dict Registrations(XLA_FFI_Handler* topk, XLA_FFI_Handler* find
                                     XLA_FFI_Handler* pack = nullptr, XLA_FFI_Handler* sign_unpack_sum = nullptr,
                                     XLA_FFI_Handler* energies = nullptr,
                                     XLA_FFI_Handler* scatter_leaves = nullptr,
-                                    XLA_FFI_Handler* split_leaves = nullptr) {
+                                    XLA_FFI_Handler* split_leaves = nullptr,
+                                    XLA_FFI_Handler* merge_indices = nullptr) {
   auto capsule = [](XLA_FFI_Handler* fn) { return nanobind::capsule(reinterpret_cast<void*>(fn)); };
   nanobind::dict targets;
   targets["jaxcomp_topk"] = capsule(topk);
@@ -37,6 +38,8 @@ inline nanobind::dict Registrations(XLA_FFI_Handler* topk, XLA_FFI_Handler* find
   if (scatter_leaves != nullptr) targets["jaxcomp_scatter_leaves"] = capsule(scatter_leaves);
   // CPU only: elsewhere XLA slices each leaf out of the dense vector (fused into its consumers).
   if (split_leaves != nullptr) targets["jaxcomp_split_leaves"] = capsule(split_leaves);
+  // CPU only: elsewhere XLA sorts the gathered indices (jaxcomp.ops.topk.merged_indices).
+  if (merge_indices != nullptr) targets["jaxcomp_merge_indices"] = capsule(merge_indices);
   return targets;
 }
 

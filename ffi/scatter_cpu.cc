@@ -54,15 +54,17 @@ ffi::Error ScatterLeaves(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indices, ff
 }
 
 ffi::Error SplitLeaves(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> dense, ffi::Buffer<ffi::S32> silenced,
-                       float scale, ffi::RemainingRets rets) {
+                       float scale, int64_t drop, ffi::RemainingRets rets) {
   if (dense.dimensions().size() != 1) return ffi::Error::InvalidArgument("dense must be 1-D");
   if (silenced.element_count() != 1) return ffi::Error::InvalidArgument("silenced must be a scalar");
+  if (ffi::Error e = jaxcomp_ffi::CheckRange(drop, 0, 1, "drop"); e.failure()) return e;
   auto leaves = DecodeLeaves(rets);
   if (leaves.has_error()) return leaves.error();
   const auto& l = leaves.value();
   return jaxcomp_ffi::ToError(jaxcomp::split_leaves(dense.typed_data(), static_cast<int64_t>(dense.element_count()),
                                                     l.data(), static_cast<int64_t>(l.size()), scale,
-                                                    silenced.typed_data()[0] != 0, jaxcomp_ffi::PoolParallel(pool)));
+                                                    silenced.typed_data()[0] != 0, jaxcomp_ffi::PoolParallel(pool),
+                                                    drop != 0));
 }
 
 }  // namespace
@@ -73,6 +75,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompSplitLeavesCpu, SplitLeaves,
                                   .Arg<ffi::Buffer<ffi::F32>>()    // dense: 1-D, the leaves end to end
                                   .Arg<ffi::Buffer<ffi::S32>>()    // silenced: a scalar, nonzero: all 0
                                   .Attr<float>("scale")            // every value's factor
+                                  .Attr<int64_t>("drop")           // 1: non-finite values become 0
                                   .RemainingRets());               // the leaves, float32, any shapes
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompScatterLeavesCpu, ScatterLeaves,

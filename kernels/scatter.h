@@ -9,7 +9,7 @@
 //
 // where out is the leaves' values laid end to end (n of them). split_leaves is the dense form:
 //
-//   every leaf's values = dense[its offset ...] * scale       (silenced: 0)
+//   every leaf's values = (drop and dense[i] not finite ? 0 : dense[i]) * scale   (silenced: 0)
 //
 // one read of each value and one write into its leaf, where XLA slices each leaf out of the
 // vector: a distinct kernel per leaf (its offset is a constant of the fused loop), which XLA:CPU
@@ -176,7 +176,7 @@ inline Status scatter_leaves(const ScatterRows& rows, const ScatterLeaf* leaves,
 // split_leaves formula). Fails, writing nothing, on a negative size, on missing pointers, on a
 // vector shorter than the leaves, or on a scale that is not finite and > 0.
 inline Status split_leaves(const float* dense, int64_t n, const ScatterLeaf* leaves, int64_t num_leaves,
-                           float scale, bool silenced, const Parallel& parallel) {
+                           float scale, bool silenced, const Parallel& parallel, bool drop = false) {
   if (Status s = scatter_detail::CheckLeaves(leaves, num_leaves); !s.ok()) return s;
   const scatter_detail::Layout layout(leaves, num_leaves);
   const int64_t total = layout.size();
@@ -197,6 +197,8 @@ inline Status split_leaves(const float* dense, int64_t n, const ScatterLeaf* lea
     layout.each_part(begin, end, [&](float* p, int64_t count) {
       if (silenced) {
         std::memset(p, 0, sizeof(float) * count);
+      } else if (drop) {  // (an error-fed residual: a value that overflowed is not kept)
+        for (int64_t j = 0; j < count; ++j) p[j] = (std::isfinite(from[j]) ? from[j] : 0.0f) * scale;
       } else if (scale == 1.0f) {  // the values as they are, NaN payloads included
         std::memcpy(p, from, sizeof(float) * count);
       } else {

@@ -10,15 +10,18 @@
 // every key above K, then the lowest-index keys equal to K). Everything reduces to finding
 // enough leading bits of K:
 //
-// * long rows: one parallel pass builds per-part histograms of the key's top 16 bits; the bin
-//   holding K is where the cumulative count from the top reaches k, which settles rounds <= 16.
-//   The same pass keeps the candidates: entries whose key reaches a floor estimated from a
-//   sample of the row (somewhat more than k entries). The low 15 bits of K (rounds > 16) come from
-//   the candidates in K's bin, and the per-part histograms say how many keys each part has
+// * long rows: one parallel pass keeps the candidates: entries whose key reaches a floor
+//   estimated from a sample of the row (somewhat more than k entries). It only compares and
+//   copies (blocks without a candidate are skipped by one vectorized test), so it runs near
+//   memory speed. When it kept at least k, K is a candidate's key and everything else is read
+//   off the candidates: per-part histograms of their keys' top 16 bits (the bin holding K is
+//   where the cumulative count from the top reaches k, which settles rounds <= 16), the low 15
+//   bits of K (rounds > 16) from the candidates in K's bin, and how many keys each part has
 //   above `hi` and inside the bracket, so prefix sums give every part its output offset and
 //   each part writes its selection from its candidates, in index order (the first parts take
-//   the bracket keys still needed). When the sample misled (the floor is above the bracket) or
-//   a part's candidates overflow its buffer, full passes over the row do the same work.
+//   the bracket keys still needed). When the sample misled (fewer than k candidates) or a
+//   part's candidates overflow its buffer, one pass histograms every key of the row and
+//   collects again, and full passes over the row do what the candidates cannot.
 //   With fewer rows than threads each row is split into parts across threads, else every
 //   thread takes whole rows (one part each).
 // * short rows: an exponent histogram finds K's binade, std::nth_element on that binade's keys
@@ -138,6 +141,38 @@ inline void SelectFrom(const float* x, int64_t begin, int64_t end, uint32_t lo, 
   for (; i < end; ++i) selection->Offer(x[i], i);
 }
 
+// Keeps x[begin, end)'s entries whose key is >= floor (values and indices, in index order) while
+// they fit in `capacity`, and returns how many there are, counting on past the capacity. Blocks
+// without one are skipped with one vectorized test; in the others, while a whole block fits,
+// every entry is written and the count advances past the kept ones only (no branch per entry).
+inline int64_t CollectCandidates(const float* x, int64_t begin, int64_t end, uint32_t floor, float* values,
+                                 int32_t* indices, int64_t capacity) {
+  int64_t count = 0;
+  auto offer = [&](int64_t i) {
+    if (MagnitudeKey(x[i]) < floor) return;
+    if (count < capacity) {
+      values[count] = x[i];
+      indices[count] = static_cast<int32_t>(i);
+    }
+    ++count;
+  };
+  int64_t i = begin;
+  for (; i + kScanBlock <= end; i += kScanBlock) {
+    if (!AnyKeyInRange(x + i, floor, kKeyRangeEnd)) continue;
+    if (count + kScanBlock > capacity) {
+      for (int64_t j = i; j < i + kScanBlock; ++j) offer(j);
+      continue;
+    }
+    for (int64_t j = i; j < i + kScanBlock; ++j) {
+      values[count] = x[j];
+      indices[count] = static_cast<int32_t>(j);
+      count += MagnitudeKey(x[j]) >= floor;
+    }
+  }
+  for (; i < end; ++i) offer(i);
+  return count;
+}
+
 // The bin of the k-th largest key: the highest b with above + hist[b] + hist[b + 1] + ... >= k,
 // where `above` (updated to include the bins past b) counts keys beyond the histogram. Every
 // key must lie in or beyond it, and there are at least k. Whole blocks of bins are skipped
@@ -191,10 +226,10 @@ inline Bracket ShortRowSearch(const float* x, int64_t n, int64_t k, int rounds, 
   return bracket;
 }
 
-// Candidate collection: the first pass also keeps every entry whose key reaches a floor
-// estimated from a sample, so the k-th key's low bits and the selection come from the (few)
-// candidates instead of two more passes over the row. The floor is checked against the
-// histogram afterwards; a wrong estimate or a full buffer sends the row to the full passes.
+// Candidate collection: the first pass keeps every entry whose key reaches a floor estimated
+// from a sample, so the bracket and the selection come from the (few) candidates instead of
+// histograms of the whole row and more passes over it. Fewer than k candidates or a full
+// buffer send the row to the histogram pass (which collects again) and the full passes.
 constexpr int64_t kMaxSamples = int64_t{1} << 14;
 constexpr int64_t kSampleSpacing = 256;           // one sample per 256 entries, up to kMaxSamples
 constexpr int64_t kMinSamples = 256;              // fewer give too loose a floor to bother
@@ -229,32 +264,7 @@ class HistogramSearch {
   // or rounds > 16 (they then replace the pass over the k-th key's coarse bin).
   Bracket Search(const float* x, int64_t n, int64_t k, int rounds, bool collect, const Parallel& parallel) {
     const uint32_t floor = collect ? PlanCandidates(x, n, k, rounds) : kNoCandidates;
-    parallel.run(parts_, [&](int64_t part) {
-      uint32_t* hist = &coarse_[part * kCoarseBins];
-      std::fill(hist, hist + kCoarseBins, 0u);
-      int64_t begin, end;
-      split_range(n, parts_, part, kPartAlign, &begin, &end);
-      if (floor == kNoCandidates) {
-        for (int64_t i = begin; i < end; ++i) ++hist[MagnitudeKey(x[i]) >> kFineBits];
-        return;
-      }
-      float* candidate_values = candidate_values_.get() + candidate_start_[part];
-      int32_t* candidate_indices = candidate_indices_.get() + candidate_start_[part];
-      const int64_t capacity = candidate_start_[part + 1] - candidate_start_[part];
-      int64_t count = 0;
-      for (int64_t i = begin; i < end; ++i) {
-        const uint32_t key = MagnitudeKey(x[i]);
-        ++hist[key >> kFineBits];
-        if (key >= floor) {
-          if (count < capacity) {
-            candidate_values[count] = x[i];
-            candidate_indices[count] = static_cast<int32_t>(i);
-          }
-          ++count;  // keeps counting past the capacity, to detect the overflow
-        }
-      }
-      candidate_count_[part] = count;
-    });
+    if (floor == kNoCandidates || !CollectOnly(x, n, k, floor, parallel)) HistogramPass(x, n, floor, parallel);
     const uint32_t* total = Merge(coarse_, kCoarseBins, parallel);
     int64_t above_bin = 0;  // keys in bins above the k-th key's bin
     const uint32_t kth_bin = static_cast<uint32_t>(FindKthBin(total, kCoarseBins, k, &above_bin));
@@ -268,7 +278,9 @@ class HistogramSearch {
     }
 
     if (rounds > kCoarseBits) {
-      parallel.run(parts_, [&](int64_t part) { FineHistogram(x, n, part, kth_bin); });
+      // From the candidates it is little work: no barrier with threads that may be busy elsewhere.
+      const Parallel& fine = use_candidates_ ? BookkeepingParallel(parallel) : parallel;
+      fine.run(parts_, [&](int64_t part) { FineHistogram(x, n, part, kth_bin); });
       const uint32_t* fine_total = Merge(fine_, kFineBins, parallel);
       int64_t above_fine = above_bin;
       kth_key |= static_cast<uint32_t>(FindKthBin(fine_total, kFineBins, k, &above_fine));
@@ -350,6 +362,63 @@ class HistogramSearch {
       if (candidate_capacity_ == 0) return kNoCandidates;
     }
     return floor;
+  }
+
+  // The common case's only pass over the row: each part keeps its candidates (every key >= the
+  // floor), with no histogram of the row, then histograms its candidates' keys. True when they
+  // all fit and number at least k: the k-th key is then a candidate's, and the candidates'
+  // histograms are all the search needs. Otherwise (the sample misled) HistogramPass runs.
+  bool CollectOnly(const float* x, int64_t n, int64_t k, uint32_t floor, const Parallel& parallel) {
+    parallel.run(parts_, [&](int64_t part) {
+      int64_t begin, end;
+      split_range(n, parts_, part, kPartAlign, &begin, &end);
+      const float* candidate_values = candidate_values_.get() + candidate_start_[part];
+      const int64_t capacity = candidate_start_[part + 1] - candidate_start_[part];
+      const int64_t count = CollectCandidates(x, begin, end, floor, candidate_values_.get() + candidate_start_[part],
+                                              candidate_indices_.get() + candidate_start_[part], capacity);
+      candidate_count_[part] = count;
+      if (count > capacity) return;  // (HistogramPass will run)
+      uint32_t* hist = &coarse_[part * kCoarseBins];
+      std::fill(hist, hist + kCoarseBins, 0u);
+      for (int64_t c = 0; c < count; ++c) ++hist[MagnitudeKey(candidate_values[c]) >> kFineBits];
+    });
+    int64_t total = 0;
+    for (int64_t part = 0; part < parts_; ++part) {
+      if (candidate_count_[part] > candidate_start_[part + 1] - candidate_start_[part]) return false;
+      total += candidate_count_[part];
+    }
+    return total >= k;
+  }
+
+  // One pass over the row: each part's histogram of the keys' top 16 bits, and its candidates
+  // (every key >= floor; none with kNoCandidates).
+  void HistogramPass(const float* x, int64_t n, uint32_t floor, const Parallel& parallel) {
+    parallel.run(parts_, [&](int64_t part) {
+      uint32_t* hist = &coarse_[part * kCoarseBins];
+      std::fill(hist, hist + kCoarseBins, 0u);
+      int64_t begin, end;
+      split_range(n, parts_, part, kPartAlign, &begin, &end);
+      if (floor == kNoCandidates) {
+        for (int64_t i = begin; i < end; ++i) ++hist[MagnitudeKey(x[i]) >> kFineBits];
+        return;
+      }
+      float* candidate_values = candidate_values_.get() + candidate_start_[part];
+      int32_t* candidate_indices = candidate_indices_.get() + candidate_start_[part];
+      const int64_t capacity = candidate_start_[part + 1] - candidate_start_[part];
+      int64_t count = 0;
+      for (int64_t i = begin; i < end; ++i) {
+        const uint32_t key = MagnitudeKey(x[i]);
+        ++hist[key >> kFineBits];
+        if (key >= floor) {
+          if (count < capacity) {
+            candidate_values[count] = x[i];
+            candidate_indices[count] = static_cast<int32_t>(i);
+          }
+          ++count;  // keeps counting past the capacity, to detect the overflow
+        }
+      }
+      candidate_count_[part] = count;
+    });
   }
 
   // This part's histogram of the low key bits inside the k-th key's coarse bin.

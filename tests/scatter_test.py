@@ -208,19 +208,20 @@ def _dense(rng, n):
     return dense
 
 
-def _split_both(shapes, scale, silenced=None, seed=4):
+def _split_both(shapes, scale, silenced=None, seed=4, drop=False):
     dense = _dense(np.random.default_rng(seed), sum(int(np.prod(s)) for s in shapes))
-    got = jax.jit(lambda d: split_scaled(d, shapes, scale, silenced))
-    want = jax.jit(lambda d: split_scaled_xla(d, shapes, scale, silenced))
+    got = jax.jit(lambda d: split_scaled(d, shapes, scale, silenced, drop))
+    want = jax.jit(lambda d: split_scaled_xla(d, shapes, scale, silenced, drop))
     return got(dense), want(dense), got.lower(dense).compile().as_text()
 
 
+@pytest.mark.parametrize("drop", [False, True], ids=["kept", "dropped"])
 @pytest.mark.parametrize(
     "scale, silenced", [(1.0, None), (0.25, None), (1 / 3, False), (0.5, True)]
 )
-def test_split_kernel_is_the_reference_bit_for_bit(scale, silenced):
+def test_split_kernel_is_the_reference_bit_for_bit(scale, silenced, drop):
     got, want, hlo = _split_both(
-        SPLIT_SHAPES, scale, None if silenced is None else jnp.asarray(silenced)
+        SPLIT_SHAPES, scale, None if silenced is None else jnp.asarray(silenced), drop=drop
     )
     assert hlo.count('custom_call_target="jaxcomp_split_leaves"') == 2  # the two runs
     assert [g.shape for g in got] == SPLIT_SHAPES
@@ -229,6 +230,11 @@ def test_split_kernel_is_the_reference_bit_for_bit(scale, silenced):
         np.testing.assert_array_equal(_bits(g), _bits(w))
     if silenced:
         assert all(not np.any(_bits(g)) for g in got)  # +0.0 everywhere
+    flat = np.concatenate([np.asarray(g).ravel() for g in got])
+    # _dense plants NaN and +-Inf in the first leaves.
+    assert np.all(np.isfinite(flat)) == (drop or bool(silenced))
+    if drop and not silenced:  # the planted -0.0 stays -0.0; NaN and +-Inf become +0.0
+        assert _bits(flat[[0, 5, 17, 30]]).tolist() == [0, 0, 0, 0x80000000]
 
 
 def test_split_runs_and_tasks():

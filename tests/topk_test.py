@@ -226,6 +226,33 @@ def test_uneven_rows_and_long_batched_rows():
     )
 
 
+def kernel_sample_positions(n):
+    """Where the CPU kernel samples a long row for its candidate floor (``kernels/topk.h``,
+    ``PlanCandidates``)."""
+    samples = min(1 << 14, max(256, n // 256))
+    window = n // samples
+    s = np.arange(samples, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        scrambled = (s + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+    return s.astype(np.int64) * window + ((scrambled >> np.uint64(32)) % np.uint64(window)).astype(
+        np.int64
+    )
+
+
+def test_a_sample_that_misleads_falls_back_to_the_histogram_pass():
+    # The sampled entries hold the row's 40 largest values, so the floor sits among them and
+    # fewer than k entries reach it: the kernel must not select from those candidates alone.
+    rng = np.random.default_rng(7)
+    n, k = 300000, 3000
+    row = rng.uniform(-1.0, 1.0, n).astype(np.float32)
+    row[kernel_sample_positions(n)[:40]] = 100.0 + np.arange(40)
+    assert_selection(jnp.asarray(row), *jaxcomp.topk(row, k), numpy_topk_indices(row, k))
+    assert_same(jaxcomp.threshold_topk(row, k), reference.threshold_topk(row, k))
+    assert_same(
+        jaxcomp.threshold_topk(row, k, rounds=20), reference.threshold_topk(row, k, rounds=20)
+    )
+
+
 def test_concurrent_calls_inside_shard_map():
     # Eight handlers run at once and share XLA's thread pool; each splits its long row into parts.
     need_devices(8)
@@ -241,3 +268,52 @@ def test_concurrent_calls_inside_shard_map():
     )
     values, indices = per_shard(x)
     assert_selection(x, values, indices, numpy_topk_indices(x, 500))
+
+
+MERGE_CASES = {
+    "one run": np.array([[2, 5, 9]]),
+    "ascending runs with repeats": np.array([[0, 3, 4, 8], [1, 3, 5, 8], [3, 4, 6, 7]]),
+    "every run the same": np.array([[1, 2], [1, 2], [1, 2]]),
+    "a run not ascending": np.array([[0, 3], [5, 1]]),
+    "an odd number of runs": np.array([[0, 9], [2, 9], [4, 9], [6, 9], [8, 9]]),
+}
+
+
+@pytest.mark.parametrize("runs", MERGE_CASES.values(), ids=MERGE_CASES.keys())
+def test_merged_indices_match_the_sort(runs):
+    from jaxcomp.ops.topk import merged_indices, merged_indices_xla
+
+    runs = jnp.asarray(runs, jnp.int32)
+    expected = np.sort(np.asarray(runs).ravel())
+    expected[1:][expected[1:] == expected[:-1]] = 99
+    np.testing.assert_array_equal(merged_indices_xla(runs, 99), expected)
+    np.testing.assert_array_equal(jax.jit(lambda r: merged_indices(r, 99))(runs), expected)
+
+
+def test_merged_indices_of_long_gathered_selections():
+    # What SPLIT gathers: each of 8 devices' ascending top-k indices of one vector of 1M.
+    from jaxcomp.ops.topk import merged_indices, merged_indices_xla
+
+    rng = np.random.default_rng(3)
+    runs = np.stack([np.sort(rng.choice(1 << 20, 30001, replace=False)) for _ in range(8)])
+    runs = jnp.asarray(runs, jnp.int32)
+    hlo = jax.jit(lambda r: merged_indices(r, 1 << 20)).lower(runs).as_text()
+    assert "jaxcomp_merge_indices" in hlo
+    np.testing.assert_array_equal(merged_indices(runs, 1 << 20), merged_indices_xla(runs, 1 << 20))
+
+
+@pytest.mark.parametrize(
+    "runs,pad,match",
+    [
+        (np.zeros(3, np.int32), 0, "2-D int32"),
+        (np.zeros((2, 2), np.float32), 0, "2-D int32"),
+        (np.zeros((0, 2), np.int32), 0, "non-empty"),
+        (np.zeros((2, 2), np.int32), 2**31, "pad"),
+        (np.zeros((2, 2), np.int32), 1.5, "pad"),
+    ],
+)
+def test_merged_indices_bad_arguments_raise_naming_them(runs, pad, match):
+    from jaxcomp.ops.topk import merged_indices
+
+    with pytest.raises(ValueError, match=match):
+        merged_indices(jnp.asarray(runs), pad)

@@ -4,6 +4,7 @@
 // kernel with the simple reference below, written from docs/kernels.md:
 //
 //   * topk, find_threshold, threshold_topk: the bisection over magnitude keys, counted directly;
+//     merge_runs on their indices (ascending runs, some disturbed) against std::sort;
 //   * zfp_encode: the bit format step by step (block header, exact quantization, zfp's lifting,
 //     negabinary, encode_few_ints), compared word for word;
 //   * zfp_decode: random words (any bit pattern) and encoded words, decoded by the reference
@@ -33,6 +34,7 @@
 #include <vector>
 
 #define JAXCOMP_SCATTER_TASK_VALUES 64
+#include "kernels/merge.h"
 #include "kernels/pack.h"
 #include "kernels/scatter.h"
 #include "kernels/sign.h"
@@ -158,10 +160,30 @@ void RefSelect(const std::vector<float>& x, const std::vector<uint32_t>& keys, i
 
 bool SameBits(float a, float b) { return Bits(a) == Bits(b); }
 
+// merge_runs on the rows' selections (ascending runs, as SPLIT gathers them), now and then with
+// one entry moved out of order or a repeat planted, against std::sort and the repeat mask.
+void FuzzMerge(std::mt19937_64& rng, std::vector<int32_t> runs, int64_t rows, int64_t k, uint64_t case_seed) {
+  if (rng() % 3 == 0) runs[rng() % runs.size()] = runs[rng() % runs.size()];
+  if (rng() % 3 == 0) std::swap(runs[rng() % runs.size()], runs[rng() % runs.size()]);
+  const int32_t pad = static_cast<int32_t>(rng() % 1000) - 500;
+  std::vector<int32_t> want = runs, out(runs.size());
+  std::sort(want.begin(), want.end());
+  for (size_t i = want.size() - 1; i > 0; --i) {
+    if (want[i] == want[i - 1]) want[i] = pad;
+  }
+  const jaxcomp::Status status = jaxcomp::MergeRuns(runs.data(), rows, k, pad, out.data());
+  if (!status.ok() || out != want) {
+    Fail("merge_runs (runs=" + std::to_string(rows) + ", length=" + std::to_string(k) + ")", case_seed);
+  }
+}
+
 void FuzzTopK(std::mt19937_64& rng, uint64_t case_seed) {
   const int64_t n = DrawLength(rng);
   const int64_t rows = n > 20000 ? 1 + rng() % 2 : 1 + rng() % 5;
-  const int64_t k = rng() % 4 == 0 ? n : 1 + static_cast<int64_t>(rng() % std::min<int64_t>(n, 1 + rng() % 300));
+  // k = n, a few hundred, or up to 5% of the row (long rows select from their candidates alone).
+  const int64_t k = rng() % 4 == 0   ? n
+                    : rng() % 3 == 0 ? 1 + static_cast<int64_t>(rng() % std::max<int64_t>(1, n / 20))
+                                     : 1 + static_cast<int64_t>(rng() % std::min<int64_t>(n, 1 + rng() % 300));
   const int rounds = rng() % 3 == 0 ? 31 : 1 + static_cast<int>(rng() % 31);
   const Parallel parallel = Threads(1 + rng() % 8);
   std::vector<float> x;
@@ -198,6 +220,7 @@ void FuzzTopK(std::mt19937_64& rng, uint64_t case_seed) {
         Fail("threshold_topk" + where, case_seed);
     }
   }
+  FuzzMerge(rng, indices, rows, k, case_seed);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -650,13 +673,14 @@ void FuzzScatter(std::mt19937_64& rng, uint64_t case_seed) {
   std::vector<float> dense(n + rng() % 3);
   for (float& d : dense) d = Draw(rng, pool, static_cast<int>(rng() % 4));
   if (!jaxcomp::split_leaves(dense.data(), static_cast<int64_t>(dense.size()), views.data(), num_leaves, o.scale,
-                             o.silenced, parallel)
+                             o.silenced, parallel, o.drop)
            .ok())
     Fail("split_leaves returned an error" + where, case_seed);
   pos = 0;
   for (int64_t l = 0; l < num_leaves; ++l) {
     for (size_t j = 0; j < leaves[l].size(); ++j, ++pos) {
-      const float expect = o.silenced ? 0.0f : dense[pos] * o.scale;
+      const float kept = o.drop && !std::isfinite(dense[pos]) ? 0.0f : dense[pos];
+      const float expect = o.silenced ? 0.0f : kept * o.scale;
       if (!SameValue(leaves[l][j], expect)) Fail("split_leaves at value " + std::to_string(pos) + where, case_seed);
     }
   }
@@ -701,7 +725,7 @@ int main(int argc, char** argv) {
       ++scatter_cases;
     }
   }
-  std::printf("kernels_fuzz: seed %llu, %.0f s: %lld top-k cases (topk, find_threshold, threshold_topk) and "
+  std::printf("kernels_fuzz: seed %llu, %.0f s: %lld top-k cases (topk, find_threshold, threshold_topk, merge_runs) and "
               "%lld zfp cases (encode, decode, decode of random words), %lld sign cases (pack, unpack, unpack_sum) and %lld "
               "pack_error_fed (and vector_energies) cases and %lld scatter_leaves (and split_leaves) cases match the reference\n",
               static_cast<unsigned long long>(seed), seconds, static_cast<long long>(topk_cases),

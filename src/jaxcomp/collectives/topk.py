@@ -17,7 +17,7 @@ from jaxcomp.collectives._common import (
 from jaxcomp.ops import _checks, _ffi
 from jaxcomp.ops._checks import check_choice
 from jaxcomp.ops.scatter import SparseTotal
-from jaxcomp.ops.topk import threshold_topk, topk
+from jaxcomp.ops.topk import merged_indices, threshold_topk, topk
 
 
 def _select(x, k, selector):
@@ -178,7 +178,8 @@ def split_indices(x, k, axis_name, selector="exact"):
 
     Returns:
       ``N ceil(k / N)`` int32 indices, typed invariant: the gathered ones in increasing order,
-      each repeat replaced by ``n``.
+      each repeat replaced by ``n`` (:func:`jaxcomp.ops.topk.merged_indices`: the CPU merges
+      the devices' ascending lists instead of sorting them).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -196,9 +197,7 @@ def split_indices(x, k, axis_name, selector="exact"):
     n = x.shape[0]
     each = min(sizes.ceil_div(k, axis_size(axis_name)), n)
     _, mine = _select(x, each, selector)
-    ordered = jnp.sort(all_gather_or_retype(mine, axis_name).reshape(-1))
-    repeat = jnp.concatenate([jnp.zeros(1, bool), ordered[1:] == ordered[:-1]])
-    return jnp.where(repeat, jnp.int32(n), ordered)
+    return merged_indices(all_gather_or_retype(mine, axis_name).reshape(-1, each), n)
 
 
 def ar_topk(

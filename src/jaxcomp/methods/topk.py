@@ -265,7 +265,7 @@ class TopK(Fraction, Method):
     def local_work(self, n_values, n_devices):
         import jax.numpy as jnp
 
-        from jaxcomp.ops.topk import threshold_topk, topk
+        from jaxcomp.ops.topk import merged_indices, threshold_topk, topk
 
         k = self.kept(n_values)
         select = topk if self.selector == "exact" else threshold_topk
@@ -273,10 +273,11 @@ class TopK(Fraction, Method):
             each = sizes.ceil_div(k, n_devices)
 
             def split_codec(x):
-                # This device's k/N, then the sort of the N k/N gathered indices (this device's
+                # This device's k/N, then the merge of the N k/N gathered indices (this device's
                 # N times stand in for them) and the error feedback at every one.
-                shared = jnp.sort(jnp.tile(select(x, each)[1], n_devices))
-                return x.at[shared].set(0.0)
+                mine = select(x, each)[1]
+                shared = merged_indices(jnp.tile(mine, (n_devices, 1)), x.shape[0])
+                return x.at[shared].set(0.0, mode="drop")
 
             return split_codec
 

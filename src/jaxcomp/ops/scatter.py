@@ -133,9 +133,10 @@ SPLIT_SMALL_VALUES = 1 << 16
 SPLIT_MIN_RUN = 8
 
 
-def split_scaled(dense, shapes, scale=1.0, silenced=None):
+def split_scaled(dense, shapes, scale=1.0, silenced=None, drop=False):
     """A dense total's leaves of ``shapes``, in order, each in float32 times ``scale`` (zeros when
-    ``silenced``): how the update is read out of any dense total.
+    ``silenced``; with ``drop`` non-finite values as 0): how the update and the residual are read
+    out of any dense vector.
 
     Sliced by XLA, each leaf's slice is fused into its consumers with its offset as a constant, so
     no two leaves share a compiled loop: XLA:CPU compiles each on its own (about 10 ms), and a
@@ -152,6 +153,8 @@ def split_scaled(dense, shapes, scale=1.0, silenced=None):
       shapes: the leaves' shapes, in order.
       scale: a Python number > 0, every entry's factor (``1 / devices`` for the mean).
       silenced: None, or a bool scalar: True makes every leaf 0.
+      drop: non-finite entries become 0 (the residual: a value that overflowed is not kept), in
+        the same pass.
 
     Returns:
       A list of float32 arrays of ``shapes``.
@@ -169,14 +172,14 @@ def split_scaled(dense, shapes, scale=1.0, silenced=None):
     shapes = [tuple(s) for s in shapes]
     _check_dense(dense, shapes, scale)
     if _ffi.check_implementation(None) == "xla" or dense.dtype != jnp.float32:
-        return split_scaled_xla(dense, shapes, scale, silenced)
+        return split_scaled_xla(dense, shapes, scale, silenced, drop)
     sizes = [int(np.prod(s)) for s in shapes]
     offsets = np.cumsum([0] + sizes).tolist()
     out = []
     for first, stop, native in _split_runs(sizes):
         part = dense if first == 0 else dense[offsets[first] : offsets[stop]]
         split = _split_native if native else split_scaled_xla
-        out += split(part, shapes[first:stop], scale, silenced)
+        out += split(part, shapes[first:stop], scale, silenced, drop)
     return out
 
 
@@ -197,7 +200,7 @@ def _split_runs(sizes) -> list[tuple[int, int, bool]]:
     return merged
 
 
-def _split_native(dense, shapes, scale, silenced):
+def _split_native(dense, shapes, scale, silenced, drop):
     """:func:`split_scaled` by the native kernel on the CPU (XLA's slices elsewhere)."""
     from jaxcomp.ops import _ffi
 
@@ -209,10 +212,10 @@ def _split_native(dense, shapes, scale, silenced):
     flag = jnp.zeros((), jnp.int32) if silenced is None else jnp.asarray(silenced, jnp.int32)
 
     def native(dense, flag):
-        return call(dense, flag, scale=np.float32(scale))
+        return call(dense, flag, scale=np.float32(scale), drop=np.int64(drop))
 
     def portable(dense, flag):
-        return split_scaled_xla(dense, shapes, scale, None if silenced is None else flag != 0)
+        return split_scaled_xla(dense, shapes, scale, None if silenced is None else flag != 0, drop)
 
     return list(_ffi.platform_dependent(dense, flag, cpu=native, default=portable))
 
@@ -231,15 +234,16 @@ def _check_scale(scale):
         raise ValueError(f"scale must be a finite Python number > 0, got {scale!r}")
 
 
-def split_scaled_xla(dense, shapes, scale=1.0, silenced=None):
+def split_scaled_xla(dense, shapes, scale=1.0, silenced=None, drop=False):
     """:func:`split_scaled` in XLA ops (every platform but the CPU, and the kernel's reference):
-    each leaf's slice, in float32, times ``scale``.
+    each leaf's slice, in float32 (its non-finite values as 0 with ``drop``), times ``scale``.
 
     Args:
       dense: a 1-D array of at least the shapes' total size.
       shapes: the leaves' shapes, in order.
       scale: every entry's factor.
       silenced: None, or a bool scalar: True makes every leaf 0.
+      drop: non-finite entries become 0.
 
     Returns:
       A list of float32 arrays of ``shapes``.
@@ -255,7 +259,8 @@ def split_scaled_xla(dense, shapes, scale=1.0, silenced=None):
     out, offset = [], 0
     for shape in shapes:
         size = int(np.prod(shape))
-        update = dense[offset : offset + size].reshape(shape).astype(jnp.float32) * scale
+        update = dense[offset : offset + size].reshape(shape).astype(jnp.float32)
+        update = jnp.where(jnp.isfinite(update), update, 0.0) * scale if drop else update * scale
         out.append(update if silenced is None else jnp.where(silenced, 0.0, update))
         offset += size
     return out

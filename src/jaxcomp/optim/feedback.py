@@ -475,13 +475,13 @@ def _gradient_energy(grads: _Gradients, packs):
 
 def _remainings(feds, result: Aggregation):
     """Per group, what this device did not send (``g_e - sent``, the next residual), or None when
-    everything was sent; its non-finite entries (the device's own values overflowed, counted in
-    the metric) are dropped, so the residual stays finite under every policy."""
+    everything was sent. Its non-finite entries (the device's own values overflowed, counted in
+    the metric) are dropped as it is cut into the leaves (:func:`_write_back`), so the residual
+    stays finite under every policy."""
     if result.sends_everything:
         return [None] * len(feds)
     return [
-        pieces.each(guard.dropped, error_feedback.remaining(fed, sent, result.sparse))
-        for fed, sent in zip(feds, result.sents)
+        error_feedback.remaining(fed, sent, result.sparse) for fed, sent in zip(feds, result.sents)
     ]
 
 
@@ -551,10 +551,17 @@ def _write_back(
         packing.write(done.out, grads.leaves, positions, total, grads.scale, silenced, grads.shards)
         if result.sends_everything:
             continue  # everything was sent: no residual
-        if keeps_residual:
-            remaining = _cleared(trigger, remaining)
+        if keeps_residual:  # (its overflowed entries dropped, all of it cleared on a trigger)
             packing.keep(
-                new_residuals, residuals, grads.leaves, positions, remaining, skipped, grads.shards
+                new_residuals,
+                residuals,
+                grads.leaves,
+                positions,
+                remaining,
+                skipped,
+                grads.shards,
+                cleared=trigger,
+                drop=True,
             )
         if c.momentum is not None:
             # DGC's momentum factor masking: what was sent leaves the momentum too.

@@ -74,7 +74,7 @@ def pack(parts, shards, row_length):
     return flat.concat(parts) if shards is None else sharding.shard_major(parts, shards, row_length)
 
 
-def pieces(leaves, positions, vector, shards):
+def pieces(leaves, positions, vector, shards, silenced=None, drop=False):
     """``(i, flat piece)`` of ``vector`` for each leaf ``i`` at ``positions``: the inverse
     of :func:`pack`.
 
@@ -84,6 +84,10 @@ def pieces(leaves, positions, vector, shards):
       vector: the group's per-device vector, or :class:`jaxcomp.ops.pieces.Pieces` of it
         (each part whole leaves; not sharded).
       shards: the devices sharing the shards, or None.
+      silenced: None, or a bool scalar: True makes every piece 0.
+      drop: non-finite values become 0. Both are applied as the pieces are cut (on the CPU, in
+        the native pass that cuts a float32 vector into many small leaves, where a select of its
+        own would write the whole vector once more).
 
     Returns:
       An iterable of ``(position, 1-D piece)``.
@@ -102,14 +106,27 @@ def pieces(leaves, positions, vector, shards):
         return [
             piece
             for part, at in _parts(vector, leaves, positions)
-            for piece in pieces(leaves, at, part, None)
+            for piece in pieces(leaves, at, part, None, silenced, drop)
         ]
+    if vector.dtype == jnp.float32 and shards is None:
+        # One native pass on the CPU for runs of small leaves: no compiled loop per leaf.
+        return zip(
+            positions, scatter.split_scaled(vector, [(n,) for n in sizes], 1.0, silenced, drop)
+        )
     if shards is not None:
-        return zip(positions, sharding.from_shard_major(vector, sizes, shards))
-    if vector.dtype == jnp.float32:  # one native pass on the CPU: no compiled loop per leaf
-        return zip(positions, scatter.split_scaled(vector, [(n,) for n in sizes]))
-    offsets = np.cumsum([0] + sizes)
-    return ((i, vector[offsets[j] : offsets[j + 1]]) for j, i in enumerate(positions))
+        cut = sharding.from_shard_major(vector, sizes, shards)
+    else:
+        offsets = np.cumsum([0] + sizes)
+        cut = [vector[offsets[j] : offsets[j + 1]] for j in range(len(positions))]
+    return zip(positions, [_finished(piece, silenced, drop) for piece in cut])
+
+
+def _finished(piece, silenced, drop):
+    """``piece`` with :func:`pieces`'s ``drop`` and ``silenced`` applied (XLA fuses both into the
+    cut)."""
+    if drop:
+        piece = jnp.where(jnp.isfinite(piece), piece, jnp.zeros_like(piece))
+    return piece if silenced is None else jnp.where(silenced, jnp.zeros_like(piece), piece)
 
 
 def write(out, leaves, positions, total, scale, skipped, shards=None):
@@ -160,9 +177,10 @@ def write(out, leaves, positions, total, scale, skipped, shards=None):
         out[i] = update.astype(leaves[i].dtype)
 
 
-def keep(new, old, leaves, positions, vector, skipped, shards=None):
+def keep(new, old, leaves, positions, vector, skipped, shards=None, cleared=None, drop=False):
     """Splits a group's per-device ``vector`` (residual, momentum) into its leaves in ``new``,
-    keeping the ``old`` values on a skipped step.
+    keeping the ``old`` values on a skipped step; ``cleared`` (a bool scalar) makes them 0
+    instead, and with ``drop`` a non-finite value is kept as 0.
 
     Args:
       new: the state's leaves, written in place at ``positions``.
@@ -172,6 +190,8 @@ def keep(new, old, leaves, positions, vector, skipped, shards=None):
       vector: the group's per-device vector.
       skipped: the step's skip flag, or None.
       shards: the devices sharing the shards, or None.
+      cleared: None, or a bool scalar: the step triggered the guardrail (zeros are kept).
+      drop: non-finite entries of ``vector`` are kept as 0.
 
     Returns:
       None; ``new`` holds the kept values.
@@ -186,7 +206,7 @@ def keep(new, old, leaves, positions, vector, skipped, shards=None):
     References:
       Tyagi & Swany, arXiv 2312.02493, Alg. 1 (the residual each worker keeps).
     """
-    for i, piece in pieces(leaves, positions, vector, shards):
+    for i, piece in pieces(leaves, positions, vector, shards, cleared, drop):
         piece = piece.reshape(leaves[i].shape)
         new[i] = piece if skipped is None else jnp.where(skipped, old[i], piece)
 
