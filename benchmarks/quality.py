@@ -250,6 +250,17 @@ def variants():
             # Does a higher rank buy PowerSGD's quality back, and at how many bytes (issue 25)?
             Row("powersgd(8)", m.PowerSGD(8)),
             Row("powersgd(16)", m.PowerSGD(16)),
+            # The factors sent as float16 (PyTorch's fp16_compress_wrapper): half the bytes, so a
+            # higher rank at issue 25's >= 10x; with ZFP's short warm-up of the other rows.
+            *(Row(f"powersgd_fp16({r})", m.PowerSGD(r, dtype="float16")) for r in (8, 12, 16)),
+            *(
+                Row(
+                    f"powersgd_fp16({r}) zfp-warmup50",
+                    m.PowerSGD(r, dtype="float16"),
+                    {"warmup_steps": 50, **zfp_warmup},
+                )
+                for r in (8, 12)
+            ),
             Row("sign warmup100", m.Sign(), {"warmup_steps": 100}),
             # Sharded training (issue 11): ZeRO-3 with the params gathered in bfloat16 (ZeRO++'s
             # qwZ), and the compressed reduce-scatters.

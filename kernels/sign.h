@@ -254,28 +254,31 @@ inline void decode_range(const uint32_t* row_words, const float* row_scales, int
   }
 }
 
-// The sign bits (sign::sign_bit) of 32 values as one word. With SSE2 (every x86-64) four at a
-// time from the integer form of sign_bit, so no float compare sees a denormal (a thread that
-// flushes denormals to zero would call -1e-40 >= 0 true); the scalar loop took ~1.6 ns a value.
-inline uint32_t word_of(const float* x) {
+// The sign bits (sign::sign_bit) of `count` <= 32 values as one word. A whole word with SSE2
+// (every x86-64) goes four at a time from the integer form of sign_bit, so no float compare sees a
+// denormal (a thread that flushes denormals to zero would call -1e-40 >= 0 true); the scalar loop
+// took ~1.6 ns a value.
+inline uint32_t word_of(const float* x, int64_t count) {
 #if defined(__SSE2__)
-  const __m128i abs_mask = _mm_set1_epi32(0x7FFFFFFF), zero = _mm_setzero_si128();
-  const __m128i above_inf = _mm_set1_epi32(static_cast<int32_t>(sign::kInfBits + 1)), minus_one = _mm_set1_epi32(-1);
-  uint32_t word = 0;
-  for (int g = 0; g < 8; ++g) {
-    const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 4 * g));
-    // a == 0, or u >= 0 (as int32: the sign bit clear) and u <= the bits of +Inf.
-    const __m128i zeros = _mm_cmpeq_epi32(_mm_and_si128(u, abs_mask), zero);
-    const __m128i plus = _mm_and_si128(_mm_cmpgt_epi32(u, minus_one), _mm_cmpgt_epi32(above_inf, u));
-    const int bits = _mm_movemask_ps(_mm_castsi128_ps(_mm_or_si128(zeros, plus)));
-    word |= static_cast<uint32_t>(bits) << (4 * g);
+  if (count == 32) {
+    const __m128i abs_mask = _mm_set1_epi32(0x7FFFFFFF), zero = _mm_setzero_si128();
+    const __m128i above_inf = _mm_set1_epi32(static_cast<int32_t>(sign::kInfBits + 1));
+    const __m128i minus_one = _mm_set1_epi32(-1);
+    uint32_t word = 0;
+    for (int g = 0; g < 8; ++g) {
+      const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 4 * g));
+      // a == 0, or u >= 0 (as int32: the sign bit clear) and u <= the bits of +Inf.
+      const __m128i zeros = _mm_cmpeq_epi32(_mm_and_si128(u, abs_mask), zero);
+      const __m128i plus = _mm_and_si128(_mm_cmpgt_epi32(u, minus_one), _mm_cmpgt_epi32(above_inf, u));
+      const int bits = _mm_movemask_ps(_mm_castsi128_ps(_mm_or_si128(zeros, plus)));
+      word |= static_cast<uint32_t>(bits) << (4 * g);
+    }
+    return word;
   }
-  return word;
-#else
-  uint32_t word = 0;
-  for (int b = 0; b < 32; ++b) word |= sign::sign_bit(x[b]) << b;
-  return word;
 #endif
+  uint32_t word = 0;
+  for (int64_t b = 0; b < count; ++b) word |= sign::sign_bit(x[b]) << b;
+  return word;
 }
 
 }  // namespace sign_detail
@@ -290,37 +293,20 @@ inline Status sign_pack(const float* x, int64_t rows, int64_t n, int64_t chunk, 
   const int64_t chunks_per_task = std::max<int64_t>(1, (int64_t{1} << 19) / chunk);
   // The row's words [begin, end) (each one the signs of 32 values, the last word maybe fewer).
   auto write_words = [&](int64_t row, int64_t begin, int64_t end) {
-    const float* row_x = x + row * n;
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t first = w * 32;
-      const int64_t count = std::min<int64_t>(32, n - first);
-      uint32_t word = 0;
-      if (count == 32) {
-        word = sign_detail::word_of(row_x + first);
-      } else {
-        for (int64_t b = 0; b < count; ++b) word |= sign::sign_bit(row_x[first + b]) << b;
-      }
-      words[row * row_words + w] = word;
+      words[row * row_words + w] = sign_detail::word_of(x + row * n + w * 32, std::min<int64_t>(32, n - w * 32));
     }
   };
-  if (chunk % 32 == 0) {  // words never straddle chunks: one read, each chunk's signs from cache
-    sign_detail::for_each_range(rows, row_chunks, chunks_per_task, parallel,
-                                [&](int64_t row, int64_t begin, int64_t end) {
-      for (int64_t q = begin; q < end; ++q) {
-        const int64_t first = q * chunk, count = std::min(chunk, n - first);
-        scales[row * row_chunks + q] = sign_detail::chunk_scale(x + row * n + first, count, chunk);
-        write_words(row, first / 32, (first + count + 31) / 32);
-      }
-    });
-    return Status();
-  }
-  sign_detail::for_each_range(rows, row_words, 1 << 14, parallel, write_words);
+  // With chunks of whole words, no word straddles two chunks: each chunk's words are written
+  // right after its scale, from the cache, so the row is read once.
+  const bool fused = chunk % 32 == 0;
+  if (!fused) sign_detail::for_each_range(rows, row_words, 1 << 14, parallel, write_words);
   sign_detail::for_each_range(rows, row_chunks, chunks_per_task, parallel,
                               [&](int64_t row, int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) {
-      const int64_t first = q * chunk;
-      scales[row * row_chunks + q] =
-          sign_detail::chunk_scale(x + row * n + first, std::min(chunk, n - first), chunk);
+      const int64_t first = q * chunk, count = std::min(chunk, n - first);
+      scales[row * row_chunks + q] = sign_detail::chunk_scale(x + row * n + first, count, chunk);
+      if (fused) write_words(row, first / 32, (first + count + 31) / 32);
     }
   });
   return Status();

@@ -164,12 +164,11 @@ def test_matrices_of_one_view_compile_to_batched_products():
     assert dots(32) == dots(2) <= 8
 
 
-def test_bytes_on_the_wire_are_wire_bytes():
-    """The two all-reduces in the traced step move what wire_bytes(shapes=) says."""
-    from collectives_test import _collective_bytes
+def _aggregate(method):
+    """``(f, n, shapes)``: ``method``'s jitted aggregate over the 8 devices of SHAPES's ``n``
+    values (in the params' order), returning ``(total, sent)``."""
     from jax.sharding import PartitionSpec as P
 
-    method = PowerSGD(2)
     shapes = tuple(SHAPES[name] for name in sorted(SHAPES))
     n = sum(int(np.prod(s)) for s in shapes)
     state = method.init_state(shapes)
@@ -180,11 +179,86 @@ def test_bytes_on_the_wire_are_wire_bytes():
         )
         return total, sent
 
-    traced = jax.jit(
-        jax.shard_map(f, mesh=_mesh(), in_specs=P("data"), out_specs=(P(), P("data")))
-    ).trace(jnp.zeros(n * N_DEVICES, jnp.float32))
+    mapped = jax.shard_map(f, mesh=_mesh(), in_specs=P("data"), out_specs=(P(), P("data")))
+    return jax.jit(mapped), n, shapes
+
+
+def test_bytes_on_the_wire_are_wire_bytes():
+    """The two all-reduces in the traced step move what wire_bytes(shapes=) says."""
+    from collectives_test import _collective_bytes
+
+    method = PowerSGD(2)
+    f, n, shapes = _aggregate(method)
+    traced = f.trace(jnp.zeros(n * N_DEVICES, jnp.float32))
     uniform, p2p = _collective_bytes(traced.jaxpr.jaxpr, {"data": N_DEVICES})
     assert not p2p and uniform == pytest.approx(method.wire_bytes(n, N_DEVICES, shapes=shapes))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sixteen_bit_factors_keep_what_the_wire_rounds(dtype):
+    """dtype=float16/bfloat16 sends P, Q and the leaves sent as they are in 16 bits: each step's
+    update is the float32 reference's to the narrow type's rounding, and error feedback keeps all
+    the wire lost: over the devices, what was fed less what is kept adds up to the update."""
+    shapes = SHAPES
+    method = PowerSGD(2, dtype=dtype)
+    dp, state = _run(method, shapes)
+    rng = np.random.default_rng(1)
+    residual = {name: np.zeros((N_DEVICES, *shape)) for name, shape in shapes.items()}
+    tolerance = 2e-3 if dtype == "float16" else 2e-2
+    for _ in range(2):
+        batch = _batch(rng, shapes)
+        qs = jaxcomp.find_compress_state(state.opt_state).method_state[0][0]
+        before = {k: np.asarray(v, np.float64) for k, v in state.params.items()}
+        fed = {name: batch[name] + residual[name] for name in shapes}
+        total, _, _ = _reference_step(fed, qs, method.rank, shapes)
+        state, metrics = dp.step(state, batch)
+        residual = {
+            k: np.asarray(v, np.float64)
+            for k, v in jaxcomp.find_compress_state(state.opt_state).residual.items()
+        }
+        for name in shapes:
+            update = before[name] - np.asarray(state.params[name])
+            scale = np.abs(total[name]).max()
+            np.testing.assert_allclose(update, total[name], atol=tolerance * scale)
+            kept = (fed[name] - residual[name]).sum(axis=0)
+            np.testing.assert_allclose(kept, update, atol=1e-4 * max(scale, 1.0))
+    flat_shapes = tuple(shapes[name] for name in sorted(shapes))
+    n = sum(int(np.prod(s)) for s in flat_shapes)
+    assert float(metrics["bytes_sent"]) == pytest.approx(
+        method.wire_bytes(n, N_DEVICES, shapes=flat_shapes)
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sixteen_bit_factors_move_what_wire_bytes_says(dtype):
+    """The compiled CPU step of dtype=float16/bfloat16 sends its two all-reduces as the 16-bit
+    ring (uint16 hops, an all-gather of the owned chunks) plus float16's two scalar scales, and
+    those bytes are wire_bytes(shapes=): about half of float32's."""
+    from cast_test import _collectives, _hlo_bytes
+
+    method = PowerSGD(2, dtype=dtype)
+    f, n, shapes = _aggregate(method)
+    compiled = f.lower(jnp.zeros(n * N_DEVICES, jnp.float32)).compile()
+    ops = _collectives(compiled.as_text())
+    vectors = [op for op in ops if np.prod(op[1]) > 1]
+    assert vectors and all(kind == "u16" for kind, _, _ in vectors), ops
+    scalars = [op for op in ops if op not in vectors]
+    assert scalars == ([("f32", [], "all-reduce")] * 2 if dtype == "float16" else []), ops
+    wire = method.wire_bytes(n, N_DEVICES, shapes=shapes)
+    assert _hlo_bytes(ops, N_DEVICES) == pytest.approx(wire)
+    float32 = PowerSGD(2).wire_bytes(n, N_DEVICES, shapes=shapes)
+    assert 0.45 * float32 < wire < 0.6 * float32
+    assert method.message_steps(N_DEVICES) == (2 if dtype == "float16" else 1) * PowerSGD(
+        2
+    ).message_steps(N_DEVICES)
+
+
+def test_sixteen_bit_factors_by_name():
+    """ "powersgd_fp16" and "powersgd_bf16" are PowerSGD with dtype=, and say so in tables."""
+    assert jaxcomp.methods.parse("powersgd_fp16", rank=4) == PowerSGD(4, dtype="float16")
+    assert PowerSGD(4, dtype=jnp.bfloat16) == PowerSGD(4, dtype="bf16")
+    assert PowerSGD(4, dtype="fp16").describe() == "powersgd_fp16(4)"
+    assert PowerSGD(4, dtype=np.float32) == PowerSGD(4)
 
 
 def test_error_feedback_identity_replicas_and_one_compile():
@@ -305,6 +379,7 @@ def test_powersgd_is_a_compress_auto_candidate():
         (lambda: PowerSGD(2, start_iter=-1), "start_iter must be"),
         (lambda: PowerSGD(2, min_compression_rate=0.5), "min_compression_rate must be"),
         (lambda: PowerSGD(2, allreduce="star"), "allreduce must be one of"),
+        (lambda: PowerSGD(2, dtype="int8"), "dtype must be float32, float16 or bfloat16"),
         # rank larger than every matrix: refused at init, naming rank.
         (
             lambda: jaxcomp.compress(PowerSGD(8)).init({"w": jnp.zeros((6, 5)), "b": jnp.zeros(5)}),

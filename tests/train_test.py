@@ -271,6 +271,7 @@ EVERY_METHOD = [
     ("bf16", {}),
     ("fp16", {}),
     ("powersgd", {"rank": 2}),
+    ("powersgd_fp16", {"rank": 2}),
     ("zfp", {"rate": 8}),
     ("quantized", {"bits": 4}),
 ]

@@ -76,6 +76,112 @@ def power_of_two_scale(global_max, n_devices: int):
     return jnp.where(global_max > 0, jnp.ldexp(jnp.float32(1.0), exponent), 1.0).astype(jnp.float32)
 
 
+def shared_scale(x, axis_name):
+    """:func:`power_of_two_scale` of the largest ``|x|`` over every device on ``axis_name`` (one
+    :func:`jaxcomp.collectives.pmax` of a scalar), for a sum over all of them.
+
+    Args:
+      x: this device's float array.
+      axis_name: the mesh axis, or tuple of axes, the sum runs over.
+
+    Returns:
+      float32 scalar, the same on every device.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> f = jax.jit(jax.shard_map(lambda x: shared_scale(x, "data"), mesh=mesh,
+      ...                           in_specs=P("data"), out_specs=P()))
+      >>> float(f(jnp.array([1.0, -2.0])))  # 65504 / (2 * 2) rounds down to 2**13
+      8192.0
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018 (loss scaling by powers of two).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jaxcomp import collectives
+
+    axes = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    n_devices = math.prod(jax.lax.axis_size(a) for a in axes)
+    global_max = collectives.pmax(jnp.max(jnp.abs(x)).astype(jnp.float32), axis_name)
+    return power_of_two_scale(global_max, n_devices)
+
+
+def narrow_sum(x, axis_name, dtype, *, scaled: bool, scatter: bool = False):
+    """The sum over the devices of ``x`` in a 16-bit float, 2 bytes a value on the wire:
+    :func:`jaxcomp.collectives.narrow_allreduce` of ``x`` times :func:`shared_scale` (with
+    ``scaled``; float16's range ends at 65504), divided back. What :class:`Cast` sends, and what
+    :class:`jaxcomp.methods.PowerSGD` sends its factors as with ``dtype=``.
+
+    Args:
+      x: this device's 1-D float vector.
+      axis_name: the mesh axis, or tuple of axes, to sum over.
+      dtype: ``"bfloat16"`` or ``"float16"``.
+      scaled: multiply by the shared power of two first.
+      scatter: this device's row of the sum only (sharded training).
+
+    Returns:
+      ``(total, sent)`` in ``x``'s dtype: ``sent`` is ``x`` less this device's roundings (the
+      CPU's ring), or ``x`` rounded (a psum), so error feedback keeps what the wire lost.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+      >>> f = jax.jit(jax.shard_map(lambda x: narrow_sum(x, "data", "float16", scaled=True)[0],
+      ...                           mesh=mesh, in_specs=P("data"), out_specs=P()))
+      >>> # 3e-6 alone would be a float16 subnormal; scaled by 2**13 it keeps 11 bits
+      >>> f(jnp.array([1e-6, 3.0, 2e-6, 1.0])).tolist()
+      [3.0007213354110718e-06, 4.0]
+
+    References:
+      IEEE 754 binary16; Sergeev & Del Balso, "Horovod", 2018 (fp16 compression of all-reduce).
+    """
+    import jax.numpy as jnp
+
+    from jaxcomp import collectives
+
+    s = shared_scale(x, axis_name) if scaled else jnp.float32(1.0)
+    total, sent = collectives.narrow_allreduce(
+        x.astype(jnp.float32) * s, axis_name, dtype, scatter=scatter
+    )
+    return (total / s).astype(x.dtype), (sent / s).astype(x.dtype)
+
+
+def narrow_bytes(n: int, n_devices: int, *, scaled: bool, allreduce: str = "ring") -> float:
+    """Bytes one device sends for :func:`narrow_sum` of ``n`` values over ``n_devices``: as a
+    ring, ``2 (N-1)`` chunks of ``ceil(n/N)`` 2-byte values (the CPU's ring of uint16 hops; a psum
+    elsewhere, the same but for the padding), plus the scale's all-reduce of one float32 when
+    ``scaled``.
+
+    Args:
+      n: values summed.
+      n_devices: devices summing them.
+      scaled: whether the scale's scalar all-reduce is sent too.
+      allreduce: ``"ring"`` (default) or ``"tree"``, as :class:`Cast`'s ``allreduce``.
+
+    Returns:
+      Bytes, a float (0 on one device).
+
+    Example:
+      >>> narrow_bytes(1000, 8, scaled=False)  # 14 chunks of 125 values, 2 bytes each
+      3500.0
+
+    References:
+      Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms", JPDC 2009 (the ring's bytes).
+    """
+    if n_devices == 1:
+        return 0.0
+    if allreduce == "ring":
+        values = float(2 * (n_devices - 1) * sizes.ring_chunk(n, n_devices) * 2)
+    else:
+        values = sizes.allreduce_bytes(2 * n, n_devices, allreduce)
+    return values + (sizes.allreduce_bytes(4, n_devices, allreduce) if scaled else 0.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Cast(Method):
     """The gradient crosses the wire in a 16-bit float, 2 bytes a value: what Horovod's fp16
@@ -173,20 +279,6 @@ class Cast(Method):
 
         return (x.astype(jnp.float32) * s).astype(self._narrow())
 
-    def _scale(self, x, axis_name):
-        """The shared power of two (one pmax of a scalar) with :attr:`scaled`, else 1."""
-        import jax
-        import jax.numpy as jnp
-
-        from jaxcomp import collectives
-
-        if not self.scaled:
-            return jnp.float32(1.0)
-        axes = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
-        n_devices = math.prod(jax.lax.axis_size(a) for a in axes)
-        global_max = collectives.pmax(jnp.max(jnp.abs(x)).astype(jnp.float32), axis_name)
-        return power_of_two_scale(global_max, n_devices)
-
     def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
         return (*self._sum(x, axis_name, scatter=False), state)
 
@@ -194,19 +286,8 @@ class Cast(Method):
         return self._sum(x, axis_name, scatter=True)
 
     def _sum(self, x, axis_name, *, scatter):
-        """``(total / s, sent / s)`` of the sum of ``x`` times the shared scale ``s`` in the narrow
-        type (``scatter``: this device's row of it), both in ``x``'s dtype, by
-        :func:`jaxcomp.collectives.narrow_allreduce`: a psum, or on the CPU the ring that sends 2
-        bytes a value and adds in float32."""
-        import jax.numpy as jnp
-
-        from jaxcomp import collectives
-
-        s = self._scale(x, axis_name)
-        total, sent = collectives.narrow_allreduce(
-            x.astype(jnp.float32) * s, axis_name, self.dtype, scatter=scatter
-        )
-        return (total / s).astype(x.dtype), (sent / s).astype(x.dtype)
+        """``(total, sent)`` by :func:`narrow_sum` in :attr:`dtype`, scaled as :attr:`scaled`."""
+        return narrow_sum(x, axis_name, self.dtype, scaled=self.scaled, scatter=scatter)
 
     def reduce_scatter_bytes(self, n, n_devices, *, dtype_bytes=4):
         """A reduce-scatter of ``n`` 2-byte values (``n`` is ``N`` rows: bfloat16's ring sends
@@ -227,17 +308,10 @@ class Cast(Method):
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         """One all-reduce of ``n`` 2-byte values, plus the scale's all-reduce of one float32 when
-        :attr:`scaled`. As a ring, ``2 (N-1)`` chunks of ``ceil(n/N)`` values (the CPU's ring of
-        uint16 hops; a psum elsewhere, the same but for the padding)."""
+        :attr:`scaled` (:func:`narrow_bytes`)."""
         n, _ = _checks.check_message(n, dtype_bytes)
         N = _checks.check_devices(n_devices)
-        if N == 1:
-            return 0.0
-        if self.allreduce == "ring":
-            values = float(2 * (N - 1) * sizes.ring_chunk(n, N) * 2)
-        else:
-            values = sizes.allreduce_bytes(2 * n, N, self.allreduce)
-        return values + (sizes.allreduce_bytes(4, N, self.allreduce) if self.scaled else 0.0)
+        return narrow_bytes(n, N, scaled=self.scaled, allreduce=self.allreduce)
 
     def message_steps(self, n_devices, *, inner_size=None):
         steps = sizes.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)

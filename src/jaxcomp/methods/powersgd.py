@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 from jaxcomp.collectives import sizes
+from jaxcomp.methods import cast
 from jaxcomp.methods.base import Method
 from jaxcomp.methods.dense import ALLREDUCE_ALGORITHMS
 from jaxcomp.ops import _checks
@@ -99,15 +100,15 @@ class PowerSGD(Method):
     one view are worked on together (:func:`batches`), so a model of many repeated layers
     compiles and runs one batched iteration per view, not one per matrix.
 
-    **Quality: not within 3% of dense Adam at 10x fewer bytes** on ``benchmarks/quality.py``'s
-    transformers (``compress`` + ``optax.adam``, the best pairing found; :func:`jaxcomp.adam` gains
-    nothing), 500 steps, against dense at the same tuned learning rate (BENCHMARKS.md, "PowerSGD's
-    view of a leaf"):
-
-    - small model (width 128): rank 4 +8.3% at 17.5x fewer bytes, rank 8 +4.1% at 9.5x, rank 16
-      **+1.4%** at 4.9x; at 1500 steps rank 4 +4.6% and rank 8 **+2.4%** (9.5x);
-    - large model (width 256, 2.45M params): rank 4 +9.0% at 35x fewer bytes, rank 8 +3.9% at
-      19x; at 1500 steps rank 4 +11.5% and rank 8 +3.8%.
+    **Quality: within 3% of dense Adam at 10x fewer bytes as** ``PowerSGD(12, dtype="float16")``
+    with ``compress`` + ``optax.adam`` (:func:`jaxcomp.adam` gains nothing) on
+    ``benchmarks/quality.py``'s transformers, against dense at the same tuned learning rate, in all
+    four cells (BENCHMARKS.md, "PowerSGD's factors as float16"): the small model (width 128) +2.5%
+    at 500 steps and +0.95% at 1500, at 13x fewer bytes; the large model (width 256, 2.45M
+    params) +2.4% and +1.9%, at 26x. float16 factors cost nothing measurable (rank 8: 1.9190
+    against float32's 1.9197) and halve the bytes. float32 factors reach 3% only at 4.9x
+    (rank 16, +1.4%); rank 8 is +4.1% at 9.5x, rank 4 +8.3% at 17.5x (the large model: rank 4
+    +9.0%, rank 8 +3.9%).
 
     Args:
       rank: the approximation's rank ``r``, an integer >= 1 (PyTorch's
@@ -119,6 +120,12 @@ class PowerSGD(Method):
         ``rows * cols >= min_compression_rate * rank * (rows + cols)`` (default 2, as PyTorch),
         at least 1.
       allreduce: how the cost model costs the two all-reduces, ``"ring"`` (default) or ``"tree"``.
+      dtype: what the factors (and the leaves sent as they are) cross the wire as:
+        ``"float32"`` (default), or ``"float16"`` / ``"bfloat16"`` (aliases ``"fp16"``,
+        ``"bf16"``), 2 bytes a value by :func:`jaxcomp.methods.cast.narrow_sum`, float16 behind a
+        shared power-of-two scale; PyTorch's ``fp16_compress_wrapper`` around its PowerSGD hook.
+        Half the bytes; each device's ``Q`` is fed back as the wire rounded it. The power
+        iteration itself stays float32. Names: ``"powersgd_fp16"``, ``"powersgd_bf16"``.
 
     Example:
       >>> from jaxcomp.methods import PowerSGD
@@ -135,9 +142,14 @@ class PowerSGD(Method):
     start_iter: int = 0
     min_compression_rate: float = 2.0
     allreduce: str = "ring"
+    dtype: str = "float32"
 
     name = "powersgd"
-    shorthand = {"powersgd": {}}
+    shorthand = {
+        "powersgd": {},
+        "powersgd_fp16": {"dtype": "float16"},
+        "powersgd_bf16": {"dtype": "bfloat16"},
+    }
     pieces = True  # totals and contributions made per matrix: handed over per leaf
 
     def __post_init__(self):
@@ -156,6 +168,21 @@ class PowerSGD(Method):
             )
         object.__setattr__(self, "min_compression_rate", float(rate))
         _checks.check_choice(self.allreduce, "allreduce", ALLREDUCE_ALGORITHMS)
+        object.__setattr__(self, "dtype", _factor_dtype(self.dtype))
+
+    @property
+    def label(self):
+        narrow = "" if self.dtype == "float32" else f"_{cast.NARROW_TYPES[self.dtype][0]}"
+        variant = "" if self.allreduce == "ring" else f"_{self.allreduce}"
+        return f"{self.name}{narrow}{variant}"
+
+    def _sum(self, values, axis_name):
+        """``(total, sent)`` of one of the two all-reduces, in :attr:`dtype` on the wire."""
+        from jaxcomp import collectives
+
+        if self.dtype == "float32":
+            return collectives.psum(values, axis_name)
+        return cast.narrow_sum(values, axis_name, self.dtype, scaled=self.dtype == "float16")
 
     @property
     def setting(self):
@@ -286,7 +313,6 @@ class PowerSGD(Method):
         ``P`` s, and for small matrices one batched product each."""
         import jax.numpy as jnp
 
-        from jaxcomp import collectives
         from jaxcomp.ops import flat
 
         runs = self._runs(shapes)
@@ -296,44 +322,58 @@ class PowerSGD(Method):
         groups = [_Group.of(b, mats) for b in batches([m.shape for m in mats])]
         # All-reduce 1: every P = M Q, and the leaves sent as they are.
         ps = [g.times(g.stack(state)) for g in groups]
-        first, _ = collectives.psum(flat.concat(ps + plain), axis_name)
-        summed = _parts(first, [p.size for p in ps] + [p.size for p in plain])
+        first, first_sent = self._sum(flat.concat(ps + plain), axis_name)
+        sizes_first = [p.size for p in ps] + [p.size for p in plain]
+        summed = _parts(first, sizes_first)
+        # 16 bits: the leaves sent as they are, as the wire rounded them (float32: themselves).
+        narrow = self.dtype != "float32"
+        plain_sent = _parts(first_sent, sizes_first)[len(ps) :] if narrow else plain
         p_hat = [_orthogonalize_stack(t.reshape(p.shape)) for t, p in zip(summed, ps)]
         # All-reduce 2: every Q = M^T P.
         local_q = [g.transposed_times(p) for g, p in zip(groups, p_hat)]
-        second, _ = collectives.psum(flat.concat(local_q), axis_name)
-        q_total = [
-            t.reshape(q.shape) for t, q in zip(_parts(second, [q.size for q in local_q]), local_q)
-        ]
+        second, second_sent = self._sum(flat.concat(local_q), axis_name)
+        q_sizes = [q.size for q in local_q]
+        q_total = [t.reshape(q.shape) for t, q in zip(_parts(second, q_sizes), local_q)]
+        if narrow:  # each device's Q as the wire rounded it, so error feedback keeps the rest
+            local_q = [t.reshape(q.shape) for t, q in zip(_parts(second_sent, q_sizes), local_q)]
         total_of, sent_of, new_q = ([None] * len(mats) for _ in range(3))
         for g, p, q, mine in zip(groups, p_hat, q_total, local_q):
             for j, (i, total, sent) in enumerate(zip(g.members, g.outer(p, q), g.outer(p, mine))):
                 total_of[i], sent_of[i], new_q[i] = total.ravel(), sent.ravel(), q[j]
         compressed = iter(zip(total_of, sent_of))
-        plain_totals = iter(summed[len(ps) :])
+        plain_totals = iter(zip(summed[len(ps) :], plain_sent))
         totals, sents = [], []
-        for (c, _), part in zip(runs, parts):
-            total, sent = next(compressed) if c else (next(plain_totals), part)
+        for c, _ in runs:
+            total, sent = next(compressed) if c else next(plain_totals)
             totals.append(total)
             sents.append(sent)
         return totals, sents, tuple(new_q)
 
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None, shapes=None):
-        """Two all-reduces of float32: every ``P`` (``rows x r``) with the leaves sent as they are,
-        then every ``Q`` (``cols x r``). Without ``shapes``: one square matrix of ``n`` values."""
+        """Two all-reduces: every ``P`` (``rows x r``) with the leaves sent as they are, then
+        every ``Q`` (``cols x r``), of float32, or of :attr:`dtype` as
+        :func:`jaxcomp.methods.cast.narrow_bytes` counts them. Without ``shapes``: one square
+        matrix of ``n`` values."""
         n, _ = _checks.check_message(n, dtype_bytes)
         N = _checks.check_devices(n_devices)
         if N == 1:
             return 0.0
         matrices, dense = self._split(self._shapes(n, shapes))
-        first = 4 * (sum(self.rank * rows for rows, _ in matrices) + dense)
-        second = 4 * sum(self.rank * cols for _, cols in matrices)
-        return sizes.allreduce_bytes(first, N, self.allreduce) + sizes.allreduce_bytes(
-            second, N, self.allreduce
+        first = sum(self.rank * rows for rows, _ in matrices) + dense
+        second = sum(self.rank * cols for _, cols in matrices)
+        if self.dtype != "float32":
+            scaled = self.dtype == "float16"
+            return sum(
+                cast.narrow_bytes(v, N, scaled=scaled, allreduce=self.allreduce)
+                for v in (first, second)
+            )
+        return sizes.allreduce_bytes(4 * first, N, self.allreduce) + sizes.allreduce_bytes(
+            4 * second, N, self.allreduce
         )
 
     def message_steps(self, n_devices, *, inner_size=None):
-        return 2 * sizes.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
+        steps = sizes.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
+        return (4 if self.dtype == "float16" else 2) * steps  # float16: each scale's pmax too
 
     def local_work(self, n_values, n_devices):
         import jax.numpy as jnp
@@ -347,6 +387,20 @@ class PowerSGD(Method):
             return (p @ (m.T @ p).T).ravel()
 
         return codec
+
+
+def _factor_dtype(dtype) -> str:
+    """PowerSGD's ``dtype``: ``"float32"``, or the canonical name of a 16-bit float."""
+    name = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", None) or str(dtype)
+    if name in ("float32", "f32", "fp32"):
+        return "float32"
+    try:
+        return cast.canonical_dtype(dtype)
+    except ValueError:
+        raise ValueError(
+            f"dtype must be float32, float16 or bfloat16 (what PowerSGD's factors cross the wire "
+            f"as; aliases fp16, bf16), got {dtype!r}"
+        ) from None
 
 
 #: A matrix of at most this many values is stacked with the others of its view for batched

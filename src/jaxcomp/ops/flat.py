@@ -100,6 +100,48 @@ def concat(parts):
     )
 
 
+def dropped(x):
+    """``x`` with its non-finite entries as 0 (same dtype).
+
+    Args:
+      x: an array.
+
+    Returns:
+      ``where(isfinite(x), x, 0)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> dropped(jnp.array([1.0, jnp.inf, jnp.nan])).tolist()
+      [1.0, 0.0, 0.0]
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018, §3.2 (non-finite values).
+    """
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x))
+
+
+def cleared(flag, x):
+    """``x``, or zeros of its shape and dtype where ``flag`` (a scalar or ``x``'s shape) is set: a
+    select that XLA fuses into whatever writes ``x``.
+
+    Args:
+      flag: a boolean scalar, or a boolean array of ``x``'s shape.
+      x: an array.
+
+    Returns:
+      ``where(flag, 0, x)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> cleared(jnp.bool_(True), jnp.array([1.0, 2.0])).tolist()
+      [0.0, 0.0]
+
+    References:
+      docs/training.md, "Guardrails: guardrail=" (a triggered step's residual is cleared).
+    """
+    return jnp.where(flag, jnp.zeros_like(x), x)
+
+
 def finite_values(g):
     """``g`` in float32 with its non-finite values (NaN, ±Inf) as 0.
 
@@ -117,7 +159,7 @@ def finite_values(g):
     References:
       docs/training.md, "Non-finite gradients" (never sent, never kept in the residual).
     """
-    return jnp.where(jnp.isfinite(g), g.astype(jnp.float32), 0.0)
+    return dropped(g.astype(jnp.float32))
 
 
 def count_nonfinite(g):

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomp.ops import flat
+
 
 @jax.tree_util.register_pytree_node_class
 class SparseTotal:
@@ -79,7 +81,7 @@ class SparseTotal:
                 .at[self.indices[0]]
                 .set(self.values[0].astype(self.dtype), unique_indices=True, mode="drop")
             )
-        return jnp.where(jnp.isfinite(total), total, jnp.zeros_like(total)) if self.drop else total
+        return flat.dropped(total) if self.drop else total
 
 
 def _like(x, like):
@@ -260,7 +262,7 @@ def split_scaled_xla(dense, shapes, scale=1.0, silenced=None, drop=False):
     for shape in shapes:
         size = int(np.prod(shape))
         update = dense[offset : offset + size].reshape(shape).astype(jnp.float32)
-        update = jnp.where(jnp.isfinite(update), update, 0.0) * scale if drop else update * scale
+        update = flat.dropped(update) * scale if drop else update * scale
         out.append(update if silenced is None else jnp.where(silenced, 0.0, update))
         offset += size
     return out

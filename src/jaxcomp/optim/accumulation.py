@@ -211,12 +211,7 @@ def _guarded(updates, policy):
         return updates, None
     leaves = [g for g in jax.tree.leaves(updates) if jnp.issubdtype(g.dtype, jnp.inexact)]
     clean = jax.tree.map(
-        lambda g: (
-            jnp.where(jnp.isfinite(g), g, jnp.zeros_like(g))
-            if jnp.issubdtype(g.dtype, jnp.inexact)
-            else g
-        ),
-        updates,
+        lambda g: flat.dropped(g) if jnp.issubdtype(g.dtype, jnp.inexact) else g, updates
     )
     count = sum((flat.count_nonfinite(g) for g in leaves), jnp.zeros((), jnp.float32))
     axes = _count_axes(leaves)

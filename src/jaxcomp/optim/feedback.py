@@ -453,7 +453,7 @@ def _dropped(total):
     """The total with its non-finite entries as 0 (a sparse total drops them as it is written)."""
     if isinstance(total, scatter.SparseTotal):
         return total.dropped()
-    return pieces.each(guard.dropped, total)
+    return pieces.each(flat.dropped, total)
 
 
 def _as_sent(vectors, result: Aggregation) -> list:
@@ -568,7 +568,7 @@ def _write_back(
             velocity = packing.pack([done.momenta[i] for i in positions], grads.shards, row)
             velocity = momentum.clear_sent(velocity, sent, result.sparse)
             if c.nonfinite == "zero":  # m u + g overflowed: dropped, like the residual
-                velocity = guard.dropped(velocity)
+                velocity = flat.dropped(velocity)
             velocity = _cleared(trigger, velocity)
             packing.keep(
                 new_velocities, velocities, grads.leaves, positions, velocity, skipped, grads.shards
@@ -588,7 +588,7 @@ def _cleared(trigger, vector):
     vector's own update)."""
     if trigger is None:
         return vector
-    return pieces.each(lambda v: jnp.where(trigger, jnp.zeros_like(v), v), vector)
+    return pieces.each(lambda v: flat.cleared(trigger, v), vector)
 
 
 def _trigger(c: FeedbackConfig, done: _Aggregated, skipped, state, branches, falls_back):

@@ -124,9 +124,8 @@ def pieces(leaves, positions, vector, shards, silenced=None, drop=False):
 def _finished(piece, silenced, drop):
     """``piece`` with :func:`pieces`'s ``drop`` and ``silenced`` applied (XLA fuses both into the
     cut)."""
-    if drop:
-        piece = jnp.where(jnp.isfinite(piece), piece, jnp.zeros_like(piece))
-    return piece if silenced is None else jnp.where(silenced, jnp.zeros_like(piece), piece)
+    piece = flat.dropped(piece) if drop else piece
+    return piece if silenced is None else flat.cleared(silenced, piece)
 
 
 def write(out, leaves, positions, total, scale, skipped, shards=None):

@@ -8,7 +8,8 @@ The guard looks again after aggregation, for values that *became* non-finite fro
 an entry of the sum over the devices that overflowed (:func:`finite_totals`), and an entry of a
 device's next residual ``g_e - sent`` (``g + residual`` that overflowed, or a 16-bit cast or a
 codec that did). Those count in the same metric and policy; under ``"zero"`` they count as 0 in
-the update and are dropped from the residual (:func:`dropped`), so no state turns non-finite.
+the update and are dropped from the residual (:func:`jaxcomp.ops.flat.dropped`), so no state
+turns non-finite.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def guarded_totals(totals, flat_sum, axis_name, sharded: bool):
 
     def cleaned(_):
         vector, resum, split = flat_sum()
-        (again,), overflowed = finite_totals([resum(dropped(vector))])
+        (again,), overflowed = finite_totals([resum(flat.dropped(vector))])
         counts = small.metric_sum(jnp.stack([flat.count_nonfinite(vector), overflowed]), axis_name)
         count = agreed_count(counts[0], counts[1], total_copies(axis_name, sharded))
         return split(again), typed(count.astype(jnp.float32)), typed(jnp.zeros((), bool))
@@ -190,26 +191,6 @@ def all_finite(x):
     return jnp.isfinite(jnp.sum(x - x, dtype=jnp.float32))
 
 
-def dropped(x):
-    """``x`` with its non-finite entries as 0 (same dtype).
-
-    Args:
-      x: an array.
-
-    Returns:
-      ``where(isfinite(x), x, 0)``.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> dropped(jnp.array([1.0, jnp.inf, jnp.nan])).tolist()
-      [1.0, 0.0, 0.0]
-
-    References:
-      Micikevicius et al., "Mixed Precision Training", ICLR 2018, §3.2 (non-finite values).
-    """
-    return jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x))
-
-
 def finite_totals(totals):
     """The totals with their non-finite entries as 0, and how many there were on this device.
 
@@ -236,7 +217,7 @@ def finite_totals(totals):
       overflowed).
     """
     count = sum((flat.count_nonfinite(t) for t in totals), jnp.zeros((), jnp.float32))
-    return [dropped(t) for t in totals], count
+    return [flat.dropped(t) for t in totals], count
 
 
 def count_totals(totals, axis_name, sharded: bool):
