@@ -40,6 +40,7 @@ METHODS = {
     "bf16": ("bf16", {}),
     "fp16": ("fp16", {}),
     "powersgd": ("powersgd", {"rank": 4}),
+    "powersgd_fp16": ("powersgd_fp16", {"rank": 4}),
     "zfp": ("zfp", {"rate": 8}),
     "quantized": ("quantized", {"bits": 4}),
 }
