@@ -360,6 +360,7 @@ def test_every_fixed_method_but_powersgd_has_a_row_with_buckets_and_one_without(
             assert not method.buckets_by_default
             assert netbench.METHODS[f"{method.label}_bucket"] == (method, {"bucket_mb": 25}, None)
     assert fixed[-1].label == "powersgd" and "powersgd_bucket" not in netbench.METHODS
+    assert netbench.METHODS["powersgd_fp16"] == (type(fixed[-1])(4, dtype="float16"), {}, None)
 
 
 def test_the_casts_have_a_row_with_error_feedback():

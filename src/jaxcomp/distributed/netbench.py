@@ -83,6 +83,11 @@ def _runs():
     # SPLIT, every device picking k/N of them). Not an auto candidate.
     star = TopK(0.01, collective="ar", leader="star")
     table[star.label] = (star, {}, None)
+    # PowerSGD's factors as float16 (issue 25's pairing sends rank 12 so): rank 4 beside the
+    # float32 row, what the 16-bit ring and its two scalar scales cost a step. Not an auto
+    # candidate.
+    half = PowerSGD(4, dtype="float16")
+    table[half.label] = (half, {}, None)
     table["auto"] = (fixed, {}, None)
     # Sharded training (data_parallel(shard=...)): the gradient reduce-scattered, the params
     # all-gathered.
