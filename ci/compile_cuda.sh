@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI compile check of the CUDA module, on a machine without a GPU.
 #
-#   ci/compile_cuda.sh [VENV]      # VENV: a virtual environment with jax installed (default .venv)
+#   ci/compile_cuda.sh [VENV]      # VENV: a virtual environment (default .venv); one that does not
+#                                  # exist yet is made, with jax in it
 #
 # Installs CUDA 13's nvcc, runtime headers/static cudart and CCCL (CUB) from PyPI into VENV, then
 # configures and builds ONLY the _jaxcomp_cuda target, into build/ci-cuda: the module never lands
@@ -11,13 +12,18 @@
 # (tests/native/cuda_scratch_test.cc): plain C++, no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# CI gives it a venv of its own, so that it runs beside the tests rather than after them.
+if [ ! -d "${1:-.venv}" ]; then
+  python3 -m venv "${1:-.venv}"
+  EXTRA=jax  # the XLA FFI headers
+fi
 # Absolute: CMake runs its compiler checks in other directories.
 VENV="$(cd "${1:-.venv}" && pwd)"
 PY="$VENV/bin/python"
 BUILD=build/ci-cuda
 
 "$PY" -m pip install --quiet "nvidia-cuda-nvcc==13.*" "nvidia-cuda-runtime==13.*" "nvidia-cuda-cccl==13.*" \
-  "nanobind>=2.4" "cmake>=3.18" ninja
+  "nanobind>=2.4" "cmake>=3.18" ninja ${EXTRA:-}
 
 # The wheels unpack the toolkit under site-packages/nvidia/cu13 (bin/nvcc, include/, include/cccl,
 # lib/libcudart_static.a).

@@ -23,12 +23,15 @@ def _run(tx, grads, params=None):
     p = jnp.zeros(grads.shape[-1]) if params is None else params
 
     def steps(g):
-        state = tx.init(p)
-        outs = []
-        for t in range(g.shape[0]):
-            u, state = tx.update(g[t, 0], state, p)
-            outs.append(u)
-        return jnp.stack(outs), state.mu, state.nu, state.count
+        def step(state, g_t):
+            u, state = tx.update(g_t[0], state, p)
+            return state, u
+
+        # A scan compiles the later steps once, where a Python loop compiled each of them (the
+        # first step runs before it: it makes the state's leaves vary over the devices).
+        state, first = step(tx.init(p), g[0])
+        state, outs = jax.lax.scan(step, state, g[1:])
+        return jnp.concatenate([first[None], outs]), state.mu, state.nu, state.count
 
     f = jax.jit(
         jax.shard_map(

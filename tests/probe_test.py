@@ -356,11 +356,53 @@ def test_overheads_of_several_methods_share_one_dense_timing_and_one_gradient(mo
 
     timed = []
     seconds_of = {"dense": 0.5, "randomk(0.01)": 0.75, "sign": 2.0}
+    clock = _FakeClock(monkeypatch)
 
-    def fake_time(self, method, n_axes):
+    def fake_update(self, method, n_axes):
         timed.append(method.describe())
-        return seconds_of[method.describe()]
+        return lambda: clock.advance(seconds_of[method.describe()])
 
-    monkeypatch.setattr(timing._UpdateTimer, "_time", fake_time)
+    monkeypatch.setattr(timing._UpdateTimer, "_update", fake_update)
     assert timing.overhead_seconds_each(candidates, params) == [0.0, 0.25, 1.5]
-    assert timed == ["dense", "randomk(0.01)", "sign"]  # dense timed once, for both
+    assert timed == ["dense", "randomk(0.01)", "sign"]  # dense built once, for both
+
+
+class _FakeClock:
+    """probe's time.perf_counter, advanced only by the timed calls."""
+
+    def __init__(self, monkeypatch):
+        import types
+
+        from jaxcomp.costmodel import probe
+
+        self.now = 0.0
+        monkeypatch.setattr(probe, "time", types.SimpleNamespace(perf_counter=lambda: self.now))
+
+    def advance(self, seconds):
+        self.now += seconds
+        return seconds
+
+
+def test_excess_seconds_times_in_turns_and_goes_on_while_no_slower(monkeypatch):
+    """A top-k update measured no slower than a dense one on a loaded CI machine (dense timed
+    first, in a burst of load; the top-k branches then got 0 s of overhead). The two are now
+    timed in turns, the fastest of each counts, and rounds go on while the difference is not
+    positive."""
+    from jaxcomp.costmodel.probe import excess_seconds
+
+    clock = _FakeClock(monkeypatch)
+    calls = []
+
+    def timed(name, seconds):
+        return lambda: calls.append(name) or clock.advance(seconds.pop(0))
+
+    # baseline's first timed call is slowed by a burst, the second is not: both rounds count.
+    baseline = timed("dense", [9.0, 5.0, 1.0])  # warm-up, then two rounds
+    run = timed("topk", [9.0, 1.5, 1.5])
+    assert excess_seconds(run, baseline, repeats=2) == 0.5
+    assert calls == ["dense", "topk"] * 3  # warm-ups, then a dense call and a top-k call a round
+
+    calls.clear()
+    same = [1.0] * 10
+    assert excess_seconds(timed("topk", list(same)), timed("dense", list(same)), 1, most=3) == 0.0
+    assert calls == ["dense", "topk"] * 4  # not slower: three rounds, the most, after the warm-ups

@@ -22,11 +22,14 @@ def _updates(tx, grads):
     mesh = Mesh(np.array(jax.devices()[:n_dev]), ("data",))
 
     def steps(g):
-        state, outs = tx.init(jnp.zeros(n)), []
-        for t in range(g.shape[0]):
-            u, state = tx.update(g[t, 0], state, jnp.zeros(n))
-            outs.append(u)
-        return jnp.stack(outs)
+        def step(state, g_t):
+            u, state = tx.update(g_t[0], state, jnp.zeros(n))
+            return state, u
+
+        # A scan compiles the later steps once, where a Python loop compiled each of them (the
+        # first step runs before it: it makes the state's leaves vary over the devices).
+        state, first = step(tx.init(jnp.zeros(n)), g[0])
+        return jnp.concatenate([first[None], jax.lax.scan(step, state, g[1:])[1]])
 
     f = jax.shard_map(steps, mesh=mesh, in_specs=P(None, "data"), out_specs=P())
     return np.asarray(jax.jit(f)(grads))

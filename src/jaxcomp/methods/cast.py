@@ -18,6 +18,26 @@ NARROW_TYPES = {"bfloat16": ("bf16",), "float16": ("fp16", "f16", "half")}
 FLOAT16_MAX = 65504.0
 
 
+def dtype_name(dtype) -> str:
+    """The name a dtype goes by, whether given as a name, a type or a ``numpy`` dtype.
+
+    Args:
+      dtype: a name (returned as it is), a type such as ``jnp.float16``, or a ``numpy`` dtype.
+
+    Returns:
+      The name, not yet made canonical (:func:`canonical_dtype` does that).
+
+    Example:
+      >>> import numpy as np
+      >>> dtype_name(np.float16), dtype_name(np.dtype("float32")), dtype_name("bf16")
+      ('float16', 'float32', 'bf16')
+
+    References:
+      The NumPy dtype names; IEEE 754 binary16.
+    """
+    return dtype if isinstance(dtype, str) else getattr(dtype, "__name__", None) or str(dtype)
+
+
 def canonical_dtype(dtype) -> str:
     """``"bfloat16"`` or ``"float16"`` for a dtype given as a type, a ``numpy`` dtype or a name.
 
@@ -36,7 +56,7 @@ def canonical_dtype(dtype) -> str:
     References:
       IEEE 754 binary16; the bfloat16 format of Kalamkar et al., arXiv 1905.12322.
     """
-    name = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", None) or str(dtype)
+    name = dtype_name(dtype)
     for canonical, aliases in NARROW_TYPES.items():
         if name == canonical or name in aliases:
             return canonical

@@ -182,7 +182,13 @@ class PowerSGD(Method):
 
         if self.dtype == "float32":
             return collectives.psum(values, axis_name)
-        return cast.narrow_sum(values, axis_name, self.dtype, scaled=self.dtype == "float16")
+        return cast.narrow_sum(values, axis_name, self.dtype, scaled=self.scaled)
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the factors cross behind a shared power-of-two scale: float16's (its range
+        ends at 65504), as :attr:`jaxcomp.methods.cast.Cast.scaled` by default."""
+        return self.dtype == "float16"
 
     @property
     def setting(self):
@@ -362,9 +368,8 @@ class PowerSGD(Method):
         first = sum(self.rank * rows for rows, _ in matrices) + dense
         second = sum(self.rank * cols for _, cols in matrices)
         if self.dtype != "float32":
-            scaled = self.dtype == "float16"
             return sum(
-                cast.narrow_bytes(v, N, scaled=scaled, allreduce=self.allreduce)
+                cast.narrow_bytes(v, N, scaled=self.scaled, allreduce=self.allreduce)
                 for v in (first, second)
             )
         return sizes.allreduce_bytes(4 * first, N, self.allreduce) + sizes.allreduce_bytes(
@@ -373,7 +378,7 @@ class PowerSGD(Method):
 
     def message_steps(self, n_devices, *, inner_size=None):
         steps = sizes.allreduce_steps(_checks.check_devices(n_devices), self.allreduce)
-        return (4 if self.dtype == "float16" else 2) * steps  # float16: each scale's pmax too
+        return (4 if self.scaled else 2) * steps  # each scale's pmax too
 
     def local_work(self, n_values, n_devices):
         import jax.numpy as jnp
@@ -391,8 +396,7 @@ class PowerSGD(Method):
 
 def _factor_dtype(dtype) -> str:
     """PowerSGD's ``dtype``: ``"float32"``, or the canonical name of a 16-bit float."""
-    name = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", None) or str(dtype)
-    if name in ("float32", "f32", "fp32"):
+    if cast.dtype_name(dtype) in ("float32", "f32", "fp32"):
         return "float32"
     try:
         return cast.canonical_dtype(dtype)

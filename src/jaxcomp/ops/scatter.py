@@ -263,7 +263,7 @@ def split_scaled_xla(dense, shapes, scale=1.0, silenced=None, drop=False):
         size = int(np.prod(shape))
         update = dense[offset : offset + size].reshape(shape).astype(jnp.float32)
         update = flat.dropped(update) * scale if drop else update * scale
-        out.append(update if silenced is None else jnp.where(silenced, 0.0, update))
+        out.append(update if silenced is None else flat.cleared(silenced, update))
         offset += size
     return out
 

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import methods
-from jaxcomp.costmodel.probe import best_seconds, codec_seconds
+from jaxcomp.costmodel.probe import codec_seconds, excess_seconds
 from jaxcomp.methods import Dense, Method
 from jaxcomp.optim.compression import compress
 
@@ -37,7 +37,9 @@ def update_seconds(method, params, *, repeats: int = 3, **options) -> float:
     Args:
       method: a :mod:`jaxcomp.methods` object, or a name with its options in ``options``.
       params: the params pytree (arrays or ``jax.ShapeDtypeStruct``).
-      repeats: timed runs after one warm-up; the fastest counts.
+      repeats: timed rounds after one warm-up, each a dense update and then this one; the
+        fastest of each counts (up to 4x as many rounds while the update is not measurably
+        slower: :func:`jaxcomp.costmodel.probe.excess_seconds`).
       **options: with a name, the method's options (``ratio=``, ...).
 
     Returns:
@@ -57,9 +59,10 @@ def update_seconds(method, params, *, repeats: int = 3, **options) -> float:
 
 class _UpdateTimer:
     """Times methods' updates on one gradient shaped like ``params``: the gradient is drawn once
-    per mesh, and the dense update that every timing subtracts is timed once per mesh (the
+    per mesh, and the dense update that every timing subtracts is compiled once per mesh (the
     timing of nine ``compress_auto`` candidates drew nine 100 MB gradients and timed dense nine
-    times)."""
+    times). Each method's update is timed in turns with the dense one
+    (:func:`jaxcomp.costmodel.probe.excess_seconds`)."""
 
     def __init__(self, params, repeats: int):
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -67,14 +70,14 @@ class _UpdateTimer:
         self._params = params
         self._repeats = repeats
         self._grads = {}  # number of local axes -> (axes, mesh, its replicated sharding, gradient)
-        self._dense = {}  # number of local axes -> seconds of Dense()'s update
+        self._dense = {}  # number of local axes -> Dense()'s update, compiled, ready to call
 
     def seconds(self, method: Method) -> float:
         """``method``'s update beyond a dense one, in seconds, at least 0."""
         n_axes = method.axes_needed or 1
         if n_axes not in self._dense:
-            self._dense[n_axes] = self._time(Dense(), n_axes)
-        return max(0.0, self._time(method, n_axes) - self._dense[n_axes])
+            self._dense[n_axes] = self._update(Dense(), n_axes)
+        return excess_seconds(self._update(method, n_axes), self._dense[n_axes], self._repeats)
 
     def _gradient(self, n_axes: int):
         if n_axes not in self._grads:
@@ -93,7 +96,8 @@ class _UpdateTimer:
             self._grads[n_axes] = axes, mesh, replicated, grads
         return self._grads[n_axes]
 
-    def _time(self, method: Method, n_axes: int) -> float:
+    def _update(self, method: Method, n_axes: int):
+        """A call of ``method``'s whole update on the gradient, every collective a no-op."""
         axes, mesh, replicated, grads = self._gradient(n_axes)
         tx = compress(method, axis_name=axes if len(axes) > 1 else axes[0])
         state = jax.device_put(tx.init(grads), replicated)
@@ -105,7 +109,7 @@ class _UpdateTimer:
         run = jax.jit(
             jax.shard_map(update, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
         )
-        return best_seconds(lambda: run(grads, state), self._repeats)
+        return lambda: run(grads, state)
 
 
 def overhead_seconds(
@@ -126,7 +130,9 @@ def overhead_seconds(
       params: the params pytree (arrays or ``jax.ShapeDtypeStruct``).
       mesh: the training mesh (for :func:`codec_seconds`), or None for the default device.
       axis_name: the data-parallel axis of ``mesh``.
-      repeats: timed runs after one warm-up; the fastest counts.
+      repeats: timed rounds after one warm-up, each a dense update and then this one; the
+        fastest of each counts (up to 4x as many rounds while the update is not measurably
+        slower: :func:`jaxcomp.costmodel.probe.excess_seconds`).
 
     Returns:
       Seconds, at least 0.
@@ -160,7 +166,9 @@ def overhead_seconds_each(
       params: the params pytree (arrays or ``jax.ShapeDtypeStruct``).
       mesh: the training mesh (for :func:`codec_seconds`), or None for the default device.
       axis_name: the data-parallel axis of ``mesh``.
-      repeats: timed runs after one warm-up; the fastest counts.
+      repeats: timed rounds after one warm-up, each a dense update and then this one; the
+        fastest of each counts (up to 4x as many rounds while the update is not measurably
+        slower: :func:`jaxcomp.costmodel.probe.excess_seconds`).
 
     Returns:
       A list of seconds, one per method, in order, each at least 0.
