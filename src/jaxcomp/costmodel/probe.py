@@ -359,12 +359,14 @@ def best_seconds(run, repeats: int) -> float:
       Agarwal et al., MLSys 2022, App. C (the minimum of repeated timings).
     """
     jax.block_until_ready(run())
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(run())
-        best = min(best, time.perf_counter() - start)
-    return best
+    return min(_seconds_of(run) for _ in range(repeats))
+
+
+def _seconds_of(call) -> float:
+    """Wall-clock seconds of one call of ``call``, its arrays waited for."""
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    return time.perf_counter() - start
 
 
 def excess_seconds(run, baseline, repeats: int, *, most: int | None = None) -> float:
@@ -400,9 +402,7 @@ def excess_seconds(run, baseline, repeats: int, *, most: int | None = None) -> f
     rounds = 0
     while rounds < repeats or (fastest[1] <= fastest[0] and rounds < most):
         for i, call in enumerate((baseline, run)):
-            start = time.perf_counter()
-            jax.block_until_ready(call())
-            fastest[i] = min(fastest[i], time.perf_counter() - start)
+            fastest[i] = min(fastest[i], _seconds_of(call))
         rounds += 1
     return max(0.0, fastest[1] - fastest[0])
 
