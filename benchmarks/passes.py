@@ -4,10 +4,12 @@
     python benchmarks/passes.py --models gpt2 --methods ar_topk,ar_topk@b25  # with buckets beside
 
 For every model of the zoo (:mod:`jaxcomp.training.zoo`) and every method, one device runs the
-``compress`` update alone (inside ``jax.shard_map``, as in training; on one device the
-collectives move nothing) on random gradients of the model's parameter shapes, and the same job
-times a plain copy of those gradients (``g * 2``: read every value once, write it once, into a
-new buffer as the update's outputs are). The ratio is the method's local work in *passes*: what
+``compress`` update alone (inside ``jax.shard_map``, as in training, compiled for the branch
+``data_parallel`` compiles its steps for; ``--switched``: the device's ``lax.switch`` between the
+method and the guardrail's dense fallback; on one device the collectives move nothing) on
+random gradients of the model's parameter shapes, and the same job times a plain copy of
+those gradients (``g * 2``: read every value once, write it once, into a new buffer as the
+update's outputs are). The ratio is the method's local work in *passes*: what
 error feedback, packing, selection, codecs and unpacking cost in units of the cheapest thing a
 step could do with the gradient. The issue's targets: at most 4 passes for top-k, random-k, sign
 and the casts (PowerSGD: beside its matmuls), at most 8 for ZFP and THC.
@@ -71,6 +73,13 @@ def parse_args(argv=None):
         "each call, which a copy into leaves under 32 MB does not pay; 'tuned' calls "
         "jaxcomp.tune_host_allocator() first (large buffers on the heap)",
     )
+    parser.add_argument(
+        "--switched",
+        action="store_true",
+        help="time the update as a jitted compress outside data_parallel runs it (the device "
+        "chooses between the method and the guardrail's dense fallback by lax.switch); by "
+        "default the branch is compiled in as data_parallel's steps compile it",
+    )
     args = parser.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.methods = [m for m in args.methods.split(",") if m]
@@ -115,13 +124,19 @@ def method_options(method: str):
         raise ValueError(f"{method!r}: @b takes a number of megabytes, e.g. @b25") from None
 
 
-def update_function(method: str, grads):
+def update_function(method: str, grads, switched: bool = False):
     """A jitted ``(grads, state) -> (updates, state)`` of ``compress(method)`` on one device, and
-    its first state."""
+    its first state: compiled for the branch the state asks for where ``data_parallel``'s steps
+    are (:func:`jaxcomp.optim.pinning.next_branch`: a sparse method, or sign's decoded sent,
+    beside the guardrail's dense fallback), or with ``switched`` the device's ``lax.switch``
+    over the branches (a jitted ``compress`` update outside ``data_parallel``)."""
     import jaxcomp
+    from jaxcomp.optim import pinning
 
     name, options = method_options(method)
-    return transformation_update(jaxcomp.compress(name, **options), grads)
+    tx = jaxcomp.compress(name, **options)
+    branch = None if switched else pinning.next_branch(jax.jit(tx.init)(grads))
+    return transformation_update(tx, grads, None if branch is None else int(branch))
 
 
 def transformation_update(tx, grads, branch=None):
@@ -147,13 +162,15 @@ def transformation_update(tx, grads, branch=None):
     return step, jax.jit(tx.init)(grads)
 
 
-def measure(model_name: str, methods, repeats: int, allocator: str = "glibc") -> list[dict]:
+def measure(
+    model_name: str, methods, repeats: int, allocator: str = "glibc", switched: bool = False
+) -> list[dict]:
     """One model's rows: per method the update's best time and its passes over the copy's."""
     grads = gradients(model_name)
     copy = jax.jit(lambda g: jax.tree.map(lambda x: x * 2, g))
     runs = {"copy": lambda: copy(grads)}
     for method in methods:
-        step, state = update_function(method, grads)
+        step, state = update_function(method, grads, switched)
         runs[method] = lambda step=step, state=state: step(grads, state)
     best = best_of_rounds(runs, repeats)
     n = sum(x.size for x in jax.tree.leaves(grads))
@@ -169,6 +186,7 @@ def measure(model_name: str, methods, repeats: int, allocator: str = "glibc") ->
             "passes": best[m] / best["copy"],
             "target": TARGETS.get(m.partition("@")[0], 4),
             "allocator": allocator,
+            "switched": switched,
         }
         for m in methods
     ]
@@ -238,12 +256,13 @@ def main(argv=None) -> int:
         jaxcomp.tune_host_allocator()  # before the first buffer: the gradients, the states
     print(
         f"# {platform.node()}: {platform.processor() or platform.machine()}, jax "
-        f"{jax.__version__}, {len(jax.devices())} device(s), allocator {args.allocator}",
+        f"{jax.__version__}, {len(jax.devices())} device(s), allocator {args.allocator}"
+        f"{', switched' if args.switched else ''}",
         flush=True,
     )
     run_models(
         args.models,
-        lambda name: measure(name, args.methods, args.repeats, args.allocator),
+        lambda name: measure(name, args.methods, args.repeats, args.allocator, args.switched),
         table,
         args.json,
     )

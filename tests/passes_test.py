@@ -70,3 +70,16 @@ def test_powersgd_batches_one_at_a_time_is_a_group_per_matrix():
         assert powersgd.batches(views) == [(0, 2), (1,)]
     assert powersgd.batches(views) == [(0, 2), (1,)]
     assert script.parse_args(["--models", "many_small"]).models == ["many_small"]
+
+
+def test_the_update_is_compiled_for_the_branch_data_parallel_runs():
+    """Sign beside the guardrail's dense fallback: data_parallel compiles its steps for sign's
+    branch (jaxcomp.optim.pinning), and so does the timed update unless ``switched``; THC, which
+    gains nothing from it, keeps the switch either way, and top-k has no fallback to switch to."""
+    grads = {"a": jnp.ones((40, 30)), "b": jnp.ones(7)}
+    for method, pins in (("sign", True), ("quantized", False), ("ar_topk", False)):
+        cases = []
+        for switched in (False, True):
+            step, state = passes.update_function(method, grads, switched)
+            cases.append(step.lower(grads, state).as_text().count("stablehlo.case"))
+        assert (cases[1] > cases[0]) == pins, (method, cases)

@@ -365,3 +365,63 @@ def test_compress_auto_takes_the_packed_signs_on_a_slow_network():
     np.testing.assert_allclose(
         updates, ref_unpack(words, scales, n, 64).mean(0), rtol=1e-6, atol=1e-7
     )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("special", [False, True])
+def test_scaled_signs_read_the_decoded_vectors_energies_off_the_scales(dtype, special):
+    """ScaledSigns.energies is flat.energies of the decoded vector (a shorter last chunk; with
+    ``special`` a zero, a NaN, an infinite scale and one whose square overflows)."""
+    from jaxcomp.costmodel.ratio_choice import ENERGY_SCALE
+    from jaxcomp.ops import flat
+    from jaxcomp.ops.sign import ScaledSigns
+
+    n, chunk = 1003, 64
+    rng = np.random.default_rng(7)
+    words = jnp.asarray(rng.integers(0, 2**32, -(-n // 32), dtype=np.uint32))
+    scales = rng.uniform(0.1, 2.0, -(-n // chunk)) * 10.0 ** rng.integers(-8, 8, 16)
+    if special:
+        scales[[0, 3, 5, 15]] = [0.0, np.nan, np.inf, 3e38]
+    scales = jnp.asarray(scales, jnp.float32)
+    vector = sign_unpack(words, scales, n, chunk, dtype=dtype)
+    for energy_scale in (1.0, ENERGY_SCALE):
+        got = ScaledSigns(vector, scales, chunk).energies(energy_scale)
+        want = flat.energies_xla(vector, energy_scale)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+    assert float(ScaledSigns(vector, scales, chunk).energies()[2]) == (2 * chunk if special else 0)
+
+
+@pytest.mark.parametrize("n_devices", [1, 2, 3, 8])
+@pytest.mark.parametrize("aggregation", ["allgather", "allreduce"])
+def test_a_pinned_step_takes_the_sent_energies_from_the_scales(n_devices, aggregation):
+    """data_parallel pins the sign branch (beside the guardrail's dense fallback), and that step
+    reads no gradient-sized vector for the energies of what it sent: it computes the switched
+    step's updates and residual bit for bit, and its gain to float rounding."""
+    from jaxcomp.optim import pinning
+
+    need_devices(n_devices)
+    mesh = Mesh(np.array(jax.devices()[:n_devices]), ("data",))
+    n = 5000
+    tx = jaxcomp.compress(Sign(256, aggregation=aggregation))
+    grads = {"w": jnp.asarray(np.random.default_rng(n_devices).normal(size=n), jnp.float32)}
+    state = tx.init(grads)
+    state = state._replace(residual={"w": 0.3 * grads["w"][::-1]})
+    assert pinning.can_pin(state) and int(pinning.next_branch(state)) == 0
+
+    def update(branch):
+        def run(g, s):
+            with pinning.pinned(branch):
+                return tx.update(jax.lax.pcast(g, "data", to="varying"), s)
+
+        spec = (P(), P())
+        return jax.jit(
+            jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        )
+
+    pinned, switched = update(0), update(None)
+    assert "jaxcomp_energies" not in pinned.lower(grads, state).compile().as_text()
+    (a_updates, a_state), (b_updates, b_state) = pinned(grads, state), switched(grads, state)
+    np.testing.assert_array_equal(as_bits(a_updates["w"]), as_bits(b_updates["w"]))
+    np.testing.assert_array_equal(as_bits(a_state.residual["w"]), as_bits(b_state.residual["w"]))
+    np.testing.assert_allclose(float(a_state.metrics.gain), float(b_state.metrics.gain), rtol=1e-5)
+    assert 0 < float(a_state.metrics.gain) < 1

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 
 from jaxcomp.collectives._common import axis_size, check_rows, local_vector, one_device_total
 from jaxcomp.collectives.ring import Codec, ring_allreduce
-from jaxcomp.ops.sign import check_chunk, sign_pack, sign_unpack, sign_unpack_sum
+from jaxcomp.ops.sign import ScaledSigns, check_chunk, sign_pack, sign_unpack, sign_unpack_sum
+from jaxcomp.ops.xla.sign import spread
 
 
 def gathered_sign_sum(all_words, all_scales, n: int, chunk: int, majority: bool):
@@ -58,11 +59,11 @@ def gathered_sign_sum(all_words, all_scales, n: int, chunk: int, majority: bool)
     votes, scales = jax.lax.fori_loop(
         0, all_words.shape[0], vote, (jnp.zeros(n, jnp.float32), jnp.zeros_like(ones))
     )
-    plus = jnp.repeat(scales, chunk, total_repeat_length=scales.shape[0] * chunk)[:n]
+    plus = spread(scales, n, chunk)
     return jnp.sign(votes) * plus
 
 
-def sign_allgather(x, chunk, axis_name, *, majority=False):
+def sign_allgather(x, chunk, axis_name, *, majority=False, decoded=False):
     """Scaled signs aggregated by all-gathering every device's packed signs and scales.
 
     Each device packs ``x`` into 1 bit a value and one float32 scale (the mean ``|x|``) per
@@ -74,6 +75,8 @@ def sign_allgather(x, chunk, axis_name, *, majority=False):
       chunk: static int ``>= 1``, values per scale.
       axis_name: the mesh axis, or tuple of axes, to sum over.
       majority: signSGD's majority vote instead of the sum (see :func:`gathered_sign_sum`).
+      decoded: without ``majority``, return ``sent`` as :class:`jaxcomp.ops.sign.ScaledSigns`
+        (the decoded signs beside this device's scales, which give their energies unread).
 
     Returns:
       ``(total, sent)`` of ``x``'s shape and dtype (computed in float32): ``total`` is typed
@@ -101,15 +104,16 @@ def sign_allgather(x, chunk, axis_name, *, majority=False):
     words, scales = sign_pack(x, chunk)
     if axis_size(axis_name) == 1:  # the sum (or vote) of one device is its own decoded signs
         sent = sign_unpack(words, scales, n, chunk)
-        return one_device_total(sent, axis_name).astype(x.dtype), sent.astype(x.dtype)
-    all_words = jax.lax.all_gather(words, axis_name, to="invarying")
-    all_scales = jax.lax.all_gather(scales, axis_name, to="invarying")
-    total = gathered_sign_sum(all_words, all_scales, n, chunk, majority)
-    if majority:
-        sent = total / all_words.shape[0]
+        total = one_device_total(sent, axis_name).astype(x.dtype)
     else:
+        all_words = jax.lax.all_gather(words, axis_name, to="invarying")
+        all_scales = jax.lax.all_gather(scales, axis_name, to="invarying")
+        total = gathered_sign_sum(all_words, all_scales, n, chunk, majority).astype(x.dtype)
+        if majority:
+            return total, (total / all_words.shape[0]).astype(x.dtype)
         sent = sign_unpack(words, scales, n, chunk)
-    return total.astype(x.dtype), sent.astype(x.dtype)
+    sent = sent.astype(x.dtype)
+    return total, ScaledSigns(sent, scales, chunk) if decoded and not majority else sent
 
 
 def sign_codec(chunk: int) -> Codec:

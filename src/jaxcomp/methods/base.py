@@ -83,6 +83,11 @@ class Method:
       joined into one vector, cut as its ``piece_sizes(shapes)`` says (each part whole leaves of
       ``shapes=``): each part becomes its leaves' updates and residuals without a pass that
       joins and one that splits (PowerSGD's ``P Q^T`` per matrix does).
+    * ``decoded_sent = False``: :meth:`aggregate` takes ``decoded=True`` (passed only to such
+      a method, and never under ``lax.switch``, whose branches must return alike) and may then
+      return ``sent`` as :class:`jaxcomp.ops.sign.ScaledSigns`: the decoded vector beside the
+      few values that give its energies, so that the metrics do not read it again (the sign
+      codec's scales: :class:`Sign` does).
     * ``replicated_total = True``: ``total`` comes out typed replicated (invariant) inside
       ``shard_map``; :func:`jaxcomp.compress_auto` needs this of every candidate, since its
       branches must agree.
@@ -139,6 +144,7 @@ class Method:
     feeds_back_by_default: ClassVar[bool] = True
     sparse: ClassVar[bool] = False
     pieces: ClassVar[bool] = False
+    decoded_sent: ClassVar[bool] = False
     replicated_total: ClassVar[bool] = True
     codec_skipped_on_one_device: ClassVar[bool] = False
     shorthand: ClassVar[dict[str, dict[str, Any]]] = {}

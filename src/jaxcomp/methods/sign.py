@@ -118,22 +118,33 @@ class Sign(Method):
             [self.name, self.aggregation] + ([self.allreduce] if self.allreduce != "ring" else [])
         )
 
-    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
+    @property
+    def decoded_sent(self):
+        """The all-gather's and the all-reduce's ``sent`` can come with this device's scales
+        (:class:`jaxcomp.ops.sign.ScaledSigns`), whose energies the metrics read off them; the
+        majority vote's and the ring's are not one device's decoded signs."""
+        return self.aggregation in ("allgather", "allreduce")
+
+    def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None, decoded=False):
         from jaxcomp import collectives
-        from jaxcomp.ops.sign import sign_pack, sign_unpack
+        from jaxcomp.ops.sign import ScaledSigns, sign_pack, sign_unpack
 
         if self.aggregation == "ring":
             total, sent = collectives.sign_ring(x, self.chunk, axis_name)
             return total, sent, state
         if self.aggregation != "allreduce":
             total, sent = collectives.sign_allgather(
-                x, self.chunk, axis_name, majority=self.aggregation == "majority"
+                x,
+                self.chunk,
+                axis_name,
+                majority=self.aggregation == "majority",
+                decoded=decoded,
             )
             return total, sent, state
         words, scales = sign_pack(x, self.chunk)
         sent = sign_unpack(words, scales, x.shape[0], self.chunk, dtype=x.dtype)
         total, _ = collectives.psum(sent, axis_name)
-        return total, sent, state
+        return total, ScaledSigns(sent, scales, self.chunk) if decoded else sent, state
 
     @property
     def scatters(self):

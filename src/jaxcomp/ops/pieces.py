@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp.ops import flat
+from jaxcomp.ops.sign import ScaledSigns
 
 
 @jax.tree_util.register_pytree_node_class
@@ -80,10 +81,11 @@ class Pieces:
 
 
 def joined(vector):
-    """``vector`` as one array: a :class:`Pieces` joined, anything else as it is.
+    """``vector`` as one array: a :class:`Pieces` joined, the vector of
+    :class:`~jaxcomp.ops.sign.ScaledSigns`, anything else as it is.
 
     Args:
-      vector: a 1-D array or :class:`Pieces`.
+      vector: a 1-D array, :class:`Pieces` or :class:`~jaxcomp.ops.sign.ScaledSigns`.
 
     Returns:
       A 1-D array.
@@ -96,7 +98,7 @@ def joined(vector):
     References:
       Vogels et al., "PowerSGD", NeurIPS 2019, Alg. 1.
     """
-    return vector.joined() if isinstance(vector, Pieces) else vector
+    return vector.joined() if isinstance(vector, (Pieces, ScaledSigns)) else vector
 
 
 def each(fn, vector):
@@ -122,10 +124,11 @@ def each(fn, vector):
 
 def energies(vector, energy_scale=1.0):
     """:func:`jaxcomp.ops.flat.energies` of a vector or of :class:`Pieces` (summed over the
-    parts, no join).
+    parts, no join), or of :class:`~jaxcomp.ops.sign.ScaledSigns` (from its scales, no read of
+    the vector).
 
     Args:
-      vector: a 1-D array or :class:`Pieces`.
+      vector: a 1-D array, :class:`Pieces` or :class:`~jaxcomp.ops.sign.ScaledSigns`.
       energy_scale: as for :func:`jaxcomp.ops.flat.energies`.
 
     Returns:
@@ -139,6 +142,8 @@ def energies(vector, energy_scale=1.0):
     References:
       Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019 (the energies).
     """
+    if isinstance(vector, ScaledSigns):
+        return vector.energies(energy_scale)
     if not isinstance(vector, Pieces):
         return jnp.asarray(flat.energies(vector, energy_scale))
     return sum(jnp.asarray(flat.energies(p, energy_scale)) for p in vector.parts)

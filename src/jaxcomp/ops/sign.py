@@ -195,6 +195,78 @@ def sign_unpack(words, scales, n, chunk=DEFAULT_CHUNK, dtype=jnp.float32, *, imp
     return decoded.astype(dtype)
 
 
+@jax.tree_util.register_pytree_node_class
+class ScaledSigns:
+    """Decoded signs beside the scales they were decoded from: ``vector`` is ``±scales[c]`` on
+    every value of chunk ``c`` (:func:`sign_unpack`'s result, in the gradient's dtype).
+
+    What a device sent, as :class:`jaxcomp.methods.Sign` hands it to error feedback and the
+    metrics when asked (``decoded=True``): :meth:`energies` reads the scales, one value per
+    ``chunk``, where :func:`jaxcomp.ops.flat.energies` of the vector reads all of it (a pass
+    over the gradient's bytes: 10 ms of a 60 ms update for 25M values on the CPU).
+
+    Args:
+      vector: the decoded 1-D vector of ``n`` values.
+      scales: float32 ``[ceil(n / chunk)]``.
+      chunk: values per scale.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> words, scales = sign_pack(jnp.array([1.0, -3.0, 4.0]), 2)  # scales 2 and 4
+      >>> sent = ScaledSigns(sign_unpack(words, scales, 3, 2), scales, 2)
+      >>> sent.vector.tolist(), sent.energies().tolist()  # 2 * 2**2 + 4**2
+      ([2.0, -2.0, 4.0], [24.0, 24.0, 0.0])
+
+    References:
+      Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression Schemes",
+      ICML 2019 (the scaled signs a device sends).
+    """
+
+    def __init__(self, vector, scales, chunk: int):
+        self.vector, self.scales, self.chunk = vector, scales, check_chunk(chunk)
+
+    def tree_flatten(self):
+        return (self.vector, self.scales), self.chunk
+
+    @classmethod
+    def tree_unflatten(cls, chunk, children):
+        # No checks: JAX may unflatten with placeholders in place of the arrays.
+        signs = object.__new__(cls)
+        (signs.vector, signs.scales), signs.chunk = children, chunk
+        return signs
+
+    def joined(self):
+        """The decoded vector itself."""
+        return self.vector
+
+    def energies(self, energy_scale=1.0):
+        """:func:`jaxcomp.ops.flat.energies` of :attr:`vector` (to float rounding), from the
+        scales alone: every value of chunk ``c`` has the magnitude ``scales[c]`` (rounded to the
+        vector's dtype).
+
+        Args:
+          energy_scale: the factor of the second sum.
+
+        Returns:
+          A float32 ``[3]``: ``sum x**2``, the sum over finite ``x`` of ``(x * energy_scale)**2``,
+          the count of non-finite ``x``.
+        """
+        last = self.vector.shape[0] - (self.scales.shape[0] - 1) * self.chunk
+
+        def per_value(per_chunk):  # every chunk holds `chunk` values, the last one `last`
+            return self.chunk * jnp.sum(per_chunk[:-1]) + last * per_chunk[-1]
+
+        magnitude = self.scales.astype(self.vector.dtype).astype(jnp.float32)
+        finite = jnp.isfinite(magnitude)
+        return jnp.stack(
+            [
+                per_value(jnp.square(magnitude)),
+                per_value(jnp.where(finite, jnp.square(magnitude * energy_scale), 0.0)),
+                per_value(jnp.where(finite, 0.0, 1.0)),
+            ]
+        )
+
+
 def sign_unpack_sum(words, scales, n, chunk=DEFAULT_CHUNK, *, implementation=None):
     """The sum of the values several rows of signs stand for: row after row from 0, in float32
     (bit for bit a loop of ``total = total + sign_unpack(words[r], scales[r])``), what an

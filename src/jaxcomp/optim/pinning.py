@@ -115,8 +115,10 @@ def static_choice(record, wanted):
 
 
 def can_pin(state) -> bool:
-    """Whether :func:`next_branch` tells ``state``'s next branch: several branches, a sparse one
-    among them, and no :class:`jaxcomp.RatioSearch`. Static: reads no array.
+    """Whether :func:`next_branch` tells ``state``'s next branch: several branches, one among
+    them that gains from a static branch (a sparse one, or one whose sent comes decoded:
+    :attr:`jaxcomp.methods.Method.decoded_sent`), and no :class:`jaxcomp.RatioSearch`. Static:
+    reads no array.
 
     Args:
       state: a :class:`jaxcomp.CompressState`.
@@ -134,7 +136,8 @@ def can_pin(state) -> bool:
     """
     runs = state.branches.methods
     searching = state.auto is not None and state.auto.ratio is not None
-    return len(runs) >= 2 and any(m.sparse for m in runs) and not searching
+    gains = any(m.sparse or m.decoded_sent for m in runs)
+    return len(runs) >= 2 and gains and not searching
 
 
 def next_branch(state):
@@ -147,10 +150,10 @@ def next_branch(state):
 
     Returns:
       An int32 scalar, or None where the state cannot say or a step per branch would gain
-      nothing: a single branch (nothing to choose), no sparse branch (a switch over methods that
-      send dense vectors costs nothing measurable: 237 ms against 242 ms for THC 4 bits on
-      mlp4096), or ``compress_auto`` with a :class:`jaxcomp.RatioSearch` (its branch moves with
-      the ratio controller every few steps).
+      nothing: a single branch (nothing to choose), no branch that gains from a static choice
+      (:func:`can_pin`; a switch over methods that send dense vectors costs nothing measurable:
+      237 ms against 242 ms for THC 4 bits on mlp4096), or ``compress_auto`` with a
+      :class:`jaxcomp.RatioSearch` (its branch moves with the ratio controller every few steps).
 
     Example:
       >>> import jax.numpy as jnp, jaxcomp

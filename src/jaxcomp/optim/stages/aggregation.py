@@ -160,6 +160,7 @@ def aggregate_groups(
     sparse: bool = False,
     states=None,
     pieces: bool = False,
+    decoded: bool = False,
 ):
     """Runs ``method`` on each group's vector: ``(totals, sents, states, vectors)``, one per group
     (``sparse``: each ``sent`` is ``(indices, values)``). Group ``i`` draws its randomness from
@@ -177,6 +178,8 @@ def aggregate_groups(
         :func:`init_method_state`); None otherwise.
       pieces: a method with :attr:`~jaxcomp.methods.Method.pieces` may return a group's total
         and sent as :class:`jaxcomp.ops.pieces.Pieces` (not when sharded).
+      decoded: a method with :attr:`~jaxcomp.methods.Method.decoded_sent` may return a group's
+        sent as :class:`jaxcomp.ops.sign.ScaledSigns` (not when sharded).
 
     Returns:
       ``(totals, sents, states, vectors)``: one total and sent per group, the method's new states
@@ -225,6 +228,7 @@ def aggregate_groups(
                 state=states[i] if method.stateful else None,
                 **_shaped(method, groups, i),
                 **({"pieces": True} if pieces and method.pieces else {}),
+                **({"decoded": True} if decoded and method.decoded_sent else {}),
             )
     return totals, sents, tuple(new_states) if method.stateful else states, vectors
 
@@ -363,7 +367,8 @@ def run_branch(
       sparse: ask for ``(indices, values)`` sents (only with a static ``branch``).
       states: the methods' states, one entry per branch.
       pieces: as for :func:`aggregate_groups`; under ``lax.switch`` the other branches' totals
-        and sents are then cut into the same parts.
+        and sents are then cut into the same parts. With a static ``branch`` it also lets a
+        method return its sent as :class:`jaxcomp.ops.sign.ScaledSigns` (``decoded``).
 
     Returns:
       ``(totals, sents, states, vectors)`` (as :func:`aggregate_groups`; under ``lax.switch``
@@ -399,6 +404,7 @@ def run_branch(
                 sparse=sparse,
                 states=states[index],
                 pieces=pieces,
+                decoded=pieces and not switched,
             )
             if leafwise:  # every branch returns the same structure
                 totals, sents = (_alike(branches, v, groups.shapes) for v in (totals, sents))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxcomp.costmodel import ratio_choice
-from jaxcomp.ops import flat
+from jaxcomp.ops import flat, pieces
 from jaxcomp.ops.pieces import Pieces
 
 
@@ -65,7 +65,8 @@ def remaining(fed, sent, sparse: bool):
     Args:
       fed: a group's error-fed vector (float32).
       sent: this device's contribution: dense, :class:`jaxcomp.ops.pieces.Pieces` of it (the
-        residual then comes back as the same parts, never joined), or ``(indices, values)``.
+        residual then comes back as the same parts, never joined),
+        :class:`jaxcomp.ops.sign.ScaledSigns`, or ``(indices, values)``.
       sparse: ``sent`` is ``(indices, values)``.
 
     Returns:
@@ -87,4 +88,4 @@ def remaining(fed, sent, sparse: bool):
     if isinstance(sent, Pieces):
         fed = Pieces.split(fed, sent.sizes)
         return Pieces([f - s.astype(jnp.float32) for f, s in zip(fed.parts, sent.parts)])
-    return fed - sent.astype(jnp.float32)
+    return fed - pieces.joined(sent).astype(jnp.float32)
