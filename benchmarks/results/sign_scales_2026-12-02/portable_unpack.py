@@ -6,13 +6,12 @@ job, best of 7, beside the native decode and a plain copy; the decode is read by
     python benchmarks/results/sign_scales_2026-12-02/portable_unpack.py
 """
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxcomp
+from jaxcomp.costmodel.probe import best_seconds
 from jaxcomp.ops.sign import sign_pack, sign_unpack
 
 N, CHUNK = 25_185_290, 1024
@@ -34,13 +33,8 @@ def consumed(decode):
 
 
 def best_ms(fn, *args, calls=7):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
+    """The fastest of ``calls`` timed calls after a warm-up (jaxcomp's own timing helper)."""
+    return 1e3 * best_seconds(lambda: fn(*args), calls)
 
 
 def main():
