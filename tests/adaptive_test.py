@@ -192,21 +192,26 @@ def test_auto_on_8_virtual_devices_picks_dense_from_the_live_probe_and_compressi
     need_devices(8)
     mesh = jax.sharding.Mesh(jax.devices()[:8], ("data",))
     n_values = 100_000
-    # One probe's medians on a machine whose 2 cores another test worker (or a benchmark) shares
-    # fell to 2.0e8 bytes/s once in CI: up to three probes, the first that sees memory counts.
+    # The probe and the codec timings are two measurements of a machine whose 2 cores another
+    # test worker (or a benchmark) shares. Once in CI the probe saw 4.1e8 bytes/s (quiet: ~3.5e9)
+    # while the codec ran at its quiet 1.9 ms, and top-k won. Up to three rounds of both: the
+    # first that sees the machine quiet enough for dense counts.
+    seen = []
     for _ in range(3):
         in_memory = probe.probe_network(mesh, "data", cache=False)
-        if in_memory.bandwidth > 3e8:
+        codec = {
+            m: probe.codec_seconds(m, n_values, mesh=mesh, axis_name="data", cache=False)
+            for m in CANDIDATES[1:]
+        }
+        # The probed latency is the scheduler's on a loaded machine (up to ~1 ms with 2 cores
+        # busy), where the all-gather's fewer rounds can win; a quiet probe measures ~20 us.
+        quiet = cost.Network(alpha=min(in_memory.alpha, 50e-6), bandwidth=in_memory.bandwidth)
+        chosen = cost.choose(4 * n_values, 8, quiet, candidates=CANDIDATES, overhead=codec)
+        seen.append((in_memory.bandwidth, min(codec.values()), chosen))
+        if chosen == Dense():
             break
-    assert in_memory.bandwidth > 3e8  # bytes/s: memory, not a slow link
-    codec = {
-        m: probe.codec_seconds(m, n_values, mesh=mesh, axis_name="data") for m in CANDIDATES[1:]
-    }
-    # The probed latency is the scheduler's on a loaded machine (up to ~1 ms with 2 cores busy),
-    # where the all-gather's fewer rounds can win; a quiet probe measures ~20 us. The live
-    # bandwidth and codec times, at a quiet latency: dense.
-    quiet = cost.Network(alpha=min(in_memory.alpha, 50e-6), bandwidth=in_memory.bandwidth)
-    assert cost.choose(4 * n_values, 8, quiet, candidates=CANDIDATES, overhead=codec) == Dense()
+    assert in_memory.bandwidth > 3e8, seen  # bytes/s: memory, not a slow link
+    assert chosen == Dense(), seen  # (bandwidth, fastest codec s, choice) of each round
     assert cost.choose(4 * n_values, 8, SLOW, candidates=CANDIDATES, overhead=codec) != Dense()
 
 
