@@ -22,6 +22,7 @@ __all__ = [
     "NONFINITE_POLICIES",
     "NonfinitePolicy",
     "keep_if_skipped",
+    "non_compress_leaves",
     "skip_nonfinite",
     "skipped_or_none",
     "skipped_update",
@@ -195,6 +196,32 @@ def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransforma
         return new_updates, keep_if_skipped(skipped, state, new_state)
 
     return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+def non_compress_leaves(opt_state):
+    """``opt_state`` with each :class:`jaxcomp.CompressState` in it replaced by None: the state
+    the rest of the chain keeps (a compress guards its own residual and statistics).
+
+    Args:
+      opt_state: any optax state pytree.
+
+    Returns:
+      The same pytree without its compress states.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxcomp
+      >>> tx = optax.chain(jaxcomp.compress("dense"), optax.adam(1e-3))
+      >>> len(jax.tree.leaves(non_compress_leaves(tx.init(jnp.zeros(3)))))
+      3
+
+    References:
+      optax ``apply_if_finite`` (checks what the optimizer made, not only the gradients).
+    """
+    return jax.tree.map(
+        lambda node: None if _is_compress_state(node) else node,
+        opt_state,
+        is_leaf=_is_compress_state,
+    )
 
 
 def _states(opt_state):

@@ -16,17 +16,24 @@ the metrics.
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.collectives import small
-from jaxcomp.optim import readiness, sharding
-from jaxcomp.optim.nonfinite import keep_if_skipped, skipped_or_none
+from jaxcomp.optim import readiness, sharding, vma
+from jaxcomp.optim.nonfinite import keep_if_skipped, non_compress_leaves, skipped_or_none
+from jaxcomp.optim.stages import guard
 from jaxcomp.optim.transform import compress_states, find_compress_state
 from jaxcomp.training import boundary
 from jaxcomp.training.state import TrainState
+
+_LOG = logging.getLogger("jaxcomp")
+_WARNED: list = []  # whether this process has warned once of a rejected update
 
 
 def train_step(layout, loss_fn, has_aux, state, batch, on_nonfinite_policy=None):
@@ -79,7 +86,7 @@ def train_step(layout, loss_fn, has_aux, state, batch, on_nonfinite_policy=None)
         loss, aux, grads, order = _gradients_in_order(
             loss_fn, has_aux, params, batch, layout.axis_name
         )
-        updates, new_opt_state, skipped = _update(layout, grads, opt_state, shards, order)
+        updates, new_opt_state, skipped, rejected = _update(layout, grads, opt_state, shards, order)
         if on_nonfinite_policy is not None:
             on_nonfinite_policy(
                 any(s.policy.name == "raise" for s in compress_states(new_opt_state))
@@ -92,6 +99,7 @@ def train_step(layout, loss_fn, has_aux, state, batch, on_nonfinite_policy=None)
             ]
         )
         metrics = _metrics(layout, loss, aux, new_opt_state, avals)
+        metrics["rejected"] = rejected.astype(jnp.float32)
         return TrainState(params=new_params, opt_state=new_opt_state, step=state.step + 1), metrics
 
     return boundary.packed_shard_map(
@@ -163,25 +171,48 @@ def _gradients_in_order(loss_fn, has_aux, params, batch, axis_name):
 
 
 def _update(layout, grads, opt_state, shards, order=None):
-    """``(updates, new_opt_state, skipped)``: ``tx``'s update, with the gradients' ``order``
-    (for buckets) in force; ``skipped`` is None unless a ``compress(nonfinite="skip"/"raise")``
-    may skip the step."""
+    """``(updates, new_opt_state, skipped, rejected)``: ``tx``'s update, with the gradients'
+    ``order`` (for buckets) in force. ``rejected`` says that the update or the new optimizer
+    state held a value that is not finite (:func:`_unfinished`); ``skipped`` that the step keeps
+    the old params and optimizer state: ``rejected``, or a ``compress(nonfinite="skip"/"raise")``
+    that skipped its part."""
     # Sharded: tx gets the whole local gradient and updates this device's shards.
     with readiness.gradients_ready_in(order):
         updates, new_opt_state = layout.tx_update(grads, opt_state, shards)
+    rejected = _unfinished(layout, updates, new_opt_state)
     skipped = skipped_or_none(new_opt_state)
-    if skipped is not None:
-        # compress(nonfinite="skip"/"raise") skipped its part; the rest of the chain keeps
-        # its state too, and the params stay bit for bit (p + 0 would turn -0.0 into +0.0).
-        new_opt_state = keep_if_skipped(skipped, opt_state, new_opt_state)
-    return updates, new_opt_state, skipped
+    skipped = rejected if skipped is None else skipped | rejected
+    # The rest of the chain keeps its state too (a compress keeps its own, which reports the
+    # step), and the params stay bit for bit (p + 0 would turn -0.0 into +0.0).
+    new_opt_state = keep_if_skipped(skipped, opt_state, new_opt_state)
+    return updates, new_opt_state, skipped, rejected
+
+
+def _unfinished(layout, updates, new_opt_state):
+    """Whether ``tx`` made a value that is not finite from the step's gradients: in the update
+    or in the optimizer state outside its compress states (which guard their own), on any device.
+
+    An optimizer can overflow from finite gradients (a variance too small for a momentum that
+    grew); such a value must reach neither the params nor the state, whatever ``tx`` is. One
+    fused read of each updated leaf; the devices agree by one boolean all-reduce where the flag
+    varies over them (shards, per-device state), none where it is replicated."""
+    leaves = [
+        leaf
+        for leaf in jax.tree.leaves((updates, non_compress_leaves(new_opt_state)))
+        if jnp.issubdtype(leaf.dtype, jnp.inexact)
+    ]
+    if not leaves:
+        return jnp.bool_(False)
+    finite = guard.all_finite_many(leaves)
+    if layout.shard or vma.varying_axes(finite):
+        finite = small.all_true(finite, layout.axis_name)
+    return ~finite
 
 
 def _new_params(layout, shards, updates, skipped, params):
     """The params to store: updated (unless skipped), as shards or gathered back whole."""
     new_params = optax.apply_updates(shards, updates)
-    if skipped is not None:
-        new_params = jax.tree.map(lambda old, new: jnp.where(skipped, old, new), shards, new_params)
+    new_params = jax.tree.map(lambda old, new: jnp.where(skipped, old, new), shards, new_params)
     if layout.shard == "params":
         return jax.tree.map(lambda s: s[None], new_params)
     if layout.shard == "optimizer":
@@ -201,3 +232,35 @@ def _metrics(layout, loss, aux, new_opt_state, avals):
     if layout.shard:
         metrics["gather_bytes"] = jnp.float32(layout.gather_bytes(avals))
     return metrics
+
+
+def tell_rejected(step, rejected) -> None:
+    """Logs a step whose update was rejected as not finite (the ``rejected`` metric): a warning
+    from logger ``"jaxcomp"``, and a ``RuntimeWarning`` once per process.
+
+    Args:
+      step: the step counter after the step (a scalar array that has been computed).
+      rejected: the step's ``rejected`` metric.
+
+    Returns:
+      None.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> tell_rejected(jnp.int32(3), jnp.float32(0))  # nothing was rejected: says nothing
+
+    References:
+      optax ``apply_if_finite`` (a step whose update is not finite is not applied).
+    """
+    if not float(jax.device_get(rejected)):
+        return
+    message = (
+        f"jaxcomp.data_parallel: step {int(jax.device_get(step)) - 1}'s update (or the optimizer "
+        "state it made) was not finite; the step was dropped, the "
+        "params and optimizer state kept (the 'rejected' metric). Steps that keep being rejected "
+        "mean the optimizer diverges: lower the learning rate"
+    )
+    _LOG.warning(message)
+    if not _WARNED:
+        _WARNED.append(True)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)

@@ -41,7 +41,7 @@ from jaxcomp.training.branches import REPORT_DELAY, PinnedSteps, pinned_record, 
 from jaxcomp.training.dispatch import DEFAULT_MAX_STEPS_IN_FLIGHT, BoundedStep
 from jaxcomp.training.layout import Layout
 from jaxcomp.training.state import TrainState, avals_of
-from jaxcomp.training.step import train_step
+from jaxcomp.training.step import tell_rejected, train_step
 from jaxcomp.training.trial import Trial, TrialSteps
 
 #: ``data_parallel``'s default trial of ``compress_auto``'s leading candidates.
@@ -96,7 +96,7 @@ class DataParallel:
             self._trial_steps,
             max_steps_in_flight,
             self._check_nonfinite,
-            (self._trigger_probe, divergence.tell_trigger),
+            (self._probe, _tell),
         )
 
     tx = property(lambda self: self.layout.tx, doc="The optax transformation.")
@@ -390,13 +390,16 @@ class DataParallel:
         )
         self._probe_names = None if probe is None else probe[1:]
         report = None if branch is None else pinned_report(new_state.opt_state)
-        return new_state, metrics, (new_state.step, None if probe is None else probe[0], report)
+        scalars = None if probe is None else probe[0]
+        return new_state, metrics, (new_state.step, scalars, report, metrics["rejected"])
 
-    def _trigger_probe(self, args, out):
-        """The guardrail's probe of a dispatched step (:func:`.divergence.trigger_probe`), from
-        the step's own outputs."""
+    def _probe(self, args, out):
+        """What the host reads of a dispatched step once it has run, from the step's own
+        outputs: the guardrail's probe (:func:`.divergence.trigger_probe`), and the new step
+        counter with the flag of an update that was rejected as not finite."""
         scalars = out[2][1]
-        return None if scalars is None else (scalars, *self._probe_names)
+        trigger = None if scalars is None else (scalars, *self._probe_names)
+        return trigger, (out[2][0], out[2][3])
 
     def _note_nonfinite_policy(self, raises: bool):
         self._raises_on_nonfinite = raises
@@ -425,6 +428,13 @@ class DataParallel:
             )
             error.state = state
             raise error
+
+
+def _tell(probe):
+    """Tells the host what a step that has run did: a guardrail trigger, a rejected update."""
+    trigger, rejected = probe
+    divergence.tell_trigger(trigger)
+    tell_rejected(*rejected)
 
 
 def _tell_of_a_long_compile(n_leaves: int):

@@ -1,0 +1,105 @@
+"""What keeps a run from diverging whatever the optimizer does with a finite gradient:
+jaxcomp.adam's variance floor (a coordinate quiet while the variance froze cannot step further
+than Adam could), and data_parallel's rejection of an update or optimizer state that is not
+finite (forced here)."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import need_devices
+from jax.sharding import Mesh
+
+import jaxcomp
+
+B1, B2, LR = 0.9, 0.999, 0.01
+
+
+def _adam_bound(t):
+    """The largest ``|m_hat| / sqrt(v_hat)`` optax.adam reaches at step ``t``, term by term."""
+    weights_m = (1 - B1) * B1 ** np.arange(t) / (1 - B1**t)
+    weights_v = (1 - B2) * B2 ** np.arange(t) / (1 - B2**t)
+    return float(np.sqrt(np.sum(weights_m**2 / weights_v)))
+
+
+def _mesh():
+    need_devices(8)
+    return Mesh(np.array(jax.devices()), ("data",))
+
+
+@pytest.mark.parametrize("method", ["dense", "sign"])
+def test_a_coordinate_that_wakes_after_the_variance_froze_steps_no_further_than_adam(method):
+    """The failure of a frozen variance, forced: coordinate 1's gradient is 0 through the
+    warm-up (its variance stays 0), then 1e3. Without the floor its first step would be
+    ``LR * m / eps``, about 1e8 LR; with it, at most Adam's own bound, and the run stays
+    finite."""
+    warmup, steps = 5, 12
+    loss = lambda w, batch: jnp.sum(batch * w)  # noqa: E731  (the gradient is the batch's mean)
+    tx = jaxcomp.adam(LR, method, warmup_steps=warmup, refresh_every=None)
+    dp = jaxcomp.data_parallel(loss, tx, _mesh())
+    state, params = dp.init(jnp.zeros(2)), [np.zeros(2)]
+    for t in range(steps):
+        woken = 1e3 if t >= warmup else 0.0
+        state, _ = dp.step(state, jnp.tile(jnp.array([[1.0, woken]]), (8, 1)) / 8)
+        params.append(np.asarray(state.params))
+    moves = np.abs(np.diff(np.stack(params)[:, 1]))
+    bounds = LR * np.array([_adam_bound(t + 1) for t in range(steps)])
+    assert moves[:warmup].max() == 0
+    assert np.all(moves <= bounds * (1 + 1e-4)), (moves / LR, bounds / LR)
+    assert moves[warmup] > 0.5 * bounds[warmup]  # it does move, as Adam would
+
+
+def _nan_above(limit):
+    """An optax transformation whose update is NaN wherever the (finite) gradient passes
+    ``limit``: an optimizer that overflows from a finite gradient."""
+
+    def update(updates, state, params=None):
+        return jax.tree.map(lambda u: jnp.where(jnp.abs(u) > limit, jnp.nan, u), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize("shard", [None, "optimizer"])
+def test_a_non_finite_update_is_rejected_and_the_run_goes_on(shard, caplog):
+    mesh = _mesh()
+    tx = optax.chain(jaxcomp.compress("dense"), _nan_above(100.0), optax.adam(0.1))
+    loss = lambda w, batch: jnp.mean((batch - w) ** 2)  # noqa: E731
+    dp = jaxcomp.data_parallel(loss, tx, mesh, shard=shard)
+    state, history = dp.init(jnp.zeros(16)), []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # once a process: tested by the log
+        for t in range(5):
+            before, batch = state, jnp.full((8, 16), 1e3 if t == 2 else 1.0)
+            state, metrics = dp.step(state, batch)
+            history.append(float(metrics["rejected"]))
+            assert np.all(np.isfinite(np.asarray(dp.params(state))))
+            for leaf in jax.tree.leaves(state.opt_state):
+                assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
+            if history[-1]:
+                np.testing.assert_array_equal(dp.params(state), dp.params(before))
+    assert history == [0, 0, 1, 0, 0]
+    told = [r.getMessage() for r in caplog.records if r.name == "jaxcomp"]
+    assert len(told) == 1 and "step 2's update" in told[0] and "not finite" in told[0], told
+    # Adam's count did not advance on the rejected step.
+    adam_state = state.opt_state[2][0]
+    assert int(np.asarray(adam_state.count).reshape(-1)[0]) == 4
+
+
+def test_an_optimizer_state_that_overflows_is_rejected_too():
+    """A finite update over a state that is not finite: Adam's variance of a gradient of 1e20
+    overflows to inf (its update, m / sqrt(inf), is 0); the state must not keep it."""
+    mesh = _mesh()
+    tx = optax.chain(jaxcomp.compress("dense"), optax.adam(0.1))
+    loss = lambda w, batch: jnp.sum(batch * w)  # noqa: E731
+    dp = jaxcomp.data_parallel(loss, tx, mesh)
+    state = dp.init(jnp.zeros(4))
+    state, metrics = dp.step(state, jnp.ones((8, 4)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        state, metrics = dp.step(state, jnp.full((8, 4), 1e20))
+    assert float(metrics["rejected"]) == 1
+    for leaf in jax.tree.leaves(state.opt_state):
+        assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
