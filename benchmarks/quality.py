@@ -5,6 +5,8 @@ method.
     python benchmarks/quality.py --methods dense,ar_topk(0.01) --steps 300
     python benchmarks/quality.py --quick --out /tmp/q  # a tiny model for a few steps (smoke test)
     python benchmarks/quality.py --model large --methods dense,zfp(8)  # 2.45M params, 4-9 min a row
+    python benchmarks/quality.py --task mlp-charlm --pairings dense,adam:sign  # the quality zoo
+    python benchmarks/quality.py --task zoo  # every zoo task (benchmarks/quality_zoo.py's options)
 
 A small GPT-style model (flax nnx; pre-LayerNorm blocks of causal self-attention and a GELU MLP)
 learns to predict the next character of Python source: files of the standard library of the running
@@ -588,6 +590,17 @@ def merge(paths, out):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    zoo = argparse.ArgumentParser(add_help=False)
+    zoo.add_argument("--task")
+    known, rest = zoo.parse_known_args(argv)
+    if known.task is not None:
+        # The quality zoo's tasks (benchmarks/quality_zoo.py): "zoo" for all of them.
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import quality_zoo
+
+        tasks = [] if known.task == "zoo" else ["--tasks", known.task]
+        return quality_zoo.main(tasks + rest)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--methods",

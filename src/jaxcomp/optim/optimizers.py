@@ -16,6 +16,13 @@ compression to where it does no harm:
    feedback delivers everything eventually, every coordinate moves as far in total as it would
    under Adam with the same frozen variance, whatever the method drops on a given step.
 
+3. **The variance floor**: a variance frozen (or refreshed) on steps where a coordinate was quiet
+   is tiny for it, and when the coordinate wakes ``m / sqrt(v)`` has no bound, so the run can
+   explode with any method, ``Dense`` included. Each step after the warm-up raises the stored
+   variance to at least ``m_hat^2 / S(t)``, ``S(t)`` the largest ``m_hat^2 / v_hat`` that plain
+   Adam can reach at step ``t``: no coordinate steps further than Adam could
+   (:func:`_floored`).
+
 What jaxcomp changes against the paper and DeepSpeed's ``OnebitAdam``:
 
 * any jaxcomp method compresses the momentum (the paper: 1-bit signs with a scale), through
@@ -56,7 +63,7 @@ class CompressedAdamState(NamedTuple):
 
     count: jax.Array  # i32[]: optimizer steps taken (the schedule's argument)
     mu: Any  # the averaged momentum, identical on every device (float32)
-    nu: Any  # the variance, frozen after the warm-up (float32)
+    nu: Any  # the variance: frozen after the warm-up but for refreshes and its floor (float32)
     compress: CompressState  # the momentum's compression: residual, step, metrics
 
 
@@ -79,7 +86,9 @@ def adam(
     The first ``warmup_steps`` steps are ``optax.adam`` on the dense mean gradient. Then the
     variance freezes and each device sends its momentum ``b1 m + (1 - b1) g_i`` through
     ``method`` with error feedback; the averaged momentum drives an update that is linear in it,
-    so nothing a method drops is lost, only delayed (module docstring). Call ``update`` inside
+    so nothing a method drops is lost, only delayed (module docstring). The variance is floored
+    so that no coordinate steps further than plain Adam could (a coordinate quiet while the
+    variance froze would otherwise explode when it wakes). Call ``update`` inside
     ``jax.shard_map`` with this device's gradients, as :func:`jaxcomp.compress`'s; it is the
     whole optimizer (do not chain another Adam after it): :func:`jaxcomp.data_parallel` takes it
     as ``tx``.

@@ -541,7 +541,10 @@ def data_parallel(
       (state, metrics)`` (``metrics["loss"]`` is the mean loss; ``"aux"`` when ``has_aux``; the
       compression ``gain``, ``bytes_sent``, ``density`` and ``nonfinite`` when ``tx`` holds a
       ``compress``: a step its ``nonfinite="skip"`` skips keeps the params and the whole optimizer
-      state, and with ``nonfinite="raise"`` ``step`` raises ``FloatingPointError``; each
+      state, and with ``nonfinite="raise"`` ``step`` raises ``FloatingPointError``;
+      ``"rejected"`` is 1 on a step whose update or new optimizer state was not finite (whatever
+      ``tx`` made of finite gradients): it keeps the params and optimizer state, and the host
+      logs a warning; each
       metric is this process's copy, so a loop can log it on every process) and
       ``shard_batch(local_rows)`` for multi-process runs; with ``shard=``,
       ``metrics["gather_bytes"]`` is what one device sends in the step's all-gather of the params
