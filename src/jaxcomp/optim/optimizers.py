@@ -176,10 +176,11 @@ def adam(
         _refuse_sharded()
         refresh = _refresh_step(state.count, hyper)
         averaged, compressed, stepped = _mean(exact, inner, refresh, updates, state, hyper)
-        dense = (state.compress.step < hyper["warmup"]) | refresh
-        mu, nu = _moments(state, averaged, dense, refresh, hyper)
+        warm = state.compress.step < hyper["warmup"]
+        fallback = _exact_momentum(state.compress, compressed, warm)
+        mu, nu = _moments(state, averaged, warm | refresh, refresh, fallback, hyper)
         count = optax.safe_int32_increment(state.count)
-        nu = _floored(mu, nu, count, state.compress.step < hyper["warmup"], hyper)
+        nu = _floored(mu, nu, count, warm, hyper)
         out = _direction(mu, nu, count, hyper)
         out = _decayed(out, params, weight_decay)
         lr = schedule(state.count)
@@ -298,9 +299,24 @@ def _exact_mean(exact, grads, compressed: CompressState):
     return averaged, compressed._replace(metrics=dense_state.metrics), dense_state.step > 0
 
 
-def _moments(state: CompressedAdamState, averaged, dense, refresh, hyper):
+def _exact_momentum(before: CompressState, after: CompressState, warm):
+    """Whether this step, after the warm-up, averaged the momentum exactly: the guardrail's
+    dense fallback ran (the Dense branch beside a lossy method), and not on the step that
+    triggered it (which sends nothing)."""
+    dense = [i for i, m in enumerate(after.methods) if isinstance(m, methods.Dense)]
+    if not dense or len(after.methods) == 1 or after.divergence is None:
+        return jnp.bool_(False)
+    triggered = after.divergence.fallbacks != before.divergence.fallbacks
+    ran = (after.metrics.method == dense[0]) & (after.step != before.step)
+    return ran & ~warm & ~triggered
+
+
+def _moments(state: CompressedAdamState, averaged, dense, refresh, exact, hyper):
     """The new momentum and variance: Adam's on a dense step (with a refresh's variance weight),
-    the averaged momentum otherwise."""
+    the averaged momentum otherwise. Where the momentum was averaged ``exact`` ly (the
+    guardrail's dense fallback), the variance takes Adam's step too, from the mean gradient that
+    momentum implies, ``(m_new - b1 m) / (1 - b1)``: the fallback re-learns the variance of the
+    coordinates that woke."""
     b1, b2 = hyper["b1"], hyper["b2"]
     b2_refresh = b2 ** (hyper["refresh"] or 1)  # Python floats: 1 - b2 as optax computes it
     mu = jax.tree.map(
@@ -309,12 +325,14 @@ def _moments(state: CompressedAdamState, averaged, dense, refresh, hyper):
         averaged,
     )
 
-    def variance(v, a):
+    def variance(v, a, m):
         adam = b2 * v + (1 - b2) * jnp.square(a)
         refreshed = b2_refresh * v + (1 - b2_refresh) * jnp.square(a)
-        return jnp.where(dense, jnp.where(refresh, refreshed, adam), v).astype(jnp.float32)
+        implied = b2 * v + (1 - b2) * jnp.square((a - b1 * m) / (1 - b1))
+        frozen = jnp.where(exact, implied, v)
+        return jnp.where(dense, jnp.where(refresh, refreshed, adam), frozen).astype(jnp.float32)
 
-    nu = jax.tree.map(variance, state.nu, averaged)
+    nu = jax.tree.map(variance, state.nu, averaged, state.mu)
     return mu, nu
 
 
