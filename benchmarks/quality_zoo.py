@@ -46,8 +46,11 @@ METHODS = (
     "cast(bfloat16)",
 )
 
-#: Every pairing: dense, then each method through jaxcomp.adam and through the chain.
-PAIRINGS = ("dense",) + tuple(f"{kind}:{m}" for m in METHODS for kind in ("adam", "chain"))
+#: Every pairing: dense, jaxcomp.adam sending every value (what its own recipe costs), then each
+#: method through jaxcomp.adam and through the chain.
+PAIRINGS = ("dense", "adam:dense") + tuple(
+    f"{kind}:{m}" for m in METHODS for kind in ("adam", "chain")
+)
 
 SCHEDULES = ("constant", "cosine")
 
@@ -203,6 +206,12 @@ def with_prefixes(results, at: int = 500) -> list:
     return out
 
 
+def _count(pairs, name: str) -> int:
+    """The guardrail's triggers or the rejected steps of a pairing's runs (prefixes not counted
+    again)."""
+    return sum(r.get(name, 0) for r, _ in pairs if "prefix_of" not in r)
+
+
 def _worst(ratios):
     return max(ratios, key=lambda x: math.inf if math.isnan(x) else x, default=math.nan)
 
@@ -218,8 +227,8 @@ def verdict(results) -> str:
     tasks = {r["task"] for r in results}
     lines = [
         f"| pairing | tasks | worst at 1x, {longest} steps | at 1x, 500 steps | worst anywhere "
-        "| non-finite runs | bytes vs dense | recommended |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| non-finite cells | triggers / rejected | bytes vs dense | recommended |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for pairing in [p for p in PAIRINGS if p != "dense"]:
         pairs = [
@@ -243,6 +252,7 @@ def verdict(results) -> str:
         lines.append(
             f"| {pairing} | {len(covered)} / {len(tasks)} | {shown[longest]} "
             f"| {shown[500]} | {_fmt(_worst(ratios))} | {bad} / {len(ratios)} "
+            f"| {_count(pairs, 'fallbacks')} / {_count(pairs, 'rejected')} "
             f"| {sum(saved) / len(saved):.3f} | {'yes' if holds else 'no'} |"
         )
     return "\n".join(lines)
@@ -316,6 +326,46 @@ def _names(parser, flag, given, known):
     return names
 
 
+def plot(results, path: str):
+    """A heat map of every pairing's held-out loss over dense's, a column per task and cell:
+    green within 3%, red at 1.5x and above, black where the run was not finite, grey where
+    there is no run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    results = with_prefixes(results)
+    dense = {key(r)[:1] + key(r)[2:]: r for r in results if r["pairing"] == "dense"}
+    columns = sorted(dense)
+    rows = [p for p in PAIRINGS if p != "dense" and any(r["pairing"] == p for r in results)]
+    runs = {key(r): r for r in results}
+    grid = np.full((len(rows), len(columns)), np.nan)
+    for i, pairing in enumerate(rows):
+        for j, (task, *cell) in enumerate(columns):
+            run = runs.get((task, pairing, *cell))
+            if run is not None:
+                ratio = _ratio(run, dense[(task, *cell)])
+                grid[i, j] = 9.0 if math.isnan(ratio) else min(ratio, 1.5)
+    cmap = matplotlib.colormaps["RdYlGn_r"].with_extremes(over="black", bad="lightgrey")
+    fig, ax = plt.subplots(figsize=(2 + 0.45 * len(columns), 1.5 + 0.35 * len(rows)))
+    image = ax.imshow(grid, cmap=cmap, vmin=0.97, vmax=1.5, aspect="auto")
+    ax.set_yticks(range(len(rows)), rows, fontsize=8)
+    labels = [f"{task} {scale:g}x {sched} {n}" for task, scale, sched, n in columns]
+    ax.set_xticks(range(len(columns)), labels, rotation=90, fontsize=7)
+    fig.colorbar(
+        image,
+        ax=ax,
+        extend="max",
+        label="held-out loss / dense's\n(black: non-finite, grey: not run)",
+    )
+    ax.set_title("The quality zoo: every pairing against dense Adam in its cell")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _print_tables(results, tune: bool):
     if tune:
         print(tune_table(results))
@@ -331,6 +381,8 @@ def main(argv=None):
         with open(args.table) as f:
             data = json.load(f)
         _print_tables(data["results"], data.get("tune", False))
+        if not data.get("tune", False):
+            plot(data["results"], os.path.join(os.path.dirname(args.table) or ".", "zoo.png"))
         return 0
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N_DEVICES}"
@@ -362,6 +414,8 @@ def main(argv=None):
         if progress is not None:
             progress.update()
     _print_tables([r for r in results if r["task"] in args.tasks], args.tune)
+    if not args.tune:
+        plot(results, os.path.join(args.out, "zoo.png"))
     return 0
 
 
