@@ -141,3 +141,32 @@ def test_the_guardrails_dense_fallback_relearns_jaxcomp_adams_variance():
     for t in range(6, 29):
         assert np.all(history[t][3] >= history[t][1][0])
         assert np.mean(history[t][3] == history[t][1][0]) > 0.5
+
+
+def _smallest_norm_so_far():
+    """An optax transformation whose state is a scalar sentinel, as ``reduce_on_plateau``'s
+    best value (inf before the first): the first update norm below 1e-9, inf until one comes."""
+
+    def init(params):
+        return jnp.asarray(jnp.inf, jnp.float32)
+
+    def update(updates, state, params=None):
+        norm = optax.global_norm(updates)
+        return updates, jnp.where(norm < 1e-9, jnp.minimum(state, norm), state)
+
+    return optax.GradientTransformation(init, update)
+
+
+def test_a_sentinel_in_the_optimizer_states_scalars_is_not_a_divergence():
+    """A scalar of the state that is not finite by design (inf until it is first set, here
+    for good) must not reject every step."""
+    mesh = _mesh()
+    tx = optax.chain(jaxcomp.compress("dense"), optax.adam(0.1), _smallest_norm_so_far())
+    loss = lambda w, batch: jnp.mean((batch - w) ** 2)  # noqa: E731
+    dp = jaxcomp.data_parallel(loss, tx, mesh)
+    state = dp.init(jnp.zeros(4))
+    for _ in range(3):
+        state, metrics = dp.step(state, jnp.ones((8, 4)))
+        assert float(metrics["rejected"]) == 0
+    assert not np.isfinite(float(state.opt_state[2]))
+    assert float(dp.params(state)[0]) > 0.2  # it trained

@@ -189,17 +189,19 @@ def _update(layout, grads, opt_state, shards, order=None):
 
 
 def _unfinished(layout, updates, new_opt_state):
-    """Whether ``tx`` made a value that is not finite from the step's gradients: in the update
-    or in the optimizer state outside its compress states (which guard their own), on any device.
+    """Whether ``tx`` made a value that is not finite from the step's gradients: in the update,
+    or in an array of the optimizer state outside its compress states (which guard their own),
+    on any device.
 
     An optimizer can overflow from finite gradients (a variance too small for a momentum that
-    grew); such a value must reach neither the params nor the state, whatever ``tx`` is. One
-    fused read of each updated leaf; the devices agree by one boolean all-reduce where the flag
-    varies over them (shards, per-device state), none where it is replicated."""
+    grew); such a value must reach neither the params nor the state, whatever ``tx`` is. The
+    state's scalars are not checked: they may hold a sentinel (``reduce_on_plateau``'s best
+    value starts at inf). One fused read of each checked leaf; the devices agree by one boolean
+    all-reduce where the flag varies over them (shards, per-device state), none where it is
+    replicated."""
+    state = [leaf for leaf in jax.tree.leaves(non_compress_leaves(new_opt_state)) if leaf.ndim]
     leaves = [
-        leaf
-        for leaf in jax.tree.leaves((updates, non_compress_leaves(new_opt_state)))
-        if jnp.issubdtype(leaf.dtype, jnp.inexact)
+        leaf for leaf in jax.tree.leaves(updates) + state if jnp.issubdtype(leaf.dtype, jnp.inexact)
     ]
     if not leaves:
         return jnp.bool_(False)
