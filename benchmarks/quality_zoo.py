@@ -8,13 +8,14 @@ rate and at twice it, at a constant rate and with warm-up plus cosine decay.
 
 A recommendation must hold on every task, not on the one it was tuned on. The tasks are
 ``quality_tasks.TASKS`` (a transformer and an MLP char-LM on code, a CNN on digits, a regression,
-a convolutional LM on prose). A pairing is ``dense`` (``optax.adam`` after ``compress("dense")``),
-``adam:METHOD`` (``jaxcomp.adam(lr, METHOD)``) or ``chain:METHOD`` (``optax.chain(compress(METHOD),
-optax.adam(lr))``). Each run trains on 8 virtual CPU devices with ``jaxcomp.data_parallel``, from
-the same params on the same batches as dense in its cell, and records the held-out loss every
-tenth of the run (and at step 500), the bytes a device sends, rejected steps and guardrail
-triggers. Results are appended to ``--out``/zoo.json after every run, and a run already there is
-not run again, so an interrupted grid resumes.
+a convolutional LM on prose). A pairing is ``dense`` (``optax.adam`` after
+``compress("dense")``; ``dense:reseed`` the same from other initial params and batches, the
+task's own noise), ``adam:METHOD`` (``jaxcomp.adam(lr, METHOD)``) or ``chain:METHOD``
+(``optax.chain(compress(METHOD), optax.adam(lr))``). Each run trains on 8 virtual CPU devices
+with ``jaxcomp.data_parallel``, from the same params on the same batches as dense in its cell,
+and records the held-out loss every tenth of the run (and at step 500), the bytes a device
+sends, rejected steps and guardrail triggers. Results are appended to ``--out``/zoo.json after
+every run, and a run already there is not run again, so an interrupted grid resumes.
 
 The verdict table gives each pairing's worst held-out loss ratio to dense's over the cells: a
 pairing is recommended where it is within 3% of dense at dense's rate after 1500 steps on every
@@ -46,9 +47,10 @@ METHODS = (
     "cast(bfloat16)",
 )
 
-#: Every pairing: dense, jaxcomp.adam sending every value (what its own recipe costs), then each
-#: method through jaxcomp.adam and through the chain.
-PAIRINGS = ("dense", "adam:dense") + tuple(
+#: Every pairing: dense; dense from another seed (other initial params and batches: how far two
+#: dense runs of a task fall apart, the task's noise); jaxcomp.adam sending every value (what its
+#: own recipe costs); then each method through jaxcomp.adam and through the chain.
+PAIRINGS = ("dense", "dense:reseed", "adam:dense") + tuple(
     f"{kind}:{m}" for m in METHODS for kind in ("adam", "chain")
 )
 
@@ -97,7 +99,7 @@ def transformation(pairing: str, lr):
 
     import jaxcomp
 
-    if pairing == "dense":
+    if pairing in ("dense", "dense:reseed"):
         return optax.chain(jaxcomp.compress(method("dense")), optax.adam(lr))
     kind, _, name = pairing.partition(":")
     if kind == "adam":
@@ -404,7 +406,8 @@ def main(argv=None):
         progress = tqdm(total=len(todo), desc="zoo runs", file=sys.stderr)
     tasks = {}
     for name, pairing, scale, schedule, steps in todo:
-        task = tasks.get(name) or tasks.setdefault(name, TASKS[name]())
+        seed = int(pairing == "dense:reseed")
+        task = tasks.get((name, seed)) or tasks.setdefault((name, seed), TASKS[name](seed))
         if args.tune:
             pairing, scale = "dense", scale / task.learning_rate
         if (name, pairing, scale, schedule, steps) not in done:
