@@ -100,7 +100,9 @@ class PowerSGD(Method):
     one view are worked on together (:func:`batches`), so a model of many repeated layers
     compiles and runs one batched iteration per view, not one per matrix.
 
-    **Quality: within 3% of dense Adam at 10x fewer bytes as** ``PowerSGD(12, dtype="float16")``
+    **Quality, on one task only** (not yet run on the quality zoo, so not a recommendation;
+    rank 4 with :func:`jaxcomp.adam` misses 3% there: BENCHMARKS.md, "The quality zoo"): within
+    3% of dense Adam at 10x fewer bytes as ``PowerSGD(12, dtype="float16")``
     with ``compress`` + ``optax.adam`` (:func:`jaxcomp.adam` gains nothing) on
     ``benchmarks/quality.py``'s transformers, against dense at the same tuned learning rate, in all
     four cells (BENCHMARKS.md, "PowerSGD's factors as float16"): the small model (width 128) +2.5%

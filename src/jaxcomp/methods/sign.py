@@ -28,7 +28,9 @@ class Sign(Method):
     (EF-SignSGD).
 
     **Quality: pair it with** :func:`jaxcomp.adam` (1-bit Adam: the signs of the momentum, not
-    of the gradient): on ``benchmarks/quality.py``'s transformer it ends +0.7% above dense
+    of the gradient), which holds on every task of the quality zoo, where ``compress`` +
+    ``optax.adam`` does not (BENCHMARKS.md, "The quality zoo"). On ``benchmarks/quality.py``'s
+    transformer it ends +0.7% above dense
     Adam's held-out loss (500 steps; +1.9% at 1500 with the variance frozen; +0.3% on the
     2.45M-parameter model, both at that model's tuned learning rate), where
     ``compress`` + ``optax.adam`` ends +34% (+19% at 1500) (BENCHMARKS.md, "Compressed
