@@ -13,6 +13,14 @@ import numpy as np
 import pytest
 
 
+def adam_bound(t: int, b1: float = 0.9, b2: float = 0.999) -> float:
+    """The largest ``m_hat^2 / v_hat`` optax.adam can reach at step ``t``, summed term by term
+    (a reference for jaxcomp.adam's variance floor)."""
+    weights_m = (1 - b1) * b1 ** np.arange(t) / (1 - b1**t)
+    weights_v = (1 - b2) * b2 ** np.arange(t) / (1 - b2**t)
+    return float(np.sum(weights_m**2 / weights_v))
+
+
 def need_devices(count: int):
     """Fails (not skips) when fewer than ``count`` devices exist: CI must never pass silently."""
     if jax.device_count() < count:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import need_devices
+from helpers import adam_bound, need_devices
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -78,17 +78,10 @@ def _reference(grads, warmup, select, weight_decay=0.0, params=None, refresh=Non
             max(t + 1 - warmup, 0) // (refresh or 1)
         )
         if t >= warmup:
-            v = np.maximum(v, (1 - B2**stands_for) * m_hat**2 / _adam_bound(t + 1))
+            v = np.maximum(v, (1 - B2**stands_for) * m_hat**2 / adam_bound(t + 1))
         v_hat = v / (1 - B2**stands_for)
         outs.append(-LR * (m_hat / (np.sqrt(v_hat) + EPS) + weight_decay * p))
     return np.stack(outs), m, v
-
-
-def _adam_bound(t):
-    """The largest ``m_hat^2 / v_hat`` optax.adam reaches at step ``t``, summed term by term."""
-    weights_m = (1 - B1) * B1 ** np.arange(t) / (1 - B1**t)
-    weights_v = (1 - B2) * B2 ** np.arange(t) / (1 - B2**t)
-    return float(np.sum(weights_m**2 / weights_v))
 
 
 def _topk(k):

@@ -10,19 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import need_devices
+from helpers import adam_bound, need_devices
 from jax.sharding import Mesh
 
 import jaxcomp
 
 B1, B2, LR = 0.9, 0.999, 0.01
-
-
-def _adam_bound(t):
-    """The largest ``|m_hat| / sqrt(v_hat)`` optax.adam reaches at step ``t``, term by term."""
-    weights_m = (1 - B1) * B1 ** np.arange(t) / (1 - B1**t)
-    weights_v = (1 - B2) * B2 ** np.arange(t) / (1 - B2**t)
-    return float(np.sqrt(np.sum(weights_m**2 / weights_v)))
 
 
 def _mesh():
@@ -46,7 +39,7 @@ def test_a_coordinate_that_wakes_after_the_variance_froze_steps_no_further_than_
         state, _ = dp.step(state, jnp.tile(jnp.array([[1.0, woken]]), (8, 1)))
         params.append(np.asarray(state.params))
     moves = np.abs(np.diff(np.stack(params)[:, 1]))
-    bounds = LR * np.array([_adam_bound(t + 1) for t in range(steps)])
+    bounds = LR * np.array([np.sqrt(adam_bound(t + 1)) for t in range(steps)])
     assert moves[:warmup].max() == 0
     assert np.all(moves <= bounds * (1 + 1e-4)), (moves / LR, bounds / LR)
     assert moves[warmup:].sum() > 2 * LR  # it does move, as Adam would
