@@ -114,17 +114,27 @@ def key(run: dict) -> tuple:
     return (run["task"], run["pairing"], run["lr_scale"], run["schedule"], run["steps"])
 
 
-def train(task, pairing: str, lr_scale: float, schedule: str, steps: int, devices) -> dict:
-    """One run; returns its record (held-out curve, final loss, bytes, rejected, triggers)."""
+def train(
+    task, pairing: str, lr_scale: float, schedule: str, steps: int, devices, tx=None, **options
+) -> dict:
+    """One run; returns its record (held-out curve, final loss, bytes, rejected, triggers, the
+    optimizer steps its state took). ``tx`` replaces the pairing's transformation (built with
+    the pairing's learning rate: ``tx(lr)``); ``options`` go to ``jaxcomp.data_parallel``."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
 
     import jaxcomp
+    from jaxcomp.training.rollback import triggered
 
     lr = learning_rate(task.learning_rate * lr_scale, schedule, steps)
+    # A step whose update is not finite is skipped and counted (the zoo reports rejected steps).
+    options.setdefault("nonfinite_updates", "skip")
     dp = jaxcomp.data_parallel(
-        task.loss_fn, transformation(pairing, lr), Mesh(np.array(devices), ("data",))
+        task.loss_fn,
+        transformation(pairing, lr) if tx is None else tx(lr),
+        Mesh(np.array(devices), ("data",)),
+        **options,
     )
     evaluate = jax.jit(task.loss_fn)
     marks = {steps * i // 10 for i in range(1, 11)} | ({500} if steps > 500 else set())
@@ -136,7 +146,6 @@ def train(task, pairing: str, lr_scale: float, schedule: str, steps: int, device
         rejected.append(metrics["rejected"])
         if step + 1 in marks:
             curve.append((step + 1, float(evaluate(state.params, task.heldout))))
-    compress_state = jaxcomp.find_compress_state(state.opt_state)
     return {
         "task": task.name,
         "pairing": pairing,
@@ -148,7 +157,9 @@ def train(task, pairing: str, lr_scale: float, schedule: str, steps: int, device
         "eval_curve": curve,
         "mean_bytes_per_step": float(np.mean([float(v) for v in sent])),
         "rejected": int(sum(float(v) for v in rejected)),
-        "fallbacks": int(float(compress_state.metrics.fallbacks)) if compress_state else 0,
+        "fallbacks": triggered(state.opt_state),
+        "optimizer_steps": int(state.step),
+        "rollbacks": getattr(dp.step, "rollbacks", 0),
         "seconds": time.perf_counter() - started,
     }
 

@@ -1,7 +1,7 @@
 """What keeps a run from diverging whatever the optimizer does with a finite gradient:
 jaxcomp.adam's variance floor (a coordinate quiet while the variance froze cannot step further
-than Adam could), and data_parallel's rejection of an update or optimizer state that is not
-finite (forced here)."""
+than Adam could), and data_parallel's handling of an update or optimizer state that is not
+finite (forced here): its entries dropped (the default) or its step skipped."""
 
 import warnings
 
@@ -60,7 +60,7 @@ def test_a_non_finite_update_is_rejected_and_the_run_goes_on(shard, caplog):
     mesh = _mesh()
     tx = optax.chain(jaxcomp.compress("dense"), _nan_above(100.0), optax.adam(0.1))
     loss = lambda w, batch: jnp.mean((batch - w) ** 2)  # noqa: E731
-    dp = jaxcomp.data_parallel(loss, tx, mesh, shard=shard)
+    dp = jaxcomp.data_parallel(loss, tx, mesh, shard=shard, nonfinite_updates="skip")
     state, history = dp.init(jnp.zeros(16)), []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # once a process: tested by the log
@@ -81,19 +81,55 @@ def test_a_non_finite_update_is_rejected_and_the_run_goes_on(shard, caplog):
     assert int(np.asarray(adam_state.count).reshape(-1)[0]) == 4
 
 
-def test_an_optimizer_state_that_overflows_is_rejected_too():
+def _half_nan(limit):
+    """An optax transformation whose update is NaN in its first half wherever the (finite)
+    gradient passes ``limit``."""
+
+    def update(updates, state, params=None):
+        def one(u):
+            half = jnp.arange(u.size).reshape(u.shape) < u.size // 2
+            return jnp.where(half & (jnp.abs(u) > limit), jnp.nan, u)
+
+        return jax.tree.map(one, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize("shard", [None, "optimizer"])
+def test_by_default_a_non_finite_entry_is_dropped_and_the_rest_of_the_step_applies(shard):
+    """``nonfinite_updates="drop"``: the entries ``tx`` made NaN keep their old params and
+    optimizer state; every other entry takes its step; no ``rejected`` metric (no check)."""
+    mesh = _mesh()
+    tx = optax.chain(jaxcomp.compress("dense"), optax.adam(0.1), _half_nan(0.0))
+    loss = lambda w, batch: jnp.mean((batch - w) ** 2)  # noqa: E731
+    dp = jaxcomp.data_parallel(loss, tx, mesh, shard=shard)
+    state = dp.init(jnp.zeros(16))
+    state, metrics = dp.step(state, jnp.ones((8, 16)))
+    params = np.asarray(dp.params(state))
+    assert "rejected" not in metrics
+    # half of each leaf tx sees (the whole vector, or a device's shard) stayed where it was
+    assert np.sum(params == 0.0) == 8 and np.all(params[params != 0.0] > 0.05), params
+    for leaf in jax.tree.leaves(state.opt_state):
+        assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
+
+
+@pytest.mark.parametrize("nonfinite_updates", ["drop", "skip"])
+def test_an_optimizer_state_that_overflows_is_not_kept(nonfinite_updates):
     """A finite update over a state that is not finite: Adam's variance of a gradient of 1e20
     overflows to inf (its update, m / sqrt(inf), is 0); the state must not keep it."""
     mesh = _mesh()
     tx = optax.chain(jaxcomp.compress("dense"), optax.adam(0.1))
     loss = lambda w, batch: jnp.sum(batch * w)  # noqa: E731
-    dp = jaxcomp.data_parallel(loss, tx, mesh)
+    dp = jaxcomp.data_parallel(loss, tx, mesh, nonfinite_updates=nonfinite_updates)
     state = dp.init(jnp.zeros(4))
     state, metrics = dp.step(state, jnp.ones((8, 4)))
+    nu = np.asarray(state.opt_state[1][0].nu)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         state, metrics = dp.step(state, jnp.full((8, 4), 1e20))
-    assert float(metrics["rejected"]) == 1
+    if nonfinite_updates == "skip":
+        assert float(metrics["rejected"]) == 1
+    np.testing.assert_array_equal(state.opt_state[1][0].nu, nu)  # the overflow kept the old
     for leaf in jax.tree.leaves(state.opt_state):
         assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
 
@@ -150,16 +186,17 @@ def _smallest_norm_so_far():
     return optax.GradientTransformation(init, update)
 
 
-def test_a_sentinel_in_the_optimizer_states_scalars_is_not_a_divergence():
+@pytest.mark.parametrize("nonfinite_updates", ["drop", "skip"])
+def test_a_sentinel_in_the_optimizer_states_scalars_is_not_a_divergence(nonfinite_updates):
     """A scalar of the state that is not finite by design (inf until it is first set, here
-    for good) must not reject every step."""
+    for good) must not reject every step, nor be replaced."""
     mesh = _mesh()
     tx = optax.chain(jaxcomp.compress("dense"), optax.adam(0.1), _smallest_norm_so_far())
     loss = lambda w, batch: jnp.mean((batch - w) ** 2)  # noqa: E731
-    dp = jaxcomp.data_parallel(loss, tx, mesh)
+    dp = jaxcomp.data_parallel(loss, tx, mesh, nonfinite_updates=nonfinite_updates)
     state = dp.init(jnp.zeros(4))
     for _ in range(3):
         state, metrics = dp.step(state, jnp.ones((8, 4)))
-        assert float(metrics["rejected"]) == 0
+        assert float(metrics.get("rejected", 0)) == 0
     assert not np.isfinite(float(state.opt_state[2]))
     assert float(dp.params(state)[0]) > 0.2  # it trained

@@ -21,6 +21,7 @@ from jaxcomp.optim.state import CompressState, compress_states
 __all__ = [
     "NONFINITE_POLICIES",
     "NonfinitePolicy",
+    "keep_finite",
     "keep_if_skipped",
     "non_compress_leaves",
     "skip_nonfinite",
@@ -130,6 +131,41 @@ def keep_if_skipped(skipped, old_state, new_state):
 
     def keep(new, old):
         return new if _is_compress_state(new) else jnp.where(skipped, old, new)
+
+    return jax.tree.map(keep, new_state, old_state, is_leaf=_is_compress_state)
+
+
+def keep_finite(old_state, new_state):
+    """``new_state`` wherever its entries are finite, ``old_state``'s entries elsewhere, in the
+    arrays outside its CompressStates (which guard their own); scalars are kept as they are.
+
+    An optimizer can overflow from finite gradients; an entry it makes that is not finite keeps
+    its old value. Elementwise, with no flag over the whole state, so it fuses into the update
+    that computes the new state and costs no pass of its own. Scalars are left alone: they may
+    hold a sentinel (``reduce_on_plateau``'s best value starts at inf).
+
+    Args:
+      old_state: the optimizer state before the step.
+      new_state: the optimizer state after it.
+
+    Returns:
+      The optimizer state to keep.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> keep_finite({"nu": jnp.ones(2)}, {"nu": jnp.array([2.0, jnp.inf])})["nu"].tolist()
+      [2.0, 1.0]
+
+    References:
+      optax ``apply_if_finite`` (checks what the optimizer made, not only the gradients).
+    """
+
+    def keep(new, old):
+        if _is_compress_state(new) or not jnp.ndim(new):
+            return new
+        if not jnp.issubdtype(jnp.result_type(new), jnp.inexact):
+            return new
+        return jnp.where(jnp.isfinite(new), new, old)
 
     return jax.tree.map(keep, new_state, old_state, is_leaf=_is_compress_state)
 

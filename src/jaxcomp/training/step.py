@@ -10,7 +10,7 @@ is a dense ``psum`` of the gradient, inserted before compression: the silent tra
 The stages, in the order they run on each device: this device's optimizer state (its row of each
 per-device leaf), the params for the forward pass (gathered with ``shard="params"``), the local
 loss and gradient, ``tx``'s update (kept out entirely when a ``compress`` skips a non-finite
-step), the new params (gathered back with ``shard="optimizer"``), the stored optimizer state, and
+step; an entry ``tx`` makes not finite is dropped, or its step skipped), the new params (gathered back with ``shard="optimizer"``), the stored optimizer state, and
 the metrics.
 """
 
@@ -26,7 +26,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp.collectives import small
 from jaxcomp.optim import readiness, sharding, vma
-from jaxcomp.optim.nonfinite import keep_if_skipped, non_compress_leaves, skipped_or_none
+from jaxcomp.optim.nonfinite import (
+    keep_finite,
+    keep_if_skipped,
+    non_compress_leaves,
+    skipped_or_none,
+)
 from jaxcomp.optim.stages import guard
 from jaxcomp.optim.transform import compress_states, find_compress_state
 from jaxcomp.training import boundary
@@ -36,7 +41,9 @@ _LOG = logging.getLogger("jaxcomp")
 _WARNED: list = []  # whether this process has warned once of a rejected update
 
 
-def train_step(layout, loss_fn, has_aux, state, batch, on_nonfinite_policy=None):
+def train_step(
+    layout, loss_fn, has_aux, state, batch, on_nonfinite_policy=None, nonfinite_updates="drop"
+):
     """One data-parallel step: each device's gradient, ``tx``'s aggregation and update.
 
     Args:
@@ -48,6 +55,9 @@ def train_step(layout, loss_fn, has_aux, state, batch, on_nonfinite_policy=None)
       batch: a pytree whose leading axis is the global batch, divisible by the devices.
       on_nonfinite_policy: called while tracing with True when ``tx`` holds a
         ``compress(nonfinite="raise")`` (the caller then checks the metrics), else False.
+      nonfinite_updates: what becomes of an update or optimizer-state entry that ``tx`` made
+        not finite: ``"drop"`` (that entry keeps its old value) or ``"skip"`` (the whole step
+        is skipped and ``metrics["rejected"]`` says so; see :func:`jaxcomp.data_parallel`).
 
     Returns:
       ``(state, metrics)``: the next state and the replicated metrics (see
@@ -86,12 +96,16 @@ def train_step(layout, loss_fn, has_aux, state, batch, on_nonfinite_policy=None)
         loss, aux, grads, order = _gradients_in_order(
             loss_fn, has_aux, params, batch, layout.axis_name
         )
-        updates, new_opt_state, skipped, rejected = _update(layout, grads, opt_state, shards, order)
+        updates, new_opt_state, skipped, rejected = _update(
+            layout, grads, opt_state, shards, order, nonfinite_updates
+        )
         if on_nonfinite_policy is not None:
             on_nonfinite_policy(
                 any(s.policy.name == "raise" for s in compress_states(new_opt_state))
             )
-        new_params = _new_params(layout, shards, updates, skipped, params)
+        new_params = _new_params(
+            layout, shards, updates, skipped, params, nonfinite_updates == "drop"
+        )
         new_opt_state = state_def.unflatten(
             [
                 leaf[None] if m else leaf
@@ -99,7 +113,8 @@ def train_step(layout, loss_fn, has_aux, state, batch, on_nonfinite_policy=None)
             ]
         )
         metrics = _metrics(layout, loss, aux, new_opt_state, avals)
-        metrics["rejected"] = rejected.astype(jnp.float32)
+        if rejected is not None:
+            metrics["rejected"] = rejected.astype(jnp.float32)
         return TrainState(params=new_params, opt_state=new_opt_state, step=state.step + 1), metrics
 
     return boundary.packed_shard_map(
@@ -170,21 +185,27 @@ def _gradients_in_order(loss_fn, has_aux, params, batch, axis_name):
     return loss, aux, grads, readiness.finish_order(closed.jaxpr, n_grads)
 
 
-def _update(layout, grads, opt_state, shards, order=None):
+def _update(layout, grads, opt_state, shards, order=None, nonfinite_updates="drop"):
     """``(updates, new_opt_state, skipped, rejected)``: ``tx``'s update, with the gradients'
-    ``order`` (for buckets) in force. ``rejected`` says that the update or the new optimizer
-    state held a value that is not finite (:func:`_unfinished`); ``skipped`` that the step keeps
-    the old params and optimizer state: ``rejected``, or a ``compress(nonfinite="skip"/"raise")``
-    that skipped its part."""
+    ``order`` (for buckets) in force. ``skipped`` says that the step keeps the old params and
+    optimizer state: a ``compress(nonfinite="skip"/"raise")`` that skipped its part, or, with
+    ``nonfinite_updates="skip"``, ``rejected``: the update or the new optimizer state held a
+    value that is not finite (:func:`_unfinished`; None with ``"drop"``, where each such entry
+    of the state keeps its old value instead, and :func:`_new_params` each such param)."""
     # Sharded: tx gets the whole local gradient and updates this device's shards.
     with readiness.gradients_ready_in(order):
         updates, new_opt_state = layout.tx_update(grads, opt_state, shards)
-    rejected = _unfinished(layout, updates, new_opt_state)
     skipped = skipped_or_none(new_opt_state)
-    skipped = rejected if skipped is None else skipped | rejected
+    rejected = None
+    if nonfinite_updates == "skip":
+        rejected = _unfinished(layout, updates, new_opt_state)
+        skipped = rejected if skipped is None else skipped | rejected
     # The rest of the chain keeps its state too (a compress keeps its own, which reports the
     # step), and the params stay bit for bit (p + 0 would turn -0.0 into +0.0).
-    new_opt_state = keep_if_skipped(skipped, opt_state, new_opt_state)
+    if skipped is not None:
+        new_opt_state = keep_if_skipped(skipped, opt_state, new_opt_state)
+    if nonfinite_updates == "drop":
+        new_opt_state = keep_finite(opt_state, new_opt_state)
     return updates, new_opt_state, skipped, rejected
 
 
@@ -211,10 +232,18 @@ def _unfinished(layout, updates, new_opt_state):
     return ~finite
 
 
-def _new_params(layout, shards, updates, skipped, params):
-    """The params to store: updated (unless skipped), as shards or gathered back whole."""
+def _new_params(layout, shards, updates, skipped, params, drop=False):
+    """The params to store: updated (unless ``skipped``; with ``drop``, each param whose new
+    value is not finite keeps its old one), as shards or gathered back whole."""
     new_params = optax.apply_updates(shards, updates)
-    new_params = jax.tree.map(lambda old, new: jnp.where(skipped, old, new), shards, new_params)
+
+    def kept(old, new):
+        keep = skipped
+        if drop:
+            keep = ~jnp.isfinite(new) if keep is None else keep | ~jnp.isfinite(new)
+        return new if keep is None else jnp.where(keep, old, new)
+
+    new_params = jax.tree.map(kept, shards, new_params)
     if layout.shard == "params":
         return jax.tree.map(lambda s: s[None], new_params)
     if layout.shard == "optimizer":
@@ -254,7 +283,7 @@ def tell_rejected(step, rejected) -> None:
     References:
       optax ``apply_if_finite`` (a step whose update is not finite is not applied).
     """
-    if not float(jax.device_get(rejected)):
+    if rejected is None or not float(jax.device_get(rejected)):
         return
     message = (
         f"jaxcomp.data_parallel: step {int(jax.device_get(step)) - 1}'s update (or the optimizer "

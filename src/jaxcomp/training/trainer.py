@@ -40,6 +40,7 @@ from jaxcomp.training import resize as resizing
 from jaxcomp.training.branches import REPORT_DELAY, PinnedSteps, pinned_record, pinned_report
 from jaxcomp.training.dispatch import DEFAULT_MAX_STEPS_IN_FLIGHT, BoundedStep
 from jaxcomp.training.layout import Layout
+from jaxcomp.training.rollback import RollbackStep
 from jaxcomp.training.state import TrainState, avals_of
 from jaxcomp.training.step import tell_rejected, train_step
 from jaxcomp.training.trial import Trial, TrialSteps
@@ -77,8 +78,11 @@ class DataParallel:
         donate=False,
         host_branches=True,
         auto_trial=DEFAULT_TRIAL,
+        rollback=None,
+        nonfinite_updates="drop",
     ):
         self.loss_fn = loss_fn
+        self.nonfinite_updates = nonfinite_updates
         self.has_aux = has_aux
         self.layout = Layout(tx, mesh, axis_name, shard, gather_dtype)
         self.max_steps_in_flight = max_steps_in_flight
@@ -98,6 +102,8 @@ class DataParallel:
             self._check_nonfinite,
             (self._probe, _tell),
         )
+        if rollback is not None:
+            self.step = RollbackStep(self.step, rollback)
 
     tx = property(lambda self: self.layout.tx, doc="The optax transformation.")
     mesh = property(lambda self: self.layout.mesh, doc="The mesh (with Auto axes).")
@@ -383,7 +389,13 @@ class DataParallel:
         record = None if branch is None else pinned_record(state.opt_state)
         with pinning.pinned(branch, record):
             new_state, metrics = train_step(
-                self.layout, self.loss_fn, self.has_aux, state, batch, self._note_nonfinite_policy
+                self.layout,
+                self.loss_fn,
+                self.has_aux,
+                state,
+                batch,
+                self._note_nonfinite_policy,
+                self.nonfinite_updates,
             )
         probe = divergence.trigger_probe(
             find_compress_state(state.opt_state), find_compress_state(new_state.opt_state)
@@ -391,7 +403,7 @@ class DataParallel:
         self._probe_names = None if probe is None else probe[1:]
         report = None if branch is None else pinned_report(new_state.opt_state)
         scalars = None if probe is None else probe[0]
-        return new_state, metrics, (new_state.step, scalars, report, metrics["rejected"])
+        return new_state, metrics, (new_state.step, scalars, report, metrics.get("rejected"))
 
     def _probe(self, args, out):
         """What the host reads of a dispatched step once it has run, from the step's own
@@ -463,6 +475,8 @@ def data_parallel(
     donate: bool = False,
     host_branches: bool = True,
     auto_trial: Trial | None = DEFAULT_TRIAL,
+    rollback: int | None = None,
+    nonfinite_updates: str = "drop",
 ) -> DataParallel:
     """A data-parallel training step around a compressing optax chain.
 
@@ -535,6 +549,19 @@ def data_parallel(
         :meth:`DataParallel.reprobe` measures the network again (which times them again).
         Predictions alone rest on local-work timings that a shared machine makes noisy
         (BENCHMARKS.md, "`auto` with its candidates' steps measured"). None: no trial.
+      rollback: every how many steps the host keeps a state to roll back to
+        (:mod:`jaxcomp.training.rollback`). When the guardrail of a ``compress`` in ``tx``
+        has triggered since the last check, ``step`` returns the state kept one check
+        earlier (``rollback`` to ``2 * rollback`` steps back), whose dense fallback then
+        starts there; ``state.step`` says which step it is. Costs the memory of two states
+        and one wait every ``rollback`` steps; refuses ``donate=True``. Default None: off.
+      nonfinite_updates: what becomes of a value that is not finite in the update or the new
+        optimizer state (whatever ``tx`` made of finite gradients), so that none reaches the
+        params or the state. ``"drop"`` (default): that entry keeps its old value (elementwise,
+        fused into the update: free). ``"skip"``: the whole step is skipped (params and
+        optimizer state kept, as optax's ``apply_if_finite``), ``metrics["rejected"]`` is 1
+        and the host logs a warning; its check reads the update and the state once more
+        (docs/training.md, "Non-finite updates").
 
     Returns:
       A :class:`DataParallel` with ``init(params) -> TrainState``, ``step(state, batch) ->
@@ -542,10 +569,7 @@ def data_parallel(
       compression ``gain``, ``bytes_sent``, ``density`` and ``nonfinite`` when ``tx`` holds a
       ``compress``: a step its ``nonfinite="skip"`` skips keeps the params and the whole optimizer
       state, and with ``nonfinite="raise"`` ``step`` raises ``FloatingPointError``;
-      ``"rejected"`` is 1 on a step whose update or new optimizer state was not finite (whatever
-      ``tx`` made of finite gradients): it keeps the params and optimizer state, and the host
-      logs a warning; each
-      metric is this process's copy, so a loop can log it on every process) and
+      with ``nonfinite_updates="skip"``, ``"rejected"``; each metric is this process's copy, so a loop can log it on every process) and
       ``shard_batch(local_rows)`` for multi-process runs; with ``shard=``,
       ``metrics["gather_bytes"]`` is what one device sends in the step's all-gather of the params
       (``bytes_sent`` is the gradient's reduce-scatter). ``batch`` is a pytree whose leading axis
@@ -614,7 +638,28 @@ def data_parallel(
         donate,
         host_branches,
         auto_trial,
+        _check_rollback(rollback, donate),
+        _check_nonfinite_updates(nonfinite_updates),
     )
+
+
+def _check_nonfinite_updates(nonfinite_updates):
+    if nonfinite_updates not in ("drop", "skip"):
+        raise ValueError(f"nonfinite_updates must be 'drop' or 'skip', got {nonfinite_updates!r}")
+    return nonfinite_updates
+
+
+def _check_rollback(rollback, donate):
+    if rollback is None:
+        return None
+    if isinstance(rollback, bool) or not isinstance(rollback, (int, np.integer)) or rollback < 1:
+        raise ValueError(f"rollback must be None or a number of steps >= 1, got {rollback!r}")
+    if donate:
+        raise ValueError(
+            "rollback keeps earlier states to return to, and donate=True deletes each state "
+            "passed to step: pass one of them"
+        )
+    return int(rollback)
 
 
 def _check_gather_dtype(gather_dtype, shard):
