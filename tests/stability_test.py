@@ -200,3 +200,20 @@ def test_a_sentinel_in_the_optimizer_states_scalars_is_not_a_divergence(nonfinit
         assert float(metrics.get("rejected", 0)) == 0
     assert not np.isfinite(float(state.opt_state[2]))
     assert float(dp.params(state)[0]) > 0.2  # it trained
+
+
+def test_diloco_inner_steps_drop_what_the_inner_optimizer_makes_not_finite():
+    """DiLoCo's inner step keeps the params and state entries its optimizer makes not finite
+    (here half of every update is NaN): the run stays finite and the other entries train."""
+    need_devices(2)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("workers",))
+    loss = lambda w, batch: jnp.mean((batch - w) ** 2)  # noqa: E731
+    inner = optax.chain(optax.adam(0.1), _half_nan(0.0))
+    run = jaxcomp.diloco(loss, inner, mesh=mesh, sync_every=2)
+    state = run.init(jnp.zeros(8))
+    for _ in range(4):
+        state, _ = run.step(state, jnp.ones((4, 8)))
+    params = np.asarray(run.params(state))
+    for leaf in jax.tree.leaves(state):
+        assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
+    assert np.all(params[:4] == 0.0) and np.all(params[4:] > 0.05), params

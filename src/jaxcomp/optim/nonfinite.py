@@ -21,6 +21,7 @@ from jaxcomp.optim.state import CompressState, compress_states
 __all__ = [
     "NONFINITE_POLICIES",
     "NonfinitePolicy",
+    "finite_updated",
     "keep_finite",
     "keep_if_skipped",
     "non_compress_leaves",
@@ -168,6 +169,29 @@ def keep_finite(old_state, new_state):
         return jnp.where(jnp.isfinite(new), new, old)
 
     return jax.tree.map(keep, new_state, old_state, is_leaf=_is_compress_state)
+
+
+def finite_updated(params, updates):
+    """``optax.apply_updates(params, updates)``, with each param whose new value is not finite
+    keeping its old one (elementwise: fused into the update).
+
+    Args:
+      params: the params (a pytree of arrays).
+      updates: the updates, of the same structure.
+
+    Returns:
+      The new params.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> finite_updated(jnp.zeros(2), jnp.array([1.0, jnp.nan])).tolist()
+      [1.0, 0.0]
+
+    References:
+      optax ``apply_if_finite`` (here entry by entry).
+    """
+    new = optax.apply_updates(params, updates)
+    return jax.tree.map(lambda old, x: jnp.where(jnp.isfinite(x), x, old), params, new)
 
 
 def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp.collectives import dense, small
 from jaxcomp.optim import sharding
+from jaxcomp.optim.nonfinite import finite_updated, keep_finite
 from jaxcomp.optim.vma import cond_typed_alike, varying_axes
 
 #: The ``shard=`` modes of :func:`jaxcomp.diloco`.
@@ -96,15 +97,17 @@ class Inner:
     def step(self, local, grads, state):
         """``(local, state)`` after one inner step, inside ``shard_map``: ``local`` the worker's
         whole params (this device's copy), ``grads`` this device's gradient of its batch shard
-        (typed varying over the inner axis), ``state`` this device's row of the inner state."""
+        (typed varying over the inner axis), ``state`` this device's row of the inner state.
+        An entry the inner optimizer makes not finite keeps its old value (as
+        ``data_parallel(nonfinite_updates="drop")``)."""
         if not self.shard:
-            updates, state = self.tx.update(grads, state, local)
-            return optax.apply_updates(local, updates), state
+            updates, new_state = self.tx.update(grads, state, local)
+            return finite_updated(local, updates), keep_finite(state, new_state)
         me = jax.lax.axis_index(self.inner_axis)
         mine = jax.tree.map(lambda p: sharding.shard_of(p, self.n_inner, me), local)
-        updates, state = self.tx.update(self._mean_shards(grads), state, mine)
-        new = optax.apply_updates(mine, updates)
-        return sharding.gather_whole(new, local, self.inner_axis), state
+        updates, new_state = self.tx.update(self._mean_shards(grads), state, mine)
+        new = finite_updated(mine, updates)
+        return sharding.gather_whole(new, local, self.inner_axis), keep_finite(state, new_state)
 
     # -- the outer exchange, split over the row (exchange="split") -----------------------------
 

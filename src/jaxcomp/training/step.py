@@ -10,8 +10,8 @@ is a dense ``psum`` of the gradient, inserted before compression: the silent tra
 The stages, in the order they run on each device: this device's optimizer state (its row of each
 per-device leaf), the params for the forward pass (gathered with ``shard="params"``), the local
 loss and gradient, ``tx``'s update (kept out entirely when a ``compress`` skips a non-finite
-step; an entry ``tx`` makes not finite is dropped, or its step skipped), the new params (gathered back with ``shard="optimizer"``), the stored optimizer state, and
-the metrics.
+step; an entry ``tx`` makes not finite is dropped, or its step skipped), the new params
+(gathered back with ``shard="optimizer"``), the stored optimizer state, and the metrics.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp.collectives import small
 from jaxcomp.optim import readiness, sharding, vma
 from jaxcomp.optim.nonfinite import (
+    finite_updated,
     keep_finite,
     keep_if_skipped,
     non_compress_leaves,
@@ -235,15 +236,12 @@ def _unfinished(layout, updates, new_opt_state):
 def _new_params(layout, shards, updates, skipped, params, drop=False):
     """The params to store: updated (unless ``skipped``; with ``drop``, each param whose new
     value is not finite keeps its old one), as shards or gathered back whole."""
-    new_params = optax.apply_updates(shards, updates)
-
-    def kept(old, new):
-        keep = skipped
-        if drop:
-            keep = ~jnp.isfinite(new) if keep is None else keep | ~jnp.isfinite(new)
-        return new if keep is None else jnp.where(keep, old, new)
-
-    new_params = jax.tree.map(kept, shards, new_params)
+    if drop:
+        new_params = finite_updated(shards, updates)
+    else:
+        new_params = optax.apply_updates(shards, updates)
+    if skipped is not None:
+        new_params = jax.tree.map(lambda o, n: jnp.where(skipped, o, n), shards, new_params)
     if layout.shard == "params":
         return jax.tree.map(lambda s: s[None], new_params)
     if layout.shard == "optimizer":

@@ -569,7 +569,8 @@ def data_parallel(
       compression ``gain``, ``bytes_sent``, ``density`` and ``nonfinite`` when ``tx`` holds a
       ``compress``: a step its ``nonfinite="skip"`` skips keeps the params and the whole optimizer
       state, and with ``nonfinite="raise"`` ``step`` raises ``FloatingPointError``;
-      with ``nonfinite_updates="skip"``, ``"rejected"``; each metric is this process's copy, so a loop can log it on every process) and
+      with ``nonfinite_updates="skip"``, ``"rejected"``; each metric is this process's copy,
+      so a loop can log it on every process) and
       ``shard_batch(local_rows)`` for multi-process runs; with ``shard=``,
       ``metrics["gather_bytes"]`` is what one device sends in the step's all-gather of the params
       (``bytes_sent`` is the gradient's reduce-scatter). ``batch`` is a pytree whose leading axis
