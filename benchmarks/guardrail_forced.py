@@ -2,7 +2,7 @@
 
     python benchmarks/guardrail_forced.py --out forced              # every case on three tasks
     python benchmarks/guardrail_forced.py --tasks regression --steps 600 --at 300
-    python benchmarks/guardrail_forced.py --table forced/forced.json  # the tables again
+    python benchmarks/guardrail_forced.py --table forced/forced.json  # the tables, forced.png
 
 Each case forces one failure into a run of the quality zoo (``quality_tasks.TASKS``), at step
 ``--at`` of ``--steps``, on 8 virtual CPU devices with ``jaxcomp.data_parallel``:
@@ -176,6 +176,36 @@ def _cell(run, dense) -> str:
     return f"{quality_zoo._fmt(ratio)} ({told})"
 
 
+def plot(results, path: str):
+    """A panel per task and case: the held-out loss along the run, dense's and each guard's
+    with its failure (log scale; a run that went non-finite stops where it did)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r["task"] for r in results})
+    fig, axes = plt.subplots(
+        len(tasks), len(CASES), figsize=(4 * len(CASES), 3 * len(tasks)), squeeze=False
+    )
+    for row, task in zip(axes, tasks):
+        runs = [r for r in results if r["task"] == task]
+        for ax, (case, (pairing, scale, _)) in zip(row, CASES.items()):
+            lines = [(r, "dense") for r in runs if r["case"] == "dense" and r["lr_scale"] == scale]
+            lines += [(r, r["guard"]) for r in runs if r["case"] == case and r["failed"]]
+            for run, label in lines:
+                steps, losses = zip(*[(s, x) for s, x in run["eval_curve"] if math.isfinite(x)])
+                ax.plot(steps, losses, marker=".", label=label)
+            ax.set_yscale("log")
+            ax.set_title(f"{task}: {case}\n{pairing} {scale:g}x", fontsize=9)
+            ax.set_xlabel("step")
+        row[0].set_ylabel("held-out loss")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", default=",".join(TASK_NAMES), help="comma-separated")
@@ -215,7 +245,9 @@ def main(argv=None):
     args = _parse(argv)
     if args.table:
         with open(args.table) as f:
-            print(table(json.load(f)["results"]))
+            results = json.load(f)["results"]
+        print(table(results))
+        plot(results, os.path.splitext(args.table)[0] + ".png")
         return 0
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "")
@@ -251,6 +283,7 @@ def main(argv=None):
         if progress is not None:
             progress.update()
     print(table([r for r in results if r["task"] in args.tasks]))
+    plot(results, os.path.join(args.out, "forced.png"))
     return 0
 
 
