@@ -194,8 +194,8 @@ def plot(results, path: str):
             lines = [(r, "dense") for r in runs if r["case"] == "dense" and r["lr_scale"] == scale]
             lines += [(r, r["guard"]) for r in runs if r["case"] == case and r["failed"]]
             for run, label in lines:
-                steps, losses = zip(*[(s, x) for s, x in run["eval_curve"] if math.isfinite(x)])
-                ax.plot(steps, losses, marker=".", label=label)
+                finite = [(s, x) for s, x in run["eval_curve"] if math.isfinite(x)]
+                ax.plot(*zip(*finite) if finite else ([], []), marker=".", label=label)
             ax.set_yscale("log")
             ax.set_title(f"{task}: {case}\n{pairing} {scale:g}x", fontsize=9)
             ax.set_xlabel("step")
