@@ -94,3 +94,16 @@ def test_the_step_passes_through_other_attributes():
     step = RollbackStep(lambda state, batch: (state, {}), every=3)
     step.extra = 1
     assert step.every == 3 and step.rollbacks == 0
+
+
+def test_a_state_of_another_history_starts_the_kept_states_again():
+    """A state whose guardrail has triggered fewer times than the last check saw (a checkpoint
+    restored, a run started again) is not a reason to roll back."""
+    dp = _dp(5)
+    states = _run(dp, 20, spiked=(12, 13))
+    assert dp.step.rollbacks == 1
+    state = dp.init(jnp.zeros(16))  # a fresh start, 0 triggers
+    for t in range(11):
+        state, _ = dp.step(state, _batch(t))
+    assert dp.step.rollbacks == 1 and int(state.step) == 11
+    assert triggered(states[-1].opt_state) == 1

@@ -67,7 +67,9 @@ class RollbackStep:
         """Keeps ``state``, or returns the older state kept when the guardrail has triggered
         since the last check."""
         triggers = triggered(state.opt_state)
-        if triggers == self._triggers or not self._kept:
+        # Fewer triggers than at the last check: a state of another history (a checkpoint
+        # restored, a run started again); it is kept as a new start.
+        if triggers <= self._triggers or not self._kept:
             self._kept = (self._kept + [state])[-2:]
             self._triggers = triggers
             return state
