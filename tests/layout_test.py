@@ -9,7 +9,8 @@ from helpers import need_devices
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp.optim.transform import compress
+from jaxcomp.methods import Dense
+from jaxcomp.optim.transform import CompressState, compress
 from jaxcomp.training.layout import Layout
 from jaxcomp.training.mask import per_device_mask
 from jaxcomp.training.state import TrainState, avals_of, check_params, tree_key
@@ -50,11 +51,21 @@ def test_sharded_optimizer_state_is_per_device():
     assert jax.tree.leaves(adam.mu) == [True, True] and not adam.count
 
 
-def test_a_tx_that_does_not_aggregate_is_refused():
+def test_a_tx_whose_aggregate_differs_per_device_is_refused():
+    zfp = compress("zfp", rate=8, algorithm="recursive_doubling")
     with pytest.raises(ValueError, match="differ per device"):
-        per_device_mask(_layout(optax.sgd(0.1)), PARAMS)
-    with pytest.raises(ValueError, match="must begin with jaxcomp.compress"):
-        per_device_mask(_layout(optax.sgd(0.1), shard="optimizer"), PARAMS)
+        per_device_mask(_layout(optax.chain(zfp, optax.sgd(0.1))), PARAMS)
+
+
+@pytest.mark.parametrize("shard", [None, "optimizer"])
+def test_a_plain_optimizer_gets_a_dense_mean_in_front(shard):
+    """A tx with no compress in it (a plain optax optimizer) is averaged densely first, as
+    PyTorch's DDP does, instead of each device updating from its own gradient."""
+    layout = _layout(optax.sgd(0.1), shard=shard)
+    state_def, mask = per_device_mask(layout, PARAMS)
+    first = layout.tx.init(PARAMS)[0]  # chain(compress("dense"), sgd)
+    assert isinstance(first, CompressState) and first.methods == (Dense(),)
+    assert not any(mask)  # nothing differs per device but (sharded) the optimizer's shards
 
 
 def test_the_mask_is_cached_per_shapes():

@@ -330,3 +330,22 @@ def test_a_step_of_many_leaves_says_its_compile_can_take_minutes(monkeypatch, ca
         dp.step.trace(state, batch)
     assert f"compiling a step whose state has {n_leaves} leaves" in caplog.text
     assert "docs/performance.md" in caplog.text
+
+
+@pytest.mark.parametrize("shard", [None, "optimizer"])
+def test_a_plain_optax_optimizer_trains_as_after_a_dense_compress(shard):
+    """What a user tries first: data_parallel(loss, optax.adam(lr), mesh) averages the
+    gradients densely, bit for bit as optax.chain(compress("dense"), optax.adam(lr))."""
+    need_devices(8)
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    loss = lambda w, b: jnp.mean((b - w) ** 2)  # noqa: E731
+    batch = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) / 100
+    plain = data_parallel(loss, optax.adam(0.1), mesh, shard=shard)
+    dense = optax.chain(compress("dense"), optax.adam(0.1))
+    chained = data_parallel(loss, dense, mesh, shard=shard)
+    a, b = plain.init(jnp.zeros(16)), chained.init(jnp.zeros(16))
+    for _ in range(3):
+        a, metrics = plain.step(a, batch)
+        b, _ = chained.step(b, batch)
+    np.testing.assert_array_equal(plain.params(a), chained.params(b))
+    assert float(metrics["bytes_sent"]) > 0

@@ -11,21 +11,25 @@ Which leaves differ is read off shard_map's types (:mod:`jaxcomp.training.mask`)
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.collectives import sizes
 from jaxcomp.ops._ffi import lowering_platform, platform_of, varying_axes
 from jaxcomp.optim import sharding
-from jaxcomp.optim.transform import CompressState
+from jaxcomp.optim.transform import CompressState, compress_states
 from jaxcomp.training import boundary
 from jaxcomp.training import mask as mask_lib
 from jaxcomp.training.state import TrainState, avals_of, check_params, tree_key
+
+_LOG = logging.getLogger("jaxcomp")
 
 _WAY_OUT = (
     "its per-device leaves (error-feedback residuals; with shard=, the optimizer's and params' "
@@ -57,6 +61,7 @@ class Layout:
         self.n_devices = math.prod(mesh.shape[a] for a in self.axes)
         # tx is traced for the mesh's platform only (jaxcomp.ops._ffi.lowering_platform).
         self.platform = platform_of(mesh.devices.flat)
+        self._settled = False  # whether a plain tx got its dense mean (:meth:`_settle`)
         self._masks = {}  # tree_key(avals) -> (state_def, mask)
         self._expected = {}  # tree_key(avals) -> the leaves of tx.init's state
         # shard="params": the structure and shard shapes of params -> their full avals
@@ -78,6 +83,7 @@ class Layout:
         """``tx.init`` as this run lays it out: of the params, or (sharded) of this device's shards,
         with every compress state still made from the whole params (error feedback keeps the
         residual of the whole local gradient)."""
+        self._settle(params)
         with lowering_platform(self.platform):
             if self.shard is None:
                 return self.tx.init(params)
@@ -88,6 +94,26 @@ class Layout:
         return jax.tree.map(
             lambda w, s: w if is_compress(w) else s, whole, of_shards, is_leaf=is_compress
         )
+
+    def _settle(self, params):
+        """Puts a dense mean in front of a ``tx`` that holds no compress (a plain optax
+        optimizer), once, from the first params it sees: each device would otherwise update
+        the params from its own gradient. PyTorch's DDP averages a plain optimizer's gradients
+        the same way."""
+        if self._settled:
+            return
+        self._settled = True
+        with lowering_platform(self.platform):
+            plain = not compress_states(jax.eval_shape(self.tx.init, params))
+        if plain:
+            from jaxcomp.methods import Dense
+            from jaxcomp.optim.compression import compress
+
+            self.tx = optax.chain(compress(Dense(), axis_name=self.axis_name), self.tx)
+            _LOG.info(
+                "data_parallel: tx holds no jaxcomp.compress; its gradients are averaged densely "
+                "first, as optax.chain(jaxcomp.compress('dense'), tx)"
+            )
 
     def tx_update(self, grads, opt_state, params):
         """``tx.update``; sharded, inside :func:`jaxcomp.optim.sharding.sharded_updates`. Traced
