@@ -492,8 +492,9 @@ def data_parallel(
       tx: an optax transformation whose first element aggregates across ``axis_name``, e.g.
         ``optax.chain(jaxcomp.compress("ar_topk", ratio=0.01), optax.adam(1e-3))``. A ``tx``
         with no ``compress`` in it (a plain ``optax.adam(1e-3)``) is averaged densely first, as
-        ``optax.chain(jaxcomp.compress("dense"), tx)``. An ``optax.MultiSteps`` around one becomes :func:`jaxcomp.accumulate` (gradient accumulation
-        that compresses and communicates once per accumulated step, not per micro-step).
+        ``optax.chain(jaxcomp.compress("dense"), tx)``. An ``optax.MultiSteps`` around one
+        becomes :func:`jaxcomp.accumulate` (gradient accumulation that compresses and
+        communicates once per accumulated step, not per micro-step).
       mesh: a ``jax.sharding.Mesh`` with ``axis_name`` (all devices of all processes under
         ``jax.distributed``).
       axis_name: the data axis, or a tuple of mesh axes (e.g. ``("node", "device")`` for
