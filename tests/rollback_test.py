@@ -13,6 +13,7 @@ from helpers import need_devices
 from jax.sharding import Mesh
 
 import jaxcomp
+from jaxcomp.training import rollback
 from jaxcomp.training.rollback import RollbackStep, triggered
 
 GUARDRAIL = jaxcomp.Guardrail(burn_in=3, window=4)
@@ -62,8 +63,18 @@ def test_a_trigger_rolls_back_to_the_state_kept_a_check_earlier(shard, method, c
     assert len(told) == 1 and "to step 5" in told[0], told
     # the guardrail's state came along: its trigger is counted and the restored run falls
     # back to dense for the window plus the 10 steps rolled back.
-    guard = jaxcomp.find_compress_state(states[15].opt_state).divergence
-    assert triggered(states[15].opt_state) == 1 and int(guard.left) > 4
+    restored = jaxcomp.find_compress_state(states[15].opt_state)
+    assert triggered(states[15].opt_state) == 1 and int(restored.divergence.left) > 4
+    # what comes back: the old state's residual cleared, as a trigger clears it (the dense
+    # fallback would send it all), and the newest guardrail state, its window 10 steps longer
+    carried = rollback._carried(states[4].opt_state, states[14].opt_state, 10)
+    kept = jaxcomp.find_compress_state(states[4].opt_state)
+    assert any(np.any(np.asarray(leaf)) for leaf in jax.tree.leaves(kept.residual))
+    back = jaxcomp.find_compress_state(carried)
+    assert not any(np.any(np.asarray(leaf)) for leaf in jax.tree.leaves(back.residual))
+    newest = jaxcomp.find_compress_state(states[14].opt_state).divergence
+    assert int(back.divergence.left) == int(newest.left) + 10
+    assert int(back.divergence.fallbacks) == int(newest.fallbacks) == 1
     # the params went back to step 5's, and stayed finite and near the data's mean.
     assert np.all(np.abs(np.asarray(states[-1].params)) < 1.0)
 

@@ -14,7 +14,8 @@ grown since the last check, the state of the check before that one comes back fr
 instead (between ``every`` and ``2 * every`` steps before the divergence was noticed: the
 guardrail notices a few steps after the loss starts to climb), with the guardrail's states of
 the newest state, so that the triggers are not forgotten (windows keep doubling) and each
-fallback window is lengthened by the steps rolled back: the run trains densely from the
+fallback window is lengthened by the steps rolled back, and with its error-feedback residuals
+and DGC velocities cleared, as a trigger clears them: the run trains densely from the
 restored state for at least as long as the trigger asked. Every process decides at the same
 step from the same values, so a multi-process run rolls back together.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import logging
 
 import jax
+import jax.numpy as jnp
 
 from jaxcomp.optim.host import local_copy
 from jaxcomp.optim.state import CompressState, compress_states
@@ -114,15 +116,26 @@ def triggered(opt_state) -> int:
 
 def _carried(restored, newest, back: int):
     """``restored`` with the guardrail states of ``newest``, each window ``back`` steps longer
-    (at least ``back`` steps of fallback from the restored step)."""
+    (at least ``back`` steps of fallback from the restored step), and its residuals and
+    velocities cleared, as a trigger clears them: the dense fallback must not send a residual
+    the method kept."""
 
     def carry(old, new):
         if not isinstance(old, CompressState) or old.divergence is None:
             return old
         guarded = new.divergence._replace(left=_longer(new.divergence.left, back))
-        return old._replace(divergence=guarded)
+        return old._replace(
+            divergence=guarded,
+            residual=jax.tree.map(_zeros, old.residual),
+            velocity=jax.tree.map(_zeros, old.velocity),
+        )
 
     return jax.tree.map(carry, restored, newest, is_leaf=lambda x: isinstance(x, CompressState))
+
+
+def _zeros(x):
+    """Zeros like ``x``, on ``x``'s sharding (a per-device leaf stays split over the devices)."""
+    return jax.jit(jnp.zeros_like, out_shardings=x.sharding)(x)
 
 
 @jax.jit
