@@ -239,9 +239,10 @@ def test_bad_arguments_are_named():
     state = dp.init(_mlp_params())
     with pytest.raises(ValueError, match="divisible"):
         dp.step(state, _batch(0, size=12))
-    # Without compress (or any aggregation) first, each device would apply its own gradient.
+    # An aggregation whose total differs per device: each device would apply its own update.
+    zfp = compress("zfp", rate=8, algorithm="recursive_doubling")
     with pytest.raises(ValueError, match="must aggregate"):
-        data_parallel(_mlp_loss, optax.sgd(0.1), mesh).init(_mlp_params())
+        data_parallel(_mlp_loss, optax.chain(zfp, optax.sgd(0.1)), mesh).init(_mlp_params())
 
 
 def test_explicit_mesh_from_make_mesh_trains_like_an_auto_mesh():
