@@ -140,8 +140,11 @@ def table(results) -> str:
     steps the run's state took (fewer than the loop's after a rollback)."""
     lines = []
     for task in sorted({r["task"] for r in results}):
-        runs = {(r["case"], r["guard"], r["failed"], r["lr_scale"]): r for r in results}
-        runs = {k: r for k, r in runs.items() if r["task"] == task}
+        runs = {
+            (r["case"], r["guard"], r["failed"], r["lr_scale"]): r
+            for r in results
+            if r["task"] == task
+        }
         lines += [
             f"#### {task}",
             "",
