@@ -1,14 +1,12 @@
 """benchmarks/guardrail_forced.py: the failures are forced where asked, a short job runs every
 guard with and without its failure, writes its table and plot, and resumes."""
 
-import json
 import math
 import os
-import subprocess
 import sys
 
 import numpy as np
-from helpers import load_benchmark, subprocess_env
+from helpers import load_benchmark, run_resumable
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
@@ -49,10 +47,7 @@ def test_a_short_job_runs_every_guard_and_resumes(tmp_path):
         str(tmp_path),
         "--no-progress",
     ]
-    first = subprocess.run(args, env=subprocess_env(), cwd=tmp_path, capture_output=True, text=True)
-    assert first.returncode == 0, first.stderr
-    with open(tmp_path / "forced.json") as f:
-        results = json.load(f)["results"]
+    first, results = run_resumable(args, tmp_path, "forced.json")
     guards = sorted((r["case"], r["guard"], r["failed"]) for r in results)
     assert guards == sorted(
         [("dense", "-", False)]
@@ -61,7 +56,3 @@ def test_a_short_job_runs_every_guard_and_resumes(tmp_path):
     )
     assert "| gradient-spike | chain:zfp(8) 1x |" in first.stdout
     assert (tmp_path / "forced.png").stat().st_size > 0
-    again = subprocess.run(args, env=subprocess_env(), cwd=tmp_path, capture_output=True, text=True)
-    assert again.returncode == 0, again.stderr
-    with open(tmp_path / "forced.json") as f:
-        assert len(json.load(f)["results"]) == len(results)  # nothing ran twice

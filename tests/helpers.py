@@ -222,3 +222,21 @@ def allocator_check_script(directory) -> str:
         "sys.exit(0 if allocator.started_with() == sys.argv[1] else 3)\n"
     )
     return str(script)
+
+
+def run_resumable(args, cwd, results_file):
+    """Runs a benchmark command that appends its runs to ``cwd / results_file``, then runs it
+    again and checks that nothing ran twice (it resumes). Returns the first run's completed
+    process and its ``results``."""
+    import json
+    import subprocess
+
+    first = subprocess.run(args, env=subprocess_env(), cwd=cwd, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    with open(cwd / results_file) as f:
+        results = json.load(f)["results"]
+    again = subprocess.run(args, env=subprocess_env(), cwd=cwd, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    with open(cwd / results_file) as f:
+        assert len(json.load(f)["results"]) == len(results)  # nothing ran twice
+    return first, results

@@ -1,16 +1,14 @@
 """benchmarks/quality_zoo.py: every task builds and trains, the grid resumes, and the verdict
 recommends only what holds on every task."""
 
-import json
 import math
 import os
-import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
-from helpers import load_benchmark, subprocess_env
+from helpers import load_benchmark, run_resumable
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
@@ -53,19 +51,12 @@ def test_a_small_grid_runs_writes_its_tables_and_resumes(tmp_path):
         str(tmp_path),
         "--no-progress",
     ]
-    first = subprocess.run(args, env=subprocess_env(), cwd=tmp_path, capture_output=True, text=True)
-    assert first.returncode == 0, first.stderr
-    with open(tmp_path / "zoo.json") as f:
-        results = json.load(f)["results"]
+    first, results = run_resumable(args, tmp_path, "zoo.json")
     assert len(results) == 2 * 3 * 2
     for r in results:
         assert math.isfinite(r["heldout_loss"]) and r["rejected"] == 0
         assert r["eval_curve"][-1] == [4, r["heldout_loss"]]
     assert "### Verdict" in first.stdout and "| adam:sign |" in first.stdout
-    again = subprocess.run(args, env=subprocess_env(), cwd=tmp_path, capture_output=True, text=True)
-    assert again.returncode == 0, again.stderr
-    with open(tmp_path / "zoo.json") as f:
-        assert len(json.load(f)["results"]) == len(results)  # nothing ran twice
 
 
 def _run(task, pairing, loss, scale=1, steps=1500, schedule="constant", sent=1.0):
