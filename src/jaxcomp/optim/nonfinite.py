@@ -130,10 +130,7 @@ def keep_if_skipped(skipped, old_state, new_state):
       optax ``apply_if_finite``; Micikevicius et al., ICLR 2018, §3.2.
     """
 
-    def keep(new, old):
-        return new if _is_compress_state(new) else jnp.where(skipped, old, new)
-
-    return jax.tree.map(keep, new_state, old_state, is_leaf=_is_compress_state)
+    return _outside_compress(lambda new, old: jnp.where(skipped, old, new), old_state, new_state)
 
 
 def keep_finite(old_state, new_state):
@@ -162,13 +159,11 @@ def keep_finite(old_state, new_state):
     """
 
     def keep(new, old):
-        if _is_compress_state(new) or not jnp.ndim(new):
+        if not jnp.ndim(new) or not jnp.issubdtype(jnp.result_type(new), jnp.inexact):
             return new
-        if not jnp.issubdtype(jnp.result_type(new), jnp.inexact):
-            return new
-        return jnp.where(jnp.isfinite(new), new, old)
+        return _finite_or_old(new, old)
 
-    return jax.tree.map(keep, new_state, old_state, is_leaf=_is_compress_state)
+    return _outside_compress(keep, old_state, new_state)
 
 
 def finite_updated(params, updates):
@@ -191,7 +186,23 @@ def finite_updated(params, updates):
       optax ``apply_if_finite`` (here entry by entry).
     """
     new = optax.apply_updates(params, updates)
-    return jax.tree.map(lambda old, x: jnp.where(jnp.isfinite(x), x, old), params, new)
+    return jax.tree.map(_finite_or_old, new, params)
+
+
+def _finite_or_old(new, old):
+    """``new`` where it is finite, ``old`` elsewhere (elementwise)."""
+    return jnp.where(jnp.isfinite(new), new, old)
+
+
+def _outside_compress(keep, old_state, new_state):
+    """``keep(new, old)`` on each leaf of the optimizer state outside its CompressStates, which
+    stay new (a compress guards its own state)."""
+    return jax.tree.map(
+        lambda new, old: new if _is_compress_state(new) else keep(new, old),
+        new_state,
+        old_state,
+        is_leaf=_is_compress_state,
+    )
 
 
 def skip_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
