@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp.collectives import small
 from jaxcomp.optim.transform import find_compress_state
 from jaxcomp.optim.vma import cast_varying, varying_axes
-from jaxcomp.training import boundary
+from jaxcomp.training import boundary, gradients
 
 
 class DiLoCoState(NamedTuple):
@@ -260,11 +260,7 @@ def _local_gradients(run, local, batch):
     typed varying over it first, so that ``jax.grad`` sums nothing (the inner compress does)."""
     if run.inner_axis is not None:
         local = jax.lax.pcast(local, run.inner_axis, to="varying")
-    if run.has_aux:
-        (loss, aux), grads = jax.value_and_grad(run.loss_fn, has_aux=True)(local, batch)
-        return loss, aux, grads
-    loss, grads = jax.value_and_grad(run.loss_fn)(local, batch)
-    return loss, None, grads
+    return gradients.local_value_and_grad(run.loss_fn, run.has_aux, local, batch)
 
 
 def _exchange(run, global_leaves, local_leaves, compress_state):

@@ -35,7 +35,7 @@ from jaxcomp.optim.nonfinite import (
 )
 from jaxcomp.optim.stages import guard
 from jaxcomp.optim.transform import compress_states, find_compress_state
-from jaxcomp.training import boundary
+from jaxcomp.training import boundary, gradients
 from jaxcomp.training.state import TrainState
 
 _LOG = logging.getLogger("jaxcomp")
@@ -161,11 +161,7 @@ def _local_gradients(loss_fn, has_aux, params, batch, axis_name):
     """``(loss, aux, grads)`` of this device's batch shard; ``aux`` is None without ``has_aux``."""
     # The cast makes grad's cotangents varying: each device keeps its own gradient.
     local_params = jax.lax.pcast(params, axis_name, to="varying")
-    if has_aux:
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(local_params, batch)
-        return loss, aux, grads
-    loss, grads = jax.value_and_grad(loss_fn)(local_params, batch)
-    return loss, None, grads
+    return gradients.local_value_and_grad(loss_fn, has_aux, local_params, batch)
 
 
 def _gradients_in_order(loss_fn, has_aux, params, batch, axis_name):

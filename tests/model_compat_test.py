@@ -1,0 +1,199 @@
+"""Model compatibility: flax models of every common family train through ``data_parallel`` and
+``diloco`` with no change to the model, as any module trains under PyTorch DDP.
+
+Each model is written for one device: its loss never names a mesh axis except where the family
+needs one (synchronized BatchNorm, through flax's own ``axis_name``). The RNN's carry starts as
+``jnp.zeros`` (flax ``nn.RNN``), which ``shard_map``'s varying-type check refused before
+``training/gradients.py``. The compressed step keeps no dense all-reduce of the gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+from helpers import need_devices
+from jax.sharding import Mesh
+from train_test import _all_reduces
+
+import jaxcomp
+
+N = 8
+ROWS = 32  # the global batch: 4 rows a device
+STEPS = 12
+
+
+class _Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+        return nn.Dense(4)(nn.gelu(nn.Dense(32)(x.reshape(x.shape[0], -1))))
+
+
+class _Cnn(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.relu(nn.Conv(8, (3, 3))(x))
+        x = nn.max_pool(x, (2, 2), (2, 2))
+        return nn.Dense(4)(x.reshape(x.shape[0], -1))
+
+
+class _Gru(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+        h = nn.RNN(nn.GRUCell(16))(x.reshape(x.shape[0], 8, -1))  # carry: jnp.zeros
+        return nn.Dense(4)(h[:, -1])
+
+
+class _Lstm(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+        h = nn.RNN(nn.OptimizedLSTMCell(16))(x.reshape(x.shape[0], 8, -1))
+        return nn.Dense(4)(h[:, -1])
+
+
+class _Transformer(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.Dense(16)(x.reshape(x.shape[0], 8, -1))
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2, deterministic=True)(nn.LayerNorm()(x))
+        x = x + nn.Dense(16)(nn.gelu(nn.Dense(32)(nn.LayerNorm()(x))))
+        return nn.Dense(4)(x.mean(axis=1))
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return x + nn.Dense(16)(nn.tanh(x)), None
+
+
+class _Scanned(nn.Module):
+    """Four blocks stacked with ``nn.scan`` (their params stacked on a leading axis)."""
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        blocks = nn.scan(_Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)
+        x, _ = blocks()(nn.Dense(16)(x.reshape(x.shape[0], -1)), None)
+        return nn.Dense(4)(x)
+
+
+class _Dropout(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.relu(nn.Dense(32)(x.reshape(x.shape[0], -1)))
+        return nn.Dense(4)(nn.Dropout(0.2, deterministic=not train)(x))
+
+
+class _BatchNorm(nn.Module):
+    """Train-mode BatchNorm; ``axis_name`` averages its batch statistics over the devices."""
+
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.Dense(32)(x.reshape(x.shape[0], -1))
+        x = nn.BatchNorm(use_running_average=not train, axis_name=self.axis_name)(x)
+        return nn.Dense(4)(nn.relu(x))
+
+
+LINEN = {
+    "mlp": _Mlp,
+    "cnn": _Cnn,
+    "gru": _Gru,
+    "lstm": _Lstm,
+    "transformer": _Transformer,
+    "scan": _Scanned,
+    "dropout": _Dropout,
+    "batchnorm": _BatchNorm,
+}
+
+
+def _batch(seed=0):
+    """Images 8x8x2 whose label is the quadrant with the most mass; per-row dropout keys."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(ROWS, 8, 8, 2)).astype(np.float32)
+    quadrants = x.reshape(ROWS, 2, 4, 2, 4, 2).sum(axis=(2, 4, 5)).reshape(ROWS, 4)
+    keys = jax.random.key_data(jax.random.split(jax.random.key(seed), ROWS))
+    return {"x": x, "y": quadrants.argmax(axis=1).astype(np.int32), "key": np.asarray(keys)}
+
+
+def _linen(name, axis_name):
+    """``(params, loss_fn)`` of a linen model, its loss written for one device."""
+    module = LINEN[name](axis_name) if name == "batchnorm" else LINEN[name]()
+    variables = module.init(
+        {"params": jax.random.key(0), "dropout": jax.random.key(1)}, jnp.zeros((2, 8, 8, 2))
+    )
+    others = {k: v for k, v in variables.items() if k != "params"}
+
+    def loss_fn(params, batch):
+        rngs = {"dropout": jax.random.wrap_key_data(batch["key"][0])}  # a key per device shard
+        logits, _ = module.apply(
+            {"params": params, **others}, batch["x"], rngs=rngs, mutable=["batch_stats"]
+        )
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    return variables["params"], loss_fn
+
+
+def _nnx():
+    """``(params, loss_fn)`` of an nnx model: ``nnx.split`` and ``nnx.merge`` around the loss."""
+    model = nnx.Sequential(
+        lambda x: x.reshape(x.shape[0], -1),
+        nnx.Linear(128, 32, rngs=nnx.Rngs(0)),
+        nnx.relu,
+        nnx.Linear(32, 4, rngs=nnx.Rngs(1)),
+    )
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss_fn(params, batch):
+        logits = nnx.merge(graphdef, params)(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    return params, loss_fn
+
+
+def _model(name, axis_name="data"):
+    return _nnx() if name == "nnx-mlp" else _linen(name, axis_name)
+
+
+MODELS = list(LINEN) + ["nnx-mlp"]
+
+
+def _mesh(axis_name):
+    need_devices(N)
+    return Mesh(np.array(jax.devices()[:N]), (axis_name,))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_trains_through_data_parallel_unchanged(name):
+    """A compressed step (sign through Adam, no guardrail branch to hide a dense all-reduce) on
+    one batch: the loss falls, and no all-reduce carries 10% of the gradient."""
+    params, loss_fn = _model(name)
+    tx = optax.chain(jaxcomp.compress("sign", guardrail=False), optax.adam(3e-3))
+    dp = jaxcomp.data_parallel(loss_fn, tx, _mesh("data"))
+    state, batch, losses = dp.init(params), _batch(), []
+    for _ in range(STEPS):
+        state, metrics = dp.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    n_params = sum(p.size for p in jax.tree.leaves(params))
+    hlo = dp.step.lower(state, batch).compile().as_text()
+    large = [line for _, size, line in _all_reduces(hlo) if size >= 0.1 * n_params]
+    assert not large, "\n".join(large)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_trains_through_diloco_unchanged(name):
+    """Eight workers, a sync every 4 inner steps: the global params' loss falls. BatchNorm
+    keeps each worker's statistics its own (no axis), as DiLoCo's workers train alone."""
+    params, loss_fn = _model(name, axis_name=None)
+    run = jaxcomp.diloco(loss_fn, optax.adam(3e-3), mesh=_mesh("workers"), sync_every=4)
+    state, batch = run.init(params), _batch()
+    before = float(jax.jit(loss_fn)(params, jax.tree.map(lambda a: a[:4], batch)))
+    for _ in range(STEPS):
+        state, metrics = run.step(state, batch)
+    after = float(jax.jit(loss_fn)(run.params(state), jax.tree.map(lambda a: a[:4], batch)))
+    assert np.isfinite(float(metrics["loss"])) and after < before, (before, after)
