@@ -112,6 +112,16 @@ def test_pack_and_unpack_match_the_reference_bit_for_bit(n, chunk, implementatio
     )
 
 
+def test_steps_along_is_the_decoded_signs_of_the_flattened_values():
+    """What jaxcomp.adam's dense fallback steps along: a device's decoded signs, row-major."""
+    x = np.random.default_rng(3).normal(size=(7, 11)).astype(np.float32)
+    got = np.asarray(jax.jit(Sign(chunk=10).steps_along)(jnp.asarray(x)))
+    words, scales = ref_pack(x.reshape(-1), 10)
+    want = ref_unpack(words, scales, x.size, 10).reshape(x.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert got.shape == x.shape and got.dtype == np.float32
+
+
 @pytest.mark.parametrize("n, chunk, n_rows", [(1, 1, 1), (1003, 7, 3), (70_000, 1024, 8)])
 @pytest.mark.parametrize("implementation", ["native", "xla"])
 def test_unpack_sum_adds_the_rows_in_order_bit_for_bit(n, chunk, n_rows, implementation):

@@ -172,6 +172,31 @@ def test_the_guardrails_dense_fallback_relearns_jaxcomp_adams_variance():
         assert np.mean(history[t][3] == history[t][1][0]) > 0.5
 
 
+def test_jaxcomp_adams_dense_fallback_keeps_the_methods_rule():
+    """With sign, the fallback averages the momentum exactly (stored so) but steps along its
+    scaled signs, as 1-bit Adam's steps go: every coordinate of a chunk moves by the same
+    multiple of ``1 / sqrt(v)``. Exact Adam's direction on those steps threw a healthy run off."""
+    mesh = _mesh()
+    loss = lambda w, batch: jnp.sum(batch * w)  # noqa: E731
+    tx = jaxcomp.adam(LR, "sign", warmup_steps=5, refresh_every=None)
+    dp = jaxcomp.data_parallel(loss, tx, mesh)
+    rng = np.random.default_rng(1)
+    state, stepped_along = dp.init(jnp.zeros(64)), []
+    for t in range(60):
+        gradient = rng.normal(size=64).astype(np.float32) * (1e3 if 30 <= t < 33 else 1.0)
+        params, mu = np.asarray(state.params), np.asarray(state.opt_state.mu)
+        state, metrics = dp.step(state, jnp.tile(jnp.asarray(gradient), (8, 1)))
+        if not (float(metrics["fallback"]) and int(metrics["method"]) == 0 and t > 33):
+            continue
+        new_mu, nu = np.asarray(state.opt_state.mu), np.asarray(state.opt_state.nu)
+        np.testing.assert_allclose(new_mu, B1 * mu + (1 - B1) * gradient, rtol=1e-4, atol=1e-6)
+        moved = (params - np.asarray(state.params)) * np.sqrt(nu)  # m_hat's shape, times a scalar
+        np.testing.assert_array_equal(np.sign(moved), np.where(new_mu >= 0, 1, -1))
+        np.testing.assert_allclose(np.abs(moved), np.abs(moved).mean(), rtol=1e-3)
+        stepped_along.append(t)
+    assert len(stepped_along) >= 10, stepped_along
+
+
 def _smallest_norm_so_far():
     """An optax transformation whose state is a scalar sentinel, as ``reduce_on_plateau``'s
     best value (inf before the first): the first update norm below 1e-9, inf until one comes."""

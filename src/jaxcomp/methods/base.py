@@ -187,6 +187,21 @@ class Method:
         (:func:`jaxcomp.compress_auto`'s ratio search uses it)."""
         return None
 
+    def steps_along(self, x):
+        """``x`` (any shape, on one device) as this method shapes what it sends, without its
+        coding error and without any exchange: the momentum :func:`jaxcomp.adam` steps along on
+        its guardrail's dense steps, so that falling back changes what is sent, not the rule the
+        run was stable under. The identity by default (what a method that sends every value
+        decodes to, close enough); :class:`~jaxcomp.methods.Sign` gives scaled signs.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from jaxcomp.methods import Dense
+          >>> Dense().steps_along(jnp.array([1.0, -3.0])).tolist()
+          [1.0, -3.0]
+        """
+        return x
+
     # ---- inside shard_map -----------------------------------------------------------------------
 
     def check_axes(self, axes: tuple[str, ...]) -> None:

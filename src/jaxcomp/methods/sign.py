@@ -148,6 +148,15 @@ class Sign(Method):
         total, _ = collectives.psum(sent, axis_name)
         return total, ScaledSigns(sent, scales, self.chunk) if decoded else sent, state
 
+    def steps_along(self, x):
+        """Scaled signs of ``x``'s values, ``chunk`` by chunk in row-major order: what one
+        device's signs decode to (the majority vote and the ring shape theirs the same way)."""
+        from jaxcomp.ops.sign import sign_pack, sign_unpack
+
+        flat = x.reshape(-1)
+        words, scales = sign_pack(flat, self.chunk)
+        return sign_unpack(words, scales, flat.shape[0], self.chunk, dtype=x.dtype).reshape(x.shape)
+
     @property
     def scatters(self):
         return self.aggregation == "ring"

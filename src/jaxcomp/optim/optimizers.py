@@ -180,8 +180,9 @@ def adam(
         fallback = _exact_momentum(state.compress, compressed, warm)
         mu, nu = _moments(state, averaged, warm | refresh, refresh, fallback, hyper)
         count = optax.safe_int32_increment(state.count)
-        nu = _floored(mu, nu, count, warm, hyper)
-        out = _direction(mu, nu, count, hyper)
+        along = _along(mu, fallback, compressed.methods)
+        nu = _floored(along, nu, count, warm, hyper)
+        out = _direction(along, nu, count, hyper)
         out = _decayed(out, params, weight_decay)
         lr = schedule(state.count)
         out = jax.tree.map(
@@ -309,6 +310,19 @@ def _exact_momentum(before: CompressState, after: CompressState, warm):
     triggered = after.divergence.fallbacks != before.divergence.fallbacks
     ran = (after.metrics.method == dense[0]) & (after.step != before.step)
     return ran & ~warm & ~triggered
+
+
+def _along(mu, fallback, branches):
+    """The momentum the step goes along: on the guardrail's dense steps, the exact mean momentum
+    shaped by the method's own rule (:meth:`~jaxcomp.methods.Method.steps_along`: scaled signs
+    for 1-bit Adam). The stored momentum stays exact. Exact Adam's direction can throw off a run
+    that only the method's rule kept stable at its learning rate, and the fallback must not
+    change what the run steps along, only how it is sent."""
+    lossy = [m for m in branches if not isinstance(m, methods.Dense)]
+    method = lossy[0] if len(lossy) == 1 else methods.Dense()
+    if type(method).steps_along is methods.Method.steps_along:
+        return mu
+    return jax.lax.cond(fallback, lambda m: jax.tree.map(method.steps_along, m), lambda m: m, mu)
 
 
 def _moments(state: CompressedAdamState, averaged, dense, refresh, exact, hyper):
