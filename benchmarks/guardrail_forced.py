@@ -19,9 +19,11 @@ Each case forces one failure into a run of the quality zoo (``quality_tasks.TASK
 Each runs unguarded (``guardrail=False``; the step's own check of non-finite updates cannot
 be switched off), with the default guardrail, and with the guardrail and
 ``data_parallel(rollback=50)``; and, without the failure, unguarded and with guardrail and
-rollback (what the guard costs a healthy run). Every run is compared with dense Adam
-(``optax.adam`` after ``compress("dense")``) in the same cell, from the same params on the same
-batches. Results go to ``--out``/forced.json after every run; an interrupted job resumes.
+rollback (what the guard costs a healthy run), and unguarded from params one ulp away (what
+float rounding alone moves: a guard's change below it cannot be told apart). Every run is
+compared with dense Adam (``optax.adam`` after ``compress("dense")``) in the same cell, from the
+same params on the same batches. Results go to ``--out``/forced.json after every run; an
+interrupted job resumes.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ CASES = {
 
 #: guard -> (compress's guardrail, data_parallel's rollback)
 GUARDS = {"unguarded": (False, None), "guardrail": (True, None), "rollback": (True, 50)}
+
+#: A run without the guard or a failure, its initial params moved by one float32 ulp: how far
+#: float rounding alone moves the final loss, the floor under which no guard's change can show.
+NUDGED = "unguarded, +1 ulp"
 
 TASK_NAMES = ("mlp-charlm", "transformer", "regression")
 
@@ -94,6 +100,18 @@ def floor_removed():
         optimizers._floored = kept
 
 
+def nudged(params):
+    """Every float parameter moved by one ulp towards +inf."""
+    import jax
+    import numpy as np
+
+    def nudge(p):
+        p = np.asarray(p)
+        return np.nextafter(p, np.inf).astype(p.dtype) if p.dtype.kind == "f" else p
+
+    return jax.tree.map(nudge, params)
+
+
 def transformation(pairing: str, guardrail: bool):
     """``tx(lr)`` of a pairing with compress's guardrail on or off."""
     import optax
@@ -110,7 +128,9 @@ def transformation(pairing: str, guardrail: bool):
 def run(task, case: str, guard: str, failed: bool, args, devices) -> dict:
     """One run of ``case`` with ``guard``, with its failure or without."""
     pairing, scale, fault = CASES[case]
-    guardrail, rollback = GUARDS[guard]
+    guardrail, rollback = GUARDS["unguarded" if guard == NUDGED else guard]
+    if guard == NUDGED:
+        task = dataclasses.replace(task, params=nudged(task.params))
     if failed and fault is not None:
         task = faulted(task, fault, args.at, quality_zoo.N_DEVICES)
     removed = floor_removed() if failed and fault is None else contextlib.nullcontext()
@@ -149,8 +169,9 @@ def table(results) -> str:
             f"#### {task}",
             "",
             "| case | pairing | unguarded | guardrail | guardrail + rollback "
-            "| no failure: unguarded | no failure: guarded + rollback |",
-            "|---|---|---:|---:|---:|---:|---:|",
+            "| no failure: unguarded | no failure: guarded + rollback "
+            "| no failure: unguarded, params +1 ulp |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
         ]
         for case, (pairing, scale, _) in CASES.items():
             dense = runs.get(("dense", "-", False, scale))
@@ -162,6 +183,7 @@ def table(results) -> str:
                     ("rollback", True),
                     ("unguarded", False),
                     ("rollback", False),
+                    (NUDGED, False),
                 )
             ]
             lines.append(f"| {case} | {pairing} {scale:g}x | " + " | ".join(cells) + " |")
@@ -238,8 +260,7 @@ def _todo(args):
             (name, case, guard, failed)
             for case in args.cases
             for guard, failed in [(g, True) for g in GUARDS]
-            + [("unguarded", False)]
-            + [("rollback", False)]
+            + [("unguarded", False), ("rollback", False), (NUDGED, False)]
         ]
     return todo
 

@@ -52,7 +52,18 @@ def test_a_short_job_runs_every_guard_and_resumes(tmp_path):
     assert guards == sorted(
         [("dense", "-", False)]
         + [("gradient-spike", g, True) for g in ("unguarded", "guardrail", "rollback")]
-        + [("gradient-spike", g, False) for g in ("unguarded", "rollback")]
+        + [("gradient-spike", g, False) for g in ("unguarded", "rollback", forced.NUDGED)]
     )
+    nudged = next(r for r in results if r["guard"] == forced.NUDGED)
+    unguarded = next(r for r in results if r["guard"] == "unguarded" and not r["failed"])
+    assert nudged["heldout_loss"] != unguarded["heldout_loss"]  # one ulp is felt at all
     assert "| gradient-spike | chain:zfp(8) 1x |" in first.stdout
     assert (tmp_path / "forced.png").stat().st_size > 0
+
+
+def test_nudged_params_are_one_ulp_away():
+    params = {"w": np.array([1.0, -2.0, 0.0], np.float32), "n": np.array([3], np.int32)}
+    moved = forced.nudged(params)
+    np.testing.assert_array_equal(moved["w"], np.nextafter(params["w"], np.float32(np.inf)))
+    assert moved["w"].dtype == np.float32 and np.all(moved["w"] > params["w"])
+    np.testing.assert_array_equal(moved["n"], params["n"])
