@@ -128,3 +128,21 @@ def test_importing_jaxcomp_loads_no_jax():
         [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env()
     )
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_the_version_is_the_changelogs_latest_release_and_removal_is_the_next_minor():
+    """The package's version, pyproject's and CHANGELOG.md's latest release agree; the old paths
+    are removed in the next minor release, as their warning says."""
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml")) as f:
+        declared = re.search(r'^version = "([^"]+)"', f.read(), re.M).group(1)
+    with open(os.path.join(root, "CHANGELOG.md")) as f:
+        released = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", f.read(), re.M)
+    assert jaxcomp.__version__ == declared == released[0], (jaxcomp.__version__, declared, released)
+    major, minor, _ = map(int, declared.split("."))
+    with pytest.warns(DeprecationWarning, match=rf"removed in jaxcomp {major}\.{minor + 1}\b"):
+        _forget("jaxcomp.cost")
+        importlib.import_module("jaxcomp.cost")

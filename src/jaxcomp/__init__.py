@@ -24,7 +24,7 @@ import importlib
 from jaxcomp import _deprecated
 from jaxcomp._lazy import attach
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Public name -> the module that defines it.
 _EXPORTS = {
