@@ -172,16 +172,16 @@ def test_the_guardrails_dense_fallback_relearns_jaxcomp_adams_variance():
         assert np.mean(history[t][3] == history[t][1][0]) > 0.5
 
 
-def test_jaxcomp_adams_dense_fallback_keeps_the_methods_rule():
-    """With sign, the fallback averages the momentum exactly (stored so) but steps along its
-    scaled signs, as 1-bit Adam's steps go: every coordinate of a chunk moves by the same
-    multiple of ``1 / sqrt(v)``. Exact Adam's direction on those steps threw a healthy run off."""
+def test_jaxcomp_adams_dense_fallback_steps_no_further_than_either_rule():
+    """With sign, the fallback averages the momentum exactly (stored so) and steps each
+    coordinate along the lesser of exact Adam's momentum and its scaled sign, 1-bit Adam's:
+    ``sign(m) min(|m|, mean |m|)`` over a chunk (64 values: one chunk), over ``sqrt(v)``."""
     mesh = _mesh()
     loss = lambda w, batch: jnp.sum(batch * w)  # noqa: E731
     tx = jaxcomp.adam(LR, "sign", warmup_steps=5, refresh_every=None)
     dp = jaxcomp.data_parallel(loss, tx, mesh)
     rng = np.random.default_rng(1)
-    state, stepped_along = dp.init(jnp.zeros(64)), []
+    state, stepped = dp.init(jnp.zeros(64)), []
     for t in range(60):
         gradient = rng.normal(size=64).astype(np.float32) * (1e3 if 30 <= t < 33 else 1.0)
         params, mu = np.asarray(state.params), np.asarray(state.opt_state.mu)
@@ -190,11 +190,13 @@ def test_jaxcomp_adams_dense_fallback_keeps_the_methods_rule():
             continue
         new_mu, nu = np.asarray(state.opt_state.mu), np.asarray(state.opt_state.nu)
         np.testing.assert_allclose(new_mu, B1 * mu + (1 - B1) * gradient, rtol=1e-4, atol=1e-6)
-        moved = (params - np.asarray(state.params)) * np.sqrt(nu)  # m_hat's shape, times a scalar
-        np.testing.assert_array_equal(np.sign(moved), np.where(new_mu >= 0, 1, -1))
-        np.testing.assert_allclose(np.abs(moved), np.abs(moved).mean(), rtol=1e-3)
-        stepped_along.append(t)
-    assert len(stepped_along) >= 10, stepped_along
+        least = np.sign(new_mu) * np.minimum(np.abs(new_mu), np.abs(new_mu).mean())
+        moved = (params - np.asarray(state.params)) * np.sqrt(nu)  # least, times one scalar
+        scale = np.median(moved / least)
+        np.testing.assert_allclose(moved, scale * least, rtol=1e-3, atol=1e-3 * np.abs(moved).max())
+        assert np.mean(np.abs(new_mu) > np.abs(new_mu).mean()) > 0.2  # the cap is exercised
+        stepped.append(t)
+    assert len(stepped) >= 10, stepped
 
 
 def _smallest_norm_so_far():

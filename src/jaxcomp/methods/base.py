@@ -189,10 +189,11 @@ class Method:
 
     def steps_along(self, x):
         """``x`` (any shape, on one device) as this method shapes what it sends, without its
-        coding error and without any exchange: the momentum :func:`jaxcomp.adam` steps along on
-        its guardrail's dense steps, so that falling back changes what is sent, not the rule the
-        run was stable under. The identity by default (what a method that sends every value
-        decodes to, close enough); :class:`~jaxcomp.methods.Sign` gives scaled signs.
+        coding error and without any exchange. On its guardrail's dense steps
+        :func:`jaxcomp.adam` steps no coordinate further than this shape of the exact momentum
+        (nor further than the momentum itself), so that falling back does not leave the rule
+        the run was stable under. The identity by default (what a method that sends every
+        value decodes to, close enough); :class:`~jaxcomp.methods.Sign` gives scaled signs.
 
         Example:
           >>> import jax.numpy as jnp

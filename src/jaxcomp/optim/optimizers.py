@@ -313,16 +313,23 @@ def _exact_momentum(before: CompressState, after: CompressState, warm):
 
 
 def _along(mu, fallback, branches):
-    """The momentum the step goes along: on the guardrail's dense steps, the exact mean momentum
-    shaped by the method's own rule (:meth:`~jaxcomp.methods.Method.steps_along`: scaled signs
-    for 1-bit Adam). The stored momentum stays exact. Exact Adam's direction can throw off a run
-    that only the method's rule kept stable at its learning rate, and the fallback must not
-    change what the run steps along, only how it is sent."""
+    """The momentum the step goes along. On the guardrail's dense steps each coordinate of the
+    exact mean momentum steps no further than either rule would take it: exact Adam's, or the
+    method's (:meth:`~jaxcomp.methods.Method.steps_along`, scaled signs for 1-bit Adam), so
+    ``sign(m) min(|m|, |shaped(m)|)``. The stored momentum stays exact.
+
+    Either rule alone can throw a run off: exact Adam's where only the method's cap on large
+    coordinates kept the run stable at its learning rate; the method's where it lifts quiet
+    coordinates to their chunk's scale over a variance that never saw them."""
     lossy = [m for m in branches if not isinstance(m, methods.Dense)]
     method = lossy[0] if len(lossy) == 1 else methods.Dense()
     if type(method).steps_along is methods.Method.steps_along:
         return mu
-    return jax.lax.cond(fallback, lambda m: jax.tree.map(method.steps_along, m), lambda m: m, mu)
+
+    def least(m):
+        return jnp.sign(m) * jnp.minimum(jnp.abs(m), jnp.abs(method.steps_along(m)))
+
+    return jax.lax.cond(fallback, lambda t: jax.tree.map(least, t), lambda t: t, mu)
 
 
 def _moments(state: CompressedAdamState, averaged, dense, refresh, exact, hyper):
