@@ -1,8 +1,8 @@
 """The package's architecture, enforced: layers import downward only, no import cycles, short
 functions and modules, and ruff's lint and format pass (issue 23).
 
-The layers, bottom up, are ``jaxcomp.LAYERS``; README.md draws them. Every import counts, a
-function-level one too: an import inside a function is deferred, not gone.
+The layers, bottom up, are ``jaxcomp.LAYERS``; docs/architecture.md draws them. Every import
+counts, a function-level one too: an import inside a function is deferred, not gone.
 """
 
 from __future__ import annotations

@@ -1,0 +1,78 @@
+"""benchmarks/report.py: README's tables are what the committed result files say."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+
+import pytest
+from helpers import load_benchmark
+
+report = load_benchmark("report")
+
+
+def test_readme_is_what_report_writes():
+    """Run ``python benchmarks/report.py`` after changing a result file or a row. In a shallow
+    clone every file's last commit is the clone's one, so commits and dates are left out there."""
+    shallow = subprocess.run(
+        ["git", "rev-parse", "--is-shallow-repository"],
+        cwd=report.ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    stamp = re.compile(r"(\b[0-9a-f]{7,12} )?\d{4}-\d{2}-\d{2}|uncommitted")
+    for name, new in report.stale():
+        with open(os.path.join(report.ROOT, name)) as f:
+            old = f.read()
+        if shallow == "true":
+            old, new = stamp.sub("DATE", old), stamp.sub("DATE", new)
+        assert old == new, f"{name} is stale: run python benchmarks/report.py"
+
+
+def test_the_newest_file_with_a_cell_gives_it(tmp_path):
+    rows = lambda *cells: [  # noqa: E731
+        dict(model=m, rate="1gbit", method=k, hosts=4, speedup=v) for m, k, v in cells
+    ]
+    (tmp_path / "new.json").write_text(json.dumps({"rows": rows(("mlp4096", "sign", 2.0))}))
+    old = rows(("mlp4096", "sign", 9.0), ("resnet50", "sign", 1.5), ("many_small", "sign", 80.0))
+    (tmp_path / "old.json").write_text(json.dumps(old))  # netbench's bare list
+    cells = report.speed_cells(("new.json", "old.json"), root=str(tmp_path))
+    assert cells == {
+        ("1gbit", "sign"): {"mlp4096": (2.0, "new.json"), "resnet50": (1.5, "old.json")}
+    }
+    assert report._summary(cells[("1gbit", "sign")]) == "1.75x / 1.50x"
+
+
+def test_time_to_loss_is_dense_seconds_over_the_rows(tmp_path):
+    """dp reaches its own final loss (2.0) at 100 s; a row that reaches it at 20 s is 5x
+    sooner; one that never does is None (the table prints "never")."""
+
+    def curve(*points):
+        return [dict(step=i, seconds=s, loss=x) for i, (s, x) in enumerate(points)]
+
+    curves = [
+        dict(name="dp", curve=curve((0, 3.0), (50, 2.5), (100, 2.0))),
+        dict(name="fast", curve=curve((0, 3.0), (20, 2.0), (40, 1.9))),
+        dict(name="never", curve=curve((0, 3.0), (10, 2.1))),
+    ]
+    (tmp_path / "ttq.json").write_text(json.dumps({"panels": [["100mbit", curves]]}))
+    cells = report.to_loss_cells({"ttq.json": {"fast": "a", "never": "b"}}, root=str(tmp_path))
+    assert cells == {("100mbit", "a"): 5.0, ("100mbit", "b"): None}
+
+
+def test_a_missing_block_is_named():
+    with pytest.raises(ValueError, match="report: decision"):
+        report.rendered("no markers here", {"decision": lambda: "x"})
+
+
+def test_the_zoo_cells_are_ratios_over_dense_of_the_same_task():
+    cells = report.zoo_cells()
+    assert cells["dense"]["bytes"] == 1.0
+    assert all(v == 1.0 for v in cells["dense"]["loss"].values())
+    assert set(report.QUIET_TASKS) <= set(cells["adam:sign"]["loss"])
+    assert all(math.isfinite(v) for v in cells["adam:sign"]["loss"].values())
+    assert cells["adam:sign"]["bytes"] < 0.5
