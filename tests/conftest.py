@@ -49,3 +49,12 @@ def pytest_report_header(config):
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A multi-process test is a slow one: it waits for ``pytest -m slow``."""
+    import pytest
+
+    for item in items:
+        if item.get_closest_marker("multiprocess") is not None:
+            item.add_marker(pytest.mark.slow)

@@ -6,6 +6,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 from helpers import load_benchmark, run_resumable
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -31,6 +32,7 @@ def test_a_fault_scales_the_loss_on_its_steps_and_rows_only():
     )
 
 
+@pytest.mark.slow  # a training run of its own
 def test_a_short_job_runs_every_guard_and_resumes(tmp_path):
     args = [
         sys.executable,

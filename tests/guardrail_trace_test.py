@@ -25,6 +25,7 @@ def test_the_replay_triggers_on_a_lone_spike_only_without_patience():
     np.testing.assert_allclose(means[30], 10.0, rtol=1e-6)  # the running mean before step 30
 
 
+@pytest.mark.slow  # a training run of its own
 def test_a_short_trace_writes_its_rows_and_triggers(tmp_path, capsys):
     out = tmp_path / "trace.json"
     assert guardrail_trace.main(["--model", "small", "--steps", "27", "--out", str(out)]) == 0

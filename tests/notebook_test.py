@@ -10,6 +10,7 @@ from helpers import subprocess_env
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # a training run of its own
 def test_quickstart_notebook_executes(tmp_path):
     notebook = nbformat.read(os.path.join(ROOT, "notebooks", "quickstart.ipynb"), as_version=4)
     saved = {

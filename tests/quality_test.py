@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from helpers import load_benchmark, subprocess_env
 
 SCRIPT = os.path.join(
@@ -24,6 +25,7 @@ def run(tmp_path, *args):
     )
 
 
+@pytest.mark.slow  # a training run of its own
 def test_quick_run_writes_finite_losses_bytes_and_a_plot(tmp_path):
     result = run(
         tmp_path,

@@ -33,6 +33,7 @@ def test_each_task_has_a_finite_loss_a_gradient_and_fixed_batches(name):
     assert 0 < task.learning_rate < 0.1
 
 
+@pytest.mark.slow  # a training run of its own
 def test_a_small_grid_runs_writes_its_tables_and_resumes(tmp_path):
     args = [
         sys.executable,

@@ -9,6 +9,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import load_benchmark, need_devices, subprocess_env
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -54,6 +55,7 @@ def test_summarize_windows_and_shares():
     assert summary[1]["steps"] == [50, 62] and summary[1]["max"] == 0
 
 
+@pytest.mark.slow  # a training run of its own
 def test_quick_run_counts_every_split_step(tmp_path):
     out = tmp_path / "repeats.json"
     result = subprocess.run(

@@ -235,6 +235,7 @@ def test_the_dgc_rows_run_ar_topk_with_the_recipe(name, leader):
     assert losses[-1] < 0.9 * losses[0] and int(metrics["method"]) == 1  # top-k's branch
 
 
+@pytest.mark.slow  # a training run of its own
 def test_jaxcomp_netbench_to_loss_runs_a_quick_job_in_one_process(tmp_path):
     """The installed command: a tiny model, dp then DiLoCo on 2 virtual devices; the table, the
     JSON (with the command that made it) and the plot."""

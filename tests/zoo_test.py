@@ -116,7 +116,9 @@ def test_the_gradient_has_the_params_structure(abstract, name):
     assert shapes(grads) == shapes(model.params)
 
 
-@pytest.mark.parametrize("name", ["mlp4096", "mlp2041", "many_small"])
+@pytest.mark.parametrize(
+    "name", ["mlp4096", "mlp2041", pytest.param("many_small", marks=pytest.mark.slow)]
+)  # many_small: 1,030 leaves to compile
 def test_small_models_train(name):
     model = zoo.build(name)
     batch = model.make_batch(np.random.default_rng(0), 2)
