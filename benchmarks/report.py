@@ -34,6 +34,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.join(ROOT, "benchmarks") not in sys.path:  # the summary package, the scripts
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 RESULTS = os.path.join("benchmarks", "results")
 
 #: The quality zoo's results (every pairing, task, learning rate and schedule).
@@ -281,8 +283,22 @@ def decision_table():
     return "\n".join(header + decision_rows(zoo, speed, to_loss) + notes)
 
 
+def _sections():
+    """BENCHMARKS.md's sections, in order: block name -> the module's ``section``."""
+    from summary import gpu, kernels, passes, quality, speed, to_loss
+
+    return {
+        "kernels": kernels.section,
+        "passes": passes.section,
+        "speed": speed.section,
+        "quality": quality.section,
+        "to_loss": to_loss.section,
+        "gpu": gpu.section,
+    }
+
+
 #: Generated blocks: file -> {block name: function returning its Markdown}.
-BLOCKS = {"README.md": {"decision": decision_table}}
+BLOCKS = {"README.md": {"decision": decision_table}, "BENCHMARKS.md": _sections()}
 
 
 def rendered(text, blocks):

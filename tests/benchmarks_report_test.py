@@ -76,3 +76,9 @@ def test_the_zoo_cells_are_ratios_over_dense_of_the_same_task():
     assert set(report.QUIET_TASKS) <= set(cells["adam:sign"]["loss"])
     assert all(math.isfinite(v) for v in cells["adam:sign"]["loss"].values())
     assert cells["adam:sign"]["bytes"] < 0.5
+
+
+@pytest.mark.parametrize("name, most", [("README.md", 200), ("BENCHMARKS.md", 500)])
+def test_the_front_pages_stay_short(name, most):
+    with open(os.path.join(report.ROOT, name)) as f:
+        assert len(f.read().splitlines()) <= most
