@@ -109,6 +109,9 @@ def main():
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     parser.add_argument(
+        "--json", metavar="PATH", help="also write the rows, the machine and the command"
+    )
+    parser.add_argument(
         "--portable",
         action="store_true",
         help="the XLA path (implementation='xla') beside native and jax.lax.top_k instead",
@@ -141,6 +144,34 @@ def main():
         print(f"measured n = {int(float(size)):,}", flush=True)
     print()
     print(format_table(rows, markdown=args.markdown))
+    if args.json:
+        write_json(args.json, rows, device)
+
+
+def write_json(path, rows, device):
+    """``{"command", "machine", "rows"}``: what BENCHMARKS.md's kernel table reads."""
+    import dataclasses
+    import json
+    import sys
+
+    machine = {
+        "host": platform.node(),
+        "cores": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "device": f"{device.platform} ({device.device_kind})",
+        "jax": jax.__version__,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(
+            {
+                "command": " ".join(["python", "benchmarks/kernels.py", *sys.argv[1:]]),
+                "machine": machine,
+                "rows": [dataclasses.asdict(r) for r in rows],
+            },
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":
