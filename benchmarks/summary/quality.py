@@ -18,7 +18,10 @@ FILES = (ZOO, LONG, FORCED)
 STILL_SHORT = (
     "**Still short:** the digits CNN's seeds disagree by more than any pairing does, so it only "
     "catches divergence; the 5000-step runs are at twice the tuned rate and a constant rate only; "
-    "random-k, all-gather top-k and PowerSGD through the chain have not run on the zoo."
+    "random-k, all-gather top-k and PowerSGD through the chain have not run on the zoo; with no "
+    "failure the guard leaves the chain's runs as they were, but moves `jaxcomp.adam`'s by as "
+    "much as a one-ulp nudge of the initial params does, not within 0.1%: the two programs "
+    "round differently from the first step, and the signs turn that into another run."
 )
 
 
