@@ -250,7 +250,8 @@ def decision_table():
     zoo, speed, to_loss = zoo_cells(), speed_cells(), to_loss_cells()
     header = [
         "| pairing | bytes vs dense | held-out loss vs dense | step vs `pmean`, 1 Gbit "
-        "| step vs `pmean`, 100 Mbit | sooner to dense's loss, 1 Gbit | 100 Mbit | use it when |",
+        "(median / worst model) | 100 Mbit | sooner to dense's loss, 1 Gbit | 100 Mbit "
+        "| use it when |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     used = sorted({f for cell in speed.values() for _, f in cell.values()})
