@@ -3,7 +3,8 @@
     python benchmarks/report.py           # rewrites the generated blocks of README.md
     python benchmarks/report.py --check   # exits 1, saying which block differs, if one is stale
 
-A generated block sits between ``<!-- report: NAME -->`` and ``<!-- /report: NAME -->``; the
+A table names the commit of each result file it reads, so commit new result files first, then
+run this script and commit what it writes. A generated block sits between ``<!-- report: NAME -->`` and ``<!-- /report: NAME -->``; the
 text around it is the author's. Each table says where its numbers come from: the command, the
 result files, their commits and dates (``git log``), and the machine.
 
