@@ -3,10 +3,11 @@
     python benchmarks/report.py           # rewrites the generated blocks of README.md
     python benchmarks/report.py --check   # exits 1, saying which block differs, if one is stale
 
-A table names the commit of each result file it reads, so commit new result files first, then
-run this script and commit what it writes. A generated block sits between ``<!-- report: NAME -->`` and ``<!-- /report: NAME -->``; the
+A generated block sits between ``<!-- report: NAME -->`` and ``<!-- /report: NAME -->``; the
 text around it is the author's. Each table says where its numbers come from: the command, the
-result files, their commits and dates (``git log``), and the machine.
+result files, their commits and dates (``git log``), and the machine. As a table names the
+commit of each file it reads, commit new result files first, then run this script and commit
+what it writes.
 
 The decision table has one row per method at its recommended pairing (and the ones that are not
 recommended, so that their cost shows):
@@ -301,6 +302,18 @@ def _sections():
 
 #: Generated blocks: file -> {block name: function returning its Markdown}.
 BLOCKS = {"README.md": {"decision": decision_table}, "BENCHMARKS.md": _sections()}
+
+
+def read_files() -> set:
+    """Every result file a table reads (paths relative to the root): what
+    ``benchmarks/results/`` keeps."""
+    from summary import gpu, kernels, passes, quality, speed, to_loss
+
+    used = {ZOO_FILE} | {os.path.join(RESULTS, f) for f in SPEED_FILES}
+    used |= {os.path.join(RESULTS, f) for f in (*TO_LOSS_FILES, DILOCO_FILE)}
+    for module in (gpu, kernels, passes, quality, speed, to_loss):
+        used |= set(module.FILES)
+    return used
 
 
 def rendered(text, blocks):

@@ -82,3 +82,8 @@ def test_the_zoo_cells_are_ratios_over_dense_of_the_same_task():
 def test_the_front_pages_stay_short(name, most):
     with open(os.path.join(report.ROOT, name)) as f:
         assert len(f.read().splitlines()) <= most
+
+
+def test_every_file_a_table_reads_is_committed_there():
+    missing = [f for f in report.read_files() if not os.path.isfile(os.path.join(report.ROOT, f))]
+    assert not missing, missing
