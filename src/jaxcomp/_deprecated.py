@@ -14,7 +14,7 @@ import sys
 import types
 import warnings
 
-#: Old module path -> new module path (issue 23: the layered package).
+#: Old module path -> new module path (the package's layers: docs/architecture.md).
 MOVED = {
     "jaxcomp._ffi": "jaxcomp.ops._ffi",
     "jaxcomp._checks": "jaxcomp.ops._checks",
@@ -121,7 +121,7 @@ def warn(old: str, new: str, stacklevel: int | None = None) -> None:
     )
 
 
-class _Alias:  # a loader (duck-typed: importlib.abc would import importlib.resources, 17 ms)
+class _Alias:  # a loader (duck-typed: importlib.abc would import importlib.resources, slowly)
     """Loads an old path as the module at its new path (the same object, not a copy)."""
 
     def __init__(self, new: str):

@@ -9,50 +9,35 @@ setting or trade-off of the row) and saves, in ``--out``, the table as ``verdict
 (top-k; quantizers and casts; random-k, sign and low rank; auto), eval loss above eval accuracy,
 dense drawn in every panel as the reference.
 
-    jaxcomp demo                       # all methods, about a minute and a half on 2 cores
+    jaxcomp demo                       # all methods, a minute or two on a small machine
     python -m jaxcomp demo --steps 600 --methods dense,ar_topk,ar_topk_noef
 
 **A row's verdict.** "yes" when its final eval accuracy is at most 1 point below dense's, "no"
 otherwise, "diverged" when an eval loss was non-finite or above twice the loss at step 0 (chance
 level, ln 10, for this model). The last column says what the row sends and what it trades. The
-test set has 359 images: 1 point is 3.6 images, about what another ``--seed`` moves. At the
-defaults (seeds 0, 1, 2; dense 98.05%, 97.21%, 95.82%) no row diverges; the rows more than a point
-below dense are the ones without error feedback, ``randomk`` at 1% (below), and, at some seeds
-only, ``sign`` (-0.28, -3.62, -1.39 points). ``ar_topk`` runs AR-Topk's default leader, SPLIT
-(every device picks ``k / N`` of the shared indices): -0.56, -0.28, +1.67 points at 2,772 bytes a
-step, 1/66 of dense's; with the paper's STAR leader (one device's indices, round-robin; the
-default until 2026-11-29) it was -1.67, -0.28, +0.56.
+test set has 359 images: 1 point is 3.6 images, about what another ``--seed`` moves. What the
+rows measured at the defaults is in docs/training.md (its introduction).
 
 **Random-k and the optimizer's momentum** (the rows ``randomk``, ``randomk_10x``). With error
-feedback, random-k sends each entry about once every ``1 / density`` steps (100 at 1%), with all
-that entry's gradient since: every entry arrives as a stale burst. Stale updates already act as
-momentum (Mitliagkas et al. 2016, "Asynchrony begets momentum"); SGD's momentum 0.9 on top of them
-makes training oscillate and blow up. Measured here (500 steps, lr 0.05, seed 0; dense 98.05%):
-random-k with error feedback and SGD with momentum 0.9 diverged at 1%, 5% and 10% density (eval
-loss 1.3e7 at 1%, accuracy 11-18%); DGC's momentum correction (``momentum_correction=0.9``, then
-SGD without momentum) diverged at 1% too. What trains is the same method followed by the same
-optimizer **without momentum**: SGD at ``lr / (1 - 0.9)``, the step momentum SGD takes in a
-steady state (with ``--optimizer adam``: Adam with ``b1=0``). So the random-k rows run that
-pairing, and it is the documented trade-off of the row, in its ``note``:
+feedback, random-k sends each entry about once every ``1 / density`` steps, with all that
+entry's gradient since: every entry arrives as a stale burst. Stale updates already act as
+momentum (Mitliagkas et al. 2016, "Asynchrony begets momentum"); SGD's momentum 0.9 on top of
+them makes training oscillate and blow up, and so does DGC's momentum correction. What trains is
+the same method followed by the same optimizer **without momentum**: SGD at ``lr / (1 - 0.9)``,
+the step momentum SGD takes in a steady state (with ``--optimizer adam``: Adam with ``b1=0``).
+So the random-k rows run that pairing, and it is the documented trade-off of the row, in its
+``note``:
 
-* ``randomk`` (random-k at ``--density``, 1%): stable, but random entries carry less than the
-  largest: 93.6%, 93.9%, 94.2% at seeds 0, 1, 2 against dense's 98.05%, 97.21%, 95.82% (1.7 to 4.5
-  points below; it sends 0.01 of dense's bytes);
-* ``randomk_10x`` (10 times ``--density``, 10%): 98.05%, 97.21%, 96.10% at the same seeds, as good
-  as dense, for 0.10 of dense's bytes (all-gather top-k at 1% sends 0.08 here);
-* ``randomk_noef`` (1%, no error feedback, the default optimizer: no bursts, so momentum is
-  harmless): stable and slow, 77-79%, since 99% of every gradient is dropped.
+* ``randomk`` (random-k at ``--density``): stable, but random entries carry less than the
+  largest, so it ends a few points below dense;
+* ``randomk_10x`` (10 times ``--density``): as good as dense, for a tenth of dense's bytes at the
+  default density;
+* ``randomk_noef`` (no error feedback, the default optimizer: no bursts, so momentum is
+  harmless): stable and slow, since most of every gradient is dropped.
 
-The step ``lr / (1 - 0.9)`` is momentum SGD's, not one tuned for random-k: at 1% and seed 0, SGD
-without momentum at lr 0.05, 0.1, 0.2, 0.5 ended at 94.43%, 96.94%, 96.94%, 93.59%; keeping the
-momentum and dividing lr by 10 instead (0.005) ended at 62%. With Adam (lr 2e-3, 1%) the same holds:
-Adam with its momentum 90.0%, with ``b1=0`` 96.9%, dense 97.5%.
-
-The other error-feedback rows keep the optimizer users write (and DGC's setting), SGD with
-momentum, although the same pairing measured better for some of them (seeds 0, 1, 2, points
-against dense): ``ar_topk`` with STAR +0.00, +0.00, +1.12 (with momentum -1.67, -0.28,
-+0.56), ``sign`` +0.00, -0.28, +0.56 (with momentum -0.28, -3.62, -1.39), ``allgather_topk``
-+0.00, +0.28, +0.84 (with momentum -0.56, +0.28, +1.11).
+The step ``lr / (1 - 0.9)`` is momentum SGD's, not one tuned for random-k. The other
+error-feedback rows keep the optimizer users write (and DGC's setting), SGD with momentum,
+although the same pairing measured better for some of them (docs/training.md).
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def table(rows) -> str:
 
     References:
       Agarwal et al., "On the Utility of Gradient Compression in Distributed Training Systems",
-      MLSys 2022 (measure the step, not the bytes); issue 13's set-up.
+      MLSys 2022 (measure the step, not the bytes); docs/network.md has the set-up.
     """
     header = (
         "model | hosts | rate | method | step s | CPU s/step | compute s | sync s | "
@@ -123,7 +123,7 @@ def plot(rows, path) -> None:
 
     References:
       Agarwal et al., "On the Utility of Gradient Compression in Distributed Training Systems",
-      MLSys 2022 (measure the step, not the bytes); issue 13's set-up.
+      MLSys 2022 (measure the step, not the bytes); docs/network.md has the set-up.
     """
     plt = _report.pyplot()
     models = list(dict.fromkeys(r.get("model") for r in rows))

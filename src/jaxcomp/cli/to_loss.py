@@ -2,7 +2,7 @@
 compression and DiLoCo, on the char-LM (:mod:`jaxcomp.training.charlm`), in one process or on an
 emulated cluster.
 
-    jaxcomp netbench --to-loss                              # one process, 8 devices, ~15 min
+    jaxcomp netbench --to-loss                              # one process, 8 devices: minutes
     jaxcomp netbench --to-loss --steps 100 --rows dp,diloco-h10
     jaxcomp netbench --to-loss --quick                      # a tiny model, a few steps
     sudo jaxcomp netbench --to-loss --hosts 4 --rates 1gbit,100mbit --model wide --steps 150 \\

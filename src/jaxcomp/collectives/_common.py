@@ -37,8 +37,8 @@ def one_device_total(x, axis_name):
     like every other total, so a step's updates agree on every device of a 1-device mesh too.
 
     XLA:CPU does not remove an all-reduce over one device (jax 0.10: it copies the vector through
-    the collective, 2-3 copies' time; BENCHMARKS.md, "One device: no all-reduce"), so where the
-    value's type can say so this only retypes ``x`` (:data:`_replicated_p`, lowered to nothing),
+    the collective, a few copies' time; docs/performance.md, "One device: no collective"), so where
+    the value's type can say so this only retypes ``x`` (:data:`_replicated_p`, lowered to nothing),
     and falls back to :func:`jax.lax.psum` otherwise.
 
     Args:

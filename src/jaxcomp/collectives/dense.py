@@ -154,8 +154,8 @@ def narrow_allreduce(x, axis_name, dtype, *, scatter=False, algorithm="auto"):
 
     XLA's CPU collectives (gloo on multi-process CPU jobs) carry a bfloat16 all-reduce as float32,
     4 bytes a value on the wire, the dense amount; a float16 one travels as 16 bits, but gloo sums
-    it value by value in software (measured on 4 emulated hosts: about 0.25 s more host CPU a step
-    for 25M values than this ring; BENCHMARKS.md, "float16 by the ring"). Moving 16-bit integers
+    it value by value in software, which costs more host CPU a step than this ring
+    (docs/performance.md, "float16 by the ring"). Moving 16-bit integers
     needs no arithmetic, so on the CPU this sum is a ring built from :func:`jax.lax.ppermute`
     whose messages are the 16-bit values' bits typed uint16 (:func:`jaxcomp.collectives.ring.
     sixteen_bit_codec`): the vector in ``N`` chunks of ``ceil(n/N)`` values, ``N-1``

@@ -18,10 +18,9 @@ from jaxcomp.ops import flat
 
 #: Arrays of at most this many values that cross devices together are joined into one vector
 #: first (:func:`joined_groups`). XLA merges the collectives of many arrays into one instruction,
-#: but XLA:CPU runs it as one collective per array: over gloo a round trip each, 5 ms on 4
-#: hosts sharing 2 cores, so an all-reduce of 1,030 small leaves took 5.4 s where one vector of
-#: the same values took 0.04 s (BENCHMARKS.md, "One collective per leaf"). A larger array
-#: crosses alone, with no copy.
+#: but XLA:CPU runs it as one collective per array: over gloo a round trip each, so an
+#: all-reduce of 1,030 small leaves took far longer than one vector of the same values
+#: (docs/performance.md, "One collective per leaf"). A larger array crosses alone, with no copy.
 JOINED_VALUES = 1 << 16
 
 

@@ -156,9 +156,9 @@ def _broadcast_indices(indices, is_leader, leader_index, axis_name, how):
 
     ``"psum"`` sums leader-masked indices (every other device contributes zeros): an all-reduce of
     ``k`` int32, ``2 (N-1)/N 4k`` bytes on a ring. ``"all_gather"`` gathers every device's indices
-    and keeps the leader's row: ``(N-1) 4k`` bytes. In ``benchmarks/collectives.py`` (25M values
-    on 8 CPU devices, BENCHMARKS.md) the psum was as fast or faster, within a shared host's noise,
-    and it sends less once ``N > 2``: :func:`ar_topk` uses it.
+    and keeps the leader's row: ``(N-1) 4k`` bytes. In ``benchmarks/collectives.py`` the psum
+    was as fast or faster, within a shared host's noise, and it sends less once ``N > 2``:
+    :func:`ar_topk` uses it.
     """
     if how == "psum":
         return psum_or_retype(jnp.where(is_leader, indices, 0), axis_name)

@@ -35,15 +35,16 @@ def zfp_allreduce(x, rate, axis_name, algorithm="ring"):
 
     ``sent`` for the ring: ``x`` less every codec error this device made. Each device codes each
     chunk exactly once (its own chunk raw at the first hop, a partial sum at each later hop, the
-    chunk it owns once fully reduced), and ``total`` is the exact sum less all those errors, so
-    the ``sent`` of all devices add up to ``total`` (up to float32 rounding) and error feedback,
-    ``x - sent``, feeds back everything the ring lost, re-coded partial sums included. Feeding
-    back only the first hop's error (each device's own vector coded alone) keeps an error that
-    was never made on the chunks a device did not send raw and drops the partial sums' errors;
-    on the char-level model of ``benchmarks/quality.py`` that cost held-out loss (BENCHMARKS.md,
-    "Training quality"). For recursive doubling ``sent`` is ``x`` decoded as first encoded (the
-    first exchange's error; the partial sums' errors are shared by the partners and fed back by
-    none). With ``N = 1`` nothing is sent or compressed: ``total = sent = x``.
+    chunk it owns once fully reduced), and ``total`` is the exact sum less all those errors, so the
+    ``sent`` of all devices add up to ``total`` (up to float32 rounding) and error feedback,
+    ``x - sent``, feeds back everything the ring lost, re-coded partial sums included. Feeding back
+    only the first hop's error (each device's own vector coded alone) keeps an error that was never
+    made on the chunks a device did not send raw and drops the partial sums' errors; on the
+    char-level model of ``benchmarks/quality.py`` that cost held-out loss
+    (docs/notes/2026-12-05-benchmarks-until-0.2.md, "Training quality"). For recursive doubling
+    ``sent`` is ``x`` decoded as first encoded (the first exchange's error; the partial sums' errors
+    are shared by the partners and fed back by none). With ``N = 1`` nothing is sent or compressed:
+    ``total = sent = x``.
 
     Args:
       x: this device's local 1-D float32, bfloat16 or float16 vector of ``n`` values.

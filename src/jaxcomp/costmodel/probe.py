@@ -31,7 +31,7 @@ from jaxcomp.methods import Dense, Method
 DEFAULT_SIZES = (2**10, 2**16, 2**20, 2**23)
 
 #: Timed calls per size; the median is kept (the fastest call of a shaped link is the one that
-#: found its bucket full, which made repeated probes disagree by up to 45%).
+#: found its bucket full, which made repeated probes disagree widely).
 DEFAULT_REPEATS = 3
 
 #: Seconds :func:`probe_network` may take by default, compilation included.
@@ -412,7 +412,7 @@ def _bucket_free(network, sizes, seconds, n_workers):
 
     A shaped link (a token bucket, as ``tc tbf`` or a cloud's burst credit) lets the first few
     hundred KiB of a burst through at full speed, so mid sizes look faster than the link and the
-    least-squares line overstates the bandwidth (by 65% on a 1 Gbit/s emulated link). Past the
+    least-squares line overstates the bandwidth (by much, on an emulated link). Past the
     bucket, every extra byte travels at the link's rate: the slope between the two largest sizes
     is that rate.
     """

@@ -151,7 +151,7 @@ def check_support() -> None:
       >>> check_support() if os.geteuid() == 0 else None  # root on Linux with iproute2: passes
 
     References:
-      Linux network namespaces, veth and ``tc-tbf(8)`` (iproute2); the emulated set-up of issue 13.
+      Linux network namespaces, veth and ``tc-tbf(8)`` (iproute2); docs/network.md, section 2.
     """
     missing = []
     if sys.platform != "linux":
@@ -569,7 +569,7 @@ def leftovers() -> list[str]:
       True
 
     References:
-      Linux network namespaces, veth and ``tc-tbf(8)`` (iproute2); the emulated set-up of issue 13.
+      Linux network namespaces, veth and ``tc-tbf(8)`` (iproute2); docs/network.md, section 2.
     """
     result = _run("ip", "netns", "list", check=False)
     stale = []
@@ -592,7 +592,7 @@ def cleanup() -> list[str]:
       []
 
     References:
-      Linux network namespaces, veth and ``tc-tbf(8)`` (iproute2); the emulated set-up of issue 13.
+      Linux network namespaces, veth and ``tc-tbf(8)`` (iproute2); docs/network.md, section 2.
     """
     check_support()
     stale = leftovers()

@@ -32,8 +32,9 @@ gloo bind to that interface's address instead.
 **The allocator.** ``--allocator tuned`` starts every process with
 :data:`jaxcomp.ops.allocator.ENVIRONMENT` (what :func:`jaxcomp.tune_host_allocator` does, in force
 before the process's first allocation, so XLA:CPU's worker threads get it too): each step's
-buffers over 32 MB stay on the heap instead of being mapped afresh, 1.2-2.1x faster steps on 4
-emulated hosts at 1 Gbit (BENCHMARKS.md), at the price of each process keeping its peak heap.
+buffers over 32 MB stay on the heap instead of being mapped afresh, for markedly faster steps on
+the emulated hosts (docs/performance.md, "A second trap"), at the price of each process keeping
+its peak heap.
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ def _runs():
             table[f"{method.label}_nobucket"] = (method, {"bucket_mb": None}, None)
         else:
             table[f"{method.label}_bucket"] = (method, {"bucket_mb": 25}, None)
-    # float16 halves the wire over gloo as bfloat16 does (issue 22 compares both); not an auto
+    # float16 halves the wire over gloo as bfloat16 does (docs/performance.md, "float16 by the
+    # ring", compares both); not an auto
     # candidate.
     table[fp16.label] = (fp16, {}, None)
     # The casts with error feedback: their default is without (Method.feeds_back_by_default).
@@ -83,7 +84,7 @@ def _runs():
     # SPLIT, every device picking k/N of them). Not an auto candidate.
     star = TopK(0.01, collective="ar", leader="star")
     table[star.label] = (star, {}, None)
-    # PowerSGD's factors as float16 (issue 25's pairing sends rank 12 so): rank 4 beside the
+    # PowerSGD's factors as float16 (the quality pairing sends rank 12 so): rank 4 beside the
     # float32 row, what the 16-bit ring and its two scalar scales cost a step. Not an auto
     # candidate.
     half = PowerSGD(4, dtype="float16")
@@ -107,7 +108,7 @@ DEFAULT_RATES = ("10gbit", "1gbit", "100mbit", "none")
 DEFAULT_HOSTS = (2, 4)
 DEFAULT_PARAMS = 25e6
 DEFAULT_LAYERS = 6
-DEFAULT_BATCH = 4  # rows per host: little compute, as in the issue's set-up
+DEFAULT_BATCH = 4  # rows per host: little compute, so that the network is what is measured
 #: The optimizers every step of a job can use after the gradients' mean (learning rate 1e-4):
 #: ``"adam"`` (the default) or ``"sgd"`` (plain SGD, what ``benchmarks/peers.py``'s torch rows
 #: run by default: the same per-step optimizer work on both sides).
@@ -148,7 +149,7 @@ def width_for(params: float, layers: int) -> int:
 
     References:
       Agarwal et al., "On the Utility of Gradient Compression in Distributed Training Systems",
-      MLSys 2022 (measure the step, not the bytes); issue 13's set-up.
+      MLSys 2022 (measure the step, not the bytes); docs/network.md has the set-up.
     """
     return max(8, round(math.sqrt(params / layers)))
 
@@ -215,7 +216,7 @@ def run_benchmark(
 
     References:
       Agarwal et al., "On the Utility of Gradient Compression in Distributed Training Systems",
-      MLSys 2022 (measure the step, not the bytes); issue 13's set-up.
+      MLSys 2022 (measure the step, not the bytes); docs/network.md has the set-up.
     """
     from jaxcomp.distributed.cluster import check_support
 
@@ -329,9 +330,10 @@ def _faster_plain(measured: dict) -> float:
     """The faster plain baseline's step: ``pmean``'s, or ``pmean_flat``'s where it ran and won.
 
     Neither is fast on every model under XLA:CPU: ``pmean`` of many leaves runs one collective per
-    leaf (6 s a step for 1,030 leaves on 4 hosts), and ``ravel_pytree``'s concatenation of a few
-    large leaves falls into a slow loop fusion (6.4 s against ``pmean``'s 1.9 s on mlp4096;
-    docs/performance.md). A user would write the faster one, so speedups are honest against it.
+    leaf (seconds a step for 1,030 leaves on 4 hosts), and ``ravel_pytree``'s concatenation of a few
+    large leaves falls into a slow loop fusion (slower than ``pmean`` on mlp4096;
+    docs/performance.md, "One collective per leaf"). A user would write the faster one, so speedups
+    are honest against it.
     """
     return min(measured[name]["step"] for name in ("pmean", "pmean_flat") if name in measured)
 

@@ -354,7 +354,7 @@ def run_job(spec: Spec) -> None:
 
     References:
       Agarwal et al., "On the Utility of Gradient Compression in Distributed Training Systems",
-      MLSys 2022 (measure the step, not the bytes); issue 13's set-up.
+      MLSys 2022 (measure the step, not the bytes); docs/network.md has the set-up.
     """
     import jax
 
@@ -523,7 +523,7 @@ def optimizer(name: str):
       [-0.0001, -0.0001]
 
     References:
-      Kingma & Ba, "Adam", ICLR 2015; the issue's set-up (plain SGD).
+      Kingma & Ba, "Adam", ICLR 2015; plain SGD, as the torch rows of ``benchmarks/peers.py``.
     """
     import optax
 

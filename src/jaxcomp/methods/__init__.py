@@ -212,9 +212,8 @@ def candidates(
 
 
 #: What ``compress("auto")`` chooses among when no setting names a method: the methods that keep
-#: ``optax.adam``'s held-out loss within 0.1% on the quality benchmark (BENCHMARKS.md, "Training
-#: quality": ZFP rate 8 0.9995x, the bfloat16 cast 1.0003x dense's). Top-k, THC and PowerSGD send
-#: less but lose quality with a plain optimizer.
+#: ``optax.adam``'s held-out loss on the quality benchmark (docs/training.md, "Automatic choice").
+#: Top-k, THC and PowerSGD send less but lose quality with a plain optimizer.
 QUALITY_SAFE = (Dense(), Cast("bfloat16"), Zfp(8))
 
 __all__ = [

@@ -218,15 +218,14 @@ class Cast(Method):
     16-bit values' bits typed uint16: ``2 (N-1)`` chunks of ``ceil(n/N)`` values, 2 bytes each,
     what :meth:`wire_bytes` counts. Each hop's receiver adds its own chunk in float32 and rounds
     the partial sum to the narrow type for the next hop. gloo carries a bfloat16 all-reduce as
-    float32, 4 bytes a value (BENCHMARKS.md, "Sharded training at 1 Gbit"), and sums a float16 one
-    in software, value by value (about 0.25 s more host CPU a step for 25M values than the ring;
-    BENCHMARKS.md, "float16 by the ring").
+    float32, 4 bytes a value, and sums a float16 one in software, value by value, which costs
+    more host CPU a step than the ring (docs/performance.md, "float16 by the ring").
 
     Error feedback is off by default for the casts (``compress(error_feedback="auto")``,
     :attr:`feeds_back_by_default`), as in PyTorch's fp16 and bf16 hooks: on the quality benchmark
-    both casts ended within 1% of dense Adam in all four cells without it, as with it, and each
-    host saves a gradient's memory; steps on 4 emulated hosts were 1.00-1.08x faster
-    (BENCHMARKS.md, "The casts without error feedback"). With ``error_feedback=True`` what the
+    both casts kept dense Adam's loss without it, as with it, and each host saves a gradient's
+    memory and a little time a step (docs/training.md, "The optax chain", error feedback).
+    With ``error_feedback=True`` what the
     cast rounded away is kept and sent later. The psum's own rounding (it adds in the narrow
     type) is not; the ring's is: its ``sent`` is ``x`` less every rounding this device made along
     the ring, so error feedback keeps all the ring lost.
@@ -258,12 +257,13 @@ class Cast(Method):
 
     name = "cast"
     # Each value is rounded alone: in buckets only the ring's order of roundings changes, and the
-    # step was faster with them on every zoo model measured (BENCHMARKS.md, "float16 by the ring").
+    # step was faster with them on every zoo model measured (docs/performance.md, "Overlapping
+    # the backward pass").
     buckets_by_default = True
     # What a step loses is each value's rounding to 16 bits: without error feedback both casts
-    # kept a plain optimizer's loss in every quality cell (within 1% of dense, as with it), and a
-    # host saves a gradient's memory; steps were 1.00-1.08x faster on three zoo models
-    # (BENCHMARKS.md, "The casts without error feedback").
+    # kept a plain optimizer's loss in every quality cell, as with it, and a host saves a
+    # gradient's memory and a little time a step (docs/notes/2026-12-05-benchmarks-until-0.2.md,
+    # "The casts without error feedback").
     feeds_back_by_default = False
     shorthand = {"bf16": {"dtype": "bfloat16"}, "fp16": {"dtype": "float16"}}
 

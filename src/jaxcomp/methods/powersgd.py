@@ -101,16 +101,14 @@ class PowerSGD(Method):
     compiles and runs one batched iteration per view, not one per matrix.
 
     **Quality, on one task only** (not yet run on the quality zoo, so not a recommendation;
-    rank 4 with :func:`jaxcomp.adam` misses 3% there: BENCHMARKS.md, "The quality zoo"): within
-    3% of dense Adam at 10x fewer bytes as ``PowerSGD(12, dtype="float16")``
+    rank 4 with :func:`jaxcomp.adam` misses 3% there: BENCHMARKS.md, "What each method costs in
+    quality"): within 3% of dense Adam at 10x fewer bytes as ``PowerSGD(12, dtype="float16")``
     with ``compress`` + ``optax.adam`` (:func:`jaxcomp.adam` gains nothing) on
     ``benchmarks/quality.py``'s transformers, against dense at the same tuned learning rate, in all
-    four cells (BENCHMARKS.md, "PowerSGD's factors as float16"): the small model (width 128) +2.5%
-    at 500 steps and +0.95% at 1500, at 13x fewer bytes; the large model (width 256, 2.45M
-    params) +2.4% and +1.9%, at 26x. float16 factors cost nothing measurable (rank 8: 1.9190
-    against float32's 1.9197) and halve the bytes. float32 factors reach 3% only at 4.9x
-    (rank 16, +1.4%); rank 8 is +4.1% at 9.5x, rank 4 +8.3% at 17.5x (the large model: rank 4
-    +9.0%, rank 8 +3.9%).
+    four cells (docs/notes/2026-12-05-benchmarks-until-0.2.md, "PowerSGD's factors as float16").
+    float16 factors cost nothing measurable and halve the bytes; float32 factors come within 3%
+    only at a higher rank and fewer savings (docs/training.md, "Optimizers that know they are
+    compressed").
 
     Args:
       rank: the approximation's rank ``r``, an integer >= 1 (PyTorch's
@@ -422,8 +420,8 @@ def batches(views) -> list[tuple[int, ...]]:
     A model of many layers of one shape (ResNet's blocks, a transformer's, 256 small residual
     blocks) then orthogonalizes each view's ``P`` s in one batched pass, and multiplies its small
     matrices (:data:`STACK_MAX_VALUES`) in batched products, instead of one of each per matrix.
-    The update of the zoo's ``many_small`` (1,030 leaves) then traces and compiles 2.3x faster
-    and runs 23% faster; ResNet-50's and GPT-2's compile 25-31% faster (BENCHMARKS.md, "PowerSGD
+    The update of the zoo's ``many_small`` (1,030 leaves) then traces, compiles and runs
+    markedly faster, and ResNet-50's and GPT-2's compile faster (docs/performance.md, "PowerSGD
     in batches").
 
     Args:

@@ -24,9 +24,9 @@ class Quantized(Method):
     the largest gradient of the model sets every leaf's grid: a leaf whose gradients are ten times
     smaller gets rounding noise above its signal, and Adam, which normalizes each coordinate,
     turns that noise into full-size steps. ``granularity="leaf"`` gives each leaf its own range: on
-    ``benchmarks/quality.py``'s transformer, 4 bits went from 5.4% above a tuned dense's held-out
-    loss to 1.6% (BENCHMARKS.md, "Training quality"); :func:`jaxcomp.adam` (the momentum
-    quantized) took it to +2.1% at model granularity (+1.4% at 1500 steps).
+    ``benchmarks/quality.py``'s transformer that took 4 bits to within 3% of a tuned dense's
+    held-out loss, and so did :func:`jaxcomp.adam` (the momentum quantized) at model granularity
+    (docs/training.md, "What the methods cost in model quality").
 
     Example:
       >>> from jaxcomp.methods import Quantized

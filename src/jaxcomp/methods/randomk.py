@@ -52,12 +52,10 @@ class RandomK(Fraction, Method):
     (all-reduce compatible, like AR-Topk, with no leader and no selection). What was not sent stays
     in the residual.
 
-    **Quality: not within 3% of dense Adam** on ``benchmarks/quality.py``'s transformer: at 1%,
-    +58% with ``compress`` + ``optax.adam`` and +27% with :func:`jaxcomp.adam` (the best found;
-    +29% at 1500 steps; +20.5% on the 2.45M-parameter model at its tuned learning rate, +30% at
-    1500 steps). Random
-    indices carry far less than the top ones; use it where its bytes matter more (BENCHMARKS.md,
-    "Compressed optimizers").
+    **Quality: not within 3% of dense Adam** on ``benchmarks/quality.py``'s transformer, with
+    ``compress`` + ``optax.adam`` or with :func:`jaxcomp.adam` (the best found), at either model
+    size and run length: random indices carry far less than the top ones; use it where its bytes
+    matter more (docs/training.md, "Optimizers that know they are compressed").
 
     Args:
       ratio: fraction of the values sent, in ``(0, 1]``: ``k = max(1, round(ratio * n))``.

@@ -27,27 +27,24 @@ class Sign(Method):
     The decoded vector is what the device sent, so error feedback keeps ``x - decoded``
     (EF-SignSGD).
 
-    **Quality: pair it with** :func:`jaxcomp.adam` (1-bit Adam: the signs of the momentum, not
-    of the gradient), which holds on every task of the quality zoo, where ``compress`` +
-    ``optax.adam`` does not (BENCHMARKS.md, "The quality zoo"). On ``benchmarks/quality.py``'s
-    transformer it ends +0.7% above dense
-    Adam's held-out loss (500 steps; +1.9% at 1500 with the variance frozen; +0.3% on the
-    2.45M-parameter model, both at that model's tuned learning rate), where
-    ``compress`` + ``optax.adam`` ends +34% (+19% at 1500) (BENCHMARKS.md, "Compressed
-    optimizers"). The bit of ``x >= 0`` (``+0`` and ``-0`` included) is ``+``; NaN is ``-``.
+    **Quality: pair it with** :func:`jaxcomp.adam` (1-bit Adam: the signs of the momentum, not of
+    the gradient), which holds on every task of the quality zoo, where ``compress`` + ``optax.adam``
+    does not (BENCHMARKS.md, "What each method costs in quality"). On ``benchmarks/quality.py``'s
+    transformer it ends close to dense Adam's held-out loss, where ``compress`` + ``optax.adam``
+    ends far above it (docs/training.md, "Optimizers that know they are compressed"). The bit of
+    ``x >= 0`` (``+0`` and ``-0`` included) is ``+``; NaN is ``-``.
 
     **Many devices: ``aggregation="ring"``.** The all-gather's bytes grow with the devices
     (``N - 1`` copies of every device's signs: on 64 devices as many as a dense all-reduce);
     the ring's stay at about a quarter byte a value (``2 (N-1)/N`` of ``n/8``), 31x fewer than
-    dense's on 8 devices. Its partial sums are coded hop by hop, which costs a little quality:
-    with :func:`jaxcomp.adam` +2.4% at 500 steps and +1.3% at 1500 (the all-gather: +0.7%,
-    +0.6%), and it sends ``2 (N-1)`` messages in sequence where the all-gather needs
-    ``log2 N``: on 4 emulated hosts it was 1.26x faster than a dense ``pmean`` at 1 Gbit (the
-    all-gather 1.60x) and 8.2x at 100 Mbit (7.4x) (BENCHMARKS.md, "Signs in a ring").
-    With ``jaxcomp.adam(..., warmup_method=jaxcomp.Zfp(8))`` (the warm-up and the variance
-    refreshes sent as ZFP) the ring sends 12.6x fewer bytes than dense over a 500-step run at
-    +2.9%, and 19.7x at +1.0% over 1500; on the 2.45M-parameter model +1.1% and +0.1%
-    (BENCHMARKS.md, "The warm-up sent as ZFP").
+    dense's on 8 devices. Its partial sums are coded hop by hop, which costs a little quality
+    against the all-gather, and it sends ``2 (N-1)`` messages in sequence where the all-gather
+    needs ``log2 N``; on 4 emulated hosts both were faster than a dense ``pmean``, the ring a
+    little less so (docs/notes/2026-12-05-benchmarks-until-0.2.md,
+    "Signs in a ring"). With ``jaxcomp.adam(..., warmup_method=jaxcomp.Zfp(8))`` (the warm-up
+    and the variance refreshes sent as ZFP) the ring stays within 3% of dense at more than ten
+    times fewer bytes over a whole run (docs/training.md, "Optimizers that know they are
+    compressed").
 
     Args:
       chunk: values per scale, an integer ``>= 1`` (default 1024: the scales add 1/256 byte a

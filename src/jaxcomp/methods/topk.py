@@ -36,34 +36,24 @@ class TopK(Fraction, Method):
       allreduce: ``collective="ar"`` only: how the cost model costs its two all-reduces,
         ``"ring"`` (default) or ``"tree"``.
 
-    With Adam after it and a short run, top-k costs more quality than its bytes suggest: on
-    ``benchmarks/quality.py``'s transformer (500 steps) the all-gather at 1% ends 29% above a tuned
-    dense's held-out loss, with or without error feedback. DGC's momentum correction with Adam's
-    own momentum off and a dense warm-up brought it to 1.6%::
+    With Adam after it and a short run, top-k costs more quality than its bytes suggest, with or
+    without error feedback. DGC's momentum correction with Adam's own momentum off and a dense
+    warm-up brought the all-gather at 1% within a few percent of dense's held-out loss::
 
         optax.chain(jaxcomp.compress(TopK(0.01), warmup_steps=100, momentum_correction=0.9),
                     optax.adam(learning_rate, b1=0.0))
 
-    With ``warmup_steps=50, warmup_method=jaxcomp.Zfp(8)`` the same recipe ends +2.1% at 10.3x
-    fewer bytes than dense over the whole 500-step run (+0.7% at 11.7x over 1500; on the
-    2.45M-parameter model at its tuned learning rate +2.2%, but +5.1% over 1500), where the
-    dense warm-up of 100 steps leaves the run at 3.8x (BENCHMARKS.md, "The warm-up sent as
-    ZFP").
-
-    :func:`jaxcomp.adam` halves the gap at its defaults (+11.5%; AR-Topk 1% +18%, 0.1% +24%);
-    **AR-Topk and 0.1% are not within 3% of dense Adam with anything tried**, and on the larger
-    model at its tuned learning rate the recipe with 100 dense warm-up steps leaves the
-    all-gather at 1% +7.3%, at 0.1% +5.9% and AR-Topk at 1% +12.3% (BENCHMARKS.md, "Training
-    quality" and "Compressed optimizers"; docs/training.md, "What the methods cost in model
-    quality").
+    A shorter warm-up sent as ZFP (``warmup_steps=50, warmup_method=jaxcomp.Zfp(8)``) keeps about
+    that quality at several times fewer bytes over a whole run than the dense warm-up.
+    :func:`jaxcomp.adam` halves the gap at its defaults. **AR-Topk and 0.1% are not within 3% of
+    dense Adam with anything tried** (docs/training.md, "What the methods cost in model
+    quality"; BENCHMARKS.md, "What each method costs in quality").
 
     AR-Topk's default leader is SPLIT (every device picks ``k / N`` of the indices on every
-    step), not the paper's STAR: with the recipe and a 50-step ZFP warm-up at 1%, +10.0% (500
-    steps) and +6.6% (1500) on the small model, against STAR's +18.3% and +15.7%; +3.6% on the
-    larger model at 500 steps (STAR +15.7%), at 26x fewer bytes than dense over the run. On 4
-    emulated hosts at 100 Mbit it reached data parallelism's loss 3.31x sooner, STAR 2.97x; its
-    step is 0.96-1.29x STAR's at 1 Gbit (BENCHMARKS.md, "AR-Topk's SPLIT leader").
-    ``leader="star"`` (``"ar_topk_star"``) keeps the paper's rule.
+    step), not the paper's STAR: with the recipe it ends nearer dense's loss than STAR and, on a
+    slow link, reaches dense's loss sooner, at a step about as fast (docs/training.md, "What the
+    methods cost in model quality"). ``leader="star"`` (``"ar_topk_star"``) keeps the paper's
+    rule.
 
     Example:
       >>> from jaxcomp.methods import TopK

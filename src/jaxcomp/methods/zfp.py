@@ -43,9 +43,9 @@ class Zfp(Method):
         "zfp_recursive_doubling": {"algorithm": "recursive_doubling"},
     }
     codec_skipped_on_one_device = True  # the ring returns its input when there is no neighbour
-    # Error feedback stays on by default (unlike the casts): without it ZFP 8 ended 1.0-1.5%
-    # above dense Adam at 1500 steps on the quality benchmark, against 0.997-1.003 with it
-    # (BENCHMARKS.md, "ZFP without error feedback: kept on").
+    # Error feedback stays on by default (unlike the casts): without it ZFP 8 ended measurably
+    # above dense Adam's loss over longer runs on the quality benchmark, and level with it with
+    # it (docs/notes/2026-12-05-benchmarks-until-0.2.md, "ZFP without error feedback").
     feeds_back_by_default = True
 
     def __post_init__(self):

@@ -190,7 +190,7 @@ def lowering_platform(platform):
 
     ``jax.lax.platform_dependent`` traces every branch, since JAX learns the platform only when it
     lowers: each op on the CPU traced its portable XLA graph too, which on a model of 1,000 leaves
-    was 70% of the time to trace ``compress``'s update (docs/performance.md). ``data_parallel``
+    was most of the time to trace ``compress``'s update (docs/performance.md). ``data_parallel``
     and ``diloco`` know their mesh's platform and say so here around their traces of ``tx``.
     ``None`` (the default) traces every branch. Functions already traced and cached by
     ``jax.jit`` keep what they were traced with.
@@ -342,9 +342,10 @@ def dispatch(op, operands, native, portable, implementation, *, native_cuda=None
         return platform_dependent(*operands, cuda=native_cuda, default=native)
     if implementation == "xla":
         # Not wrapped in a jit of its own: ``portable`` is a new closure at every call, so such a
-        # jit compiled the whole op again at every eager call (0.4-0.7 s for ZFP on 3 x 127
-        # values). The jaxcomp.ops.xla functions are jitted with their static arguments; called
-        # eagerly, only the dtype casts around them run on their own (compiled once per shape).
+        # jit compiled the whole op again at every eager call (a large part of a second for ZFP on a
+        # few hundred values). The jaxcomp.ops.xla functions are jitted with their static arguments;
+        # called eagerly, only the dtype casts around them run on their own (compiled once per
+        # shape).
         return portable(*operands)
 
     def fallback(*args):
@@ -358,7 +359,7 @@ def _not_differentiable(call, op):
     """``call`` with a JVP rule that raises a TypeError naming ``op`` (and the way around it).
 
     Without it, ``jax.grad`` through a jaxcomp op fails on whichever primitive comes first, with a
-    message that names neither the op nor a fix (issue 14: "Differentiation rule for
+    message that names neither the op nor a fix ("Differentiation rule for
     'jaxcomp_require_cuda_module' not implemented"). The rule only runs for inputs that carry a
     tangent, so ops applied to ``jax.lax.stop_gradient`` values or to constants still work under
     ``jax.grad``.

@@ -4,8 +4,9 @@ XLA:CPU allocates its buffers with the C library's ``malloc``. glibc serves ever
 mmap threshold (at most 32 MB on 64-bit Linux) with a fresh ``mmap`` and unmaps it when it is
 freed, so each step writes such buffers (a 64 MB gradient leaf, the 100 MB flat vector of a 25M
 model, the executable's temporaries) into new pages: a page fault and a zeroed page every 4 KB.
-On this project's machine that made a 100 MB ``jnp.zeros`` take 24 ms instead of 3 ms, and every
-method's update, the plain copy included, 35-40% slower (docs/performance.md, "A second trap").
+On this project's machine that made a large ``jnp.zeros`` several times slower, and every
+method's update, the plain copy included, markedly slower (docs/performance.md, "A second
+trap").
 
 jax 0.10 runs each step on XLA:CPU's worker threads, and glibc gives every thread an arena of
 its own (up to 8 per core), whose heaps hold at most 64 MB: a larger block there is mapped
@@ -71,14 +72,13 @@ def tune_host_allocator() -> bool:
     Call it once, **before JAX's first operation** (right after ``import jax``, before
     ``jax.devices()`` or any array): XLA:CPU runs each step on worker threads that JAX starts
     with its backend, and a thread keeps the malloc arena it first got, so a later call leaves
-    those threads mapping every block over 64 MB afresh, and warns. Measured on one device, the
-    bf16 update of a 25M model of 2041-wide layers took 61 ms tuned early against 202 ms with
-    glibc's defaults, and 207 ms tuned after the first step (docs/performance.md). It helps every
+    those threads mapping every block over 64 MB afresh, and warns. Tuned early, a large model's
+    update ran several times faster than with glibc's defaults; tuned after the first step, no
+    faster (docs/performance.md). It helps every
     large-model job on XLA:CPU, compressed or not. The price: the process keeps its peak heap,
     up to 2 GiB of freed memory at the top, instead of returning it to the system, and a process
     that allocates large buffers of changing sizes can grow: a ``jaxcomp netbench`` host that
-    trained resnet50 with eight methods in a row reached 6.2 GB and was killed for memory (4
-    hosts on 24 GiB).
+    trained resnet50 with eight methods in a row was killed for memory.
     ``jaxcomp cluster``, ``python -m jaxcomp.distributed.launch``, ``jaxcomp netbench``,
     ``benchmarks/peers.py`` and ``benchmarks/passes.py`` take ``--allocator tuned`` to start
     their processes with :data:`ENVIRONMENT`.

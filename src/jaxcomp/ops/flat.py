@@ -9,18 +9,18 @@ concatenation's speed depends on how many arrays it joins:
   fuses the concatenate with its producers (the error-feedback add, the non-finite select, a
   cast to bfloat16) and with its consumers into one loop fusion. The loop emitter then maps each
   output index to its operand through a tree of branches of depth ``log2(#operands)`` per
-  element, which LLVM cannot vectorize: 25M values took 1.17 s on this project's machine, 45 ns a
-  value, where a copy takes 1-2 ns (docs/performance.md has the profile);
+  element, which LLVM cannot vectorize: each value then costs far more than a copy of it would
+  (docs/performance.md, "The fused-concatenate trap", has the profile);
 * with **more than 8 operands**, the fusion pass refuses ("Concatenate fusion is inefficient"):
   the producers run as their own vectorized loops and the concatenate as a memcpy per operand.
 
-So the step of a 1024-4096-4096-1024-10 MLP (8 leaves) was 10x slower than that of six 2041x2041
-layers (12 leaves) of the same size. :func:`concat` always takes the second path: it splits the
-largest parts until there are more than 8, which costs nothing (each piece is written by its
-producer's own loop) and does not depend on which shapes a model has, and puts the result behind
-an optimization barrier, so that no consumer's slice can be folded back into a smaller
-concatenate (PowerSGD slices each leaf's total back out of the concatenated totals, and XLA
-would otherwise rebuild each leaf from its two halves in a fused 2-operand concatenate).
+So the step of a 1024-4096-4096-1024-10 MLP (8 leaves) was many times slower than that of six
+2041x2041 layers (12 leaves) of the same size. :func:`concat` always takes the second path: it
+splits the largest parts until there are more than 8, which costs nothing (each piece is written by
+its producer's own loop) and does not depend on which shapes a model has, and puts the result behind
+an optimization barrier, so that no consumer's slice can be folded back into a smaller concatenate
+(PowerSGD slices each leaf's total back out of the concatenated totals, and XLA would otherwise
+rebuild each leaf from its two halves in a fused 2-operand concatenate).
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ def energies(x, energy_scale=1.0):
 
     On the CPU a float32 ``x`` is summed by one native pass (``kernels/pack.h``'s
     ``vector_energies``: vector registers, XLA's intra-op threads, 64K-value pieces added in
-    order); XLA's variadic reduce took 28 ms for 25M values there, 4 copies' time. Elsewhere, and
+    order); XLA's variadic reduce takes several copies' time there. Elsewhere, and
     for 16-bit ``x``, :func:`energies_xla` runs.
 
     Args:

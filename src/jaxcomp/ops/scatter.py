@@ -141,14 +141,14 @@ def split_scaled(dense, shapes, scale=1.0, silenced=None, drop=False):
     out of any dense vector.
 
     Sliced by XLA, each leaf's slice is fused into its consumers with its offset as a constant, so
-    no two leaves share a compiled loop: XLA:CPU compiles each on its own (about 10 ms), and a
-    model of 1,000 small leaves spent 20 to 60 s of its first step on them (BENCHMARKS.md, "The
-    first step"). So on the CPU (a float32 total), runs of at least :data:`SPLIT_MIN_RUN` leaves
-    of at most :data:`SPLIT_SMALL_VALUES` values each are written by one native pass
-    (``kernels/scatter.h``, ``split_leaves``), bit for bit :func:`split_scaled_xla`. A large leaf
-    stays an XLA slice: fused into its consumers it costs no pass over memory, where the kernel
-    would write it out (an MLP of 25M values in 12 leaves stepped 10-35% slower so). Elsewhere, and
-    for other dtypes, :func:`split_scaled_xla` runs.
+    no two leaves share a compiled loop: XLA:CPU compiles each on its own, and a model of 1,000
+    small leaves spent most of its first step on them (docs/performance.md, "The first step of a
+    model of 1,000 small leaves"). So on the CPU (a float32 total), runs of at least
+    :data:`SPLIT_MIN_RUN` leaves of at most :data:`SPLIT_SMALL_VALUES` values each are written by
+    one native pass (``kernels/scatter.h``, ``split_leaves``), bit for bit :func:`split_scaled_xla`.
+    A large leaf stays an XLA slice: fused into its consumers it costs no pass over memory, where
+    the kernel would write it out (an MLP of 25M values in 12 leaves stepped slower so). Elsewhere,
+    and for other dtypes, :func:`split_scaled_xla` runs.
 
     Args:
       dense: a 1-D array of at least the shapes' total size.

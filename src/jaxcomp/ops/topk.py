@@ -216,7 +216,7 @@ def merged_indices(runs, pad):
     AR-Topk's SPLIT leader all-gathers every device's top-k indices, each device's ascending
     (:func:`topk`'s order), and sends each index once. On the CPU a native kernel
     (``kernels/merge.h``) merges the ascending rows pairwise instead of sorting them (XLA:CPU's
-    sort of 252K indices took 6 ms, half a pass over a 25M-value gradient); rows that are not
+    sort of the indices costs about as much as a pass over the gradient); rows that are not
     ascending are sorted, so the result is :func:`merged_indices_xla`'s, bit for bit, for any
     input.
 

@@ -208,60 +208,33 @@ def compress_auto(
 ):
     """Aggregates gradients like :func:`jaxcomp.compress`, choosing the cheapest of ``candidates``.
 
-    One branch per candidate (per candidate and ratio with ``ratio_search``) is compiled once; a
-    traced index picks one per step (``lax.switch``); :func:`jaxcomp.data_parallel` compiles a
-    step per branch and runs the choice from the second step after it was made
-    (``host_branches=``). The choice is the least predicted time,
-    :func:`jaxcomp.costmodel.cost.sync_seconds` of each branch's message steps and bytes on the
-    network in the state, plus its measured local work; it is re-made every ``decide_every`` steps
-    and at once when the network moves by :data:`NETWORK_TOLERANCE` (10%) or more. The network comes
-    from ``network=``, :func:`set_network`, or :func:`jaxcomp.data_parallel`, whose ``init``
-    probes the mesh (and ``reprobe`` measures it again); until one is known, the first candidate
-    runs. All branches share one residual, which stays exact across switches: it always holds
-    what the branch that ran did not send. The ``method`` metric indexes
-    :attr:`jaxcomp.CompressState.methods`, the branches.
-
-    With ``ratio_search`` the ratio of every candidate that has one follows paper 000 §3-E (see
-    :class:`RatioSearch`); the controller runs inside the step and only advances on steps that ran
-    such a candidate; while it explores, those candidates compete at the lowest candidate density.
-
-    ``compress("auto", ratio=..., rate=..., bits=..., candidates=[names], adaptive_ratio=...,
-    ratio_range=..., explore_steps=..., network=..., decide_every=...)`` is the string shorthand:
-    by default its candidates are :func:`jaxcomp.methods.candidates` of the given settings (dense,
-    all-gather and AR top-k, hierarchical top-k on two axes, ZFP, THC), and with none of them
-    :data:`jaxcomp.methods.QUALITY_SAFE`: dense, the bfloat16 cast and ZFP rate 8, the methods
-    that keep a plain optimizer's quality (top-k picked on a slow link costs +29% held-out loss
-    with ``optax.adam`` on the quality benchmark: BENCHMARKS.md).
+    Every candidate is compiled into the step once; the one predicted fastest on the network in
+    the state runs, re-chosen every ``decide_every`` steps and when the network moves. All share
+    one residual (docs/training.md, "Automatic choice"; ``compress("auto", ...)`` is shorthand).
 
     Args:
-      candidates: the methods to choose among, in order (the first runs until a network is known):
-        distinct :mod:`jaxcomp.methods` objects whose totals come out replicated.
+      candidates: distinct methods with replicated totals; the first runs until a network is known.
       axis_name: as for :func:`jaxcomp.compress`.
-      ratio_search: a :class:`RatioSearch` to choose the ratio too, or None (each candidate keeps
-        its own).
-      network: a :class:`jaxcomp.costmodel.cost.Network` to start from, e.g.
-        ``jaxcomp.probe_network(mesh, "data")``. Local work then counts as 0 until
-        :func:`set_network` gives it (``overhead=``); ``jaxcomp.data_parallel`` measures both
-        when ``network`` is None.
-      decide_every: steps between decisions (default :data:`DEFAULT_DECIDE_EVERY`, 100); a moved
-        network re-decides at once.
-      error_feedback: as for :func:`jaxcomp.compress`; ``"auto"`` (the default) keeps a
-        residual when any candidate feeds back by default (every method but the casts).
+      ratio_search: a :class:`RatioSearch` to choose the ratio too, or None (each keeps its own).
+      network: a :class:`jaxcomp.costmodel.cost.Network` to start from, or None (probed by
+        :func:`jaxcomp.data_parallel`, or given by :func:`set_network`).
+      decide_every: steps between decisions (default :data:`DEFAULT_DECIDE_EVERY`, 100).
+      error_feedback: as for :func:`jaxcomp.compress`; ``"auto"``: on if any candidate's is.
       granularity: as for :func:`jaxcomp.compress`.
       mean: as for :func:`jaxcomp.compress`.
       seed: as for :func:`jaxcomp.compress`.
       nonfinite: as for :func:`jaxcomp.compress`.
       mask: as for :func:`jaxcomp.compress`.
       min_size: as for :func:`jaxcomp.compress`.
-      guardrail: as for :func:`jaxcomp.compress`: a diverging step falls back to the
-        :class:`jaxcomp.Dense` candidate for the window (without one among the candidates the
-        residual is only cleared).
-      bucket_mb: as for :func:`jaxcomp.compress`; ``"auto"`` (the default) gives buckets only
-        when every candidate is bucketed by default (dense and the casts).
+      guardrail: as for :func:`jaxcomp.compress`; its fallback runs the ``Dense`` candidate, if any.
+      bucket_mb: as for :func:`jaxcomp.compress`; ``"auto"``: buckets if every candidate has them.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`jaxcomp.CompressState`
+      An ``optax.GradientTransformationExtraArgs``; its state is a :class:`jaxcomp.CompressState`
       with an :class:`AutoState`.
+
+    Raises:
+      ValueError: candidates it cannot switch between; TypeError: ones that are not methods.
 
     Example:
       >>> import jaxcomp
@@ -271,8 +244,7 @@ def compress_auto(
       ... )
 
     References:
-      Tyagi & Swany, arXiv 2312.02493, §3-D (choice of collective, Eqn 5a-5c) and §3-E (adaptive
-      compression ratio).
+      Tyagi & Swany, arXiv 2312.02493, §3-D (choice of collective, Eqn 5a-5c), §3-E (the ratio).
     """
     # The candidates' defaults (checked below, once the config gives the axes).
     listed = candidates if isinstance(candidates, (list, tuple)) else ()
@@ -310,7 +282,8 @@ def compress_auto(
         init_auto=functools.partial(init_auto, network, len(branches.methods), ratio_search),
         falls_back=fallback_branch is not None,
         # One device sends nothing: every candidate costs only its local work there, so the
-        # dense one runs, statically, with no error-fed packing (BENCHMARKS.md, "One device").
+        # dense one runs, statically, with no error-fed packing (docs/performance.md, "One
+        # device: no collective").
         alone=dense[0] if dense else None,
     )
 

@@ -283,7 +283,7 @@ def set_measured(opt_state, seconds):
       >>> slow = jaxcomp.costmodel.cost.Network.parse("1ms", "100mbit")
       >>> tx = jaxcomp.compress_auto([jaxcomp.Dense(), jaxcomp.TopK(0.01)], network=slow)
       >>> state = tx.init(jnp.zeros(100))
-      >>> # as after a step: top-k predicted 10x faster to send
+      >>> # as after a step: top-k's predicted time to send a tenth of dense's
       >>> state = state._replace(auto=state.auto._replace(comm=jnp.array([0.1, 0.01])))
       >>> int(set_measured(state, {0: 0.2, 1: 0.3}).auto.choice)  # measured: dense is faster
       0

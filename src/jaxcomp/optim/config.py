@@ -20,7 +20,7 @@ GRANULARITIES = ("model", "leaf")
 #: ``bucket_cap_mb``) for a method whose result buckets do not change but for the order of its
 #: roundings (:attr:`jaxcomp.methods.Method.buckets_by_default`: dense and the casts); one message
 #: for the methods that select or code, where a bucket's own selection changes what is sent and
-#: the measured gain is mixed (BENCHMARKS.md, "Overlap with the backward pass").
+#: the gain in speed is mixed (docs/performance.md, "Overlapping the backward pass").
 DEFAULT_BUCKET_MB = 25.0
 
 

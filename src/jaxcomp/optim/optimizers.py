@@ -1,9 +1,9 @@
 """Optimizers that know they are compressed: :func:`adam` and :func:`adamw`, after 1-bit Adam.
 
 ``optax.chain(jaxcomp.compress(m), optax.adam(lr))`` compresses the *gradient* and hands what
-arrives to an Adam that does not know: Adam's momentum sees each burst that error feedback
-delivers once and decays it, and its variance is estimated on those bursts, so most methods lose
-quality (BENCHMARKS.md, "Training quality"). 1-bit Adam (Tang et al., ICML 2021) moves the
+arrives to an Adam that does not know: Adam's momentum sees each burst that error feedback delivers
+once and decays it, and its variance is estimated on those bursts, so most methods lose quality
+(BENCHMARKS.md, "What each method costs in quality"). 1-bit Adam (Tang et al., ICML 2021) moves the
 compression to where it does no harm:
 
 1. **Warm-up** (the first ``warmup_steps`` steps): plain Adam on the densely averaged gradient;
@@ -53,8 +53,8 @@ from jaxcomp.optim.state import CompressState
 DEFAULT_WARMUP_STEPS = 100
 
 #: The default variance refresh: one dense step in 50 (2% of dense's bytes on top of the method's).
-#: On ``benchmarks/quality.py``'s transformer it took the frozen variance's cost from +2.0% to
-#: +0.3% for dense and sign from +2.1% to +0.7% (BENCHMARKS.md, "Compressed optimizers").
+#: On ``benchmarks/quality.py``'s transformer it took back most of what the frozen variance costs
+#: in held-out loss (docs/training.md, "Optimizers that know they are compressed").
 DEFAULT_REFRESH_EVERY = 50
 
 
@@ -83,67 +83,42 @@ def adam(
 ) -> optax.GradientTransformationExtraArgs:
     """Adam whose momentum crosses the devices compressed, with error feedback (1-bit Adam).
 
-    The first ``warmup_steps`` steps are ``optax.adam`` on the dense mean gradient. Then the
-    variance freezes and each device sends its momentum ``b1 m + (1 - b1) g_i`` through
-    ``method`` with error feedback; the averaged momentum drives an update that is linear in it,
-    so nothing a method drops is lost, only delayed (module docstring). The variance is floored
-    so that no coordinate steps further than plain Adam could (a coordinate quiet while the
-    variance froze would otherwise explode when it wakes). Call ``update`` inside
-    ``jax.shard_map`` with this device's gradients, as :func:`jaxcomp.compress`'s; it is the
-    whole optimizer (do not chain another Adam after it): :func:`jaxcomp.data_parallel` takes it
-    as ``tx``.
+    ``optax.adam`` on the dense mean gradient for ``warmup_steps`` steps; then the variance freezes
+    and each device sends its momentum through ``method``. The whole optimizer, e.g. ``tx`` of
+    :func:`jaxcomp.data_parallel` (docs/training.md, "Optimizers that know they are compressed").
 
     Args:
       learning_rate: a float or an optax schedule of the step count.
-      method: any method :func:`jaxcomp.compress` takes (an object or a shorthand name, with its
-        options in ``compress_options``); default None: :class:`jaxcomp.Sign`, 1-bit Adam's own
-        (signs with a scale per block).
-      b1: the momentum's decay (default 0.9; must be in (0, 1)).
+      method: any method :func:`jaxcomp.compress` takes; default None: :class:`jaxcomp.Sign`.
+      b1: the momentum's decay (default 0.9; in (0, 1)).
       b2: the variance's decay during the warm-up (default 0.999).
       eps: added to ``sqrt(v)`` (default 1e-8).
       weight_decay: decoupled weight decay (AdamW's), times the learning rate (default 0).
       warmup_steps: dense Adam steps before the variance freezes (default 100; at least 1).
-      refresh_every: after the warm-up, every this many steps one step sends the dense
-        gradient instead and refreshes the variance, ``v = b2^K v + (1 - b2^K) g^2`` with ``K =
-        refresh_every`` (the one gradient stands for the ``K`` steps since the last; the momentum
-        takes Adam's step). Costs one dense step in ``K``. Default 50 (2% of dense's bytes, which
-        took the frozen variance's cost from +2.0% to +0.3%); None: frozen for good, as 1-bit
-        Adam.
-      warmup_method: what the steps that see the whole gradient send, the warm-up and the
-        refreshes: None (default) for :class:`jaxcomp.Dense`, or a method that sends every value
-        and keeps Adam's quality, e.g. ``jaxcomp.Zfp(8)``: 4x fewer bytes on those steps, which
-        dominate the bytes of a run (``jaxcomp.Sign(aggregation="ring")`` on 8 devices sends
-        1/31 of dense's on a compressed step; over 500 steps with dense warm-up and refreshes,
-        1/4 of dense's, with ZFP's 1/12). The warm-up's coding errors are fed back into the
-        momentum's first messages; a refresh's are dropped (it starts from no residual).
+      refresh_every: a dense step refreshes the variance every this many (default 50; None: never).
+      warmup_method: what the warm-up and refreshes send: None (dense) or e.g. ``jaxcomp.Zfp(8)``.
       axis_name: the mesh axis (or axes) the devices average over.
-      **compress_options: :func:`jaxcomp.compress`'s other options (``ratio=``, ``mask=``,
-        ``nonfinite=``, ``granularity=``, ...); not ``momentum_correction`` or
-        ``warmup_steps``, which this optimizer owns.
+      **compress_options: :func:`jaxcomp.compress`'s other options (not ``momentum_correction``
+        or ``warmup_steps``, which this optimizer owns).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is a
-      :class:`CompressedAdamState` (with the :class:`CompressState` inside, so
-      :func:`jaxcomp.data_parallel` reports its metrics).
+      An ``optax.GradientTransformationExtraArgs``; its state is a :class:`CompressedAdamState`.
+
+    Raises:
+      ValueError: a hyper-parameter out of range, or an option this optimizer owns.
 
     Example:
-      >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
-      >>> from jax.sharding import Mesh
-      >>> mesh = Mesh(np.array(jax.devices()), ("data",))
+      >>> import jax, jax.numpy as jnp, numpy as np, jaxcomp
+      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
       >>> tx = jaxcomp.adam(0.1, "ar_topk", ratio=0.5, warmup_steps=2)
-      >>> loss = lambda w, batch: jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
-      >>> dp = jaxcomp.data_parallel(loss, tx, mesh)
-      >>> batch = {"x": jnp.ones((8 * jax.device_count(), 3)),
-      ...          "y": jnp.ones(8 * jax.device_count())}
-      >>> state = dp.init(jnp.zeros(3))
-      >>> for _ in range(20):
-      ...     state, metrics = dp.step(state, batch)
+      >>> dp = jaxcomp.data_parallel(lambda w, b: jnp.mean((b @ w - 1) ** 2), tx, mesh)
+      >>> state, batch = dp.init(jnp.zeros(3)), jnp.ones((8 * jax.device_count(), 3))
+      >>> for _ in range(20): state, metrics = dp.step(state, batch)
       >>> float(metrics["loss"]) < 0.1
       True
 
     References:
-      Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
-      Convergence Speed", ICML 2021 (arXiv 2102.02888), Alg. 1; Loshchilov & Hutter,
+      Tang et al., "1-bit Adam", ICML 2021 (arXiv 2102.02888), Alg. 1; Loshchilov & Hutter,
       "Decoupled Weight Decay Regularization", ICLR 2019.
     """
     hyper = _check(method, b1, b2, eps, weight_decay, warmup_steps, compress_options)

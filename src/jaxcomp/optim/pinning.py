@@ -4,8 +4,8 @@ A compress state with more than one branch (a warm-up, the guardrail's dense fal
 :func:`jaxcomp.compress_auto`'s candidates) picks the branch of each step on the device, with
 ``lax.switch`` over a traced index. Every branch must then return dense totals and sents, so a
 sparse method loses its fast path: its residual is no longer updated in place and its sum is no
-longer a :class:`jaxcomp.ops.scatter.SparseTotal`. On one CPU device that costs 1.6-1.8x the
-fixed method's update (mlp4096, BENCHMARKS.md "`auto` with its branch picked on the host").
+longer a :class:`jaxcomp.ops.scatter.SparseTotal`, and its update takes markedly longer than the
+fixed method's (docs/training.md, "Branches picked on the host").
 
 Traced inside :func:`pinned`, the aggregation runs the given branch as a static choice, exactly as
 a ``compress`` of that one method would. The step still computes the branch the device would
@@ -151,8 +151,8 @@ def next_branch(state):
     Returns:
       An int32 scalar, or None where the state cannot say or a step per branch would gain
       nothing: a single branch (nothing to choose), no branch that gains from a static choice
-      (:func:`can_pin`; a switch over methods that send dense vectors costs nothing measurable:
-      237 ms against 242 ms for THC 4 bits on mlp4096), or ``compress_auto`` with a
+      (:func:`can_pin`; a switch over methods that send dense vectors costs nothing
+      measurable), or ``compress_auto`` with a
       :class:`jaxcomp.RatioSearch` (its branch moves with the ratio controller every few steps).
 
     Example:

@@ -190,8 +190,9 @@ def overhead_seconds_each(
         if method.sends_everything:
             seconds.append(0.0)
             continue
-        # The real update, whatever the method: a slow packing or unpacking (issue 22's fused
-        # concatenate, 1.2 s a step on one model) is local work too, and only the update shows it.
+        # The real update, whatever the method: a slow packing or unpacking (the fused
+        # concatenate of docs/performance.md, which cost seconds a step on one model) is local
+        # work too, and only the update shows it.
         local = timer.seconds(method)
         if method.codec_skipped_on_one_device:
             local += codec_seconds(

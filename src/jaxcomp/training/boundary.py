@@ -1,12 +1,11 @@
 """Many small leaves cross a ``shard_map``'s boundary as a few packed arrays.
 
 XLA's partitioner (the ``shardy-xla`` and ``spmd-partitioning`` passes) takes time quadratic in
-the operands of a ``shard_map``: on this project's 2-core machine a ``shard_map`` of 1,000 leaves
-in and out compiled in 4.6 s, of 2,000 in 13.7 s, of 4,000 in 49 s (docs/performance.md, "The
-first step of a model of 1,000 small leaves"). A training step carries every leaf of the params,
-of the optimizer state and of each ``compress`` residual, so a model of 1,000 small leaves under
-Adam and ``compress`` brings 4,000 leaves in and out, and its first step spent half a minute in
-those passes alone.
+the operands of a ``shard_map``: a ``shard_map`` of thousands of leaves in and out compiles for
+tens of seconds (docs/performance.md, "The first step of a model of 1,000 small leaves"). A
+training step carries every leaf of the params, of the optimizer state and of each ``compress``
+residual, so a model of 1,000 small leaves under Adam and ``compress`` brings 4,000 leaves in and
+out, and its first step spent most of its time in those passes alone.
 
 :class:`Packing` concatenates the small leaves that share a ``PartitionSpec`` and a dtype into
 one array before the boundary and slices them back after it: the ``shard_map`` sees a handful of

@@ -3,8 +3,8 @@ compress and dispatches the one the device asked for (:mod:`jaxcomp.optim.pinnin
 
 A compress state with several branches (a warm-up, the guardrail's dense fallback,
 ``compress_auto``'s candidates) would otherwise choose on the device, with ``lax.switch``, and a
-sparse method under a switch loses its in-place residual: 1.6-1.9x its update on mlp4096
-(BENCHMARKS.md, "`auto` with its branch picked on the host"). Here each step reports the branch
+sparse method under a switch loses its in-place residual, and its update takes markedly longer
+(docs/training.md, "Branches picked on the host"). Here each step reports the branch
 its state asks for next (:func:`jaxcomp.optim.pinning.next_branch`); the host reads that report
 ``delay`` calls later, once the step has run, so nothing waits for it, and every process reads
 the same report at the same call, so all of them run the same program. A branch therefore starts
@@ -28,7 +28,7 @@ from jaxcomp.optim.state import compress_states
 #: for the step before last (one step in flight beside the one being dispatched), so the branch
 #: starts one step after the device asked for it. A longer delay would let more steps queue up,
 #: and start the guardrail's dense window later: random-k's forced divergence (tests/
-#: divergence_test.py) grew 5x further with 9 than with 2.
+#: divergence_test.py) grew much further with 9 than with 2.
 REPORT_DELAY = 2
 
 #: Not known yet (None is "never pinned": the device chooses).

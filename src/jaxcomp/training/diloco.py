@@ -375,126 +375,45 @@ def diloco(
     max_steps_in_flight: int | None = DEFAULT_MAX_STEPS_IN_FLIGHT,
     donate: bool = False,
 ) -> DiLoCo:
-    """DiLoCo: workers train alone for ``sync_every`` steps, then exchange compressed
-    pseudo-gradients over the slow axis and take one outer step.
+    """DiLoCo: workers train alone, and every ``sync_every`` steps take one outer step together.
 
-    Worker ``w`` (position ``w`` on ``outer_axis``) holds its own params and ``inner_tx`` state
-    and takes one inner step per :attr:`DiLoCo.step` on its block of the batch. After every
-    ``sync_every``-th inner step, each worker's pseudo-gradient ``delta_w = global - local_w`` goes
-    through ``compress`` (averaged over ``outer_axis``, with error feedback: each worker keeps
-    what it did not send in its residual), ``outer_tx`` applies the average to the global params
-    (``global <- outer_tx(global, mean_w delta_w)``), and every worker restarts from the new
-    global params; the inner optimizer states are kept. The sync is a ``lax.cond`` on the traced
-    step counter inside the one compiled step: a step without a sync runs no collective over
-    ``outer_axis`` at all (with ``worker_metrics=True`` not even the loss's mean), so it sends 0
-    bytes there, and there is one compilation for both kinds of step.
-
-    **Streaming** (``fragments=F``): the leaves of ``params`` (``jax.tree.leaves`` order) are
-    split into F fragments, strided (leaf ``i`` in fragment ``i % F``, Streaming DiLoCo's strided
-    pattern). Fragment ``f`` is exchanged after inner steps ``o_f, o_f + H, o_f + 2H, ...`` with
-    ``o_f = (f + 1) * H // F``: each fragment every H steps, the exchanges spread evenly, so a
-    sync moves about ``1/F`` of the params. Each fragment has its own compress state (residual)
-    and outer optimizer state. **Delay** (``delay=tau``): a fragment's averaged pseudo-gradient,
-    exchanged after step ``c``, is kept in the state and applied after step ``c + tau``; the
-    workers, who kept training meanwhile, then mix: ``local <- mixing * local + (1 - mixing) *
-    global`` (Streaming DiLoCo's merge; ``mixing`` defaults to 0.5). With ``delay=0`` the workers
-    take the global params as they are. What overlaps: the step is one XLA program, so on
-    XLA:CPU the exchange runs inside the step that starts it (its collectives are synchronous;
-    the inner steps of the next ``tau`` calls run after it, not beside it). ``delay`` gives the
-    algorithm Streaming DiLoCo analyses (the result lands ``tau`` steps late) bit for bit; the
-    wall-clock overlap would need the collective to be started in one program and awaited in a
-    later one, which XLA's async collectives do only within a program (on GPU they overlap the
-    exchange with the same step's inner computation). docs/training.md, "DiLoCo", measures it.
-
-    **Two-level mesh** (``inner_axis``): a worker is the row of devices at one position of
-    ``outer_axis``; they split the worker's batch block and average their gradients over
-    ``inner_axis`` every inner step (a dense all-reduce through :mod:`jaxcomp.collectives`, at the
-    head of the inner chain: :func:`jaxcomp.training.inner.inner_mean`); with
-    ``shard="optimizer"`` a reduce-scatter, each device updating its shards, and an all-gather of
-    the params instead (ZeRO stage 1 over the row). The outer exchange is split over the row
-    (``exchange="split"``): device ``i`` of every worker sends the ``i``-th block of each leaf
-    to device ``i`` of the other workers, and the row all-gathers the averaged blocks, so the
-    slow axis carries each value once per worker, not once per device (``bytes_sent`` is per
-    device: the block's bytes).
+    The pseudo-gradients cross ``outer_axis`` through ``compress`` (docs/training.md, section 7).
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``), on one
-        device's shard of the batch.
-      inner_tx: each worker's optimizer, without any ``jaxcomp.compress``; default
-        ``optax.adamw(4e-4, weight_decay=0.1)`` (the paper's inner learning rate and weight decay;
-        add its warm-up and cosine schedule yourself). An ``optax.MultiSteps`` around it
-        accumulates gradients inside the inner steps (``sync_every`` counts calls of ``step``,
-        i.e. micro-steps; make it a multiple of the accumulation).
-      outer_tx: the outer optimizer on the averaged pseudo-gradient; default
-        ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` (the paper's). ``optax.sgd(1.0)`` is
-        plain parameter averaging (FedAvg / local SGD); on short runs it did better here (1500
-        steps of a small char-LM, 4 workers, H = 50: +8% held-out loss against data-parallel,
-        the paper's +20%), and ``optax.sgd(1.0, momentum=0.3, nesterov=True)`` best of 12
-        settings (+6%; docs/training.md, section 7).
-      mesh: a ``jax.sharding.Mesh`` with ``outer_axis`` (and ``inner_axis``), no other axes; a
-        1-device mesh is 1 worker.
-      sync_every: H, inner steps between two exchanges of a fragment (>= 1).
-      compress: how the pseudo-gradients travel: None (dense, exact), a
-        :class:`jaxcomp.Method` (``jaxcomp.TopK(0.1)``), a shorthand name (``"ar_topk"``,
-        ``"quantized"``, ``"auto"`` ...; built as ``jaxcomp.compress(name, axis_name=outer_axis)``,
-        error feedback on), or an already-built ``jaxcomp.compress(..., axis_name=outer_axis)``
-        (needed for options: ``jaxcomp.compress("auto", ratio=0.01, axis_name="workers",
-        network=jaxcomp.Network(...))``; diloco does not probe the network for ``auto``).
+      loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``), on one device's shard.
+      inner_tx: each worker's optimizer, without a ``compress`` (default: the paper's AdamW).
+      outer_tx: the optimizer of the averaged pseudo-gradient (default: the paper's Nesterov).
+      mesh: a ``jax.sharding.Mesh`` with ``outer_axis`` (and ``inner_axis``) and no other axis.
+      sync_every: H, the inner steps between two exchanges of a fragment (default 500).
+      compress: None (dense), a method, its name, or a ``jaxcomp.compress`` over ``outer_axis``.
       outer_axis: the slow mesh axis the workers lie on.
-      inner_axis: the fast mesh axis each worker's inner steps are data-parallel over, or None.
-      fragments: F, fragments of the params synced on a staggered schedule (1 <= F <= H, and at
-        most the number of leaves).
-      delay: tau, inner steps between a fragment's exchange and its application (0 <= tau < H).
-      mixing: alpha of the delayed merge (in [0, 1]); only with ``delay > 0``; default 0.5.
-      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` goes to the metrics like the loss.
-      worker_metrics: report ``loss`` (and ``aux``) per worker, ``[n_workers]``, instead of the
-        mean over all devices; then nothing crosses ``outer_axis`` outside a sync.
-      shard: None, or ``"optimizer"`` (needs ``inner_axis``): ZeRO stage 1 over each worker's
-        row, every device keeps the inner optimizer state of its ``1/n`` shard of each leaf
-        (:mod:`jaxcomp.training.inner`); the worker's params stay whole on every device, as the
-        outer exchange reads them. ``"params"`` is refused.
-      exchange: how a two-level mesh's row sends the pseudo-gradient over ``outer_axis``:
-        ``"split"`` (the default with ``inner_axis``): each device of the row sends only its
-        ``1/n`` block of every leaf (along the leaf's longest axis, so a matrix stays a matrix)
-        through ``compress`` with its own error-feedback residual, and the row all-gathers the
-        averaged blocks: ``n`` times fewer bytes per device over the slow axis (a hierarchical
-        all-reduce). ``"whole"``: every device sends all of it (the row's devices repeat the
-        same exchange). Without ``inner_axis``: None or ``"whole"``.
+      inner_axis: the fast axis each worker's inner steps are data-parallel over, or None.
+      fragments: F, the parts of the params exchanged on a staggered schedule (default 1).
+      delay: tau, inner steps between a fragment's exchange and its application (default 0).
+      mixing: with ``delay``, the local params' weight in the merge (default 0.5).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` goes to the metrics.
+      worker_metrics: report the loss per worker; then nothing but a sync crosses ``outer_axis``.
+      shard: None, or ``"optimizer"`` (with ``inner_axis``): ZeRO-1 over each worker's row.
+      exchange: with ``inner_axis``, ``"split"`` (default: a block per device) or ``"whole"``.
       max_steps_in_flight: as :func:`jaxcomp.data_parallel`'s.
-      donate: as :func:`jaxcomp.data_parallel`'s: ``step`` writes the new state (every worker's
-        params and inner optimizer state, the global params, the outer states and residuals)
-        over its input, which is deleted. Default False: a step that fails on a lost worker
-        leaves its input, the last sync's global params, intact (docs/training.md, section 7).
+      donate: as :func:`jaxcomp.data_parallel`'s (default False).
 
     Returns:
-      A :class:`DiLoCo`: ``init(params) -> DiLoCoState``, ``step(state, batch) -> (state,
-      metrics)`` (jitted), ``shard_batch``, ``params(state)`` (the global params),
-      ``worker_params(state)``, ``state_shapes(params)`` and ``restore(path, params)``. The
-      metrics: ``loss`` (the mean over all devices of this inner step's loss), ``bytes_sent``
-      (the bytes one device sent in this step's outer exchanges, from the compress's own
-      ``bytes_sent``; 0 on a step without one: sum it over steps for the total, divide by the
-      steps for the average), ``synced`` (bool: an exchange ran in this step) and ``aux``.
+      A :class:`DiLoCo` with ``init(params)`` and ``step(state, batch) -> (state, metrics)``.
+
+    Raises:
+      ValueError: an option out of range; TypeError: an argument of the wrong kind.
 
     Example:
-      >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
+      >>> import jax, jax.numpy as jnp, numpy as np, jaxcomp
       >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("workers",))
-      >>> loss = lambda w, batch: jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
-      >>> run = jaxcomp.diloco(loss, optax.sgd(0.1), mesh=mesh, sync_every=2,
-      ...                      compress=jaxcomp.TopK(0.5))
-      >>> state = run.init(jnp.zeros(3))
-      >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.ones(8)}
-      >>> state, metrics = run.step(state, batch)
-      >>> bool(metrics["synced"]), float(metrics["bytes_sent"])
-      (False, 0.0)
-      >>> state, metrics = run.step(state, batch)
-      >>> bool(metrics["synced"]), float(metrics["bytes_sent"]) > 0
-      (True, True)
+      >>> run = jaxcomp.diloco(lambda w, x: jnp.mean((x @ w - 1) ** 2), mesh=mesh, sync_every=2)
+      >>> state, metrics = run.step(run.init(jnp.zeros(3)), jnp.ones((8, 3)))
+      >>> bool(metrics["synced"]), bool(run.step(state, jnp.ones((8, 3)))[1]["synced"])
+      (False, True)
 
     References:
-      Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models"
-      (arXiv 2311.08105), Alg. 1 (inner AdamW, outer Nesterov, pseudo-gradients); Douillard et
-      al., "Streaming DiLoCo with overlapping communication" (arXiv 2501.18512), fragments,
-      delayed application and the mixing merge; Karimireddy et al., ICML 2019 (error feedback).
+      Douillard et al., "DiLoCo" (arXiv 2311.08105); "Streaming DiLoCo" (arXiv 2501.18512).
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")

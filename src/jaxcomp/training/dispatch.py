@@ -4,7 +4,7 @@ Why a bound: XLA:CPU runs the collectives of each step as an in-process rendezvo
 per device with a fixed 40 s termination timeout. A loop that never reads a result queues
 hundreds of steps; the threads of one device then fall so far behind another's that a
 rendezvous times out and XLA aborts the process ("Termination timeout for all reduce
-RendezvousKey ... only 7 of 8 arrived", issue 14; a reproduction without jaxcomp is
+RendezvousKey ... only 7 of 8 arrived"; a reproduction without jaxcomp is
 ``tests/inflight_repro.py``). Waiting for an output that is ``max_in_flight`` steps old costs
 nothing measurable while the queue stays ahead (docs/training.md).
 """

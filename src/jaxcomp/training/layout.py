@@ -278,7 +278,7 @@ class Layout:
         :meth:`_expected_opt_state` traces it there too) and each per-device leaf is its
         broadcast to ``[N, ...]``, the rows :meth:`mapped_initial_state` makes. XLA's partitioner
         takes time quadratic in the operands of a ``shard_map`` (one per leaf), which on a model
-        of 1,000 leaves made this compile take 20 s (docs/performance.md).
+        of 1,000 leaves made this compile take many seconds (docs/performance.md).
         """
         if self.shard is not None:
             return self.mapped_initial_state(params)

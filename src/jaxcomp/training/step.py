@@ -169,7 +169,7 @@ def _gradients_in_order(loss_fn, has_aux, params, batch, axis_name):
     replayed into the step, and the order in which its backward pass finishes the gradient's
     leaves (:func:`jaxcomp.optim.readiness.backward_order`, for ``compress(bucket_mb=)``). Read
     from the jaxpr the step runs: tracing the backward pass a second time for the order took as
-    long as the first (12 s of a model of 1,000 leaves), where replaying the jaxpr takes a
+    long as the first (seconds, on a model of 1,000 leaves), where replaying the jaxpr takes a
     fraction of it."""
 
     def local(params, batch):

@@ -146,7 +146,7 @@ def codec(name):
 OUTERS = {
     "nesterov": "nesterov:0.7:0.9",  # the paper's
     "avg": "sgd:1.0",  # plain parameter averaging (local SGD)
-    # the best of a screening at H = 50 over 1500 steps (BENCHMARKS.md, "DiLoCo in one process")
+    # the best of a screening at H = 50 over 1500 steps (docs/training.md, section 7)
     "nesterov-1-0.3": "nesterov:1.0:0.3",
 }
 OUTER_FORMS = ", ".join(OUTERS) + ", sgd:LR or nesterov:LR:MOMENTUM"

@@ -480,134 +480,43 @@ def data_parallel(
 ) -> DataParallel:
     """A data-parallel training step around a compressing optax chain.
 
-    ``step(state, batch)`` is a ``jax.jit``-compiled function (so ``step.lower(...)`` works): each
-    device computes ``loss_fn(params, its batch shard)`` and its gradient with the params cast to
-    varying (no dense all-reduce sneaks in), ``tx`` aggregates (``jaxcomp.compress`` first in the
-    chain) and updates, and the params stay replicated and bit-identical on every device. Traced
-    step counters keep it at one compilation.
+    Each device takes the gradient of ``loss_fn`` on its shard of the batch, ``tx`` aggregates
+    and updates, and the params stay replicated (docs/training.md, section 2).
 
     Args:
-      loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``), on one
-        device's shard of the batch.
-      tx: an optax transformation whose first element aggregates across ``axis_name``, e.g.
-        ``optax.chain(jaxcomp.compress("ar_topk", ratio=0.01), optax.adam(1e-3))``. A ``tx``
-        with no ``compress`` in it (a plain ``optax.adam(1e-3)``) is averaged densely first, as
-        ``optax.chain(jaxcomp.compress("dense"), tx)``. An ``optax.MultiSteps`` around one
-        becomes :func:`jaxcomp.accumulate` (gradient accumulation that compresses and
-        communicates once per accumulated step, not per micro-step).
-      mesh: a ``jax.sharding.Mesh`` with ``axis_name`` (all devices of all processes under
-        ``jax.distributed``).
-      axis_name: the data axis, or a tuple of mesh axes (e.g. ``("node", "device")`` for
-        ``"hierarchical_topk"``); the batch is split over all of them.
-      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (averaged over devices) goes to the
-        metrics.
-      max_steps_in_flight: how many dispatched steps may still be running when ``step`` returns
-        (default 8): before dispatching step ``t``, ``step`` waits for step ``t - 8`` to finish.
-        JAX dispatches asynchronously, and a loop that never reads a result on 8 virtual CPU
-        devices otherwise queues enough steps for XLA:CPU to abort the process with "Termination
-        timeout for all reduce RendezvousKey" (docs/training.md). The wait costs nothing
-        measurable while the host stays ahead. ``None``: no bound (JAX's own behaviour).
-      shard: ZeRO-style sharding over the data axes (docs/training.md, "Sharded training"):
-        ``None`` (default): params and optimizer state replicated, the gradient all-reduced.
-        ``"optimizer"`` (ZeRO-1/2): ``compress`` ends with a reduce-scatter, so each device
-        receives only its ``1/N`` shard of the aggregated gradient
-        (:func:`jaxcomp.optim.sharding.shard_of`: leaves flattened and split evenly), the rest of
-        ``tx`` updates that shard with optimizer state of ``1/N`` the size, and the updated shards
-        are all-gathered into the replicated params. ``"params"`` (ZeRO-3 / FSDP): the params are
-        stored sharded too (``state.params``: each leaf's shards,
-        ``[N, m]``; :meth:`DataParallel.params` gathers them) and all-gathered for each step's
-        forward pass (the small leaves in one all-gather, each large one alone). The method must
-        have a reduce-scatter form (:attr:`jaxcomp.Method.scatters`: Dense, Cast, Zfp ring,
-        Quantized, TopK allgather/ar); the error-feedback residual stays per device and whole.
-        The rest of ``tx`` sees 1-D shards: elementwise optimizers (sgd, adam, adamw, lion, ...)
-        are exact; a transformation that reduces over a whole leaf or tree (e.g.
-        ``clip_by_global_norm``) would see one shard only.
-      gather_dtype: with ``shard="params"``, the dtype the params travel in when gathered for the
-        forward pass, e.g. ``jnp.bfloat16`` (ZeRO++'s quantized weights: half the bytes; the
-        forward and backward passes see the rounded params, the exact ones stay in the owner's
-        shard, so updates accumulate exactly). ``None``: the params' own dtype.
-      donate: ``step`` donates its input state to XLA, which then writes the new params,
-        optimizer state and residuals over the old ones instead of beside them: the step's peak
-        memory drops by about the state's size (params, moments and error-feedback residuals:
-        2-4x the params; BENCHMARKS.md, "Donating the state"). The state passed to ``step`` is
-        deleted (``jax.Array.is_deleted()``); keep using the one it returns, as in
-        ``state, metrics = dp.step(state, batch)``. Default False: the input stays intact, so
-        that a step that fails (a lost peer, ``nonfinite="raise"``) leaves the last good state
-        to save (docs/training.md, "When a process dies").
-      host_branches: where a compress state with several branches (a warm-up, the guardrail's
-        dense fallback, ``compress_auto``'s candidates) and a sparse one (or ``sign``) among
-        them picks the branch of a step. True (default): on the host, from the branch the state
-        asked for two steps before, with one compiled step per branch
-        (:mod:`jaxcomp.training.branches`): a sparse method keeps its in-place residual,
-        1.6-1.9x faster than under ``lax.switch``, sign reads its sent's energies off its
-        scales (1.10-1.37x), and a branch starts one step after the device asked for it (the
-        warm-up lasts a step longer, the guardrail's dense window starts a step later). False:
-        on the device, in the step that asks, with every branch compiled into one step.
-      auto_trial: with ``host_branches`` and a ``compress_auto`` in ``tx``, how its leading
-        candidates' whole steps are timed once the network is known (:mod:`.trial`): after the
-        first step, the ``Trial().candidates`` (3) branches predicted fastest take turns for
-        ``Trial().steps`` (3) timed steps each, waited for (after an untimed one where a
-        branch's step compiles), and ``compress_auto`` runs the fastest measured from then on, until
-        :meth:`DataParallel.reprobe` measures the network again (which times them again).
-        Predictions alone rest on local-work timings that a shared machine makes noisy
-        (BENCHMARKS.md, "`auto` with its candidates' steps measured"). None: no trial.
-      rollback: every how many steps the host keeps a state to roll back to
-        (:mod:`jaxcomp.training.rollback`). When the guardrail of a ``compress`` in ``tx``
-        has triggered since the last check, ``step`` returns the state kept one check
-        earlier (``rollback`` to ``2 * rollback`` steps back), whose dense fallback then
-        starts there; ``state.step`` says which step it is. Costs the memory of two states
-        and one wait every ``rollback`` steps; refuses ``donate=True``. Default None: off.
-      nonfinite_updates: what becomes of a value that is not finite in the update or the new
-        optimizer state (whatever ``tx`` made of finite gradients), so that none reaches the
-        params or the state. ``"drop"`` (default): that entry keeps its old value (elementwise,
-        fused into the update: free). ``"skip"``: the whole step is skipped (params and
-        optimizer state kept, as optax's ``apply_if_finite``), ``metrics["rejected"]`` is 1
-        and the host logs a warning; its check reads the update and the state once more
-        (docs/training.md, "Non-finite updates").
+      loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``), on one device's shard.
+      tx: an optax transformation; one without a ``jaxcomp.compress`` is averaged densely first.
+      mesh: a ``jax.sharding.Mesh`` with ``axis_name`` (every device of every process).
+      axis_name: the data axis, or a tuple of axes; the batch is split over all of them.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux``, averaged, goes to the metrics.
+      max_steps_in_flight: dispatched steps that may still run when ``step`` returns (default 8).
+      shard: None (default), ``"optimizer"`` (ZeRO-1/2) or ``"params"`` (ZeRO-3 / FSDP).
+      gather_dtype: with ``shard="params"``, the dtype the params are gathered in (default theirs).
+      donate: ``step`` writes its new state over its input, which is deleted (default False).
+      host_branches: pick a switching compress state's branch on the host (default True).
+      auto_trial: how ``compress_auto``'s leading candidates' steps are timed (None: not at all).
+      rollback: every how many steps a state to roll back to is kept (default None: none).
+      nonfinite_updates: ``"drop"`` (default: a non-finite entry keeps its value) or ``"skip"``.
 
     Returns:
-      A :class:`DataParallel` with ``init(params) -> TrainState``, ``step(state, batch) ->
-      (state, metrics)`` (``metrics["loss"]`` is the mean loss; ``"aux"`` when ``has_aux``; the
-      compression ``gain``, ``bytes_sent``, ``density`` and ``nonfinite`` when ``tx`` holds a
-      ``compress``: a step its ``nonfinite="skip"`` skips keeps the params and the whole optimizer
-      state, and with ``nonfinite="raise"`` ``step`` raises ``FloatingPointError``;
-      with ``nonfinite_updates="skip"``, ``"rejected"``; each metric is this process's copy,
-      so a loop can log it on every process) and
-      ``shard_batch(local_rows)`` for multi-process runs; with ``shard=``,
-      ``metrics["gather_bytes"]`` is what one device sends in the step's all-gather of the params
-      (``bytes_sent`` is the gradient's reduce-scatter). ``batch`` is a pytree whose leading axis
-      is the global batch. ``params(state)`` gives the whole params (gathered with
-      ``shard="params"``), ``state_sharding(params)`` and ``state_shapes(params)`` the layout for
-      restoring a checkpoint.
+      A :class:`DataParallel` with ``init(params)`` and ``step(state, batch) -> (state, metrics)``.
+
+    Raises:
+      ValueError: an option out of range; TypeError: an argument of the wrong kind.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
-      >>> from jax.sharding import Mesh
-      >>> mesh = Mesh(np.array(jax.devices()), ("data",))
+      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
       >>> tx = optax.chain(jaxcomp.compress("ar_topk", ratio=0.5), optax.sgd(0.1))
-      >>> loss = lambda w, batch: jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
-      >>> dp = jaxcomp.data_parallel(loss, tx, mesh)
-      >>> state = dp.init(jnp.zeros(3))
-      >>> batch = {"x": jnp.ones((8 * jax.device_count(), 3)),
-      ...          "y": jnp.ones(8 * jax.device_count())}
-      >>> state, metrics = dp.step(state, batch)
+      >>> dp = jaxcomp.data_parallel(lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2), tx, mesh)
+      >>> n = 8 * jax.device_count()
+      >>> state, metrics = dp.step(dp.init(jnp.zeros(3)), {"x": jnp.ones((n, 3)), "y": jnp.ones(n)})
       >>> float(metrics["loss"])
       1.0
 
-      Sharded (each device updates and stores 1/N of the optimizer state):
-
-      >>> dp = jaxcomp.data_parallel(
-      ...     loss, optax.chain(jaxcomp.compress("bf16"), optax.adam(0.1)), mesh, shard="optimizer"
-      ... )
-      >>> state, metrics = dp.step(dp.init(jnp.zeros(3)), batch)
-      >>> state.opt_state[1][0].mu.shape == (jax.device_count(), -(-3 // jax.device_count()))
-      True
-
     References:
-      Tyagi & Swany, "Flexible Communication for Optimal Distributed Learning over Unpredictable
-      Networks" (arXiv 2312.02493), Alg. 1 (per-worker residuals, replicated model); Rajbhandari
-      et al., "ZeRO", SC 2020 (sharded optimizer state, gradients and params); Wang et al.,
-      "ZeRO++", ICLR 2024 (quantized weight gather).
+      Tyagi & Swany, arXiv 2312.02493, Alg. 1 (per-worker residuals, replicated model);
+      Rajbhandari et al., "ZeRO", SC 2020; Wang et al., "ZeRO++", ICLR 2024 (quantized gather).
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")

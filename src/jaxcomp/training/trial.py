@@ -5,8 +5,9 @@ keep the fastest.
 :meth:`jaxcomp.DataParallel.reprobe` measured) and each candidate's local work, timed alone on
 this process (:func:`jaxcomp.optim.timing.overhead_seconds`). Where candidates lie within a few
 percent of each other the choice then rests on those local timings, which a shared machine
-makes noisy: on 4 emulated hosts sharing 2 cores, AR-Topk's local work measured 0.025 s in one
-job and 0.183 s in the next, and ``auto`` ran a method 19% slower than the best (BENCHMARKS.md).
+makes noisy: on 4 emulated hosts sharing 2 cores, AR-Topk's local work measured several times
+longer in one job than in the next, and ``auto`` ran a method slower than the best fixed one
+(docs/training.md, "The trial of ``compress_auto``'s candidates").
 A step also holds what no local timing sees: how XLA compiles that branch's step, the waits of a
 real collective.
 

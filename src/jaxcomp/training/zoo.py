@@ -119,8 +119,8 @@ def build(model: str, *, seq_len: int = 64, image_size: int = 64, abstract: bool
 
     recipe = _RECIPES[model](seq_len=seq_len, image_size=image_size)
     example = recipe.make_batch(np.random.default_rng(0), 1)
-    # Not jitted: compiling the initializers of many_small's thousand leaves takes ~5x longer than
-    # running them one by one.
+    # Not jitted: compiling the initializers of many_small's thousand leaves takes several times
+    # longer than running them one by one.
     init = lambda: recipe.init(jax.random.key(0), example)  # noqa: E731
     variables = jax.eval_shape(init) if abstract else init()
     params = variables["params"]

@@ -125,8 +125,8 @@ def spread(scales, n: int, chunk: int):
     """Each chunk's scale once per value of the chunk: ``[..., ceil(n / chunk)] -> [..., n]``.
 
     A broadcast and a reshape, which XLA fuses into whatever reads them (``jnp.repeat`` with a
-    ``total_repeat_length`` lowers to a scatter, a cumulative sum and a gather: 5x the time of
-    the whole decode on 25M values on the CPU).
+    ``total_repeat_length`` lowers to a scatter, a cumulative sum and a gather: on the CPU,
+    several times the time of the whole decode).
 
     Args:
       scales: ``[..., ceil(n / chunk)]``.

@@ -6,8 +6,9 @@ cleared. As in the CPU kernel, a histogram of the keys' top 16 bits (a scatter-a
 the row) gives K's top 16 bits: its bin is where the count from the top reaches ``k``. A second
 histogram, of the low 15 bits of the keys inside that bin, gives the rest when ``rounds > 16``.
 A row shorter than :data:`SORT_BELOW` sorts its keys instead: the histograms' 2**16 + 2**15 bins a
-row are fixed work, which on 5,000 rows of 7 took 4.5 s a call on XLA:CPU (and 1.3 GB), where the
-sort takes 1 ms; both find the same K (``tests/xla_test.py`` compares them).
+row are fixed work, which on thousands of short rows costs seconds a call on XLA:CPU where the
+sort takes a millisecond (docs/kernels.md); both find the same K (``tests/xla_test.py`` compares
+them).
 Selection keeps every key at or above the upper threshold and the lowest-index keys inside the
 bracket, and compacts them in index order: population counts of the mask packed 32 entries to a
 word, prefix sums over the words only, and a binary search per output slot.
@@ -24,10 +25,9 @@ from jax import lax
 _KEY_BITS = 31
 _COARSE_BITS = 16
 _FINE_BITS = _KEY_BITS - _COARSE_BITS
-#: Rows shorter than this find their k-th key by a sort, longer ones by the two histograms.
-#: XLA:CPU (default optimization), the whole top-k of one row, k = n / 100 (2026-11-28): n = 8,192
-#: sort 0.56 ms, histograms 0.94 ms; 16,384: 1.13 and 0.73 ms (8 rows: 6.28 and 6.93 ms);
-#: 65,536: 3.56 and 1.46 ms.
+#: Rows shorter than this find their k-th key by a sort, longer ones by the two histograms: on
+#: XLA:CPU the sort is faster on one row below about this length, the histograms above it
+#: (docs/kernels.md, ``find_threshold``, has the timings).
 SORT_BELOW = 1 << 14
 
 

@@ -10,12 +10,12 @@ by the psum of the metrics stage (:mod:`.metrics`; one more scalar in it, no new
 A step is *suspect*, once ``burn_in`` steps have been seen, when (a) or (b) holds, and the
 guardrail triggers when ``patience`` steps in a row are suspect (default 2), or at once on (c):
 
-* **(a) the gradient norm blows up:** ``G > factor**2 * mean``, where ``mean`` is a running mean
-  of ``G`` (the average of the burn-in steps, then an exponential moving average with
-  ``decay``). The average follows a sample at most :data:`FOLLOW` times its value, so a
-  divergence that grows by a few percent a step (random-k diverging under SGD momentum grows
-  the gradient norm by about 8% a step) outruns it and is caught, where a plain average would
-  keep pace with it forever; a single sample never moves it more than ``(1 - decay) * 3``.
+* **(a) the gradient norm blows up:** ``G > factor**2 * mean``, where ``mean`` is a running mean of
+  ``G`` (the average of the burn-in steps, then an exponential moving average with ``decay``). The
+  average follows a sample at most :data:`FOLLOW` times its value, so a divergence that grows by a
+  few percent a step (as random-k diverging under SGD momentum does) outruns it and is caught, where
+  a plain average would keep pace with it forever; a single sample never moves it more than
+  ``(1 - decay) * 3``.
 * **(b) the residual grows without bound:** ``F * gain**2 > (2 * factor)**2 * mean``. Error
   feedback with a compressor that keeps a fraction ``gain`` of the energy keeps a residual of at
   most about ``2 / gain`` gradient norms; ``factor`` times that bound is not a healthy residual.
@@ -27,11 +27,11 @@ guardrail triggers when ``patience`` steps in a row are suspect (default 2), or 
 
 **Why two steps in a row.** A divergence that compression causes grows from step to step (the
 residual and the gradient feed each other); one outlier batch does not, and dense training would
-take that step too. On the 2.45M-parameter char-LM of ``benchmarks/quality.py``, healthy runs
-have single steps whose ``G`` is 66 times its running mean (an outlier batch), with the next
-step back at the mean: with ``patience=1`` those triggered 50 dense steps that changed the run
-(BENCHMARKS.md, "The guardrail's patience"). ``patience=1`` is the stricter setting: it drops
-the update of the first suspect step, an outlier batch's included.
+take that step too. Healthy runs of ``benchmarks/quality.py``'s char-LM have single steps whose
+``G`` is many times its running mean (an outlier batch), with the next step back at the mean: with
+``patience=1`` those triggered dense windows that changed the run (docs/training.md, "Guardrails").
+``patience=1`` is the stricter setting: it drops the update of the first suspect step, an outlier
+batch's included.
 
 **Response.** The triggering step sends no update (its gradients are the outlier) and clears the
 residual and DGC's velocity on every device; the next ``window`` steps aggregate with the dense
@@ -50,9 +50,10 @@ triggered branch (which takes every call of the step off jit's fast dispatch pat
 scalar in the metrics psum, a few scalar operations, and the residual's and velocity's clearing
 (a select fused into their update). No host sync: the decision is a traced flag. With a sparse
 method (top-k, random-k) the residual is updated from a dense ``sent`` instead of in place (as
-during a warm-up), because both branches of the switch must return the same types. Measured on
-CPU (docs/training.md, "Guardrails"): dense unchanged, ZFP and THC a few percent, top-k 1.3-2x
-its step; ``guardrail=False`` where that matters more than the safety net.
+during a warm-up), because both branches of the switch must return the same types, which makes
+their step markedly slower on CPU; so by default they only clear the residual. Dense compiles to
+the same step, ZFP and THC pay a few percent (docs/training.md, "Guardrails", measures it);
+``guardrail=False`` where that matters more than the safety net.
 """
 
 from __future__ import annotations
@@ -97,12 +98,12 @@ class Guardrail:
         the residual and pauses the detector (False). Default None: dense, except for the
         sparse methods (:class:`jaxcomp.TopK`, :class:`jaxcomp.RandomK`), whose residual is
         updated in place at the sent indices; a dense branch beside them needs a dense ``sent``
-        instead, which made their CPU step 1.3-2x slower (BENCHMARKS.md, "Guardrail").
+        instead, which made their CPU step markedly slower (docs/training.md, "Guardrails").
       callback: whether the compiled step itself tells the host of a trigger (a
-        ``jax.debug.callback`` in the triggered branch; default False). A host callback
-        anywhere in a jitted function takes every call of it off jit's fast C++ dispatch, onto
-        Python's, which costs ~15 us per array argument on every step (60 ms a step for a model
-        of 1,000 leaves with Adam). Without it :func:`jaxcomp.data_parallel` tells the host
+        ``jax.debug.callback`` in the triggered branch; default False). A host callback anywhere in
+        a jitted function takes every call of it off jit's fast C++ dispatch, onto Python's, which
+        costs time per array argument on every step, a lot for a model of many leaves
+        (docs/training.md, "Guardrails"). Without it :func:`jaxcomp.data_parallel` tells the host
         from the finished steps' states (:func:`tell_trigger`); in a loop of your own, read the
         ``fallbacks`` metric, or pass ``callback=True``.
       patience: suspect steps in a row that trigger (default 2, ``>= 1``): a single outlier
