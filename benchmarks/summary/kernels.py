@@ -58,7 +58,9 @@ def plot(path: str) -> None:
     import matplotlib.pyplot as plt
 
     measured = [r for r in rows(common.load(KERNELS)) if not math.isnan(r["speedup"])]
-    labels = [f"{r['op']} {r['param']}\nvs {r['baseline']} (n = {r['n'] / 1e6:g}M)" for r in measured]
+    labels = [
+        f"{r['op']} {r['param']}\nvs {r['baseline']} (n = {r['n'] / 1e6:g}M)" for r in measured
+    ]
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(measured) + 1))
     ax.barh(range(len(measured)), [r["speedup"] for r in measured], color="tab:blue")
     ax.set_yticks(range(len(measured)), labels, fontsize=7)
