@@ -84,6 +84,14 @@ def test_the_front_pages_stay_short(name, most):
         assert len(f.read().splitlines()) <= most
 
 
-def test_every_file_a_table_reads_is_committed_there():
-    missing = [f for f in report.read_files() if not os.path.isfile(os.path.join(report.ROOT, f))]
+def test_results_hold_what_the_tables_read_and_nothing_else():
+    """A result file no table reads belongs in a dated note's commit, not in the tree."""
+    read = report.read_files()
+    missing = [f for f in read if not os.path.isfile(os.path.join(report.ROOT, f))]
     assert not missing, missing
+    held = {
+        os.path.relpath(os.path.join(folder, name), report.ROOT)
+        for folder, _, names in os.walk(os.path.join(report.ROOT, report.RESULTS))
+        for name in names
+    }
+    assert held == read, sorted(held - read)

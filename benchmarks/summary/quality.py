@@ -13,7 +13,8 @@ from summary import common
 ZOO = common.result("quality_zoo_2026-12-05/zoo.json")
 LONG = common.result("quality_zoo_2026-12-05/long/zoo.json")
 FORCED = common.result("guardrail_forced_2026-12-05/forced.json")
-FILES = (ZOO, LONG, FORCED)
+TUNE = common.result("quality_zoo_2026-12-05/tune.json")
+FILES = (ZOO, LONG, FORCED, TUNE)
 
 STILL_SHORT = (
     "**Still short:** the digits CNN's seeds disagree by more than any pairing does, so it only "
@@ -44,6 +45,8 @@ def section() -> str:
             "8 virtual CPU devices on the development machine (2 cores). Results: "
             f"{common.sources([ZOO, LONG])}.",
             "",
+            tuning(common.load(TUNE)["results"]),
+            "",
             quality_zoo.verdict(zoo),
             "",
             "![the quality zoo: every pairing, task and learning rate](docs/img/quality_zoo.png)",
@@ -55,6 +58,28 @@ def section() -> str:
             STILL_SHORT,
         ]
     )
+
+
+def tuning(results) -> str:
+    """Dense Adam's held-out loss per task at each constant rate it was tried at; the tuned
+    rate (the best, bold) is the zoo's 1x."""
+    rates = sorted({r["learning_rate"] for r in results})
+    lines = [
+        f"Dense Adam's tuned rate per task (`--tune`, {common.stamp(TUNE)}): held-out loss "
+        "after 1500 steps at a constant rate, the best in bold.",
+        "",
+        "| task | " + " | ".join(f"{lr:g}" for lr in rates) + " |",
+        "|---|" + "---:|" * len(rates),
+    ]
+    for task in sorted({r["task"] for r in results}):
+        loss = {r["learning_rate"]: r["heldout_loss"] for r in results if r["task"] == task}
+        best = min(loss, key=loss.get)
+        cells = [
+            "-" if lr not in loss else f"**{loss[lr]:.4f}**" if lr == best else f"{loss[lr]:.4f}"
+            for lr in rates
+        ]
+        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def long_runs(results) -> str:
