@@ -86,7 +86,11 @@ def test_dense_is_bit_identical_with_buckets(n_devices):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("n_devices", [1, 2, 3, 8])
+@pytest.mark.parametrize(
+    "n_devices",
+    [pytest.param(n, marks=pytest.mark.slow) for n in (1, 2)]
+    + [3, pytest.param(8, marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("method, eps", [("fp16", 2.0**-11), ("bf16", 2.0**-8)])
 def test_casts_in_buckets_agree_to_their_rounding(n_devices, method, eps):
     """The casts round each value alone, but on the CPU they sum by a ring whose chunks (so each

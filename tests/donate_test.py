@@ -81,7 +81,7 @@ def _run(method, n, donate, shard=None, steps=3, compress=None):
 # method on 1 (no collective), 2 and 8 too. Donation aliases the state's buffers whatever the
 # mesh; tests/train_test.py trains every method on 1, 2, 3 and 8 devices.
 DONATED_CASES = [(m, 3) for m in METHODS] + [
-    (m, n) for n in (1, 2, 8) for m in ("ar_topk", "powersgd")
+    pytest.param(m, n, marks=pytest.mark.slow) for n in (1, 2, 8) for m in ("ar_topk", "powersgd")
 ]
 
 

@@ -239,7 +239,7 @@ TRAINED = [
 ]
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "params"])
+@pytest.mark.parametrize("shard", ["optimizer", pytest.param("params", marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "method, tol", TRAINED, ids=["dense", "bf16", "allgather_topk", "ar_topk", "zfp", "thc"]
 )

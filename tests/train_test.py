@@ -278,7 +278,11 @@ EVERY_METHOD = [
 ]
 
 
-@pytest.mark.parametrize("n_devices", [1, 2, 3, 8])
+# 1 device (a user's first try) and 3 (a ring that does not split) run always; 2 and 8 with -m slow.
+@pytest.mark.parametrize(
+    "n_devices",
+    [1, pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(8, marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("method, options", EVERY_METHOD, ids=[m for m, _ in EVERY_METHOD])
 def test_every_method_trains_on_1_2_3_and_8_devices(method, options, n_devices):
     """A 1-device mesh is the first thing users try: ZFP and THC used to fail there ("tx returns

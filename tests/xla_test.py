@@ -57,7 +57,9 @@ def both(op, *args, **kwargs):
     return op(*args, **kwargs, implementation="native"), op(*args, **kwargs, implementation="xla")
 
 
-@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize(
+    "n", [n if n < 8193 else pytest.param(n, marks=pytest.mark.slow) for n in LENGTHS]
+)
 def test_topk_family_identical(n):
     x = rows(n, n)
     middle = max(1, n // 3)
@@ -125,7 +127,9 @@ def test_short_rows_sort_where_long_rows_use_histograms_and_find_the_same_bracke
             assert_same(by_sort, by_histogram)
 
 
-@pytest.mark.parametrize("rate", RATES)
+@pytest.mark.parametrize(
+    "rate", [r if r in (1, 8, 16, 32) else pytest.param(r, marks=pytest.mark.slow) for r in RATES]
+)
 def test_zfp_words_and_values_identical(rate):
     # Two lengths per rate, cycling, so every length meets two or three rates (compiles are the
     # cost).
