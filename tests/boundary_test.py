@@ -121,14 +121,19 @@ def _train(monkeypatch, min_leaves, n_devices, method, options, shard=None, step
     "method, options, n_devices",
     [
         ("dense", {}, 1),
-        ("dense", {}, 3),
-        ("ar_topk", {"ratio": 0.1}, 1),
-        ("ar_topk", {"ratio": 0.1}, 2),
         ("ar_topk", {"ratio": 0.1}, 8),
         ("zfp", {"rate": 8}, 3),
-        ("powersgd", {"rank": 1}, 2),
-        ("sign_ring", {}, 3),
-        ("quantized", {"bits": 4}, 8),
+    ]
+    + [
+        pytest.param(*case, marks=pytest.mark.slow)
+        for case in (
+            ("dense", {}, 3),
+            ("ar_topk", {"ratio": 0.1}, 1),
+            ("ar_topk", {"ratio": 0.1}, 2),
+            ("powersgd", {"rank": 1}, 2),
+            ("sign_ring", {}, 3),
+            ("quantized", {"bits": 4}, 8),
+        )
     ],
 )
 def test_a_packed_step_is_the_unpacked_step(monkeypatch, method, options, n_devices):

@@ -18,7 +18,9 @@ def sylvester(n):
 
 
 @pytest.mark.parametrize(
-    "shape", [(1,), (2,), (8,), (3, 16), (2, 5, 64), (1024,), (4, 2**14), (2**15,)]
+    "shape",
+    [(1,), (2,), (8,), (3, 16), (2, 5, 64), (1024,)]
+    + [pytest.param(s, marks=pytest.mark.slow) for s in ((4, 2**14), (2**15,))],
 )
 def test_native_equals_xla_path_bit_for_bit_and_the_matrix(shape):
     x = jax.random.normal(jax.random.key(shape[-1]), shape)

@@ -185,7 +185,13 @@ def test_trains_through_data_parallel_unchanged(name):
     assert not large, "\n".join(large)
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if n in ("mlp", "gru", "nnx-mlp") else pytest.param(n, marks=pytest.mark.slow)
+        for n in MODELS
+    ],
+)
 def test_trains_through_diloco_unchanged(name):
     """Eight workers, a sync every 4 inner steps: the global params' loss falls. BatchNorm
     keeps each worker's statistics its own (no axis), as DiLoCo's workers train alone."""

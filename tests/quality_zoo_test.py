@@ -16,6 +16,7 @@ zoo = load_benchmark("quality_zoo")
 tasks = load_benchmark("quality_tasks")
 
 
+@pytest.mark.slow  # builds and evaluates every benchmark task
 @pytest.mark.parametrize("name", sorted(tasks.TASKS))
 def test_each_task_has_a_finite_loss_a_gradient_and_fixed_batches(name):
     task = tasks.TASKS[name]()
