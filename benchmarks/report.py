@@ -32,12 +32,15 @@ import math
 import os
 import re
 import statistics
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.join(ROOT, "benchmarks") not in sys.path:  # the summary package, the scripts
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import quality_zoo  # noqa: E402
+from summary import common, speed  # noqa: E402
+
 RESULTS = os.path.join("benchmarks", "results")
 
 #: The quality zoo's results (every pairing, task, learning rate and schedule).
@@ -45,25 +48,10 @@ ZOO_FILE = os.path.join(RESULTS, "quality_zoo_2026-12-05", "zoo.json")
 #: The zoo's tasks whose dense runs agree across seeds within 3% (the others move more).
 QUIET_TASKS = ("transformer", "mlp-charlm", "prose-conv")
 
-#: Step times on 4 emulated hosts, newest first: the first file with a (model, rate, method)
-#: gives it. The 2026-12-02 jobs replace the earlier ones of their cells (among them the
-#: disturbed mlp4096 rows of peers_1gbit.json, which the mlp4096 job of that day re-ran).
-SPEED_FILES = (
-    "netbench_codecs_2026-12-02/codecs_1gbit.json",
-    "peers_2026-12-02/peers_mlp4096_1gbit.json",
-    "peers_2026-12-02/peers_mlp4096_100mbit.json",
-    "peers_2026-12-02/peers_1gbit.json",
-    "allocator_threads_2026-12-01/peers_mlp4096_tuned.json",
-    "casts_noef_2026-11-29/netbench.json",
-    "netbench_auto_mlp2041_resnet50_100mbit_2026-11-29.json",
-    "netbench_auto_pinned_mlp4096_4hosts_2026-11-28.json",
-    "peers_resnet50_mlp2041_100mbit_2026-11-27.json",
-    "peers_resnet50_tuned_2026-11-27.json",
-    "netbench_gpt2_4hosts_donate_sgd_2026-11-27.json",
-)
-#: The model zoo's models the speed columns summarize (many_small's plain pmean sends one
-#: message a leaf, 1,030 of them, so its ratios say little about a method).
-SPEED_MODELS = ("mlp4096", "mlp2041", "resnet50", "gpt2")
+#: Step times on 4 emulated hosts, newest first (the speed section's files): the first file with
+#: a (model, rate, method) gives it. The model zoo's models the speed columns summarize.
+SPEED_FILES = tuple(os.path.relpath(f, RESULTS) for f in speed.FILES)
+SPEED_MODELS = speed.MODELS
 RATES = ("1gbit", "100mbit")
 
 #: Time to data-parallel's final loss on 4 emulated hosts: file -> {row name: table row}.
@@ -196,18 +184,6 @@ def _seconds_to(curve, target):
     return next((p["seconds"] for p in curve[1:] if p["loss"] <= target), None)
 
 
-def _git_date(path):
-    """``"<short commit> <date>"`` of the last commit that touched ``path``."""
-    out = subprocess.run(
-        ["git", "log", "-1", "--format=%h %ad", "--date=short", "--", path],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout.strip()
-    return out or "uncommitted"
-
-
 def _summary(cell):
     """``"median / worst"`` of a speed cell over its models (with how many were measured)."""
     if not cell:
@@ -250,6 +226,8 @@ def decision_rows(zoo, speed, to_loss):
 def decision_table():
     """The README's decision table with the sources of its numbers."""
     zoo, speed, to_loss = zoo_cells(), speed_cells(), to_loss_cells()
+    spread = quality_zoo.noise(common.load(ZOO_FILE)["results"], 1500)
+    noisy = ", ".join(f"{v:.0%} on {t}" for t, v in sorted(spread.items()) if v > 0.03)
     header = [
         "| pairing | bytes vs dense | held-out loss vs dense | step vs `pmean`, 1 Gbit "
         "(median / worst model) | 100 Mbit | sooner to dense's loss, 1 Gbit | 100 Mbit "
@@ -257,14 +235,14 @@ def decision_table():
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     used = sorted({f for cell in speed.values() for _, f in cell.values()})
-    dates = sorted(_git_date(os.path.join(RESULTS, f)).split()[-1] for f in used)
+    dates = sorted(common.stamp(os.path.join(RESULTS, f)).split()[-1] for f in used)
     notes = [
         "",
         "- **bytes, loss**: the quality zoo (`benchmarks/quality_zoo.py`; "
-        f"`{ZOO_FILE}`, {_git_date(ZOO_FILE)}): 8 CPU devices, dense Adam's tuned rate, constant, "
-        "1500 steps. Loss: the worst of the three tasks whose dense runs agree across seeds "
-        "within 3% (two char-LMs, prose), and in brackets the worst of all five (the digits "
-        "CNN's seeds differ by 58%, the regression's by 11%). Bytes: the median over the tasks, "
+        f"`{ZOO_FILE}`, {common.stamp(ZOO_FILE)}): 8 CPU devices, dense Adam's tuned rate, "
+        "constant, 1500 steps. Loss: the worst of the three tasks whose dense runs agree across "
+        "seeds within 3% (two char-LMs, prose), and in brackets the worst of all five (two "
+        f"dense seeds differ by {noisy} after 1500 steps). Bytes: the median over the tasks, "
         "warm-up and refresh steps included.",
         "- **step**: 4 emulated hosts (network namespaces, `tbf` at the rate, sharing 2 cores) on "
         f"the development machine; the median / the worst over {', '.join(SPEED_MODELS)} where "
@@ -277,7 +255,7 @@ def decision_table():
         "- **sooner**: the time to data-parallel dense's final held-out loss, over dense's "
         "(`benchmarks/time_to_quality.py`, 4 emulated hosts; "
         + ", ".join(
-            f"`{f}` {_git_date(os.path.join(RESULTS, f))}"
+            f"`{f}` {common.stamp(os.path.join(RESULTS, f))}"
             + (f" ({TO_LOSS_NOTES[f]})" if f in TO_LOSS_NOTES else "")
             for f in TO_LOSS_FILES
         )

@@ -3,12 +3,11 @@ the committed result files, every row and rate where it belongs."""
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 import sys
 
-from helpers import BENCHMARKS_DIR
+from helpers import BENCHMARKS_DIR, load_benchmark
 
 # The sections import their shared helpers as ``summary.common``, as benchmarks/report.py does.
 if BENCHMARKS_DIR not in sys.path:
@@ -80,21 +79,14 @@ def test_cells_are_one_jobs_ratios_and_older_jobs_are_marked(speed_text):
     assert re.search(r"\| `bf16` \|.*" + re.escape(marked), speed_text)
 
 
-def test_the_readme_methods_read_the_cells_report_reads():
-    """FILES keeps report.py's SPEED_FILES in order, so the files it adds give no cell that
-    report.py's files have (report.py is read, not imported: it imports the sections)."""
-    with open(os.path.join(BENCHMARKS_DIR, "report.py")) as f:
-        tree = ast.parse(f.read())
-    names = next(
-        ast.literal_eval(node.value)
-        for node in tree.body
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "SPEED_FILES"
-    )
-    theirs = speed.cells(tuple(common.result(n) for n in names))
-    ours = speed.cells()
-    for key, cell in theirs.items():
-        for model, value in cell.items():
-            assert ours[key][model] == value, (key, model)
+def test_the_readme_reads_the_cells_this_section_reads():
+    """README's decision table summarizes this section's cells, from the same files."""
+    report = load_benchmark("report")
+    cells = report.speed_cells()
+    for row in report.ROWS:
+        for rate in report.RATES:
+            for model, (value, _) in cells.get((rate, row.method), {}).items():
+                assert speed.cells()[(rate, row.method)][model][0] == value, (rate, row.method)
 
 
 def test_the_gpu_section_reads_the_logs():
