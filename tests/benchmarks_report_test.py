@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -95,3 +96,16 @@ def test_results_hold_what_the_tables_read_and_nothing_else():
         for name in names
     }
     assert held == read, sorted(held - read)
+
+
+@pytest.mark.parametrize("name", ["kernels", "passes", "speed", "quality", "to_loss", "gpu"])
+def test_each_section_says_what_where_from_and_what_is_short(name):
+    """A heading, the command, the files it read (each committed), at most one screenful or
+    two, and one line on what is still short of its target."""
+    module = importlib.import_module(f"summary.{name}")
+    lines = module.section().splitlines()
+    assert lines[0].startswith("## ")
+    assert sum(line.startswith("**Still short:**") for line in lines) == 1
+    assert any("Command:" in line for line in lines)
+    assert module.FILES and all(os.path.isfile(os.path.join(report.ROOT, f)) for f in module.FILES)
+    assert len(lines) <= 80, len(lines)
