@@ -17,9 +17,9 @@ recommended, so that their cost shows):
   rate, 1500 steps);
 * the step against a plain ``pmean`` on 4 emulated hosts at 1 Gbit and 100 Mbit
   (``benchmarks/peers.py`` and ``jaxcomp netbench``), the median and the worst over the model
-  zoo's models measured: each (model, rate, method) is read from the newest file of
-  :data:`SPEED_FILES` that has it, as that job's ``speedup`` (its own ``pmean``'s step over the
-  method's: a ratio within one job);
+  zoo's models measured: the speed section's cells (``summary.speed.cells``: each (model, rate,
+  method) from the newest file that has it, as that job's own ``pmean``'s step over the
+  method's, a ratio within one job);
 * the time to dense's final held-out loss against data-parallel dense, where a run measured it
   (``benchmarks/time_to_quality.py``).
 """
@@ -27,7 +27,6 @@ recommended, so that their cost shows):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -39,7 +38,7 @@ if os.path.join(ROOT, "benchmarks") not in sys.path:  # the summary package, the
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import quality_zoo  # noqa: E402
-from summary import common, speed  # noqa: E402
+from summary import common, speed, to_loss  # noqa: E402
 
 RESULTS = os.path.join("benchmarks", "results")
 
@@ -48,10 +47,8 @@ ZOO_FILE = os.path.join(RESULTS, "quality_zoo_2026-12-05", "zoo.json")
 #: The zoo's tasks whose dense runs agree across seeds within 3% (the others move more).
 QUIET_TASKS = ("transformer", "mlp-charlm", "prose-conv")
 
-#: Step times on 4 emulated hosts, newest first (the speed section's files): the first file with
-#: a (model, rate, method) gives it. The model zoo's models the speed columns summarize.
-SPEED_FILES = tuple(os.path.relpath(f, RESULTS) for f in speed.FILES)
-SPEED_MODELS = speed.MODELS
+#: Step times on 4 emulated hosts: the speed section's cells (``summary.speed.cells``: per
+#: model, rate and method the newest file's), summarized over its models.
 RATES = ("1gbit", "100mbit")
 
 #: Time to data-parallel's final loss on 4 emulated hosts: file -> {row name: table row}.
@@ -100,17 +97,12 @@ ROWS = (
 )  # fmt: skip
 
 
-def _load(path):
-    with open(os.path.join(ROOT, path)) as f:
-        return json.load(f)
-
-
 def zoo_cells(path=ZOO_FILE):
     """``{pairing: {"loss": {task: ratio}, "bytes": ratio}}`` at dense's tuned rate, constant,
     1500 steps; each ratio over dense's run of the same task (bytes: the median over tasks)."""
     runs = [
         r
-        for r in _load(path)["results"]
+        for r in common.load(path)["results"]
         if r["lr_scale"] == 1.0 and r["schedule"] == "constant" and r["steps"] == 1500
     ]
     dense = {r["task"]: r for r in runs if r["pairing"] == "dense"}
@@ -132,44 +124,27 @@ def _over(value, base):
     return value / base if finite else math.nan
 
 
-def _rows_of(data):
-    """A speed file's jaxcomp rows: peers.py's ``{"rows": [...]}`` or netbench's bare list."""
-    rows = data["rows"] if isinstance(data, dict) else data
-    return [r for r in rows if r.get("framework", "jaxcomp") == "jaxcomp" and r.get("hosts") == 4]
-
-
-def speed_cells(files=SPEED_FILES, root=RESULTS):
-    """``{(rate, method): {model: (speedup, file)}}``: the first of ``files`` with each cell."""
-    cells = {}
-    for name in files:
-        for row in _rows_of(_load(os.path.join(root, name))):
-            if row.get("model") not in SPEED_MODELS or row.get("speedup") is None:
-                continue
-            cell = cells.setdefault((row["rate"], row["method"]), {})
-            cell.setdefault(row["model"], (row["speedup"], name))
-    return cells
+def speed_cells():
+    """``{(rate, method): {model: (ratio, file, against)}}``: the speed section's cells."""
+    return speed.cells()
 
 
 def to_loss_cells(files=TO_LOSS_FILES, root=RESULTS):
     """``{(rate, table row): ratio}``: data-parallel dense's seconds to its own final held-out
-    loss over the row's (None where the row never reached it)."""
+    loss over the row's (None where the row never reached it), as the time-to-loss section
+    reads them (``summary.to_loss.rows``)."""
     cells = {}
     for name, rows in files.items():
-        for rate, curves in _load(os.path.join(root, name))["panels"]:
-            dp = next(c for c in curves if c["name"] == "dp")
-            target = dp["curve"][-1]["loss"]
-            for curve in curves:
-                if curve["name"] in rows:
-                    reached = _seconds_to(curve["curve"], target)
-                    ratio = None if reached is None else _seconds_to(dp["curve"], target) / reached
-                    cells[(rate, rows[curve["name"]])] = ratio
+        for rate, row, sooner, _, _ in to_loss.rows(common.load(os.path.join(root, name))):
+            if row in rows:
+                cells[(rate, rows[row])] = sooner
     return cells
 
 
 def diloco_cell(name=DILOCO_FILE, root=RESULTS):
     """DiLoCo's zoo-like cell from its own run: ``{"loss": {task: final loss over dp's},
     "bytes": bytes a step over dp's}``."""
-    _, curves = _load(os.path.join(root, name))["panels"][0]
+    _, curves = common.load(os.path.join(root, name))["panels"][0]
     dp = next(c["curve"] for c in curves if c["name"] == "dp")
     row = next(c["curve"] for c in curves if c["name"] == "diloco-h50-avg-int8")
     per_step = [c[-1]["bytes"] / c[-1]["step"] for c in (row, dp)]
@@ -179,16 +154,11 @@ def diloco_cell(name=DILOCO_FILE, root=RESULTS):
     }
 
 
-def _seconds_to(curve, target):
-    """The seconds of the first evaluation after the start at or below ``target`` (to_loss's)."""
-    return next((p["seconds"] for p in curve[1:] if p["loss"] <= target), None)
-
-
 def _summary(cell):
     """``"median / worst"`` of a speed cell over its models (with how many were measured)."""
     if not cell:
         return "-"
-    values = [v for v, _ in cell.values()]
+    values = [v for v, *_ in cell.values()]
     worst = min(values)
     text = f"{statistics.median(values):.2f}x / {worst:.2f}x"
     return text if len(values) > 1 else f"{values[0]:.2f}x (1 model)"
@@ -202,22 +172,20 @@ def _loss(cell):
     return f"{max(quiet):.3f} ({max(every):.2f})"
 
 
-def decision_rows(zoo, speed, to_loss):
+def decision_rows(zoo, steps, sooner):
     """The decision table's Markdown rows (without the header)."""
     lines = []
     for row in ROWS:
         cell = zoo.get(row.pairing) if row.pairing else diloco_cell()
         loss = _loss(cell) if cell else "-"
         sent = f"{cell['bytes']:.3f}" if cell else "-"
-        steps = [_summary(speed.get((rate, row.method))) for rate in RATES]
+        step = [_summary(steps.get((rate, row.method))) for rate in RATES]
         key = row.pairing or "diloco"
-        sooner = [to_loss.get((rate, key), "-") for rate in RATES]
-        sooner = [
-            "never" if v is None else v if isinstance(v, str) else f"{v:.1f}x" for v in sooner
-        ]
+        soon = [sooner.get((rate, key), "-") for rate in RATES]
+        soon = ["never" if v is None else v if isinstance(v, str) else f"{v:.1f}x" for v in soon]
         name = row.label if row.recommended else f"({row.label})"
         lines.append(
-            f"| {name} | {sent} | {loss} | {steps[0]} | {steps[1]} | {sooner[0]} | {sooner[1]} "
+            f"| {name} | {sent} | {loss} | {step[0]} | {step[1]} | {soon[0]} | {soon[1]} "
             f"| {row.use_when} |"
         )
     return lines
@@ -225,7 +193,7 @@ def decision_rows(zoo, speed, to_loss):
 
 def decision_table():
     """The README's decision table with the sources of its numbers."""
-    zoo, speed, to_loss = zoo_cells(), speed_cells(), to_loss_cells()
+    zoo, steps, sooner = zoo_cells(), speed_cells(), to_loss_cells()
     spread = quality_zoo.noise(common.load(ZOO_FILE)["results"], 1500)
     noisy = ", ".join(f"{v:.0%} on {t}" for t, v in sorted(spread.items()) if v > 0.03)
     header = [
@@ -234,8 +202,10 @@ def decision_table():
         "| use it when |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    used = sorted({f for cell in speed.values() for _, f in cell.values()})
-    dates = sorted(common.stamp(os.path.join(RESULTS, f)).split()[-1] for f in used)
+    used = {
+        f for r in ROWS for rate in RATES for _, f, _ in steps.get((rate, r.method), {}).values()
+    }
+    dates = sorted(common.stamp(f).split()[-1] for f in used)
     notes = [
         "",
         "- **bytes, loss**: the quality zoo (`benchmarks/quality_zoo.py`; "
@@ -245,11 +215,11 @@ def decision_table():
         f"dense seeds differ by {noisy} after 1500 steps). Bytes: the median over the tasks, "
         "warm-up and refresh steps included.",
         "- **step**: 4 emulated hosts (network namespaces, `tbf` at the rate, sharing 2 cores) on "
-        f"the development machine; the median / the worst over {', '.join(SPEED_MODELS)} where "
+        f"the development machine; the median / the worst over {', '.join(speed.MODELS)} where "
         f"measured, each the same job's `pmean` step over the method's, from {len(used)} result "
         f"files of `benchmarks/peers.py` and `jaxcomp netbench` dated {dates[0]} to {dates[-1]} "
-        "(`benchmarks/report.py` lists them). The `jaxcomp.adam` rows show the method's step "
-        "through the chain: no cluster run has timed `jaxcomp.adam` itself.",
+        "(BENCHMARKS.md's speed section lists them). The `jaxcomp.adam` rows show the method's "
+        "step through the chain: no cluster run has timed `jaxcomp.adam` itself.",
         "- **DiLoCo**: 4 workers, 8-bit pseudo-gradients every 50 steps, its own 4500-step run "
         f"of a small char-LM (`{DILOCO_FILE}`): bytes and final loss against data-parallel's.",
         "- **sooner**: the time to data-parallel dense's final held-out loss, over dense's "
@@ -261,7 +231,7 @@ def decision_table():
         )
         + "); `-`: not measured.",
     ]
-    return "\n".join(header + decision_rows(zoo, speed, to_loss) + notes)
+    return "\n".join(header + decision_rows(zoo, steps, sooner) + notes)
 
 
 def _sections():
@@ -287,7 +257,7 @@ def read_files() -> set:
     ``benchmarks/results/`` keeps."""
     from summary import gpu, kernels, passes, quality, speed, to_loss
 
-    used = {ZOO_FILE} | {os.path.join(RESULTS, f) for f in SPEED_FILES}
+    used = {ZOO_FILE}
     used |= {os.path.join(RESULTS, f) for f in (*TO_LOSS_FILES, DILOCO_FILE)}
     for module in (gpu, kernels, passes, quality, speed, to_loss):
         used |= set(module.FILES)

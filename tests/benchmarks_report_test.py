@@ -35,15 +35,19 @@ def test_readme_is_what_report_writes():
 
 
 def test_the_newest_file_with_a_cell_gives_it(tmp_path):
+    """The speed section's cells, which README's table summarizes: per model, the first file's."""
     rows = lambda *cells: [  # noqa: E731
         dict(model=m, rate="1gbit", method=k, hosts=4, speedup=v) for m, k, v in cells
     ]
-    (tmp_path / "new.json").write_text(json.dumps({"rows": rows(("mlp4096", "sign", 2.0))}))
-    old = rows(("mlp4096", "sign", 9.0), ("resnet50", "sign", 1.5), ("many_small", "sign", 80.0))
-    (tmp_path / "old.json").write_text(json.dumps(old))  # netbench's bare list
-    cells = report.speed_cells(("new.json", "old.json"), root=str(tmp_path))
-    assert cells == {
-        ("1gbit", "sign"): {"mlp4096": (2.0, "new.json"), "resnet50": (1.5, "old.json")}
+    new, old = str(tmp_path / "new.json"), str(tmp_path / "old.json")
+    with open(new, "w") as f:
+        json.dump({"rows": rows(("mlp4096", "sign", 2.0))}, f)
+    with open(old, "w") as f:  # netbench's bare list
+        json.dump(rows(("mlp4096", "sign", 9.0), ("resnet50", "sign", 1.5)), f)
+    cells = report.speed.cells((new, old))
+    assert {m: v for m, (v, *_) in cells[("1gbit", "sign")].items()} == {
+        "mlp4096": 2.0,
+        "resnet50": 1.5,
     }
     assert report._summary(cells[("1gbit", "sign")]) == "1.75x / 1.50x"
 
@@ -53,7 +57,7 @@ def test_time_to_loss_is_dense_seconds_over_the_rows(tmp_path):
     sooner; one that never does is None (the table prints "never")."""
 
     def curve(*points):
-        return [dict(step=i, seconds=s, loss=x) for i, (s, x) in enumerate(points)]
+        return [dict(step=i, seconds=s, loss=x, bytes=s + 1.0) for i, (s, x) in enumerate(points)]
 
     curves = [
         dict(name="dp", curve=curve((0, 3.0), (50, 2.5), (100, 2.0))),

@@ -3,6 +3,7 @@ which commit and date a result file comes from."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ def result(name: str) -> str:
     return os.path.join(RESULTS, name)
 
 
+@functools.cache  # one git call a file, however many tables name it
 def stamp(path: str) -> str:
     """``"<short commit> <date>"`` of the last commit that touched ``path`` (relative to the
     root), or ``"uncommitted"``."""

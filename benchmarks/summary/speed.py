@@ -9,7 +9,6 @@ over torch's (torch's own ``speedup``, against DDP, where the job has no ``pmean
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import string
@@ -59,14 +58,9 @@ LEFT_OUT = (
 )
 
 
-@functools.cache
-def _stamp(path: str) -> str:
-    return common.stamp(path)
-
-
 def _date(path: str) -> str:
     """The date of the commit that last touched ``path`` (``"uncommitted"`` sorts after any)."""
-    return _stamp(path).split()[-1]
+    return common.stamp(path).split()[-1]
 
 
 def _row_name(row) -> str | None:
