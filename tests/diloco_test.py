@@ -363,7 +363,9 @@ def test_split_exchange_sends_each_device_its_block(method):
     residual = lambda s: jaxcomp.find_compress_state(s.compress_state[0]).residual  # noqa: E731
     assert residual(run.init(_params()))[2].shape == (workers * inner, 2, 2)  # "w": 2-row blocks
     for before, state, batch in _syncs(run, _batches(4)):
-        old, new = residual(before), residual(state)
+        # On the host: indexing the sharded residuals eagerly would run XLA:CPU collectives over
+        # the 8 virtual devices, which can abort while another 8-device test process runs.
+        old, new = ([np.asarray(r) for r in residual(s)] for s in (before, state))
         for k, name in enumerate(sorted(_params())):
             moved = np.asarray(before.global_params[name]) - np.asarray(state.global_params[name])
             deltas = _sgd_pseudo_gradients(before, batch, name, workers, lr)
