@@ -16,6 +16,7 @@ from jaxcomp.ops import flat
 from jaxcomp.optim import packing, sharding
 from jaxcomp.optim.config import FeedbackConfig
 from jaxcomp.optim.stages import aggregation, error_feedback, guard, mask, metrics, momentum, warmup
+from jaxcomp.optim.state import NONFINITE_POLICIES
 
 N_DEVICES = 8
 SHAPES = [(1,), (3,), (4, 5), (257,)]  # 1, odd, 2-D, larger than a block and not a multiple of 8
@@ -120,7 +121,7 @@ def test_guard_skip_flag_and_hold():
     assert guard.hold(None, old, new) is new
     np.testing.assert_array_equal(guard.hold(jnp.bool_(True), old, new)["a"], [0, 1, 2])
     np.testing.assert_array_equal(guard.hold(jnp.bool_(False), old, new)["a"], [10, 11, 12])
-    assert guard.NONFINITE_POLICIES[0] == "zero"
+    assert NONFINITE_POLICIES[0] == "zero"
 
 
 # --- warm-up ------------------------------------------------------------------------------------

@@ -314,7 +314,7 @@ def test_a_step_of_many_leaves_says_its_compile_can_take_minutes(monkeypatch, ca
     cores): the trace says so once, above ``MANY_LEAVES`` and not below."""
     import logging
 
-    from jaxcomp.training import trainer
+    from jaxcomp.training import _telling as telling
 
     need_devices(2)
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
@@ -330,7 +330,7 @@ def test_a_step_of_many_leaves_says_its_compile_can_take_minutes(monkeypatch, ca
     with caplog.at_level(logging.WARNING, logger="jaxcomp"):
         dp.step.trace(state, batch)
         assert "compiling a step" not in caplog.text  # well below the default
-        monkeypatch.setattr(trainer, "MANY_LEAVES", n_leaves)
+        monkeypatch.setattr(telling, "MANY_LEAVES", n_leaves)
         jax.clear_caches()
         dp.step.trace(state, batch)
     assert f"compiling a step whose state has {n_leaves} leaves" in caplog.text

@@ -40,7 +40,9 @@ with :mod:`jaxcomp.methods`:
   :func:`sign_ring` (the ring whose messages are signs) with :func:`sign_reduce_scatter`;
 * :mod:`~jaxcomp.collectives.sizes`: the message sizes the collectives and the byte model share;
 * :mod:`~jaxcomp.collectives.small`: what is not a gradient: metrics, flags and the gather of
-  sharded params.
+  sharded params;
+* :mod:`~jaxcomp.collectives.baseline`: XLA's own all-reduce, as a program without jaxcomp runs
+  it (what the benchmarks compare against).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ _EXPORTS = {
 
 __getattr__, __dir__, _names = attach(
     __name__,
-    submodules=("dense", "topk", "zfp", "ring", "quantized", "sign", "sizes", "small"),
+    submodules=("dense", "topk", "zfp", "ring", "quantized", "sign", "sizes", "small", "baseline"),
     exports=_EXPORTS,
 )
 __all__ = ["BFLOAT16_ALGORITHMS", "LEADERS", "SELECTORS", "ZFP_ALGORITHMS", *_names]

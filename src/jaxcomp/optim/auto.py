@@ -208,24 +208,17 @@ def compress_auto(
 ):
     """Aggregates gradients like :func:`jaxcomp.compress`, choosing the cheapest of ``candidates``.
 
-    Every candidate is compiled into the step once; the one predicted fastest on the network in
-    the state runs, re-chosen every ``decide_every`` steps and when the network moves. All share
-    one residual (docs/training.md, "Automatic choice"; ``compress("auto", ...)`` is shorthand).
+    Each candidate is compiled in once; the one predicted fastest on the state's network runs,
+    re-chosen every ``decide_every`` steps and when the network moves (docs/training.md).
 
     Args:
       candidates: distinct methods with replicated totals; the first runs until a network is known.
       axis_name: as for :func:`jaxcomp.compress`.
       ratio_search: a :class:`RatioSearch` to choose the ratio too, or None (each keeps its own).
-      network: a :class:`jaxcomp.costmodel.cost.Network` to start from, or None (probed by
-        :func:`jaxcomp.data_parallel`, or given by :func:`set_network`).
+      network: a :class:`jaxcomp.costmodel.cost.Network`, or None (``data_parallel`` probes it).
       decide_every: steps between decisions (default :data:`DEFAULT_DECIDE_EVERY`, 100).
       error_feedback: as for :func:`jaxcomp.compress`; ``"auto"``: on if any candidate's is.
-      granularity: as for :func:`jaxcomp.compress`.
-      mean: as for :func:`jaxcomp.compress`.
-      seed: as for :func:`jaxcomp.compress`.
-      nonfinite: as for :func:`jaxcomp.compress`.
-      mask: as for :func:`jaxcomp.compress`.
-      min_size: as for :func:`jaxcomp.compress`.
+      granularity, mean, seed, nonfinite, mask, min_size: as for :func:`jaxcomp.compress`.
       guardrail: as for :func:`jaxcomp.compress`; its fallback runs the ``Dense`` candidate, if any.
       bucket_mb: as for :func:`jaxcomp.compress`; ``"auto"``: buckets if every candidate has them.
 
@@ -239,9 +232,7 @@ def compress_auto(
     Example:
       >>> import jaxcomp
       >>> slow = jaxcomp.costmodel.cost.Network.parse("1ms", "100mbit")
-      >>> tx = jaxcomp.compress_auto(
-      ...     [jaxcomp.Dense(), jaxcomp.TopK(0.01, collective="ar"), jaxcomp.Zfp(8)], network=slow
-      ... )
+      >>> tx = jaxcomp.compress_auto([jaxcomp.Dense(), jaxcomp.Zfp(8)], network=slow)
 
     References:
       Tyagi & Swany, arXiv 2312.02493, §3-D (choice of collective, Eqn 5a-5c), §3-E (the ratio).
@@ -264,16 +255,11 @@ def compress_auto(
     candidates = _check_candidates(candidates, config.axes)
     ratios = _check_ratio_search(ratio_search, candidates)
     decide_every = _checks.static_int(decide_every, "decide_every", 1)
-    if network is not None and not isinstance(network, cost.Network):
-        raise TypeError(
-            "network must be a jaxcomp.costmodel.cost.Network (e.g. jaxcomp.probe_network(mesh, "
-            f"axis)) or None, got {type(network).__name__}"
-        )
+    _check_network(network)
     branches = _Branches.of(candidates, ratios)
     keeps_residual = config.error_feedback and not all(m.sends_everything for m in branches.methods)
-    # The guardrail's fallback: the dense candidate's branch, if there is one.
-    dense = [i for i, m in enumerate(branches.methods) if isinstance(m, methods.Dense)]
-    fallback_branch = dense[0] if dense and config.guardrail is not None else None
+    dense = _dense_branch(branches)
+    fallback_branch = dense if config.guardrail is not None else None  # the guardrail's fallback
     return feedback_transformation(
         config,
         branches.methods,
@@ -281,11 +267,25 @@ def compress_auto(
         _aggregation(config, branches, ratio_search, decide_every, fallback_branch),
         init_auto=functools.partial(init_auto, network, len(branches.methods), ratio_search),
         falls_back=fallback_branch is not None,
-        # One device sends nothing: every candidate costs only its local work there, so the
-        # dense one runs, statically, with no error-fed packing (docs/performance.md, "One
-        # device: no collective").
-        alone=dense[0] if dense else None,
+        alone=dense,
     )
+
+
+def _check_network(network) -> None:
+    if network is not None and not isinstance(network, cost.Network):
+        raise TypeError(
+            "network must be a jaxcomp.costmodel.cost.Network (e.g. jaxcomp.probe_network(mesh, "
+            f"axis)) or None, got {type(network).__name__}"
+        )
+
+
+def _dense_branch(branches: _Branches) -> int | None:
+    """The dense candidate's branch, or None: the guardrail's fallback, and what runs alone on
+    one device, which sends nothing, so every candidate costs only its local work there and the
+    dense one runs statically, with no error-fed packing (docs/performance.md, "One device: no
+    collective")."""
+    dense = [i for i, m in enumerate(branches.methods) if isinstance(m, methods.Dense)]
+    return dense[0] if dense else None
 
 
 def _check_ratio_search(ratio_search, candidates) -> tuple[float, ...]:
@@ -366,154 +366,3 @@ def _check_candidates(candidates, axes) -> tuple[Method, ...]:
                 "branches must agree on replicated totals; leave it out (for Zfp: algorithm='ring')"
             )
     return candidates
-
-
-# The option names of compress("auto", ...) that set candidates' settings, and the auto-only ones.
-_SETTING_OPTIONS = ("ratio", "rate", "bits", "rank", "leader", "selector", "algorithm", "hadamard")
-
-
-def compress_auto_shorthand(
-    *,
-    candidates=None,
-    ratio=None,
-    k=None,
-    rate=None,
-    bits=None,
-    adaptive_ratio=None,
-    ratio_range=None,
-    explore_steps=None,
-    network=None,
-    decide_every=None,
-    axis_name="data",
-    **options,
-):
-    """``compress("auto", ...)``: :func:`compress_auto` from method names and settings.
-
-    Args:
-      candidates: method names from :data:`jaxcomp.methods.SHORTHAND`, or None for
-        :func:`jaxcomp.methods.candidates` of the settings (:data:`jaxcomp.methods.QUALITY_SAFE`
-        without ``ratio``, ``rate``, ``bits``, ``rank`` or ``adaptive_ratio``).
-      ratio: density of the top-k candidates (not with ``adaptive_ratio``).
-      k: refused: the cost model sizes top-k by ratio.
-      rate: ZFP bits per value.
-      bits: THC bits.
-      adaptive_ratio: search the ratio (:class:`RatioSearch` over ``ratio_range`` with
-        ``explore_steps``).
-      ratio_range: with ``adaptive_ratio``: ``(low, high)``.
-      explore_steps: with ``adaptive_ratio``: steps per candidate ratio.
-      network: as for :func:`compress_auto`.
-      decide_every: as for :func:`compress_auto`.
-      axis_name: as for :func:`compress_auto`.
-      **options: ``rank=`` (adds PowerSGD), ``leader=``, ``selector=``, ``algorithm=``,
-        ``hadamard=`` for the candidates that take them, and :func:`compress_auto`'s own keywords.
-
-    Returns:
-      What :func:`compress_auto` returns.
-
-    Example:
-      >>> import jaxcomp
-      >>> state = jaxcomp.compress("auto", ratio=0.01).init({})
-      >>> [m.describe() for m in state.methods]
-      ['dense', 'allgather_topk(0.01)', 'ar_topk(0.01)']
-      >>> [m.describe() for m in jaxcomp.compress("auto").init({}).methods]
-      ['dense', 'bf16', 'zfp(8)']
-
-    References:
-      Tyagi & Swany, arXiv 2312.02493, §3-D and §3-E.
-    """
-    if k is not None:
-        raise ValueError(
-            "method 'auto' sizes top-k by ratio= (its cost model is per ratio); pass ratio= "
-            "instead of k="
-        )
-    search, ratio = _ratio_search_of(ratio, adaptive_ratio, ratio_range, explore_steps)
-    axes = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
-    settings = {
-        "ratio": ratio,
-        "rate": rate,
-        "bits": bits,
-        **{name: options.pop(name) for name in _SETTING_OPTIONS if name in options},
-    }
-    settings = {name: value for name, value in settings.items() if value is not None}
-    if settings.get("algorithm") not in (None, "ring"):
-        raise ValueError(
-            "method 'auto' runs zfp with algorithm='ring': the recursive-doubling total is typed "
-            "varying and the branches must agree; remove algorithm="
-        )
-    if candidates is None and not {"ratio", "rate", "bits", "rank"} & set(settings):
-        # Nothing asked for: the candidates that keep a plain optimizer's quality.
-        built = list(methods.QUALITY_SAFE)
-        names = [m.label for m in built]
-    else:
-        names = _candidate_names(candidates, settings, two_axes=len(axes) == 2)
-        built = [methods.parse(name, strict=False, **settings) for name in names]
-    _check_settings_used(settings, names, built)
-    return compress_auto(
-        built,
-        axis_name=axis_name,
-        ratio_search=search,
-        network=network,
-        decide_every=DEFAULT_DECIDE_EVERY if decide_every is None else decide_every,
-        **options,
-    )
-
-
-def _ratio_search_of(ratio, adaptive_ratio, ratio_range, explore_steps):
-    """``(RatioSearch or None, ratio)`` of the shorthand's ratio options, checked."""
-    if adaptive_ratio is None:
-        adaptive_ratio = False
-    if not isinstance(adaptive_ratio, (bool, np.bool_)):
-        raise TypeError(f"adaptive_ratio must be True or False, got {adaptive_ratio!r}")
-    if not adaptive_ratio:
-        for name, value in (("ratio_range", ratio_range), ("explore_steps", explore_steps)):
-            if value is not None:
-                raise ValueError(
-                    f"{name}= applies with adaptive_ratio=True only; remove it or set "
-                    "adaptive_ratio=True"
-                )
-        return None, ratio
-    if ratio is not None:
-        raise ValueError("adaptive_ratio=True chooses the ratio from ratio_range=; remove ratio=")
-    search = RatioSearch(
-        ratio_choice.DEFAULT_RATIO_RANGE if ratio_range is None else ratio_range,
-        DEFAULT_EXPLORE_STEPS if explore_steps is None else explore_steps,
-    )
-    return search, search.ratios[0]
-
-
-def _candidate_names(candidates, settings: dict, two_axes: bool) -> list[str]:
-    """The shorthand's candidate names: given, or :func:`jaxcomp.methods.candidates` of the
-    settings."""
-    if candidates is None:
-        picked = methods.candidates(
-            ratio=settings.get("ratio"),
-            rate=settings.get("rate"),
-            bits=settings.get("bits"),
-            rank=settings.get("rank"),
-            hierarchical=two_axes,
-        )
-        return [m.label for m in picked]
-    if isinstance(candidates, str) or not all(isinstance(m, str) for m in candidates):
-        raise TypeError(f"candidates must be a sequence of method names, got {candidates!r}")
-    names = list(candidates)
-    if not names or len(set(names)) != len(names) or not set(names) <= set(methods.SHORTHAND):
-        raise ValueError(
-            f"candidates must be distinct method names from {tuple(methods.SHORTHAND)}, "
-            f"got {tuple(names)!r}"
-        )
-    return names
-
-
-def _check_settings_used(settings: dict, names, built) -> None:
-    """Refuses a setting that none of the candidates takes."""
-    for option in settings:
-        takes = [
-            name
-            for name, m in zip(names, built)
-            if option in {f.name for f in dataclasses.fields(m)}
-        ]
-        if not takes:
-            raise ValueError(
-                f"{option}= goes with none of the candidates {tuple(names)!r}; remove it or add a "
-                "candidate that takes it"
-            )

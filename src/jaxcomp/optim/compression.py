@@ -22,7 +22,7 @@ import optax
 from jaxcomp import methods
 from jaxcomp.methods import Method
 from jaxcomp.optim import pinning
-from jaxcomp.optim.auto import compress_auto_shorthand
+from jaxcomp.optim.auto_shorthand import compress_auto_shorthand
 from jaxcomp.optim.config import FeedbackConfig, default_buckets, default_feedback
 from jaxcomp.optim.feedback import feedback_transformation
 from jaxcomp.optim.stages import divergence
@@ -90,24 +90,34 @@ def compress(
     References:
       Tyagi & Swany, arXiv 2312.02493: AR-Topk, error feedback (Alg. 1), fused compression (§3-C3).
     """
+    options = {name: value for name, value in locals().items() if name not in _NOT_OPTIONS}
     if method == "auto":  # the shorthand of the automatic choice
-        return _compress_auto(
-            warmup_steps=warmup_steps,
-            warmup_method=warmup_method,
-            momentum_correction=momentum_correction,
-            axis_name=axis_name,
-            error_feedback=error_feedback,
-            granularity=granularity,
-            mean=mean,
-            seed=seed,
-            nonfinite=nonfinite,
-            mask=mask,
-            min_size=min_size,
-            guardrail=guardrail,
-            bucket_mb=bucket_mb,
-            **shorthand,
-        )
-    method = _parse_method(method, shorthand)
+        return _compress_auto(**options, **shorthand)
+    return _compress_one(_parse_method(method, shorthand), **options)
+
+
+#: ``compress``'s arguments that are not options passed on as they are.
+_NOT_OPTIONS = ("method", "shorthand")
+
+
+def _compress_one(
+    method: Method,
+    *,
+    axis_name,
+    error_feedback,
+    granularity,
+    mean,
+    seed,
+    nonfinite,
+    warmup_steps,
+    warmup_method,
+    mask,
+    min_size,
+    momentum_correction,
+    guardrail,
+    bucket_mb,
+):
+    """:func:`compress` of one method (not ``"auto"``): its checks, branches and aggregation."""
     config = FeedbackConfig.check(
         axis_name,
         default_feedback(error_feedback, [m for m in (method, warmup_method) if m is not None]),

@@ -10,7 +10,7 @@ import numpy as np
 from jaxcomp.ops import _checks
 from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.stages import mask as mask_stage
-from jaxcomp.optim.stages.guard import NONFINITE_POLICIES
+from jaxcomp.optim.state import NONFINITE_POLICIES
 
 #: How gradients are grouped before compression: the whole model as one vector, or leaf by leaf.
 GRANULARITIES = ("model", "leaf")

@@ -24,9 +24,7 @@ stage.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,45 +32,24 @@ import optax
 
 from jaxcomp.methods import Method
 from jaxcomp.ops import flat, pieces, scatter
-from jaxcomp.optim import _update_checks, packing, pinning, readiness, sharding, vma
+from jaxcomp.optim import _update_checks, packing, sharding
+from jaxcomp.optim._dense_route import runs_alone, sum_dense, update_alone
+from jaxcomp.optim._flow import (
+    Aggregated,
+    Gradients,
+    as_sent,
+    filled,
+    narrowest,
+    next_state,
+    prepare,
+)
 from jaxcomp.optim.config import FeedbackConfig
 from jaxcomp.optim.stages import divergence, error_feedback, guard, mask, metrics, momentum
 from jaxcomp.optim.stages.aggregation import (
     Aggregation,
-    Groups,
-    as_one_group,
     init_method_state,
 )
-from jaxcomp.optim.stages.guard import NonfinitePolicy
-from jaxcomp.optim.state import Branches, CompressState, init_metrics
-
-
-class _Gradients(NamedTuple):
-    """What every stage of one update reads: the gradients and how they are laid out."""
-
-    leaves: list  # the gradients' leaves
-    layout: mask.Layout
-    groups: Groups  # the groups, their vectors not yet filled in
-    rows: list  # per group: values per device row when sharded, else None
-    shards: int | None  # sharded training: the devices sharing the shards, else None
-    comm_dtype: Any  # the dtype the collectives carry
-    scale: float  # 1 / devices for the mean, else 1
-
-
-class _Aggregated(NamedTuple):
-    """What the stages before the write-back produced."""
-
-    out: list  # the update's leaves, the plain ones written
-    result: Aggregation
-    auto_after: Callable | None  # gain -> new auto state, or None
-    feds: list  # per group: this device's error-fed vector (None on the dense route)
-    remainings: list  # per group: g_e - sent, the next residual (None when everything is sent)
-    momenta: dict  # leaf -> its new velocity (momentum correction)
-    gain: Any  # f32[]
-    nonfinite: Any  # f32[]: summed over the devices
-    plain_bytes: Any  # bytes of the plain leaves' sum
-    plain_kept: int  # values of the plain leaves
-    energies: Any = None  # metrics.Energies summed over the devices (with a guardrail)
+from jaxcomp.optim.state import Branches, CompressState, NonfinitePolicy, init_metrics
 
 
 def feedback_transformation(
@@ -85,25 +62,20 @@ def feedback_transformation(
     warmup: int = 0,
     alone: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-    """The error-feedback transformation around an aggregation step (what :func:`compress` and
-    :func:`jaxcomp.compress_auto` build on); its update runs the stages of this module's
-    docstring.
+    """The error-feedback transformation around an aggregation step: the stages of this
+    module's docstring (:func:`compress` and :func:`jaxcomp.compress_auto` build on it).
 
     Args:
       config: the shared arguments.
       branches: the methods the state records (:attr:`CompressState.methods`).
       keeps_residual: whether the state keeps a residual (error feedback that can lose anything).
-      aggregate: ``(groups, state) -> (Aggregation, auto_after)`` run inside the update, where
-        ``auto_after(gain)`` returns the new auto state (or is None).
+      aggregate: ``(groups, state) -> (Aggregation, auto_after)``; ``auto_after(gain)`` returns
+        the new auto state (or is None).
       init_auto: ``() -> auto state`` for the state's ``auto`` field, or None.
-      falls_back: with ``config.guardrail``, whether ``aggregate`` runs dense while the state's
-        :attr:`~jaxcomp.CompressState.divergence` says so (else the guardrail only clears the
-        residual); for the host's message.
+      falls_back: with a guardrail, whether ``aggregate`` runs dense while it falls back.
       warmup: the dense steps before the method runs (:func:`jaxcomp.optim.pinning.next_branch`).
-      alone: a branch that sends everything, run on a mesh of one device instead of choosing
-        (``compress_auto``'s dense candidate; without momentum correction, not sharded): nothing
-        is sent there, so it takes the dense route, with no packing of error-fed vectors, and
-        the residual stays as it is. None: every mesh chooses.
+      alone: a branch that sends everything, run by the dense route on a mesh of one device
+        (:func:`jaxcomp.optim._dense_route.update_alone`); None: every mesh chooses.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`CompressState`.
@@ -128,40 +100,33 @@ def feedback_transformation(
     def init_fn(params):
         return _init_state(c, record, params, keeps_residual, init_auto, policy)
 
-    def guards(lay: mask.Layout) -> bool:  # the guardrail runs: something is compressed
-        return c.guardrail is not None and not sends_everything and bool(lay.groups)
-
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         leaves, treedef = jax.tree.flatten(updates)
         residuals, velocities = _state_leaves(c, treedef, state)
         lay = mask.layout(c, updates, sends_everything)
-        if lay.floats and guards(lay) != (state.divergence is not None):
-            raise ValueError(
-                f"state was made by a compress(guardrail={not guards(lay)}), not by this "
-                f"compress(guardrail={guards(lay)})'s init"
-            )
-        _check_state_is_ours(c, state, uses_auto, record, policy)
+        guarding = c.guardrail is not None and not sends_everything and bool(lay.groups)
+        _check_state_is_ours(c, state, uses_auto, record, policy, guarding if lay.floats else None)
         if not lay.floats:
             return updates, state
         mask.check_same_choice(lay, residuals if keeps_residual else velocities)
-        grads = _prepare(c, branches, leaves, lay)
-        if _runs_alone(c, grads, alone, state):
-            return _update_alone(c, grads, aggregate, state, alone, treedef)
+        grads = prepare(c, branches, leaves, lay)
+        if runs_alone(c, grads, alone, state):
+            return update_alone(c, grads, aggregate, state, alone, treedef)
         if sends_everything and not uses_auto:
-            done = _sum_dense(c, grads, aggregate, state)
+            done = sum_dense(c, grads, aggregate, state)
         else:
             done = _sum_error_fed(
-                c, grads, aggregate, state, residuals, velocities, keeps_residual, guards(lay)
+                c, grads, aggregate, state, residuals, velocities, keeps_residual, guarding
             )
         skipped = guard.skip_flag(c.nonfinite, done.nonfinite)
-        trigger = _trigger(c, done, skipped, state, branches, falls_back) if guards(lay) else None
+        trigger = _trigger(c, done, skipped, state, branches, falls_back) if guarding else None
         new_residuals, new_velocities = _write_back(
             c, grads, done, skipped, residuals, velocities, keeps_residual, trigger
         )
-        new_state = _next_state(c, grads, done, skipped, state, uses_auto, trigger)._replace(
-            residual=treedef.unflatten(new_residuals),
-            velocity=treedef.unflatten(new_velocities) if velocities is not None else None,
+        new_velocities = None if velocities is None else treedef.unflatten(new_velocities)
+        new_state = next_state(c, grads, done, skipped, state, uses_auto, trigger)._replace(
+            residual=treedef.unflatten(new_residuals), velocity=new_velocities
         )
         return treedef.unflatten(done.out), new_state
 
@@ -223,8 +188,14 @@ def _branches(c: FeedbackConfig, branches, falls_back: bool, warmup: int) -> Bra
     return Branches(tuple(branches), on and c.guardrail.callback, on and falls_back, warmup)
 
 
-def _check_state_is_ours(c: FeedbackConfig, state, uses_auto, branches: Branches, policy):
-    """Refuses a state made by another transformation's init."""
+def _check_state_is_ours(c: FeedbackConfig, state, uses_auto, branches: Branches, policy, guarding):
+    """Refuses a state made by another transformation's init (``guarding``: whether this update
+    runs the guardrail, None when it has no float leaf)."""
+    if guarding is not None and guarding != (state.divergence is not None):
+        raise ValueError(
+            f"state was made by a compress(guardrail={not guarding}), not by this "
+            f"compress(guardrail={guarding})'s init"
+        )
     if uses_auto != (state.auto is not None) or state.branches != branches:
         ours = [m.describe() for m in branches.methods]
         raise ValueError(
@@ -238,145 +209,16 @@ def _check_state_is_ours(c: FeedbackConfig, state, uses_auto, branches: Branches
         )
 
 
-def _prepare(c: FeedbackConfig, branches, leaves, lay: mask.Layout) -> _Gradients:
-    """The :class:`_Gradients` of these gradients, after checking where the update runs."""
-    axis_sizes = [_update_checks.bound_axis_size(a) for a in c.axes]
-    n_devices = math.prod(axis_sizes)
-    shards = _update_checks.shards(c, branches, n_devices)  # sharded training: N, else None
-    floats = [leaves[i] for i in lay.floats]
-    _update_checks.check_local_gradients(c, floats)
-    comm_dtype = _comm_dtype(floats)
-    groups = Groups(
-        vectors=[],
-        names=[name for _, name in lay.groups],
-        sizes=[],
-        n_devices=n_devices,
-        inner_size=axis_sizes[-1] if len(axis_sizes) == 2 else None,
-        dtype_bytes=jnp.dtype(comm_dtype).itemsize,
-        shapes=[tuple(leaves[i].shape for i in positions) for positions, _ in lay.groups],
-        scatter=shards is not None,
-        values=[sum(leaves[i].size for i in positions) for positions, _ in lay.groups],
-        buckets=None
-        if lay.buckets is None
-        else readiness.bucket_ranks(
-            lay.buckets, [p for p, _ in lay.groups], _ready_order(len(leaves))
-        ),
-    )
-    rows = [
-        packing.row(branches, [leaves[i] for i in positions], shards) for positions, _ in lay.groups
-    ]
-    scale = 1.0 / n_devices if c.mean else 1.0
-    return _Gradients(leaves, lay, groups, rows, shards, comm_dtype, scale)
-
-
-def _ready_order(n_leaves: int) -> tuple | None:
-    """:func:`jaxcomp.optim.readiness.ready_order`, if it orders these updates' ``n_leaves``
-    leaves (an order read from another tree, e.g. before a wrapper reshaped it, is not used)."""
-    order = readiness.ready_order()
-    return order if order is not None and len(order) == n_leaves else None
-
-
-def _filled(groups: Groups, vectors) -> Groups:
-    return groups._replace(vectors=vectors, sizes=[v.shape[0] for v in vectors])
-
-
-def _sum_dense(c: FeedbackConfig, grads: _Gradients, aggregate, state) -> _Aggregated:
-    """The route of a method that loses nothing: nothing is kept, so the gradients are summed as
-    they are (each large leaf alone, the small ones as one vector: :func:`mask.summed_together`)
-    and the guard looks at the sums (:func:`guard.guarded_totals`)."""
-    vectors = [
-        packing.pack([grads.leaves[i] for i in positions], grads.shards, row).astype(
-            grads.comm_dtype
-        )
-        for (positions, _), row in zip(grads.layout.groups, grads.rows)
-    ]
-    return _sum_groups(c, grads, _filled(grads.groups, vectors), aggregate, state)
-
-
-def _sum_groups(c: FeedbackConfig, grads: _Gradients, groups: Groups, aggregate, state):
-    """The :class:`_Aggregated` of ``groups`` summed as they are, the guard looking at the sums
-    (:func:`guard.guarded_totals`): the dense route's sum, packed or leaf by leaf."""
-    result, auto_after = aggregate(groups, state)
-    totals, count = guard.guarded_totals(
-        result.totals,
-        lambda: _sum_as_one(aggregate, groups, _as_sent(groups.vectors, result), state),
-        c.axis_name,
-        sharded=grads.shards is not None,
-    )
-    result = result._replace(totals=totals)
-    gain = jnp.ones((), jnp.float32)  # everything is sent
-    nothing = [None] * len(totals)
-    return _Aggregated(
-        list(grads.leaves), result, auto_after, nothing, nothing, {}, gain, count, 0.0, 0
-    )
-
-
-def _runs_alone(c: FeedbackConfig, grads: _Gradients, alone: int | None, state) -> bool:
-    """Whether this update runs branch ``alone`` by the dense route: one device in all, not
-    sharded, no momentum correction (whose velocity the dense route would not send), and no
-    other branch pinned for this step (``data_parallel``'s trial times each candidate)."""
-    return (
-        alone is not None
-        and grads.groups.n_devices == 1
-        and grads.shards is None
-        and c.momentum is None
-        and pinning.pinned_branch(state.branches) in (None, alone)
-    )
-
-
-def _update_alone(c: FeedbackConfig, grads: _Gradients, aggregate, state, alone: int, treedef):
-    """The update on one device of a state whose branch ``alone`` sends everything: that branch,
-    static, on each leaf as it is (a flat view, no packing: the sum of one device is its own
-    vector, retyped), with the guard's non-finite handling. Nothing is sent, so no residual is
-    made and the one the state holds stays as it is; the guardrail has nothing compressed to
-    watch. The metrics report the branch, and the choosing state (``compress_auto``'s) learns
-    of its step as of any other."""
-    positions = list(grads.layout.floats)  # the plain leaves (mask=, min_size=) too
-    leaves = [grads.leaves[i] for i in positions]
-    groups = grads.groups._replace(
-        vectors=[leaf.reshape(-1).astype(grads.comm_dtype) for leaf in leaves],
-        names=[f"leaf {i}" for i in positions],
-        sizes=[leaf.size for leaf in leaves],
-        shapes=[(leaf.shape,) for leaf in leaves],
-        values=[leaf.size for leaf in leaves],
-        buckets=None,
-    )
-    with pinning.pinned(alone, state.branches):
-        done = _sum_groups(c, grads, groups, aggregate, state)
-    done = done._replace(result=done.result._replace(sends_everything=True))
-    skipped = guard.skip_flag(c.nonfinite, done.nonfinite)
-    for i, leaf, total in zip(positions, leaves, done.result.totals):
-        update = total.reshape(leaf.shape)  # the mean over one device is the sum
-        if skipped is not None:
-            update = jnp.where(skipped, jnp.zeros_like(update), update)
-        done.out[i] = update.astype(leaf.dtype)
-    new_state = _next_state(c, grads, done, skipped, state, state.auto is not None)
-    # The residual is kept as it was, typed per device as every other route leaves it (the
-    # state's layout reads its type from an update traced without a pinned branch).
-    axes = frozenset(c.axes)
-    residual = jax.tree.map(lambda r: vma.cast_varying(r, axes), state.residual)
-    return treedef.unflatten(done.out), new_state._replace(residual=residual)
-
-
-def _sum_as_one(aggregate, groups: Groups, vectors, state):
-    """``(vector, resum, split)`` of :func:`guard.guarded_totals`: ``vectors`` (one per group)
-    end to end, summed as one group (one collective however many leaves: a method that sends
-    everything sums elementwise), and its total split back into one per group."""
-    one, split = as_one_group(groups, vectors)
-    resum = lambda vector: aggregate(one._replace(vectors=[vector]), state)[0].totals[0]  # noqa: E731
-    return one.vectors[0], resum, split
-
-
 def _sum_error_fed(
     c: FeedbackConfig,
-    grads: _Gradients,
+    grads: Gradients,
     aggregate,
     state,
     residuals,
     velocities,
     keeps_residual,
     guarding=False,
-) -> _Aggregated:
+) -> Aggregated:
     """Stages 1 and 3 to 6 and the metrics' sums: guard, mask, momentum, error feedback,
     aggregation, and the guard on what came out (totals that overflowed count as 0); with
     ``guarding``, the gradients' energy for the guardrail rides in the metrics' psum."""
@@ -407,8 +249,8 @@ def _sum_error_fed(
         )
     if feds:
         vectors = [fed.astype(grads.comm_dtype) for fed in feds]
-        result, auto_after = aggregate(_filled(grads.groups, vectors), state)
-        feds = _as_sent(feds, result)
+        result, auto_after = aggregate(filled(grads.groups, vectors), state)
+        feds = as_sent(feds, result)
     else:  # every leaf is plain
         result = Aggregation([], [], 0.0, 0, 0, False, True, state.method_state)
         auto_after = None
@@ -419,14 +261,14 @@ def _sum_error_fed(
         sum(counts),
         c.axis_name,
         lambda: guard.count_totals(_dense(result.totals), c.axis_name, sharded),
-        _narrowest(grads.comm_dtype, state.methods),
+        narrowest(grads.comm_dtype, state.methods),
         gradient,
         [None if p is None else p.fed for p in packs],
     )
     if c.nonfinite == "zero":  # an overflowed total counts as 0 (skip/raise zero the update)
         result = result._replace(totals=[_dropped(t) for t in result.totals])
     remainings = _remainings(feds, result) if keeps_residual else [None] * len(feds)
-    return _Aggregated(
+    return Aggregated(
         out,
         result,
         auto_after,
@@ -456,16 +298,7 @@ def _dropped(total):
     return pieces.each(flat.dropped, total)
 
 
-def _as_sent(vectors, result: Aggregation) -> list:
-    """``vectors`` (per group), each replaced by the one the collectives read where that is the
-    same array made to wait for the bucket before (``bucket_mb=``): used after the aggregation
-    instead of the original, it needs no copy."""
-    if result.vectors is None:
-        return vectors
-    return [s if s.dtype == v.dtype else v for v, s in zip(vectors, result.vectors)]
-
-
-def _gradient_energy(grads: _Gradients, packs):
+def _gradient_energy(grads: Gradients, packs):
     """This device's energy of the compressed leaves' finite gradient values (the guardrail's):
     from the one-pass packing where every group had it, else summed here (one more read)."""
     if packs and all(p is not None for p in packs):
@@ -485,7 +318,7 @@ def _remainings(feds, result: Aggregation):
     ]
 
 
-def _error_fed(c: FeedbackConfig, grads: _Gradients, residuals, velocities, keeps_residual):
+def _error_fed(c: FeedbackConfig, grads: Gradients, residuals, velocities, keeps_residual):
     """Stages 1, 4 and 5: per group the error-fed vector, the plain leaves' finite values, the
     non-finite counts, the new velocities and per group the :class:`~jaxcomp.ops.flat.Packed`
     of the one-pass packing (None where the group was packed otherwise).
@@ -530,8 +363,8 @@ def _error_fed(c: FeedbackConfig, grads: _Gradients, residuals, velocities, keep
 
 def _write_back(
     c: FeedbackConfig,
-    grads: _Gradients,
-    done: _Aggregated,
+    grads: Gradients,
+    done: Aggregated,
     skipped,
     residuals,
     velocities,
@@ -591,7 +424,7 @@ def _cleared(trigger, vector):
     return pieces.each(lambda v: flat.cleared(trigger, v), vector)
 
 
-def _trigger(c: FeedbackConfig, done: _Aggregated, skipped, state, branches, falls_back):
+def _trigger(c: FeedbackConfig, done: Aggregated, skipped, state, branches, falls_back):
     """Whether this step triggers the guardrail (:mod:`.stages.divergence`): never on a skipped
     step; with ``Guardrail(callback=True)`` the host hears of it from the triggered branch."""
     guarded = state.divergence
@@ -612,55 +445,3 @@ def _trigger(c: FeedbackConfig, done: _Aggregated, skipped, state, branches, fal
         falls_back,
     )
     return trigger
-
-
-def _next_state(
-    c, grads: _Gradients, done: _Aggregated, skipped, state: CompressState, uses_auto, trigger=None
-):
-    """Stage 7 and the guard's skip: the metrics, and the step, auto, method and guardrail
-    states (a skipped step leaves the state as it was; only the metrics report it)."""
-    result = done.result
-    guarded, fallback, fallbacks = state.divergence, 0.0, 0.0
-    if trigger is not None:
-        advanced = divergence.advance(c.guardrail, guarded, trigger, *done.energies, done.gain)
-        fallback = trigger | divergence.falling_back(guarded)
-        guarded = guard.hold(skipped, guarded, advanced)
-        fallbacks = guarded.fallbacks
-    total_size = sum(grads.leaves[i].size for i in grads.layout.floats)
-    step_metrics = metrics.step_metrics(
-        done.gain,
-        result.bytes_sent + done.plain_bytes,
-        result.kept + done.plain_kept,
-        result.method,
-        done.nonfinite,
-        total_size,
-        fallback,
-        fallbacks,
-    )
-    new_auto = done.auto_after(done.gain) if done.auto_after is not None else state.auto
-    method_state = result.method_state
-    if c.nonfinite == "zero":  # overflowed (PowerSGD's Q): the last finite value
-        method_state = guard.finite_or_old(state.method_state, method_state)
-    return state._replace(
-        step=guard.hold(skipped, state.step, state.step + 1),
-        metrics=step_metrics,
-        auto=guard.hold(skipped, state.auto, new_auto) if uses_auto else None,
-        method_state=guard.hold(skipped, state.method_state, method_state),
-        divergence=guarded,
-    )
-
-
-def _narrowest(comm_dtype, methods):
-    """The dtype whose largest value bounds the sums: the collectives' dtype, or a narrower one
-    that a method sums in on the wire (:attr:`jaxcomp.methods.Method.wire_dtype`)."""
-    dtypes = [jnp.dtype(comm_dtype)] + [jnp.dtype(m.wire_dtype) for m in methods if m.wire_dtype]
-    return min(dtypes, key=lambda d: float(jnp.finfo(d).max))
-
-
-def _comm_dtype(leaves):
-    """The dtype the collectives carry: the gradients' own when they share a 16-bit float, else
-    f32."""
-    dtypes = {jnp.dtype(leaf.dtype) for leaf in leaves}
-    if len(dtypes) == 1 and dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}:
-        return dtypes.pop()
-    return jnp.dtype(jnp.float32)

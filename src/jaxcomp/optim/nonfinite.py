@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp.optim.stages.guard import NONFINITE_POLICIES, NonfinitePolicy
-from jaxcomp.optim.state import CompressState, compress_states
+from jaxcomp.optim.state import NONFINITE_POLICIES, CompressState, NonfinitePolicy, compress_states
 
 __all__ = [
     "NONFINITE_POLICIES",

@@ -123,6 +123,21 @@ def adam(
     """
     hyper = _check(method, b1, b2, eps, weight_decay, warmup_steps, compress_options)
     hyper["refresh"] = _check_refresh(refresh_every)
+    inner, exact = _compressions(method, warmup_method, axis_name, hyper, compress_options)
+    schedule = learning_rate if callable(learning_rate) else (lambda count: learning_rate)
+
+    def init_fn(params):
+        _refuse_sharded()
+        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        return CompressedAdamState(jnp.zeros([], jnp.int32), zeros, zeros, inner.init(params))
+
+    update_fn = _update_fn(inner, exact, schedule, weight_decay, hyper)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _compressions(method, warmup_method, axis_name, hyper, compress_options):
+    """``adam``'s two compressions: the momentum's (``method`` after the warm-up) and the exact
+    mean of the warm-up's and refreshes' steps."""
     method = methods.Sign() if method is None else method
     inner = compress(
         method,
@@ -139,12 +154,11 @@ def adam(
         nonfinite=compress_options.get("nonfinite", "zero"),
         guardrail=warmup_method is None,
     )
-    schedule = learning_rate if callable(learning_rate) else (lambda count: learning_rate)
+    return inner, exact
 
-    def init_fn(params):
-        _refuse_sharded()
-        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-        return CompressedAdamState(jnp.zeros([], jnp.int32), zeros, zeros, inner.init(params))
+
+def _update_fn(inner, exact, schedule, weight_decay, hyper):
+    """``adam``'s update: the mean (exact or compressed), the moments, the step."""
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
@@ -172,7 +186,7 @@ def adam(
         )
         return out, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return update_fn
 
 
 def adamw(learning_rate, method=None, *, weight_decay: float = 1e-4, **options):

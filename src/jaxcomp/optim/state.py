@@ -14,7 +14,24 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp.methods import Method
-from jaxcomp.optim.stages.guard import NonfinitePolicy
+
+#: What :func:`compress` does with non-finite gradient entries (NaN, ±Inf), its ``nonfinite=``
+#: argument; the first is the default. In every policy such entries are never sent and never
+#: stored in the residual, and the ``nonfinite`` metric counts them.
+NONFINITE_POLICIES = ("zero", "skip", "raise")
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class NonfinitePolicy:
+    """The ``nonfinite=`` policy of a :func:`compress`, kept in its state as static structure.
+
+    It holds no array (a pytree with no leaves), so it costs nothing in a step, a checkpoint or a
+    sharding, and host code (:func:`skip_nonfinite`, :func:`jaxcomp.data_parallel`) reads it
+    while tracing, without waiting for a device.
+    """
+
+    name: str  # one of NONFINITE_POLICIES
 
 
 class CompressMetrics(NamedTuple):

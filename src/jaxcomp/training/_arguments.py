@@ -8,6 +8,26 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxcomp.training.trial import Trial
+
+
+def check_kinds(loss_fn, tx, mesh, auto_trial, **flags) -> None:
+    """Refuses an argument of ``data_parallel`` of the wrong kind, naming it."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if auto_trial is not None and not isinstance(auto_trial, Trial):
+        raise TypeError(
+            "auto_trial must be a jaxcomp.training.trial.Trial (e.g. Trial(candidates=2)) or "
+            f"None, got {type(auto_trial).__name__}"
+        )
+
 
 def check_nonfinite_updates(nonfinite_updates):
     if nonfinite_updates not in ("drop", "skip"):

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp.collectives import sizes
 from jaxcomp.ops._ffi import lowering_platform, platform_of, varying_axes
 from jaxcomp.optim import sharding
-from jaxcomp.optim.transform import CompressState, compress_states
+from jaxcomp.optim.state import CompressState, compress_states
 from jaxcomp.training import boundary
 from jaxcomp.training import mask as mask_lib
 from jaxcomp.training.state import TrainState, avals_of, check_params, tree_key

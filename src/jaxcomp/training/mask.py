@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.ops._ffi import varying_axes
-from jaxcomp.optim.transform import compress_states
+from jaxcomp.optim.state import compress_states
 
 
 def per_device_mask(layout, avals):

@@ -31,7 +31,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.collectives import small
-from jaxcomp.optim.transform import find_compress_state
+from jaxcomp.optim.state import find_compress_state
 from jaxcomp.optim.vma import cast_varying, varying_axes
 from jaxcomp.training import boundary, gradients
 

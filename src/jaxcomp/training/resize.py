@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp.optim.transform import CompressState, compress_states
+from jaxcomp.optim.state import CompressState, compress_states
 from jaxcomp.training.state import TrainState, avals_of, tree_key
 
 _CARRY, _MASS, _SHARD = "carry", "mass", "shard"

@@ -16,9 +16,6 @@ step; an entry ``tx`` makes not finite is dropped, or its step skipped), the new
 
 from __future__ import annotations
 
-import logging
-import warnings
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -34,11 +31,10 @@ from jaxcomp.optim.nonfinite import (
     skipped_or_none,
 )
 from jaxcomp.optim.stages import guard
-from jaxcomp.optim.transform import compress_states, find_compress_state
+from jaxcomp.optim.state import compress_states, find_compress_state
 from jaxcomp.training import boundary, gradients
 from jaxcomp.training.state import TrainState
 
-_LOG = logging.getLogger("jaxcomp")
 _WARNED: list = []  # whether this process has warned once of a rejected update
 
 
@@ -87,12 +83,7 @@ def train_step(
     batch_specs = jax.tree.map(lambda _: P(layout.axis_name), batch)
 
     def local_step(state: TrainState, batch):
-        opt_state = state_def.unflatten(
-            [
-                leaf[0] if m else leaf
-                for leaf, m in zip(state_def.flatten_up_to(state.opt_state), mask)
-            ]
-        )
+        opt_state = _per_device(state_def, mask, state.opt_state, lambda leaf: leaf[0])
         params, shards = _forward_params(layout, state.params, avals)
         loss, aux, grads, order = _gradients_in_order(
             loss_fn, has_aux, params, batch, layout.axis_name
@@ -107,12 +98,7 @@ def train_step(
         new_params = _new_params(
             layout, shards, updates, skipped, params, nonfinite_updates == "drop"
         )
-        new_opt_state = state_def.unflatten(
-            [
-                leaf[None] if m else leaf
-                for leaf, m in zip(state_def.flatten_up_to(new_opt_state), mask)
-            ]
-        )
+        new_opt_state = _per_device(state_def, mask, new_opt_state, lambda leaf: leaf[None])
         metrics = _metrics(layout, loss, aux, new_opt_state, avals)
         if rejected is not None:
             metrics["rejected"] = rejected.astype(jnp.float32)
@@ -125,6 +111,13 @@ def train_step(
         out_specs=(specs, P()),
         in_avals=state,
     )(state, batch)
+
+
+def _per_device(state_def, mask, opt_state, change):
+    """``opt_state`` with ``change`` applied to each leaf that differs per device (``mask``):
+    its leading device axis taken off inside the step, put back on the way out."""
+    leaves = state_def.flatten_up_to(opt_state)
+    return state_def.unflatten([change(leaf) if m else leaf for leaf, m in zip(leaves, mask)])
 
 
 def _check_batch(batch, n_devices, axis_name):
@@ -257,35 +250,3 @@ def _metrics(layout, loss, aux, new_opt_state, avals):
     if layout.shard:
         metrics["gather_bytes"] = jnp.float32(layout.gather_bytes(avals))
     return metrics
-
-
-def tell_rejected(step, rejected) -> None:
-    """Logs a step whose update was rejected as not finite (the ``rejected`` metric): a warning
-    from logger ``"jaxcomp"``, and a ``RuntimeWarning`` once per process.
-
-    Args:
-      step: the step counter after the step (a scalar array that has been computed).
-      rejected: the step's ``rejected`` metric.
-
-    Returns:
-      None.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> tell_rejected(jnp.int32(3), jnp.float32(0))  # nothing was rejected: says nothing
-
-    References:
-      optax ``apply_if_finite`` (a step whose update is not finite is not applied).
-    """
-    if rejected is None or not float(jax.device_get(rejected)):
-        return
-    message = (
-        f"jaxcomp.data_parallel: step {int(jax.device_get(step)) - 1}'s update (or the optimizer "
-        "state it made) was not finite; the step was dropped, the "
-        "params and optimizer state kept (the 'rejected' metric). Steps that keep being rejected "
-        "mean the optimizer diverges: lower the learning rate"
-    )
-    _LOG.warning(message)
-    if not _WARNED:
-        _WARNED.append(True)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)

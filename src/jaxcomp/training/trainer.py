@@ -20,7 +20,6 @@ its collective. This module is the entry point; the pieces live beside it, one c
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 
 import jax
@@ -32,8 +31,9 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp.optim import pinning, sharding
 from jaxcomp.optim.host import local_copy
 from jaxcomp.optim.stages import divergence
-from jaxcomp.optim.transform import compress_states, find_compress_state
+from jaxcomp.optim.state import compress_states, find_compress_state
 from jaxcomp.training import _arguments as arguments
+from jaxcomp.training import _telling as telling
 from jaxcomp.training import boundary
 from jaxcomp.training import reprobe as reprobing
 from jaxcomp.training import resize as resizing
@@ -42,21 +42,13 @@ from jaxcomp.training.dispatch import DEFAULT_MAX_STEPS_IN_FLIGHT, BoundedStep
 from jaxcomp.training.layout import Layout
 from jaxcomp.training.rollback import RollbackStep
 from jaxcomp.training.state import TrainState, avals_of
-from jaxcomp.training.step import tell_rejected, train_step
+from jaxcomp.training.step import train_step
 from jaxcomp.training.trial import Trial, TrialSteps
 
 #: ``data_parallel``'s default trial of ``compress_auto``'s leading candidates.
 DEFAULT_TRIAL = Trial()
 
 __all__ = ["DEFAULT_MAX_STEPS_IN_FLIGHT", "DataParallel", "TrainState", "data_parallel"]
-
-#: A step whose state has at least this many leaves says, when it is traced, that its compile
-#: takes tens of seconds: XLA compiles the work of each leaf as loops of its own (the leaves cross
-#: the step's ``shard_map`` packed, :mod:`.boundary`, so the partitioner no longer grows with them;
-#: docs/performance.md, "The first step of a model of 1,000 small leaves").
-MANY_LEAVES = 2000
-
-_LOG = logging.getLogger("jaxcomp")
 
 
 class DataParallel:
@@ -100,7 +92,7 @@ class DataParallel:
             self._trial_steps,
             max_steps_in_flight,
             self._check_nonfinite,
-            (self._probe, _tell),
+            (self._probe, telling.tell_step),
         )
         if rollback is not None:
             self.step = RollbackStep(self.step, rollback)
@@ -154,15 +146,8 @@ class DataParallel:
 
     def resize(self, state: TrainState, params=None, *, mean: bool = True) -> TrainState:
         """The state of a run of the same ``tx`` and ``shard=`` on another number of devices, as
-        the state of this one (docs/training.md, "Resuming on another number of devices").
-
-        Params, step counters, keys, PowerSGD's ``Q`` and the optimizer's replicated state are
-        kept; with ``shard=``, the optimizer's shards (and the params' shards) are gathered and
-        split again, exactly; each device's error-feedback residual (and DGC velocity) is summed
-        and spread evenly so that the next aggregate adds the same residual mass: every new device
-        holds ``sum_d r_d / N`` (``mean=True``) or ``sum_d r_d / N'`` (``mean=False``). On the same
-        number of devices the state comes back as it is. ``compress_auto``'s network was measured
-        on the old mesh: a warning says to :meth:`reprobe`.
+        the state of this one: shards split again exactly, each device's residual summed and
+        spread evenly (docs/training.md, "Resuming on another number of devices").
 
         Args:
           state: the :class:`TrainState` of ``N`` devices, e.g. restored with
@@ -385,7 +370,7 @@ class DataParallel:
         step once it has run (:class:`BoundedStep`, :class:`PinnedSteps`): the new step counter,
         the guardrail's trigger scalars and the branch asked for next, outputs of their own, so
         that nothing the host reads late is a leaf of a state the next step may donate."""
-        _tell_of_a_long_compile(len(jax.tree.leaves(state)))
+        telling.tell_of_a_long_compile(len(jax.tree.leaves(state)))
         record = None if branch is None else pinned_record(state.opt_state)
         with pinning.pinned(branch, record):
             new_state, metrics = train_step(
@@ -424,42 +409,10 @@ class DataParallel:
             return
         count = float(metrics["nonfinite"])  # waits for this step: "raise" runs one step at a time
         if count:
-            intact = (
-                "the state you passed was donated: the error's `state` holds the same params "
-                "and optimizer state"
-                if self.donate
-                else "the state you passed to this step is intact"
-            )
-            error = FloatingPointError(
-                f"step {int(local_copy(state.step)) - 1}: the gradients held {count:.0f} "
-                "non-finite entries (NaN or ±Inf; in the gradients or in their sum over the "
-                f"devices), and tx's compress has nonfinite='raise'. The update was skipped on "
-                f"every device and {intact}. Find the cause (learning rate, loss scale, a bad "
-                "batch), or pass nonfinite='skip' (skip such steps) or 'zero' (drop those "
-                "entries) to jaxcomp.compress"
-            )
+            step = int(local_copy(state.step)) - 1
+            error = telling.nonfinite_error(step, count, self.donate)
             error.state = state
             raise error
-
-
-def _tell(probe):
-    """Tells the host what a step that has run did: a guardrail trigger, a rejected update."""
-    trigger, rejected = probe
-    divergence.tell_trigger(trigger)
-    tell_rejected(*rejected)
-
-
-def _tell_of_a_long_compile(n_leaves: int):
-    """Logs (once per trace) that a step of ``n_leaves`` state leaves compiles for long."""
-    if n_leaves >= MANY_LEAVES:
-        _LOG.warning(
-            "data_parallel: compiling a step whose state has %d leaves. XLA compiles the work of "
-            "each leaf as loops of its own (30-40 s for 4,000 small leaves on 2 CPU cores, about "
-            "as long as a plain pmean step of the same model); fewer, larger leaves (layers "
-            "stacked with nn.scan or along a leading axis) compile much faster. "
-            "docs/performance.md, 'The first step of a model of 1,000 small leaves'.",
-            n_leaves,
-        )
 
 
 def data_parallel(
@@ -518,26 +471,13 @@ def data_parallel(
       Tyagi & Swany, arXiv 2312.02493, Alg. 1 (per-worker residuals, replicated model);
       Rajbhandari et al., "ZeRO", SC 2020; Wang et al., "ZeRO++", ICLR 2024 (quantized gather).
     """
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if shard not in sharding.SHARD_MODES:
         raise ValueError(f"shard must be None, 'optimizer' or 'params', got {shard!r}")
     gather_dtype = arguments.check_gather_dtype(gather_dtype, shard)
     tx = arguments.accumulating(tx, shard)
-    if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(f"tx must be an optax GradientTransformation, got {type(tx).__name__}")
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    arguments.check_kinds(loss_fn, tx, mesh, auto_trial, donate=donate, host_branches=host_branches)
     axis_name = arguments.data_axes(mesh, axis_name)
     max_steps_in_flight = arguments.check_max_steps_in_flight(max_steps_in_flight)
-    for name, value in (("donate", donate), ("host_branches", host_branches)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
-    if auto_trial is not None and not isinstance(auto_trial, Trial):
-        raise TypeError(
-            "auto_trial must be a jaxcomp.training.trial.Trial (e.g. Trial(candidates=2)) or "
-            f"None, got {type(auto_trial).__name__}"
-        )
     return DataParallel(
         loss_fn,
         tx,

@@ -392,28 +392,7 @@ def run_branch(
     """
     switched = not isinstance(branch, int)
     leafwise = switched and pieces and not groups.scatter and any(m.pieces for m in branches)
-
-    def run(index, groups):
-        def branch_fn(vectors, step, key, states):
-            totals, sents, own, sent_vectors = aggregate_groups(
-                branches[index],
-                groups._replace(vectors=vectors),
-                axis_name,
-                step,
-                key,
-                sparse=sparse,
-                states=states[index],
-                pieces=pieces,
-                decoded=pieces and not switched,
-            )
-            if leafwise:  # every branch returns the same structure
-                totals, sents = (_alike(branches, v, groups.shapes) for v in (totals, sents))
-            # Typed per device like the vectors: a method whose `sent` comes out typed replicated
-            # (an FFI result: Sign's majority vote) must still match dense's in lax.switch.
-            sents = _ffi.like_varying_operands(sents, vectors)
-            return totals, sents, states[:index] + (own,) + states[index + 1 :], sent_vectors
-
-        return branch_fn
+    run = functools.partial(_branch, branches, axis_name, sparse, pieces, switched, leafwise)
 
     if isinstance(branch, int):
         return run(branch, groups)(groups.vectors, step, key, states)
@@ -427,6 +406,32 @@ def run_branch(
         states,
     )
     return totals, sents, states, groups.vectors
+
+
+def _branch(branches, axis_name, sparse, pieces, switched, leafwise, index, groups):
+    """``run_branch``'s function of branch ``index``: ``(vectors, step, key, states) ->
+    (totals, sents, states, sent vectors)``, each branch returning the same structure."""
+
+    def branch_fn(vectors, step, key, states):
+        totals, sents, own, sent_vectors = aggregate_groups(
+            branches[index],
+            groups._replace(vectors=vectors),
+            axis_name,
+            step,
+            key,
+            sparse=sparse,
+            states=states[index],
+            pieces=pieces,
+            decoded=pieces and not switched,
+        )
+        if leafwise:  # every branch returns the same structure
+            totals, sents = (_alike(branches, v, groups.shapes) for v in (totals, sents))
+        # Typed per device like the vectors: a method whose `sent` comes out typed replicated
+        # (an FFI result: Sign's majority vote) must still match dense's in lax.switch.
+        sents = _ffi.like_varying_operands(sents, vectors)
+        return totals, sents, states[:index] + (own,) + states[index + 1 :], sent_vectors
+
+    return branch_fn
 
 
 def _alike(branches, vectors: list, shapes: list) -> list:

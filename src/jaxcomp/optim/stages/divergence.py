@@ -1,59 +1,19 @@
 """The guardrail stage: training that diverges because of compression falls back to dense.
 
-Each step it looks at two energies that every device already agrees on, summed over the devices
-by the psum of the metrics stage (:mod:`.metrics`; one more scalar in it, no new collective):
+Each step it reads two energies the metrics stage's psum already sums over the devices
+(:mod:`.metrics`): ``G = sum_d ||g_d||^2``, the gradients' (finite entries, before the
+residual), and ``F = sum_d ||g_e,d||^2``, the error-fed one, with the step's compression gain.
+A step is *suspect*, after ``burn_in`` steps, when (a) ``G > factor**2 * mean`` (``mean`` a
+running mean of ``G`` that a sample pulls at most :data:`FOLLOW` times its value) or (b)
+``F * gain**2 > (2 * factor)**2 * mean`` (a residual past error feedback's own bound); it
+triggers after ``patience`` suspect steps in a row, or at once when (c) ``G`` or ``F`` is not
+finite.
 
-* ``G = sum_d ||g_d||^2``, the gradients' energy (their finite entries, before the residual);
-* ``F = sum_d ||g_e,d||^2``, the error-fed energy (gradient plus residual), with the step's
-  compression gain ``gain = sum_d ||sent_d||^2 / F``.
-
-A step is *suspect*, once ``burn_in`` steps have been seen, when (a) or (b) holds, and the
-guardrail triggers when ``patience`` steps in a row are suspect (default 2), or at once on (c):
-
-* **(a) the gradient norm blows up:** ``G > factor**2 * mean``, where ``mean`` is a running mean of
-  ``G`` (the average of the burn-in steps, then an exponential moving average with ``decay``). The
-  average follows a sample at most :data:`FOLLOW` times its value, so a divergence that grows by a
-  few percent a step (as random-k diverging under SGD momentum does) outruns it and is caught, where
-  a plain average would keep pace with it forever; a single sample never moves it more than
-  ``(1 - decay) * 3``.
-* **(b) the residual grows without bound:** ``F * gain**2 > (2 * factor)**2 * mean``. Error
-  feedback with a compressor that keeps a fraction ``gain`` of the energy keeps a residual of at
-  most about ``2 / gain`` gradient norms; ``factor`` times that bound is not a healthy residual.
-  A residual that is merely large (0.1% top-k keeps hundreds of gradient norms) does not trigger.
-* **(c) a statistic that is not finite:** ``G`` or ``F`` overflowed float32 (a gradient norm
-  above ``1.8e19``, or a device's energy above ``2**100``). Non-finite *entries* do not trigger by
-  themselves: the non-finite guard (:mod:`.guard`) already counts them as 0 and never stores them,
-  and the ``nonfinite=`` policy decides their step.
-
-**Why two steps in a row.** A divergence that compression causes grows from step to step (the
-residual and the gradient feed each other); one outlier batch does not, and dense training would
-take that step too. Healthy runs of ``benchmarks/quality.py``'s char-LM have single steps whose
-``G`` is many times its running mean (an outlier batch), with the next step back at the mean: with
-``patience=1`` those triggered dense windows that changed the run (docs/training.md, "Guardrails").
-``patience=1`` is the stricter setting: it drops the update of the first suspect step, an outlier
-batch's included.
-
-**Response.** The triggering step sends no update (its gradients are the outlier) and clears the
-residual and DGC's velocity on every device; the next ``window`` steps aggregate with the dense
-branch (the warm-up's switch, :mod:`.warmup`), which keeps no residual, then the method runs
-again from a zero residual. A method that cannot switch to dense inside a compiled step (its
-total is not replicated: ``Zfp(algorithm="recursive_doubling")``; ``compress_auto`` without a
-dense candidate) only clears the residual and velocity; the next ``window`` steps are a cool-down
-in which the guardrail does not trigger again. The ``fallback`` metric is 1 on the steps that
-triggered or ran the fallback, ``fallbacks`` counts the triggers. The host is told (a
-``logging`` warning from logger ``"jaxcomp"`` per trigger, and a ``RuntimeWarning`` once per
-process) by :func:`jaxcomp.data_parallel`, from the finished step's state
-(:func:`tell_trigger`), or with ``Guardrail(callback=True)`` by a ``jax.debug.callback`` in the
-triggered branch (which takes every call of the step off jit's fast dispatch path).
-
-**Cost.** A step with the guardrail pays one extra reduction over its gradients (``G``), one more
-scalar in the metrics psum, a few scalar operations, and the residual's and velocity's clearing
-(a select fused into their update). No host sync: the decision is a traced flag. With a sparse
-method (top-k, random-k) the residual is updated from a dense ``sent`` instead of in place (as
-during a warm-up), because both branches of the switch must return the same types, which makes
-their step markedly slower on CPU; so by default they only clear the residual. Dense compiles to
-the same step, ZFP and THC pay a few percent (docs/training.md, "Guardrails", measures it);
-``guardrail=False`` where that matters more than the safety net.
+The triggering step sends no update and clears the residual and DGC's velocity; the next
+``window`` steps aggregate with the dense branch (the warm-up's switch, :mod:`.warmup`), or, for
+a method that cannot switch inside a compiled step, rest. The host hears of a trigger from the
+finished step's state (:func:`tell_trigger`) or, with ``Guardrail(callback=True)``, from a
+``jax.debug.callback``. docs/training.md, "Guardrails", explains each choice and its cost.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Stage 1, the non-finite guard: NaN and ±Inf gradient entries count as 0 and are counted.
 
 Such entries are never sent and never stored in the residual (NaN - NaN would stay NaN forever);
-the ``nonfinite=`` policy (:data:`NONFINITE_POLICIES`) then trains on, or skips the step on
-every device, keeping the transformation's state as it was.
+the ``nonfinite=`` policy (:data:`jaxcomp.optim.state.NONFINITE_POLICIES`) then trains on, or
+skips the step on every device, keeping the transformation's state as it was.
 
 The guard looks again after aggregation, for values that *became* non-finite from finite ones:
 an entry of the sum over the devices that overflowed (:func:`finite_totals`), and an entry of a
@@ -14,7 +14,6 @@ turns non-finite.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -24,24 +23,6 @@ from jaxcomp.collectives import small
 from jaxcomp.costmodel import ratio_choice
 from jaxcomp.ops import flat
 from jaxcomp.optim.vma import cast_varying, varying_axes
-
-#: What :func:`compress` does with non-finite gradient entries (NaN, ±Inf), its ``nonfinite=``
-#: argument; the first is the default. In every policy such entries are never sent and never
-#: stored in the residual, and the ``nonfinite`` metric counts them.
-NONFINITE_POLICIES = ("zero", "skip", "raise")
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class NonfinitePolicy:
-    """The ``nonfinite=`` policy of a :func:`compress`, kept in its state as static structure.
-
-    It holds no array (a pytree with no leaves), so it costs nothing in a step, a checkpoint or a
-    sharding, and host code (:func:`skip_nonfinite`, :func:`jaxcomp.data_parallel`) reads it
-    while tracing, without waiting for a device.
-    """
-
-    name: str  # one of NONFINITE_POLICIES
 
 
 def finite(g):
@@ -327,7 +308,7 @@ def skip_flag(policy: str, count):
     Every device got the same summed count, so all skip together.
 
     Args:
-      policy: one of :data:`NONFINITE_POLICIES`.
+      policy: one of :data:`jaxcomp.optim.state.NONFINITE_POLICIES`.
       count: the non-finite entries this step, summed over the devices.
 
     Returns:

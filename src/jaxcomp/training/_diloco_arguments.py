@@ -1,0 +1,143 @@
+"""The arguments of :func:`jaxcomp.diloco`, checked: each function returns the value the run
+uses, or raises an error that names the argument."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+
+from jaxcomp.methods import Dense, Method
+from jaxcomp.optim.compression import compress as make_compress
+from jaxcomp.training.inner import DILOCO_SHARD_MODES, EXCHANGE_MODES
+
+#: Streaming DiLoCo's mixing factor alpha for a delayed fragment: local <- a*local + (1-a)*global.
+DEFAULT_MIXING = 0.5
+
+
+def optimizers(loss_fn, inner_tx, outer_tx, donate):
+    """``(inner_tx, outer_tx)``, the paper's where None; refuses an argument of the wrong kind."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    inner_tx = optax.adamw(4e-4, weight_decay=0.1) if inner_tx is None else inner_tx
+    if isinstance(inner_tx, optax.MultiSteps):
+        inner_tx = inner_tx.gradient_transformation()
+    outer_tx = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer_tx is None else outer_tx
+    for value, name in ((inner_tx, "inner_tx"), (outer_tx, "outer_tx")):
+        if not isinstance(value, optax.GradientTransformation):
+            raise TypeError(f"{name} must be an optax GradientTransformation, got {value!r}")
+    if not isinstance(donate, bool):
+        raise TypeError(f"donate must be True or False, got {donate!r}")
+    return inner_tx, outer_tx
+
+
+def check_mesh(mesh, outer_axis, inner_axis):
+    """The mesh with Auto axes; refuses missing, repeated or extra axes."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    axes = (outer_axis,) if inner_axis is None else (outer_axis, inner_axis)
+    if inner_axis == outer_axis:
+        raise ValueError(f"inner_axis and outer_axis must differ, both are {outer_axis!r}")
+    missing = [a for a in axes if a not in mesh.shape]
+    extra = [a for a in mesh.axis_names if a not in axes]
+    if missing or extra:
+        raise ValueError(
+            f"mesh axes {tuple(mesh.axis_names)} must be exactly outer_axis={outer_axis!r}"
+            f"{f' and inner_axis={inner_axis!r}' if inner_axis else ''}: "
+            f"{f'missing {missing}' if missing else f'unused {extra}'}"
+        )
+    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    if tuple(mesh.axis_types) != auto:
+        # The step places everything itself; Explicit axes would type every value inside it.
+        mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+    return mesh
+
+
+def check_shard(shard, inner_axis):
+    """``shard`` checked: None, or "optimizer" on a two-level mesh."""
+    if shard == "params":
+        raise ValueError(
+            "shard='params' is not supported by diloco: the outer exchange reads each worker's "
+            "whole params (global minus local) on every device of its row, so they stay whole; "
+            "shard='optimizer' splits the inner optimizer state over inner_axis"
+        )
+    if shard not in DILOCO_SHARD_MODES:
+        raise ValueError(f"shard must be one of {DILOCO_SHARD_MODES}, got {shard!r}")
+    if shard is not None and inner_axis is None:
+        raise ValueError(
+            f"shard={shard!r} splits each worker's inner optimizer state over its inner_axis: "
+            "pass inner_axis= (a two-level mesh, e.g. Mesh(devices.reshape(4, 2), "
+            "('workers', 'data')) with inner_axis='data'), or shard=None"
+        )
+    return shard
+
+
+def check_exchange(exchange, inner_axis):
+    """``exchange`` checked; None is "split" on a two-level mesh, else "whole"."""
+    if exchange is None:
+        return "whole" if inner_axis is None else "split"
+    if exchange not in EXCHANGE_MODES:
+        raise ValueError(f"exchange must be one of {EXCHANGE_MODES} or None, got {exchange!r}")
+    if exchange == "split" and inner_axis is None:
+        raise ValueError(
+            "exchange='split' splits the outer exchange over the devices of a worker's row: "
+            "pass inner_axis= (a two-level mesh), or exchange=None"
+        )
+    return exchange
+
+
+def _positive_int(value, name, minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_schedule(sync_every, fragments, delay):
+    """``(H, F, tau)`` checked: H >= 1, 1 <= F <= H, 0 <= tau < H."""
+    sync_every = _positive_int(sync_every, "sync_every", 1)
+    fragments = _positive_int(fragments, "fragments", 1)
+    delay = _positive_int(delay, "delay", 0)
+    if fragments > sync_every:
+        raise ValueError(
+            f"fragments={fragments} > sync_every={sync_every}: each fragment is exchanged at its "
+            "own step of the H-step period, so there can be at most H of them"
+        )
+    if delay >= sync_every:
+        raise ValueError(
+            f"delay={delay} must be < sync_every={sync_every}: a fragment's result must be "
+            "applied before the fragment's next exchange"
+        )
+    return sync_every, fragments, delay
+
+
+def check_mixing(mixing, delay):
+    if mixing is None:
+        return DEFAULT_MIXING
+    if not delay:
+        raise ValueError(
+            "mixing applies to a delayed fragment (delay > 0); with delay=0 the workers restart "
+            "from the global params"
+        )
+    if not 0.0 <= float(mixing) <= 1.0:
+        raise ValueError(f"mixing must be in [0, 1], got {mixing!r}")
+    return float(mixing)
+
+
+def check_in_flight(max_steps_in_flight):
+    if max_steps_in_flight is None:
+        return None
+    return _positive_int(max_steps_in_flight, "max_steps_in_flight", 1)
+
+
+def outer_compress(compress, outer_axis):
+    """The outer exchange as a transformation: built from None, a method or a name."""
+    if compress is None:
+        return make_compress(Dense(), axis_name=outer_axis)
+    if isinstance(compress, (Method, str)):
+        return make_compress(compress, axis_name=outer_axis)
+    if isinstance(compress, optax.GradientTransformation):
+        return compress
+    raise TypeError(
+        "compress must be None, a jaxcomp.Method, a method name or a jaxcomp.compress(...) "
+        f"transformation, got {type(compress).__name__}"
+    )
