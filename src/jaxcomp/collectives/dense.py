@@ -152,28 +152,19 @@ def narrow_allreduce(x, axis_name, dtype, *, scatter=False, algorithm="auto"):
     """All-reduce in a 16-bit float (bfloat16 or float16) that sends 2 bytes a value on every
     backend, at the cost of the CPU's own arithmetic.
 
-    XLA's CPU collectives (gloo on multi-process CPU jobs) carry a bfloat16 all-reduce as float32,
-    4 bytes a value on the wire, the dense amount; a float16 one travels as 16 bits, but gloo sums
-    it value by value in software, which costs more host CPU a step than this ring
-    (docs/performance.md, "float16 by the ring"). Moving 16-bit integers
-    needs no arithmetic, so on the CPU this sum is a ring built from :func:`jax.lax.ppermute`
-    whose messages are the 16-bit values' bits typed uint16 (:func:`jaxcomp.collectives.ring.
-    sixteen_bit_codec`): the vector in ``N`` chunks of ``ceil(n/N)`` values, ``N-1``
-    reduce-scatter hops (each device sends its partial sum of one chunk, rounded to ``dtype``, to
-    its right neighbour, which widens it to float32, adds its own chunk and rounds again for the
-    next hop), then device ``d``, owning chunk ``d`` fully reduced, rounds it once and
-    :func:`jax.lax.all_gather` forwards those bits; every device decodes the same bits. It is
-    :func:`zfp_allreduce`'s ring with the 16-bit rounding as the codec. Elsewhere (NCCL and the
-    TPU reduce both types natively) it is one :func:`jax.lax.psum` of ``x`` cast to ``dtype``.
-    :func:`jax.lax.platform_dependent` picks when the step is lowered
-    (:func:`jaxcomp.ops._ffi.platform_dependent`). float16's range ends at 65504: the caller
-    scales ``x`` so that the sum fits (:class:`jaxcomp.methods.Cast` does).
+    On the CPU, whose collectives carry bfloat16 as float32 and add float16 in software
+    (docs/performance.md, "float16 by the ring"), this is a ring of :func:`jax.lax.ppermute`
+    hops whose messages are the 16-bit values' bits typed uint16
+    (:func:`jaxcomp.collectives.ring.sixteen_bit_codec`): ``N-1`` reduce-scatter hops, each
+    partial sum rounded to ``dtype`` and widened to float32 to add the next chunk, then an
+    :func:`jax.lax.all_gather` of each device's fully reduced chunk, rounded once. Elsewhere it is
+    one :func:`jax.lax.psum` of ``x`` cast to ``dtype``; :func:`jax.lax.platform_dependent` picks
+    when the step is lowered. float16's range ends at 65504: the caller scales ``x`` so that the
+    sum fits (:class:`jaxcomp.methods.Cast` does).
 
-    ``sent``, the ring: ``x`` less every rounding this device made (each chunk is rounded once by
-    each device), so the ``sent`` of all devices add up to ``total`` (up to float32 rounding) and
-    error feedback, ``x - sent``, keeps all the ring lost. The psum: ``x`` rounded to ``dtype``
-    (the rounding of the sum itself is fed back by none). With ``N = 1`` nothing is sent: ``total
-    = sent = x`` rounded to ``dtype``.
+    ``sent``: by the ring, ``x`` less every rounding this device made, so the devices' ``sent``
+    add up to ``total`` (up to float32 rounding); by the psum, ``x`` rounded to ``dtype``. With
+    ``N = 1`` nothing is sent: ``total = sent = x`` rounded to ``dtype``.
 
     Args:
       x: this device's local 1-D float32, bfloat16 or float16 vector of ``n`` values.

@@ -79,24 +79,66 @@ def unpack_codes(words, width: int, length: int):
     return ((words[:, None] >> shifts) & np.uint32((1 << width) - 1)).reshape(-1)[:length]
 
 
+def _rotation(key, length, rows_of, hadamard):
+    """THC's randomized Hadamard rotation of ``length`` values (random signs from ``key``, then
+    the orthonormal Walsh-Hadamard transform in blocks of
+    :func:`jaxcomp.collectives.sizes.hadamard_block` of ``rows_of`` values), or the identity
+    without ``hadamard``: ``(forward, back, signs, block)``, ``back(v, signs)`` the inverse with
+    the given signs (``signs`` and ``block`` None without ``hadamard``)."""
+    if not hadamard:
+        return (lambda v: v), (lambda v, signs: v), None, None
+    block = sizes.hadamard_block(rows_of)
+    if length % block:
+        raise ValueError(f"rows of {rows_of} values are not whole Hadamard blocks of {block}")
+    signs = counter_signs(key, (length // block, block))
+    scale = np.float32(1.0 / math.sqrt(block))
+
+    def forward(v):
+        return (hadamard_transform(v.reshape(-1, block) * signs) * scale).reshape(-1)
+
+    def back(v, signs):
+        return (hadamard_transform(v.reshape(-1, block)) * scale * signs).reshape(-1)
+
+    return forward, back, signs, block
+
+
+def _stochastic_codes(rotated, bound, levels, key, device):
+    """``rotated`` stochastically rounded onto ``levels + 1`` levels over ``[-bound, bound]``
+    (noise from ``key`` folded with ``device``): unbiased uint32 codes."""
+    unit = jnp.where(bound > 0, bound, 1.0)  # all-zero input: any grid works, the codes cancel
+    position = (rotated / unit + 1.0) * np.float32(levels / 2)  # in [0, levels]
+    noise = counter_uniform(jax.random.fold_in(key, device), rotated.shape)
+    return jnp.clip(jnp.floor(position + noise), 0, levels).astype(jnp.uint32)
+
+
+def _summed_codes(codes, width, psum, n_devices, row):
+    """The devices' sum of ``codes``, packed into fields of ``width`` bits for ``psum``: every
+    code, or with ``row`` (a reduce-scatter) this device's row of ``row`` codes, each row packed
+    on its own. Codes on one grid add homomorphically, and fields of ``width`` bits add without
+    carrying into each other: one psum of packed words sums every code."""
+    if row is None:
+        return unpack_codes(psum(pack_codes(codes, width)), width, codes.shape[0])
+    packed = jax.vmap(lambda c: pack_codes(c, width))(codes.reshape(n_devices, row))
+    return unpack_codes(psum(packed), width, row)
+
+
+def _row_signs(signs, n_devices, device, block):
+    """Row ``device``'s part of the rotation's ``signs`` (None without a rotation)."""
+    if signs is None:
+        return None
+    return jax.lax.dynamic_index_in_dim(signs.reshape(n_devices, -1, block), device, keepdims=False)
+
+
 def quantized_sum(
     x, bits: int, key, hadamard: bool, n_devices: int, device, pmax, psum, scatter: bool = False
 ):
     """THC's quantized sum of one device's vector, with the collectives passed in:
     ``(total, sent)``.
 
-    With ``scatter`` the sum ends as a reduce-scatter (sharded training): ``x`` holds ``n_devices``
-    rows of equal length (whole Hadamard blocks of :func:`jaxcomp.collectives.sizes.hadamard_block`
-    of a row), each row's codes are packed on their own, ``psum`` is a reduce-scatter of the
-    ``[n_devices, words]`` packed rows (``jax.lax.psum_scatter`` over the first axis), and
-    ``total`` is row ``device`` of the sum, dequantized and rotated back with that row's signs.
-
-    1. Optionally a randomized Hadamard transform (random signs from ``key``, then the
-       orthonormal Walsh-Hadamard transform in blocks
-       of :func:`jaxcomp.collectives.sizes.hadamard_block`).
+    1. Optionally a randomized Hadamard transform (signs from ``key``).
     2. The range ``R = pmax(max |rotated|)``.
-    3. Stochastic rounding onto ``2**bits`` levels over ``[-R, R]`` with noise from ``key``
-       folded with ``device``.
+    3. Stochastic rounding onto ``2**bits`` levels over ``[-R, R]``, noise from ``key`` folded
+       with ``device``.
     4. Codes packed into fields of :func:`jaxcomp.collectives.sizes.code_width` bits, summed by
        ``psum``, unpacked, dequantized and transformed back.
 
@@ -109,8 +151,9 @@ def quantized_sum(
       device: this device's index (seeds its rounding noise).
       pmax: the max over the devices (identity for one device).
       psum: the sum over the devices (identity for one device); with ``scatter``, the
-        reduce-scatter of the packed rows.
-      scatter: end with a reduce-scatter: ``total`` is this device's row of the sum.
+        reduce-scatter of the ``[n_devices, words]`` packed rows.
+      scatter: end with a reduce-scatter (sharded training): ``x`` holds ``n_devices`` rows of
+        whole Hadamard blocks, each packed on its own, and ``total`` is row ``device`` of the sum.
 
     Returns:
       ``(total, sent)`` of ``x``'s shape and dtype.
@@ -131,57 +174,27 @@ def quantized_sum(
     row = n // n_devices if scatter else None
     length = n if scatter else sizes.quantized_length(n, bool(hadamard))
     values = jnp.pad(x.astype(jnp.float32), (0, length - n))
-    if hadamard:
-        block = sizes.hadamard_block(row if scatter else n)
-        if length % block:
-            raise ValueError(f"rows of {row} values are not whole Hadamard blocks of {block}")
-        signs = counter_signs(sign_key, (length // block, block))
-        scale = np.float32(1.0 / math.sqrt(block))
-
-        def transform(v):
-            return (hadamard_transform(v.reshape(-1, block) * signs) * scale).reshape(-1)
-
-        def rotate_back(v, signs):
-            return (hadamard_transform(v.reshape(-1, block)) * scale * signs).reshape(-1)
-    else:
-
-        def transform(v):
-            return v
-
-        def rotate_back(v, signs):
-            return v
+    transform, rotate_back, signs, block = _rotation(
+        sign_key, length, row if scatter else n, hadamard
+    )
 
     def inverse(v):
-        return rotate_back(v, signs if hadamard else None)[:n]
+        return rotate_back(v, signs)[:n]
 
     rotated = transform(values)
     bound = pmax(jnp.max(jnp.abs(rotated)))
     levels = 2**bits - 1
-    unit = jnp.where(bound > 0, bound, 1.0)  # all-zero input: any grid works, the codes cancel
-    position = (rotated / unit + 1.0) * np.float32(levels / 2)  # in [0, levels]
-    noise = counter_uniform(jax.random.fold_in(noise_key, device), (length,))
-    codes = jnp.clip(jnp.floor(position + noise), 0, levels).astype(jnp.uint32)
-    # Codes on one grid add homomorphically, and fields of `width` bits add without carrying into
-    # each other: one psum of packed words sums every code.
+    codes = _stochastic_codes(rotated, bound, levels, noise_key, device)
     step = bound * np.float32(2 / levels)
     sent = inverse(codes.astype(jnp.float32) * step - bound)
+    summed = _summed_codes(codes, width, psum, n_devices, row)
     if scatter:
-        packed = jax.vmap(lambda c: pack_codes(c, width))(codes.reshape(n_devices, row))
-        summed = unpack_codes(psum(packed), width, row)
         # This device's row, rotated back with its own row's signs.
-        own = (
-            None
-            if not hadamard
-            else jax.lax.dynamic_index_in_dim(
-                signs.reshape(n_devices, -1, block), device, keepdims=False
-            )
-        )
+        own = _row_signs(signs, n_devices, device, block)
         total = rotate_back(summed.astype(jnp.float32) * step - n_devices * bound, own)
     else:
-        summed = unpack_codes(psum(pack_codes(codes, width)), width, length)
-        total = inverse(
-            summed.astype(jnp.float32) * step - n_devices * bound
-        )  # typed invariant: not stacked with sent
+        # Typed invariant: not stacked with sent.
+        total = inverse(summed.astype(jnp.float32) * step - n_devices * bound)
     return total.astype(x.dtype), sent.astype(x.dtype)
 
 
@@ -225,28 +238,36 @@ def quantized_psum_local(x, bits, key, n_devices, hadamard=True):
     )
 
 
+def _reduction(axis_name, scatter):
+    """The sum of the packed codes over ``axis_name``: a psum, or with ``scatter`` a
+    reduce-scatter of their ``[N, words]`` rows."""
+    if scatter:
+
+        def psum(v):
+            return jax.lax.psum_scatter(v, axis_name, scatter_dimension=0, tiled=False)
+    else:
+
+        def psum(v):
+            return jax.lax.psum(v, axis_name)
+
+    return psum
+
+
 def quantized_psum(x, bits, axis_name, key, hadamard=True, *, scatter=False):
     """THC homomorphic quantization: integer codes on a shared grid, summed by one integer psum.
 
-    1. Optionally a randomized Hadamard transform (random signs, then the orthonormal Walsh-Hadamard
-       transform in blocks of up to :data:`jaxcomp.collectives.sizes.MAX_HADAMARD_BLOCK`; ``x`` is
-       zero-padded to whole blocks; :func:`jaxcomp.hadamard_transform`, a native kernel on CPU)
-       spreads each vector's energy so its range shrinks. The signs come from ``key``
-       (:func:`jaxcomp.ops.hadamard.counter_signs`; the codec
-       is :mod:`jaxcomp.collectives.quantized`), which must be the same on every device.
+    1. Optionally a randomized Hadamard transform (signs from ``key``, blocks of up to
+       :data:`jaxcomp.collectives.sizes.MAX_HADAMARD_BLOCK`) spreads the energy, shrinking the
+       range.
     2. The range ``R`` is agreed by all: :func:`jax.lax.pmax` of the local max magnitudes.
-    3. Each value is stochastically rounded onto the ``2**bits`` levels spanning ``[-R, R]`` (noise
-       from ``key`` folded with the axis index, :func:`jaxcomp.ops.hadamard.counter_uniform`, so
-       every device draws its own): the codes are unbiased.
-    4. Because every device uses the same grid, codes add homomorphically: the codes are packed
-       into uint32 words, ``32 // w`` to a word with ``w`` the bits of ``N (2**bits - 1)``, so that
-       one psum of the words adds every field without carries between fields (4-bit codes on 4
-       devices travel in 6-bit fields, 6.4 bits a value); then dequantize and invert the
-       transform.
+    3. Each value is stochastically rounded onto the ``2**bits`` levels spanning ``[-R, R]``
+       (noise from ``key`` folded with the axis index): the codes are unbiased.
+    4. The codes are packed into uint32 words, in fields wide enough for the sum of ``N`` codes
+       (:func:`jaxcomp.collectives.sizes.code_width`), so one psum adds every field without
+       carries; then dequantized and transformed back.
 
-    ``sent`` is this device's own codes dequantized and transformed back, so the ``sent`` of all
-    devices sum to ``total`` (up to float rounding) and ``x - sent`` is this device's quantization
-    error (zero mean). With ``N = 1`` nothing is sent or quantized: ``total = sent = x``.
+    ``sent`` is this device's codes dequantized and transformed back, so ``x - sent`` is this
+    device's quantization error (zero mean). With ``N = 1`` nothing is sent: ``total = sent = x``.
 
     Args:
       x: this device's local 1-D float32, bfloat16 or float16 vector.
@@ -288,14 +309,6 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True, *, scatter=False):
         return (x if scatter else one_device_total(x, axis_name)), x
     if scatter:
         check_rows(x.shape[0], axis_name)
-
-        def psum(v):
-            return jax.lax.psum_scatter(v, axis_name, scatter_dimension=0, tiled=False)
-    else:
-
-        def psum(v):
-            return jax.lax.psum(v, axis_name)
-
     return quantized_sum(
         x,
         bits,
@@ -304,7 +317,7 @@ def quantized_psum(x, bits, axis_name, key, hadamard=True, *, scatter=False):
         n_devices,
         jax.lax.axis_index(axis_name),
         pmax=lambda v: jax.lax.pmax(v, axis_name),
-        psum=psum,
+        psum=_reduction(axis_name, scatter),
         scatter=scatter,
     )
 

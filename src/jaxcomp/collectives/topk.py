@@ -200,6 +200,54 @@ def split_indices(x, k, axis_name, selector="exact"):
     return merged_indices(all_gather_or_retype(mine, axis_name).reshape(-1, each), n)
 
 
+def _star_leader(x, k, step, selector, n_devices, me):
+    """STAR: the leader is ``step mod N``; only it runs the top-k kernel. Returns
+    ``(leader_index, is_leader, indices)``, the others' indices zeros."""
+    leader_index = _check_step(step).astype(jnp.int32) % n_devices
+    is_leader = me == leader_index
+    # Only the leader's indices are used: the others skip the kernel.
+    indices = jax.lax.cond(
+        is_leader,
+        lambda v: _select(v, k, selector)[1],
+        lambda v: _ffi.like_varying(jnp.zeros(k, jnp.int32), v),
+        x,
+    )
+    return leader_index, is_leader, indices
+
+
+def _var_leader(x, k, axis_name, selector, me):
+    """VAR: the leader is the device whose top-k values have the largest squared norm, agreed by
+    an all-gather of one float32 per device (ties: the lowest axis index). Returns
+    ``(leader_index, is_leader, indices)``."""
+    values, indices = _select(x, k, selector)
+    norms = jax.lax.all_gather(
+        jnp.sum(jnp.square(values.astype(jnp.float32))), axis_name, to="invarying"
+    )
+    leader_index = jnp.argmax(norms)  # the first maximum: every device agrees
+    return leader_index, me == leader_index, indices
+
+
+def _shared_indices(x, k, axis_name, leader, step, selector, n_devices, me, how):
+    """The ``k`` indices every device sums its values at, typed invariant: the STAR or VAR
+    leader's, broadcast by ``how`` (:func:`_broadcast_indices`), or SPLIT's
+    (:func:`split_indices`)."""
+    if leader == "split":
+        return split_indices(x, k, axis_name, selector)
+    if leader == "star":
+        leader_index, is_leader, indices = _star_leader(x, k, step, selector, n_devices, me)
+    else:
+        leader_index, is_leader, indices = _var_leader(x, k, axis_name, selector, me)
+    return _broadcast_indices(indices, is_leader, leader_index, axis_name, how)
+
+
+def _own_row_of_sum(n, axis_name, me, shared, summed, dtype):
+    """Sharded training: row ``me`` of the sum, the summed values whose indices fall in it."""
+    row = n // check_rows(n, axis_name)
+    return (
+        jnp.zeros(row, dtype).at[_localize(shared, row, me)].set(summed.astype(dtype), mode="drop")
+    )
+
+
 def ar_topk(
     x,
     k,
@@ -215,18 +263,11 @@ def ar_topk(
 ):
     """AR-Topk: one leader's top-k indices for everyone, then one all-reduce of ``k`` values.
 
-    The leader selects its ``k`` largest-magnitude entries; the indices reach every device (an
-    all-reduce of leader-masked indices, see :func:`_broadcast_indices`); each device takes its own
-    values at those indices; a :func:`jax.lax.psum` of the ``k`` values sums them; every device
-    scatters the sum into a dense vector.
-
-    * STAR: the leader is ``step mod N`` (round-robin). Only the leader runs the top-k kernel.
-    * VAR: the leader is the device whose local top-k values have the largest squared norm, agreed
-      by an all-gather of one float32 per device (ties: the lowest axis index).
-    * SPLIT (jaxcomp's, not the paper's): every device leads ``ceil(k / N)`` of the indices, its
-      own largest; they are all-gathered (:func:`split_indices`), so each device's largest values
-      are summed on every step, not on one step in ``N``. An index two devices picked is sent
-      once; its second slot is padding (index ``n``, value 0).
+    The leader's indices reach every device; each device takes its own values at them, a
+    :func:`jax.lax.psum` sums those, and every device scatters the sum into a dense vector.
+    Leaders: STAR, ``step mod N`` (only it runs the top-k kernel); VAR, the device whose top-k
+    values have the largest norm; SPLIT (jaxcomp's), every device leads ``ceil(k / N)`` of the
+    indices (:func:`split_indices`; an index picked twice is sent once, its second slot padding).
 
     Args:
       x: this device's local 1-D float32, bfloat16 or float16 vector of ``n`` values.
@@ -239,8 +280,7 @@ def ar_topk(
       selector: ``"exact"`` (:func:`jaxcomp.topk`) or ``"threshold"``
         (:func:`jaxcomp.threshold_topk`).
       sparse_sent: return ``sent`` as ``(indices, values)``, the pairs whose dense form it is
-        (index ``>= n`` marks padding, value 0), so that error feedback can zero those entries in
-        place instead of building and subtracting a dense vector: one pass less over the gradient.
+        (index ``>= n`` marks padding, value 0), for error feedback to zero in place.
       scatter: sharded training: ``x`` is ``N`` rows of equal length and ``total`` is only this
         device's row of the sum (the summed values whose indices fall in it).
       sparse_total: return ``total`` as a :class:`jaxcomp.ops.scatter.SparseTotal` (the shared
@@ -275,41 +315,45 @@ def ar_topk(
         _check_step_replicated(step, axis_name)
     n_devices = axis_size(axis_name)
     me = jax.lax.axis_index(axis_name)
-    if leader == "star":
-        leader_index = _check_step(step).astype(jnp.int32) % n_devices
-        is_leader = me == leader_index
-        # Only the leader's indices are used: the others skip the kernel.
-        indices = jax.lax.cond(
-            is_leader,
-            lambda v: _select(v, k, selector)[1],
-            lambda v: _ffi.like_varying(jnp.zeros(k, jnp.int32), v),
-            x,
-        )
-    elif leader == "var":
-        values, indices = _select(x, k, selector)
-        norms = jax.lax.all_gather(
-            jnp.sum(jnp.square(values.astype(jnp.float32))), axis_name, to="invarying"
-        )
-        leader_index = jnp.argmax(norms)  # the first maximum: every device agrees
-        is_leader = me == leader_index
-    if leader == "split":
-        shared = split_indices(x, k, axis_name, selector)
-    else:
-        shared = _broadcast_indices(indices, is_leader, leader_index, axis_name, _broadcast)
+    shared = _shared_indices(x, k, axis_name, leader, step, selector, n_devices, me, _broadcast)
     values = x.at[shared].get(mode="fill", fill_value=0)
     summed = psum_or_retype(values, axis_name)
     if scatter:
         _no_sparse_scatter(sparse_total)
-        row = n // check_rows(n, axis_name)
-        total = (
-            jnp.zeros(row, x.dtype)
-            .at[_localize(shared, row, me)]
-            .set(summed.astype(x.dtype), mode="drop")
-        )
+        total = _own_row_of_sum(n, axis_name, me, shared, summed, x.dtype)
     else:
         total = SparseTotal(shared, summed, n, add=False, dtype=x.dtype)
         total = total if sparse_total else total.dense()
     return total, _sent(n, shared, values, x.dtype, sparse_sent)
+
+
+def _node_pairs(x, shard, k_shard, selector, axes, axis_sizes):
+    """HiTopKComm's exchanges: the node's sum of this device's shard (a reduce-scatter in the
+    node), its top ``k_shard``, gathered across nodes then inside the node. Returns
+    ``(values, indices)``, ``outer x inner k_shard``: one row per node, of distinct indices
+    into ``x`` zero-padded to ``inner shard`` values (``axes``: the inner and the outer axis,
+    ``axis_sizes`` their sizes)."""
+    (inner_axis, outer_axis), (inner, outer) = axes, axis_sizes
+    padded = jnp.pad(x, (0, inner * shard - x.shape[0]))
+    node_shard = jax.lax.psum_scatter(padded, inner_axis, scatter_dimension=0, tiled=True)
+    values, indices = _select(node_shard, k_shard, selector)
+    indices = indices + jax.lax.axis_index(inner_axis) * shard
+    values, indices = (all_gather_or_retype(a, outer_axis) for a in (values, indices))
+    values, indices = (all_gather_or_retype(a, inner_axis) for a in (values, indices))
+    # [inner, outer, k_shard] -> one row per node: a node's shards are disjoint, so its row has
+    # distinct indices.
+    return tuple(a.transpose(1, 0, 2).reshape(outer, inner * k_shard) for a in (values, indices))
+
+
+def _node_set_sent(x, node_set, padded_n, sparse_sent):
+    """``x`` restricted to the node's selected indices ``node_set`` (``>= n``: padding): this
+    device's part of what its node sent, dense or as ``(indices, values)`` pairs."""
+    n = x.shape[0]
+    if sparse_sent:
+        # Padding entries (index >= n) carry 0; scatters of them are dropped.
+        return node_set, jnp.where(node_set < n, x[jnp.minimum(node_set, n - 1)], 0).astype(x.dtype)
+    in_node_set = jnp.zeros(padded_n, jnp.bool_).at[node_set].set(True)[:n]
+    return jnp.where(in_node_set, x, jnp.zeros_like(x))
 
 
 def hierarchical_topk(x, k, inner_axis, outer_axis, selector="exact", *, sparse_sent=False):
@@ -319,18 +363,12 @@ def hierarchical_topk(x, k, inner_axis, outer_axis, selector="exact", *, sparse_
 
     1. :func:`jax.lax.psum_scatter` inside the node: device ``i`` holds the node's sum of shard
        ``i`` (``s = ceil(n / I)`` values; ``x`` is zero-padded to ``I s``).
-    2. Each device keeps the ``k_s = ceil(k / I)`` largest-magnitude entries of its shard, so a node
-       keeps ``I k_s >= k`` entries in all. ``k_s <= s`` always (``k <= n``), so ``k`` may exceed
-       a shard; padding entries that get selected are zeros and are dropped.
-    3. :func:`jax.lax.all_gather` across nodes of the ``k_s`` (value, index) pairs.
-    4. :func:`jax.lax.all_gather` inside the node of the ``O k_s`` pairs each device now holds;
-       every device scatter-adds all pairs, node by node, in float32.
+    2. Each device keeps the ``ceil(k / I)`` largest-magnitude entries of its shard.
+    3. :func:`jax.lax.all_gather` of those (value, index) pairs across nodes, then inside the
+       node; every device scatter-adds all pairs, node by node, in float32.
 
-    ``sent`` (what keeps error feedback exact): the pairs a node sends are its node-summed gradient
-    at the node's selected index set ``J`` (the union of its devices' shard selections), so each
-    device's own contribution is ``x`` restricted to ``J``: ``sent = where(index in J, x, 0)``.
-    Summed over all devices, ``sent`` equals ``total`` up to float rounding, and ``x - sent`` is
-    exactly what this device's gradient lost.
+    ``sent`` is ``x`` at the node's selected indices, so ``x - sent`` is exactly what this
+    device's gradient lost, and the devices' ``sent`` sum to ``total`` up to float rounding.
 
     Args:
       x: this device's local 1-D float32, bfloat16 or float16 vector of ``n`` values.
@@ -340,8 +378,7 @@ def hierarchical_topk(x, k, inner_axis, outer_axis, selector="exact", *, sparse_
       outer_axis: the mesh axis of nodes.
       selector: ``"exact"`` (:func:`jaxcomp.topk`) or ``"threshold"`` (MSTopK, the paper's choice).
       sparse_sent: return ``sent`` as ``(indices, values)``, the pairs whose dense form it is
-        (index ``>= n`` marks padding, value 0), so that error feedback can zero those entries in
-        place instead of building and subtracting a dense vector: one pass less over the gradient.
+        (index ``>= n`` marks padding, value 0), for error feedback to zero in place.
 
     Returns:
       ``(total, sent)``, both of ``x``'s shape and dtype.
@@ -371,25 +408,10 @@ def hierarchical_topk(x, k, inner_axis, outer_axis, selector="exact", *, sparse_
     inner = axis_size(inner_axis, "inner_axis")
     outer = axis_size(outer_axis, "outer_axis")
     shard, k_shard = sizes.hierarchical_shard(n, k, inner)
-    padded = jnp.pad(x, (0, inner * shard - n))
-    node_shard = jax.lax.psum_scatter(padded, inner_axis, scatter_dimension=0, tiled=True)
-    values, indices = _select(node_shard, k_shard, selector)
-    indices = indices + jax.lax.axis_index(inner_axis) * shard
-    values, indices = (all_gather_or_retype(a, outer_axis) for a in (values, indices))
-    values, indices = (all_gather_or_retype(a, inner_axis) for a in (values, indices))
-    # [inner, outer, k_shard] -> one row per node: a node's shards are disjoint, so its row has
-    # distinct indices.
-    values, indices = (
-        a.transpose(1, 0, 2).reshape(outer, inner * k_shard) for a in (values, indices)
+    values, indices = _node_pairs(
+        x, shard, k_shard, selector, (inner_axis, outer_axis), (inner, outer)
     )
     total = SparseTotal(indices, values, inner * shard, dtype=jnp.float32).dense()
     total = total[:n].astype(x.dtype)
     node_set = indices[jax.lax.axis_index(outer_axis)]
-    if sparse_sent:
-        # Padding entries (index >= n) carry 0; scatters of them are dropped.
-        return total, (
-            node_set,
-            jnp.where(node_set < n, x[jnp.minimum(node_set, n - 1)], 0).astype(x.dtype),
-        )
-    in_node_set = jnp.zeros(inner * shard, jnp.bool_).at[node_set].set(True)[:n]
-    return total, jnp.where(in_node_set, x, jnp.zeros_like(x))
+    return total, _node_set_sent(x, node_set, inner * shard, sparse_sent)

@@ -4,7 +4,6 @@ the wire, the baseline every compressed method should be compared with."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from jaxcomp.collectives import sizes
 from jaxcomp.methods.base import Method
@@ -119,13 +118,13 @@ def shared_scale(x, axis_name):
     References:
       Micikevicius et al., "Mixed Precision Training", ICLR 2018 (loss scaling by powers of two).
     """
-    import jax
     import jax.numpy as jnp
 
     from jaxcomp import collectives
+    from jaxcomp.collectives._common import axis_size
 
-    axes = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
-    n_devices = math.prod(jax.lax.axis_size(a) for a in axes)
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    n_devices = axis_size(axes)  # the product of the axes' sizes
     global_max = collectives.pmax(jnp.max(jnp.abs(x)).astype(jnp.float32), axis_name)
     return power_of_two_scale(global_max, n_devices)
 

@@ -18,14 +18,9 @@ def matrix_view(shape: tuple[int, ...]) -> tuple[int, int] | None:
     ``k`` whose matrix is the most square (the largest smaller side; on a tie the later split),
     or None for a scalar or a vector.
 
-    A layer's gradient is ``inputs^T @ output grads`` summed over the batch, so its low-rank
-    structure lives in the inputs x outputs view. flax puts the inputs first and the outputs
-    last, but not always on one axis each: a ``Dense`` kernel is ``(in, out)`` and a convolution
-    ``(h, w, in, out)`` (both: ``(rows, last)``), while attention's query, key and value kernels
-    are ``(in, heads, head_dim)`` and its output kernel ``(heads, head_dim, out)``. The most
-    square split finds each of these (``(in, heads * head_dim)``, ``(heads * head_dim, out)``,
-    ``(h * w * in, out)``), and it is also the view whose rank-``r`` factors,
-    ``r (rows + cols)`` values, are smallest. A reshape of a contiguous array costs nothing.
+    That is a layer's inputs x outputs view, where its gradient is low-rank, for flax's dense,
+    convolution and attention kernels alike, and the view whose rank-``r`` factors are smallest
+    (docs/training.md, "PowerSGD views a leaf as its layer's inputs x outputs").
 
     Args:
       shape: the leaf's shape.
@@ -100,15 +95,8 @@ class PowerSGD(Method):
     one view are worked on together (:func:`batches`), so a model of many repeated layers
     compiles and runs one batched iteration per view, not one per matrix.
 
-    **Quality, on one task only** (not yet run on the quality zoo, so not a recommendation;
-    rank 4 with :func:`jaxcomp.adam` misses 3% there: BENCHMARKS.md, "What each method costs in
-    quality"): within 3% of dense Adam at 10x fewer bytes as ``PowerSGD(12, dtype="float16")``
-    with ``compress`` + ``optax.adam`` (:func:`jaxcomp.adam` gains nothing) on
-    ``benchmarks/quality.py``'s transformers, against dense at the same tuned learning rate, in all
-    four cells (docs/notes/2026-12-05-benchmarks-until-0.2.md, "PowerSGD's factors as float16").
-    float16 factors cost nothing measurable and halve the bytes; float32 factors come within 3%
-    only at a higher rank and fewer savings (docs/training.md, "Optimizers that know they are
-    compressed").
+    Its quality, and the settings that keep it near dense: docs/training.md, "Optimizers that
+    know they are compressed".
 
     Args:
       rank: the approximation's rank ``r``, an integer >= 1 (PyTorch's
@@ -417,12 +405,9 @@ def batches(views) -> list[tuple[int, ...]]:
     """The matrices PowerSGD works on together: the indices of each view ``(rows, cols)``, in
     order of first appearance.
 
-    A model of many layers of one shape (ResNet's blocks, a transformer's, 256 small residual
-    blocks) then orthogonalizes each view's ``P`` s in one batched pass, and multiplies its small
-    matrices (:data:`STACK_MAX_VALUES`) in batched products, instead of one of each per matrix.
-    The update of the zoo's ``many_small`` (1,030 leaves) then traces, compiles and runs
-    markedly faster, and ResNet-50's and GPT-2's compile faster (docs/performance.md, "PowerSGD
-    in batches").
+    Each view's ``P`` s are orthogonalized in one batched pass, and its small matrices
+    (:data:`STACK_MAX_VALUES`) multiplied in batched products, instead of one of each per matrix
+    (docs/performance.md, "PowerSGD in batches").
 
     Args:
       views: each compressed matrix's ``(rows, cols)``, in order.
