@@ -613,7 +613,7 @@ def test_bad_arguments_raise_clear_errors():
         (dict(ok, fragments=5), ValueError, "fragments=5 > sync_every=4"),
         (dict(ok, delay=4), ValueError, "delay=4 must be < sync_every=4"),
         (dict(ok, mixing=0.3), ValueError, "mixing applies"),
-        (dict(ok, delay=1, mixing=2.0), ValueError, "mixing must be in"),
+        (dict(ok, delay=1, mixing=2.0), ValueError, "mixing must be a finite number in [0, 1]"),
         (dict(ok, shard="optimizer"), ValueError, "pass inner_axis= (a two-level mesh"),
         (dict(ok, shard="params"), ValueError, "shard='params' is not supported by diloco"),
         (dict(ok, shard="zero"), ValueError, "shard must be one of (None, 'optimizer')"),

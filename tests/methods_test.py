@@ -407,27 +407,18 @@ def _lax_collectives(source: str) -> list[str]:
     return found
 
 
-#: Modules outside jaxcomp.collectives that call a jax.lax collective, and why they must.
-LAX_ALLOWED = {
-    "costmodel/probe.py": "times the plain all-reduce itself: it measures the network's α and β",
-    "distributed/netbench_worker.py": "runs the baseline without jaxcomp (a plain lax.pmean)",
-}
-
-
 def test_every_cross_device_byte_goes_through_the_collectives():
-    """STYLE.md: the methods, the optimizer's stages and the training step call
-    jaxcomp.collectives, never a jax.lax collective themselves, so every exchange is in one layer
-    (and counted against its sizes). Two modules are exempt, each for a stated reason."""
+    """STYLE.md: the methods, the optimizer's stages, the training step, the probe and the
+    benchmarks' baseline call jaxcomp.collectives, never a jax.lax collective themselves, so every
+    exchange is in one layer (the plain all-reduce a program without jaxcomp runs is
+    jaxcomp.collectives.baseline)."""
     found = [
         f"{path.relative_to(PACKAGE)}:{hit}"
         for path in sorted(PACKAGE.rglob("*.py"))
         if path.relative_to(PACKAGE).parts[0] != "collectives"
-        and str(path.relative_to(PACKAGE)) not in LAX_ALLOWED
         for hit in _lax_collectives(path.read_text())
     ]
     assert not found, "jax.lax collectives called outside jaxcomp.collectives:\n" + "\n".join(found)
-    for module in LAX_ALLOWED:  # the exemptions are still needed
-        assert _lax_collectives((PACKAGE / module).read_text()), module
 
 
 def test_the_collective_finder_finds_them():

@@ -9,7 +9,7 @@ import pytest
 
 from jaxcomp.cli import _report
 from jaxcomp.cli import netbench as netbench_cli
-from jaxcomp.distributed import netbench, netbench_worker
+from jaxcomp.distributed import netbench, netbench_worker, netbench_workload
 
 
 def fake_rows():
@@ -75,13 +75,13 @@ def test_a_zoo_model_is_what_the_workers_train():
         rate_bits=None,
         model="mlp4096",
     )
-    params, loss_fn, batches, about = netbench_worker._workload(spec, np.random.default_rng(0))
+    params, loss_fn, batches, about = netbench_workload.workload(spec, np.random.default_rng(0))
     assert about == {"model": "mlp4096", "leaves": 8, "width": None}
     assert len(batches) == 4 and batches[0]["x"].shape == (3, 1024)
     assert np.isfinite(float(loss_fn(params, batches[0])))
     # Without a model: the MLP of --params, as before the zoo.
     mlp = dataclasses.replace(spec, model=None, params=2e5)
-    _, _, batches, about = netbench_worker._workload(mlp, np.random.default_rng(0))
+    _, _, batches, about = netbench_workload.workload(mlp, np.random.default_rng(0))
     assert about == {"model": "mlp_6x183", "leaves": 12, "width": 183} and batches[0][
         "y"
     ].shape == (3, 183)
@@ -140,7 +140,7 @@ def test_speedups_against_pmean_and_the_faster_plain_step(monkeypatch, steps, pl
     assert "| 0.250 | 0.750 | 0.100 |" in line  # step, CPU, compute
 
 
-def test_a_job_that_times_out_keeps_the_rows_it_measured(monkeypatch, capsys, tmp_path):
+def test_a_job_that_times_out_keeps_the_rows_it_measured(monkeypatch, caplog, tmp_path):
     from jaxcomp.distributed import cluster
 
     monkeypatch.setattr(cluster, "Cluster", _TimedOutCluster)
@@ -157,7 +157,7 @@ def test_a_job_that_times_out_keeps_the_rows_it_measured(monkeypatch, capsys, tm
     result = netbench._run_cell(spec, **run)
     assert list(result["methods"]) == ["pmean", "dense"]
     assert result["incomplete"] == "exit codes [124, 124]"
-    err = capsys.readouterr().err
+    err = caplog.text  # a warning of logger "jaxcomp.distributed" (on stderr by default)
     assert "failed (exit codes [124, 124])" in err and "kept the rows measured before" in err
     assert "the workers' last words" in err
     # Nothing measured (or not even the baseline): the failure is raised.

@@ -66,7 +66,7 @@ def test_cluster_jobs_get_the_flags_but_not_the_drivers():
         (["--rows", "dp,nope"], "unknown row 'nope'"),
         (["--rows", "dp@outer=avg"], "@outer=avg is not a setting of it"),
         (["--rows", "diloco-h50@outer=nesterov:1"], "outer optimizer 'nesterov:1'"),
-        (["--rows", "diloco-h50@lr=0"], "@lr= takes a learning rate > 0"),
+        (["--rows", "diloco-h50@lr=0"], "@lr= takes a finite learning rate > 0"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--steps", "40", "--max-steps", "30"], "--max-steps"),
         (["--steps", "20"], "more than the learning rate's 25 warm-up steps"),

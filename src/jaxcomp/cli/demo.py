@@ -12,48 +12,51 @@ dense drawn in every panel as the reference.
     jaxcomp demo                       # all methods, a minute or two on a small machine
     python -m jaxcomp demo --steps 600 --methods dense,ar_topk,ar_topk_noef
 
-**A row's verdict.** "yes" when its final eval accuracy is at most 1 point below dense's, "no"
-otherwise, "diverged" when an eval loss was non-finite or above twice the loss at step 0 (chance
-level, ln 10, for this model). The last column says what the row sends and what it trades. The
-test set has 359 images: 1 point is 3.6 images, about what another ``--seed`` moves. What the
-rows measured at the defaults is in docs/training.md (its introduction).
+**Random-k and the optimizer's momentum.** With error feedback, random-k sends each entry about
+once every ``1 / density`` steps, with all that entry's gradient since: every entry arrives as a
+stale burst. Stale updates already act as momentum (Mitliagkas et al. 2016, "Asynchrony begets
+momentum"); SGD's momentum 0.9 on top of them makes training blow up, and so does DGC's momentum
+correction. So the random-k rows run the same optimizer without momentum: SGD at
+``lr / (1 - 0.9)``, the step momentum SGD takes in a steady state (Adam with ``b1=0`` under
+``--optimizer adam``).
 
-**Random-k and the optimizer's momentum** (the rows ``randomk``, ``randomk_10x``). With error
-feedback, random-k sends each entry about once every ``1 / density`` steps, with all that
-entry's gradient since: every entry arrives as a stale burst. Stale updates already act as
-momentum (Mitliagkas et al. 2016, "Asynchrony begets momentum"); SGD's momentum 0.9 on top of
-them makes training oscillate and blow up, and so does DGC's momentum correction. What trains is
-the same method followed by the same optimizer **without momentum**: SGD at ``lr / (1 - 0.9)``,
-the step momentum SGD takes in a steady state (with ``--optimizer adam``: Adam with ``b1=0``).
-So the random-k rows run that pairing, and it is the documented trade-off of the row, in its
-``note``:
-
-* ``randomk`` (random-k at ``--density``): stable, but random entries carry less than the
-  largest, so it ends a few points below dense;
-* ``randomk_10x`` (10 times ``--density``): as good as dense, for a tenth of dense's bytes at the
-  default density;
-* ``randomk_noef`` (no error feedback, the default optimizer: no bursts, so momentum is
-  harmless): stable and slow, since most of every gradient is dropped.
-
-The step ``lr / (1 - 0.9)`` is momentum SGD's, not one tuned for random-k. The other
-error-feedback rows keep the optimizer users write (and DGC's setting), SGD with momentum,
-although the same pairing measured better for some of them (docs/training.md).
+The runs and their trade-offs are in :mod:`jaxcomp.cli._demo_runs`, a row's verdict in
+:mod:`jaxcomp.cli._demo_verdict`; what the rows measured at the defaults is in docs/training.md
+(its introduction).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import sys
 import time
-from typing import Any
 
 import numpy as np
 
 from jaxcomp.cli import _report
-from jaxcomp.methods import Dense
+from jaxcomp.cli._demo_runs import (  # noqa: F401  (re-exported: the demo's names, as before)
+    AUTO,
+    CODECS,
+    DENSE,
+    FAMILIES,
+    SPARSE_AND_LOW_RANK,
+    TOPK,
+    Run,
+    runs,
+)
+from jaxcomp.cli._demo_verdict import (  # noqa: F401  (re-exported, as above)
+    EXPLODED,
+    TABLE_HEADER,
+    WITHIN_POINTS,
+    diverged,
+    figure,
+    format_table,
+    plot,
+    save_tables,
+    verdicts,
+)
 
 #: Virtual CPU devices the demo trains on.
 N_DEVICES = 8
@@ -61,131 +64,6 @@ N_DEVICES = 8
 
 #: The momentum of ``--optimizer momentum`` (SGD).
 MOMENTUM = 0.9
-
-#: The families of methods, one column of panels each in the plot, in the table's order.
-TOPK, CODECS, SPARSE_AND_LOW_RANK, AUTO = (
-    "top-k",
-    "quantizers & casts",
-    "random-k, sign & low rank",
-    "auto",
-)
-FAMILIES = (TOPK, CODECS, SPARSE_AND_LOW_RANK, AUTO)
-
-#: A row is "within" when its final eval accuracy is at most this many points below dense's.
-WITHIN_POINTS = 1.0
-#: A row has diverged when an eval loss is above this multiple of the loss at step 0 (or is not
-#: finite).
-EXPLODED = 2.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """One line of the demo's table: a method (or, for ``compress_auto``, its candidates) and
-    options, its family (the plot's panel), its optimizer pairing and what the row trades."""
-
-    name: str
-    method: Any  # a jaxcomp.methods object, or a tuple of them: compress_auto's candidates
-    options: dict = dataclasses.field(default_factory=dict)
-    axis_name: str | tuple = "data"
-    family: str = ""  # one of FAMILIES; "" for dense, drawn in every panel
-    momentum_free: bool = False  # the optimizer after compress runs without momentum
-    note: str = ""  # its documented setting or trade-off, in the verdict table
-
-
-#: The run every other is compared with: the dense all-reduce.
-DENSE = Dense().label
-
-_NO_MOMENTUM = "optimizer without momentum"
-
-
-def runs(density: float) -> dict[str, Run]:
-    """The demo's runs by name, top-k and random-k ones at ``density`` (fraction of entries sent),
-    family by family, each with a note on what it sends and trades."""
-    from jaxcomp.methods import Cast, PowerSGD, Quantized, Sign, TopK, Zfp
-
-    share = f"{100 * density:.3g}%"
-    table = [Run(DENSE, Dense(), note="the reference: every value, all-reduced")]
-    for method, note in (
-        (TopK(density), f"each device's top {share}, values and indices all-gathered"),
-        (TopK(density, collective="ar"), f"each device picks {share} / N of the shared indices"),
-        (TopK(density, collective="hierarchical"), "top-k of each shard in a node, then across"),
-    ):
-        axis_name = ("node", "device") if method.axes_needed == 2 else "data"
-        table.append(Run(method.label, method, {}, axis_name, TOPK, note=note))
-        if axis_name == "data":  # top-k without error feedback too
-            noef = {"error_feedback": False}
-            note = "no error feedback: what is not sent is lost"
-            table.append(Run(f"{method.label}_noef", method, noef, family=TOPK, note=note))
-    for method, note in (
-        (Zfp(8), "8 bits a value (ZFP fixed rate)"),
-        (Quantized(4), "4-bit codes on a shared grid (THC)"),
-        (Cast("bfloat16"), "16 bits a value, no error feedback (its default)"),
-    ):
-        table.append(Run(method.label, method, family=CODECS, note=note))
-    table += _randomk_runs(density)
-    for method, note in (
-        (Sign(), "1 bit a value and a scale a chunk"),
-        (PowerSGD(4), "rank-4 factors"),
-    ):
-        table.append(Run(method.label, method, family=SPARSE_AND_LOW_RANK, note=note))
-    table += _auto_runs(density)
-    return {run.name: run for run in table}
-
-
-def _randomk_runs(density: float) -> list[Run]:
-    """Random-k with error feedback and the optimizer without momentum (the module docstring says
-    why), at ``density`` and at 10 times it; and without error feedback."""
-    from jaxcomp.methods import RandomK
-
-    method, wider = RandomK(density), RandomK(min(1.0, 10 * density))
-    family = SPARSE_AND_LOW_RANK
-    return [
-        Run(
-            method.label,
-            method,
-            family=family,
-            momentum_free=True,
-            note=f"{_NO_MOMENTUM}; random entries carry less than the top ones",
-        ),
-        Run(
-            f"{method.label}_10x",
-            wider,
-            family=family,
-            momentum_free=True,
-            note=f"{_NO_MOMENTUM}; 10x the density and the bytes",
-        ),
-        Run(
-            f"{method.label}_noef",
-            method,
-            {"error_feedback": False},
-            family=family,
-            note=f"no error feedback: {100 * (1 - density):.3g}% of each gradient dropped",
-        ),
-    ]
-
-
-def _auto_runs(density: float) -> list[Run]:
-    """``compress_auto`` on the probed devices, and on a simulated slow link."""
-    from jaxcomp.methods import candidates
-    from jaxcomp.optim.auto import RatioSearch
-
-    return [
-        # Chooses from the probed network (here 8 in-memory devices) and the cost model.
-        Run(
-            "auto",
-            candidates(ratio=density, rate=8),
-            family=AUTO,
-            note="the cost model's choice for the probed devices",
-        ),
-        # The same choice on a simulated slow link, with the ratio chosen as well (paper 000 §3-E).
-        Run(
-            "auto_adaptive_100mbit",
-            candidates(ratio=density),
-            {"ratio_search": RatioSearch(), "network": "1ms/100mbit"},
-            family=AUTO,
-            note="the same on a 1 ms, 100 Mbit/s link; density searched",
-        ),
-    ]
 
 
 def _use_virtual_cpu_devices():
@@ -287,7 +165,7 @@ def _setup(run: Run, devices, learning_rate, optimizer, seed):
 
     from jaxcomp.costmodel.cost import Network
     from jaxcomp.optim.auto import compress_auto
-    from jaxcomp.optim.transform import compress
+    from jaxcomp.optim.compression import compress
     from jaxcomp.training.trainer import data_parallel
 
     if isinstance(run.axis_name, tuple):  # 2 "nodes" of 4 devices: the outer axis is the slow one
@@ -345,7 +223,7 @@ def _steps(dp, state, evaluate, data, batches, bar):
 
 def _results(run: Run, state, metrics, evaluate, data, curves) -> dict:
     """What :func:`train` returns: the curves, the final eval, the bytes and the step time."""
-    from jaxcomp.optim.transform import find_compress_state
+    from jaxcomp.optim.state import find_compress_state
 
     losses, eval_curve, step_time = curves
     eval_loss, eval_accuracy = evaluate(state.params, {"x": data[2], "y": data[3]})
@@ -364,112 +242,6 @@ def _results(run: Run, state, metrics, evaluate, data, curves) -> dict:
         "gain": float(metrics["gain"]),
         "step_time": step_time,
     }
-
-
-def diverged(result) -> bool:
-    """Whether a run diverged: an eval loss not finite or above :data:`EXPLODED` times the loss of
-    the initial params (step 0 of its eval curve)."""
-    losses = [loss for _, loss in result["eval_curve"]] + [result["eval_loss"]]
-    start = result["eval_curve"][0][1]
-    return not all(math.isfinite(loss) for loss in losses) or max(losses) > EXPLODED * start
-
-
-def verdicts(results) -> list[dict]:
-    """One record per run, the numbers of the verdict table: ``run``, ``ran``, ``density``,
-    ``accuracy`` and ``accuracy_vs_dense`` (points), ``eval_loss``, ``bytes``,
-    ``bytes_vs_dense``, ``step_ms``, ``within`` ("yes", "no", "diverged", or "-" without a dense
-    run) and ``note``."""
-    dense = next((r for r in results if r["name"] == DENSE), None)
-    records = []
-    for r in results:
-        gap = 100 * (r["eval_accuracy"] - dense["eval_accuracy"]) if dense else float("nan")
-        if diverged(r):
-            within = "diverged"
-        elif dense is None:
-            within = "-"
-        else:  # accuracies are counts over the same test set: the tolerance absorbs rounding
-            within = "yes" if gap >= -WITHIN_POINTS - 1e-6 else "no"
-        records.append(
-            {
-                "run": r["name"],
-                "ran": r["method"],
-                "density": r["density"],
-                "accuracy": 100 * r["eval_accuracy"],
-                "accuracy_vs_dense": gap,
-                "eval_loss": r["eval_loss"],
-                "bytes": r["bytes_sent"],
-                "bytes_vs_dense": r["bytes_sent"] / dense["bytes_sent"]
-                if dense and dense["bytes_sent"]
-                else float("nan"),
-                "step_ms": 1e3 * r["step_time"],
-                "within": within,
-                "note": r.get("note", ""),
-            }
-        )
-    return records
-
-
-#: The verdict table's columns (Markdown), one per field of a :func:`verdicts` record.
-TABLE_HEADER = (
-    "run",
-    "ran (density)",
-    "eval accuracy",
-    "vs dense (pt)",
-    "eval loss",
-    "bytes / step / device",
-    "vs dense",
-    "step time",
-    "within 1 pt of dense?",
-    "setting / trade-off",
-)
-
-
-def format_table(results) -> str:
-    """The verdict table in Markdown: accuracy and its gap to dense, eval loss, bytes and their
-    ratio to dense, step time, the verdict and the row's documented setting or trade-off."""
-    rows = []
-    for v in verdicts(results):
-        rows.append(
-            [
-                v["run"],
-                f"{v['ran']} ({v['density']:.3g})",
-                f"{v['accuracy']:.2f}%",
-                "-" if math.isnan(v["accuracy_vs_dense"]) else f"{v['accuracy_vs_dense']:+.2f}",
-                f"{v['eval_loss']:.4g}",
-                f"{v['bytes']:,.0f}",
-                "-" if math.isnan(v["bytes_vs_dense"]) else f"{v['bytes_vs_dense']:.4f}",
-                f"{v['step_ms']:.2f} ms",
-                v["within"],
-                v["note"],
-            ]
-        )
-    return _report.format_table(TABLE_HEADER, rows, align="llrrrrrrll")
-
-
-def save_tables(results, folder) -> list[str]:
-    """Writes the verdict table to ``folder`` as ``verdict.md`` and ``verdict.csv`` (the CSV with
-    the unformatted numbers of :func:`verdicts`); returns the two paths."""
-    records = verdicts(results)
-    md, csv = os.path.join(folder, "verdict.md"), os.path.join(folder, "verdict.csv")
-    with open(md, "w") as f:
-        f.write(format_table(results) + "\n")
-    _report.write_csv(csv, list(records[0]), [list(v.values()) for v in records])
-    return [md, csv]
-
-
-def figure(results):
-    """The eval curves as a matplotlib figure: one column per family (:data:`FAMILIES` present in
-    ``results``), eval loss above eval accuracy, dense in every panel, each legend below its
-    column; returns it."""
-    from jaxcomp.cli import _demo_plot
-
-    verdict = {v["run"]: v["within"] for v in verdicts(results)}
-    return _demo_plot.figure(results, FAMILIES, DENSE, verdict, WITHIN_POINTS)
-
-
-def plot(results, path):
-    """Saves :func:`figure` of ``results`` to ``path`` (PNG)."""
-    _report.save_figure(figure(results), path, dpi=110)
 
 
 def main(argv=None) -> int:

@@ -308,6 +308,8 @@ def _checked_args(parser, args):
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        parser.error(f"--timeout must be a number of seconds > 0, got {args.timeout}")
     for flag, path in (("--plot", args.plot), ("--json", args.json)):
         problem = path and _report.unwritable_file(path)
         if problem:

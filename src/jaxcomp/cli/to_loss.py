@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import platform
 import sys
@@ -249,9 +250,16 @@ def _check(parser, args):
         parser.error(f"--out {args.out!r}: {problem}")
     for name in _names(args):
         try:
-            parse_row(name)
+            _, settings = parse_row(name)
         except ValueError as error:
             parser.error(f"--rows: {error}")
+        if settings.get("exchange") == "split" and (args.inner or 1) == 1:
+            parser.error(
+                f"--rows: row {name!r} splits the exchange over a worker's row of devices: "
+                "pass --inner N (devices per worker, N >= 2)"
+            )
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        parser.error(f"--timeout must be a number of seconds > 0, got {args.timeout}")
     for flag in ("steps", "max_steps", "eval_every", "hosts", "devices", "inner"):
         value = getattr(args, flag)
         if value is not None and value < 1:

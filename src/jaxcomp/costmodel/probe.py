@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import methods
+from jaxcomp.collectives import baseline
 from jaxcomp.costmodel import cost
 from jaxcomp.methods import Dense, Method
 
@@ -266,12 +267,9 @@ def codec_seconds(
     training: devices that share compute (CPU devices on one host, say) then slow each other
     down as they would in a step.
 
-    What is timed is the method's own answer: for :class:`jaxcomp.TopK` the selection and the
-    in-place error feedback; for :class:`jaxcomp.Zfp` the ring's whole codec work (about two
-    encodes and three decodes of the gradient); for :class:`jaxcomp.Quantized` THC's whole local
-    work (signs, Hadamard transform, rounding, packing and the back-transforms). A method with no
-    local work (:class:`jaxcomp.Dense`) costs 0. Paper 002 adds this ``T_encode-decode`` to the
-    step time, since compression cannot hide behind the backward pass (its §3.1).
+    What is timed is the method's own answer (top-k's selection and error feedback, the ZFP
+    ring's encodes and decodes, THC's transforms and packing); a method with none
+    (:class:`jaxcomp.Dense`) costs 0. Paper 002 adds this ``T_encode-decode`` to the step time.
 
     Args:
       method: a :mod:`jaxcomp.methods` object, or a name with its options in ``options``.
@@ -296,6 +294,28 @@ def codec_seconds(
       Agarwal et al., MLSys 2022, §3.1 and App. C (measuring T_encode-decode).
     """
     method = methods.parse(method, **options)
+    _check_codec(n_values, repeats, n_workers, mesh, axis_name)
+    workers = n_workers or (mesh.shape[axis_name] if mesh is not None else 2)
+    codec = method.local_work(n_values, workers)
+    if codec is None:
+        return 0.0
+    where = (
+        (tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, mesh.axis_names, axis_name)
+        if mesh is not None
+        else jax.default_backend()
+    )
+    key = ("codec", method, n_values, workers, repeats, where)
+    if cache and key in _CACHE:
+        return _CACHE[key]
+    run, x = _codec_run(codec, n_values, mesh, axis_name)
+    best = best_seconds(lambda: run(x), repeats)
+    if cache:
+        _CACHE[key] = best
+    return best
+
+
+def _check_codec(n_values, repeats, n_workers, mesh, axis_name):
+    """A ValueError (or TypeError) naming the first bad argument of :func:`codec_seconds`."""
     if isinstance(n_values, bool) or not isinstance(n_values, int) or n_values < 1:
         raise ValueError(f"n_values must be an integer >= 1, got {n_values!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -311,33 +331,19 @@ def codec_seconds(
             raise ValueError(
                 f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}"
             )
-    workers = n_workers or (mesh.shape[axis_name] if mesh is not None else 2)
-    codec = method.local_work(n_values, workers)
-    if codec is None:
-        return 0.0
-    where = (
-        (tuple(d.id for d in mesh.devices.flat), mesh.devices.shape, mesh.axis_names, axis_name)
-        if mesh is not None
-        else jax.default_backend()
-    )
-    key = ("codec", method, n_values, workers, repeats, where)
-    if cache and key in _CACHE:
-        return _CACHE[key]
+
+
+def _codec_run(codec, n_values, mesh, axis_name):
+    """``(jitted codec, its input)``: one gradient on the default device, or one per device of
+    the mesh axis inside ``shard_map``."""
     if mesh is None:
         x = jax.random.normal(jax.random.key(0), (n_values,), jnp.float32)
-        run = jax.jit(codec)
-    else:
-        spec = P(axis_name)
-        shape = (mesh.shape[axis_name] * n_values,)
-        values = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-        x = jax.make_array_from_callback(
-            shape, NamedSharding(mesh, spec), lambda index: values[index]
-        )
-        run = jax.jit(jax.shard_map(codec, mesh=mesh, in_specs=spec, out_specs=spec))
-    best = best_seconds(lambda: run(x), repeats)
-    if cache:
-        _CACHE[key] = best
-    return best
+        return jax.jit(codec), x
+    spec = P(axis_name)
+    shape = (mesh.shape[axis_name] * n_values,)
+    values = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    x = jax.make_array_from_callback(shape, NamedSharding(mesh, spec), lambda index: values[index])
+    return jax.jit(jax.shard_map(codec, mesh=mesh, in_specs=spec, out_specs=spec)), x
 
 
 def best_seconds(run, repeats: int) -> float:
@@ -451,7 +457,9 @@ def _time_psum(mesh, axis_name, values_per_device, repeats):
         shape, sharding, lambda index: np.ones(shape, np.float32)[index]
     )
     reduce = jax.jit(
-        jax.shard_map(lambda v: jax.lax.psum(v, axis_name), mesh=mesh, in_specs=spec, out_specs=P())
+        jax.shard_map(
+            lambda v: baseline.psum(v, axis_name), mesh=mesh, in_specs=spec, out_specs=P()
+        )
     )
     reduce(x).block_until_ready()  # compile and warm up outside the timing
     times = []

@@ -1,7 +1,8 @@
 """Layer 7, many hosts: ``jax.distributed`` start-up with a rendezvous (:mod:`.launch`,
 :mod:`.rendezvous`, its server :mod:`.rendezvous_server`, what a peer's failure does:
-:mod:`.failure`), the emulated cluster (:mod:`.cluster`) and the network benchmark
-(:mod:`.netbench`, its worker :mod:`.netbench_worker`).
+:mod:`._failure`), the emulated cluster (:mod:`.cluster`, its link rates :mod:`.rates`) and the
+network benchmark (:mod:`.netbench`, its worker :mod:`.netbench_worker` and what the worker trains,
+:mod:`.netbench_workload`).
 """
 
 from jaxcomp._lazy import attach
@@ -13,8 +14,10 @@ __getattr__, __dir__, __all__ = attach(
         "rendezvous",
         "rendezvous_server",
         "cluster",
+        "rates",
         "netbench",
         "netbench_worker",
+        "netbench_workload",
     ),
     exports={},
 )

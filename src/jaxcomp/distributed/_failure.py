@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import os
 import re
 import sys
@@ -20,6 +21,10 @@ import threading
 import time
 
 from jaxcomp.distributed import rendezvous
+
+# Warnings and errors reach stderr even where logging is not configured (Python's last-resort
+# handler): a process that dies says why.
+_LOG = logging.getLogger("jaxcomp.distributed")
 
 # Seconds between hearing that a peer was lost and raising PeerLostError in the main thread: time
 # for the collective that normally fails first to raise its own exception.
@@ -49,10 +54,8 @@ def raise_peer_lost_later(exiting: threading.Event, grace: float, on_failure=Non
         left = max(0.0, heard + grace - time.monotonic())
         if exiting.wait(left) or not threading.main_thread().is_alive():
             return
-        print(
-            f"jaxcomp.distributed.launch: {message}; raising {kind.__name__} in the main thread",
-            file=sys.stderr,
-            flush=True,
+        _LOG.warning(
+            "jaxcomp.distributed.launch: %s; raising %s in the main thread", message, kind.__name__
         )
         where = _main_thread_position()
         _raise_in_main_thread(kind, message, lost)
@@ -74,19 +77,13 @@ def raise_peer_lost_later(exiting: threading.Event, grace: float, on_failure=Non
 
 
 def _run_hook(on_failure, error) -> None:
-    """``on_failure(error)``; an exception of its own is printed, not raised."""
-    print(
-        f"jaxcomp.distributed.launch: {error}; running the on_failure hook",
-        file=sys.stderr,
-        flush=True,
-    )
+    """``on_failure(error)``; an exception of its own is logged, not raised."""
+    _LOG.warning("jaxcomp.distributed.launch: %s; running the on_failure hook", error)
     try:
         on_failure(error)
     except BaseException as e:  # the hook's failure must not hide the peer's
-        print(
-            f"jaxcomp.distributed.launch: the on_failure hook raised {type(e).__name__}: {e}",
-            file=sys.stderr,
-            flush=True,
+        _LOG.error(
+            "jaxcomp.distributed.launch: the on_failure hook raised %s: %s", type(e).__name__, e
         )
 
 
@@ -111,19 +108,16 @@ def _unblock_main_thread(name: str) -> None:
         client = distributed.global_state.client
         if client is None:
             return
-        print(
+        _LOG.warning(
             "jaxcomp.distributed.launch: the main thread is still blocked in a call; shutting down "
-            f"JAX's distributed client so that it returns and {name} rises",
-            file=sys.stderr,
-            flush=True,
+            "JAX's distributed client so that it returns and %s rises",
+            name,
         )
         _client_shut_down.append(True)
         client.shutdown()
     except Exception as e:  # the exception stays pending: it rises when the call returns
-        print(
-            f"jaxcomp.distributed.launch: shutting down JAX's distributed client failed: {e}",
-            file=sys.stderr,
-            flush=True,
+        _LOG.error(
+            "jaxcomp.distributed.launch: shutting down JAX's distributed client failed: %s", e
         )
 
 
@@ -152,13 +146,14 @@ def _raise_in_main_thread(kind, message, lost):
 
 def initialize_watchdog(joined, seconds, process_id, num_processes, coordinator):
     if not joined.wait(seconds):
-        print(
-            f"jaxcomp.distributed.launch: process {process_id} of {num_processes}: not every "
-            f"process of the job connected to the coordinator at {coordinator} within "
-            f"{seconds:g} s (failure_timeout): a process was never started, died while starting, "
-            "or cannot reach the coordinator; exiting",
-            file=sys.stderr,
-            flush=True,
+        _LOG.critical(
+            "jaxcomp.distributed.launch: process %s of %s: not every process of the job connected "
+            "to the coordinator at %s within %g s (failure_timeout): a process was never started, "
+            "died while starting, or cannot reach the coordinator; exiting",
+            process_id,
+            num_processes,
+            coordinator,
+            seconds,
         )
         os._exit(1)
 
@@ -186,17 +181,17 @@ def exit_promptly_on_failure(
         failed.append(True)
         missing = _missing_processes(process_id, num_processes)
         if missing:
-            print(
-                f"jaxcomp.distributed.launch: process {process_id} of {num_processes} failed; "
-                "process(es) "
-                f"{', '.join(map(str, missing))} did not check in within {_CHECK_IN_SECONDS} s "
-                "(dead or stalled, unless still running without error)",
-                file=sys.stderr,
-                flush=True,
+            _LOG.error(
+                "jaxcomp.distributed.launch: process %s of %s failed; process(es) %s did not "
+                "check in within %s s (dead or stalled, unless still running without error)",
+                process_id,
+                num_processes,
+                ", ".join(map(str, missing)),
+                _CHECK_IN_SECONDS,
             )
         known = _known_failure(membership)
         if known and not isinstance(value, rendezvous.PeerLostError):
-            print(f"jaxcomp.distributed.launch: {known}", file=sys.stderr, flush=True)
+            _LOG.error("jaxcomp.distributed.launch: %s", known)
 
     def exit_now():
         exiting.set()

@@ -4,22 +4,13 @@ links.
     jaxcomp cluster --hosts 4 --rate 1gbit -- train.py --steps 10
 
 builds four hosts, each a network namespace with one interface ``eth0`` (a veth) plugged into a
-bridge that lives in a namespace of its own, shapes both directions of every host link with
-``tc qdisc ... tbf`` at ``rate``, and starts ``train.py`` once per host (``ip netns exec``) as
-the processes of one ``jax.distributed`` job. The script calls
-:func:`jaxcomp.distributed.launch.initialize` before any JAX op, exactly as under
-:mod:`jaxcomp.distributed.launch`; gloo is told to use ``eth0``.
-
-Everything lives in namespaces this module creates; the root namespace's interfaces are never
-touched, and only a private /24 (default ``10.213.0.0/24``) is used, inside those namespaces.
-Everything is torn down on exit, error, timeout and Ctrl-C (namespaces take their veths, bridge
-and qdiscs with them; processes are killed by process group). ``jaxcomp cluster --cleanup``
-removes what a killed run left behind.
-
-Needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN), ``ip`` and ``tc`` from iproute2, and a kernel
-with network namespaces, veth, bridge and the ``tbf`` qdisc. Added delay needs ``netem``, which
-many kernels (this project's CI machine among them) lack: asking for a delay on such a kernel is
-an error, never a silent no-delay run.
+bridge in a namespace of its own, shapes both directions of every host link with ``tc qdisc ...
+tbf`` at ``rate``, and starts ``train.py`` once per host as the processes of one
+``jax.distributed`` job (the script calls :func:`jaxcomp.distributed.launch.initialize`). The root
+namespace is never touched; everything is torn down on exit, error, timeout and Ctrl-C
+(``jaxcomp cluster --cleanup`` removes what a killed run left). Needs root, iproute2's ``ip`` and
+``tc`` and the ``tbf`` qdisc; added delay needs ``netem``, and asking for it without is an error.
+docs/network.md ("The emulated cluster") is the guide.
 """
 
 from __future__ import annotations
@@ -27,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import re
 import shutil
@@ -37,8 +27,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from jaxcomp.costmodel.cost import parse_bandwidth
 from jaxcomp.distributed import launch
+from jaxcomp.distributed.rates import format_rate, parse_rate  # noqa: F401  (here too)
 
 #: Namespace names start with this, then the creating process's id: ``jaxcomp-<pid>-h0``.
 PREFIX = "jaxcomp-"
@@ -49,84 +39,9 @@ INTERFACE = "eth0"
 #: The /24 the hosts are numbered in: host i is ``<subnet>.<i + 1>``.
 DEFAULT_SUBNET = "10.213.0"
 
-# What tc(8) writes: a number, an SI prefix, then bit (or bps, b/s); a bare prefix means bits.
-_RATE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(bit|bps|b/s)?\s*")
-
 
 class ClusterError(RuntimeError):
     """The emulated cluster could not be built, or a host process failed."""
-
-
-def parse_rate(rate) -> float | None:
-    """Bits per second from ``"1gbit"``, ``"100mbit"``, ``"10Gbit"``, ``"250kbit"`` or a number.
-
-    Args:
-      rate: a string with a unit of bits per second, a number of bits per second, or None /
-        ``"none"`` / ``"unlimited"`` for no limit.
-
-    Returns:
-      Bits per second as a float, or None for no limit.
-
-    Example:
-      >>> parse_rate("1gbit"), parse_rate("100mbit"), parse_rate(None)
-      (1000000000.0, 100000000.0, None)
-
-    References:
-      ``tc(8)``: rates in bits per second with SI prefixes, as ``tc qdisc ... tbf rate`` reads them.
-    """
-    if rate is None or (
-        isinstance(rate, str) and rate.strip().lower() in ("none", "unlimited", "inf")
-    ):
-        return None
-    if isinstance(rate, (int, float)) and not isinstance(rate, bool):
-        value = float(rate)
-    else:
-        match = _RATE.fullmatch(str(rate).lower())
-        if not match:
-            raise ValueError(
-                "rate must look like '1gbit', '100mbit' or '250kbit' (bits per second), "
-                f"got {rate!r}"
-            )
-        value = _bits_per_second(float(match.group(1)), match.group(2))
-    if not (value > 0 and value < float("inf")):
-        raise ValueError(f"rate must be a positive, finite number of bits per second, got {rate!r}")
-    return value
-
-
-def _bits_per_second(number: float, prefix: str) -> float:
-    """``number`` with an SI ``prefix`` of bits per second, read by the cost model's parser
-    (bytes)."""
-    if not 0 < number < math.inf:  # parse_rate says why, in its own words
-        return number
-    try:
-        return 8 * parse_bandwidth(f"{number!r}{prefix}bit", "rate")
-    except ValueError:  # the text was checked: only an overflow to infinity is left
-        return math.inf
-
-
-def format_rate(bits_per_second: float | None) -> str:
-    """``1e9`` -> ``"1gbit"``; None -> ``"none"`` (the inverse of :func:`parse_rate` for round
-    values).
-
-    Args:
-      bits_per_second: a rate, or None for no limit.
-
-    Returns:
-      The rate as ``tc`` writes it.
-
-    Example:
-      >>> format_rate(1e9), format_rate(1e8), format_rate(None)
-      ('1gbit', '100mbit', 'none')
-
-    References:
-      ``tc(8)`` (rate units).
-    """
-    if bits_per_second is None:
-        return "none"
-    for unit, scale in (("t", 1e12), ("g", 1e9), ("m", 1e6), ("k", 1e3)):
-        if bits_per_second >= scale:
-            return f"{bits_per_second / scale:g}{unit}bit"
-    return f"{bits_per_second:g}bit"
 
 
 def _run(*args, check=True) -> subprocess.CompletedProcess:
@@ -184,11 +99,7 @@ class Cluster:
     """N emulated hosts joined by a bridge, each link shaped to ``rate`` in both directions.
 
     Use it as a context manager; it builds everything on entry and tears everything down on exit,
-    whatever happened inside::
-
-        with Cluster(4, rate="1gbit") as cluster:
-            codes = cluster.run(["train.py", "--steps", "10"], devices_per_host=1, timeout=600)
-            print(cluster.counters())   # bytes each host's eth0 sent and received
+    whatever happened inside.
 
     Args:
       hosts: number of hosts, ``>= 1``.
@@ -202,7 +113,9 @@ class Cluster:
     Example:
       >>> from jaxcomp.distributed.cluster import Cluster
       >>> with Cluster(2, rate="100mbit") as cluster:  # doctest: +SKIP
-      ...     cluster.run(["-c", "from jaxcomp.distributed import launch; launch.initialize()"])
+      ...     codes = cluster.run(["train.py", "--steps", "10"], timeout=600)
+      ...     sent = [c["tx_bytes"] for c in cluster.counters()]  # bytes each host's eth0 sent
+      >>> codes  # doctest: +SKIP
       [0, 0]
     """
 
@@ -284,21 +197,8 @@ class Cluster:
                 port = f"h{host}"
                 # Made inside the bridge's namespace with its peer placed straight into the host's:
                 # nothing is ever created in the root namespace.
-                _run(
-                    "ip",
-                    "-n",
-                    self.bridge_namespace,
-                    "link",
-                    "add",
-                    port,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    INTERFACE,
-                    "netns",
-                    ns,
-                )
+                veth = f"link add {port} type veth peer name {INTERFACE} netns {ns}"
+                _run("ip", "-n", self.bridge_namespace, *veth.split())
                 _run("ip", "-n", self.bridge_namespace, "link", "set", port, "master", "br0")
                 _run("ip", "-n", self.bridge_namespace, "link", "set", port, "up")
                 _run("ip", "-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", INTERFACE)
@@ -326,23 +226,9 @@ class Cluster:
             # The queue holds 50 ms at rate: deep enough that TCP reaches the rate, bounded so the
             # queue cannot hide a slow link.
             limit = burst + int(bytes_per_second * 0.05)
+            tbf = f"tbf rate {int(self.rate)}bit burst {burst} limit {limit}"
             result = _run(
-                "tc",
-                "-n",
-                ns,
-                "qdisc",
-                "add",
-                "dev",
-                dev,
-                "root",
-                "tbf",
-                "rate",
-                f"{int(self.rate)}bit",
-                "burst",
-                str(burst),
-                "limit",
-                str(limit),
-                check=False,
+                "tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf.split(), check=False
             )
             if result.returncode:
                 raise ClusterError(
@@ -378,14 +264,10 @@ class Cluster:
         cwd=None,
     ) -> list[HostProcess]:
         """Starts ``python *command`` once per host, as the processes of one ``jax.distributed``
-        job.
-
-        The processes find the job through :func:`jaxcomp.distributed.launch.initialize`
-        (coordinator on host 0's address, gloo on ``eth0``).
+        job, which they join with :func:`jaxcomp.distributed.launch.initialize`.
 
         Args:
-          command: arguments after ``python``: a script and its arguments, or
-            ``["-m", module, ...]``.
+          command: arguments after ``python``: a script and its arguments, or ``["-m", ...]``.
           devices_per_host: CPU devices each process gets.
           port: the coordinator's port on host 0.
           env: extra environment variables for every process.
@@ -466,20 +348,14 @@ class Cluster:
     # -- what crossed the wire ----------------------------------------------------------------
 
     def _read_counters(self) -> list[dict]:
+        """Each host's ``eth0`` counters: ``tx_bytes``, ``rx_bytes``, ``tx_packets``,
+        ``rx_packets``."""
+        keys = [(way, what) for what in ("bytes", "packets") for way in ("tx", "rx")]
         out = []
         for host in range(self.hosts):
-            info = json.loads(
-                _run("ip", "-n", self.namespace(host), "-s", "-j", "link", "show", INTERFACE).stdout
-            )
-            stats = info[0]["stats64"]
-            out.append(
-                {
-                    "tx_bytes": stats["tx"]["bytes"],
-                    "rx_bytes": stats["rx"]["bytes"],
-                    "tx_packets": stats["tx"]["packets"],
-                    "rx_packets": stats["rx"]["packets"],
-                }
-            )
+            command = ("ip", "-n", self.namespace(host), "-s", "-j", "link", "show", INTERFACE)
+            stats = json.loads(_run(*command).stdout)[0]["stats64"]
+            out.append({f"{way}_{what}": stats[way][what] for way, what in keys})
         return out
 
     def counters(self) -> list[dict]:
@@ -497,9 +373,8 @@ def read_interface_counters(interface: str = INTERFACE, *, settle: float = 0.0) 
     """``(tx_bytes, rx_bytes)`` of ``interface`` in this process's network namespace (Linux sysfs).
 
     A process inside an emulated host reads its own link this way, e.g. around the steps of one
-    method. A collective can finish on this host while its own last sends still wait in the
-    link's ``tbf`` queue (an all-gather is done once the peers' data arrived): read with
-    ``settle`` after the steps, so that the bytes sent have stopped moving and count them.
+    method; read with ``settle`` after them, since a collective can finish while this host's last
+    sends still wait in the link's ``tbf`` queue.
 
     Args:
       interface: the interface's name (default ``eth0``, an emulated host's link).
@@ -545,17 +420,13 @@ def _interface_counters(interface: str) -> tuple[int, int]:
 
 
 def _has_netem() -> bool:
-    return os.path.exists("/sys/module/sch_netem") or any(
-        "sch_netem" in line for line in _read_lines("/proc/modules")
-    )
-
-
-def _read_lines(path):
+    if os.path.exists("/sys/module/sch_netem"):
+        return True
     try:
-        with open(path) as f:
-            return f.readlines()
+        with open("/proc/modules") as f:
+            return any("sch_netem" in line for line in f)
     except OSError:
-        return []
+        return False
 
 
 def leftovers() -> list[str]:
@@ -604,9 +475,7 @@ def cleanup() -> list[str]:
 @contextlib.contextmanager
 def sigterm_as_interrupt():
     """Within the block, SIGTERM raises ``KeyboardInterrupt``, so that ``with Cluster(...)`` tears
-    down.
-
-    (Python's default SIGTERM ends the process at once, leaving namespaces and host processes.)
+    down (Python's default SIGTERM ends the process at once, leaving namespaces and processes).
 
     Returns:
       A context manager; the previous handler is restored on exit.

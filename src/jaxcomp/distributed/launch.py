@@ -7,34 +7,12 @@ coordinated on a free localhost port. The script calls :func:`initialize` before
 outside the launcher that is a no-op, so the same script runs single-process too. CPU collectives
 between processes go through gloo (JAX's default).
 
-**Several hosts.** Run the same command once on every host, naming the coordinator (host 0's
-reachable address and a free port), the job's size and this host's process id, and the network
-interface gloo should use::
-
-    host0$ python -m jaxcomp.distributed.launch --coordinator 10.0.0.1:7733 --num-hosts 2 \
-               --host-id 0 --interface eth0 train.py
-    host1$ python -m jaxcomp.distributed.launch --coordinator 10.0.0.1:7733 --num-hosts 2 \
-               --host-id 1 --interface eth0 train.py
-
-Each host then starts ``-n`` processes (default 1) with ids ``host_id * n ... host_id * n + n - 1``.
-Host 0 also listens on the coordinator's port + 1 (jaxcomp's rendezvous,
-:mod:`jaxcomp.distributed.rendezvous`; ``--rendezvous-port`` picks another, the same on every host):
-both ports must be reachable. Under SLURM or Open MPI, ``srun``/``mpirun`` can start the script
-directly: call ``jax.distributed.initialize()`` with no arguments there (it reads the scheduler's
-environment), and :func:`use_gloo_interface` first if the hostname resolves to a loopback address.
-
-**Why the interface matters.** Gloo binds to the address the hostname resolves to. In containers
-and network namespaces that is often ``127.0.0.1``, and every process then fails at its first
-collective with "Gloo context initialization failed ... Connection refused, remote=[127.0.0.1]".
-``--interface`` (or ``initialize(interface=...)``, or the ``JAXCOMP_INTERFACE`` variable) makes
-gloo bind to that interface's address instead.
-
-**The allocator.** ``--allocator tuned`` starts every process with
-:data:`jaxcomp.ops.allocator.ENVIRONMENT` (what :func:`jaxcomp.tune_host_allocator` does, in force
-before the process's first allocation, so XLA:CPU's worker threads get it too): each step's
-buffers over 32 MB stay on the heap instead of being mapped afresh, for markedly faster steps on
-the emulated hosts (docs/performance.md, "A second trap"), at the price of each process keeping
-its peak heap.
+On several hosts, run the same command on every host with ``--coordinator HOST0:PORT --num-hosts
+M --host-id I`` and ``--interface eth0`` (the interface gloo binds to; in containers the hostname
+often resolves to ``127.0.0.1``, where gloo's connections fail). Host 0 also listens on the
+coordinator's port + 1 (jaxcomp's rendezvous, :mod:`jaxcomp.distributed.rendezvous`;
+``--rendezvous-port`` picks another). ``--allocator tuned`` starts every process with
+:data:`jaxcomp.ops.allocator.ENVIRONMENT`. docs/network.md ("Several hosts") is the guide.
 """
 
 from __future__ import annotations
@@ -56,23 +34,35 @@ from jaxcomp.distributed import rendezvous
 from jaxcomp.distributed._checks import port as _check_port
 from jaxcomp.distributed._checks import positive_int as _positive_int
 from jaxcomp.distributed._checks import positive_seconds as _check_timeout
+from jaxcomp.distributed._cpu_backend import configure_cpu, use_gloo_interface
 from jaxcomp.distributed._failure import (
     LOSS_GRACE_SECONDS,
     exit_promptly_on_failure,
     initialize_watchdog,
     raise_peer_lost_later,
 )
+from jaxcomp.distributed._job_env import (
+    COORDINATOR,
+    DEFAULT_FAILURE_TIMEOUT,
+    INTERFACE,
+    NUM_PROCESSES,
+    PROCESS_ID,
+    failure_timeout_from_env,
+    process_env,
+    rendezvous_port_from_env,
+)
 from jaxcomp.ops import allocator as allocator_module
 
-_COORDINATOR = "JAXCOMP_COORDINATOR_ADDRESS"
-_NUM_PROCESSES = "JAXCOMP_NUM_PROCESSES"
-_PROCESS_ID = "JAXCOMP_PROCESS_ID"
-_LOCAL_DEVICES = "JAXCOMP_LOCAL_DEVICES"
-_INTERFACE = "JAXCOMP_INTERFACE"
-_FAILURE_TIMEOUT = "JAXCOMP_FAILURE_TIMEOUT"
-_RENDEZVOUS_PORT = "JAXCOMP_RENDEZVOUS_PORT"
-
-DEFAULT_FAILURE_TIMEOUT = 60.0
+__all__ = [
+    "DEFAULT_FAILURE_TIMEOUT",
+    "STOP_GRACE_SECONDS",
+    "initialize",
+    "launch",
+    "main",
+    "process_env",
+    "use_gloo_interface",
+    "wait_all",
+]
 
 
 def initialize(
@@ -86,46 +76,21 @@ def initialize(
 
     Sets this process's CPU device count, checks in at jaxcomp's rendezvous
     (:func:`jaxcomp.distributed.rendezvous.check_in`), then calls ``jax.distributed.initialize``
-    with the coordinator, process count and id the launcher put in the environment, and with
-    timeouts that turn a dead, never-started or stalled peer into a Python exception within about
-    ``failure_timeout`` seconds on every surviving process (JAX's own defaults wait 100 to 300 s and
-    then abort the process with no exception):
-
-    - the rendezvous: a process that never starts makes every other one raise
-      :class:`jaxcomp.distributed.rendezvous.MissingProcessError` (a ``TimeoutError``) naming it,
-      after ``failure_timeout``; JAX is not initialized then, so the exception can be caught;
-    - JAX's coordination service runs in the rendezvous server, a helper process of process 0,
-      so that killing process 0 does not abort the others (JAX's error poller would);
-    - a process that leaves without a goodbye (killed, or ended on an error) is reported to the
-      others at once by the rendezvous server; a process still running Python code 2 s later
-      gets :class:`jaxcomp.distributed.rendezvous.PeerLostError` raised in its main thread (normally
-      its next collective has raised already);
-    - every process pings the rendezvous server about every second from a helper thread; a
-      process silent for ``failure_timeout`` (stopped with SIGSTOP, frozen, cut off) is declared
-      stalled, and every other process still running Python code 2 s later gets
-      :class:`jaxcomp.distributed.rendezvous.PeerStalledError` (a ``PeerLostError``) naming it;
-    - the coordination service is *recoverable* (JAX's ``jax_enable_recoverability``, for the
-      service only): a peer that stops heartbeating (``heartbeat_timeout_seconds =
-      failure_timeout``) is declared dead but the others are not aborted for it (JAX's default
-      ending: SIGABRT, no Python exception);
-    - ``--xla_cpu_collective_timeout_seconds = failure_timeout``: a collective a peer never joins
-      (the peer stalled, or died without resetting the connection) fails instead of waiting 30 min.
-
-    When a process of the job then ends on an uncaught exception, it prints which processes did not
-    answer a short check-in through the coordinator (the missing ones, by id) and exits with code 1
-    at once, instead of waiting in JAX's exit-time shutdown barrier for a peer that is gone (which
-    ends, after the heartbeat timeout, in an abort).
-
-    When ``jax.distributed`` is already initialized (the script called
-    ``jax.distributed.initialize`` itself), this does nothing and returns ``jax.process_index()``.
+    with the coordinator, process count and id the launcher put in the environment and with
+    timeouts of ``failure_timeout``: a dead, never-started or stalled peer becomes a Python
+    exception on every surviving process within about that (JAX's defaults abort the process),
+    and a process that ends on an uncaught exception names the peers that do not check in and
+    exits with code 1 at once. docs/training.md ("When a process dies, never starts or stalls")
+    has every case. When ``jax.distributed`` is already initialized, this does nothing and returns
+    ``jax.process_index()``.
 
     Args:
       interface: network interface gloo binds to (e.g. ``"eth0"``); default: the launcher's
         ``--interface`` (``JAXCOMP_INTERFACE``), else gloo's own choice, the address the
         hostname resolves to.
-      failure_timeout: seconds, ``> 0``, after which a missing peer is an error (see above);
-        default: the launcher's ``--failure-timeout`` (``JAXCOMP_FAILURE_TIMEOUT``), else 60.
-        Raise it when the first step's compilation can take longer than that on some process.
+      failure_timeout: seconds, ``> 0``, after which a missing peer is an error; default: the
+        launcher's ``--failure-timeout`` (``JAXCOMP_FAILURE_TIMEOUT``), else 60. Raise it when
+        the first step's compilation can take longer than that on some process.
       rendezvous_port: the rendezvous server's port on the coordinator's host; default: the
         launcher's ``--rendezvous-port`` (``JAXCOMP_RENDEZVOUS_PORT``), else the coordinator's
         port + 1.
@@ -154,19 +119,19 @@ def initialize(
         failure_timeout = _check_timeout(failure_timeout, "failure_timeout")
     if rendezvous_port is not None:
         _check_port(rendezvous_port, "rendezvous_port")
-    if _COORDINATOR not in os.environ:
+    if COORDINATOR not in os.environ:
         return 0
-    failure_timeout = failure_timeout or _failure_timeout_from_env()
-    coordinator = os.environ[_COORDINATOR]
-    rendezvous_port = rendezvous_port or _rendezvous_port_from_env(coordinator)
+    failure_timeout = failure_timeout or failure_timeout_from_env()
+    coordinator = os.environ[COORDINATOR]
+    rendezvous_port = rendezvous_port or rendezvous_port_from_env(coordinator)
     import jax
 
     if jax.distributed.is_initialized():  # the script joined the job itself
         return jax.process_index()
     seconds = max(1, math.ceil(failure_timeout))
-    _configure_cpu(interface or os.environ.get(_INTERFACE) or None, seconds)
-    process_id = int(os.environ[_PROCESS_ID])
-    num_processes = int(os.environ[_NUM_PROCESSES])
+    configure_cpu(interface or os.environ.get(INTERFACE) or None, seconds)
+    process_id = int(os.environ[PROCESS_ID])
+    num_processes = int(os.environ[NUM_PROCESSES])
     exiting = threading.Event()  # set once this process is on its way out: no PeerLostError then
     membership = _check_in(
         coordinator, rendezvous_port, failure_timeout, seconds, exiting, on_failure
@@ -181,47 +146,11 @@ def initialize(
     return process_id
 
 
-def _failure_timeout_from_env() -> float:
-    """``JAXCOMP_FAILURE_TIMEOUT`` (the launcher's ``--failure-timeout``), else the default,
-    checked."""
-    text = os.environ.get(_FAILURE_TIMEOUT, str(DEFAULT_FAILURE_TIMEOUT))
-    try:
-        failure_timeout = float(text)
-    except ValueError:
-        raise ValueError(f"{_FAILURE_TIMEOUT} must be a number of seconds, got {text!r}") from None
-    return _check_timeout(failure_timeout, _FAILURE_TIMEOUT)
-
-
-def _rendezvous_port_from_env(coordinator: str) -> int:
-    """``JAXCOMP_RENDEZVOUS_PORT`` (the launcher's ``--rendezvous-port``), else the
-    coordinator's + 1."""
-    text = os.environ.get(_RENDEZVOUS_PORT)
-    if not text:
-        return rendezvous.default_port(coordinator)
-    if not text.isdigit():
-        raise ValueError(f"{_RENDEZVOUS_PORT} must be a port number, got {text!r}")
-    return _check_port(int(text), _RENDEZVOUS_PORT)
-
-
-def _configure_cpu(interface: str | None, seconds: int) -> None:
-    """gloo's interface, the collectives' timeout and the CPU device count, before JAX's CPU
-    client."""
-    import jax
-
-    if interface is not None:
-        use_gloo_interface(interface)
-    # XLA reads XLA_FLAGS when the CPU client is built, which is after this (no JAX op ran yet).
-    os.environ["XLA_FLAGS"] = _with_flag(
-        os.environ.get("XLA_FLAGS", ""), "xla_cpu_collective_timeout_seconds", seconds
-    )
-    jax.config.update("jax_num_cpu_devices", int(os.environ[_LOCAL_DEVICES]))
-
-
 def _check_in(coordinator, rendezvous_port, failure_timeout, seconds, exiting, on_failure=None):
     """The rendezvous (process 0 hands it JAX's coordination service): this process's membership."""
 
-    process_id = int(os.environ[_PROCESS_ID])
-    num_processes = int(os.environ[_NUM_PROCESSES])
+    process_id = int(os.environ[PROCESS_ID])
+    num_processes = int(os.environ[NUM_PROCESSES])
     host, port = rendezvous.split_address(coordinator)
     service = rendezvous.JaxService(
         os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or f"[::]:{port}",
@@ -251,8 +180,8 @@ def _join_jax(coordinator, membership, failure_timeout, seconds) -> None:
     """``jax.distributed.initialize`` with jaxcomp's timeouts, under a watchdog."""
     import jax
 
-    process_id = int(os.environ[_PROCESS_ID])
-    num_processes = int(os.environ[_NUM_PROCESSES])
+    process_id = int(os.environ[PROCESS_ID])
+    num_processes = int(os.environ[NUM_PROCESSES])
     # Every process checked in; a peer that dies now, before connecting to the coordinator, makes
     # JAX abort the process (a C++ fatal error, no Python exception) when initialization_timeout
     # expires; this watchdog ends the process first, with a message and exit code 1.
@@ -282,116 +211,6 @@ def _join_jax(coordinator, membership, failure_timeout, seconds) -> None:
 # JAX's own abort at the end of initialization comes this much after jaxcomp's watchdog.
 _ABORT_MARGIN_SECONDS = 10
 _memberships = []  # this process's rendezvous connection, kept open until exit
-
-
-def use_gloo_interface(interface: str) -> None:
-    """Makes JAX's CPU collectives (gloo) bind to ``interface``; call before any JAX op.
-
-    JAX has no public option for this (its CPU client always builds gloo from the hostname), so
-    this re-registers the ``"cpu"`` backend factory through the public
-    ``jax.extend.backend.register_backend_factory`` with a factory that differs from JAX's own in
-    one argument: it builds the gloo collectives with ``interface=``. That factory uses three
-    private names, the least that can do it: ``jax._src.distributed.global_state`` (the
-    coordinator client gloo needs), ``jax._src.xla_bridge.make_cpu_client`` (JAX's own CPU client
-    builder, so every other setting stays JAX's) and ``jaxlib._jax.make_gloo_tcp_collectives``.
-    Tested with jax 0.10.x; a jax without them raises a clear error here.
-
-    Args:
-      interface: a network interface of this host, e.g. ``"eth0"``.
-
-    Example:
-      >>> from jaxcomp.distributed.launch import use_gloo_interface
-      >>> use_gloo_interface("lo")  # doctest: +SKIP
-    """
-    if not isinstance(interface, str) or not interface or "/" in interface:
-        raise ValueError(
-            f"interface must be a network interface name such as 'eth0', got {interface!r}"
-        )
-    if sys.platform == "linux" and not os.path.exists(f"/sys/class/net/{interface}"):
-        present = sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []
-        raise ValueError(
-            f"interface {interface!r} does not exist on this host "
-            f"(interfaces: {', '.join(present)})"
-        )
-    try:
-        from jax._src import distributed, xla_bridge
-        from jax.extend.backend import register_backend_factory
-        from jaxlib import _jax
-
-        make_collectives = _jax.make_gloo_tcp_collectives
-        make_cpu_client = xla_bridge.make_cpu_client
-    except (ImportError, AttributeError) as e:
-        raise RuntimeError(
-            f"this jax has no way to choose gloo's interface that jaxcomp knows ({e}); set the "
-            "hostname to resolve to the interface's address instead"
-        ) from None
-
-    def cpu_client_on_interface():
-        client = distributed.global_state.client
-        collectives = (
-            None
-            if client is None
-            else make_collectives(distributed_client=client, interface=interface)
-        )
-        return make_cpu_client(collectives=collectives)
-
-    register_backend_factory("cpu", cpu_client_on_interface, priority=0, fail_quietly=False)
-
-
-def process_env(
-    coordinator: str,
-    num_processes: int,
-    process_id: int,
-    devices: int,
-    *,
-    interface: str | None = None,
-    base: dict | None = None,
-    failure_timeout: float | None = None,
-    rendezvous_port: int | None = None,
-) -> dict:
-    """The environment that makes :func:`initialize` join a job as ``process_id``.
-
-    Args:
-      coordinator: ``"host:port"`` of process 0's coordinator.
-      num_processes: processes in the job.
-      process_id: this process's id.
-      devices: CPU devices this process gets.
-      interface: network interface for gloo, or None.
-      base: the environment to extend (default ``os.environ``).
-      failure_timeout: seconds after which :func:`initialize` makes a missing peer an error, or
-        None for its default (60).
-      rendezvous_port: port of the rendezvous server on the coordinator's host, or None for
-        :func:`initialize`'s default (the coordinator's port + 1).
-
-    Returns:
-      A new dict.
-
-    Example:
-      >>> env = process_env("10.0.0.1:7733", 2, 1, 4, base={})
-      >>> env["JAXCOMP_PROCESS_ID"], env["XLA_FLAGS"]
-      ('1', '--xla_force_host_platform_device_count=4')
-    """
-    env = dict(os.environ if base is None else base)
-    env.update(
-        {
-            _COORDINATOR: coordinator,
-            _NUM_PROCESSES: str(num_processes),
-            _PROCESS_ID: str(process_id),
-            _LOCAL_DEVICES: str(devices),
-            "XLA_FLAGS": _with_device_count(env.get("XLA_FLAGS", ""), devices),
-        }
-    )
-    if interface:
-        env[_INTERFACE] = interface
-    else:
-        env.pop(_INTERFACE, None)
-    if failure_timeout is not None:
-        env[_FAILURE_TIMEOUT] = repr(_check_timeout(failure_timeout, "failure_timeout"))
-    if rendezvous_port is not None:
-        env[_RENDEZVOUS_PORT] = str(_check_port(rendezvous_port, "rendezvous_port"))
-    else:
-        env.pop(_RENDEZVOUS_PORT, None)
-    return env
 
 
 #: How long :func:`wait_all` lets the processes it stops exit on SIGTERM before it kills them.
@@ -457,16 +276,6 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _with_device_count(flags: str, count: int) -> str:
-    return _with_flag(flags, "xla_force_host_platform_device_count", count)
-
-
-def _with_flag(flags: str, name: str, value: int) -> str:
-    """``flags`` with ``--name=value`` replacing any earlier setting of ``name``."""
-    flags = " ".join(re.sub(rf"--{name}=\S*", "", flags).split())
-    return f"{flags} --{name}={value}".strip()
-
-
 def launch(
     command,
     num_processes: int,
@@ -525,11 +334,47 @@ def launch(
     if not command:
         raise ValueError("command must name a script (or -m module) to run")
     malloc_env = allocator_module.environment(allocator)  # checks the name first
+    _check_job(
+        num_processes, devices_per_process, num_hosts, host_id, interface, failure_timeout, timeout
+    )
+    coordinator, rendezvous_port = _addresses(coordinator, port, num_hosts, rendezvous_port)
+    total = num_hosts * num_processes
+    processes = []
+    for local in range(num_processes):
+        env = process_env(
+            coordinator,
+            total,
+            host_id * num_processes + local,
+            devices_per_process,
+            interface=interface,
+            failure_timeout=failure_timeout,
+            rendezvous_port=rendezvous_port,
+        )
+        processes.append(subprocess.Popen([sys.executable, *command], env={**env, **malloc_env}))
+    codes, failed = wait_all(processes, timeout)
+    return codes[failed] if failed is not None else (124 if 124 in codes else 0)
+
+
+def _check_job(
+    num_processes, devices_per_process, num_hosts, host_id, interface, failure_timeout, timeout
+) -> None:
+    """:func:`launch`'s counts, interface and timeouts, checked: a ValueError names the argument."""
     _positive_int(num_processes, "num_processes")
     _positive_int(devices_per_process, "devices_per_process")
     _positive_int(num_hosts, "num_hosts")
     if isinstance(host_id, bool) or not isinstance(host_id, int) or not 0 <= host_id < num_hosts:
         raise ValueError(f"host_id must be an integer in [0, {num_hosts}), got {host_id!r}")
+    if interface is not None and (not isinstance(interface, str) or not interface):
+        raise ValueError(f"interface must be a network interface name, got {interface!r}")
+    if failure_timeout is not None:
+        _check_timeout(failure_timeout, "failure_timeout")
+    if timeout is not None:
+        _check_timeout(timeout, "timeout")
+
+
+def _addresses(coordinator, port, num_hosts, rendezvous_port) -> tuple[str, int | None]:
+    """``(coordinator, rendezvous_port)`` of :func:`launch`, checked; on one host without a
+    coordinator, 127.0.0.1 and free ports where none is given."""
     if rendezvous_port is not None:
         _check_port(rendezvous_port, "rendezvous_port")
     if coordinator is None:
@@ -549,34 +394,13 @@ def launch(
         raise ValueError("give the port inside coordinator='HOST:PORT', not as port=")
     elif not re.fullmatch(r"[^\s:]+:\d{1,5}|\[[0-9a-fA-F:]+\]:\d{1,5}", str(coordinator)):
         raise ValueError(f"coordinator must be 'HOST:PORT', got {coordinator!r}")
-    if interface is not None:
-        if not isinstance(interface, str) or not interface:
-            raise ValueError(f"interface must be a network interface name, got {interface!r}")
-    if failure_timeout is not None:
-        _check_timeout(failure_timeout, "failure_timeout")
-    if timeout is not None:
-        _check_timeout(timeout, "timeout")
     if rendezvous_port is None:
         rendezvous.default_port(coordinator)  # a coordinator on port 65535 needs one given
     if rendezvous_port is not None and rendezvous_port == rendezvous.split_address(coordinator)[1]:
         raise ValueError(
             f"rendezvous_port must differ from the coordinator's port, got {rendezvous_port}"
         )
-    total = num_hosts * num_processes
-    processes = []
-    for local in range(num_processes):
-        env = process_env(
-            coordinator,
-            total,
-            host_id * num_processes + local,
-            devices_per_process,
-            interface=interface,
-            failure_timeout=failure_timeout,
-            rendezvous_port=rendezvous_port,
-        )
-        processes.append(subprocess.Popen([sys.executable, *command], env={**env, **malloc_env}))
-    codes, failed = wait_all(processes, timeout)
-    return codes[failed] if failed is not None else (124 if 124 in codes else 0)
+    return coordinator, rendezvous_port
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
-import sys
 import tempfile
 
 from jaxcomp.methods import Cast, Dense, PowerSGD, Quantized, RandomK, Sign, TopK, Zfp
 from jaxcomp.ops import allocator as allocator_module
+
+_LOG = logging.getLogger("jaxcomp.distributed")
 
 
 def _runs():
@@ -173,15 +175,13 @@ def run_benchmark(
     optimizer="adam",
     donate=False,
 ) -> list[dict]:
-    """Runs every (model, hosts, rate) cell on an emulated cluster; returns one row per cell and
-    method.
+    """Runs every (model, hosts, rate) cell on an emulated cluster: a row per cell and method.
 
     Args:
       hosts: numbers of emulated hosts.
       rates: link rates (``"1gbit"``, ``"none"`` for no limit).
       params: parameters (float32) of the MLP trained when ``models`` is None.
-      methods: labels from :data:`METHODS`; ``"pmean"`` is the baseline speedups are measured
-        against and always runs.
+      methods: labels from :data:`METHODS`; ``"pmean"``, the speedups' baseline, always runs.
       steps: timed steps per method (the median counts), after ``warmup`` untimed ones.
       batch: rows (sequences, images) per host.
       layers: dense layers of the MLP trained when ``models`` is None.
@@ -190,29 +190,20 @@ def run_benchmark(
         ``update`` and ``close``, as :func:`jaxcomp.cli._report.progress_bar` gives), or None.
       log: file the workers' output goes to (default: discarded unless a cell fails).
       on_cell: called with all rows so far after each cell (to save partial results).
-      models: :data:`jaxcomp.training.zoo.NAMES` to train, one cell per model, host count and rate;
-        None trains the MLP of ``params`` and ``layers``.
-      allocator: ``"glibc"`` (default) starts every host with glibc's defaults, under which
-        every buffer over 32 MB is fresh pages each step for every method, the plain ``pmean``
-        included; ``"tuned"`` with :data:`jaxcomp.ops.allocator.ENVIRONMENT` (large buffers on
-        the heap, what :func:`jaxcomp.tune_host_allocator` does: faster, but each host keeps its
-        peak heap across the methods it runs; docs/performance.md).
-      optimizer: what every step applies after the mean, one of :data:`OPTIMIZERS`: ``"adam"``
-        (default) or ``"sgd"`` (learning rate 1e-4 either way); the compute-only step too.
-      donate: every step (each method's, the plain ``pmean``'s and the compute-only one)
-        donates its input state, so that it writes the new state over the old (one state's
-        memory less per host; :func:`jaxcomp.data_parallel`'s ``donate``).
+      models: :data:`jaxcomp.training.zoo.NAMES` to train, a cell each; None: the MLP.
+      allocator: ``"glibc"`` (default: glibc's malloc as it is) or ``"tuned"``: every host starts
+        with :data:`jaxcomp.ops.allocator.ENVIRONMENT` (docs/performance.md).
+      optimizer: what every step applies after the mean, one of :data:`OPTIMIZERS`.
+      donate: every step (the compute-only one too) donates its input state
+        (:func:`jaxcomp.data_parallel`'s ``donate``).
 
     Returns:
-      A list of dicts, one per (model, hosts, rate, method); ``"model"`` names the model,
-      ``"allocator"`` the allocator the hosts report they started with
-      (:func:`jaxcomp.ops.allocator.started_with`), ``"optimizer"`` the optimizer and
-      ``"donate"`` whether the steps donated their state.
+      A list of dicts, one per (model, hosts, rate, method), with the step's times, bytes and
+      predictions, and the ``"model"``, ``"allocator"`` (what the hosts report they started
+      with), ``"optimizer"`` and ``"donate"`` of its cell.
 
     Example:
-      >>> rows = run_benchmark(  # doctest: +SKIP
-      ...     (2,), ("1gbit",), models=("resnet50",), methods=("ar_topk",)
-      ... )
+      >>> rows = run_benchmark((2,), ("1gbit",), models=("resnet50",))  # doctest: +SKIP
 
     References:
       Agarwal et al., "On the Utility of Gradient Compression in Distributed Training Systems",
@@ -222,10 +213,7 @@ def run_benchmark(
 
     check_support()
     env = allocator_module.environment(allocator)  # checks the name before any cluster is built
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-    if not isinstance(donate, bool):
-        raise TypeError(f"donate must be True or False, got {donate!r}")
+    _check_step(optimizer, donate)
     methods, models = _checked_runs(methods, models)
     bar = _checked_bar(progress)
     cells = [(m, h, r) for m in models for h in hosts for r in rates]
@@ -248,6 +236,14 @@ def run_benchmark(
     finally:
         bar.close()
     return rows
+
+
+def _check_step(optimizer, donate) -> None:
+    """The steps' ``optimizer`` and ``donate``, checked."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if not isinstance(donate, bool):
+        raise TypeError(f"donate must be True or False, got {donate!r}")
 
 
 def _checked_runs(methods, models):
@@ -371,9 +367,7 @@ def _run_cell(spec: Spec, n_hosts: int, timeout: float, log_path: str, cwd: str,
             raise ClusterError(failure)
         # Host 0 wrote the results after every method: keep the rows it measured.
         kept = ", ".join(measured["methods"])
-        print(
-            f"jaxcomp netbench: {failure}\nkept the rows measured before: {kept}", file=sys.stderr
-        )
+        _LOG.warning("jaxcomp netbench: %s\nkept the rows measured before: %s", failure, kept)
         measured["incomplete"] = f"exit codes {codes}"
     return measured
 

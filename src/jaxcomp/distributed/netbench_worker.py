@@ -14,14 +14,19 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import logging
 import statistics
 import sys
 import time
 
-from jaxcomp.distributed.netbench import METHODS, Spec, width_for
+from jaxcomp.distributed._memory import peak_resident_bytes, reset_peak_memory, state_bytes
+from jaxcomp.distributed.netbench import METHODS, Spec
+from jaxcomp.distributed.netbench_workload import optimizer, workload
 from jaxcomp.methods import Dense
 from jaxcomp.ops import allocator
 from jaxcomp.optim import host as host_values
+
+_LOG = logging.getLogger("jaxcomp.distributed")
 
 
 @dataclasses.dataclass
@@ -58,7 +63,7 @@ def _start_job(spec: Spec) -> _Job:
     import numpy as np
     from jax.sharding import Mesh
 
-    params, loss_fn, local_batches, about = _workload(
+    params, loss_fn, local_batches, about = workload(
         spec, np.random.default_rng(1 + jax.process_index())
     )
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -260,8 +265,8 @@ def _timed_run(job: _Job, label, position, step, state, compute_first):
         # This device's share of the training state (params + optimizer state, the
         # error-feedback residual included), from the arrays' shardings, and the process's
         # peak resident memory from this method's init to its last step.
-        "state_bytes": _state_bytes(state),
-        "peak_rss": _peak_resident_bytes(),
+        "state_bytes": state_bytes(state),
+        "peak_rss": peak_resident_bytes(),
     }
     return state, metrics_box, entry
 
@@ -300,7 +305,7 @@ def _run_method(job: _Job, label, position, network, compute_first) -> dict:
     """One method's entry of the results: its step time, wire bytes, memory and predictions."""
     method, options, shard = METHODS[label]
     gc.collect()
-    _reset_peak_memory()
+    reset_peak_memory()
     step, state, init_seconds = _build_step(job, method, options, shard)
     state, metrics, entry = _timed_run(job, label, position, step, state, compute_first)
     ran, about = _what_ran(job, label, method, state, metrics, init_seconds)
@@ -313,17 +318,18 @@ def _run_method(job: _Job, label, position, network, compute_first) -> dict:
 
 
 def _report(job: _Job, results, label, entry, compute_first) -> None:
-    """Process 0: a line on stderr, and the results so far to ``spec.out``."""
+    """Process 0: a line in the log, and the results so far to ``spec.out``."""
     import jax
 
     if jax.process_index() != 0:
         return
-    print(
-        f"netbench: {job.n_hosts} hosts, {label}: step {entry['step']:.3f} s "
-        f"(compute {compute_first:.3f} s), "
-        f"wire {entry['wire_tx'] / 1e6:.1f} MB/step",
-        file=sys.stderr,
-        flush=True,
+    _LOG.info(
+        "netbench: %s hosts, %s: step %.3f s (compute %.3f s), wire %.1f MB/step",
+        job.n_hosts,
+        label,
+        entry["step"],
+        compute_first,
+        entry["wire_tx"] / 1e6,
     )
     with open(job.spec.out, "w") as f:  # after every method: a failed job keeps what it measured
         json.dump(results, f)
@@ -378,96 +384,6 @@ def run_job(spec: Spec) -> None:
             json.dump(results, f)
 
 
-def _workload(spec: Spec, rng):
-    """What the job trains: ``(params, loss_fn, local_batches, about)``.
-
-    ``spec.model`` names a :mod:`jaxcomp.training.zoo` model; None is the MLP of ``spec.layers``
-    square dense layers of about ``spec.params`` parameters. ``local_batches`` are four of this
-    host's batches of ``spec.batch`` rows drawn from ``rng``; ``about`` is what the results record
-    of the model.
-    """
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    if spec.model is not None:
-        from jaxcomp.training import zoo
-
-        model = zoo.build(spec.model)
-        batches = [model.make_batch(rng, spec.batch) for _ in range(4)]
-        return (
-            model.params,
-            model.loss_fn,
-            batches,
-            {"model": spec.model, "leaves": model.n_leaves, "width": None},
-        )
-    width = width_for(spec.params, spec.layers)
-
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for i in range(spec.layers):
-                x = nn.Dense(width)(x)
-                if i < spec.layers - 1:
-                    x = jnp.tanh(x)
-            return x
-
-    model = MLP()
-    params = model.init(jax.random.key(0), jnp.zeros((1, width)))
-
-    def loss_fn(p, batch):
-        return jnp.mean((model.apply(p, batch["x"]) - batch["y"]) ** 2)
-
-    batches = [
-        {
-            "x": rng.normal(size=(spec.batch, width)).astype(np.float32),
-            "y": rng.normal(size=(spec.batch, width)).astype(np.float32),
-        }
-        for _ in range(4)
-    ]
-    about = {
-        "model": f"mlp_{spec.layers}x{width}",
-        "leaves": len(jax.tree.leaves(params)),
-        "width": width,
-    }
-    return params, loss_fn, batches, about
-
-
-def _state_bytes(state) -> int:
-    """Bytes of ``state``'s arrays on this process's first device (its shard of each)."""
-    import jax
-
-    return sum(
-        leaf.addressable_shards[0].data.nbytes
-        for leaf in jax.tree.leaves(state)
-        if isinstance(leaf, jax.Array)
-    )
-
-
-def _reset_peak_memory() -> None:
-    """Starts a new peak of this process's resident memory (Linux: ``5`` to
-    ``/proc/self/clear_refs`` resets ``VmHWM``); does nothing where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _peak_resident_bytes() -> int:
-    """This process's peak resident memory since :func:`_reset_peak_memory` (``VmHWM``), 0 where
-    unknown."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
 def _predictions(ran, params, n_hosts, network, compute, mesh, shard=None):
     """The cost model's sync time and paper 002's step time (``jaxcomp advise``) for the method that
     ran.
@@ -506,34 +422,6 @@ def _predictions(ran, params, n_hosts, network, compute, mesh, shard=None):
     }
 
 
-def optimizer(name: str):
-    """The optax optimizer a job's steps apply after the mean: :data:`netbench.OPTIMIZERS`'s
-    ``"adam"`` or ``"sgd"``, learning rate 1e-4.
-
-    Args:
-      name: ``"adam"`` or ``"sgd"``.
-
-    Returns:
-      An ``optax.GradientTransformation``.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> tx = optimizer("sgd")
-      >>> [round(x, 6) for x in tx.update(jnp.ones(2), tx.init(jnp.ones(2)))[0].tolist()]
-      [-0.0001, -0.0001]
-
-    References:
-      Kingma & Ba, "Adam", ICLR 2015; plain SGD, as the torch rows of ``benchmarks/peers.py``.
-    """
-    import optax
-
-    if name == "adam":
-        return optax.adam(1e-4)
-    if name == "sgd":
-        return optax.sgd(1e-4)
-    raise ValueError(f"optimizer must be 'adam' or 'sgd', got {name!r}")
-
-
 class _plain_pmean_step:
     """The baseline without jaxcomp: ``jax.grad`` on varying params, ``lax.pmean`` of the gradients
     (with ``flat``, of one vector of them: ``ravel_pytree``), then ``tx`` (the job's optimizer;
@@ -546,20 +434,22 @@ class _plain_pmean_step:
         from jax.flatten_util import ravel_pytree
         from jax.sharding import PartitionSpec as P
 
+        from jaxcomp.collectives import baseline
+
         self.tx = optimizer("adam") if tx is None else tx
 
         def mean(grads):
             if not flat:
-                return jax.lax.pmean(grads, "data")
+                return baseline.pmean(grads, "data")
             vector, unravel = ravel_pytree(grads)
-            return unravel(jax.lax.pmean(vector, "data"))
+            return unravel(baseline.pmean(vector, "data"))
 
         def local(params, opt, batch):
             varying = jax.lax.pcast(params, "data", to="varying")
             loss, grads = jax.value_and_grad(loss_fn)(varying, batch)
             grads = mean(grads)
             updates, opt = self.tx.update(grads, opt, params)
-            return optax.apply_updates(params, updates), opt, jax.lax.pmean(loss, "data")
+            return optax.apply_updates(params, updates), opt, baseline.pmean(loss, "data")
 
         self._step = jax.jit(
             jax.shard_map(
@@ -589,7 +479,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["--worker"]:  # the form the launcher used before the worker had its own module
         argv = argv[1:]
     if len(argv) != 1:
-        print(main.__doc__, file=sys.stderr)
+        _LOG.error("usage: %s", main.__doc__)
         return 2
     fields = json.loads(argv[0])
     run_job(Spec(**{**fields, "methods": tuple(fields["methods"])}))
@@ -597,4 +487,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # This process's stderr is the workers' log (the cell's log file): its progress lines go there.
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("jaxcomp").setLevel(logging.INFO)
     sys.exit(main())

@@ -7,7 +7,7 @@ It listens on ``HOST:PORT``, answers every process's ``HELLO`` with ``GO`` once 
 in (or ``MISSING <ids>`` at the deadline), tells the others ``LOST <id>`` when a process leaves
 without a ``BYE`` and ``STALLED <id> <seconds>`` when a process sent nothing (``PING`` lines
 included) for ``--stall-timeout`` seconds, and can host JAX's coordination service for the job's
-lifetime, so that it outlives process 0. The wire format is in :mod:`.rendezvous`'s docstring.
+lifetime, so that it outlives process 0. The wire format is in :mod:`._wire`.
 
 This file is run as a script (process 0 starts it by path, not as ``-m``): it imports nothing
 from jaxcomp, so that the server starts without importing the package and JAX.
@@ -16,6 +16,7 @@ from jaxcomp, so that the server starts without importing the package and JAX.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import selectors
@@ -25,6 +26,8 @@ import time
 from collections.abc import Callable
 
 PROTOCOL = "jaxcomp-rendezvous-1"
+# The server's messages: warnings, which reach its stderr (the log file) without configuration.
+_LOG = logging.getLogger("jaxcomp.distributed")
 # How long the server lingers after a process was lost, for the others to leave (they normally
 # leave within seconds: their next collective fails).
 _LINGER_MARGIN_SECONDS = 10.0
@@ -193,12 +196,10 @@ class _Server:
             if not self.started and now >= self.deadline:
                 missing = self.missing()
                 self.broadcast(f"MISSING {','.join(map(str, missing))}\n")
-                print(
-                    "jaxcomp.distributed.rendezvous: process(es) "
-                    f"{', '.join(map(str, missing))} of {self.num_processes} did not check in in "
-                    "time",
-                    file=sys.stderr,
-                    flush=True,
+                _LOG.warning(
+                    "jaxcomp.distributed.rendezvous: process(es) %s of %s did not check in in time",
+                    ", ".join(map(str, missing)),
+                    self.num_processes,
                 )
                 return 1
             if self.started and not set(self.members) - self.stalled:
@@ -303,11 +304,12 @@ class _Server:
             if process_id in self.stalled or self.peers[sock]["bye"] or silent < self.stall_timeout:
                 continue
             self.stalled.add(process_id)
-            print(
-                f"jaxcomp.distributed.rendezvous: process {process_id} of {self.num_processes} "
-                f"sent nothing for {silent:.1f} s (stalled); telling the others",
-                file=sys.stderr,
-                flush=True,
+            _LOG.warning(
+                "jaxcomp.distributed.rendezvous: process %s of %s sent nothing for %.1f s "
+                "(stalled); telling the others",
+                process_id,
+                self.num_processes,
+                silent,
             )
             for other, other_sock in list(self.members.items()):
                 if other != process_id:
@@ -337,11 +339,11 @@ class _Server:
         del self.members[process_id]
         if not self.started or peer["bye"] or quiet:
             return  # before the go-ahead a process that leaves is simply missing again
-        print(
-            f"jaxcomp.distributed.rendezvous: process {process_id} of {self.num_processes} left "
-            "without a goodbye; telling the others",
-            file=sys.stderr,
-            flush=True,
+        _LOG.warning(
+            "jaxcomp.distributed.rendezvous: process %s of %s left without a goodbye; telling "
+            "the others",
+            process_id,
+            self.num_processes,
         )
         self.broadcast(f"LOST {process_id}\n")
         if self.give_up_at is None and self.stall_timeout is None:
@@ -361,7 +363,7 @@ def _main(argv=None) -> int:
         or argv[0] != "serve"
         or (len(argv) == 10 and argv[4] != "--jax-service")
     ):
-        print(_main.__doc__, file=sys.stderr)
+        _LOG.error("usage: %s", _main.__doc__)
         return 2
     jax_service = None
     if len(argv) == 10:

@@ -79,6 +79,33 @@ def static_int(value, name: str, lo: int, hi: int | None = None) -> int:
     return value
 
 
+def static_float(value, name: str, lo=None, hi=None, *, open_lo=False, open_hi=False) -> float:
+    """``value`` as a finite Python float in the interval from ``lo`` to ``hi`` (either end
+    open where asked, None: no bound), or an error naming ``name``; numpy scalars count.
+
+    Example:
+      >>> static_float(np.float32(0.5), "b1", 0, 1, open_lo=True, open_hi=True)
+      0.5
+    """
+    if isinstance(value, (bool, np.bool_)) or not (
+        isinstance(value, (int, float)) or _is_numpy_number(value)
+    ):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    low = lo is None or (value > lo if open_lo else value >= lo)
+    high = hi is None or (value < hi if open_hi else value <= hi)
+    if not (np.isfinite(value) and low and high):
+        left = "any" if lo is None else f"{'(' if open_lo else '['}{lo}"
+        right = "" if hi is None else f", {hi}{')' if open_hi else ']'}"
+        bound = (
+            f"a finite number in {left}{right}"
+            if hi is not None
+            else ("a finite number" + ("" if lo is None else f" {'>' if open_lo else '>='} {lo}"))
+        )
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    return value
+
+
 def check_choice(value, name: str, choices):
     """``value`` if it is one of ``choices``, else a ValueError naming ``name`` and the choices.
 

@@ -283,6 +283,27 @@ def from_multisteps(multi_steps: optax.MultiSteps) -> optax.GradientTransformati
     return accumulate(multi_steps.inner_opt, _static_every_k(schedule), use_grad_mean=mean)
 
 
+def every_k_of(multi_steps: optax.MultiSteps) -> int | None:
+    """How many micro-steps an ``optax.MultiSteps`` accumulates, where it is a fixed number.
+
+    Args:
+      multi_steps: an ``optax.MultiSteps``.
+
+    Returns:
+      Its ``every_k_schedule`` as an int, or None where it is a schedule (or cannot be read).
+
+    Example:
+      >>> import optax
+      >>> every_k_of(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=4))
+      4
+
+    References:
+      optax.MultiSteps (the setting it reads).
+    """
+    every_k = _static_every_k(getattr(multi_steps, "_every_k_schedule", None))
+    return every_k if isinstance(every_k, int) else None
+
+
 def _static_every_k(schedule):
     """The int that ``optax.MultiSteps(every_k_schedule=int)`` wraps in a lambda (so that
     ``every_k=1`` is ``tx`` bit for bit), else ``schedule`` itself."""

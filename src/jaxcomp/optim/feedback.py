@@ -185,7 +185,9 @@ def _branches(c: FeedbackConfig, branches, falls_back: bool, warmup: int) -> Bra
     """The state's static record: its methods, whether its guardrail tells the host, whether it
     falls back to dense, its warm-up."""
     on = c.guardrail is not None
-    return Branches(tuple(branches), on and c.guardrail.callback, on and falls_back, warmup)
+    return Branches(
+        tuple(branches), on and c.guardrail.callback, on and falls_back, warmup, bool(c.mean)
+    )
 
 
 def _check_state_is_ours(c: FeedbackConfig, state, uses_auto, branches: Branches, policy, guarding):

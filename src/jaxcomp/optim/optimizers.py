@@ -124,7 +124,7 @@ def adam(
     hyper = _check(method, b1, b2, eps, weight_decay, warmup_steps, compress_options)
     hyper["refresh"] = _check_refresh(refresh_every)
     inner, exact = _compressions(method, warmup_method, axis_name, hyper, compress_options)
-    schedule = learning_rate if callable(learning_rate) else (lambda count: learning_rate)
+    schedule = _schedule(learning_rate)
 
     def init_fn(params):
         _refuse_sharded()
@@ -224,14 +224,29 @@ def _check(method, b1, b2, eps, weight_decay, warmup_steps, compress_options) ->
     for name in ("momentum_correction", "warmup_steps"):
         if name in compress_options:
             raise ValueError(f"{name}= is the optimizer's own; adam() does not pass it to compress")
-    for value, name, low, high in ((b1, "b1", 0, 1), (b2, "b2", 0, 1)):
-        if not (isinstance(value, (int, float)) and low < value < high):
-            raise ValueError(f"{name} must be a number in ({low}, {high}), got {value!r}")
-    for value, name in ((eps, "eps"), (weight_decay, "weight_decay")):
-        if not (isinstance(value, (int, float)) and value >= 0):
-            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    b1, b2 = (
+        _checks.static_float(value, name, 0, 1, open_lo=True, open_hi=True)
+        for value, name in ((b1, "b1"), (b2, "b2"))
+    )
+    eps, _ = (
+        _checks.static_float(v, n, 0) for v, n in ((eps, "eps"), (weight_decay, "weight_decay"))
+    )
     warmup = _checks.static_int(warmup_steps, "warmup_steps", 1)
     return {"b1": b1, "b2": b2, "eps": eps, "warmup": warmup}
+
+
+def _schedule(learning_rate):
+    """The learning rate as a schedule of the step count; a number must be finite."""
+    if callable(learning_rate):
+        return learning_rate
+    try:
+        rate = _checks.static_float(learning_rate, "learning_rate")
+    except TypeError:
+        raise TypeError(
+            "learning_rate must be a number or an optax schedule (a function of the step "
+            f"count), got {learning_rate!r}"
+        ) from None
+    return lambda count: rate
 
 
 def _refuse_sharded():
@@ -283,10 +298,12 @@ def _compressed_mean(inner, grads, state: CompressedAdamState, hyper):
 
 def _exact_mean(exact, grads, compressed: CompressState):
     """``(averaged, compress state, stepped)`` of a variance refresh: the dense mean gradient;
-    the method's state (residual, step) stays, its metrics report the dense step."""
+    the method's state (residual, step) stays, its metrics report the dense step (with the
+    method's guardrail count: the refresh's fresh state has none)."""
     averaged, dense_state = exact.update(grads, exact.init(grads))
     averaged = jax.tree.map(lambda a: a.astype(jnp.float32), averaged)
-    return averaged, compressed._replace(metrics=dense_state.metrics), dense_state.step > 0
+    metrics = dense_state.metrics._replace(fallbacks=compressed.metrics.fallbacks)
+    return averaged, compressed._replace(metrics=metrics), dense_state.step > 0
 
 
 def _exact_momentum(before: CompressState, after: CompressState, warm):

@@ -70,12 +70,14 @@ class Branches:
     the host from inside the step (``Guardrail(callback=True)``), so host code need not;
     ``falls_back``: a trigger switches to dense for the window (else it clears the residual and
     rests), which is what the host says of a trigger; ``warmup``: the dense steps before the
-    method runs (:func:`jaxcomp.optim.pinning.next_branch` reads it)."""
+    method runs (:func:`jaxcomp.optim.pinning.next_branch` reads it); ``mean``: the update is the
+    mean over the devices (else their sum)."""
 
     methods: tuple[Method, ...]
     tells: bool = False
     falls_back: bool = False
     warmup: int = 0
+    mean: bool = True
 
 
 class CompressState(NamedTuple):

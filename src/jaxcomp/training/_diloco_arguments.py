@@ -4,23 +4,35 @@ uses, or raises an error that names the argument."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 from jaxcomp.methods import Dense, Method
+from jaxcomp.ops import _checks
+from jaxcomp.optim.accumulation import every_k_of
 from jaxcomp.optim.compression import compress as make_compress
+from jaxcomp.optim.state import compress_states
 from jaxcomp.training.inner import DILOCO_SHARD_MODES, EXCHANGE_MODES
 
 #: Streaming DiLoCo's mixing factor alpha for a delayed fragment: local <- a*local + (1-a)*global.
 DEFAULT_MIXING = 0.5
 
 
-def optimizers(loss_fn, inner_tx, outer_tx, donate):
-    """``(inner_tx, outer_tx)``, the paper's where None; refuses an argument of the wrong kind."""
+def optimizers(loss_fn, inner_tx, outer_tx, donate, sync_every):
+    """``(inner_tx, outer_tx)``, the paper's where None; refuses an argument of the wrong kind,
+    and an accumulation that does not divide ``sync_every``."""
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     inner_tx = optax.adamw(4e-4, weight_decay=0.1) if inner_tx is None else inner_tx
     if isinstance(inner_tx, optax.MultiSteps):
+        every_k = every_k_of(inner_tx)
+        if every_k is not None and isinstance(sync_every, int) and sync_every % every_k:
+            raise ValueError(
+                f"sync_every={sync_every} must be a multiple of inner_tx's accumulation "
+                f"(optax.MultiSteps every_k_schedule={every_k}): sync_every counts micro-steps, "
+                "and a sync in the middle of an accumulation would send a partial update"
+            )
         inner_tx = inner_tx.gradient_transformation()
     outer_tx = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer_tx is None else outer_tx
     for value, name in ((inner_tx, "inner_tx"), (outer_tx, "outer_tx")):
@@ -87,9 +99,16 @@ def check_exchange(exchange, inner_axis):
 
 
 def _positive_int(value, name, minimum):
+    """``value`` as an int from ``minimum`` to the largest step counter (int32)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value > _MAX_STEPS:
+        raise ValueError(f"{name} must be at most {_MAX_STEPS} (an int32 step count), got {value}")
     return int(value)
+
+
+#: The largest count a step counter holds (int32).
+_MAX_STEPS = 2**31 - 1
 
 
 def check_schedule(sync_every, fragments, delay):
@@ -118,9 +137,7 @@ def check_mixing(mixing, delay):
             "mixing applies to a delayed fragment (delay > 0); with delay=0 the workers restart "
             "from the global params"
         )
-    if not 0.0 <= float(mixing) <= 1.0:
-        raise ValueError(f"mixing must be in [0, 1], got {mixing!r}")
-    return float(mixing)
+    return _checks.static_float(mixing, "mixing", 0, 1)
 
 
 def check_in_flight(max_steps_in_flight):
@@ -136,8 +153,29 @@ def outer_compress(compress, outer_axis):
     if isinstance(compress, (Method, str)):
         return make_compress(compress, axis_name=outer_axis)
     if isinstance(compress, optax.GradientTransformation):
+        if not all(s.branches.mean for s in _states_of(compress)):
+            raise ValueError(
+                "compress= must average the pseudo-gradients over the workers: pass "
+                "jaxcomp.compress(..., mean=True) (the default), not mean=False (their sum)"
+            )
         return compress
     raise TypeError(
         "compress must be None, a jaxcomp.Method, a method name or a jaxcomp.compress(...) "
         f"transformation, got {type(compress).__name__}"
     )
+
+
+def raises(compress) -> bool:
+    """Whether the outer compress has ``nonfinite="raise"`` (the host then checks every step)."""
+    return any(s.policy.name == "raise" for s in _states_of(compress))
+
+
+def _states_of(compress) -> list:
+    """The compress states a transformation's ``init`` makes (their static records: the mean,
+    the policy), from the shapes of a small matrix; none where its method refuses them (the
+    run's own ``init`` then says why)."""
+    probe = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}
+    try:
+        return compress_states(jax.eval_shape(compress.init, probe))
+    except (ValueError, TypeError):
+        return []

@@ -12,6 +12,8 @@ compilation), ``shard_batch``, ``params``. The step itself is :mod:`.outer`.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -22,6 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.ops._ffi import lowering_platform
+from jaxcomp.optim.host import local_copy
 from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.state import compress_states, find_compress_state
 from jaxcomp.training import _diloco_arguments as arguments
@@ -126,7 +129,8 @@ class DiLoCo:
         self.step = BoundedStep(
             jax.jit(self._step, donate_argnums=(0,) if donate else ()),
             max_steps_in_flight,
-            watch=(self._trigger_probes, _tell_triggers),
+            check=_raise_on_nonfinite if arguments.raises(compress_tx) else None,
+            watch=(self._trigger_probes, _tell),
         )
 
     # -- layout --------------------------------------------------------------------------------
@@ -308,26 +312,60 @@ class DiLoCo:
         pairs = zip(state.compress_state, new_state.compress_state)
         probes = [divergence.trigger_probe(*map(find_compress_state, pair)) for pair in pairs]
         self._probe_names = [None if p is None else p[1:] for p in probes]
-        return new_state, metrics, (new_state.step, [None if p is None else p[0] for p in probes])
+        scalars = [None if p is None else p[0] for p in probes]
+        return new_state, metrics, (new_state.step, scalars, metrics["healed"])
 
     def _trigger_probes(self, args, out):
-        """The outer compress's guardrail probes of a dispatched step, per fragment."""
+        """What the host reads of a dispatched step once it has run: the outer compress's
+        guardrail probes, per fragment, and the fraction of devices whose state was healed."""
         probes = [
             None if scalars is None else (scalars, *names)
             for scalars, names in zip(out[2][1], self._probe_names)
         ]
-        return probes if any(p is not None for p in probes) else None
+        return probes, out[2][0], out[2][2]
 
     def metric_specs(self):
         """The metrics' ``PartitionSpec`` s: per worker with ``worker_metrics``, else replicated."""
         loss = P(self.outer_axis) if self.worker_metrics else P()
-        specs = {"loss": loss, "bytes_sent": P(), "synced": P()}
+        specs = {"loss": loss, "bytes_sent": P(), "synced": P(), "healed": loss, "nonfinite": loss}
         return {**specs, "aux": loss} if self.has_aux else specs
 
 
-def _tell_triggers(probes):
-    for probe in probes:
-        divergence.tell_trigger(probe)
+def _tell(probe):
+    """Tells the host what a step that has run did: the guardrail's triggers, and (once per
+    process) a worker whose state held non-finite entries, healed at a sync."""
+    triggers, step, healed = probe
+    for trigger in triggers:
+        divergence.tell_trigger(trigger)
+    if not _HEALED and np.any(np.asarray(local_copy(healed)) > 0):
+        _HEALED.append(True)
+        message = (
+            f"jaxcomp.diloco: at step {int(local_copy(step))} a worker's params or inner "
+            "optimizer state held non-finite entries; they start again from the global params "
+            "and the inner optimizer's initial state (the 'healed' metric)"
+        )
+        _LOG.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+def _raise_on_nonfinite(state, metrics):
+    """``compress(nonfinite="raise")``: a sync whose pseudo-gradients held NaN or Inf raises,
+    with the state the step returned (its global params and outer state unchanged)."""
+    count = float(np.sum(np.asarray(metrics["nonfinite"])))
+    if count:
+        error = FloatingPointError(
+            f"step {int(local_copy(state.step))}: the pseudo-gradients held {count:.0f} "
+            "non-finite entries and the outer compress has nonfinite='raise'. The sync was "
+            "dropped: the global params and the outer state are as they were, and the error's "
+            "`state` holds them. Find the worker's cause, or pass nonfinite='skip' (drop such "
+            "syncs) or 'zero' (drop those entries) to the outer jaxcomp.compress"
+        )
+        error.state = state
+        raise error
+
+
+_LOG = logging.getLogger("jaxcomp")
+_HEALED: list = []  # whether this process has warned once of a healed worker
 
 
 def _refuse_inner_compress(inner_tx, avals):
@@ -413,7 +451,7 @@ def diloco(
     References:
       Douillard et al., "DiLoCo" (arXiv 2311.08105); "Streaming DiLoCo" (arXiv 2501.18512).
     """
-    inner_tx, outer_tx = arguments.optimizers(loss_fn, inner_tx, outer_tx, donate)
+    inner_tx, outer_tx = arguments.optimizers(loss_fn, inner_tx, outer_tx, donate, sync_every)
     mesh = arguments.check_mesh(mesh, outer_axis, inner_axis)
     inner = Inner(
         inner_tx,

@@ -109,6 +109,14 @@ class Inner:
         new = finite_updated(mine, updates)
         return sharding.gather_whole(new, local, self.inner_axis), keep_finite(state, new_state)
 
+    def fresh_state(self, local):
+        """This device's row of the inner state as ``tx.init`` makes it, inside ``shard_map``
+        (of the worker's whole params, or of this device's shard of them)."""
+        if not self.shard:
+            return self.tx.init(local)
+        me = jax.lax.axis_index(self.inner_axis)
+        return self.tx.init(jax.tree.map(lambda p: sharding.shard_of(p, self.n_inner, me), local))
+
     # -- the outer exchange, split over the row (exchange="split") -----------------------------
 
     def block_avals(self, avals: list) -> list:

@@ -31,8 +31,10 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.collectives import small
+from jaxcomp.optim.nonfinite import keep_finite, skipped_or_none
+from jaxcomp.optim.stages import guard
 from jaxcomp.optim.state import find_compress_state
-from jaxcomp.optim.vma import cast_varying, varying_axes
+from jaxcomp.optim.vma import cast_varying, cond_typed_alike, varying_axes
 from jaxcomp.training import boundary, gradients
 
 
@@ -164,8 +166,9 @@ def diloco_step(run, plan, state: DiLoCoState, batch):
         local, inner_state = run.inner.step(local, grads, inner_state)
         count = state.step + 1
         new_state, sent, synced = _outer_rounds(run, plan, count, state, local, started)
+        inner_state, healed = _healed(run, local, inner_state, synced)
         new_state = new_state._replace(inner_state=jax.tree.map(lambda x: x[None], inner_state))
-        return new_state, _metrics(run, loss, aux, sent, synced)
+        return new_state, _metrics(run, loss, aux, sent, synced, healed)
 
     return boundary.packed_shard_map(
         local_step,
@@ -210,12 +213,13 @@ def _started_exchanges(run, plan, state: DiLoCoState, local):
 
 
 def _outer_rounds(run, plan, count, state: DiLoCoState, local, started=None):
-    """``(state, bytes_sent, synced)``: every fragment's round after inner step ``count``
+    """``(state, (bytes_sent, nonfinite), synced)``: every fragment's round after inner step
+    ``count`` (its bytes, the non-finite entries its exchange counted, whether it exchanged)
     (``state.inner_state`` is left for the caller); with a delay, ``started`` holds the
     exchanges :func:`_started_exchanges` ran."""
     global_leaves, treedef = jax.tree.flatten(state.global_params)
     local_leaves = jax.tree.leaves(local)
-    outer, compressed, pending, sent, synced = [], [], [], [], []
+    outer, compressed, pending, sent, synced, nonfinite = [], [], [], [], [], []
     for f, group in enumerate(plan.schedule.groups):
         leaves = ([global_leaves[i] for i in group], [local_leaves[i] for i in group])
         if started is None:
@@ -233,6 +237,7 @@ def _outer_rounds(run, plan, count, state: DiLoCoState, local, started=None):
         pending.append(fragment.pending)
         sent.append(bytes_sent)
         synced.append(exchanged)
+        nonfinite.append(jnp.where(exchanged, _nonfinite(fragment.compress_state), 0.0))
     new_state = DiLoCoState(
         global_params=treedef.unflatten(global_leaves),
         local_params=jax.tree.map(lambda x: x[None], treedef.unflatten(local_leaves)),
@@ -242,7 +247,7 @@ def _outer_rounds(run, plan, count, state: DiLoCoState, local, started=None):
         pending=tuple(pending) if plan.schedule.delay else (),
         step=count,
     )
-    return new_state, sent, synced
+    return new_state, (sent, nonfinite), synced
 
 
 class _Fragment(NamedTuple):
@@ -288,7 +293,11 @@ def _sync_round(run, schedule, f: int, count, fragment: _Fragment):
         aggregated, compress_state, bytes_sent = _exchange(
             run, global_leaves, local_leaves, compress_state
         )
-        global_leaves, outer_state = _outer_update(run, aggregated, outer_state, global_leaves)
+        stepped = _outer_update(run, aggregated, outer_state, global_leaves)
+        # compress(nonfinite="skip"|"raise") dropped the round: the global params and the outer
+        # state stay as they were (no momentum step on a zero update), the workers restart.
+        skipped = skipped_or_none(compress_state)
+        global_leaves, outer_state = guard.hold(skipped, (global_leaves, outer_state), stepped)
         local_leaves = [_like(g, lo) for g, lo in zip(global_leaves, local_leaves)]
         return (global_leaves, local_leaves, outer_state, compress_state), bytes_sent
 
@@ -312,8 +321,10 @@ def _unsent(operands):
 def _late_application(run, schedule, f: int, count, fragment: _Fragment) -> _Fragment:
     """Fragment ``f``'s delayed application after inner step ``count`` (a ``lax.cond``), from
     its pending aggregate."""
+    skipped = skipped_or_none(fragment.compress_state)  # its exchange dropped the round
+    applies = schedule.applies(count, f)
     g, lo, outer_state = jax.lax.cond(
-        schedule.applies(count, f),
+        applies if skipped is None else applies & ~skipped,
         lambda ops: _apply_late(run, fragment.pending, *ops),
         lambda ops: ops,
         (fragment.global_leaves, fragment.local_leaves, fragment.outer_state),
@@ -328,9 +339,9 @@ def _apply_late(run, pending, global_leaves, local_leaves, outer_state):
     global_leaves, outer_state = _outer_update(run, pending, outer_state, global_leaves)
     alpha = run.mixing
     local_leaves = [
-        _like((alpha * lo + (1 - alpha) * g).astype(lo.dtype), lo)
+        _like(jnp.where(jnp.isfinite(lo), alpha * lo + (1 - alpha) * g, g).astype(lo.dtype), lo)
         for g, lo in zip(global_leaves, local_leaves)
-    ]
+    ]  # an entry a worker lost to a non-finite value takes the global one: the worker heals
     return global_leaves, local_leaves, outer_state
 
 
@@ -346,14 +357,42 @@ def _like(value, target):
     return cast_varying(value, varying_axes(target))
 
 
+def _nonfinite(compress_state):
+    """The non-finite entries the outer compress counted in its last exchange (its metric)."""
+    found = find_compress_state(compress_state)
+    return jnp.float32(found.metrics.nonfinite) if found is not None else jnp.float32(0)
+
+
 def _bytes_sent(compress_state):
     """Bytes one device sent in the outer compress's exchange (its own metric)."""
     found = find_compress_state(compress_state)
     return jnp.float32(found.metrics.bytes_sent) if found is not None else jnp.float32(0)
 
 
-def _metrics(run, loss, aux, sent, synced):
-    """The step's metrics: the loss (over all devices, or per worker), the outer bytes, synced."""
+def _healed(run, local, inner_state, synced):
+    """``(inner_state, healed)``: on a step with a sync, the entries of this device's inner state
+    that are not finite start again from the inner optimizer's initial values (the worker's
+    params come back from the global ones there); ``healed`` is 1 where its params (before the
+    sync) or its inner state held any."""
+
+    def heal(state):
+        leaves = jax.tree.leaves((state, local))
+        floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
+        sick = ~guard.all_finite_many(floats)
+        return keep_finite(run.inner.fresh_state(local), state), sick.astype(jnp.float32)
+
+    def wait(state):
+        return state, jnp.zeros((), jnp.float32)
+
+    return cond_typed_alike(jnp.any(jnp.stack(synced)), heal, wait, inner_state)
+
+
+def _metrics(run, loss, aux, sent, synced, healed):
+    """The step's metrics: the loss (over all devices, or per worker), the outer bytes, synced,
+    the non-finite entries the outer compress counted, and the fraction of devices whose
+    worker state was healed."""
+    sent, nonfinite = sent
+    axes = frozenset(run.data_axes if isinstance(run.data_axes, tuple) else (run.data_axes,))
     if run.worker_metrics:
         # Per worker: averaged over the inner axis only; nothing crosses the outer axis.
         def reduce(x):
@@ -364,10 +403,17 @@ def _metrics(run, loss, aux, sent, synced):
         def reduce(x):
             return small.metric_mean(x, run.data_axes)
 
+    # The loss and the two counts in one reduction (typed per device first: a replicated count
+    # reduces like a per-device one): one scalar all-reduce a step, as with the loss alone.
+    scalars = [loss, healed, sum(nonfinite[1:], nonfinite[0])]
+    scalars = [cast_varying(jnp.asarray(x, jnp.float32), axes) for x in scalars]
+    together = reduce(jnp.stack(scalars, axis=-1))
     metrics = {
-        "loss": reduce(loss),
+        "loss": together[..., 0].astype(jnp.result_type(loss)),
         "bytes_sent": sum(sent[1:], sent[0]),
         "synced": jnp.any(jnp.stack(synced)),
+        "healed": together[..., 1],
+        "nonfinite": together[..., 2],
     }
     if aux is not None:
         metrics["aux"] = jax.tree.map(reduce, aux)

@@ -1,4 +1,5 @@
-"""Time to quality: the rows that race to a dense run's loss on the char-LM, and their loop.
+"""Time to quality: the rows that race to a dense run's loss on the char-LM, and how each runs
+(the timed loop itself is :mod:`jaxcomp.training.to_loss_loop`).
 
     results = to_loss.run_rows(["dp", "diloco-h50-avg-int8"], charlm.MODELS["wide"], steps=300,
                                max_steps=900, eval_every=30)
@@ -36,9 +37,13 @@ compilation; in a multi-process job process 0 evaluates and every process waits 
 from __future__ import annotations
 
 import dataclasses
-import time
+import math
 
 from jaxcomp.training import charlm
+from jaxcomp.training.to_loss_loop import (  # noqa: F401  (summarize: re-exported)
+    summarize,
+    timed_curve,
+)
 
 _DEFAULTS = dict(outer="nesterov")
 #: jaxcomp.adam's settings in the ``adam-*`` rows: a short warm-up (25 dense steps) and a dense
@@ -162,6 +167,8 @@ def _outer(spec):
         numbers = [float(x) for x in numbers]
     except ValueError:
         numbers = []
+    if not all(math.isfinite(x) for x in numbers):
+        numbers = []
     if kind == "sgd" and len(numbers) == 1 and numbers[0] > 0:
         return optax.sgd(numbers[0])
     if kind == "nesterov" and len(numbers) == 2 and numbers[0] > 0 and 0 <= numbers[1] < 1:
@@ -170,12 +177,12 @@ def _outer(spec):
 
 
 def _positive(text):
-    """``float(text)`` if it is a number > 0, else None."""
+    """``float(text)`` if it is a finite number > 0, else None."""
     try:
         value = float(text)
     except ValueError:
         return None
-    return value if value > 0 else None
+    return value if math.isfinite(value) and value > 0 else None
 
 
 def parse_row(name):
@@ -213,7 +220,10 @@ def parse_row(name):
     for part in parts:
         key, _, value = part.partition("=")
         if key == "outer" and ROWS[base]["kind"] == "diloco":
-            _outer(value)
+            try:
+                _outer(value)
+            except ValueError as error:
+                raise ValueError(f"row {name!r}: {error}") from None
             settings["outer"] = value
         elif key == "exchange" and ROWS[base]["kind"] == "diloco":
             if value not in ("split", "whole"):
@@ -230,7 +240,9 @@ def parse_row(name):
         elif key == "lr":
             settings["lr"] = _positive(value)
             if settings["lr"] is None:
-                raise ValueError(f"row {name!r}: @lr= takes a learning rate > 0, got {value!r}")
+                raise ValueError(
+                    f"row {name!r}: @lr= takes a finite learning rate > 0, got {value!r}"
+                )
         else:
             raise ValueError(
                 f"row {name!r}: @{part} is not a setting of it; a row takes @lr=PEAK"
@@ -316,43 +328,6 @@ def _build(options, loss_fn, adam, devices, inner=1):
     )
 
 
-class _Clock:
-    """Wall-clock and CPU seconds of the training steps, with evaluations left out."""
-
-    def __init__(self):
-        self.seconds = self.cpu = 0.0
-
-    def start(self):
-        self._wall, self._cpu = time.perf_counter(), time.process_time()
-
-    def stop(self):
-        self.seconds += time.perf_counter() - self._wall
-        self.cpu += time.process_time() - self._cpu
-
-
-def _local(tree):
-    """This process's copy of replicated arrays, on its first local device."""
-    import jax
-
-    from jaxcomp.optim import host
-
-    return jax.device_put(jax.tree.map(host.value, tree), jax.local_devices()[0])
-
-
-def _held_out(evaluate, params, heldout):
-    """The held-out loss of ``params``, evaluated by process 0 and broadcast to every host: the
-    hosts agree on it, and leave together (the clock restarts on every host at once)."""
-    import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    mine = jax.process_index() == 0
-    loss = float(evaluate(_local(params), heldout)) if mine else 0.0
-    if jax.process_count() == 1:
-        return loss
-    return float(multihost_utils.broadcast_one_to_all(np.float32(loss)))
-
-
 def _prepare(name, config, corpus, first, *, quick, devices, inner, seed):
     """The row's run, its compiled step (one step run and dropped), the initial params and
     held-out batch, its jitted loss, and this process's rows of each batch."""
@@ -425,79 +400,24 @@ def train(
       measure of training speed; Agarwal et al., "On the Utility of Gradient Compression in
       Distributed Training Systems" (MLSys 2022): compression judged end to end.
     """
-    import jax
-
-    from jaxcomp.optim import host
-
     windows = charlm.batches(corpus[0], config, steps, seed)
     run, state, options, (evaluate, params, heldout), mine = _prepare(
         name, config, corpus, windows[0], quick=quick, devices=devices, inner=inner, seed=seed
     )
-    clock, sent, total, wire0 = _Clock(), [], 0.0, wire and wire()
-    curve = [dict(step=0, seconds=0.0, cpu=0.0, loss=_held_out(evaluate, params, heldout))]
-    curve[0].update(bytes=0.0, wire=0 if wire0 is not None else None)
-    for step in range(steps):
-        clock.start()
-        batch = {"tokens": corpus[0][windows[step][mine]]}
-        state, metrics = run.step(state, run.shard_batch(batch))
-        sent.append(metrics["bytes_sent"])
-        if (step + 1) % eval_every and step + 1 < steps:
-            clock.stop()
-            continue
-        jax.block_until_ready(state)
-        clock.stop()
-        loss = _held_out(evaluate, run.params(state), heldout)
-        total += sum(float(host.scalar(b)) for b in sent)
-        sent.clear()  # read once each: the host reads them at evaluations only
-        wired = None if wire0 is None else wire() - wire0
-        curve.append(dict(step=step + 1, seconds=clock.seconds, cpu=clock.cpu, loss=loss))
-        curve[-1].update(bytes=total, wire=wired)
-        if log:
-            log(f"{name}: step {step + 1}, held-out {loss:.4f}, {clock.seconds:.1f} s")
-        if target is not None and loss <= target:
-            break
-    return dict(name=name, curve=curve, steps=curve[-1]["step"], options=options)
-
-
-def summarize(result, target, steps):
-    """The row's table figures.
-
-    Args:
-      result: what :func:`train` returned for the row.
-      target: the held-out loss to reach (dp's final loss).
-      steps: dp's steps: the loss after as many samples is reported too.
-
-    Returns:
-      A dict: ``to_target`` (seconds to the first evaluation at or below ``target``, None if
-      never), ``bytes_to_target`` and ``wire_to_target`` (bytes until then), ``loss_at_steps``
-      (the last evaluation at or before ``steps``), ``final_loss``, ``steps`` run, and
-      ``step_seconds`` and ``step_cpu`` (wall-clock and CPU seconds a step).
-
-    Example:
-      >>> curve = [dict(step=s, seconds=2.0 * s, cpu=s, loss=3.0 - 0.1 * s, bytes=10.0 * s,
-      ...               wire=None) for s in (0, 5, 10)]
-      >>> figures = summarize(dict(name="r", curve=curve), target=2.5, steps=5)
-      >>> figures["to_target"], figures["loss_at_steps"], figures["step_seconds"]
-      (10.0, 2.5, 2.0)
-
-    References:
-      Mattson et al., "MLPerf Training Benchmark" (MLSys 2020): time to a target quality.
-    """
-    curve = result["curve"]
-    reached = next((p for p in curve[1:] if p["loss"] <= target), None)
-    at_steps = [p for p in curve if p["step"] <= steps][-1]
-    last = curve[-1]
-    return dict(
-        name=result["name"],
-        to_target=None if reached is None else reached["seconds"],
-        bytes_to_target=None if reached is None else reached["bytes"],
-        wire_to_target=None if reached is None else reached["wire"],
-        loss_at_steps=at_steps["loss"],
-        final_loss=last["loss"],
-        steps=last["step"],
-        step_seconds=last["seconds"] / last["step"],
-        step_cpu=last["cpu"] / last["step"],
+    curve = timed_curve(
+        run,
+        state,
+        lambda step: {"tokens": corpus[0][windows[step][mine]]},
+        steps=steps,
+        eval_every=eval_every,
+        evaluate=evaluate,
+        params=params,
+        heldout=heldout,
+        target=target,
+        log=log and (lambda line: log(f"{name}: {line}")),
+        wire=wire,
     )
+    return dict(name=name, curve=curve, steps=curve[-1]["step"], options=options)
 
 
 def run_rows(

@@ -3,11 +3,11 @@
 Each step it reads two energies the metrics stage's psum already sums over the devices
 (:mod:`.metrics`): ``G = sum_d ||g_d||^2``, the gradients' (finite entries, before the
 residual), and ``F = sum_d ||g_e,d||^2``, the error-fed one, with the step's compression gain.
-A step is *suspect*, after ``burn_in`` steps, when (a) ``G > factor**2 * mean`` (``mean`` a
+A step is *suspect* when (a) ``G > factor**2 * mean`` (``mean`` a
 running mean of ``G`` that a sample pulls at most :data:`FOLLOW` times its value) or (b)
-``F * gain**2 > (2 * factor)**2 * mean`` (a residual past error feedback's own bound); it
-triggers after ``patience`` suspect steps in a row, or at once when (c) ``G`` or ``F`` is not
-finite.
+``F * gain**2 > (2 * factor)**2 * mean`` (a residual past error feedback's own bound), with
+limits :data:`BURN_IN_SLACK` times looser during the ``burn_in`` steps; it triggers after
+``patience`` suspect steps in a row, or at once when (c) ``G`` or ``F`` is not finite.
 
 The triggering step sends no update and clears the residual and DGC's velocity; the next
 ``window`` steps aggregate with the dense branch (the warm-up's switch, :mod:`.warmup`), or, for
@@ -35,6 +35,11 @@ from jaxcomp.optim import host
 #: many times the mean (``G`` above it counts as ``FOLLOW * mean``).
 FOLLOW = 2.0
 
+#: During the burn-in the limits are this many times looser (an energy 100 times the mean of
+#: the steps seen so far at the default ``factor``): the guardrail watches from the first step,
+#: and the early steps of a healthy run, whose scale is still settling, do not trigger it.
+BURN_IN_SLACK = 4.0
+
 #: A window doubles for each trigger in a row, at most this many times (``window * 32``).
 MAX_DOUBLINGS = 5
 
@@ -51,8 +56,8 @@ class Guardrail:
       factor: trigger when the gradient norm exceeds ``factor`` times its running RMS (default
         5, ``> 1``); the residual's bound scales with it too.
       window: dense steps after a trigger before the method runs again (default 50, ``>= 1``).
-      burn_in: steps seen before the first check (default 20, ``>= 1``); their mean starts the
-        running mean.
+      burn_in: steps whose plain mean starts the running mean (default 20, ``>= 1``); during
+        them the limits are :data:`BURN_IN_SLACK` times looser.
       decay: the running mean's decay per step (default 0.98, in ``(0, 1)``).
       dense_fallback: whether a trigger switches to dense for the window (True) or only clears
         the residual and pauses the detector (False). Default None: dense, except for the
@@ -236,10 +241,11 @@ def suspect(guardrail: Guardrail, state: GuardrailState, gradient, fed, gain):
       Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019, Thm. II (the residual's
       bound ``2 / gain``).
     """
-    limit = guardrail.factor**2 * state.mean
+    warming = state.seen < guardrail.burn_in  # the mean of a few steps: a looser limit
+    limit = jnp.where(warming, BURN_IN_SLACK, 1.0) * guardrail.factor**2 * state.mean
     blown_up = ~(gradient <= limit)  # NaN and inf too
     runaway = ~(fed * jnp.square(gain) <= 4.0 * limit)
-    ready = (state.seen >= guardrail.burn_in) & (state.left == 0)
+    ready = (state.seen > 0) & (state.left == 0)
     return ready & (blown_up | runaway)
 
 

@@ -105,7 +105,15 @@ def check_warmup_method(warmup_method, warmup_steps) -> Method:
     """
     if warmup_method is None:
         return DENSE
-    method = methods.parse(warmup_method)
+    if not isinstance(warmup_method, (Method, str)):
+        raise TypeError(
+            "warmup_method must be None, a jaxcomp.methods.Method or a method name, got "
+            f"{type(warmup_method).__name__}"
+        )
+    try:
+        method = methods.parse(warmup_method)
+    except ValueError as e:
+        raise ValueError(f"warmup_method={warmup_method!r}: {e}") from None
     if not warmup_steps:
         raise ValueError(f"warmup_method={method.describe()} needs warmup_steps > 0")
     if method.sparse or method.stateful or method.dense_steps or not method.replicated_total:
