@@ -227,3 +227,30 @@ def test_the_guardrail_watches_from_the_first_compressed_step():
     guard = jaxcomp.find_compress_state(state.opt_state).divergence
     assert float(metrics["fallbacks"]) >= 1 and float(metrics["loss"]) < 1.0
     assert np.isfinite(float(guard.mean)) and float(guard.mean) < 1e3
+
+
+def test_an_older_state_stepped_by_the_same_dp_runs_its_own_branch():
+    """Restoring step 2 (inside jaxcomp.adam's warm-up) into a dp that has run 10 steps: the
+    host's reports were of the later steps; the older state's steps run its own branch (the
+    dense warm-up), and match the uninterrupted run's bit for bit."""
+    need_devices(8)
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    rng = np.random.default_rng(0)
+    batches = [
+        {
+            "x": rng.normal(size=(16, 8)).astype(np.float32),
+            "y": rng.normal(size=(16, 2)).astype(np.float32),
+        }
+        for _ in range(12)
+    ]
+    tx = jaxcomp.adam(1e-2, "sign", warmup_steps=4, refresh_every=3)
+    dp = jaxcomp.data_parallel(lambda p, b: jnp.mean((b["x"] @ p - b["y"]) ** 2), tx, mesh)
+    state = dp.init(jnp.zeros((8, 2)))
+    states = [state]
+    for batch in batches[:10]:
+        state, _ = dp.step(state, batch)
+        states.append(state)
+    resumed = states[2]
+    for batch in batches[2:6]:
+        resumed, _ = dp.step(resumed, batch)
+    np.testing.assert_array_equal(np.asarray(resumed.params), np.asarray(states[6].params))

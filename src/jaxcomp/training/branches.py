@@ -59,6 +59,7 @@ class PinnedSteps:
         """Forgets the reports: the next call reads its branch from its input state."""
         self._reports = collections.deque()
         self._pin = _UNKNOWN if self._delay is not None else None
+        self._last_step = None  # the step counter the last call returned
 
     @property
     def branch(self):
@@ -66,6 +67,10 @@ class PinnedSteps:
         return None if self._pin is _UNKNOWN else self._pin
 
     def __call__(self, state, *args, **kwargs):
+        if self._last_step is not None and getattr(state, "step", None) is not self._last_step:
+            # Not the state the last call returned (a restored checkpoint, an older state): the
+            # reports are of another run's steps; its branch is read from it.
+            self.restart()
         branch = self._next(state)
         out = self.run(branch, state, *args, **kwargs)
         if branch is not None:
@@ -76,6 +81,7 @@ class PinnedSteps:
         """Runs ``branch``'s step (None: the device chooses), whatever the reports say."""
         out = self._step(branch)(state, *args, **kwargs)
         self._ran.add(branch)
+        self._last_step = getattr(out[0], "step", None)
         return out
 
     def compiled(self, branch) -> bool:
