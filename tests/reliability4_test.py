@@ -125,22 +125,33 @@ def test_diloco_raise_raises_and_keeps_the_global_state():
     assert np.isfinite(np.asarray(run.worker_params(kept))).all()  # restarted from the global
 
 
-def test_diloco_skip_leaves_the_global_and_outer_state_untouched():
-    """A dropped sync takes no outer step: Nesterov's momentum does not move the params."""
+@pytest.mark.parametrize("delay", [0, 1])
+def test_diloco_skip_leaves_the_global_and_outer_state_untouched(delay):
+    """A dropped sync takes no outer step (Nesterov's momentum does not move the params), and
+    the worker that sent NaN is healed, so the next sync runs."""
+    options = {"delay": delay} if delay else {}
     run = _diloco(
-        sync_every=2, compress=jaxcomp.compress("dense", axis_name="workers", nonfinite="skip")
+        sync_every=2,
+        compress=jaxcomp.compress("dense", axis_name="workers", nonfinite="skip"),
+        **options,
     )
-    state, _ = run.step(run.init(jnp.zeros(3)), _batch(0))
-    state, _ = run.step(state, _batch(1))  # a healthy sync: the outer momentum is not zero
+    state = run.init(jnp.zeros(3))
+    for i in range(2 + delay):  # a healthy sync: the outer momentum is not zero
+        state, _ = run.step(state, _batch(i))
     before = (np.asarray(run.params(state)), jax.tree.map(np.asarray, state.outer_state))
-    state, _ = run.step(_sick_worker(state, "local_params"), _batch(2))
-    state, metrics = run.step(state, _batch(3))  # the sync with a NaN pseudo-gradient
+    state = _sick_worker(state, "local_params")
+    for i in range(2):  # the sync with a NaN pseudo-gradient comes last
+        state, metrics = run.step(state, _batch(10 + i))
     assert float(metrics["nonfinite"]) > 0
     np.testing.assert_array_equal(np.asarray(run.params(state)), before[0])
     jax.tree.map(
         np.testing.assert_array_equal, jax.tree.map(np.asarray, state.outer_state), before[1]
     )
     assert np.isfinite(np.asarray(run.worker_params(state))).all()
+    for i in range(2):  # the next sync is healthy again: an outer step
+        state, metrics = run.step(state, _batch(20 + i))
+    assert float(metrics["nonfinite"]) == 0
+    assert not np.array_equal(np.asarray(run.params(state)), before[0])
 
 
 @pytest.mark.parametrize("delay", [0, 1])

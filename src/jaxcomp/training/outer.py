@@ -166,8 +166,12 @@ def diloco_step(run, plan, state: DiLoCoState, batch):
         local, inner_state = run.inner.step(local, grads, inner_state)
         count = state.step + 1
         new_state, sent, synced = _outer_rounds(run, plan, count, state, local, started)
-        inner_state, healed = _healed(run, local, inner_state, synced)
-        new_state = new_state._replace(inner_state=jax.tree.map(lambda x: x[None], inner_state))
+        worker = (jax.tree.map(lambda x: x[0], new_state.local_params), inner_state)
+        (local, inner_state), healed = _healed(run, worker, local, new_state, synced)
+        new_state = new_state._replace(
+            local_params=jax.tree.map(lambda x: x[None], local),
+            inner_state=jax.tree.map(lambda x: x[None], inner_state),
+        )
         return new_state, _metrics(run, loss, aux, sent, synced, healed)
 
     return boundary.packed_shard_map(
@@ -369,22 +373,26 @@ def _bytes_sent(compress_state):
     return jnp.float32(found.metrics.bytes_sent) if found is not None else jnp.float32(0)
 
 
-def _healed(run, local, inner_state, synced):
-    """``(inner_state, healed)``: on a step with a sync, the entries of this device's inner state
-    that are not finite start again from the inner optimizer's initial values (the worker's
-    params come back from the global ones there); ``healed`` is 1 where its params (before the
-    sync) or its inner state held any."""
+def _healed(run, worker, before, state: DiLoCoState, synced):
+    """``((local, inner_state), healed)``: on a step with a sync, this device's worker's
+    entries that are not finite start again, its params' from the global params (a dropped sync,
+    or a delayed one, left them), its inner state's from the inner optimizer's initial values;
+    ``healed`` is 1 where its params before the sync (``before``) or its inner state held any."""
 
-    def heal(state):
-        leaves = jax.tree.leaves((state, local))
-        floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
-        sick = ~guard.all_finite_many(floats)
-        return keep_finite(run.inner.fresh_state(local), state), sick.astype(jnp.float32)
+    def heal(worker):
+        local, inner_state = worker
+        leaves = jax.tree.leaves((before, inner_state))
+        sick = ~guard.all_finite_many([x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)])
+        local = jax.tree.map(
+            lambda lo, g: _like(jnp.where(jnp.isfinite(lo), lo, g), lo), local, state.global_params
+        )
+        inner_state = keep_finite(run.inner.fresh_state(local), inner_state)
+        return (local, inner_state), sick.astype(jnp.float32)
 
-    def wait(state):
-        return state, jnp.zeros((), jnp.float32)
+    def wait(worker):
+        return worker, jnp.zeros((), jnp.float32)
 
-    return cond_typed_alike(jnp.any(jnp.stack(synced)), heal, wait, inner_state)
+    return cond_typed_alike(jnp.any(jnp.stack(synced)), heal, wait, worker)
 
 
 def _metrics(run, loss, aux, sent, synced, healed):
