@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from jaxcomp.optim import _update_checks, packing, readiness
+from jaxcomp.optim import _update_checks, packing, pinning, readiness
 from jaxcomp.optim.config import FeedbackConfig
 from jaxcomp.optim.stages import divergence, guard, mask, metrics
 from jaxcomp.optim.stages.aggregation import Aggregation, Groups
@@ -145,4 +145,5 @@ def next_state(
         auto=guard.hold(skipped, state.auto, new_auto) if uses_auto else None,
         method_state=guard.hold(skipped, state.method_state, method_state),
         divergence=guarded,
+        asked=None if state.asked is None else pinning.next_branch(state),
     )

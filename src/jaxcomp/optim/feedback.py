@@ -32,7 +32,7 @@ import optax
 
 from jaxcomp.methods import Method
 from jaxcomp.ops import flat, pieces, scatter
-from jaxcomp.optim import _update_checks, packing, sharding
+from jaxcomp.optim import _update_checks, packing, pinning, sharding
 from jaxcomp.optim._dense_route import runs_alone, sum_dense, update_alone
 from jaxcomp.optim._flow import (
     Aggregated,
@@ -153,7 +153,7 @@ def _init_state(c: FeedbackConfig, record: Branches, params, keeps_residual, ini
         )
 
     shapes = [tuple(leaves[i].shape for i in positions) for positions, _ in lay.groups]
-    return CompressState(
+    state = CompressState(
         residual=per_compressed_leaf(keeps_residual),
         step=jnp.zeros((), jnp.int32),
         key=jax.random.PRNGKey(c.seed),
@@ -167,6 +167,7 @@ def _init_state(c: FeedbackConfig, record: Branches, params, keeps_residual, ini
         if c.guardrail is not None and not all(m.sends_everything for m in branches) and shapes
         else None,
     )
+    return state._replace(asked=pinning.next_branch(state)) if pinning.can_pin(state) else state
 
 
 def _state_leaves(c: FeedbackConfig, treedef, state: CompressState):

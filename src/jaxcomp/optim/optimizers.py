@@ -45,7 +45,7 @@ import optax
 
 from jaxcomp import methods
 from jaxcomp.ops import _checks
-from jaxcomp.optim import sharding, vma
+from jaxcomp.optim import pinning, sharding, vma
 from jaxcomp.optim.compression import compress
 from jaxcomp.optim.state import CompressState
 
@@ -303,7 +303,8 @@ def _exact_mean(exact, grads, compressed: CompressState):
     averaged, dense_state = exact.update(grads, exact.init(grads))
     averaged = jax.tree.map(lambda a: a.astype(jnp.float32), averaged)
     metrics = dense_state.metrics._replace(fallbacks=compressed.metrics.fallbacks)
-    return averaged, compressed._replace(metrics=metrics), dense_state.step > 0
+    asked = None if compressed.asked is None else pinning.next_branch(compressed)
+    return averaged, compressed._replace(metrics=metrics, asked=asked), dense_state.step > 0
 
 
 def _exact_momentum(before: CompressState, after: CompressState, warm):

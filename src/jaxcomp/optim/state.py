@@ -100,6 +100,9 @@ class CompressState(NamedTuple):
     method_state: Any = ()
     # with a guardrail (jaxcomp.Guardrail): its GuardrailState (replicated scalars); else None
     divergence: Any = None
+    # with branches the host pins (jaxcomp.optim.pinning.can_pin): i32[], the branch the update
+    # before asked for (pinning.next_branch of its input), which the host runs; else None
+    asked: Any = None
 
     @property
     def methods(self) -> tuple[Method, ...]:

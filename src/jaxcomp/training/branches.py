@@ -105,7 +105,10 @@ class PinnedSteps:
     def _next(self, state):
         """The branch of this call: the report of the call ``delay`` before, else the state's."""
         if self._pin is _UNKNOWN:
-            self._pin = initial_branch(state)
+            self._pin = initial_branch(state, asked=self._delay > 1)
+            if self._pin is not None and self._delay > 1:
+                # The report the call before would have read next: what this state asks for.
+                self._reports.appendleft(jax.jit(pinned_report)(state.opt_state))
         if self._pin is not None and len(self._reports) >= self._delay:
             self._pin = _read(self._reports.popleft())
         return self._pin
@@ -181,12 +184,14 @@ def pinned_report(opt_state):
     return next_branch(compress_states(opt_state)[0])
 
 
-def initial_branch(state):
+def initial_branch(state, asked: bool = False):
     """The branch the first step of ``state`` (a :class:`~jaxcomp.training.state.TrainState`)
     runs, read on the host; None when it is not :func:`pinnable`.
 
     Args:
       state: the training state, concrete arrays.
+      asked: the branch the step before asked for (the compress state's ``asked``), which a
+        run that reads each report two calls later runs here; else the one this state asks for.
 
     Returns:
       An int, or None.
@@ -202,6 +207,9 @@ def initial_branch(state):
     """
     if not pinnable(state.opt_state):
         return None
+    before = compress_states(state.opt_state)[0].asked
+    if asked and before is not None:
+        return _read(before)
     return _read(jax.jit(pinned_report)(state.opt_state))
 
 

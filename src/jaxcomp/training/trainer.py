@@ -34,7 +34,7 @@ from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.state import compress_states, find_compress_state
 from jaxcomp.training import _arguments as arguments
 from jaxcomp.training import _telling as telling
-from jaxcomp.training import boundary
+from jaxcomp.training import boundary, checkpoint
 from jaxcomp.training import reprobe as reprobing
 from jaxcomp.training import resize as resizing
 from jaxcomp.training.branches import REPORT_DELAY, PinnedSteps, pinned_record, pinned_report
@@ -220,9 +220,9 @@ class DataParallel:
         checkpointer = ocp.StandardCheckpointer()
         metadata = checkpointer.metadata(path)
         tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
-        shapes = [m.shape for m in jax.tree.leaves(tree) if hasattr(m, "shape")]
+        shapes = checkpoint.completed_shapes(tree, self.state_shapes(params))
         n = resizing.saved_device_count(self.layout, avals, shapes)
-        state = checkpointer.restore(path, self.state_shapes(params, n_devices=n))
+        state = checkpoint.restore(checkpointer, path, self.state_shapes(params, n_devices=n), tree)
         return self.resize(state, params, mean=mean)
 
     # -- the public entry points ---------------------------------------------------------------
