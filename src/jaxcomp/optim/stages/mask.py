@@ -4,6 +4,10 @@
 leaves a method compresses; the float leaves they leave out ("plain") are summed as they are, in
 one fused all-reduce (a reduce-scatter when sharded). :class:`Layout` records the choice for
 one update; ``granularity`` groups the compressed leaves into one vector or one per leaf.
+
+``optax.masked`` and ``optax.partition`` do not serve here: the leaves left out are not passed
+through but summed exactly, and the count of their entries that overflowed rides in the step's
+one psum of scalars, which a partition would give a transformation, and a psum, of its own.
 """
 
 from __future__ import annotations
