@@ -138,15 +138,43 @@ def _linen(name, axis_name):
     return variables["params"], loss_fn
 
 
-def _nnx():
-    """``(params, loss_fn)`` of an nnx model: ``nnx.split`` and ``nnx.merge`` around the loss."""
-    model = nnx.Sequential(
+class _NnxAttention(nnx.Module):
+    """Rows of the image as tokens: self-attention, a layer norm, a linear head."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Linear(16, 32, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(
+            num_heads=4, in_features=32, decode=False, rngs=rngs
+        )
+        self.norm = nnx.LayerNorm(32, rngs=rngs)
+        self.head = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        tokens = self.embed(x.reshape(x.shape[0], 8, 16))
+        tokens = self.norm(tokens + self.attention(tokens))
+        return self.head(tokens.mean(axis=1))
+
+
+NNX = {
+    "nnx-mlp": lambda: nnx.Sequential(
         lambda x: x.reshape(x.shape[0], -1),
         nnx.Linear(128, 32, rngs=nnx.Rngs(0)),
         nnx.relu,
         nnx.Linear(32, 4, rngs=nnx.Rngs(1)),
-    )
-    graphdef, params = nnx.split(model, nnx.Param)
+    ),
+    "nnx-cnn": lambda: nnx.Sequential(
+        nnx.Conv(2, 8, (3, 3), rngs=nnx.Rngs(0)),
+        nnx.relu,
+        lambda x: x.reshape(x.shape[0], -1),
+        nnx.Linear(8 * 8 * 8, 4, rngs=nnx.Rngs(1)),
+    ),
+    "nnx-attention": lambda: _NnxAttention(nnx.Rngs(0)),
+}
+
+
+def _nnx(name):
+    """``(params, loss_fn)`` of an nnx model: ``nnx.split`` and ``nnx.merge`` around the loss."""
+    graphdef, params = nnx.split(NNX[name](), nnx.Param)
 
     def loss_fn(params, batch):
         logits = nnx.merge(graphdef, params)(batch["x"])
@@ -156,10 +184,10 @@ def _nnx():
 
 
 def _model(name, axis_name="data"):
-    return _nnx() if name == "nnx-mlp" else _linen(name, axis_name)
+    return _nnx(name) if name in NNX else _linen(name, axis_name)
 
 
-MODELS = list(LINEN) + ["nnx-mlp"]
+MODELS = list(LINEN) + list(NNX)
 
 
 def _mesh(axis_name):
