@@ -95,14 +95,13 @@ def static_float(value, name: str, lo=None, hi=None, *, open_lo=False, open_hi=F
     low = lo is None or (value > lo if open_lo else value >= lo)
     high = hi is None or (value < hi if open_hi else value <= hi)
     if not (np.isfinite(value) and low and high):
-        left = "any" if lo is None else f"{'(' if open_lo else '['}{lo}"
-        right = "" if hi is None else f", {hi}{')' if open_hi else ']'}"
-        bound = (
-            f"a finite number in {left}{right}"
-            if hi is not None
-            else ("a finite number" + ("" if lo is None else f" {'>' if open_lo else '>='} {lo}"))
-        )
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
+        if lo is not None and hi is not None:
+            bound = f" in {'(' if open_lo else '['}{lo}, {hi}{')' if open_hi else ']'}"
+        elif lo is not None:
+            bound = f" {'>' if open_lo else '>='} {lo}"
+        else:
+            bound = "" if hi is None else f" {'<' if open_hi else '<='} {hi}"
+        raise ValueError(f"{name} must be a finite number{bound}, got {value!r}")
     return value
 
 

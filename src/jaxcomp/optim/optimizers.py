@@ -224,13 +224,10 @@ def _check(method, b1, b2, eps, weight_decay, warmup_steps, compress_options) ->
     for name in ("momentum_correction", "warmup_steps"):
         if name in compress_options:
             raise ValueError(f"{name}= is the optimizer's own; adam() does not pass it to compress")
-    b1, b2 = (
-        _checks.static_float(value, name, 0, 1, open_lo=True, open_hi=True)
-        for value, name in ((b1, "b1"), (b2, "b2"))
-    )
-    eps, _ = (
-        _checks.static_float(v, n, 0) for v, n in ((eps, "eps"), (weight_decay, "weight_decay"))
-    )
+    b1 = _checks.static_float(b1, "b1", 0, 1, open_lo=True, open_hi=True)
+    b2 = _checks.static_float(b2, "b2", 0, 1, open_lo=True, open_hi=True)
+    eps = _checks.static_float(eps, "eps", 0)
+    _checks.static_float(weight_decay, "weight_decay", 0)
     warmup = _checks.static_int(warmup_steps, "warmup_steps", 1)
     return {"b1": b1, "b2": b2, "eps": eps, "warmup": warmup}
 

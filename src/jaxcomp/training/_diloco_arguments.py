@@ -147,27 +147,24 @@ def check_in_flight(max_steps_in_flight):
 
 
 def outer_compress(compress, outer_axis):
-    """The outer exchange as a transformation: built from None, a method or a name."""
+    """``(transformation, raises)``: the outer exchange, built from None, a method or a name, and
+    whether its ``nonfinite="raise"`` makes the host check every step."""
     if compress is None:
-        return make_compress(Dense(), axis_name=outer_axis)
+        return make_compress(Dense(), axis_name=outer_axis), False
     if isinstance(compress, (Method, str)):
-        return make_compress(compress, axis_name=outer_axis)
+        return make_compress(compress, axis_name=outer_axis), False
     if isinstance(compress, optax.GradientTransformation):
-        if not all(s.branches.mean for s in _states_of(compress)):
+        states = _states_of(compress)
+        if not all(s.branches.mean for s in states):
             raise ValueError(
                 "compress= must average the pseudo-gradients over the workers: pass "
                 "jaxcomp.compress(..., mean=True) (the default), not mean=False (their sum)"
             )
-        return compress
+        return compress, any(s.policy.name == "raise" for s in states)
     raise TypeError(
         "compress must be None, a jaxcomp.Method, a method name or a jaxcomp.compress(...) "
         f"transformation, got {type(compress).__name__}"
     )
-
-
-def raises(compress) -> bool:
-    """Whether the outer compress has ``nonfinite="raise"`` (the host then checks every step)."""
-    return any(s.policy.name == "raise" for s in _states_of(compress))
 
 
 def _states_of(compress) -> list:

@@ -116,7 +116,9 @@ class DiLoCo:
         self.mesh = mesh
         self.outer_axis, self.inner_axis = inner.outer_axis, inner.inner_axis
         self.sync_every, self.fragments, self.delay = schedule
-        self.mixing, self.has_aux, self.worker_metrics, max_steps_in_flight, donate = options
+        self.mixing, self.has_aux, self.worker_metrics, max_steps_in_flight, donate, raises = (
+            options
+        )
         self.donate = donate
         self.compress_layout = Layout(compress_tx, mesh, self.outer_axis)
         self.n_workers = mesh.shape[self.outer_axis]
@@ -129,7 +131,7 @@ class DiLoCo:
         self.step = BoundedStep(
             jax.jit(self._step, donate_argnums=(0,) if donate else ()),
             max_steps_in_flight,
-            check=_raise_on_nonfinite if arguments.raises(compress_tx) else None,
+            check=_raise_on_nonfinite if raises else None,
             watch=(self._trigger_probes, _tell),
         )
 
@@ -463,7 +465,7 @@ def diloco(
     )
     schedule = arguments.check_schedule(sync_every, fragments, delay)
     mixing = arguments.check_mixing(mixing, delay)
-    compress_tx = arguments.outer_compress(compress, outer_axis)
+    compress_tx, raises = arguments.outer_compress(compress, outer_axis)
     in_flight = arguments.check_in_flight(max_steps_in_flight)
-    options = (mixing, bool(has_aux), bool(worker_metrics), in_flight, donate)
+    options = (mixing, bool(has_aux), bool(worker_metrics), in_flight, donate, raises)
     return DiLoCo(loss_fn, inner, outer_tx, compress_tx, mesh, schedule, options)
