@@ -1,20 +1,17 @@
-"""What flows through one :func:`jaxcomp.compress` update: the gradients as every stage reads
-them (:class:`Gradients`, made by :func:`prepare`) and what the stages before the write-back
-produced (:class:`Aggregated`)."""
+"""The gradients of one :func:`jaxcomp.compress` update as every stage reads them
+(:class:`Gradients`, made by :func:`prepare`)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from jaxcomp.optim import _update_checks, packing, pinning, readiness
+from jaxcomp.optim import _update_checks, packing, readiness
 from jaxcomp.optim.config import FeedbackConfig
-from jaxcomp.optim.stages import divergence, guard, mask, metrics
-from jaxcomp.optim.stages.aggregation import Aggregation, Groups
-from jaxcomp.optim.state import CompressState
+from jaxcomp.optim.stages import mask
+from jaxcomp.optim.stages.aggregation import Groups
 
 
 class Gradients(NamedTuple):
@@ -27,22 +24,6 @@ class Gradients(NamedTuple):
     shards: int | None  # sharded training: the devices sharing the shards, else None
     comm_dtype: Any  # the dtype the collectives carry
     scale: float  # 1 / devices for the mean, else 1
-
-
-class Aggregated(NamedTuple):
-    """What the stages before the write-back produced."""
-
-    out: list  # the update's leaves, the plain ones written
-    result: Aggregation
-    auto_after: Callable | None  # gain -> new auto state, or None
-    feds: list  # per group: this device's error-fed vector (None on the dense route)
-    remainings: list  # per group: g_e - sent, the next residual (None when everything is sent)
-    momenta: dict  # leaf -> its new velocity (momentum correction)
-    gain: Any  # f32[]
-    nonfinite: Any  # f32[]: summed over the devices
-    plain_bytes: Any  # bytes of the plain leaves' sum
-    plain_kept: int  # values of the plain leaves
-    energies: Any = None  # metrics.Energies summed over the devices (with a guardrail)
 
 
 def prepare(c: FeedbackConfig, branches, leaves, lay: mask.Layout) -> Gradients:
@@ -83,26 +64,6 @@ def _ready_order(n_leaves: int) -> tuple | None:
     return order if order is not None and len(order) == n_leaves else None
 
 
-def filled(groups: Groups, vectors) -> Groups:
-    return groups._replace(vectors=vectors, sizes=[v.shape[0] for v in vectors])
-
-
-def as_sent(vectors, result: Aggregation) -> list:
-    """``vectors`` (per group), each replaced by the one the collectives read where that is the
-    same array made to wait for the bucket before (``bucket_mb=``): used after the aggregation
-    instead of the original, it needs no copy."""
-    if result.vectors is None:
-        return vectors
-    return [s if s.dtype == v.dtype else v for v, s in zip(vectors, result.vectors)]
-
-
-def narrowest(comm_dtype, methods):
-    """The dtype whose largest value bounds the sums: the collectives' dtype, or a narrower one
-    that a method sums in on the wire (:attr:`jaxcomp.methods.Method.wire_dtype`)."""
-    dtypes = [jnp.dtype(comm_dtype)] + [jnp.dtype(m.wire_dtype) for m in methods if m.wire_dtype]
-    return min(dtypes, key=lambda d: float(jnp.finfo(d).max))
-
-
 def _comm_dtype(leaves):
     """The dtype the collectives carry: the gradients' own when they share a 16-bit float, else
     f32."""
@@ -110,40 +71,3 @@ def _comm_dtype(leaves):
     if len(dtypes) == 1 and dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}:
         return dtypes.pop()
     return jnp.dtype(jnp.float32)
-
-
-def next_state(
-    c, grads: Gradients, done: Aggregated, skipped, state: CompressState, uses_auto, trigger=None
-):
-    """Stage 7 and the guard's skip: the metrics, and the step, auto, method and guardrail
-    states (a skipped step leaves the state as it was; only the metrics report it)."""
-    result = done.result
-    guarded, fallback, fallbacks = state.divergence, 0.0, 0.0
-    if trigger is not None:
-        advanced = divergence.advance(c.guardrail, guarded, trigger, *done.energies, done.gain)
-        fallback = trigger | divergence.falling_back(guarded)
-        guarded = guard.hold(skipped, guarded, advanced)
-        fallbacks = guarded.fallbacks
-    total_size = sum(grads.leaves[i].size for i in grads.layout.floats)
-    step_metrics = metrics.step_metrics(
-        done.gain,
-        result.bytes_sent + done.plain_bytes,
-        result.kept + done.plain_kept,
-        result.method,
-        done.nonfinite,
-        total_size,
-        fallback,
-        fallbacks,
-    )
-    new_auto = done.auto_after(done.gain) if done.auto_after is not None else state.auto
-    method_state = result.method_state
-    if c.nonfinite == "zero":  # overflowed (PowerSGD's Q): the last finite value
-        method_state = guard.finite_or_old(state.method_state, method_state)
-    return state._replace(
-        step=guard.hold(skipped, state.step, state.step + 1),
-        metrics=step_metrics,
-        auto=guard.hold(skipped, state.auto, new_auto) if uses_auto else None,
-        method_state=guard.hold(skipped, state.method_state, method_state),
-        divergence=guarded,
-        asked=None if state.asked is None else pinning.next_branch(state),
-    )

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -29,9 +28,9 @@ from jaxcomp.optim import pinning
 from jaxcomp.optim.auto_state import AutoState, calibrated, init_auto
 from jaxcomp.optim.config import FeedbackConfig, default_buckets, default_feedback
 from jaxcomp.optim.feedback import feedback_transformation
-from jaxcomp.optim.stages import divergence
+from jaxcomp.optim.stages.aggregate import AggregateState
 from jaxcomp.optim.stages.aggregation import Aggregation, Groups, run_branch, static_cost
-from jaxcomp.optim.state import CompressState
+from jaxcomp.optim.stages.flight import InFlight
 
 #: How long ``compress_auto`` keeps a choice: it re-decides every this many steps by default,
 #: and at once when the network moves by :data:`NETWORK_TOLERANCE` or more.
@@ -309,22 +308,22 @@ def _aggregation(
     """``compress_auto``'s aggregation stage: decide, run the chosen branch (the dense one during
     the guardrail's fallback), learn from its gain."""
 
-    def aggregate(groups: Groups, state: CompressState):
+    def aggregate(groups: Groups, flight: InFlight, state: AggregateState):
         plan = _Plan(branches, ratio_search, decide_every, groups)
-        auto, branch, comm = plan.decide(state.auto, state.step)
-        if fallback_branch is not None and state.divergence is not None:
-            branch = jnp.where(divergence.falling_back(state.divergence), fallback_branch, branch)
+        auto, branch, comm = plan.decide(state.auto, flight.step)
+        if fallback_branch is not None and flight.fallback is not None:
+            branch = jnp.where(flight.fallback, fallback_branch, branch)
         # A step compiled for one branch (data_parallel's, pinning) runs it as compress of that
         # one method would: a sparse method with its in-place residual, no lax.switch.
-        branch = pinning.static_choice(state.branches, branch)
+        branch = pinning.static_choice(flight.record, branch)
         sparse = isinstance(branch, int) and branches.methods[branch].sparse
         totals, sents, method_state, vectors = run_branch(
             branches.methods,
             branch,
             groups,
             config.axis_name,
-            state.step,
-            jax.random.fold_in(state.key, state.step),
+            flight.step,
+            flight.key,
             sparse,
             state.method_state,
             pieces=True,

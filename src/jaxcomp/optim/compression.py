@@ -16,7 +16,6 @@ aggregation: the method, after a dense warm-up (:mod:`jaxcomp.optim.stages.warmu
 
 from __future__ import annotations
 
-import jax
 import optax
 
 from jaxcomp import methods
@@ -28,8 +27,9 @@ from jaxcomp.optim.feedback import feedback_transformation
 from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.stages import momentum as momentum_stage
 from jaxcomp.optim.stages import warmup as warmup_stage
+from jaxcomp.optim.stages.aggregate import AggregateState
 from jaxcomp.optim.stages.aggregation import Aggregation, Groups, run_branch, static_cost
-from jaxcomp.optim.state import CompressState
+from jaxcomp.optim.stages.flight import InFlight
 
 
 def compress(
@@ -160,15 +160,14 @@ def _aggregation(
     """``compress``'s aggregation stage: the warm-up's branch (or the guardrail's fallback), then
     the method over the groups."""
 
-    def aggregate(groups: Groups, state: CompressState):
-        key = jax.random.fold_in(state.key, state.step)
-        fallback = divergence.falling_back(state.divergence) if falls_back else None
+    def aggregate(groups: Groups, flight: InFlight, state: AggregateState):
+        fallback = flight.fallback if falls_back else None
         branch, bytes_sent, kept = warmup_stage.choose(
-            branches, groups, state.step, warmup, fallback
+            branches, groups, flight.step, warmup, fallback
         )
         # A step compiled for one branch (data_parallel's, pinning) runs it as compress of that
         # one method would: a sparse method with its in-place residual.
-        pinned = pinning.static_choice(state.branches, None)
+        pinned = pinning.static_choice(flight.record, None)
         if pinned is not None:
             branch, (bytes_sent, kept, _) = pinned, static_cost(branches[pinned], groups)
         runs_sparse = sparse if pinned is None else branches[pinned].sparse
@@ -177,8 +176,8 @@ def _aggregation(
             branch,
             groups,
             config.axis_name,
-            state.step,
-            key,
+            flight.step,
+            flight.key,
             runs_sparse,
             state.method_state,
             pieces=True,

@@ -1,4 +1,4 @@
-"""Stage 6, aggregation: the method's collective over the groups of error-fed vectors.
+"""The method's collective over the groups of error-fed vectors (run by :mod:`.aggregate`).
 
 A group is the whole model (one vector) or one leaf (``granularity``); :class:`Groups` carries
 the vectors with what a method's static cost needs. :func:`run_branch` runs one of several
@@ -450,8 +450,8 @@ def _alike(branches, vectors: list, shapes: list) -> list:
 
 
 class Aggregation(NamedTuple):
-    """What a transformation's aggregation step returns
-    to :func:`jaxcomp.optim.feedback.feedback_transformation`."""
+    """What a transformation's aggregation step returns to the aggregation stage
+    (:mod:`jaxcomp.optim.stages.aggregate`)."""
 
     totals: list  # per group: the sum over the devices
     sents: list  # per group: this device's contribution (dense, or (indices, values) with sparse)

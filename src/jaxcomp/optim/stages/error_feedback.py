@@ -1,16 +1,140 @@
-"""Stage 5, error feedback: what a device did not send is added to its next gradient.
+"""The error-feedback stage: what a device did not send is added to its next gradient.
 
 ``g_e = g + residual`` before aggregation, ``residual = g_e - sent`` after; the residual is the
-state of this stage, one float32 array per compressed leaf, different on every device.
+state of this stage (:attr:`jaxcomp.CompressState.residual`), one float32 array per
+compressed leaf, different on every device. On the way in the stage packs each group's
+error-fed vector (on the CPU in one pass that also zeroes and counts the non-finite entries
+and sums the energies the metrics and the guardrail read); without error feedback it packs the
+same way with no residual. A trigger of the guardrail clears the residual.
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
+import jax
 import jax.numpy as jnp
+import optax
 
 from jaxcomp.costmodel import ratio_choice
 from jaxcomp.ops import flat, pieces
 from jaxcomp.ops.pieces import Pieces
+from jaxcomp.optim import packing, vma
+from jaxcomp.optim.stages import guard
+from jaxcomp.optim.stages.flight import InFlight, Stage, init_nested, wrapped
+
+
+class FeedbackState(NamedTuple):
+    """The error-feedback stage's state: like the gradients, the residual of each compressed leaf
+    (``optax.MaskedNode()`` elsewhere, and everywhere when nothing is kept)."""
+
+    residual: Any
+    inner: Any = None
+
+
+def feedback_stage(inner: Stage, keeps_residual: bool, packs: bool, compressed, axes) -> Stage:
+    """Error feedback around ``inner``: ``g_e = g + residual`` in, ``g_e - sent`` kept out.
+
+    Args:
+      inner: the stage it wraps.
+      keeps_residual: whether a residual is kept (a method that can lose something).
+      packs: whether it packs the error-fed vectors (else the aggregation packs the leaves as
+        they are: the dense route).
+      compressed: ``params -> positions`` of the compressed leaves.
+      axes: the mesh axes (the residual is typed per device over them).
+
+    Returns:
+      A :class:`~jaxcomp.optim.stages.flight.Stage` with a :class:`FeedbackState`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxcomp
+      >>> state = jaxcomp.compress("allgather_topk", ratio=0.5).init({"w": jnp.zeros(4)})
+      >>> state.residual["w"].shape
+      (4,)
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, Alg. 1; Seide et al., "1-Bit SGD", Interspeech 2014.
+    """
+
+    def init(params):
+        leaves, treedef = jax.tree.flatten(params)
+        chosen = compressed(params)
+        residual = [
+            jnp.zeros(leaf.shape, jnp.float32)
+            if keeps_residual and i in chosen
+            else optax.MaskedNode()
+            for i, leaf in enumerate(leaves)
+        ]
+        return init_nested(stage, params, residual=treedef.unflatten(residual))
+
+    def update(flight: InFlight, state: FeedbackState):
+        if flight.alone is not None or not packs:
+            flight, state = wrapped(inner, flight, state)
+            if flight.alone is not None:  # typed per device as every other route leaves it
+                residual = jax.tree.map(
+                    lambda r: vma.cast_varying(r, frozenset(axes)), state.residual
+                )
+                state = state._replace(residual=residual)
+            return flight, state
+        residuals = flight.treedef.flatten_up_to(state.residual)
+        flight = _packed(flight, residuals if keeps_residual else None)
+        flight, state = wrapped(inner, flight, state)
+        if not keeps_residual or flight.result.sends_everything:
+            return flight, state
+        grads = flight.grads
+        new = list(residuals)
+        for (positions, _), fed, sent in zip(grads.layout.groups, flight.feds, flight.result.sents):
+            # its overflowed entries dropped, all of it cleared on a trigger
+            kept = remaining(fed, sent, flight.result.sparse)
+            packing.keep(
+                new,
+                residuals,
+                grads.leaves,
+                positions,
+                kept,
+                None,
+                grads.shards,
+                cleared=flight.trigger,
+                drop=True,
+            )
+        return flight, state._replace(residual=flight.treedef.unflatten(new))
+
+    stage = Stage(init, update, FeedbackState, inner)
+    return stage
+
+
+def _packed(flight: InFlight, residuals) -> InFlight:
+    """The flight with each group's error-fed vector, the one-pass packing of each (None where
+    the group was packed otherwise) and the non-finite counts.
+
+    Non-finite entries (NaN, ±Inf) count as 0 before anything else sees them: never sent, never
+    stored in the residual, and the residual's own entry at that index is kept.
+    """
+    grads, counts, feds, packs = flight.grads, list(flight.counts), [], []
+
+    def fed_leaf(i):
+        if flight.values is not None:  # DGC's velocity, made finite by the momentum stage
+            g = flight.values[i]
+        else:
+            g, count = guard.finite(grads.leaves[i])
+            counts.append(count)
+        return add_residual(g, residuals[i]) if residuals is not None else g
+
+    for (positions, _), row in zip(grads.layout.groups, grads.rows):
+        if grads.shards is not None or flight.values is not None:
+            packs.append(None)
+            feds.append(packing.pack([fed_leaf(i) for i in positions], grads.shards, row))
+            continue
+        # One pass on the CPU: the non-finite select, the residual's add, the join and the
+        # energies the metrics and the guardrail read.
+        packed = fused(
+            [grads.leaves[i] for i in positions],
+            [residuals[i] for i in positions] if residuals is not None else None,
+        )
+        counts.append(packed.nonfinite)
+        packs.append(packed)
+        feds.append(packed.vector)
+    return flight._replace(feds=feds, packs=packs, counts=counts)
 
 
 def add_residual(g, residual):

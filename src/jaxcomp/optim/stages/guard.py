@@ -1,4 +1,4 @@
-"""Stage 1, the non-finite guard: NaN and ±Inf gradient entries count as 0 and are counted.
+"""The non-finite guard's functions: NaN and ±Inf gradient entries count as 0 and are counted.
 
 Such entries are never sent and never stored in the residual (NaN - NaN would stay NaN forever);
 the ``nonfinite=`` policy (:data:`jaxcomp.optim.state.NONFINITE_POLICIES`) then trains on, or

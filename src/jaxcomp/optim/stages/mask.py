@@ -1,4 +1,4 @@
-"""Stage 3, the mask: which float leaves are compressed, and the exact sum of the others.
+"""The mask: which float leaves are compressed, and the exact sum of the others.
 
 ``mask=`` (a pytree of bools or a callable ``params -> pytree``) and ``min_size=`` choose the
 leaves a method compresses; the float leaves they leave out ("plain") are summed as they are, in

@@ -1,4 +1,4 @@
-"""Stage 7, the metrics: compression gain, bytes, density, the method that ran, non-finite count.
+"""The metrics stage: compression gain, bytes, density, the method that ran, non-finite count.
 
 The gain's sums and the non-finite counts travel in one psum of a few scalars, so a compressing
 method pays one small collective for all of them (a method that sends everything: a psum of two).
@@ -10,7 +10,7 @@ next residual; the others pay nothing for it.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +18,61 @@ import jax.numpy as jnp
 from jaxcomp.collectives import small
 from jaxcomp.costmodel import ratio_choice
 from jaxcomp.ops import pieces
-from jaxcomp.optim.state import CompressMetrics
+from jaxcomp.optim.stages.flight import InFlight, Stage, init_nested, wrapped
+from jaxcomp.optim.state import CompressMetrics, init_metrics
 from jaxcomp.optim.vma import cond_typed_alike
+
+
+class MetricsState(NamedTuple):
+    """The metrics stage's state: the last step's :class:`~jaxcomp.CompressMetrics`."""
+
+    metrics: CompressMetrics
+    inner: Any = None
+
+
+def metrics_stage(inner: Stage) -> Stage:
+    """The step's metrics, from what the stages inside it measured and summed.
+
+    Outside the ``nonfinite=`` policy's stage: a skipped step keeps every other state and
+    reports what it saw.
+
+    Args:
+      inner: the stage it wraps.
+
+    Returns:
+      A :class:`~jaxcomp.optim.stages.flight.Stage` with a :class:`MetricsState`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxcomp
+      >>> jaxcomp.compress(jaxcomp.Dense()).init(jnp.zeros(3)).metrics.gain.tolist()
+      0.0
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §2-C3.
+    """
+
+    def update(flight: InFlight, state: MetricsState):
+        flight, state = wrapped(inner, flight, state)
+        grads, result = flight.grads, flight.result
+        plain_bytes, plain_kept = flight.plain
+        measured = step_metrics(
+            flight.gain,
+            result.bytes_sent + plain_bytes,
+            result.kept + plain_kept,
+            result.method,
+            flight.nonfinite,
+            sum(grads.leaves[i].size for i in grads.layout.floats),
+            *flight.fallbacks,
+        )
+        return flight, state._replace(metrics=measured)
+
+    stage = Stage(
+        lambda params: init_nested(stage, params, metrics=init_metrics()),
+        update,
+        MetricsState,
+        inner,
+    )
+    return stage
 
 
 def gain_and_nonfinite(result, feds, count, axis_name, check_totals=None, comm_dtype=jnp.float32):

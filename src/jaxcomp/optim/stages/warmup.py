@@ -1,4 +1,4 @@
-"""Stage 2, warm-up: aggregate densely (or with a method that sends every value) for the first
+"""The warm-up's switch: aggregate densely (or with a method that sends every value) for the first
 steps, then run the method.
 
 Both branches are compiled into one step; the step counter picks one (``lax.switch``), so the
