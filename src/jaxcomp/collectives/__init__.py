@@ -32,6 +32,8 @@ with :mod:`jaxcomp.methods`:
   float16, :func:`bfloat16_allreduce`);
 * :mod:`~jaxcomp.collectives.topk`: :func:`allgather_topk`, :func:`ar_topk`,
   :func:`hierarchical_topk`;
+* :mod:`~jaxcomp.collectives.value_codes`: the all-gathered top-k's values as low-bit codes
+  (``allgather_topk(..., value_bits=)``);
 * :mod:`~jaxcomp.collectives.zfp`: :func:`zfp_allreduce`, :func:`zfp_reduce_scatter`;
 * :mod:`~jaxcomp.collectives.ring`: the ring all-reduce with a codec, shared by ZFP, bfloat16
   and signs;
@@ -82,7 +84,18 @@ _EXPORTS = {
 
 __getattr__, __dir__, _names = attach(
     __name__,
-    submodules=("dense", "topk", "zfp", "ring", "quantized", "sign", "sizes", "small", "baseline"),
+    submodules=(
+        "dense",
+        "topk",
+        "value_codes",
+        "zfp",
+        "ring",
+        "quantized",
+        "sign",
+        "sizes",
+        "small",
+        "baseline",
+    ),
     exports=_EXPORTS,
 )
 __all__ = ["BFLOAT16_ALGORITHMS", "LEADERS", "SELECTORS", "ZFP_ALGORITHMS", *_names]

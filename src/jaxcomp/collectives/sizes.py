@@ -25,6 +25,14 @@ WORD_BYTES = 4
 #: float32, and 16 bits is already far past THC's useful range (4-8 bits).
 MAX_QUANTIZATION_BITS = _checks.MAX_QUANTIZATION_BITS
 
+#: Widest code of a top-k's low-bit values (:class:`jaxcomp.TopK`'s ``value_bits``): SparseLoCo's
+#: range. Wider codes save little more beside the 32-bit index each value travels with.
+MAX_VALUE_BITS = 4
+
+#: Selected values per float32 scale of a top-k's low-bit values by default
+#: (:class:`jaxcomp.TopK`'s ``value_chunk``): the scales add half a bit a value.
+DEFAULT_VALUE_CHUNK = 64
+
 #: Largest block of THC's randomized Hadamard transform. The range shrinks more in a larger
 #: block, but the transform costs more and a vector pads to whole blocks; 2**14 keeps the padding
 #: of a large gradient below 0.1%.
@@ -99,6 +107,31 @@ def hierarchical_shard(n: int, k: int, inner_size: int) -> tuple[int, int]:
       Shi et al., MLSys 2021, §3.2 and Alg. 2 (HiTopKComm).
     """
     return ceil_div(n, inner_size), ceil_div(k, inner_size)
+
+
+def coded_pairs_words(k: int, bits: int, chunk: int) -> int:
+    """uint32 words of one device's top-k message with low-bit values
+    (:func:`jaxcomp.collectives.value_codes.gather_coded_pairs`): ``k`` int32 indices, ``k``
+    codes of ``bits`` bits packed ``32 // bits`` to a word, and one float32 scale per ``chunk``
+    values.
+
+    Args:
+      k: pairs selected.
+      bits: bits per code, 1..:data:`MAX_VALUE_BITS`.
+      chunk: values per scale.
+
+    Returns:
+      The words one device all-gathers.
+
+    Example:
+      >>> coded_pairs_words(100, 2, 64)  # 100 indices, 7 words of 16 codes, 2 scales
+      109
+
+    References:
+      Sarfi et al., "Communication Efficient LLM Pre-training with SparseLoCo", arXiv 2508.15706
+      (top-k values sent as 2-bit codes beside their indices).
+    """
+    return k + ceil_div(k, 32 // bits) + ceil_div(k, chunk)
 
 
 def ring_chunk(n: int, n_devices: int) -> int:

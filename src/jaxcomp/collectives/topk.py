@@ -14,6 +14,7 @@ from jaxcomp.collectives._common import (
     local_vector,
     psum_or_retype,
 )
+from jaxcomp.collectives.value_codes import check_value_codes, gather_coded_pairs
 from jaxcomp.ops import _checks, _ffi
 from jaxcomp.ops._checks import check_choice
 from jaxcomp.ops.scatter import SparseTotal
@@ -69,7 +70,16 @@ def _sent(n, indices, values, dtype, sparse):
 
 
 def allgather_topk(
-    x, k, axis_name, selector="exact", *, sparse_sent=False, scatter=False, sparse_total=False
+    x,
+    k,
+    axis_name,
+    selector="exact",
+    *,
+    sparse_sent=False,
+    scatter=False,
+    sparse_total=False,
+    value_bits=None,
+    value_chunk=sizes.DEFAULT_VALUE_CHUNK,
 ):
     """Top-k sparsification aggregated by all-gathering ``(values, indices)``.
 
@@ -88,13 +98,15 @@ def allgather_topk(
       scatter: sharded training: ``x`` is ``N`` rows of equal length and ``total`` is only this
         device's row of the sum (the gathered pairs that fall in it, added in the same order).
       sparse_total: return ``total`` as a :class:`jaxcomp.ops.scatter.SparseTotal` of the
-        gathered pairs, never built as a dense vector here
-        (:func:`jaxcomp.ops.scatter.scatter_leaves` writes it into the update's leaves). Not
-        with ``scatter``.
+        gathered pairs, never dense here (:func:`jaxcomp.ops.scatter.scatter_leaves` writes it
+        into the update's leaves). Not with ``scatter``.
+      value_bits: None (values in ``x``'s dtype) or bits per value, 1..4, coded on a float32
+        scale per ``value_chunk`` of them (:mod:`jaxcomp.collectives.value_codes`).
+      value_chunk: with ``value_bits``, selected values per scale.
 
     Returns:
       ``(total, sent)``: the sum of every device's selected entries (dtype of ``x``), and this
-      device's selected entries as a dense vector (so ``x - sent`` is the unselected rest).
+      device's as the sum saw them, dense: ``x - sent`` is the rest (and any rounding).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -114,10 +126,18 @@ def allgather_topk(
     n = x.shape[0]
     k = _checks.static_int(k, "k", 1, n)
     selector = check_choice(selector, "selector", SELECTORS)
+    if value_bits is not None:
+        value_bits, value_chunk = check_value_codes(value_bits, value_chunk)
     axis_size(axis_name)
     values, indices = _select(x, k, selector)
-    all_values = all_gather_or_retype(values, axis_name)
-    all_indices = all_gather_or_retype(indices, axis_name)
+    if value_bits is None:
+        all_values = all_gather_or_retype(values, axis_name)
+        all_indices = all_gather_or_retype(indices, axis_name)
+    else:
+        all_values, all_indices, values = gather_coded_pairs(
+            values, indices, value_bits, value_chunk, axis_name
+        )
+        all_values = all_values.astype(x.dtype)  # what the sum adds, and sent is
     if scatter:
         _no_sparse_scatter(sparse_total)
         n_devices = check_rows(n, axis_name)

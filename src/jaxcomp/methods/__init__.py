@@ -95,15 +95,18 @@ def parse(method, *, strict: bool = True, **options) -> Method:
       strict: refuse options the named method does not take (default); with False they are
         dropped, so one set of options can serve several names (the cost model's ``ratio=``).
       **options: the method's constructor arguments (``ratio=``, ``k=``, ``rate=``, ``bits=``,
-        ``leader=``, ``selector=``, ``algorithm=``, ``hadamard=``, ``allreduce=``).
+        ``leader=``, ``selector=``, ``algorithm=``, ``hadamard=``, ``allreduce=``,
+        ``value_bits=``).
 
     Returns:
       The method object.
 
     Example:
       >>> from jaxcomp import methods
-      >>> methods.parse("ar_topk", ratio=0.01)
-      TopK(ratio=0.01, k=None, collective='ar', selector='exact', leader='split', allreduce='ring')
+      >>> methods.parse("ar_topk", ratio=0.01) == methods.TopK(0.01, collective="ar")
+      True
+      >>> methods.parse("allgather_topk", ratio=0.02, value_bits=2).describe()
+      'allgather_topk_2bit(0.02)'
       >>> methods.parse(methods.Zfp(8)) == methods.Zfp(8)
       True
 

@@ -1,4 +1,5 @@
-"""``TopK``: top-k sparsification, aggregated by all-gather, AR-Topk or hierarchically."""
+"""``TopK``: top-k sparsification, aggregated by all-gather, AR-Topk or hierarchically, its values
+in full precision or as low-bit codes (``value_bits``)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,25 @@ class TopK(Fraction, Method):
         :func:`jaxcomp.collectives.ar_topk`.
       allreduce: ``collective="ar"`` only: how the cost model costs its two all-reduces,
         ``"ring"`` (default) or ``"tree"``.
+      value_bits: ``collective="allgather"`` only: None (default: the values in the gradient's
+        dtype) or the bits each selected value travels in, 1 to 4 (SparseLoCo sends 2): codes
+        on a symmetric grid spanning the largest magnitude of each ``value_chunk`` selected
+        values, rounded to the nearest level, packed into uint32 words and all-gathered with
+        the indices and one float32 scale per chunk
+        (:mod:`jaxcomp.collectives.value_codes`). Every device adds the decoded values, and
+        those are what error feedback takes off the residual, so each value's rounding is sent
+        on a later step.
+      value_chunk: with ``value_bits``: selected values per scale, consecutive in index order
+        (default 64: half a bit a value, and an outlier coarsens only its own chunk's grid).
+
+    **Low-bit values** (``TopK(0.02, value_bits=2)``). At 2 bits a pair is 32 bits of index, 2 of
+    code and half a bit of scale: about half a float32 pair's bytes (``wire_bytes`` counts each
+    part). Rounding is deterministic, as in SparseLoCo: error feedback carries each value's
+    rounding, so stochastic rounding's unbiasedness buys nothing and the sent values need no
+    key. Only the all-gather takes codes: AR-Topk sums the values in one all-reduce, where codes
+    on each device's own scales do not add (:class:`Quantized` sums codes on one shared grid),
+    and hierarchical top-k sums a node's values before it selects. SparseLoCo applies this to
+    DiLoCo's pseudo-gradients: ``jaxcomp.diloco(..., compress=TopK(0.02, value_bits=2))``.
 
     With Adam after it and a short run, top-k costs more quality than its bytes suggest, with or
     without error feedback. DGC's momentum correction with Adam's own momentum off and a dense
@@ -64,7 +84,9 @@ class TopK(Fraction, Method):
 
     References:
       Tyagi & Swany, arXiv 2312.02493 (AR-Topk, STAR/VAR, Table I, Eqn 4a/4b); Shi et al.,
-      MLSys 2021, §3.1-3.2 (MSTopK, HiTopKComm).
+      MLSys 2021, §3.1-3.2 (MSTopK, HiTopKComm); Sarfi et al., "Communication Efficient LLM
+      Pre-training with SparseLoCo", arXiv 2508.15706 (top-k with 2-bit values and error
+      feedback).
     """
 
     ratio: float | None = None
@@ -73,6 +95,8 @@ class TopK(Fraction, Method):
     selector: str = "exact"
     leader: str = "split"
     allreduce: str = "ring"
+    value_bits: int | None = None
+    value_chunk: int = sizes.DEFAULT_VALUE_CHUNK
 
     sparse = True
     shorthand = {
@@ -100,6 +124,25 @@ class TopK(Fraction, Method):
                 raise ValueError(
                     f"{option}= applies to collective='ar' only, not {self.collective!r}; remove it"
                 )
+        self._check_value_codes()
+
+    def _check_value_codes(self):
+        """Validates ``value_bits`` and ``value_chunk`` (in place), naming them."""
+        chunk = _checks.static_int(self.value_chunk, "value_chunk", 1, _checks.MAX_ROW_LENGTH)
+        object.__setattr__(self, "value_chunk", chunk)
+        if self.value_bits is None:
+            if chunk != sizes.DEFAULT_VALUE_CHUNK:
+                raise ValueError("value_chunk= applies with value_bits= only; remove it")
+            return
+        bits = _checks.static_int(self.value_bits, "value_bits", 1, sizes.MAX_VALUE_BITS)
+        object.__setattr__(self, "value_bits", bits)
+        if self.collective != "allgather":
+            raise ValueError(
+                f"value_bits= applies to collective='allgather' only, not {self.collective!r}: "
+                "AR-Topk sums the values in one all-reduce, where codes on each device's own "
+                "scales do not add, and hierarchical top-k sums a node's values before it "
+                "selects; use collective='allgather', or remove value_bits"
+            )
 
     @property
     def axes_needed(self):
@@ -112,8 +155,10 @@ class TopK(Fraction, Method):
     @property
     def label(self):
         """As :attr:`Method.label`, with a leader other than the default SPLIT named
-        (``"ar_topk_star"``, ``"ar_topk_var"``): their bytes and quality differ."""
+        (``"ar_topk_star"``, ``"ar_topk_var"``) and low-bit values
+        (``"allgather_topk_2bit"``): their bytes and quality differ."""
         name = self.name if self.leader == "split" else f"{self.name}_{self.leader}"
+        name = name if self.value_bits is None else f"{name}_{self.value_bits}bit"
         return name if self.allreduce == "ring" else f"{name}_{self.allreduce}"
 
     def aggregate(self, x, axis_name, *, step, key, sparse=False, state=None):
@@ -122,7 +167,13 @@ class TopK(Fraction, Method):
         k = self.kept(x.shape[0])
         if self.collective == "allgather":
             total, sent = collectives.allgather_topk(
-                x, k, axis_name, selector=self.selector, sparse_sent=sparse, sparse_total=sparse
+                x,
+                k,
+                axis_name,
+                selector=self.selector,
+                sparse_sent=sparse,
+                sparse_total=sparse,
+                **self._value_codes,
             )
         elif self.collective == "ar":
             total, sent = collectives.ar_topk(
@@ -141,6 +192,13 @@ class TopK(Fraction, Method):
                 x, k, inner, outer, selector=self.selector, sparse_sent=sparse
             )
         return total, sent, state
+
+    @property
+    def _value_codes(self) -> dict:
+        """The low-bit values' options of :func:`jaxcomp.collectives.allgather_topk`, or none."""
+        if self.value_bits is None:
+            return {}
+        return {"value_bits": self.value_bits, "value_chunk": self.value_chunk}
 
     def kept_on(self, n, n_devices, **shaped):
         """As :meth:`Method.kept_on`: SPLIT sends each device's values at the ``N ceil(k/N)``
@@ -166,7 +224,13 @@ class TopK(Fraction, Method):
         k = self.kept(size)
         if self.collective == "allgather":
             return collectives.allgather_topk(
-                x, k, axis_name, selector=self.selector, sparse_sent=sparse, scatter=True
+                x,
+                k,
+                axis_name,
+                selector=self.selector,
+                sparse_sent=sparse,
+                scatter=True,
+                **self._value_codes,
             )
         return collectives.ar_topk(
             x,
@@ -193,7 +257,10 @@ class TopK(Fraction, Method):
     def wire_bytes(self, n, n_devices, *, dtype_bytes=4, inner_size=None):
         """Bytes per device (``N = n_devices``, ``d = dtype_bytes``, indices 4 bytes):
 
-        * ``"allgather"``: an all-gather of ``k`` values and ``k`` indices, ``(N-1) k (d+4)``.
+        * ``"allgather"``: an all-gather of ``k`` values and ``k`` indices, ``(N-1) k (d+4)``;
+          with ``value_bits`` (``b``, ``c = value_chunk``) of ``k`` indices, ``ceil(k / (32 // b))``
+          words of packed codes and ``ceil(k / c)`` float32 scales,
+          ``(N-1) 4 (k + ceil(k / (32 // b)) + ceil(k / c))``.
         * ``"ar"``: an all-reduce of ``k`` leader-masked int32 indices, then one of ``k`` values,
           both costed as ``allreduce``; VAR adds the all-gather of one float32 norm per device.
           SPLIT (``e = ceil(k/N)``): an all-gather of ``e`` int32 indices, ``(N-1) 4e``, then the
@@ -207,6 +274,9 @@ class TopK(Fraction, Method):
         N = _checks.check_devices(n_devices, inner_size)
         k = self.kept(n)
         pair = dtype_bytes + sizes.INDEX_BYTES
+        if self.collective == "allgather" and self.value_bits is not None:
+            words = sizes.coded_pairs_words(k, self.value_bits, self.value_chunk)
+            return float((N - 1) * words * sizes.WORD_BYTES)
         if self.collective == "allgather":
             return float((N - 1) * k * pair)
         if self.collective == "ar":
@@ -259,6 +329,8 @@ class TopK(Fraction, Method):
 
         k = self.kept(n_values)
         select = topk if self.selector == "exact" else threshold_topk
+        if self.value_bits is not None:
+            return self._coded_work(k, select)
         if self.leader == "split":
             each = sizes.ceil_div(k, n_devices)
 
@@ -274,5 +346,19 @@ class TopK(Fraction, Method):
         def codec(x):
             values, indices = select(x, k)
             return x.at[indices].add(-values)  # the selection and the in-place error feedback
+
+        return codec
+
+    def _coded_work(self, k, select):
+        """The all-gather's local work with low-bit values: the selection, coding and decoding
+        this device's values (the others' decode alike), and the in-place error feedback."""
+        from jaxcomp.collectives.value_codes import decode_values, encode_values
+
+        bits, chunk = self.value_bits, self.value_chunk
+
+        def codec(x):
+            values, indices = select(x, k)
+            decoded = decode_values(*encode_values(values, bits, chunk), bits, chunk, k)
+            return x.at[indices].add(-decoded.astype(x.dtype))
 
         return codec
