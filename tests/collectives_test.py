@@ -76,6 +76,8 @@ def test_bytes_sent_matches_the_cost_of_each_step(n_devices, dtype_bytes):
     ) + tree(4)
     if N == 8:  # 4-bit codes from 8 devices: 7-bit fields, 4 to a word, 1 byte a value
         assert bytes_sent("quantized_psum", n, N, bits=4) == ring(1024) + ring(4)
+        # 2-bit codes: 5-bit fields, 6 to a word (the sum of 8 codes of 3 needs 5 bits)
+        assert bytes_sent("quantized_psum", n, N, bits=2) == ring(math.ceil(1024 / 6) * 4) + ring(4)
 
 
 @pytest.mark.parametrize("inner_size, n_devices", [(4, 8), (2, 8), (1, 4), (4, 4), (3, 6)])
@@ -572,6 +574,11 @@ def sim_quantized(X, bits, key, hadamard):
         (jnp.bfloat16, True, 6, 20, 3),
         (jnp.float16, False, 6, 20, 3),
         (jnp.float32, True, 8, 4, 16),
+        # int4 and int2 (Quantized(bits=4), Quantized(bits=2)): the codes exactly, not only their
+        # mean (test_quantized_psum_is_unbiased).
+        (jnp.float32, True, 8, 1003, 4),
+        (jnp.float32, False, 8, 1003, 2),
+        (jnp.bfloat16, False, 3, 37, 2),
     ],
 )
 def test_quantized_psum_matches_simulation(dtype, hadamard, n_devices, n, bits):
@@ -915,6 +922,41 @@ def test_gather_leaf_shards_joins_the_small_ones(n_devices):
     )
     if n_devices > 1:  # the three small f32 leaves, the large one, the bfloat16 one
         assert len(re.findall(r" all-gather(?:-start)?\(", hlo)) == 3, hlo
+
+
+@pytest.mark.parametrize("n_devices", [1, 2, 3, 8])
+def test_joined_mean_averages_each_array_in_one_all_reduce_per_dtype(n_devices):
+    """The mean of each array over the devices (a numpy reference), the small float32 ones in
+    one all-reduce, a large one alone, a bfloat16 one apart; an integer array is refused."""
+    from helpers import all_reduced_arrays
+
+    from jaxcomp.collectives import small
+
+    need_devices(n_devices)
+    mesh = Mesh(np.array(jax.devices()[:n_devices]), ("data",))
+    rng = np.random.default_rng(0)
+    shapes = [(n_devices, 3), (n_devices, 2, 2), (n_devices, small.JOINED_VALUES + 1), (n_devices,)]
+    rows = [rng.integers(-8, 8, size=s).astype(np.float32) for s in shapes]
+    rows.append(rng.integers(-8, 8, size=(n_devices, 4)).astype(jnp.bfloat16))
+    spec = (P("data"),) * len(rows)
+
+    def mean(*local):
+        return small.joined_mean([x[0] for x in local], "data")
+
+    f = jax.jit(jax.shard_map(mean, mesh=mesh, in_specs=spec, out_specs=P()))
+    for got, x in zip(f(*rows), rows):
+        assert got.dtype == x.dtype and got.shape == x.shape[1:]
+        rtol = 1e-2 if x.dtype == jnp.bfloat16 else 1e-6
+        want = x.astype(np.float32).mean(axis=0)
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=rtol)
+    hlo = f.lower(*rows).compile().as_text()
+    if n_devices > 1:  # the three small f32 arrays joined, the large one, the bfloat16 one
+        assert all_reduced_arrays(hlo) == 3, hlo
+    ints = jax.shard_map(
+        lambda x: small.joined_mean([x], "data")[0], mesh=mesh, in_specs=P("data"), out_specs=P()
+    )
+    with pytest.raises(TypeError, match="arrays\\[0\\] has dtype int32"):
+        ints(jnp.zeros(n_devices, jnp.int32))
 
 
 # ----------------------------------------------------------------------------------------------

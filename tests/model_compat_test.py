@@ -231,3 +231,129 @@ def test_trains_through_diloco_unchanged(name):
         state, metrics = run.step(state, batch)
     after = float(jax.jit(loss_fn)(run.params(state), jax.tree.map(lambda a: a[:4], batch)))
     assert np.isfinite(float(metrics["loss"])) and after < before, (before, after)
+
+
+# -- BatchNorm's running averages kept: has_state=True ---------------------------------------
+
+
+def _stateful_batchnorm(axis_name=None):
+    """``(params, batch_stats, loss_fn, new_stats)`` of the BatchNorm model with ``has_state``:
+    the loss reads the running averages and returns the ones ``apply`` updated; ``new_stats``
+    is the same forward pass alone, jitted, for the references."""
+    module = _BatchNorm(axis_name)
+    variables = module.init(jax.random.key(0), jnp.zeros((2, 8, 8, 2)))
+
+    def forward(params, batch_stats, batch):
+        logits, updated = module.apply(
+            {"params": params, "batch_stats": batch_stats}, batch["x"], mutable=["batch_stats"]
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss, updated["batch_stats"]
+
+    new_stats = jax.jit(lambda p, s, b: forward(p, s, b)[1])
+    return variables["params"], variables["batch_stats"], forward, new_stats
+
+
+def _rows(batch, block, n_blocks):
+    """Block ``block`` of ``n_blocks`` of the batch's rows: what one device trains on."""
+    size = ROWS // n_blocks
+    return jax.tree.map(lambda a: a[block * size : (block + 1) * size], batch)
+
+
+def _host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def _same_on_every_device(tree):
+    """Every device's copy of each replicated leaf, checked bit for bit against the first."""
+    for leaf in jax.tree.leaves(tree):
+        first = np.asarray(leaf.addressable_shards[0].data)
+        assert len(leaf.addressable_shards) == N
+        for shard in leaf.addressable_shards[1:]:
+            np.testing.assert_array_equal(np.asarray(shard.data), first)
+
+
+@pytest.mark.parametrize("flax_axis", [None, "data"])
+def test_batchnorm_running_averages_through_data_parallel(flax_axis):
+    """has_state=True: each step's running averages are the mean of what each device computed
+    from its own shard (by hand, from the state before the step), identical on every device, and
+    they move away from their initial values while the loss falls. With flax's own ``axis_name``
+    the devices' statistics already agree, and stay as flax computed them."""
+    params, stats, loss_fn, new_stats = _stateful_batchnorm(flax_axis)
+    tx = optax.chain(jaxcomp.compress("sign", guardrail=False), optax.adam(3e-3))
+    dp = jaxcomp.data_parallel(loss_fn, tx, _mesh("data"), has_state=True)
+    state, batch, losses = dp.init(params, stats), _batch(), []
+    for _ in range(STEPS):
+        if flax_axis is None:  # a BatchNorm without an axis name needs no mesh for its reference
+            own = [new_stats(state.params, state.model_state, _rows(batch, d, N)) for d in range(N)]
+            want = jax.tree.map(lambda *xs: np.mean(np.stack(xs), axis=0), *_host(own))
+        state, metrics = dp.step(state, batch)
+        losses.append(float(metrics["loss"]))
+        _same_on_every_device(state.model_state)
+        if flax_axis is None:
+            jax.tree.map(
+                lambda got, w: np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6),
+                _host(state.model_state),
+                want,
+            )
+    assert losses[-1] < losses[0], losses
+    for moved, initial in zip(jax.tree.leaves(state.model_state), jax.tree.leaves(stats)):
+        assert np.all(np.isfinite(np.asarray(moved)))
+        assert np.abs(np.asarray(moved) - np.asarray(initial)).max() > 1e-3
+
+
+def test_batchnorm_statistics_cross_in_one_joined_all_reduce():
+    """The running mean and variance (32 values each) cross the devices as one vector of 64 in
+    one all-reduce, not one per leaf, and no all-reduce carries them apart."""
+    params, stats, loss_fn, _ = _stateful_batchnorm()
+    tx = optax.chain(jaxcomp.compress("sign", guardrail=False), optax.adam(3e-3))
+    dp = jaxcomp.data_parallel(loss_fn, tx, _mesh("data"), has_state=True)
+    hlo = dp.step.lower(dp.init(params, stats), _batch()).compile().as_text()
+    sizes = [size for dtype, size, _ in _all_reduces(hlo) if dtype == "f32"]
+    assert sizes.count(64) == 1 and 32 not in sizes, sizes
+
+
+@pytest.mark.parametrize("inner", [None, 2])
+def test_batchnorm_running_averages_through_diloco(inner):
+    """has_state=True through diloco: between syncs each worker's running averages are its own
+    (over an inner axis, the mean of its devices' blocks), and at each sync every worker holds
+    the workers' mean; each checked by hand from the state before the step."""
+    params, stats, loss_fn, new_stats = _stateful_batchnorm()
+    need_devices(N)
+    workers = N // (inner or 1)
+    devices = np.array(jax.devices()[:N]).reshape((workers, inner) if inner else (N,))
+    mesh = Mesh(devices, ("workers", "inner") if inner else ("workers",))
+    run = jaxcomp.diloco(
+        loss_fn,
+        optax.adam(3e-3),
+        mesh=mesh,
+        sync_every=4,
+        inner_axis="inner" if inner else None,
+        has_state=True,
+    )
+    state, batch = run.init(params, stats), _batch()
+    for _ in range(STEPS):
+        local, model_state = _host(state.local_params), _host(state.model_state)
+        own = []
+        for w in range(workers):
+            row = lambda tree, w=w: jax.tree.map(lambda a: a[w], tree)  # noqa: E731
+            blocks = [
+                new_stats(row(local), row(model_state), _rows(batch, w * (inner or 1) + i, N))
+                for i in range(inner or 1)
+            ]
+            own.append(jax.tree.map(lambda *xs: np.mean(np.stack(xs), axis=0), *_host(blocks)))
+        state, metrics = run.step(state, batch)
+        if bool(metrics["synced"]):
+            mean = jax.tree.map(lambda *xs: np.mean(np.stack(xs), axis=0), *own)
+            own = [mean] * workers
+        want = jax.tree.map(lambda *xs: np.stack(xs), *own)
+        jax.tree.map(
+            lambda got, w: np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6),
+            _host(state.model_state),
+            want,
+        )
+        got = jax.tree.leaves(_host(state.model_state))
+        spread = max(float(np.ptp(leaf, axis=0).max()) for leaf in got)
+        assert (spread == 0) == bool(metrics["synced"]), spread  # bit for bit after a sync
+    for moved, initial in zip(jax.tree.leaves(state.model_state), jax.tree.leaves(stats)):
+        assert np.abs(np.asarray(moved)[0] - np.asarray(initial)).max() > 1e-3

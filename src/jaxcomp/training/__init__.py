@@ -1,8 +1,9 @@
 """Layer 6, training: :func:`data_parallel` (the jitted, sharded step; :mod:`.trainer`, built from
 :mod:`.state`, :mod:`.layout`, :mod:`.mask`, :mod:`.step`, :mod:`.dispatch`, :mod:`.branches`,
-:mod:`.trial` (``compress_auto``'s candidates timed), :mod:`.reprobe` and :mod:`.resize`),
-DiLoCo's outer loop (:func:`diloco`: :mod:`.diloco`, :mod:`.inner` and :mod:`.outer`) and the
-model zoo that the benchmarks train (:mod:`.zoo`).
+:mod:`.trial` (``compress_auto``'s candidates timed), :mod:`.reprobe`, :mod:`.resize`,
+:mod:`.restoring` and :mod:`.model_state` (a model's state beside its params)), DiLoCo's outer
+loop (:func:`diloco`: :mod:`.diloco`, :mod:`.diloco_plan`, :mod:`.inner` and :mod:`.outer`) and
+the model zoo that the benchmarks train (:mod:`.zoo`).
 """
 
 from jaxcomp._lazy import attach
@@ -23,6 +24,9 @@ __getattr__, __dir__, __all__ = attach(
         "trial",
         "reprobe",
         "resize",
+        "restoring",
+        "model_state",
+        "diloco_plan",
         "zoo",
     ),
     exports={

@@ -5,8 +5,10 @@ orbax restores a checkpoint into a target of the same structure only. A field th
 version added to the state (:data:`ADDED`) is missing from an earlier version's checkpoint; its
 other arrays are restored by their paths (the NamedTuple field names orbax saves them under),
 and each added field is filled from the restored state as that version would have read it. A
-checkpoint with arrays this version does not have, or without arrays it cannot fill, is refused
-with a message that names them.
+field added empty (``model_state``, None where the model keeps no state) holds no array, but
+orbax refuses a target with a key the checkpoint lacks, so such a checkpoint is restored by
+paths too. A checkpoint with arrays this version does not have, or without arrays it cannot
+fill, is refused with a message that names them.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ def restore(checkpointer, path, target, tree):
     Args:
       checkpointer: an ``orbax.checkpoint.StandardCheckpointer``.
       path: the checkpoint directory.
-      target: the state of ``jax.ShapeDtypeStruct`` s (with shardings) to restore into.
+      target: the state of ``jax.ShapeDtypeStruct`` s (with shardings) to restore into (a
+        :class:`~jaxcomp.training.state.TrainState` or a ``DiLoCoState``).
       tree: the checkpoint's metadata tree (nested dicts and lists of array metadata).
 
     Returns:
@@ -56,8 +59,9 @@ def restore(checkpointer, path, target, tree):
     wanted = {_path(keys): leaf for keys, leaf in jax.tree_util.tree_flatten_with_path(target)[0]}
     missing = sorted(set(wanted) - set(saved))
     extra = sorted(set(saved) - set(wanted))
-    if not missing and not extra:
+    if not missing and not extra and _keys_present(tree, target):
         return checkpointer.restore(path, target)
+    check_model_state(path, tree, target)
     unknown = [p for p in missing if p[-1] not in ADDED]
     if extra or unknown:
         raise ValueError(
@@ -69,6 +73,44 @@ def restore(checkpointer, path, target, tree):
     restored = dict(_saved_arrays(checkpointer.restore(path, _as_saved(tree, wanted))))
     leaves = [restored.get(p, wanted[p]) for p in wanted]
     return _filled(jax.tree.unflatten(jax.tree.structure(target), leaves))
+
+
+def check_model_state(path, tree, target):
+    """Refuses a checkpoint with a model state for a target without one, or the other way.
+
+    Args:
+      path: the checkpoint directory (for the message).
+      tree: the checkpoint's metadata tree.
+      target: this run's state of ``jax.ShapeDtypeStruct`` s.
+
+    Returns:
+      None; raises ``ValueError`` saying which ``has_state`` the checkpoint was saved with.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxcomp.training.state import TrainState
+      >>> mean = jax.ShapeDtypeStruct((3,), jnp.float32)
+      >>> check_model_state("ckpt", {"model_state": {"mean": mean}}, TrainState(0, 0, 0, None))
+      Traceback (most recent call last):
+      ValueError: the checkpoint at ckpt holds a model_state (saved with has_state=True) ...
+
+    References:
+      orbax-checkpoint, ``StandardCheckpointer.metadata``.
+    """
+    saved = any(p[0] == "model_state" for p, _ in _saved_arrays(tree))
+    wanted = bool(jax.tree.leaves(getattr(target, "model_state", None)))
+    if saved and not wanted:
+        raise ValueError(
+            f"the checkpoint at {path} holds a model_state (saved with has_state=True) and this "
+            "run has none: restore it with has_state=True and restore(path, params, "
+            "model_state=...)"
+        )
+    if wanted and not saved:
+        raise ValueError(
+            f"the checkpoint at {path} holds no model_state: it was saved with has_state=False "
+            "(or before the field existed). Restore it with has_state=False, or start the "
+            "model state anew with init(params, model_state)"
+        )
 
 
 def completed_shapes(tree, target) -> list:
@@ -96,6 +138,24 @@ def completed_shapes(tree, target) -> list:
     added = [leaf for p, leaf in wanted.items() if p not in saved and p[-1] in ADDED]
     arrays = [tuple(leaf.shape) for leaf in saved.values() if hasattr(leaf, "shape")]
     return arrays + [tuple(a.shape) for a in added]
+
+
+def _keys_present(tree, target) -> bool:
+    """Whether every field of ``target``, an empty (None) one too, is a key of the checkpoint's
+    ``tree``: orbax restores directly into a target of the same keys only."""
+    flat = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)[0]
+    for keys, leaf in flat:
+        if leaf is not None:
+            continue
+        node = tree
+        for key in _path(keys):
+            if isinstance(node, dict) and key in node:
+                node = node[key]
+            elif isinstance(node, (list, tuple)) and key.isdigit() and int(key) < len(node):
+                node = node[int(key)]
+            else:
+                return False
+    return True
 
 
 def _path(keys) -> tuple:

@@ -7,7 +7,8 @@ optimizer applies it to the global params, from which every worker restarts. Wit
 the params are exchanged a fragment at a time on a staggered schedule, and with ``delay`` the
 result is applied some inner steps after its exchange (Streaming DiLoCo). The conventions are
 :func:`jaxcomp.data_parallel`'s: ``init``, a jitted ``step`` with traced counters (one
-compilation), ``shard_batch``, ``params``. The step itself is :mod:`.outer`.
+compilation), ``shard_batch``, ``params``, ``has_state``. The step itself is :mod:`.outer`, the
+layout of its state :mod:`.diloco_plan`.
 """
 
 from __future__ import annotations
@@ -26,82 +27,20 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp.ops._ffi import lowering_platform
 from jaxcomp.optim.host import local_copy
 from jaxcomp.optim.stages import divergence
-from jaxcomp.optim.state import compress_states, find_compress_state
+from jaxcomp.optim.state import find_compress_state
 from jaxcomp.training import _diloco_arguments as arguments
+from jaxcomp.training import checkpoint
+from jaxcomp.training import model_state as model_states
+from jaxcomp.training.diloco_plan import Plan
 from jaxcomp.training.dispatch import DEFAULT_MAX_STEPS_IN_FLIGHT, BoundedStep
 from jaxcomp.training.inner import Inner
 from jaxcomp.training.layout import Layout
-from jaxcomp.training.outer import DiLoCoState, Schedule, diloco_step, strided_groups
-from jaxcomp.training.state import avals_of, check_params, tree_key
+from jaxcomp.training.outer import DiLoCoState, diloco_step
+from jaxcomp.training.state import avals_of, tree_key
 
 __all__ = ["DEFAULT_MIXING", "DiLoCo", "DiLoCoState", "diloco"]
 
 DEFAULT_MIXING = arguments.DEFAULT_MIXING
-
-
-class _Plan:
-    """What a run derives from its params' shapes: the schedule, the outer compress's layout per
-    fragment, the state's specs and shapes."""
-
-    def __init__(self, run, avals):
-        check_params(avals)
-        leaves = jax.tree.leaves(avals)
-        if run.fragments > len(leaves):
-            raise ValueError(
-                f"fragments={run.fragments} is more than the {len(leaves)} leaves of params: "
-                "a fragment is a group of whole leaves; pass fragments <= the number of leaves"
-            )
-        _refuse_inner_compress(run.inner.user_tx, avals)
-        groups = strided_groups(len(leaves), run.fragments)
-        self.schedule = Schedule(run.sync_every, run.fragments, run.delay, groups)
-        self.group_avals = [[leaves[i] for i in group] for group in groups]
-        # What the outer compress sees: the fragment's leaves, or this device's blocks of them.
-        self.block_avals = [run.inner.block_avals(g) for g in self.group_avals]
-        try:
-            self.masks = [run.compress_layout.per_device_mask(b) for b in self.block_avals]
-        except (ValueError, NameError) as error:
-            axis_error = ("differ per device", "no such axis")
-            if isinstance(error, ValueError) and not any(m in str(error) for m in axis_error):
-                raise
-            raise ValueError(
-                f"compress must aggregate the pseudo-gradients over outer_axis="
-                f"{run.outer_axis!r} and return the same average on every worker, e.g. "
-                f"jaxcomp.compress('ar_topk', ratio=0.1, axis_name={run.outer_axis!r}) "
-                f"(or pass the method alone: diloco builds the compress); {error}"
-            ) from None
-        self.splits = run.inner.splits
-        self.specs = self._specs(run, avals)
-
-    def _specs(self, run, avals):
-        """The :class:`DiLoCoState` of ``PartitionSpec`` s."""
-        worker = P(run.outer_axis)
-        return DiLoCoState(
-            global_params=jax.tree.map(lambda _: P(), avals),
-            local_params=jax.tree.map(lambda _: worker, avals),
-            inner_state=jax.tree.map(lambda _: run.inner.spec, run.inner.state_avals(avals)),
-            outer_state=tuple(
-                jax.tree.map(lambda _: P(), jax.eval_shape(run.outer_tx.init, g))
-                for g in self.group_avals
-            ),
-            compress_state=tuple(
-                state_def.unflatten([run.inner.exchange_spec(m) for m in mask])
-                for state_def, mask in self.masks
-            ),
-            pending=tuple(jax.tree.map(lambda _: P(), g) for g in self.group_avals)
-            if run.delay
-            else (),
-            step=P(),
-        )
-
-    def compress_rows(self, compress_state, fragment: int, take: bool):
-        """The per-worker leaves of a fragment's compress state: this worker's row (``take``) or
-        stacked back into a row of ``[n_workers, ...]``."""
-        state_def, mask = self.masks[fragment]
-        leaves = state_def.flatten_up_to(compress_state)
-        stacked = [m or self.splits for m in mask]  # a split exchange stacks every leaf
-        return state_def.unflatten(
-            [(x[0] if take else x[None]) if r else x for x, r in zip(leaves, stacked)]
-        )
 
 
 class DiLoCo:
@@ -117,8 +56,9 @@ class DiLoCo:
         self.outer_axis, self.inner_axis = inner.outer_axis, inner.inner_axis
         self.sync_every, self.fragments, self.delay = schedule
         self.mixing, self.has_aux, self.worker_metrics, max_steps_in_flight, donate, raises = (
-            options
+            options[:6]
         )
+        self.has_state = options[6]
         self.donate = donate
         self.compress_layout = Layout(compress_tx, mesh, self.outer_axis)
         self.n_workers = mesh.shape[self.outer_axis]
@@ -137,33 +77,36 @@ class DiLoCo:
 
     # -- layout --------------------------------------------------------------------------------
 
-    def plan(self, avals) -> _Plan:
-        """The schedule and layout for params of these shapes (cached)."""
-        key = tree_key(avals)
+    def plan(self, avals, model_state=None) -> Plan:
+        """The schedule and layout for params (and a model state) of these shapes (cached)."""
+        model_avals = avals_of(model_state)
+        key = (tree_key(avals), tree_key(model_avals))
         if key not in self._plans:
-            self._plans[key] = _Plan(self, avals)
+            self._plans[key] = Plan(self, avals, model_avals)
         return self._plans[key]
 
-    def state_sharding(self, params):
+    def state_sharding(self, params, model_state=None):
         """The :class:`DiLoCoState` of ``NamedSharding`` s that :meth:`init` lays the state out
-        with (replicated, or over the outer axis: each worker's params, inner optimizer state and
-        error-feedback residual)."""
-        specs = self.plan(avals_of(params)).specs
+        with (replicated, or over the outer axis: each worker's params, inner optimizer state,
+        model state and error-feedback residual)."""
+        specs = self.plan(avals_of(params), model_state).specs
         return jax.tree.map(
             lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
         )
 
-    def state_shapes(self, params):
+    def state_shapes(self, params, *, model_state=None):
         """The :class:`DiLoCoState` of ``jax.ShapeDtypeStruct`` (with shardings) that :meth:`init`
-        returns: the target for restoring a checkpoint."""
-        avals = avals_of(params)
-        key = tree_key(avals)
+        returns: the target for restoring a checkpoint (with ``has_state=True``, of the model
+        state ``model_state``, arrays or shapes)."""
+        model_state = model_states.check_initial(model_state, self.has_state, "state_shapes")
+        avals, model_avals = avals_of(params), avals_of(model_state)
+        key = (tree_key(avals), tree_key(model_avals))
         if key not in self._shapes:
-            shapes = jax.eval_shape(self._initial_state, avals)
+            shapes = jax.eval_shape(self._initial_state, avals, model_avals)
             self._shapes[key] = jax.tree.map(
                 lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                 shapes,
-                self.state_sharding(avals),
+                self.state_sharding(avals, model_avals),
             )
         return self._shapes[key]
 
@@ -174,8 +117,14 @@ class DiLoCo:
             raise TypeError(
                 f"state must be the DiLoCoState that init returns, got {type(state).__name__}"
             )
+        if (state.model_state is None) == self.has_state:
+            raise ValueError(
+                f"state.model_state is {'None' if self.has_state else 'set'}, but this diloco "
+                f"run has has_state={self.has_state}: build the state with init(params"
+                f"{', model_state' if self.has_state else ''}) of this run"
+            )
         avals = avals_of(state.global_params)
-        want = self.state_shapes(avals)
+        want = self.state_shapes(avals, model_state=_row_avals(state.model_state))
         got_leaves, got_def = jax.tree.flatten(state)
         want_leaves, want_def = jax.tree.flatten(want)
         if got_def != want_def or any(
@@ -191,16 +140,21 @@ class DiLoCo:
 
     # -- the public entry points ---------------------------------------------------------------
 
-    def init(self, params) -> DiLoCoState:
+    def init(self, params, model_state=None) -> DiLoCoState:
         """Lays out ``params`` as the global params and every worker's copy, with the inner,
-        outer and compress states.
+        outer and compress states (and with ``has_state=True`` every worker's copy of
+        ``model_state``).
 
         Args:
           params: pytree of float arrays, the whole params.
+          model_state: with ``has_state=True``, the model's initial state; required there,
+            refused without it.
 
         Returns:
           A :class:`DiLoCoState` with step 0.
         """
+        model_state = model_states.check_initial(model_state, self.has_state)
+        params = (params, model_state)
         if jax.process_count() == 1:
             params = jax.tree.map(
                 lambda x: (
@@ -212,8 +166,8 @@ class DiLoCo:
             )
         else:
             params = jax.tree.map(np.asarray, params)
-        shardings = self.state_sharding(params)
-        return jax.jit(self._initial_state, out_shardings=shardings)(params)
+        shardings = self.state_sharding(*params)
+        return jax.jit(self._initial_state, out_shardings=shardings)(*params)
 
     def params(self, state: DiLoCoState):
         """The global params of ``state`` (the model after the last outer step), replicated.
@@ -254,26 +208,32 @@ class DiLoCo:
             lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch
         )
 
-    def restore(self, path, params) -> DiLoCoState:
+    def restore(self, path, params, *, model_state=None) -> DiLoCoState:
         """Restores an orbax checkpoint (``ocp.StandardCheckpointer().save(path, state)``) of
-        this run onto its mesh.
+        this run onto its mesh; one saved before the state had ``model_state`` restores into a
+        run with ``has_state=False``.
 
         Args:
           path: the checkpoint directory.
           params: the whole params or their shapes.
+          model_state: with ``has_state=True``, the model's state (arrays or shapes).
 
         Returns:
           The :class:`DiLoCoState`, bit for bit as saved.
         """
         import orbax.checkpoint as ocp
 
-        return ocp.StandardCheckpointer().restore(path, self.state_shapes(params))
+        checkpointer = ocp.StandardCheckpointer()
+        metadata = checkpointer.metadata(path)
+        tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
+        target = self.state_shapes(params, model_state=model_state)
+        return checkpoint.restore(checkpointer, path, target, tree)
 
     # -- inside jit ----------------------------------------------------------------------------
 
-    def _initial_state(self, params):
+    def _initial_state(self, params, model_state=None):
         avals = avals_of(params)
-        plan = self.plan(avals)
+        plan = self.plan(avals, model_state)
         leaves = jax.tree.leaves(params)
         groups = [[leaves[i] for i in group] for group in plan.schedule.groups]
 
@@ -288,6 +248,7 @@ class DiLoCo:
             compress_state=tuple(self._initial_compress(plan, f, g) for f, g in enumerate(groups)),
             pending=tuple([jnp.zeros_like(x) for x in g] for g in groups) if self.delay else (),
             step=jnp.zeros((), jnp.int32),
+            model_state=jax.tree.map(per_worker, model_state),
         )
 
     def _initial_compress(self, plan, fragment: int, leaves):
@@ -308,7 +269,7 @@ class DiLoCo:
         guardrail scalars as outputs of their own (what the host reads after dispatch must not
         be a leaf of a state the next step may donate; :class:`BoundedStep`)."""
         _check_batch(batch, self)
-        plan = self.plan(self.check_state(state))
+        plan = self.plan(self.check_state(state), _row_avals(state.model_state))
         with lowering_platform(self.compress_layout.platform):  # trace the mesh's branches only
             new_state, metrics = diloco_step(self, plan, state, batch)
         pairs = zip(state.compress_state, new_state.compress_state)
@@ -331,6 +292,11 @@ class DiLoCo:
         loss = P(self.outer_axis) if self.worker_metrics else P()
         specs = {"loss": loss, "bytes_sent": P(), "synced": P(), "healed": loss, "nonfinite": loss}
         return {**specs, "aux": loss} if self.has_aux else specs
+
+
+def _row_avals(stacked):
+    """The avals of one worker's row of leaves stacked ``[n_workers, ...]`` (None stays None)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), stacked)
 
 
 def _tell(probe):
@@ -370,16 +336,6 @@ _LOG = logging.getLogger("jaxcomp")
 _HEALED: list = []  # whether this process has warned once of a healed worker
 
 
-def _refuse_inner_compress(inner_tx, avals):
-    """inner_tx must not aggregate: a worker's inner steps are its own (and its inner axis's)."""
-    if compress_states(jax.eval_shape(inner_tx.init, avals)):
-        raise ValueError(
-            "inner_tx holds a jaxcomp.compress: the inner steps of a diloco worker do not "
-            "aggregate over the outer axis, and over inner_axis diloco averages the gradients "
-            "itself (densely). Pass the plain optimizer, e.g. optax.adamw(4e-4)"
-        )
-
-
 def _check_batch(batch, run):
     """Refuses a batch the devices cannot split evenly."""
     n = run.n_workers * (run.mesh.shape[run.inner_axis] if run.inner_axis else 1)
@@ -407,6 +363,7 @@ def diloco(
     delay: int = 0,
     mixing: float | None = None,
     has_aux: bool = False,
+    has_state: bool = False,
     worker_metrics: bool = False,
     shard: str | None = None,
     exchange: str | None = None,
@@ -430,11 +387,11 @@ def diloco(
       delay: tau, inner steps between a fragment's exchange and its application (default 0).
       mixing: with ``delay``, the local params' weight in the merge (default 0.5).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` goes to the metrics.
+      has_state: ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``, per worker.
       worker_metrics: report the loss per worker; then nothing but a sync crosses ``outer_axis``.
       shard: None, or ``"optimizer"`` (with ``inner_axis``): ZeRO-1 over each worker's row.
       exchange: with ``inner_axis``, ``"split"`` (default: a block per device) or ``"whole"``.
-      max_steps_in_flight: as :func:`jaxcomp.data_parallel`'s.
-      donate: as :func:`jaxcomp.data_parallel`'s (default False).
+      max_steps_in_flight, donate: as :func:`jaxcomp.data_parallel`'s (``donate`` default False).
 
     Returns:
       A :class:`DiLoCo` with ``init(params)`` and ``step(state, batch) -> (state, metrics)``.
@@ -467,5 +424,7 @@ def diloco(
     mixing = arguments.check_mixing(mixing, delay)
     compress_tx, raises = arguments.outer_compress(compress, outer_axis)
     in_flight = arguments.check_in_flight(max_steps_in_flight)
-    options = (mixing, bool(has_aux), bool(worker_metrics), in_flight, donate, raises)
+    if not isinstance(has_state, bool):
+        raise TypeError(f"has_state must be True or False, got {has_state!r}")
+    options = (mixing, bool(has_aux), bool(worker_metrics), in_flight, donate, raises, has_state)
     return DiLoCo(loss_fn, inner, outer_tx, compress_tx, mesh, schedule, options)

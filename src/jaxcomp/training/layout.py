@@ -6,7 +6,9 @@ whole params, or with ``shard=`` each device's ``1/N`` shard of every leaf
 error-feedback residual; with ``shard=``, the optimizer's shards) are stored with a leading axis
 of size ``n_devices`` sharded over the data axis; every other leaf, and the params, is
 replicated (with ``shard="params"`` the params are stored as each leaf's shards, ``[N, m]``).
-Which leaves differ is read off shard_map's types (:mod:`jaxcomp.training.mask`).
+Which leaves differ is read off shard_map's types (:mod:`jaxcomp.training.mask`). A model's own
+state (``has_state=True``: BatchNorm's running averages) is replicated as well
+(:mod:`jaxcomp.training.model_state`).
 """
 
 from __future__ import annotations
@@ -45,14 +47,15 @@ class Layout:
     """The layout of one data_parallel run: ``tx``'s view of the params and the state's shardings.
 
     Attributes:
-      tx, mesh, axis_name, shard, gather_dtype: as :func:`jaxcomp.data_parallel` was given them
-        (``mesh`` with Auto axes).
+      tx, mesh, axis_name, shard, gather_dtype, has_state: as :func:`jaxcomp.data_parallel` was
+        given them (``mesh`` with Auto axes).
       axes: ``axis_name`` as a tuple.
       n_devices: the devices over the data axes (the shards of each leaf).
     """
 
-    def __init__(self, tx, mesh, axis_name, shard=None, gather_dtype=None):
+    def __init__(self, tx, mesh, axis_name, shard=None, gather_dtype=None, has_state=False):
         self.tx = tx
+        self.has_state = has_state
         self.mesh = mesh
         self.axis_name = axis_name
         self.shard = shard
@@ -195,29 +198,42 @@ class Layout:
             self._masks[cache_key] = mask_lib.per_device_mask(self, avals)
         return self._masks[cache_key]
 
-    def state_specs(self, avals):
-        """The :class:`TrainState` of ``PartitionSpec`` s of the state of whole params ``avals``."""
+    def state_specs(self, avals, model_state=None):
+        """The :class:`TrainState` of ``PartitionSpec`` s of the state of whole params ``avals``
+        (and of ``model_state``, arrays or avals, replicated)."""
         state_def, mask = self.per_device_mask(avals)
         opt_specs = state_def.unflatten([P(self.axis_name) if m else P() for m in mask])
         param_spec = P(self.axis_name) if self.shard == "params" else P()
         return TrainState(
-            params=jax.tree.map(lambda _: param_spec, avals), opt_state=opt_specs, step=P()
+            params=jax.tree.map(lambda _: param_spec, avals),
+            opt_state=opt_specs,
+            step=P(),
+            model_state=jax.tree.map(lambda _: P(), model_state),
         )
 
-    def state_sharding(self, avals):
+    def state_sharding(self, avals, model_state=None):
         """:meth:`state_specs` as ``NamedSharding`` s on the mesh."""
         return jax.tree.map(
             lambda spec: NamedSharding(self.mesh, spec),
-            self.state_specs(avals),
+            self.state_specs(avals, model_state),
             is_leaf=lambda x: isinstance(x, P),
         )
 
     def check_state(self, state):
-        """Refuses a state whose optimizer state was not made for its params by this ``tx``;
-        returns the whole params' avals."""
+        """Refuses a state whose optimizer state was not made for its params by this ``tx``, or
+        whose ``model_state`` this run's ``has_state`` does not expect; returns the whole params'
+        avals."""
         if not isinstance(state, TrainState):
             raise TypeError(
                 f"state must be the TrainState that init returns, got {type(state).__name__}"
+            )
+        if (state.model_state is None) == self.has_state:
+            raise ValueError(
+                "state.model_state is None, but this data_parallel has has_state=True: build "
+                "the state with init(params, model_state)"
+                if self.has_state
+                else "state holds a model_state, but this data_parallel has has_state=False: "
+                "pass has_state=True to data_parallel, or build the state with init(params)"
             )
         avals = self.whole_avals(state.params)
         state_def, _ = self.per_device_mask(avals)
@@ -270,9 +286,9 @@ class Layout:
 
     # -- the initial state ---------------------------------------------------------------------
 
-    def initial_state(self, params):
+    def initial_state(self, params, model_state=None):
         """The initial :class:`TrainState` of replicated ``params`` (traced, e.g. under
-        ``jax.jit``).
+        ``jax.jit``), with ``model_state`` as it is (replicated).
 
         Unsharded, ``tx.init`` runs once outside ``shard_map`` (it names no mesh axis:
         :meth:`_expected_opt_state` traces it there too) and each per-device leaf is its
@@ -281,7 +297,7 @@ class Layout:
         of 1,000 leaves made this compile take many seconds (docs/performance.md).
         """
         if self.shard is not None:
-            return self.mapped_initial_state(params)
+            return self.mapped_initial_state(params, model_state)
         state_def, mask = self.per_device_mask(avals_of(params))
         leaves = jax.tree.leaves(self.tx_init(params))
         leaves = [
@@ -289,12 +305,16 @@ class Layout:
             for leaf, per_device in zip(leaves, mask)
         ]
         return TrainState(
-            params=params, opt_state=state_def.unflatten(leaves), step=jnp.zeros((), jnp.int32)
+            params=params,
+            opt_state=state_def.unflatten(leaves),
+            step=jnp.zeros((), jnp.int32),
+            model_state=model_state,
         )
 
-    def mapped_initial_state(self, params):
+    def mapped_initial_state(self, params, model_state=None):
         """:meth:`initial_state` made inside ``shard_map``, each device its row (sharded runs
-        need it: each device inits its own shards)."""
+        need it: each device inits its own shards); ``model_state`` joins it outside, as it
+        is."""
         avals = avals_of(params)
         state_def, mask = self.per_device_mask(avals)
         specs = self.state_specs(avals)
@@ -325,11 +345,12 @@ class Layout:
             in_avals=avals,
             out_avals=self.state_avals(avals),
         )(params)
-        return state
+        return state._replace(model_state=model_state)
 
-    def state_avals(self, avals) -> TrainState:
-        """The avals of the :class:`TrainState` of whole params ``avals`` as ``init`` returns it
-        (each per-device leaf, and ``shard="params"``'s params, stacked ``[N, ...]``)."""
+    def state_avals(self, avals, model_state=None) -> TrainState:
+        """The avals of the :class:`TrainState` of whole params ``avals`` (and ``model_state``)
+        as ``init`` returns it (each per-device leaf, and ``shard="params"``'s params, stacked
+        ``[N, ...]``)."""
         state_def, mask = self.per_device_mask(avals)
 
         def stacked(a):
@@ -341,4 +362,5 @@ class Layout:
             params=params,
             opt_state=state_def.unflatten(opt),
             step=jax.ShapeDtypeStruct((), jnp.int32),
+            model_state=avals_of(model_state),
         )

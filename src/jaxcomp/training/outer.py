@@ -18,6 +18,10 @@ fragment is applied no earlier than after step ``c + 1``), but in a program wher
 collectives depend on nothing the forward and backward passes compute, so XLA's runtime runs
 them beside the inner step instead of after it (docs/training.md, section 7). Its bytes and the
 ``synced`` metric are reported by the step that runs it.
+
+A model's own state (``has_state=True``: BatchNorm's running averages) is each worker's own
+between syncs, averaged over its inner axis every step (its devices split one batch block), and
+over the workers at every step that exchanges a fragment (:func:`_model_state`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from jaxcomp.optim.stages import guard
 from jaxcomp.optim.state import find_compress_state
 from jaxcomp.optim.vma import cast_varying, cond_typed_alike, varying_axes
 from jaxcomp.training import boundary, gradients
+from jaxcomp.training import model_state as model_states
 
 
 class DiLoCoState(NamedTuple):
@@ -59,6 +64,9 @@ class DiLoCoState(NamedTuple):
     # replicated) waiting to be applied; () with delay = 0
     pending: tuple
     step: jax.Array  # i32[]: inner steps taken; the fragment schedule is a function of it
+    # with has_state=True, each worker's model state (BatchNorm's running averages): every leaf
+    # [n_workers, *shape], sharded over the outer axis, the workers' mean after a sync; else None
+    model_state: Any = None
 
 
 @jax.tree_util.register_static
@@ -162,15 +170,18 @@ def diloco_step(run, plan, state: DiLoCoState, batch):
         # With a delay, the exchanges due after the previous step start here, from this step's
         # input: nothing in them waits for the gradient below, so XLA runs them beside it.
         started = _started_exchanges(run, plan, state, local) if plan.schedule.delay else None
-        loss, aux, grads = _local_gradients(run, local, batch)
+        model_state = jax.tree.map(lambda x: x[0], state.model_state)
+        (loss, aux, grads), new_model_state = _local_gradients(run, local, batch, model_state)
         local, inner_state = run.inner.step(local, grads, inner_state)
         count = state.step + 1
         new_state, sent, synced = _outer_rounds(run, plan, count, state, local, started)
         worker = (jax.tree.map(lambda x: x[0], new_state.local_params), inner_state)
         (local, inner_state), healed = _healed(run, worker, local, new_state, synced)
+        model_state = _model_state(run, new_model_state, model_state, synced)
         new_state = new_state._replace(
             local_params=jax.tree.map(lambda x: x[None], local),
             inner_state=jax.tree.map(lambda x: x[None], inner_state),
+            model_state=jax.tree.map(lambda x: x[None], model_state),
         )
         return new_state, _metrics(run, loss, aux, sent, synced, healed)
 
@@ -264,12 +275,33 @@ class _Fragment(NamedTuple):
     pending: Any  # the aggregated pseudo-gradient waiting (delay > 0), else None
 
 
-def _local_gradients(run, local, batch):
-    """``(loss, aux, grads)`` of this device's batch shard; with an inner axis the params are
-    typed varying over it first, so that ``jax.grad`` sums nothing (the inner compress does)."""
+def _local_gradients(run, local, batch, model_state=None):
+    """``((loss, aux, grads), new_model_state)`` of this device's batch shard; with an inner
+    axis the params are typed varying over it first, so that ``jax.grad`` sums nothing (the
+    inner compress does). Without a model state the new one is None."""
     if run.inner_axis is not None:
         local = jax.lax.pcast(local, run.inner_axis, to="varying")
-    return gradients.local_value_and_grad(run.loss_fn, run.has_aux, local, batch)
+    if model_state is None:
+        return gradients.local_value_and_grad(run.loss_fn, run.has_aux, local, batch), None
+    loss_fn = model_states.as_aux(run.loss_fn, run.has_aux, model_state)
+    loss, (aux, new), grads = gradients.local_value_and_grad(loss_fn, True, local, batch)
+    return (loss, aux, grads), new
+
+
+def _model_state(run, new, old, synced):
+    """This device's worker's model state after the step (None without one): ``new`` averaged
+    over the inner axis, and on a step that exchanges a fragment over the workers too (a
+    ``lax.cond``: a step without a sync sends nothing over the outer axis). A mean that is not
+    finite keeps the worker's value before it; an integer leaf stays each worker's own."""
+    if new is None:
+        return None
+    if run.inner_axis is not None:
+        new = model_states.averaged(new, run.inner_axis, old)
+
+    def sync(new):
+        return model_states.averaged(new, run.outer_axis, new, own_integers=True)
+
+    return cond_typed_alike(jnp.any(jnp.stack(synced)), sync, lambda new: new, new)
 
 
 def _exchange(run, global_leaves, local_leaves, compress_state):

@@ -83,7 +83,8 @@ def remeasure(layout, state, *, codec: bool = True, **probe_options):
     overhead = _agreed_overheads(layout, state, branches, axis) if codec else None
     opt_state = set_network(state.opt_state, network, overhead)
     return jax.jit(
-        lambda s: s, out_shardings=layout.state_sharding(layout.whole_avals(state.params))
+        lambda s: s,
+        out_shardings=layout.state_sharding(layout.whole_avals(state.params), state.model_state),
     )(state._replace(opt_state=opt_state))
 
 

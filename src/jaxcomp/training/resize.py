@@ -19,7 +19,8 @@ A state saved on ``N`` devices holds three kinds of optimizer-state leaves
   exactly (:func:`reshard_leaf`).
 
 :func:`saved_shapes` gives the shapes such a state was saved with, for orbax to restore it onto
-this mesh; :func:`resize_state` turns it into this run's state.
+this mesh; :func:`resize_state` turns it into this run's state. A model's own state
+(``has_state=True``) is replicated, the same on any mesh: it is carried as it is.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _as_if_on(layout, n_devices: int):
     return other
 
 
-def saved_shapes(layout, avals, n_devices: int, placed: bool = True):
+def saved_shapes(layout, avals, n_devices: int, placed: bool = True, model_state=None):
     """The :class:`TrainState` of ``jax.ShapeDtypeStruct`` that this run's configuration (``tx``,
     ``shard=``) saves on ``n_devices`` devices: the target for restoring such a checkpoint onto
     this run's mesh before :func:`resize_state`.
@@ -58,6 +59,7 @@ def saved_shapes(layout, avals, n_devices: int, placed: bool = True):
       n_devices: the devices the state was saved on.
       placed: give each a sharding on ``layout.mesh``: per-device leaves split over the data axis
         where ``n_devices`` divides evenly, else replicated; every other leaf replicated.
+      model_state: the model's state (arrays or avals; ``has_state=True``), or None.
 
     Returns:
       A :class:`TrainState` of ``jax.ShapeDtypeStruct``.
@@ -94,14 +96,15 @@ def saved_shapes(layout, avals, n_devices: int, placed: bool = True):
         params = jax.tree.map(lambda a: shape(a, False), avals)
     opt_state = state_def.unflatten([shape(x, m) for x, m in zip(leaves, mask)])
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=whole if placed else None)
-    return TrainState(params=params, opt_state=opt_state, step=step)
+    model_state = jax.tree.map(lambda a: shape(a, False), avals_of(model_state))
+    return TrainState(params=params, opt_state=opt_state, step=step, model_state=model_state)
 
 
 def _key(stored):
     return tree_key(avals_of(stored))
 
 
-def saved_device_count(layout, avals, shapes) -> int:
+def saved_device_count(layout, avals, shapes, model_state=None) -> int:
     """The device count a checkpoint of this run's configuration was saved on, from the shapes of
     its leaves (e.g. orbax's metadata).
 
@@ -109,6 +112,7 @@ def saved_device_count(layout, avals, shapes) -> int:
       layout: this run's :class:`jaxcomp.training.layout.Layout`.
       avals: the whole params, as ``jax.ShapeDtypeStruct`` s.
       shapes: the shape of every array of the checkpoint (any order).
+      model_state: the model's state (arrays or avals; ``has_state=True``), or None.
 
     Returns:
       The ``N`` whose :func:`saved_shapes` has exactly these shapes (this run's own count where
@@ -131,7 +135,8 @@ def saved_device_count(layout, avals, shapes) -> int:
     candidates = [layout.n_devices] + sorted({s[0] for s in found if s} - {layout.n_devices})
     for n in candidates:
         want = sorted(
-            tuple(x.shape) for x in jax.tree.leaves(saved_shapes(layout, avals, n, placed=False))
+            tuple(x.shape)
+            for x in jax.tree.leaves(saved_shapes(layout, avals, n, False, model_state))
         )
         if want == found:
             return n
@@ -290,10 +295,11 @@ def resize_state(layout, state, *, mean: bool = True, n_from: int | None = None)
         raise TypeError(f"state must be a TrainState, got {type(state).__name__}")
     n_from = n_from or device_count_of(layout, state)
     avals = layout.whole_avals(state.params)
-    if n_from == layout.n_devices:
+    if n_from == layout.n_devices or (state.model_state is None) == layout.has_state:
+        # the same count, or a model_state this run does not expect (check_state says so)
         layout.check_state(state)
-        return jax.device_put(state, layout.state_sharding(avals))
-    expected = saved_shapes(layout, avals, n_from, placed=False)
+        return jax.device_put(state, layout.state_sharding(avals, state.model_state))
+    expected = saved_shapes(layout, avals, n_from, False, state.model_state)
     if jax.tree.structure(expected) != jax.tree.structure(state) or [
         x.shape for x in jax.tree.leaves(expected)
     ] != [tuple(jax.numpy.shape(x)) for x in jax.tree.leaves(state)]:
@@ -302,7 +308,7 @@ def resize_state(layout, state, *, mean: bool = True, n_from: int | None = None)
             f"{n_from} devices: restore it with dp.state_shapes(params, n_devices={n_from})"
         )
     _, state_def, roles = check_resizable(layout, state, n_from)
-    placed = saved_shapes(layout, avals, n_from)
+    placed = saved_shapes(layout, avals, n_from, model_state=state.model_state)
     state = jax.device_put(state, jax.tree.map(lambda x: x.sharding, placed))
     new = jax.eval_shape(layout.initial_state, avals)
     new_leaves = state_def.flatten_up_to(new.opt_state)
@@ -320,9 +326,11 @@ def resize_state(layout, state, *, mean: bool = True, n_from: int | None = None)
         params = state.params
         if layout.shard == "params":
             params = jax.tree.map(lambda p, w: reshard_leaf(p, n, w.shape[1]), params, new.params)
-        return TrainState(params=params, opt_state=state_def.unflatten(out), step=state.step)
+        opt_state = state_def.unflatten(out)
+        return TrainState(params, opt_state, state.step, state.model_state)
 
-    resized = jax.jit(convert, out_shardings=layout.state_sharding(avals))(state)
+    shardings = layout.state_sharding(avals, state.model_state)
+    resized = jax.jit(convert, out_shardings=shardings)(state)
     _warn_auto(resized, n_from, n)
     return resized
 

@@ -25,6 +25,10 @@ class TrainState(NamedTuple):
     # [n_devices, *shape] sharded over the data axis, the rest replicated
     opt_state: Any
     step: jax.Array  # i32[]: steps taken
+    # with has_state=True, the model's own state (BatchNorm's running averages), replicated: each
+    # step's new one averaged over the devices; None otherwise, which adds no leaf, so a state
+    # without one keeps the tree (and the checkpoints) it had before the field existed
+    model_state: Any = None
 
 
 def avals_of(params):

@@ -11,7 +11,9 @@ The stages, in the order they run on each device: this device's optimizer state 
 per-device leaf), the params for the forward pass (gathered with ``shard="params"``), the local
 loss and gradient, ``tx``'s update (kept out entirely when a ``compress`` skips a non-finite
 step; an entry ``tx`` makes not finite is dropped, or its step skipped), the new params
-(gathered back with ``shard="optimizer"``), the stored optimizer state, and the metrics.
+(gathered back with ``shard="optimizer"``), the stored optimizer state, the model's own state
+(``has_state=True``: averaged over the devices, :mod:`jaxcomp.training.model_state`), and the
+metrics.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from jaxcomp.optim.nonfinite import (
 from jaxcomp.optim.stages import guard
 from jaxcomp.optim.state import compress_states, find_compress_state
 from jaxcomp.training import boundary, gradients
+from jaxcomp.training import model_state as model_states
 from jaxcomp.training.state import TrainState
 
 _WARNED: list = []  # whether this process has warned once of a rejected update
@@ -46,7 +49,8 @@ def train_step(
     Args:
       layout: the run's :class:`jaxcomp.training.layout.Layout`.
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``), on one
-        device's shard of the batch.
+        device's shard of the batch; with ``layout.has_state``, ``loss_fn(params, model_state,
+        batch) -> (loss, new_model_state)``.
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
       state: the :class:`jaxcomp.training.state.TrainState`.
       batch: a pytree whose leading axis is the global batch, divisible by the devices.
@@ -79,14 +83,14 @@ def train_step(
     _check_batch(batch, layout.n_devices, layout.axis_name)
     avals = layout.check_state(state)
     state_def, mask = layout.per_device_mask(avals)
-    specs = layout.state_specs(avals)
+    specs = layout.state_specs(avals, state.model_state)
     batch_specs = jax.tree.map(lambda _: P(layout.axis_name), batch)
 
     def local_step(state: TrainState, batch):
         opt_state = _per_device(state_def, mask, state.opt_state, lambda leaf: leaf[0])
         params, shards = _forward_params(layout, state.params, avals)
-        loss, aux, grads, order = _gradients_in_order(
-            loss_fn, has_aux, params, batch, layout.axis_name
+        (loss, aux, grads, order), model_state = _gradients_in_order(
+            loss_fn, has_aux, params, batch, layout.axis_name, state.model_state
         )
         updates, new_opt_state, skipped, rejected = _update(
             layout, grads, opt_state, shards, order, nonfinite_updates
@@ -102,7 +106,12 @@ def train_step(
         metrics = _metrics(layout, loss, aux, new_opt_state, avals)
         if rejected is not None:
             metrics["rejected"] = rejected.astype(jnp.float32)
-        return TrainState(params=new_params, opt_state=new_opt_state, step=state.step + 1), metrics
+        if model_state is not None:
+            model_state = model_states.averaged(
+                model_state, layout.axis_name, state.model_state, skipped
+            )
+        new_state = TrainState(new_params, new_opt_state, state.step + 1, model_state)
+        return new_state, metrics
 
     return boundary.packed_shard_map(
         local_step,
@@ -157,22 +166,29 @@ def _local_gradients(loss_fn, has_aux, params, batch, axis_name):
     return gradients.local_value_and_grad(loss_fn, has_aux, local_params, batch)
 
 
-def _gradients_in_order(loss_fn, has_aux, params, batch, axis_name):
-    """``(loss, aux, grads, order)``: :func:`_local_gradients`, traced once into a jaxpr and
-    replayed into the step, and the order in which its backward pass finishes the gradient's
-    leaves (:func:`jaxcomp.optim.readiness.backward_order`, for ``compress(bucket_mb=)``). Read
-    from the jaxpr the step runs: tracing the backward pass a second time for the order took as
-    long as the first (seconds, on a model of 1,000 leaves), where replaying the jaxpr takes a
-    fraction of it."""
+def _gradients_in_order(loss_fn, has_aux, params, batch, axis_name, model_state=None):
+    """``((loss, aux, grads, order), new_model_state)``: :func:`_local_gradients`, traced once
+    into a jaxpr and replayed into the step, and the order in which its backward pass finishes
+    the gradient's leaves (:func:`jaxcomp.optim.readiness.backward_order`, for
+    ``compress(bucket_mb=)``). Read from the jaxpr the step runs: tracing the backward pass a
+    second time for the order took as long as the first (seconds, on a model of 1,000 leaves),
+    where replaying the jaxpr takes a fraction of it. With a ``model_state`` the loss reads it
+    and returns this device's new one (:func:`jaxcomp.training.model_state.as_aux`); else the
+    new one is None."""
 
-    def local(params, batch):
-        return _local_gradients(loss_fn, has_aux, params, batch, axis_name)
+    def local(params, batch, model_state):
+        if model_state is None:
+            return None, _local_gradients(loss_fn, has_aux, params, batch, axis_name)
+        stateless = model_states.as_aux(loss_fn, has_aux, model_state)
+        loss, (aux, new), grads = _local_gradients(stateless, True, params, batch, axis_name)
+        return new, (loss, aux, grads)  # the gradients last: finish_order reads them there
 
-    closed, shapes = jax.make_jaxpr(local, return_shape=True)(params, batch)
-    flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((params, batch)))
-    loss, aux, grads = jax.tree.unflatten(jax.tree.structure(shapes), flat)
-    n_grads = len(jax.tree.leaves(grads))
-    return loss, aux, grads, readiness.finish_order(closed.jaxpr, n_grads)
+    args = (params, batch, model_state)
+    closed, shapes = jax.make_jaxpr(local, return_shape=True)(*args)
+    flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
+    new_model_state, (loss, aux, grads) = jax.tree.unflatten(jax.tree.structure(shapes), flat)
+    order = readiness.finish_order(closed.jaxpr, len(jax.tree.leaves(grads)))
+    return (loss, aux, grads, order), new_model_state
 
 
 def _update(layout, grads, opt_state, shards, order=None, nonfinite_updates="drop"):

@@ -8,6 +8,8 @@ its collective. This module is the entry point; the pieces live beside it, one c
 - :mod:`.state`: :class:`TrainState` and the params a run accepts;
 - :mod:`.layout`: what ``tx`` sees (the whole params or this device's shards) and where each
   leaf of the state lies on the mesh;
+- :mod:`.restoring`: the state's shardings and shapes, resized and restored from a checkpoint;
+- :mod:`.model_state`: a model's own state (``has_state=True``), averaged over the devices;
 - :mod:`.mask`: which optimizer-state leaves differ per device (read off shard_map's types);
 - :mod:`.step`: the step on each device, a pipeline of named stages;
 - :mod:`.boundary`: many small state leaves cross the step's ``shard_map`` as a few arrays;
@@ -34,12 +36,13 @@ from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.state import compress_states, find_compress_state
 from jaxcomp.training import _arguments as arguments
 from jaxcomp.training import _telling as telling
-from jaxcomp.training import boundary, checkpoint
+from jaxcomp.training import boundary
+from jaxcomp.training import model_state as model_states
 from jaxcomp.training import reprobe as reprobing
-from jaxcomp.training import resize as resizing
 from jaxcomp.training.branches import REPORT_DELAY, PinnedSteps, pinned_record, pinned_report
 from jaxcomp.training.dispatch import DEFAULT_MAX_STEPS_IN_FLIGHT, BoundedStep
 from jaxcomp.training.layout import Layout
+from jaxcomp.training.restoring import Restoring
 from jaxcomp.training.rollback import RollbackStep
 from jaxcomp.training.state import TrainState, avals_of
 from jaxcomp.training.step import train_step
@@ -51,8 +54,10 @@ DEFAULT_TRIAL = Trial()
 __all__ = ["DEFAULT_MAX_STEPS_IN_FLIGHT", "DataParallel", "TrainState", "data_parallel"]
 
 
-class DataParallel:
-    """The object :func:`data_parallel` returns: ``init``, ``step``, ``shard_batch`` and ``params``.
+class DataParallel(Restoring):
+    """The object :func:`data_parallel` returns: ``init``, ``step``, ``shard_batch`` and ``params``
+    (and :class:`~jaxcomp.training.restoring.Restoring`'s ``state_shapes``, ``resize``,
+    ``restore``).
 
     Its ``layout`` (:class:`jaxcomp.training.layout.Layout`) says where each leaf of the state lies.
     """
@@ -72,11 +77,12 @@ class DataParallel:
         auto_trial=DEFAULT_TRIAL,
         rollback=None,
         nonfinite_updates="drop",
+        has_state=False,
     ):
         self.loss_fn = loss_fn
         self.nonfinite_updates = nonfinite_updates
         self.has_aux = has_aux
-        self.layout = Layout(tx, mesh, axis_name, shard, gather_dtype)
+        self.layout = Layout(tx, mesh, axis_name, shard, gather_dtype, has_state)
         self.max_steps_in_flight = max_steps_in_flight
         self.donate = donate
         # Set while tracing the step: tx holds a compress(nonfinite="raise"); the guardrail's
@@ -103,140 +109,26 @@ class DataParallel:
     shard = property(lambda self: self.layout.shard, doc="The ``shard=`` mode.")
     gather_dtype = property(lambda self: self.layout.gather_dtype, doc="``gather_dtype``.")
     n_devices = property(lambda self: self.layout.n_devices, doc="Devices over the data axes.")
-
-    # -- the layout, for restoring a checkpoint --------------------------------------------------
-
-    def state_sharding(self, params):
-        """The :class:`TrainState` of ``NamedSharding`` s that :meth:`init` lays the state out with.
-
-        Args:
-          params: the whole params (arrays or ``jax.ShapeDtypeStruct``), also with
-            ``shard="params"``.
-
-        Returns:
-          A :class:`TrainState` pytree of ``jax.sharding.NamedSharding``, e.g. for restoring a
-          checkpoint onto the mesh.
-        """
-        avals = avals_of(params)
-        self.layout.remember_shapes(avals)
-        return self.layout.state_sharding(avals)
-
-    def state_shapes(self, params, n_devices: int | None = None):
-        """The :class:`TrainState` of ``jax.ShapeDtypeStruct`` (with shardings) that :meth:`init`
-        returns for ``params``: the target for restoring a checkpoint (e.g. orbax's
-        ``StandardCheckpointer().restore(path, dp.state_shapes(params))``).
-
-        Args:
-          params: the whole params (arrays or ``jax.ShapeDtypeStruct``).
-          n_devices: the devices the checkpoint was saved on, when not this run's: the shapes it
-            was saved with, placed on this mesh, to restore and hand to :meth:`resize`.
-
-        Returns:
-          A :class:`TrainState` of ``jax.ShapeDtypeStruct``.
-        """
-        if n_devices is not None and int(n_devices) != self.n_devices:
-            avals = avals_of(params)
-            self.layout.remember_shapes(avals)
-            return resizing.saved_shapes(self.layout, avals, int(n_devices))
-        shardings = self.state_sharding(params)
-        shapes = jax.eval_shape(self.layout.initial_state, avals_of(params))
-        return jax.tree.map(
-            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), shapes, shardings
-        )
-
-    def resize(self, state: TrainState, params=None, *, mean: bool = True) -> TrainState:
-        """The state of a run of the same ``tx`` and ``shard=`` on another number of devices, as
-        the state of this one: shards split again exactly, each device's residual summed and
-        spread evenly (docs/training.md, "Resuming on another number of devices").
-
-        Args:
-          state: the :class:`TrainState` of ``N`` devices, e.g. restored with
-            ``state_shapes(params, n_devices=N)`` (or the state itself, in one process).
-          params: the whole params or their shapes; needed with ``shard="params"`` unless
-            :meth:`state_shapes` was called with them.
-          mean: as the run's ``jaxcomp.compress(mean=...)`` (averaged or summed gradients).
-
-        Returns:
-          The :class:`TrainState` on this mesh.
-
-        Example:
-          >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp
-          >>> devices = np.array(jax.devices())
-          >>> tx = optax.chain(jaxcomp.compress("ar_topk", ratio=0.5), optax.adam(0.1))
-          >>> loss = lambda w, b: jnp.sum(w * b)
-          >>> four = jaxcomp.data_parallel(loss, tx, jax.sharding.Mesh(devices[:4], ("data",)))
-          >>> two = jaxcomp.data_parallel(loss, tx, jax.sharding.Mesh(devices[:2], ("data",)))
-          >>> state = two.resize(four.init(jnp.ones(3)))
-          >>> state.opt_state[0].residual.shape
-          (2, 3)
-
-        References:
-          Tyagi & Swany, arXiv 2312.02493, Alg. 1 (per-worker residuals); Karimireddy et al.,
-          ICML 2019 (error feedback); Rajbhandari et al., ZeRO, SC 2020 (sharded state).
-        """
-        if params is not None:
-            avals = avals_of(params)
-            self.layout.remember_shapes(avals)
-            if self.shard == "params" and isinstance(state, TrainState):
-                counts = {np.shape(p)[0] for p in jax.tree.leaves(state.params) if np.ndim(p)}
-                for n in counts:
-                    resizing.saved_shapes(self.layout, avals, n, placed=False)
-        return resizing.resize_state(self.layout, state, mean=mean)
-
-    def restore(self, path, params, *, mean: bool = True) -> TrainState:
-        """Restores an orbax checkpoint of this run's ``tx`` and ``shard=``, saved on any number of
-        devices, onto this mesh (:meth:`resize` when the count differs).
-
-        Args:
-          path: the checkpoint directory (``ocp.StandardCheckpointer().save(path, state)``).
-          params: the whole params or their shapes.
-          mean: as the run's ``jaxcomp.compress(mean=...)``.
-
-        Returns:
-          The :class:`TrainState` on this mesh; ``ValueError`` (naming the shapes found) for a
-          checkpoint of another ``tx``, ``shard=`` or params, before orbax reads any array.
-
-        Example:
-          >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxcomp, tempfile
-          >>> import orbax.checkpoint as ocp
-          >>> devices = np.array(jax.devices())
-          >>> tx = optax.chain(jaxcomp.compress("ar_topk", ratio=0.5), optax.adam(0.1))
-          >>> loss = lambda w, b: jnp.sum(w * b)
-          >>> four = jaxcomp.data_parallel(loss, tx, jax.sharding.Mesh(devices[:4], ("data",)))
-          >>> path = tempfile.mkdtemp() + "/ckpt"
-          >>> ckpt = ocp.StandardCheckpointer()
-          >>> ckpt.save(path, four.init(jnp.ones(3))); ckpt.wait_until_finished()
-          >>> two = jaxcomp.data_parallel(loss, tx, jax.sharding.Mesh(devices[:2], ("data",)))
-          >>> two.restore(path, jnp.ones(3)).opt_state[0].residual.shape
-          (2, 3)
-
-        References:
-          Rajbhandari et al., ZeRO, SC 2020 (sharded state); Tyagi & Swany, arXiv 2312.02493,
-          Alg. 1 (per-worker residuals).
-        """
-        import orbax.checkpoint as ocp
-
-        avals = avals_of(params)
-        checkpointer = ocp.StandardCheckpointer()
-        metadata = checkpointer.metadata(path)
-        tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
-        shapes = checkpoint.completed_shapes(tree, self.state_shapes(params))
-        n = resizing.saved_device_count(self.layout, avals, shapes)
-        state = checkpoint.restore(checkpointer, path, self.state_shapes(params, n_devices=n), tree)
-        return self.resize(state, params, mean=mean)
+    has_state = property(lambda self: self.layout.has_state, doc="``has_state``.")
 
     # -- the public entry points ---------------------------------------------------------------
 
-    def init(self, params) -> TrainState:
+    def init(self, params, model_state=None) -> TrainState:
         """Lays out ``params`` over the mesh (replicated, or each device's shards with
         ``shard="params"``) and ``tx.init`` (per device where it differs per device).
 
         Args:
           params: pytree of float arrays, the whole params, the same on every process.
+          model_state: with ``has_state=True``, the model's initial state (e.g. a linen model's
+            ``variables["batch_stats"]``), replicated; required there, refused without it.
 
         Returns:
           A :class:`TrainState` with step 0.
+
+        Raises:
+          ValueError: ``model_state`` given where ``has_state=False``, or missing where True.
         """
+        model_state = model_states.check_initial(model_state, self.has_state)
         avals = avals_of(params)
         self.layout.remember_shapes(avals)
         multi_process = jax.process_count() > 1
@@ -250,8 +142,9 @@ class DataParallel:
                 return jax.device_put(x, NamedSharding(self.mesh, P()))
             return x
 
-        params = jax.tree.map(host_value, params)
-        state = jax.jit(self.layout.initial_state, out_shardings=self.state_sharding(avals))(params)
+        params, model_state = jax.tree.map(host_value, (params, model_state))
+        shardings = self.state_sharding(avals, model_state)
+        state = jax.jit(self.layout.initial_state, out_shardings=shardings)(params, model_state)
         if reprobing.probe_axis(self.layout) is not None and any(
             s.auto is not None and not np.all(np.isfinite(np.asarray(local_copy(s.auto.network))))
             for s in compress_states(state.opt_state)
@@ -430,11 +323,11 @@ def data_parallel(
     auto_trial: Trial | None = DEFAULT_TRIAL,
     rollback: int | None = None,
     nonfinite_updates: str = "drop",
+    has_state: bool = False,
 ) -> DataParallel:
     """A data-parallel training step around a compressing optax chain.
 
-    Each device takes the gradient of ``loss_fn`` on its shard of the batch, ``tx`` aggregates
-    and updates, and the params stay replicated (docs/training.md, section 2).
+    Each device differentiates its batch shard, ``tx`` aggregates (docs/training.md, section 2).
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``), on one device's shard.
@@ -450,6 +343,7 @@ def data_parallel(
       auto_trial: how ``compress_auto``'s leading candidates' steps are timed (None: not at all).
       rollback: every how many steps a state to roll back to is kept (default None: none).
       nonfinite_updates: ``"drop"`` (default: a non-finite entry keeps its value) or ``"skip"``.
+      has_state: ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``, averaged.
 
     Returns:
       A :class:`DataParallel` with ``init(params)`` and ``step(state, batch) -> (state, metrics)``.
@@ -475,16 +369,16 @@ def data_parallel(
         raise ValueError(f"shard must be None, 'optimizer' or 'params', got {shard!r}")
     gather_dtype = arguments.check_gather_dtype(gather_dtype, shard)
     tx = arguments.accumulating(tx, shard)
-    arguments.check_kinds(loss_fn, tx, mesh, auto_trial, donate=donate, host_branches=host_branches)
+    flags = {"donate": donate, "host_branches": host_branches, "has_state": has_state}
+    arguments.check_kinds(loss_fn, tx, mesh, auto_trial, **flags)
     axis_name = arguments.data_axes(mesh, axis_name)
-    max_steps_in_flight = arguments.check_max_steps_in_flight(max_steps_in_flight)
     return DataParallel(
         loss_fn,
         tx,
         arguments.auto_axes(mesh),
         axis_name,
         bool(has_aux),
-        max_steps_in_flight,
+        arguments.check_max_steps_in_flight(max_steps_in_flight),
         shard,
         gather_dtype,
         donate,
@@ -492,4 +386,5 @@ def data_parallel(
         auto_trial,
         arguments.check_rollback(rollback, donate),
         arguments.check_nonfinite_updates(nonfinite_updates),
+        has_state,
     )
