@@ -16,6 +16,12 @@ from jaxcomp.optim.transform import compress, find_compress_state
 from jaxcomp.training.branches import REPORT_DELAY
 from jaxcomp.training.trainer import data_parallel
 
+# compress(mean=False) makes these references exact sums, and compress(seed=) sets the key: both
+# deprecated until jaxcomp 0.3, so these tests also keep the old keywords working.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:compress(_auto)?\((mean|seed)=\) is deprecated:DeprecationWarning"
+)
+
 N_DEVICES = 8
 N_PARAMS = 100_000
 SLOW = cost.Network.parse("1ms", "100mbit")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import warnings
 
+import jax
 import jax.numpy as jnp
 import pytest
 from helpers import subprocess_env
@@ -146,3 +147,22 @@ def test_the_version_is_the_changelogs_latest_release_and_removal_is_the_next_mi
     with pytest.warns(DeprecationWarning, match=rf"removed in jaxcomp {major}\.{minor + 1}\b"):
         _forget("jaxcomp.cost")
         importlib.import_module("jaxcomp.cost")
+
+
+@pytest.mark.parametrize("entry", ["compress", "compress_auto"])
+def test_deprecated_keywords_warn_and_keep_working(entry):
+    """compress(mean=, seed=) and compress_auto's: a DeprecationWarning naming what to do
+    instead, where the caller passed it, and the value still takes effect until 0.3."""
+    make = jaxcomp.compress if entry == "compress" else jaxcomp.compress_auto
+    method = jaxcomp.Dense() if entry == "compress" else [jaxcomp.Dense()]
+    with pytest.warns(DeprecationWarning, match=rf"{entry}\(seed=\) is deprecated") as caught:
+        state = make(method, seed=7).init(jnp.zeros(3))
+    assert caught[0].filename == __file__
+    assert state.key.tolist() == jax.random.PRNGKey(7).tolist()
+    with pytest.warns(DeprecationWarning, match=r"\(mean=\) is deprecated.*optax.scale"):
+        state = make(method, mean=False).init(jnp.zeros(3))
+    assert state.branches.mean is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # left out: no warning, the defaults
+        state = make(method).init(jnp.zeros(3))
+    assert state.branches.mean is True and state.key.tolist() == [0, 0]

@@ -26,7 +26,13 @@ from jaxcomp.methods import Method
 from jaxcomp.ops import _checks
 from jaxcomp.optim import pinning
 from jaxcomp.optim.auto_state import AutoState, calibrated, init_auto
-from jaxcomp.optim.config import FeedbackConfig, default_buckets, default_feedback
+from jaxcomp.optim.config import (
+    UNSET,
+    FeedbackConfig,
+    default_buckets,
+    default_feedback,
+    deprecated_keyword,
+)
 from jaxcomp.optim.feedback import feedback_transformation
 from jaxcomp.optim.stages.aggregate import AggregateState
 from jaxcomp.optim.stages.aggregation import Aggregation, Groups, run_branch, static_cost
@@ -197,8 +203,8 @@ def compress_auto(
     decide_every: int = DEFAULT_DECIDE_EVERY,
     error_feedback="auto",
     granularity="model",
-    mean=True,
-    seed=0,
+    mean=UNSET,
+    seed=UNSET,
     nonfinite="zero",
     mask=None,
     min_size=0,
@@ -217,7 +223,8 @@ def compress_auto(
       network: a :class:`jaxcomp.costmodel.cost.Network`, or None (``data_parallel`` probes it).
       decide_every: steps between decisions (default :data:`DEFAULT_DECIDE_EVERY`, 100).
       error_feedback: as for :func:`jaxcomp.compress`; ``"auto"``: on if any candidate's is.
-      granularity, mean, seed, nonfinite, mask, min_size: as for :func:`jaxcomp.compress`.
+      granularity, nonfinite, mask, min_size: as for :func:`jaxcomp.compress`.
+      mean, seed: deprecated, as for :func:`jaxcomp.compress`.
       guardrail: as for :func:`jaxcomp.compress`; its fallback runs the ``Dense`` candidate, if any.
       bucket_mb: as for :func:`jaxcomp.compress`; ``"auto"``: buckets if every candidate has them.
 
@@ -238,6 +245,8 @@ def compress_auto(
     """
     # The candidates' defaults (checked below, once the config gives the axes).
     listed = candidates if isinstance(candidates, (list, tuple)) else ()
+    mean = deprecated_keyword(mean, "mean", "compress_auto", 2)
+    seed = deprecated_keyword(seed, "seed", "compress_auto", 2)
     everything = bool(listed) and all(getattr(m, "buckets_by_default", False) for m in listed)
     config = FeedbackConfig.check(
         axis_name,

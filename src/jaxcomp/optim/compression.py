@@ -22,7 +22,13 @@ from jaxcomp import methods
 from jaxcomp.methods import Method
 from jaxcomp.optim import pinning
 from jaxcomp.optim.auto_shorthand import compress_auto_shorthand
-from jaxcomp.optim.config import FeedbackConfig, default_buckets, default_feedback
+from jaxcomp.optim.config import (
+    UNSET,
+    FeedbackConfig,
+    default_buckets,
+    default_feedback,
+    deprecated_keyword,
+)
 from jaxcomp.optim.feedback import feedback_transformation
 from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.stages import momentum as momentum_stage
@@ -38,8 +44,8 @@ def compress(
     axis_name="data",
     error_feedback="auto",
     granularity="model",
-    mean=True,
-    seed=0,
+    mean=UNSET,
+    seed=UNSET,
     nonfinite="zero",
     warmup_steps=0,
     warmup_method=None,
@@ -60,8 +66,8 @@ def compress(
       axis_name: the mesh axis reduced over, or a tuple of axes (the slow one first).
       error_feedback: True, False, or ``"auto"`` (default): on for every method but the casts.
       granularity: ``"model"`` (default: all float leaves as one vector) or ``"leaf"``.
-      mean: return the mean across devices (default) instead of the sum.
-      seed: seed of the state's PRNG key (the quantizer's stochastic rounding).
+      mean: deprecated (the update is the mean; for the sum, chain ``optax.scale(n)`` after).
+      seed: deprecated (the state's PRNG key is seeded with 0).
       nonfinite: a step with NaN or ±Inf entries: ``"zero"`` (default), ``"skip"`` or ``"raise"``.
       warmup_steps: run ``warmup_method`` for the first this many steps (default 0).
       warmup_method: None (default: :class:`jaxcomp.Dense`) or a method that sends every value.
@@ -118,6 +124,8 @@ def _compress_one(
     bucket_mb,
 ):
     """:func:`compress` of one method (not ``"auto"``): its checks, branches and aggregation."""
+    mean = deprecated_keyword(mean, "mean", "compress", 3)
+    seed = deprecated_keyword(seed, "seed", "compress", 3)
     config = FeedbackConfig.check(
         axis_name,
         default_feedback(error_feedback, [m for m in (method, warmup_method) if m is not None]),

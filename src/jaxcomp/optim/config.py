@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,60 @@ GRANULARITIES = ("model", "leaf")
 #: for the methods that select or code, where a bucket's own selection changes what is sent and
 #: the gain in speed is mixed (docs/performance.md, "Overlapping the backward pass").
 DEFAULT_BUCKET_MB = 25.0
+
+
+class _Unset:
+    """The default of a deprecated keyword, told apart from any value a caller passes."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+#: The default of :data:`DEPRECATED_KEYWORDS`' keywords in the signatures.
+UNSET = _Unset()
+
+#: ``compress``'s and ``compress_auto``'s keywords that no benchmark, guide or user passed (the
+#: survey in docs/notes/2026-12-05-stages-as-transformations.md): their value from now on, and
+#: what to do instead. They keep working until jaxcomp 0.3, with a ``DeprecationWarning``.
+DEPRECATED_KEYWORDS = {
+    "mean": (
+        True,
+        "the update is the mean over the devices; for their sum, chain optax.scale(n_devices) "
+        "after it",
+    ),
+    "seed": (0, "the state's PRNG key is seeded with 0 (each step draws from fold_in(key, step))"),
+}
+
+
+def deprecated_keyword(value, name: str, entry: str, stacklevel: int):
+    """A deprecated keyword's value: its default when the caller left it out, else the value
+    given, with a ``DeprecationWarning`` that says what to do instead.
+
+    Args:
+      value: what the caller passed (:data:`UNSET` when nothing).
+      name: the keyword, one of :data:`DEPRECATED_KEYWORDS`.
+      entry: the function the caller called, for the message.
+      stacklevel: the caller's frame, counted from the function that calls this one.
+
+    Returns:
+      The value to use.
+
+    Example:
+      >>> deprecated_keyword(UNSET, "mean", "compress", 1)
+      True
+
+    References:
+      PEP 565 (DeprecationWarning shown where the caller's code passes the keyword).
+    """
+    default, instead = DEPRECATED_KEYWORDS[name]
+    if value is UNSET:
+        return default
+    warnings.warn(
+        f"{entry}({name}=) is deprecated and will be removed in jaxcomp 0.3: {instead}",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
+    return value
 
 
 def default_buckets(bucket_mb, by_default: bool):
