@@ -120,6 +120,9 @@ def test_split_leader_costs_an_all_gather_of_indices_and_one_all_reduce():
     x = np.arange(1000, dtype=np.float32)
     left = np.asarray(split.local_work(1000, 8)(jnp.asarray(x)))
     np.testing.assert_array_equal(left, np.where(x >= 1000 - each, 0, x))
+    # The all-gather's (whose leader field keeps its default) takes its whole top k off.
+    left = np.asarray(TopK(k=37).local_work(1000, 8)(jnp.asarray(x)))
+    np.testing.assert_array_equal(left, np.where(x >= 1000 - 37, 0, x))
 
 
 def test_methods_are_frozen_hashable_values():

@@ -331,7 +331,7 @@ class TopK(Fraction, Method):
         select = topk if self.selector == "exact" else threshold_topk
         if self.value_bits is not None:
             return self._coded_work(k, select)
-        if self.leader == "split":
+        if self.collective == "ar" and self.leader == "split":  # (the default leader of all)
             each = sizes.ceil_div(k, n_devices)
 
             def split_codec(x):

@@ -105,7 +105,8 @@ def _stages(c: FeedbackConfig, record: Branches, keeps_residual, aggregate, init
         return mask.layout(c, params, sends_everything).groups
 
     def init_aggregate(params):
-        shapes = [tuple(jax.tree.leaves(params)[i].shape for i in p) for p, _ in groups_of(params)]
+        leaves = jax.tree.leaves(params)
+        shapes = [tuple(leaves[i].shape for i in p) for p, _ in groups_of(params)]
         auto = init_auto() if init_auto is not None else None
         return AggregateState(init_method_state(branches, shapes), auto)
 
