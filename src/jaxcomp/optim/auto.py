@@ -31,7 +31,7 @@ from jaxcomp.optim.config import (
     FeedbackConfig,
     default_buckets,
     default_feedback,
-    deprecated_keyword,
+    deprecated_keywords,
 )
 from jaxcomp.optim.feedback import feedback_transformation
 from jaxcomp.optim.stages.aggregate import AggregateState
@@ -223,8 +223,7 @@ def compress_auto(
       network: a :class:`jaxcomp.costmodel.cost.Network`, or None (``data_parallel`` probes it).
       decide_every: steps between decisions (default :data:`DEFAULT_DECIDE_EVERY`, 100).
       error_feedback: as for :func:`jaxcomp.compress`; ``"auto"``: on if any candidate's is.
-      granularity, nonfinite, mask, min_size: as for :func:`jaxcomp.compress`.
-      mean, seed: deprecated, as for :func:`jaxcomp.compress`.
+      granularity, nonfinite, mask, min_size, mean, seed: as for :func:`jaxcomp.compress`.
       guardrail: as for :func:`jaxcomp.compress`; its fallback runs the ``Dense`` candidate, if any.
       bucket_mb: as for :func:`jaxcomp.compress`; ``"auto"``: buckets if every candidate has them.
 
@@ -243,10 +242,8 @@ def compress_auto(
     References:
       Tyagi & Swany, arXiv 2312.02493, §3-D (choice of collective, Eqn 5a-5c), §3-E (the ratio).
     """
-    # The candidates' defaults (checked below, once the config gives the axes).
-    listed = candidates if isinstance(candidates, (list, tuple)) else ()
-    mean = deprecated_keyword(mean, "mean", "compress_auto", 2)
-    seed = deprecated_keyword(seed, "seed", "compress_auto", 2)
+    listed = candidates if isinstance(candidates, (list, tuple)) else ()  # (checked below)
+    mean, seed = deprecated_keywords("compress_auto", 2, mean=mean, seed=seed)
     everything = bool(listed) and all(getattr(m, "buckets_by_default", False) for m in listed)
     config = FeedbackConfig.check(
         axis_name,

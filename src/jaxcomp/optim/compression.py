@@ -27,7 +27,7 @@ from jaxcomp.optim.config import (
     FeedbackConfig,
     default_buckets,
     default_feedback,
-    deprecated_keyword,
+    deprecated_keywords,
 )
 from jaxcomp.optim.feedback import feedback_transformation
 from jaxcomp.optim.stages import divergence
@@ -124,8 +124,7 @@ def _compress_one(
     bucket_mb,
 ):
     """:func:`compress` of one method (not ``"auto"``): its checks, branches and aggregation."""
-    mean = deprecated_keyword(mean, "mean", "compress", 3)
-    seed = deprecated_keyword(seed, "seed", "compress", 3)
+    mean, seed = deprecated_keywords("compress", 3, mean=mean, seed=seed)
     config = FeedbackConfig.check(
         axis_name,
         default_feedback(error_feedback, [m for m in (method, warmup_method) if m is not None]),

@@ -48,35 +48,37 @@ DEPRECATED_KEYWORDS = {
 }
 
 
-def deprecated_keyword(value, name: str, entry: str, stacklevel: int):
-    """A deprecated keyword's value: its default when the caller left it out, else the value
-    given, with a ``DeprecationWarning`` that says what to do instead.
+def deprecated_keywords(entry: str, stacklevel: int, **given) -> tuple:
+    """Deprecated keywords' values: each one's default where the caller left it out, else the
+    value given, with a ``DeprecationWarning`` that says what to do instead.
 
     Args:
-      value: what the caller passed (:data:`UNSET` when nothing).
-      name: the keyword, one of :data:`DEPRECATED_KEYWORDS`.
       entry: the function the caller called, for the message.
       stacklevel: the caller's frame, counted from the function that calls this one.
+      **given: each keyword of :data:`DEPRECATED_KEYWORDS` and what the caller passed
+        (:data:`UNSET` when nothing).
 
     Returns:
-      The value to use.
+      The values to use, in the order given.
 
     Example:
-      >>> deprecated_keyword(UNSET, "mean", "compress", 1)
-      True
+      >>> deprecated_keywords("compress", 1, mean=UNSET, seed=UNSET)
+      (True, 0)
 
     References:
       PEP 565 (DeprecationWarning shown where the caller's code passes the keyword).
     """
-    default, instead = DEPRECATED_KEYWORDS[name]
-    if value is UNSET:
-        return default
-    warnings.warn(
-        f"{entry}({name}=) is deprecated and will be removed in jaxcomp 0.3: {instead}",
-        DeprecationWarning,
-        stacklevel=stacklevel + 1,
-    )
-    return value
+    values = []
+    for name, value in given.items():
+        default, instead = DEPRECATED_KEYWORDS[name]
+        if value is not UNSET:
+            warnings.warn(
+                f"{entry}({name}=) is deprecated and will be removed in jaxcomp 0.3: {instead}",
+                DeprecationWarning,
+                stacklevel=stacklevel + 1,
+            )
+        values.append(default if value is UNSET else value)
+    return tuple(values)
 
 
 def default_buckets(bucket_mb, by_default: bool):
