@@ -140,6 +140,55 @@ def test_a_row_name_sets_the_codec_of_the_pseudo_gradients():
     assert ttq.codec("none") is None and ttq.codec("int8") == jaxcomp.Quantized(8)
 
 
+def test_a_row_sends_sparseloco_pseudo_gradients():
+    """``-topk2r02`` and ``@codec=topkBrDIGITS``: the all-gather top-k of that ratio with B-bit
+    values (SparseLoCo's), with error feedback, as DiLoCo's outer compress."""
+    import jaxcomp
+
+    options = ttq._row_options("diloco-h50-avg-topk2r02")
+    assert options["compress"] == "topk2r02" and options["outer"] == "avg"
+    assert options["sync_every"] == 50
+    assert ttq.codec("topk2r02") == jaxcomp.TopK(0.02, value_bits=2)
+    assert ttq.codec("topk2r01") == jaxcomp.TopK(0.01, value_bits=2)
+    assert ttq.codec("topk4r015") == jaxcomp.TopK(0.015, value_bits=4)
+    assert ttq.codec("topk1r1") == jaxcomp.TopK(0.1, value_bits=1)
+    assert ttq._row_options("diloco-h10-avg@codec=topk2r03")["compress"] == "topk2r03"
+    # the outer compress keeps a residual: error feedback is on for top-k
+    tx = jaxcomp.compress(ttq.codec("topk2r02"), axis_name="workers")
+    assert jaxcomp.find_compress_state(tx.init({"w": np.zeros((64, 64), np.float32)})).residual
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("diloco-h50-avg-topk2r05", r"unknown row .*@codec=NAME.*topkBrDIGITS"),
+        ("diloco-h50-avg@codec=topk5r02", "1 to 4 bits, not 5"),
+        ("diloco-h50-avg@codec=topk0r02", "1 to 4 bits, not 0"),
+        ("diloco-h50-avg@codec=topk2r00", r"ratio 0\.00 must be > 0"),
+        ("diloco-h50-avg@codec=topk2", r"@codec= takes .*topkBrDIGITS.*got 'topk2'"),
+        ("diloco-h50-avg@codec=topk2r0.2", r"@codec= takes .*got 'topk2r0\.2'"),
+        ("dp@codec=topk2r02", "not a setting of it"),
+    ],
+)
+def test_a_bad_sparseloco_row_or_codec_says_why(name, match):
+    with pytest.raises(ValueError, match=match):
+        ttq.parse_row(name)
+
+
+def test_a_quick_sparseloco_row_trains():
+    result = ttq.train(
+        "diloco-h50-avg-topk2r02",
+        charlm.QUICK,
+        charlm.load_corpus(),
+        steps=4,
+        eval_every=2,
+        quick=True,
+        devices=2,
+    )
+    assert np.isfinite([p["loss"] for p in result["curve"]]).all()
+    assert 0 < result["curve"][-1]["bytes"]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("inner", [1], ids=["one-device-hosts"])
 def test_a_quick_job_on_two_emulated_hosts(tmp_path, monkeypatch, inner):

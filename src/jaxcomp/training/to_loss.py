@@ -22,13 +22,14 @@ batches:
   ``inner`` devices), the same Adam as inner optimizer, the paper's outer Nesterov SGD (lr 0.7,
   momentum 0.9) or, for ``-avg``, plain averaging, for ``-n3`` Nesterov SGD with lr 1.0 and
   momentum 0.3, and ``H`` inner steps between exchanges; ``-int8`` sends the pseudo-gradients as
-  8-bit codes (``jaxcomp.Quantized(8)``, error feedback), ``-topk`` as top-10%, ``-stream`` syncs
-  2 fragments staggered, applied 1 step late (``-stream4``: 4 fragments).
+  8-bit codes (``jaxcomp.Quantized(8)``, error feedback), ``-topk`` as top-10%, ``-topk2r02`` as
+  top-2% with 2-bit values (SparseLoCo's, :mod:`jaxcomp.training.to_loss_codecs`), ``-stream``
+  syncs 2 fragments staggered, applied 1 step late (``-stream4``: 4 fragments).
 
 A row name may add settings (:func:`parse_row`): ``@outer=`` a DiLoCo row's outer optimizer,
-``@codec=`` its pseudo-gradients' codec (:data:`CODECS`), ``@exchange=`` how a two-level row
-shares the exchange, ``@metrics=worker`` no loss mean over the slow axis between syncs, ``@lr=``
-the row's (or dp's) peak learning rate.
+``@codec=`` its pseudo-gradients' codec (:data:`CODECS` or ``topkBrDIGITS``), ``@exchange=``
+how a two-level row shares the exchange, ``@metrics=worker`` no loss mean over the slow axis
+between syncs, ``@lr=`` the row's (or dp's) peak learning rate.
 
 ``dp`` runs first and sets the target. The clock leaves out the evaluations and the first
 compilation; in a multi-process job process 0 evaluates and every process waits for its result.
@@ -40,6 +41,13 @@ import dataclasses
 import math
 
 from jaxcomp.training import charlm
+from jaxcomp.training.to_loss_codecs import (  # noqa: F401  (re-exported)
+    CODECS,
+    TOPK_FORM,
+    check_codec,
+    codec,
+    low_bit_topk,
+)
 from jaxcomp.training.to_loss_loop import (  # noqa: F401  (summarize: re-exported)
     summarize,
     timed_curve,
@@ -81,6 +89,11 @@ ROWS = {
         kind="diloco", sync_every=50, compress="int8", outer="nesterov-1-0.3"
     ),
     "diloco-h50-topk": dict(kind="diloco", sync_every=50, compress="topk"),
+    # SparseLoCo's pseudo-gradients: top-1, 2 and 3% with 2-bit values (@codec=topkBrDIGITS
+    # names any other ratio and width).
+    "diloco-h50-avg-topk2r01": dict(kind="diloco", sync_every=50, compress="topk2r01", outer="avg"),
+    "diloco-h50-avg-topk2r02": dict(kind="diloco", sync_every=50, compress="topk2r02", outer="avg"),
+    "diloco-h50-avg-topk2r03": dict(kind="diloco", sync_every=50, compress="topk2r03", outer="avg"),
     "diloco-h50-stream": dict(kind="diloco", sync_every=50, fragments=2, delay=1),
     "diloco-h200-int8": dict(kind="diloco", sync_every=200, compress="int8"),
     "diloco-h10-avg-stream-int8": dict(
@@ -105,47 +118,6 @@ CLUSTER_ROWS = (
     "diloco-h50-avg-int8",
     "diloco-h50-int8",
 )
-
-#: The pseudo-gradients' codecs of DiLoCo rows (``-int8``, ``-topk``, or ``@codec=NAME``), all
-#: with error feedback: THC's 8 bits after a random Hadamard rotation; the same 8 bits without
-#: the rotation (``int8flat``: no transform before and after, on a grid as wide as the raw
-#: values); THC's 4 bits (Streaming DiLoCo's width); top-10%.
-_CODECS = {
-    "none": lambda methods: None,
-    "int8": lambda methods: methods.Quantized(8),
-    "int8flat": lambda methods: methods.Quantized(8, hadamard=False),
-    "int4": lambda methods: methods.Quantized(4),
-    "topk": lambda methods: methods.TopK(0.1),
-}
-CODECS = tuple(_CODECS)
-
-
-def codec(name):
-    """The method a DiLoCo row sends its pseudo-gradients with.
-
-    Args:
-      name: one of :data:`CODECS`.
-
-    Returns:
-      A ``jaxcomp`` method, or None for ``"none"`` (dense pseudo-gradients).
-
-    Raises:
-      ValueError: for any other name, listing :data:`CODECS`.
-
-    Example:
-      >>> codec("int4").bits, codec("none") is None
-      (4, True)
-
-    References:
-      Li et al., "THC" (NSDI 2024): 8 and 4 bits after a Hadamard rotation; Liu et al.,
-      "Streaming DiLoCo" (arXiv 2501.18512): outer gradients in 4 bits.
-    """
-    from jaxcomp import methods
-
-    if name not in CODECS:
-        raise ValueError(f"codec {name!r}: choose from {', '.join(CODECS)}")
-    return _CODECS[name](methods)
-
 
 #: The outer optimizers by name; ``sgd:LR`` and ``nesterov:LR:MOMENTUM`` name any other.
 OUTERS = {
@@ -191,7 +163,8 @@ def parse_row(name):
     ``diloco-h50@outer=nesterov:1.0:0.3@lr=3e-3`` is the row ``diloco-h50`` with that outer
     optimizer (DiLoCo rows) and inner (or dp's) peak learning rate, so that one job can screen
     settings beside ``dp``. DiLoCo rows also take ``@exchange=split|whole``, ``@codec=`` (a
-    name in :data:`CODECS`, for the row's pseudo-gradients) and ``@metrics=worker``
+    name in :data:`CODECS` or ``topkBrDIGITS``, for the row's pseudo-gradients) and
+    ``@metrics=worker``
     (``diloco(worker_metrics=True)``: the training loss per worker, so that no step but a sync
     sends anything over the slow axis; the default ``mean`` averages it over every device each
     step).
@@ -215,7 +188,11 @@ def parse_row(name):
     """
     base, *parts = name.split("@")
     if base not in ROWS:
-        raise ValueError(f"unknown row {base!r} in {name!r}; choose from {list(ROWS)}")
+        raise ValueError(
+            f"unknown row {base!r} in {name!r}; choose from {list(ROWS)} (a DiLoCo row sends "
+            f"its pseudo-gradients with any codec as @codec=NAME: {', '.join(CODECS)} or "
+            f"{TOPK_FORM})"
+        )
     settings = {}
     for part in parts:
         key, _, value = part.partition("=")
@@ -234,8 +211,14 @@ def parse_row(name):
                 raise ValueError(f"row {name!r}: @metrics= takes mean or worker, got {value!r}")
             settings["metrics"] = value
         elif key == "codec" and ROWS[base]["kind"] == "diloco":
-            if value not in CODECS:
-                raise ValueError(f"row {name!r}: @codec= takes {', '.join(CODECS)}, got {value!r}")
+            try:
+                known = value in CODECS or low_bit_topk(value) is not None
+            except ValueError as error:  # topkBrDIGITS with bits or a ratio out of range
+                raise ValueError(f"row {name!r}: {error}") from None
+            if not known:
+                raise ValueError(
+                    f"row {name!r}: @codec= takes {', '.join(CODECS)} or {TOPK_FORM}, got {value!r}"
+                )
             settings["codec"] = value
         elif key == "lr":
             settings["lr"] = _positive(value)
