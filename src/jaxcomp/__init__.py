@@ -57,6 +57,7 @@ _EXPORTS = {
     "compress_auto": "jaxcomp.optim.auto",
     "adam": "jaxcomp.optim.optimizers",
     "adamw": "jaxcomp.optim.optimizers",
+    "muon": "jaxcomp.optim.muon",
     "CompressedAdamState": "jaxcomp.optim.optimizers",
     "AutoState": "jaxcomp.optim.auto_state",
     "RatioSearch": "jaxcomp.optim.auto",

@@ -417,7 +417,7 @@ def diloco(
         mesh,
         outer_axis,
         inner_axis,
-        arguments.check_shard(shard, inner_axis),
+        arguments.check_shard(shard, inner_axis, inner_tx),
         arguments.check_exchange(exchange, inner_axis),
     )
     schedule = arguments.check_schedule(sync_every, fragments, delay)
