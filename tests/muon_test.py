@@ -148,11 +148,17 @@ def test_muon_adds_no_collective(inner):
 
 
 def test_zero_sharding_refuses_muon():
-    with pytest.raises(ValueError, match="Muon"):
+    with pytest.raises(ValueError, match="shard='optimizer' hands inner_tx.*Muon"):
         jaxcomp.diloco(
             dt._loss, jaxcomp.muon(1e-2), mesh=dt._mesh(2, 2), inner_axis="data",
             shard="optimizer",
         )  # fmt: skip
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    tx = optax.chain(jaxcomp.compress("bf16"), jaxcomp.muon(1e-2))  # in a chain too
+    for shard in ("optimizer", "params"):
+        with pytest.raises(ValueError, match=f"shard='{shard}' hands tx.*Muon"):
+            jaxcomp.data_parallel(dt._loss, tx, mesh, shard=shard)
+    jaxcomp.data_parallel(dt._loss, tx, mesh)  # whole leaves: taken
 
 
 # A teacher MLP's regression: big enough that 2 % of its params per sync is a real signal.

@@ -18,7 +18,7 @@ from optax import contrib
 
 from jaxcomp.ops import _checks
 
-__all__ = ["muon", "uses_muon"]
+__all__ = ["muon", "refuse_sharded", "uses_muon"]
 
 
 def muon(
@@ -120,3 +120,31 @@ def uses_muon(tx: optax.GradientTransformation) -> bool:
         return False
     found = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, contrib.MuonState))
     return any(isinstance(x, contrib.MuonState) for x in found)
+
+
+def refuse_sharded(tx: optax.GradientTransformation, shard, name: str = "tx") -> None:
+    """Refuses a Muon optimizer given ZeRO's flat shards (``shard=``), where it would find no
+    matrix and silently update every leaf with AdamW.
+
+    Args:
+      tx: the optimizer that would get the shards.
+      shard: the run's ``shard=`` (None: whole leaves, nothing to refuse).
+      name: the argument ``tx`` was given as, for the message.
+
+    Returns:
+      None; raises ``ValueError`` naming ``shard`` and ``name``.
+
+    Example:
+      >>> refuse_sharded(optax.contrib.muon(0.02), "optimizer")
+      Traceback (most recent call last):
+      ValueError: shard='optimizer' hands tx each device's flat 1/n shard ...
+
+    References:
+      Rajbhandari et al., "ZeRO", SC 2020 (the flat shards); Jordan et al., "Muon" (2024).
+    """
+    if shard is not None and uses_muon(tx):
+        raise ValueError(
+            f"shard={shard!r} hands {name} each device's flat 1/n shard of every leaf, so a "
+            f"Muon {name} would find no matrix to orthogonalize and update every leaf with "
+            "AdamW: pass shard=None with Muon (each device keeps whole leaves)"
+        )

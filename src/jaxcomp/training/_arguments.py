@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxcomp.optim.muon import refuse_sharded
 from jaxcomp.training.trial import Trial
 
 
@@ -77,7 +78,9 @@ def check_gather_dtype(gather_dtype, shard):
 
 def accumulating(tx, shard):
     """``tx``, with an ``optax.MultiSteps`` made :func:`jaxcomp.accumulate` (communicating once per
-    accumulated step)."""
+    accumulated step); a Muon ``tx`` is refused with ``shard=`` (:func:`jaxcomp.optim.muon.
+    refuse_sharded`)."""
+    refuse_sharded(tx, shard)
     if not isinstance(tx, optax.MultiSteps):
         return tx
     if shard is not None:

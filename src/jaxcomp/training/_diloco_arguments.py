@@ -12,7 +12,7 @@ from jaxcomp.methods import Dense, Method
 from jaxcomp.ops import _checks
 from jaxcomp.optim.accumulation import every_k_of
 from jaxcomp.optim.compression import compress as make_compress
-from jaxcomp.optim.muon import uses_muon
+from jaxcomp.optim.muon import refuse_sharded
 from jaxcomp.optim.state import compress_states
 from jaxcomp.training.inner import DILOCO_SHARD_MODES, EXCHANGE_MODES
 
@@ -83,13 +83,8 @@ def check_shard(shard, inner_axis, inner_tx=None):
             "pass inner_axis= (a two-level mesh, e.g. Mesh(devices.reshape(4, 2), "
             "('workers', 'data')) with inner_axis='data'), or shard=None"
         )
-    if shard == "optimizer" and inner_tx is not None and uses_muon(inner_tx):
-        raise ValueError(
-            "shard='optimizer' hands inner_tx each device's flat 1/n shard of every leaf, so a "
-            "Muon inner_tx would find no matrix to orthogonalize and update every leaf with "
-            "AdamW: pass shard=None with Muon (each device of a worker's row keeps the whole "
-            "inner state)"
-        )
+    if inner_tx is not None:
+        refuse_sharded(inner_tx, shard, "inner_tx")
     return shard
 
 
