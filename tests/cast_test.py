@@ -553,5 +553,5 @@ def test_the_casts_run_without_error_feedback_by_default():
     assert _residual_size(optax.chain(only_casts, sgd)) == 0
     with_topk = jaxcomp.compress_auto([jaxcomp.Dense(), Cast("bfloat16"), jaxcomp.TopK(0.1)])
     assert _residual_size(optax.chain(with_topk, sgd)) > 0
-    with pytest.raises(TypeError, match="error_feedback must be True, False or 'auto'"):
+    with pytest.raises(TypeError, match="error_feedback must be True, False, 'auto' or a decay"):
         jaxcomp.compress(Cast(), error_feedback="yes")

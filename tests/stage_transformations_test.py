@@ -215,3 +215,55 @@ def test_nest_and_unnest_are_inverse_on_compress_states():
     fields = unnest(nested)
     assert set(fields) == {"step", "key", "method_state", "auto"}
     assert all(fields[name] is getattr(flat, name) for name in fields)
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+def test_error_feedback_with_a_decay_keeps_decay_residual_plus_gradient_minus_sent(decay):
+    g = [jnp.array([1.0, 2.0, 3.0, 4.0])]
+    stage = feedback_stage(_stub(_sent(0.25)), True, True, lambda p: {0}, ("data",), decay)
+    state = stage.init(g)._replace(residual=[jnp.array([4.0, 0.0, 2.0, 8.0])])
+    flight, state = stage.update(_flight(g), state)
+    fed = np.array([1.0, 2.0, 3.0, 4.0]) + decay * np.array([4.0, 0.0, 2.0, 8.0])
+    np.testing.assert_allclose(np.asarray(flight.feds[0]), fed)
+    np.testing.assert_allclose(np.asarray(state.residual[0]), 0.75 * fed)
+
+
+def test_compress_error_feedback_decay_is_checked_and_one_is_plain():
+    import jaxcomp
+
+    for bad in (0, 1.5, -0.1, "x", 1):
+        with pytest.raises(TypeError, match="error_feedback must be"):
+            jaxcomp.compress(jaxcomp.TopK(0.5), error_feedback=bad)
+    tx = jaxcomp.compress(jaxcomp.TopK(0.5), error_feedback=0.9)
+    assert tx.init({"w": jnp.zeros(4)}).residual["w"].shape == (4,)
+
+
+def test_compress_with_a_decay_sends_what_its_decayed_residual_holds():
+    """Through compress on 2 devices, two steps: the sum of what was sent (N x the mean) plus
+    the new residuals is the gradients plus the decayed old residuals."""
+    import jaxcomp
+
+    need_devices(2)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    tx = jaxcomp.compress(jaxcomp.TopK(k=2), error_feedback=0.8, guardrail=False)
+
+    def two_steps(g1, g2):
+        state = tx.init(jnp.zeros(6))
+        u1, state = tx.update(g1, state)
+        r1 = state.residual
+        u2, state = tx.update(g2, state)
+        return u1, u2, r1, state.residual
+
+    run = jax.shard_map(
+        two_steps,
+        mesh=mesh,
+        in_specs=(P("data"), P("data")),
+        out_specs=(P(), P(), P("data"), P("data")),
+    )
+    rng = np.random.default_rng(0)
+    g1, g2 = (rng.normal(size=12).astype(np.float32) for _ in range(2))
+    u1, u2, r1, r2 = (np.asarray(x).reshape(-1, 6) for x in run(g1, g2))
+    np.testing.assert_allclose(2 * u1[0] + r1.sum(0), g1.reshape(2, 6).sum(0), atol=1e-5)
+    want = g2.reshape(2, 6).sum(0) + 0.8 * r1.sum(0)
+    np.testing.assert_allclose(2 * u2[0] + r2.sum(0), want, atol=1e-5)
+    assert np.abs(r1).sum() > 0  # something was held back, so the decay mattered

@@ -64,7 +64,7 @@ def compress(
     Args:
       method: a :mod:`jaxcomp.methods` object, its name (options in ``shorthand``), or ``"auto"``.
       axis_name: the mesh axis reduced over, or a tuple of axes (the slow one first).
-      error_feedback: True, False, or ``"auto"`` (default): on for every method but the casts.
+      error_feedback: ``"auto"`` (default: on but for the casts), True, False, or a decay in (0, 1).
       granularity: ``"model"`` (default: all float leaves as one vector) or ``"leaf"``.
       mean: deprecated (the update is the mean; for the sum, chain ``optax.scale(n)`` after).
       seed: deprecated (the state's PRNG key is seeded with 0).

@@ -110,7 +110,7 @@ def default_feedback(error_feedback, methods):
     """``error_feedback`` with ``"auto"`` resolved for the methods a transformation may run.
 
     Args:
-      error_feedback: ``compress``'s ``error_feedback=``: ``"auto"``, True or False.
+      error_feedback: ``compress``'s ``error_feedback=``: ``"auto"``, True, False or a decay.
       methods: the :class:`jaxcomp.methods.Method` objects (one, or ``compress_auto``'s
         candidates).
 
@@ -136,6 +136,22 @@ def default_feedback(error_feedback, methods):
             for m in methods
         )
     return error_feedback
+
+
+def _feedback_decay(error_feedback) -> tuple[bool, float]:
+    """``(on, decay)`` of ``error_feedback=``: True/False (decay 1), or a decay in (0, 1) that
+    turns it on (SparseLoCo's: ``r <- decay r + g`` before the compression)."""
+    if isinstance(error_feedback, (bool, np.bool_)):
+        return bool(error_feedback), 1.0
+    number = isinstance(error_feedback, (int, float, np.floating)) and not isinstance(
+        error_feedback, (bool, np.bool_)
+    )
+    if not number or not 0 < error_feedback < 1:
+        raise TypeError(
+            "error_feedback must be True, False, 'auto' or a decay in (0, 1) (e.g. 0.95: the "
+            f"residual is scaled by it each step), got {error_feedback!r}"
+        )
+    return True, float(error_feedback)
 
 
 def _check_bucket_mb(bucket_mb) -> float | None:
@@ -167,6 +183,7 @@ class FeedbackConfig:
     momentum: float | None = None  # DGC's momentum correction
     guardrail: divergence.Guardrail | None = None  # the divergence guardrail, None when off
     bucket_mb: float | None = None  # buckets overlapping the backward pass, None: one at the end
+    decay: float = 1.0  # error feedback's residual is scaled by it before it is added
 
     @property
     def axis_name(self):
@@ -200,8 +217,7 @@ class FeedbackConfig:
             )
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be 'model' or 'leaf', got {granularity!r}")
-        if not isinstance(error_feedback, (bool, np.bool_)):
-            raise TypeError(f"error_feedback must be True, False or 'auto', got {error_feedback!r}")
+        error_feedback, decay = _feedback_decay(error_feedback)
         if not isinstance(mean, (bool, np.bool_)):
             raise TypeError(f"mean must be True or False, got {mean!r}")
         seed = _checks.static_int(
@@ -236,6 +252,7 @@ class FeedbackConfig:
             momentum=momentum,
             guardrail=divergence.check(guardrail),
             bucket_mb=_check_bucket_mb(bucket_mb),
+            decay=decay,
         )
 
     def compressed(self, tree) -> list[bool]:

@@ -116,7 +116,7 @@ def _stages(c: FeedbackConfig, record: Branches, keeps_residual, aggregate, init
             stage, c.guardrail, c.axis_name, falls_back, lambda p: bool(groups_of(p))
         )
     compressed = lambda p: mask.layout(c, p, sends_everything).compressed  # noqa: E731
-    stage = feedback_stage(stage, keeps_residual, not dense, compressed, c.axes)
+    stage = feedback_stage(stage, keeps_residual, not dense, compressed, c.axes, c.decay)
     if c.momentum is not None:
         stage = momentum_stage(stage, c.momentum, compressed)
     stage = clock_stage(stage, c.seed)

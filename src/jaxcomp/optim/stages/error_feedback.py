@@ -32,8 +32,10 @@ class FeedbackState(NamedTuple):
     inner: Any = None
 
 
-def feedback_stage(inner: Stage, keeps_residual: bool, packs: bool, compressed, axes) -> Stage:
-    """Error feedback around ``inner``: ``g_e = g + residual`` in, ``g_e - sent`` kept out.
+def feedback_stage(
+    inner: Stage, keeps_residual: bool, packs: bool, compressed, axes, decay: float = 1.0
+) -> Stage:
+    """Error feedback around ``inner``: ``g_e = g + decay residual`` in, ``g_e - sent`` kept out.
 
     Args:
       inner: the stage it wraps.
@@ -42,6 +44,8 @@ def feedback_stage(inner: Stage, keeps_residual: bool, packs: bool, compressed, 
         they are: the dense route).
       compressed: ``params -> positions`` of the compressed leaves.
       axes: the mesh axes (the residual is typed per device over them).
+      decay: the residual's scale before it is added (1: plain error feedback; below 1:
+        SparseLoCo's decaying accumulator, one more pass over the residual).
 
     Returns:
       A :class:`~jaxcomp.optim.stages.flight.Stage` with a :class:`FeedbackState`.
@@ -53,7 +57,8 @@ def feedback_stage(inner: Stage, keeps_residual: bool, packs: bool, compressed, 
       (4,)
 
     References:
-      Tyagi & Swany, arXiv 2312.02493, Alg. 1; Seide et al., "1-Bit SGD", Interspeech 2014.
+      Tyagi & Swany, arXiv 2312.02493, Alg. 1; Seide et al., "1-Bit SGD", Interspeech 2014;
+      Sarfi et al., "SparseLoCo", arXiv 2508.15706 (the decay).
     """
 
     def init(params):
@@ -77,7 +82,8 @@ def feedback_stage(inner: Stage, keeps_residual: bool, packs: bool, compressed, 
                 state = state._replace(residual=residual)
             return flight, state
         residuals = flight.treedef.flatten_up_to(state.residual)
-        flight = _packed(flight, residuals if keeps_residual else None)
+        fed_back = _decayed(residuals, decay) if keeps_residual else None
+        flight = _packed(flight, fed_back)
         flight, state = wrapped(inner, flight, state)
         if not keeps_residual or flight.result.sends_everything:
             return flight, state
@@ -101,6 +107,13 @@ def feedback_stage(inner: Stage, keeps_residual: bool, packs: bool, compressed, 
 
     stage = Stage(init, update, FeedbackState, inner)
     return stage
+
+
+def _decayed(residuals, decay: float) -> list:
+    """The residuals scaled by ``decay`` (as they are for plain error feedback, ``decay=1``)."""
+    if decay == 1.0:
+        return residuals
+    return [r if isinstance(r, optax.MaskedNode) else decay * r for r in residuals]
 
 
 def _packed(flight: InFlight, residuals) -> InFlight:
