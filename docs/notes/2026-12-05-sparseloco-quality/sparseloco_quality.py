@@ -12,7 +12,8 @@ zoo's (``benchmarks/quality_tasks.py``) at its tuned Adam rate times the scale, 
 warm-up plus cosine schedule; ``dp`` is the zoo's dense pairing on 4 devices and a DiLoCo row is
 ``jaxcomp.diloco`` with the same Adam inside and the row's H, outer optimizer and codec. On these
 tasks (and on ``charlm``, through the same loop) a row may end in ``+leaf`` (the top-k of each
-leaf, ``granularity="leaf"``) and ``+float`` (the selected values in float32, no 2-bit codes).
+leaf, ``granularity="leaf"``), ``+float`` (the selected values in float32, no 2-bit codes) and
+``+decay95`` (SparseLoCo's error feedback: the residual decayed by 0.95 each sync).
 Results go to ``results.json`` beside this script, one record a run; a run there already is not
 run again.
 """
@@ -69,13 +70,19 @@ def _zoo_run(task, row: str, lr, devices):
     if "float" in variants:
         method = dataclasses.replace(method, value_bits=None)
     granularity = "leaf" if "leaf" in variants else "model"
+    # "+decayNN": SparseLoCo's error feedback, the residual decayed by 0.NN each sync.
+    decays = [float("0." + v[len("decay") :]) for v in variants if v.startswith("decay")]
+    feedback = decays[0] if decays else "auto"
     return jaxcomp.diloco(
         task.loss_fn,
         optax.adam(lr),
         to_loss._outer(options["outer"]),
         mesh=Mesh(np.array(devices), ("workers",)),
         sync_every=options["sync_every"],
-        compress=method and jaxcomp.compress(method, axis_name="workers", granularity=granularity),
+        compress=method
+        and jaxcomp.compress(
+            method, axis_name="workers", granularity=granularity, error_feedback=feedback
+        ),
     )
 
 
