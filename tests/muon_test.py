@@ -160,6 +160,12 @@ def test_zero_sharding_refuses_muon():
             jaxcomp.data_parallel(dt._loss, tx, mesh, shard=shard)
     jaxcomp.data_parallel(dt._loss, tx, mesh)  # whole leaves: taken
 
+    def init(params):  # a tx written for other params: its init of the probe's matrix fails
+        return {"count": params["layers"][0]}
+
+    odd = optax.GradientTransformation(init, lambda updates, state, params=None: (updates, state))
+    jaxcomp.data_parallel(dt._loss, odd, mesh, shard="optimizer")  # not refused for the probe
+
 
 # A teacher MLP's regression: big enough that 2 % of its params per sync is a real signal.
 IN, HIDDEN, OUT, ROWS = 16, 64, 4, 64

@@ -117,15 +117,7 @@ def test_a_row_name_asks_for_the_loss_per_worker():
     syncs; a quick row trains with it."""
     assert "worker_metrics" not in ttq._row_options("diloco-h10-int8")
     assert ttq._row_options("diloco-h10-int8@metrics=worker")["worker_metrics"] is True
-    result = ttq.train(
-        "diloco-h10-int8@metrics=worker",
-        charlm.QUICK,
-        charlm.load_corpus(),
-        steps=4,
-        eval_every=2,
-        quick=True,
-        devices=2,
-    )
+    result = _quick("diloco-h10-int8@metrics=worker")
     assert [p["step"] for p in result["curve"]] == [0, 2, 4] and result["curve"][-1]["bytes"] > 0
 
 
@@ -175,16 +167,15 @@ def test_a_bad_sparseloco_row_or_codec_says_why(name, match):
         ttq.parse_row(name)
 
 
-def test_a_quick_sparseloco_row_trains():
-    result = ttq.train(
-        "diloco-h50-avg-topk2r02",
-        charlm.QUICK,
-        charlm.load_corpus(),
-        steps=4,
-        eval_every=2,
-        quick=True,
-        devices=2,
+def _quick(row):
+    """``row`` trained for 4 quick steps on 2 devices, evaluated every 2."""
+    return ttq.train(
+        row, charlm.QUICK, charlm.load_corpus(), steps=4, eval_every=2, quick=True, devices=2
     )
+
+
+def test_a_quick_sparseloco_row_trains():
+    result = _quick("diloco-h50-avg-topk2r02")
     assert np.isfinite([p["loss"] for p in result["curve"]]).all()
     assert 0 < result["curve"][-1]["bytes"]
 
