@@ -115,8 +115,9 @@ def _positive_int(value, name, minimum):
 _MAX_STEPS = 2**31 - 1
 
 
-def check_schedule(sync_every, fragments, delay):
-    """``(H, F, tau)`` checked: H >= 1, 1 <= F <= H, 0 <= tau < H."""
+def check_schedule(sync_every, fragments, delay, eager=False):
+    """``(H, F, tau, eager)`` checked: H >= 1, 1 <= F <= H, 0 <= tau < H, and eager a bool
+    with no delay (its rounds are applied one round late)."""
     sync_every = _positive_int(sync_every, "sync_every", 1)
     fragments = _positive_int(fragments, "fragments", 1)
     delay = _positive_int(delay, "delay", 0)
@@ -130,12 +131,24 @@ def check_schedule(sync_every, fragments, delay):
             f"delay={delay} must be < sync_every={sync_every}: a fragment's result must be "
             "applied before the fragment's next exchange"
         )
-    return sync_every, fragments, delay
+    if not isinstance(eager, bool):
+        raise TypeError(f"eager must be True or False, got {eager!r}")
+    if eager and delay:
+        raise ValueError(
+            f"eager=True applies each fragment's exchange one round (sync_every={sync_every} "
+            f"steps) late by itself: leave delay=0, got delay={delay}"
+        )
+    return sync_every, fragments, delay, eager
 
 
-def check_mixing(mixing, delay):
+def check_mixing(mixing, delay, eager=False):
     if mixing is None:
         return DEFAULT_MIXING
+    if eager:
+        raise ValueError(
+            "mixing applies to a delayed fragment (delay > 0); with eager=True each worker "
+            "restarts from its eager params, not a mix"
+        )
     if not delay:
         raise ValueError(
             "mixing applies to a delayed fragment (delay > 0); with delay=0 the workers restart "

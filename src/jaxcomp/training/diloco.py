@@ -54,7 +54,7 @@ class DiLoCo:
         self.compress_tx = compress_tx
         self.mesh = mesh
         self.outer_axis, self.inner_axis = inner.outer_axis, inner.inner_axis
-        self.sync_every, self.fragments, self.delay = schedule
+        self.sync_every, self.fragments, self.delay, self.eager = schedule
         self.mixing, self.has_aux, self.worker_metrics, max_steps_in_flight, donate, raises = (
             options[:6]
         )
@@ -132,7 +132,8 @@ class DiLoCo:
         ):
             raise ValueError(
                 "state does not fit this diloco run: it was made by another inner_tx, outer_tx, "
-                "compress, fragments, delay, shard, exchange or mesh (or for other params). Build "
+                "compress, fragments, delay, eager, shard, exchange or mesh (or for other "
+                "params). Build "
                 "it with init(params) of this run, or restore a checkpoint with "
                 "restore(path, params)"
             )
@@ -246,10 +247,20 @@ class DiLoCo:
             inner_state=self.inner.initial_state(params),
             outer_state=tuple(self.outer_tx.init(g) for g in groups),
             compress_state=tuple(self._initial_compress(plan, f, g) for f, g in enumerate(groups)),
-            pending=tuple([jnp.zeros_like(x) for x in g] for g in groups) if self.delay else (),
+            pending=tuple(self._initial_pending(g) for g in groups)
+            if self.delay or self.eager
+            else (),
             step=jnp.zeros((), jnp.int32),
             model_state=jax.tree.map(per_worker, model_state),
         )
+
+    def _initial_pending(self, leaves):
+        """A fragment's pending entry: no average yet, and with ``eager`` every worker starting
+        from the initial params."""
+        average = [jnp.zeros_like(x) for x in leaves]
+        if not self.eager:
+            return average
+        return average, [jnp.broadcast_to(x, (self.n_workers, *x.shape)) for x in leaves]
 
     def _initial_compress(self, plan, fragment: int, leaves):
         """Fragment ``fragment``'s initial outer compress state: of its leaves, or (split
@@ -361,6 +372,7 @@ def diloco(
     inner_axis: str | None = None,
     fragments: int = 1,
     delay: int = 0,
+    eager: bool = False,
     mixing: float | None = None,
     has_aux: bool = False,
     has_state: bool = False,
@@ -372,8 +384,6 @@ def diloco(
 ) -> DiLoCo:
     """DiLoCo: workers train alone, and every ``sync_every`` steps take one outer step together.
 
-    The pseudo-gradients cross ``outer_axis`` through ``compress`` (docs/training.md, section 7).
-
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``), on one device's shard.
       inner_tx: each worker's optimizer, without a ``compress`` (default: the paper's AdamW).
@@ -384,8 +394,9 @@ def diloco(
       outer_axis: the slow mesh axis the workers lie on.
       inner_axis: the fast axis each worker's inner steps are data-parallel over, or None.
       fragments: F, the parts of the params exchanged on a staggered schedule (default 1).
-      delay: tau, inner steps between a fragment's exchange and its application (default 0).
-      mixing: with ``delay``, the local params' weight in the merge (default 0.5).
+      delay, mixing: tau, the steps from a fragment's exchange to its application (default 0),
+        and the local params' weight in the merge then (default 0.5).
+      eager: exchange beside the next round, apply a round late, restart eagerly (False).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` goes to the metrics.
       has_state: ``loss_fn(params, model_state, batch) -> (loss, new_model_state)``, per worker.
       worker_metrics: report the loss per worker; then nothing but a sync crosses ``outer_axis``.
@@ -394,10 +405,11 @@ def diloco(
       max_steps_in_flight, donate: as :func:`jaxcomp.data_parallel`'s (``donate`` default False).
 
     Returns:
-      A :class:`DiLoCo` with ``init(params)`` and ``step(state, batch) -> (state, metrics)``.
+      A :class:`DiLoCo` with ``init(params)`` and ``step(state, batch) -> (state, metrics)``
+      (docs/training.md, section 7).
 
     Raises:
-      ValueError: an option out of range; TypeError: an argument of the wrong kind.
+      ValueError, TypeError: an option out of range, an argument of the wrong kind.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, jaxcomp
@@ -408,7 +420,7 @@ def diloco(
       (False, True)
 
     References:
-      Douillard et al., "DiLoCo" (arXiv 2311.08105); "Streaming DiLoCo" (arXiv 2501.18512).
+      "DiLoCo" (arXiv 2311.08105), "Streaming DiLoCo" (2501.18512), "Eager Updates" (2502.12996).
     """
     inner_tx, outer_tx = arguments.optimizers(loss_fn, inner_tx, outer_tx, donate, sync_every)
     mesh = arguments.check_mesh(mesh, outer_axis, inner_axis)
@@ -420,8 +432,8 @@ def diloco(
         arguments.check_shard(shard, inner_axis, inner_tx),
         arguments.check_exchange(exchange, inner_axis),
     )
-    schedule = arguments.check_schedule(sync_every, fragments, delay)
-    mixing = arguments.check_mixing(mixing, delay)
+    schedule = arguments.check_schedule(sync_every, fragments, delay, eager)
+    mixing = arguments.check_mixing(mixing, delay, eager)
     compress_tx, raises = arguments.outer_compress(compress, outer_axis)
     in_flight = arguments.check_in_flight(max_steps_in_flight)
     if not isinstance(has_state, bool):

@@ -41,7 +41,7 @@ class Plan:
             )
         refuse_inner_compress(run.inner.user_tx, avals)
         groups = strided_groups(len(leaves), run.fragments)
-        self.schedule = Schedule(run.sync_every, run.fragments, run.delay, groups)
+        self.schedule = Schedule(run.sync_every, run.fragments, run.delay, groups, run.eager)
         self.group_avals = [[leaves[i] for i in group] for group in groups]
         # What the outer compress sees: the fragment's leaves, or this device's blocks of them.
         self.block_avals = [run.inner.block_avals(g) for g in self.group_avals]
@@ -75,8 +75,8 @@ class Plan:
                 state_def.unflatten([run.inner.exchange_spec(m) for m in mask])
                 for state_def, mask in self.masks
             ),
-            pending=tuple(jax.tree.map(lambda _: P(), g) for g in self.group_avals)
-            if run.delay
+            pending=tuple(_pending_specs(run, g) for g in self.group_avals)
+            if run.delay or run.eager
             else (),
             step=P(),
             model_state=jax.tree.map(lambda _: worker, model_avals),
@@ -91,6 +91,14 @@ class Plan:
         return state_def.unflatten(
             [(x[0] if take else x[None]) if r else x for x, r in zip(leaves, stacked)]
         )
+
+
+def _pending_specs(run, group_avals):
+    """A fragment's pending specs: the waiting average replicated, with ``eager`` each worker's
+    start over the outer axis."""
+    if run.eager:
+        return ([P()] * len(group_avals), [P(run.outer_axis)] * len(group_avals))
+    return [P()] * len(group_avals)
 
 
 def refuse_inner_compress(inner_tx, avals):

@@ -31,16 +31,23 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.collectives import small
 from jaxcomp.optim.nonfinite import keep_finite, skipped_or_none
 from jaxcomp.optim.stages import guard
-from jaxcomp.optim.state import find_compress_state
-from jaxcomp.optim.vma import cast_varying, cond_typed_alike, varying_axes
+from jaxcomp.optim.vma import cast_varying, cond_typed_alike
 from jaxcomp.training import boundary, gradients
 from jaxcomp.training import model_state as model_states
+from jaxcomp.training._eager import eager_rounds
+from jaxcomp.training._exchange import (
+    Fragment,
+    exchange,
+    like,
+    nonfinite_count,
+    outer_update,
+    unsent,
+)
 
 
 class DiLoCoState(NamedTuple):
@@ -60,8 +67,9 @@ class DiLoCoState(NamedTuple):
     # exchange every leaf has a row per device (of its blocks): [n_workers * n_inner, ...] over
     # both axes, or [n_inner, ...] over the inner axis for the leaves the workers share
     compress_state: tuple
-    # per fragment, with delay > 0: the aggregated pseudo-gradient (a list of f32 leaves,
-    # replicated) waiting to be applied; () with delay = 0
+    # per fragment, with delay > 0: the aggregated pseudo-gradient (a list of leaves,
+    # replicated) waiting to be applied; with eager: (that list, each worker's start: a list of
+    # leaves [n_workers, *shape] sharded over the outer axis); () otherwise
     pending: tuple
     step: jax.Array  # i32[]: inner steps taken; the fragment schedule is a function of it
     # with has_state=True, each worker's model state (BatchNorm's running averages): every leaf
@@ -84,12 +92,15 @@ class Schedule:
       fragments: F, how many fragments.
       delay: tau, inner steps between a fragment's exchange and its application.
       groups: per fragment, the indices of its leaves in ``jax.tree.leaves(params)``.
+      eager: each fragment's round runs after its next exchange's due step, one round late,
+        with the workers' eager restart (:mod:`._eager`); ``delay`` is then 0.
     """
 
     sync_every: int
     fragments: int
     delay: int
     groups: tuple
+    eager: bool = False
 
     def offset(self, fragment: int) -> int:
         """The first inner step (from 1) after which ``fragment`` is exchanged."""
@@ -167,9 +178,14 @@ def diloco_step(run, plan, state: DiLoCoState, batch):
     def local_step(state: DiLoCoState, batch):
         local = jax.tree.map(lambda x: x[0], state.local_params)
         inner_state = jax.tree.map(lambda x: x[0], state.inner_state)
-        # With a delay, the exchanges due after the previous step start here, from this step's
-        # input: nothing in them waits for the gradient below, so XLA runs them beside it.
-        started = _started_exchanges(run, plan, state, local) if plan.schedule.delay else None
+        # With a delay or eager rounds, the exchanges due after the previous step start here,
+        # from this step's input: nothing in them waits for the gradient below, so XLA runs
+        # them beside it.
+        started = None
+        if plan.schedule.eager:
+            local, started = eager_rounds(run, plan, state, local)
+        elif plan.schedule.delay:
+            started = _started_exchanges(run, plan, state, local)
         model_state = jax.tree.map(lambda x: x[0], state.model_state)
         (loss, aux, grads), new_model_state = _local_gradients(run, local, batch, model_state)
         local, inner_state = run.inner.step(local, grads, inner_state)
@@ -212,7 +228,7 @@ def _started_exchanges(run, plan, state: DiLoCoState, local):
 
         def start(operands, group=group):
             _, compress_state = operands
-            aggregated, compress_state, bytes_sent = _exchange(
+            aggregated, compress_state, bytes_sent = exchange(
                 run,
                 [global_leaves[i] for i in group],
                 [local_leaves[i] for i in group],
@@ -222,7 +238,7 @@ def _started_exchanges(run, plan, state: DiLoCoState, local):
 
         exchanged = plan.schedule.exchanges(state.step, f)
         operands = (state.pending[f], compress_state)
-        (pending, compress_state), bytes_sent = run.inner.cond(exchanged, start, _unsent, operands)
+        (pending, compress_state), bytes_sent = run.inner.cond(exchanged, start, unsent, operands)
         started.append((pending, compress_state, bytes_sent, exchanged))
     return started
 
@@ -239,11 +255,14 @@ def _outer_rounds(run, plan, count, state: DiLoCoState, local, started=None):
         leaves = ([global_leaves[i] for i in group], [local_leaves[i] for i in group])
         if started is None:
             compress_state = plan.compress_rows(state.compress_state[f], f, take=True)
-            fragment = _Fragment(*leaves, state.outer_state[f], compress_state, None)
+            fragment = Fragment(*leaves, state.outer_state[f], compress_state, None)
             fragment, bytes_sent, exchanged = _sync_round(run, plan.schedule, f, count, fragment)
+        elif plan.schedule.eager:  # its round ran before the gradient: the leaves stay
+            fragment, bytes_sent, exchanged = started[f]
+            fragment = fragment._replace(local_leaves=leaves[1])
         else:
             pending_f, compress_state, bytes_sent, exchanged = started[f]
-            fragment = _Fragment(*leaves, state.outer_state[f], compress_state, pending_f)
+            fragment = Fragment(*leaves, state.outer_state[f], compress_state, pending_f)
             fragment = _late_application(run, plan.schedule, f, count, fragment)
         for i, g, lo in zip(group, fragment.global_leaves, fragment.local_leaves):
             global_leaves[i], local_leaves[i] = g, lo
@@ -252,27 +271,17 @@ def _outer_rounds(run, plan, count, state: DiLoCoState, local, started=None):
         pending.append(fragment.pending)
         sent.append(bytes_sent)
         synced.append(exchanged)
-        nonfinite.append(jnp.where(exchanged, _nonfinite(fragment.compress_state), 0.0))
+        nonfinite.append(jnp.where(exchanged, nonfinite_count(fragment.compress_state), 0.0))
     new_state = DiLoCoState(
         global_params=treedef.unflatten(global_leaves),
         local_params=jax.tree.map(lambda x: x[None], treedef.unflatten(local_leaves)),
         inner_state=state.inner_state,
         outer_state=tuple(outer),
         compress_state=tuple(compressed),
-        pending=tuple(pending) if plan.schedule.delay else (),
+        pending=tuple(pending) if plan.schedule.delay or plan.schedule.eager else (),
         step=count,
     )
     return new_state, (sent, nonfinite), synced
-
-
-class _Fragment(NamedTuple):
-    """One fragment's share of the state, inside the step (this device's rows)."""
-
-    global_leaves: list
-    local_leaves: list
-    outer_state: Any
-    compress_state: Any
-    pending: Any  # the aggregated pseudo-gradient waiting (delay > 0), else None
 
 
 def _local_gradients(run, local, batch, model_state=None):
@@ -304,37 +313,22 @@ def _model_state(run, new, old, synced):
     return cond_typed_alike(jnp.any(jnp.stack(synced)), sync, lambda new: new, new)
 
 
-def _exchange(run, global_leaves, local_leaves, compress_state):
-    """``(aggregated, compress_state, bytes_sent)``: a fragment's pseudo-gradient (global minus
-    local) through the outer ``compress``; split over the inner axis, each device sends its
-    block and the row gathers the average."""
-    inner = run.inner
-    delta = [inner.block(g - lo) for g, lo in zip(global_leaves, local_leaves)]
-    blocks = [inner.block(g) for g in global_leaves]
-    aggregated, compress_state = run.compress_tx.update(delta, compress_state, blocks)
-    aggregated = inner.wholes(
-        [a.astype(g.dtype) for a, g in zip(aggregated, global_leaves)],
-        [g.shape for g in global_leaves],
-    )
-    return aggregated, compress_state, inner.row_bytes(_bytes_sent(compress_state))
-
-
-def _sync_round(run, schedule, f: int, count, fragment: _Fragment):
+def _sync_round(run, schedule, f: int, count, fragment: Fragment):
     """``(fragment, bytes_sent, exchanged)`` with ``delay = 0``: fragment ``f``'s exchange and
     application together, one ``lax.cond`` on the step counter, after the inner step."""
     exchanged = schedule.exchanges(count, f)
 
     def sync(operands):
         global_leaves, local_leaves, outer_state, compress_state = operands
-        aggregated, compress_state, bytes_sent = _exchange(
+        aggregated, compress_state, bytes_sent = exchange(
             run, global_leaves, local_leaves, compress_state
         )
-        stepped = _outer_update(run, aggregated, outer_state, global_leaves)
+        stepped = outer_update(run, aggregated, outer_state, global_leaves)
         # compress(nonfinite="skip"|"raise") dropped the round: the global params and the outer
         # state stay as they were (no momentum step on a zero update), the workers restart.
         skipped = skipped_or_none(compress_state)
         global_leaves, outer_state = guard.hold(skipped, (global_leaves, outer_state), stepped)
-        local_leaves = [_like(g, lo) for g, lo in zip(global_leaves, local_leaves)]
+        local_leaves = [like(g, lo) for g, lo in zip(global_leaves, local_leaves)]
         return (global_leaves, local_leaves, outer_state, compress_state), bytes_sent
 
     operands = (
@@ -344,17 +338,12 @@ def _sync_round(run, schedule, f: int, count, fragment: _Fragment):
         fragment.compress_state,
     )
     (g, lo, outer_state, compress_state), bytes_sent = run.inner.cond(
-        exchanged, sync, _unsent, operands
+        exchanged, sync, unsent, operands
     )
-    return _Fragment(g, lo, outer_state, compress_state, None), bytes_sent, exchanged
+    return Fragment(g, lo, outer_state, compress_state, None), bytes_sent, exchanged
 
 
-def _unsent(operands):
-    """The branch of a step without an exchange: the operands as they were, 0 bytes sent."""
-    return operands, jnp.zeros((), jnp.float32)
-
-
-def _late_application(run, schedule, f: int, count, fragment: _Fragment) -> _Fragment:
+def _late_application(run, schedule, f: int, count, fragment: Fragment) -> Fragment:
     """Fragment ``f``'s delayed application after inner step ``count`` (a ``lax.cond``), from
     its pending aggregate."""
     skipped = skipped_or_none(fragment.compress_state)  # its exchange dropped the round
@@ -372,37 +361,13 @@ def _apply_late(run, pending, global_leaves, local_leaves, outer_state):
     """The delayed application: the outer step on the global fragment with the aggregated
     pseudo-gradient exchanged ``delay`` steps ago, then each worker's fragment mixed with it,
     ``alpha * local + (1 - alpha) * global`` (Streaming DiLoCo's merge)."""
-    global_leaves, outer_state = _outer_update(run, pending, outer_state, global_leaves)
+    global_leaves, outer_state = outer_update(run, pending, outer_state, global_leaves)
     alpha = run.mixing
     local_leaves = [
-        _like(jnp.where(jnp.isfinite(lo), alpha * lo + (1 - alpha) * g, g).astype(lo.dtype), lo)
+        like(jnp.where(jnp.isfinite(lo), alpha * lo + (1 - alpha) * g, g).astype(lo.dtype), lo)
         for g, lo in zip(global_leaves, local_leaves)
     ]  # an entry a worker lost to a non-finite value takes the global one: the worker heals
     return global_leaves, local_leaves, outer_state
-
-
-def _outer_update(run, aggregated, outer_state, global_leaves):
-    """``outer_tx`` on the global leaves of a fragment, with the averaged pseudo-gradient."""
-    aggregated = [a.astype(g.dtype) for a, g in zip(aggregated, global_leaves)]
-    updates, outer_state = run.outer_tx.update(aggregated, outer_state, global_leaves)
-    return list(optax.apply_updates(global_leaves, updates)), outer_state
-
-
-def _like(value, target):
-    """``value`` typed varying over the axes ``target`` varies over (a worker's params)."""
-    return cast_varying(value, varying_axes(target))
-
-
-def _nonfinite(compress_state):
-    """The non-finite entries the outer compress counted in its last exchange (its metric)."""
-    found = find_compress_state(compress_state)
-    return jnp.float32(found.metrics.nonfinite) if found is not None else jnp.float32(0)
-
-
-def _bytes_sent(compress_state):
-    """Bytes one device sent in the outer compress's exchange (its own metric)."""
-    found = find_compress_state(compress_state)
-    return jnp.float32(found.metrics.bytes_sent) if found is not None else jnp.float32(0)
 
 
 def _healed(run, worker, before, state: DiLoCoState, synced):
@@ -416,7 +381,7 @@ def _healed(run, worker, before, state: DiLoCoState, synced):
         leaves = jax.tree.leaves((before, inner_state))
         sick = ~guard.all_finite_many([x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)])
         local = jax.tree.map(
-            lambda lo, g: _like(jnp.where(jnp.isfinite(lo), lo, g), lo), local, state.global_params
+            lambda lo, g: like(jnp.where(jnp.isfinite(lo), lo, g), lo), local, state.global_params
         )
         inner_state = keep_finite(run.inner.fresh_state(local), inner_state)
         return (local, inner_state), sick.astype(jnp.float32)
