@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -147,5 +148,10 @@ def test_eager_arguments_raise_clear_errors():
             jaxcomp.diloco(_loss, optax.sgd(0.1), **kwargs)
     eager = jaxcomp.diloco(_loss, optax.sgd(0.1), eager=True, **ok)
     plain = jaxcomp.diloco(_loss, optax.sgd(0.1), **ok)
+    # Without an outer_tx, eager rounds average (an outer SGD with lr 1): momentum on an
+    # average that arrives a round late oscillates.
+    grads = {"w": jnp.full(3, 2.0)}
+    updates, _ = eager.outer_tx.update(grads, eager.outer_tx.init(grads))
+    np.testing.assert_array_equal(updates["w"], -grads["w"])
     with pytest.raises(ValueError, match="delay, eager, shard"):
         eager.step(plain.init(_params()), _batches(1)[0])

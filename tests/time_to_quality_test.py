@@ -174,6 +174,15 @@ def _quick(row):
     )
 
 
+@pytest.mark.parametrize("row", ["diloco-h50-avg-eager", "diloco-h50-avg-eager4-int8"])
+def test_a_quick_eager_row_trains(row):
+    """The eager rows run diloco(eager=True); a quick run exchanges and its loss stays finite."""
+    assert ttq._row_options(row)["eager"] is True
+    result = _quick(row)
+    assert np.isfinite([p["loss"] for p in result["curve"]]).all()
+    assert 0 < result["curve"][-1]["bytes"]
+
+
 def test_a_quick_sparseloco_row_trains():
     result = _quick("diloco-h50-avg-topk2r02")
     assert np.isfinite([p["loss"] for p in result["curve"]]).all()

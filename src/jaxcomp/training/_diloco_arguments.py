@@ -20,9 +20,10 @@ from jaxcomp.training.inner import DILOCO_SHARD_MODES, EXCHANGE_MODES
 DEFAULT_MIXING = 0.5
 
 
-def optimizers(loss_fn, inner_tx, outer_tx, donate, sync_every):
-    """``(inner_tx, outer_tx)``, the paper's where None; refuses an argument of the wrong kind,
-    and an accumulation that does not divide ``sync_every``."""
+def optimizers(loss_fn, inner_tx, outer_tx, donate, sync_every, eager=False):
+    """``(inner_tx, outer_tx)``, the paper's where None (with ``eager``, the outer one is plain
+    averaging: momentum on an average one round late oscillates); refuses an argument of the
+    wrong kind, and an accumulation that does not divide ``sync_every``."""
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     inner_tx = optax.adamw(4e-4, weight_decay=0.1) if inner_tx is None else inner_tx
@@ -35,7 +36,8 @@ def optimizers(loss_fn, inner_tx, outer_tx, donate, sync_every):
                 "and a sync in the middle of an accumulation would send a partial update"
             )
         inner_tx = inner_tx.gradient_transformation()
-    outer_tx = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer_tx is None else outer_tx
+    if outer_tx is None:
+        outer_tx = optax.sgd(1.0) if eager else optax.sgd(0.7, momentum=0.9, nesterov=True)
     for value, name in ((inner_tx, "inner_tx"), (outer_tx, "outer_tx")):
         if not isinstance(value, optax.GradientTransformation):
             raise TypeError(f"{name} must be an optax GradientTransformation, got {value!r}")

@@ -387,7 +387,7 @@ def diloco(
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``), on one device's shard.
       inner_tx: each worker's optimizer, without a ``compress`` (default: the paper's AdamW).
-      outer_tx: the optimizer of the averaged pseudo-gradient (default: the paper's Nesterov).
+      outer_tx: the averaged pseudo-gradient's optimizer (default: Nesterov; eager: averaging).
       mesh: a ``jax.sharding.Mesh`` with ``outer_axis`` (and ``inner_axis``) and no other axis.
       sync_every: H, the inner steps between two exchanges of a fragment (default 500).
       compress: None (dense), a method, its name, or a ``jaxcomp.compress`` over ``outer_axis``.
@@ -422,7 +422,9 @@ def diloco(
     References:
       "DiLoCo" (arXiv 2311.08105), "Streaming DiLoCo" (2501.18512), "Eager Updates" (2502.12996).
     """
-    inner_tx, outer_tx = arguments.optimizers(loss_fn, inner_tx, outer_tx, donate, sync_every)
+    inner_tx, outer_tx = arguments.optimizers(
+        loss_fn, inner_tx, outer_tx, donate, sync_every, eager is True
+    )
     mesh = arguments.check_mesh(mesh, outer_axis, inner_axis)
     inner = Inner(
         inner_tx,

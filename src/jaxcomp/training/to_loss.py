@@ -24,7 +24,9 @@ batches:
   momentum 0.3, and ``H`` inner steps between exchanges; ``-int8`` sends the pseudo-gradients as
   8-bit codes (``jaxcomp.Quantized(8)``, error feedback), ``-topk`` as top-10%, ``-topk2r02`` as
   top-2% with 2-bit values (SparseLoCo's, :mod:`jaxcomp.training.to_loss_codecs`), ``-stream``
-  syncs 2 fragments staggered, applied 1 step late (``-stream4``: 4 fragments).
+  syncs 2 fragments staggered, applied 1 step late (``-stream4``: 4 fragments), and
+  ``-eager`` runs eager rounds (``diloco(eager=True)``: each exchange beside the next round,
+  applied a round late; ``-eager4``: 4 fragments).
 
 A row name may add settings (:func:`parse_row`): ``@outer=`` a DiLoCo row's outer optimizer,
 ``@codec=`` its pseudo-gradients' codec (:data:`CODECS` or ``topkBrDIGITS``), ``@exchange=``
@@ -95,6 +97,11 @@ ROWS = {
     "diloco-h50-avg-topk2r02": dict(kind="diloco", sync_every=50, compress="topk2r02", outer="avg"),
     "diloco-h50-avg-topk2r03": dict(kind="diloco", sync_every=50, compress="topk2r03", outer="avg"),
     "diloco-h50-stream": dict(kind="diloco", sync_every=50, fragments=2, delay=1),
+    # Eager rounds: each fragment's exchange beside the next round, applied a round late.
+    "diloco-h50-avg-eager": dict(kind="diloco", sync_every=50, outer="avg", eager=True),
+    "diloco-h50-avg-eager4-int8": dict(
+        kind="diloco", sync_every=50, compress="int8", outer="avg", fragments=4, eager=True
+    ),
     "diloco-h200-int8": dict(kind="diloco", sync_every=200, compress="int8"),
     "diloco-h10-avg-stream-int8": dict(
         kind="diloco", sync_every=10, compress="int8", outer="avg", fragments=2, delay=1
