@@ -20,10 +20,11 @@ from jaxcomp.training.inner import DILOCO_SHARD_MODES, EXCHANGE_MODES
 DEFAULT_MIXING = 0.5
 
 
-def optimizers(loss_fn, inner_tx, outer_tx, donate, sync_every, eager=False):
-    """``(inner_tx, outer_tx)``, the paper's where None (with ``eager``, the outer one is plain
-    averaging: momentum on an average one round late oscillates); refuses an argument of the
-    wrong kind, and an accumulation that does not divide ``sync_every``."""
+def optimizers(loss_fn, inner_tx, outer_tx, donate, schedule):
+    """``(inner_tx, outer_tx)``, the paper's where None (with eager rounds, the outer one is
+    plain averaging: momentum on an average one round late oscillates); refuses an argument of
+    the wrong kind, and an accumulation that does not divide the schedule's ``sync_every``."""
+    sync_every, _, _, eager = schedule
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     inner_tx = optax.adamw(4e-4, weight_decay=0.1) if inner_tx is None else inner_tx

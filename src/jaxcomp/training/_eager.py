@@ -60,25 +60,37 @@ def eager_rounds(run, plan, state, local):
 
 def _round(run, schedule, f: int, step, fragment: Fragment):
     """``(fragment, bytes_sent)``: fragment ``f``'s eager round when its exchange is due after
-    inner step ``step`` (a ``lax.cond``), else the fragment as it was."""
+    inner step ``step``, else the fragment as it was. Two ``lax.cond`` s: the exchange, whose
+    result only the next round reads, and the restart, which the step's gradient reads; apart,
+    the gradient waits for the restart only, and the runtime may run the exchange beside it."""
+    due = schedule.exchanges(step, f)
     late = step > schedule.offset(f)  # an earlier round's average is waiting
     skipped = skipped_or_none(fragment.compress_state)  # that round's exchange was dropped
     late = late if skipped is None else late & ~skipped
+    average, start = fragment.pending
 
-    def sync(operands):
-        global_leaves, local_leaves, outer_state, compress_state, (average, start) = operands
+    def send(operands):
+        _, compress_state = operands
         new_average, compress_state, bytes_sent = exchange(
-            run, global_leaves, local_leaves, compress_state, start=start
+            run, fragment.global_leaves, fragment.local_leaves, compress_state, start=start
         )
+        return (list(new_average), compress_state), bytes_sent
+
+    sent, bytes_sent = run.inner.cond(due, send, unsent, (average, fragment.compress_state))
+
+    def restart(operands):
+        global_leaves, local_leaves, outer_state = operands
         n = run.n_workers
         own = [a + (s - lo) / n for a, s, lo in zip(average, start, local_leaves)]
-        restart, _ = outer_update(run, own, outer_state, global_leaves)
-        restart = [like(r.astype(lo.dtype), lo) for r, lo in zip(restart, local_leaves)]
+        eager, _ = outer_update(run, own, outer_state, global_leaves)
+        eager = [like(r.astype(lo.dtype), lo) for r, lo in zip(eager, local_leaves)]
         stepped = outer_update(run, average, outer_state, global_leaves)
         global_leaves, outer_state = guard.hold(~late, (global_leaves, outer_state), stepped)
-        pending = (list(new_average), restart)
-        return (global_leaves, restart, outer_state, compress_state, pending), bytes_sent
+        return global_leaves, eager, outer_state, eager  # the workers restart at their start
 
-    operands = tuple(fragment)
-    operands, bytes_sent = run.inner.cond(schedule.exchanges(step, f), sync, unsent, operands)
-    return Fragment(*operands), bytes_sent
+    operands = (fragment.global_leaves, fragment.local_leaves, fragment.outer_state, start)
+    global_leaves, local_leaves, outer_state, start = jax.lax.cond(
+        due, lambda operands: restart(operands[:3]), lambda operands: operands, operands
+    )
+    pending = (sent[0], start)
+    return Fragment(global_leaves, local_leaves, outer_state, sent[1], pending), bytes_sent

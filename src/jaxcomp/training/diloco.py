@@ -422,9 +422,8 @@ def diloco(
     References:
       "DiLoCo" (arXiv 2311.08105), "Streaming DiLoCo" (2501.18512), "Eager Updates" (2502.12996).
     """
-    inner_tx, outer_tx = arguments.optimizers(
-        loss_fn, inner_tx, outer_tx, donate, sync_every, eager is True
-    )
+    schedule = arguments.check_schedule(sync_every, fragments, delay, eager)
+    inner_tx, outer_tx = arguments.optimizers(loss_fn, inner_tx, outer_tx, donate, schedule)
     mesh = arguments.check_mesh(mesh, outer_axis, inner_axis)
     inner = Inner(
         inner_tx,
@@ -434,7 +433,6 @@ def diloco(
         arguments.check_shard(shard, inner_axis, inner_tx),
         arguments.check_exchange(exchange, inner_axis),
     )
-    schedule = arguments.check_schedule(sync_every, fragments, delay, eager)
     mixing = arguments.check_mixing(mixing, delay, eager)
     compress_tx, raises = arguments.outer_compress(compress, outer_axis)
     in_flight = arguments.check_in_flight(max_steps_in_flight)
