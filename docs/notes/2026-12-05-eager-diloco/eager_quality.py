@@ -18,7 +18,10 @@ sys.path.insert(0, os.path.join(HERE, "..", "2026-12-05-sparseloco-quality"))
 
 import sparseloco_quality as harness  # noqa: E402
 
-ROWS = "dp,diloco-h50,diloco-h50-avg,diloco-h50-avg-eager,diloco-h50-avg-int8,diloco-h50-avg-eager4-int8"
+ROWS = (
+    "dp,diloco-h50,diloco-h50-avg,diloco-h50-avg-eager,diloco-h50-avg-int8,"
+    "diloco-h50-avg-eager4-int8"
+)
 
 
 def _zoo_run(task, row: str, lr, devices):

@@ -4,7 +4,8 @@
 
 For each scenario and process: exit code, seconds from the kill to its exit, to its first error,
 to its first step on fewer processes than the job and to its first step with the restarted
-process back, and the last error's message. Times count from the faulty process's
+process back, the last error's message, and where its main thread was when the probe killed it
+at its deadline (innermost frames first). Times count from the faulty process's
 ``killing-self`` event.
 """
 
@@ -20,6 +21,14 @@ def _first(events, kind, test=lambda e: True):
 
 def _since(event, t0):
     return None if event is None else round(event["t"] - t0, 2)
+
+
+def _frame(line: str) -> str:
+    """``File ".../multihost_utils.py", line 540 in _live_devices`` as
+    ``multihost_utils.py:540 _live_devices``."""
+    path, _, rest = line.partition('", line ')
+    number, _, function = rest.partition(" in ")
+    return f"{path.rsplit('/', 1)[-1]}:{number} {function}"
 
 
 def summarize(record: dict) -> dict:
@@ -56,6 +65,7 @@ def summarize(record: dict) -> dict:
                 "last_total": steps[-1]["total"] if steps else None,
                 "last_error": errors[-1]["message"][:240] if errors else None,
                 "fatal": next((x[:300] for x in r["fatal_log"] if "Terminating" in x), None),
+                "stack_at_deadline": [_frame(x) for x in r.get("stack_at_deadline", [])[:3]],
             }
         )
     return {"faulty": record["faulty"], "rows": rows}

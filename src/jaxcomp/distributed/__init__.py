@@ -1,7 +1,8 @@
 """Layer 7, many hosts: ``jax.distributed`` start-up with a rendezvous (:mod:`.launch`,
 :mod:`.rendezvous`, its server :mod:`.rendezvous_server`, what a peer's failure does:
-:mod:`._failure`), the emulated cluster (:mod:`.cluster`, its link rates :mod:`.rates`) and the
-network benchmark (:mod:`.netbench`, its worker :mod:`.netbench_worker` and what the worker trains,
+:mod:`._failure`), a quorum per sync for workers that may die (:mod:`.quorum`), the emulated
+cluster (:mod:`.cluster`, its link rates :mod:`.rates`) and the network benchmark
+(:mod:`.netbench`, its worker :mod:`.netbench_worker` and what the worker trains,
 :mod:`.netbench_workload`).
 """
 
@@ -13,6 +14,7 @@ __getattr__, __dir__, __all__ = attach(
         "launch",
         "rendezvous",
         "rendezvous_server",
+        "quorum",
         "cluster",
         "rates",
         "netbench",
