@@ -183,6 +183,24 @@ def test_a_quick_eager_row_trains(row):
     assert 0 < result["curve"][-1]["bytes"]
 
 
+@pytest.mark.parametrize("row", ["diloco-h50-avg-muon", "diloco-h50-avg-muon-topk2r02"])
+def test_a_quick_muloco_row_trains_its_workers_with_muon(row):
+    """MuLoCo's rows: each worker's inner optimizer is jaxcomp.muon (its state holds Muon's),
+    and a quick run trains with finite losses."""
+    import jax
+    import optax
+
+    from jaxcomp.training import charlm as models
+
+    options = ttq._row_options(row)
+    tx = ttq._row_tx(row, options, models.QUICK)
+    params = {"w": np.zeros((4, 3), np.float32)}
+    muon = lambda x: isinstance(x, optax.contrib.MuonState)  # noqa: E731
+    assert any(muon(s) for s in jax.tree.leaves(tx.init(params), is_leaf=muon))
+    result = _quick(row)
+    assert np.isfinite([p["loss"] for p in result["curve"]]).all()
+
+
 def test_a_quick_sparseloco_row_trains():
     result = _quick("diloco-h50-avg-topk2r02")
     assert np.isfinite([p["loss"] for p in result["curve"]]).all()

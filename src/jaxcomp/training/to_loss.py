@@ -26,7 +26,8 @@ batches:
   top-2% with 2-bit values (SparseLoCo's, :mod:`jaxcomp.training.to_loss_codecs`), ``-stream``
   syncs 2 fragments staggered, applied 1 step late (``-stream4``: 4 fragments), and
   ``-eager`` runs eager rounds (``diloco(eager=True)``: each exchange beside the next round,
-  applied a round late; ``-eager4``: 4 fragments).
+  applied a round late; ``-eager4``: 4 fragments), and ``-muon`` trains each worker with
+  ``jaxcomp.muon`` (MuLoCo's inner optimizer) on the same schedule instead of Adam.
 
 A row name may add settings (:func:`parse_row`): ``@outer=`` a DiLoCo row's outer optimizer,
 ``@codec=`` its pseudo-gradients' codec (:data:`CODECS` or ``topkBrDIGITS``), ``@exchange=``
@@ -99,6 +100,11 @@ ROWS = {
     "diloco-h50-stream": dict(kind="diloco", sync_every=50, fragments=2, delay=1),
     # Eager rounds: each fragment's exchange beside the next round, applied a round late.
     "diloco-h50-avg-eager": dict(kind="diloco", sync_every=50, outer="avg", eager=True),
+    # MuLoCo's workers: Muon inside (jaxcomp.muon, AdamW's scale), dense or SparseLoCo's codec.
+    "diloco-h50-avg-muon": dict(kind="diloco", sync_every=50, outer="avg", inner="muon"),
+    "diloco-h50-avg-muon-topk2r02": dict(
+        kind="diloco", sync_every=50, compress="topk2r02", outer="avg", inner="muon"
+    ),
     "diloco-h50-avg-eager4-int8": dict(
         kind="diloco", sync_every=50, compress="int8", outer="avg", fragments=4, eager=True
     ),
@@ -274,9 +280,12 @@ def _row_tx(name, options, config):
     schedule. ``name`` is the row's (its settings are already in ``config``)."""
     import optax
 
+    from jaxcomp.optim.muon import muon
     from jaxcomp.optim.optimizers import adam
 
     del name
+    if options.get("inner") == "muon":
+        return muon(charlm.schedule(config))
     if options["kind"] == "dgc":  # the momentum is corrected before top-k, on each device
         return optax.adam(charlm.schedule(config), b1=0.0)
     if options["kind"] != "onebit":
@@ -299,6 +308,7 @@ def _build(options, loss_fn, adam, devices, inner=1):
 
     options = dict(options)
     kind = options.pop("kind")
+    options.pop("inner", None)  # the inner optimizer is ``adam`` (_row_tx)
     if kind == "onebit":  # ``adam`` is the whole jaxcomp.adam (_prepare)
         return data_parallel(loss_fn, adam, Mesh(devices, ("data",)))
     if kind in ("dp", "dgc"):
