@@ -76,6 +76,25 @@ def test_eager_rounds_match_the_reference(fragments):
     assert all(float(m["bytes_sent"]) > 0 for m in metrics if m["synced"])
 
 
+def test_params_are_the_consensus_with_the_waiting_average():
+    """params(state) between rounds is the global params the next round's outer step gives
+    (the waiting average applied through the outer optimizer, Nesterov here); before any
+    round, the initial params."""
+    outer_tx = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    run = jaxcomp.diloco(
+        _loss, optax.adam(0.05), outer_tx, mesh=_mesh(4), sync_every=3, fragments=1, eager=True
+    )
+    batches = _batches(11)
+    state, _ = _run(run, batches[:2])
+    assert_trees_equal(run.params(state), _params())
+    state, _ = _run(run, batches[2:8], state)  # rounds ran in steps 4 and 7
+    flushed = run.params(state)
+    later, _ = _run(run, batches[8:], state)  # the next round runs in step 10
+    for got, want in zip(jax.tree.leaves(flushed), jax.tree.leaves(later.global_params)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(flushed["w"], state.global_params["w"])
+
+
 def test_eager_on_a_two_level_mesh_matches_the_reference():
     """A 4x2 mesh, each worker's exchange split over its row and ZeRO inside: the same
     algorithm (the row's gradients averaged, then the eager rounds)."""

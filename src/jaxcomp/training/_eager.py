@@ -18,8 +18,9 @@ before (zero on the first round):
   for an outer SGD equals the consensus plus the worker's own fresh contribution at weight
   ``1/n`` (its stale one is inside ``avg``). ``start_w`` is that point.
 
-The global params stay one replicated pytree (``params(state)`` is the consensus), and the
-state adds, per fragment, the waiting average (replicated) and each worker's start.
+The global params stay one replicated pytree, the consensus; ``params(state)`` applies the
+waiting averages to it (:func:`flushed`: the model with every exchanged pseudo-gradient in it).
+The state adds, per fragment, the waiting average (replicated) and each worker's start.
 """
 
 from __future__ import annotations
@@ -94,3 +95,20 @@ def _round(run, schedule, f: int, step, fragment: Fragment):
     )
     pending = (sent[0], start)
     return Fragment(global_leaves, local_leaves, outer_state, sent[1], pending), bytes_sent
+
+
+def flushed(run, plan, state):
+    """The consensus of ``state`` with each fragment's waiting average applied: the global
+    params the next round's outer step gives (outside the step, under ``jax.jit``)."""
+    leaves, treedef = jax.tree.flatten(state.global_params)
+    for f, group in enumerate(plan.schedule.groups):
+        average, _ = state.pending[f]
+        waiting = state.step > plan.schedule.offset(f)  # a round has exchanged
+        skipped = skipped_or_none(state.compress_state[f])
+        if skipped is not None:  # the workers agree: the count was summed over them
+            waiting = waiting & ~jax.numpy.ravel(skipped)[0]
+        old = [leaves[i] for i in group]
+        stepped, _ = outer_update(run, average, state.outer_state[f], old)
+        for i, leaf in zip(group, guard.hold(~waiting, old, stepped)):
+            leaves[i] = leaf
+    return treedef.unflatten(leaves)

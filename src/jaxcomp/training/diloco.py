@@ -31,6 +31,7 @@ from jaxcomp.optim.state import find_compress_state
 from jaxcomp.training import _diloco_arguments as arguments
 from jaxcomp.training import checkpoint
 from jaxcomp.training import model_state as model_states
+from jaxcomp.training._eager import flushed
 from jaxcomp.training.diloco_plan import Plan
 from jaxcomp.training.dispatch import DEFAULT_MAX_STEPS_IN_FLIGHT, BoundedStep
 from jaxcomp.training.inner import Inner
@@ -67,6 +68,7 @@ class DiLoCo:
         )
         self._plans = {}
         self._shapes = {}
+        self._flush = {}  # per plan: the jitted consensus with the waiting averages (eager)
         self._probe_names = []  # set while tracing: what each fragment's trigger warning names
         self.step = BoundedStep(
             jax.jit(self._step, donate_argnums=(0,) if donate else ()),
@@ -171,7 +173,8 @@ class DiLoCo:
         return jax.jit(self._initial_state, out_shardings=shardings)(*params)
 
     def params(self, state: DiLoCoState):
-        """The global params of ``state`` (the model after the last outer step), replicated.
+        """The global params of ``state`` (the model after the last outer step), replicated;
+        with ``eager=True``, with the average exchanged for the next round applied too.
 
         Args:
           state: a :class:`DiLoCoState` of this run.
@@ -179,8 +182,13 @@ class DiLoCo:
         Returns:
           The params pytree.
         """
-        self.check_state(state)
-        return state.global_params
+        avals = self.check_state(state)
+        if not self.eager:
+            return state.global_params
+        plan = self.plan(avals, _row_avals(state.model_state))
+        if plan not in self._flush:
+            self._flush[plan] = jax.jit(lambda state: flushed(self, plan, state))
+        return self._flush[plan](state)
 
     def worker_params(self, state: DiLoCoState):
         """Every worker's own params: each leaf ``[n_workers, *shape]``.
