@@ -1,0 +1,343 @@
+"""DiLoCo whose workers may die and come back: :func:`diloco_ft` and :class:`FaultTolerantDiLoCo`.
+
+Each worker is a JAX program of its own (one process; no ``jax.distributed``, no XLA program that
+spans workers): its inner steps are jitted on its own devices, and the outer exchange leaves XLA
+for the :class:`jaxcomp.distributed.quorum.Quorum`'s key-value store. Sync ``k`` (the ``k``-th
+sync this worker's state has committed, after every ``sync_every`` inner steps) is:
+
+1. ``members = quorum.members(k)``; on ``QuorumMismatchError`` (a worker joined, or this one is
+   new) ``k = error.sync`` and again. A member whose state has committed fewer than ``k`` syncs
+   is *behind* (a started or restarted worker).
+2. Every member puts ``delta/<rank>``: a header (its committed syncs and inner steps) and, unless
+   behind, its pseudo-gradient (global minus local params) as float32; it gets every member's.
+3. When a member is behind, the lowest-ranked member that is not puts ``state``: its global
+   params, outer optimizer state and counters; the members behind get it.
+4. The average of the pseudo-gradients of the members that trained, summed in rank order (the
+   same bits on every member), goes through ``outer_tx`` (jitted) onto the global params.
+5. ``quorum.commit(k)``: True on every member alike, the sync counts: every member restarts its
+   local params from the new global ones (one behind also takes the sender's step count and
+   ``inner_tx.init``). False (a member died, restarted or joined): the sync is dropped and
+   redone from step 1 with the new quorum; the dead worker's pseudo-gradient is not in it.
+
+Every wait is bounded: the barriers by ``sync_timeout`` (they wait for the others' inner steps),
+a dead worker by the service's heartbeat timeout, every get by the quorum's ``failure_timeout``.
+No consensus is written here: the quorum decides. docs/failures.md and
+docs/notes/2026-12-05-fault-tolerant-diloco.md explain the design.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxcomp.distributed import _checks
+from jaxcomp.distributed.quorum import QuorumError, QuorumMismatchError
+
+__all__ = ["FTState", "FaultTolerantDiLoCo", "diloco_ft"]
+
+# magic, the sender's committed syncs, its inner steps; then the body
+_HEADER = struct.Struct("<4sqq")
+_MAGIC = b"jft1"
+# A sync that the quorum drops this often in a row (workers dying or joining each time) fails.
+_MAX_ATTEMPTS = 8
+_QUORUM_METHODS = ("members", "commit", "put", "get")
+
+
+class FTState(NamedTuple):
+    """One worker's state of a :func:`diloco_ft` run (host-side counters, arrays on its devices)."""
+
+    global_params: Any  # the params of the last committed sync: what params(state) returns
+    local_params: Any  # this worker's params
+    inner_state: Any  # inner_tx's state of this worker
+    outer_state: Any  # outer_tx's state (the same on every member after a sync)
+    step: int  # inner steps taken (a joining worker takes its peers' count)
+    sync: int  # syncs committed: the index of the next one
+
+
+class _Exchange(NamedTuple):
+    """What one attempt at a sync brought: the state to apply the average to, and the average."""
+
+    global_params: Any
+    outer_state: Any
+    step: int
+    average: np.ndarray  # float32, the flattened params' size
+    trained: tuple  # the ranks whose pseudo-gradients are in the average
+
+
+def _pack(sync: int, step: int, body: bytes) -> bytes:
+    return _HEADER.pack(_MAGIC, sync, step) + body
+
+
+def _unpack(blob: bytes, what: str) -> tuple[int, int, bytes]:
+    if len(blob) < _HEADER.size or blob[:4] != _MAGIC:
+        raise ValueError(f"{what} is not a diloco_ft payload ({len(blob)} bytes)")
+    _, sync, step = _HEADER.unpack_from(blob)
+    return sync, step, blob[_HEADER.size :]
+
+
+def _tree_bytes(tree) -> bytes:
+    """Every leaf's bytes, in ``jax.tree.leaves`` order (the hosts' byte order: little-endian on
+    every platform JAX supports)."""
+    return b"".join(np.ascontiguousarray(np.asarray(x)).tobytes() for x in jax.tree.leaves(tree))
+
+
+def _tree_from_bytes(body: bytes, like):
+    """The pytree of ``like``'s structure, shapes and dtypes whose leaves are ``body``."""
+    leaves, treedef = jax.tree.flatten(like)
+    out, offset = [], 0
+    for x in leaves:
+        x = np.asarray(x)
+        out.append(np.frombuffer(body, x.dtype, x.size, offset).reshape(x.shape))
+        offset += x.nbytes
+    if offset != len(body):
+        raise ValueError(f"state of {len(body)} bytes does not fit this run's {offset}")
+    return treedef.unflatten([jnp.asarray(x) for x in out])
+
+
+def _average(bodies: list[bytes]) -> np.ndarray:
+    """The mean of float32 vectors, summed in the given order: the same bits on every member."""
+    total = np.frombuffer(bodies[0], "<f4").copy()
+    for body in bodies[1:]:
+        total += np.frombuffer(body, "<f4")
+    return total / np.float32(len(bodies))
+
+
+class FaultTolerantDiLoCo:
+    """The object :func:`diloco_ft` returns: ``init``, ``step`` and ``params`` (see the module's
+    docstring for the sync)."""
+
+    def __init__(self, loss_fn, inner_tx, outer_tx, quorum, sync_every, sync_timeout):
+        self.loss_fn = loss_fn
+        self.inner_tx = inner_tx
+        self.outer_tx = outer_tx
+        self.quorum = quorum
+        self.sync_every = sync_every
+        self.sync_timeout = sync_timeout
+        self._inner = jax.jit(self._inner_step)
+        self._delta = jax.jit(self._pseudo_gradient)
+        self._outer = jax.jit(self._outer_step)
+        self._fresh = jax.jit(inner_tx.init)
+
+    def init(self, params) -> FTState:
+        """The state of a worker that starts with ``params`` (every worker of a run passes the
+        same; a restarted one takes its peers' at its first sync).
+
+        Args:
+          params: a pytree of float arrays.
+
+        Returns:
+          An :class:`FTState` with no step and no sync.
+        """
+        leaves = jax.tree.leaves(params)
+        if not leaves or not all(jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in leaves):
+            raise ValueError("params must be a pytree with at least one leaf, all float arrays")
+        params = jax.tree.map(jnp.asarray, params)
+        return FTState(
+            global_params=params,
+            local_params=params,
+            inner_state=self.inner_tx.init(params),
+            outer_state=self.outer_tx.init(params),
+            step=0,
+            sync=0,
+        )
+
+    def params(self, state: FTState):
+        """The global params of ``state`` (those of the last committed sync).
+
+        Args:
+          state: an :class:`FTState` of this run.
+
+        Returns:
+          The params pytree.
+        """
+        return state.global_params
+
+    def step(self, state: FTState, batch):
+        """One inner step on this worker's ``batch`` (jitted); after every ``sync_every``-th, the
+        sync on the host (bounded; it raises ``QuorumError`` when the quorum cannot go on).
+
+        Args:
+          state: an :class:`FTState` of this run.
+          batch: this worker's batch, what ``loss_fn`` takes.
+
+        Returns:
+          ``(state, metrics)``: ``loss`` (this worker's, before the step), ``synced``,
+          ``members`` (how many in the sync's quorum), ``trained`` (the ranks averaged),
+          ``joined`` (this worker took its peers' state), ``attempts`` and ``bytes_sent`` (put
+          into the store by this worker).
+        """
+        local, inner_state, loss = self._inner(state.local_params, state.inner_state, batch)
+        state = state._replace(local_params=local, inner_state=inner_state, step=state.step + 1)
+        metrics = dict(synced=False, members=0, trained=(), joined=False, attempts=0, bytes_sent=0)
+        if state.step % self.sync_every == 0:
+            state, done = self._sync(state)
+            metrics.update(done, synced=True)
+        return state, {"loss": loss, **metrics}
+
+    # -- the sync, on the host -----------------------------------------------------------------
+
+    def _sync(self, state: FTState):
+        """``(state, metrics)`` after the sync due now (the module's steps 1 to 5)."""
+        quorum, sync, sent = self.quorum, state.sync, 0
+        delta = np.asarray(self._delta(state.global_params, state.local_params), "<f4").tobytes()
+        for attempt in range(1, _MAX_ATTEMPTS + 1):
+            try:
+                members = quorum.members(sync, timeout=self.sync_timeout)
+            except QuorumMismatchError as e:
+                sync = max(sync, e.sync)  # a worker new to the quorum (maybe this one)
+                continue
+            exchanged, bytes_sent, failure = self._exchange(sync, members, state, delta)
+            sent += bytes_sent
+            if not quorum.commit(sync):
+                continue  # the quorum changed: redo the sync with the new one
+            if failure is not None:  # the quorum held, but this worker missed a payload
+                raise QuorumError(
+                    f"worker {quorum.rank}: sync {sync} committed without this worker's "
+                    f"exchange: {failure}"
+                ) from failure
+            return self._committed(state, sync, exchanged), dict(
+                members=len(members),
+                trained=exchanged.trained,
+                joined=state.sync < sync,
+                attempts=attempt,
+                bytes_sent=sent,
+            )
+        raise QuorumError(
+            f"worker {quorum.rank}: sync {sync} did not commit in {_MAX_ATTEMPTS} attempts "
+            "(workers kept dying or joining)"
+        )
+
+    def _exchange(self, sync, members, state: FTState, delta: bytes):
+        """``(exchange or None, bytes put, error or None)``: steps 2 to 4 for quorum ``members``
+        of ``sync``. A failed put or get is returned, not raised: the commit comes first."""
+        quorum, behind = self.quorum, state.sync < sync
+        own, sent = _pack(state.sync, state.step, b"" if behind else delta), 0
+        try:
+            quorum.put(f"delta/{quorum.rank}", own)
+            sent = len(own)
+            payloads = {
+                m.worker: _unpack(quorum.get(f"delta/{m.worker}"), f"worker {m.worker}'s delta")
+                for m in members
+            }
+            trained = tuple(w for w in sorted(payloads) if payloads[w][0] == sync)
+            if not trained:
+                raise QuorumError(f"no member of sync {sync} holds the run's state")
+            base = state.global_params, state.outer_state, state.step
+            if len(trained) < len(members) and quorum.rank == trained[0]:
+                blob = _pack(state.sync, state.step, _tree_bytes(base[:2]))
+                quorum.put("state", blob)
+                sent += len(blob)
+            if behind:
+                _, step, body = _unpack(quorum.get("state"), f"worker {trained[0]}'s state")
+                base = (*_tree_from_bytes(body, base[:2]), step)
+            average = _average([payloads[w][2] for w in trained])
+            return _Exchange(*base, average, trained), sent, None
+        except (QuorumError, ValueError) as e:  # a get timed out, a put failed, foreign bytes
+            return None, sent, e
+
+    def _committed(self, state: FTState, sync: int, exchanged: _Exchange) -> FTState:
+        """The state after committed sync ``sync``: the outer step, every worker restarted."""
+        global_params, outer_state = self._outer(
+            exchanged.global_params, exchanged.outer_state, exchanged.average
+        )
+        joined = state.sync < sync
+        return FTState(
+            global_params=global_params,
+            local_params=global_params,
+            inner_state=self._fresh(global_params) if joined else state.inner_state,
+            outer_state=outer_state,
+            step=exchanged.step,
+            sync=sync + 1,
+        )
+
+    # -- inside jit ----------------------------------------------------------------------------
+
+    def _inner_step(self, local, inner_state, batch):
+        loss, grads = jax.value_and_grad(self.loss_fn)(local, batch)
+        updates, inner_state = self.inner_tx.update(grads, inner_state, local)
+        return optax.apply_updates(local, updates), inner_state, loss
+
+    def _pseudo_gradient(self, global_params, local):
+        leaves = jax.tree.leaves(jax.tree.map(jnp.subtract, global_params, local))
+        return jnp.concatenate([x.astype(jnp.float32).ravel() for x in leaves])
+
+    def _outer_step(self, global_params, outer_state, average):
+        leaves, treedef = jax.tree.flatten(global_params)
+        ends = np.cumsum([x.size for x in leaves])
+        pieces = [
+            average[end - x.size : end].reshape(x.shape).astype(x.dtype)
+            for x, end in zip(leaves, ends)
+        ]
+        updates, outer_state = self.outer_tx.update(
+            treedef.unflatten(pieces), outer_state, global_params
+        )
+        return optax.apply_updates(global_params, updates), outer_state
+
+
+def _check_transformation(tx, name):
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(f"{name} must be an optax.GradientTransformation, got {type(tx).__name__}")
+    return tx
+
+
+def diloco_ft(
+    loss_fn: Callable,
+    inner_tx: optax.GradientTransformation | None = None,
+    outer_tx: optax.GradientTransformation | None = None,
+    *,
+    quorum,
+    sync_every: int,
+    sync_timeout: float = 600.0,
+) -> FaultTolerantDiLoCo:
+    """DiLoCo for workers that may die: each worker a JAX program of its own, syncing through a
+    :class:`jaxcomp.distributed.quorum.Quorum`; survivors go on, a restarted worker rejoins.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> loss`` on this worker's batch.
+      inner_tx: each worker's optimizer (default: the DiLoCo paper's AdamW).
+      outer_tx: the averaged pseudo-gradient's optimizer (default: Nesterov momentum).
+      quorum: this worker's connected ``Quorum`` (its ``rank`` is the worker's).
+      sync_every: H, the inner steps between two syncs.
+      sync_timeout: seconds a sync's barrier waits for the other live workers: more than the
+        slowest worker's ``sync_every`` inner steps (and a restarted worker's start-up).
+
+    Returns:
+      A :class:`FaultTolerantDiLoCo`: ``init(params)``, ``step(state, batch)``, ``params``.
+
+    Raises:
+      ValueError, TypeError: a bad argument (nothing is sent).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxcomp.distributed.quorum import Quorum
+      >>> quorum = Quorum("10.0.0.1:7733", rank, 4, failure_timeout=10)  # doctest: +SKIP
+      >>> run = diloco_ft(lambda w, b: jnp.mean((b - w) ** 2), optax.sgd(0.1),
+      ...                 quorum=quorum, sync_every=50)  # doctest: +SKIP
+      >>> state = run.init(jnp.zeros(3))  # doctest: +SKIP
+      >>> state, metrics = run.step(state, batch)  # doctest: +SKIP
+
+    References:
+      Douillard et al., "DiLoCo" (arXiv 2311.08105), Alg. 1; torchft's quorum, should_commit
+      and healing (meta-pytorch/torchft, ``torchft/manager.py``, ``torchft/local_sgd.py``).
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    inner_tx = optax.adamw(4e-4, weight_decay=0.1) if inner_tx is None else inner_tx
+    outer_tx = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer_tx is None else outer_tx
+    _check_transformation(inner_tx, "inner_tx")
+    _check_transformation(outer_tx, "outer_tx")
+    missing = [m for m in _QUORUM_METHODS if not callable(getattr(quorum, m, None))]
+    if missing or not isinstance(getattr(quorum, "rank", None), int):
+        raise TypeError(
+            f"quorum must be a connected jaxcomp.distributed.quorum.Quorum, got "
+            f"{type(quorum).__name__}"
+        )
+    sync_every = _checks.positive_int(sync_every, "sync_every")
+    sync_timeout = _checks.positive_seconds(sync_timeout, "sync_timeout")
+    return FaultTolerantDiLoCo(loss_fn, inner_tx, outer_tx, quorum, sync_every, sync_timeout)
