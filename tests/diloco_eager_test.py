@@ -10,6 +10,7 @@ from ``global + u(avg + delta_w / n)``.
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +154,20 @@ def test_compressed_eager_rounds_train_and_resume_bit_identically(tmp_path):
     assert_trees_equal(resumed, uninterrupted)
     losses = [float(m["loss"]) for m in metrics + more]
     assert np.mean(losses[-3:]) < np.mean(losses[:3])
+
+
+def test_an_eager_run_with_outer_momentum_warns():
+    """Nesterov outside eager rounds warns (momentum on a round-late average oscillates);
+    plain SGD, the default and a synchronous run with Nesterov do not."""
+    ok = dict(mesh=_mesh(2), sync_every=4)
+    nesterov = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    with pytest.warns(RuntimeWarning, match="momentum oscillates"):
+        jaxcomp.diloco(_loss, optax.sgd(0.1), nesterov, eager=True, **ok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jaxcomp.diloco(_loss, optax.sgd(0.1), optax.sgd(0.5), eager=True, **ok)
+        jaxcomp.diloco(_loss, optax.sgd(0.1), eager=True, **ok)
+        jaxcomp.diloco(_loss, optax.sgd(0.1), nesterov, **ok)
 
 
 def test_eager_arguments_raise_clear_errors():

@@ -26,7 +26,8 @@ ROWS = (
 
 def _zoo_run(task, row: str, lr, devices):
     """The zoo task's run of ``row``: ``data_parallel`` for dp, else ``jaxcomp.diloco`` with
-    every setting of the to_loss row (its H, fragments, delay, eager, outer optimizer, codec)."""
+    every setting of the to_loss row (its H, fragments, delay, eager, outer optimizer, codec, and
+    Muon inside for a ``-muon`` row)."""
     import numpy as np
     import optax
     import quality_zoo
@@ -41,9 +42,10 @@ def _zoo_run(task, row: str, lr, devices):
     options = dict(to_loss._row_options(row))
     options.pop("kind")
     method = to_loss.codec(options.pop("compress", None) or "none")
+    inner = jaxcomp.muon(lr) if options.pop("inner", None) == "muon" else optax.adam(lr)
     return jaxcomp.diloco(
         task.loss_fn,
-        optax.adam(lr),
+        inner,
         to_loss._outer(options.pop("outer")),
         mesh=Mesh(np.array(devices), ("workers",)),
         compress=method and jaxcomp.compress(method, axis_name="workers"),

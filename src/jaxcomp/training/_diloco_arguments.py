@@ -3,6 +3,8 @@ uses, or raises an error that names the argument."""
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,6 +44,7 @@ def optimizers(loss_fn, inner_tx, outer_tx, donate, schedule):
     for value, name in ((inner_tx, "inner_tx"), (outer_tx, "outer_tx")):
         if not isinstance(value, optax.GradientTransformation):
             raise TypeError(f"{name} must be an optax GradientTransformation, got {value!r}")
+    warn_eager_momentum(outer_tx, eager)
     if not isinstance(donate, bool):
         raise TypeError(f"donate must be True or False, got {donate!r}")
     return inner_tx, outer_tx
@@ -142,6 +145,29 @@ def check_schedule(sync_every, fragments, delay, eager=False):
             f"steps) late by itself: leave delay=0, got delay={delay}"
         )
     return sync_every, fragments, delay, eager
+
+
+def warn_eager_momentum(outer_tx, eager) -> None:
+    """With eager rounds, warns of an ``outer_tx`` whose update of the same pseudo-gradient
+    changes from one step to the next (momentum): on an average that arrives a round late it
+    oscillates (docs/training.md, "Eager rounds"). A probe on a small vector, on the host."""
+    if not eager:
+        return
+    probe = {"w": jnp.ones(4, jnp.float32)}
+    try:
+        first, state = outer_tx.update(probe, outer_tx.init(probe), probe)
+        second, _ = outer_tx.update(probe, state, probe)
+        steady = np.allclose(np.asarray(first["w"]), np.asarray(second["w"]), rtol=1e-5)
+    except Exception:  # an outer_tx the probe cannot drive: say nothing
+        return
+    if not steady:
+        warnings.warn(
+            "diloco(eager=True) with an outer_tx whose update grows with momentum: on an average "
+            "that arrives a round late, momentum oscillates and training can diverge. Plain "
+            "averaging (outer_tx=None, optax.sgd(1.0)) or a small lr without momentum is stable",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def check_mixing(mixing, delay, eager=False):
