@@ -18,9 +18,13 @@ import numpy as np
 import optax
 import pytest
 from diloco_test import _assert_matches, _batches, _loss, _mesh, _params, _run
-from helpers import EntryGraph, assert_trees_equal
+from helpers import EntryGraph, assert_checkpoint_resumes, assert_trees_equal
 
 import jaxcomp
+
+# The reference tests drive eager rounds with the paper's Nesterov on purpose (a stateful outer
+# optimizer exercises the restart formula); the warning it earns is tested on its own below.
+pytestmark = pytest.mark.filterwarnings("ignore:diloco\\(eager=True\\) with an outer_tx")
 
 
 def reference_eager(inner_tx, outer_tx, params, batches, workers, sync_every, fragments=1):
@@ -133,8 +137,6 @@ def test_compressed_eager_rounds_train_and_resume_bit_identically(tmp_path):
     """Top-k pseudo-gradients with error feedback: the loss falls, bytes are those of top-k,
     and a checkpoint taken mid-round (a waiting average and the workers' starts in the state)
     resumes bit for bit."""
-    import orbax.checkpoint as ocp
-
     run = jaxcomp.diloco(
         _loss, optax.adam(0.05), mesh=_mesh(4), sync_every=3, fragments=1, eager=True,
         compress=jaxcomp.TopK(0.5),
@@ -144,16 +146,10 @@ def test_compressed_eager_rounds_train_and_resume_bit_identically(tmp_path):
     average, start = state.pending[0]
     assert any(np.abs(np.asarray(a)).max() > 0 for a in average)
     assert all(s.shape[0] == 4 for s in start)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(tmp_path / "ckpt", state)
-    checkpointer.wait_until_finished()
-    restored = run.restore(tmp_path / "ckpt", _params())
-    assert_trees_equal(restored, state)
-    uninterrupted, more = _run(run, batches[5:], state)
-    resumed, _ = _run(run, batches[5:], restored)
-    assert_trees_equal(resumed, uninterrupted)
-    losses = [float(m["loss"]) for m in metrics + more]
-    assert np.mean(losses[-3:]) < np.mean(losses[:3])
+    restore = lambda path: run.restore(path, _params())  # noqa: E731
+    state = assert_checkpoint_resumes(run, state, batches[5:], tmp_path / "ckpt", restore)
+    first = float(metrics[0]["loss"])
+    assert np.mean([float(_loss(run.params(state), b)) for b in batches[:3]]) < first
 
 
 def test_an_eager_run_with_outer_momentum_warns():

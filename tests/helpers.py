@@ -71,10 +71,11 @@ def assert_trees_equal(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def assert_checkpoint_resumes(dp, state, batches, path):
-    """Saves ``state`` with orbax, restores it onto the same shardings, checks it bit for bit,
-    then runs ``dp.step`` on ``batches`` from both and checks they stay bit-identical. Returns the
-    state after the batches."""
+def assert_checkpoint_resumes(dp, state, batches, path, restore=None):
+    """Saves ``state`` with orbax, restores it onto the same shardings (or with
+    ``restore(path)``, a run's own ``restore``), checks it bit for bit, then runs ``dp.step`` on
+    ``batches`` from both and checks they stay bit-identical. Returns the state after the
+    batches."""
     import orbax.checkpoint as ocp
 
     checkpointer = ocp.StandardCheckpointer()
@@ -83,7 +84,7 @@ def assert_checkpoint_resumes(dp, state, batches, path):
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
     )
-    restored = checkpointer.restore(path, target)
+    restored = checkpointer.restore(path, target) if restore is None else restore(path)
     assert_trees_equal(restored, state)
     for batch in batches:
         state, _ = dp.step(state, batch)
