@@ -11,6 +11,8 @@ that the commands in BENCHMARKS.md run as they were written:
     python benchmarks/time_to_quality.py --quick            # a tiny model, a few steps (smoke test)
     sudo python benchmarks/time_to_quality.py --hosts 4 --rates 1gbit,100mbit --model wide \\
         --steps 150 --out results/ttq                       # the emulated cluster (root)
+    sudo python benchmarks/time_to_quality.py --fault-tolerant --hosts 4 --model small \\
+        --steps 4500 --max-steps 6000 --eval-every 150 --out results/ft  # a worker killed, back
 
 ``python benchmarks/time_to_quality.py --help`` lists the flags.
 """

@@ -14,6 +14,7 @@ FILES = tuple(
         "time_to_quality_cluster_small_4500_1gbit.json",
         "time_to_quality_cluster_small_4500_100mbit.json",
         "time_to_quality_cluster_wide8x32_900_100mbit_2026-11-28.json",
+        "time_to_quality_cluster_small_4500_100mbit_ft_2026-12-05.json",
     )
 )
 RATES = {"1gbit": "1 Gbit", "100mbit": "100 Mbit"}
@@ -58,10 +59,16 @@ def section() -> str:
         "until then over dp's whole run, *final* its last loss over dp's. The 4 emulated hosts "
         "share 2 cores. `diloco-hH-...`: DiLoCo syncing every H steps (`avg`: outer averaging, "
         "`int8`: 8-bit pseudo-gradients, `stream`: fragments); `adam-sign`: `jaxcomp.adam` "
-        "with signs.",
+        "with signs. `diloco-ft-...`: fault-tolerant DiLoCo (`jaxcomp.distributed.diloco_ft`, "
+        "each worker a program of its own, dense float32 through the coordination service); "
+        "`-kill2-restart60s`: worker 2 SIGKILLed mid-run and restarted 60 s later; their dp "
+        "row is the small 4500-step run's at 100 Mbit (`--dp-from`), from another job on another "
+        "day: their *sooner* is not side by side, their ratio to each other is.",
         "",
         "Command: `sudo jaxcomp netbench --to-loss --hosts 4 --rates 1gbit,100mbit --model M "
-        "--steps S --rows ...` (`benchmarks/time_to_quality.py`).",
+        "--steps S --rows ...` (`benchmarks/time_to_quality.py`); the fault-tolerant rows: "
+        "`sudo jaxcomp netbench --to-loss --fault-tolerant --hosts 4 --rate 100mbit --model "
+        "small --steps 4500 ...` (the result file has the whole command).",
         "",
         "| run | rate | row | sooner | bytes | final |",
         "|---|---|---|---:|---:|---:|",

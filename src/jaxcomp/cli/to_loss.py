@@ -23,7 +23,8 @@ namespaces, ``tc tbf`` links at the rate, one ``jax.distributed`` process per ho
 (``wire``). Without ``--hosts`` every device is a virtual device of one process: the wall-clock is
 compute, not a network. With ``--inner N`` every DiLoCo worker is a row of N devices (on a cluster,
 each host gets N devices). ``--out`` writes ``time_to_quality.json`` and the plot of held-out loss
-against wall-clock, one panel per rate.
+against wall-clock, one panel per rate. ``--fault-tolerant`` runs fault-tolerant DiLoCo instead,
+undisturbed and with a worker killed and restarted mid-run (:mod:`jaxcomp.cli.to_loss_ft`).
 """
 
 from __future__ import annotations
@@ -231,6 +232,12 @@ def _parser():
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per cluster job")
     parser.add_argument("--out", help="write time_to_quality.json (and .png) here")
     parser.add_argument("--plot", help="write the plot here (default: in --out)")
+    parser.add_argument(
+        "--fault-tolerant",
+        action="store_true",
+        help="fault-tolerant DiLoCo on a cluster, a worker killed and restarted mid-run "
+        "(jaxcomp.cli.to_loss_ft; --fault-tolerant --help lists its flags)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser
 
@@ -306,6 +313,10 @@ def main(argv=None) -> int:
       0 (bad flags exit with status 2, as argparse does; a failed cluster job raises).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "--fault-tolerant" in argv:  # fault-tolerant DiLoCo, a worker killed and restarted
+        from jaxcomp.cli import to_loss_ft
+
+        return to_loss_ft.main([a for a in argv if a != "--fault-tolerant"])
     parser = _parser()
     args = parser.parse_args(argv)
     _check(parser, args)
