@@ -10,7 +10,8 @@ before (zero on the first round):
 
 * the exchange: ``Δ_w`` through the outer ``compress``; its average is the next round's ``avg``.
   Nothing else in the step reads it, so its collectives wait for none of the step's forward and
-  backward passes: XLA runs them beside the inner step (a GPU's async collectives too);
+  backward passes: the program lets them run beside the inner step (XLA:CPU's runtime still runs
+  them one after the other, docs/training.md, "Eager rounds");
 * the consensus: the global params take the outer step with ``avg`` (one round late; not on the
   first round, nor after an exchange ``nonfinite="skip"`` dropped);
 * the eager restart: every worker restarts from ``global + u(avg + Δ_w / n)``, ``u`` the outer
@@ -26,6 +27,7 @@ The state adds, per fragment, the waiting average (replicated) and each worker's
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxcomp.optim.nonfinite import skipped_or_none
 from jaxcomp.optim.stages import guard
@@ -106,7 +108,7 @@ def flushed(run, plan, state):
         waiting = state.step > plan.schedule.offset(f)  # a round has exchanged
         skipped = skipped_or_none(state.compress_state[f])
         if skipped is not None:  # the workers agree: the count was summed over them
-            waiting = waiting & ~jax.numpy.ravel(skipped)[0]
+            waiting = waiting & ~jnp.ravel(skipped)[0]
         old = [leaves[i] for i in group]
         stepped, _ = outer_update(run, average, state.outer_state[f], old)
         for i, leaf in zip(group, guard.hold(~waiting, old, stepped)):
