@@ -1,7 +1,6 @@
 """Collectives on a mesh spanning two processes (jax.distributed, gloo) match the one-process
 run."""
 
-import socket
 import subprocess
 import sys
 
@@ -9,16 +8,10 @@ import collectives_worker as worker
 import jax
 import numpy as np
 import pytest
-from helpers import need_devices, subprocess_env
+from helpers import free_port, need_devices, subprocess_env
 from jax.sharding import Mesh
 
 TIMEOUT_S = 180
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.multiprocess

@@ -122,12 +122,7 @@ def test_an_eager_exchange_does_not_wait_for_the_gradient():
     )  # fmt: skip
     state = run.init(_params())
     graph = EntryGraph(run.step.lower(state, _batches(1)[0]).compile().as_text())
-    collective = re.compile(r" (all-reduce|all-gather|reduce-scatter|all-to-all)")
-    rounds = [
-        name
-        for name in graph.order
-        if graph.kinds[name] == "conditional" and collective.search(graph.calls(name))
-    ]
+    rounds = graph.collective_conditionals()
     assert len(rounds) == 2, rounds  # one per fragment
     dots = graph.dots()
     assert dots and not any(dots & graph.ancestors(name) for name in rounds)

@@ -38,14 +38,9 @@ def test_dp_must_be_of_the_same_model_and_steps(tmp_path):
         to_loss_ft._dp(args, to_loss_ft._config(args))
 
 
-def events(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.startswith("{")]
-
-
 @pytest.mark.multiprocess
 def test_a_worker_killed_mid_run_rejoins_and_nothing_hangs(tmp_path, monkeypatch):
-    from helpers import cluster_hosts_import_this_jaxcomp
+    from helpers import cluster_hosts_import_this_jaxcomp, events
 
     cluster_hosts_import_this_jaxcomp(monkeypatch)
     steps, restart_after = 400, 2.0

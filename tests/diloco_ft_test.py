@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import need_devices, subprocess_env
+from helpers import events, free_port, need_devices, subprocess_env, wait_for
 
 import jaxcomp
 from jaxcomp.distributed import quorum
@@ -34,14 +34,6 @@ KILL_STEP = 2 * H + 1  # worker 2's first run dies before this inner step: insid
 PACE = 0.05  # seconds per inner step in the worker processes: stands for the computation
 INNER = optax.adam(0.05)
 OUTER = optax.sgd(0.7, momentum=0.9, nesterov=True)
-
-
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def loss_fn(params, batch):
@@ -211,18 +203,6 @@ def start_worker(address, rank, incarnation, out_dir, where):
         env=subprocess_env(JAX_PLATFORMS="cpu"),
         cwd=out_dir,
     )
-
-
-def events(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.startswith("{")]
-
-
-def wait_for(predicate, seconds, what):
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def replay(syncs):

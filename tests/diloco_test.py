@@ -260,14 +260,7 @@ def test_a_delayed_exchange_does_not_wait_for_the_gradient(delay, inner):
     )  # fmt: skip
     state = run.init(_params())
     graph = EntryGraph(run.step.lower(state, _batches(1)[0]).compile().as_text())
-    collective = re.compile(
-        r" (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
-    )
-    exchanges = [
-        name
-        for name in graph.order
-        if graph.kinds[name] == "conditional" and collective.search(graph.calls(name))
-    ]
+    exchanges = graph.collective_conditionals()
     assert len(exchanges) == 2, exchanges  # one per fragment
     dots = graph.dots()
     assert dots

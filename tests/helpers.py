@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
+import socket
 import sys
+import time
 
 import jax
 import numpy as np
@@ -93,6 +96,27 @@ def assert_checkpoint_resumes(dp, state, batches, path, restore=None):
     return state
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def events(path) -> list:
+    """The JSON objects a worker process printed one per line into ``path``."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.startswith("{")]
+
+
+def wait_for(predicate, seconds, what) -> None:
+    """Polls ``predicate`` every 0.1 s; fails the test naming ``what`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 #: The checkout's benchmarks/ folder (scripts, not a package).
@@ -177,6 +201,17 @@ class EntryGraph:
                 found |= {o} | self.ancestors(o)
             self._seen[name] = found
         return self._seen[name]
+
+    def collective_conditionals(self) -> list:
+        """The entry's conditionals whose branches run a collective (in program order)."""
+        collective = re.compile(
+            r" (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+        )
+        return [
+            name
+            for name in self.order
+            if self.kinds[name] == "conditional" and collective.search(self.calls(name))
+        ]
 
     def dots(self) -> set:
         """The entry's dots and the fusions that run one (XLA:CPU's library fusions)."""

@@ -9,13 +9,12 @@ prints one JSON line per event, with ``time.monotonic()`` (the machine's one clo
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
-from helpers import subprocess_env
+from helpers import events, free_port, subprocess_env, wait_for
 
 from jaxcomp.distributed import quorum
 from jaxcomp.distributed.quorum import (
@@ -29,12 +28,6 @@ from jaxcomp.distributed.quorum import (
 FAILURE_TIMEOUT = 5  # seconds: the service's heartbeat timeout in the multi-process test
 WORKERS = 4
 GET_TIMEOUT = 2.0  # a survivor's wait for the dead worker's bytes
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize(
@@ -196,18 +189,6 @@ def start_worker(address, rank, incarnation, out_dir, role="worker"):
     return subprocess.Popen(
         [*command, str(incarnation)], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=out_dir
     )
-
-
-def events(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.startswith("{")]
-
-
-def wait_for(predicate, seconds, what):
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def test_four_workers_agree_one_dies_and_one_rejoins(tmp_path):
