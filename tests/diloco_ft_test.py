@@ -1,9 +1,10 @@
 """Fault-tolerant DiLoCo (``jaxcomp.distributed.diloco_ft``): argument errors, two workers in this
 process against ``jaxcomp.diloco``, and 4 worker processes of which one SIGKILLs itself mid-round
-and comes back, against a replay of the run that averages over the workers that trained.
+and comes back, or whose coordination service is SIGKILLed and restarted, against a replay of the
+run that averages over the workers that trained.
 
 This file is also the workers' script: ``python diloco_ft_test.py worker ADDRESS RANK
-INCARNATION`` prints one JSON line per event, with ``time.monotonic()`` (the machine's one
+INCARNATION WHERE`` prints one JSON line per event, with ``time.monotonic()`` (the machine's one
 clock).
 """
 
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import events, free_port, need_devices, subprocess_env, wait_for
+from helpers import events, free_port, need_devices, service_process, subprocess_env, wait_for
 
 import jaxcomp
 from jaxcomp.distributed import quorum
@@ -31,6 +32,7 @@ FAILURE_TIMEOUT = 5  # seconds: the service's heartbeat timeout
 WORKERS = 4
 H = 3  # inner steps per sync
 KILL_STEP = 2 * H + 1  # worker 2's first run dies before this inner step: inside sync 2's round
+SYNCS = 6  # the syncs a run whose service dies trains for
 PACE = 0.05  # seconds per inner step in the worker processes: stands for the computation
 INNER = optax.adam(0.05)
 OUTER = optax.sgd(0.7, momentum=0.9, nesterov=True)
@@ -85,9 +87,10 @@ def test_bad_arguments_are_errors_before_anything_is_sent(kwargs, error, message
     assert state.step == 1 and not metrics["synced"] and metrics["bytes_sent"] == 0
 
 
-def test_two_workers_in_this_process_match_diloco():
-    need_devices(2)
-    steps, port = 4 * H, free_port()
+def two_workers(steps, start=None):
+    """Two workers in threads of this process, on a service of their own, for ``steps`` inner
+    steps from ``start(run, rank)`` (default ``run.init``): ``{rank: (params, synced, state)}``."""
+    port = free_port()
     service = quorum.host_service(f"127.0.0.1:{port}", 2, failure_timeout=FAILURE_TIMEOUT)
     results, errors = {}, []
 
@@ -95,9 +98,10 @@ def test_two_workers_in_this_process_match_diloco():
         try:
             with Quorum(f"127.0.0.1:{port}", rank, 2, failure_timeout=FAILURE_TIMEOUT) as q:
                 run = diloco_ft(loss_fn, INNER, OUTER, quorum=q, sync_every=H, sync_timeout=20)
-                state, synced = run.init(initial_params()), []
-                for step in range(steps):
-                    state, metrics = run.step(state, batch(rank, step))
+                state = run.init(initial_params()) if start is None else start(run, rank)
+                synced = []
+                for _ in range(steps):
+                    state, metrics = run.step(state, batch(rank, state.step))
                     synced.append((metrics["synced"], metrics["members"], metrics["trained"]))
                 results[rank] = (run.params(state), synced, state)
         except BaseException as e:  # reported by the main thread
@@ -113,7 +117,13 @@ def test_two_workers_in_this_process_match_diloco():
         service.shutdown()
     assert not errors, errors
     assert not any(t.is_alive() for t in threads)
+    return results
 
+
+def test_two_workers_in_this_process_match_diloco():
+    need_devices(2)
+    steps = 4 * H
+    results = two_workers(steps)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("workers",))
     reference = jaxcomp.diloco(loss_fn, INNER, OUTER, mesh=mesh, sync_every=H)
     state = reference.init(initial_params())
@@ -132,6 +142,30 @@ def test_two_workers_in_this_process_match_diloco():
         )
     same = jax.tree.map(lambda a, b: np.array_equal(a, b), results[0][0], results[1][0])
     assert all(jax.tree.leaves(same))
+
+
+def test_a_run_whose_workers_all_stopped_resumes_from_their_checkpoints(tmp_path):
+    """Both workers save after 2 syncs and stop, the service too; restored on a new service,
+    they go on to the bits of a run that never stopped (inner and outer state, counters)."""
+    import orbax.checkpoint as ocp
+
+    need_devices(2)
+    whole, first = two_workers(4 * H), two_workers(2 * H)
+    checkpointer = ocp.StandardCheckpointer()
+    for rank, (_, _, state) in first.items():
+        checkpointer.save(tmp_path / f"worker{rank}", state)
+    checkpointer.wait_until_finished()
+
+    def restored(run, rank):
+        state = run.restore(tmp_path / f"worker{rank}", initial_params())
+        assert (state.step, state.sync) == (2 * H, 2) and isinstance(state.step, int)
+        return state
+
+    resumed = two_workers(2 * H, start=restored)
+    for rank in (0, 1):
+        assert resumed[rank][2].sync == 4 and resumed[rank][1][-1] == (True, 2, (0, 1))
+        same = jax.tree.map(np.array_equal, resumed[rank][2], whole[rank][2])
+        assert all(jax.tree.leaves(same)), rank
 
 
 # -- 4 worker processes, one killed and restarted -------------------------------------------------
@@ -165,10 +199,12 @@ def worker(address, rank, incarnation, where):
     (the same decision on every member: it reads the sync's shared metrics only). Worker 2's
     first run SIGKILLs itself in sync 2's round: between two inner steps (``where="round"``) or
     inside the sync's exchange (``where="exchange"``)."""
-    dies = rank == 2 and incarnation == 0
+    dies = rank == 2 and incarnation == 0 and where != "service"
     kind = DyingQuorum if dies and where == "exchange" else Quorum
     q = kind(address, rank, WORKERS, failure_timeout=FAILURE_TIMEOUT)
-    run = diloco_ft(loss_fn, INNER, OUTER, quorum=q, sync_every=H, sync_timeout=30)
+    run = diloco_ft(
+        loss_fn, INNER, OUTER, quorum=q, sync_every=H, sync_timeout=30, service_timeout=30
+    )
     state, saw_fewer, deadline = run.init(initial_params()), False, time.monotonic() + 60
     while time.monotonic() < deadline:
         if dies and where == "round" and state.step == KILL_STEP:
@@ -177,7 +213,7 @@ def worker(address, rank, incarnation, where):
         state, metrics = run.step(state, batch(rank, state.step))
         time.sleep(PACE)
         if metrics["synced"]:
-            keys = ("members", "trained", "joined", "attempts", "bytes_sent")
+            keys = ("members", "trained", "joined", "attempts", "reconnects", "bytes_sent")
             emit(
                 "sync",
                 sync=state.sync - 1,
@@ -186,7 +222,9 @@ def worker(address, rank, incarnation, where):
                 **{k: metrics[k] for k in keys},
             )
             saw_fewer |= len(metrics["trained"]) < WORKERS
-            if saw_fewer and len(metrics["trained"]) == WORKERS:
+            if where == "service" and state.sync == SYNCS:
+                break
+            if where != "service" and saw_fewer and len(metrics["trained"]) == WORKERS:
                 break
     q.close()
     emit("closed", sync=state.sync, params=flat(state.global_params))
@@ -316,6 +354,56 @@ def check_runs(runs, survivors, where):
     expected = flat(replay(list(zip(plan, joins))))
     np.testing.assert_allclose(
         json.loads(next(iter(by_sync[order[-1]])))[0], expected, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_the_service_dies_and_comes_back_and_the_workers_go_on(tmp_path):
+    """SIGKILLed between syncs, the service takes every worker's client process with it: the
+    workers themselves see ServiceLostError, wait for it, reconnect to the restarted service and
+    go on from their state; every sync has the same bits on every worker, those of a replay."""
+    port, restart_after = free_port(), 2.0
+    address, log = f"127.0.0.1:{port}", lambda r: str(tmp_path / f"worker{r}.0.jsonl")
+    service = service_process(port, WORKERS, FAILURE_TIMEOUT)
+    workers = [start_worker(address, r, 0, tmp_path, "service") for r in range(WORKERS)]
+
+    def committed(r, sync):
+        return any(e["event"] == "sync" and e["sync"] == sync for e in events(log(r)))
+
+    try:
+        wait_for(lambda: all(committed(r, 1) for r in range(WORKERS)), 40, "sync 1")
+        service.kill()
+        service.wait()
+        killed = time.monotonic()
+        time.sleep(restart_after)
+        service = service_process(port, WORKERS, FAILURE_TIMEOUT)
+        for r, p in enumerate(workers):
+            assert p.wait(timeout=60) == 0, open(log(r)).read()
+    finally:
+        for p in [*workers, service]:
+            p.kill() if p.poll() is None else None
+    runs = {r: events(log(r)) for r in range(WORKERS)}
+    syncs = {r: [e for e in run if e["event"] == "sync"] for r, run in runs.items()}
+    # every worker lived through it: one sync after the restart reconnected, at most a few
+    # seconds after it (the wait is bounded by service_timeout)
+    for r in range(WORKERS):
+        after = [e for e in syncs[r] if e["t"] > killed]
+        assert after and after[0]["reconnects"] >= 1, syncs[r]
+        assert after[0]["t"] - killed < restart_after + 2 * FAILURE_TIMEOUT, after[0]
+        assert sum(e["reconnects"] for e in syncs[r]) == after[0]["reconnects"]
+        assert syncs[r][-1]["sync"] == SYNCS - 1 and syncs[r][-1]["trained"] == [0, 1, 2, 3]
+    # the same bits on every worker after each sync, and a replay's (a worker whose commit the
+    # service's death cut off takes its peers' state: it joined that sync)
+    by_sync = {}
+    for run in syncs.values():
+        for e in run:
+            by_sync.setdefault(e["sync"], set()).add(json.dumps([e["params"], e["trained"]]))
+    assert sorted(by_sync) == list(range(SYNCS)) and all(len(v) == 1 for v in by_sync.values())
+    plan = [json.loads(next(iter(by_sync[k])))[1] for k in range(SYNCS)]
+    joins = [[r for r in syncs if any(e["sync"] == k and e["joined"] for e in syncs[r])]
+             for k in range(SYNCS)]  # fmt: skip
+    expected = flat(replay(list(zip(plan, joins))))
+    np.testing.assert_allclose(
+        json.loads(next(iter(by_sync[SYNCS - 1])))[0], expected, rtol=1e-5, atol=1e-6
     )
 
 

@@ -123,6 +123,30 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 BENCHMARKS_DIR = os.path.join(os.path.dirname(TESTS_DIR), "benchmarks")
 
 
+_SERVE = """
+import sys
+from jaxcomp.distributed import quorum
+port, workers, failure_timeout = map(int, sys.argv[1:])
+service = quorum.host_service(f"[::]:{port}", workers, failure_timeout=failure_timeout)
+print("READY", flush=True)
+sys.stdin.read()
+service.shutdown()
+"""
+
+
+def service_process(port: int, workers: int, failure_timeout: int):
+    """JAX's coordination service (``quorum.host_service``) in a process of its own, on ``port``,
+    until its stdin closes or it is killed: a ``subprocess.Popen``, returned once it listens."""
+    import subprocess
+
+    command = [sys.executable, "-c", _SERVE, str(port), str(workers), str(failure_timeout)]
+    process = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=subprocess_env(), text=True
+    )
+    assert process.stdout.readline().strip() == "READY"
+    return process
+
+
 def load_benchmark(name: str):
     """The script ``benchmarks/<name>.py`` imported as the module ``benchmarks_<name>``
     (registered in ``sys.modules``, where dataclasses look their module up)."""

@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from helpers import events, free_port, subprocess_env, wait_for
+from helpers import events, free_port, service_process, subprocess_env, wait_for
 
 from jaxcomp.distributed import quorum
 from jaxcomp.distributed.quorum import (
@@ -23,6 +23,7 @@ from jaxcomp.distributed.quorum import (
     QuorumError,
     QuorumMismatchError,
     QuorumTimeoutError,
+    ServiceLostError,
 )
 
 FAILURE_TIMEOUT = 5  # seconds: the service's heartbeat timeout in the multi-process test
@@ -112,6 +113,44 @@ def test_one_worker_in_this_process():
             q.members(2)
     finally:
         service.shutdown()
+
+
+def test_the_service_dies_the_worker_lives_and_reconnects():
+    """SIGKILLed, the service takes jaxlib's client process with it, not the worker: each call
+    is a ServiceLostError (jaxlib's last status in it) until reconnect() finds the service
+    restarted, as a new incarnation."""
+    port = free_port()
+    service = service_process(port, 1, 3)
+    try:
+        q = Quorum(f"127.0.0.1:{port}", 0, 1, failure_timeout=3)
+        with pytest.raises(QuorumMismatchError):
+            q.members(0)
+        (before,) = q.members(0)
+        service.kill()
+        service.wait()
+        began = time.monotonic()
+        while time.monotonic() - began < 10:  # its client notices within about a second
+            try:
+                q.members(1)
+            except ServiceLostError as e:
+                assert "is gone" in str(e) and "SIGABRT" in str(e), e
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("no ServiceLostError 10 s after the service was killed")
+        with pytest.raises(ServiceLostError):
+            q.get("x")
+        service = service_process(port, 1, 3)
+        q.reconnect(timeout=10)
+        with pytest.raises(QuorumMismatchError):
+            q.members(1)  # new to the new service's quorum
+        (after,) = q.members(1)
+        assert after.worker == 0 and after.incarnation != before.incarnation
+        assert q.commit(1) is True
+        q.close()
+    finally:
+        service.kill()
+        service.wait()
 
 
 def emit(event, **fields):

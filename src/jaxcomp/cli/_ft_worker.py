@@ -138,7 +138,7 @@ def train(options: dict) -> None:
             time.sleep(options["pace"])
         if not metrics["synced"]:
             continue
-        keys = ("members", "trained", "joined", "attempts")
+        keys = ("members", "trained", "joined", "attempts", "reconnects")
         emit("sync", step=state.step, sync=state.sync - 1, cpu_total=time.process_time(),
              **{k: metrics[k] for k in keys})  # fmt: skip
         if state.step % every and state.step < options["max_steps"]:

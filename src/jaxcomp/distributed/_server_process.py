@@ -10,7 +10,7 @@ import sys
 import time
 
 from jaxcomp.distributed import rendezvous_server
-from jaxcomp.distributed._wire import LineReader
+from jaxcomp.distributed._wire import RUN_THIS_FILE, LineReader
 
 _LOG = logging.getLogger("jaxcomp.distributed")
 
@@ -18,19 +18,13 @@ _LOG = logging.getLogger("jaxcomp.distributed")
 # file this variable names; by default nowhere.
 LOG_VARIABLE = "JAXCOMP_RENDEZVOUS_LOG"
 
-_RUN_THIS_FILE = (
-    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-)
-
 
 def _arguments(address, num_processes, deadline, jax_service, stall_timeout) -> list[str]:
     """The server's command line."""
-    # The server's file run as a script, not ``-m``: importing the package would import JAX
-    # (seconds); and through runpy, so that the file's folder does not go first on sys.path.
     args = [
         sys.executable,
         "-c",
-        _RUN_THIS_FILE,
+        RUN_THIS_FILE,
         os.path.abspath(rendezvous_server.__file__),
         "serve",
         address,

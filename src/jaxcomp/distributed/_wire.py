@@ -15,6 +15,13 @@ import selectors
 import socket
 import time
 
+# How a helper process (the rendezvous server, the quorum's service client) runs one of these
+# files as a script: through runpy, so that the file's folder does not go first on sys.path, and
+# not with ``-m``, since importing the package would import JAX (seconds).
+RUN_THIS_FILE = (
+    "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
 
 def parse_ids(words) -> list[int]:
     """The process ids in ``words`` (``["1,3"]``, ``["1", "3"]``), sorted, each once."""

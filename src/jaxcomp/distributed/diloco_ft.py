@@ -37,7 +37,7 @@ import numpy as np
 import optax
 
 from jaxcomp.distributed import _checks
-from jaxcomp.distributed.quorum import QuorumError, QuorumMismatchError
+from jaxcomp.distributed.quorum import QuorumError, QuorumMismatchError, ServiceLostError
 
 __all__ = ["FTState", "FaultTolerantDiLoCo", "diloco_ft"]
 
@@ -112,13 +112,14 @@ class FaultTolerantDiLoCo:
     """The object :func:`diloco_ft` returns: ``init``, ``step`` and ``params`` (see the module's
     docstring for the sync)."""
 
-    def __init__(self, loss_fn, inner_tx, outer_tx, quorum, sync_every, sync_timeout):
+    def __init__(self, loss_fn, inner_tx, outer_tx, quorum, sync_every, sync_timeout, service):
         self.loss_fn = loss_fn
         self.inner_tx = inner_tx
         self.outer_tx = outer_tx
         self.quorum = quorum
         self.sync_every = sync_every
         self.sync_timeout = sync_timeout
+        self.service_timeout = service
         self._inner = jax.jit(self._inner_step)
         self._delta = jax.jit(self._pseudo_gradient)
         self._outer = jax.jit(self._outer_step)
@@ -147,6 +148,27 @@ class FaultTolerantDiLoCo:
             sync=0,
         )
 
+    def restore(self, path, params) -> FTState:
+        """The state a worker saved with ``ocp.StandardCheckpointer().save(path, state)``, its
+        counters included: a run whose workers all stopped resumes from their checkpoints (at
+        the first sync, those behind the most advanced take its state, as a restarted worker).
+
+        Args:
+          path: the checkpoint directory.
+          params: the params or their shapes (what :meth:`init` takes).
+
+        Returns:
+          The :class:`FTState`, bit for bit as saved.
+
+        Example:
+          >>> state = run.restore("/ckpt/worker2/sync40", params)  # doctest: +SKIP
+        """
+        import orbax.checkpoint as ocp
+
+        target = jax.eval_shape(self.init, params)
+        restored = ocp.StandardCheckpointer().restore(path, target)
+        return restored._replace(step=int(restored.step), sync=int(restored.sync))
+
     def params(self, state: FTState):
         """The global params of ``state`` (those of the last committed sync).
 
@@ -169,12 +191,13 @@ class FaultTolerantDiLoCo:
         Returns:
           ``(state, metrics)``: ``loss`` (this worker's, before the step), ``synced``,
           ``members`` (how many in the sync's quorum), ``trained`` (the ranks averaged),
-          ``joined`` (this worker took its peers' state), ``attempts`` and ``bytes_sent`` (put
-          into the store by this worker).
+          ``joined`` (this worker took its peers' state), ``attempts``, ``reconnects`` (the
+          service died and came back) and ``bytes_sent`` (put into the store by this worker).
         """
         local, inner_state, loss = self._inner(state.local_params, state.inner_state, batch)
         state = state._replace(local_params=local, inner_state=inner_state, step=state.step + 1)
-        metrics = dict(synced=False, members=0, trained=(), joined=False, attempts=0, bytes_sent=0)
+        metrics = dict(synced=False, members=0, trained=(), joined=False, attempts=0)
+        metrics.update(reconnects=0, bytes_sent=0)
         if state.step % self.sync_every == 0:
             state, done = self._sync(state)
             metrics.update(done, synced=True)
@@ -184,18 +207,22 @@ class FaultTolerantDiLoCo:
 
     def _sync(self, state: FTState):
         """``(state, metrics)`` after the sync due now (the module's steps 1 to 5)."""
-        quorum, sync, sent = self.quorum, state.sync, 0
+        quorum, sync, sent, lost = self.quorum, state.sync, 0, 0
         delta = np.asarray(self._delta(state.global_params, state.local_params), "<f4").tobytes()
         for attempt in range(1, _MAX_ATTEMPTS + 1):
             try:
                 members = quorum.members(sync, timeout=self.sync_timeout)
+                exchanged, bytes_sent, failure = self._exchange(sync, members, state, delta)
+                sent += bytes_sent
+                if not quorum.commit(sync):
+                    continue  # the quorum changed: redo the sync with the new one
             except QuorumMismatchError as e:
                 sync = max(sync, e.sync)  # a worker new to the quorum (maybe this one)
                 continue
-            exchanged, bytes_sent, failure = self._exchange(sync, members, state, delta)
-            sent += bytes_sent
-            if not quorum.commit(sync):
-                continue  # the quorum changed: redo the sync with the new one
+            except ServiceLostError:  # the service died: wait for it, and redo the sync
+                quorum.reconnect(timeout=self.service_timeout)
+                lost += 1
+                continue
             if failure is not None:  # the quorum held, but this worker missed a payload
                 raise QuorumError(
                     f"worker {quorum.rank}: sync {sync} committed without this worker's "
@@ -206,6 +233,7 @@ class FaultTolerantDiLoCo:
                 trained=exchanged.trained,
                 joined=state.sync < sync,
                 attempts=attempt,
+                reconnects=lost,
                 bytes_sent=sent,
             )
         raise QuorumError(
@@ -238,6 +266,8 @@ class FaultTolerantDiLoCo:
                 base = (*_tree_from_bytes(body, base[:2]), step)
             average = _average([payloads[w][2] for w in trained])
             return _Exchange(*base, average, trained), sent, None
+        except ServiceLostError:
+            raise
         except (QuorumError, ValueError) as e:  # a get timed out, a put failed, foreign bytes
             return None, sent, e
 
@@ -294,6 +324,7 @@ def diloco_ft(
     quorum,
     sync_every: int,
     sync_timeout: float = 600.0,
+    service_timeout: float = 300.0,
 ) -> FaultTolerantDiLoCo:
     """DiLoCo for workers that may die: each worker a JAX program of its own, syncing through a
     :class:`jaxcomp.distributed.quorum.Quorum`; survivors go on, a restarted worker rejoins.
@@ -306,6 +337,8 @@ def diloco_ft(
       sync_every: H, the inner steps between two syncs.
       sync_timeout: seconds a sync's barrier waits for the other live workers: more than the
         slowest worker's ``sync_every`` inner steps (and a restarted worker's start-up).
+      service_timeout: seconds a worker waits for the coordination service to be back when it
+        died (restarted at the same address), before ``QuorumError``.
 
     Returns:
       A :class:`FaultTolerantDiLoCo`: ``init(params)``, ``step(state, batch)``, ``params``.
@@ -340,4 +373,7 @@ def diloco_ft(
         )
     sync_every = _checks.positive_int(sync_every, "sync_every")
     sync_timeout = _checks.positive_seconds(sync_timeout, "sync_timeout")
-    return FaultTolerantDiLoCo(loss_fn, inner_tx, outer_tx, quorum, sync_every, sync_timeout)
+    service_timeout = _checks.positive_seconds(service_timeout, "service_timeout")
+    return FaultTolerantDiLoCo(
+        loss_fn, inner_tx, outer_tx, quorum, sync_every, sync_timeout, service_timeout
+    )

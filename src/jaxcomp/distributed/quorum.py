@@ -2,8 +2,9 @@
 
 Each worker is a JAX program of its own (no job-wide ``jax.distributed`` client: no XLA program
 spans workers) that reaches the service (:func:`host_service`, or the rendezvous server's helper)
-through jaxlib's ``DistributedRuntimeClient`` alone. At each sync every worker calls
-:meth:`Quorum.members`, a barrier among the live workers that returns the same sorted
+through jaxlib's ``DistributedRuntimeClient`` alone, in a child process: the service's death is
+a :class:`ServiceLostError` (then :meth:`Quorum.reconnect`), not the worker's. At each sync every
+worker calls :meth:`Quorum.members`, a barrier among the live workers that returns the same sorted
 ``(worker, incarnation)`` list to each; they exchange bytes with :meth:`Quorum.put` and
 :meth:`Quorum.get` under keys private to that quorum; :meth:`Quorum.commit` then tells every member
 alike whether the sync counts (members and incarnations unchanged). Every wait is bounded.
@@ -14,12 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-import socket
-import threading
-import time
 from typing import NamedTuple
 
 from jaxcomp.distributed import _checks
+from jaxcomp.distributed._service_client import ClientProcess, ServiceGone, wait_listening
 from jaxcomp.distributed.rendezvous_server import split_address
 
 # The client methods the quorum calls (jaxlib 0.10's DistributedRuntimeClient).
@@ -71,6 +70,12 @@ class QuorumMismatchError(QuorumError):
         self.sync = sync
 
 
+class ServiceLostError(QuorumError):
+    """The coordination service is gone (it died, or its host did): every call of this quorum
+    fails so until :meth:`Quorum.reconnect` reaches a service again. The worker's own state is
+    intact (jaxlib's client ran in a process of its own)."""
+
+
 def _runtime():
     """jaxlib's ``_jax``, checked for what the quorum calls: the one place that touches it."""
     from jaxlib import _jax
@@ -92,19 +97,10 @@ def _runtime():
 
 
 def _wait_listening(address, seconds) -> None:
-    """Waits for ``address`` to accept TCP connections: jaxlib's ``connect`` aborts the process,
+    """Waits for ``address`` to accept TCP connections: jaxlib's ``connect`` aborts its process,
     with no Python error, when nothing is there."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            socket.create_connection(split_address(address), timeout=1.0).close()
-            return
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                raise QuorumError(
-                    f"no coordination service at {address} after {seconds:g} s"
-                ) from e
-            time.sleep(0.2)
+    if not wait_listening(split_address(address), seconds):
+        raise QuorumError(f"no coordination service at {address} after {seconds:g} s")
 
 
 def _whole_seconds(seconds: float) -> int:
@@ -114,8 +110,8 @@ def _whole_seconds(seconds: float) -> int:
 def host_service(bind_address: str, num_workers: int, failure_timeout: float = 60.0):
     """Hosts JAX's coordination service for ``num_workers`` workers in this process,
     recoverable (a worker that stops heartbeating is dropped, the others are not aborted), until
-    ``shutdown()``. Every worker's client aborts its process when the service goes: host it where
-    no worker runs (a launcher, the rendezvous server's helper).
+    ``shutdown()``. Host it where no worker runs (a launcher, the rendezvous server's helper):
+    when it dies, every worker gets :class:`ServiceLostError` until one is back.
 
     Args:
       bind_address: ``"HOST:PORT"`` to listen on, e.g. ``"[::]:7733"``.
@@ -174,18 +170,6 @@ def quorum_id(sync: int, members) -> str:
     return f"{sync}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
-def _check_key(key, name="key") -> str:
-    if not isinstance(key, str) or not key or key.startswith("/") or key.endswith("/"):
-        raise ValueError(f"{name} must be a non-empty str not starting or ending in /: {key!r}")
-    return key
-
-
-def _check_sync(sync) -> int:
-    if isinstance(sync, bool) or not isinstance(sync, int) or sync < 0:
-        raise ValueError(f"sync must be an integer >= 0, got {sync!r}")
-    return sync
-
-
 def _workers(ids) -> str:
     """``"worker 1"``, ``"workers 1, 3"``."""
     ids = list(ids)
@@ -197,8 +181,8 @@ class Quorum:
     a key-value exchange among the members (see the module's docstring).
 
     Connects on construction, within ``failure_timeout``; :meth:`close` (or leaving a ``with``
-    block) disconnects. After a barrier timed out the quorum is unusable (jaxlib's call cannot be
-    cancelled): every later call raises :class:`QuorumError`; restart the worker.
+    block) disconnects. After a barrier timed out, or the service died, every call raises
+    :class:`QuorumError` until :meth:`reconnect` (jaxlib's calls cannot be cancelled).
 
     Args:
       address: the service's ``"HOST:PORT"``.
@@ -232,24 +216,48 @@ class Quorum:
             raise ValueError(f"rank must be an integer in [0, {num_workers}), got {rank!r}")
         self.rank = rank
         self.failure_timeout = _checks.positive_seconds(failure_timeout, "failure_timeout")
-        self.prefix = _check_key(prefix, "prefix")
+        self.prefix = _checks.store_key(prefix, "prefix")
         self.address = address
+        _runtime()
+        self._client = None
+        self._connect(self.failure_timeout)
+
+    def _connect(self, seconds) -> None:
+        """A new client (a new incarnation to the service) and a fresh quorum state."""
         self._broken = None  # why the quorum is unusable, once it is
         self._current = None  # (sync, members) of the last members() call
         self._previous = None  # the members of the last barrier (members() or commit())
         self._own_keys = []  # (sync, full key) this worker put, deleted two syncs later
-        seconds = _whole_seconds(self.failure_timeout)
-        timeouts = {"init_timeout": seconds, "heartbeat_timeout": seconds}
-        client = _runtime().get_distributed_runtime_client
-        _wait_listening(address, self.failure_timeout)
-        self._client = client(address, rank, shutdown_on_destruction=False, **timeouts)
+        _wait_listening(self.address, seconds)
+        whole = _whole_seconds(self.failure_timeout)
+        options = dict(init_timeout=_whole_seconds(seconds), heartbeat_timeout=whole)
+        self._client = ClientProcess(
+            self.address, self.rank, shutdown_on_destruction=False, **options
+        )
         try:
-            self._client.connect()
-        except Exception as e:
+            self._client.call("connect")
+        except (ServiceGone, RuntimeError) as e:
             raise QuorumError(
-                f"worker {rank} of {num_workers} cannot connect to the coordination service at "
-                f"{address} within {seconds} s: {e}"
+                f"worker {self.rank} of {self.num_workers} cannot connect to the coordination "
+                f"service at {self.address} within {_whole_seconds(seconds)} s: {e}"
             ) from e
+
+    def reconnect(self, timeout: float | None = None) -> None:
+        """Connects anew, e.g. after :class:`ServiceLostError` to the service restarted at the
+        same address: a new incarnation to the others (its first barrier is a mismatch).
+
+        Args:
+          timeout: seconds to wait for the service to be back; default ``failure_timeout``.
+
+        Raises:
+          QuorumError: no service at the address within ``timeout``.
+
+        Example:
+          >>> quorum.reconnect(timeout=120)  # doctest: +SKIP
+        """
+        timeout = self._timeout(timeout)
+        self.close()
+        self._connect(timeout)
 
     def __enter__(self):
         return self
@@ -261,18 +269,22 @@ class Quorum:
         """Disconnects from the service; the others' barriers drop this worker after
         ``failure_timeout``, as they drop a dead one."""
         client, self._client = self._client, None
-        if client is not None and self._broken is None:
-            try:
-                client.shutdown()
-            except Exception:  # already gone: the service dropped this worker
-                pass
+        if client is not None:
+            client.close()  # bounded; the child ends in any case
         self._broken = self._broken or "the quorum was closed"
 
-    def _call(self, method, *args):
+    def _call(self, method, *args, timeout=None):
         if self._broken is not None:
-            raise QuorumError(f"worker {self.rank}'s quorum is unusable: {self._broken}")
+            lost = self._broken.startswith("the coordination service")
+            error = ServiceLostError if lost else QuorumError
+            raise error(f"worker {self.rank}'s quorum is unusable: {self._broken}")
         try:
-            return getattr(self._client, method)(*args)
+            return self._client.call(method, *args, timeout=timeout)
+        except ServiceGone as e:
+            self._broken = f"the coordination service at {self.address} is gone ({e})"
+            raise ServiceLostError(f"worker {self.rank}: {self._broken}") from None
+        except TimeoutError:
+            raise
         except Exception as e:
             raise QuorumError(
                 f"worker {self.rank}: the coordination service at {self.address} refused "
@@ -320,7 +332,7 @@ class Quorum:
         References:
           JAX's ``multihost_utils.live_devices`` (the same barrier, ``get_live_nodes``).
         """
-        sync = _check_sync(sync)
+        sync = _checks.nonnegative_int(sync, "sync")
         members = self._barrier(sync, "members", self._timeout(timeout))
         self._current = (sync, members)
         self._forget_before(sync - 1)
@@ -352,7 +364,7 @@ class Quorum:
         References:
           torchft's ``should_commit`` (meta-pytorch/torchft, ``torchft/manager.py``).
         """
-        sync = _check_sync(sync)
+        sync = _checks.nonnegative_int(sync, "sync")
         if self._current is None or self._current[0] != sync:
             last = None if self._current is None else self._current[0]
             raise ValueError(f"commit({sync}) needs members({sync}) first; the last was {last}")
@@ -380,7 +392,7 @@ class Quorum:
         References:
           JAX's coordination service key-value store (``key_value_set_bytes``).
         """
-        full = self._data_key(_check_key(key), "put")
+        full = self._data_key(_checks.store_key(key, "key"), "put")
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise TypeError(f"value must be bytes-like, got {type(value).__name__}")
         try:
@@ -413,7 +425,7 @@ class Quorum:
         References:
           JAX's coordination service key-value store (``blocking_key_value_get_bytes``).
         """
-        full = self._data_key(_check_key(key), "get")
+        full = self._data_key(_checks.store_key(key, "key"), "get")
         timeout = self._timeout(timeout)
         sync, members = self._current
         try:
@@ -459,19 +471,9 @@ class Quorum:
 
     def _live(self, sync, phase, timeout) -> dict:
         """jaxlib's live-nodes barrier, bounded: it has no timeout of its own."""
-        if self._broken is not None:
-            raise QuorumError(f"worker {self.rank}'s quorum is unusable: {self._broken}")
-        box, done = {}, threading.Event()
-
-        def call():
-            try:
-                box["live"] = self._client.get_live_nodes(list(range(self.num_workers)))
-            except Exception as e:  # handed to the caller's thread
-                box["error"] = e
-            done.set()
-
-        threading.Thread(target=call, name="jaxcomp-quorum-barrier", daemon=True).start()
-        if not done.wait(timeout):
+        try:
+            return self._call("get_live_nodes", list(range(self.num_workers)), timeout=timeout)
+        except TimeoutError:
             others = (w for w in range(self.num_workers) if w != self.rank)
             absent = tuple(w for w in others if not self._announced(w, sync, phase))
             self._broken = f"its sync {sync} {phase} barrier timed out after {timeout:g} s"
@@ -480,12 +482,7 @@ class Quorum:
                 f"{phase} barrier within {timeout:g} s (alive but busy or stopped; a dead one "
                 f"is dropped after failure_timeout = {self.failure_timeout:g} s)",
                 absent,
-            )
-        if "error" in box:
-            raise QuorumError(
-                f"worker {self.rank}: sync {sync}'s {phase} barrier failed: {box['error']}"
-            ) from box["error"]
-        return box["live"]
+            ) from None
 
     def _forget_before(self, sync) -> None:
         """Deletes this worker's keys of syncs before ``sync`` (best effort: storage only)."""
