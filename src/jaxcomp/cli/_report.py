@@ -8,7 +8,24 @@ plot's path the same way: before any work, not after minutes of it.
 from __future__ import annotations
 
 import os
+import platform
 import sys
+
+
+def machine() -> str:
+    """The machine a result was measured on, for its record: the host's name, its CPU model (the
+    same command runs at other speeds on another CPU), its cores and jax's version."""
+    import jax
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model
+            )
+    except OSError:
+        pass
+    return f"{platform.node()}: {model}, {os.cpu_count()} cores, jax {jax.__version__}"
 
 
 class _PlainBar:

@@ -34,7 +34,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import sys
 import tempfile
 
@@ -347,12 +346,8 @@ def main(argv=None) -> int:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "time_to_quality.json"), "w") as f:
-            import jax
-
             record = dict(command=["jaxcomp", "netbench", "--to-loss", *argv])
-            record.update(
-                machine=f"{platform.node()}: {os.cpu_count()} cores, jax {jax.__version__}"
-            )
+            record.update(machine=_report.machine())
             json.dump(
                 dict(record, config=dataclasses.asdict(config), title=title, panels=panels), f
             )

@@ -32,7 +32,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import select
 import signal
 import subprocess
@@ -40,6 +39,7 @@ import sys
 import tempfile
 import time
 
+from jaxcomp.cli import _report
 from jaxcomp.training import charlm
 
 #: The service's address in the cluster's subnet (the hosts are .1 to .N).
@@ -388,11 +388,9 @@ def main(argv=None) -> int:
         f"{config.context} characters a step, {args.hosts} emulated hosts, fault-tolerant DiLoCo"
     )
     if args.out:
-        import jax
-
         os.makedirs(args.out, exist_ok=True)
         record = dict(command=["jaxcomp", "netbench", "--to-loss", "--fault-tolerant", *argv])
-        record.update(machine=f"{platform.node()}: {os.cpu_count()} cores, jax {jax.__version__}")
+        record.update(machine=_report.machine())
         record.update(config=dataclasses.asdict(config), title=title, ratio=ratio)
         record.update(panels=[(args.rate, ([dp] if dp else []) + rows)])
         with open(os.path.join(args.out, "time_to_quality.json"), "w") as f:
