@@ -3,6 +3,8 @@ held-out loss on 4 emulated hosts, and what it sent until then."""
 
 from __future__ import annotations
 
+import os
+
 from summary import common
 
 #: The runs, each a char-LM on 4 emulated hosts: the title says which model and batch.
@@ -15,8 +17,12 @@ FILES = tuple(
         "time_to_quality_cluster_small_4500_100mbit.json",
         "time_to_quality_cluster_wide8x32_900_100mbit_2026-11-28.json",
         "time_to_quality_cluster_small_4500_100mbit_ft_2026-12-05.json",
+        "time_to_quality_cluster_small_4500_100mbit_diloco_2026-12-05.json",
     )
 )
+#: Runs measured on another CPU than the others (an Intel Xeon, where every row takes 1.6 to 1.8
+#: times the CPU seconds a step): their rows compare with each other only.
+OTHER_CPU = {"time_to_quality_cluster_small_4500_100mbit_diloco_2026-12-05.json": "Xeon"}
 RATES = {"1gbit": "1 Gbit", "100mbit": "100 Mbit"}
 
 STILL_SHORT = (
@@ -63,7 +69,11 @@ def section() -> str:
         "each worker a program of its own, dense float32 through the coordination service); "
         "`-kill2-restart60s`: worker 2 SIGKILLed mid-run and restarted 60 s later; their dp "
         "row is the small 4500-step run's at 100 Mbit (`--dp-from`), from another job on another "
-        "day: their *sooner* is not side by side, their ratio to each other is.",
+        "day: their *sooner* is not side by side, their ratio to each other is. `-eager`: the "
+        "outer step applied one round late (`diloco(eager=True)`); `-muon`: each worker trains "
+        "with `jaxcomp.muon` (MuLoCo); `-topk2r02`: the top 2% of each pseudo-gradient in 2 bits "
+        "with error feedback (SparseLoCo). A run marked *Xeon* ran on another CPU, where every "
+        "row takes 1.6-1.8x the CPU seconds a step: compare its rows with each other only.",
         "",
         "Command: `sudo jaxcomp netbench --to-loss --hosts 4 --rates 1gbit,100mbit --model M "
         "--steps S --rows ...` (`benchmarks/time_to_quality.py`); the fault-tolerant rows: "
@@ -76,6 +86,7 @@ def section() -> str:
     for path in FILES:
         data = common.load(path)
         run = f"{data['title'].split(',')[1].strip()}, {data['config']['steps']} steps"
+        run += "".join(f", {cpu}" for cpu in [OTHER_CPU.get(os.path.basename(path))] if cpu)
         for rate, name, sooner, sent, final in rows(data):
             shown = "never" if sooner is None else f"{sooner:.2f}x"
             told = "-" if sent is None else f"{sent:.3f}"
