@@ -85,3 +85,35 @@ def test_a_worker_killed_mid_run_rejoins_and_nothing_hangs(tmp_path, monkeypatch
     assert all(math.isfinite(p["loss"]) for p in curve) and curve[-1]["loss"] < curve[0]["loss"]
     assert all(a["seconds"] < b["seconds"] for a, b in zip(curve[1:], curve[2:]))
     assert all(p["bytes"] > 0 and p["wire"] >= p["bytes"] for p in curve[1:])
+
+
+@pytest.mark.multiprocess
+def test_the_service_killed_mid_run_comes_back_and_no_worker_dies(tmp_path, monkeypatch):
+    """The coordination service SIGKILLed once worker 0 committed the sync of step 10, and
+    started again 2 s later at the same address: every worker reconnects (its own state kept)
+    and finishes, with the same global params."""
+    from helpers import cluster_hosts_import_this_jaxcomp, events
+
+    cluster_hosts_import_this_jaxcomp(monkeypatch)
+    steps = 200
+    argv = ["--quick", "--hosts", "4", "--rate", "100mbit", "--steps", "20", "--max-steps"]
+    argv += [str(steps), "--sync-every", "2", "--eval-every", "40", "--kill-at-step", "10"]
+    argv += ["--kill-service", "--restart-after", "2", "--failure-timeout", "3", "--pace"]
+    argv += ["0.05", "--runs", "kill", "--timeout", "120", "--out", str(tmp_path)]
+    code = cli.main(["--fault-tolerant", *argv, "--keep-logs", str(tmp_path / "logs")])
+    with open(tmp_path / "time_to_quality.json") as f:
+        ((_, (row,)),) = json.load(f)["panels"]
+    assert row["name"] == "diloco-ft-h2-avg-killservice-restart2s" and code == 0
+    assert row["options"]["kill_service"] and "kill_worker" not in row["options"]
+    processes = {(p["rank"], p["incarnation"]): p for p in row["processes"]}
+    assert sorted(processes) == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    assert all(p["exit"] == 0 and not p["hung"] for p in processes.values()), processes
+    killed, restarted = row["service"]["killed_t"], row["service"]["restarted_t"]
+    assert restarted - killed >= 2
+    for rank in range(4):
+        log = events(tmp_path / "logs" / row["name"] / f"worker{rank}.0.jsonl")
+        after = [e for e in log if e["event"] == "sync" and e["t"] > restarted]
+        assert after and sum(e["reconnects"] for e in after) == 1, (rank, after[:3])
+    done = [p["done"] for p in processes.values()]
+    assert len({(d["step"], d["sync"], d["params"]) for d in done}) == 1, done
+    assert done[0]["step"] == steps

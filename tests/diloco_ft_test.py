@@ -26,6 +26,7 @@ from helpers import events, free_port, need_devices, service_process, subprocess
 import jaxcomp
 from jaxcomp.distributed import quorum
 from jaxcomp.distributed.diloco_ft import diloco_ft
+from jaxcomp.distributed.ft_codecs import Int8
 from jaxcomp.distributed.quorum import Quorum
 
 FAILURE_TIMEOUT = 5  # seconds: the service's heartbeat timeout
@@ -61,7 +62,7 @@ class NoQuorum:
     def members(self, sync, timeout=None):
         raise AssertionError("nothing may be sent")
 
-    commit = put = get = members
+    commit = put = get = reconnect = members
 
 
 @pytest.mark.parametrize(
@@ -74,6 +75,7 @@ class NoQuorum:
         (dict(sync_every=2, inner_tx=optax.sgd), TypeError, "inner_tx"),
         (dict(sync_every=2, outer_tx="sgd"), TypeError, "outer_tx"),
         (dict(sync_every=2, loss_fn=3), TypeError, "loss_fn"),
+        (dict(sync_every=2, codec="int8"), TypeError, "codec"),
     ],
 )
 def test_bad_arguments_are_errors_before_anything_is_sent(kwargs, error, message):
@@ -87,7 +89,7 @@ def test_bad_arguments_are_errors_before_anything_is_sent(kwargs, error, message
     assert state.step == 1 and not metrics["synced"] and metrics["bytes_sent"] == 0
 
 
-def two_workers(steps, start=None):
+def two_workers(steps, start=None, codec=None):
     """Two workers in threads of this process, on a service of their own, for ``steps`` inner
     steps from ``start(run, rank)`` (default ``run.init``): ``{rank: (params, synced, state)}``."""
     port = free_port()
@@ -97,7 +99,9 @@ def two_workers(steps, start=None):
     def work(rank):
         try:
             with Quorum(f"127.0.0.1:{port}", rank, 2, failure_timeout=FAILURE_TIMEOUT) as q:
-                run = diloco_ft(loss_fn, INNER, OUTER, quorum=q, sync_every=H, sync_timeout=20)
+                run = diloco_ft(
+                    loss_fn, INNER, OUTER, quorum=q, sync_every=H, sync_timeout=20, codec=codec
+                )
                 state = run.init(initial_params()) if start is None else start(run, rank)
                 synced = []
                 for _ in range(steps):
@@ -142,6 +146,70 @@ def test_two_workers_in_this_process_match_diloco():
         )
     same = jax.tree.map(lambda a, b: np.array_equal(a, b), results[0][0], results[1][0])
     assert all(jax.tree.leaves(same))
+
+
+def int8_reference(x, chunk):
+    """What the 8-bit codec sends of ``x``, in numpy: per chunk, the largest magnitude is 127."""
+    n = x.size
+    rows = np.pad(np.asarray(x, np.float32), (0, -n % chunk)).reshape(-1, chunk)
+    scales = np.max(np.abs(rows), axis=1) / np.float32(127)
+    codes = np.clip(np.round(rows / np.where(scales > 0, scales, 1)[:, None]), -127, 127)
+    return (codes * scales[:, None]).ravel()[:n].astype(np.float32)
+
+
+@pytest.mark.parametrize("n", [1, 5, 1023, 1024, 5000])
+def test_the_int8_codec_matches_its_numpy_reference(n):
+    codec = Int8(chunk=1024)
+    rng = np.random.default_rng(n)  # magnitudes from 1e-3 to 1e2: each chunk its own scale
+    x = (rng.normal(size=n) * 10.0 ** rng.integers(-3, 3, n)).astype(np.float32)
+    codes, scales = jax.jit(codec.encode)(jnp.asarray(x))
+    body = codec.to_bytes(codes, scales)
+    assert len(body) == -(-n // 1024) * (1024 + 4)  # a quarter of float32's, and the scales
+    np.testing.assert_allclose(codec.decode(body, n), int8_reference(x, 1024), rtol=1e-6)
+    np.testing.assert_array_equal(codec.decode(body, n), codec.decoded(codes, scales, n))
+    zeros = codec.encode(jnp.zeros(n))
+    assert not codec.decode(codec.to_bytes(*zeros), n).any()
+    with pytest.raises(ValueError, match="bytes"):
+        codec.decode(body[:-1], n)
+    with pytest.raises(ValueError, match="chunk"):
+        Int8(chunk=0)
+
+
+def test_two_workers_with_int8_pseudo_gradients_match_a_reference():
+    """diloco_ft(codec=Int8(...)): each worker sends its pseudo-gradient plus its residual in 8
+    bits and keeps the rest; the average is of what was sent (a replay in numpy)."""
+    need_devices(2)
+    chunk, syncs = 4, 3
+    results = two_workers(syncs * H, codec=Int8(chunk=chunk))
+    inner = jax.jit(_inner_step)
+    global_params = initial_params()
+    outer_state, leaves = OUTER.init(global_params), jax.tree.leaves(global_params)
+    inner_states = {r: INNER.init(global_params) for r in (0, 1)}
+    residual = {r: np.zeros(sum(x.size for x in leaves), np.float32) for r in (0, 1)}
+    for k in range(syncs):
+        sent = []
+        for r in (0, 1):
+            local = global_params
+            for i in range(H):
+                local, inner_states[r] = inner(local, inner_states[r], batch(r, k * H + i))
+            x = np.asarray(flat(global_params), np.float32) - np.asarray(flat(local), np.float32)
+            x = x + residual[r]
+            sent.append(int8_reference(x, chunk))
+            residual[r] = x - sent[-1]
+        average = (sent[0] + sent[1]) / np.float32(2)
+        treedef = jax.tree.structure(global_params)
+        ends = np.cumsum([x.size for x in jax.tree.leaves(global_params)])
+        shaped = treedef.unflatten(
+            [average[e - x.size : e].reshape(x.shape) for x, e in zip(leaves, ends)]
+        )
+        updates, outer_state = OUTER.update(shaped, outer_state, global_params)
+        global_params = optax.apply_updates(global_params, updates)
+    for rank in (0, 1):
+        params, synced, state = results[rank]
+        assert synced[-1] == (True, 2, (0, 1)) and state.residual.shape == residual[rank].shape
+        np.testing.assert_allclose(flat(params), flat(global_params), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(state.residual, residual[rank], rtol=1e-4, atol=1e-6)
+    assert flat(results[0][0]) == flat(results[1][0])
 
 
 def test_a_run_whose_workers_all_stopped_resumes_from_their_checkpoints(tmp_path):

@@ -53,6 +53,9 @@ class _LateQuorum:
     def get(self, key, timeout=None):
         return self._quorum.get(key, timeout)
 
+    def reconnect(self, timeout=None):
+        return self._quorum.reconnect(timeout)
+
 
 class _Clock:
     """Wall-clock and CPU seconds of the training, with evaluations left out."""
@@ -95,6 +98,7 @@ def _setup(options: dict):
     import optax
 
     from jaxcomp.distributed.diloco_ft import diloco_ft
+    from jaxcomp.distributed.ft_codecs import Int8
     from jaxcomp.training import charlm
 
     base = charlm.QUICK if options["model"] == "quick" else charlm.MODELS[options["model"]]
@@ -113,6 +117,7 @@ def _setup(options: dict):
         quorum=quorum,
         sync_every=options["sync_every"],
         sync_timeout=options["sync_timeout"],
+        codec=Int8() if options.get("compress") == "int8" else None,
     )
     state = run.init(params)
     batch = lambda step: {"tokens": corpus[0][windows[step][mine]]}  # noqa: E731

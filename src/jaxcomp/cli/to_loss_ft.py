@@ -9,12 +9,15 @@ one worker SIGKILLed mid-run and restarted.
 Each emulated host (:class:`jaxcomp.distributed.cluster.Cluster`, one network namespace behind a
 ``tbf`` link at ``--rate``) runs one worker, a JAX program of its own
 (:mod:`jaxcomp.cli._ft_worker`): the char-LM of ``--to-loss``, Adam on its schedule
-inside, plain averaging outside (``optax.sgd(1.0)``, the ``diloco-h50-avg`` row's), dense float32
-pseudo-gradients exchanged through the coordination service's key-value store every
-``--sync-every`` steps. The service runs in a process of the launcher's, in the cluster's bridge
-namespace at ``<subnet>.254`` (its own link is not shaped; every host's is): no worker hosts it,
-so any worker may die. The run ``--runs kill`` SIGKILLs worker ``--kill-worker`` once it has
-committed the sync at ``--kill-at-step`` and restarts it ``--restart-after`` seconds later.
+inside, plain averaging outside (``optax.sgd(1.0)``, the ``diloco-h50-avg`` row's), float32
+pseudo-gradients (or with ``--compress int8``, 8 bits a value with error feedback) exchanged
+through the coordination service's key-value store every ``--sync-every`` steps. The service
+runs in a process of the launcher's, in the cluster's bridge namespace at ``<subnet>.254`` (its
+own link is not shaped; every host's is): no worker hosts it, so any worker may die. The run
+``--runs kill`` SIGKILLs worker ``--kill-worker`` once it has committed the sync at
+``--kill-at-step`` and restarts it ``--restart-after`` seconds later; with
+``--kill-service`` it SIGKILLs the service instead, once worker 0 has committed that sync, and
+restarts it at the same address (the workers keep their state and reconnect).
 
 Worker 0's curve is the run's: the held-out loss of the global params every ``--eval-every``
 steps (every worker evaluates the same bits and stops at the same sync: at the target or at
@@ -47,9 +50,10 @@ SERVICE_HOST = 254
 
 
 def _row_name(args, kill):
-    name = f"diloco-ft-h{args.sync_every}-avg"
+    name = f"diloco-ft-h{args.sync_every}-avg" + ("-int8" if args.compress == "int8" else "")
     if kill:
-        name += f"-kill{args.kill_worker}-restart{args.restart_after:g}s"
+        victim = "service" if args.kill_service else args.kill_worker
+        name += f"-kill{victim}-restart{args.restart_after:g}s"
     return name
 
 
@@ -103,7 +107,7 @@ class _Run:
         options.update(max_steps=a.max_steps, eval_every=a.eval_every, sync_every=a.sync_every)
         options.update(sync_timeout=a.sync_timeout, failure_timeout=a.failure_timeout)
         options.update(rank=rank, workers=a.hosts, address=self.address, target=self.target)
-        options.update(incarnation=incarnation, pace=a.pace)
+        options.update(incarnation=incarnation, pace=a.pace, compress=a.compress)
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         flags = env.get("XLA_FLAGS", "").split()
         flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
@@ -117,16 +121,23 @@ class _Run:
         )
 
     def _kill_due(self):
-        """SIGKILLs the worker once it committed the sync at ``--kill-at-step``; restarts it
-        ``--restart-after`` seconds later."""
-        a, rank = self.args, self.args.kill_worker
+        """SIGKILLs the worker (or with ``--kill-service``, the service) once the worker (worker
+        0) committed the sync at ``--kill-at-step``; restarts it ``--restart-after`` seconds
+        later."""
+        a = self.args
+        rank = 0 if a.kill_service else a.kill_worker
         if self.killed is None:
             syncs = [e for e in self.events(rank, 0) if e["event"] == "sync"]
             if syncs and syncs[-1]["step"] >= a.kill_at_step:
-                os.killpg(self.popens[rank, 0].pid, signal.SIGKILL)  # reaped by poll()
+                victim = self.service if a.kill_service else self.popens[rank, 0]
+                os.killpg(victim.pid, signal.SIGKILL)  # a worker is reaped by poll()
                 self.killed = time.monotonic()
-        elif (rank, 1) not in self.popens and time.monotonic() >= self.killed + a.restart_after:
-            self.start_worker(rank, 1)
+        elif self.restarted is None and time.monotonic() >= self.killed + a.restart_after:
+            if a.kill_service:
+                self.service.wait()
+                self.start_service()
+            else:
+                self.start_worker(rank, 1)
             self.restarted = time.monotonic()
 
     def run(self):
@@ -170,6 +181,11 @@ def _kill(popen):
     popen.wait()
 
 
+def _victim(run):
+    """The rank of the worker the run kills, or None."""
+    return run.args.kill_worker if run.kill and not run.args.kill_service else None
+
+
 def _process(run, key, code):
     """What a worker process did: its exit, CPU seconds, syncs and when it was killed."""
     events = run.events(*key)
@@ -187,8 +203,8 @@ def _process(run, key, code):
         first_step=syncs[0]["step"] if syncs else None,
         done=done,
         joined=None if joined is None else {k: joined[k] for k in ("step", "members", "t")},
-        killed_t=run.killed if key == (run.args.kill_worker, 0) else None,
-        restarted_t=run.restarted if key == (run.args.kill_worker, 1) else None,
+        killed_t=run.killed if key == (_victim(run), 0) else None,
+        restarted_t=run.restarted if key == (_victim(run), 1) else None,
         started_t=events[0]["t"] if events else None,
     )
 
@@ -200,12 +216,12 @@ def _result(run, codes, started):
     keys = ("step", "seconds", "cpu", "loss", "bytes", "wire")
     curve = [{k: e.get(k) for k in keys} for e in evals]
     processes = [_process(run, key, code) for key, code in sorted(codes.items())]
-    options = dict(kind="diloco_ft", sync_every=a.sync_every, outer="avg", compress="none")
+    options = dict(kind="diloco_ft", sync_every=a.sync_every, outer="avg", compress=a.compress)
     options.update(failure_timeout=a.failure_timeout, workers=a.hosts)
     if run.kill:
-        options.update(kill_worker=a.kill_worker, kill_at_step=a.kill_at_step)
-        options.update(restart_after=a.restart_after)
-    return dict(
+        victim = {"kill_service": True} if a.kill_service else {"kill_worker": a.kill_worker}
+        options.update(victim, kill_at_step=a.kill_at_step, restart_after=a.restart_after)
+    row = dict(
         name=_row_name(a, run.kill),
         curve=curve,
         steps=curve[-1]["step"] if curve else 0,
@@ -213,6 +229,9 @@ def _result(run, codes, started):
         processes=processes,
         wall=time.monotonic() - started,
     )
+    if run.kill and a.kill_service:
+        row.update(service=dict(killed_t=run.killed, restarted_t=run.restarted))
+    return row
 
 
 def _runs(args, target):
@@ -268,7 +287,7 @@ def _ratio(rows):
     reached it)."""
     from jaxcomp.training.to_loss_loop import summarize
 
-    runs = {r["options"].get("kill_worker") is not None: r for r in rows if "processes" in r}
+    runs = {r["options"].get("kill_at_step") is not None: r for r in rows if "processes" in r}
     if len(runs) < 2 or "target" not in runs[False]:
         return None
     undisturbed, killed = (summarize(runs[k], runs[k]["target"], 1) for k in (False, True))
@@ -311,9 +330,20 @@ def _parser():
     parser.add_argument("--eval-every", type=int, help="a multiple of H (default ~steps / 10)")
     parser.add_argument("--sync-every", type=int, default=50, help="H, inner steps per sync")
     parser.add_argument("--failure-timeout", type=int, default=10, help="seconds: heartbeats")
+    parser.add_argument(
+        "--compress",
+        choices=("none", "int8"),
+        default="none",
+        help="pseudo-gradients as float32, or 8 bits a value with error feedback (ft_codecs.Int8)",
+    )
     parser.add_argument("--sync-timeout", type=float, default=600.0, help="seconds a barrier")
     parser.add_argument("--runs", choices=("both", "undisturbed", "kill"), default="both")
     parser.add_argument("--kill-worker", type=int, default=2, help="the worker killed (not 0)")
+    parser.add_argument(
+        "--kill-service",
+        action="store_true",
+        help="kill the coordination service instead of a worker (after worker 0's sync)",
+    )
     parser.add_argument("--kill-at-step", type=int, help="after this sync (default --steps / 2)")
     parser.add_argument("--restart-after", type=float, default=60.0, help="seconds after it")
     parser.add_argument("--dp-from", help="a --to-loss time_to_quality.json: dp, the target")

@@ -9,7 +9,9 @@ sync this worker's state has committed, after every ``sync_every`` inner steps) 
    new) ``k = error.sync`` and again. A member whose state has committed fewer than ``k`` syncs
    is *behind* (a started or restarted worker).
 2. Every member puts ``delta/<rank>``: a header (its committed syncs and inner steps) and, unless
-   behind, its pseudo-gradient (global minus local params) as float32; it gets every member's.
+   behind, its pseudo-gradient (global minus local params) as float32, or as a ``codec``'s
+   payload (:mod:`jaxcomp.distributed.ft_codecs`, with an error-feedback residual); it gets
+   every member's.
 3. When a member is behind, the lowest-ranked member that is not puts ``state``: its global
    params, outer optimizer state and counters; the members behind get it.
 4. The average of the pseudo-gradients of the members that trained, summed in rank order (the
@@ -46,7 +48,7 @@ _HEADER = struct.Struct("<4sqq")
 _MAGIC = b"jft1"
 # A sync that the quorum drops this often in a row (workers dying or joining each time) fails.
 _MAX_ATTEMPTS = 8
-_QUORUM_METHODS = ("members", "commit", "put", "get")
+_QUORUM_METHODS = ("members", "commit", "put", "get", "reconnect")
 
 
 class FTState(NamedTuple):
@@ -58,6 +60,7 @@ class FTState(NamedTuple):
     outer_state: Any  # outer_tx's state (the same on every member after a sync)
     step: int  # inner steps taken (a joining worker takes its peers' count)
     sync: int  # syncs committed: the index of the next one
+    residual: Any = None  # with a codec: what it did not send yet (float32, the params' size)
 
 
 class _Exchange(NamedTuple):
@@ -100,19 +103,23 @@ def _tree_from_bytes(body: bytes, like):
     return treedef.unflatten([jnp.asarray(x) for x in out])
 
 
-def _average(bodies: list[bytes]) -> np.ndarray:
+def _average(vectors) -> np.ndarray:
     """The mean of float32 vectors, summed in the given order: the same bits on every member."""
-    total = np.frombuffer(bodies[0], "<f4").copy()
-    for body in bodies[1:]:
-        total += np.frombuffer(body, "<f4")
-    return total / np.float32(len(bodies))
+    vectors = iter(vectors)
+    total, count = next(vectors).copy(), 1
+    for vector in vectors:
+        total += vector
+        count += 1
+    return total / np.float32(count)
 
 
 class FaultTolerantDiLoCo:
     """The object :func:`diloco_ft` returns: ``init``, ``step`` and ``params`` (see the module's
     docstring for the sync)."""
 
-    def __init__(self, loss_fn, inner_tx, outer_tx, quorum, sync_every, sync_timeout, service):
+    def __init__(
+        self, loss_fn, inner_tx, outer_tx, quorum, sync_every, sync_timeout, service, codec
+    ):
         self.loss_fn = loss_fn
         self.inner_tx = inner_tx
         self.outer_tx = outer_tx
@@ -120,8 +127,10 @@ class FaultTolerantDiLoCo:
         self.sync_every = sync_every
         self.sync_timeout = sync_timeout
         self.service_timeout = service
+        self.codec = codec
         self._inner = jax.jit(self._inner_step)
         self._delta = jax.jit(self._pseudo_gradient)
+        self._encoded = jax.jit(self._encode)
         self._outer = jax.jit(self._outer_step)
         self._fresh = jax.jit(inner_tx.init)
 
@@ -146,6 +155,7 @@ class FaultTolerantDiLoCo:
             outer_state=self.outer_tx.init(params),
             step=0,
             sync=0,
+            residual=None if self.codec is None else jnp.zeros(_size(params), jnp.float32),
         )
 
     def restore(self, path, params) -> FTState:
@@ -208,7 +218,7 @@ class FaultTolerantDiLoCo:
     def _sync(self, state: FTState):
         """``(state, metrics)`` after the sync due now (the module's steps 1 to 5)."""
         quorum, sync, sent, lost = self.quorum, state.sync, 0, 0
-        delta = np.asarray(self._delta(state.global_params, state.local_params), "<f4").tobytes()
+        delta, residual = self._payload(state)
         for attempt in range(1, _MAX_ATTEMPTS + 1):
             try:
                 members = quorum.members(sync, timeout=self.sync_timeout)
@@ -228,7 +238,7 @@ class FaultTolerantDiLoCo:
                     f"worker {quorum.rank}: sync {sync} committed without this worker's "
                     f"exchange: {failure}"
                 ) from failure
-            return self._committed(state, sync, exchanged), dict(
+            return self._committed(state, sync, exchanged, residual), dict(
                 members=len(members),
                 trained=exchanged.trained,
                 joined=state.sync < sync,
@@ -264,14 +274,31 @@ class FaultTolerantDiLoCo:
             if behind:
                 _, step, body = _unpack(quorum.get("state"), f"worker {trained[0]}'s state")
                 base = (*_tree_from_bytes(body, base[:2]), step)
-            average = _average([payloads[w][2] for w in trained])
+            average = _average(self._decode(payloads[w][2], base[0]) for w in trained)
             return _Exchange(*base, average, trained), sent, None
         except ServiceLostError:
             raise
         except (QuorumError, ValueError) as e:  # a get timed out, a put failed, foreign bytes
             return None, sent, e
 
-    def _committed(self, state: FTState, sync: int, exchanged: _Exchange) -> FTState:
+    def _payload(self, state: FTState):
+        """``(bytes, residual)``: this worker's pseudo-gradient as it travels (float32, or the
+        codec's payload of it plus the residual), and the residual it leaves."""
+        if self.codec is None:
+            delta = self._delta(state.global_params, state.local_params)
+            return np.asarray(delta, "<f4").tobytes(), None
+        codes, scales, residual = self._encoded(
+            state.global_params, state.local_params, state.residual
+        )
+        return self.codec.to_bytes(codes, scales), residual
+
+    def _decode(self, body: bytes, like) -> np.ndarray:
+        """A member's pseudo-gradient, float32, from the bytes it put."""
+        if self.codec is None:
+            return np.frombuffer(body, "<f4")
+        return self.codec.decode(body, _size(like))
+
+    def _committed(self, state: FTState, sync: int, exchanged: _Exchange, residual) -> FTState:
         """The state after committed sync ``sync``: the outer step, every worker restarted."""
         global_params, outer_state = self._outer(
             exchanged.global_params, exchanged.outer_state, exchanged.average
@@ -284,6 +311,7 @@ class FaultTolerantDiLoCo:
             outer_state=outer_state,
             step=exchanged.step,
             sync=sync + 1,
+            residual=jnp.zeros_like(residual) if joined and residual is not None else residual,
         )
 
     # -- inside jit ----------------------------------------------------------------------------
@@ -297,6 +325,11 @@ class FaultTolerantDiLoCo:
         leaves = jax.tree.leaves(jax.tree.map(jnp.subtract, global_params, local))
         return jnp.concatenate([x.astype(jnp.float32).ravel() for x in leaves])
 
+    def _encode(self, global_params, local, residual):
+        x = self._pseudo_gradient(global_params, local) + residual
+        codes, scales = self.codec.encode(x)
+        return codes, scales, x - self.codec.decoded(codes, scales, x.size)
+
     def _outer_step(self, global_params, outer_state, average):
         leaves, treedef = jax.tree.flatten(global_params)
         ends = np.cumsum([x.size for x in leaves])
@@ -308,6 +341,10 @@ class FaultTolerantDiLoCo:
             treedef.unflatten(pieces), outer_state, global_params
         )
         return optax.apply_updates(global_params, updates), outer_state
+
+
+def _size(params) -> int:
+    return sum(int(np.size(x)) for x in jax.tree.leaves(params))
 
 
 def _check_transformation(tx, name):
@@ -325,6 +362,7 @@ def diloco_ft(
     sync_every: int,
     sync_timeout: float = 600.0,
     service_timeout: float = 300.0,
+    codec=None,
 ) -> FaultTolerantDiLoCo:
     """DiLoCo for workers that may die: each worker a JAX program of its own, syncing through a
     :class:`jaxcomp.distributed.quorum.Quorum`; survivors go on, a restarted worker rejoins.
@@ -339,6 +377,8 @@ def diloco_ft(
         slowest worker's ``sync_every`` inner steps (and a restarted worker's start-up).
       service_timeout: seconds a worker waits for the coordination service to be back when it
         died (restarted at the same address), before ``QuorumError``.
+      codec: how pseudo-gradients travel, e.g. :class:`jaxcomp.distributed.ft_codecs.Int8`
+        (with error feedback); default None: float32.
 
     Returns:
       A :class:`FaultTolerantDiLoCo`: ``init(params)``, ``step(state, batch)``, ``params``.
@@ -374,6 +414,11 @@ def diloco_ft(
     sync_every = _checks.positive_int(sync_every, "sync_every")
     sync_timeout = _checks.positive_seconds(sync_timeout, "sync_timeout")
     service_timeout = _checks.positive_seconds(service_timeout, "service_timeout")
+    methods = ("encode", "decoded", "to_bytes", "decode")
+    if codec is not None and not all(callable(getattr(codec, m, None)) for m in methods):
+        raise TypeError(
+            f"codec must be a jaxcomp.distributed.ft_codecs codec (e.g. Int8()), got {codec!r}"
+        )
     return FaultTolerantDiLoCo(
-        loss_fn, inner_tx, outer_tx, quorum, sync_every, sync_timeout, service_timeout
+        loss_fn, inner_tx, outer_tx, quorum, sync_every, sync_timeout, service_timeout, codec
     )
