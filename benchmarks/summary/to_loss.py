@@ -18,11 +18,22 @@ FILES = tuple(
         "time_to_quality_cluster_wide8x32_900_100mbit_2026-11-28.json",
         "time_to_quality_cluster_small_4500_100mbit_ft_2026-12-05.json",
         "time_to_quality_cluster_small_4500_100mbit_diloco_2026-12-05.json",
+        "time_to_quality_cluster_small_4500_100mbit_ft_xeon_2026-12-05.json",
+        "time_to_quality_cluster_small_4500_100mbit_ft_int8_xeon_2026-12-05.json",
+        "time_to_quality_cluster_small_4500_100mbit_ft_int8_killservice_xeon_2026-12-05.json",
     )
 )
 #: Runs measured on another CPU than the others (an Intel Xeon, where every row takes 1.6 to 1.8
 #: times the CPU seconds a step): their rows compare with each other only.
-OTHER_CPU = {"time_to_quality_cluster_small_4500_100mbit_diloco_2026-12-05.json": "Xeon"}
+OTHER_CPU = {
+    name: "Xeon"
+    for name in (
+        "time_to_quality_cluster_small_4500_100mbit_diloco_2026-12-05.json",
+        "time_to_quality_cluster_small_4500_100mbit_ft_xeon_2026-12-05.json",
+        "time_to_quality_cluster_small_4500_100mbit_ft_int8_xeon_2026-12-05.json",
+        "time_to_quality_cluster_small_4500_100mbit_ft_int8_killservice_xeon_2026-12-05.json",
+    )
+}
 RATES = {"1gbit": "1 Gbit", "100mbit": "100 Mbit"}
 
 STILL_SHORT = (
@@ -73,7 +84,12 @@ def section() -> str:
         "outer step applied one round late (`diloco(eager=True)`); `-muon`: each worker trains "
         "with `jaxcomp.muon` (MuLoCo); `-topk2r02`: the top 2% of each pseudo-gradient in 2 bits "
         "with error feedback (SparseLoCo). A run marked *Xeon* ran on another CPU, where every "
-        "row takes 1.6-1.8x the CPU seconds a step: compare its rows with each other only.",
+        "row takes 1.6-1.8x the CPU seconds a step: compare its rows with each other only; the "
+        "Xeon `diloco-ft` rows took the Xeon DiLoCo job's dp (`--dp-from`, the same machine "
+        "and day), `-int8` there is `ft_codecs.Int8` (8 bits, error feedback), and "
+        "`-killservice-restart30s` SIGKILLs the coordination service at mid-run and restarts it "
+        "30 s later (the workers reconnect; its params end the same bits as the undisturbed "
+        "`-int8` run's).",
         "",
         "Command: `sudo jaxcomp netbench --to-loss --hosts 4 --rates 1gbit,100mbit --model M "
         "--steps S --rows ...` (`benchmarks/time_to_quality.py`); the fault-tolerant rows: "
