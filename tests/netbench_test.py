@@ -343,6 +343,18 @@ def test_one_small_cell_on_two_emulated_hosts(tmp_path, monkeypatch):
     assert (tmp_path / "p.png").exists()
 
 
+def test_the_auto_rows_choose_among_every_fixed_method_or_compress_autos_default():
+    """``auto``: every fixed method a candidate; ``auto_safe``: what ``compress("auto")`` picks
+    from when given no setting (dense, the bfloat16 cast, ZFP 8)."""
+    import jaxcomp
+    from jaxcomp.methods import QUALITY_SAFE
+
+    fixed, _, _ = netbench.METHODS["auto"]
+    assert {"dense", "zfp", "quantized", "randomk"} <= {m.label for m in fixed}
+    assert netbench.METHODS["auto_safe"] == (QUALITY_SAFE, {}, None)
+    assert jaxcomp.compress("auto").init({}).methods == QUALITY_SAFE
+
+
 def test_every_fixed_method_but_powersgd_has_a_row_with_buckets_and_one_without():
     """Dense and the casts are bucketed by default, so their other row is ``<label>_nobucket``
     (one message); every other fixed method but PowerSGD has ``<label>_bucket``, with DDP's 25

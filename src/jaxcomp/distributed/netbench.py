@@ -35,7 +35,7 @@ import math
 import os
 import tempfile
 
-from jaxcomp.methods import Cast, Dense, PowerSGD, Quantized, RandomK, Sign, TopK, Zfp
+from jaxcomp.methods import QUALITY_SAFE, Cast, Dense, PowerSGD, Quantized, RandomK, Sign, TopK, Zfp
 from jaxcomp.ops import allocator as allocator_module
 
 _LOG = logging.getLogger("jaxcomp.distributed")
@@ -92,6 +92,9 @@ def _runs():
     half = PowerSGD(4, dtype="float16")
     table[half.label] = (half, {}, None)
     table["auto"] = (fixed, {}, None)
+    # compress("auto")'s default: the candidates that keep a plain optimizer's quality (dense,
+    # the bfloat16 cast, ZFP 8), none of them sparse.
+    table["auto_safe"] = (QUALITY_SAFE, {}, None)
     # Sharded training (data_parallel(shard=...)): the gradient reduce-scattered, the params
     # all-gathered.
     for method in (fixed[0], Zfp(8), Quantized(4), Cast("bfloat16")):
