@@ -352,6 +352,7 @@ def test_the_auto_rows_choose_among_every_fixed_method_or_compress_autos_default
     fixed, _, _ = netbench.METHODS["auto"]
     assert {"dense", "zfp", "quantized", "randomk"} <= {m.label for m in fixed}
     assert netbench.METHODS["auto_safe"] == (QUALITY_SAFE, {}, None)
+    assert netbench.METHODS["auto_safe_bucket"] == (QUALITY_SAFE, {"bucket_mb": 25}, None)
     assert jaxcomp.compress("auto").init({}).methods == QUALITY_SAFE
 
 

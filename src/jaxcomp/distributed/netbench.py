@@ -95,6 +95,7 @@ def _runs():
     # compress("auto")'s default: the candidates that keep a plain optimizer's quality (dense,
     # the bfloat16 cast, ZFP 8), none of them sparse.
     table["auto_safe"] = (QUALITY_SAFE, {}, None)
+    table["auto_safe_bucket"] = (QUALITY_SAFE, {"bucket_mb": 25}, None)
     # Sharded training (data_parallel(shard=...)): the gradient reduce-scattered, the params
     # all-gathered.
     for method in (fixed[0], Zfp(8), Quantized(4), Cast("bfloat16")):
