@@ -7,6 +7,14 @@ import os
 
 from summary import common
 
+#: The runs measured on another CPU than the others (an Intel Xeon, where every row takes 1.6 to
+#: 1.8 times the CPU seconds a step): their rows compare with each other only.
+XEON = (
+    "time_to_quality_cluster_small_4500_100mbit_diloco_2026-12-05.json",
+    "time_to_quality_cluster_small_4500_100mbit_ft_xeon_2026-12-05.json",
+    "time_to_quality_cluster_small_4500_100mbit_ft_int8_xeon_2026-12-05.json",
+    "time_to_quality_cluster_small_4500_100mbit_ft_int8_killservice_xeon_2026-12-05.json",
+)
 #: The runs, each a char-LM on 4 emulated hosts: the title says which model and batch.
 FILES = tuple(
     common.result(name)
@@ -17,23 +25,9 @@ FILES = tuple(
         "time_to_quality_cluster_small_4500_100mbit.json",
         "time_to_quality_cluster_wide8x32_900_100mbit_2026-11-28.json",
         "time_to_quality_cluster_small_4500_100mbit_ft_2026-12-05.json",
-        "time_to_quality_cluster_small_4500_100mbit_diloco_2026-12-05.json",
-        "time_to_quality_cluster_small_4500_100mbit_ft_xeon_2026-12-05.json",
-        "time_to_quality_cluster_small_4500_100mbit_ft_int8_xeon_2026-12-05.json",
-        "time_to_quality_cluster_small_4500_100mbit_ft_int8_killservice_xeon_2026-12-05.json",
+        *XEON,
     )
 )
-#: Runs measured on another CPU than the others (an Intel Xeon, where every row takes 1.6 to 1.8
-#: times the CPU seconds a step): their rows compare with each other only.
-OTHER_CPU = {
-    name: "Xeon"
-    for name in (
-        "time_to_quality_cluster_small_4500_100mbit_diloco_2026-12-05.json",
-        "time_to_quality_cluster_small_4500_100mbit_ft_xeon_2026-12-05.json",
-        "time_to_quality_cluster_small_4500_100mbit_ft_int8_xeon_2026-12-05.json",
-        "time_to_quality_cluster_small_4500_100mbit_ft_int8_killservice_xeon_2026-12-05.json",
-    )
-}
 RATES = {"1gbit": "1 Gbit", "100mbit": "100 Mbit"}
 
 STILL_SHORT = (
@@ -102,7 +96,7 @@ def section() -> str:
     for path in FILES:
         data = common.load(path)
         run = f"{data['title'].split(',')[1].strip()}, {data['config']['steps']} steps"
-        run += "".join(f", {cpu}" for cpu in [OTHER_CPU.get(os.path.basename(path))] if cpu)
+        run += ", Xeon" if os.path.basename(path) in XEON else ""
         for rate, name, sooner, sent, final in rows(data):
             shown = "never" if sooner is None else f"{sooner:.2f}x"
             told = "-" if sent is None else f"{sent:.3f}"

@@ -225,6 +225,7 @@ class Quorum:
     def _connect(self, seconds) -> None:
         """A new client (a new incarnation to the service) and a fresh quorum state."""
         self._broken = None  # why the quorum is unusable, once it is
+        self._lost = False  # it is because the service is gone (ServiceLostError)
         self._current = None  # (sync, members) of the last members() call
         self._previous = None  # the members of the last barrier (members() or commit())
         self._own_keys = []  # (sync, full key) this worker put, deleted two syncs later
@@ -275,13 +276,13 @@ class Quorum:
 
     def _call(self, method, *args, timeout=None):
         if self._broken is not None:
-            lost = self._broken.startswith("the coordination service")
-            error = ServiceLostError if lost else QuorumError
+            error = ServiceLostError if self._lost else QuorumError
             raise error(f"worker {self.rank}'s quorum is unusable: {self._broken}")
         try:
             return self._client.call(method, *args, timeout=timeout)
         except ServiceGone as e:
             self._broken = f"the coordination service at {self.address} is gone ({e})"
+            self._lost = True
             raise ServiceLostError(f"worker {self.rank}: {self._broken}") from None
         except TimeoutError:
             raise
