@@ -12,6 +12,7 @@ from helpers import EntryGraph, all_reduced_arrays
 
 import jaxcomp
 from jaxcomp.collectives import small
+from jaxcomp.optim import config as config_module
 from jaxcomp.optim import readiness
 from jaxcomp.optim.config import FeedbackConfig
 from jaxcomp.optim.stages import mask
@@ -273,3 +274,26 @@ def test_dense_of_small_leaves_joined_matches_per_leaf(n_devices):
         params.append(jax.tree.leaves(state.params))
     for a, b in zip(*params):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4 * 1e-2)
+
+
+def test_compress_auto_buckets_each_branch_as_its_own_compress_would(monkeypatch):
+    """compress_auto over dense and top-k: the step data_parallel compiles for dense sends
+    buckets during the backward pass, as compress("dense") does; the one for top-k and the step
+    that chooses on the device send one message at the end. All three train the same params."""
+    monkeypatch.setattr(config_module, "DEFAULT_BUCKET_MB", 0.2)
+    candidates = [jaxcomp.Dense(), jaxcomp.methods.parse("ar_topk", ratio=0.05)]
+    tx = optax.chain(jaxcomp.compress_auto(candidates), optax.sgd(0.1))
+    dp, state, batch = _train(tx, 2, steps=1)
+    steps = dp.step._jitted
+    waits = {}
+    for branch in (0, 1, None):
+        hlo = steps._step(branch).lower(state, batch).compile().as_text()
+        waits[branch], dots = _collective_dependencies(hlo)
+    assert min(waits[0]) < dots and min(waits[1]) == dots and min(waits[None]) == dots, waits
+    after = {b: steps.run(b, state, batch)[0] for b in (0, None)}
+    for a, b in zip(jax.tree.leaves(after[0].params), jax.tree.leaves(after[None].params)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    # Both decide on the same predicted costs: the buckets' costs are reckoned as one message.
+    comm = [jaxcomp.find_compress_state(after[b].opt_state).auto.comm for b in (0, None)]
+    assert np.all(np.isfinite(comm[0])), comm
+    np.testing.assert_array_equal(*comm)

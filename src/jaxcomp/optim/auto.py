@@ -225,11 +225,11 @@ def compress_auto(
       error_feedback: as for :func:`jaxcomp.compress`; ``"auto"``: on if any candidate's is.
       granularity, nonfinite, mask, min_size, mean, seed: as for :func:`jaxcomp.compress`.
       guardrail: as for :func:`jaxcomp.compress`; its fallback runs the ``Dense`` candidate, if any.
-      bucket_mb: as for :func:`jaxcomp.compress`; ``"auto"``: buckets if every candidate has them.
+      bucket_mb: as for :func:`jaxcomp.compress`; ``"auto"``: each candidate as its ``compress``
+        would in a step compiled for it alone (:func:`jaxcomp.data_parallel`'s), else one message.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``; its state is a :class:`jaxcomp.CompressState`
-      with an :class:`AutoState`.
+      An optax transformation; its state: a :class:`jaxcomp.CompressState` with an AutoState.
 
     Raises:
       ValueError: candidates it cannot switch between; TypeError: ones that are not methods.
@@ -244,7 +244,6 @@ def compress_auto(
     """
     listed = candidates if isinstance(candidates, (list, tuple)) else ()  # (checked below)
     mean, seed = deprecated_keywords("compress_auto", 2, mean=mean, seed=seed)
-    everything = bool(listed) and all(getattr(m, "buckets_by_default", False) for m in listed)
     config = FeedbackConfig.check(
         axis_name,
         default_feedback(error_feedback, listed),
@@ -255,13 +254,14 @@ def compress_auto(
         mask,
         min_size,
         guardrail=guardrail,
-        bucket_mb=default_buckets(bucket_mb, everything),
+        bucket_mb=default_buckets(bucket_mb, False),  # "auto": set by _own_buckets
     )
     candidates = _check_candidates(candidates, config.axes)
     ratios = _check_ratio_search(ratio_search, candidates)
     decide_every = _checks.static_int(decide_every, "decide_every", 1)
     _check_network(network)
     branches = _Branches.of(candidates, ratios)
+    config = _own_buckets(config, bucket_mb, branches.methods)
     keeps_residual = config.error_feedback and not all(m.sends_everything for m in branches.methods)
     dense = _dense_branch(branches)
     fallback_branch = dense if config.guardrail is not None else None  # the guardrail's fallback
@@ -273,6 +273,34 @@ def compress_auto(
         init_auto=functools.partial(init_auto, network, len(branches.methods), ratio_search),
         falls_back=fallback_branch is not None,
         alone=dense,
+    )
+
+
+def _own_buckets(config: FeedbackConfig, bucket_mb, branches) -> FeedbackConfig:
+    """``config`` with ``bucket_mb="auto"`` resolved: each branch's own buckets (DDP's for dense
+    and the casts, one message for the others) in a step compiled for it alone
+    (:mod:`jaxcomp.optim.pinning`), and buckets in a ``lax.switch`` only if every branch has
+    them."""
+    if not (isinstance(bucket_mb, str) and bucket_mb == "auto"):
+        return config
+    own = tuple(
+        default_buckets(bucket_mb, m.buckets_by_default and not m.stateful) for m in branches
+    )
+    if len(set(own)) == 1 or all(m.sends_everything for m in branches):
+        return dataclasses.replace(config, bucket_mb=own[0] if len(set(own)) == 1 else None)
+    return dataclasses.replace(config, branch_buckets=own)
+
+
+def _as_one(groups: Groups) -> Groups:
+    """The groups of one model cut in buckets, as the one group its static costs are reckoned
+    on (leafwise groups cost the same in any order)."""
+    return groups._replace(
+        vectors=[],
+        names=["the model"],
+        sizes=[sum(groups.sizes)],
+        shapes=None if groups.shapes is None else [tuple(s for g in groups.shapes for s in g)],
+        values=None if groups.values is None else [sum(groups.values)],
+        buckets=None,
     )
 
 
@@ -315,7 +343,11 @@ def _aggregation(
     the guardrail's fallback), learn from its gain."""
 
     def aggregate(groups: Groups, flight: InFlight, state: AggregateState):
-        plan = _Plan(branches, ratio_search, decide_every, groups)
+        # Every step decides on the same costs, whichever branch's buckets it runs with.
+        pinned = pinning.pinned_branch(flight.record)
+        own = config.for_branch(pinned).bucket_mb != config.bucket_mb
+        whole = own and config.granularity == "model"
+        plan = _Plan(branches, ratio_search, decide_every, _as_one(groups) if whole else groups)
         auto, branch, comm = plan.decide(state.auto, flight.step)
         if fallback_branch is not None and flight.fallback is not None:
             branch = jnp.where(flight.fallback, fallback_branch, branch)

@@ -184,6 +184,9 @@ class FeedbackConfig:
     guardrail: divergence.Guardrail | None = None  # the divergence guardrail, None when off
     bucket_mb: float | None = None  # buckets overlapping the backward pass, None: one at the end
     decay: float = 1.0  # error feedback's residual is scaled by it before it is added
+    # Per branch, the bucket_mb of a step compiled for that branch alone (compress_auto's
+    # bucket_mb="auto": each candidate's own default); None: bucket_mb for every step.
+    branch_buckets: tuple | None = None
 
     @property
     def axis_name(self):
@@ -254,6 +257,28 @@ class FeedbackConfig:
             bucket_mb=_check_bucket_mb(bucket_mb),
             decay=decay,
         )
+
+    def for_branch(self, branch: int | None) -> FeedbackConfig:
+        """This config as a step compiled for ``branch`` alone runs it: with that branch's own
+        buckets (:attr:`branch_buckets`); itself for None (the device chooses the branch).
+
+        Args:
+          branch: an index into the transformation's branches, or None.
+
+        Returns:
+          A :class:`FeedbackConfig`.
+
+        Example:
+          >>> c = FeedbackConfig(("data",), branch_buckets=(25.0, None))
+          >>> c.for_branch(0).bucket_mb, c.for_branch(1).bucket_mb, c.for_branch(None).bucket_mb
+          (25.0, None, None)
+
+        References:
+          Li et al., "PyTorch Distributed", VLDB 2020, §3.2.3 (gradient buckets).
+        """
+        if branch is None or self.branch_buckets is None:
+            return self
+        return dataclasses.replace(self, bucket_mb=self.branch_buckets[branch], branch_buckets=None)
 
     def compressed(self, tree) -> list[bool]:
         """Per leaf of ``tree`` (params or gradients): whether ``mask`` and ``min_size`` let it be

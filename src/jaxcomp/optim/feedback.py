@@ -141,7 +141,8 @@ def _layout(c: FeedbackConfig, record: Branches, stages: Stage, keeps_residual, 
         del params, extra_args
         leaves, treedef = jax.tree.flatten(updates)
         residuals, velocities = _state_leaves(c, treedef, state)
-        lay = mask.layout(c, updates, sends_everything)
+        # A step compiled for one branch lays the gradients out as that branch buckets them.
+        lay = mask.layout(c.for_branch(pinning.pinned_branch(record)), updates, sends_everything)
         guarding = c.guardrail is not None and not sends_everything and bool(lay.groups)
         _check_state_is_ours(c, state, uses_auto, record, policy, guarding if lay.floats else None)
         if not lay.floats:
