@@ -201,7 +201,12 @@ def _branches(c: FeedbackConfig, branches, falls_back: bool, warmup: int) -> Bra
     falls back to dense, its warm-up."""
     on = c.guardrail is not None
     return Branches(
-        tuple(branches), on and c.guardrail.callback, on and falls_back, warmup, bool(c.mean)
+        tuple(branches),
+        on and c.guardrail.callback,
+        on and falls_back,
+        warmup,
+        bool(c.mean),
+        c.branch_buckets is not None,
     )
 
 
