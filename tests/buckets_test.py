@@ -12,8 +12,7 @@ from helpers import EntryGraph, all_reduced_arrays
 
 import jaxcomp
 from jaxcomp.collectives import small
-from jaxcomp.optim import config as config_module
-from jaxcomp.optim import pinning, readiness
+from jaxcomp.optim import readiness
 from jaxcomp.optim.config import FeedbackConfig
 from jaxcomp.optim.stages import mask
 
@@ -274,41 +273,3 @@ def test_dense_of_small_leaves_joined_matches_per_leaf(n_devices):
         params.append(jax.tree.leaves(state.params))
     for a, b in zip(*params):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4 * 1e-2)
-
-
-def test_compress_auto_buckets_each_branch_as_its_own_compress_would(monkeypatch):
-    """compress_auto over dense and top-k: the step data_parallel compiles for dense sends
-    buckets during the backward pass, as compress("dense") does; the one for top-k and the step
-    that chooses on the device send one message at the end. All three train the same params."""
-    monkeypatch.setattr(config_module, "DEFAULT_BUCKET_MB", 0.2)
-    candidates = [jaxcomp.Dense(), jaxcomp.methods.parse("ar_topk", ratio=0.05)]
-    tx = optax.chain(jaxcomp.compress_auto(candidates), optax.sgd(0.1))
-    dp, state, batch = _train(tx, 2, steps=1)
-    steps = dp.step._jitted
-    waits = {}
-    for branch in (0, 1, None):
-        hlo = steps._step(branch).lower(state, batch).compile().as_text()
-        waits[branch], dots = _collective_dependencies(hlo)
-    assert min(waits[0]) < dots and min(waits[1]) == dots and min(waits[None]) == dots, waits
-    switched = steps.run(None, state, batch)[0]
-    ran = int(jaxcomp.find_compress_state(switched.opt_state).metrics.method)
-    pinned = steps.run(ran, state, batch)[0]  # the branch the device chose, compiled alone
-    for a, b in zip(jax.tree.leaves(pinned.params), jax.tree.leaves(switched.params)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    # Every step decides on the same predicted costs: the buckets' reckoned as one message.
-    comm = [
-        jaxcomp.find_compress_state(steps.run(b, state, batch)[0].opt_state).auto.comm
-        for b in (0, None)
-    ]
-    assert np.all(np.isfinite(comm[0])), comm
-    np.testing.assert_array_equal(*comm)
-
-
-def test_compress_autos_default_candidates_are_pinned_for_their_buckets():
-    """Dense, bf16 and ZFP: none sparse, but dense and the cast bucket where ZFP does not, so
-    data_parallel compiles a step per branch (with one bucket size for all, it keeps the switch)."""
-    params = _params()
-    own = jaxcomp.compress_auto(jaxcomp.methods.QUALITY_SAFE).init(params)
-    same = jaxcomp.compress_auto(jaxcomp.methods.QUALITY_SAFE, bucket_mb=25).init(params)
-    assert own.branches.own_buckets and pinning.can_pin(own)
-    assert not same.branches.own_buckets and not pinning.can_pin(same)

@@ -218,15 +218,15 @@ def compress_auto(
 
     Args:
       candidates: distinct methods with replicated totals; the first runs until a network is known.
-      axis_name: as for :func:`jaxcomp.compress`.
       ratio_search: a :class:`RatioSearch` to choose the ratio too, or None (each keeps its own).
       network: a :class:`jaxcomp.costmodel.cost.Network`, or None (``data_parallel`` probes it).
       decide_every: steps between decisions (default :data:`DEFAULT_DECIDE_EVERY`, 100).
-      error_feedback: as for :func:`jaxcomp.compress`; ``"auto"``: on if any candidate's is.
-      granularity, nonfinite, mask, min_size, mean, seed: as for :func:`jaxcomp.compress`.
+      error_feedback: as for :func:`jaxcomp.compress`; ``"auto"``: as ``bucket_mb``, else on if
+        any candidate's is.
+      axis_name, granularity, nonfinite, mask, min_size, mean, seed: as for ``compress``.
       guardrail: as for :func:`jaxcomp.compress`; its fallback runs the ``Dense`` candidate, if any.
-      bucket_mb: as for :func:`jaxcomp.compress`; ``"auto"``: each candidate as its ``compress``
-        would in a step compiled for it alone (:func:`jaxcomp.data_parallel`'s), else one message.
+      bucket_mb: as for :func:`jaxcomp.compress`; ``"auto"``: each candidate's own in a step
+        compiled for it alone (:func:`jaxcomp.data_parallel`'s), else only if all bucket.
 
     Returns:
       An optax transformation; its state: a :class:`jaxcomp.CompressState` with an AutoState.
@@ -261,7 +261,7 @@ def compress_auto(
     decide_every = _checks.static_int(decide_every, "decide_every", 1)
     _check_network(network)
     branches = _Branches.of(candidates, ratios)
-    config = _own_buckets(config, bucket_mb, branches.methods)
+    config = _own_defaults(config, bucket_mb, error_feedback, branches.methods)
     keeps_residual = config.error_feedback and not all(m.sends_everything for m in branches.methods)
     dense = _dense_branch(branches)
     fallback_branch = dense if config.guardrail is not None else None  # the guardrail's fallback
@@ -276,19 +276,28 @@ def compress_auto(
     )
 
 
-def _own_buckets(config: FeedbackConfig, bucket_mb, branches) -> FeedbackConfig:
-    """``config`` with ``bucket_mb="auto"`` resolved: each branch's own buckets (DDP's for dense
-    and the casts, one message for the others) in a step compiled for it alone
-    (:mod:`jaxcomp.optim.pinning`), and buckets in a ``lax.switch`` only if every branch has
-    them."""
-    if not (isinstance(bucket_mb, str) and bucket_mb == "auto"):
-        return config
-    own = tuple(
+def _own_defaults(config: FeedbackConfig, bucket_mb, error_feedback, branches) -> FeedbackConfig:
+    """``config`` with ``"auto"`` resolved per branch where the branches' defaults differ: in a
+    step compiled for one branch (:mod:`jaxcomp.optim.pinning`) it buckets and feeds back as
+    that branch's ``compress`` would (dense and the casts in DDP's buckets, the casts without
+    error feedback; a residual such a step leaves as it was); a ``lax.switch`` buckets only if
+    every branch does, and feeds back if any does."""
+    auto = lambda x: isinstance(x, str) and x == "auto"  # noqa: E731
+    buckets = tuple(
         default_buckets(bucket_mb, m.buckets_by_default and not m.stateful) for m in branches
     )
-    if len(set(own)) == 1 or all(m.sends_everything for m in branches):
-        return dataclasses.replace(config, bucket_mb=own[0] if len(set(own)) == 1 else None)
-    return dataclasses.replace(config, branch_buckets=own)
+    feeds = tuple(bool(default_feedback(error_feedback, [m])) for m in branches)
+    lossless = all(m.sends_everything for m in branches)
+    if auto(bucket_mb):
+        mixed = len(set(buckets)) > 1 and not lossless
+        config = dataclasses.replace(
+            config,
+            bucket_mb=None if len(set(buckets)) > 1 else buckets[0],
+            branch_buckets=buckets if mixed else None,
+        )
+    if auto(error_feedback) and config.error_feedback and len(set(feeds)) > 1:
+        config = dataclasses.replace(config, branch_feedback=feeds)
+    return config
 
 
 def _as_one(groups: Groups) -> Groups:

@@ -184,9 +184,10 @@ class FeedbackConfig:
     guardrail: divergence.Guardrail | None = None  # the divergence guardrail, None when off
     bucket_mb: float | None = None  # buckets overlapping the backward pass, None: one at the end
     decay: float = 1.0  # error feedback's residual is scaled by it before it is added
-    # Per branch, the bucket_mb of a step compiled for that branch alone (compress_auto's
-    # bucket_mb="auto": each candidate's own default); None: bucket_mb for every step.
+    # Per branch, the bucket_mb and the error feedback of a step compiled for that branch alone
+    # (compress_auto's "auto": each candidate's own default); None: the fields above for all.
     branch_buckets: tuple | None = None
+    branch_feedback: tuple | None = None
 
     @property
     def axis_name(self):
@@ -260,7 +261,8 @@ class FeedbackConfig:
 
     def for_branch(self, branch: int | None) -> FeedbackConfig:
         """This config as a step compiled for ``branch`` alone runs it: with that branch's own
-        buckets (:attr:`branch_buckets`); itself for None (the device chooses the branch).
+        buckets and error feedback (:attr:`branch_buckets`, :attr:`branch_feedback`); itself
+        for None (the device chooses the branch).
 
         Args:
           branch: an index into the transformation's branches, or None.
@@ -276,9 +278,14 @@ class FeedbackConfig:
         References:
           Li et al., "PyTorch Distributed", VLDB 2020, §3.2.3 (gradient buckets).
         """
-        if branch is None or self.branch_buckets is None:
+        if branch is None:
             return self
-        return dataclasses.replace(self, bucket_mb=self.branch_buckets[branch], branch_buckets=None)
+        own = {}
+        if self.branch_buckets is not None:
+            own["bucket_mb"] = self.branch_buckets[branch]
+        if self.branch_feedback is not None:
+            own["error_feedback"] = self.branch_feedback[branch]
+        return dataclasses.replace(self, **own, branch_buckets=None, branch_feedback=None)
 
     def compressed(self, tree) -> list[bool]:
         """Per leaf of ``tree`` (params or gradients): whether ``mask`` and ``min_size`` let it be

@@ -116,7 +116,11 @@ def _stages(c: FeedbackConfig, record: Branches, keeps_residual, aggregate, init
             stage, c.guardrail, c.axis_name, falls_back, lambda p: bool(groups_of(p))
         )
     compressed = lambda p: mask.layout(c, p, sends_everything).compressed  # noqa: E731
-    stage = feedback_stage(stage, keeps_residual, not dense, compressed, c.axes, c.decay)
+
+    def feeds(record):  # a step compiled for a branch without error feedback leaves it be
+        return c.for_branch(pinning.pinned_branch(record)).error_feedback
+
+    stage = feedback_stage(stage, keeps_residual, not dense, compressed, c.axes, c.decay, feeds)
     if c.momentum is not None:
         stage = momentum_stage(stage, c.momentum, compressed)
     stage = clock_stage(stage, c.seed)
@@ -206,7 +210,7 @@ def _branches(c: FeedbackConfig, branches, falls_back: bool, warmup: int) -> Bra
         on and falls_back,
         warmup,
         bool(c.mean),
-        c.branch_buckets is not None,
+        c.branch_buckets is not None or c.branch_feedback is not None,
     )
 
 

@@ -117,8 +117,8 @@ def static_choice(record, wanted):
 def can_pin(state) -> bool:
     """Whether :func:`next_branch` tells ``state``'s next branch: several branches, one among
     them that gains from a static branch (a sparse one, one whose sent comes decoded:
-    :attr:`jaxcomp.methods.Method.decoded_sent`, or one with buckets of its own:
-    :attr:`jaxcomp.optim.state.Branches.own_buckets`), and no :class:`jaxcomp.RatioSearch`.
+    :attr:`jaxcomp.methods.Method.decoded_sent`, or one with defaults of its own:
+    :attr:`jaxcomp.optim.state.Branches.own_defaults`), and no :class:`jaxcomp.RatioSearch`.
     Static: reads no array.
 
     Args:
@@ -137,7 +137,7 @@ def can_pin(state) -> bool:
     """
     runs = state.branches.methods
     searching = state.auto is not None and state.auto.ratio is not None
-    gains = state.branches.own_buckets or any(m.sparse or m.decoded_sent for m in runs)
+    gains = state.branches.own_defaults or any(m.sparse or m.decoded_sent for m in runs)
     return len(runs) >= 2 and gains and not searching
 
 

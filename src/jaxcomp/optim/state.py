@@ -71,15 +71,15 @@ class Branches:
     ``falls_back``: a trigger switches to dense for the window (else it clears the residual and
     rests), which is what the host says of a trigger; ``warmup``: the dense steps before the
     method runs (:func:`jaxcomp.optim.pinning.next_branch` reads it); ``mean``: the update is the
-    mean over the devices (else their sum); ``own_buckets``: a step compiled for one branch sends
-    that branch's own buckets (``compress_auto(bucket_mb="auto")``)."""
+    mean over the devices (else their sum); ``own_defaults``: a step compiled for one branch runs
+    that branch's own buckets and error feedback (``compress_auto``'s ``"auto"``)."""
 
     methods: tuple[Method, ...]
     tells: bool = False
     falls_back: bool = False
     warmup: int = 0
     mean: bool = True
-    own_buckets: bool = False
+    own_defaults: bool = False
 
 
 class CompressState(NamedTuple):

@@ -33,7 +33,13 @@ class FeedbackState(NamedTuple):
 
 
 def feedback_stage(
-    inner: Stage, keeps_residual: bool, packs: bool, compressed, axes, decay: float = 1.0
+    inner: Stage,
+    keeps_residual: bool,
+    packs: bool,
+    compressed,
+    axes,
+    decay: float = 1.0,
+    feeds=None,
 ) -> Stage:
     """Error feedback around ``inner``: ``g_e = g + decay residual`` in, ``g_e - sent`` kept out.
 
@@ -46,6 +52,9 @@ def feedback_stage(
       axes: the mesh axes (the residual is typed per device over them).
       decay: the residual's scale before it is added (1: plain error feedback; below 1:
         SparseLoCo's decaying accumulator, one more pass over the residual).
+      feeds: ``record -> bool``: whether a step of the state whose static record is ``record``
+        feeds back (False: it neither adds nor updates the residual, which stays as it was:
+        ``compress_auto``'s cast branch, compiled alone); None: every step with a residual.
 
     Returns:
       A :class:`~jaxcomp.optim.stages.flight.Stage` with a :class:`FeedbackState`.
@@ -81,32 +90,38 @@ def feedback_stage(
                 )
                 state = state._replace(residual=residual)
             return flight, state
+        keeps = keeps_residual and (feeds is None or feeds(flight.record))
         residuals = flight.treedef.flatten_up_to(state.residual)
-        fed_back = _decayed(residuals, decay) if keeps_residual else None
+        fed_back = _decayed(residuals, decay) if keeps else None
         flight = _packed(flight, fed_back)
         flight, state = wrapped(inner, flight, state)
-        if not keeps_residual or flight.result.sends_everything:
+        if not keeps or flight.result.sends_everything:
             return flight, state
-        grads = flight.grads
-        new = list(residuals)
-        for (positions, _), fed, sent in zip(grads.layout.groups, flight.feds, flight.result.sents):
-            # its overflowed entries dropped, all of it cleared on a trigger
-            kept = remaining(fed, sent, flight.result.sparse)
-            packing.keep(
-                new,
-                residuals,
-                grads.leaves,
-                positions,
-                kept,
-                None,
-                grads.shards,
-                cleared=flight.trigger,
-                drop=True,
-            )
-        return flight, state._replace(residual=flight.treedef.unflatten(new))
+        return flight, state._replace(residual=_residual_after(flight, residuals))
 
     stage = Stage(init, update, FeedbackState, inner)
     return stage
+
+
+def _residual_after(flight: InFlight, residuals: list):
+    """The new residual tree: each group's ``fed - sent`` split into its leaves, its overflowed
+    entries dropped, all of it cleared on a trigger of the guardrail."""
+    grads = flight.grads
+    new = list(residuals)
+    for (positions, _), fed, sent in zip(grads.layout.groups, flight.feds, flight.result.sents):
+        kept = remaining(fed, sent, flight.result.sparse)
+        packing.keep(
+            new,
+            residuals,
+            grads.leaves,
+            positions,
+            kept,
+            None,
+            grads.shards,
+            cleared=flight.trigger,
+            drop=True,
+        )
+    return flight.treedef.unflatten(new)
 
 
 def _decayed(residuals, decay: float) -> list:
