@@ -254,7 +254,7 @@ def compress_auto(
         mask,
         min_size,
         guardrail=guardrail,
-        bucket_mb=default_buckets(bucket_mb, False),  # "auto": set by _own_buckets
+        bucket_mb=default_buckets(bucket_mb, False),  # "auto": set by _own_defaults
     )
     candidates = _check_candidates(candidates, config.axes)
     ratios = _check_ratio_search(ratio_search, candidates)
