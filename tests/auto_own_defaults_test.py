@@ -15,7 +15,8 @@ from jaxcomp.optim import pinning
 def test_compress_auto_buckets_each_branch_as_its_own_compress_would(monkeypatch):
     """compress_auto over dense and top-k: the step data_parallel compiles for dense sends
     buckets during the backward pass, as compress("dense") does; the one for top-k and the step
-    that chooses on the device send one message at the end. All three train the same params."""
+    that chooses on the device send one message at the end. The step compiled for the branch the
+    device chose trains the same params as the switched step."""
     monkeypatch.setattr(config_module, "DEFAULT_BUCKET_MB", 0.2)
     candidates = [jaxcomp.Dense(), jaxcomp.methods.parse("ar_topk", ratio=0.05)]
     tx = optax.chain(jaxcomp.compress_auto(candidates), optax.sgd(0.1))
