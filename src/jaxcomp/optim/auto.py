@@ -353,8 +353,7 @@ def _aggregation(
 
     def aggregate(groups: Groups, flight: InFlight, state: AggregateState):
         # Every step decides on the same costs, whichever branch's buckets it runs with.
-        pinned = pinning.pinned_branch(flight.record)
-        own = config.for_branch(pinned).bucket_mb != config.bucket_mb
+        own = pinning.pinned_config(config, flight.record).bucket_mb != config.bucket_mb
         whole = own and config.granularity == "model"
         plan = _Plan(branches, ratio_search, decide_every, _as_one(groups) if whole else groups)
         auto, branch, comm = plan.decide(state.auto, flight.step)

@@ -118,7 +118,7 @@ def _stages(c: FeedbackConfig, record: Branches, keeps_residual, aggregate, init
     compressed = lambda p: mask.layout(c, p, sends_everything).compressed  # noqa: E731
 
     def feeds(record):  # a step compiled for a branch without error feedback leaves it be
-        return c.for_branch(pinning.pinned_branch(record)).error_feedback
+        return pinning.pinned_config(c, record).error_feedback
 
     stage = feedback_stage(stage, keeps_residual, not dense, compressed, c.axes, c.decay, feeds)
     if c.momentum is not None:
@@ -146,7 +146,7 @@ def _layout(c: FeedbackConfig, record: Branches, stages: Stage, keeps_residual, 
         leaves, treedef = jax.tree.flatten(updates)
         residuals, velocities = _state_leaves(c, treedef, state)
         # A step compiled for one branch lays the gradients out as that branch buckets them.
-        lay = mask.layout(c.for_branch(pinning.pinned_branch(record)), updates, sends_everything)
+        lay = mask.layout(pinning.pinned_config(c, record), updates, sends_everything)
         guarding = c.guardrail is not None and not sends_everything and bool(lay.groups)
         _check_state_is_ours(c, state, uses_auto, record, policy, guarding if lay.floats else None)
         if not lay.floats:

@@ -82,6 +82,30 @@ def pinned_branch(record=None) -> int | None:
     return pin[0]
 
 
+def pinned_config(config, record):
+    """The :class:`jaxcomp.optim.config.FeedbackConfig` a step of the state whose static record
+    is ``record`` runs with: its pinned branch's own (``config.for_branch``), else ``config``.
+
+    Args:
+      config: the transformation's config.
+      record: the state's :attr:`jaxcomp.CompressState.branches`.
+
+    Returns:
+      A ``FeedbackConfig``.
+
+    Example:
+      >>> from jaxcomp.optim.config import FeedbackConfig
+      >>> config = FeedbackConfig(("data",), branch_buckets=(25.0, None))
+      >>> with pinned(0):
+      ...     pinned_config(config, None).bucket_mb
+      25.0
+
+    References:
+      Li et al., "PyTorch Distributed", VLDB 2020, §3.2.3 (gradient buckets).
+    """
+    return config.for_branch(pinned_branch(record))
+
+
 def static_choice(record, wanted):
     """The branch an aggregation runs: the pinned one (a Python int), else ``wanted``.
 
