@@ -73,6 +73,10 @@ class Method:
       a residual for this method. False where what a step loses is only each value's rounding,
       unbiased and small, and the residual costs a gradient's memory and its passes for no
       measured quality: the casts, as PyTorch's fp16 and bf16 hooks run.
+    * ``rounds_only = False``: the method sends every value, only rounded to a narrower float
+      (each rounding at most ``2**-8`` of the value): the metrics then count its compression
+      gain as 1 and read the error-fed vector's energies, which the packing summed, instead of
+      ``sent``'s, so that a step without error feedback never builds ``sent`` (the casts).
     * ``sparse = False``: :meth:`aggregate` can return ``sent`` as ``(indices, values)`` pairs
       when asked (``sparse=True``), so error feedback takes them off in place instead of
       subtracting a dense vector. Asked so, it may also return ``total`` as a
@@ -142,6 +146,7 @@ class Method:
     sends_everything: ClassVar[bool] = False
     buckets_by_default: ClassVar[bool] = False
     feeds_back_by_default: ClassVar[bool] = True
+    rounds_only: ClassVar[bool] = False
     sparse: ClassVar[bool] = False
     pieces: ClassVar[bool] = False
     decoded_sent: ClassVar[bool] = False

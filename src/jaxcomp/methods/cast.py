@@ -264,6 +264,9 @@ class Cast(Method):
     # gradient's memory and a little time a step (docs/notes/2026-12-05-benchmarks-until-0.2.md,
     # "The casts without error feedback").
     feeds_back_by_default = False
+    # Its gain is 1 to a 16-bit rounding: the metrics do not read what it sent, so that without
+    # error feedback the ring never builds it (docs/notes/2026-12-06-casts-passes.md).
+    rounds_only = True
     shorthand = {"bf16": {"dtype": "bfloat16"}, "fp16": {"dtype": "float16"}}
 
     def __post_init__(self):

@@ -35,7 +35,13 @@ from jaxcomp.optim.config import (
 )
 from jaxcomp.optim.feedback import feedback_transformation
 from jaxcomp.optim.stages.aggregate import AggregateState
-from jaxcomp.optim.stages.aggregation import Aggregation, Groups, run_branch, static_cost
+from jaxcomp.optim.stages.aggregation import (
+    Aggregation,
+    Groups,
+    rounds_only,
+    run_branch,
+    static_cost,
+)
 from jaxcomp.optim.stages.flight import InFlight
 
 #: How long ``compress_auto`` keeps a choice: it re-decides every this many steps by default,
@@ -384,6 +390,9 @@ def _aggregation(
             sends_everything=False,
             method_state=method_state,
             vectors=vectors,
+            rounds_only=rounds_only(
+                [branches.methods[branch]] if isinstance(branch, int) else branches.methods
+            ),
         )
         return result, lambda gain: plan.observe(auto, branch, gain, comm)
 

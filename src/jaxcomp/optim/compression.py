@@ -34,7 +34,13 @@ from jaxcomp.optim.stages import divergence
 from jaxcomp.optim.stages import momentum as momentum_stage
 from jaxcomp.optim.stages import warmup as warmup_stage
 from jaxcomp.optim.stages.aggregate import AggregateState
-from jaxcomp.optim.stages.aggregation import Aggregation, Groups, run_branch, static_cost
+from jaxcomp.optim.stages.aggregation import (
+    Aggregation,
+    Groups,
+    rounds_only,
+    run_branch,
+    static_cost,
+)
 from jaxcomp.optim.stages.flight import InFlight
 
 
@@ -199,6 +205,7 @@ def _aggregation(
             method.sends_everything,
             method_state,
             vectors,
+            rounds_only(branches if pinned is None else branches[pinned : pinned + 1]),
         ), None
 
     return aggregate

@@ -462,3 +462,26 @@ class Aggregation(NamedTuple):
     sends_everything: bool  # statically nothing lost: no residual, gain 1
     method_state: Any = ()  # the methods' new states (CompressState.method_state)
     vectors: list | None = None  # per group, the vector as sent (bucketed: chained), else None
+    rounds_only: bool = False  # statically every branch sends all, rounded: gain 1, sents unread
+
+
+def rounds_only(methods) -> bool:
+    """Whether every method sends every value, at most rounded
+    (:attr:`jaxcomp.methods.Method.rounds_only`, or loses nothing): the metrics then take the
+    error-fed vectors for what was sent, and never read the sents.
+
+    Args:
+      methods: the methods a step may run.
+
+    Returns:
+      A Python bool.
+
+    Example:
+      >>> from jaxcomp.methods import Cast, Dense, TopK
+      >>> rounds_only([Cast("bf16"), Dense()]), rounds_only([Cast("bf16"), TopK(0.01)])
+      (True, False)
+
+    References:
+      Tyagi & Swany, arXiv 2312.02493, §2-C3 (the compression gain).
+    """
+    return all(m.rounds_only or m.sends_everything for m in methods)
