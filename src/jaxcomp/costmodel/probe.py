@@ -44,6 +44,11 @@ _ATTEMPTS = 3
 
 _CACHE: dict = {}
 
+#: The most values a device codes while :func:`codec_seconds` times it: a larger gradient's time
+#: is scaled from that many (a codec's work is linear in the values), so that the timing holds a
+#: bounded slice of the gradient, not more copies of all of it beside the training's own memory.
+MAX_TIMED_VALUES = 2**24
+
 
 def fit_alpha_beta(sizes, seconds, n_workers: int, method: Method = Dense()) -> cost.Network:
     """Least-squares α and β from timings of one collective at several sizes.
@@ -283,7 +288,8 @@ def codec_seconds(
       **options: with a name, the method's options (``ratio=``, ``rate=``, ``bits=``, ...).
 
     Returns:
-      Seconds for the local work of one step on the whole gradient (on every device at once).
+      Seconds for the local work of one step on the whole gradient (on every device at once);
+      above :data:`MAX_TIMED_VALUES` values, that many timed and scaled to ``n_values``.
 
     Example:
       >>> from jaxcomp.methods import Zfp
@@ -296,7 +302,8 @@ def codec_seconds(
     method = methods.parse(method, **options)
     _check_codec(n_values, repeats, n_workers, mesh, axis_name)
     workers = n_workers or (mesh.shape[axis_name] if mesh is not None else 2)
-    codec = method.local_work(n_values, workers)
+    timed = min(n_values, MAX_TIMED_VALUES)
+    codec = method.local_work(timed, workers)
     if codec is None:
         return 0.0
     where = (
@@ -307,8 +314,8 @@ def codec_seconds(
     key = ("codec", method, n_values, workers, repeats, where)
     if cache and key in _CACHE:
         return _CACHE[key]
-    run, x = _codec_run(codec, n_values, mesh, axis_name)
-    best = best_seconds(lambda: run(x), repeats)
+    run, x = _codec_run(codec, timed, mesh, axis_name)
+    best = best_seconds(lambda: run(x), repeats) * (n_values / timed)
     if cache:
         _CACHE[key] = best
     return best
