@@ -43,11 +43,14 @@ def test_compress_auto_buckets_each_branch_as_its_own_compress_would(monkeypatch
 
 def test_compress_autos_default_candidates_are_pinned_for_their_own_defaults():
     """Dense, bf16 and ZFP: none sparse, but dense and the cast bucket and run without error
-    feedback where ZFP does not, so data_parallel compiles a step per branch; given one bucket
-    size and error feedback for all, it keeps the switch."""
+    feedback where ZFP does not, so data_parallel compiles a step per branch; given one message
+    and error feedback for all, it keeps the switch (with buckets for all it would not: a
+    switch holds every bucket until the backward pass is done)."""
     params = _params()
     own = jaxcomp.compress_auto(QUALITY_SAFE).init(params)
-    same = jaxcomp.compress_auto(QUALITY_SAFE, bucket_mb=25, error_feedback=True).init(params)
+    same = jaxcomp.compress_auto(QUALITY_SAFE, bucket_mb=None, error_feedback=True).init(params)
+    bucketed = jaxcomp.compress_auto(QUALITY_SAFE, bucket_mb=25, error_feedback=True).init(params)
+    assert bucketed.branches.buckets and pinning.can_pin(bucketed)
     assert own.branches.own_defaults and pinning.can_pin(own)
     assert not same.branches.own_defaults and not pinning.can_pin(same)
 

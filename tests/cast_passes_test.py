@@ -58,3 +58,18 @@ def test_rounds_only_needs_every_method_to_round_or_send_all():
     assert rounds_only([Cast("bf16"), Cast("fp16"), Dense()])
     assert not rounds_only([Cast("bf16"), TopK(0.01)])
     assert not rounds_only([TopK(0.01)])
+
+
+def test_a_casts_buckets_are_not_held_by_the_guardrails_switch():
+    """The guardrail's dense fallback gives the cast a second branch. Chosen on the device
+    (``lax.switch``), the ring of every bucket would sit in one conditional that waits for the
+    whole backward pass; data_parallel compiles the cast's branch alone instead, so the ring's
+    hops run in the step itself, bucket by bucket."""
+    from jaxcomp.optim import pinning
+
+    dp, state, batch = _step(Cast("bfloat16"), False, n=2 * 2**20)
+    compress_state = jaxcomp.find_compress_state(state.opt_state)
+    assert len(compress_state.branches.methods) == 2 and compress_state.branches.buckets
+    assert pinning.can_pin(compress_state)
+    entry = _hlo(dp, state, batch).split("\nENTRY ")[1]
+    assert "collective-permute(" in entry

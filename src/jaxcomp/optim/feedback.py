@@ -202,7 +202,7 @@ def _state_leaves(c: FeedbackConfig, treedef, state: CompressState):
 
 def _branches(c: FeedbackConfig, branches, falls_back: bool, warmup: int) -> Branches:
     """The state's static record: its methods, whether its guardrail tells the host, whether it
-    falls back to dense, its warm-up."""
+    falls back to dense, its warm-up, its mean, its own defaults per branch, its buckets."""
     on = c.guardrail is not None
     return Branches(
         tuple(branches),
@@ -211,6 +211,7 @@ def _branches(c: FeedbackConfig, branches, falls_back: bool, warmup: int) -> Bra
         warmup,
         bool(c.mean),
         c.branch_buckets is not None or c.branch_feedback is not None,
+        c.bucket_mb is not None,
     )
 
 

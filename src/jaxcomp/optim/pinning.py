@@ -141,9 +141,10 @@ def static_choice(record, wanted):
 def can_pin(state) -> bool:
     """Whether :func:`next_branch` tells ``state``'s next branch: several branches, one among
     them that gains from a static branch (a sparse one, one whose sent comes decoded:
-    :attr:`jaxcomp.methods.Method.decoded_sent`, or one with defaults of its own:
-    :attr:`jaxcomp.optim.state.Branches.own_defaults`), and no :class:`jaxcomp.RatioSearch`.
-    Static: reads no array.
+    :attr:`jaxcomp.methods.Method.decoded_sent`, one with defaults of its own:
+    :attr:`jaxcomp.optim.state.Branches.own_defaults`, or buckets, which a ``lax.switch`` would
+    hold until the whole backward pass is done: :attr:`jaxcomp.optim.state.Branches.buckets`),
+    and no :class:`jaxcomp.RatioSearch`. Static: reads no array.
 
     Args:
       state: a :class:`jaxcomp.CompressState`.
@@ -161,7 +162,11 @@ def can_pin(state) -> bool:
     """
     runs = state.branches.methods
     searching = state.auto is not None and state.auto.ratio is not None
-    gains = state.branches.own_defaults or any(m.sparse or m.decoded_sent for m in runs)
+    gains = (
+        state.branches.own_defaults
+        or state.branches.buckets
+        or any(m.sparse or m.decoded_sent for m in runs)
+    )
     return len(runs) >= 2 and gains and not searching
 
 
@@ -176,8 +181,8 @@ def next_branch(state):
     Returns:
       An int32 scalar, or None where the state cannot say or a step per branch would gain
       nothing: a single branch (nothing to choose), no branch that gains from a static choice
-      (:func:`can_pin`; a switch over methods that send dense vectors costs nothing
-      measurable), or ``compress_auto`` with a
+      (:func:`can_pin`; a switch over methods that send dense vectors in one message costs
+      nothing measurable), or ``compress_auto`` with a
       :class:`jaxcomp.RatioSearch` (its branch moves with the ratio controller every few steps).
 
     Example:

@@ -72,7 +72,9 @@ class Branches:
     rests), which is what the host says of a trigger; ``warmup``: the dense steps before the
     method runs (:func:`jaxcomp.optim.pinning.next_branch` reads it); ``mean``: the update is the
     mean over the devices (else their sum); ``own_defaults``: a step compiled for one branch runs
-    that branch's own buckets and error feedback (``compress_auto``'s ``"auto"``)."""
+    that branch's own buckets and error feedback (``compress_auto``'s ``"auto"``); ``buckets``:
+    the vectors go in buckets (``bucket_mb=``), which only a step compiled for one branch sends
+    while the backward pass runs (a ``lax.switch`` waits for all of its operands)."""
 
     methods: tuple[Method, ...]
     tells: bool = False
@@ -80,6 +82,7 @@ class Branches:
     warmup: int = 0
     mean: bool = True
     own_defaults: bool = False
+    buckets: bool = False
 
 
 class CompressState(NamedTuple):
