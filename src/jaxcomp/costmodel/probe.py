@@ -38,15 +38,12 @@ DEFAULT_REPEATS = 3
 #: Seconds :func:`probe_network` may take by default, compilation included.
 DEFAULT_BUDGET = 5.0
 
-#: Times :func:`probe_network` measures, each with 8 times larger sizes than the last, before giving
-#: up.
+#: Times :func:`probe_network` measures (each with 8x larger sizes than the last) before giving up.
 _ATTEMPTS = 3
 
 _CACHE: dict = {}
 
-#: The most values a device codes while :func:`codec_seconds` times it: a larger gradient's time
-#: is scaled from that many (a codec's work is linear in the values), so that the timing holds a
-#: bounded slice of the gradient, not more copies of all of it beside the training's own memory.
+#: Values a device codes at most while :func:`codec_seconds` times it (more: scaled from these).
 MAX_TIMED_VALUES = 2**24
 
 
@@ -288,8 +285,8 @@ def codec_seconds(
       **options: with a name, the method's options (``ratio=``, ``rate=``, ``bits=``, ...).
 
     Returns:
-      Seconds for the local work of one step on the whole gradient (on every device at once);
-      above :data:`MAX_TIMED_VALUES` values, that many timed and scaled to ``n_values``.
+      Seconds for the local work of one step on the whole gradient (on every device at once),
+      scaled from :data:`MAX_TIMED_VALUES` values above that many.
 
     Example:
       >>> from jaxcomp.methods import Zfp
