@@ -24,6 +24,8 @@ from summary import common
 FILES = tuple(
     common.result(name)
     for name in (
+        "peers_casts_2026-12-06/peers_resnet50_pinned.json",
+        "peers_casts_2026-12-06/peers_mlp2041_mlp4096_pinned.json",
         "netbench_zoo_xeon_2026-12-06/resnet50_auto_codecs.json",
         "netbench_zoo_xeon_2026-12-06/bf16_auto_safe_1gbit.json",
         "netbench_codecs_2026-12-02/codecs_1gbit.json",

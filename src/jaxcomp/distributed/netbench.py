@@ -76,6 +76,9 @@ def _runs():
     # ring", compares both); not an auto
     # candidate.
     table[fp16.label] = (fp16, {}, None)
+    # Without the shared scale (as PyTorch's fp16 hook): what the scale's max and scalar
+    # all-reduce before each bucket's ring cost a step.
+    table["fp16_unscaled"] = (Cast("float16", scale=False), {}, None)
     # The casts with error feedback: their default is without (Method.feeds_back_by_default).
     for method in (Cast("bfloat16"), fp16):
         table[f"{method.label}_ef"] = (method, {"error_feedback": True}, None)
