@@ -73,11 +73,8 @@ def _runs():
         else:
             table[f"{method.label}_bucket"] = (method, {"bucket_mb": 25}, None)
     # float16 halves the wire over gloo as bfloat16 does (docs/performance.md, "float16 by the
-    # ring", compares both); not an auto
-    # candidate.
+    # ring"); not an auto candidate. "fp16_unscaled": without its scales, as PyTorch's hook.
     table[fp16.label] = (fp16, {}, None)
-    # Without the shared scale (as PyTorch's fp16 hook): what the scale's max and scalar
-    # all-reduce before each bucket's ring cost a step.
     table["fp16_unscaled"] = (Cast("float16", scale=False), {}, None)
     # The casts with error feedback: their default is without (Method.feeds_back_by_default).
     for method in (Cast("bfloat16"), fp16):
@@ -90,8 +87,7 @@ def _runs():
     star = TopK(0.01, collective="ar", leader="star")
     table[star.label] = (star, {}, None)
     # PowerSGD's factors as float16 (the quality pairing sends rank 12 so): rank 4 beside the
-    # float32 row, what the 16-bit ring and its two scalar scales cost a step. Not an auto
-    # candidate.
+    # float32 row, what the 16-bit ring costs a step. Not an auto candidate.
     half = PowerSGD(4, dtype="float16")
     table[half.label] = (half, {}, None)
     table["auto"] = (fixed, {}, None)
