@@ -2,9 +2,11 @@
 device over a plain copy of the gradient in the same job (``benchmarks/passes.py``).
 
 A cell (method, model) comes from the newest job that measured it, by the commit that added the
-job's files (``git log``): the job of 2026-12-02 afternoon ran every method on three models; the
+job's files (``git log``): the job of 2026-12-06 ran dense and the casts on five models, in three
+rounds, after the casts stopped building what they sent; the job of 2026-12-02 afternoon ran
+every method on three models; the
 two A/B jobs of that morning ran GPT-2 for some methods, and only the job of 2026-11-25 ran
-many_small and GPT-2's casts and codecs. A job of two rounds gives the faster round's update, with
+many_small and GPT-2's codecs. A job of several rounds gives the fastest round's update, with
 its passes over that round's own copy, as the A/B jobs' own tables did. Left out: the "before"
 sides of the A/B jobs and their "first_job" (code since replaced), and the older jobs whose every
 cell a newer job measured again (passes_before, passes_glibc, passes_tuned, one_device_2026-11-29,
@@ -22,6 +24,7 @@ from summary import common
 
 #: The jobs that give a cell, each the files of its rounds.
 JOBS = (
+    tuple(common.result(f"passes_casts_2026-12-06/passes_{r}.json") for r in (1, 2, 3)),
     (common.result("passes_2026-12-02/passes.json"),),
     tuple(common.result(f"sign_pack_passes_2026-12-02/passes_after_{r}.json") for r in (1, 2)),
     tuple(common.result(f"topk_candidates_2026-12-02/passes_after_{r}.json") for r in (1, 2)),
@@ -34,7 +37,7 @@ STILL_SHORT_WHY = (
     "what is left is mostly the flat vector, which the packing writes and the residual's cut "
     "copies out again (selecting straight from the leaves and keeping the residual in place are "
     "not started), sign's decoded `sent`, written by the unpack and read by the residual's cut "
-    "and the update, and the casts' energies, which the metrics read of each bucket."
+    "and the update."
 )
 
 
@@ -58,7 +61,7 @@ def newest_first(jobs=JOBS) -> list:
 
 def cells(jobs=JOBS) -> dict:
     """``{(method, model): (row, job)}``: each cell's row from the newest job that has it, the
-    faster round's where the job has two."""
+    fastest round's where the job has several."""
     out = {}
     for job in newest_first(jobs):
         best = {}
@@ -99,7 +102,8 @@ def _how(job) -> str:
     """``", the tuned allocator, the faster of 2 rounds"``: what a job's files say of it."""
     allocators = sorted({r.get("allocator", "glibc") for path in job for r in common.load(path)})
     named = ["the tuned allocator" if a == "tuned" else f"{a}'s allocator" for a in allocators]
-    rounds = [f"the faster of {len(job)} rounds"] if len(job) > 1 else []
+    best = "faster" if len(job) == 2 else "fastest"
+    rounds = [f"the {best} of {len(job)} rounds"] if len(job) > 1 else []
     return ", " + ", ".join(named + rounds)
 
 

@@ -42,7 +42,8 @@ class CompressMetrics(NamedTuple):
     sums it with its values scaled by 2**-80).
     """
 
-    # f32[]: compression gain sum_d ||sent_d||^2 / sum_d ||g_e,d||^2 (1 when g_e = 0)
+    # f32[]: compression gain sum_d ||sent_d||^2 / sum_d ||g_e,d||^2 (1 when g_e = 0, and for a
+    # method that only rounds: Method.rounds_only)
     gain: jax.Array
     # f32[]: bytes one device sends in this step's collectives
     bytes_sent: jax.Array
