@@ -2,8 +2,9 @@
 device over a plain copy of the gradient in the same job (``benchmarks/passes.py``).
 
 A cell (method, model) comes from the newest job that measured it, by the commit that added the
-job's files (``git log``): the job of 2026-12-06 ran dense and the casts on five models, in three
-rounds, after the casts stopped building what they sent; the job of 2026-12-02 afternoon ran
+job's files (``git log``): the two jobs of 2026-12-06 ran GPT-2's dense, sign, PowerSGD and
+codecs (two rounds), and dense and the casts on five models (three rounds, after the casts
+stopped building what they sent); the job of 2026-12-02 afternoon ran
 every method on three models; the
 two A/B jobs of that morning ran GPT-2 for some methods, and only the job of 2026-11-25 ran
 many_small and GPT-2's codecs. A job of several rounds gives the fastest round's update, with
@@ -24,6 +25,7 @@ from summary import common
 
 #: The jobs that give a cell, each the files of its rounds.
 JOBS = (
+    tuple(common.result(f"passes_gpt2_2026-12-06/passes_{r}.json") for r in (1, 2)),
     tuple(common.result(f"passes_casts_2026-12-06/passes_{r}.json") for r in (1, 2, 3)),
     (common.result("passes_2026-12-02/passes.json"),),
     tuple(common.result(f"sign_pack_passes_2026-12-02/passes_after_{r}.json") for r in (1, 2)),
