@@ -390,9 +390,7 @@ def _aggregation(
             sends_everything=False,
             method_state=method_state,
             vectors=vectors,
-            rounds_only=rounds_only(
-                [branches.methods[branch]] if isinstance(branch, int) else branches.methods
-            ),
+            rounds_only=rounds_only(branches.methods, branch),
         )
         return result, lambda gain: plan.observe(auto, branch, gain, comm)
 

@@ -205,7 +205,7 @@ def _aggregation(
             method.sends_everything,
             method_state,
             vectors,
-            rounds_only(branches if pinned is None else branches[pinned : pinned + 1]),
+            rounds_only(branches, branch),
         ), None
 
     return aggregate

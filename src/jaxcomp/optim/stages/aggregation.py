@@ -465,13 +465,15 @@ class Aggregation(NamedTuple):
     rounds_only: bool = False  # statically every branch sends all, rounded: gain 1, sents unread
 
 
-def rounds_only(methods) -> bool:
-    """Whether every method sends every value, at most rounded
+def rounds_only(methods, branch=None) -> bool:
+    """Whether every method a step may run sends every value, at most rounded
     (:attr:`jaxcomp.methods.Method.rounds_only`, or loses nothing): the metrics then take the
     error-fed vectors for what was sent, and never read the sents.
 
     Args:
-      methods: the methods a step may run.
+      methods: the branches' methods.
+      branch: the branch the step runs: a Python int (that method alone), or None or a traced
+        index (any of them).
 
     Returns:
       A Python bool.
@@ -480,8 +482,11 @@ def rounds_only(methods) -> bool:
       >>> from jaxcomp.methods import Cast, Dense, TopK
       >>> rounds_only([Cast("bf16"), Dense()]), rounds_only([Cast("bf16"), TopK(0.01)])
       (True, False)
+      >>> rounds_only([Cast("bf16"), TopK(0.01)], branch=0)
+      True
 
     References:
       Tyagi & Swany, arXiv 2312.02493, §2-C3 (the compression gain).
     """
-    return all(m.rounds_only or m.sends_everything for m in methods)
+    runs = [methods[branch]] if isinstance(branch, int) else methods
+    return all(m.rounds_only or m.sends_everything for m in runs)
