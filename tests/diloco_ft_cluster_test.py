@@ -39,7 +39,8 @@ def test_dp_must_be_of_the_same_model_and_steps(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_a_worker_killed_mid_run_rejoins_and_nothing_hangs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("eager", [False, True])
+def test_a_worker_killed_mid_run_rejoins_and_nothing_hangs(tmp_path, monkeypatch, eager):
     from helpers import cluster_hosts_import_this_jaxcomp, events
 
     cluster_hosts_import_this_jaxcomp(monkeypatch)
@@ -48,13 +49,15 @@ def test_a_worker_killed_mid_run_rejoins_and_nothing_hangs(tmp_path, monkeypatch
     argv += [str(steps), "--sync-every", "2", "--eval-every", "40", "--kill-at-step", "10"]
     argv += ["--restart-after", str(restart_after), "--failure-timeout", "3", "--pace", "0.05"]
     argv += ["--runs", "kill", "--timeout", "120", "--out", str(tmp_path)]
+    argv += ["--eager"] if eager else []
     started = time.monotonic()
     code = cli.main(["--fault-tolerant", *argv, "--keep-logs", str(tmp_path / "logs")])
     assert time.monotonic() - started < 150  # the run's own deadline (120 s) held
     with open(tmp_path / "time_to_quality.json") as f:
         record = json.load(f)
     ((rate, (row,)),) = record["panels"]
-    assert rate == "100mbit" and row["name"] == "diloco-ft-h2-avg-kill2-restart2s"
+    name = "diloco-ft-h2-avg" + ("-eager" if eager else "") + "-kill2-restart2s"
+    assert rate == "100mbit" and row["name"] == name
     processes = {(p["rank"], p["incarnation"]): p for p in row["processes"]}
     assert sorted(processes) == [(0, 0), (1, 0), (2, 0), (2, 1), (3, 0)]
     # no process hung; the killed one died of the SIGKILL, every other one finished

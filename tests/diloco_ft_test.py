@@ -76,6 +76,7 @@ class NoQuorum:
         (dict(sync_every=2, outer_tx="sgd"), TypeError, "outer_tx"),
         (dict(sync_every=2, loss_fn=3), TypeError, "loss_fn"),
         (dict(sync_every=2, codec="int8"), TypeError, "codec"),
+        (dict(sync_every=2, eager="yes"), TypeError, "eager"),
     ],
 )
 def test_bad_arguments_are_errors_before_anything_is_sent(kwargs, error, message):
@@ -89,25 +90,30 @@ def test_bad_arguments_are_errors_before_anything_is_sent(kwargs, error, message
     assert state.step == 1 and not metrics["synced"] and metrics["bytes_sent"] == 0
 
 
-def two_workers(steps, start=None, codec=None):
+def two_workers(steps, start=None, codec=None, eager=False, quorum_class=Quorum, pace=0.0):
     """Two workers in threads of this process, on a service of their own, for ``steps`` inner
-    steps from ``start(run, rank)`` (default ``run.init``): ``{rank: (params, synced, state)}``."""
+    steps from ``start(run, rank)`` (default ``run.init``), each step ``pace`` seconds at least:
+    ``{rank: (params, synced, state, metrics)}`` (``metrics`` of every step)."""
     port = free_port()
     service = quorum.host_service(f"127.0.0.1:{port}", 2, failure_timeout=FAILURE_TIMEOUT)
     results, errors = {}, []
 
     def work(rank):
         try:
-            with Quorum(f"127.0.0.1:{port}", rank, 2, failure_timeout=FAILURE_TIMEOUT) as q:
+            address = f"127.0.0.1:{port}"
+            with quorum_class(address, rank, 2, failure_timeout=FAILURE_TIMEOUT) as q:
                 run = diloco_ft(
-                    loss_fn, INNER, OUTER, quorum=q, sync_every=H, sync_timeout=20, codec=codec
-                )
+                    loss_fn, INNER, OUTER, quorum=q, sync_every=H, sync_timeout=20, codec=codec,
+                    eager=eager,
+                )  # fmt: skip
                 state = run.init(initial_params()) if start is None else start(run, rank)
-                synced = []
+                synced, every = [], []
                 for _ in range(steps):
+                    time.sleep(pace)
                     state, metrics = run.step(state, batch(rank, state.step))
                     synced.append((metrics["synced"], metrics["members"], metrics["trained"]))
-                results[rank] = (run.params(state), synced, state)
+                    every.append(metrics)
+                results[rank] = (run.params(state), synced, state, every)
         except BaseException as e:  # reported by the main thread
             errors.append(e)
 
@@ -136,7 +142,7 @@ def test_two_workers_in_this_process_match_diloco():
         state, _ = reference.step(state, jax.tree.map(lambda *x: np.concatenate(x), *both))
     expected = reference.params(state)
     for rank in (0, 1):
-        params, synced, final = results[rank]
+        params, synced, final, _ = results[rank]
         assert synced == [
             (True, 2, (0, 1)) if (s + 1) % H == 0 else (False, 0, ()) for s in range(steps)
         ]
@@ -205,7 +211,7 @@ def test_two_workers_with_int8_pseudo_gradients_match_a_reference():
         updates, outer_state = OUTER.update(shaped, outer_state, global_params)
         global_params = optax.apply_updates(global_params, updates)
     for rank in (0, 1):
-        params, synced, state = results[rank]
+        params, synced, state, _ = results[rank]
         assert synced[-1] == (True, 2, (0, 1)) and state.residual.shape == residual[rank].shape
         np.testing.assert_allclose(flat(params), flat(global_params), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(state.residual, residual[rank], rtol=1e-4, atol=1e-6)
@@ -220,7 +226,7 @@ def test_a_run_whose_workers_all_stopped_resumes_from_their_checkpoints(tmp_path
     need_devices(2)
     whole, first = two_workers(4 * H), two_workers(2 * H)
     checkpointer = ocp.StandardCheckpointer()
-    for rank, (_, _, state) in first.items():
+    for rank, (_, _, state, _) in first.items():
         checkpointer.save(tmp_path / f"worker{rank}", state)
     checkpointer.wait_until_finished()
 

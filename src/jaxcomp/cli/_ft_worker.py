@@ -32,7 +32,7 @@ class _LateQuorum:
     until then the others' barriers do not wait for it."""
 
     def __init__(self, address, rank, num_workers, failure_timeout):
-        self.rank, self._quorum = rank, None
+        self.rank, self.num_workers, self._quorum = rank, num_workers, None
         self._args = (address, rank, num_workers, failure_timeout)
 
     def connect(self):
@@ -118,6 +118,7 @@ def _setup(options: dict):
         sync_every=options["sync_every"],
         sync_timeout=options["sync_timeout"],
         codec=Int8() if options.get("compress") == "int8" else None,
+        eager=bool(options.get("eager")),
     )
     state = run.init(params)
     batch = lambda step: {"tokens": corpus[0][windows[step][mine]]}  # noqa: E731
@@ -143,13 +144,14 @@ def train(options: dict) -> None:
             time.sleep(options["pace"])
         if not metrics["synced"]:
             continue
-        keys = ("members", "trained", "joined", "attempts", "reconnects")
+        keys = ("members", "trained", "joined", "attempts", "reconnects", "exchange_seconds")
         emit("sync", step=state.step, sync=state.sync - 1, cpu_total=time.process_time(),
-             **{k: metrics[k] for k in keys})  # fmt: skip
+             **{k: metrics[k] for k in (*keys, "waited") if k in metrics})  # fmt: skip
         if state.step % every and state.step < options["max_steps"]:
             continue
+        current = run.params(state)  # eager: waits for the exchange in flight, on the clock
         clock.stop()
-        loss = evaluate(state.global_params)
+        loss = evaluate(current)
         wired = None if wire0 is None else _wire() - wire0
         emit("eval", step=state.step, seconds=clock.seconds, cpu=clock.cpu, loss=loss,
              bytes=sent, wire=wired)  # fmt: skip
@@ -157,9 +159,10 @@ def train(options: dict) -> None:
         if target is not None and loss <= target:
             reason = "target"
             break
+    final = run.params(state)  # eager: the exchange in flight ends before the quorum closes
     quorum.close()
     emit("done", step=state.step, sync=state.sync, reason=reason, cpu_total=time.process_time(),
-         params=_digest(state.global_params))  # fmt: skip
+         params=_digest(final))  # fmt: skip
 
 
 def serve(bind_address: str, workers: int, failure_timeout: float) -> None:

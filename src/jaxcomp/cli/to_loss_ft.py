@@ -51,6 +51,7 @@ SERVICE_HOST = 254
 
 def _row_name(args, kill):
     name = f"diloco-ft-h{args.sync_every}-avg" + ("-int8" if args.compress == "int8" else "")
+    name += "-eager" if args.eager else ""
     if kill:
         victim = "service" if args.kill_service else args.kill_worker
         name += f"-kill{victim}-restart{args.restart_after:g}s"
@@ -107,7 +108,7 @@ class _Run:
         options.update(max_steps=a.max_steps, eval_every=a.eval_every, sync_every=a.sync_every)
         options.update(sync_timeout=a.sync_timeout, failure_timeout=a.failure_timeout)
         options.update(rank=rank, workers=a.hosts, address=self.address, target=self.target)
-        options.update(incarnation=incarnation, pace=a.pace, compress=a.compress)
+        options.update(incarnation=incarnation, pace=a.pace, compress=a.compress, eager=a.eager)
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         flags = env.get("XLA_FLAGS", "").split()
         flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
@@ -217,7 +218,7 @@ def _result(run, codes, started):
     curve = [{k: e.get(k) for k in keys} for e in evals]
     processes = [_process(run, key, code) for key, code in sorted(codes.items())]
     options = dict(kind="diloco_ft", sync_every=a.sync_every, outer="avg", compress=a.compress)
-    options.update(failure_timeout=a.failure_timeout, workers=a.hosts)
+    options.update(failure_timeout=a.failure_timeout, workers=a.hosts, eager=a.eager)
     if run.kill:
         victim = {"kill_service": True} if a.kill_service else {"kill_worker": a.kill_worker}
         options.update(victim, kill_at_step=a.kill_at_step, restart_after=a.restart_after)
@@ -335,6 +336,11 @@ def _parser():
         choices=("none", "int8"),
         default="none",
         help="pseudo-gradients as float32, or 8 bits a value with error feedback (ft_codecs.Int8)",
+    )
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="each sync's exchange on a host thread beside the next H steps, applied a round late",
     )
     parser.add_argument("--sync-timeout", type=float, default=600.0, help="seconds a barrier")
     parser.add_argument("--runs", choices=("both", "undisturbed", "kill"), default="both")

@@ -61,6 +61,7 @@ class FTState(NamedTuple):
     step: int  # inner steps taken (a joining worker takes its peers' count)
     sync: int  # syncs committed: the index of the next one
     residual: Any = None  # with a codec: what it did not send yet (float32, the params' size)
+    start: Any = None  # eager: the params this worker last restarted from
 
 
 class _Exchange(NamedTuple):
@@ -217,8 +218,14 @@ class FaultTolerantDiLoCo:
 
     def _sync(self, state: FTState):
         """``(state, metrics)`` after the sync due now (the module's steps 1 to 5)."""
+        delta, residual = self._payload(state, state.global_params)
+        sync, exchanged, done = self._attempts(state, delta)
+        return self._committed(state, sync, exchanged, residual), done
+
+    def _attempts(self, state: FTState, delta: bytes):
+        """``(sync, exchange, metrics)``: the sync of ``state`` with this worker's payload
+        ``delta`` (empty: nothing to add), redone until a quorum commits it (steps 1 to 4)."""
         quorum, sync, sent, lost = self.quorum, state.sync, 0, 0
-        delta, residual = self._payload(state)
         for attempt in range(1, _MAX_ATTEMPTS + 1):
             try:
                 members = quorum.members(sync, timeout=self.sync_timeout)
@@ -238,13 +245,17 @@ class FaultTolerantDiLoCo:
                     f"worker {quorum.rank}: sync {sync} committed without this worker's "
                     f"exchange: {failure}"
                 ) from failure
-            return self._committed(state, sync, exchanged, residual), dict(
-                members=len(members),
-                trained=exchanged.trained,
-                joined=state.sync < sync,
-                attempts=attempt,
-                reconnects=lost,
-                bytes_sent=sent,
+            return (
+                sync,
+                exchanged,
+                dict(
+                    members=len(members),
+                    trained=exchanged.trained,
+                    joined=state.sync < sync,
+                    attempts=attempt,
+                    reconnects=lost,
+                    bytes_sent=sent,
+                ),
             )
         raise QuorumError(
             f"worker {quorum.rank}: sync {sync} did not commit in {_MAX_ATTEMPTS} attempts "
@@ -263,11 +274,14 @@ class FaultTolerantDiLoCo:
                 m.worker: _unpack(quorum.get(f"delta/{m.worker}"), f"worker {m.worker}'s delta")
                 for m in members
             }
-            trained = tuple(w for w in sorted(payloads) if payloads[w][0] == sync)
+            # up to date with a payload; an empty one (an eager joiner's first round) adds nothing
+            trained = tuple(
+                w for w in sorted(payloads) if payloads[w][0] == sync and payloads[w][2]
+            )
             if not trained:
                 raise QuorumError(f"no member of sync {sync} holds the run's state")
             base = state.global_params, state.outer_state, state.step
-            if len(trained) < len(members) and quorum.rank == trained[0]:
+            if any(p[0] < sync for p in payloads.values()) and quorum.rank == trained[0]:
                 blob = _pack(state.sync, state.step, _tree_bytes(base[:2]))
                 quorum.put("state", blob)
                 sent += len(blob)
@@ -281,15 +295,14 @@ class FaultTolerantDiLoCo:
         except (QuorumError, ValueError) as e:  # a get timed out, a put failed, foreign bytes
             return None, sent, e
 
-    def _payload(self, state: FTState):
-        """``(bytes, residual)``: this worker's pseudo-gradient as it travels (float32, or the
-        codec's payload of it plus the residual), and the residual it leaves."""
+    def _payload(self, state: FTState, start):
+        """``(bytes, residual)``: this worker's pseudo-gradient, ``start`` (where its params last
+        restarted) less its params, as it travels (float32, or the codec's payload of it plus the
+        residual), and the residual it leaves."""
         if self.codec is None:
-            delta = self._delta(state.global_params, state.local_params)
+            delta = self._delta(start, state.local_params)
             return np.asarray(delta, "<f4").tobytes(), None
-        codes, scales, residual = self._encoded(
-            state.global_params, state.local_params, state.residual
-        )
+        codes, scales, residual = self._encoded(start, state.local_params, state.residual)
         return self.codec.to_bytes(codes, scales), residual
 
     def _decode(self, body: bytes, like) -> np.ndarray:
@@ -363,6 +376,7 @@ def diloco_ft(
     sync_timeout: float = 600.0,
     service_timeout: float = 300.0,
     codec=None,
+    eager: bool = False,
 ) -> FaultTolerantDiLoCo:
     """DiLoCo for workers that may die: each worker a JAX program of its own, syncing through a
     :class:`jaxcomp.distributed.quorum.Quorum`; survivors go on, a restarted worker rejoins.
@@ -370,7 +384,8 @@ def diloco_ft(
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` on this worker's batch.
       inner_tx: each worker's optimizer (default: the DiLoCo paper's AdamW).
-      outer_tx: the averaged pseudo-gradient's optimizer (default: Nesterov momentum).
+      outer_tx: the averaged pseudo-gradient's optimizer (default: Nesterov momentum; eager:
+        plain averaging, ``optax.sgd(1.0)``).
       quorum: this worker's connected ``Quorum`` (its ``rank`` is the worker's).
       sync_every: H, the inner steps between two syncs.
       sync_timeout: seconds a sync's barrier waits for the other live workers: more than the
@@ -379,6 +394,9 @@ def diloco_ft(
         died (restarted at the same address), before ``QuorumError``.
       codec: how pseudo-gradients travel, e.g. :class:`jaxcomp.distributed.ft_codecs.Int8`
         (with error feedback); default None: float32.
+      eager: run each sync's exchange on a host thread beside the next ``sync_every`` inner
+        steps and apply it one round late, each worker restarting with its own fresh progress
+        in (:mod:`jaxcomp.distributed.diloco_ft_eager`; Kale et al., arXiv 2502.12996).
 
     Returns:
       A :class:`FaultTolerantDiLoCo`: ``init(params)``, ``step(state, batch)``, ``params``.
@@ -402,7 +420,10 @@ def diloco_ft(
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     inner_tx = optax.adamw(4e-4, weight_decay=0.1) if inner_tx is None else inner_tx
-    outer_tx = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer_tx is None else outer_tx
+    if not isinstance(eager, bool):
+        raise TypeError(f"eager must be True or False, got {eager!r}")
+    if outer_tx is None:  # as diloco's: momentum on an average a round late oscillates
+        outer_tx = optax.sgd(1.0) if eager else optax.sgd(0.7, momentum=0.9, nesterov=True)
     _check_transformation(inner_tx, "inner_tx")
     _check_transformation(outer_tx, "outer_tx")
     missing = [m for m in _QUORUM_METHODS if not callable(getattr(quorum, m, None))]
@@ -419,6 +440,13 @@ def diloco_ft(
         raise TypeError(
             f"codec must be a jaxcomp.distributed.ft_codecs codec (e.g. Int8()), got {codec!r}"
         )
-    return FaultTolerantDiLoCo(
-        loss_fn, inner_tx, outer_tx, quorum, sync_every, sync_timeout, service_timeout, codec
-    )
+    if eager and not isinstance(getattr(quorum, "num_workers", None), int):
+        raise TypeError("eager=True needs the quorum's num_workers (a Quorum has it)")
+    args = loss_fn, inner_tx, outer_tx, quorum, sync_every, sync_timeout, service_timeout, codec
+    if eager:
+        from jaxcomp.distributed.diloco_ft_eager import EagerFaultTolerantDiLoCo
+        from jaxcomp.training._diloco_arguments import warn_eager_momentum
+
+        warn_eager_momentum(outer_tx, eager, "diloco_ft", stacklevel=3)
+        return EagerFaultTolerantDiLoCo(*args)
+    return FaultTolerantDiLoCo(*args)

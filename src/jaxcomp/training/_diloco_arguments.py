@@ -147,10 +147,11 @@ def check_schedule(sync_every, fragments, delay, eager=False):
     return sync_every, fragments, delay, eager
 
 
-def warn_eager_momentum(outer_tx, eager) -> None:
+def warn_eager_momentum(outer_tx, eager, what: str = "diloco", stacklevel: int = 4) -> None:
     """With eager rounds, warns of an ``outer_tx`` whose update of the same pseudo-gradient
     changes from one step to the next (momentum): on an average that arrives a round late it
-    oscillates (docs/training.md, "Eager rounds"). A probe on a small vector, on the host."""
+    oscillates (docs/training.md, "Eager rounds"). A probe on a small vector, on the host;
+    ``what`` names the caller, ``stacklevel`` points the warning at the user's call."""
     if not eager:
         return
     probe = {"w": jnp.ones(4, jnp.float32)}
@@ -162,11 +163,12 @@ def warn_eager_momentum(outer_tx, eager) -> None:
         return
     if not steady:
         warnings.warn(
-            "diloco(eager=True) with an outer_tx whose update grows with momentum: on an average "
-            "that arrives a round late, momentum oscillates and training can diverge. Plain "
-            "averaging (outer_tx=None, optax.sgd(1.0)) or a small lr without momentum is stable",
+            f"{what}(eager=True) with an outer_tx whose update grows with momentum: on an "
+            "average that arrives a round late, momentum oscillates and training can diverge. "
+            "Plain averaging (outer_tx=None, optax.sgd(1.0)) or a small lr without momentum is "
+            "stable",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=stacklevel,
         )
 
 
