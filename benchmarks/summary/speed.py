@@ -24,6 +24,8 @@ from summary import common
 FILES = tuple(
     common.result(name)
     for name in (
+        "netbench_gpt2_epyc_2026-12-06/gpt2_100mbit_auto_first.json",
+        "netbench_gpt2_epyc_2026-12-06/gpt2_100mbit.json",
         "netbench_gpt2_epyc_2026-12-06/gpt2_sparse.json",
         "netbench_gpt2_epyc_2026-12-06/gpt2_codecs_auto.json",
         "peers_casts_2026-12-06/peers_resnet50_pinned.json",

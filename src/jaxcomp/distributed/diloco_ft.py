@@ -24,7 +24,9 @@ sync this worker's state has committed, after every ``sync_every`` inner steps) 
 Every wait is bounded: the barriers by ``sync_timeout`` (they wait for the others' inner steps),
 a dead worker by the service's heartbeat timeout, every get by the quorum's ``failure_timeout``.
 No consensus is written here: the quorum decides. docs/failures.md and
-docs/notes/2026-12-05-fault-tolerant-diloco.md explain the design.
+docs/notes/2026-12-05-fault-tolerant-diloco.md explain the design. With ``eager=True`` the same
+sync runs on a host thread beside the next round's inner steps
+(:mod:`jaxcomp.distributed.diloco_ft_eager`).
 """
 
 from __future__ import annotations
