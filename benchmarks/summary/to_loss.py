@@ -25,6 +25,8 @@ FILES = tuple(
         "time_to_quality_cluster_small_4500_100mbit.json",
         "time_to_quality_cluster_wide8x32_900_100mbit_2026-11-28.json",
         "time_to_quality_cluster_small_4500_100mbit_ft_2026-12-05.json",
+        "time_to_quality_cluster_small_4500_100mbit_ft_int8_2026-12-06.json",
+        "time_to_quality_cluster_small_4500_100mbit_ft_int8_eager_2026-12-06.json",
         *XEON,
     )
 )
@@ -75,7 +77,9 @@ def section() -> str:
         "`-kill2-restart60s`: worker 2 SIGKILLed mid-run and restarted 60 s later; their dp "
         "row is the small 4500-step run's at 100 Mbit (`--dp-from`), from another job on another "
         "day: their *sooner* is not side by side, their ratio to each other is. `-eager`: the "
-        "outer step applied one round late (`diloco(eager=True)`); `-muon`: each worker trains "
+        "outer step applied one round late (`diloco(eager=True)`; on a `diloco-ft` row, "
+        "`diloco_ft(eager=True)`: each sync's exchange on a host thread beside the next round's "
+        "inner steps); `-muon`: each worker trains "
         "with `jaxcomp.muon` (MuLoCo); `-topk2r02`: the top 2% of each pseudo-gradient in 2 bits "
         "with error feedback (SparseLoCo). A run marked *Xeon* ran on another CPU, where every "
         "row takes 1.6-1.8x the CPU seconds a step: compare its rows with each other only; the "
