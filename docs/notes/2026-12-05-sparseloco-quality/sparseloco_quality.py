@@ -174,6 +174,13 @@ def main(argv=None) -> int:
     if args.table:
         print(table(results))
         return 0
+    grid(args, results, measure, args.out)
+    return 0
+
+
+def grid(args, results, measure, out) -> None:
+    """Runs every task, lr scale and row of ``args`` not in ``results`` yet with ``measure``,
+    writing ``results`` to ``out`` after each, then prints the table."""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     done = {(r["task"], r["row"], r["lr_scale"], r["steps"]) for r in results}
     for task in args.tasks.split(","):
@@ -183,10 +190,9 @@ def main(argv=None) -> int:
                     continue
                 results.append(measure(task, row, scale, args.steps, args.eval_every))
                 print(json.dumps({k: v for k, v in results[-1].items() if k != "curve"}))
-                with open(args.out, "w") as f:
+                with open(out, "w") as f:
                     json.dump(results, f, indent=1)
     print(table(results))
-    return 0
 
 
 if __name__ == "__main__":

@@ -141,18 +141,7 @@ def main(argv=None) -> int:
     if args.table:
         print(sparseloco_quality.table(results))
         return 0
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    done = {(r["task"], r["row"], r["lr_scale"], r["steps"]) for r in results}
-    for task in args.tasks.split(","):
-        for scale in [float(x) for x in args.lr_scales.split(",")]:
-            for row in args.rows.split(","):
-                if (task, row, scale, args.steps) in done:
-                    continue
-                results.append(measure(task, row, scale, args.steps, args.eval_every))
-                print(json.dumps({k: v for k, v in results[-1].items() if k != "curve"}))
-                with open(RESULTS, "w") as f:
-                    json.dump(results, f, indent=1)
-    print(sparseloco_quality.table(results))
+    sparseloco_quality.grid(args, results, measure, RESULTS)
     return 0
 
 
