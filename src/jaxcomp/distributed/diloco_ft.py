@@ -32,6 +32,7 @@ sync runs on a host thread beside the next round's inner steps
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -41,7 +42,9 @@ import numpy as np
 import optax
 
 from jaxcomp.distributed import _checks
+from jaxcomp.distributed.diloco_ft_eager import EagerRounds
 from jaxcomp.distributed.quorum import QuorumError, QuorumMismatchError, ServiceLostError
+from jaxcomp.training._diloco_arguments import warn_eager_momentum
 
 __all__ = ["FTState", "FaultTolerantDiLoCo", "diloco_ft"]
 
@@ -121,8 +124,9 @@ class FaultTolerantDiLoCo:
     docstring for the sync)."""
 
     def __init__(
-        self, loss_fn, inner_tx, outer_tx, quorum, sync_every, sync_timeout, service, codec
-    ):
+        self, loss_fn, inner_tx, outer_tx, quorum, sync_every, sync_timeout, service, codec,
+        eager=False,
+    ):  # fmt: skip
         self.loss_fn = loss_fn
         self.inner_tx = inner_tx
         self.outer_tx = outer_tx
@@ -136,6 +140,7 @@ class FaultTolerantDiLoCo:
         self._encoded = jax.jit(self._encode)
         self._outer = jax.jit(self._outer_step)
         self._fresh = jax.jit(inner_tx.init)
+        self._eager = EagerRounds(self) if eager else None
 
     def init(self, params) -> FTState:
         """The state of a worker that starts with ``params`` (every worker of a run passes the
@@ -159,6 +164,7 @@ class FaultTolerantDiLoCo:
             step=0,
             sync=0,
             residual=None if self.codec is None else jnp.zeros(_size(params), jnp.float32),
+            start=params if self._eager else None,
         )
 
     def restore(self, path, params) -> FTState:
@@ -183,15 +189,16 @@ class FaultTolerantDiLoCo:
         return restored._replace(step=int(restored.step), sync=int(restored.sync))
 
     def params(self, state: FTState):
-        """The global params of ``state`` (those of the last committed sync).
+        """The global params of ``state``: those of the last committed sync (eager: with the
+        average in flight applied; it waits for it, so call it before closing the quorum).
 
         Args:
-          state: an :class:`FTState` of this run.
+          state: the newest :class:`FTState` of this run.
 
         Returns:
           The params pytree.
         """
-        return state.global_params
+        return state.global_params if self._eager is None else self._eager.params(state)
 
     def step(self, state: FTState, batch):
         """One inner step on this worker's ``batch`` (jitted); after every ``sync_every``-th, the
@@ -205,23 +212,28 @@ class FaultTolerantDiLoCo:
           ``(state, metrics)``: ``loss`` (this worker's, before the step), ``synced``,
           ``members`` (how many in the sync's quorum), ``trained`` (the ranks averaged),
           ``joined`` (this worker took its peers' state), ``attempts``, ``reconnects`` (the
-          service died and came back) and ``bytes_sent`` (put into the store by this worker).
+          service died and came back), ``bytes_sent`` (put into the store by this worker),
+          ``exchange_seconds`` (the sync's) and ``waited`` (what this step waited for it). With
+          ``eager``, a round reports the sync it applied: the one launched a round before.
         """
         local, inner_state, loss = self._inner(state.local_params, state.inner_state, batch)
         state = state._replace(local_params=local, inner_state=inner_state, step=state.step + 1)
         metrics = dict(synced=False, members=0, trained=(), joined=False, attempts=0)
-        metrics.update(reconnects=0, bytes_sent=0)
+        metrics.update(reconnects=0, bytes_sent=0, exchange_seconds=0.0, waited=0.0)
         if state.step % self.sync_every == 0:
-            state, done = self._sync(state)
-            metrics.update(done, synced=True)
+            state, done = self._sync(state) if self._eager is None else self._eager.round(state)
+            metrics.update(done)
         return state, {"loss": loss, **metrics}
 
     # -- the sync, on the host -----------------------------------------------------------------
 
     def _sync(self, state: FTState):
         """``(state, metrics)`` after the sync due now (the module's steps 1 to 5)."""
+        started = time.monotonic()
         delta, residual = self._payload(state, state.global_params)
         sync, exchanged, done = self._attempts(state, delta)
+        seconds = time.monotonic() - started
+        done.update(synced=True, exchange_seconds=seconds, waited=seconds)
         return self._committed(state, sync, exchanged, residual), done
 
     def _attempts(self, state: FTState, delta: bytes):
@@ -419,21 +431,8 @@ def diloco_ft(
       Douillard et al., "DiLoCo" (arXiv 2311.08105), Alg. 1; torchft's quorum, should_commit
       and healing (meta-pytorch/torchft, ``torchft/manager.py``, ``torchft/local_sgd.py``).
     """
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    inner_tx = optax.adamw(4e-4, weight_decay=0.1) if inner_tx is None else inner_tx
-    if not isinstance(eager, bool):
-        raise TypeError(f"eager must be True or False, got {eager!r}")
-    if outer_tx is None:  # as diloco's: momentum on an average a round late oscillates
-        outer_tx = optax.sgd(1.0) if eager else optax.sgd(0.7, momentum=0.9, nesterov=True)
-    _check_transformation(inner_tx, "inner_tx")
-    _check_transformation(outer_tx, "outer_tx")
-    missing = [m for m in _QUORUM_METHODS if not callable(getattr(quorum, m, None))]
-    if missing or not isinstance(getattr(quorum, "rank", None), int):
-        raise TypeError(
-            f"quorum must be a connected jaxcomp.distributed.quorum.Quorum, got "
-            f"{type(quorum).__name__}"
-        )
+    inner_tx, outer_tx = _optimizers(loss_fn, inner_tx, outer_tx, eager)
+    _check_quorum(quorum, eager)
     sync_every = _checks.positive_int(sync_every, "sync_every")
     sync_timeout = _checks.positive_seconds(sync_timeout, "sync_timeout")
     service_timeout = _checks.positive_seconds(service_timeout, "service_timeout")
@@ -442,13 +441,32 @@ def diloco_ft(
         raise TypeError(
             f"codec must be a jaxcomp.distributed.ft_codecs codec (e.g. Int8()), got {codec!r}"
         )
+    warn_eager_momentum(outer_tx, eager, "diloco_ft", stacklevel=3)
+    return FaultTolerantDiLoCo(
+        loss_fn, inner_tx, outer_tx, quorum, sync_every, sync_timeout, service_timeout, codec,
+        eager,
+    )  # fmt: skip
+
+
+def _optimizers(loss_fn, inner_tx, outer_tx, eager):
+    """``(inner_tx, outer_tx)``, the defaults where None (eager: plain averaging outside, as
+    ``diloco``'s: momentum on an average a round late oscillates), after the type checks."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(eager, bool):
+        raise TypeError(f"eager must be True or False, got {eager!r}")
+    inner_tx = optax.adamw(4e-4, weight_decay=0.1) if inner_tx is None else inner_tx
+    if outer_tx is None:
+        outer_tx = optax.sgd(1.0) if eager else optax.sgd(0.7, momentum=0.9, nesterov=True)
+    return _check_transformation(inner_tx, "inner_tx"), _check_transformation(outer_tx, "outer_tx")
+
+
+def _check_quorum(quorum, eager: bool) -> None:
+    missing = [m for m in _QUORUM_METHODS if not callable(getattr(quorum, m, None))]
+    if missing or not isinstance(getattr(quorum, "rank", None), int):
+        raise TypeError(
+            f"quorum must be a connected jaxcomp.distributed.quorum.Quorum, got "
+            f"{type(quorum).__name__}"
+        )
     if eager and not isinstance(getattr(quorum, "num_workers", None), int):
         raise TypeError("eager=True needs the quorum's num_workers (a Quorum has it)")
-    args = loss_fn, inner_tx, outer_tx, quorum, sync_every, sync_timeout, service_timeout, codec
-    if eager:
-        from jaxcomp.distributed.diloco_ft_eager import EagerFaultTolerantDiLoCo
-        from jaxcomp.training._diloco_arguments import warn_eager_momentum
-
-        warn_eager_momentum(outer_tx, eager, "diloco_ft", stacklevel=3)
-        return EagerFaultTolerantDiLoCo(*args)
-    return FaultTolerantDiLoCo(*args)

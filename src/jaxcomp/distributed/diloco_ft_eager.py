@@ -22,7 +22,7 @@ sync's average when it waits for the thread, throws away the inner steps it took
 sends nothing in its next sync (an empty payload: a member, not averaged). Only the thread
 touches the quorum. The exchange in flight lives in the object, not in the state: a state saved
 and restored drops it (on every worker alike when all restore; a lone restored worker is behind
-and rejoins). :meth:`EagerFaultTolerantDiLoCo.params` waits for it.
+and rejoins). ``params(state)`` waits for it.
 """
 
 from __future__ import annotations
@@ -30,12 +30,9 @@ from __future__ import annotations
 import threading
 import time
 
-import jax
 import jax.numpy as jnp
 
-from jaxcomp.distributed.diloco_ft import FaultTolerantDiLoCo, FTState
-
-__all__ = ["EagerFaultTolerantDiLoCo"]
+__all__ = ["EagerRounds"]
 
 
 class _Flight:
@@ -67,54 +64,27 @@ class _Flight:
         return value, seconds
 
 
-class EagerFaultTolerantDiLoCo(FaultTolerantDiLoCo):
-    """The object :func:`jaxcomp.distributed.diloco_ft.diloco_ft` returns with ``eager=True``
-    (see the module's docstring). Its metrics at a round are the applied sync's (the one of the
-    round before), plus ``exchange_seconds`` (how long its thread took) and ``waited`` (how long
-    this round waited for it: the part of the exchange the inner steps did not hide)."""
+class EagerRounds:
+    """The eager rounds of one :class:`jaxcomp.distributed.diloco_ft.FaultTolerantDiLoCo`
+    (``eager=True``): the module's steps 1 to 3 at each round, and the exchange in flight."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
-        self._flight = None
-        self._own = jax.jit(self._own_contribution)
+    def __init__(self, run):
+        self.run = run
+        self.flight = None
 
-    def init(self, params) -> FTState:
-        state = super().init(params)
-        return state._replace(start=state.global_params)
-
-    def params(self, state: FTState):
-        """The consensus of ``state`` with the average in flight applied (it waits for it): the
-        global params the next round's outer step gives.
-
-        Args:
-          state: the newest :class:`FTState` of this run.
-
-        Returns:
-          The params pytree.
-        """
-        flight = self._flight
+    def params(self, state):
+        """The consensus of ``state`` with the average in flight applied (it waits for it)."""
+        flight, run = self.flight, self.run
         if flight is None or flight.sync != state.sync:
             return state.global_params
         (sync, exchanged, _), _ = flight.result()
         base = exchanged if sync > state.sync else state  # this worker was behind: its peers'
-        return self._outer(base.global_params, base.outer_state, exchanged.average)[0]
+        return run._outer(base.global_params, base.outer_state, exchanged.average)[0]
 
-    def step(self, state: FTState, batch):
-        local, inner_state, loss = self._inner(state.local_params, state.inner_state, batch)
-        state = state._replace(local_params=local, inner_state=inner_state, step=state.step + 1)
-        metrics = dict(synced=False, members=0, trained=(), joined=False, attempts=0)
-        metrics.update(reconnects=0, bytes_sent=0, exchange_seconds=0.0, waited=0.0)
-        if state.step % self.sync_every == 0:
-            state, done = self._round(state)
-            metrics.update(done)
-        return state, {"loss": loss, **metrics}
-
-    step.__doc__ = FaultTolerantDiLoCo.step.__doc__
-
-    def _round(self, state: FTState):
+    def round(self, state):
         """``(state, metrics)``: the module's steps 1 to 3 at this round."""
-        flight, self._flight, done = self._flight, None, {}
-        average, n = jnp.float32(0.0), self.quorum.num_workers
+        run, flight, self.flight, done = self.run, self.flight, None, {}
+        average, n = jnp.float32(0.0), run.quorum.num_workers
         if flight is not None and flight.sync != state.sync:
             flight.wait()  # not this state's (a restored one): one exchange at a time
         elif flight is not None:
@@ -122,19 +92,19 @@ class EagerFaultTolerantDiLoCo(FaultTolerantDiLoCo):
             (sync, exchanged, done), seconds = flight.result()
             done.update(synced=True, exchange_seconds=seconds, waited=time.monotonic() - waited)
             if sync > state.sync:  # behind: the peers' consensus; its own steps are void
-                state = self._committed(state, sync, exchanged, state.residual)
-                step = exchanged.step + self.sync_every  # the sender's, a round on
+                state = run._committed(state, sync, exchanged, state.residual)
+                step = exchanged.step + run.sync_every  # the sender's, a round on
                 state = state._replace(start=state.global_params, step=step)
                 self._launch(state, b"")
                 return state, done
             average, n = exchanged.average, len(exchanged.trained)
             state = state._replace(sync=sync + 1)
-        delta, residual = self._payload(state, state.start)
-        own = self._own(state.start, state.local_params, average, jnp.float32(n))
-        restart, _ = self._outer(state.global_params, state.outer_state, own)
+        delta, residual = run._payload(state, state.start)
+        own = average + run._delta(state.start, state.local_params) / n  # its own progress in
+        restart, _ = run._outer(state.global_params, state.outer_state, own)
         global_params, outer_state = state.global_params, state.outer_state
         if done:  # the consensus takes the outer step one round late
-            global_params, outer_state = self._outer(global_params, outer_state, average)
+            global_params, outer_state = run._outer(global_params, outer_state, average)
         state = state._replace(
             global_params=global_params,
             local_params=restart,
@@ -145,11 +115,6 @@ class EagerFaultTolerantDiLoCo(FaultTolerantDiLoCo):
         self._launch(state, delta)
         return state, done
 
-    def _launch(self, state: FTState, delta: bytes) -> None:
+    def _launch(self, state, delta: bytes) -> None:
         """Sync ``state.sync``'s exchange of ``delta`` on a thread."""
-        self._flight = _Flight(state.sync, lambda: self._attempts(state, delta))
-
-    def _own_contribution(self, start, local, average, n):
-        """``avg + Δ / n``: the average this worker restarts with, its own fresh progress in
-        (``average`` a scalar zero on the first round)."""
-        return average + self._pseudo_gradient(start, local) / n
+        self.flight = _Flight(state.sync, lambda: self.run._attempts(state, delta))

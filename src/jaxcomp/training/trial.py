@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from jaxcomp.costmodel.probe import agree_across_processes
+from jaxcomp.ops.allocator import release_host_memory
 from jaxcomp.optim.auto_state import predicted_seconds, set_measured
 from jaxcomp.optim.host import local_copy
 from jaxcomp.optim.state import compress_states
@@ -193,6 +194,8 @@ class TrialSteps:
         new_state = out[0]._replace(opt_state=set_measured(out[0].opt_state, measured))
         self._pinned.restart()
         _tell(new_state, measured)
+        # The start's probes and trial steps freed what they held; glibc keeps it unless told.
+        release_host_memory()
         return (new_state, *out[1:])
 
     def _measured(self) -> dict[int, float]:
