@@ -24,6 +24,7 @@ from summary import common
 FILES = tuple(
     common.result(name)
     for name in (
+        "netbench_gpt2_epyc_2026-12-06/gpt2_100mbit_trim.json",
         "netbench_gpt2_epyc_2026-12-06/gpt2_100mbit_auto_first.json",
         "netbench_gpt2_epyc_2026-12-06/gpt2_100mbit.json",
         "netbench_gpt2_epyc_2026-12-06/gpt2_sparse.json",
