@@ -144,9 +144,10 @@ def train(options: dict) -> None:
             time.sleep(options["pace"])
         if not metrics["synced"]:
             continue
-        keys = ("members", "trained", "joined", "attempts", "reconnects", "exchange_seconds")
+        keys = ("members", "trained", "joined", "attempts", "reconnects")
+        keys += ("exchange_seconds", "waited")
         emit("sync", step=state.step, sync=state.sync - 1, cpu_total=time.process_time(),
-             **{k: metrics[k] for k in (*keys, "waited") if k in metrics})  # fmt: skip
+             **{k: metrics[k] for k in keys})  # fmt: skip
         if state.step % every and state.step < options["max_steps"]:
             continue
         current = run.params(state)  # eager: waits for the exchange in flight, on the clock

@@ -230,20 +230,22 @@ class FaultTolerantDiLoCo:
     def _sync(self, state: FTState):
         """``(state, metrics)`` after the sync due now (the module's steps 1 to 5)."""
         started = time.monotonic()
-        delta, residual = self._payload(state, state.global_params)
-        sync, exchanged, done = self._attempts(state, delta)
+        payload, residual = self._payload(
+            state, self._delta(state.global_params, state.local_params)
+        )
+        sync, exchanged, done = self._attempts(state, payload)
         seconds = time.monotonic() - started
         done.update(synced=True, exchange_seconds=seconds, waited=seconds)
         return self._committed(state, sync, exchanged, residual), done
 
-    def _attempts(self, state: FTState, delta: bytes):
-        """``(sync, exchange, metrics)``: the sync of ``state`` with this worker's payload
-        ``delta`` (empty: nothing to add), redone until a quorum commits it (steps 1 to 4)."""
+    def _attempts(self, state: FTState, payload: bytes):
+        """``(sync, exchange, metrics)``: the sync of ``state`` with this worker's ``payload``
+        (empty: nothing to add), redone until a quorum commits it (steps 1 to 4)."""
         quorum, sync, sent, lost = self.quorum, state.sync, 0, 0
         for attempt in range(1, _MAX_ATTEMPTS + 1):
             try:
                 members = quorum.members(sync, timeout=self.sync_timeout)
-                exchanged, bytes_sent, failure = self._exchange(sync, members, state, delta)
+                exchanged, bytes_sent, failure = self._exchange(sync, members, state, payload)
                 sent += bytes_sent
                 if not quorum.commit(sync):
                     continue  # the quorum changed: redo the sync with the new one
@@ -309,14 +311,13 @@ class FaultTolerantDiLoCo:
         except (QuorumError, ValueError) as e:  # a get timed out, a put failed, foreign bytes
             return None, sent, e
 
-    def _payload(self, state: FTState, start):
-        """``(bytes, residual)``: this worker's pseudo-gradient, ``start`` (where its params last
-        restarted) less its params, as it travels (float32, or the codec's payload of it plus the
-        residual), and the residual it leaves."""
+    def _payload(self, state: FTState, delta):
+        """``(bytes, residual)``: this worker's pseudo-gradient ``delta`` (float32, flat: where
+        its params last restarted less its params) as it travels (float32, or the codec's payload
+        of it plus the residual), and the residual it leaves."""
         if self.codec is None:
-            delta = self._delta(start, state.local_params)
             return np.asarray(delta, "<f4").tobytes(), None
-        codes, scales, residual = self._encoded(start, state.local_params, state.residual)
+        codes, scales, residual = self._encoded(delta, state.residual)
         return self.codec.to_bytes(codes, scales), residual
 
     def _decode(self, body: bytes, like) -> np.ndarray:
@@ -352,8 +353,8 @@ class FaultTolerantDiLoCo:
         leaves = jax.tree.leaves(jax.tree.map(jnp.subtract, global_params, local))
         return jnp.concatenate([x.astype(jnp.float32).ravel() for x in leaves])
 
-    def _encode(self, global_params, local, residual):
-        x = self._pseudo_gradient(global_params, local) + residual
+    def _encode(self, delta, residual):
+        x = delta + residual
         codes, scales = self.codec.encode(x)
         return codes, scales, x - self.codec.decoded(codes, scales, x.size)
 

@@ -99,8 +99,9 @@ class EagerRounds:
                 return state, done
             average, n = exchanged.average, len(exchanged.trained)
             state = state._replace(sync=sync + 1)
-        delta, residual = run._payload(state, state.start)
-        own = average + run._delta(state.start, state.local_params) / n  # its own progress in
+        delta = run._delta(state.start, state.local_params)
+        payload, residual = run._payload(state, delta)
+        own = average + delta / n  # the average with this worker's own fresh progress in
         restart, _ = run._outer(state.global_params, state.outer_state, own)
         global_params, outer_state = state.global_params, state.outer_state
         if done:  # the consensus takes the outer step one round late
@@ -112,9 +113,9 @@ class EagerRounds:
             residual=residual,
             start=restart,
         )
-        self._launch(state, delta)
+        self._launch(state, payload)
         return state, done
 
-    def _launch(self, state, delta: bytes) -> None:
-        """Sync ``state.sync``'s exchange of ``delta`` on a thread."""
-        self.flight = _Flight(state.sync, lambda: self.run._attempts(state, delta))
+    def _launch(self, state, payload: bytes) -> None:
+        """Sync ``state.sync``'s exchange of ``payload`` on a thread."""
+        self.flight = _Flight(state.sync, lambda: self.run._attempts(state, payload))
