@@ -76,8 +76,9 @@ class SlowQuorum(Quorum):
 
 
 def test_the_exchange_runs_beside_the_inner_steps():
-    """An exchange of 1 s or more under rounds of 3 steps of 0.5 s: the next round finds it
-    done, so the inner steps ran while it did."""
+    """An exchange of 1 s or more under rounds of 3 steps of at least 0.5 s: between a round's
+    launch and the next round's wait the worker steps for 1.5 s or more, so at least that much of
+    the exchange is hidden, however loaded the machine (no bound on the wait alone)."""
     need_devices(2)
     results = two_workers(3 * H, eager=True, quorum_class=SlowQuorum, pace=0.5)
     for rank in (0, 1):
@@ -85,7 +86,9 @@ def test_the_exchange_runs_beside_the_inner_steps():
         rounds = [m for m in every if m["synced"]]
         assert len(rounds) == 2
         for m in rounds:
-            assert m["exchange_seconds"] >= 1.0 and m["waited"] < 0.5, m
+            assert m["exchange_seconds"] >= 1.0, m
+            # the wait is what outlived 1.5 s of steps (0.2 s: the thread's wake-up under load)
+            assert m["waited"] <= max(0.0, m["exchange_seconds"] - 1.5) + 0.2, m
 
 
 def test_a_worker_behind_joins_sends_nothing_for_a_round_then_trains():
